@@ -1,0 +1,186 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"time"
+
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+)
+
+// Protocol is an ADS protocol variant.
+type Protocol string
+
+// The two ADS variants.
+const (
+	ProtocolSotW  Protocol = "sotw"
+	ProtocolDelta Protocol = "delta"
+)
+
+// ParseProtocol parses a --upstream-protocol flag value.
+func ParseProtocol(s string) (Protocol, error) {
+	switch Protocol(s) {
+	case ProtocolSotW, ProtocolDelta:
+		return Protocol(s), nil
+	}
+	return "", fmt.Errorf("relay: unknown protocol %q (want sotw or delta)", s)
+}
+
+// Authorizer decides whether a stream may be served, before anything is
+// served on it. It sees the node of the stream's first request and, through
+// ctx, the peer (grpc/peer.FromContext: address and TLS state).
+// Implementations must be safe for concurrent use.
+type Authorizer interface {
+	Authorize(ctx context.Context, node *core.Node) error
+}
+
+// AllowAll authorizes every stream. It is right only where the network
+// itself is trusted (plaintext mode, like istiod's port 15010).
+type AllowAll struct{}
+
+// Authorize implements Authorizer.
+func (AllowAll) Authorize(context.Context, *core.Node) error { return nil }
+
+// Config configures a Relay. Start from DefaultConfig.
+type Config struct {
+	// ID names the relay in control_plane.identifier on every response and
+	// in logs. Default: "meshrelay-<hostname>".
+	ID string
+
+	// XDSListen is the address of the downstream ADS server for Envoys.
+	// Default ":15010" (istiod's plaintext port). Ignored if Listener is set.
+	XDSListen string
+	// Listener, if set, is used instead of listening on XDSListen (tests
+	// pass a bufconn or a loopback listener here). Stop closes it.
+	Listener net.Listener
+
+	// Upstream is the gRPC target of the upstream control plane (istiod),
+	// e.g. "istiod.istio-system.svc:15010". Required.
+	Upstream string
+	// UpstreamDialOptions are added to the upstream connection's options
+	// (credentials, a bufconn dialer, …). Default: plaintext.
+	UpstreamDialOptions []grpc.DialOption
+	// UpstreamProtocol is the ADS variant spoken to the upstream. Default
+	// delta. Envoys may use either variant whatever this is.
+	UpstreamProtocol Protocol
+
+	// KeyProfile derives aggregation keys. Default IstioProfile{}.
+	KeyProfile KeyProfile
+	// Authorizer checks every stream first. Default AllowAll{}.
+	Authorizer Authorizer
+
+	// MaxMsgSize bounds a gRPC message in both directions, downstream and
+	// upstream, in bytes. Default 256 MiB: a real istiod sent 34 MB of CDS
+	// in one SotW response at 30,000 services. Must be at least 4 MiB.
+	MaxMsgSize int
+	// MaxSubscribedNames bounds the names one stream may subscribe to, or
+	// declare, for one type. Default 1,000,000.
+	MaxSubscribedNames int
+
+	// ResourceWaitTimeout is how long a name requested from the upstream may
+	// stay missing before the relay tells Delta clients it does not exist
+	// (Envoy's own initial fetch timeout is 15 s). Default 15s.
+	ResourceWaitTimeout time.Duration
+	// KeyIdleTimeout is how long a key with no connected Envoy keeps its
+	// upstream stream and cache, so that reconnecting Envoys find it warm.
+	// Default 2m.
+	KeyIdleTimeout time.Duration
+	// BackoffInitial and BackoffMax bound the jittered exponential backoff
+	// of upstream reconnects. Defaults 250ms and 30s.
+	BackoffInitial time.Duration
+	BackoffMax     time.Duration
+
+	// AdminListen is the address of the admin HTTP server (health, readiness,
+	// /metrics, /debug/pprof). Empty: none. Default "" (the serve command
+	// sets ":15014").
+	AdminListen string
+
+	// Registerer and Gatherer hold the relay's Prometheus metrics. Default:
+	// a registry of the relay's own, so several relays can live in one
+	// process.
+	Registerer prometheus.Registerer
+	Gatherer   prometheus.Gatherer
+	// Logger receives structured logs. Default: discard.
+	Logger *slog.Logger
+}
+
+// DefaultConfig returns a Config with every default filled in but Upstream.
+func DefaultConfig() Config {
+	host, _ := os.Hostname()
+	if host == "" {
+		host = "local"
+	}
+	return Config{
+		ID:                  "meshrelay-" + host,
+		XDSListen:           ":15010",
+		UpstreamProtocol:    ProtocolDelta,
+		KeyProfile:          IstioProfile{},
+		Authorizer:          AllowAll{},
+		MaxMsgSize:          256 << 20,
+		MaxSubscribedNames:  1_000_000,
+		ResourceWaitTimeout: 15 * time.Second,
+		KeyIdleTimeout:      2 * time.Minute,
+		BackoffInitial:      250 * time.Millisecond,
+		BackoffMax:          30 * time.Second,
+		Logger:              slog.New(slog.NewTextHandler(io.Discard, nil)),
+	}
+}
+
+// validate checks cfg and fills what a zero value leaves open.
+func (cfg *Config) validate() error {
+	var errs []error
+	bad := func(field, why string) { errs = append(errs, fmt.Errorf("relay: field %s %s", field, why)) }
+	if cfg.ID == "" {
+		bad("ID", "is empty")
+	}
+	if cfg.Upstream == "" {
+		bad("Upstream", "is empty: the relay needs an upstream control plane")
+	}
+	if cfg.Listener == nil && cfg.XDSListen == "" {
+		bad("XDSListen", "is empty and no Listener is set")
+	}
+	if _, err := ParseProtocol(string(cfg.UpstreamProtocol)); err != nil {
+		bad("UpstreamProtocol", fmt.Sprintf("is %q, want sotw or delta", cfg.UpstreamProtocol))
+	}
+	if cfg.KeyProfile == nil {
+		bad("KeyProfile", "is nil")
+	}
+	if cfg.Authorizer == nil {
+		bad("Authorizer", "is nil")
+	}
+	if cfg.MaxMsgSize < 4<<20 {
+		bad("MaxMsgSize", fmt.Sprintf("is %d bytes, want at least 4 MiB", cfg.MaxMsgSize))
+	}
+	if cfg.MaxSubscribedNames <= 0 {
+		bad("MaxSubscribedNames", "must be positive")
+	}
+	for name, d := range map[string]time.Duration{
+		"ResourceWaitTimeout": cfg.ResourceWaitTimeout, "KeyIdleTimeout": cfg.KeyIdleTimeout,
+		"BackoffInitial": cfg.BackoffInitial, "BackoffMax": cfg.BackoffMax,
+	} {
+		if d <= 0 {
+			bad(name, "must be positive")
+		}
+	}
+	if cfg.BackoffMax < cfg.BackoffInitial {
+		bad("BackoffMax", "is below BackoffInitial")
+	}
+	if (cfg.Registerer == nil) != (cfg.Gatherer == nil) {
+		bad("Registerer", "and Gatherer must be set together")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	if cfg.Registerer == nil {
+		reg := prometheus.NewRegistry()
+		cfg.Registerer, cfg.Gatherer = reg, reg
+	}
+	return errors.Join(errs...)
+}

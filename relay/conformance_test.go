@@ -1,0 +1,522 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	cluster "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/structpb"
+)
+
+// env is one conformance case's world: a real go-control-plane upstream
+// seeded with three services in namespace ns1, and a relay in front of it.
+type env struct {
+	t     *testing.T
+	delta bool
+	up    *testUpstream
+	r     *Relay
+	conn  *grpc.ClientConn
+}
+
+func newEnv(t *testing.T, delta bool, mod func(*Config)) *env {
+	up := newTestUpstream(t, "ns1", "ns2")
+	seed(up, "ns1", 3)
+	seed(up, "ns2", 3)
+	up.set("ns1", typeNDS, &structpb.Struct{Fields: map[string]*structpb.Value{"host": structpb.NewStringValue("c0.ns1")}})
+	r := startRelay(t, up, mod)
+	return &env{t: t, delta: delta, up: up, r: r, conn: dial(t, r.Addr().String())}
+}
+
+func (e *env) client(i int) *rawClient { return newRawClient(e.t, e.conn, e.delta, node("ns1", "app", i)) }
+
+// syncAll subscribes c to CDS (wildcard), EDS for every cluster, LDS
+// (wildcard) and RDS r80, as Envoy would, ACKing everything.
+func syncAll(c *rawClient) map[string]proto.Message {
+	c.t.Helper()
+	got := map[string]proto.Message{}
+	step := func(typeURL string, names ...string) {
+		c.subscribe(typeURL, names...)
+		m := c.recv()
+		if typeOf(m) != typeURL {
+			c.t.Fatalf("got %s, want %s", shortType(typeOf(m)), shortType(typeURL))
+		}
+		c.ack(m)
+		got[typeURL] = m
+	}
+	step(typeCluster)
+	step(typeEndpoint, "c0", "c1", "c2")
+	step(typeListener)
+	step(typeRoute, "r80")
+	return got
+}
+
+func sorted(s []string) []string { return slices.Sorted(slices.Values(s)) }
+
+func wantNames(t *testing.T, m proto.Message, want ...string) {
+	t.Helper()
+	if got := sorted(names(m)); !slices.Equal(got, sorted(want)) {
+		t.Fatalf("%s resources = %v, want %v", shortType(typeOf(m)), got, sorted(want))
+	}
+}
+
+func removedOf(m proto.Message) []string {
+	if d, ok := m.(*discovery.DeltaDiscoveryResponse); ok {
+		return sorted(d.GetRemovedResources())
+	}
+	return nil
+}
+
+// status returns the relay's view of a client's state for a type.
+func (e *env) status(nodeID, typeURL string) TypeStatus {
+	for _, c := range e.r.Clients() {
+		if c.NodeID == nodeID {
+			return c.Types[typeURL]
+		}
+	}
+	e.t.Fatalf("no client %s on the relay", nodeID)
+	return TypeStatus{}
+}
+
+// TestConformance is the protocol conformance table: every rule the relay
+// owes its clients, once over SotW and once over Delta, against a real
+// go-control-plane upstream.
+func TestConformance(t *testing.T) {
+	cases := []struct {
+		name string
+		run  func(t *testing.T, e *env)
+	}{
+		{"wildcard and named subscriptions, changed mid-stream", func(t *testing.T, e *env) {
+			c := e.client(0)
+			c.subscribe(typeCluster)
+			m := c.recv()
+			wantNames(t, m, "c0", "c1", "c2")
+			c.ack(m)
+			c.subscribe(typeEndpoint, "c0")
+			m = c.recv()
+			wantNames(t, m, "c0")
+			c.ack(m)
+			c.subscribe(typeEndpoint, "c0", "c1") // Delta: subscribes c0 again, so it is re-sent
+			m = c.recv()
+			if e.delta {
+				wantNames(t, m, "c0", "c1")
+			} else {
+				wantNames(t, m, "c1") // SotW EDS: only what the client lacks
+			}
+			c.ack(m)
+			// Unsubscribe c0: its changes no longer reach the client.
+			if e.delta {
+				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeEndpoint, ResourceNamesUnsubscribe: []string{"c0"}})
+			} else {
+				c.subscribe(typeEndpoint, "c1")
+			}
+			c.quiet() // the relay has read the unsubscription
+			e.up.set("ns1", typeEndpoint, mkCLA("c0", 9090))
+			c.quiet()
+			e.up.set("ns1", typeEndpoint, mkCLA("c1", 9090))
+			m = c.recv()
+			wantNames(t, m, "c1")
+		}},
+		{"unsubscribe then subscribe again is re-sent (go-control-plane #431, #608)", func(t *testing.T, e *env) {
+			c := e.client(0)
+			c.subscribe(typeEndpoint, "c0", "c1")
+			c.ack(c.recv())
+			if e.delta {
+				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeEndpoint, ResourceNamesUnsubscribe: []string{"c1"}})
+			} else {
+				c.subscribe(typeEndpoint, "c0")
+			}
+			c.quiet()
+			c.subscribe(typeEndpoint, "c0", "c1")
+			if e.delta {
+				// Both named again; c1 comes once the relay has it again.
+				c.recvAll(typeEndpoint, "c0", "c1")
+			} else {
+				wantNames(t, c.recv(), "c1")
+			}
+		}},
+		{"cluster removed and re-added gets its endpoints again (go-control-plane #583)", func(t *testing.T, e *env) {
+			c := e.client(0)
+			syncAll(c)
+			e.up.set("ns1", typeRoute, mkRoute("r80", "c0", "c1"))
+			c.ack(c.recv()) // RDS without c2
+			e.up.del("ns1", typeCluster, "c2")
+			m := c.recv()
+			if e.delta {
+				if got := removedOf(m); !slices.Equal(got, []string{"c2"}) {
+					t.Fatalf("CDS removed = %v, want [c2]", got)
+				}
+			} else {
+				wantNames(t, m, "c0", "c1")
+			}
+			c.ack(m)
+			if e.delta {
+				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeEndpoint, ResourceNamesUnsubscribe: []string{"c2"}})
+			} else {
+				c.subscribe(typeEndpoint, "c0", "c1")
+			}
+			c.quiet()
+			e.up.set("ns1", typeCluster, mkCluster("c2"))
+			m = c.recv()
+			if e.delta {
+				wantNames(t, m, "c2")
+			} else {
+				wantNames(t, m, "c0", "c1", "c2")
+			}
+			c.ack(m)
+			c.subscribe(typeEndpoint, "c0", "c1", "c2")
+			if e.delta {
+				c.recvAll(typeEndpoint, "c0", "c1", "c2") // all named again
+			} else {
+				c.recvAll(typeEndpoint, "c2")
+			}
+		}},
+		{"updated cluster gets its endpoints again, after it", func(t *testing.T, e *env) {
+			c := e.client(0)
+			syncAll(c)
+			e.up.set("ns1", typeCluster, mkCluster("c1", "changed"))
+			m := c.recv()
+			if e.delta {
+				wantNames(t, m, "c1")
+			} else {
+				wantNames(t, m, "c0", "c1", "c2")
+			}
+			c.ack(m)
+			m = c.recvSotWOrDelta(typeEndpoint)
+			wantNames(t, m, "c1")
+		}},
+		{"stale nonce", func(t *testing.T, e *env) {
+			c := e.client(0)
+			c.subscribe(typeEndpoint, "c0")
+			m := c.recv()
+			c.ack(m)
+			if e.delta {
+				// Delta: subscription changes count whatever the nonce.
+				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeEndpoint, ResponseNonce: "no-such-nonce", ResourceNamesSubscribe: []string{"c2"}})
+				wantNames(t, c.recv(), "c2")
+				return
+			}
+			// SotW: a request with a stale nonce is not answered.
+			c.send(&discovery.DiscoveryRequest{TypeUrl: typeEndpoint, ResourceNames: []string{"c0", "c2"}, ResponseNonce: "no-such-nonce"})
+			c.quiet()
+		}},
+		{"nonces unique and control plane named", func(t *testing.T, e *env) {
+			c := e.client(0)
+			for _, m := range syncAll(c) { // rawClient.recv checks uniqueness
+				var id string
+				switch r := m.(type) {
+				case *discovery.DiscoveryResponse:
+					id = r.GetControlPlane().GetIdentifier()
+				case *discovery.DeltaDiscoveryResponse:
+					id = r.GetControlPlane().GetIdentifier()
+				}
+				if id != "relay-test" {
+					t.Fatalf("control_plane.identifier = %q, want relay-test", id)
+				}
+			}
+		}},
+		{"NACK recorded, parked until content changes, never forwarded", func(t *testing.T, e *env) {
+			c := e.client(0)
+			c.subscribe(typeCluster)
+			m := c.recv()
+			c.nack(m, "")
+			c.quiet() // not re-sent
+			st := e.status(c.node.GetId(), typeCluster)
+			if st.NACK == nil || st.NACK.Detail != "rejected by test" {
+				t.Fatalf("status NACK = %+v, want the test's rejection", st.NACK)
+			}
+			if n := e.up.nacksSeen(); n != 0 {
+				t.Fatalf("upstream saw %d NACKs, want 0: a client's NACK must not reach the shared stream", n)
+			}
+			e.up.set("ns1", typeCluster, mkCluster("c0", "fixed"))
+			m = c.recv()
+			if e.delta {
+				wantNames(t, m, "c0")
+			} else {
+				wantNames(t, m, "c0", "c1", "c2")
+			}
+			c.ack(m)
+			c.quiet()
+			if st := e.status(c.node.GetId(), typeCluster); st.NACK != nil || st.AckedVersion == "" {
+				t.Fatalf("status after ACK = %+v, want ACKed and no NACK", st)
+			}
+		}},
+		{"node from the first request is kept", func(t *testing.T, e *env) {
+			c := e.client(0)
+			c.subscribe(typeCluster)
+			c.ack(c.recv())
+			// A later request naming another namespace's node changes nothing.
+			if e.delta {
+				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeEndpoint, ResourceNamesSubscribe: []string{"c0"}, Node: node("ns2", "other", 9)})
+			} else {
+				c.send(&discovery.DiscoveryRequest{TypeUrl: typeEndpoint, ResourceNames: []string{"c0"}, Node: node("ns2", "other", 9)})
+			}
+			c.ack(c.recv())
+			clients := e.r.Clients()
+			if len(clients) != 1 || clients[0].NodeID != c.node.GetId() || !strings.Contains(string(clients[0].Key), "/ns1/") {
+				t.Fatalf("clients = %+v, want one on ns1 with the first node", clients)
+			}
+		}},
+		{"content versions: same content, same version on another relay", func(t *testing.T, e *env) {
+			r2 := startRelay(t, e.up, func(c *Config) { c.ID = "relay-2" })
+			c1 := e.client(0)
+			c2 := newRawClient(t, dial(t, r2.Addr().String()), e.delta, node("ns1", "app", 1))
+			a, b := syncAll(c1), syncAll(c2)
+			for _, typeURL := range []string{typeCluster, typeEndpoint, typeListener, typeRoute} {
+				va, vb := versionsOf(a[typeURL]), versionsOf(b[typeURL])
+				if !slices.Equal(va, vb) || len(va) == 0 {
+					t.Fatalf("%s versions differ between relays: %v vs %v", shortType(typeURL), va, vb)
+				}
+			}
+		}},
+		{"reconnect holding current content gets nothing again", func(t *testing.T, e *env) {
+			c := e.client(0)
+			got := syncAll(c)
+			c.close()
+			c2 := e.client(0)
+			if e.delta {
+				for _, typeURL := range []string{typeCluster, typeEndpoint} {
+					d := got[typeURL].(*discovery.DeltaDiscoveryResponse)
+					c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResourceNamesSubscribe: subscriptionOf(typeURL), InitialResourceVersions: versionMap(d)})
+				}
+				m := c2.recv() // a wildcard subscription is always answered, here empty
+				if typeOf(m) != typeCluster || len(names(m)) != 0 || len(removedOf(m)) != 0 {
+					t.Fatalf("CDS after reconnect: %v removed %v, want an empty answer", names(m), removedOf(m))
+				}
+				c2.ack(m)
+			} else {
+				for _, typeURL := range []string{typeCluster, typeEndpoint} {
+					s := got[typeURL].(*discovery.DiscoveryResponse)
+					c2.send(&discovery.DiscoveryRequest{TypeUrl: typeURL, ResourceNames: subscriptionOf(typeURL), VersionInfo: s.GetVersionInfo()})
+					c2.subs[typeURL] = subscriptionOf(typeURL)
+				}
+			}
+			c2.quiet()
+		}},
+		{"reconnect: what was removed meanwhile is removed (istio #41494)", func(t *testing.T, e *env) {
+			c := e.client(0)
+			got := syncAll(c)
+			c.close()
+			e.up.set("ns1", typeRoute, mkRoute("r80", "c0", "c1"))
+			e.up.del("ns1", typeCluster, "c2")
+			// A second client keeps the key alive and sees the change land.
+			w := e.client(5)
+			syncAllExpect(w, "c0", "c1")
+			c2 := e.client(0)
+			if e.delta {
+				d := got[typeCluster].(*discovery.DeltaDiscoveryResponse)
+				c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster, InitialResourceVersions: versionMap(d)})
+				m := c2.recv()
+				if r := removedOf(m); !slices.Equal(r, []string{"c2"}) || len(names(m)) != 0 {
+					t.Fatalf("CDS after reconnect: resources %v removed %v, want removed [c2] only", names(m), r)
+				}
+			} else {
+				s := got[typeCluster].(*discovery.DiscoveryResponse)
+				c2.send(&discovery.DiscoveryRequest{TypeUrl: typeCluster, VersionInfo: s.GetVersionInfo()})
+				wantNames(t, c2.recv(), "c0", "c1")
+			}
+		}},
+		{"named again is sent even if declared (Envoy #22418)", func(t *testing.T, e *env) {
+			if !e.delta {
+				t.Skip("Delta only: SotW clients declare no per-resource versions")
+			}
+			c := e.client(0)
+			c.subscribe(typeEndpoint, "c0", "c1")
+			d := c.recv().(*discovery.DeltaDiscoveryResponse)
+			c.ack(d)
+			c.close()
+			c2 := e.client(0)
+			c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeEndpoint, ResourceNamesSubscribe: []string{"c0", "c1"}, InitialResourceVersions: versionMap(d)})
+			c2.quiet() // declared and current: nothing
+			c2.subscribe(typeEndpoint, "c1") // the client forgot c1 and asks again
+			wantNames(t, c2.recv(), "c1")
+		}},
+		{"unknown types pass through, per stream", func(t *testing.T, e *env) {
+			_, before := e.up.streams()
+			for i := range 2 {
+				c := e.client(10 + i)
+				c.subscribe(typeCluster)
+				c.ack(c.recv())
+				c.subscribe(typeNDS)
+				m := c.recv()
+				if typeOf(m) != typeNDS || len(resourcesOf(m)) != 1 {
+					t.Fatalf("client %d: got %s with %d resources, want one NDS resource", i, shortType(typeOf(m)), len(resourcesOf(m)))
+				}
+				c.ack(m)
+				c.quiet()
+			}
+			_, after := e.up.streams()
+			// One aggregated stream for the key, one passthrough stream each.
+			if got := after - before; got != 3 {
+				t.Fatalf("upstream streams opened = %d, want 3 (1 shared + 2 passthrough)", got)
+			}
+		}},
+		{"removals last: a cluster goes only after no route refers to it", func(t *testing.T, e *env) {
+			c := e.client(0)
+			syncAll(c)
+			// The upstream removes the cluster first, the route later.
+			e.up.del("ns1", typeCluster, "c2")
+			c.quiet() // held: route r80 still routes to c2
+			e.up.set("ns1", typeRoute, mkRoute("r80", "c0", "c1"))
+			m := c.recv()
+			if typeOf(m) != typeRoute {
+				t.Fatalf("got %s first, want the route update before the cluster removal", shortType(typeOf(m)))
+			}
+			c.ack(m)
+			m = c.recv()
+			if typeOf(m) != typeCluster {
+				t.Fatalf("got %s, want the held cluster removal", shortType(typeOf(m)))
+			}
+			if e.delta {
+				if r := removedOf(m); !slices.Equal(r, []string{"c2"}) {
+					t.Fatalf("removed = %v, want [c2]", r)
+				}
+			} else {
+				wantNames(t, m, "c0", "c1")
+			}
+		}},
+		{"authorizer refuses before anything is served", func(t *testing.T, e *env) {
+			r := startRelay(t, e.up, func(c *Config) { c.Authorizer = denyNamespace("ns1") })
+			c := newRawClient(t, dial(t, r.Addr().String()), e.delta, node("ns1", "app", 0))
+			c.subscribe(typeCluster)
+			if err := c.streamErr(); status.Code(err) != codes.PermissionDenied {
+				t.Fatalf("stream error = %v, want PermissionDenied", err)
+			}
+		}},
+		{"responses beyond gRPC's 4 MiB default", func(t *testing.T, e *env) {
+			big := strings.Repeat("x", 4096)
+			var cs []types.Resource
+			for i := range 1500 { // ≈ 6 MB of CDS
+				c := mkCluster(fmt.Sprint("big-", i))
+				c.Metadata = &core.Metadata{FilterMetadata: map[string]*structpb.Struct{"pad": {Fields: map[string]*structpb.Value{"v": structpb.NewStringValue(big)}}}}
+				cs = append(cs, c)
+			}
+			e.up.set("ns2", typeCluster, cs...)
+			c := newRawClient(t, e.conn, e.delta, node("ns2", "app", 0))
+			c.subscribe(typeCluster)
+			m := c.recv()
+			if n := len(names(m)); n != 1503 {
+				t.Fatalf("CDS resources = %d, want 1503", n)
+			}
+			if size := proto.Size(m); size < 6_000_000 {
+				t.Fatalf("response size = %d, want > 6 MB", size)
+			}
+		}},
+	}
+	for _, tc := range cases {
+		for _, delta := range []bool{false, true} {
+			t.Run(protocolName(delta)+"/"+tc.name, func(t *testing.T) {
+				tc.run(t, newEnv(t, delta, nil))
+			})
+		}
+	}
+}
+
+// recvAll receives responses of typeURL until every name in want has come,
+// failing on any other name or type.
+func (c *rawClient) recvAll(typeURL string, want ...string) {
+	c.t.Helper()
+	missing := map[string]bool{}
+	for _, n := range want {
+		missing[n] = true
+	}
+	for len(missing) > 0 {
+		m := c.recvSotWOrDelta(typeURL)
+		for _, n := range names(m) {
+			if !slices.Contains(want, n) {
+				c.t.Fatalf("got %s %s, want only %v", shortType(typeURL), n, want)
+			}
+			delete(missing, n)
+		}
+		c.ack(m)
+	}
+}
+
+// recvSotWOrDelta receives the next response and checks its type.
+func (c *rawClient) recvSotWOrDelta(typeURL string) proto.Message {
+	c.t.Helper()
+	m := c.recv()
+	if typeOf(m) != typeURL {
+		c.t.Fatalf("got %s, want %s", shortType(typeOf(m)), shortType(typeURL))
+	}
+	return m
+}
+
+func syncAllExpect(c *rawClient, clusters ...string) {
+	c.t.Helper()
+	c.subscribe(typeCluster)
+	m := c.recv()
+	wantNames(c.t, m, clusters...)
+	c.ack(m)
+}
+
+func subscriptionOf(typeURL string) []string {
+	if typeURL == typeEndpoint {
+		return []string{"c0", "c1", "c2"}
+	}
+	return nil
+}
+
+func resourcesOf(m proto.Message) []string {
+	switch r := m.(type) {
+	case *discovery.DiscoveryResponse:
+		out := make([]string, len(r.GetResources()))
+		for i, a := range r.GetResources() {
+			out[i] = string(a.GetValue())
+		}
+		return out
+	case *discovery.DeltaDiscoveryResponse:
+		out := make([]string, len(r.GetResources()))
+		for i, x := range r.GetResources() {
+			out[i] = x.GetVersion()
+		}
+		return out
+	}
+	return nil
+}
+
+// versionsOf returns SotW's version_info, or Delta's resource versions.
+func versionsOf(m proto.Message) []string {
+	switch r := m.(type) {
+	case *discovery.DiscoveryResponse:
+		return []string{r.GetVersionInfo()}
+	case *discovery.DeltaDiscoveryResponse:
+		var out []string
+		for _, x := range r.GetResources() {
+			out = append(out, x.GetName()+"="+x.GetVersion())
+		}
+		return sorted(out)
+	}
+	return nil
+}
+
+func versionMap(d *discovery.DeltaDiscoveryResponse) map[string]string {
+	out := map[string]string{}
+	for _, x := range d.GetResources() {
+		out[x.GetName()] = x.GetVersion()
+	}
+	return out
+}
+
+type denyNamespace string
+
+func (d denyNamespace) Authorize(_ context.Context, n *core.Node) error {
+	if strings.Contains(n.GetId(), "."+string(d)+"~") {
+		return errors.New("namespace not allowed")
+	}
+	return nil
+}
+
+var _ = cluster.Cluster{}
+var _ = time.Second

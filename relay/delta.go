@@ -1,0 +1,116 @@
+package relay
+
+import (
+	"slices"
+
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/ledger"
+)
+
+// DeltaAggregatedResources serves one Delta (incremental) ADS stream.
+func (r *Relay) DeltaAggregatedResources(ds discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
+	s := r.newStream(ds.Context(), true)
+	s.send = func(o *outgoing) error {
+		resp := &discovery.DeltaDiscoveryResponse{
+			SystemVersionInfo: o.version,
+			TypeUrl:           o.typeURL,
+			Nonce:             o.nonce,
+			ControlPlane:      r.controlPlane,
+			RemovedResources:  o.removed,
+			Resources:         make([]*discovery.Resource, len(o.upd)),
+		}
+		for i, x := range o.upd {
+			resp.Resources[i] = &discovery.Resource{Name: x.Name, Version: x.Hash.String(), Resource: x.Body}
+		}
+		r.metrics.sent(o.typeURL, len(o.upd), len(o.removed), resp)
+		return ds.Send(resp)
+	}
+	s.sendRaw = func(m proto.Message) error { return ds.Send(m.(*discovery.DeltaDiscoveryResponse)) }
+	return serve(s, ds.Recv, s.onDelta)
+}
+
+// onDelta handles one Delta request.
+func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
+	if s.key == nil {
+		if err := s.attach(req.GetNode()); err != nil {
+			return err
+		}
+	}
+	typeURL := req.GetTypeUrl()
+	if typeURL == "" {
+		return status.Error(codes.InvalidArgument, "type_url is required on an ADS stream")
+	}
+	if !cached(typeURL) {
+		return s.passthroughDelta(req)
+	}
+	subscribe, unsubscribe := req.GetResourceNamesSubscribe(), req.GetResourceNamesUnsubscribe()
+	if err := s.checkNames(typeURL, len(subscribe)+len(unsubscribe)+len(req.GetInitialResourceVersions())); err != nil {
+		return err
+	}
+
+	sub := s.subs[typeURL]
+	if sub == nil {
+		legacy := len(subscribe) == 0 && legacyWildcard(typeURL)
+		wildcard := legacy || slices.Contains(subscribe, wildcardName)
+		names := newNameSet(subscribe)
+		sub = s.newSub(typeURL, wildcard, legacy, names)
+		sub.awaitFirst = wildcard
+		sub.known = s.declared(sub, req.GetInitialResourceVersions())
+		return nil
+	}
+
+	// ACK or NACK of an earlier response, matched by nonce.
+	if n := req.GetResponseNonce(); n != "" {
+		if i := slices.IndexFunc(sub.inflight, func(r sentResponse) bool { return r.nonce == n }); i >= 0 {
+			sent := sub.inflight[i]
+			sub.inflight = slices.Delete(sub.inflight, 0, i+1)
+			s.ack(sub, sent, nackDetail(req.GetErrorDetail()))
+		}
+	}
+
+	// Subscription changes are honoured whatever the nonce (xDS protocol).
+	if len(subscribe) == 0 && len(unsubscribe) == 0 {
+		return nil
+	}
+	if err := s.checkNames(typeURL, len(sub.names)+len(subscribe)); err != nil {
+		return err
+	}
+	wildcard := sub.wildcard
+	if slices.Contains(subscribe, wildcardName) {
+		wildcard = true
+	}
+	if slices.Contains(unsubscribe, wildcardName) {
+		wildcard = false
+	}
+	add, drop := newNameSet(subscribe), newNameSet(unsubscribe)
+	// A name subscribed again is sent again even if the client declared it:
+	// the client may have forgotten it (Envoy #22418).
+	s.resubscribe(sub, wildcard, sub.names.with(add, drop), add)
+	return nil
+}
+
+// declared builds what a reconnecting client says it holds
+// (initial_resource_versions), limited to what it subscribes to. A version
+// that is not one of the relay's content versions is ignored: the resource
+// is sent again.
+func (s *stream) declared(sub *typeSub, versions map[string]string) ledger.Tree[*Resource] {
+	if len(versions) == 0 {
+		return ledger.Tree[*Resource]{}
+	}
+	b := ledger.Tree[*Resource]{}.Edit()
+	for name, v := range versions {
+		if !sub.wildcard && !sub.names.has(name) {
+			continue
+		}
+		h, err := ledger.ParseHash(v)
+		if err != nil {
+			continue
+		}
+		b.Set(name, h, s.r.store.lookup(h))
+	}
+	return b.Tree()
+}

@@ -1,0 +1,210 @@
+package relay
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"maps"
+	"net/netip"
+	"slices"
+	"strings"
+
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/structpb"
+)
+
+// Key names an aggregation key: a class of proxies that receive identical
+// configuration from the upstream, so that one upstream stream can serve them
+// all. Keys are deterministic: every relay derives the same Key from the same
+// node. The readable prefix is for operators; the hash suffix is the identity.
+type Key string
+
+// KeyProfile derives a node's aggregation key. Implementations must be safe
+// for concurrent use and deterministic.
+type KeyProfile interface {
+	// Key returns the key of node. It must not fail for a node the relay can
+	// serve; profiles fall back to a per-node key when a field they need is
+	// missing.
+	Key(node *core.Node) Key
+	// Name is the profile's flag value.
+	Name() string
+}
+
+// Key profile names accepted by ParseKeyProfile.
+const (
+	ProfileIstio   = "istio"
+	ProfilePerNode = "per-node"
+)
+
+// ParseKeyProfile returns the profile a --key-profile flag names. extraMeta
+// adds node metadata fields to the istio profile (see IstioProfile).
+func ParseKeyProfile(name string, extraMeta []string) (KeyProfile, error) {
+	switch name {
+	case ProfileIstio, "":
+		return IstioProfile{ExtraMetadata: extraMeta}, nil
+	case ProfilePerNode:
+		if len(extraMeta) > 0 {
+			return nil, errors.New("relay: extra key metadata needs the istio profile")
+		}
+		return PerNodeProfile{}, nil
+	}
+	return nil, fmt.Errorf("relay: unknown key profile %q (want %s or %s)", name, ProfileIstio, ProfilePerNode)
+}
+
+// PerNodeProfile keys every node by its id: no aggregation, always correct.
+type PerNodeProfile struct{}
+
+// Name implements KeyProfile.
+func (PerNodeProfile) Name() string { return ProfilePerNode }
+
+// Key implements KeyProfile.
+func (PerNodeProfile) Key(node *core.Node) Key { return perNodeKey(node.GetId()) }
+
+func perNodeKey(id string) Key {
+	return Key("node/" + id + "#" + digest(id))
+}
+
+// IstioProfile keys a node by the fields that change what istiod generates
+// for it. Pods of one workload (same namespace, labels, service account, …;
+// different names and IPs) get byte-identical CDS/EDS/LDS/RDS from istiod, so
+// they share a key. The fields, exactly:
+//
+//   - proxy type: the node id's first "~" part (sidecar, router, …);
+//   - namespace: metadata NAMESPACE, else the node id's DNS domain part
+//     ("<ns>.svc.cluster.local");
+//   - workload: metadata WORKLOAD_NAME and the whole LABELS map except the
+//     labels that name a single pod (statefulset.kubernetes.io/pod-name,
+//     apps.kubernetes.io/pod-index);
+//   - metadata ISTIO_VERSION, CLUSTER_ID, NETWORK, MESH_ID, SERVICE_ACCOUNT,
+//     INTERCEPTION_MODE, GENERATOR (proxyless gRPC gets other config),
+//     ENABLE_HBONE, REQUESTED_NETWORK_VIEW, and every ExtraMetadata field;
+//   - locality: region, zone and sub-zone (EDS priorities depend on it);
+//   - IP families of INSTANCE_IPS (v4, v6 or dual: listeners bind by family),
+//     not the addresses themselves.
+//
+// A node whose id is not Istio's four-part form, or which names no
+// namespace, gets a per-node key: correct, just not aggregated.
+//
+// Not included: the pod name and IPs. A pod whose IP backs a Service can get
+// inbound config that depends on that IP; the divergence check in DESIGN.md
+// exists for that case, and ProfilePerNode is always available.
+type IstioProfile struct {
+	// ExtraMetadata lists further node metadata fields to include.
+	ExtraMetadata []string
+}
+
+// Name implements KeyProfile.
+func (IstioProfile) Name() string { return ProfileIstio }
+
+var istioMetadataFields = []string{
+	"ISTIO_VERSION", "CLUSTER_ID", "NETWORK", "MESH_ID", "SERVICE_ACCOUNT",
+	"INTERCEPTION_MODE", "GENERATOR", "ENABLE_HBONE", "REQUESTED_NETWORK_VIEW",
+}
+
+var perPodLabels = []string{"statefulset.kubernetes.io/pod-name", "apps.kubernetes.io/pod-index"}
+
+// Key implements KeyProfile.
+func (p IstioProfile) Key(node *core.Node) Key {
+	id := node.GetId()
+	parts := strings.Split(id, "~")
+	if len(parts) != 4 || parts[0] == "" {
+		return perNodeKey(id)
+	}
+	md := node.GetMetadata().GetFields()
+	ns := md["NAMESPACE"].GetStringValue()
+	if ns == "" {
+		ns, _, _ = strings.Cut(parts[3], ".")
+	}
+	if ns == "" {
+		return perNodeKey(id)
+	}
+	workload := md["WORKLOAD_NAME"].GetStringValue()
+
+	var b canon
+	b.field("type", parts[0])
+	b.field("namespace", ns)
+	b.field("workload", workload)
+	for _, f := range istioMetadataFields {
+		b.field(f, md[f].GetStringValue())
+	}
+	for _, f := range slices.Sorted(slices.Values(p.ExtraMetadata)) {
+		b.value("meta:"+f, md[f])
+	}
+	if labels := md["LABELS"].GetStructValue().GetFields(); len(labels) > 0 {
+		for _, k := range slices.Sorted(maps.Keys(labels)) {
+			if !slices.Contains(perPodLabels, k) {
+				b.field("label:"+k, labels[k].GetStringValue())
+			}
+		}
+	}
+	loc := node.GetLocality()
+	b.field("locality", loc.GetRegion()+"/"+loc.GetZone()+"/"+loc.GetSubZone())
+	b.field("ipfamilies", ipFamilies(md["INSTANCE_IPS"].GetStringValue(), parts[1]))
+
+	name := workload
+	if name == "" {
+		name = md["LABELS"].GetStructValue().GetFields()["app"].GetStringValue()
+	}
+	return Key(parts[0] + "/" + ns + "/" + name + "#" + b.sum())
+}
+
+// ipFamilies returns "4", "6" or "46" for a comma-separated IP list (istio's
+// INSTANCE_IPS), falling back to the IP in the node id.
+func ipFamilies(instanceIPs, idIP string) string {
+	if instanceIPs == "" {
+		instanceIPs = idIP
+	}
+	var v4, v6 bool
+	for _, s := range strings.Split(instanceIPs, ",") {
+		a, err := netip.ParseAddr(strings.TrimSpace(s))
+		if err != nil {
+			continue
+		}
+		if a.Unmap().Is4() {
+			v4 = true
+		} else {
+			v6 = true
+		}
+	}
+	out := ""
+	if v4 {
+		out += "4"
+	}
+	if v6 {
+		out += "6"
+	}
+	return out
+}
+
+// canon builds an unambiguous byte string of (name, value) pairs to hash.
+type canon struct{ b []byte }
+
+func (c *canon) field(name, value string) {
+	c.b = fmt.Appendf(c.b, "%d:%s=%d:%s;", len(name), name, len(value), value)
+}
+
+func (c *canon) value(name string, v *structpb.Value) {
+	if v == nil {
+		c.field(name, "")
+		return
+	}
+	// The text form of a proto is deliberately unstable; deterministic
+	// binary marshalling (sorted map keys) is stable.
+	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(v)
+	if err != nil {
+		b = nil
+	}
+	c.field(name, string(b))
+}
+
+func (c *canon) sum() string {
+	h := sha256.Sum256(c.b)
+	return hex.EncodeToString(h[:8])
+}
+
+func digest(s string) string {
+	h := sha256.Sum256([]byte(s))
+	return hex.EncodeToString(h[:8])
+}

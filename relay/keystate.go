@@ -1,0 +1,244 @@
+package relay
+
+import (
+	"maps"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+
+	"github.com/meshrelay/meshrelay/ledger"
+)
+
+// keyState is what the relay holds for one aggregation key: the views the
+// upstream sent, who subscribes to what, the member streams, and the upstream
+// stream that feeds them.
+//
+// Writers (the key's upstream goroutine, and streams changing their
+// subscriptions) take mu and publish a new immutable keySnap; streams read
+// the latest keySnap without locking.
+type keyState struct {
+	key Key
+	r   *Relay
+
+	snap atomic.Pointer[keySnap]
+
+	// upWake wakes the upstream goroutine: subscriptions or members changed.
+	upWake chan struct{}
+
+	mu      sync.Mutex
+	members []*stream // in join order; the first one's node is presented upstream
+	want    map[string]*typeWant
+}
+
+// typeWant is the union of the member streams' subscriptions to one type.
+type typeWant struct {
+	wildcard int            // streams subscribed to everything
+	names    map[string]int // explicitly subscribed names, with their subscriber count
+}
+
+// keySnap is the published state of a key. It is immutable.
+type keySnap struct {
+	types map[string]*typeSnap
+	// stale is set while the views come from a cache that no live upstream
+	// stream has confirmed (the upstream is unreachable).
+	stale bool
+}
+
+// typeSnap is the published state of one type of a key. It is immutable.
+type typeSnap struct {
+	view ledger.Tree[*Resource]
+	// ready is set once the upstream has answered for this type: before
+	// that an empty view means "not known yet", not "nothing exists".
+	ready bool
+	// pending holds names requested from the upstream that have not
+	// arrived, with the time they were first requested. A stream never
+	// tells a client that a pending name does not exist.
+	pending map[string]time.Time
+}
+
+func newKeyState(r *Relay, key Key) *keyState {
+	k := &keyState{
+		key:    key,
+		r:      r,
+		upWake: make(chan struct{}, 1),
+		want:   make(map[string]*typeWant),
+	}
+	k.snap.Store(&keySnap{types: map[string]*typeSnap{}})
+	return k
+}
+
+func (t *typeSnap) isPending(name string, now time.Time, wait time.Duration) bool {
+	at, ok := t.pending[name]
+	return ok && now.Sub(at) < wait
+}
+
+// update publishes a new keySnap built by fn from a copy of the current one.
+// fn may replace entries of types, never modify a typeSnap in place. The
+// caller holds k.mu.
+func (k *keyState) update(fn func(next *keySnap)) {
+	cur := k.snap.Load()
+	next := &keySnap{types: maps.Clone(cur.types), stale: cur.stale}
+	fn(next)
+	k.snap.Store(next)
+}
+
+// typeOf returns a copy of the typeSnap for typeURL, for modification.
+func (s *keySnap) typeOf(typeURL string) *typeSnap {
+	if t := s.types[typeURL]; t != nil {
+		c := *t
+		return &c
+	}
+	return &typeSnap{}
+}
+
+// wakeStreams tells every member stream that the snapshot changed. It never
+// blocks: a stream that is busy (a slow reader) finds the latest state when
+// it comes back.
+func (k *keyState) wakeStreams() {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for _, s := range k.members {
+		wake(s.wake)
+	}
+}
+
+func wake(ch chan struct{}) {
+	select {
+	case ch <- struct{}{}:
+	default:
+	}
+}
+
+// join adds s as a member.
+func (k *keyState) join(s *stream) {
+	k.mu.Lock()
+	k.members = append(k.members, s)
+	k.mu.Unlock()
+	wake(k.upWake)
+}
+
+// leave removes s and its subscriptions.
+func (k *keyState) leave(s *stream) {
+	k.mu.Lock()
+	k.members = slices.DeleteFunc(k.members, func(m *stream) bool { return m == s })
+	for typeURL, sub := range s.subs {
+		k.changeLocked(typeURL, sub.wildcard, false, nil, sub.names)
+	}
+	k.mu.Unlock()
+	wake(k.upWake)
+}
+
+// presenter returns the member whose node the upstream stream presents, and
+// the number of members.
+func (k *keyState) presenter() (*core.Node, *stream, int) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if len(k.members) == 0 {
+		return nil, nil, 0
+	}
+	s := k.members[0]
+	return s.node, s, len(k.members)
+}
+
+// isMember reports whether s is still a member.
+func (k *keyState) isMember(s *stream) bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return slices.Contains(k.members, s)
+}
+
+// subscribe records a stream's subscription change to typeURL: wildcard
+// turned on or off, names added and removed. Names newly wanted that the view
+// does not hold become pending at once, so that no stream reports them
+// missing before the upstream had a chance to send them.
+func (k *keyState) subscribe(typeURL string, wildcardBefore, wildcardAfter bool, added, removed []string) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if wildcardBefore != wildcardAfter {
+		k.changeLocked(typeURL, wildcardBefore, wildcardAfter, nil, nil)
+	}
+	newNames := k.changeLocked(typeURL, false, false, added, removed)
+	if len(newNames) > 0 {
+		now := time.Now()
+		k.update(func(next *keySnap) {
+			ts := next.typeOf(typeURL)
+			var pending map[string]time.Time
+			for _, n := range newNames {
+				if _, ok := ts.view.Get(n); ok {
+					continue
+				}
+				if _, ok := ts.pending[n]; ok {
+					continue
+				}
+				if pending == nil {
+					pending = maps.Clone(ts.pending)
+					if pending == nil {
+						pending = make(map[string]time.Time, len(newNames))
+					}
+				}
+				pending[n] = now
+			}
+			if pending != nil {
+				ts.pending = pending
+				next.types[typeURL] = ts
+			}
+		})
+	}
+	if wildcardBefore != wildcardAfter || len(newNames) > 0 || len(removed) > 0 {
+		wake(k.upWake)
+	}
+}
+
+// changeLocked applies a subscription change to k.want and returns the names
+// that no stream wanted before.
+func (k *keyState) changeLocked(typeURL string, wildcardBefore, wildcardAfter bool, added, removed []string) []string {
+	w := k.want[typeURL]
+	if w == nil {
+		w = &typeWant{names: make(map[string]int)}
+		k.want[typeURL] = w
+	}
+	switch {
+	case wildcardAfter && !wildcardBefore:
+		w.wildcard++
+	case wildcardBefore && !wildcardAfter:
+		w.wildcard--
+	}
+	var fresh []string
+	for _, n := range added {
+		if w.names[n] == 0 {
+			fresh = append(fresh, n)
+		}
+		w.names[n]++
+	}
+	for _, n := range removed {
+		if c := w.names[n]; c > 1 {
+			w.names[n] = c - 1
+		} else {
+			delete(w.names, n)
+		}
+	}
+	if w.wildcard == 0 && len(w.names) == 0 {
+		delete(k.want, typeURL)
+	}
+	return fresh
+}
+
+// wanted returns a copy of the downstream subscriptions, by type.
+func (k *keyState) wanted() map[string]subscription {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	out := make(map[string]subscription, len(k.want))
+	for typeURL, w := range k.want {
+		out[typeURL] = subscription{wildcard: w.wildcard > 0, names: slices.Collect(maps.Keys(w.names))}
+	}
+	return out
+}
+
+// subscription is a set of names to ask the upstream for.
+type subscription struct {
+	wildcard bool
+	names    []string
+}

@@ -1,0 +1,316 @@
+package relay
+
+import (
+	"context"
+	"maps"
+	"slices"
+	"sync"
+
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+)
+
+// passthrough carries one downstream stream's requests for types the relay
+// does not cache (Istio's NDS and PCDS, istio.io/debug/*, ambient types, …)
+// to the upstream on an upstream stream of its own, presenting the client's
+// node, and carries the answers back. Such answers may depend on the very
+// proxy that asks, so they are never shared.
+//
+// The stream's handler goroutine owns the nonce mapping and calls enqueue and
+// forward; the passthrough's own goroutine owns the upstream stream and
+// reconnects it with backoff, replaying the subscriptions.
+type passthrough struct {
+	s      *stream
+	cancel context.CancelFunc
+	done   chan struct{}
+	kick   chan struct{}
+	out    chan proto.Message
+
+	mu    sync.Mutex
+	queue []proto.Message
+	// replay state, per type: SotW keeps the latest request, Delta the
+	// subscription and the versions the client was given.
+	lastSotW   map[string]*discovery.DiscoveryRequest
+	deltaSubs  map[string]map[string]bool // name → subscribed; "*" for wildcard
+	deltaHeld  map[string]map[string]string
+	upstreamOK bool
+
+	// nonces maps relay nonces to the upstream's, per type (handler only).
+	nonces map[string][]noncePair
+}
+
+type noncePair struct{ relay, upstream string }
+
+const (
+	maxPassQueue  = 256
+	maxNoncePairs = 8
+)
+
+// passOut returns the channel of upstream answers to forward, nil if the
+// stream has no passthrough.
+func (s *stream) passOut() <-chan proto.Message {
+	if s.pass == nil {
+		return nil
+	}
+	return s.pass.out
+}
+
+func (s *stream) passthroughSotW(req *discovery.DiscoveryRequest) error {
+	p := s.passthroughFor()
+	req = proto.Clone(req).(*discovery.DiscoveryRequest)
+	req.Node = nil
+	req.ResponseNonce = p.upstreamNonce(req.GetTypeUrl(), req.GetResponseNonce())
+	p.mu.Lock()
+	replay := proto.Clone(req).(*discovery.DiscoveryRequest)
+	replay.ResponseNonce = ""
+	p.lastSotW[req.GetTypeUrl()] = replay
+	p.mu.Unlock()
+	return p.enqueue(req)
+}
+
+func (s *stream) passthroughDelta(req *discovery.DeltaDiscoveryRequest) error {
+	p := s.passthroughFor()
+	req = proto.Clone(req).(*discovery.DeltaDiscoveryRequest)
+	req.Node = nil
+	req.ResponseNonce = p.upstreamNonce(req.GetTypeUrl(), req.GetResponseNonce())
+	p.mu.Lock()
+	subs := p.deltaSubs[req.GetTypeUrl()]
+	if subs == nil {
+		subs = make(map[string]bool)
+		p.deltaSubs[req.GetTypeUrl()] = subs
+		if len(req.GetResourceNamesSubscribe()) == 0 {
+			subs[wildcardName] = true // legacy wildcard
+		}
+	}
+	for _, n := range req.GetResourceNamesSubscribe() {
+		subs[n] = true
+	}
+	for _, n := range req.GetResourceNamesUnsubscribe() {
+		delete(subs, n)
+	}
+	p.mu.Unlock()
+	return p.enqueue(req)
+}
+
+func (s *stream) passthroughFor() *passthrough {
+	if s.pass != nil {
+		return s.pass
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &passthrough{
+		s:         s,
+		cancel:    cancel,
+		done:      make(chan struct{}),
+		kick:      make(chan struct{}, 1),
+		out:       make(chan proto.Message, 16),
+		lastSotW:  make(map[string]*discovery.DiscoveryRequest),
+		deltaSubs: make(map[string]map[string]bool),
+		deltaHeld: make(map[string]map[string]string),
+		nonces:    make(map[string][]noncePair),
+	}
+	s.pass = p
+	s.r.metrics.passthroughStreams.Inc()
+	go p.run(ctx)
+	return p
+}
+
+// enqueue hands a request to the passthrough goroutine without blocking the
+// stream. A client that floods requests faster than the upstream takes them
+// loses its own stream, nobody else's.
+func (p *passthrough) enqueue(m proto.Message) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.queue) >= maxPassQueue {
+		return status.Errorf(codes.ResourceExhausted, "more than %d passthrough requests waiting for the upstream", maxPassQueue)
+	}
+	p.queue = append(p.queue, m)
+	wake(p.kick)
+	return nil
+}
+
+// upstreamNonce translates the nonce of a downstream request into the
+// upstream's. An unknown nonce becomes one the upstream cannot mistake for
+// its own, so the upstream treats the request as stale, as the client meant.
+func (p *passthrough) upstreamNonce(typeURL, relayNonce string) string {
+	if relayNonce == "" {
+		return ""
+	}
+	for _, np := range p.nonces[typeURL] {
+		if np.relay == relayNonce {
+			return np.upstream
+		}
+	}
+	return "meshrelay-stale-" + relayNonce
+}
+
+// forward sends an upstream answer to the client under a relay nonce.
+func (s *stream) forward(m proto.Message) error {
+	p := s.pass
+	nonce := s.nextNonce()
+	var typeURL, upstream string
+	switch resp := m.(type) {
+	case *discovery.DiscoveryResponse:
+		typeURL, upstream = resp.GetTypeUrl(), resp.GetNonce()
+		resp.Nonce, resp.ControlPlane = nonce, s.r.controlPlane
+	case *discovery.DeltaDiscoveryResponse:
+		typeURL, upstream = resp.GetTypeUrl(), resp.GetNonce()
+		resp.Nonce, resp.ControlPlane = nonce, s.r.controlPlane
+		p.mu.Lock()
+		held := p.deltaHeld[typeURL]
+		if held == nil {
+			held = make(map[string]string)
+			p.deltaHeld[typeURL] = held
+		}
+		for _, r := range resp.GetResources() {
+			held[r.GetName()] = r.GetVersion()
+		}
+		for _, n := range resp.GetRemovedResources() {
+			delete(held, n)
+		}
+		p.mu.Unlock()
+	}
+	pairs := append(p.nonces[typeURL], noncePair{relay: nonce, upstream: upstream})
+	if len(pairs) > maxNoncePairs {
+		pairs = pairs[len(pairs)-maxNoncePairs:]
+	}
+	p.nonces[typeURL] = pairs
+	s.r.metrics.passthrough.WithLabelValues(protocolName(s.delta)).Inc()
+	return s.sendRaw(m)
+}
+
+func (p *passthrough) stop() {
+	p.cancel()
+	<-p.done
+	p.s.r.metrics.passthroughStreams.Dec()
+}
+
+// run owns the upstream stream: it connects, replays the subscriptions,
+// sends queued requests and receives answers, and reconnects with backoff.
+func (p *passthrough) run(ctx context.Context) {
+	defer close(p.done)
+	bo := p.s.r.newBackoff()
+	for ctx.Err() == nil {
+		err := p.session(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		d := bo.next()
+		p.s.log.Debug("passthrough stream failed", "err", err, "retry_in", d)
+		if !sleepCtx(ctx, d) {
+			return
+		}
+	}
+}
+
+// session runs one upstream stream until it fails or ctx ends.
+func (p *passthrough) session(ctx context.Context) error {
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	client := discovery.NewAggregatedDiscoveryServiceClient(p.s.r.upConn)
+	var (
+		send func(proto.Message) error
+		recv func() (proto.Message, error)
+	)
+	if p.s.delta {
+		cs, err := client.DeltaAggregatedResources(sctx, grpc.WaitForReady(false))
+		if err != nil {
+			return err
+		}
+		send = func(m proto.Message) error { return cs.Send(m.(*discovery.DeltaDiscoveryRequest)) }
+		recv = func() (proto.Message, error) { return cs.Recv() }
+	} else {
+		cs, err := client.StreamAggregatedResources(sctx, grpc.WaitForReady(false))
+		if err != nil {
+			return err
+		}
+		send = func(m proto.Message) error { return cs.Send(m.(*discovery.DiscoveryRequest)) }
+		recv = func() (proto.Message, error) { return cs.Recv() }
+	}
+
+	// Replay what the client subscribed to, node on the first request; then
+	// the queue holds only what came after.
+	first := true
+	withNode := func(m proto.Message) proto.Message {
+		if !first {
+			return m
+		}
+		first = false
+		switch r := m.(type) {
+		case *discovery.DiscoveryRequest:
+			r.Node = p.s.node
+		case *discovery.DeltaDiscoveryRequest:
+			r.Node = p.s.node
+		}
+		return m
+	}
+	p.mu.Lock()
+	replay := p.replayLocked()
+	p.queue = nil
+	p.mu.Unlock()
+	for _, m := range replay {
+		if err := send(withNode(m)); err != nil {
+			return err
+		}
+	}
+
+	errc := make(chan error, 1)
+	go func() {
+		for {
+			m, err := recv()
+			if err != nil {
+				errc <- err
+				return
+			}
+			select {
+			case p.out <- m:
+			case <-sctx.Done():
+				errc <- sctx.Err()
+				return
+			}
+		}
+	}()
+	defer func() { cancel(); <-errc }()
+	for {
+		select {
+		case <-p.kick:
+			p.mu.Lock()
+			q := p.queue
+			p.queue = nil
+			p.mu.Unlock()
+			for _, m := range q {
+				if err := send(withNode(m)); err != nil {
+					return err
+				}
+			}
+		case err := <-errc:
+			errc <- err // for the deferred wait
+			return err
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+// replayLocked builds the requests that restore the client's passthrough
+// subscriptions on a new upstream stream.
+func (p *passthrough) replayLocked() []proto.Message {
+	var out []proto.Message
+	if !p.s.delta {
+		for _, t := range slices.Sorted(maps.Keys(p.lastSotW)) {
+			out = append(out, proto.Clone(p.lastSotW[t]))
+		}
+		return out
+	}
+	for _, t := range slices.Sorted(maps.Keys(p.deltaSubs)) {
+		req := &discovery.DeltaDiscoveryRequest{
+			TypeUrl:                 t,
+			ResourceNamesSubscribe:  slices.Sorted(maps.Keys(p.deltaSubs[t])),
+			InitialResourceVersions: maps.Clone(p.deltaHeld[t]),
+		}
+		out = append(out, req)
+	}
+	return out
+}

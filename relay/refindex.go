@@ -1,0 +1,70 @@
+package relay
+
+import (
+	"sync"
+
+	"github.com/meshrelay/meshrelay/ledger"
+)
+
+// refKind selects which references of a resource to follow.
+type refKind uint8
+
+const (
+	refEndpoints refKind = iota
+	refRoutes
+	refClusters
+)
+
+func (r refs) of(kind refKind) []string {
+	switch kind {
+	case refEndpoints:
+		return r.endpoints
+	case refRoutes:
+		return r.routes
+	}
+	return r.clusters
+}
+
+// refIndex remembers, for a few recent trees, the set of names their
+// resources refer to. Trees are content-addressed by their root, and the
+// streams of a key mostly hold the same trees, so one computation serves
+// them all. Safe for concurrent use.
+type refIndex struct {
+	mu sync.Mutex
+	m  map[refIndexKey]map[string]struct{}
+}
+
+type refIndexKey struct {
+	root ledger.Hash
+	kind refKind
+}
+
+// refIndexSize bounds the memo; it is cleared when full (the working set is
+// the few trees the streams hold now).
+const refIndexSize = 128
+
+func (x *refIndex) names(t ledger.Tree[*Resource], kind refKind) map[string]struct{} {
+	k := refIndexKey{t.Root(), kind}
+	x.mu.Lock()
+	set, ok := x.m[k]
+	x.mu.Unlock()
+	if ok {
+		return set
+	}
+	set = make(map[string]struct{})
+	for e := range t.All() {
+		if e.Value == nil {
+			continue // declared by the client, content unknown to this relay
+		}
+		for _, n := range e.Value.refs.of(kind) {
+			set[n] = struct{}{}
+		}
+	}
+	x.mu.Lock()
+	if x.m == nil || len(x.m) >= refIndexSize {
+		x.m = make(map[refIndexKey]map[string]struct{})
+	}
+	x.m[k] = set
+	x.mu.Unlock()
+	return set
+}

@@ -1,0 +1,399 @@
+// Package relay is meshrelay's xDS data path: the downstream ADS server
+// (SotW and Delta) that Envoys connect to, the upstream ADS client that
+// subscribes to istiod once per aggregation key, the content-addressed
+// resource cache between them, and the aggregation keys themselves.
+//
+// A Relay serves every Envoy from its cache. For each aggregation key (a
+// class of proxies that get identical config) it holds one upstream stream,
+// presenting one live member's node, and keeps the key's views: per type, a
+// Merkle tree (ledger.Tree) of name → resource. Resources are stored once
+// and shared by every key and stream. Each downstream stream keeps the tree
+// its client holds and, when the key's view changes, sends what differs, in
+// make-before-break order. Versions are Merkle roots, so any relay recognises
+// a client that already holds the current content.
+//
+// The downstream server is the relay's own rather than go-control-plane's:
+// that server leaves ordering, ACK tracking, NACK parking and
+// initial_resource_versions to a cache behind a watch interface and has no
+// place to pass unknown types through per stream, which is most of what a
+// relay must get right. go-control-plane provides the protos, the resource
+// type URLs, and (in loadtest) the upstream.
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"maps"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/http/pprof"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/status"
+)
+
+// Relay is one meshrelay process's xDS relay. Create it with New, then Start;
+// Stop it when done. Its methods are safe for concurrent use.
+type Relay struct {
+	cfg          Config
+	log          *slog.Logger
+	store        *store
+	refIndex     refIndex
+	metrics      *metrics
+	pushACK      latency
+	controlPlane *core.ControlPlane
+	streamID     atomic.Uint64
+
+	upConn   *grpc.ClientConn
+	server   *grpc.Server
+	lis      net.Listener
+	admin    *http.Server
+	adminLis net.Listener
+
+	ctx      context.Context // upstream goroutines' context
+	cancel   context.CancelFunc
+	stopping chan struct{} // closed by Stop: streams end
+	wg       sync.WaitGroup
+
+	mu      sync.Mutex
+	keys    map[Key]*keyState
+	state   int // 0 new, 1 started, 2 stopped
+	serveWG sync.WaitGroup
+}
+
+// New validates cfg and builds a Relay. Nothing runs until Start.
+func New(cfg Config) (*Relay, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	r := &Relay{
+		cfg:          cfg,
+		log:          cfg.Logger.With("relay", cfg.ID),
+		store:        newStore(),
+		controlPlane: &core.ControlPlane{Identifier: cfg.ID},
+		stopping:     make(chan struct{}),
+		keys:         make(map[Key]*keyState),
+	}
+	m, err := newMetrics(cfg.Registerer, r)
+	if err != nil {
+		return nil, fmt.Errorf("relay: register metrics: %w", err)
+	}
+	r.metrics = m
+	return r, nil
+}
+
+// Start listens, connects to the upstream, and serves. It does not block.
+func (r *Relay) Start(ctx context.Context) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.state != 0 {
+		return errors.New("relay: Start called twice")
+	}
+	opts := append([]grpc.DialOption{
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(r.cfg.MaxMsgSize), grpc.MaxCallSendMsgSize(r.cfg.MaxMsgSize)),
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 30 * time.Second, Timeout: 10 * time.Second, PermitWithoutStream: true}),
+	}, r.cfg.UpstreamDialOptions...)
+	conn, err := grpc.NewClient(r.cfg.Upstream, opts...)
+	if err != nil {
+		return fmt.Errorf("relay: upstream %s: %w", r.cfg.Upstream, err)
+	}
+	lis := r.cfg.Listener
+	if lis == nil {
+		lis, err = net.Listen("tcp", r.cfg.XDSListen)
+		if err != nil {
+			conn.Close()
+			return fmt.Errorf("relay: listen %s: %w", r.cfg.XDSListen, err)
+		}
+	}
+	if r.cfg.AdminListen != "" {
+		r.adminLis, err = net.Listen("tcp", r.cfg.AdminListen)
+		if err != nil {
+			conn.Close()
+			lis.Close()
+			return fmt.Errorf("relay: admin listen %s: %w", r.cfg.AdminListen, err)
+		}
+	}
+	r.upConn, r.lis = conn, lis
+	r.ctx, r.cancel = context.WithCancel(context.WithoutCancel(ctx))
+	r.server = grpc.NewServer(
+		grpc.MaxRecvMsgSize(r.cfg.MaxMsgSize),
+		grpc.MaxSendMsgSize(r.cfg.MaxMsgSize),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}),
+	)
+	discovery.RegisterAggregatedDiscoveryServiceServer(r.server, r)
+	r.serveWG.Add(1)
+	go func() {
+		defer r.serveWG.Done()
+		if err := r.server.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+			r.log.Error("xDS server stopped", "err", err)
+		}
+	}()
+	if r.adminLis != nil {
+		r.admin = &http.Server{Handler: r.adminMux(), ReadHeaderTimeout: 10 * time.Second}
+		r.serveWG.Add(1)
+		go func() {
+			defer r.serveWG.Done()
+			if err := r.admin.Serve(r.adminLis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				r.log.Error("admin server stopped", "err", err)
+			}
+		}()
+	}
+	r.state = 1
+	r.log.Info("relay started", "xds", lis.Addr().String(), "upstream", r.cfg.Upstream,
+		"upstream_protocol", r.cfg.UpstreamProtocol, "key_profile", r.cfg.KeyProfile.Name())
+	return nil
+}
+
+// Addr returns the address the xDS server listens on (after Start).
+func (r *Relay) Addr() net.Addr {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.lis == nil {
+		return nil
+	}
+	return r.lis.Addr()
+}
+
+// AdminAddr returns the admin server's address, or nil.
+func (r *Relay) AdminAddr() net.Addr {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.adminLis == nil {
+		return nil
+	}
+	return r.adminLis.Addr()
+}
+
+// Stop ends every stream (clients see Unavailable and reconnect elsewhere),
+// closes the upstream streams, and returns once every goroutine the relay
+// started has exited. It is idempotent. If ctx ends first, in-flight sends
+// are cut.
+func (r *Relay) Stop(ctx context.Context) error {
+	r.mu.Lock()
+	if r.state != 1 {
+		r.state = 2
+		r.mu.Unlock()
+		return nil
+	}
+	r.state = 2
+	r.mu.Unlock()
+
+	close(r.stopping)
+	done := make(chan struct{})
+	go func() {
+		r.server.GracefulStop()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		r.server.Stop()
+		<-done
+	}
+	r.cancel()
+	r.wg.Wait()
+	var err error
+	if r.admin != nil {
+		err = r.admin.Shutdown(ctx)
+	}
+	r.serveWG.Wait()
+	return errors.Join(err, r.upConn.Close())
+}
+
+// acquireKey returns the key's state, creating it (and its upstream
+// goroutine) if needed, with s joined as a member.
+func (r *Relay) acquireKey(key Key, s *stream) *keyState {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	k := r.keys[key]
+	if k == nil {
+		k = newKeyState(r, key)
+		r.keys[key] = k
+		u := newUpstream(k)
+		r.wg.Add(1)
+		go func() {
+			defer r.wg.Done()
+			u.run(r.ctx)
+		}()
+	}
+	k.join(s)
+	return k
+}
+
+// dropIfIdle forgets k if it still has no members, and reports whether it
+// did. The key's upstream goroutine calls it when its idle timer fires.
+func (r *Relay) dropIfIdle(k *keyState) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if len(k.members) > 0 {
+		return false
+	}
+	delete(r.keys, k.key)
+	r.log.Debug("key dropped after idling", "key", k.key)
+	return true
+}
+
+// Stats is a point-in-time summary of a relay, for the demo, the load tests
+// and the admin surface.
+type Stats struct {
+	Streams         int // downstream streams attached to a key
+	Keys            int
+	StaleKeys       int
+	UpstreamStreams int
+	Resources       int    // distinct resources in the cache
+	Pushes          uint64 // responses sent downstream
+	BytesSent       uint64
+	PushACKP50      time.Duration
+	PushACKP99      time.Duration
+	ACKs            uint64
+}
+
+// Stats returns the relay's current figures.
+func (r *Relay) Stats() Stats {
+	r.mu.Lock()
+	keys := make([]*keyState, 0, len(r.keys))
+	for _, k := range r.keys {
+		keys = append(keys, k)
+	}
+	r.mu.Unlock()
+	st := Stats{Keys: len(keys), Resources: r.store.len()}
+	for _, k := range keys {
+		k.mu.Lock()
+		st.Streams += len(k.members)
+		k.mu.Unlock()
+		if k.snap.Load().stale {
+			st.StaleKeys++
+		}
+	}
+	st.Pushes = r.metrics.pushCount.Load()
+	st.BytesSent = r.metrics.bytesCount.Load()
+	st.PushACKP50, st.ACKs = r.pushACK.quantile(0.50)
+	st.PushACKP99, _ = r.pushACK.quantile(0.99)
+	st.UpstreamStreams = int(r.metrics.upstreamOpen.Load())
+	return st
+}
+
+// ClientStatus is what the relay knows of one connected stream.
+type ClientStatus struct {
+	NodeID   string
+	Key      Key
+	Protocol Protocol
+	Peer     string
+	// Types holds the stream's state by type URL.
+	Types map[string]TypeStatus
+}
+
+// Clients returns the status of every stream attached to a key.
+func (r *Relay) Clients() []ClientStatus {
+	r.mu.Lock()
+	keys := make([]*keyState, 0, len(r.keys))
+	for _, k := range r.keys {
+		keys = append(keys, k)
+	}
+	r.mu.Unlock()
+	var out []ClientStatus
+	for _, k := range keys {
+		k.mu.Lock()
+		members := slices.Clone(k.members)
+		k.mu.Unlock()
+		for _, s := range members {
+			cs := ClientStatus{NodeID: s.node.GetId(), Key: k.key, Protocol: ProtocolSotW, Peer: s.peer}
+			if s.delta {
+				cs.Protocol = ProtocolDelta
+			}
+			s.statusMu.Lock()
+			cs.Types = maps.Clone(s.status)
+			s.statusMu.Unlock()
+			out = append(out, cs)
+		}
+	}
+	slices.SortFunc(out, func(a, b ClientStatus) int { return strings.Compare(a.NodeID, b.NodeID) })
+	return out
+}
+
+func (r *Relay) adminMux() *http.ServeMux {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
+		select {
+		case <-r.stopping:
+			http.Error(w, "stopping", http.StatusServiceUnavailable)
+		default:
+			fmt.Fprintln(w, "ready")
+		}
+	})
+	mux.Handle("/metrics", promhttp.HandlerFor(r.cfg.Gatherer, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	return mux
+}
+
+// backoff is a jittered exponential backoff ("full jitter" on the upper
+// half: each wait is uniform in [d/2, d], d doubling up to the maximum).
+type backoff struct {
+	initial, max, cur time.Duration
+}
+
+func (r *Relay) newBackoff() *backoff {
+	return &backoff{initial: r.cfg.BackoffInitial, max: r.cfg.BackoffMax}
+}
+
+func (b *backoff) next() time.Duration {
+	if b.cur == 0 {
+		b.cur = b.initial
+	} else {
+		b.cur = min(2*b.cur, b.max)
+	}
+	half := b.cur / 2
+	return half + rand.N(half+1)
+}
+
+func (b *backoff) reset() { b.cur = 0 }
+
+// sleepCtx waits d or until ctx ends, and reports whether d passed.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// recvError turns the end of a client's stream into the handler's result:
+// a client going away is not an error.
+func recvError(err error) error {
+	if status.Code(err) == codes.Canceled || errors.Is(err, context.Canceled) {
+		return nil
+	}
+	if errors.Is(err, io.EOF) {
+		return nil
+	}
+	return err
+}

@@ -1,0 +1,285 @@
+package relay
+
+import (
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"weak"
+
+	cluster "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	endpoint "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
+	listener "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+	route "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
+	hcm "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
+	tcpproxy "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/tcp_proxy/v3"
+	tls "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
+	runtimev3 "github.com/envoyproxy/go-control-plane/envoy/service/runtime/v3"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/meshrelay/meshrelay/ledger"
+)
+
+// Resource is one xDS resource as the upstream sent it. It is immutable and
+// shared: every key view and every stream that holds the same content holds
+// the same *Resource, and its body is the upstream's bytes, never marshalled
+// again.
+type Resource struct {
+	Type string
+	Name string
+	// Hash is the content address: SHA-256 over the type URL and the
+	// serialized resource. Its String form is the resource's xDS version.
+	Hash ledger.Hash
+	// Body is the resource as sent on the wire. Never modify it.
+	Body *anypb.Any
+
+	refs refs
+}
+
+// refs are the names a resource points at, which the relay needs to follow
+// dependencies the way Envoy does: a cluster needs its endpoints, a listener
+// its route configurations, and routes point at clusters.
+type refs struct {
+	endpoints []string // EDS names (from a Cluster)
+	routes    []string // RDS names (from a Listener or a ScopedRouteConfiguration)
+	clusters  []string // cluster names (from routes and tcp_proxy filters)
+}
+
+// Size returns the size of the resource body in bytes.
+func (r *Resource) Size() int { return len(r.Body.GetValue()) }
+
+// contentHash is the content address of a serialized resource of typeURL.
+func contentHash(typeURL string, value []byte) ledger.Hash {
+	d := sha256.New()
+	d.Write([]byte(typeURL))
+	d.Write([]byte{0})
+	d.Write(value)
+	var h ledger.Hash
+	d.Sum(h[:0])
+	return h
+}
+
+// store interns resources by content so that each distinct resource is held
+// once, whatever the number of keys and streams that refer to it. Entries go
+// away by themselves once nothing refers to the resource: the map holds weak
+// pointers and a cleanup removes the entry.
+//
+// A store is safe for concurrent use.
+type store struct {
+	mu sync.Mutex
+	m  map[ledger.Hash]weak.Pointer[Resource]
+}
+
+func newStore() *store { return &store{m: make(map[ledger.Hash]weak.Pointer[Resource])} }
+
+func (s *store) lookup(h ledger.Hash) *Resource {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.m[h].Value()
+}
+
+// intern returns the resource already held for r's content, or r.
+func (s *store) intern(r *Resource) *Resource {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if have := s.m[r.Hash].Value(); have != nil {
+		return have
+	}
+	s.m[r.Hash] = weak.Make(r)
+	runtime.AddCleanup(r, s.forget, r.Hash)
+	return r
+}
+
+func (s *store) forget(h ledger.Hash) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if wp, ok := s.m[h]; ok && wp.Value() == nil {
+		delete(s.m, h)
+	}
+}
+
+// len returns the number of distinct resources held (including some whose
+// last reference has just gone and which the next GC will drop).
+func (s *store) len() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.m)
+}
+
+var errNoName = errors.New("relay: resource has no name")
+
+// decode turns a resource received from the upstream into a Resource. The
+// input is untrusted: a type mismatch, bytes that do not parse, or a missing
+// or (for Delta) mismatched name is an error and the caller NACKs. Content
+// the store already holds is not parsed again.
+func (s *store) decode(typeURL string, a *anypb.Any, wantName string) (*Resource, error) {
+	if a == nil {
+		return nil, errors.New("relay: empty resource")
+	}
+	if a.GetTypeUrl() != typeURL {
+		return nil, fmt.Errorf("relay: resource of type %s in a %s response", a.GetTypeUrl(), typeURL)
+	}
+	h := contentHash(typeURL, a.GetValue())
+	if r := s.lookup(h); r != nil {
+		if wantName != "" && r.Name != wantName {
+			return nil, fmt.Errorf("relay: resource named %q carries %q", wantName, r.Name)
+		}
+		return r, nil
+	}
+	msg, err := newMessage(typeURL)
+	if err != nil {
+		return nil, err
+	}
+	if err := proto.Unmarshal(a.GetValue(), msg); err != nil {
+		return nil, fmt.Errorf("relay: decode %s: %w", shortType(typeURL), err)
+	}
+	name := nameOf(msg)
+	if name == "" {
+		return nil, errNoName
+	}
+	if wantName != "" && name != wantName {
+		return nil, fmt.Errorf("relay: resource named %q carries %q", wantName, name)
+	}
+	r := &Resource{
+		Type: typeURL,
+		Name: name,
+		Hash: h,
+		Body: &anypb.Any{TypeUrl: typeURL, Value: a.GetValue()},
+		refs: refsOf(msg),
+	}
+	return s.intern(r), nil
+}
+
+func newMessage(typeURL string) (proto.Message, error) {
+	switch typeURL {
+	case typeCluster:
+		return &cluster.Cluster{}, nil
+	case typeEndpoint:
+		return &endpoint.ClusterLoadAssignment{}, nil
+	case typeListener:
+		return &listener.Listener{}, nil
+	case typeRoute:
+		return &route.RouteConfiguration{}, nil
+	case typeScopedRoute:
+		return &route.ScopedRouteConfiguration{}, nil
+	case typeSecret:
+		return &tls.Secret{}, nil
+	case typeRuntime:
+		return &runtimev3.Runtime{}, nil
+	case typeExtension:
+		return &core.TypedExtensionConfig{}, nil
+	}
+	return nil, fmt.Errorf("relay: type %s is not cached", typeURL)
+}
+
+func nameOf(m proto.Message) string {
+	switch v := m.(type) {
+	case *endpoint.ClusterLoadAssignment:
+		return v.GetClusterName()
+	case interface{ GetName() string }:
+		return v.GetName()
+	}
+	return ""
+}
+
+func refsOf(m proto.Message) refs {
+	var r refs
+	switch v := m.(type) {
+	case *cluster.Cluster:
+		if v.GetType() == cluster.Cluster_EDS {
+			name := v.GetEdsClusterConfig().GetServiceName()
+			if name == "" {
+				name = v.GetName()
+			}
+			r.endpoints = []string{name}
+		}
+	case *listener.Listener:
+		chains := v.GetFilterChains()
+		if d := v.GetDefaultFilterChain(); d != nil {
+			chains = append(chains[:len(chains):len(chains)], d)
+		}
+		for _, fc := range chains {
+			for _, f := range fc.GetFilters() {
+				r.addFilter(f.GetTypedConfig())
+			}
+		}
+		r.addFilter(v.GetApiListener().GetApiListener())
+	case *route.RouteConfiguration:
+		r.addRouteConfig(v)
+	case *route.ScopedRouteConfiguration:
+		if n := v.GetRouteConfigurationName(); n != "" {
+			r.routes = []string{n}
+		}
+	}
+	return r
+}
+
+// addFilter records what an HTTP connection manager or tcp_proxy filter
+// config points at. Other filters, and configs that do not parse, point at
+// nothing the relay follows.
+func (r *refs) addFilter(a *anypb.Any) {
+	if a == nil {
+		return
+	}
+	switch a.GetTypeUrl() {
+	case "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager":
+		var m hcm.HttpConnectionManager
+		if a.UnmarshalTo(&m) != nil {
+			return
+		}
+		if n := m.GetRds().GetRouteConfigName(); n != "" {
+			r.routes = appendNew(r.routes, n)
+		}
+		for _, s := range m.GetScopedRoutes().GetScopedRouteConfigurationsList().GetScopedRouteConfigurations() {
+			r.routes = appendNew(r.routes, s.GetRouteConfigurationName())
+		}
+		if rc := m.GetRouteConfig(); rc != nil {
+			r.addRouteConfig(rc)
+		}
+	case "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy":
+		var m tcpproxy.TcpProxy
+		if a.UnmarshalTo(&m) != nil {
+			return
+		}
+		if c := m.GetCluster(); c != "" {
+			r.clusters = appendNew(r.clusters, c)
+		}
+		for _, w := range m.GetWeightedClusters().GetClusters() {
+			r.clusters = appendNew(r.clusters, w.GetName())
+		}
+	}
+}
+
+func (r *refs) addRouteConfig(rc *route.RouteConfiguration) {
+	seen := make(map[string]struct{}, len(r.clusters))
+	for _, c := range r.clusters {
+		seen[c] = struct{}{}
+	}
+	add := func(name string) {
+		if _, ok := seen[name]; name != "" && !ok {
+			seen[name] = struct{}{}
+			r.clusters = append(r.clusters, name)
+		}
+	}
+	for _, vh := range rc.GetVirtualHosts() {
+		for _, rt := range vh.GetRoutes() {
+			a := rt.GetRoute()
+			add(a.GetCluster())
+			for _, w := range a.GetWeightedClusters().GetClusters() {
+				add(w.GetName())
+			}
+		}
+	}
+}
+
+func appendNew(s []string, v string) []string {
+	for _, have := range s {
+		if have == v {
+			return s
+		}
+	}
+	return append(s, v)
+}

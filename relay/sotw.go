@@ -1,0 +1,122 @@
+package relay
+
+import (
+	"slices"
+
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
+)
+
+// StreamAggregatedResources serves one SotW ADS stream.
+func (r *Relay) StreamAggregatedResources(ss discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
+	s := r.newStream(ss.Context(), false)
+	s.send = func(o *outgoing) error {
+		resp := &discovery.DiscoveryResponse{
+			VersionInfo:  o.version,
+			TypeUrl:      o.typeURL,
+			Nonce:        o.nonce,
+			ControlPlane: r.controlPlane,
+		}
+		res := o.fullSotW
+		if res == nil {
+			res = o.upd
+		}
+		resp.Resources = make([]*anypb.Any, len(res))
+		for i, x := range res {
+			resp.Resources[i] = x.Body
+		}
+		r.metrics.sent(o.typeURL, len(res), len(o.removed), resp)
+		return ss.Send(resp)
+	}
+	s.sendRaw = func(m proto.Message) error { return ss.Send(m.(*discovery.DiscoveryResponse)) }
+	return serve(s, ss.Recv, s.onSotW)
+}
+
+// onSotW handles one SotW request.
+func (s *stream) onSotW(req *discovery.DiscoveryRequest) error {
+	if s.key == nil {
+		if err := s.attach(req.GetNode()); err != nil {
+			return err
+		}
+	}
+	typeURL := req.GetTypeUrl()
+	if typeURL == "" {
+		return status.Error(codes.InvalidArgument, "type_url is required on an ADS stream")
+	}
+	if !cached(typeURL) {
+		return s.passthroughSotW(req)
+	}
+	if err := s.checkNames(typeURL, len(req.GetResourceNames())); err != nil {
+		return err
+	}
+	explicit := slices.Contains(req.GetResourceNames(), wildcardName)
+	names := newNameSet(req.GetResourceNames())
+
+	sub := s.subs[typeURL]
+	if sub == nil {
+		legacy := len(req.GetResourceNames()) == 0 && legacyWildcard(typeURL)
+		sub = s.newSub(typeURL, explicit || legacy, legacy, names)
+		sub.claimed = req.GetVersionInfo()
+		return nil
+	}
+	if req.GetResponseNonce() != sub.nonce {
+		// A SotW request is answered only if it refers to the latest
+		// response of its type (xDS protocol); older ones are stale.
+		s.log.Debug("stale nonce", "type", shortType(typeURL), "nonce", req.GetResponseNonce(), "want", sub.nonce)
+		return nil
+	}
+	if sub.nonce != "" {
+		s.ack(sub, sub.sent, nackDetail(req.GetErrorDetail()))
+	}
+	wildcard := explicit || (sub.legacy && len(req.GetResourceNames()) == 0)
+	s.resubscribe(sub, wildcard, names, nil)
+	return nil
+}
+
+// serve runs a stream's handler loop: requests, wake-ups from the key, and
+// passthrough responses, each followed by a sync. It returns when the client
+// goes away or a request is refused.
+func serve[Req any](s *stream, recv func() (Req, error), handle func(Req) error) error {
+	defer s.close()
+	reqs := make(chan Req)
+	errc := make(chan error, 1)
+	go func() {
+		for {
+			req, err := recv()
+			if err != nil {
+				errc <- err
+				return
+			}
+			select {
+			case reqs <- req:
+			case <-s.ctx.Done():
+				return
+			}
+		}
+	}()
+	for {
+		select {
+		case req := <-reqs:
+			if err := handle(req); err != nil {
+				return err
+			}
+		case <-s.wake:
+		case m := <-s.passOut():
+			if err := s.forward(m); err != nil {
+				return err
+			}
+		case err := <-errc:
+			return recvError(err)
+		case <-s.ctx.Done():
+			return nil
+		case <-s.r.stopping:
+			return status.Error(codes.Unavailable, "relay is shutting down")
+		}
+		if err := s.sync(); err != nil {
+			return err
+		}
+	}
+}

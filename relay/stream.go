@@ -1,0 +1,502 @@
+package relay
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/ledger"
+)
+
+// stream is one downstream ADS stream, SotW or Delta. All of its state is
+// owned by the stream's handler goroutine; other goroutines only wake it.
+type stream struct {
+	r     *Relay
+	id    uint64
+	delta bool
+	ctx   context.Context
+	peer  string
+	log   *slog.Logger
+
+	node *core.Node // from the first request, kept for the stream
+	key  *keyState
+	wake chan struct{}
+
+	nonce uint64
+	subs  map[string]*typeSub
+	pass  *passthrough
+
+	statusMu sync.Mutex
+	status   map[string]TypeStatus // by type URL; read by Relay.Clients
+
+	// send writes one response of a cached type, sendRaw a passthrough
+	// answer; both are the protocol's own.
+	send    func(*outgoing) error
+	sendRaw func(proto.Message) error
+}
+
+// typeSub is a stream's subscription to one cached type and what the client
+// holds of it.
+type typeSub struct {
+	typeURL  string
+	wildcard bool
+	// legacy is set while the subscription is wildcard only because the
+	// first request named nothing.
+	legacy bool
+	names  nameSet
+
+	// known is what the client holds, as far as the relay knows: what it
+	// was sent (ACKed or not: a NACKed version is not sent again until the
+	// content changes) or declared it had. For a non-wildcard subscription
+	// it only ever holds subscribed names.
+	known ledger.Tree[*Resource]
+
+	// awaitFirst is set until the client got its first answer: it must get
+	// one once the type is ready, even an empty one.
+	awaitFirst bool
+	// claimed is the SotW version_info of the first request, checked once
+	// the type is ready: if it is the current content the client is current.
+	claimed string
+
+	// nonce is the latest response's nonce (SotW: older ones are stale).
+	nonce string
+	// inflight lists Delta responses not yet answered, oldest first.
+	inflight []sentResponse
+	// sent is the latest response (SotW: the one an ACK refers to).
+	sent sentResponse
+}
+
+type sentResponse struct {
+	nonce, version string
+	at             time.Time
+}
+
+// maxInflight bounds the Delta responses remembered for ACK matching; a
+// client that never answers costs no more than this.
+const maxInflight = 32
+
+// TypeStatus is what the relay knows of one stream's state for one type.
+type TypeStatus struct {
+	SentVersion  string
+	SentAt       time.Time
+	AckedVersion string
+	AckedAt      time.Time
+	// NACK is the last rejection, cleared by a later ACK.
+	NACK *NACK
+}
+
+// NACK is a client's rejection of a version.
+type NACK struct {
+	Version string
+	Detail  string
+	At      time.Time
+}
+
+// outgoing is a response about to be sent, in protocol-neutral form.
+type outgoing struct {
+	typeURL string
+	// version is the Merkle root of what the client holds once it applies
+	// this response (SotW version_info), or of the key's view (Delta
+	// system_version_info).
+	version  string
+	upd      []*Resource
+	removed  []string
+	fullSotW []*Resource // SotW full-state types: everything the client holds
+	nonce    string
+}
+
+func (r *Relay) newStream(ctx context.Context, delta bool) *stream {
+	s := &stream{
+		r:     r,
+		id:    r.streamID.Add(1),
+		delta: delta,
+		ctx:   ctx,
+		wake:  make(chan struct{}, 1),
+		subs:  make(map[string]*typeSub),
+
+		status: make(map[string]TypeStatus),
+	}
+	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
+		s.peer = p.Addr.String()
+	}
+	s.log = r.log.With("stream", s.id, "protocol", protocolName(delta))
+	return s
+}
+
+func protocolName(delta bool) string {
+	if delta {
+		return "delta"
+	}
+	return "sotw"
+}
+
+// attach binds the stream to its node and key on the first request.
+func (s *stream) attach(node *core.Node) error {
+	if node.GetId() == "" {
+		return status.Error(codes.InvalidArgument, "the first request of a stream must carry a node with an id")
+	}
+	if err := s.r.cfg.Authorizer.Authorize(s.ctx, node); err != nil {
+		s.log.Warn("stream refused", "node", node.GetId(), "peer", s.peer, "err", err)
+		return status.Errorf(codes.PermissionDenied, "node %q: %v", node.GetId(), err)
+	}
+	s.node = node
+	key := s.r.cfg.KeyProfile.Key(node)
+	s.log = s.log.With("node", node.GetId(), "key", key)
+	s.key = s.r.acquireKey(key, s)
+	s.r.metrics.envoys.WithLabelValues(protocolName(s.delta)).Inc()
+	s.log.Debug("stream attached", "peer", s.peer)
+	return nil
+}
+
+// close releases everything the stream holds. It runs on the handler
+// goroutine as it returns.
+func (s *stream) close() {
+	if s.pass != nil {
+		s.pass.stop()
+	}
+	if s.key != nil {
+		s.key.leave(s)
+		s.r.metrics.envoys.WithLabelValues(protocolName(s.delta)).Dec()
+		s.log.Debug("stream closed")
+	}
+}
+
+// updateStatus changes the published status of one type.
+func (s *stream) updateStatus(typeURL string, fn func(*TypeStatus)) {
+	s.statusMu.Lock()
+	defer s.statusMu.Unlock()
+	st := s.status[typeURL]
+	fn(&st)
+	s.status[typeURL] = st
+}
+
+func (s *stream) nextNonce() string {
+	s.nonce++
+	return strconv.FormatUint(s.nonce, 10)
+}
+
+// checkNames enforces the per-type subscription limit on untrusted input.
+func (s *stream) checkNames(typeURL string, n int) error {
+	if limit := s.r.cfg.MaxSubscribedNames; n > limit {
+		return status.Errorf(codes.InvalidArgument, "%d names for %s exceed the limit of %d a stream", n, typeURL, limit)
+	}
+	return nil
+}
+
+// newSub starts a subscription from a stream's first request for a type.
+func (s *stream) newSub(typeURL string, wildcard, legacy bool, names nameSet) *typeSub {
+	sub := &typeSub{typeURL: typeURL, wildcard: wildcard, legacy: legacy, names: names, awaitFirst: true}
+	s.subs[typeURL] = sub
+	s.key.subscribe(typeURL, false, wildcard, names, nil)
+	return sub
+}
+
+// resubscribe applies a change of subscription to sub and to the key.
+// forget lists names whose known state is dropped so that they are sent
+// again (unsubscribed names, and in Delta every name subscribed again).
+func (s *stream) resubscribe(sub *typeSub, wildcard bool, names nameSet, forget []string) {
+	added, removed := sub.names.diff(names)
+	if wildcard == sub.wildcard && len(added) == 0 && len(removed) == 0 && len(forget) == 0 {
+		return
+	}
+	kb := sub.known.Edit()
+	for _, n := range removed {
+		kb.Delete(n)
+	}
+	for _, n := range forget {
+		kb.Delete(n)
+	}
+	if sub.wildcard && !wildcard {
+		for e := range sub.known.All() {
+			if !names.has(e.Name) {
+				kb.Delete(e.Name)
+			}
+		}
+	}
+	sub.known = kb.Tree()
+	s.key.subscribe(sub.typeURL, sub.wildcard, wildcard, added, removed)
+	sub.wildcard, sub.names = wildcard, names
+	if !wildcard {
+		sub.legacy = false
+	}
+}
+
+// ack records the client's answer to the response with the given nonce and
+// version.
+func (s *stream) ack(sub *typeSub, sent sentResponse, errorDetail string) {
+	now := time.Now()
+	t := shortType(sub.typeURL)
+	if errorDetail != "" {
+		s.updateStatus(sub.typeURL, func(st *TypeStatus) {
+			st.NACK = &NACK{Version: sent.version, Detail: errorDetail, At: now}
+		})
+		s.r.metrics.nacks.WithLabelValues(t).Inc()
+		s.log.Warn("NACK", "type", t, "version", sent.version, "nonce", sent.nonce, "detail", errorDetail)
+		return
+	}
+	s.updateStatus(sub.typeURL, func(st *TypeStatus) {
+		st.AckedVersion, st.AckedAt, st.NACK = sent.version, now, nil
+	})
+	d := now.Sub(sent.at)
+	s.r.metrics.pushACK.WithLabelValues(t).Observe(d.Seconds())
+	s.r.pushACK.observe(d)
+}
+
+// target returns what a client subscribed as sub should hold of view.
+func (sub *typeSub) target(view ledger.Tree[*Resource]) ledger.Tree[*Resource] {
+	if sub.wildcard {
+		return view
+	}
+	b := ledger.Tree[*Resource]{}.Edit()
+	for _, n := range sub.names {
+		if e, ok := view.Get(n); ok {
+			b.Set(n, e.Hash, e.Value)
+		}
+	}
+	t := b.Tree()
+	if t.Root() == view.Root() {
+		return view // share the view's nodes
+	}
+	return t
+}
+
+// changes returns what the client lacks or holds at another hash (upd), and
+// the names it holds that the view does not have (gone).
+func (sub *typeSub) changes(view ledger.Tree[*Resource]) (upd []*Resource, gone []string) {
+	if !sub.wildcard && len(sub.names)*4 < view.Len() {
+		// A small subscription to a large view: look each name up.
+		for _, n := range sub.names {
+			w, wok := view.Get(n)
+			k, kok := sub.known.Get(n)
+			switch {
+			case wok && (!kok || k.Hash != w.Hash):
+				upd = append(upd, w.Value)
+			case !wok && kok:
+				gone = append(gone, n)
+			}
+		}
+		return upd, gone
+	}
+	ledger.Diff(sub.known, view, func(c ledger.Change[*Resource]) bool {
+		switch {
+		case c.New != nil && (sub.wildcard || sub.names.has(c.Name)):
+			upd = append(upd, c.New.Value)
+		case c.New == nil:
+			gone = append(gone, c.Name)
+		}
+		return true
+	})
+	return upd, gone
+}
+
+// plan is what one sync round will send for one type.
+type plan struct {
+	sub  *typeSub
+	ts   *typeSnap
+	upd  []*Resource
+	gone []string // removal candidates, not yet checked for references
+}
+
+// sync brings the client up to the key's latest snapshot: updates in push
+// order (CDS, EDS, LDS, RDS, …), then removals in reverse dependency order,
+// each removal held while something the client holds still refers to it.
+func (s *stream) sync() error {
+	if s.key == nil {
+		return nil
+	}
+	snap := s.key.snap.Load()
+	now := time.Now()
+	wait := s.r.cfg.ResourceWaitTimeout
+	var plans []*plan
+	for _, typeURL := range pushOrder {
+		sub := s.subs[typeURL]
+		ts := snap.types[typeURL]
+		if sub == nil || ts == nil || !ts.ready {
+			continue
+		}
+		if sub.claimed != "" {
+			if t := sub.target(ts.view); t.Root().String() == sub.claimed {
+				sub.known, sub.awaitFirst = t, false
+				s.updateStatus(typeURL, func(st *TypeStatus) {
+					st.SentVersion, st.AckedVersion = sub.claimed, sub.claimed
+				})
+			}
+			sub.claimed = ""
+		}
+		upd, gone := sub.changes(ts.view)
+		gone = slices.DeleteFunc(gone, func(n string) bool { return ts.isPending(n, now, wait) })
+		if typeURL == typeCluster {
+			s.forceEndpoints(sub, upd)
+		}
+		if len(upd) > 0 || len(gone) > 0 || sub.awaitFirst {
+			plans = append(plans, &plan{sub: sub, ts: ts, upd: upd, gone: gone})
+		}
+	}
+	for i, p := range plans {
+		laterUpdates := false
+		for _, q := range plans[i+1:] {
+			laterUpdates = laterUpdates || len(q.upd) > 0
+		}
+		var removed []string
+		if !laterUpdates {
+			removed, p.gone = s.allowedRemovals(p), nil
+		}
+		if len(p.upd) > 0 || len(removed) > 0 || p.sub.awaitFirst {
+			if err := s.emit(p, p.upd, removed); err != nil {
+				return err
+			}
+		}
+	}
+	for _, typeURL := range removalOrder {
+		for _, p := range plans {
+			if p.sub.typeURL != typeURL || len(p.gone) == 0 {
+				continue
+			}
+			if removed := s.allowedRemovals(p); len(removed) > 0 {
+				if err := s.emit(p, nil, removed); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// forceEndpoints makes the stream send again the endpoints of every cluster
+// that changed: Envoy warms an updated cluster only when its
+// ClusterLoadAssignment arrives, even if the endpoints did not change.
+func (s *stream) forceEndpoints(cds *typeSub, upd []*Resource) {
+	eds := s.subs[typeEndpoint]
+	if eds == nil {
+		return
+	}
+	var kb *ledger.Builder[*Resource]
+	for _, r := range upd {
+		if _, had := cds.known.Get(r.Name); !had {
+			continue
+		}
+		for _, e := range r.refs.endpoints {
+			if _, ok := eds.known.Get(e); !ok {
+				continue
+			}
+			if kb == nil {
+				kb = eds.known.Edit()
+			}
+			kb.Delete(e)
+		}
+	}
+	if kb != nil {
+		eds.known = kb.Tree()
+	}
+}
+
+// allowedRemovals returns the removal candidates of p that nothing the client
+// holds refers to any more.
+func (s *stream) allowedRemovals(p *plan) []string {
+	var out []string
+	for _, n := range p.gone {
+		if !s.heldBy(p.sub.typeURL, n) {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// heldBy reports whether something the client holds refers to name of
+// typeURL, so removing it now would break make-before-break.
+func (s *stream) heldBy(typeURL, name string) bool {
+	switch typeURL {
+	case typeCluster:
+		return s.refers(typeListener, refClusters, name) || s.refers(typeRoute, refClusters, name)
+	case typeEndpoint:
+		return s.refers(typeCluster, refEndpoints, name)
+	case typeRoute:
+		return s.refers(typeListener, refRoutes, name) || s.refers(typeScopedRoute, refRoutes, name)
+	}
+	return false
+}
+
+func (s *stream) refers(typeURL string, kind refKind, name string) bool {
+	sub := s.subs[typeURL]
+	if sub == nil || sub.known.Len() == 0 {
+		return false
+	}
+	_, ok := s.r.refIndex.names(sub.known, kind)[name]
+	return ok
+}
+
+// emit applies upd and removed to the client's known state and sends the
+// response that carries them.
+func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
+	sub := p.sub
+	kb := sub.known.Edit()
+	for _, r := range upd {
+		kb.Set(r.Name, r.Hash, r)
+	}
+	for _, n := range removed {
+		kb.Delete(n)
+	}
+	sub.known = kb.Tree()
+	first := sub.awaitFirst
+	sub.awaitFirst = false
+
+	out := &outgoing{typeURL: sub.typeURL, upd: upd, removed: removed}
+	switch {
+	case s.delta:
+		out.version = p.ts.view.Root().String()
+	case fullStateSotW(sub.typeURL):
+		out.version = sub.known.Root().String()
+		out.fullSotW = make([]*Resource, 0, sub.known.Len())
+		for e := range sub.known.All() {
+			out.fullSotW = append(out.fullSotW, e.Value)
+		}
+	default:
+		// SotW cannot say "removed" for these types: a removal only
+		// updates what the relay knows the client holds.
+		if len(upd) == 0 && !first {
+			return nil
+		}
+		out.version = sub.known.Root().String()
+	}
+	out.nonce = s.nextNonce()
+	now := time.Now()
+	sent := sentResponse{nonce: out.nonce, version: out.version, at: now}
+	if s.delta {
+		sub.inflight = append(sub.inflight, sent)
+		if len(sub.inflight) > maxInflight {
+			sub.inflight = sub.inflight[len(sub.inflight)-maxInflight:]
+		}
+	} else {
+		sub.nonce = out.nonce
+	}
+	sub.sent = sent
+	s.updateStatus(sub.typeURL, func(st *TypeStatus) { st.SentVersion, st.SentAt = out.version, now })
+	if err := s.send(out); err != nil {
+		return err
+	}
+	s.log.Debug("push", "type", shortType(sub.typeURL), "version", out.version, "nonce", out.nonce,
+		"resources", len(upd), "removed", len(removed))
+	return nil
+}
+
+// nackDetail renders a NACK's error_detail; "" means the request is an ACK.
+func nackDetail(st *rpcstatus.Status) string {
+	if st == nil {
+		return ""
+	}
+	if st.GetMessage() == "" {
+		return fmt.Sprintf("rejected with code %d", st.GetCode())
+	}
+	return st.GetMessage()
+}

@@ -1,0 +1,731 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"time"
+
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/ledger"
+)
+
+// upstream feeds one key's views from the upstream control plane over one
+// ADS stream (SotW or Delta), presenting a live member's node. It runs on one
+// goroutine, which alone writes the key's views.
+type upstream struct {
+	k   *keyState
+	r   *Relay
+	log func(msg string, args ...any)
+
+	types map[string]*upType
+	// derived counts, per type, the names the key's other views point at:
+	// EDS names from clusters, RDS names from listeners and scoped routes.
+	// They are fetched before any Envoy asks, as Envoy would ask next.
+	derived map[string]map[string]int
+
+	presented *stream                   // whose node the current stream presents
+	idle      *time.Timer               // running while the key has no members
+	expiry    *time.Timer               // next expiry of a pending name
+	send      func(proto.Message) error // the current stream's Send
+	node      *core.Node                // the node the current stream presents
+	first     bool                      // the next request is the stream's first: it carries the node
+	delta     bool
+}
+
+// upType is the upstream state of one type.
+type upType struct {
+	// What was asked for; asked is reset on reconnect, so that it is asked
+	// again on the new stream.
+	asked    bool
+	wildcard bool
+	names    nameSet
+	nonce    string // the latest response's nonce on the current stream
+	// Kept across reconnects: the last ACKed SotW version, and the
+	// upstream's Delta version of each resource (for
+	// initial_resource_versions).
+	acked    string
+	versions map[string]string
+}
+
+var (
+	errRehome = errors.New("relay: presented member left")
+	errIdle   = errors.New("relay: key idle")
+)
+
+func newUpstream(k *keyState) *upstream {
+	return &upstream{
+		k:       k,
+		r:       k.r,
+		types:   make(map[string]*upType),
+		derived: make(map[string]map[string]int),
+		delta:   k.r.cfg.UpstreamProtocol == ProtocolDelta,
+		log: func(msg string, args ...any) {
+			k.r.log.Debug(msg, append([]any{"key", k.key}, args...)...)
+		},
+	}
+}
+
+// run keeps an upstream stream open for the key until ctx ends or the key
+// has had no members for KeyIdleTimeout.
+func (u *upstream) run(ctx context.Context) {
+	defer u.stopTimers()
+	bo := u.r.newBackoff()
+	for ctx.Err() == nil {
+		node, presenter, _ := u.k.presenter()
+		if node == nil {
+			node = u.presentedNode()
+		}
+		if node == nil {
+			// No member ever presented a node: wait for one.
+			if !u.waitForMember(ctx) {
+				return
+			}
+			continue
+		}
+		got, err := u.session(ctx, node, presenter)
+		switch {
+		case errors.Is(err, errIdle) || ctx.Err() != nil:
+			return
+		case errors.Is(err, errRehome):
+			continue
+		}
+		u.setStale(true)
+		if got {
+			bo.reset()
+		}
+		d := bo.next()
+		u.r.log.Warn("upstream stream failed", "key", u.k.key, "err", err, "retry_in", d.Round(time.Millisecond))
+		u.r.metrics.upstreamReconnects.Inc()
+		if !u.sleep(ctx, d) {
+			return
+		}
+	}
+}
+
+func (u *upstream) presentedNode() *core.Node {
+	if u.presented == nil {
+		return nil
+	}
+	return u.presented.node
+}
+
+// waitForMember waits until the key has a member, or gives up when it stays
+// idle.
+func (u *upstream) waitForMember(ctx context.Context) bool {
+	for {
+		if _, _, n := u.k.presenter(); n > 0 {
+			return true
+		}
+		u.checkIdle()
+		select {
+		case <-ctx.Done():
+			return false
+		case <-u.k.upWake:
+		case <-u.idleC():
+			if u.r.dropIfIdle(u.k) {
+				return false
+			}
+		}
+	}
+}
+
+// sleep waits d, or less if the key is dropped or ctx ends. It reports
+// whether to go on.
+func (u *upstream) sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	for {
+		u.checkIdle()
+		select {
+		case <-ctx.Done():
+			return false
+		case <-t.C:
+			return true
+		case <-u.k.upWake:
+		case <-u.idleC():
+			if u.r.dropIfIdle(u.k) {
+				return false
+			}
+		}
+	}
+}
+
+// session runs one upstream stream. got reports whether any response
+// arrived.
+func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stream) (got bool, err error) {
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	client := discovery.NewAggregatedDiscoveryServiceClient(u.r.upConn)
+	var recv func() (proto.Message, error)
+	if u.delta {
+		cs, err := client.DeltaAggregatedResources(sctx)
+		if err != nil {
+			return false, fmt.Errorf("open delta stream: %w", err)
+		}
+		u.send = func(m proto.Message) error { return cs.Send(m.(*discovery.DeltaDiscoveryRequest)) }
+		recv = func() (proto.Message, error) { return cs.Recv() }
+	} else {
+		cs, err := client.StreamAggregatedResources(sctx)
+		if err != nil {
+			return false, fmt.Errorf("open sotw stream: %w", err)
+		}
+		u.send = func(m proto.Message) error { return cs.Send(m.(*discovery.DiscoveryRequest)) }
+		recv = func() (proto.Message, error) { return cs.Recv() }
+	}
+	u.r.metrics.upstreamStreams.Inc()
+	u.r.metrics.upstreamOpen.Add(1)
+	defer func() {
+		u.r.metrics.upstreamStreams.Dec()
+		u.r.metrics.upstreamOpen.Add(-1)
+	}()
+	u.presented, u.node, u.first = presenter, node, true
+	presentedNode := node
+	for _, ut := range u.types {
+		ut.asked, ut.nonce = false, "" // what it was asked is asked again
+	}
+	u.log("upstream stream open", "node", node.GetId())
+
+	msgs := make(chan proto.Message)
+	errc := make(chan error, 1)
+	go func() {
+		for {
+			m, err := recv()
+			if err != nil {
+				errc <- err
+				return
+			}
+			select {
+			case msgs <- m:
+			case <-sctx.Done():
+				errc <- sctx.Err()
+				return
+			}
+		}
+	}()
+	defer func() { cancel(); <-errc }()
+
+	if err := u.resubscribe(); err != nil {
+		return false, err
+	}
+	for {
+		select {
+		case m := <-msgs:
+			got = true
+			if err := u.handle(m); err != nil {
+				return got, err
+			}
+		case err := <-errc:
+			errc <- err
+			return got, err
+		case <-u.k.upWake:
+			_, first, n := u.k.presenter()
+			if n > 0 && first != u.presented && !u.k.isMember(u.presented) {
+				u.log("re-homing upstream stream", "from", presentedNode.GetId(), "to", first.node.GetId())
+				return got, errRehome
+			}
+			u.checkIdle()
+			if err := u.resubscribe(); err != nil {
+				return got, err
+			}
+		case <-u.idleC():
+			if u.r.dropIfIdle(u.k) {
+				return got, errIdle
+			}
+		case <-u.expiryC():
+			u.expirePending()
+		case <-ctx.Done():
+			return got, ctx.Err()
+		}
+	}
+}
+
+// request sends m on the current stream; the stream's first request carries
+// the node.
+func (u *upstream) request(m proto.Message) error {
+	if u.first {
+		u.first = false
+		switch r := m.(type) {
+		case *discovery.DiscoveryRequest:
+			r.Node = u.node
+		case *discovery.DeltaDiscoveryRequest:
+			r.Node = u.node
+		}
+	}
+	return u.send(m)
+}
+
+// desired computes what to ask the upstream for, by type: what the member
+// streams subscribe to, plus the names the key's views point at.
+func (u *upstream) desired() map[string]subscription {
+	want := u.k.wanted()
+	for typeURL, names := range u.derived {
+		if len(names) == 0 {
+			continue
+		}
+		w := want[typeURL]
+		w.names = append(w.names, slices.Collect(maps.Keys(names))...)
+		want[typeURL] = w
+	}
+	return want
+}
+
+// resubscribe sends a request for every type whose subscription differs from
+// what the current stream was asked, and drops from the views the names no
+// longer wanted.
+func (u *upstream) resubscribe() error {
+	want := u.desired()
+	if _, _, n := u.k.presenter(); n == 0 {
+		// Nobody is connected: keep asking for what the last members asked
+		// for, so that they find the key warm if they come back.
+		want = make(map[string]subscription, len(u.types))
+		for typeURL, ut := range u.types {
+			if ut.wildcard || len(ut.names) > 0 {
+				want[typeURL] = subscription{wildcard: ut.wildcard, names: ut.names}
+			}
+		}
+	}
+	for _, typeURL := range slices.Sorted(maps.Keys(u.types)) {
+		if _, ok := want[typeURL]; !ok && u.types[typeURL].asked {
+			want[typeURL] = subscription{} // unsubscribe everything
+		}
+	}
+	for _, typeURL := range slices.Sorted(maps.Keys(want)) {
+		w := want[typeURL]
+		ut := u.types[typeURL]
+		if ut == nil {
+			ut = &upType{}
+			u.types[typeURL] = ut
+		}
+		names := newNameSet(w.names)
+		if ut.asked && ut.wildcard == w.wildcard && slices.Equal(ut.names, names) {
+			continue
+		}
+		if !w.wildcard {
+			u.dropUnwanted(typeURL, names)
+		}
+		var req proto.Message
+		if u.delta {
+			req = u.deltaSubscribe(typeURL, ut, w.wildcard, names)
+		} else {
+			req = u.sotwRequest(typeURL, ut, w.wildcard, names, nil)
+		}
+		ut.asked, ut.wildcard, ut.names = true, w.wildcard, names
+		if err := u.request(req); err != nil {
+			return fmt.Errorf("subscribe %s: %w", shortType(typeURL), err)
+		}
+		u.log("upstream subscription", "type", shortType(typeURL), "wildcard", w.wildcard, "names", len(names))
+	}
+	return nil
+}
+
+// dropUnwanted removes from a view the names nobody asks for any more.
+func (u *upstream) dropUnwanted(typeURL string, names nameSet) {
+	ts := u.k.snap.Load().types[typeURL]
+	if ts == nil {
+		return
+	}
+	var drop []string
+	for e := range ts.view.All() {
+		if !names.has(e.Name) {
+			drop = append(drop, e.Name)
+		}
+	}
+	if len(drop) > 0 {
+		u.apply(typeURL, nil, drop, false, false)
+	}
+}
+
+// sotwRequest builds a SotW request: version_info is the last ACKed version
+// (kept across reconnects), the nonce that of the latest response on this
+// stream.
+func (u *upstream) sotwRequest(typeURL string, ut *upType, wildcard bool, names nameSet, nack *rpcstatus.Status) *discovery.DiscoveryRequest {
+	var rn []string
+	switch {
+	case wildcard && len(names) == 0 && !ut.asked:
+		// legacy wildcard: the most widely understood form
+	case wildcard:
+		rn = append([]string{wildcardName}, names...)
+	default:
+		rn = names
+	}
+	return &discovery.DiscoveryRequest{
+		TypeUrl:       typeURL,
+		VersionInfo:   ut.acked,
+		ResourceNames: rn,
+		ResponseNonce: ut.nonce,
+		ErrorDetail:   nack,
+	}
+}
+
+// deltaSubscribe builds a Delta request that moves the stream's subscription
+// to (wildcard, names); on a new stream it declares what the key holds.
+func (u *upstream) deltaSubscribe(typeURL string, ut *upType, wildcard bool, names nameSet) *discovery.DeltaDiscoveryRequest {
+	req := &discovery.DeltaDiscoveryRequest{TypeUrl: typeURL}
+	if !ut.asked {
+		if wildcard && len(names) > 0 {
+			req.ResourceNamesSubscribe = append([]string{wildcardName}, names...)
+		} else {
+			req.ResourceNamesSubscribe = names
+		}
+		if len(ut.versions) > 0 {
+			req.InitialResourceVersions = maps.Clone(ut.versions)
+		}
+		return req
+	}
+	added, removed := ut.names.diff(names)
+	if wildcard && !ut.wildcard {
+		added = append(added, wildcardName)
+	}
+	if !wildcard && ut.wildcard {
+		removed = append(removed, wildcardName)
+	}
+	req.ResourceNamesSubscribe, req.ResourceNamesUnsubscribe = added, removed
+	for _, n := range removed {
+		delete(ut.versions, n)
+	}
+	return req
+}
+
+// handle processes one upstream response.
+func (u *upstream) handle(m proto.Message) error {
+	switch resp := m.(type) {
+	case *discovery.DiscoveryResponse:
+		return u.onSotW(resp)
+	case *discovery.DeltaDiscoveryResponse:
+		return u.onDelta(resp)
+	}
+	return nil
+}
+
+func (u *upstream) onSotW(resp *discovery.DiscoveryResponse) error {
+	typeURL := resp.GetTypeUrl()
+	ut := u.types[typeURL]
+	if ut == nil {
+		ut = &upType{}
+		u.types[typeURL] = ut
+	}
+	ut.nonce = resp.GetNonce()
+	upd, err := u.decodeAll(typeURL, len(resp.GetResources()), func(i int) (*Resource, error) {
+		return u.r.store.decode(typeURL, resp.GetResources()[i], "")
+	})
+	if err != nil {
+		return u.nack(typeURL, ut, resp.GetVersionInfo(), resp.GetNonce(), err)
+	}
+	if !ut.wildcard {
+		upd = slices.DeleteFunc(upd, func(r *Resource) bool { return !ut.names.has(r.Name) })
+	}
+	if ut.asked {
+		u.apply(typeURL, upd, nil, fullStateSotW(typeURL), true)
+	}
+	ut.acked = resp.GetVersionInfo()
+	return u.request(u.sotwRequest(typeURL, ut, ut.wildcard, ut.names, nil))
+}
+
+func (u *upstream) onDelta(resp *discovery.DeltaDiscoveryResponse) error {
+	typeURL := resp.GetTypeUrl()
+	ut := u.types[typeURL]
+	if ut == nil {
+		ut = &upType{}
+		u.types[typeURL] = ut
+	}
+	res := slices.DeleteFunc(slices.Clone(resp.GetResources()), func(r *discovery.Resource) bool {
+		return r.GetResource() == nil // a TTL heartbeat: nothing changed
+	})
+	upd, err := u.decodeAll(typeURL, len(res), func(i int) (*Resource, error) {
+		return u.r.store.decode(typeURL, res[i].GetResource(), res[i].GetName())
+	})
+	if err != nil {
+		return u.nack(typeURL, ut, "", resp.GetNonce(), err)
+	}
+	wanted := func(name string) bool { return ut.wildcard || ut.names.has(name) }
+	if ut.versions == nil {
+		ut.versions = make(map[string]string)
+	}
+	kept := upd[:0]
+	for i, r := range upd {
+		if wanted(r.Name) {
+			kept = append(kept, r)
+			ut.versions[r.Name] = res[i].GetVersion()
+		}
+	}
+	for _, n := range resp.GetRemovedResources() {
+		delete(ut.versions, n)
+	}
+	if ut.asked {
+		u.apply(typeURL, kept, resp.GetRemovedResources(), false, true)
+	}
+	return u.request(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: resp.GetNonce()})
+}
+
+// decodeAll decodes n resources, refusing the whole response if any fails
+// or a name repeats.
+func (u *upstream) decodeAll(typeURL string, n int, decode func(int) (*Resource, error)) ([]*Resource, error) {
+	out := make([]*Resource, 0, n)
+	seen := make(map[string]struct{}, n)
+	for i := range n {
+		r, err := decode(i)
+		if err != nil {
+			return nil, fmt.Errorf("resource %d: %w", i, err)
+		}
+		if _, dup := seen[r.Name]; dup {
+			return nil, fmt.Errorf("resource %q appears twice", r.Name)
+		}
+		seen[r.Name] = struct{}{}
+		out = append(out, r)
+	}
+	return out, nil
+}
+
+// nack refuses a response the relay could not decode: the key keeps its last
+// good view, and the upstream hears why. Only the relay's own decoding ever
+// NACKs upstream: an Envoy's NACK stays with that Envoy.
+func (u *upstream) nack(typeURL string, ut *upType, version, nonce string, cause error) error {
+	u.r.metrics.upstreamNACKs.WithLabelValues(shortType(typeURL)).Inc()
+	u.r.log.Warn("upstream response refused", "key", u.k.key, "type", shortType(typeURL), "version", version, "err", cause)
+	detail := &rpcstatus.Status{Code: int32(codes.InvalidArgument), Message: cause.Error()}
+	if u.delta {
+		return u.request(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: nonce, ErrorDetail: detail})
+	}
+	return u.request(u.sotwRequest(typeURL, ut, ut.wildcard, ut.names, detail))
+}
+
+// apply publishes a new view of typeURL: upd set, del removed, and with
+// replace everything else removed too (a SotW full-state response). fromUpstream
+// marks the type ready and the key fresh.
+func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace, fromUpstream bool) {
+	k := u.k
+	k.mu.Lock()
+	var derivedChanged bool
+	k.update(func(next *keySnap) {
+		ts := next.typeOf(typeURL)
+		old := ts.view
+		b := old.Edit()
+		if replace {
+			keep := make(map[string]struct{}, len(upd))
+			for _, r := range upd {
+				keep[r.Name] = struct{}{}
+			}
+			for e := range old.All() {
+				if _, ok := keep[e.Name]; !ok {
+					b.Delete(e.Name)
+				}
+			}
+		}
+		for _, r := range upd {
+			if cur, ok := b.Get(r.Name); !ok || cur.Hash != r.Hash {
+				b.Set(r.Name, r.Hash, r)
+			}
+		}
+		for _, n := range del {
+			b.Delete(n)
+		}
+		ts.view = b.Tree()
+		if fromUpstream {
+			ts.ready = true
+			next.stale = false
+		}
+		ts.pending = withoutArrived(ts.pending, upd)
+		next.types[typeURL] = ts
+		derivedChanged = u.follow(next, typeURL, old, ts.view)
+	})
+	k.mu.Unlock()
+	k.wakeStreams()
+	if derivedChanged {
+		wake(k.upWake) // ask the upstream for the names the new view points at
+	}
+	u.armExpiry()
+}
+
+// withoutArrived returns pending minus the names in upd (a new map if it
+// changes).
+func withoutArrived(pending map[string]time.Time, upd []*Resource) map[string]time.Time {
+	if len(pending) == 0 {
+		return pending
+	}
+	var out map[string]time.Time
+	for _, r := range upd {
+		if _, ok := pending[r.Name]; !ok {
+			continue
+		}
+		if out == nil {
+			out = maps.Clone(pending)
+		}
+		delete(out, r.Name)
+	}
+	if out == nil {
+		return pending
+	}
+	return out
+}
+
+// follow updates the derived names after typeURL's view went from old to
+// cur, marking the new ones pending in next. It reports whether the set of
+// derived names changed.
+func (u *upstream) follow(next *keySnap, typeURL string, old, cur ledger.Tree[*Resource]) bool {
+	var target string
+	var kind refKind
+	switch typeURL {
+	case typeCluster:
+		target, kind = typeEndpoint, refEndpoints
+	case typeListener, typeScopedRoute:
+		target, kind = typeRoute, refRoutes
+	default:
+		return false
+	}
+	counts := u.derived[target]
+	if counts == nil {
+		counts = make(map[string]int)
+		u.derived[target] = counts
+	}
+	var added []string
+	changed := false
+	ledger.Diff(old, cur, func(c ledger.Change[*Resource]) bool {
+		if c.Old != nil {
+			for _, n := range c.Old.Value.refs.of(kind) {
+				if counts[n]--; counts[n] <= 0 {
+					delete(counts, n)
+					changed = true
+				}
+			}
+		}
+		if c.New != nil {
+			for _, n := range c.New.Value.refs.of(kind) {
+				if counts[n]++; counts[n] == 1 {
+					added = append(added, n)
+					changed = true
+				}
+			}
+		}
+		return true
+	})
+	if len(added) > 0 {
+		ts := next.typeOf(target)
+		pending := maps.Clone(ts.pending)
+		if pending == nil {
+			pending = make(map[string]time.Time, len(added))
+		}
+		now := time.Now()
+		for _, n := range added {
+			if _, ok := ts.view.Get(n); !ok {
+				if _, ok := pending[n]; !ok {
+					pending[n] = now
+				}
+			}
+		}
+		ts.pending = pending
+		next.types[target] = ts
+	}
+	return changed
+}
+
+// armExpiry sets the timer for the earliest pending name to expire.
+func (u *upstream) armExpiry() {
+	var earliest time.Time
+	for _, ts := range u.k.snap.Load().types {
+		for _, at := range ts.pending {
+			if earliest.IsZero() || at.Before(earliest) {
+				earliest = at
+			}
+		}
+	}
+	if earliest.IsZero() {
+		return
+	}
+	d := time.Until(earliest.Add(u.r.cfg.ResourceWaitTimeout))
+	if d < 0 {
+		d = 0
+	}
+	if u.expiry == nil {
+		u.expiry = time.NewTimer(d)
+	} else {
+		u.expiry.Reset(d)
+	}
+}
+
+func (u *upstream) expiryC() <-chan time.Time {
+	if u.expiry == nil {
+		return nil
+	}
+	return u.expiry.C
+}
+
+// expirePending forgets names that never arrived: from now on streams may
+// tell clients they do not exist.
+func (u *upstream) expirePending() {
+	now := time.Now()
+	wait := u.r.cfg.ResourceWaitTimeout
+	k := u.k
+	k.mu.Lock()
+	k.update(func(next *keySnap) {
+		for typeURL, ts := range next.types {
+			var keep map[string]time.Time
+			changed := false
+			for n, at := range ts.pending {
+				if now.Sub(at) >= wait {
+					changed = true
+					continue
+				}
+				if keep == nil {
+					keep = make(map[string]time.Time)
+				}
+				keep[n] = at
+			}
+			if changed {
+				c := *ts
+				c.pending = keep
+				next.types[typeURL] = &c
+				u.log("names never arrived", "type", shortType(typeURL))
+			}
+		}
+	})
+	k.mu.Unlock()
+	k.wakeStreams()
+	u.armExpiry()
+}
+
+// checkIdle starts the idle timer when the key has no members and stops it
+// when it has.
+func (u *upstream) checkIdle() {
+	_, _, n := u.k.presenter()
+	switch {
+	case n == 0 && u.idle == nil:
+		u.idle = time.NewTimer(u.r.cfg.KeyIdleTimeout)
+	case n > 0 && u.idle != nil:
+		u.idle.Stop()
+		u.idle = nil
+	}
+}
+
+func (u *upstream) idleC() <-chan time.Time {
+	if u.idle == nil {
+		return nil
+	}
+	return u.idle.C
+}
+
+func (u *upstream) stopTimers() {
+	if u.idle != nil {
+		u.idle.Stop()
+	}
+	if u.expiry != nil {
+		u.expiry.Stop()
+	}
+}
+
+// setStale marks the key's views as not confirmed by a live upstream stream.
+func (u *upstream) setStale(stale bool) {
+	k := u.k
+	k.mu.Lock()
+	if k.snap.Load().stale != stale {
+		k.update(func(next *keySnap) { next.stale = stale })
+	}
+	k.mu.Unlock()
+}
