@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -35,6 +36,8 @@ type rawClient struct {
 	nonces  map[string]bool     // every nonce seen on this stream
 	subs    map[string][]string // SotW: the subscription, repeated by ack
 	barrier int
+	last    proto.Message // the latest response received
+	reading sync.Mutex    // held by pause: the receiver stops calling Recv
 }
 
 func newRawClient(t *testing.T, conn grpc.ClientConnInterface, delta bool, n *core.Node) *rawClient {
@@ -62,6 +65,8 @@ func newRawClient(t *testing.T, conn grpc.ClientConnInterface, delta bool, n *co
 	go func() {
 		defer close(done)
 		for {
+			c.reading.Lock()
+			c.reading.Unlock() //nolint:staticcheck // a gate: pause holds it
 			m, err := recv()
 			if err != nil {
 				c.errc <- err
@@ -162,6 +167,7 @@ func (c *rawClient) recv() proto.Message {
 			c.t.Fatalf("response nonce %q is empty or repeated on the stream", nonce)
 		}
 		c.nonces[nonce] = true
+		c.last = m
 		if cp == "" {
 			c.t.Fatalf("response for %s carries no control_plane.identifier", typeURL)
 		}
@@ -192,6 +198,11 @@ func (c *rawClient) recvDelta(typeURL string) *discovery.DeltaDiscoveryResponse 
 	}
 	return r
 }
+
+// pause stops the client reading from the stream (after the message it is
+// reading now); resume lets it read again.
+func (c *rawClient) pause()  { c.reading.Lock() }
+func (c *rawClient) resume() { c.reading.Unlock() }
 
 // streamErr waits for the stream to end and returns why.
 func (c *rawClient) streamErr() error {
@@ -259,3 +270,13 @@ func typeOf(m proto.Message) string {
 	}
 	return ""
 }
+
+func lastOf(t *testing.T, c *rawClient) proto.Message {
+	t.Helper()
+	if c.last == nil {
+		t.Fatal("no response received")
+	}
+	return c.last
+}
+
+func equalStrings(a, b []string) bool { return slices.Equal(a, b) }

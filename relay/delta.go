@@ -93,10 +93,14 @@ func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 	return nil
 }
 
+// unknownContent is the hash recorded for a resource a client declares
+// with a version the relay did not issue: it matches no content.
+var unknownContent = ledger.Hash{}
+
 // declared builds what a reconnecting client says it holds
 // (initial_resource_versions), limited to what it subscribes to. A version
-// that is not one of the relay's content versions is ignored: the resource
-// is sent again.
+// that is not one of the relay's content versions stands for unknown
+// content: the resource is sent again if it exists, and removed if not.
 func (s *stream) declared(sub *typeSub, versions map[string]string) ledger.Tree[*Resource] {
 	if len(versions) == 0 {
 		return ledger.Tree[*Resource]{}
@@ -108,6 +112,7 @@ func (s *stream) declared(sub *typeSub, versions map[string]string) ledger.Tree[
 		}
 		h, err := ledger.ParseHash(v)
 		if err != nil {
+			b.Set(name, unknownContent, nil)
 			continue
 		}
 		b.Set(name, h, s.r.store.lookup(h))

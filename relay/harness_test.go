@@ -252,6 +252,20 @@ func dial(t *testing.T, addr string) *grpc.ClientConn {
 	return conn
 }
 
+// dialWindow dials with fixed flow-control windows (no BDP growth).
+func dialWindow(t *testing.T, addr string, window int32) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient(addr,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithInitialWindowSize(window), grpc.WithInitialConnWindowSize(window),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(256<<20)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
 // node builds an Istio-shaped node of workload wl, pod i, in namespace ns.
 func node(ns, wl string, i int) *core.Node {
 	md, err := structpb.NewStruct(map[string]any{

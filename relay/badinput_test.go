@@ -1,0 +1,220 @@
+package relay
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+)
+
+// TestBadRequests: each malformed request ends its own stream with a clear
+// status; a well-behaved client on the same relay keeps being served.
+func TestBadRequests(t *testing.T) {
+	cases := []struct {
+		name string
+		send func(c *rawClient)
+		code codes.Code
+		msg  string
+	}{
+		{"no node on the first request", func(c *rawClient) {
+			c.sent = true // suppress the node
+			c.subscribe(typeCluster)
+		}, codes.InvalidArgument, "node"},
+		{"no type_url", func(c *rawClient) {
+			if c.delta {
+				c.send(&discovery.DeltaDiscoveryRequest{})
+			} else {
+				c.send(&discovery.DiscoveryRequest{})
+			}
+		}, codes.InvalidArgument, "type_url"},
+		{"too many names", func(c *rawClient) {
+			names := make([]string, 101)
+			for i := range names {
+				names[i] = fmt.Sprint("n", i)
+			}
+			c.subscribe(typeEndpoint, names...)
+		}, codes.InvalidArgument, "exceed the limit"},
+		{"too many declared versions", func(c *rawClient) {
+			v := map[string]string{}
+			for i := range 101 {
+				v[fmt.Sprint("n", i)] = "x"
+			}
+			if c.delta {
+				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster, InitialResourceVersions: v})
+			} else {
+				c.subscribe(typeEndpoint, make([]string, 101)...)
+			}
+		}, codes.InvalidArgument, "exceed the limit"},
+		{"oversized message", func(c *rawClient) {
+			names := make([]string, 0, 6000)
+			for i := range 6000 {
+				names = append(names, fmt.Sprint(i, strings.Repeat("x", 1000)))
+			}
+			c.subscribe(typeEndpoint, names...)
+		}, codes.ResourceExhausted, ""},
+	}
+	for _, delta := range []bool{false, true} {
+		for _, tc := range cases {
+			t.Run(protocolName(delta)+"/"+tc.name, func(t *testing.T) {
+				e := newEnv(t, delta, func(c *Config) {
+					c.MaxSubscribedNames = 100
+					c.MaxMsgSize = 4 << 20
+				})
+				good := e.client(0)
+				good.subscribe(typeCluster)
+				good.ack(good.recv())
+
+				bad := e.client(1)
+				tc.send(bad)
+				err := bad.streamErr()
+				if status.Code(err) != tc.code || !strings.Contains(err.Error(), tc.msg) {
+					t.Fatalf("stream error = %v, want %v containing %q", err, tc.code, tc.msg)
+				}
+				e.up.set("ns1", typeCluster, mkCluster("c9"))
+				if m := good.recv(); !strings.Contains(fmt.Sprint(names(m)), "c9") {
+					t.Fatalf("the good client got %v after another client's bad request, want c9", names(m))
+				}
+			})
+		}
+	}
+}
+
+// TestGarbageVersionsAreResent: versions the relay did not issue are not
+// trusted: the resources are sent.
+func TestGarbageVersionsAreResent(t *testing.T) {
+	e := newEnv(t, true, nil)
+	c := e.client(0)
+	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster,
+		InitialResourceVersions: map[string]string{"c0": "not-a-version", "c1": strings.Repeat("z", 64), "gone": "1"}})
+	m := c.recv()
+	wantNames(t, m, "c0", "c1", "c2")
+	if r := removedOf(m); len(r) != 1 || r[0] != "gone" {
+		t.Fatalf("removed = %v, want [gone]", r)
+	}
+}
+
+// TestMissingNames: a name that does not exist is never answered (the
+// client's own fetch timeout decides), but a name a reconnecting Delta client
+// declares and the upstream no longer has is removed once the upstream had
+// its chance to send it.
+func TestMissingNames(t *testing.T) {
+	for _, delta := range []bool{false, true} {
+		t.Run(protocolName(delta), func(t *testing.T) {
+			e := newEnv(t, delta, func(c *Config) { c.ResourceWaitTimeout = 100 * time.Millisecond })
+			c := e.client(0)
+			c.subscribe(typeEndpoint, "c0", "no-such-cluster")
+			wantNames(t, c.recv(), "c0")
+			c.quiet()
+			if !delta {
+				return
+			}
+			c2 := e.client(1)
+			c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeEndpoint, ResourceNamesSubscribe: []string{"gone-while-away"},
+				InitialResourceVersions: map[string]string{"gone-while-away": strings.Repeat("a", 64)}})
+			m := c2.recvSotWOrDelta(typeEndpoint)
+			if r := removedOf(m); len(r) != 1 || r[0] != "gone-while-away" {
+				t.Fatalf("removed = %v, want [gone-while-away] after the wait timeout", r)
+			}
+		})
+	}
+}
+
+// TestUpstreamGarbage: a resource that does not decode makes the relay NACK
+// upstream and keep its last good view; Envoys see nothing of it.
+func TestUpstreamGarbage(t *testing.T) {
+	for _, proto := range []Protocol{ProtocolSotW, ProtocolDelta} {
+		t.Run(string(proto), func(t *testing.T) {
+			e := newEnv(t, true, func(c *Config) { c.UpstreamProtocol = proto })
+			c := e.client(0)
+			c.subscribe(typeCluster)
+			c.ack(c.recv())
+			// Invalid UTF-8 in Cluster.name does not parse.
+			garbage := &wrapperspb.BytesValue{Value: []byte{0xff, 0xfe, 0xfd}}
+			e.up.set("ns1", typeCluster, []types.Resource{garbage}...)
+			waitFor(t, "the relay NACKs upstream", func() bool { return e.up.nacksSeen() > 0 })
+			c.quiet()
+			e.up.del("ns1", typeCluster, "")
+			e.up.set("ns1", typeCluster, mkCluster("c7"))
+			m := c.recv()
+			wantNames(t, m, "c7")
+		})
+	}
+}
+
+// TestNeverACKs: a client that never ACKs keeps getting the latest state;
+// it is recorded as sent and not ACKed; others are not affected.
+func TestNeverACKs(t *testing.T) {
+	e := newEnv(t, true, nil)
+	silent := e.client(0)
+	silent.subscribe(typeEndpoint, "c0")
+	silent.recv()
+	other := e.client(1)
+	other.subscribe(typeEndpoint, "c0")
+	other.ack(other.recv())
+	for i := range 3 * maxInflight {
+		e.up.set("ns1", typeEndpoint, mkCLA("c0", uint32(1000+i)))
+		silent.recv() // read, never answer
+		other.ack(other.recv())
+	}
+	other.quiet() // the relay has read every ACK
+	st := e.status(silent.node.GetId(), typeEndpoint)
+	if st.AckedVersion != "" || st.SentVersion == "" {
+		t.Fatalf("silent client status = %+v, want sent and never ACKed", st)
+	}
+	if st := e.status(other.node.GetId(), typeEndpoint); st.AckedVersion != st.SentVersion {
+		t.Fatalf("other client status = %+v, want its latest version ACKed", st)
+	}
+}
+
+// TestSlowReader: a client that stops reading does not make the relay queue
+// every update for it: when it reads again it gets the latest state, in far
+// fewer responses than there were updates, and another client of the same
+// key is served throughout.
+func TestSlowReader(t *testing.T) {
+	e := newEnv(t, true, nil)
+	// Small fixed flow-control windows: a client that stops reading blocks
+	// the relay's sends to it after about 32 KB.
+	conn := dialWindow(t, e.r.Addr().String(), 32<<10)
+	slow := newRawClient(t, conn, true, node("ns1", "app", 0))
+	other := e.client(1)
+	ports := func(n, base int) []uint32 {
+		out := make([]uint32, n)
+		for i := range out {
+			out[i] = uint32(base + i)
+		}
+		return out
+	}
+	const updates = 60
+	e.up.set("ns1", typeEndpoint, mkCLA("c0", ports(1500, 0)...)) // ≈ 30 KB
+	slow.subscribe(typeEndpoint, "c0")
+	slow.ack(slow.recv())
+	other.subscribe(typeEndpoint, "c0")
+	other.ack(other.recv())
+
+	slow.pause()
+	for i := 1; i <= updates; i++ {
+		e.up.set("ns1", typeEndpoint, mkCLA("c0", ports(1500, i)...))
+		m := other.recvSotWOrDelta(typeEndpoint) // served throughout
+		other.ack(m)
+	}
+	want := versionsOf(lastOf(t, other))
+	slow.resume()
+	got := 0
+	for {
+		m := slow.recvSotWOrDelta(typeEndpoint)
+		got++
+		if equalStrings(versionsOf(m), want) {
+			break
+		}
+	}
+	if got > updates/4 {
+		t.Fatalf("slow client received %d responses for %d updates, want the latest state in far fewer", got, updates)
+	}
+	t.Logf("slow reader: %d updates arrived as %d responses", updates, got)
+}

@@ -1,0 +1,112 @@
+package relay
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"testing"
+
+	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/meshrelay/meshrelay/ledger"
+)
+
+// viewOf builds a view from resources, decoded and interned as the upstream
+// client does.
+func viewOf(t *testing.T, r *Relay, typeURL string, res ...types.Resource) ledger.Tree[*Resource] {
+	t.Helper()
+	b := ledger.Tree[*Resource]{}.Edit()
+	for _, m := range res {
+		a, err := anypb.New(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		x, err := r.store.decode(typeURL, a, "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.Set(x.Name, x.Hash, x)
+	}
+	return b.Tree()
+}
+
+// TestPushOrder drives one stream's sync directly, with a key whose four
+// types all changed at once (as when a slow client catches up): updates go
+// out CDS → EDS → LDS → RDS, then removals, each held until nothing the
+// client holds refers to it.
+func TestPushOrder(t *testing.T) {
+	for _, delta := range []bool{false, true} {
+		t.Run(protocolName(delta), func(t *testing.T) {
+			cfg := DefaultConfig()
+			cfg.Upstream = "unused:1"
+			r, err := New(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			k := newKeyState(r, "k")
+			s := r.newStream(context.Background(), delta)
+			s.key = k
+			var sent []string
+			s.send = func(o *outgoing) error {
+				kind := "+"
+				if len(o.upd) == 0 && o.fullSotW == nil {
+					kind = "-"
+				}
+				if !delta && fullStateSotW(o.typeURL) && len(o.upd) == 0 {
+					kind = "-" // SotW removes by omission
+				}
+				sent = append(sent, kind+shortType(o.typeURL))
+				return nil
+			}
+			publish := func(cs, es, ls, rs []types.Resource) {
+				k.mu.Lock()
+				k.update(func(next *keySnap) {
+					for typeURL, res := range map[string][]types.Resource{typeCluster: cs, typeEndpoint: es, typeListener: ls, typeRoute: rs} {
+						next.types[typeURL] = &typeSnap{view: viewOf(t, r, typeURL, res...), ready: true}
+					}
+				})
+				k.mu.Unlock()
+			}
+			s.subs[typeRoute] = &typeSub{typeURL: typeRoute, names: newNameSet([]string{"r80"}), awaitFirst: true}
+			s.subs[typeListener] = &typeSub{typeURL: typeListener, wildcard: true, awaitFirst: true}
+			s.subs[typeEndpoint] = &typeSub{typeURL: typeEndpoint, names: newNameSet([]string{"c0", "c1"}), awaitFirst: true}
+			s.subs[typeCluster] = &typeSub{typeURL: typeCluster, wildcard: true, awaitFirst: true}
+
+			publish(
+				[]types.Resource{mkCluster("c0"), mkCluster("c1")},
+				[]types.Resource{mkCLA("c0", 1), mkCLA("c1", 1)},
+				[]types.Resource{mkListener("l80", "r80")},
+				[]types.Resource{mkRoute("r80", "c0", "c1")})
+			if err := s.sync(); err != nil {
+				t.Fatal(err)
+			}
+			if want := []string{"+cds", "+eds", "+lds", "+rds"}; !slices.Equal(sent, want) {
+				t.Fatalf("first sync sent %v, want %v", sent, want)
+			}
+
+			// c1 goes away everywhere, a listener changes, c0 changes.
+			sent = nil
+			publish(
+				[]types.Resource{mkCluster("c0", "changed")},
+				[]types.Resource{mkCLA("c0", 2)},
+				[]types.Resource{mkListener("l80", "r80"), mkListener("l81", "r80")},
+				[]types.Resource{mkRoute("r80", "c0")})
+			if err := s.sync(); err != nil {
+				t.Fatal(err)
+			}
+			want := []string{"+cds", "+eds", "+lds", "+rds", "-cds", "-eds"}
+			if !delta {
+				// SotW cannot remove EDS; the CDS removal is a full-state
+				// response after the route update.
+				want = []string{"+cds", "+eds", "+lds", "+rds", "-cds"}
+			}
+			if !slices.Equal(sent, want) {
+				t.Fatalf("second sync sent %v, want %v", sent, want)
+			}
+			if got := fmt.Sprint(s.subs[typeCluster].known.Len()); got != "1" {
+				t.Fatalf("client holds %s clusters after the removal, want 1", got)
+			}
+		})
+	}
+}
