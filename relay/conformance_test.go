@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"testing"
@@ -39,7 +40,9 @@ func newEnv(t *testing.T, delta bool, mod func(*Config)) *env {
 	return &env{t: t, delta: delta, up: up, r: r, conn: dial(t, r.Addr().String())}
 }
 
-func (e *env) client(i int) *rawClient { return newRawClient(e.t, e.conn, e.delta, node("ns1", "app", i)) }
+func (e *env) client(i int) *rawClient {
+	return newRawClient(e.t, e.conn, e.delta, node("ns1", "app", i))
+}
 
 // syncAll subscribes c to CDS (wildcard), EDS for every cluster, LDS
 // (wildcard) and RDS r80, as Envoy would, ACKing everything.
@@ -338,7 +341,7 @@ func TestConformance(t *testing.T) {
 			c.close()
 			c2 := e.client(0)
 			c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeEndpoint, ResourceNamesSubscribe: []string{"c0", "c1"}, InitialResourceVersions: versionMap(d)})
-			c2.quiet() // declared and current: nothing
+			c2.quiet()                       // declared and current: nothing
 			c2.subscribe(typeEndpoint, "c1") // the client forgot c1 and asks again
 			wantNames(t, c2.recv(), "c1")
 		}},
@@ -453,12 +456,29 @@ func (c *rawClient) recvSotWOrDelta(typeURL string) proto.Message {
 	return m
 }
 
+// syncAllExpect subscribes to CDS and waits until the client holds exactly
+// clusters (updates may still be on their way to the relay).
 func syncAllExpect(c *rawClient, clusters ...string) {
 	c.t.Helper()
 	c.subscribe(typeCluster)
-	m := c.recv()
-	wantNames(c.t, m, clusters...)
-	c.ack(m)
+	held := map[string]bool{}
+	for range 10 {
+		m := c.recv()
+		c.ack(m)
+		if _, sotw := m.(*discovery.DiscoveryResponse); sotw {
+			clear(held)
+		}
+		for _, n := range names(m) {
+			held[n] = true
+		}
+		for _, n := range removedOf(m) {
+			delete(held, n)
+		}
+		if got := sorted(slices.Collect(maps.Keys(held))); slices.Equal(got, sorted(clusters)) {
+			return
+		}
+	}
+	c.t.Fatalf("client never held exactly %v", clusters)
 }
 
 func subscriptionOf(typeURL string) []string {
