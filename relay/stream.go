@@ -253,6 +253,15 @@ func (s *stream) ack(sub *typeSub, sent sentResponse, errorDetail string) {
 	s.r.pushACK.observe(d)
 }
 
+// share makes the client's known tree the view itself when they hold the
+// same content, so that streams in sync share one tree instead of each
+// keeping its own copies of the paths it was sent.
+func (sub *typeSub) share(view ledger.Tree[*Resource]) {
+	if sub.known.Root() == view.Root() {
+		sub.known = view
+	}
+}
+
 // target returns what a client subscribed as sub should hold of view.
 func (sub *typeSub) target(view ledger.Tree[*Resource]) ledger.Tree[*Resource] {
 	if sub.wildcard {
@@ -335,6 +344,9 @@ func (s *stream) sync() error {
 			sub.claimed = ""
 		}
 		upd, gone := sub.changes(ts.view)
+		if len(upd) == 0 && len(gone) == 0 {
+			sub.share(ts.view)
+		}
 		gone = slices.DeleteFunc(gone, func(n string) bool { return ts.isPending(n, now, wait) })
 		if typeURL == typeCluster {
 			s.forceEndpoints(sub, upd)
@@ -448,6 +460,7 @@ func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 		kb.Delete(n)
 	}
 	sub.known = kb.Tree()
+	sub.share(p.ts.view)
 	first := sub.awaitFirst
 	sub.awaitFirst = false
 
