@@ -47,6 +47,9 @@ type Event struct {
 	// Versions, in Delta, holds each named resource's version (parallel to
 	// Names); nil in SotW, where Version applies to all.
 	Versions []string
+	// Generations holds each named resource's generation, as
+	// Config.Generation reads it (0 where unknown), parallel to Names.
+	Generations []uint64
 	// Version is the response's version_info (SotW) or system_version_info
 	// (Delta).
 	Version string

@@ -90,6 +90,7 @@ func (e *Envoy) handle(r *response) []outbound {
 	if e.cfg.OnEvent != nil {
 		ev := Event{Kind: Received, TypeURL: r.typeURL, Version: r.version, Nonce: r.nonce, At: r.at, Bytes: r.size}
 		ev.Names, ev.Versions = r.names()
+		ev.Generations = r.generations()
 		e.cfg.OnEvent(ev)
 	}
 
@@ -158,6 +159,16 @@ func (r *response) names() (names, versions []string) {
 		}
 	}
 	return names, versions
+}
+
+// generations lists the resources' generations (0 where unknown), parallel
+// to names.
+func (r *response) generations() []uint64 {
+	out := make([]uint64, len(r.res))
+	for i, d := range r.res {
+		out[i] = d.gen
+	}
+	return out
 }
 
 // checkLocked records the response and its violations; it returns the
@@ -436,6 +447,7 @@ func (e *Envoy) ackLocked(ts *typeState, r *response, rejected error) outbound {
 	ev := &Event{Kind: ACKed, TypeURL: r.typeURL, Version: r.version, Nonce: r.nonce, Err: rejected}
 	if e.cfg.OnEvent != nil {
 		ev.Names, ev.Versions = r.names()
+		ev.Generations = r.generations()
 	}
 	var detail *status.Status
 	if rejected != nil {

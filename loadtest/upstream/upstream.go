@@ -120,6 +120,9 @@ type Change struct {
 	// At is when the change was handed to the caches, just before the first
 	// subscriber could see it.
 	At time.Time
+	// Groups are the node groups the change reached (those that see the
+	// resource), so a benchmark knows which clients must receive it.
+	Groups []string
 }
 
 // Stats are counters of an Upstream, gathered by go-control-plane server
@@ -429,6 +432,14 @@ func (u *Upstream) Snapshot(group string) map[string]map[string]proto.Message {
 	return out
 }
 
+func (u *Upstream) groupNames(groups []int) []string {
+	out := make([]string, len(groups))
+	for i, gi := range groups {
+		out[i] = u.groups[gi]
+	}
+	return out
+}
+
 // nextMarker starts a mutation. Must hold mu.
 func (u *Upstream) nextMarker() marker {
 	u.gen++
@@ -438,7 +449,7 @@ func (u *Upstream) nextMarker() marker {
 // publish updates (res != nil) or deletes resource name of type t in groups.
 // Must hold mu.
 func (u *Upstream) publish(t int, groups []int, name string, res types.Resource, mk marker) (Change, error) {
-	c := Change{TypeURL: typeURLs[t], Name: name, Generation: mk.gen, At: time.Now()}
+	c := Change{TypeURL: typeURLs[t], Name: name, Generation: mk.gen, At: time.Now(), Groups: u.groupNames(groups)}
 	for _, gi := range groups {
 		lc := u.caches[gi][t]
 		var err error
@@ -458,7 +469,7 @@ func (u *Upstream) publish(t int, groups []int, name string, res types.Resource,
 // publishRoutes rebuilds RouteConfiguration "<port>" for groups. Must hold mu.
 func (u *Upstream) publishRoutes(port uint32, groups []int, mk marker) (Change, error) {
 	name := routeName(port)
-	c := Change{TypeURL: typeURLs[tRDS], Name: name, Generation: mk.gen, At: time.Now()}
+	c := Change{TypeURL: typeURLs[tRDS], Name: name, Generation: mk.gen, At: time.Now(), Groups: u.groupNames(groups)}
 	for _, gi := range groups {
 		rc := u.sh.routeConfig(name, u.vhosts(gi, port), mk)
 		if err := u.caches[gi][tRDS].UpdateResource(name, rc); err != nil {

@@ -1,0 +1,265 @@
+// Package loadtest runs meshrelay's scenarios: a synthetic istiod-shaped
+// upstream (loadtest/upstream), fleets of simulated Envoys (loadtest/envoy)
+// spread over aggregation keys, and the measurements taken on them: how
+// long a change takes to be ACKed by every Envoy that must get it, bytes,
+// streams, CPU and memory. The demo and the benchmarks (cmd/loadtest) are
+// built from these parts.
+package loadtest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/upstream"
+)
+
+// FleetConfig describes a fleet of simulated Envoys.
+type FleetConfig struct {
+	// Scenario is the upstream's scenario: it names the nodes.
+	Scenario upstream.Scenario
+	// Envoys is the number of simulated Envoys. Default 100.
+	Envoys int
+	// Keys is the number of aggregation keys they spread over, round-robin:
+	// key k is workload k/Namespaces in namespace k%Namespaces, so keys
+	// cover the namespaces evenly. Default 10.
+	Keys int
+	// Protocol is the Envoys' ADS variant. Default Delta.
+	Protocol envoy.Protocol
+	// Target is the gRPC address they connect to (a relay or the upstream).
+	Target string
+	// EnvoysPerConn is how many Envoys share one gRPC connection. Real
+	// Envoys each have their own; sharing saves file descriptors and
+	// goroutines when simulating thousands. Default 1.
+	EnvoysPerConn int
+	// StartRate bounds how many Envoys connect per second (0: all at once).
+	StartRate float64
+	// Tracker, if set, sees every Envoy's ACKs.
+	Tracker *Tracker
+	// MaxMsgSize bounds a received message. Default 256 MiB.
+	MaxMsgSize int
+}
+
+// Fleet is a running set of simulated Envoys. Stop it when done.
+type Fleet struct {
+	cfg    FleetConfig
+	envoys []*envoy.Envoy
+	groups []string // each Envoy's upstream group
+	conns  []*grpc.ClientConn
+	bytes  atomic.Uint64
+}
+
+// StartFleet connects cfg.Envoys simulated Envoys to cfg.Target. It returns
+// once every Envoy has started (not synced: see WaitSynced).
+func StartFleet(ctx context.Context, cfg FleetConfig) (*Fleet, error) {
+	if cfg.Envoys == 0 {
+		cfg.Envoys = 100
+	}
+	if cfg.Keys == 0 {
+		cfg.Keys = 10
+	}
+	if cfg.EnvoysPerConn == 0 {
+		cfg.EnvoysPerConn = 1
+	}
+	if cfg.MaxMsgSize == 0 {
+		cfg.MaxMsgSize = 256 << 20
+	}
+	switch {
+	case cfg.Envoys < 0 || cfg.Keys < 0 || cfg.EnvoysPerConn < 0:
+		return nil, errors.New("loadtest: Envoys, Keys and EnvoysPerConn must not be negative")
+	case cfg.Target == "":
+		return nil, errors.New("loadtest: field Target is empty")
+	case cfg.Scenario.Namespaces <= 0:
+		return nil, errors.New("loadtest: the scenario has no namespaces")
+	}
+	f := &Fleet{cfg: cfg}
+	var conn *grpc.ClientConn
+	var pace *time.Ticker
+	if cfg.StartRate > 0 {
+		pace = time.NewTicker(time.Duration(float64(time.Second) / cfg.StartRate))
+		defer pace.Stop()
+	}
+	for i := range cfg.Envoys {
+		if i%cfg.EnvoysPerConn == 0 {
+			var err error
+			conn, err = grpc.NewClient(cfg.Target,
+				grpc.WithTransportCredentials(insecure.NewCredentials()),
+				grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(cfg.MaxMsgSize)))
+			if err != nil {
+				f.Stop(ctx)
+				return nil, fmt.Errorf("loadtest: dial %s: %w", cfg.Target, err)
+			}
+			f.conns = append(f.conns, conn)
+		}
+		key := i % cfg.Keys
+		ns, workload := key%cfg.Scenario.Namespaces, key/cfg.Scenario.Namespaces
+		node := cfg.Scenario.Node(ns, workload, i/cfg.Keys)
+		ec := envoy.DefaultConfig()
+		ec.Node = node
+		ec.Protocol = cfg.Protocol
+		ec.Conn = conn
+		ec.Generation = upstream.Generation
+		ec.MaxRecvMsgSize = cfg.MaxMsgSize
+		// A relay pushes without waiting for ACKs, so a response may cross
+		// an unsubscription on the wire more than once.
+		ec.UnsubscribeGrace = 8
+		idx := i
+		ec.OnEvent = func(ev envoy.Event) {
+			if ev.Kind == envoy.Received {
+				f.bytes.Add(uint64(ev.Bytes))
+			}
+			if cfg.Tracker != nil {
+				cfg.Tracker.observe(idx, ev)
+			}
+		}
+		e, err := envoy.New(ec)
+		if err != nil {
+			f.Stop(ctx)
+			return nil, err
+		}
+		if err := e.Start(ctx); err != nil {
+			f.Stop(ctx)
+			return nil, err
+		}
+		f.envoys = append(f.envoys, e)
+		f.groups = append(f.groups, cfg.Scenario.Group(node))
+		if cfg.Tracker != nil {
+			cfg.Tracker.addEnvoy(idx, f.groups[idx])
+		}
+		if pace != nil {
+			select {
+			case <-pace.C:
+			case <-ctx.Done():
+				f.Stop(context.Background())
+				return nil, ctx.Err()
+			}
+		}
+	}
+	return f, nil
+}
+
+// Stop stops every Envoy and closes the connections.
+func (f *Fleet) Stop(ctx context.Context) {
+	var wg sync.WaitGroup
+	for _, e := range f.envoys {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_ = e.Stop(ctx)
+		}()
+	}
+	wg.Wait()
+	for _, c := range f.conns {
+		_ = c.Close()
+	}
+}
+
+// Envoys returns the fleet's Envoys.
+func (f *Fleet) Envoys() []*envoy.Envoy { return f.envoys }
+
+// BytesReceived is the total size of the responses the fleet received.
+func (f *Fleet) BytesReceived() uint64 { return f.bytes.Load() }
+
+// Connected returns how many Envoys have a stream open now.
+func (f *Fleet) Connected() int {
+	n := 0
+	for _, e := range f.envoys {
+		if e.Stats().Connected {
+			n++
+		}
+	}
+	return n
+}
+
+// Violations returns every protocol violation any Envoy recorded.
+func (f *Fleet) Violations() []error {
+	var out []error
+	for _, e := range f.envoys {
+		out = append(out, e.Violations()...)
+	}
+	return out
+}
+
+// Synced counts the Envoys that hold exactly the clusters and endpoints
+// their group is served now (names and generations).
+func (f *Fleet) Synced(up *upstream.Upstream) int {
+	want := map[string]map[string]uint64{}
+	n := 0
+	for i, e := range f.envoys {
+		g := f.groups[i]
+		w, ok := want[g]
+		if !ok {
+			w = expected(up.Snapshot(g))
+			want[g] = w
+		}
+		if holds(e, w) {
+			n++
+		}
+	}
+	return n
+}
+
+// WaitSynced waits until every Envoy holds its group's full config, or ctx
+// ends. It checks every 200 ms, and checks an Envoy no more once it has
+// been seen synced (call it when the upstream is not changing).
+func (f *Fleet) WaitSynced(ctx context.Context, up *upstream.Upstream) error {
+	t := time.NewTicker(200 * time.Millisecond)
+	defer t.Stop()
+	want := map[string]map[string]uint64{}
+	for _, g := range up.Groups() {
+		want[g] = expected(up.Snapshot(g))
+	}
+	synced := make([]bool, len(f.envoys))
+	n := 0
+	for {
+		for i, e := range f.envoys {
+			if !synced[i] && holds(e, want[f.groups[i]]) {
+				synced[i] = true
+				n++
+			}
+		}
+		if n == len(f.envoys) {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("loadtest: %d of %d Envoys synced: %w", n, len(f.envoys), ctx.Err())
+		case <-t.C:
+		}
+	}
+}
+
+// expected maps "type|name" to generation for CDS and EDS of a snapshot.
+func expected(snap map[string]map[string]proto.Message) map[string]uint64 {
+	out := map[string]uint64{}
+	for _, typeURL := range []string{envoy.ClusterType, envoy.EndpointType} {
+		for name, m := range snap[typeURL] {
+			g, _ := upstream.Generation(m)
+			out[typeURL+"|"+name] = g
+		}
+	}
+	return out
+}
+
+func holds(e *envoy.Envoy, want map[string]uint64) bool {
+	n := 0
+	for _, typeURL := range []string{envoy.ClusterType, envoy.EndpointType} {
+		held := e.Resources(typeURL)
+		for name, h := range held {
+			g, ok := want[typeURL+"|"+name]
+			if !ok || g != h.Generation {
+				return false
+			}
+		}
+		n += len(held)
+	}
+	return n == len(want)
+}
