@@ -165,4 +165,3 @@ func ms(d time.Duration) string {
 	}
 	return d.Round(100 * time.Microsecond).String()
 }
-
