@@ -218,3 +218,4 @@ func TestSlowReader(t *testing.T) {
 	}
 	t.Logf("slow reader: %d updates arrived as %d responses", updates, got)
 }
+

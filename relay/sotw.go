@@ -76,12 +76,19 @@ func (s *stream) onSotW(req *discovery.DiscoveryRequest) error {
 	return nil
 }
 
+// maxQueuedRequests bounds the requests a client may have waiting while the
+// relay is busy writing to it. An Envoy sends about one request per response
+// it reads, so this is far more than flow control lets an honest client have.
+const maxQueuedRequests = 4096
+
 // serve runs a stream's handler loop: requests, wake-ups from the key, and
-// passthrough responses, each followed by a sync. It returns when the client
-// goes away or a request is refused.
+// passthrough responses, then a sync. It returns when the client goes away
+// or a request is refused. Requests are read on a goroutine of their own
+// into a mailbox, so that the relay keeps reading a client while it is
+// blocked writing to it.
 func serve[Req any](s *stream, recv func() (Req, error), handle func(Req) error) error {
 	defer s.close()
-	reqs := make(chan Req)
+	reqs := newMailbox[Req](maxQueuedRequests)
 	errc := make(chan error, 1)
 	go func() {
 		for {
@@ -90,18 +97,19 @@ func serve[Req any](s *stream, recv func() (Req, error), handle func(Req) error)
 				errc <- err
 				return
 			}
-			select {
-			case reqs <- req:
-			case <-s.ctx.Done():
+			if !reqs.put(req) {
+				errc <- status.Errorf(codes.ResourceExhausted, "more than %d requests sent without reading the responses", maxQueuedRequests)
 				return
 			}
 		}
 	}()
 	for {
 		select {
-		case req := <-reqs:
-			if err := handle(req); err != nil {
-				return err
+		case <-reqs.ready:
+			for _, req := range reqs.take() {
+				if err := handle(req); err != nil {
+					return err
+				}
 			}
 		case <-s.wake:
 		case m := <-s.passOut():

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"sync"
 	"time"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -34,7 +35,7 @@ type upstream struct {
 	presented *stream                   // whose node the current stream presents
 	idle      *time.Timer               // running while the key has no members
 	expiry    *time.Timer               // next expiry of a pending name
-	send      func(proto.Message) error // the current stream's Send
+	send      func(proto.Message) error // queues a request on the current stream
 	node      *core.Node                // the node the current stream presents
 	first     bool                      // the next request is the stream's first: it carries the node
 	delta     bool
@@ -164,20 +165,23 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	client := discovery.NewAggregatedDiscoveryServiceClient(u.r.upConn)
-	var recv func() (proto.Message, error)
+	var (
+		send func(proto.Message) error
+		recv func() (proto.Message, error)
+	)
 	if u.delta {
 		cs, err := client.DeltaAggregatedResources(sctx)
 		if err != nil {
 			return false, fmt.Errorf("open delta stream: %w", err)
 		}
-		u.send = func(m proto.Message) error { return cs.Send(m.(*discovery.DeltaDiscoveryRequest)) }
+		send = func(m proto.Message) error { return cs.Send(m.(*discovery.DeltaDiscoveryRequest)) }
 		recv = func() (proto.Message, error) { return cs.Recv() }
 	} else {
 		cs, err := client.StreamAggregatedResources(sctx)
 		if err != nil {
 			return false, fmt.Errorf("open sotw stream: %w", err)
 		}
-		u.send = func(m proto.Message) error { return cs.Send(m.(*discovery.DiscoveryRequest)) }
+		send = func(m proto.Message) error { return cs.Send(m.(*discovery.DiscoveryRequest)) }
 		recv = func() (proto.Message, error) { return cs.Recv() }
 	}
 	u.r.metrics.upstreamStreams.Inc()
@@ -193,9 +197,23 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 	}
 	u.log("upstream stream open", "node", node.GetId())
 
+	// Requests go out on a goroutine of their own, from a mailbox: the
+	// session never blocks writing while responses wait to be read (with
+	// an upstream that stops reading while it writes, as go-control-plane
+	// does, that would deadlock once both flow-control windows are full).
+	out := newMailbox[proto.Message](maxQueuedRequests)
+	u.send = func(m proto.Message) error {
+		if !out.put(m) {
+			return fmt.Errorf("more than %d requests the upstream has not read", maxQueuedRequests)
+		}
+		return nil
+	}
 	msgs := make(chan proto.Message)
-	errc := make(chan error, 1)
+	errc := make(chan error, 2)
+	var wg sync.WaitGroup
+	wg.Add(2)
 	go func() {
+		defer wg.Done()
 		for {
 			m, err := recv()
 			if err != nil {
@@ -205,12 +223,27 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 			select {
 			case msgs <- m:
 			case <-sctx.Done():
-				errc <- sctx.Err()
 				return
 			}
 		}
 	}()
-	defer func() { cancel(); <-errc }()
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-out.ready:
+				for _, m := range out.take() {
+					if err := send(m); err != nil {
+						errc <- err
+						return
+					}
+				}
+			case <-sctx.Done():
+				return
+			}
+		}
+	}()
+	defer func() { cancel(); wg.Wait() }()
 
 	if err := u.resubscribe(); err != nil {
 		return false, err
@@ -223,7 +256,6 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 				return got, err
 			}
 		case err := <-errc:
-			errc <- err
 			return got, err
 		case <-u.k.upWake:
 			_, first, n := u.k.presenter()

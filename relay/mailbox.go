@@ -1,0 +1,45 @@
+package relay
+
+import "sync"
+
+// mailbox is a queue between two goroutines where the writer never blocks:
+// put appends and signals, the reader takes everything queued at once. The
+// relay uses it on both sides of every stream so that a goroutine blocked
+// writing to a peer never stops the reading of that same peer: with
+// blocking hand-offs a relay and a peer that each wait for the other to read
+// deadlock (each side's flow-control window full, neither reading).
+//
+// It is bounded: put reports false once limit items wait, and the caller
+// ends the stream, since a peer that sends that much without reading is
+// broken or hostile.
+type mailbox[T any] struct {
+	mu    sync.Mutex
+	items []T
+	limit int
+	ready chan struct{} // has a value while items is not empty
+}
+
+func newMailbox[T any](limit int) *mailbox[T] {
+	return &mailbox[T]{limit: limit, ready: make(chan struct{}, 1)}
+}
+
+// put queues v; it reports false, queueing nothing, when the mailbox is full.
+func (m *mailbox[T]) put(v T) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.items) >= m.limit {
+		return false
+	}
+	m.items = append(m.items, v)
+	wake(m.ready)
+	return true
+}
+
+// take returns everything queued, oldest first, and empties the mailbox.
+func (m *mailbox[T]) take() []T {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	items := m.items
+	m.items = nil
+	return items
+}

@@ -1,0 +1,70 @@
+package relay
+
+import (
+	"context"
+	"io"
+	"sync/atomic"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+func newTestRelay(t *testing.T) *Relay {
+	t.Helper()
+	cfg := DefaultConfig()
+	cfg.Upstream = "unused:1"
+	r, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// TestServeKeepsReading: while the stream's goroutine is stuck (as when it
+// is blocked writing to a client that does not read), the relay goes on
+// reading that client's requests. With a blocking hand-off it would stop
+// after one, and a client doing the same (blocked sending, not reading)
+// would deadlock with it once both flow-control windows are full.
+func TestServeKeepsReading(t *testing.T) {
+	r := newTestRelay(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	s := r.newStream(ctx, false)
+	stuck := make(chan struct{})
+	var read atomic.Int32
+	recv := func() (int, error) {
+		if n := read.Add(1); n <= 100 {
+			return int(n), nil
+		}
+		<-ctx.Done()
+		return 0, io.EOF
+	}
+	done := make(chan error, 1)
+	go func() { done <- serve(s, recv, func(int) error { <-stuck; return nil }) }()
+	waitFor(t, "100 requests read while the handler is stuck", func() bool { return read.Load() > 100 })
+	close(stuck)
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("serve = %v, want nil after the client went away", err)
+	}
+}
+
+// TestServeFloodEndsStream: a client that queues more than
+// maxQueuedRequests without the relay getting to them loses its stream.
+func TestServeFloodEndsStream(t *testing.T) {
+	r := newTestRelay(t)
+	s := r.newStream(context.Background(), false)
+	stuck := make(chan struct{})
+	var read atomic.Int32
+	recv := func() (int, error) { read.Add(1); return 1, nil } // an endless flood
+	done := make(chan error, 1)
+	go func() { done <- serve(s, recv, func(int) error { <-stuck; return nil }) }()
+	// A full mailbox (whatever the stuck handler took before), and the
+	// request that did not fit ended the reading.
+	waitFor(t, "the mailbox to overflow", func() bool { return read.Load() >= maxQueuedRequests+1 })
+	close(stuck)
+	err := <-done
+	if status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("serve = %v, want ResourceExhausted", err)
+	}
+}
