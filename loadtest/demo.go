@@ -61,8 +61,10 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 	}
 	stopCtx := context.WithoutCancel(ctx)
 
+	tracker := NewTracker()
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario = cfg.Scenario
+	ucfg.OnPublish = func(c upstream.Change) { tracker.Track(c) }
 	up, err := upstream.New(ucfg)
 	if err != nil {
 		return err
@@ -96,9 +98,10 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 	fmt.Fprintf(out, "  relay     %s: upstream protocol %s, key profile istio\n", r.Addr(), cfg.UpstreamProtocol)
 	fmt.Fprintf(out, "  envoys    %d simulated (%s) over %d keys; churn %.1f changes/s\n\n", cfg.Envoys, cfg.Protocol, cfg.Keys, cfg.ChurnRate)
 
-	tracker := NewTracker()
 	start := time.Now()
-	fleet, err := StartFleet(ctx, FleetConfig{
+	// The Envoys live until the deferred Stop, so the last row still shows
+	// them connected.
+	fleet, err := StartFleet(stopCtx, FleetConfig{
 		Scenario: sc, Envoys: cfg.Envoys, Keys: cfg.Keys, Protocol: cfg.Protocol,
 		Target: r.Addr().String(), Tracker: tracker,
 	})
@@ -112,7 +115,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 		go func() {
 			// Churn is always bounded; ctx ends it sooner.
 			churnDone <- up.Churn(ctx, upstream.ChurnConfig{Rate: cfg.ChurnRate, AddRemoveFraction: 0.05, Seed: 1, Duration: 24 * time.Hour},
-				func(c upstream.Change) { tracker.Track(c) })
+				nil)
 		}()
 	} else {
 		churnDone <- nil

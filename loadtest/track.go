@@ -19,10 +19,28 @@ type Tracker struct {
 	groups  map[string][]int // group → Envoy indexes
 	pending map[string][]*tracked
 	active  atomic.Int32 // len(pending) > 0, read without the lock
+	// known finds a change tracked before (pending or recently done), so
+	// that Track is idempotent; recent bounds the done ones it remembers.
+	known  map[trackKey]*tracked
+	recent []trackKey
+	// early holds ACKs of names announced with Expect that arrived before
+	// their change was tracked.
+	early map[string][]earlyACK
 
 	perEnvoy []time.Duration // one per (change, Envoy) ACK
 	complete []time.Duration // one per change: until its last Envoy ACKed
 	timedOut int
+}
+
+type earlyACK struct {
+	idx int
+	gen uint64
+	at  time.Time
+}
+
+type trackKey struct {
+	typeURL, name string
+	gen           uint64
 }
 
 type tracked struct {
@@ -36,7 +54,7 @@ type tracked struct {
 
 // NewTracker returns an empty Tracker.
 func NewTracker() *Tracker {
-	return &Tracker{groups: map[string][]int{}, pending: map[string][]*tracked{}}
+	return &Tracker{groups: map[string][]int{}, pending: map[string][]*tracked{}, known: map[trackKey]*tracked{}, early: map[string][]earlyACK{}}
 }
 
 func (t *Tracker) addEnvoy(idx int, group string) {
@@ -45,13 +63,29 @@ func (t *Tracker) addEnvoy(idx int, group string) {
 	t.groups[group] = append(t.groups[group], idx)
 }
 
-// Track starts timing c. The returned channel closes when every Envoy of the
-// change's groups has ACKed it (it never closes for a change no Envoy must
-// get; see Forget).
+// Track starts timing c, and returns a channel that closes when every Envoy
+// of the change's groups has ACKed it (at once, for a change no Envoy must
+// get). To time a change without racing its arrival, call Track
+// from the upstream's OnPublish hook; calling it again later with the same
+// change returns the same channel.
 func (t *Tracker) Track(c upstream.Change) <-chan struct{} {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	key := trackKey{c.TypeURL, c.Name, c.Generation}
+	if tr, ok := t.known[key]; ok {
+		return tr.done
+	}
 	tr := &tracked{typeURL: c.TypeURL, name: c.Name, gen: c.Generation, at: c.At, done: make(chan struct{})}
+	t.known[key] = tr
+	t.recent = append(t.recent, key)
+	if len(t.recent) > maxRemembered {
+		for _, k := range t.recent[:len(t.recent)/2] {
+			if old := t.known[k]; old != nil && old.remaining == 0 {
+				delete(t.known, k)
+			}
+		}
+		t.recent = append(t.recent[:0], t.recent[len(t.recent)/2:]...)
+	}
 	n := 0
 	for _, g := range c.Groups {
 		for _, i := range t.groups[g] {
@@ -60,12 +94,64 @@ func (t *Tracker) Track(c upstream.Change) <-chan struct{} {
 		}
 	}
 	if tr.remaining == 0 {
+		close(tr.done)
 		return tr.done
 	}
 	tr.seen = make([]uint64, (n+63)/64)
 	t.pending[c.Name] = append(t.pending[c.Name], tr)
-	t.active.Store(int32(len(t.pending)))
+	early := t.early[c.TypeURL+"|"+c.Name]
+	delete(t.early, c.TypeURL+"|"+c.Name)
+	for _, a := range early {
+		t.count(tr, a.idx, a.gen, a.at)
+	}
+	t.prune(c.Name)
+	t.active.Store(int32(len(t.pending) + len(t.early)))
 	return tr.done
+}
+
+// Expect announces that a change of typeURL/name is about to be published,
+// for callers that learn of the change only once it is published (and may
+// Track it after some Envoys already ACKed it): the ACKs that arrive in
+// between are kept for Track. The OnPublish hook of the upstream is the
+// simpler way.
+func (t *Tracker) Expect(typeURL, name string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if _, ok := t.early[typeURL+"|"+name]; !ok {
+		t.early[typeURL+"|"+name] = nil
+	}
+	t.active.Store(int32(len(t.pending) + len(t.early)))
+}
+
+// count records Envoy idx's ACK of tr at generation gen; it reports whether
+// that completed tr.
+func (t *Tracker) count(tr *tracked, idx int, gen uint64, at time.Time) {
+	w, b := idx/64, uint64(1)<<(idx%64)
+	if gen < tr.gen || w >= len(tr.seen) || tr.seen[w]&b != 0 || tr.remaining == 0 {
+		return
+	}
+	tr.seen[w] |= b
+	tr.remaining--
+	t.perEnvoy = appendBounded(t.perEnvoy, at.Sub(tr.at))
+	if tr.remaining == 0 {
+		t.complete = appendBounded(t.complete, at.Sub(tr.at))
+		close(tr.done)
+	}
+}
+
+// prune drops name's completed changes from pending.
+func (t *Tracker) prune(name string) {
+	kept := t.pending[name][:0]
+	for _, tr := range t.pending[name] {
+		if tr.remaining > 0 {
+			kept = append(kept, tr)
+		}
+	}
+	if len(kept) == 0 {
+		delete(t.pending, name)
+	} else {
+		t.pending[name] = kept
+	}
 }
 
 // Forget stops waiting for changes older than cutoff, counting them as
@@ -88,6 +174,7 @@ func (t *Tracker) Forget(cutoff time.Time) {
 			t.pending[name] = kept
 		}
 	}
+	clear(t.early)
 	t.active.Store(int32(len(t.pending)))
 }
 
@@ -99,37 +186,29 @@ func (t *Tracker) observe(idx int, ev envoy.Event) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for i, name := range ev.Names {
-		trs := t.pending[name]
-		if len(trs) == 0 {
-			continue
-		}
 		var gen uint64
 		if i < len(ev.Generations) {
 			gen = ev.Generations[i]
 		}
-		kept := trs[:0]
+		if acks, ok := t.early[ev.TypeURL+"|"+name]; ok {
+			t.early[ev.TypeURL+"|"+name] = append(acks, earlyACK{idx, gen, ev.At})
+		}
+		trs := t.pending[name]
+		if len(trs) == 0 {
+			continue
+		}
 		for _, tr := range trs {
-			w, b := idx/64, uint64(1)<<(idx%64)
-			if tr.typeURL == ev.TypeURL && gen >= tr.gen && w < len(tr.seen) && tr.seen[w]&b == 0 {
-				tr.seen[w] |= b
-				tr.remaining--
-				t.perEnvoy = appendBounded(t.perEnvoy, ev.At.Sub(tr.at))
-				if tr.remaining == 0 {
-					t.complete = appendBounded(t.complete, ev.At.Sub(tr.at))
-					close(tr.done)
-					continue
-				}
+			if tr.typeURL == ev.TypeURL {
+				t.count(tr, idx, gen, ev.At)
 			}
-			kept = append(kept, tr)
 		}
-		if len(kept) == 0 {
-			delete(t.pending, name)
-		} else {
-			t.pending[name] = kept
-		}
+		t.prune(name)
 	}
-	t.active.Store(int32(len(t.pending)))
+	t.active.Store(int32(len(t.pending) + len(t.early)))
 }
+
+// maxRemembered bounds the changes Track remembers for idempotence.
+const maxRemembered = 1 << 14
 
 // maxSamples bounds the latencies a Tracker keeps; past it the older half is
 // dropped, so a long demo's memory stays flat.

@@ -66,6 +66,12 @@ type Config struct {
 	// Logger receives warnings and debug events (keys node, type). Nil means
 	// discard.
 	Logger *slog.Logger
+	// OnPublish, if set, is called for every change just before it reaches
+	// the caches (so before any subscriber can see it), with the
+	// Upstream's lock held: it must be quick and must not call the
+	// Upstream. Benchmarks use it to start timing a change without racing
+	// its arrival.
+	OnPublish func(Change)
 }
 
 // DefaultConfig returns a Config with every default filled in and
@@ -450,6 +456,9 @@ func (u *Upstream) nextMarker() marker {
 // Must hold mu.
 func (u *Upstream) publish(t int, groups []int, name string, res types.Resource, mk marker) (Change, error) {
 	c := Change{TypeURL: typeURLs[t], Name: name, Generation: mk.gen, At: time.Now(), Groups: u.groupNames(groups)}
+	if u.cfg.OnPublish != nil {
+		u.cfg.OnPublish(c)
+	}
 	for _, gi := range groups {
 		lc := u.caches[gi][t]
 		var err error
@@ -470,6 +479,9 @@ func (u *Upstream) publish(t int, groups []int, name string, res types.Resource,
 func (u *Upstream) publishRoutes(port uint32, groups []int, mk marker) (Change, error) {
 	name := routeName(port)
 	c := Change{TypeURL: typeURLs[tRDS], Name: name, Generation: mk.gen, At: time.Now(), Groups: u.groupNames(groups)}
+	if u.cfg.OnPublish != nil {
+		u.cfg.OnPublish(c)
+	}
 	for _, gi := range groups {
 		rc := u.sh.routeConfig(name, u.vhosts(gi, port), mk)
 		if err := u.caches[gi][tRDS].UpdateResource(name, rc); err != nil {
