@@ -218,4 +218,3 @@ func TestSlowReader(t *testing.T) {
 	}
 	t.Logf("slow reader: %d updates arrived as %d responses", updates, got)
 }
-
