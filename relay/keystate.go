@@ -53,6 +53,10 @@ type typeSnap struct {
 	// ready is set once the upstream has answered for this type: before
 	// that an empty view means "not known yet", not "nothing exists".
 	ready bool
+	// full is set while the view is everything the upstream has of the
+	// type (it answered a wildcard subscription), not just the names asked
+	// for. Wildcard clients wait for it.
+	full bool
 	// pending holds names requested from the upstream that have not
 	// arrived, with the time they were first requested. A stream never
 	// tells a client that a pending name does not exist.

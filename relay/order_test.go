@@ -63,7 +63,7 @@ func TestPushOrder(t *testing.T) {
 				k.mu.Lock()
 				k.update(func(next *keySnap) {
 					for typeURL, res := range map[string][]types.Resource{typeCluster: cs, typeEndpoint: es, typeListener: ls, typeRoute: rs} {
-						next.types[typeURL] = &typeSnap{view: viewOf(t, r, typeURL, res...), ready: true}
+						next.types[typeURL] = &typeSnap{view: viewOf(t, r, typeURL, res...), ready: true, full: true}
 					}
 				})
 				k.mu.Unlock()

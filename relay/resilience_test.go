@@ -215,3 +215,20 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 }
 
 var _ types.Resource
+
+// TestWildcardAfterNamed: while the key's only client asks for one cluster
+// by name, the key's view holds just that one; a wildcard client joining
+// the key must get every cluster, not the partial view.
+func TestWildcardAfterNamed(t *testing.T) {
+	for _, delta := range []bool{false, true} {
+		t.Run(protocolName(delta), func(t *testing.T) {
+			e := newEnv(t, delta, nil)
+			named := e.client(0)
+			named.subscribe(typeCluster, "c0")
+			wantNames(t, named.recv(), "c0")
+			all := e.client(1)
+			all.subscribe(typeCluster)
+			wantNames(t, all.recv(), "c0", "c1", "c2")
+		})
+	}
+}

@@ -331,7 +331,7 @@ func (s *stream) sync() error {
 	for _, typeURL := range pushOrder {
 		sub := s.subs[typeURL]
 		ts := snap.types[typeURL]
-		if sub == nil || ts == nil || !ts.ready {
+		if sub == nil || ts == nil || !ts.ready || (sub.wildcard && !ts.full) {
 			continue
 		}
 		if sub.claimed != "" {

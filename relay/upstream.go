@@ -49,6 +49,7 @@ type upType struct {
 	wildcard bool
 	names    nameSet
 	nonce    string // the latest response's nonce on the current stream
+	named    bool   // SotW: the current stream has sent names for the type
 	// Kept across reconnects: the last ACKed SotW version, and the
 	// upstream's Delta version of each resource (for
 	// initial_resource_versions).
@@ -193,7 +194,7 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 	u.presented, u.node, u.first = presenter, node, true
 	presentedNode := node
 	for _, ut := range u.types {
-		ut.asked, ut.nonce = false, "" // what it was asked is asked again
+		ut.asked, ut.nonce, ut.named = false, "", false // what it was asked is asked again
 	}
 	u.log("upstream stream open", "node", node.GetId())
 
@@ -370,7 +371,7 @@ func (u *upstream) dropUnwanted(typeURL string, names nameSet) {
 			drop = append(drop, e.Name)
 		}
 	}
-	if len(drop) > 0 {
+	if len(drop) > 0 || ts.full {
 		u.apply(typeURL, nil, drop, false, false)
 	}
 }
@@ -381,13 +382,15 @@ func (u *upstream) dropUnwanted(typeURL string, names nameSet) {
 func (u *upstream) sotwRequest(typeURL string, ut *upType, wildcard bool, names nameSet, nack *rpcstatus.Status) *discovery.DiscoveryRequest {
 	var rn []string
 	switch {
-	case wildcard && len(names) == 0 && !ut.asked:
-		// legacy wildcard: the most widely understood form
+	case wildcard && len(names) == 0 && !ut.named:
+		// The legacy wildcard, the most widely understood form; it means
+		// wildcard only while the stream never named anything for the type.
 	case wildcard:
 		rn = append([]string{wildcardName}, names...)
 	default:
 		rn = names
 	}
+	ut.named = ut.named || len(rn) > 0
 	return &discovery.DiscoveryRequest{
 		TypeUrl:       typeURL,
 		VersionInfo:   ut.acked,
@@ -564,6 +567,9 @@ func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace,
 			ts.ready = true
 			next.stale = false
 		}
+		// The view is the full set only once the upstream answered a
+		// wildcard subscription.
+		ts.full = u.types[typeURL].wildcard && (fromUpstream || ts.full)
 		ts.pending = withoutArrived(ts.pending, upd)
 		next.types[typeURL] = ts
 		derivedChanged = u.follow(next, typeURL, old, ts.view)
