@@ -15,19 +15,12 @@ import (
 func (r *Relay) DeltaAggregatedResources(ds discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
 	s := r.newStream(ds.Context(), true)
 	s.send = func(o *outgoing) error {
-		resp := &discovery.DeltaDiscoveryResponse{
-			SystemVersionInfo: o.version,
-			TypeUrl:           o.typeURL,
-			Nonce:             o.nonce,
-			ControlPlane:      r.controlPlane,
-			RemovedResources:  o.removed,
-			Resources:         make([]*discovery.Resource, len(o.upd)),
-		}
-		for i, x := range o.upd {
-			resp.Resources[i] = &discovery.Resource{Name: x.Name, Version: x.Hash.String(), Resource: x.Body}
-		}
-		r.metrics.sent(o.typeURL, len(o.upd), len(o.removed), resp)
-		return ds.Send(resp)
+		body := r.bodies.get(bodyKey{delta: true, typeURL: o.typeURL, from: o.from, to: o.to, view: o.view}, func() []byte {
+			return encodeDelta(o, r.controlPlaneWire)
+		})
+		w := &wireMessage{body: body, tail: nonceField(fDeltaNonce, o.nonce)}
+		r.metrics.sent(o.typeURL, len(o.upd), len(o.removed), w.size())
+		return ds.SendMsg(w)
 	}
 	s.sendRaw = func(m proto.Message) error { return ds.Send(m.(*discovery.DeltaDiscoveryResponse)) }
 	return serve(s, ds.Recv, s.onDelta)

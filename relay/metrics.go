@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"google.golang.org/protobuf/proto"
 )
 
 // metrics are the relay's Prometheus metrics, named after istiod's pilot_*
@@ -23,6 +22,8 @@ type metrics struct {
 	upstreamNACKs      *prometheus.CounterVec
 	passthrough        *prometheus.CounterVec
 	passthroughStreams prometheus.Gauge
+
+	byType map[string]*typeMetrics // by type URL; "" for the rest
 
 	// Totals for Stats, without a Gather.
 	pushCount    atomic.Uint64
@@ -90,16 +91,40 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 			return nil, err
 		}
 	}
+	m.byType = make(map[string]*typeMetrics, len(pushOrder)+1)
+	for _, typeURL := range append([]string{""}, pushOrder...) {
+		t := shortType(typeURL)
+		m.byType[typeURL] = &typeMetrics{
+			pushes:        m.pushes.WithLabelValues(t),
+			pushBytes:     m.pushBytes.WithLabelValues(t),
+			pushResources: m.pushResources.WithLabelValues(t),
+			nacks:         m.nacks.WithLabelValues(t),
+			pushACK:       m.pushACK.WithLabelValues(t),
+		}
+	}
 	return m, nil
 }
 
-// sent counts one downstream response.
-func (m *metrics) sent(typeURL string, resources, removed int, resp proto.Message) {
-	t := shortType(typeURL)
-	size := proto.Size(resp)
-	m.pushes.WithLabelValues(t).Inc()
-	m.pushBytes.WithLabelValues(t).Add(float64(size))
-	m.pushResources.WithLabelValues(t).Add(float64(resources + removed))
+// typeMetrics are one type's metric children, looked up once: the hot path
+// (a push or an ACK per stream per change) does no label hashing.
+type typeMetrics struct {
+	pushes, pushBytes, pushResources, nacks prometheus.Counter
+	pushACK                                 prometheus.Observer
+}
+
+func (m *metrics) forType(typeURL string) *typeMetrics {
+	if tm := m.byType[typeURL]; tm != nil {
+		return tm
+	}
+	return m.byType[""]
+}
+
+// sent counts one downstream response of size bytes.
+func (m *metrics) sent(typeURL string, resources, removed, size int) {
+	tm := m.forType(typeURL)
+	tm.pushes.Inc()
+	tm.pushBytes.Add(float64(size))
+	tm.pushResources.Add(float64(resources + removed))
 	m.pushCount.Add(1)
 	m.bytesCount.Add(uint64(size))
 }

@@ -57,7 +57,11 @@ type Relay struct {
 	metrics      *metrics
 	pushACK      latency
 	controlPlane *core.ControlPlane
-	streamID     atomic.Uint64
+	// controlPlaneWire is controlPlane encoded, for responses the relay
+	// encodes itself; bodies caches those responses' shared bytes.
+	controlPlaneWire []byte
+	bodies           bodyCache
+	streamID         atomic.Uint64
 
 	upConn   *grpc.ClientConn
 	server   *grpc.Server
@@ -94,6 +98,7 @@ func New(cfg Config) (*Relay, error) {
 		return nil, fmt.Errorf("relay: register metrics: %w", err)
 	}
 	r.metrics = m
+	r.controlPlaneWire = mustMarshal(r.controlPlane)
 	return r, nil
 }
 
@@ -132,6 +137,10 @@ func (r *Relay) Start(ctx context.Context) error {
 	r.upConn, r.lis = conn, lis
 	r.ctx, r.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	r.server = grpc.NewServer(
+		grpc.ForceServerCodecV2(newCodec()),
+		// Thousands of mostly idle Envoy connections: give each
+		// connection's write buffer back between writes.
+		grpc.SharedWriteBuffer(true),
 		grpc.MaxRecvMsgSize(r.cfg.MaxMsgSize),
 		grpc.MaxSendMsgSize(r.cfg.MaxMsgSize),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),

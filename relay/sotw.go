@@ -7,29 +7,18 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/types/known/anypb"
 )
 
 // StreamAggregatedResources serves one SotW ADS stream.
 func (r *Relay) StreamAggregatedResources(ss discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
 	s := r.newStream(ss.Context(), false)
 	s.send = func(o *outgoing) error {
-		resp := &discovery.DiscoveryResponse{
-			VersionInfo:  o.version,
-			TypeUrl:      o.typeURL,
-			Nonce:        o.nonce,
-			ControlPlane: r.controlPlane,
-		}
-		res := o.fullSotW
-		if res == nil {
-			res = o.upd
-		}
-		resp.Resources = make([]*anypb.Any, len(res))
-		for i, x := range res {
-			resp.Resources[i] = x.Body
-		}
-		r.metrics.sent(o.typeURL, len(res), len(o.removed), resp)
-		return ss.Send(resp)
+		body := r.bodies.get(bodyKey{typeURL: o.typeURL, from: o.from, to: o.to}, func() []byte {
+			return encodeSotW(o, r.controlPlaneWire)
+		})
+		w := &wireMessage{body: body, tail: nonceField(fSotWNonce, o.nonce)}
+		r.metrics.sent(o.typeURL, len(o.upd)+len(o.fullSotW), 0, w.size())
+		return ss.SendMsg(w)
 	}
 	s.sendRaw = func(m proto.Message) error { return ss.Send(m.(*discovery.DiscoveryResponse)) }
 	return serve(s, ss.Recv, s.onSotW)
@@ -112,6 +101,7 @@ func serve[Req any](s *stream, recv func() (Req, error), handle func(Req) error)
 				}
 			}
 		case <-s.wake:
+			s.dirty = true
 		case m := <-s.passOut():
 			if err := s.forward(m); err != nil {
 				return err
@@ -123,8 +113,13 @@ func serve[Req any](s *stream, recv func() (Req, error), handle func(Req) error)
 		case <-s.r.stopping:
 			return status.Error(codes.Unavailable, "relay is shutting down")
 		}
-		if err := s.sync(); err != nil {
-			return err
+		// A plain ACK changes nothing to send: only subscription changes
+		// and new snapshots need a sync.
+		if s.dirty {
+			s.dirty = false
+			if err := s.sync(); err != nil {
+				return err
+			}
 		}
 	}
 }

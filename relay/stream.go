@@ -36,6 +36,9 @@ type stream struct {
 	nonce uint64
 	subs  map[string]*typeSub
 	pass  *passthrough
+	// dirty is set when a subscription changed or the key's snapshot did:
+	// the stream must sync.
+	dirty bool
 
 	statusMu sync.Mutex
 	status   map[string]TypeStatus // by type URL; read by Relay.Clients
@@ -114,6 +117,10 @@ type outgoing struct {
 	removed  []string
 	fullSotW []*Resource // SotW full-state types: everything the client holds
 	nonce    string
+	// The Merkle roots that determine the response's bytes: what the
+	// client held before (zero for a SotW full-state response, which does
+	// not depend on it) and after, and the key's view (Delta).
+	from, to, view ledger.Hash
 }
 
 func (r *Relay) newStream(ctx context.Context, delta bool) *stream {
@@ -198,6 +205,7 @@ func (s *stream) checkNames(typeURL string, n int) error {
 func (s *stream) newSub(typeURL string, wildcard, legacy bool, names nameSet) *typeSub {
 	sub := &typeSub{typeURL: typeURL, wildcard: wildcard, legacy: legacy, names: names, awaitFirst: true}
 	s.subs[typeURL] = sub
+	s.dirty = true
 	s.key.subscribe(typeURL, false, wildcard, names, nil)
 	return sub
 }
@@ -225,6 +233,7 @@ func (s *stream) resubscribe(sub *typeSub, wildcard bool, names nameSet, forget 
 		}
 	}
 	sub.known = kb.Tree()
+	s.dirty = true
 	s.key.subscribe(sub.typeURL, sub.wildcard, wildcard, added, removed)
 	sub.wildcard, sub.names = wildcard, names
 	if !wildcard {
@@ -236,20 +245,20 @@ func (s *stream) resubscribe(sub *typeSub, wildcard bool, names nameSet, forget 
 // version.
 func (s *stream) ack(sub *typeSub, sent sentResponse, errorDetail string) {
 	now := time.Now()
-	t := shortType(sub.typeURL)
+	tm := s.r.metrics.forType(sub.typeURL)
 	if errorDetail != "" {
 		s.updateStatus(sub.typeURL, func(st *TypeStatus) {
 			st.NACK = &NACK{Version: sent.version, Detail: errorDetail, At: now}
 		})
-		s.r.metrics.nacks.WithLabelValues(t).Inc()
-		s.log.Warn("NACK", "type", t, "version", sent.version, "nonce", sent.nonce, "detail", errorDetail)
+		tm.nacks.Inc()
+		s.log.Warn("NACK", "type", shortType(sub.typeURL), "version", sent.version, "nonce", sent.nonce, "detail", errorDetail)
 		return
 	}
 	s.updateStatus(sub.typeURL, func(st *TypeStatus) {
 		st.AckedVersion, st.AckedAt, st.NACK = sent.version, now, nil
 	})
 	d := now.Sub(sent.at)
-	s.r.metrics.pushACK.WithLabelValues(t).Observe(d.Seconds())
+	tm.pushACK.Observe(d.Seconds())
 	s.r.pushACK.observe(d)
 }
 
@@ -452,6 +461,7 @@ func (s *stream) refers(typeURL string, kind refKind, name string) bool {
 // response that carries them.
 func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 	sub := p.sub
+	from := sub.known.Root()
 	kb := sub.known.Edit()
 	for _, r := range upd {
 		kb.Set(r.Name, r.Hash, r)
@@ -464,11 +474,13 @@ func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 	first := sub.awaitFirst
 	sub.awaitFirst = false
 
-	out := &outgoing{typeURL: sub.typeURL, upd: upd, removed: removed}
+	out := &outgoing{typeURL: sub.typeURL, upd: upd, removed: removed, from: from, to: sub.known.Root()}
 	switch {
 	case s.delta:
-		out.version = p.ts.view.Root().String()
+		out.view = p.ts.view.Root()
+		out.version = out.view.String()
 	case fullStateSotW(sub.typeURL):
+		out.from = ledger.Hash{}
 		out.version = sub.known.Root().String()
 		out.fullSotW = make([]*Resource, 0, sub.known.Len())
 		for e := range sub.known.All() {

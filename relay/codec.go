@@ -1,0 +1,192 @@
+package relay
+
+import (
+	"sync"
+
+	"google.golang.org/grpc/encoding"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/ledger"
+)
+
+// The relay encodes its responses itself instead of building a
+// DiscoveryResponse per stream for gRPC to marshal. A response's bytes are a
+// function of what the client held before and holds after (both Merkle
+// roots), so every stream of a key that gets the same update gets the same
+// bytes: they are encoded once, kept in a small cache, and each stream only
+// adds its nonce (protobuf lets a field come last). A thousand Envoys
+// catching up on a 1 MB CDS share one 1 MB buffer instead of holding a
+// thousand copies while their sends wait on flow control.
+
+// wireMessage is a response already encoded: a shared body and the stream's
+// own tail (the nonce field).
+type wireMessage struct {
+	body []byte // shared: never modified
+	tail []byte
+}
+
+func (w *wireMessage) size() int { return len(w.body) + len(w.tail) }
+
+// codec is the relay server's gRPC codec: wireMessages go out as they are,
+// everything else (requests in, passthrough responses out) through the
+// standard proto codec.
+type codec struct{ proto encoding.CodecV2 }
+
+func newCodec() codec { return codec{proto: encoding.GetCodecV2("proto")} }
+
+func (c codec) Marshal(v any) (mem.BufferSlice, error) {
+	if w, ok := v.(*wireMessage); ok {
+		// SliceBuffers are not pooled: gRPC's Free leaves the shared body
+		// alone.
+		return mem.BufferSlice{mem.SliceBuffer(w.body), mem.SliceBuffer(w.tail)}, nil
+	}
+	return c.proto.Marshal(v)
+}
+
+func (c codec) Unmarshal(data mem.BufferSlice, v any) error { return c.proto.Unmarshal(data, v) }
+
+func (codec) Name() string { return "proto" }
+
+// Field numbers of envoy.service.discovery.v3 messages.
+const (
+	fSotWVersion, fSotWResources, fSotWTypeURL, fSotWNonce, fSotWControlPlane           = 1, 2, 4, 5, 6
+	fDeltaVersion, fDeltaResources, fDeltaTypeURL, fDeltaNonce, fDeltaRemoved, fDeltaCP = 1, 2, 4, 5, 6, 7
+	fResourceVersion, fResourceBody, fResourceName                                      = 1, 2, 3
+	fAnyTypeURL, fAnyValue                                                              = 1, 2
+)
+
+// bodyKey identifies a response body: the protocol, the type, and the
+// Merkle roots that determine it. A SotW full-state body is determined by
+// what the client holds after (to); a SotW partial or a Delta body by what it
+// held before and after (the difference), Delta's also by the view's root
+// (its system_version_info).
+type bodyKey struct {
+	delta    bool
+	typeURL  string
+	from, to ledger.Hash
+	view     ledger.Hash
+}
+
+// bodyCache keeps recent bodies, bounded in bytes; bodies still on their way
+// to clients stay alive through those messages. Safe for concurrent use.
+type bodyCache struct {
+	mu    sync.Mutex
+	m     map[bodyKey][]byte
+	bytes int
+}
+
+// bodyCacheBytes bounds the cache; it is cleared when full (the working set
+// is the few updates in flight).
+const bodyCacheBytes = 256 << 20
+
+func (c *bodyCache) get(k bodyKey, encode func() []byte) []byte {
+	c.mu.Lock()
+	b, ok := c.m[k]
+	c.mu.Unlock()
+	if ok {
+		return b
+	}
+	b = encode()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.m == nil || c.bytes+len(b) > bodyCacheBytes {
+		c.m, c.bytes = make(map[bodyKey][]byte), 0
+	}
+	if have, ok := c.m[k]; ok {
+		return have
+	}
+	c.m[k] = b
+	c.bytes += len(b)
+	return b
+}
+
+// encodeSotW encodes a DiscoveryResponse without its nonce.
+func encodeSotW(o *outgoing, controlPlane []byte) []byte {
+	res := o.fullSotW
+	if res == nil {
+		res = o.upd
+	}
+	n := len(o.version) + len(o.typeURL) + len(controlPlane) + 16
+	for _, r := range res {
+		n += len(r.Type) + len(r.Body.GetValue()) + 16
+	}
+	b := make([]byte, 0, n)
+	b = appendString(b, fSotWVersion, o.version)
+	for _, r := range res {
+		b = appendAny(b, fSotWResources, r)
+	}
+	b = appendString(b, fSotWTypeURL, o.typeURL)
+	b = protowire.AppendTag(b, fSotWControlPlane, protowire.BytesType)
+	return protowire.AppendBytes(b, controlPlane)
+}
+
+// encodeDelta encodes a DeltaDiscoveryResponse without its nonce.
+func encodeDelta(o *outgoing, controlPlane []byte) []byte {
+	n := len(o.version) + len(o.typeURL) + len(controlPlane) + 16
+	for _, r := range o.upd {
+		n += len(r.Name) + len(r.Type) + len(r.Body.GetValue()) + 2*len(r.Hash) + 24
+	}
+	for _, name := range o.removed {
+		n += len(name) + 4
+	}
+	b := make([]byte, 0, n)
+	b = appendString(b, fDeltaVersion, o.version)
+	for _, r := range o.upd {
+		// envoy.service.discovery.v3.Resource: name, version, resource.
+		b = protowire.AppendTag(b, fDeltaResources, protowire.BytesType)
+		version := r.Hash.String()
+		anyLen := anySize(r)
+		size := protowire.SizeTag(fResourceName) + protowire.SizeBytes(len(r.Name)) +
+			protowire.SizeTag(fResourceVersion) + protowire.SizeBytes(len(version)) +
+			protowire.SizeTag(fResourceBody) + protowire.SizeBytes(anyLen)
+		b = protowire.AppendVarint(b, uint64(size))
+		b = appendString(b, fResourceName, r.Name)
+		b = appendString(b, fResourceVersion, version)
+		b = appendAny(b, fResourceBody, r)
+	}
+	b = appendString(b, fDeltaTypeURL, o.typeURL)
+	for _, name := range o.removed {
+		b = appendString(b, fDeltaRemoved, name)
+	}
+	b = protowire.AppendTag(b, fDeltaCP, protowire.BytesType)
+	return protowire.AppendBytes(b, controlPlane)
+}
+
+// anySize is the encoded size of a resource's google.protobuf.Any.
+func anySize(r *Resource) int {
+	return protowire.SizeTag(fAnyTypeURL) + protowire.SizeBytes(len(r.Type)) +
+		protowire.SizeTag(fAnyValue) + protowire.SizeBytes(len(r.Body.GetValue()))
+}
+
+// appendAny appends r's body as a google.protobuf.Any in field num.
+func appendAny(b []byte, num protowire.Number, r *Resource) []byte {
+	b = protowire.AppendTag(b, num, protowire.BytesType)
+	b = protowire.AppendVarint(b, uint64(anySize(r)))
+	b = appendString(b, fAnyTypeURL, r.Type)
+	b = protowire.AppendTag(b, fAnyValue, protowire.BytesType)
+	return protowire.AppendBytes(b, r.Body.GetValue())
+}
+
+// appendString appends a string field, omitted when empty as proto3 does.
+func appendString(b []byte, num protowire.Number, s string) []byte {
+	if s == "" {
+		return b
+	}
+	b = protowire.AppendTag(b, num, protowire.BytesType)
+	return protowire.AppendString(b, s)
+}
+
+// nonceField encodes a response's nonce, the part each stream adds.
+func nonceField(num protowire.Number, nonce string) []byte {
+	return appendString(make([]byte, 0, len(nonce)+2), num, nonce)
+}
+
+func mustMarshal(m proto.Message) []byte {
+	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(m)
+	if err != nil {
+		panic(err) // only called on messages built by the relay itself
+	}
+	return b
+}
