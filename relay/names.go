@@ -1,8 +1,10 @@
 package relay
 
 import (
+	"hash/maphash"
 	"slices"
 	"strings"
+	"unique"
 )
 
 // wildcardName is the explicit wildcard subscription of the xDS protocol.
@@ -69,3 +71,26 @@ func (s nameSet) with(added, removed []string) nameSet {
 }
 
 func (s nameSet) String() string { return "[" + strings.Join(s, " ") + "]" }
+
+// interned returns s with every name replaced by its canonical copy, so that
+// thousands of streams subscribed to the same names hold each string once.
+func (s nameSet) interned() nameSet {
+	for i, n := range s {
+		s[i] = unique.Make(n).Value()
+	}
+	return s
+}
+
+var listSeed = maphash.MakeSeed()
+
+// listDigest is an order-independent digest of a list of names and its
+// length. A SotW client repeats its whole subscription in every request,
+// ACKs included; comparing digests tells, without sorting thousands of
+// names, that nothing changed.
+func listDigest(names []string) uint64 {
+	sum := uint64(len(names))
+	for _, n := range names {
+		sum += maphash.String(listSeed, n)
+	}
+	return sum
+}

@@ -42,13 +42,13 @@ func (s *stream) onSotW(req *discovery.DiscoveryRequest) error {
 		return err
 	}
 	explicit := slices.Contains(req.GetResourceNames(), wildcardName)
-	names := newNameSet(req.GetResourceNames())
+	digest := listDigest(req.GetResourceNames())
 
 	sub := s.subs[typeURL]
 	if sub == nil {
 		legacy := len(req.GetResourceNames()) == 0 && legacyWildcard(typeURL)
-		sub = s.newSub(typeURL, explicit || legacy, legacy, names)
-		sub.claimed = req.GetVersionInfo()
+		sub = s.newSub(typeURL, explicit || legacy, legacy, newNameSet(req.GetResourceNames()))
+		sub.claimed, sub.listDigest = req.GetVersionInfo(), digest
 		return nil
 	}
 	if req.GetResponseNonce() != sub.nonce {
@@ -61,7 +61,11 @@ func (s *stream) onSotW(req *discovery.DiscoveryRequest) error {
 		s.ack(sub, sub.sent, nackDetail(req.GetErrorDetail()))
 	}
 	wildcard := explicit || (sub.legacy && len(req.GetResourceNames()) == 0)
-	s.resubscribe(sub, wildcard, names, nil)
+	if digest == sub.listDigest && wildcard == sub.wildcard {
+		return nil // the same subscription again: an ACK or a NACK
+	}
+	sub.listDigest = digest
+	s.resubscribe(sub, wildcard, newNameSet(req.GetResourceNames()), nil)
 	return nil
 }
 

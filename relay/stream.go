@@ -58,6 +58,8 @@ type typeSub struct {
 	// first request named nothing.
 	legacy bool
 	names  nameSet
+	// listDigest is the digest of the latest SotW request's name list.
+	listDigest uint64
 
 	// known is what the client holds, as far as the relay knows: what it
 	// was sent (ACKed or not: a NACKed version is not sent again until the
@@ -203,7 +205,7 @@ func (s *stream) checkNames(typeURL string, n int) error {
 
 // newSub starts a subscription from a stream's first request for a type.
 func (s *stream) newSub(typeURL string, wildcard, legacy bool, names nameSet) *typeSub {
-	sub := &typeSub{typeURL: typeURL, wildcard: wildcard, legacy: legacy, names: names, awaitFirst: true}
+	sub := &typeSub{typeURL: typeURL, wildcard: wildcard, legacy: legacy, names: names.interned(), awaitFirst: true}
 	s.subs[typeURL] = sub
 	s.dirty = true
 	s.key.subscribe(typeURL, false, wildcard, names, nil)
@@ -214,6 +216,7 @@ func (s *stream) newSub(typeURL string, wildcard, legacy bool, names nameSet) *t
 // forget lists names whose known state is dropped so that they are sent
 // again (unsubscribed names, and in Delta every name subscribed again).
 func (s *stream) resubscribe(sub *typeSub, wildcard bool, names nameSet, forget []string) {
+	names = names.interned()
 	added, removed := sub.names.diff(names)
 	if wildcard == sub.wildcard && len(added) == 0 && len(removed) == 0 && len(forget) == 0 {
 		return
