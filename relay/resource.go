@@ -210,9 +210,7 @@ func refsOf(m proto.Message) refs {
 	case *route.RouteConfiguration:
 		r.addRouteConfig(v)
 	case *route.ScopedRouteConfiguration:
-		if n := v.GetRouteConfigurationName(); n != "" {
-			r.routes = []string{n}
-		}
+		r.routes = appendNew(nil, v.GetRouteConfigurationName())
 	}
 	return r
 }
@@ -275,7 +273,11 @@ func (r *refs) addRouteConfig(rc *route.RouteConfiguration) {
 	}
 }
 
+// appendNew appends v unless it is empty or already there.
 func appendNew(s []string, v string) []string {
+	if v == "" {
+		return s
+	}
 	for _, have := range s {
 		if have == v {
 			return s

@@ -213,20 +213,28 @@ func (s *stream) newSub(typeURL string, wildcard, legacy bool, names nameSet) *t
 }
 
 // resubscribe applies a change of subscription to sub and to the key.
-// forget lists names whose known state is dropped so that they are sent
-// again (unsubscribed names, and in Delta every name subscribed again).
-func (s *stream) resubscribe(sub *typeSub, wildcard bool, names nameSet, forget []string) {
+// Names no longer subscribed are forgotten, so that subscribing again sends
+// them again. resend lists names the client holds that must be sent again
+// (in Delta, every name subscribed again): they stay held, at unknown
+// content, so that if the key no longer has them the client still hears of
+// the removal.
+func (s *stream) resubscribe(sub *typeSub, wildcard bool, names nameSet, resend []string) {
 	names = names.interned()
 	added, removed := sub.names.diff(names)
-	if wildcard == sub.wildcard && len(added) == 0 && len(removed) == 0 && len(forget) == 0 {
+	if wildcard == sub.wildcard && len(added) == 0 && len(removed) == 0 && len(resend) == 0 {
 		return
 	}
 	kb := sub.known.Edit()
-	for _, n := range removed {
-		kb.Delete(n)
+	if !wildcard {
+		// Under a wildcard an unsubscribed name is still subscribed.
+		for _, n := range removed {
+			kb.Delete(n)
+		}
 	}
-	for _, n := range forget {
-		kb.Delete(n)
+	for _, n := range resend {
+		if _, held := kb.Get(n); held {
+			kb.Set(n, unknownContent, nil)
+		}
 	}
 	if sub.wildcard && !wildcard {
 		for e := range sub.known.All() {
@@ -374,7 +382,10 @@ func (s *stream) sync() error {
 		}
 		var removed []string
 		if !laterUpdates {
-			removed, p.gone = s.allowedRemovals(p), nil
+			// What is still held back waits for the removal pass: an
+			// update later in this round may release it.
+			removed = s.allowedRemovals(p)
+			p.gone = slices.DeleteFunc(p.gone, func(n string) bool { return slices.Contains(removed, n) })
 		}
 		if len(p.upd) > 0 || len(removed) > 0 || p.sub.awaitFirst {
 			if err := s.emit(p, p.upd, removed); err != nil {
@@ -417,7 +428,9 @@ func (s *stream) forceEndpoints(cds *typeSub, upd []*Resource) {
 			if kb == nil {
 				kb = eds.known.Edit()
 			}
-			kb.Delete(e)
+			// Held at unknown content: sent again if the key has it,
+			// removed if not.
+			kb.Set(e, unknownContent, nil)
 		}
 	}
 	if kb != nil {

@@ -374,6 +374,13 @@ func (u *upstream) dropUnwanted(typeURL string, names nameSet) {
 	if len(drop) > 0 || ts.full {
 		u.apply(typeURL, nil, drop, false, false)
 	}
+	// The upstream must not be told on a reconnect that the key still
+	// holds what it dropped.
+	if ut := u.types[typeURL]; ut != nil {
+		for _, n := range drop {
+			delete(ut.versions, n)
+		}
+	}
 }
 
 // sotwRequest builds a SotW request: version_info is the last ACKed version
@@ -443,9 +450,11 @@ func (u *upstream) handle(m proto.Message) error {
 func (u *upstream) onSotW(resp *discovery.DiscoveryResponse) error {
 	typeURL := resp.GetTypeUrl()
 	ut := u.types[typeURL]
-	if ut == nil {
-		ut = &upType{}
-		u.types[typeURL] = ut
+	if ut == nil || !ut.asked {
+		// Not asked for on this stream: an ACK would subscribe to it
+		// (an empty list is the legacy wildcard), so say nothing.
+		u.log("unsolicited upstream response", "type", shortType(typeURL))
+		return nil
 	}
 	ut.nonce = resp.GetNonce()
 	upd, err := u.decodeAll(typeURL, len(resp.GetResources()), func(i int) (*Resource, error) {
@@ -457,9 +466,7 @@ func (u *upstream) onSotW(resp *discovery.DiscoveryResponse) error {
 	if !ut.wildcard {
 		upd = slices.DeleteFunc(upd, func(r *Resource) bool { return !ut.names.has(r.Name) })
 	}
-	if ut.asked {
-		u.apply(typeURL, upd, nil, fullStateSotW(typeURL), true)
-	}
+	u.apply(typeURL, upd, nil, fullStateSotW(typeURL), true)
 	ut.acked = resp.GetVersionInfo()
 	return u.request(u.sotwRequest(typeURL, ut, ut.wildcard, ut.names, nil))
 }
