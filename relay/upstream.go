@@ -429,10 +429,9 @@ func (u *upstream) deltaSubscribe(typeURL string, ut *upType, wildcard bool, nam
 	if !wildcard && ut.wildcard {
 		removed = append(removed, wildcardName)
 	}
+	// Versions of names no longer wanted go with the names, in
+	// dropUnwanted; under a wildcard they are still wanted.
 	req.ResourceNamesSubscribe, req.ResourceNamesUnsubscribe = added, removed
-	for _, n := range removed {
-		delete(ut.versions, n)
-	}
 	return req
 }
 
