@@ -17,6 +17,7 @@ type metrics struct {
 	pushResources      *prometheus.CounterVec
 	pushACK            *prometheus.HistogramVec
 	nacks              *prometheus.CounterVec
+	streamErrors       *prometheus.CounterVec
 	upstreamStreams    prometheus.Gauge
 	upstreamReconnects prometheus.Counter
 	upstreamNACKs      *prometheus.CounterVec
@@ -57,6 +58,9 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 		nacks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "meshrelay_xds_nacks_total", Help: "NACKs received from downstream streams, by type.",
 		}, []string{"type"}),
+		streamErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshrelay_xds_stream_errors_total", Help: "Downstream streams the relay ended with an error, by gRPC code.",
+		}, []string{"code"}),
 		upstreamStreams: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "meshrelay_upstream_streams", Help: "Open aggregated ADS streams to the upstream (one per key).",
 		}),
@@ -74,7 +78,7 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 		}),
 	}
 	cs := []prometheus.Collector{
-		m.envoys, m.pushes, m.pushBytes, m.pushResources, m.pushACK, m.nacks,
+		m.envoys, m.pushes, m.pushBytes, m.pushResources, m.pushACK, m.nacks, m.streamErrors,
 		m.upstreamStreams, m.upstreamReconnects, m.upstreamNACKs, m.passthrough, m.passthroughStreams,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_cache_resources", Help: "Distinct resources held, shared by every key.",

@@ -144,7 +144,9 @@ func (r *Relay) Start(ctx context.Context) error {
 		grpc.MaxRecvMsgSize(r.cfg.MaxMsgSize),
 		grpc.MaxSendMsgSize(r.cfg.MaxMsgSize),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
-		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}),
+		// Generous: a loaded Envoy (or a loaded 2-core benchmark) may be slow
+		// to answer a ping, and a dropped connection costs a reconnect.
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: time.Minute, Timeout: 20 * time.Second}),
 	)
 	discovery.RegisterAggregatedDiscoveryServiceServer(r.server, r)
 	r.serveWG.Add(1)

@@ -79,8 +79,15 @@ const maxQueuedRequests = 4096
 // or a request is refused. Requests are read on a goroutine of their own
 // into a mailbox, so that the relay keeps reading a client while it is
 // blocked writing to it.
-func serve[Req any](s *stream, recv func() (Req, error), handle func(Req) error) error {
+func serve[Req any](s *stream, recv func() (Req, error), handle func(Req) error) (err error) {
 	defer s.close()
+	defer func() {
+		if err != nil {
+			code := status.Code(err)
+			s.r.metrics.streamErrors.WithLabelValues(code.String()).Inc()
+			s.log.Debug("stream ended", "code", code, "err", err)
+		}
+	}()
 	reqs := newMailbox[Req](maxQueuedRequests)
 	errc := make(chan error, 1)
 	go func() {
