@@ -1,0 +1,183 @@
+// Command loadtest runs meshrelay's benchmarks: fanout (the same fleet of
+// simulated Envoys direct on a synthetic upstream and through a relay, side
+// by side) and upstream (the synthetic istiod-shaped upstream alone, for
+// pointing a real relay or real Envoys at).
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/meshrelay/meshrelay/loadtest"
+	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/relay"
+)
+
+const usage = `loadtest: meshrelay's benchmarks.
+
+Usage:
+  loadtest fanout [flags]     direct vs relayed: ACK latency, upstream streams, relay CPU and RSS, bytes
+  loadtest upstream [flags]   serve the synthetic istiod-shaped upstream (with optional churn)
+
+Run "loadtest <command> -h" for a command's flags.
+`
+
+func main() {
+	if len(os.Args) < 2 {
+		fmt.Fprint(os.Stderr, usage)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	var err error
+	switch os.Args[1] {
+	case "fanout":
+		err = fanout(ctx, os.Args[2:])
+	case "upstream":
+		err = serveUpstream(ctx, os.Args[2:])
+	case "relay-child": // hidden: the relay process fanout starts
+		err = relayChild(ctx, os.Args[2:])
+	case "-h", "--help", "help":
+		fmt.Print(usage)
+		return
+	default:
+		fmt.Fprintf(os.Stderr, "loadtest: unknown command %q\n\n%s", os.Args[1], usage)
+		os.Exit(2)
+	}
+	if err != nil && !errors.Is(err, flag.ErrHelp) {
+		fmt.Fprintln(os.Stderr, "loadtest:", err)
+		os.Exit(1)
+	}
+}
+
+func fanout(ctx context.Context, args []string) error {
+	cfg := loadtest.DefaultFanoutConfig()
+	fs := flag.NewFlagSet("fanout", flag.ContinueOnError)
+	fs.IntVar(&cfg.Scenario.Services, "services", cfg.Scenario.Services, "ServiceEntries in the synthetic upstream")
+	fs.IntVar(&cfg.Scenario.Endpoints, "endpoints", cfg.Scenario.Endpoints, "WorkloadEntries in the synthetic upstream")
+	fs.IntVar(&cfg.Scenario.Namespaces, "namespaces", cfg.Scenario.Namespaces, "namespaces (config is scoped by namespace)")
+	fs.Float64Var(&cfg.Scenario.LocalFraction, "local-fraction", cfg.Scenario.LocalFraction, "fraction of services visible only in their own namespace")
+	fs.IntVar(&cfg.Envoys, "envoys", cfg.Envoys, "simulated Envoys")
+	fs.IntVar(&cfg.Keys, "keys", cfg.Keys, "aggregation keys the Envoys spread over")
+	fs.IntVar(&cfg.Changes, "changes", cfg.Changes, "endpoint changes timed, one after another")
+	protocols := fs.String("protocols", "delta,sotw", "the Envoys' ADS variants, comma-separated: delta, sotw")
+	modes := fs.String("modes", "direct,relayed", "modes, comma-separated: direct, relayed")
+	upProto := fs.String("upstream-protocol", "", "the relay's ADS variant to the upstream: sotw or delta (default: the Envoys')")
+	fs.IntVar(&cfg.EnvoysPerConn, "envoys-per-conn", cfg.EnvoysPerConn, "Envoys sharing one gRPC connection (real Envoys: 1)")
+	fs.Float64Var(&cfg.StartRate, "start-rate", cfg.StartRate, "Envoys connecting per second (0: all at once)")
+	fs.DurationVar(&cfg.SyncTimeout, "sync-timeout", cfg.SyncTimeout, "bound on the initial sync of each run")
+	fs.DurationVar(&cfg.ChangeTimeout, "change-timeout", cfg.ChangeTimeout, "bound on one change reaching every Envoy")
+	fs.DurationVar(&cfg.ChangeGap, "change-gap", cfg.ChangeGap, "pause between one change completing and the next")
+	fs.DurationVar(&cfg.Settle, "settle", cfg.Settle, "pause between runs, and between the initial sync and the first change")
+	fs.Int64Var(&cfg.Seed, "seed", cfg.Seed, "seed of the endpoints moved")
+	fs.DurationVar(&cfg.Targets.ChangeP99, "target-p99", cfg.Targets.ChangeP99, "target: relayed P99 of change → every Envoy ACKed")
+	targetRSS := fs.Uint64("target-rss-mib", cfg.Targets.RelayPeakRSS>>20, "target: relay peak RSS, MiB")
+	fs.StringVar(&cfg.RelayProfile, "relay-profile", "", "write the relay child's CPU profile of the change phase and heap profile at its end to PREFIX-<protocol>.{cpu,heap}.pprof")
+	fs.StringVar(&cfg.CPUProfile, "cpuprofile", "", "write this process's CPU profile of each change phase to PREFIX-<protocol>-<mode>.cpu.pprof")
+	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	cfg.Targets.RelayPeakRSS = *targetRSS << 20
+	cfg.Protocols = nil
+	for _, p := range splitList(*protocols) {
+		switch p {
+		case "delta":
+			cfg.Protocols = append(cfg.Protocols, envoy.Delta)
+		case "sotw":
+			cfg.Protocols = append(cfg.Protocols, envoy.SotW)
+		default:
+			return fmt.Errorf("--protocols: unknown protocol %q (want delta or sotw)", p)
+		}
+	}
+	cfg.Modes = nil
+	for _, m := range splitList(*modes) {
+		mode, err := loadtest.ParseFanoutMode(m)
+		if err != nil {
+			return fmt.Errorf("--modes: %w", err)
+		}
+		cfg.Modes = append(cfg.Modes, mode)
+	}
+	if *upProto != "" {
+		p, err := relay.ParseProtocol(*upProto)
+		if err != nil {
+			return err
+		}
+		cfg.UpstreamProtocol = p
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return fmt.Errorf("find own executable for the relay child: %w", err)
+	}
+	cfg.StartRelay = loadtest.ExecRelay(exe, os.Stderr, "relay-child")
+
+	rep, err := loadtest.RunFanout(ctx, cfg, os.Stdout)
+	if *jsonOut != "" && rep != nil {
+		b, jerr := json.MarshalIndent(rep, "", "  ")
+		if jerr == nil {
+			jerr = os.WriteFile(*jsonOut, append(b, '\n'), 0o644)
+		}
+		if jerr != nil {
+			return errors.Join(err, fmt.Errorf("--json: %w", jerr))
+		}
+	}
+	return err
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+func serveUpstream(ctx context.Context, args []string) error {
+	cfg := upstream.DefaultConfig()
+	fs := flag.NewFlagSet("upstream", flag.ContinueOnError)
+	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:15010", "address to serve ADS on")
+	fs.IntVar(&cfg.Scenario.Services, "services", cfg.Scenario.Services, "ServiceEntries")
+	fs.IntVar(&cfg.Scenario.Endpoints, "endpoints", cfg.Scenario.Endpoints, "WorkloadEntries")
+	fs.IntVar(&cfg.Scenario.Namespaces, "namespaces", cfg.Scenario.Namespaces, "namespaces (each is a node group with its own view)")
+	fs.Float64Var(&cfg.Scenario.LocalFraction, "local-fraction", cfg.Scenario.LocalFraction, "fraction of services visible only in their own namespace")
+	fs.IntVar(&cfg.MaxMsgSize, "max-msg-size", cfg.MaxMsgSize, "largest gRPC message sent or received, in bytes")
+	var churn upstream.ChurnConfig
+	fs.Float64Var(&churn.Rate, "churn-rate", 0, "mutations per second (0: no churn)")
+	fs.DurationVar(&churn.Duration, "churn-duration", time.Hour, "how long the churn lasts (0: until --churn-count)")
+	fs.IntVar(&churn.Count, "churn-count", 0, "how many mutations the churn makes (0: until --churn-duration)")
+	fs.Float64Var(&churn.AddRemoveFraction, "churn-add-remove", 0.05, "fraction of mutations that add or remove a service; the rest move an endpoint")
+	fs.Int64Var(&churn.Seed, "seed", 1, "seed of the churn")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	return upstream.Run(ctx, cfg, churn, os.Stdout)
+}
+
+func relayChild(ctx context.Context, args []string) error {
+	var cfg loadtest.RelayChildConfig
+	fs := flag.NewFlagSet("relay-child", flag.ContinueOnError)
+	fs.StringVar(&cfg.Upstream, "upstream", "", "gRPC target of the upstream (required)")
+	upProto := fs.String("upstream-protocol", string(relay.ProtocolDelta), "ADS variant spoken to the upstream: sotw or delta")
+	fs.StringVar(&cfg.XDSListen, "xds-listen", "127.0.0.1:0", "address of the ADS server for Envoys")
+	fs.StringVar(&cfg.CPUProfile, "cpuprofile", "", "CPU profile file, written between \"profile start\" and \"profile stop\" on stdin")
+	fs.StringVar(&cfg.HeapProfile, "heapprofile", "", "heap profile file, written on \"profile stop\" on stdin")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	var err error
+	if cfg.UpstreamProtocol, err = relay.ParseProtocol(*upProto); err != nil {
+		return err
+	}
+	return loadtest.RunRelayChild(ctx, cfg, os.Stdin, os.Stdout, os.Stderr)
+}

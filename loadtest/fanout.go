@@ -1,0 +1,1055 @@
+package loadtest
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"runtime"
+	"runtime/debug"
+	"runtime/pprof"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/relay"
+)
+
+// FanoutMode says how the simulated Envoys reach the upstream.
+type FanoutMode string
+
+const (
+	// Direct connects every Envoy to the synthetic upstream, as Envoys
+	// connect to istiod today.
+	Direct FanoutMode = "direct"
+	// Relayed connects every Envoy to one relay, in a process of its own,
+	// which subscribes to the upstream once per aggregation key.
+	Relayed FanoutMode = "relayed"
+)
+
+// ParseFanoutMode parses "direct" or "relayed".
+func ParseFanoutMode(s string) (FanoutMode, error) {
+	switch FanoutMode(s) {
+	case Direct, Relayed:
+		return FanoutMode(s), nil
+	}
+	return "", fmt.Errorf("loadtest: unknown mode %q (want direct or relayed)", s)
+}
+
+// RelayChildConfig is how a relay child process is started: the relay
+// listens on XDSListen and subscribes to Upstream.
+type RelayChildConfig struct {
+	// Upstream is the upstream's gRPC target. Required.
+	Upstream string `json:"upstream"`
+	// UpstreamProtocol is the ADS variant the relay speaks upstream.
+	// Default delta.
+	UpstreamProtocol relay.Protocol `json:"upstream_protocol"`
+	// XDSListen is the relay's listen address. Default "127.0.0.1:0" (the
+	// child prints the port it got).
+	XDSListen string `json:"xds_listen"`
+	// CPUProfile, if set, is a file the child writes a CPU profile to,
+	// covering the time between a "profile start" and a "profile stop" line
+	// on its stdin.
+	CPUProfile string `json:"cpuprofile,omitempty"`
+	// HeapProfile, if set, is a file the child writes a heap profile to
+	// when it reads "profile stop".
+	HeapProfile string `json:"heapprofile,omitempty"`
+}
+
+// Args returns cfg as the flags of `loadtest relay-child`.
+func (c RelayChildConfig) Args() []string {
+	args := []string{"--upstream", c.Upstream}
+	if c.UpstreamProtocol != "" {
+		args = append(args, "--upstream-protocol", string(c.UpstreamProtocol))
+	}
+	if c.XDSListen != "" {
+		args = append(args, "--xds-listen", c.XDSListen)
+	}
+	if c.CPUProfile != "" {
+		args = append(args, "--cpuprofile", c.CPUProfile)
+	}
+	if c.HeapProfile != "" {
+		args = append(args, "--heapprofile", c.HeapProfile)
+	}
+	return args
+}
+
+// Commands a parent sends a relay child on its stdin.
+const (
+	childProfileStart = "profile start"
+	childProfileStop  = "profile stop"
+)
+
+// RunRelayChild is the main of a relay child process: it starts a relay for
+// cfg, prints "xds <addr>" on out once it listens, obeys the commands read
+// from in ("profile start", "profile stop"), and stops the relay when ctx
+// ends (SIGTERM) or in reaches EOF (the parent is gone). Relay warnings go
+// to logw. It returns once the relay has stopped; a goroutine reading in may
+// remain until in is closed, so call it only as a process's main.
+func RunRelayChild(ctx context.Context, cfg RelayChildConfig, in io.Reader, out, logw io.Writer) error {
+	rcfg := relay.DefaultConfig()
+	rcfg.ID = "meshrelay-loadtest"
+	rcfg.Upstream = cfg.Upstream
+	rcfg.XDSListen = cfg.XDSListen
+	if rcfg.XDSListen == "" {
+		rcfg.XDSListen = "127.0.0.1:0"
+	}
+	if cfg.UpstreamProtocol != "" {
+		rcfg.UpstreamProtocol = cfg.UpstreamProtocol
+	}
+	rcfg.Logger = slog.New(slog.NewTextHandler(logw, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	r, err := relay.New(rcfg)
+	if err != nil {
+		return err
+	}
+	if err := r.Start(ctx); err != nil {
+		return err
+	}
+	if _, err := fmt.Fprintf(out, "%s%s\n", readyPrefix, r.Addr()); err != nil {
+		_ = r.Stop(context.Background())
+		return fmt.Errorf("loadtest: report address: %w", err)
+	}
+
+	cmds := make(chan string)
+	eof := make(chan struct{})
+	go func() {
+		defer close(eof)
+		sc := bufio.NewScanner(in)
+		for sc.Scan() {
+			select {
+			case cmds <- strings.TrimSpace(sc.Text()):
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	var prof *os.File
+	stopProfile := func() {
+		if prof != nil {
+			pprof.StopCPUProfile()
+			if err := prof.Close(); err != nil {
+				fmt.Fprintf(logw, "relay-child: cpuprofile: %v\n", err)
+			}
+			prof = nil
+		}
+	}
+	defer stopProfile()
+loop:
+	for {
+		select {
+		case <-ctx.Done():
+			break loop
+		case <-eof:
+			break loop
+		case c := <-cmds:
+			switch {
+			case c == childProfileStart && cfg.CPUProfile != "" && prof == nil:
+				f, err := os.Create(cfg.CPUProfile)
+				if err != nil {
+					fmt.Fprintf(logw, "relay-child: cpuprofile: %v\n", err)
+					continue
+				}
+				if err := pprof.StartCPUProfile(f); err != nil {
+					f.Close()
+					fmt.Fprintf(logw, "relay-child: cpuprofile: %v\n", err)
+					continue
+				}
+				prof = f
+			case c == childProfileStop:
+				stopProfile()
+				if cfg.HeapProfile != "" {
+					if err := writeHeapProfile(cfg.HeapProfile); err != nil {
+						fmt.Fprintf(logw, "relay-child: heapprofile: %v\n", err)
+					}
+				}
+			}
+		}
+	}
+	stopProfile()
+	stopCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	return r.Stop(stopCtx)
+}
+
+func writeHeapProfile(path string) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	runtime.GC() // profile what is live, not what awaits collection
+	if err := pprof.Lookup("heap").WriteTo(f, 0); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// StartRelayFunc starts a relay for cfg in a process of its own and
+// returns it once it accepts connections. The caller must Stop it.
+type StartRelayFunc func(ctx context.Context, cfg RelayChildConfig) (*Child, error)
+
+// ExecRelay returns a StartRelayFunc that runs path with args followed by
+// cfg.Args(); cmd/loadtest passes its own executable and "relay-child".
+// The child's stderr goes to stderr (nil: discarded).
+func ExecRelay(path string, stderr io.Writer, args ...string) StartRelayFunc {
+	return func(ctx context.Context, cfg RelayChildConfig) (*Child, error) {
+		return StartChild(ctx, ChildConfig{
+			Path:   path,
+			Args:   append(append([]string(nil), args...), cfg.Args()...),
+			Stderr: stderr,
+		})
+	}
+}
+
+// FanoutTargets are the goals a fanout run is judged against.
+type FanoutTargets struct {
+	// ChangeP99 bounds the relayed P99, over changes, of the time until
+	// every Envoy has ACKed a change. Default 300ms.
+	ChangeP99 time.Duration
+	// RelayPeakRSS bounds the relay process's peak RSS, in bytes. Default
+	// 1 GiB.
+	RelayPeakRSS uint64
+}
+
+// FanoutConfig configures RunFanout. Start from DefaultFanoutConfig.
+type FanoutConfig struct {
+	// Scenario is the upstream's configuration.
+	Scenario upstream.Scenario
+	// Envoys is the number of simulated Envoys. Default 5,000.
+	Envoys int
+	// Keys is the number of aggregation keys they spread over. Default 50.
+	Keys int
+	// Changes is the number of endpoint changes timed, one after another,
+	// each after the previous one reached every Envoy (or timed out).
+	// Default 20.
+	Changes int
+	// Protocols are the Envoys' ADS variants, each run in every mode.
+	// Default delta, sotw.
+	Protocols []envoy.Protocol
+	// Modes are run in order for each protocol. Default direct, relayed.
+	Modes []FanoutMode
+	// UpstreamProtocol is the relay's ADS variant to the upstream. Empty
+	// means the same as the Envoys'.
+	UpstreamProtocol relay.Protocol
+	// EnvoysPerConn is how many Envoys share a gRPC connection. Default 1:
+	// real Envoys each have their own, and a shared connection would
+	// serialise their pushes behind one HTTP/2 flow-control window and
+	// hide the relay's per-connection memory.
+	EnvoysPerConn int
+	// StartRate is Envoys connecting per second. Default 1,000: a 5 s ramp
+	// for 5,000 Envoys. istiod admits about 25/s on 2 cores, which would
+	// make each run's start 200 s; the targets are measured on changes
+	// after every Envoy has synced, so the ramp only shapes the initial
+	// sync figure. 0 connects all at once (a reconnect storm).
+	StartRate float64
+	// SyncTimeout bounds the initial sync. Default 30m (5,000 Envoys on 2
+	// cores take about 10).
+	SyncTimeout time.Duration
+	// ChangeTimeout bounds the wait for one change to reach every Envoy;
+	// past it the change counts as timed out and the next one starts.
+	// Default 2m: go-control-plane's SotW server takes tens of seconds per
+	// change at 5,000 direct Envoys on 2 cores.
+	ChangeTimeout time.Duration
+	// ChangeGap is the pause between one change completing and the next,
+	// so that the trailing work of one (ACK bookkeeping) does not delay
+	// the next. Default 100ms.
+	ChangeGap time.Duration
+	// Settle is the pause after stopping one run (and collecting garbage)
+	// before the next starts, and after the initial sync before the first
+	// change. Default 2s.
+	Settle time.Duration
+	// Seed picks the endpoints that move; every run of a protocol moves the
+	// same ones in the same order.
+	Seed int64
+	// StartRelay starts the relay child. Required if Modes has Relayed.
+	StartRelay StartRelayFunc
+	// RelayProfile, if set, is a path prefix: each relayed run's child
+	// writes a CPU profile of its change phase to
+	// <prefix>-<protocol>.cpu.pprof and a heap profile at its end to
+	// <prefix>-<protocol>.heap.pprof.
+	RelayProfile string
+	// CPUProfile, if set, is a path prefix: this process's CPU profile of
+	// each run's change phase goes to <prefix>-<protocol>-<mode>.cpu.pprof.
+	CPUProfile string
+	// Targets are printed next to the results. Defaults as documented on
+	// FanoutTargets.
+	Targets FanoutTargets
+}
+
+// DefaultFanoutConfig is the scenario of issue 2: 1,000 services and 1,000
+// endpoints over 10 namespaces, 5,000 Envoys over 50 keys, Delta and SotW,
+// direct and relayed.
+func DefaultFanoutConfig() FanoutConfig {
+	sc := upstream.DefaultScenario()
+	sc.Services, sc.Endpoints, sc.Namespaces = 1000, 1000, 10
+	return FanoutConfig{
+		Scenario:      sc,
+		Envoys:        5000,
+		Keys:          50,
+		Changes:       20,
+		Protocols:     []envoy.Protocol{envoy.Delta, envoy.SotW},
+		Modes:         []FanoutMode{Direct, Relayed},
+		EnvoysPerConn: 1,
+		StartRate:     1000,
+		SyncTimeout:   30 * time.Minute,
+		ChangeTimeout: 2 * time.Minute,
+		ChangeGap:     100 * time.Millisecond,
+		Settle:        2 * time.Second,
+		Seed:          1,
+		Targets:       FanoutTargets{ChangeP99: 300 * time.Millisecond, RelayPeakRSS: 1 << 30},
+	}
+}
+
+func (c *FanoutConfig) validate() error {
+	d := DefaultFanoutConfig()
+	if len(c.Protocols) == 0 {
+		c.Protocols = d.Protocols
+	}
+	if len(c.Modes) == 0 {
+		c.Modes = d.Modes
+	}
+	if c.EnvoysPerConn == 0 {
+		c.EnvoysPerConn = 1
+	}
+	if c.SyncTimeout == 0 {
+		c.SyncTimeout = d.SyncTimeout
+	}
+	if c.ChangeTimeout == 0 {
+		c.ChangeTimeout = d.ChangeTimeout
+	}
+	if c.Targets.ChangeP99 == 0 {
+		c.Targets.ChangeP99 = d.Targets.ChangeP99
+	}
+	if c.Targets.RelayPeakRSS == 0 {
+		c.Targets.RelayPeakRSS = d.Targets.RelayPeakRSS
+	}
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf("loadtest: "+format, args...)) }
+	if c.Envoys <= 0 || c.Keys <= 0 || c.Changes <= 0 {
+		bad("fields Envoys, Keys and Changes must be > 0, got %d, %d, %d", c.Envoys, c.Keys, c.Changes)
+	}
+	if c.EnvoysPerConn < 0 || c.StartRate < 0 || c.ChangeGap < 0 || c.Settle < 0 || c.SyncTimeout < 0 || c.ChangeTimeout < 0 {
+		bad("fields EnvoysPerConn, StartRate, ChangeGap, Settle and the timeouts must not be negative")
+	}
+	for _, m := range c.Modes {
+		if _, err := ParseFanoutMode(string(m)); err != nil {
+			errs = append(errs, err)
+		}
+		if m == Relayed && c.StartRelay == nil {
+			bad("field StartRelay is nil but Modes has relayed")
+		}
+	}
+	if c.UpstreamProtocol != "" {
+		if _, err := relay.ParseProtocol(string(c.UpstreamProtocol)); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if c.Scenario.Namespaces <= 0 || c.Scenario.Services <= 0 {
+		bad("the scenario needs services and namespaces")
+	} else if len(movable(c.Scenario)) == 0 {
+		bad("no endpoint backs a service every namespace sees (raise Endpoints or lower LocalFraction)")
+	}
+	return errors.Join(errs...)
+}
+
+// movable lists the endpoints whose service every namespace sees: moving
+// one changes the config of every Envoy.
+func movable(sc upstream.Scenario) []int {
+	var out []int
+	for j := range sc.Endpoints {
+		if !sc.IsLocal(j % sc.Services) {
+			out = append(out, j)
+		}
+	}
+	return out
+}
+
+// FanoutReport is what RunFanout measured. Durations are in milliseconds or
+// seconds, sizes in bytes, as the JSON names say.
+type FanoutReport struct {
+	Date     string        `json:"date"`
+	Machine  Machine       `json:"machine"`
+	Scenario FanoutSummary `json:"scenario"`
+	Runs     []FanoutRun   `json:"runs"`
+	Verdicts []Verdict     `json:"verdicts"`
+}
+
+// Machine describes where a report was measured.
+type Machine struct {
+	CPUs       int    `json:"cpus"`
+	GOMAXPROCS int    `json:"gomaxprocs"`
+	GoVersion  string `json:"go_version"`
+	OS         string `json:"os"`
+	LoadAvg    string `json:"loadavg_at_start"`
+}
+
+// FanoutSummary is the configuration a report was measured with.
+type FanoutSummary struct {
+	Services      int     `json:"services"`
+	Endpoints     int     `json:"endpoints"`
+	Namespaces    int     `json:"namespaces"`
+	LocalFraction float64 `json:"local_fraction"`
+	Envoys        int     `json:"envoys"`
+	Keys          int     `json:"keys"`
+	Changes       int     `json:"changes"`
+	EnvoysPerConn int     `json:"envoys_per_conn"`
+	StartRate     float64 `json:"start_rate"`
+	ChangeGapMs   float64 `json:"change_gap_ms"`
+	TargetP99Ms   float64 `json:"target_change_p99_ms"`
+	TargetRSS     uint64  `json:"target_relay_peak_rss_bytes"`
+}
+
+// LatencyMs is a latency distribution in milliseconds.
+type LatencyMs struct {
+	N   int     `json:"n"`
+	P50 float64 `json:"p50_ms"`
+	P95 float64 `json:"p95_ms"`
+	P99 float64 `json:"p99_ms"`
+	Max float64 `json:"max_ms"`
+}
+
+func latencyMs(l Latency) LatencyMs {
+	f := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+	return LatencyMs{N: l.N, P50: f(l.P50), P95: f(l.P95), P99: f(l.P99), Max: f(l.Max)}
+}
+
+// FanoutRun is one protocol in one mode.
+type FanoutRun struct {
+	Protocol         string     `json:"protocol"`
+	Mode             FanoutMode `json:"mode"`
+	UpstreamProtocol string     `json:"upstream_protocol,omitempty"`
+
+	// FleetStartS is how long StartFleet took (the paced ramp);
+	// InitialSyncS is from its call until every Envoy held its full config
+	// (checked every 200 ms).
+	FleetStartS  float64 `json:"fleet_start_s"`
+	InitialSyncS float64 `json:"initial_sync_s"`
+	Synced       bool    `json:"synced"`
+
+	// ACK is the latency from the upstream publishing a change to each
+	// Envoy's ACK of it, over every (change, Envoy) pair; Complete is, per
+	// change, until the last Envoy ACKed.
+	ACK             LatencyMs `json:"ack"`
+	Complete        LatencyMs `json:"complete"`
+	ChangesTimedOut int       `json:"changes_timed_out"`
+	ChangesDone     int       `json:"changes_done"`
+
+	UpstreamStreams    int64 `json:"upstream_streams"`
+	UpstreamStreamsEnd int64 `json:"upstream_streams_end"`
+
+	UpstreamBytesSync    uint64 `json:"upstream_bytes_sync"`
+	UpstreamBytesChanges uint64 `json:"upstream_bytes_changes"`
+	EnvoyBytesSync       uint64 `json:"envoy_bytes_sync"`
+	EnvoyBytesChanges    uint64 `json:"envoy_bytes_changes"`
+
+	// Loadtest is this process: the upstream and every Envoy.
+	Loadtest ProcFigures `json:"loadtest_process"`
+	// Relay is the relay child process (relayed mode only).
+	Relay *ProcFigures `json:"relay_process,omitempty"`
+
+	// Reconnects counts Envoy streams reopened (the relay or upstream
+	// closed them, e.g. on a keepalive timeout when CPU is short).
+	Reconnects uint64 `json:"envoy_reconnects"`
+
+	Violations       int      `json:"violations"`
+	ViolationSamples []string `json:"violation_samples,omitempty"`
+	Error            string   `json:"error,omitempty"`
+}
+
+// ProcFigures are a process's CPU time and memory over a run.
+type ProcFigures struct {
+	CPUSyncS    float64 `json:"cpu_sync_s"`
+	CPUChangesS float64 `json:"cpu_changes_s"`
+	RSSEnd      uint64  `json:"rss_end_bytes"`
+	RSSPeak     uint64  `json:"rss_peak_bytes"`
+	CPUProfile  string  `json:"cpuprofile,omitempty"`
+	Err         string  `json:"error,omitempty"`
+}
+
+// Verdict is one target checked against one run.
+type Verdict struct {
+	Protocol string `json:"protocol"`
+	Target   string `json:"target"`
+	Measured string `json:"measured"`
+	Pass     bool   `json:"pass"`
+}
+
+// RunFanout runs, for each protocol, the same scenario in each mode, one
+// after the other: start a synthetic upstream (and, relayed, a relay child
+// process in front of it), connect the fleet, wait until every Envoy is
+// synced, then move cfg.Changes endpoints one at a time and time each until
+// every Envoy ACKed it. Between runs everything is stopped and garbage
+// collected. It prints progress and then the results table to out, and
+// returns the report. A run that fails (a sync timeout) is recorded with
+// its error and the next run goes on; the error returned then names it.
+// ctx ends the whole benchmark (everything is stopped before it returns).
+func RunFanout(ctx context.Context, cfg FanoutConfig, out io.Writer) (*FanoutReport, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	rep := &FanoutReport{
+		Date: time.Now().UTC().Format(time.RFC3339),
+		Machine: Machine{
+			CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0),
+			GoVersion: runtime.Version(), OS: runtime.GOOS + "/" + runtime.GOARCH,
+			LoadAvg: loadAvg(),
+		},
+		Scenario: FanoutSummary{
+			Services: cfg.Scenario.Services, Endpoints: cfg.Scenario.Endpoints,
+			Namespaces: cfg.Scenario.Namespaces, LocalFraction: cfg.Scenario.LocalFraction,
+			Envoys: cfg.Envoys, Keys: cfg.Keys, Changes: cfg.Changes,
+			EnvoysPerConn: cfg.EnvoysPerConn, StartRate: cfg.StartRate,
+			ChangeGapMs: float64(cfg.ChangeGap) / float64(time.Millisecond),
+			TargetP99Ms: float64(cfg.Targets.ChangeP99) / float64(time.Millisecond),
+			TargetRSS:   cfg.Targets.RelayPeakRSS,
+		},
+	}
+	var errs []error
+	first := true
+	for _, p := range cfg.Protocols {
+		for _, m := range cfg.Modes {
+			if ctx.Err() != nil {
+				break
+			}
+			if !first && !sleepCtx(ctx, cfg.Settle) {
+				break
+			}
+			first = false
+			run := runFanoutOnce(ctx, cfg, p, m, out)
+			rep.Runs = append(rep.Runs, run)
+			if run.Error != "" {
+				errs = append(errs, fmt.Errorf("%s %s: %s", p, m, run.Error))
+			}
+			// Let this run's memory go before the next one measures.
+			runtime.GC()
+			debug.FreeOSMemory()
+		}
+	}
+	rep.Verdicts = verdicts(cfg, rep.Runs)
+	PrintFanout(out, rep)
+	if ctx.Err() != nil {
+		errs = append(errs, ctx.Err())
+	}
+	return rep, errors.Join(errs...)
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+func loadAvg() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return ""
+	}
+	f := strings.Fields(string(b))
+	return strings.Join(f[:min(3, len(f))], " ")
+}
+
+// stopTimeout bounds each Stop at the end of a run.
+const stopTimeout = 30 * time.Second
+
+// runFanoutOnce runs one protocol in one mode and stops everything it
+// started before it returns.
+func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode FanoutMode, out io.Writer) (run FanoutRun) {
+	run = FanoutRun{Protocol: p.String(), Mode: mode}
+	tag := fmt.Sprintf("%s %s", p, mode)
+	stopCtx := func() (context.Context, context.CancelFunc) {
+		return context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
+	}
+	fail := func(err error) FanoutRun {
+		run.Error = err.Error()
+		fmt.Fprintf(out, "%s: %v\n", tag, err)
+		return run
+	}
+	self := os.Getpid()
+	resetPeakRSS(self)
+
+	// The upstream hands each change to the tracker before any Envoy can
+	// see it, so no early ACK is missed.
+	tracker := NewTracker()
+	ucfg := upstream.DefaultConfig()
+	ucfg.Scenario = cfg.Scenario
+	ucfg.OnPublish = func(c upstream.Change) { tracker.Track(c) }
+	up, err := upstream.New(ucfg)
+	if err != nil {
+		return fail(err)
+	}
+	if err := up.Start(ctx); err != nil {
+		return fail(err)
+	}
+	defer func() {
+		sctx, cancel := stopCtx()
+		defer cancel()
+		_ = up.Stop(sctx)
+	}()
+
+	target := up.Addr()
+	var child *Child
+	if mode == Relayed {
+		rc := RelayChildConfig{Upstream: up.Addr(), UpstreamProtocol: cfg.UpstreamProtocol}
+		if rc.UpstreamProtocol == "" {
+			rc.UpstreamProtocol = relay.Protocol(p.String())
+		}
+		if cfg.RelayProfile != "" {
+			rc.CPUProfile = fmt.Sprintf("%s-%s.cpu.pprof", cfg.RelayProfile, p)
+			rc.HeapProfile = fmt.Sprintf("%s-%s.heap.pprof", cfg.RelayProfile, p)
+		}
+		run.UpstreamProtocol = string(rc.UpstreamProtocol)
+		child, err = cfg.StartRelay(ctx, rc)
+		if err != nil {
+			return fail(fmt.Errorf("start relay: %w", err))
+		}
+		defer func() {
+			sctx, cancel := stopCtx()
+			defer cancel()
+			if err := child.Stop(sctx); err != nil {
+				fmt.Fprintf(out, "%s: stop relay: %v\n", tag, err)
+			}
+		}()
+		target = child.Addr()
+		run.Relay = &ProcFigures{CPUProfile: rc.CPUProfile}
+		fmt.Fprintf(out, "%s: relay pid %d at %s (upstream protocol %s)\n", tag, child.Pid(), target, rc.UpstreamProtocol)
+	}
+	procs := newProcMeter(self, child)
+
+	fmt.Fprintf(out, "%s: starting %d Envoys at %s (%.0f/s, %d per connection)\n", tag, cfg.Envoys, target, cfg.StartRate, cfg.EnvoysPerConn)
+	start := time.Now()
+	fleet, err := StartFleet(ctx, FleetConfig{
+		Scenario: cfg.Scenario, Envoys: cfg.Envoys, Keys: cfg.Keys, Protocol: p,
+		Target: target, EnvoysPerConn: cfg.EnvoysPerConn, StartRate: cfg.StartRate, Tracker: tracker,
+	})
+	if err != nil {
+		return fail(fmt.Errorf("start fleet: %w", err))
+	}
+	defer func() {
+		sctx, cancel := stopCtx()
+		defer cancel()
+		fleet.Stop(sctx)
+	}()
+	run.FleetStartS = time.Since(start).Seconds()
+
+	syncCtx, cancel := context.WithTimeout(ctx, cfg.SyncTimeout)
+	err = waitSyncedReporting(syncCtx, fleet, up, start, out, tag)
+	cancel()
+	run.InitialSyncS = time.Since(start).Seconds()
+	run.UpstreamStreams = up.Stats().OpenStreams
+	run.UpstreamBytesSync = up.Stats().BytesSent
+	run.EnvoyBytesSync = fleet.BytesReceived()
+	procs.mark(&run, phaseSync)
+	if err != nil {
+		run.UpstreamStreamsEnd = run.UpstreamStreams
+		run.recordFleet(fleet)
+		procs.mark(&run, phaseEnd)
+		return fail(fmt.Errorf("initial sync: %w", err))
+	}
+	run.Synced = true
+	fmt.Fprintf(out, "%s: %d Envoys synced in %.1fs; upstream streams %d\n", tag, cfg.Envoys, run.InitialSyncS, run.UpstreamStreams)
+
+	// The initial sync leaves garbage in this process; collect it before
+	// timing, so both modes start the changes from the same footing.
+	runtime.GC()
+	if !sleepCtx(ctx, cfg.Settle) {
+		return fail(ctx.Err())
+	}
+	tracker.Reset()
+	upBytes, envoyBytes := up.Stats().BytesSent, fleet.BytesReceived()
+	procs.mark(&run, phaseChangesStart)
+	if child != nil && cfg.RelayProfile != "" {
+		_ = child.Send(childProfileStart)
+	}
+	stopProfile := startCPUProfile(cfg.CPUProfile, p, mode, out)
+
+	err = moveEndpoints(ctx, cfg, up, tracker, out, tag, &run)
+
+	stopProfile()
+	procs.mark(&run, phaseEnd) // before the child writes its profiles
+	if child != nil && cfg.RelayProfile != "" {
+		_ = child.Send(childProfileStop)
+	}
+	run.UpstreamBytesChanges = up.Stats().BytesSent - upBytes
+	run.EnvoyBytesChanges = fleet.BytesReceived() - envoyBytes
+	run.UpstreamStreamsEnd = up.Stats().OpenStreams
+	perEnvoy, complete, timedOut := tracker.Results()
+	run.ACK, run.Complete = latencyMs(perEnvoy), latencyMs(complete)
+	run.ChangesTimedOut = timedOut
+	run.recordFleet(fleet)
+	if err != nil {
+		return fail(err)
+	}
+	fmt.Fprintf(out, "%s: %d changes, %d timed out; change→all P99 %s\n", tag, cfg.Changes, timedOut, ms(complete.P99))
+	return run
+}
+
+// startCPUProfile profiles this process to <prefix>-<p>-<mode>.cpu.pprof
+// until the returned func is called; a no-op without a prefix.
+func startCPUProfile(prefix string, p envoy.Protocol, mode FanoutMode, out io.Writer) func() {
+	if prefix == "" {
+		return func() {}
+	}
+	f, err := os.Create(fmt.Sprintf("%s-%s-%s.cpu.pprof", prefix, p, mode))
+	if err == nil {
+		if err = pprof.StartCPUProfile(f); err != nil {
+			f.Close()
+		}
+	}
+	if err != nil {
+		fmt.Fprintf(out, "cpuprofile: %v\n", err)
+		return func() {}
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		if err := f.Close(); err != nil {
+			fmt.Fprintf(out, "cpuprofile: %v\n", err)
+		}
+	}
+}
+
+func (run *FanoutRun) recordFleet(f *Fleet) {
+	for _, e := range f.Envoys() {
+		run.Reconnects += e.Stats().Reconnects
+	}
+	v := f.Violations()
+	run.Violations = len(v)
+	for _, e := range v[:min(len(v), 5)] {
+		run.ViolationSamples = append(run.ViolationSamples, e.Error())
+	}
+}
+
+// waitSyncedReporting waits for the fleet to sync, printing progress every
+// 10 s.
+func waitSyncedReporting(ctx context.Context, f *Fleet, up *upstream.Upstream, start time.Time, out io.Writer, tag string) error {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		t := time.NewTicker(10 * time.Second)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+				fmt.Fprintf(out, "%s: %s: %d Envoys connected, upstream streams %d, waiting for sync\n",
+					tag, time.Since(start).Round(time.Second), f.Connected(), up.Stats().OpenStreams)
+			}
+		}
+	}()
+	err := f.WaitSynced(ctx, up)
+	close(done)
+	wg.Wait()
+	return err
+}
+
+// moveEndpoints moves cfg.Changes endpoints of services every namespace
+// sees, one at a time, each after the previous one reached every Envoy or
+// timed out.
+func moveEndpoints(ctx context.Context, cfg FanoutConfig, up *upstream.Upstream, tracker *Tracker, out io.Writer, tag string, run *FanoutRun) error {
+	cands := movable(cfg.Scenario)
+	rng := rand.New(rand.NewPCG(uint64(cfg.Seed), 0x66616e6f7574)) // same sequence in every mode
+	timer := time.NewTimer(cfg.ChangeTimeout)
+	defer timer.Stop()
+	for i := range cfg.Changes {
+		c, err := up.MoveEndpoint(cands[rng.IntN(len(cands))])
+		if err != nil {
+			return fmt.Errorf("change %d: %w", i, err)
+		}
+		done := tracker.Track(c) // the channel OnPublish's Track made
+		timer.Reset(cfg.ChangeTimeout)
+		select {
+		case <-done:
+			run.ChangesDone++
+		case <-timer.C:
+			tracker.Forget(time.Now())
+			fmt.Fprintf(out, "%s: change %d (%s) did not reach every Envoy in %v\n", tag, i, c.Name, cfg.ChangeTimeout)
+		case <-ctx.Done():
+			tracker.Forget(time.Now())
+			return ctx.Err()
+		}
+		timer.Stop()
+		if !sleepCtx(ctx, cfg.ChangeGap) {
+			return ctx.Err()
+		}
+	}
+	return nil
+}
+
+type phase int
+
+const (
+	phaseSync phase = iota
+	phaseChangesStart
+	phaseEnd
+)
+
+// procMeter reads the CPU and memory of this process and the relay child at
+// phase boundaries.
+type procMeter struct {
+	self       int
+	child      *Child
+	selfStart  ProcStat
+	childStart ProcStat
+	selfLast   ProcStat
+	childLast  ProcStat
+	selfErr    error
+	childErr   error
+}
+
+func newProcMeter(self int, child *Child) *procMeter {
+	m := &procMeter{self: self, child: child}
+	m.selfStart, m.selfErr = ReadProcStat(self)
+	m.selfLast = m.selfStart
+	if child != nil {
+		m.childStart, m.childErr = child.Stat()
+		m.childLast = m.childStart
+	}
+	return m
+}
+
+func (m *procMeter) mark(run *FanoutRun, ph phase) {
+	read := func(pid func() (ProcStat, error), prev ProcStat, fig *ProcFigures, errp *error) ProcStat {
+		if *errp != nil {
+			fig.Err = (*errp).Error()
+			return prev
+		}
+		st, err := pid()
+		if err != nil {
+			*errp = err
+			fig.Err = err.Error()
+			return prev
+		}
+		switch ph {
+		case phaseSync:
+			fig.CPUSyncS = (st.CPU - prev.CPU).Seconds()
+		case phaseEnd:
+			fig.CPUChangesS = (st.CPU - prev.CPU).Seconds()
+		}
+		fig.RSSEnd, fig.RSSPeak = st.RSS, st.PeakRSS
+		return st
+	}
+	m.selfLast = read(func() (ProcStat, error) { return ReadProcStat(m.self) }, m.selfLast, &run.Loadtest, &m.selfErr)
+	if m.child != nil && run.Relay != nil {
+		m.childLast = read(m.child.Stat, m.childLast, run.Relay, &m.childErr)
+	}
+}
+
+// resetPeakRSS resets the kernel's VmHWM of pid (Linux; best effort), so a
+// run's peak is its own, not an earlier run's.
+func resetPeakRSS(pid int) {
+	_ = os.WriteFile(fmt.Sprintf("/proc/%d/clear_refs", pid), []byte("5"), 0)
+}
+
+// verdicts checks the relayed runs against the targets.
+func verdicts(cfg FanoutConfig, runs []FanoutRun) []Verdict {
+	var out []Verdict
+	for _, r := range runs {
+		if r.Mode != Relayed {
+			continue
+		}
+		if !r.Synced {
+			out = append(out, Verdict{Protocol: r.Protocol, Target: "run completed", Measured: r.Error})
+			continue
+		}
+		out = append(out, Verdict{
+			Protocol: r.Protocol,
+			Target:   fmt.Sprintf("P99 change→all %d Envoys ≤ %s", cfg.Envoys, cfg.Targets.ChangeP99),
+			Measured: fmt.Sprintf("%s (%d of %d changes reached all, per-Envoy ACK P99 %s)",
+				fmtMs(r.Complete.P99), r.ChangesDone, cfg.Changes, fmtMs(r.ACK.P99)),
+			Pass: r.ChangesTimedOut == 0 && r.ChangesDone == cfg.Changes &&
+				r.Complete.P99 <= float64(cfg.Targets.ChangeP99)/float64(time.Millisecond),
+		})
+		out = append(out, Verdict{
+			Protocol: r.Protocol,
+			Target:   fmt.Sprintf("upstream streams = %d keys", cfg.Keys),
+			Measured: fmt.Sprintf("%d after sync, %d at end", r.UpstreamStreams, r.UpstreamStreamsEnd),
+			Pass:     r.UpstreamStreams == int64(cfg.Keys) && r.UpstreamStreamsEnd == int64(cfg.Keys),
+		})
+		if r.Relay != nil {
+			out = append(out, Verdict{
+				Protocol: r.Protocol,
+				Target:   fmt.Sprintf("relay peak RSS ≤ %s", fmtBytes(cfg.Targets.RelayPeakRSS)),
+				Measured: fmtBytes(r.Relay.RSSPeak),
+				Pass:     r.Relay.Err == "" && r.Relay.RSSPeak > 0 && r.Relay.RSSPeak <= cfg.Targets.RelayPeakRSS,
+			})
+		}
+		out = append(out, Verdict{
+			Protocol: r.Protocol,
+			Target:   "no protocol violation",
+			Measured: fmt.Sprintf("%d", r.Violations),
+			Pass:     r.Violations == 0,
+		})
+	}
+	return out
+}
+
+// PrintFanout writes rep as a table per protocol (modes side by side, with
+// relayed/direct ratios) and a verdict line per target.
+func PrintFanout(out io.Writer, rep *FanoutReport) {
+	sc := rep.Scenario
+	fmt.Fprintf(out, "\nfanout: %d Envoys over %d keys; %d services, %d endpoints, %d namespaces (%.0f%% namespace-local); %d changes\n",
+		sc.Envoys, sc.Keys, sc.Services, sc.Endpoints, sc.Namespaces, 100*sc.LocalFraction, sc.Changes)
+	fmt.Fprintf(out, "machine: %d CPUs, GOMAXPROCS %d, %s, %s, load average at start %s; %s\n",
+		rep.Machine.CPUs, rep.Machine.GOMAXPROCS, rep.Machine.GoVersion, rep.Machine.OS, rep.Machine.LoadAvg, rep.Date)
+	var protos []string
+	for _, r := range rep.Runs {
+		if !slices.Contains(protos, r.Protocol) {
+			protos = append(protos, r.Protocol)
+		}
+	}
+	for _, p := range protos {
+		var direct, relayed *FanoutRun
+		for i := range rep.Runs {
+			if r := &rep.Runs[i]; r.Protocol == p {
+				if r.Mode == Direct {
+					direct = r
+				} else {
+					relayed = r
+				}
+			}
+		}
+		fmt.Fprintf(out, "\n%s\n", strings.ToUpper(p))
+		row := func(label string, f func(*FanoutRun) string, ratio func(*FanoutRun) float64) {
+			cell := func(r *FanoutRun) string {
+				if r == nil {
+					return "-"
+				}
+				return f(r)
+			}
+			rat := ""
+			if ratio != nil && direct != nil && relayed != nil {
+				if d := ratio(direct); d > 0 {
+					rat = fmt.Sprintf("%.3g×", ratio(relayed)/d)
+				}
+			}
+			fmt.Fprintf(out, "  %-40s %22s %22s %12s\n", label, cell(direct), cell(relayed), rat)
+		}
+		fmt.Fprintf(out, "  %-40s %22s %22s %12s\n", "", "direct", "relayed", "rel/direct")
+		sec := func(v float64) string { return fmt.Sprintf("%.2fs", v) }
+		row("fleet start (paced ramp)", func(r *FanoutRun) string { return sec(r.FleetStartS) }, nil)
+		row("initial sync (start → all synced)", func(r *FanoutRun) string {
+			if !r.Synced {
+				return "not synced"
+			}
+			return sec(r.InitialSyncS)
+		}, func(r *FanoutRun) float64 { return r.InitialSyncS })
+		lat := func(label string, get func(*FanoutRun) LatencyMs) {
+			for _, q := range []struct {
+				name string
+				v    func(LatencyMs) float64
+			}{
+				{"P50", func(l LatencyMs) float64 { return l.P50 }},
+				{"P95", func(l LatencyMs) float64 { return l.P95 }},
+				{"P99", func(l LatencyMs) float64 { return l.P99 }},
+				{"max", func(l LatencyMs) float64 { return l.Max }},
+			} {
+				row(label+" "+q.name, func(r *FanoutRun) string { return fmtMs(q.v(get(r))) },
+					func(r *FanoutRun) float64 { return q.v(get(r)) })
+			}
+		}
+		lat("change → each Envoy's ACK", func(r *FanoutRun) LatencyMs { return r.ACK })
+		lat("change → last Envoy's ACK", func(r *FanoutRun) LatencyMs { return r.Complete })
+		row("changes reached all / timed out", func(r *FanoutRun) string {
+			return fmt.Sprintf("%d / %d", r.ChangesDone, r.ChangesTimedOut)
+		}, nil)
+		row("upstream streams (after sync / end)", func(r *FanoutRun) string {
+			return fmt.Sprintf("%d / %d", r.UpstreamStreams, r.UpstreamStreamsEnd)
+		}, func(r *FanoutRun) float64 { return float64(r.UpstreamStreams) })
+		row("upstream bytes sent: sync", func(r *FanoutRun) string { return fmtBytes(r.UpstreamBytesSync) },
+			func(r *FanoutRun) float64 { return float64(r.UpstreamBytesSync) })
+		row("upstream bytes sent: changes", func(r *FanoutRun) string { return fmtBytes(r.UpstreamBytesChanges) },
+			func(r *FanoutRun) float64 { return float64(r.UpstreamBytesChanges) })
+		row("Envoys' bytes received: sync", func(r *FanoutRun) string { return fmtBytes(r.EnvoyBytesSync) },
+			func(r *FanoutRun) float64 { return float64(r.EnvoyBytesSync) })
+		row("Envoys' bytes received: changes", func(r *FanoutRun) string { return fmtBytes(r.EnvoyBytesChanges) },
+			func(r *FanoutRun) float64 { return float64(r.EnvoyBytesChanges) })
+		relayCell := func(f func(*ProcFigures) string) func(*FanoutRun) string {
+			return func(r *FanoutRun) string {
+				if r.Relay == nil {
+					return "-"
+				}
+				if r.Relay.Err != "" {
+					return "error"
+				}
+				return f(r.Relay)
+			}
+		}
+		row("relay process CPU: sync / changes", relayCell(func(p *ProcFigures) string {
+			return fmt.Sprintf("%.2fs / %.2fs", p.CPUSyncS, p.CPUChangesS)
+		}), nil)
+		row("relay process RSS: peak / end", relayCell(func(p *ProcFigures) string {
+			return fmtBytes(p.RSSPeak) + " / " + fmtBytes(p.RSSEnd)
+		}), nil)
+		row("loadtest process CPU: sync / changes", func(r *FanoutRun) string {
+			return fmt.Sprintf("%.2fs / %.2fs", r.Loadtest.CPUSyncS, r.Loadtest.CPUChangesS)
+		}, func(r *FanoutRun) float64 { return r.Loadtest.CPUSyncS + r.Loadtest.CPUChangesS })
+		row("loadtest process RSS: peak", func(r *FanoutRun) string { return fmtBytes(r.Loadtest.RSSPeak) }, nil)
+		row("Envoy stream reconnects", func(r *FanoutRun) string { return fmt.Sprintf("%d", r.Reconnects) }, nil)
+		row("protocol violations", func(r *FanoutRun) string { return fmt.Sprintf("%d", r.Violations) }, nil)
+		for _, r := range []*FanoutRun{direct, relayed} {
+			if r != nil && r.Error != "" {
+				fmt.Fprintf(out, "  %s error: %s\n", r.Mode, r.Error)
+			}
+			if r != nil {
+				for _, v := range r.ViolationSamples {
+					fmt.Fprintf(out, "  %s violation: %s\n", r.Mode, v)
+				}
+			}
+		}
+	}
+	fmt.Fprintf(out, "\n  loadtest process = the synthetic upstream and every simulated Envoy (in both modes);\n")
+	fmt.Fprintf(out, "  relay process = the relay alone. Latencies run from the upstream publishing a change.\n")
+	if len(rep.Verdicts) > 0 {
+		fmt.Fprintf(out, "\ntargets (relayed):\n")
+	}
+	for _, v := range rep.Verdicts {
+		verdict := "FAIL"
+		if v.Pass {
+			verdict = "PASS"
+		}
+		fmt.Fprintf(out, "  %s  %-5s %-36s measured %s\n", verdict, v.Protocol, v.Target, v.Measured)
+	}
+}
+
+func fmtMs(v float64) string {
+	switch {
+	case v == 0:
+		return "-"
+	case v < 10:
+		return fmt.Sprintf("%.2fms", v)
+	case v < 10000:
+		return fmt.Sprintf("%.0fms", v)
+	default:
+		return fmt.Sprintf("%.1fs", v/1000)
+	}
+}
+
+func fmtBytes(b uint64) string {
+	switch {
+	case b >= 1<<30:
+		return fmt.Sprintf("%.2f GiB", float64(b)/(1<<30))
+	case b >= 1<<20:
+		return fmt.Sprintf("%.1f MiB", float64(b)/(1<<20))
+	case b >= 1<<10:
+		return fmt.Sprintf("%.1f KiB", float64(b)/(1<<10))
+	default:
+		return fmt.Sprintf("%d B", b)
+	}
+}

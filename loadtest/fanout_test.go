@@ -1,0 +1,244 @@
+package loadtest
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/signal"
+	"runtime"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/meshrelay/meshrelay/loadtest/envoy"
+)
+
+// relayChildEnv, when set in the environment, makes this test binary a
+// relay child: TestRelayChildProcess runs RunRelayChild with the
+// RelayChildConfig (JSON) it holds and exits. This is the helper-process
+// pattern of Go's own os/exec tests; it needs no TestMain.
+const relayChildEnv = "MESHRELAY_RELAY_CHILD"
+
+func TestRelayChildProcess(t *testing.T) {
+	raw := os.Getenv(relayChildEnv)
+	if raw == "" {
+		t.Skip("helper process for relay children; runs only when started by a test")
+	}
+	var cfg RelayChildConfig
+	if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
+		fmt.Fprintf(os.Stderr, "relay child: %s: %v\n", relayChildEnv, err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	if err := RunRelayChild(ctx, cfg, os.Stdin, os.Stdout, os.Stderr); err != nil {
+		fmt.Fprintf(os.Stderr, "relay child: %v\n", err)
+		os.Exit(1)
+	}
+	os.Exit(0)
+}
+
+// testStartRelay starts a relay child by re-executing the test binary.
+func testStartRelay(t *testing.T) StartRelayFunc {
+	return func(ctx context.Context, cfg RelayChildConfig) (*Child, error) {
+		b, err := json.Marshal(cfg)
+		if err != nil {
+			return nil, err
+		}
+		return StartChild(ctx, ChildConfig{
+			Path:   os.Args[0],
+			Args:   []string{"-test.run=^TestRelayChildProcess$"},
+			Env:    []string{relayChildEnv + "=" + string(b)},
+			Stderr: os.Stderr,
+		})
+	}
+}
+
+func requireLinux(t *testing.T) {
+	t.Helper()
+	if runtime.GOOS != "linux" {
+		t.Skip("reads /proc: Linux only")
+	}
+}
+
+// TestFanout runs the benchmark at a tiny scale, once per protocol, and
+// checks what must hold whatever the machine's speed: stream counts, every
+// change reaching every Envoy, no protocol violation, the relay process
+// measured. It asserts no latency.
+func TestFanout(t *testing.T) {
+	requireLinux(t)
+	for _, p := range []envoy.Protocol{envoy.Delta, envoy.SotW} {
+		t.Run(p.String(), func(t *testing.T) {
+			cfg := DefaultFanoutConfig()
+			cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = 30, 30, 3
+			cfg.Envoys, cfg.Keys, cfg.Changes = 30, 3, 3
+			cfg.Protocols = []envoy.Protocol{p}
+			cfg.StartRate = 0
+			cfg.Settle, cfg.ChangeGap = 100*time.Millisecond, 10*time.Millisecond
+			cfg.SyncTimeout, cfg.ChangeTimeout = 30*time.Second, 20*time.Second
+			cfg.StartRelay = testStartRelay(t)
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			var out bytes.Buffer
+			rep, err := RunFanout(ctx, cfg, &out)
+			t.Log(out.String())
+			if err != nil {
+				t.Fatalf("RunFanout: %v", err)
+			}
+			if len(rep.Runs) != 2 {
+				t.Fatalf("len(Runs) = %d, want 2 (direct, relayed)", len(rep.Runs))
+			}
+			for _, r := range rep.Runs {
+				wantStreams := int64(cfg.Envoys)
+				if r.Mode == Relayed {
+					wantStreams = int64(cfg.Keys)
+				}
+				if r.UpstreamStreams != wantStreams || r.UpstreamStreamsEnd != wantStreams {
+					t.Errorf("%s: upstream streams = %d after sync, %d at end, want %d", r.Mode, r.UpstreamStreams, r.UpstreamStreamsEnd, wantStreams)
+				}
+				if !r.Synced || r.ChangesDone != cfg.Changes || r.ChangesTimedOut != 0 {
+					t.Errorf("%s: synced %v, changes done %d, timed out %d, want true, %d, 0", r.Mode, r.Synced, r.ChangesDone, r.ChangesTimedOut, cfg.Changes)
+				}
+				if r.ACK.N != cfg.Changes*cfg.Envoys || r.Complete.N != cfg.Changes {
+					t.Errorf("%s: %d (change, Envoy) ACKs and %d completions timed, want %d and %d", r.Mode, r.ACK.N, r.Complete.N, cfg.Changes*cfg.Envoys, cfg.Changes)
+				}
+				if r.Violations != 0 {
+					t.Errorf("%s: %d protocol violations: %v", r.Mode, r.Violations, r.ViolationSamples)
+				}
+				if r.UpstreamBytesSync == 0 || r.EnvoyBytesSync == 0 || r.EnvoyBytesChanges == 0 {
+					t.Errorf("%s: bytes upstream %d, Envoys %d (sync), Envoys %d (changes): want all > 0", r.Mode, r.UpstreamBytesSync, r.EnvoyBytesSync, r.EnvoyBytesChanges)
+				}
+				if r.Loadtest.Err != "" || r.Loadtest.RSSPeak == 0 {
+					t.Errorf("%s: loadtest process figures %+v, want RSS and no error", r.Mode, r.Loadtest)
+				}
+				switch r.Mode {
+				case Direct:
+					if r.Relay != nil {
+						t.Errorf("direct: relay figures %+v, want none", r.Relay)
+					}
+				case Relayed:
+					switch {
+					case r.Relay == nil:
+						t.Errorf("relayed: no relay figures")
+					case r.Relay.Err != "" || r.Relay.RSSPeak == 0 || r.Relay.RSSEnd == 0 || r.Relay.CPUSyncS+r.Relay.CPUChangesS <= 0:
+						t.Errorf("relayed: relay figures %+v, want RSS > 0, CPU > 0 and no error", *r.Relay)
+					}
+				}
+			}
+			var relayedVerdicts int
+			for _, v := range rep.Verdicts {
+				if v.Protocol != p.String() {
+					t.Errorf("verdict for %q in a %s run", v.Protocol, p)
+				}
+				relayedVerdicts++
+			}
+			if relayedVerdicts == 0 {
+				t.Errorf("no verdicts")
+			}
+		})
+	}
+}
+
+// TestChildEnds checks that a relay child never outlives what started it:
+// Stop ends it, and so does EOF on its stdin (what it sees when the parent
+// dies).
+func TestChildEnds(t *testing.T) {
+	requireLinux(t)
+	start := testStartRelay(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	// The relay dials its upstream lazily; nothing listens here.
+	cfg := RelayChildConfig{Upstream: "127.0.0.1:1"}
+
+	c, err := start(ctx, cfg)
+	if err != nil {
+		t.Fatalf("start: %v", err)
+	}
+	st, err := c.Stat()
+	if err != nil || st.RSS == 0 || st.PeakRSS < st.RSS {
+		t.Errorf("Stat() = %+v, %v, want RSS > 0 and PeakRSS >= RSS", st, err)
+	}
+	if err := c.Stop(ctx); err != nil {
+		t.Errorf("Stop: %v", err)
+	}
+	if err := c.Stop(ctx); err != nil {
+		t.Errorf("second Stop: %v", err)
+	}
+	if _, err := ReadProcStat(c.Pid()); err == nil {
+		t.Errorf("child %d still exists after Stop", c.Pid())
+	}
+
+	c, err = start(ctx, cfg)
+	if err != nil {
+		t.Fatalf("start: %v", err)
+	}
+	c.stdin.Close() // as if the parent died
+	select {
+	case <-c.exited:
+		if err := c.exitErr(); err != nil {
+			t.Errorf("child exit on stdin EOF: %v, want status 0", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Errorf("child still running 30s after its stdin closed")
+	}
+	c.mu.Lock()
+	c.stopped = true // stdin already closed
+	c.mu.Unlock()
+	_ = c.Stop(ctx)
+}
+
+func TestParseProcStat(t *testing.T) {
+	tests := []struct {
+		name, in string
+		want     time.Duration
+		wantErr  bool
+	}{
+		{"plain", "1234 (loadtest) S 1 1234 1234 0 -1 4194560 100 0 0 0 250 75 0 0 20 0 9 0 100 1000 200 18446744073709551615",
+			3250 * time.Millisecond, false},
+		{"spaces and parens in comm", "7 (a b) c)) R 1 7 7 0 -1 0 0 0 0 0 1 2 0 0 20 0 1 0 5 6 7", 30 * time.Millisecond, false},
+		{"truncated", "7 (x) R 1 2 3", 0, true},
+		{"no comm", "7 x R", 0, true},
+		{"bad number", "7 (x) R 1 7 7 0 -1 0 0 0 0 0 zz 2 0", 0, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := parseProcStat([]byte(tt.in))
+			if (err != nil) != tt.wantErr || got != tt.want {
+				t.Errorf("parseProcStat(%q) = %v, %v, want %v, error %v", tt.in, got, err, tt.want, tt.wantErr)
+			}
+		})
+	}
+}
+
+func TestParseProcStatus(t *testing.T) {
+	tests := []struct {
+		name, in  string
+		rss, peak uint64
+		wantErr   bool
+	}{
+		{"process", "Name:\tloadtest\nVmPeak:\t 9000 kB\nVmHWM:\t    2048 kB\nVmRSS:\t    1024 kB\nThreads:\t9\n", 1 << 20, 2 << 20, false},
+		{"kernel thread", "Name:\tkthreadd\nThreads:\t1\n", 0, 0, true},
+		{"bad unit", "VmHWM:\t 2 MB\nVmRSS:\t 1 MB\n", 0, 0, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			rss, peak, err := parseProcStatus([]byte(tt.in))
+			if (err != nil) != tt.wantErr || rss != tt.rss || peak != tt.peak {
+				t.Errorf("parseProcStatus(%q) = %d, %d, %v, want %d, %d, error %v", tt.in, rss, peak, err, tt.rss, tt.peak, tt.wantErr)
+			}
+		})
+	}
+}
+
+func TestReadProcStatSelf(t *testing.T) {
+	requireLinux(t)
+	st, err := ReadProcStat(os.Getpid())
+	if err != nil {
+		t.Fatalf("ReadProcStat(self): %v", err)
+	}
+	if st.RSS == 0 || st.PeakRSS < st.RSS {
+		t.Errorf("ReadProcStat(self) = %+v, want RSS > 0 and PeakRSS >= RSS", st)
+	}
+}
