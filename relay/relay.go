@@ -112,7 +112,9 @@ func (r *Relay) Start(ctx context.Context) error {
 	opts := append([]grpc.DialOption{
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(r.cfg.MaxMsgSize), grpc.MaxCallSendMsgSize(r.cfg.MaxMsgSize)),
-		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 30 * time.Second, Timeout: 10 * time.Second, PermitWithoutStream: true}),
+		// One connection carries every key's stream: a missed ping answer
+		// from a busy upstream must not make them all reconnect at once.
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: time.Minute, Timeout: 20 * time.Second, PermitWithoutStream: true}),
 	}, r.cfg.UpstreamDialOptions...)
 	conn, err := grpc.NewClient(r.cfg.Upstream, opts...)
 	if err != nil {

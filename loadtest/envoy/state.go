@@ -139,6 +139,9 @@ type typeState struct {
 	// It is also what the server was last told, since the stream goroutine
 	// sends every change before it reads the next response.
 	subs map[name]struct{}
+	// sorted caches sortedNames(subs): a SotW Envoy repeats its whole
+	// subscription in every ACK; nil after subs changes.
+	sorted []string
 	// user holds the names added by Subscribe, kept across CDS/LDS changes.
 	user map[name]struct{}
 	// addQ and delQ are Delta subscription changes not yet sent.
@@ -193,6 +196,7 @@ func (ts *typeState) subscribeLocked(n name) bool {
 		return false
 	}
 	ts.subs[n] = struct{}{}
+	ts.sorted = nil
 	return true
 }
 
@@ -201,6 +205,7 @@ func (ts *typeState) subscribeLocked(n name) bool {
 func (ts *typeState) unsubscribeLocked(n name, grace int) bool {
 	if _, ok := ts.subs[n]; ok {
 		delete(ts.subs, n)
+		ts.sorted = nil
 		if grace > 0 {
 			if ts.linger == nil {
 				ts.linger = make(map[name]int)
@@ -267,7 +272,10 @@ func (ts *typeState) allowed(n name) bool {
 
 // requestNames is the SotW resource_names (and Delta's initial subscribe).
 func (ts *typeState) requestNames() []string {
-	names := sortedNames(ts.subs)
+	if ts.sorted == nil {
+		ts.sorted = sortedNames(ts.subs)
+	}
+	names := ts.sorted
 	if ts.wildcard && (len(names) > 0 || ts.starSent) {
 		ts.starSent = true
 		names = append([]string{wildcardName}, names...)
