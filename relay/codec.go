@@ -45,7 +45,12 @@ func (c codec) Marshal(v any) (mem.BufferSlice, error) {
 	return c.proto.Marshal(v)
 }
 
-func (c codec) Unmarshal(data mem.BufferSlice, v any) error { return c.proto.Unmarshal(data, v) }
+func (c codec) Unmarshal(data mem.BufferSlice, v any) error {
+	if r, ok := v.(*sotwRequest); ok {
+		return unmarshalSotWRequest(data, r)
+	}
+	return c.proto.Unmarshal(data, v)
+}
 
 func (codec) Name() string { return "proto" }
 

@@ -1,8 +1,6 @@
 package relay
 
 import (
-	"slices"
-
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -21,11 +19,23 @@ func (r *Relay) StreamAggregatedResources(ss discovery.AggregatedDiscoveryServic
 		return ss.SendMsg(w)
 	}
 	s.sendRaw = func(m proto.Message) error { return ss.Send(m.(*discovery.DiscoveryResponse)) }
-	return serve(s, ss.Recv, s.onSotW)
+	recv := func() (*sotwRequest, error) {
+		r := new(sotwRequest)
+		return r, ss.RecvMsg(r)
+	}
+	return serve(s, recv, func(r *sotwRequest) error { return s.handleSotW(r.req, &r.names) })
 }
 
 // onSotW handles one SotW request.
 func (s *stream) onSotW(req *discovery.DiscoveryRequest) error {
+	nl := namesOf(req.GetResourceNames())
+	return s.handleSotW(req, &nl)
+}
+
+// handleSotW handles one SotW request whose resource_names are in names
+// (req.ResourceNames is not read): they are decoded only if the stream's
+// subscription changed.
+func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) error {
 	if s.key == nil {
 		if err := s.attach(req.GetNode()); err != nil {
 			return err
@@ -35,19 +45,34 @@ func (s *stream) onSotW(req *discovery.DiscoveryRequest) error {
 	if typeURL == "" {
 		return status.Error(codes.InvalidArgument, "type_url is required on an ADS stream")
 	}
-	if !cached(typeURL) {
-		return s.passthroughSotW(req)
-	}
-	if err := s.checkNames(typeURL, len(req.GetResourceNames())); err != nil {
+	if err := s.checkNames(typeURL, names.n); err != nil {
 		return err
 	}
-	explicit := slices.Contains(req.GetResourceNames(), wildcardName)
-	digest := listDigest(req.GetResourceNames())
+	decoded := func() (nameSet, error) {
+		list, err := names.decode()
+		if err != nil {
+			return nil, status.Error(codes.InvalidArgument, err.Error())
+		}
+		return newNameSet(list), nil
+	}
+	if !cached(typeURL) {
+		list, err := names.decode()
+		if err != nil {
+			return status.Error(codes.InvalidArgument, err.Error())
+		}
+		req.ResourceNames = list
+		return s.passthroughSotW(req)
+	}
+	explicit, digest := names.star, names.digest
 
 	sub := s.subs[typeURL]
 	if sub == nil {
-		legacy := len(req.GetResourceNames()) == 0 && legacyWildcard(typeURL)
-		sub = s.newSub(typeURL, explicit || legacy, legacy, newNameSet(req.GetResourceNames()))
+		set, err := decoded()
+		if err != nil {
+			return err
+		}
+		legacy := names.n == 0 && legacyWildcard(typeURL)
+		sub = s.newSub(typeURL, explicit || legacy, legacy, set)
 		sub.claimed, sub.listDigest = req.GetVersionInfo(), digest
 		return nil
 	}
@@ -60,12 +85,16 @@ func (s *stream) onSotW(req *discovery.DiscoveryRequest) error {
 	if sub.nonce != "" {
 		s.ack(sub, sub.sent, nackDetail(req.GetErrorDetail()))
 	}
-	wildcard := explicit || (sub.legacy && len(req.GetResourceNames()) == 0)
+	wildcard := explicit || (sub.legacy && names.n == 0)
 	if digest == sub.listDigest && wildcard == sub.wildcard {
 		return nil // the same subscription again: an ACK or a NACK
 	}
+	set, err := decoded()
+	if err != nil {
+		return err
+	}
 	sub.listDigest = digest
-	s.resubscribe(sub, wildcard, newNameSet(req.GetResourceNames()), nil)
+	s.resubscribe(sub, wildcard, set, nil)
 	return nil
 }
 
