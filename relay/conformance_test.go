@@ -8,9 +8,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
-	cluster "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
@@ -537,6 +535,3 @@ func (d denyNamespace) Authorize(_ context.Context, n *core.Node) error {
 	}
 	return nil
 }
-
-var _ = cluster.Cluster{}
-var _ = time.Second

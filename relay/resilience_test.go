@@ -8,7 +8,6 @@ import (
 	"time"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -215,8 +214,6 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
-
-var _ types.Resource
 
 // TestWildcardAfterNamed: while the key's only client asks for one cluster
 // by name, the key's view holds just that one; a wildcard client joining
