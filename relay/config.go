@@ -85,8 +85,10 @@ type Config struct {
 	MaxSubscribedNames int
 
 	// ResourceWaitTimeout is how long a name requested from the upstream may
-	// stay missing before the relay tells Delta clients it does not exist
-	// (Envoy's own initial fetch timeout is 15 s). Default 15s.
+	// stay missing before the relay treats it as gone: a Delta client that
+	// holds it (declared on reconnect, say) is then told it was removed.
+	// Until then it is pending, never reported missing. (Envoy's own
+	// initial fetch timeout is 15 s.) Default 15s.
 	ResourceWaitTimeout time.Duration
 	// KeyIdleTimeout is how long a key with no connected Envoy keeps its
 	// upstream stream and cache, so that reconnecting Envoys find it warm.

@@ -23,7 +23,7 @@ func (r *Relay) DeltaAggregatedResources(ds discovery.AggregatedDiscoveryService
 		return ds.SendMsg(w)
 	}
 	s.sendRaw = func(m proto.Message) error { return ds.Send(m.(*discovery.DeltaDiscoveryResponse)) }
-	return serve(s, ds.Recv, s.onDelta)
+	return serve(s, ds.Recv, func(r *discovery.DeltaDiscoveryRequest) int { return proto.Size(r) }, s.onDelta)
 }
 
 // onDelta handles one Delta request.
@@ -48,8 +48,8 @@ func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 	sub := s.subs[typeURL]
 	if sub == nil {
 		legacy := len(subscribe) == 0 && legacyWildcard(typeURL)
-		wildcard := legacy || slices.Contains(subscribe, wildcardName)
-		names := newNameSet(subscribe)
+		wildcard := (legacy || slices.Contains(subscribe, wildcardName)) && !slices.Contains(unsubscribe, wildcardName)
+		names := newNameSet(subscribe).with(nil, unsubscribe)
 		sub = s.newSub(typeURL, wildcard, legacy, names)
 		sub.awaitFirst = wildcard
 		sub.known = s.declared(sub, req.GetInitialResourceVersions())

@@ -3,6 +3,7 @@ package relay
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"iter"
 	"maps"
@@ -525,7 +526,7 @@ func (h *downHarness) checkOrder(o *outgoing) {
 		// SotW removes by omission from a full state, and only there.
 		removed = nil
 		for n := range h.model[o.typeURL] {
-			if o.fullSotW != nil && !slices.ContainsFunc(o.fullSotW, func(x *Resource) bool { return x.Name == n }) {
+			if o.fullSotW() != nil && !slices.ContainsFunc(o.fullSotW(), func(x *Resource) bool { return x.Name == n }) {
 				removed = append(removed, n)
 			}
 		}
@@ -623,16 +624,16 @@ func (h *downHarness) checkResponse(o *outgoing) error {
 			}
 			removed[n] = true
 		}
-		if o.fullSotW != nil {
+		if o.fullSotW() != nil {
 			h.fatalf("delta %s response (nonce %s) carries a SotW full state", typ, o.nonce)
 		}
 	case fullStateSotW(o.typeURL):
-		if o.fullSotW == nil {
+		if o.fullSotW() == nil {
 			h.fatalf("SotW %s response (nonce %s) without its full state", typ, o.nonce)
 		}
-		full := make(map[string]bool, len(o.fullSotW))
+		full := make(map[string]bool, len(o.fullSotW()))
 		b := ledger.Tree[*Resource]{}.Edit()
-		for _, x := range o.fullSotW {
+		for _, x := range o.fullSotW() {
 			checkRes("the full state", x)
 			if full[x.Name] {
 				h.fatalf("SotW %s response (nonce %s) holds %q twice", typ, o.nonce, x.Name)
@@ -649,7 +650,7 @@ func (h *downHarness) checkResponse(o *outgoing) error {
 			h.fatalf("SotW %s response (nonce %s) has version %s, want the root of its resources %s", typ, o.nonce, o.version, root)
 		}
 	default:
-		if o.fullSotW != nil {
+		if o.fullSotW() != nil {
 			h.fatalf("SotW %s response (nonce %s) carries a full state for an incremental type", typ, o.nonce)
 		}
 	}
@@ -659,9 +660,9 @@ func (h *downHarness) checkResponse(o *outgoing) error {
 		held = make(map[string]heldRes)
 		h.model[o.typeURL] = held
 	}
-	if o.fullSotW != nil {
+	if o.fullSotW() != nil {
 		clear(held)
-		for _, x := range o.fullSotW {
+		for _, x := range o.fullSotW() {
 			held[x.Name] = heldRes{x.Hash, x}
 		}
 		delete(h.unknown, o.typeURL) // a full state: known again
@@ -1174,6 +1175,9 @@ type upHarness struct {
 	deltaSubs map[string]map[string]bool
 	subs      map[string]bool // the member's EDS and RDS names, "type|name"
 	oracle    *store          // decodes responses independently of the relay's store
+	// streamStart is the index in reqs of a new stream's first request
+	// (-1: the harness's first stream, checked on its own).
+	streamStart int
 }
 
 // The member's subscriptions when the fuzzers start: CDS and LDS wildcard,
@@ -1195,7 +1199,7 @@ func newUpHarness(t testing.TB, delta bool) *upHarness {
 	h := &upHarness{
 		t: t, r: r, delta: delta, oracle: newStore(),
 		acked: map[string]string{}, names: map[string][]string{}, named: map[string]bool{},
-		deltaSubs: map[string]map[string]bool{}, subs: map[string]bool{},
+		deltaSubs: map[string]map[string]bool{}, subs: map[string]bool{}, streamStart: -1,
 	}
 	h.k = newKeyState(r, "k")
 	// A member whose node the upstream presents. The member is not
@@ -1320,7 +1324,14 @@ func (h *upHarness) resubscribe(when string) {
 		if i == 4 {
 			t.Fatalf("%s: resubscribe keeps waking itself", when)
 		}
-		if err := h.u.resubscribe(); err != nil {
+		err := h.u.resubscribe()
+		if errors.Is(err, errResubscribe) {
+			// A type became wildcard: the upstream loop opens a new
+			// stream, on which everything is asked again.
+			h.newStream()
+			err = h.u.resubscribe()
+		}
+		if err != nil {
 			t.Fatalf("%s: resubscribe: %v", when, err)
 		}
 		woken = true
@@ -1328,7 +1339,14 @@ func (h *upHarness) resubscribe(when string) {
 	if !woken {
 		return
 	}
-	for _, m := range h.reqs[n:] {
+	for i, m := range h.reqs[n:] {
+		if n+i == h.streamStart {
+			// The first request of a new stream carries the node.
+			if r, ok := m.(interface{ GetNode() *core.Node }); !ok || r.GetNode() == nil {
+				t.Fatalf("%s: the first request of a new stream carries no node: %v", when, m)
+			}
+			continue
+		}
 		switch r := m.(type) {
 		case *discovery.DiscoveryRequest:
 			if r.GetErrorDetail() != nil || r.GetNode() != nil {
@@ -1346,6 +1364,18 @@ func (h *upHarness) resubscribe(when string) {
 	}
 	h.checkSubscriptions(when)
 	h.checkViews(when)
+}
+
+// newStream does what session does when it opens a new upstream stream:
+// every type is asked again (the versions and ACKed state are kept), and
+// the upstream's view of the subscription starts over.
+func (h *upHarness) newStream() {
+	for _, ut := range h.u.types {
+		ut.asked, ut.nonce, ut.named = false, "", false
+	}
+	h.u.first = true
+	h.names, h.named, h.deltaSubs = map[string][]string{}, map[string]bool{}, map[string]map[string]bool{}
+	h.streamStart = len(h.reqs)
 }
 
 // checkSubscriptions checks that the upstream is asked for what the key

@@ -50,7 +50,7 @@ func TestPushOrder(t *testing.T) {
 			var sent []string
 			s.send = func(o *outgoing) error {
 				kind := "+"
-				if len(o.upd) == 0 && o.fullSotW == nil {
+				if len(o.upd) == 0 && !o.full {
 					kind = "-"
 				}
 				if !delta && fullStateSotW(o.typeURL) && len(o.upd) == 0 {
@@ -108,5 +108,27 @@ func TestPushOrder(t *testing.T) {
 				t.Fatalf("client holds %s clusters after the removal, want 1", got)
 			}
 		})
+	}
+}
+
+// TestRefIndexNotPoisoned: references computed from a tree a client
+// declared (content unknown to the relay) are not remembered for its root,
+// which the same content held by the relay shares.
+func TestRefIndexNotPoisoned(t *testing.T) {
+	r := newTestRelay(t)
+	held := viewOf(t, r, typeRoute, mkRoute("r80", "c0", "c1"))
+	declared := ledger.Tree[*Resource]{}.Edit()
+	for e := range held.All() {
+		declared.Set(e.Name, e.Hash, nil) // as declared() builds it, content unknown
+	}
+	d := declared.Tree()
+	if d.Root() != held.Root() {
+		t.Fatal("declared and held trees should share a root")
+	}
+	if got := r.refIndex.names(d, refClusters); len(got) != 0 {
+		t.Fatalf("references of unknown content = %v, want none", got)
+	}
+	if got := r.refIndex.names(held, refClusters); len(got) != 2 {
+		t.Fatalf("references of the held route = %v, want c0 and c1", got)
 	}
 }

@@ -64,8 +64,11 @@ func (s *stream) passthroughSotW(req *discovery.DiscoveryRequest) error {
 	req.Node = nil
 	req.ResponseNonce = p.upstreamNonce(req.GetTypeUrl(), req.GetResponseNonce())
 	p.mu.Lock()
+	// Replayed on a new upstream stream as a plain request: no nonce, and
+	// not a NACK (an upstream does not answer a NACK, and the client, which
+	// waits for an answer, would never ask again).
 	replay := proto.Clone(req).(*discovery.DiscoveryRequest)
-	replay.ResponseNonce = ""
+	replay.ResponseNonce, replay.ErrorDetail = "", nil
 	p.lastSotW[req.GetTypeUrl()] = replay
 	p.mu.Unlock()
 	return p.enqueue(req)
@@ -305,6 +308,11 @@ func (p *passthrough) replayLocked() []proto.Message {
 		return out
 	}
 	for _, t := range slices.Sorted(maps.Keys(p.deltaSubs)) {
+		if len(p.deltaSubs[t]) == 0 {
+			// Subscribed to nothing: an empty first subscribe would mean
+			// everything (the legacy wildcard).
+			continue
+		}
 		req := &discovery.DeltaDiscoveryRequest{
 			TypeUrl:                 t,
 			ResourceNamesSubscribe:  slices.Sorted(maps.Keys(p.deltaSubs[t])),

@@ -52,13 +52,21 @@ func (x *refIndex) names(t ledger.Tree[*Resource], kind refKind) map[string]stru
 		return set
 	}
 	set = make(map[string]struct{})
+	complete := true
 	for e := range t.All() {
 		if e.Value == nil {
-			continue // declared by the client, content unknown to this relay
+			// Declared by a client, content not held by this relay: its
+			// references are unknown, and the set must not be remembered
+			// for the root, which the same content held here shares.
+			complete = false
+			continue
 		}
 		for _, n := range e.Value.refs.of(kind) {
 			set[n] = struct{}{}
 		}
+	}
+	if !complete {
+		return set
 	}
 	x.mu.Lock()
 	if x.m == nil || len(x.m) >= refIndexSize {

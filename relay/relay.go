@@ -140,6 +140,9 @@ func (r *Relay) Start(ctx context.Context) error {
 	r.ctx, r.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	r.server = grpc.NewServer(
 		grpc.ForceServerCodecV2(newCodec()),
+		// Stop returns only once every handler has: no stream attaches a
+		// key (and starts its goroutine) behind Stop's back.
+		grpc.WaitForHandlers(true),
 		// Thousands of mostly idle Envoy connections: give each
 		// connection's write buffer back between writes.
 		grpc.SharedWriteBuffer(true),
@@ -250,6 +253,13 @@ func (r *Relay) acquireKey(key Key, s *stream) *keyState {
 	return k
 }
 
+// keysSnapshot returns the keys held now.
+func (r *Relay) keysSnapshot() []*keyState {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Collect(maps.Values(r.keys))
+}
+
 // dropIfIdle forgets k if it still has no members, and reports whether it
 // did. The key's upstream goroutine calls it when its idle timer fires.
 func (r *Relay) dropIfIdle(k *keyState) bool {
@@ -282,12 +292,7 @@ type Stats struct {
 
 // Stats returns the relay's current figures.
 func (r *Relay) Stats() Stats {
-	r.mu.Lock()
-	keys := make([]*keyState, 0, len(r.keys))
-	for _, k := range r.keys {
-		keys = append(keys, k)
-	}
-	r.mu.Unlock()
+	keys := r.keysSnapshot()
 	st := Stats{Keys: len(keys), Resources: r.store.len()}
 	for _, k := range keys {
 		k.mu.Lock()
@@ -317,12 +322,7 @@ type ClientStatus struct {
 
 // Clients returns the status of every stream attached to a key.
 func (r *Relay) Clients() []ClientStatus {
-	r.mu.Lock()
-	keys := make([]*keyState, 0, len(r.keys))
-	for _, k := range r.keys {
-		keys = append(keys, k)
-	}
-	r.mu.Unlock()
+	keys := r.keysSnapshot()
 	var out []ClientStatus
 	for _, k := range keys {
 		k.mu.Lock()

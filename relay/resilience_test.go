@@ -378,3 +378,86 @@ func TestCacheSharesResources(t *testing.T) {
 		t.Fatalf("cache holds %d resources for %d keys of identical content, want %d", got, keys, want)
 	}
 }
+
+// TestWildcardLeavesAndReturns: a key with a named and a wildcard client;
+// the wildcard one leaves, so the key asks only for the named cluster and
+// its view shrinks; a wildcard client joining then must wait for the full
+// set, not be told that the other clusters were removed.
+func TestWildcardLeavesAndReturns(t *testing.T) {
+	e := newEnv(t, true, nil)
+	named := e.client(0)
+	named.subscribe(typeCluster, "c0")
+	wantNames(t, named.recv(), "c0")
+	all := e.client(1)
+	all.subscribe(typeCluster)
+	d := all.recv().(*discovery.DeltaDiscoveryResponse)
+	wantNames(t, d, "c0", "c1", "c2")
+	all.close()
+	waitFor(t, "the key's view to shrink to c0", func() bool {
+		for _, k := range e.r.keysSnapshot() {
+			if ts := k.snap.Load().types[typeCluster]; ts != nil && ts.view.Len() == 1 {
+				return true
+			}
+		}
+		return false
+	})
+	back := e.client(1)
+	back.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster, InitialResourceVersions: versionMap(d)})
+	m := back.recvSotWOrDelta(typeCluster)
+	if r := removedOf(m); len(r) != 0 {
+		t.Fatalf("a returning wildcard client was told %v were removed; they exist", r)
+	}
+}
+
+// TestDeltaFirstRequestUnsubscribes: a first Delta request that subscribes
+// and unsubscribes the wildcard in one go subscribes to its names only.
+func TestDeltaFirstRequestUnsubscribes(t *testing.T) {
+	e := newEnv(t, true, nil)
+	c := e.client(0)
+	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster,
+		ResourceNamesSubscribe: []string{wildcardName, "c0"}, ResourceNamesUnsubscribe: []string{wildcardName}})
+	wantNames(t, c.recv(), "c0")
+	c.quiet()
+}
+
+// TestPassthroughReplay: across an upstream restart, a client's
+// passthrough subscriptions are asked again as plain requests: not as the
+// NACK it last sent (an upstream ignores a NACK, and the client would wait
+// forever), and not as a wildcard when it subscribes to nothing.
+func TestPassthroughReplay(t *testing.T) {
+	for _, delta := range []bool{false, true} {
+		t.Run(protocolName(delta), func(t *testing.T) {
+			e := newEnv(t, delta, nil)
+			c := e.client(0)
+			c.subscribe(typeNDS)
+			c.nack(c.recv(), "")
+			if delta {
+				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeNDS, ResourceNamesUnsubscribe: []string{wildcardName}})
+			}
+			c.quiet(typeNDS) // the upstream may answer the NACK; leave it so
+			e.up.mu.Lock()
+			beforeSotW, beforeDelta := len(e.up.sotwReqs), len(e.up.deltaReq)
+			e.up.mu.Unlock()
+			e.up.stop()
+			e.up.restart()
+			c.quiet(typeNDS) // the key's stream is back; the passthrough one too, or soon
+			waitFor(t, "the passthrough stream to reconnect", func() bool {
+				open, _ := e.up.streams()
+				return open == 2 // the key's and the client's passthrough
+			})
+			c.quiet(typeNDS) // and whatever it replays has reached the upstream
+			e.up.mu.Lock()
+			defer e.up.mu.Unlock()
+			for _, q := range e.up.sotwReqs[beforeSotW:] {
+				if q.GetTypeUrl() == typeNDS && q.GetErrorDetail() != nil {
+					t.Fatalf("the NACK was replayed on the new stream: %v", q)
+				}
+			}
+			for _, q := range e.up.deltaReq[beforeDelta:] {
+				if q.GetTypeUrl() == typeNDS {
+					t.Fatalf("a subscription to nothing was replayed as %v", q)
+				}
+			}
+		})
+	}
+}

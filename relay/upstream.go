@@ -58,8 +58,9 @@ type upType struct {
 }
 
 var (
-	errRehome = errors.New("relay: presented member left")
-	errIdle   = errors.New("relay: key idle")
+	errRehome      = errors.New("relay: presented member left")
+	errIdle        = errors.New("relay: key idle")
+	errResubscribe = errors.New("relay: a type became wildcard")
 )
 
 func newUpstream(k *keyState) *upstream {
@@ -96,8 +97,8 @@ func (u *upstream) run(ctx context.Context) {
 		switch {
 		case errors.Is(err, errIdle) || ctx.Err() != nil:
 			return
-		case errors.Is(err, errRehome):
-			continue
+		case errors.Is(err, errRehome) || errors.Is(err, errResubscribe):
+			continue // a new stream at once, no backoff
 		}
 		u.setStale(true)
 		if got {
@@ -132,6 +133,7 @@ func (u *upstream) waitForMember(ctx context.Context) bool {
 			return false
 		case <-u.k.upWake:
 		case <-u.idleC():
+			u.idle = nil // spent: checkIdle arms a new one if still idle
 			if u.r.dropIfIdle(u.k) {
 				return false
 			}
@@ -153,6 +155,7 @@ func (u *upstream) sleep(ctx context.Context, d time.Duration) bool {
 			return true
 		case <-u.k.upWake:
 		case <-u.idleC():
+			u.idle = nil // spent: checkIdle arms a new one if still idle
 			if u.r.dropIfIdle(u.k) {
 				return false
 			}
@@ -202,7 +205,7 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 	// session never blocks writing while responses wait to be read (with
 	// an upstream that stops reading while it writes, as go-control-plane
 	// does, that would deadlock once both flow-control windows are full).
-	out := newMailbox[proto.Message](maxQueuedRequests)
+	out := newMailbox[proto.Message](maxQueuedRequests, 0, nil)
 	u.send = func(m proto.Message) error {
 		if !out.put(m) {
 			return fmt.Errorf("more than %d requests the upstream has not read", maxQueuedRequests)
@@ -268,7 +271,9 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 			if err := u.resubscribe(); err != nil {
 				return got, err
 			}
+			u.armExpiry() // streams may have added pending names
 		case <-u.idleC():
+			u.idle = nil // spent: checkIdle arms a new one if still idle
 			if u.r.dropIfIdle(u.k) {
 				return got, errIdle
 			}
@@ -341,8 +346,16 @@ func (u *upstream) resubscribe() error {
 		if ut.asked && ut.wildcard == w.wildcard && slices.Equal(ut.names, names) {
 			continue
 		}
+		if ut.asked && w.wildcard && !ut.wildcard {
+			// Turning a named subscription into a wildcard on a live stream,
+			// the next response may still answer the named one: nothing
+			// says when the view becomes the full set. A new stream asks
+			// for the wildcard from its first request.
+			return errResubscribe
+		}
 		if !w.wildcard {
 			u.dropUnwanted(typeURL, names)
+			u.notFull(typeURL)
 		}
 		var req proto.Message
 		if u.delta {
@@ -359,6 +372,20 @@ func (u *upstream) resubscribe() error {
 	return nil
 }
 
+// notFull marks typeURL's view as holding only named resources: wildcard
+// clients wait until the upstream answers a wildcard subscription again.
+func (u *upstream) notFull(typeURL string) {
+	u.k.mu.Lock()
+	defer u.k.mu.Unlock()
+	if ts := u.k.snap.Load().types[typeURL]; ts != nil && ts.full {
+		u.k.update(func(next *keySnap) {
+			c := next.typeOf(typeURL)
+			c.full = false
+			next.types[typeURL] = c
+		})
+	}
+}
+
 // dropUnwanted removes from a view the names nobody asks for any more.
 func (u *upstream) dropUnwanted(typeURL string, names nameSet) {
 	ts := u.k.snap.Load().types[typeURL]
@@ -371,7 +398,7 @@ func (u *upstream) dropUnwanted(typeURL string, names nameSet) {
 			drop = append(drop, e.Name)
 		}
 	}
-	if len(drop) > 0 || ts.full {
+	if len(drop) > 0 {
 		u.apply(typeURL, nil, drop, false, false)
 	}
 	// The upstream must not be told on a reconnect that the key still

@@ -67,7 +67,7 @@ func serve(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.ID, "id", cfg.ID, "relay name, sent as control_plane.identifier")
 	fs.IntVar(&cfg.MaxMsgSize, "max-msg-size", cfg.MaxMsgSize, "largest gRPC message sent or received, in bytes")
 	fs.DurationVar(&cfg.KeyIdleTimeout, "key-idle-timeout", cfg.KeyIdleTimeout, "how long a key without Envoys keeps its upstream stream and cache")
-	fs.DurationVar(&cfg.ResourceWaitTimeout, "resource-wait-timeout", cfg.ResourceWaitTimeout, "how long a requested resource may be missing before Delta clients are told it does not exist")
+	fs.DurationVar(&cfg.ResourceWaitTimeout, "resource-wait-timeout", cfg.ResourceWaitTimeout, "how long a requested resource may stay missing before Delta clients holding it are told it was removed")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	if err := fs.Parse(args); err != nil {
 		return err
