@@ -109,7 +109,7 @@ func (c *bodyCache) get(k bodyKey, encode func() []byte) []byte {
 
 // encodeSotW encodes a DiscoveryResponse without its nonce.
 func encodeSotW(o *outgoing, controlPlane []byte) []byte {
-	res := o.fullSotW
+	res := o.fullSotW()
 	if res == nil {
 		res = o.upd
 	}

@@ -9,28 +9,38 @@ import "sync"
 // blocking hand-offs a relay and a peer that each wait for the other to read
 // deadlock (each side's flow-control window full, neither reading).
 //
-// It is bounded: put reports false once limit items wait, and the caller
-// ends the stream, since a peer that sends that much without reading is
-// broken or hostile.
+// It is bounded: put reports false once limit items, or more than
+// limitBytes (as sizeOf counts them), wait, and the caller ends the stream,
+// since a peer that sends that much without reading is broken or hostile.
+// One item is always accepted into an empty mailbox (gRPC's message size
+// limit bounds it).
 type mailbox[T any] struct {
-	mu    sync.Mutex
-	items []T
-	limit int
-	ready chan struct{} // has a value while items is not empty
+	mu         sync.Mutex
+	items      []T
+	bytes      int
+	limit      int
+	limitBytes int
+	sizeOf     func(T) int   // nil: items are not counted in bytes
+	ready      chan struct{} // has a value while items is not empty
 }
 
-func newMailbox[T any](limit int) *mailbox[T] {
-	return &mailbox[T]{limit: limit, ready: make(chan struct{}, 1)}
+func newMailbox[T any](limit, limitBytes int, sizeOf func(T) int) *mailbox[T] {
+	return &mailbox[T]{limit: limit, limitBytes: limitBytes, sizeOf: sizeOf, ready: make(chan struct{}, 1)}
 }
 
 // put queues v; it reports false, queueing nothing, when the mailbox is full.
 func (m *mailbox[T]) put(v T) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if len(m.items) >= m.limit {
+	size := 0
+	if m.sizeOf != nil {
+		size = m.sizeOf(v)
+	}
+	if len(m.items) > 0 && (len(m.items) >= m.limit || m.bytes+size > m.limitBytes) {
 		return false
 	}
 	m.items = append(m.items, v)
+	m.bytes += size
 	wake(m.ready)
 	return true
 }
@@ -40,6 +50,6 @@ func (m *mailbox[T]) take() []T {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	items := m.items
-	m.items = nil
+	m.items, m.bytes = nil, 0
 	return items
 }

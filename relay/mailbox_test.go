@@ -40,7 +40,7 @@ func TestServeKeepsReading(t *testing.T) {
 		return 0, io.EOF
 	}
 	done := make(chan error, 1)
-	go func() { done <- serve(s, recv, func(int) error { <-stuck; return nil }) }()
+	go func() { done <- serve(s, recv, nil, func(int) error { <-stuck; return nil }) }()
 	waitFor(t, "100 requests read while the handler is stuck", func() bool { return read.Load() > 100 })
 	close(stuck)
 	cancel()
@@ -58,7 +58,7 @@ func TestServeFloodEndsStream(t *testing.T) {
 	var read atomic.Int32
 	recv := func() (int, error) { read.Add(1); return 1, nil } // an endless flood
 	done := make(chan error, 1)
-	go func() { done <- serve(s, recv, func(int) error { <-stuck; return nil }) }()
+	go func() { done <- serve(s, recv, nil, func(int) error { <-stuck; return nil }) }()
 	// A full mailbox (whatever the stuck handler took before), and the
 	// request that did not fit ended the reading.
 	waitFor(t, "the mailbox to overflow", func() bool { return read.Load() >= maxQueuedRequests+1 })
@@ -66,5 +66,26 @@ func TestServeFloodEndsStream(t *testing.T) {
 	err := <-done
 	if status.Code(err) != codes.ResourceExhausted {
 		t.Fatalf("serve = %v, want ResourceExhausted", err)
+	}
+}
+
+// TestServeByteBudget: large requests queued without the relay getting to
+// them end the stream long before the count limit.
+func TestServeByteBudget(t *testing.T) {
+	r := newTestRelay(t)
+	s := r.newStream(context.Background(), false)
+	stuck := make(chan struct{})
+	var read atomic.Int32
+	recv := func() (int, error) { read.Add(1); return 1, nil }
+	size := func(int) int { return 1 << 20 } // every request 1 MiB
+	done := make(chan error, 1)
+	go func() { done <- serve(s, recv, size, func(int) error { <-stuck; return nil }) }()
+	waitFor(t, "the byte budget to overflow", func() bool { return read.Load() > maxQueuedBytes>>20 })
+	close(stuck)
+	err := <-done
+	// The handler may have taken a batch before it got stuck; the queue
+	// behind it held at most the byte budget, far below the count limit.
+	if status.Code(err) != codes.ResourceExhausted || read.Load() >= maxQueuedRequests {
+		t.Fatalf("serve = %v after %d requests of 1 MiB, want ResourceExhausted from the %d MiB budget", err, read.Load(), maxQueuedBytes>>20)
 	}
 }

@@ -15,7 +15,11 @@ func (r *Relay) StreamAggregatedResources(ss discovery.AggregatedDiscoveryServic
 			return encodeSotW(o, r.controlPlaneWire)
 		})
 		w := &wireMessage{body: body, tail: nonceField(fSotWNonce, o.nonce)}
-		r.metrics.sent(o.typeURL, len(o.upd)+len(o.fullSotW), 0, w.size())
+		n := len(o.upd)
+		if o.full {
+			n = o.held.Len()
+		}
+		r.metrics.sent(o.typeURL, n, 0, w.size())
 		return ss.SendMsg(w)
 	}
 	s.sendRaw = func(m proto.Message) error { return ss.Send(m.(*discovery.DiscoveryResponse)) }
@@ -23,7 +27,8 @@ func (r *Relay) StreamAggregatedResources(ss discovery.AggregatedDiscoveryServic
 		r := new(sotwRequest)
 		return r, ss.RecvMsg(r)
 	}
-	return serve(s, recv, func(r *sotwRequest) error { return s.handleSotW(r.req, &r.names) })
+	size := func(r *sotwRequest) int { return len(r.names.raw) }
+	return serve(s, recv, size, func(r *sotwRequest) error { return s.handleSotW(r.req, &r.names) })
 }
 
 // onSotW handles one SotW request.
@@ -103,12 +108,16 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 // it reads, so this is far more than flow control lets an honest client have.
 const maxQueuedRequests = 4096
 
+// maxQueuedBytes bounds the same in bytes: a few thousand large requests
+// would otherwise hold gigabytes for one client.
+const maxQueuedBytes = 64 << 20
+
 // serve runs a stream's handler loop: requests, wake-ups from the key, and
 // passthrough responses, then a sync. It returns when the client goes away
 // or a request is refused. Requests are read on a goroutine of their own
 // into a mailbox, so that the relay keeps reading a client while it is
 // blocked writing to it.
-func serve[Req any](s *stream, recv func() (Req, error), handle func(Req) error) (err error) {
+func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, handle func(Req) error) (err error) {
 	defer s.close()
 	defer func() {
 		if err != nil {
@@ -117,7 +126,7 @@ func serve[Req any](s *stream, recv func() (Req, error), handle func(Req) error)
 			s.log.Debug("stream ended", "code", code, "err", err)
 		}
 	}()
-	reqs := newMailbox[Req](maxQueuedRequests)
+	reqs := newMailbox(maxQueuedRequests, maxQueuedBytes, sizeOf)
 	errc := make(chan error, 1)
 	go func() {
 		for {
@@ -127,7 +136,8 @@ func serve[Req any](s *stream, recv func() (Req, error), handle func(Req) error)
 				return
 			}
 			if !reqs.put(req) {
-				errc <- status.Errorf(codes.ResourceExhausted, "more than %d requests sent without reading the responses", maxQueuedRequests)
+				errc <- status.Errorf(codes.ResourceExhausted, "more than %d requests or %d MiB sent without reading the responses",
+					maxQueuedRequests, maxQueuedBytes>>20)
 				return
 			}
 		}

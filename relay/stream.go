@@ -108,17 +108,34 @@ type NACK struct {
 	At      time.Time
 }
 
+// fullSotW lists what a SotW full-state response carries (nil for other
+// responses). It is built only when the body is encoded, once per content,
+// not once per stream.
+func (o *outgoing) fullSotW() []*Resource {
+	if !o.full {
+		return nil
+	}
+	out := make([]*Resource, 0, o.held.Len())
+	for e := range o.held.All() {
+		out = append(out, e.Value)
+	}
+	return out
+}
+
 // outgoing is a response about to be sent, in protocol-neutral form.
 type outgoing struct {
 	typeURL string
 	// version is the Merkle root of what the client holds once it applies
 	// this response (SotW version_info), or of the key's view (Delta
 	// system_version_info).
-	version  string
-	upd      []*Resource
-	removed  []string
-	fullSotW []*Resource // SotW full-state types: everything the client holds
-	nonce    string
+	version string
+	upd     []*Resource
+	removed []string
+	// full is set for a SotW full-state type: the response carries
+	// everything the client holds (held), not just upd.
+	full  bool
+	held  ledger.Tree[*Resource]
+	nonce string
 	// The Merkle roots that determine the response's bytes: what the
 	// client held before (zero for a SotW full-state response, which does
 	// not depend on it) and after, and the key's view (Delta).
@@ -498,10 +515,7 @@ func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 	case fullStateSotW(sub.typeURL):
 		out.from = ledger.Hash{}
 		out.version = sub.known.Root().String()
-		out.fullSotW = make([]*Resource, 0, sub.known.Len())
-		for e := range sub.known.All() {
-			out.fullSotW = append(out.fullSotW, e.Value)
-		}
+		out.full, out.held = true, sub.known
 	default:
 		// SotW cannot say "removed" for these types: a removal only
 		// updates what the relay knows the client holds.
