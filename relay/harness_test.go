@@ -214,10 +214,17 @@ func (u *testUpstream) nacksSeen() int {
 // startRelay starts a relay in front of up on loopback.
 func startRelay(t *testing.T, up *testUpstream, mod func(*Config)) *Relay {
 	t.Helper()
+	return startRelayTo(t, up.addr, mod)
+}
+
+// startRelayTo starts a relay on loopback in front of the upstream at addr
+// and stops it when the test ends.
+func startRelayTo(t *testing.T, addr string, mod func(*Config)) *Relay {
+	t.Helper()
 	cfg := DefaultConfig()
 	cfg.ID = "relay-test"
 	cfg.XDSListen = "127.0.0.1:0"
-	cfg.Upstream = up.addr
+	cfg.Upstream = addr
 	cfg.BackoffInitial = 20 * time.Millisecond
 	cfg.BackoffMax = 200 * time.Millisecond
 	if mod != nil {

@@ -219,36 +219,6 @@ func startLoadtestUpstream(t *testing.T, sc synth.Scenario) *synth.Upstream {
 	return up
 }
 
-// startRelayTo starts a relay on loopback in front of the upstream at addr
-// and stops it when the test ends.
-func startRelayTo(t *testing.T, addr string, mod func(*Config)) *Relay {
-	t.Helper()
-	cfg := DefaultConfig()
-	cfg.ID = "relay-e2e"
-	cfg.XDSListen = "127.0.0.1:0"
-	cfg.Upstream = addr
-	cfg.BackoffInitial = 20 * time.Millisecond
-	cfg.BackoffMax = 200 * time.Millisecond
-	if mod != nil {
-		mod(&cfg)
-	}
-	r, err := New(cfg)
-	if err != nil {
-		t.Fatalf("New: %v", err)
-	}
-	if err := r.Start(context.Background()); err != nil {
-		t.Fatalf("Start: %v", err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), e2eTimeout)
-		defer cancel()
-		if err := r.Stop(ctx); err != nil {
-			t.Errorf("Stop: %v", err)
-		}
-	})
-	return r
-}
-
 // dialXDS opens an xds:///target channel whose xDS client is bootstrapped
 // to the relay at relayAddr with an Istio-shaped node. The bootstrap goes
 // to the resolver directly, not through GRPC_XDS_BOOTSTRAP*, so no process
