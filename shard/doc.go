@@ -1,7 +1,14 @@
-// Package shard will own membership (hashicorp/memberlist gossip), the
-// consistent-hash ring (buraksezer/consistent) that says which relay owns
-// which aggregation key, and connection balancing across relays.
+// Package shard owns the tier's membership and key ownership: gossip
+// (hashicorp/memberlist) that finds the other relays, and the
+// consistent-hash ring with bounded loads (buraksezer/consistent) that says
+// which relay owns which aggregation key — the one relay that holds the
+// key's upstream stream.
 //
-// It is empty until the sharded tier lands (issue 3): today a relay owns
-// every key it sees and holds its upstream stream itself.
+// A Ring joins the tier by addresses or by a DNS name (the headless
+// Service), rejoins periodically so that long partitions heal, encrypts
+// gossip with a shared key and labels it with the cluster's name so that two
+// tiers never merge, and gossips each relay's xDS address and Envoy
+// connection count. It answers Owner(key) for the relay's data path and
+// FairShare for connection balancing (both interfaces are declared in
+// package relay and wired in cmd).
 package shard
