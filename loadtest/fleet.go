@@ -44,6 +44,9 @@ type FleetConfig struct {
 	StartRate float64
 	// Tracker, if set, sees every Envoy's ACKs.
 	Tracker *Tracker
+	// OnEvent, if set, sees every event of Envoy i (see envoy.Event). It
+	// is called on the Envoy's stream goroutine: keep it quick.
+	OnEvent func(i int, ev envoy.Event)
 	// MaxMsgSize bounds a received message. Default 256 MiB.
 	MaxMsgSize int
 }
@@ -118,6 +121,9 @@ func StartFleet(ctx context.Context, cfg FleetConfig) (*Fleet, error) {
 			}
 			if cfg.Tracker != nil {
 				cfg.Tracker.observe(idx, ev)
+			}
+			if cfg.OnEvent != nil {
+				cfg.OnEvent(idx, ev)
 			}
 		}
 		e, err := envoy.New(ec)

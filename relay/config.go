@@ -99,6 +99,40 @@ type Config struct {
 	BackoffInitial time.Duration
 	BackoffMax     time.Duration
 
+	// Owners, if set, makes the relay one of a sharded tier: a key's
+	// upstream stream is held by its owner, and the other relays subscribe
+	// to the owner (see Owners). Default nil: this relay owns every key.
+	Owners Owners
+	// Tier, if set, balances Envoy streams across the tier: above its fair
+	// share, the relay moves streams away (see BalanceInterval). Default
+	// nil: no balancing.
+	Tier Tier
+	// PeerSecret authenticates relay-to-relay streams (an HMAC of the
+	// calling relay's ID). Every relay of a tier needs the same one. Empty:
+	// a stream that names itself a peer is believed (a trusted network).
+	// Never logged.
+	PeerSecret []byte
+	// PeerDialOptions are added to relay-to-relay connections' options
+	// (credentials, a test dialer). Default: plaintext.
+	PeerDialOptions []grpc.DialOption
+
+	// AdmitRate bounds new Envoy streams per second (a token bucket of
+	// AdmitBurst); past it a stream is refused with ResourceExhausted and
+	// the client retries (istiod admits min(15+5×cores, 100) a second).
+	// Relay-to-relay streams are not counted. Default 100; 0: no limit.
+	AdmitRate  float64
+	AdmitBurst int
+	// WarmWait is how long a new stream waits for a relay that has not yet
+	// reached its upstream before it is refused with Unavailable (istiod
+	// refuses streams until its caches are synced). Default 2s.
+	WarmWait time.Duration
+	// BalanceInterval is the mean time between two balancing rounds
+	// (jittered ±50 %). Default 5s. Only with Tier.
+	BalanceInterval time.Duration
+	// ShedRate bounds the Envoy streams moved away per second when
+	// balancing. Default 20.
+	ShedRate float64
+
 	// AdminListen is the address of the admin HTTP server (health, readiness,
 	// /metrics, /debug/pprof). Empty: none. Default "" (the serve command
 	// sets ":15014").
@@ -131,6 +165,11 @@ func DefaultConfig() Config {
 		KeyIdleTimeout:      2 * time.Minute,
 		BackoffInitial:      250 * time.Millisecond,
 		BackoffMax:          30 * time.Second,
+		AdmitRate:           100,
+		AdmitBurst:          200,
+		WarmWait:            2 * time.Second,
+		BalanceInterval:     5 * time.Second,
+		ShedRate:            20,
 		Logger:              slog.New(slog.NewTextHandler(io.Discard, nil)),
 	}
 }
@@ -170,6 +209,15 @@ func (cfg *Config) validate() error {
 		if d <= 0 {
 			bad(name, "must be positive")
 		}
+	}
+	if cfg.AdmitRate < 0 || cfg.AdmitRate > 0 && cfg.AdmitBurst < 1 {
+		bad("AdmitRate", "must be 0 (no limit), or positive with AdmitBurst at least 1")
+	}
+	if cfg.WarmWait < 0 {
+		bad("WarmWait", "must not be negative")
+	}
+	if cfg.Tier != nil && (cfg.BalanceInterval <= 0 || cfg.ShedRate <= 0) {
+		bad("BalanceInterval", "and ShedRate must be positive with a Tier")
 	}
 	if cfg.BackoffMax < cfg.BackoffInitial {
 		bad("BackoffMax", "is below BackoffInitial")

@@ -28,8 +28,13 @@ type keyState struct {
 	// upWake wakes the upstream goroutine: subscriptions or members changed.
 	upWake chan struct{}
 
+	// source is where the key's config comes from now (a sourceKind), for
+	// metrics and the admin surface; the upstream goroutine sets it.
+	source atomic.Int32
+
 	mu      sync.Mutex
 	members []*stream // in join order; the first one's node is presented upstream
+	peers   int       // members that are other relays subscribing to this key
 	want    map[string]*typeWant
 }
 
@@ -120,14 +125,31 @@ func wake(ch chan struct{}) {
 func (k *keyState) join(s *stream) {
 	k.mu.Lock()
 	k.members = append(k.members, s)
+	if s.peerRelay != nil {
+		k.peers++
+	}
 	k.mu.Unlock()
 	wake(k.upWake)
+}
+
+// servesPeers reports whether other relays subscribe to this key here: then
+// this relay holds the key's upstream stream itself, whoever the ring says
+// owns it, so that a relay-to-relay stream is never more than one hop and
+// two relays that disagree on the owner never subscribe to each other.
+func (k *keyState) servesPeers() bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.peers > 0
 }
 
 // leave removes s and its subscriptions.
 func (k *keyState) leave(s *stream) {
 	k.mu.Lock()
+	n := len(k.members)
 	k.members = slices.DeleteFunc(k.members, func(m *stream) bool { return m == s })
+	if s.peerRelay != nil && len(k.members) < n {
+		k.peers--
+	}
 	for typeURL, sub := range s.subs {
 		k.changeLocked(typeURL, sub.wildcard, false, nil, sub.names)
 	}

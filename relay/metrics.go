@@ -23,6 +23,11 @@ type metrics struct {
 	upstreamNACKs      *prometheus.CounterVec
 	passthrough        *prometheus.CounterVec
 	passthroughStreams prometheus.Gauge
+	refused            *prometheus.CounterVec
+	shed               *prometheus.CounterVec
+	peerFallbacks      prometheus.Counter
+	peerStreams        prometheus.Gauge
+	peerClients        prometheus.Gauge
 
 	byType map[string]*typeMetrics // by type URL; "" for the rest
 
@@ -30,6 +35,7 @@ type metrics struct {
 	pushCount    atomic.Uint64
 	bytesCount   atomic.Uint64
 	upstreamOpen atomic.Int64
+	peerOpen     atomic.Int64
 }
 
 // convergenceBuckets follow istiod's pilot_proxy_convergence_time, from 1 ms,
@@ -76,10 +82,29 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 		passthroughStreams: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "meshrelay_passthrough_streams", Help: "Open per-client upstream streams for uncached types.",
 		}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshrelay_xds_streams_refused_total", Help: "New downstream streams refused: rate (admission bucket empty) or cold (upstream never reached).",
+		}, []string{"reason"}),
+		shed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshrelay_xds_streams_moved_total", Help: "Downstream streams whose connection the relay closed to move the client: rebalance or drain.",
+		}, []string{"reason"}),
+		peerFallbacks: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "meshrelay_peer_fallbacks_total", Help: "Times a key's owner could not be reached and the relay subscribed to the upstream itself.",
+		}),
+		peerStreams: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "meshrelay_peer_streams", Help: "Open streams this relay holds to keys' owners (relay-to-relay, outgoing).",
+		}),
+		peerClients: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "meshrelay_peer_clients", Help: "Open streams of other relays subscribed to keys this relay owns (relay-to-relay, incoming).",
+		}),
 	}
+	sources := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "meshrelay_keys_by_source", Help: "Keys by where their config comes from: upstream (owned), peer (the owner), fallback (the upstream, the owner being unreachable).",
+	}, []string{"source"})
 	cs := []prometheus.Collector{
 		m.envoys, m.pushes, m.pushBytes, m.pushResources, m.pushACK, m.nacks, m.streamErrors,
 		m.upstreamStreams, m.upstreamReconnects, m.upstreamNACKs, m.passthrough, m.passthroughStreams,
+		m.refused, m.shed, m.peerFallbacks, m.peerStreams, m.peerClients, sourceCollector{sources, r},
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_cache_resources", Help: "Distinct resources held, shared by every key.",
 		}, func() float64 { return float64(r.store.len()) }),
@@ -172,4 +197,24 @@ func (l *latency) quantile(q float64) (time.Duration, uint64) {
 		}
 	}
 	return 0, total
+}
+
+// sourceCollector reports meshrelay_keys_by_source from the keys at scrape
+// time.
+type sourceCollector struct {
+	vec *prometheus.GaugeVec
+	r   *Relay
+}
+
+func (c sourceCollector) Describe(ch chan<- *prometheus.Desc) { c.vec.Describe(ch) }
+
+func (c sourceCollector) Collect(ch chan<- prometheus.Metric) {
+	counts := map[sourceKind]int{}
+	for _, k := range c.r.keysSnapshot() {
+		counts[sourceKind(k.source.Load())]++
+	}
+	for _, kind := range []sourceKind{sourceUpstream, sourcePeer, sourceFallback} {
+		c.vec.WithLabelValues(kind.String()).Set(float64(counts[kind]))
+	}
+	c.vec.Collect(ch)
 }

@@ -45,6 +45,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
+	"golang.org/x/time/rate"
 )
 
 // Relay is one meshrelay process's xDS relay. Create it with New, then Start;
@@ -66,6 +67,7 @@ type Relay struct {
 	upConn   *grpc.ClientConn
 	server   *grpc.Server
 	lis      net.Listener
+	tracker  *connTracker
 	admin    *http.Server
 	adminLis net.Listener
 
@@ -73,6 +75,13 @@ type Relay struct {
 	cancel   context.CancelFunc
 	stopping chan struct{} // closed by Stop: streams end
 	wg       sync.WaitGroup
+
+	warm      chan struct{} // closed once the upstream was first reached
+	draining  atomic.Bool   // set by MarkNotReady: new streams are refused
+	admission *rate.Limiter // nil: no limit
+
+	peersMu sync.Mutex
+	peers   map[string]*grpc.ClientConn // relay-to-relay connections by xDS address
 
 	mu      sync.Mutex
 	keys    map[Key]*keyState
@@ -92,6 +101,11 @@ func New(cfg Config) (*Relay, error) {
 		controlPlane: &core.ControlPlane{Identifier: cfg.ID},
 		stopping:     make(chan struct{}),
 		keys:         make(map[Key]*keyState),
+		warm:         make(chan struct{}),
+		peers:        make(map[string]*grpc.ClientConn),
+	}
+	if cfg.AdmitRate > 0 {
+		r.admission = rate.NewLimiter(rate.Limit(cfg.AdmitRate), cfg.AdmitBurst)
 	}
 	m, err := newMetrics(cfg.Registerer, r)
 	if err != nil {
@@ -136,8 +150,16 @@ func (r *Relay) Start(ctx context.Context) error {
 			return fmt.Errorf("relay: admin listen %s: %w", r.cfg.AdminListen, err)
 		}
 	}
+	r.tracker = newConnTracker(lis)
 	r.upConn, r.lis = conn, lis
 	r.ctx, r.cancel = context.WithCancel(context.WithoutCancel(ctx))
+	r.goRun(r.watchWarm)
+	if r.cfg.Owners != nil {
+		r.goRun(r.watchOwners)
+	}
+	if r.cfg.Tier != nil {
+		r.goRun(r.balance)
+	}
 	r.server = grpc.NewServer(
 		grpc.ForceServerCodecV2(newCodec()),
 		// Stop returns only once every handler has: no stream attaches a
@@ -157,7 +179,7 @@ func (r *Relay) Start(ctx context.Context) error {
 	r.serveWG.Add(1)
 	go func() {
 		defer r.serveWG.Done()
-		if err := r.server.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		if err := r.server.Serve(r.tracker); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 			r.log.Error("xDS server stopped", "err", err)
 		}
 	}()
@@ -230,7 +252,23 @@ func (r *Relay) Stop(ctx context.Context) error {
 		err = r.admin.Shutdown(ctx)
 	}
 	r.serveWG.Wait()
-	return errors.Join(err, r.upConn.Close())
+	errs := []error{err, r.upConn.Close()}
+	r.peersMu.Lock()
+	for _, c := range r.peers {
+		errs = append(errs, c.Close())
+	}
+	clear(r.peers)
+	r.peersMu.Unlock()
+	return errors.Join(errs...)
+}
+
+// goRun runs fn on a goroutine that Stop waits for.
+func (r *Relay) goRun(fn func(context.Context)) {
+	r.wg.Add(1)
+	go func() {
+		defer r.wg.Done()
+		fn(r.ctx)
+	}()
 }
 
 // acquireKey returns the key's state, creating it (and its upstream
@@ -278,10 +316,12 @@ func (r *Relay) dropIfIdle(k *keyState) bool {
 // Stats is a point-in-time summary of a relay, for the demo, the load tests
 // and the admin surface.
 type Stats struct {
-	Streams         int // downstream streams attached to a key
+	Streams         int // Envoy streams attached to a key
+	PeerClients     int // streams of other relays attached to a key this relay owns
 	Keys            int
 	StaleKeys       int
-	UpstreamStreams int
+	UpstreamStreams int // upstream streams held (owned keys and fallbacks)
+	PeerStreams     int // streams held to other relays, owners of keys
 	Resources       int    // distinct resources in the cache
 	Pushes          uint64 // responses sent downstream
 	BytesSent       uint64
@@ -296,7 +336,8 @@ func (r *Relay) Stats() Stats {
 	st := Stats{Keys: len(keys), Resources: r.store.len()}
 	for _, k := range keys {
 		k.mu.Lock()
-		st.Streams += len(k.members)
+		st.Streams += len(k.members) - k.peers
+		st.PeerClients += k.peers
 		k.mu.Unlock()
 		if k.snap.Load().stale {
 			st.StaleKeys++
@@ -307,6 +348,7 @@ func (r *Relay) Stats() Stats {
 	st.PushACKP50, st.ACKs = r.pushACK.quantile(0.50)
 	st.PushACKP99, _ = r.pushACK.quantile(0.99)
 	st.UpstreamStreams = int(r.metrics.upstreamOpen.Load())
+	st.PeerStreams = int(r.metrics.peerOpen.Load())
 	return st
 }
 
@@ -352,6 +394,14 @@ func (r *Relay) adminMux() *http.ServeMux {
 		select {
 		case <-r.stopping:
 			http.Error(w, "stopping", http.StatusServiceUnavailable)
+			return
+		default:
+		}
+		switch {
+		case r.draining.Load():
+			http.Error(w, "draining", http.StatusServiceUnavailable)
+		case !r.Ready():
+			http.Error(w, "not warm: upstream not reached yet", http.StatusServiceUnavailable)
 		default:
 			fmt.Fprintln(w, "ready")
 		}

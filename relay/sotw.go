@@ -9,7 +9,13 @@ import (
 
 // StreamAggregatedResources serves one SotW ADS stream.
 func (r *Relay) StreamAggregatedResources(ss discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
+	pi, err := r.admit(ss.Context())
+	if err != nil {
+		r.metrics.streamErrors.WithLabelValues(status.Code(err).String()).Inc()
+		return err
+	}
 	s := r.newStream(ss.Context(), false)
+	s.peerRelay = pi
 	s.send = func(o *outgoing) error {
 		body := r.bodies.get(bodyKey{typeURL: o.typeURL, from: o.from, to: o.to}, func() []byte {
 			return encodeSotW(o, r.controlPlaneWire)

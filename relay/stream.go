@@ -31,6 +31,9 @@ type stream struct {
 
 	node *core.Node // from the first request, kept for the stream
 	key  *keyState
+	// peerRelay is set on a stream from another relay of the tier, which
+	// subscribes to a key this relay owns.
+	peerRelay *peerIdentity
 	wake chan struct{}
 
 	nonce uint64
@@ -172,11 +175,21 @@ func (s *stream) attach(node *core.Node) error {
 	if node.GetId() == "" {
 		return status.Error(codes.InvalidArgument, "the first request of a stream must carry a node with an id")
 	}
+	s.node = node
+	if pi := s.peerRelay; pi != nil {
+		// Another relay, proven by its peer secret, subscribing for its
+		// Envoys of a key: it authorized them itself, and it names the key
+		// so that both relays agree on it whatever the profile.
+		s.log = s.log.With("node", node.GetId(), "key", pi.key, "peer_relay", pi.id)
+		s.key = s.r.acquireKey(pi.key, s)
+		s.r.metrics.peerClients.Inc()
+		s.log.Debug("peer stream attached", "peer", s.peer)
+		return nil
+	}
 	if err := s.r.cfg.Authorizer.Authorize(s.ctx, node); err != nil {
 		s.log.Warn("stream refused", "node", node.GetId(), "peer", s.peer, "err", err)
 		return status.Errorf(codes.PermissionDenied, "node %q: %v", node.GetId(), err)
 	}
-	s.node = node
 	key := s.r.cfg.KeyProfile.Key(node)
 	s.log = s.log.With("node", node.GetId(), "key", key)
 	s.key = s.r.acquireKey(key, s)
@@ -193,7 +206,11 @@ func (s *stream) close() {
 	}
 	if s.key != nil {
 		s.key.leave(s)
-		s.r.metrics.envoys.WithLabelValues(protocolName(s.delta)).Dec()
+		if s.peerRelay != nil {
+			s.r.metrics.peerClients.Dec()
+		} else {
+			s.r.metrics.envoys.WithLabelValues(protocolName(s.delta)).Dec()
+		}
 		s.log.Debug("stream closed")
 	}
 }

@@ -32,6 +32,10 @@ type upstream struct {
 	// They are fetched before any Envoy asks, as Envoy would ask next.
 	derived map[string]map[string]int
 
+	// fallbackFor is the owner's address while the owner cannot be reached
+	// and the key is fed by the upstream directly.
+	fallbackFor string
+
 	presented *stream                   // whose node the current stream presents
 	idle      *time.Timer               // running while the key has no members
 	expiry    *time.Timer               // next expiry of a pending name
@@ -58,10 +62,81 @@ type upType struct {
 }
 
 var (
-	errRehome      = errors.New("relay: presented member left")
-	errIdle        = errors.New("relay: key idle")
-	errResubscribe = errors.New("relay: a type became wildcard")
+	errRehome        = errors.New("relay: presented member left")
+	errIdle          = errors.New("relay: key idle")
+	errResubscribe   = errors.New("relay: a type became wildcard")
+	errSourceChanged = errors.New("relay: the key's source changed")
 )
+
+// sourceKind says where a key's config comes from.
+type sourceKind int32
+
+const (
+	// sourceUpstream: the relay owns the key (or serves it to peers) and
+	// holds its upstream stream.
+	sourceUpstream sourceKind = iota
+	// sourcePeer: another relay owns the key; this one subscribes to it.
+	sourcePeer
+	// sourceFallback: the owner cannot be reached; the relay holds an
+	// upstream stream itself until it can.
+	sourceFallback
+)
+
+func (k sourceKind) String() string {
+	switch k {
+	case sourcePeer:
+		return "peer"
+	case sourceFallback:
+		return "fallback"
+	}
+	return "upstream"
+}
+
+// source is a key's source: a kind, and the owner's address unless the
+// relay owns the key.
+type source struct {
+	kind sourceKind
+	addr string
+}
+
+// peerRetryInterval is how often a key in fallback checks whether its owner
+// is reachable again.
+const peerRetryInterval = 2 * time.Second
+
+// choose returns the key's source now: the upstream if the relay owns the
+// key or other relays subscribe to it here; else the owner, unless the owner
+// was unreachable and still is.
+func (u *upstream) choose() source {
+	owners := u.r.cfg.Owners
+	if owners == nil || u.k.servesPeers() {
+		return source{kind: sourceUpstream}
+	}
+	addr, self := owners.Owner(string(u.k.key))
+	if self {
+		u.fallbackFor = ""
+		return source{kind: sourceUpstream}
+	}
+	if addr == u.fallbackFor {
+		if !u.r.peerReady(addr) {
+			return source{kind: sourceFallback, addr: addr}
+		}
+		u.fallbackFor = ""
+		u.r.log.Info("owner reachable again: subscribing to it", "key", u.k.key, "owner", addr)
+	}
+	return source{kind: sourcePeer, addr: addr}
+}
+
+// fallBack notes that the owner at addr failed the key: until it can be
+// reached again, the key is fed by the upstream directly. If the ring moved
+// the key meanwhile, the next choice follows the ring instead.
+func (u *upstream) fallBack(addr string, err error) {
+	if now, self := u.r.cfg.Owners.Owner(string(u.k.key)); self || now != addr {
+		return
+	}
+	u.fallbackFor = addr
+	u.r.metrics.peerFallbacks.Inc()
+	u.r.log.Warn("owner unreachable: subscribing to the upstream directly", "key", u.k.key, "owner", addr, "err", err)
+}
 
 func newUpstream(k *keyState) *upstream {
 	return &upstream{
@@ -93,12 +168,17 @@ func (u *upstream) run(ctx context.Context) {
 			}
 			continue
 		}
-		got, err := u.session(ctx, node, presenter)
+		src := u.choose()
+		u.k.source.Store(int32(src.kind))
+		got, err := u.session(ctx, node, presenter, src)
 		switch {
 		case errors.Is(err, errIdle) || ctx.Err() != nil:
 			return
-		case errors.Is(err, errRehome) || errors.Is(err, errResubscribe):
+		case errors.Is(err, errRehome) || errors.Is(err, errResubscribe) || errors.Is(err, errSourceChanged):
 			continue // a new stream at once, no backoff
+		case src.kind == sourcePeer:
+			u.fallBack(src.addr, err)
+			continue // the upstream is another server: no backoff
 		}
 		u.setStale(true)
 		if got {
@@ -165,10 +245,23 @@ func (u *upstream) sleep(ctx context.Context, d time.Duration) bool {
 
 // session runs one upstream stream. got reports whether any response
 // arrived.
-func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stream) (got bool, err error) {
+func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stream, src source) (got bool, err error) {
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	client := discovery.NewAggregatedDiscoveryServiceClient(u.r.upConn)
+	conn := u.r.upConn
+	u.delta = u.r.cfg.UpstreamProtocol == ProtocolDelta
+	if src.kind == sourcePeer {
+		if conn, err = u.r.peerConn(src.addr); err != nil {
+			return false, fmt.Errorf("owner %s: %w", src.addr, err)
+		}
+		sctx = u.r.peerContext(sctx, u.k.key)
+		// Relays speak Delta to each other, and their versions are content
+		// hashes: declaring the views makes the owner send only what
+		// differs, so a switch of source re-sends nothing unchanged.
+		u.delta = true
+		u.declareViews()
+	}
+	client := discovery.NewAggregatedDiscoveryServiceClient(conn)
 	var (
 		send func(proto.Message) error
 		recv func() (proto.Message, error)
@@ -188,18 +281,33 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 		send = func(m proto.Message) error { return cs.Send(m.(*discovery.DiscoveryRequest)) }
 		recv = func() (proto.Message, error) { return cs.Recv() }
 	}
-	u.r.metrics.upstreamStreams.Inc()
-	u.r.metrics.upstreamOpen.Add(1)
-	defer func() {
-		u.r.metrics.upstreamStreams.Dec()
-		u.r.metrics.upstreamOpen.Add(-1)
-	}()
+	if src.kind == sourcePeer {
+		u.r.metrics.peerStreams.Inc()
+		u.r.metrics.peerOpen.Add(1)
+		defer func() {
+			u.r.metrics.peerStreams.Dec()
+			u.r.metrics.peerOpen.Add(-1)
+		}()
+	} else {
+		u.r.metrics.upstreamStreams.Inc()
+		u.r.metrics.upstreamOpen.Add(1)
+		defer func() {
+			u.r.metrics.upstreamStreams.Dec()
+			u.r.metrics.upstreamOpen.Add(-1)
+		}()
+	}
 	u.presented, u.node, u.first = presenter, node, true
 	presentedNode := node
 	for _, ut := range u.types {
 		ut.asked, ut.nonce, ut.named = false, "", false // what it was asked is asked again
 	}
-	u.log("upstream stream open", "node", node.GetId())
+	u.log("upstream stream open", "node", node.GetId(), "source", src.kind, "owner", src.addr)
+	var retry <-chan time.Time
+	if src.kind == sourceFallback {
+		t := time.NewTicker(peerRetryInterval)
+		defer t.Stop()
+		retry = t.C
+	}
 
 	// Requests go out on a goroutine of their own, from a mailbox: the
 	// session never blocks writing while responses wait to be read (with
@@ -261,7 +369,15 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 			}
 		case err := <-errc:
 			return got, err
+		case <-retry:
+			if u.choose() != src {
+				return got, errSourceChanged
+			}
 		case <-u.k.upWake:
+			if u.choose() != src {
+				u.log("switching source", "from", src.kind, "owner", src.addr)
+				return got, errSourceChanged
+			}
 			_, first, n := u.k.presenter()
 			if n > 0 && first != u.presented && !u.k.isMember(u.presented) {
 				u.log("re-homing upstream stream", "from", presentedNode.GetId(), "to", first.node.GetId())
@@ -281,6 +397,23 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 			u.expirePending()
 		case <-ctx.Done():
 			return got, ctx.Err()
+		}
+	}
+}
+
+// declareViews sets, for every type, the versions a new Delta stream
+// declares to what the key's views hold: the relay's content hashes, which
+// a peer relay recognises.
+func (u *upstream) declareViews() {
+	snap := u.k.snap.Load()
+	for typeURL, ut := range u.types {
+		ts := snap.types[typeURL]
+		ut.versions = make(map[string]string)
+		if ts == nil {
+			continue
+		}
+		for e := range ts.view.All() {
+			ut.versions[e.Name] = e.Hash.String()
 		}
 	}
 }

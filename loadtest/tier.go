@@ -1,0 +1,286 @@
+package loadtest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"slices"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+
+	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/shard"
+	"github.com/meshrelay/meshrelay/shard/shardtest"
+)
+
+// TierConfig describes an in-process sharded tier: relays gossiping over an
+// in-memory network, dialling each other over loopback, behind one
+// Service-like proxy that Envoys connect to.
+type TierConfig struct {
+	// Relays is the number of relays started. Default 3.
+	Relays int
+	// Upstream is the upstream's address. Required.
+	Upstream string
+	// UpstreamProtocol is spoken to the upstream. Default Delta.
+	UpstreamProtocol relay.Protocol
+	// DrainPeriod is each relay's drain on a graceful stop. Default 1s.
+	DrainPeriod time.Duration
+	// BalanceInterval is each relay's balancing interval. Default 1s.
+	BalanceInterval time.Duration
+	// ShedRate bounds the streams a relay moves a second. Default 50.
+	ShedRate float64
+	// AdmitRate bounds new streams per relay and second (0: no limit).
+	// Default 0.
+	AdmitRate float64
+	// Relay, if set, adjusts each relay's configuration last.
+	Relay func(*relay.Config)
+	// Logger receives every relay's logs. Default: discard.
+	Logger *slog.Logger
+}
+
+// Tier is a running in-process tier. Its methods are safe for concurrent
+// use. Stop it when done.
+type Tier struct {
+	cfg TierConfig
+	nw  *shardtest.Network
+	svc *shardtest.Service
+
+	mu     sync.Mutex
+	slots  []*TierRelay // by index; a stopped relay's slot keeps its place
+	closed bool
+}
+
+// TierRelay is one relay of a Tier.
+type TierRelay struct {
+	Index int
+	ID    string
+	Node  *shard.Node
+	// Gossip is its address on the in-memory gossip network.
+	Gossip string
+	// Running is false once stopped or killed.
+	Running bool
+}
+
+// StartTier starts cfg.Relays relays and the Service in front of them.
+func StartTier(ctx context.Context, cfg TierConfig) (*Tier, error) {
+	if cfg.Relays == 0 {
+		cfg.Relays = 3
+	}
+	if cfg.UpstreamProtocol == "" {
+		cfg.UpstreamProtocol = relay.ProtocolDelta
+	}
+	if cfg.DrainPeriod == 0 {
+		cfg.DrainPeriod = time.Second
+	}
+	if cfg.BalanceInterval == 0 {
+		cfg.BalanceInterval = time.Second
+	}
+	if cfg.ShedRate == 0 {
+		cfg.ShedRate = 50
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.Relays < 1 || cfg.Upstream == "" {
+		return nil, errors.New("loadtest: a tier needs at least one relay and an upstream")
+	}
+	t := &Tier{cfg: cfg, nw: shardtest.NewNetwork()}
+	svc, err := shardtest.NewService(t.readyAddrs)
+	if err != nil {
+		return nil, err
+	}
+	t.svc = svc
+	for range cfg.Relays {
+		if _, err := t.Add(ctx); err != nil {
+			t.Stop(context.Background())
+			return nil, err
+		}
+	}
+	return t, nil
+}
+
+// Addr is the Service's address: what Envoys connect to.
+func (t *Tier) Addr() string { return t.svc.Addr() }
+
+// readyAddrs lists the xDS addresses of ready relays (the Service's
+// endpoints, as Kubernetes lists ready pods).
+func (t *Tier) readyAddrs() []string {
+	var out []string
+	for _, r := range t.Running() {
+		if r.Node.Relay().Ready() {
+			out = append(out, r.Node.Relay().Addr().String())
+		}
+	}
+	return out
+}
+
+// Running returns the relays running now.
+func (t *Tier) Running() []*TierRelay {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []*TierRelay
+	for _, r := range t.slots {
+		if r.Running {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// Relay returns slot i.
+func (t *Tier) Relay(i int) *TierRelay {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.slots[i]
+}
+
+// Add starts one more relay, joining the running ones, and returns its
+// index.
+func (t *Tier) Add(ctx context.Context) (int, error) {
+	t.mu.Lock()
+	i := len(t.slots)
+	t.slots = append(t.slots, &TierRelay{Index: i})
+	t.mu.Unlock()
+	return i, t.Start(ctx, i)
+}
+
+// Start starts slot i again (a new incarnation, as after a pod restart).
+func (t *Tier) Start(ctx context.Context, i int) error {
+	var join []string
+	for _, r := range t.Running() {
+		join = append(join, r.Gossip)
+	}
+	tr := t.nw.NewTransport()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	id := fmt.Sprintf("relay-%d", i)
+	t.nw.Register(tr.Addr(), lis.Addr().String())
+
+	rc := relay.DefaultConfig()
+	rc.ID = id
+	rc.Listener = lis
+	rc.Upstream = t.cfg.Upstream
+	rc.UpstreamProtocol = t.cfg.UpstreamProtocol
+	rc.BalanceInterval = t.cfg.BalanceInterval
+	rc.ShedRate = t.cfg.ShedRate
+	rc.AdmitRate = t.cfg.AdmitRate
+	rc.PeerDialOptions = []grpc.DialOption{grpc.WithContextDialer(t.nw.Dialer(tr.Addr()))}
+	rc.Logger = t.cfg.Logger
+	rc.PeerSecret = []byte("tier test peer secret")
+	if t.cfg.Relay != nil {
+		t.cfg.Relay(&rc)
+	}
+	sc := shard.DefaultConfig()
+	sc.Transport = tr
+	sc.Gossip = "local"
+	sc.Join = join
+	sc.RejoinInterval = time.Second
+	sc.MetaInterval = 200 * time.Millisecond
+	sc.Logger = t.cfg.Logger
+	node, err := shard.NewNode(shard.NodeConfig{Relay: rc, Ring: sc, DrainPeriod: t.cfg.DrainPeriod})
+	if err != nil {
+		lis.Close()
+		return err
+	}
+	if err := node.Start(ctx); err != nil {
+		return err
+	}
+	t.mu.Lock()
+	t.slots[i] = &TierRelay{Index: i, ID: id, Node: node, Gossip: tr.Addr(), Running: true}
+	t.mu.Unlock()
+	return nil
+}
+
+// StopRelay stops slot i: gracefully (leave, drain) or as a crash.
+func (t *Tier) StopRelay(ctx context.Context, i int, graceful bool) error {
+	t.mu.Lock()
+	r := t.slots[i]
+	running := r.Running
+	r.Running = false
+	t.mu.Unlock()
+	if !running {
+		return nil
+	}
+	if graceful {
+		return r.Node.Stop(ctx)
+	}
+	r.Node.Kill()
+	return nil
+}
+
+// Partition cuts slot i off from the other relays: gossip and
+// relay-to-relay streams. Envoys and the upstream still reach it.
+func (t *Tier) Partition(i int) { t.nw.Partition(t.Relay(i).Gossip) }
+
+// Heal ends every partition.
+func (t *Tier) Heal() { t.nw.Heal() }
+
+// Members returns, for each running relay, the relay IDs in its ring.
+func (t *Tier) Members() map[string][]string {
+	out := map[string][]string{}
+	for _, r := range t.Running() {
+		var ids []string
+		for _, m := range r.Node.Ring().Members() {
+			ids = append(ids, m.XDSAddr)
+		}
+		slices.Sort(ids)
+		out[r.ID] = ids
+	}
+	return out
+}
+
+// Converged reports whether every running relay sees exactly the running
+// relays in its ring.
+func (t *Tier) Converged() bool {
+	var want []string
+	running := t.Running()
+	for _, r := range running {
+		want = append(want, r.Node.Relay().Addr().String())
+	}
+	slices.Sort(want)
+	for _, got := range t.Members() {
+		if !slices.Equal(got, want) {
+			return false
+		}
+	}
+	return len(running) > 0
+}
+
+// WaitConverged waits until Converged or ctx ends.
+func (t *Tier) WaitConverged(ctx context.Context) error {
+	for !t.Converged() {
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("loadtest: ring did not converge: %v: %w", t.Members(), ctx.Err())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	return nil
+}
+
+// Stop stops every relay (without draining) and the Service.
+func (t *Tier) Stop(ctx context.Context) {
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		return
+	}
+	t.closed = true
+	t.mu.Unlock()
+	t.svc.Close()
+	var wg sync.WaitGroup
+	for _, r := range t.Running() {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			t.StopRelay(ctx, r.Index, false)
+		}()
+	}
+	wg.Wait()
+}

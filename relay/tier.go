@@ -1,0 +1,400 @@
+package relay
+
+import (
+	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
+	"math/rand/v2"
+	"net"
+	"slices"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	grpcbackoff "google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/connectivity"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+)
+
+// Owners says which relay of the tier owns each aggregation key: the one
+// that holds the key's upstream stream. shard.Ring implements it.
+// Implementations must be safe for concurrent use.
+type Owners interface {
+	// Owner returns the xDS address of key's owner, and whether that is
+	// this relay.
+	Owner(key string) (addr string, self bool)
+	// Changed is signalled when owners may have moved. The relay is its
+	// only consumer.
+	Changed() <-chan struct{}
+}
+
+// Tier tells the relay its fair share of Envoy streams. shard.Ring
+// implements it. Implementations must be safe for concurrent use.
+type Tier interface {
+	// FairShare records this relay's Envoy stream count and returns the
+	// tier's streams per relay; ok is false while the relay knows of no
+	// other.
+	FairShare(conns int) (share int, ok bool)
+}
+
+// Relay-to-relay streams carry these gRPC metadata keys: the calling
+// relay's ID, the aggregation key it subscribes for (so both ends agree on
+// it whatever the profile), and a proof that it holds the tier's peer
+// secret.
+const (
+	mdPeer     = "x-meshrelay-peer"
+	mdPeerKey  = "x-meshrelay-key"
+	mdPeerAuth = "x-meshrelay-peer-auth"
+)
+
+// maxKeyLen bounds a key named by a peer.
+const maxKeyLen = 1024
+
+// peerToken proves a relay named id holds secret. Over plaintext it is
+// replayable by whoever can read the traffic, so it is as strong as the
+// transport (mTLS between relays makes it a second factor).
+func peerToken(secret []byte, id string) string {
+	m := hmac.New(sha256.New, secret)
+	m.Write([]byte("meshrelay-peer\x00" + id))
+	return hex.EncodeToString(m.Sum(nil))
+}
+
+// peerIdentity is what a stream's metadata proves about a calling relay.
+type peerIdentity struct {
+	id  string
+	key Key
+}
+
+// identifyPeer reads a relay-to-relay stream's metadata. It returns nil for
+// an ordinary client stream, and an error for a peer stream that does not
+// prove itself.
+func (r *Relay) identifyPeer(ctx context.Context) (*peerIdentity, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	ids := md.Get(mdPeer)
+	if len(ids) == 0 {
+		return nil, nil
+	}
+	keys, tokens := md.Get(mdPeerKey), md.Get(mdPeerAuth)
+	if len(ids) != 1 || len(keys) != 1 || ids[0] == "" || keys[0] == "" || len(keys[0]) > maxKeyLen {
+		return nil, status.Error(codes.InvalidArgument, "relay-to-relay stream: want exactly one peer id and one key")
+	}
+	if len(r.cfg.PeerSecret) > 0 {
+		want := peerToken(r.cfg.PeerSecret, ids[0])
+		if len(tokens) != 1 || !hmac.Equal([]byte(tokens[0]), []byte(want)) {
+			r.log.Warn("peer stream refused: bad proof", "peer_relay", ids[0])
+			return nil, status.Error(codes.Unauthenticated, "relay-to-relay stream: bad peer proof")
+		}
+	}
+	return &peerIdentity{id: ids[0], key: Key(keys[0])}, nil
+}
+
+// peerContext adds the metadata of a stream this relay opens to a peer.
+func (r *Relay) peerContext(ctx context.Context, key Key) context.Context {
+	kv := []string{mdPeer, r.cfg.ID, mdPeerKey, string(key)}
+	if len(r.cfg.PeerSecret) > 0 {
+		kv = append(kv, mdPeerAuth, peerToken(r.cfg.PeerSecret, r.cfg.ID))
+	}
+	return metadata.AppendToOutgoingContext(ctx, kv...)
+}
+
+// admit decides whether a new downstream stream may start: not while the
+// relay is draining or has never reached its upstream, and, for Envoys, at
+// most AdmitRate a second. It returns the stream's peer identity, if any.
+func (r *Relay) admit(ctx context.Context) (*peerIdentity, error) {
+	if r.draining.Load() {
+		return nil, status.Error(codes.Unavailable, "relay is draining: reconnect to another")
+	}
+	pi, err := r.identifyPeer(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if !r.waitWarm(ctx) {
+		return nil, status.Error(codes.Unavailable, "relay has no config to serve yet (upstream not reached)")
+	}
+	if pi == nil && r.admission != nil && !r.admission.Allow() {
+		r.metrics.refused.WithLabelValues("rate").Inc()
+		return nil, status.Errorf(codes.ResourceExhausted, "relay admits %v new streams a second: retry", r.cfg.AdmitRate)
+	}
+	return pi, nil
+}
+
+// waitWarm waits up to WarmWait for the relay to be warm.
+func (r *Relay) waitWarm(ctx context.Context) bool {
+	select {
+	case <-r.warm:
+		return true
+	default:
+	}
+	t := time.NewTimer(r.cfg.WarmWait)
+	defer t.Stop()
+	select {
+	case <-r.warm:
+		return true
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	r.metrics.refused.WithLabelValues("cold").Inc()
+	return false
+}
+
+// watchWarm closes r.warm once the upstream connection is first ready: from
+// then on the relay has a source of config (and its cache) to serve from.
+func (r *Relay) watchWarm(ctx context.Context) {
+	r.upConn.Connect()
+	for {
+		s := r.upConn.GetState()
+		if s == connectivity.Ready {
+			close(r.warm)
+			r.log.Info("relay warm: upstream reached")
+			return
+		}
+		if s == connectivity.Idle {
+			r.upConn.Connect()
+		}
+		if !r.upConn.WaitForStateChange(ctx, s) {
+			return
+		}
+	}
+}
+
+// Ready reports whether the relay takes new streams: warm and not draining.
+func (r *Relay) Ready() bool {
+	select {
+	case <-r.warm:
+		return !r.draining.Load()
+	default:
+		return false
+	}
+}
+
+// peerConn returns the connection to the relay at addr, dialling it on
+// first use. Connections live until Stop.
+func (r *Relay) peerConn(addr string) (*grpc.ClientConn, error) {
+	r.peersMu.Lock()
+	defer r.peersMu.Unlock()
+	if c := r.peers[addr]; c != nil {
+		return c, nil
+	}
+	opts := append([]grpc.DialOption{
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(r.cfg.MaxMsgSize), grpc.MaxCallSendMsgSize(r.cfg.MaxMsgSize)),
+		// A partitioned owner must be noticed in seconds, not minutes:
+		// its keys fall back to the upstream meanwhile. (The server side
+		// permits pings every 10 s.)
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
+		// And found again in seconds once reachable (gRPC's default
+		// reconnect backoff grows to two minutes).
+		grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff:           grpcbackoff.Config{BaseDelay: 250 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 3 * time.Second},
+			MinConnectTimeout: 5 * time.Second,
+		}),
+	}, r.cfg.PeerDialOptions...)
+	c, err := grpc.NewClient(addr, opts...)
+	if err != nil {
+		return nil, err
+	}
+	r.peers[addr] = c
+	return c, nil
+}
+
+// peerReady reports whether the connection to the relay at addr is up, and
+// nudges it to reconnect if it is not.
+func (r *Relay) peerReady(addr string) bool {
+	c, err := r.peerConn(addr)
+	if err != nil {
+		return false
+	}
+	if s := c.GetState(); s != connectivity.Ready {
+		c.Connect()
+		return false
+	}
+	return true
+}
+
+// watchOwners wakes every key's upstream goroutine when owners may have
+// moved, so that each checks its source.
+func (r *Relay) watchOwners(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-r.cfg.Owners.Changed():
+		}
+		for _, k := range r.keysSnapshot() {
+			wake(k.upWake)
+		}
+	}
+}
+
+// connTracker remembers the server's connections by remote address, so that
+// a stream's connection can be closed to move its client elsewhere.
+type connTracker struct {
+	net.Listener
+	mu    sync.Mutex
+	conns map[string]net.Conn
+}
+
+func newConnTracker(l net.Listener) *connTracker {
+	return &connTracker{Listener: l, conns: make(map[string]net.Conn)}
+}
+
+func (t *connTracker) Accept() (net.Conn, error) {
+	c, err := t.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	tc := &trackedConn{Conn: c, t: t, addr: c.RemoteAddr().String()}
+	t.mu.Lock()
+	t.conns[tc.addr] = tc
+	t.mu.Unlock()
+	return tc, nil
+}
+
+// close closes the connection from addr, if it is still open.
+func (t *connTracker) close(addr string) bool {
+	t.mu.Lock()
+	c := t.conns[addr]
+	t.mu.Unlock()
+	if c == nil {
+		return false
+	}
+	c.Close()
+	return true
+}
+
+type trackedConn struct {
+	net.Conn
+	t    *connTracker
+	addr string
+	once sync.Once
+}
+
+func (c *trackedConn) Close() error {
+	c.once.Do(func() {
+		c.t.mu.Lock()
+		delete(c.t.conns, c.addr)
+		c.t.mu.Unlock()
+	})
+	return c.Conn.Close()
+}
+
+// envoyStreams returns the attached streams of Envoys (not peers).
+func (r *Relay) envoyStreams() []*stream {
+	var out []*stream
+	for _, k := range r.keysSnapshot() {
+		k.mu.Lock()
+		for _, s := range k.members {
+			if s.peerRelay == nil {
+				out = append(out, s)
+			}
+		}
+		k.mu.Unlock()
+	}
+	return out
+}
+
+// moveAway ends s by closing its connection, so that its client reconnects
+// through the Service, most likely to another relay. grpc-go can send GOAWAY
+// only to every connection at once (GracefulStop) or by age
+// (MaxConnectionAge), so the relay closes the one connection; an xDS client
+// treats both alike: the stream fails with UNAVAILABLE, it reconnects with
+// backoff, and keeps its config meanwhile.
+func (r *Relay) moveAway(s *stream, why string) bool {
+	if s.peer == "" || !r.tracker.close(s.peer) {
+		return false
+	}
+	r.metrics.shed.WithLabelValues(why).Inc()
+	s.log.Debug("moved client away", "why", why)
+	return true
+}
+
+// balance sheds Envoy streams above the relay's fair share, at most
+// ShedRate a second, at jittered intervals, until Stop.
+//
+// A moved client lands on a random relay (the Service picks), old or new,
+// so relays must shed down to close to the share: once every relay is at
+// most share+m, the least loaded holds at least share-(n-1)·m. The margin m
+// is a fiftieth of the share (at least one stream): enough to keep relays
+// from trading streams over rounding and gossip delay, small enough that a
+// new relay of a tier of 10 ends within a fifth of its share.
+func (r *Relay) balance(ctx context.Context) {
+	for {
+		// Jittered: relays that learn of a new member together do not shed
+		// in lockstep.
+		d := r.cfg.BalanceInterval/2 + rand.N(r.cfg.BalanceInterval/2+1)
+		if !sleepCtx(ctx, d) {
+			return
+		}
+		streams := r.envoyStreams()
+		share, ok := r.cfg.Tier.FairShare(len(streams))
+		if !ok || r.draining.Load() {
+			continue
+		}
+		limit := share + max(share/50, 1)
+		excess := len(streams) - limit
+		if excess <= 0 {
+			continue
+		}
+		n := min(excess, max(1, int(r.cfg.ShedRate*d.Seconds())))
+		// Newest first: they have the least settled state to lose, and it
+		// spreads the moves across keys.
+		slices.SortFunc(streams, func(a, b *stream) int { return int(b.id - a.id) })
+		moved := 0
+		for _, s := range streams {
+			if moved == n {
+				break
+			}
+			if r.moveAway(s, "rebalance") {
+				moved++
+			}
+		}
+		r.log.Info("rebalancing Envoy streams", "streams", len(streams), "fair_share", share, "moved", moved)
+	}
+}
+
+// MarkNotReady makes the relay refuse new streams (Unavailable) and fail
+// /readyz, the first step of a graceful shutdown; streams already open go
+// on until DrainStreams or Stop.
+func (r *Relay) MarkNotReady() {
+	if !r.draining.Swap(true) {
+		r.log.Info("relay not ready: draining")
+	}
+}
+
+// DrainStreams moves every stream's client away, spread evenly over period
+// so that they do not all reconnect at once: Envoys first, relays that
+// subscribe to this one last (by then the ring has told them of their new
+// owners). It marks the relay not ready first, and returns when every
+// stream was moved or ctx ended.
+func (r *Relay) DrainStreams(ctx context.Context, period time.Duration) {
+	r.MarkNotReady()
+	var envoys, peers []*stream
+	for _, k := range r.keysSnapshot() {
+		k.mu.Lock()
+		for _, s := range k.members {
+			if s.peerRelay == nil {
+				envoys = append(envoys, s)
+			} else {
+				peers = append(peers, s)
+			}
+		}
+		k.mu.Unlock()
+	}
+	all := append(envoys, peers...)
+	if len(all) == 0 {
+		return
+	}
+	r.log.Info("draining streams", "envoys", len(envoys), "peers", len(peers), "period", period)
+	step := period / time.Duration(len(all))
+	for i, s := range all {
+		if i > 0 && step > 0 && !sleepCtx(ctx, step) {
+			return
+		}
+		r.moveAway(s, "drain")
+	}
+}

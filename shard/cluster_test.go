@@ -1,0 +1,294 @@
+package shard_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/meshrelay/meshrelay/loadtest"
+	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/upstream"
+)
+
+// The cluster tests run in-process tiers of 3–5 relays: real memberlist on
+// an in-memory network, relays dialling each other over loopback, a real
+// go-control-plane upstream, and simulated Envoys that check the protocol
+// (nonces, generation regressions, ordering) as they go, connecting through
+// a Service-like proxy.
+
+const testKeys = 12
+
+type cluster struct {
+	t     *testing.T
+	up    *upstream.Upstream
+	tier  *loadtest.Tier
+	fleet *loadtest.Fleet
+	// removed counts resources Envoys were told to drop: the scenario
+	// never removes any, so every one is unexpected.
+	removed atomic.Int64
+	// received counts bytes received per Envoy.
+	mu       sync.Mutex
+	received []int64
+}
+
+// testLogger logs the tier at debug level to stderr when MESHRELAY_TEST_LOG
+// is set.
+func testLogger() *slog.Logger {
+	if os.Getenv("MESHRELAY_TEST_LOG") == "" {
+		return nil
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+func startCluster(t *testing.T, relays, envoys int, proto envoy.Protocol) *cluster {
+	t.Helper()
+	// Everything started here lives until the test's cleanups: its
+	// context is never cancelled (only the waits below have deadlines).
+	ctx := context.Background()
+	c := &cluster{t: t, received: make([]int64, envoys)}
+	ucfg := upstream.DefaultConfig()
+	ucfg.Scenario = upstream.Scenario{Services: 30, Endpoints: 30, Namespaces: 4, LocalFraction: 0.25}
+	if l := testLogger(); l != nil {
+		ucfg.Logger = l.With("upstream", true)
+	}
+	up, err := upstream.New(ucfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := up.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	c.up = up
+	t.Cleanup(func() { up.Stop(context.Background()) })
+
+	tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: relays, Upstream: up.Addr(), Logger: testLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.tier = tier
+	t.Cleanup(func() { tier.Stop(context.Background()) })
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if err := tier.WaitConverged(wctx); err != nil {
+		t.Fatal(err)
+	}
+	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{
+		Scenario: ucfg.Scenario, Envoys: envoys, Keys: testKeys, Protocol: proto, Target: tier.Addr(),
+		OnEvent: func(i int, ev envoy.Event) {
+			switch ev.Kind {
+			case envoy.Removed:
+				c.removed.Add(int64(len(ev.Names)))
+			case envoy.Received:
+				c.mu.Lock()
+				c.received[i] += int64(ev.Bytes)
+				c.mu.Unlock()
+			}
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.fleet = fleet
+	t.Cleanup(func() { fleet.Stop(context.Background()) })
+	c.waitSynced("initial sync")
+	c.waitOneStreamPerKey("initial sync")
+	return c
+}
+
+// waitSynced waits until every Envoy holds exactly what the upstream serves
+// its group.
+func (c *cluster) waitSynced(when string) {
+	c.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
+	defer cancel()
+	if err := c.fleet.WaitSynced(ctx, c.up); err != nil {
+		c.t.Fatalf("%s: %v", when, err)
+	}
+}
+
+// waitOneStreamPerKey waits for the tier's invariant: the upstream sees
+// exactly one stream per key, and the relays agree (their upstream streams
+// add up to the same).
+func (c *cluster) waitOneStreamPerKey(when string) {
+	c.t.Helper()
+	c.waitFor(when+": one upstream stream per key", 30*time.Second, func() (bool, string) {
+		open := c.up.Stats().OpenStreams
+		held := 0
+		for _, r := range c.tier.Running() {
+			held += r.Node.Relay().Stats().UpstreamStreams
+		}
+		return open == testKeys && held == testKeys,
+			fmt.Sprintf("upstream has %d streams open, relays hold %d; want %d", open, held, testKeys)
+	})
+}
+
+func (c *cluster) waitFor(what string, d time.Duration, cond func() (bool, string)) {
+	c.t.Helper()
+	deadline := time.Now().Add(d)
+	for {
+		ok, state := cond()
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			c.t.Fatalf("%s: %s", what, state)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// change moves an endpoint every namespace sees and waits until every
+// Envoy holds it.
+func (c *cluster) change(when string) {
+	c.t.Helper()
+	if _, err := c.up.MoveEndpoint(0); err != nil {
+		c.t.Fatal(err)
+	}
+	c.waitSynced(when)
+}
+
+// checkHistories fails on any protocol violation an Envoy recorded in its
+// whole history, or any removal.
+func (c *cluster) checkHistories() {
+	c.t.Helper()
+	for _, v := range c.fleet.Violations() {
+		c.t.Errorf("protocol violation: %v", v)
+	}
+	if n := c.removed.Load(); n > 0 {
+		c.t.Errorf("Envoys were told to remove %d resources the upstream still serves", n)
+	}
+}
+
+func (c *cluster) receivedBytes() []int64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]int64(nil), c.received...)
+}
+
+func TestOneUpstreamStreamPerKey(t *testing.T) {
+	for _, proto := range []envoy.Protocol{envoy.Delta, envoy.SotW} {
+		t.Run(proto.String(), func(t *testing.T) {
+			c := startCluster(t, 3, 48, proto)
+			// Envoys of every key landed on every relay, yet the upstream
+			// sees one stream per key: the owners'.
+			peers := 0
+			for _, r := range c.tier.Running() {
+				peers += r.Node.Relay().Stats().PeerStreams
+			}
+			if peers == 0 {
+				t.Error("no relay subscribes to an owner: the Envoys did not spread, or keys were not sharded")
+			}
+			c.change("after a change")
+			c.waitOneStreamPerKey("after a change")
+			c.checkHistories()
+		})
+	}
+}
+
+// TestOwnerKilled: a relay dies without a word; its keys get new owners,
+// and no Envoy sees a regression or a removal.
+func TestOwnerKilled(t *testing.T) {
+	c := startCluster(t, 3, 48, envoy.Delta)
+	ctx := context.Background()
+	if err := c.tier.StopRelay(ctx, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if err := c.tier.WaitConverged(wctx); err != nil {
+		t.Fatal(err)
+	}
+	c.change("after the owner died")
+	c.waitOneStreamPerKey("after the owner died")
+	c.checkHistories()
+}
+
+// TestPartitionAndHeal: a relay cut off from the others keeps its Envoys
+// fed (it falls back to the upstream), and after the heal the tier returns
+// to one upstream stream per key.
+func TestPartitionAndHeal(t *testing.T) {
+	c := startCluster(t, 3, 48, envoy.Delta)
+	c.tier.Partition(1)
+	c.change("during the partition")
+	c.tier.Heal()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := c.tier.WaitConverged(ctx); err != nil {
+		t.Fatal(err)
+	}
+	c.waitOneStreamPerKey("after the heal")
+	c.change("after the heal")
+	c.checkHistories()
+}
+
+// TestRollingRestart restarts every relay within 10 seconds, each a new
+// incarnation (the mass restart memberlist is known to mishandle when names
+// are reused): the ring re-forms and every Envoy converges.
+func TestRollingRestart(t *testing.T) {
+	c := startCluster(t, 3, 48, envoy.Delta)
+	ctx := context.Background()
+	start := time.Now()
+	for i := range 3 {
+		if err := c.tier.StopRelay(ctx, i, false); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.tier.Start(ctx, i); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Second)
+	}
+	if d := time.Since(start); d > 10*time.Second {
+		t.Fatalf("restarting took %v, the scenario wants under 10 s", d)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if err := c.tier.WaitConverged(wctx); err != nil {
+		t.Fatal(err)
+	}
+	c.change("after the rolling restart")
+	c.waitOneStreamPerKey("after the rolling restart")
+	c.checkHistories()
+}
+
+// TestScaleOutRebalances adds a 4th relay to 3 with Envoys connected: the
+// streams spread to within 20 % of the fair share, no Envoy loses config,
+// and the moved Envoys are re-sent a small part of their config.
+func TestScaleOutRebalances(t *testing.T) {
+	const envoys = 120
+	c := startCluster(t, 3, envoys, envoy.Delta)
+	before := c.receivedBytes()
+	ctx := context.Background()
+	if _, err := c.tier.Add(ctx); err != nil {
+		t.Fatal(err)
+	}
+	fair := envoys / 4
+	c.waitFor("rebalance", 60*time.Second, func() (bool, string) {
+		var counts []int
+		ok := true
+		total := 0
+		for _, r := range c.tier.Running() {
+			n := r.Node.Relay().Stats().Streams
+			counts = append(counts, n)
+			total += n
+			if n < fair*8/10 || n > fair*12/10 {
+				ok = false
+			}
+		}
+		return ok && total == envoys, fmt.Sprintf("Envoy streams per relay %v, want each within 20%% of %d", counts, fair)
+	})
+	c.waitSynced("after the rebalance")
+	c.waitOneStreamPerKey("after the rebalance")
+	c.checkHistories()
+	after := c.receivedBytes()
+	var full, resent int64
+	for i := range after {
+		full += before[i]
+		resent += after[i] - before[i]
+	}
+	t.Logf("bytes re-sent to Envoys across the scale-out: %d of %d held (%.2f%%)", resent, full, 100*float64(resent)/float64(full))
+}

@@ -1,0 +1,139 @@
+package shard
+
+import (
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"net"
+	"time"
+
+	"github.com/meshrelay/meshrelay/relay"
+)
+
+// NodeConfig configures a Node: a relay and its membership of the tier.
+type NodeConfig struct {
+	// Relay configures the relay. Owners and Tier are set to the ring;
+	// PeerSecret, if empty, is derived from Ring.SecretKey.
+	Relay relay.Config
+	// Ring configures membership. XDSAddr, if empty, is the relay's
+	// listening address, which must then be dialable (not 0.0.0.0).
+	Ring Config
+	// DrainPeriod is how long Stop spreads the closing of streams over,
+	// after leaving the ring. Default 10s; it is cut short by Stop's
+	// context.
+	DrainPeriod time.Duration
+}
+
+// Node is one relay of a sharded tier: a relay.Relay whose key owners and
+// fair share come from a Ring. Create it with NewNode, Start it, and Stop it
+// when done. Safe for concurrent use.
+type Node struct {
+	cfg   NodeConfig
+	relay *relay.Relay
+	ring  *Ring
+}
+
+// Compile-time checks of the interfaces package relay declares.
+var (
+	_ relay.Owners = (*Ring)(nil)
+	_ relay.Tier   = (*Ring)(nil)
+)
+
+// NewNode builds a Node. If the relay has no Listener it listens now, so
+// that its address can be gossiped.
+func NewNode(cfg NodeConfig) (*Node, error) {
+	if cfg.DrainPeriod == 0 {
+		cfg.DrainPeriod = 10 * time.Second
+	}
+	if cfg.DrainPeriod < 0 {
+		return nil, errors.New("shard: field DrainPeriod is negative")
+	}
+	if cfg.Relay.Listener == nil {
+		lis, err := net.Listen("tcp", cfg.Relay.XDSListen)
+		if err != nil {
+			return nil, fmt.Errorf("shard: listen %s: %w", cfg.Relay.XDSListen, err)
+		}
+		cfg.Relay.Listener = lis
+	}
+	if cfg.Ring.XDSAddr == "" {
+		addr := cfg.Relay.Listener.Addr().(*net.TCPAddr)
+		if addr.IP.IsUnspecified() {
+			cfg.Relay.Listener.Close()
+			return nil, fmt.Errorf("shard: the relay listens on %s: set the xDS address other relays dial (--advertise-xds)", addr)
+		}
+		cfg.Ring.XDSAddr = addr.String()
+	}
+	if cfg.Ring.Name == "" {
+		cfg.Ring.Name = cfg.Relay.ID
+	}
+	if len(cfg.Relay.PeerSecret) == 0 && len(cfg.Ring.SecretKey) > 0 {
+		// Not the gossip key itself: a key of its own, derived from it.
+		sum := sha256.Sum256(append([]byte("meshrelay peer secret\x00"), cfg.Ring.SecretKey...))
+		cfg.Relay.PeerSecret = sum[:]
+	}
+	ring, err := New(cfg.Ring)
+	if err != nil {
+		cfg.Relay.Listener.Close()
+		return nil, err
+	}
+	cfg.Relay.Owners, cfg.Relay.Tier = ring, ring
+	r, err := relay.New(cfg.Relay)
+	if err != nil {
+		cfg.Relay.Listener.Close()
+		return nil, err
+	}
+	return &Node{cfg: cfg, relay: r, ring: ring}, nil
+}
+
+// Relay returns the node's relay.
+func (n *Node) Relay() *relay.Relay { return n.relay }
+
+// Ring returns the node's ring.
+func (n *Node) Ring() *Ring { return n.ring }
+
+// Start starts the relay, then joins the tier: peers may dial the relay as
+// soon as they hear of it.
+func (n *Node) Start(ctx context.Context) error {
+	if err := n.relay.Start(ctx); err != nil {
+		return err
+	}
+	if err := n.ring.Start(ctx); err != nil {
+		n.relay.Stop(ctx)
+		return err
+	}
+	return nil
+}
+
+// Stop shuts the node down gracefully: not ready (new streams refused,
+// /readyz fails) → leave the ring (its keys get new owners, whose relays
+// switch their sources) → drain streams over DrainPeriod (Envoys first,
+// peer relays last) → stop the relay and its upstream streams → stop
+// gossip. ctx bounds the whole; when it ends, the rest is cut short.
+func (n *Node) Stop(ctx context.Context) error {
+	n.relay.MarkNotReady()
+	leaveErr := n.ring.Leave(ctx)
+	n.relay.DrainStreams(ctx, n.cfg.DrainPeriod)
+	return errors.Join(leaveErr, n.relay.Stop(ctx), n.ring.Stop(ctx))
+}
+
+// Kill stops the node at once, as a crash would look to the others: no
+// leave message, no drain. For tests and the demo.
+func (n *Node) Kill() {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	n.ring.kill()
+	n.relay.Stop(ctx)
+}
+
+// kill shuts gossip down without leaving.
+func (r *Ring) kill() {
+	r.mu.Lock()
+	r.left = true
+	r.mu.Unlock()
+	if r.state.CompareAndSwap(1, 2) {
+		r.cancel()
+		r.wg.Wait()
+		r.ml.Shutdown()
+	}
+}
