@@ -40,12 +40,12 @@ import (
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
-	"golang.org/x/time/rate"
 )
 
 // Relay is one meshrelay process's xDS relay. Create it with New, then Start;
@@ -320,8 +320,8 @@ type Stats struct {
 	PeerClients     int // streams of other relays attached to a key this relay owns
 	Keys            int
 	StaleKeys       int
-	UpstreamStreams int // upstream streams held (owned keys and fallbacks)
-	PeerStreams     int // streams held to other relays, owners of keys
+	UpstreamStreams int    // upstream streams held (owned keys and fallbacks)
+	PeerStreams     int    // streams held to other relays, owners of keys
 	Resources       int    // distinct resources in the cache
 	Pushes          uint64 // responses sent downstream
 	BytesSent       uint64

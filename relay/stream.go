@@ -34,7 +34,7 @@ type stream struct {
 	// peerRelay is set on a stream from another relay of the tier, which
 	// subscribes to a key this relay owns.
 	peerRelay *peerIdentity
-	wake chan struct{}
+	wake      chan struct{}
 
 	nonce uint64
 	subs  map[string]*typeSub
