@@ -124,7 +124,8 @@ type Config struct {
 	AdmitBurst int
 	// WarmWait is how long a new stream waits for a relay that has not yet
 	// reached its upstream before it is refused with Unavailable (istiod
-	// refuses streams until its caches are synced). Default 2s.
+	// refuses streams until its caches are synced). Default 2s. Negative:
+	// never refuse; streams wait for config however long it takes.
 	WarmWait time.Duration
 	// BalanceInterval is the mean time between two balancing rounds
 	// (jittered ±50 %). Default 5s. Only with Tier.
@@ -212,9 +213,6 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.AdmitRate < 0 || cfg.AdmitRate > 0 && cfg.AdmitBurst < 1 {
 		bad("AdmitRate", "must be 0 (no limit), or positive with AdmitBurst at least 1")
-	}
-	if cfg.WarmWait < 0 {
-		bad("WarmWait", "must not be negative")
 	}
 	if cfg.Tier != nil && (cfg.BalanceInterval <= 0 || cfg.ShedRate <= 0) {
 		bad("BalanceInterval", "and ShedRate must be positive with a Tier")

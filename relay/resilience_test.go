@@ -330,7 +330,10 @@ func TestUpstreamDownIsNotHammered(t *testing.T) {
 	}()
 	defer func() { lis.Close(); <-done }()
 	up := &testUpstream{addr: lis.Addr().String()}
-	r := startRelay(t, up, func(c *Config) { c.BackoffInitial, c.BackoffMax = 50*time.Millisecond, 400*time.Millisecond })
+	r := startRelay(t, up, func(c *Config) {
+		c.BackoffInitial, c.BackoffMax = 50*time.Millisecond, 400*time.Millisecond
+		c.WarmWait = -1 // serve the streams though the upstream was never reached
+	})
 	conn := dial(t, r.Addr().String())
 	for i := range 20 {
 		c := newRawClient(t, conn, true, node(fmt.Sprint("ns", i%4), "app", i))

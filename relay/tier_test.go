@@ -1,0 +1,271 @@
+package relay
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"sync"
+	"testing"
+	"time"
+
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+)
+
+// fakeOwners is an Owners whose answer the test sets.
+type fakeOwners struct {
+	mu      sync.Mutex
+	addr    string
+	self    bool
+	changed chan struct{}
+}
+
+func newFakeOwners(addr string, self bool) *fakeOwners {
+	return &fakeOwners{addr: addr, self: self, changed: make(chan struct{}, 1)}
+}
+
+func (o *fakeOwners) Owner(string) (string, bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.addr, o.self
+}
+
+func (o *fakeOwners) Changed() <-chan struct{} { return o.changed }
+
+func (o *fakeOwners) set(addr string, self bool) {
+	o.mu.Lock()
+	o.addr, o.self = addr, self
+	o.mu.Unlock()
+	o.changed <- struct{}{}
+}
+
+// denyAll refuses every Envoy.
+type denyAll struct{}
+
+func (denyAll) Authorize(context.Context, *core.Node) error { return errDenied }
+
+var errDenied = status.Error(codes.PermissionDenied, "denied")
+
+// mdConn adds outgoing metadata to every stream, as a peer relay does.
+type mdConn struct {
+	*grpc.ClientConn
+	kv []string
+}
+
+func (c mdConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+	return c.ClientConn.NewStream(metadata.AppendToOutgoingContext(ctx, c.kv...), desc, method, opts...)
+}
+
+// firstResponseErr opens a Delta stream, subscribes to CDS and returns the
+// error that ends it, or nil if a response arrives.
+func firstResponseErr(t *testing.T, conn grpc.ClientConnInterface, n *core.Node) error {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	s, err := discovery.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(ctx)
+	if err != nil {
+		return err
+	}
+	if err := s.Send(&discovery.DeltaDiscoveryRequest{Node: n, TypeUrl: typeCluster}); err != nil {
+		return err
+	}
+	_, err = s.Recv()
+	return err
+}
+
+func TestPeerStreams(t *testing.T) {
+	up := newTestUpstream(t, "ns0")
+	seed(up, "ns0", 3)
+	secret := []byte("peer secret")
+	r := startRelay(t, up, func(c *Config) {
+		c.PeerSecret = secret
+		c.Authorizer = denyAll{} // Envoys are refused; proven peers are not
+	})
+	conn := dial(t, r.Addr().String())
+	n := node("ns0", "app", 1)
+	const key = "peer-named-key"
+	for _, tc := range []struct {
+		name string
+		kv   []string
+		want codes.Code
+	}{
+		{"envoy", nil, codes.PermissionDenied},
+		{"peer with a bad proof", []string{mdPeer, "relay-b", mdPeerKey, key, mdPeerAuth, "00"}, codes.Unauthenticated},
+		{"peer proving another name", []string{mdPeer, "relay-b", mdPeerKey, key, mdPeerAuth, peerToken(secret, "relay-c")}, codes.Unauthenticated},
+		{"peer without a key", []string{mdPeer, "relay-b", mdPeerAuth, peerToken(secret, "relay-b")}, codes.InvalidArgument},
+		{"peer", []string{mdPeer, "relay-b", mdPeerKey, key, mdPeerAuth, peerToken(secret, "relay-b")}, codes.OK},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := firstResponseErr(t, mdConn{conn, tc.kv}, n)
+			if got := status.Code(err); got != tc.want {
+				t.Fatalf("stream ended with %v (%v), want %v", got, err, tc.want)
+			}
+		})
+	}
+	// A proven peer's stream is attached under the key it names.
+	pc := newRawClient(t, mdConn{conn, []string{mdPeer, "relay-b", mdPeerKey, key, mdPeerAuth, peerToken(secret, "relay-b")}}, true, n)
+	pc.subscribe(typeCluster)
+	pc.recvDelta(typeCluster)
+	if cs := r.Clients(); len(cs) != 1 || cs[0].Key != key {
+		t.Fatalf("Clients() = %+v, want one stream of key %q", cs, key)
+	}
+	if st := r.Stats(); st.PeerClients != 1 || st.Streams != 0 {
+		t.Errorf("Stats: %d peer clients and %d Envoy streams, want 1 and 0", st.PeerClients, st.Streams)
+	}
+}
+
+func TestAdmission(t *testing.T) {
+	up := newTestUpstream(t, "ns0")
+	seed(up, "ns0", 1)
+	r := startRelay(t, up, func(c *Config) { c.AdmitRate, c.AdmitBurst = 0.001, 1 })
+	conn := dial(t, r.Addr().String())
+	if err := firstResponseErr(t, conn, node("ns0", "app", 1)); err != nil {
+		t.Fatalf("first stream: %v", err)
+	}
+	if err := firstResponseErr(t, conn, node("ns0", "app", 2)); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("second stream past the bucket ended with %v, want ResourceExhausted", err)
+	}
+	// Peers are not counted against Envoys' admission.
+	peer := mdConn{conn, []string{mdPeer, "relay-b", mdPeerKey, "k"}}
+	if err := firstResponseErr(t, peer, node("ns0", "app", 3)); err != nil {
+		t.Fatalf("peer stream past the bucket: %v", err)
+	}
+	if got := testutil.ToFloat64(r.metrics.refused.WithLabelValues("rate")); got != 1 {
+		t.Errorf("refused{rate} = %v, want 1", got)
+	}
+}
+
+// TestColdRelayRefuses: a relay that never reached its upstream refuses
+// streams with Unavailable (after WarmWait) and is not ready.
+func TestColdRelayRefuses(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	nowhere := lis.Addr().String()
+	lis.Close()
+	r := startRelayTo(t, nowhere, func(c *Config) {
+		c.WarmWait = 50 * time.Millisecond
+		c.AdminListen = "127.0.0.1:0"
+	})
+	err = firstResponseErr(t, dial(t, r.Addr().String()), node("ns0", "app", 1))
+	if status.Code(err) != codes.Unavailable {
+		t.Fatalf("stream to a cold relay ended with %v, want Unavailable", err)
+	}
+	resp, err := http.Get("http://" + r.AdminAddr().String() + "/readyz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusServiceUnavailable {
+		t.Errorf("/readyz of a cold relay = %d, want 503", resp.StatusCode)
+	}
+}
+
+// TestDrain: a relay marked not ready refuses new streams; draining closes
+// the connections of the open ones.
+func TestDrain(t *testing.T) {
+	up := newTestUpstream(t, "ns0")
+	seed(up, "ns0", 1)
+	r := startRelay(t, up, nil)
+	c := newRawClient(t, dial(t, r.Addr().String()), true, node("ns0", "app", 1))
+	c.subscribe(typeCluster)
+	c.recvDelta(typeCluster)
+	r.MarkNotReady()
+	if r.Ready() {
+		t.Error("Ready after MarkNotReady")
+	}
+	if err := firstResponseErr(t, dial(t, r.Addr().String()), node("ns0", "app", 2)); status.Code(err) != codes.Unavailable {
+		t.Fatalf("new stream to a draining relay ended with %v, want Unavailable", err)
+	}
+	r.DrainStreams(context.Background(), 10*time.Millisecond)
+	select {
+	case err := <-c.errc:
+		if status.Code(err) != codes.Unavailable {
+			t.Errorf("drained stream ended with %v, want Unavailable", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("drained stream still open")
+	}
+	if got := testutil.ToFloat64(r.metrics.shed.WithLabelValues("drain")); got != 1 {
+		t.Errorf("moved{drain} = %v, want 1", got)
+	}
+}
+
+// TestSourceFollowsOwners: a relay whose key belongs to another relay
+// subscribes to it (one upstream stream in all), switches back when it owns
+// the key again without re-sending anything, and falls back to the upstream
+// while the owner cannot be reached.
+func TestSourceFollowsOwners(t *testing.T) {
+	up := newTestUpstream(t, "ns0")
+	seed(up, "ns0", 3)
+	owner := startRelay(t, up, func(c *Config) { c.ID = "owner" })
+	owners := newFakeOwners("", true)
+	r := startRelay(t, up, func(c *Config) { c.ID = "other"; c.Owners = owners })
+
+	c := newRawClient(t, dial(t, r.Addr().String()), true, node("ns0", "app", 1))
+	c.subscribe(typeCluster)
+	c.ack(c.recvDelta(typeCluster))
+	c.subscribe(typeEndpoint, "c0", "c1", "c2")
+	c.ack(c.recvDelta(typeEndpoint))
+	if got := r.Stats().UpstreamStreams; got != 1 {
+		t.Fatalf("owning the key, the relay holds %d upstream streams, want 1", got)
+	}
+
+	// The ring moves the key to the owner: this relay subscribes to it.
+	owners.set(owner.Addr().String(), false)
+	waitFor(t, "a peer stream to the owner", func() bool {
+		return r.Stats().PeerStreams == 1 && r.Stats().UpstreamStreams == 0 &&
+			owner.Stats().PeerClients == 1 && owner.Stats().UpstreamStreams == 1
+	})
+	c.quiet() // the switch re-sent nothing
+	up.set("ns0", typeEndpoint, mkCLA("c1", 9090))
+	if m := c.recvDelta(typeEndpoint); len(m.GetResources()) != 1 || m.GetResources()[0].GetName() != "c1" {
+		t.Fatalf("change through the owner: got %v, want c1", names(m))
+	}
+
+	// The owner becomes unreachable: the relay falls back to the upstream.
+	owners.set("127.0.0.1:1", false)
+	waitFor(t, "the fallback", func() bool {
+		return r.Stats().UpstreamStreams == 1 && testutil.ToFloat64(r.metrics.peerFallbacks) >= 1
+	})
+	c.quiet()
+	up.set("ns0", typeEndpoint, mkCLA("c2", 9090))
+	if m := c.recvDelta(typeEndpoint); len(m.GetResources()) != 1 || m.GetResources()[0].GetName() != "c2" {
+		t.Fatalf("change in fallback: got %v, want c2", names(m))
+	}
+	if got := sourceKind(r.keysSnapshot()[0].source.Load()); got != sourceFallback {
+		t.Errorf("key source = %v, want fallback", got)
+	}
+}
+
+// FuzzIdentifyPeer: a stream's metadata is untrusted. identifyPeer never
+// panics, and accepts a peer only with the proof of the name it claims.
+func FuzzIdentifyPeer(f *testing.F) {
+	secret := []byte("s")
+	f.Add("relay-a", "key", peerToken(secret, "relay-a"), true)
+	f.Add("relay-a", "", "", false)
+	f.Add("", "k", "x", true)
+	f.Fuzz(func(t *testing.T, id, key, token string, withToken bool) {
+		r := &Relay{cfg: Config{PeerSecret: secret}, log: DefaultConfig().Logger}
+		md := metadata.Pairs(mdPeer, id, mdPeerKey, key)
+		if withToken {
+			md.Append(mdPeerAuth, token)
+		}
+		pi, err := r.identifyPeer(metadata.NewIncomingContext(context.Background(), md))
+		if err != nil {
+			return
+		}
+		if pi == nil || pi.id != id || string(pi.key) != key || key == "" || len(key) > maxKeyLen {
+			t.Fatalf("identifyPeer(%q, %q) = %+v", id, key, pi)
+		}
+		if !withToken || token != peerToken(secret, id) {
+			t.Fatalf("identifyPeer accepted %q with proof %q", id, token)
+		}
+	})
+}
