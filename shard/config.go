@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/memberlist"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Config configures a Ring. Start from DefaultConfig.
@@ -82,6 +83,9 @@ type Config struct {
 	// (tests use an in-memory network, see shardtest).
 	Transport memberlist.Transport
 
+	// Registerer, if set, receives the ring's metrics
+	// (meshrelay_ring_members). Default: none.
+	Registerer prometheus.Registerer
 	// Logger receives structured logs, memberlist's included. Default:
 	// discard.
 	Logger *slog.Logger

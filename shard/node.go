@@ -6,7 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strconv"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/meshrelay/meshrelay/relay"
 )
@@ -58,11 +61,16 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 	}
 	if cfg.Ring.XDSAddr == "" {
 		addr := cfg.Relay.Listener.Addr().(*net.TCPAddr)
-		if addr.IP.IsUnspecified() {
-			cfg.Relay.Listener.Close()
-			return nil, fmt.Errorf("shard: the relay listens on %s: set the xDS address other relays dial (--advertise-xds)", addr)
+		ip := addr.IP
+		if ip.IsUnspecified() {
+			// Listening on every address: advertise the one other hosts
+			// most likely reach, as memberlist does for gossip.
+			if ip = interfaceIP(); ip == nil {
+				cfg.Relay.Listener.Close()
+				return nil, fmt.Errorf("shard: the relay listens on %s and this host has no address to advertise: set the xDS address other relays dial (--advertise-xds)", addr)
+			}
 		}
-		cfg.Ring.XDSAddr = addr.String()
+		cfg.Ring.XDSAddr = net.JoinHostPort(ip.String(), strconv.Itoa(addr.Port))
 	}
 	if cfg.Ring.Name == "" {
 		cfg.Ring.Name = cfg.Relay.ID
@@ -71,6 +79,13 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 		// Not the gossip key itself: a key of its own, derived from it.
 		sum := sha256.Sum256(append([]byte("meshrelay peer secret\x00"), cfg.Ring.SecretKey...))
 		cfg.Relay.PeerSecret = sum[:]
+	}
+	if cfg.Relay.Registerer == nil && cfg.Relay.Gatherer == nil {
+		reg := prometheus.NewRegistry()
+		cfg.Relay.Registerer, cfg.Relay.Gatherer = reg, reg
+	}
+	if cfg.Ring.Registerer == nil {
+		cfg.Ring.Registerer = cfg.Relay.Registerer
 	}
 	ring, err := New(cfg.Ring)
 	if err != nil {
@@ -84,6 +99,29 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 		return nil, err
 	}
 	return &Node{cfg: cfg, relay: r, ring: ring}, nil
+}
+
+// interfaceIP returns the first private (RFC 1918 or ULA) address of an up,
+// non-loopback interface, else its first global unicast address, else nil.
+func interfaceIP() net.IP {
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return nil
+	}
+	var global net.IP
+	for _, a := range addrs {
+		n, ok := a.(*net.IPNet)
+		if !ok || n.IP.IsLoopback() || !n.IP.IsGlobalUnicast() {
+			continue
+		}
+		if n.IP.IsPrivate() {
+			return n.IP
+		}
+		if global == nil {
+			global = n.IP
+		}
+	}
+	return global
 }
 
 // Relay returns the node's relay.
@@ -110,11 +148,16 @@ func (n *Node) Start(ctx context.Context) error {
 // switch their sources) → drain streams over DrainPeriod (Envoys first,
 // peer relays last) → stop the relay and its upstream streams → stop
 // gossip. ctx bounds the whole; when it ends, the rest is cut short.
+//
+// A leave that times out is logged, not returned: the others then notice
+// the relay is gone by probing, a few seconds later.
 func (n *Node) Stop(ctx context.Context) error {
 	n.relay.MarkNotReady()
-	leaveErr := n.ring.Leave(ctx)
+	if err := n.ring.Leave(ctx); err != nil {
+		n.ring.log.Warn("leaving the tier", "err", err)
+	}
 	n.relay.DrainStreams(ctx, n.cfg.DrainPeriod)
-	return errors.Join(leaveErr, n.relay.Stop(ctx), n.ring.Stop(ctx))
+	return errors.Join(n.relay.Stop(ctx), n.ring.Stop(ctx))
 }
 
 // Kill stops the node at once, as a crash would look to the others: no

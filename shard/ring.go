@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/memberlist"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Ring is one relay's membership in the tier and its view of who owns each
@@ -85,6 +86,14 @@ func New(cfg Config) (*Ring, error) {
 		return nil, err
 	}
 	r.metaWire = wire
+	if cfg.Registerer != nil {
+		err := cfg.Registerer.Register(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "meshrelay_ring_members", Help: "Relays in this relay's view of the tier, itself included.",
+		}, func() float64 { return float64(len(r.Members())) }))
+		if err != nil {
+			return nil, fmt.Errorf("shard: register metrics: %w", err)
+		}
+	}
 	return r, nil
 }
 

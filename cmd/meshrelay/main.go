@@ -9,8 +9,10 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -18,6 +20,7 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/shard"
 )
 
 const usage = `meshrelay: a sharded xDS relay tier between istiod and Envoys.
@@ -57,6 +60,7 @@ func main() {
 
 func serve(ctx context.Context, args []string) error {
 	cfg := relay.DefaultConfig()
+	ring := shard.DefaultConfig()
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	fs.StringVar(&cfg.XDSListen, "xds-listen", cfg.XDSListen, "address of the ADS server for Envoys")
 	fs.StringVar(&cfg.Upstream, "upstream", "", "gRPC target of the upstream control plane (istiod), e.g. istiod.istio-system.svc:15010 (required)")
@@ -68,7 +72,20 @@ func serve(ctx context.Context, args []string) error {
 	fs.IntVar(&cfg.MaxMsgSize, "max-msg-size", cfg.MaxMsgSize, "largest gRPC message sent or received, in bytes")
 	fs.DurationVar(&cfg.KeyIdleTimeout, "key-idle-timeout", cfg.KeyIdleTimeout, "how long a key without Envoys keeps its upstream stream and cache")
 	fs.DurationVar(&cfg.ResourceWaitTimeout, "resource-wait-timeout", cfg.ResourceWaitTimeout, "how long a requested resource may stay missing before Delta clients holding it are told it was removed")
+	fs.Float64Var(&cfg.AdmitRate, "admit-rate", cfg.AdmitRate, "new Envoy streams admitted per second (token bucket); past it: ResourceExhausted. 0: no limit")
+	fs.IntVar(&cfg.AdmitBurst, "admit-burst", cfg.AdmitBurst, "token bucket size for --admit-rate")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+
+	gossip := fs.String("gossip-listen", ":7946", "address of the gossip (memberlist) listener, TCP and UDP; empty: no tier, this relay owns every key")
+	gossipAdvertise := fs.String("gossip-advertise", "", "host:port other relays gossip to (default: from --gossip-listen; set the pod IP in Kubernetes)")
+	advertiseXDS := fs.String("advertise-xds", "", "host:port other relays dial for this relay's ADS (default: $POD_IP with the --xds-listen port)")
+	join := fs.String("join", "", "comma-separated relays to join: host[:port] or a DNS name with an address per relay (the headless Service)")
+	keyFile := fs.String("gossip-key-file", "", "file holding the tier's gossip key, base64 (openssl rand -base64 32); encrypts gossip and authenticates relay-to-relay streams")
+	fs.StringVar(&ring.Cluster, "cluster", ring.Cluster, "tier name: gossip of another name is dropped, so two tiers never merge")
+	fs.DurationVar(&ring.RejoinInterval, "rejoin-interval", ring.RejoinInterval, "how often --join is resolved again and absent relays joined (heals partitions)")
+	fs.IntVar(&ring.Partitions, "ring-partitions", ring.Partitions, "partitions of the consistent-hash ring")
+	fs.Float64Var(&ring.Load, "ring-load", ring.Load, "bounded-load factor of the ring (1 to 10)")
+	drain := fs.Duration("drain-period", 10*time.Second, "on SIGTERM, how long the closing of streams is spread over after leaving the ring")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -89,17 +106,75 @@ func serve(ctx context.Context, args []string) error {
 	}
 	cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 
-	r, err := relay.New(cfg)
+	if *gossip == "" {
+		r, err := relay.New(cfg)
+		if err != nil {
+			return err
+		}
+		if err := r.Start(ctx); err != nil {
+			return err
+		}
+		<-ctx.Done()
+		stopCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		return r.Stop(stopCtx)
+	}
+
+	ring.Logger = cfg.Logger
+	if ring.BindAddr, ring.BindPort, err = splitHostPort(*gossip); err != nil {
+		return fmt.Errorf("--gossip-listen: %w", err)
+	}
+	if *gossipAdvertise != "" {
+		if ring.AdvertiseAddr, ring.AdvertisePort, err = splitHostPort(*gossipAdvertise); err != nil {
+			return fmt.Errorf("--gossip-advertise: %w", err)
+		}
+	}
+	if *join != "" {
+		ring.Join = strings.Split(*join, ",")
+	}
+	if *keyFile != "" {
+		if ring.SecretKey, err = shard.LoadKeyFile(*keyFile); err != nil {
+			return err
+		}
+	}
+	ring.XDSAddr = *advertiseXDS
+	if ring.XDSAddr == "" {
+		if ip := os.Getenv("POD_IP"); ip != "" {
+			_, port, err := net.SplitHostPort(cfg.XDSListen)
+			if err != nil {
+				return fmt.Errorf("--xds-listen: %w", err)
+			}
+			ring.XDSAddr = net.JoinHostPort(ip, port)
+		}
+	}
+	node, err := shard.NewNode(shard.NodeConfig{Relay: cfg, Ring: ring, DrainPeriod: *drain})
 	if err != nil {
 		return err
 	}
-	if err := r.Start(ctx); err != nil {
+	if err := node.Start(ctx); err != nil {
 		return err
 	}
 	<-ctx.Done()
-	stopCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	// Kubernetes waits terminationGracePeriodSeconds (30 s by default)
+	// after SIGTERM: drain within it.
+	stopCtx, cancel := context.WithTimeout(context.Background(), *drain+15*time.Second)
 	defer cancel()
-	return r.Stop(stopCtx)
+	return node.Stop(stopCtx)
+}
+
+func splitHostPort(addr string) (string, int, error) {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return "", 0, err
+	}
+	p, err := strconv.Atoi(port)
+	if err != nil || p < 0 || p > 65535 {
+		return "", 0, fmt.Errorf("bad port in %q", addr)
+	}
+	if host == "" {
+		host = "0.0.0.0"
+	}
+	return host, p, nil
 }
 
 func demo(ctx context.Context, args []string) error {

@@ -2,11 +2,18 @@ package main
 
 import (
 	"context"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/meshrelay/meshrelay/loadtest/upstream"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -23,6 +30,9 @@ func TestServeFlags(t *testing.T) {
 		{"bad log level", []string{"--upstream", "x:1", "--log-level", "loud"}, "--log-level"},
 		{"extra metadata needs istio", []string{"--upstream", "x:1", "--key-profile", "per-node", "--key-metadata", "A"}, "needs the istio profile"},
 		{"unknown flag", []string{"--upstrem", "x:1"}, "flag provided but not defined"},
+		{"bad gossip listen", []string{"--upstream", "x:1", "--gossip-listen", "nowhere"}, "--gossip-listen"},
+		{"missing gossip key", []string{"--upstream", "x:1", "--gossip-key-file", "/nonexistent/key"}, "gossip key"},
+		{"bad ring load", []string{"--upstream", "x:1", "--xds-listen", "127.0.0.1:0", "--gossip-listen", "127.0.0.1:0", "--ring-load", "0.5"}, "field Load"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -39,7 +49,8 @@ func TestServeFlags(t *testing.T) {
 func TestServeStartsAndStops(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()
-	err := serve(ctx, []string{"--upstream", "127.0.0.1:1", "--xds-listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--log-level", "error"})
+	err := serve(ctx, []string{"--upstream", "127.0.0.1:1", "--xds-listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+		"--gossip-listen", "127.0.0.1:0", "--log-level", "error"})
 	if err != nil {
 		t.Fatalf("serve = %v, want nil after the context ended", err)
 	}
@@ -51,4 +62,81 @@ func TestDemoFlags(t *testing.T) {
 			t.Errorf("demo(%q) = nil, want an error", args)
 		}
 	}
+}
+
+// TestServeTier runs two relays as the serve command wires them, the second
+// joining the first, with an encrypted gossip key: both see a ring of two.
+func TestServeTier(t *testing.T) {
+	up, err := upstream.New(upstream.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := up.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	defer up.Stop(context.Background())
+	keyFile := filepath.Join(t.TempDir(), "gossip.key")
+	if err := os.WriteFile(keyFile, []byte("MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	gossipA := freeAddr(t)
+	adminA, adminB := freeAddr(t), freeAddr(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	errs := make(chan error, 2)
+	run := func(id, gossip, admin string, join ...string) {
+		args := []string{"--id", id, "--upstream", up.Addr(), "--xds-listen", "127.0.0.1:0", "--admin-listen", admin,
+			"--gossip-listen", gossip, "--gossip-key-file", keyFile, "--drain-period", "10ms", "--log-level", "error"}
+		if len(join) > 0 {
+			args = append(args, "--join", strings.Join(join, ","))
+		}
+		go func() { errs <- serve(ctx, args) }()
+	}
+	run("a", gossipA, adminA)
+	run("b", "127.0.0.1:0", adminB, gossipA)
+	defer func() {
+		cancel()
+		for range 2 {
+			if err := <-errs; err != nil {
+				t.Errorf("serve: %v", err)
+			}
+		}
+	}()
+	for _, admin := range []string{adminA, adminB} {
+		deadline := time.Now().Add(20 * time.Second)
+		for !strings.Contains(scrape(admin), "meshrelay_ring_members 2") {
+			if time.Now().After(deadline) {
+				t.Fatalf("relay at %s does not see a ring of 2", admin)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+}
+
+func scrape(admin string) string {
+	resp, err := http.Get("http://" + admin + "/metrics")
+	if err != nil {
+		return ""
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
+}
+
+// freeAddr returns a loopback address free for TCP and UDP.
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	for range 20 {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		addr := l.Addr().String()
+		l.Close()
+		if u, err := net.ListenPacket("udp", addr); err == nil {
+			u.Close()
+			return addr
+		}
+	}
+	t.Fatal("no free address")
+	return ""
 }
