@@ -1,11 +1,15 @@
 package loadtest
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
+	"slices"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
@@ -19,7 +23,14 @@ type DemoConfig struct {
 	Envoys           int
 	Keys             int
 	Protocol         envoy.Protocol // the Envoys'
-	UpstreamProtocol relay.Protocol // the relay's, to the upstream
+	UpstreamProtocol relay.Protocol // the relays', to the upstream
+	// Relays is the number of relays started. Default 3.
+	Relays int
+	// Schedule lists tier events to play (see ParseSchedule).
+	Schedule []DemoEvent
+	// Input, if set, is read for commands while the demo runs, one a line:
+	// "kill N", "stop N", "start N", "add" (see ParseDemoCommand).
+	Input io.Reader
 	// ChurnRate is upstream changes per second (endpoint moves, and now and
 	// then a service added or removed). 0: no churn.
 	ChurnRate float64
@@ -27,11 +38,27 @@ type DemoConfig struct {
 	Duration time.Duration
 	// Interval between table rows. Default 1s.
 	Interval time.Duration
-	// Logger for the relay. Default: discard.
+	// Logger for the relays. Default: discard.
 	Logger *slog.Logger
 }
 
-// DefaultDemoConfig is what `meshrelay demo` runs with no flags.
+// DemoEvent is one change to the tier: At after the start, Action (kill,
+// stop, start or add) on relay Relay.
+type DemoEvent struct {
+	At     time.Duration
+	Action string
+	Relay  int
+}
+
+func (e DemoEvent) String() string {
+	if e.Action == "add" {
+		return "add a relay"
+	}
+	return fmt.Sprintf("%s relay-%d", e.Action, e.Relay)
+}
+
+// DefaultDemoConfig is what `meshrelay demo` runs with no flags: three
+// relays, one of which crashes at 8 s and comes back at 13 s.
 func DefaultDemoConfig() DemoConfig {
 	sc := upstream.DefaultScenario()
 	sc.Services, sc.Endpoints, sc.Namespaces, sc.LocalFraction = 200, 400, 5, 0.2
@@ -41,18 +68,96 @@ func DefaultDemoConfig() DemoConfig {
 		Keys:             20,
 		Protocol:         envoy.Delta,
 		UpstreamProtocol: relay.ProtocolDelta,
+		Relays:           3,
+		Schedule:         []DemoEvent{{At: 8 * time.Second, Action: "kill", Relay: 1}, {At: 13 * time.Second, Action: "start", Relay: 1}},
 		ChurnRate:        5,
 		Duration:         20 * time.Second,
 		Interval:         time.Second,
 	}
 }
 
-// RunDemo starts a synthetic upstream, a relay in front of it and a fleet of
-// simulated Envoys, churns the upstream, and prints a live table of the
-// tier's convergence to out until Duration passes or ctx ends.
+// ParseSchedule parses a comma-separated list of AT:ACTION[:RELAY], e.g.
+// "8s:kill:1,13s:start:1,16s:add". Actions: kill (crash: no leave, no
+// drain), stop (graceful: leave the ring, drain), start (a new incarnation
+// of a stopped relay), add (one more relay). An empty string is no event.
+func ParseSchedule(s string) ([]DemoEvent, error) {
+	var out []DemoEvent
+	for _, item := range strings.Split(s, ",") {
+		item = strings.TrimSpace(item)
+		if item == "" {
+			continue
+		}
+		at, rest, ok := strings.Cut(item, ":")
+		d, err := time.ParseDuration(at)
+		if !ok || err != nil || d < 0 {
+			return nil, fmt.Errorf("loadtest: schedule %q: want AT:ACTION[:RELAY] with AT a duration like 8s", item)
+		}
+		e, err := ParseDemoCommand(strings.ReplaceAll(rest, ":", " "))
+		if err != nil {
+			return nil, fmt.Errorf("loadtest: schedule %q: %w", item, err)
+		}
+		e.At = d
+		out = append(out, e)
+	}
+	slices.SortStableFunc(out, func(a, b DemoEvent) int { return int(a.At - b.At) })
+	return out, nil
+}
+
+// ParseDemoCommand parses "kill N", "stop N", "start N" or "add".
+func ParseDemoCommand(s string) (DemoEvent, error) {
+	f := strings.Fields(s)
+	switch {
+	case len(f) == 1 && f[0] == "add":
+		return DemoEvent{Action: "add"}, nil
+	case len(f) == 2 && (f[0] == "kill" || f[0] == "stop" || f[0] == "start"):
+		n, err := strconv.Atoi(strings.TrimPrefix(f[1], "relay-"))
+		if err != nil || n < 0 || n > 1000 {
+			return DemoEvent{}, fmt.Errorf("relay %q: want a relay number", f[1])
+		}
+		return DemoEvent{Action: f[0], Relay: n}, nil
+	}
+	return DemoEvent{}, fmt.Errorf("command %q: want kill N, stop N, start N or add", s)
+}
+
+// apply carries out e on the tier.
+func (t *Tier) apply(ctx context.Context, e DemoEvent) error {
+	if e.Action == "add" {
+		_, err := t.Add(ctx)
+		return err
+	}
+	t.mu.Lock()
+	n := len(t.slots)
+	t.mu.Unlock()
+	if e.Relay >= n {
+		return fmt.Errorf("no relay-%d (the tier has relay-0 to relay-%d)", e.Relay, n-1)
+	}
+	running := t.Relay(e.Relay).Running
+	switch e.Action {
+	case "kill", "stop":
+		if !running {
+			return fmt.Errorf("relay-%d is not running", e.Relay)
+		}
+		return t.StopRelay(ctx, e.Relay, e.Action == "stop")
+	case "start":
+		if running {
+			return fmt.Errorf("relay-%d is running", e.Relay)
+		}
+		return t.Start(ctx, e.Relay)
+	}
+	return fmt.Errorf("unknown action %q", e.Action)
+}
+
+// RunDemo starts a synthetic upstream, a tier of relays in front of it
+// (behind a Service-like proxy) and a fleet of simulated Envoys, churns the
+// upstream, plays the schedule and the commands read from Input, and prints
+// a live table of the tier's convergence and ring to out until Duration
+// passes or ctx ends.
 func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 	if cfg.Interval <= 0 {
 		cfg.Interval = time.Second
+	}
+	if cfg.Relays <= 0 {
+		cfg.Relays = 3
 	}
 	if cfg.Duration > 0 {
 		var cancel context.CancelFunc
@@ -74,36 +179,45 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 	}
 	defer up.Stop(stopCtx)
 
-	rcfg := relay.DefaultConfig()
-	rcfg.ID = "relay-demo"
-	rcfg.XDSListen = "127.0.0.1:0"
-	rcfg.Upstream = up.Addr()
-	rcfg.UpstreamProtocol = cfg.UpstreamProtocol
-	if cfg.Logger != nil {
-		rcfg.Logger = cfg.Logger
-	}
-	r, err := relay.New(rcfg)
+	tier, err := StartTier(stopCtx, TierConfig{
+		Relays: cfg.Relays, Upstream: up.Addr(), UpstreamProtocol: cfg.UpstreamProtocol, Logger: cfg.Logger,
+	})
 	if err != nil {
 		return err
 	}
-	if err := r.Start(ctx); err != nil {
+	defer tier.Stop(stopCtx)
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	err = tier.WaitConverged(wctx)
+	cancel()
+	if err != nil {
 		return err
 	}
-	defer r.Stop(stopCtx)
 
 	sc := cfg.Scenario
 	fmt.Fprintf(out, "meshrelay demo\n")
 	fmt.Fprintf(out, "  upstream  %s: synthetic istiod, %d ServiceEntries, %d WorkloadEntries, %d namespaces\n",
 		up.Addr(), sc.Services, sc.Endpoints, sc.Namespaces)
-	fmt.Fprintf(out, "  relay     %s: upstream protocol %s, key profile istio\n", r.Addr(), cfg.UpstreamProtocol)
-	fmt.Fprintf(out, "  envoys    %d simulated (%s) over %d keys; churn %.1f changes/s\n\n", cfg.Envoys, cfg.Protocol, cfg.Keys, cfg.ChurnRate)
+	fmt.Fprintf(out, "  relays    %d, gossiping in memory, behind a Service at %s; upstream protocol %s, key profile istio\n",
+		cfg.Relays, tier.Addr(), cfg.UpstreamProtocol)
+	fmt.Fprintf(out, "  envoys    %d simulated (%s) over %d keys; churn %.1f changes/s\n", cfg.Envoys, cfg.Protocol, cfg.Keys, cfg.ChurnRate)
+	if len(cfg.Schedule) > 0 {
+		var ev []string
+		for _, e := range cfg.Schedule {
+			ev = append(ev, fmt.Sprintf("%v %v", e.At, e))
+		}
+		fmt.Fprintf(out, "  schedule  %s\n", strings.Join(ev, ", "))
+	}
+	if cfg.Input != nil {
+		fmt.Fprintf(out, "  commands  type kill N, stop N, start N or add, then Enter\n")
+	}
+	fmt.Fprintf(out, "  relay columns: Envoy streams / keys it holds the upstream stream of (owned) / keys it gets from their owner\n\n")
 
 	start := time.Now()
 	// The Envoys live until the deferred Stop, so the last row still shows
 	// them connected.
 	fleet, err := StartFleet(stopCtx, FleetConfig{
 		Scenario: sc, Envoys: cfg.Envoys, Keys: cfg.Keys, Protocol: cfg.Protocol,
-		Target: r.Addr().String(), Tracker: tracker,
+		Target: tier.Addr(), Tracker: tracker,
 	})
 	if err != nil {
 		return err
@@ -121,30 +235,107 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 		churnDone <- nil
 	}
 
-	header := "%6s %9s %7s %5s %9s %8s %11s %11s %11s %11s %9s %5s\n"
-	row := "%6s %9s %7d %5d %9d %8d %11s %11s %11s %11s %9.1f %5d\n"
-	fmt.Fprintf(out, header, "time", "envoys", "synced", "keys", "upstream", "pushes",
-		"push→ACK50", "push→ACK99", "change→all50", "change→all99", "sent MB", "viol")
+	// Commands from Input arrive on a channel; the reader is abandoned at
+	// the end (a terminal read cannot be interrupted), never waited for.
+	commands := make(chan string)
+	if cfg.Input != nil {
+		go func() {
+			sc := bufio.NewScanner(cfg.Input)
+			for sc.Scan() {
+				select {
+				case commands <- sc.Text():
+				case <-ctx.Done():
+					return
+				}
+			}
+		}()
+	}
+	schedule := slices.Clone(cfg.Schedule)
+	var next <-chan time.Time
+	arm := func() {
+		next = nil
+		if len(schedule) > 0 {
+			next = time.After(time.Until(start.Add(schedule[0].At)))
+		}
+	}
+	arm()
+	play := func(e DemoEvent, source string) {
+		if err := tier.apply(stopCtx, e); err != nil {
+			fmt.Fprintf(out, "%6s  %s: %s: %v\n", time.Since(start).Round(time.Second), source, e, err)
+			return
+		}
+		fmt.Fprintf(out, "%6s  %s: %s\n", time.Since(start).Round(time.Second), source, e)
+	}
+
+	printHeader := func() {
+		fmt.Fprintf(out, "%6s %9s %7s %4s %8s %11s %11s %8s %5s", "time", "envoys", "synced", "ring", "upstream",
+			"change→all50", "change→all99", "sent MB", "viol")
+		tier.mu.Lock()
+		n := len(tier.slots)
+		tier.mu.Unlock()
+		for i := range n {
+			fmt.Fprintf(out, " %13s", fmt.Sprintf("relay-%d", i))
+		}
+		fmt.Fprintln(out)
+	}
+	shownRelays := -1
+	print := func() {
+		tier.mu.Lock()
+		slots := slices.Clone(tier.slots)
+		tier.mu.Unlock()
+		if len(slots) != shownRelays {
+			printHeader()
+			shownRelays = len(slots)
+		}
+		var sent uint64
+		ring := 0
+		var cols []string
+		for _, s := range slots {
+			if !s.Running {
+				cols = append(cols, "down")
+				continue
+			}
+			st := s.Node.Relay().Stats()
+			sent += st.BytesSent
+			ring = max(ring, len(s.Node.Ring().Members()))
+			cols = append(cols, fmt.Sprintf("%d/%d/%d", st.Streams, st.UpstreamStreams, st.PeerStreams))
+		}
+		_, complete, _ := tracker.Results()
+		fmt.Fprintf(out, "%6s %9s %7d %4d %8d %11s %11s %8.1f %5d",
+			time.Since(start).Round(time.Second), fmt.Sprintf("%d/%d", fleet.Connected(), cfg.Envoys),
+			fleet.Synced(up), ring, up.Stats().OpenStreams, ms(complete.P50), ms(complete.P99),
+			float64(sent)/1e6, len(fleet.Violations()))
+		for _, c := range cols {
+			fmt.Fprintf(out, " %13s", c)
+		}
+		fmt.Fprintln(out)
+	}
 	tick := time.NewTicker(cfg.Interval)
 	defer tick.Stop()
-	print := func() {
-		st := r.Stats()
-		_, complete, _ := tracker.Results()
-		fmt.Fprintf(out, row,
-			time.Since(start).Round(time.Second), fmt.Sprintf("%d/%d", fleet.Connected(), cfg.Envoys),
-			fleet.Synced(up), st.Keys, st.UpstreamStreams, st.Pushes,
-			ms(st.PushACKP50), ms(st.PushACKP99), ms(complete.P50), ms(complete.P99),
-			float64(st.BytesSent)/1e6, len(fleet.Violations()))
-	}
 	for {
 		select {
 		case <-tick.C:
 			print()
+		case <-next:
+			play(schedule[0], "schedule")
+			schedule = schedule[1:]
+			arm()
+		case line := <-commands:
+			if strings.TrimSpace(line) == "" {
+				continue
+			}
+			e, err := ParseDemoCommand(line)
+			if err != nil {
+				fmt.Fprintf(out, "        %v\n", err)
+				continue
+			}
+			play(e, "command")
 		case <-ctx.Done():
 			print()
 			perEnvoy, complete, _ := tracker.Results()
 			fmt.Fprintf(out, "\n%d changes reached all their Envoys: P50 %s, P99 %s, max %s (per Envoy ACK P99 %s)\n",
 				complete.N, ms(complete.P50), ms(complete.P99), ms(complete.Max), ms(perEnvoy.P99))
+			fmt.Fprintf(out, "upstream streams at the end: %d for %d keys\n", up.Stats().OpenStreams, cfg.Keys)
 			if v := fleet.Violations(); len(v) > 0 {
 				for _, e := range v[:min(len(v), 5)] {
 					fmt.Fprintf(out, "violation: %v\n", e)

@@ -94,8 +94,14 @@ func TestGarbageVersionsAreResent(t *testing.T) {
 		InitialResourceVersions: map[string]string{"c0": "not-a-version", "c1": strings.Repeat("z", 64), "gone": "1"}})
 	m := c.recv()
 	wantNames(t, m, "c0", "c1", "c2")
-	if r := removedOf(m); len(r) != 1 || r[0] != "gone" {
-		t.Fatalf("removed = %v, want [gone]", r)
+	if r := removedOf(m); len(r) != 0 {
+		t.Fatalf("removed = %v in the first response, want the removal held for routes to be declared", r)
+	}
+	c.ack(m)
+	// No route was declared within declareGrace: the removal follows.
+	m = c.recv()
+	if r := removedOf(m); len(r) != 1 || r[0] != "gone" || len(names(m)) != 0 {
+		t.Fatalf("resources %v removed %v, want removed [gone] only", names(m), r)
 	}
 }
 

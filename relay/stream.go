@@ -38,7 +38,11 @@ type stream struct {
 
 	nonce uint64
 	subs  map[string]*typeSub
-	pass  *passthrough
+	// opened is when the stream started; graceArmed is set once a wake-up
+	// is scheduled for the end of declareGrace.
+	opened     time.Time
+	graceArmed bool
+	pass       *passthrough
 	// dirty is set when a subscription changed or the key's snapshot did:
 	// the stream must sync.
 	dirty bool
@@ -154,6 +158,8 @@ func (r *Relay) newStream(ctx context.Context, delta bool) *stream {
 		wake:  make(chan struct{}, 1),
 		subs:  make(map[string]*typeSub),
 
+		opened: time.Now(),
+
 		status: make(map[string]TypeStatus),
 	}
 	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
@@ -222,6 +228,19 @@ func (s *stream) updateStatus(typeURL string, fn func(*TypeStatus)) {
 	st := s.status[typeURL]
 	fn(&st)
 	s.status[typeURL] = st
+}
+
+// settled reports whether the client answered (ACK or NACK) the latest
+// response of every type it was sent.
+func (s *stream) settled() bool {
+	s.statusMu.Lock()
+	defer s.statusMu.Unlock()
+	for _, st := range s.status {
+		if st.SentVersion != st.AckedVersion && (st.NACK == nil || st.NACK.Version != st.SentVersion) {
+			return false
+		}
+	}
+	return len(s.status) > 0
 }
 
 func (s *stream) nextNonce() string {
@@ -489,13 +508,59 @@ func (s *stream) allowedRemovals(p *plan) []string {
 func (s *stream) heldBy(typeURL, name string) bool {
 	switch typeURL {
 	case typeCluster:
-		return s.refers(typeListener, refClusters, name) || s.refers(typeRoute, refClusters, name)
+		return s.refers(typeListener, refClusters, name) || s.refers(typeRoute, refClusters, name) || s.undeclared(typeURL)
 	case typeEndpoint:
-		return s.refers(typeCluster, refEndpoints, name)
+		return s.refers(typeCluster, refEndpoints, name) || s.undeclared(typeURL)
 	case typeRoute:
-		return s.refers(typeListener, refRoutes, name) || s.refers(typeScopedRoute, refRoutes, name)
+		return s.refers(typeListener, refRoutes, name) || s.refers(typeScopedRoute, refRoutes, name) || s.undeclared(typeURL)
 	}
 	return false
+}
+
+// declareGrace is how long a Delta stream's removals wait for the client to
+// declare what it holds of the types that may refer to them. A client that
+// reconnects (to another relay, after a move or a crash) declares its state
+// type by type, CDS first: without the wait, a cluster removed while it was
+// away would go out before the relay learns that a route it holds still
+// uses it. Envoy sends every type's first request at once, so the wait is
+// short, and it ends early once they arrive.
+const declareGrace = time.Second
+
+// referringTypes lists the types whose resources may refer to one of typeURL.
+var referringTypes = map[string][]string{
+	typeCluster:  {typeListener, typeRoute},
+	typeEndpoint: {typeCluster},
+	typeRoute:    {typeListener},
+}
+
+// awaitingDeclarations reports whether removals of typeURL wait for the
+// client to declare a referring type: within declareGrace of a Delta
+// stream's start, a type of referringTypes[typeURL] was not requested yet.
+func (s *stream) awaitingDeclarations(typeURL string) (bool, time.Duration) {
+	if !s.delta {
+		return false, 0
+	}
+	left := declareGrace - time.Since(s.opened)
+	if left <= 0 {
+		return false, 0
+	}
+	for _, t := range referringTypes[typeURL] {
+		if s.subs[t] == nil {
+			return true, left
+		}
+	}
+	return false, 0
+}
+
+// undeclared is awaitingDeclarations, and wakes the stream at the end of the
+// grace to send the removals it held.
+func (s *stream) undeclared(typeURL string) bool {
+	wait, left := s.awaitingDeclarations(typeURL)
+	if wait && !s.graceArmed {
+		s.graceArmed = true
+		time.AfterFunc(left, func() { wake(s.wake) })
+	}
+	return wait
 }
 
 func (s *stream) refers(typeURL string, kind refKind, name string) bool {

@@ -344,15 +344,17 @@ func (r *Relay) balance(ctx context.Context) {
 			continue
 		}
 		n := min(excess, max(1, int(r.cfg.ShedRate*d.Seconds())))
-		// Newest first: they have the least settled state to lose, and it
-		// spreads the moves across keys.
+		// Newest first: it spreads the moves across keys. Only settled
+		// streams (everything sent was answered): a client moved while an
+		// update is in flight would hold it without having ACKed it, and
+		// would be counted a straggler until the next change.
 		slices.SortFunc(streams, func(a, b *stream) int { return int(b.id - a.id) })
 		moved := 0
 		for _, s := range streams {
 			if moved == n {
 				break
 			}
-			if r.moveAway(s, "rebalance") {
+			if s.settled() && r.moveAway(s, "rebalance") {
 				moved++
 			}
 		}

@@ -2,8 +2,10 @@ package relay
 
 import (
 	"context"
+	"maps"
 	"net"
 	"net/http"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -268,4 +270,64 @@ func FuzzIdentifyPeer(f *testing.F) {
 			t.Fatalf("identifyPeer accepted %q with proof %q", id, token)
 		}
 	})
+}
+
+// TestReconnectHoldsRemovalsForDeclaredRoutes: an Envoy moved to another
+// relay (or back after a crash) declares its state type by type, CDS first.
+// A cluster removed while it was away must not be removed before the route
+// it holds that uses the cluster is updated (make-before-break).
+func TestReconnectHoldsRemovalsForDeclaredRoutes(t *testing.T) {
+	e := newEnv(t, true, nil)
+	c := e.client(0)
+	got := syncAll(c)
+	c.close()
+	e.up.set("ns1", typeRoute, mkRoute("r80", "c0", "c1"))
+	e.up.del("ns1", typeCluster, "c2")
+	w := e.client(5) // keeps the key alive and sees the change land
+	syncAllExpect(w, "c0", "c1")
+
+	c2 := e.client(0)
+	// CDS first, and its answer read before the other types are declared:
+	// the slowest a client may be.
+	d := got[typeCluster].(*discovery.DeltaDiscoveryResponse)
+	c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster, InitialResourceVersions: versionMap(d)})
+	if m := c2.recvDelta(typeCluster); slices.Contains(removedOf(m), "c2") {
+		t.Fatal("c2 removed in the first CDS response, before the client could declare the route r80 that uses it")
+	} else {
+		c2.ack(m)
+	}
+	for _, typeURL := range []string{typeEndpoint, typeListener, typeRoute} {
+		d := got[typeURL].(*discovery.DeltaDiscoveryResponse)
+		req := &discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, InitialResourceVersions: versionMap(d)}
+		if typeURL == typeEndpoint || typeURL == typeRoute {
+			req.ResourceNamesSubscribe = slices.Collect(maps.Keys(versionMap(d)))
+		}
+		c2.send(req)
+	}
+	routeUpdated := false
+	for !routeUpdated || !slices.Contains(removedOfAny(c2), "c2") {
+		m := c2.recv()
+		c2.ack(m)
+		switch typeOf(m) {
+		case typeRoute:
+			if slices.Contains(names(m), "r80") {
+				routeUpdated = true
+			}
+		case typeCluster:
+			if slices.Contains(removedOf(m), "c2") && !routeUpdated {
+				t.Fatal("c2 removed while the client's route r80 still used it")
+			}
+			if slices.Contains(removedOf(m), "c2") {
+				return
+			}
+		}
+	}
+}
+
+// removedOfAny is removedOf of the last response c received.
+func removedOfAny(c *rawClient) []string {
+	if c.last == nil {
+		return nil
+	}
+	return removedOf(c.last)
 }

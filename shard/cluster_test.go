@@ -292,3 +292,23 @@ func TestScaleOutRebalances(t *testing.T) {
 	}
 	t.Logf("bytes re-sent to Envoys across the scale-out: %d of %d held (%.2f%%)", resent, full, 100*float64(resent)/float64(full))
 }
+
+// TestServicesComeAndGoThroughPeers: services added and removed upstream
+// reach every Envoy, most of them through a relay that gets the key from
+// its owner (new clusters make both relays ask for their endpoints).
+func TestServicesComeAndGoThroughPeers(t *testing.T) {
+	c := startCluster(t, 3, 48, envoy.Delta)
+	for i := range 3 {
+		if _, err := c.up.AddService(); err != nil {
+			t.Fatal(err)
+		}
+		c.waitSynced(fmt.Sprintf("service %d added", i))
+		if _, err := c.up.RemoveService(i); err != nil {
+			t.Fatal(err)
+		}
+		c.waitSynced(fmt.Sprintf("service %d removed", i))
+	}
+	for _, v := range c.fleet.Violations() {
+		t.Errorf("protocol violation: %v", v)
+	}
+}

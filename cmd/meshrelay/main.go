@@ -190,8 +190,18 @@ func demo(ctx context.Context, args []string) error {
 	fs.Float64Var(&cfg.ChurnRate, "churn-rate", cfg.ChurnRate, "upstream changes per second")
 	fs.DurationVar(&cfg.Duration, "duration", cfg.Duration, "how long to run; 0: until Ctrl-C")
 	fs.DurationVar(&cfg.Interval, "interval", cfg.Interval, "time between table rows")
+	fs.IntVar(&cfg.Relays, "relays", cfg.Relays, "relays in the tier")
+	schedule := fs.String("schedule", "8s:kill:1,13s:start:1", "tier events, AT:ACTION[:RELAY] comma-separated; actions kill (crash), stop (graceful), start, add; empty: none")
+	interactive := fs.Bool("interactive", true, "read kill N, stop N, start N and add from the terminal while running (only if stdin is a terminal)")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	var err error
+	if cfg.Schedule, err = loadtest.ParseSchedule(*schedule); err != nil {
+		return err
+	}
+	if fi, err := os.Stdin.Stat(); *interactive && err == nil && fi.Mode()&os.ModeCharDevice != 0 {
+		cfg.Input = os.Stdin
 	}
 	switch *proto {
 	case "sotw":
@@ -201,7 +211,6 @@ func demo(ctx context.Context, args []string) error {
 	default:
 		return fmt.Errorf("--protocol %q: want sotw or delta", *proto)
 	}
-	var err error
 	if cfg.UpstreamProtocol, err = relay.ParseProtocol(*upProto); err != nil {
 		return err
 	}
