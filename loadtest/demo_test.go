@@ -3,6 +3,7 @@ package loadtest
 import (
 	"bytes"
 	"context"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -12,18 +13,43 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// TestDemo runs the demo briefly and checks that the tier converged with no
-// protocol violation.
+// TestDemo runs the demo briefly, with a relay crashing and coming back on
+// schedule and a command typed in, and checks that the tier converged with
+// no protocol violation and one upstream stream per key.
 func TestDemo(t *testing.T) {
 	cfg := DefaultDemoConfig()
 	cfg.Envoys, cfg.Keys = 40, 8
-	cfg.Duration = 6 * time.Second
+	cfg.Duration = 8 * time.Second
+	cfg.Schedule = []DemoEvent{{At: 2 * time.Second, Action: "kill", Relay: 1}, {At: 4 * time.Second, Action: "start", Relay: 1}}
+	cfg.Input = strings.NewReader("stop 7\nadd\nfly away\n")
 	var out bytes.Buffer
 	if err := RunDemo(context.Background(), cfg, &out); err != nil {
 		t.Fatalf("RunDemo: %v\n%s", err, out.String())
 	}
 	t.Log(out.String())
-	if !strings.Contains(out.String(), "changes reached all their Envoys") {
-		t.Fatalf("no summary in the demo output:\n%s", out.String())
+	for _, want := range []string{
+		"schedule: kill relay-1", "schedule: start relay-1",
+		"command: add a relay", "command: stop relay-7: no relay-7", `command "fly away"`,
+		"changes reached all their Envoys", "upstream streams at the end: 8 for 8 keys",
+	} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("demo output lacks %q", want)
+		}
+	}
+}
+
+func TestParseSchedule(t *testing.T) {
+	got, err := ParseSchedule("13s:start:1, 8s:kill:relay-1,16s:add")
+	want := []DemoEvent{{8 * time.Second, "kill", 1}, {13 * time.Second, "start", 1}, {16 * time.Second, "add", 0}}
+	if err != nil || !slices.Equal(got, want) {
+		t.Fatalf("ParseSchedule = %v, %v; want %v", got, err, want)
+	}
+	if got, err := ParseSchedule(""); err != nil || len(got) != 0 {
+		t.Errorf(`ParseSchedule("") = %v, %v; want nothing`, got, err)
+	}
+	for _, bad := range []string{"8s", "soon:kill:1", "8s:explode:1", "8s:kill", "8s:kill:x", "-1s:kill:1", "8s:kill:1:2"} {
+		if _, err := ParseSchedule(bad); err == nil {
+			t.Errorf("ParseSchedule(%q) succeeded, want an error", bad)
+		}
 	}
 }

@@ -189,7 +189,9 @@ func (f *Fleet) Connected() int {
 func (f *Fleet) Violations() []error {
 	var out []error
 	for _, e := range f.envoys {
-		out = append(out, e.Violations()...)
+		for _, v := range e.Violations() {
+			out = append(out, fmt.Errorf("%s: %w", e.ID(), v))
+		}
 	}
 	return out
 }

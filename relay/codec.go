@@ -72,6 +72,7 @@ type bodyKey struct {
 	typeURL  string
 	from, to ledger.Hash
 	view     ledger.Hash
+	stale    bool
 }
 
 // bodyCache keeps recent bodies, bounded in bytes; bodies still on their way

@@ -21,7 +21,7 @@ func (r *Relay) DeltaAggregatedResources(ds discovery.AggregatedDiscoveryService
 	s := r.newStream(ds.Context(), true)
 	s.peerRelay = pi
 	s.send = func(o *outgoing) error {
-		body := r.bodies.get(bodyKey{delta: true, typeURL: o.typeURL, from: o.from, to: o.to, view: o.view}, func() []byte {
+		body := r.bodies.get(bodyKey{delta: true, typeURL: o.typeURL, from: o.from, to: o.to, view: o.view, stale: o.stale}, func() []byte {
 			return encodeDelta(o, r.controlPlaneWire)
 		})
 		w := &wireMessage{body: body, tail: nonceField(fDeltaNonce, o.nonce)}
@@ -57,8 +57,11 @@ func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 		wildcard := (legacy || slices.Contains(subscribe, wildcardName)) && !slices.Contains(unsubscribe, wildcardName)
 		names := newNameSet(subscribe).with(nil, unsubscribe)
 		sub = s.newSub(typeURL, wildcard, legacy, names)
-		sub.awaitFirst = wildcard
+		// A peer relay is answered on every type, even with nothing new:
+		// the answers tell it its source confirms its views.
+		sub.awaitFirst = wildcard || s.peerRelay != nil
 		sub.known = s.declared(sub, req.GetInitialResourceVersions())
+		sub.declaredOnly = sub.known.Len() > 0
 		return nil
 	}
 

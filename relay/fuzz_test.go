@@ -431,7 +431,7 @@ func (h *downHarness) checkConverged() {
 			if !sub.wildcard && !sub.names.has(e.Name) {
 				continue
 			}
-			if have, ok := held[e.Name]; !ok || have.hash != e.Hash {
+			if have, ok := held[e.Name]; (!ok || have.hash != e.Hash) && !h.s.holdsDeclared(typeURL, e.Name) {
 				h.fatalf("%s: the key has %q at %.8s, the client holds it: %v at %.8s, and nothing was sent", typ, e.Name, e.Hash, ok, have.hash)
 			}
 		}
@@ -445,8 +445,8 @@ func (h *downHarness) checkConverged() {
 			if h.referredBy(typeURL, n) != "" {
 				continue
 			}
-			if wait, _ := h.s.awaitingDeclarations(typeURL); wait {
-				continue // a referrer may yet be declared (declareGrace)
+			if wait, _ := h.s.awaitingDeclarations(typeURL); wait || h.s.holdsDeclared(typeURL, n) {
+				continue // a referrer may yet be declared (declareGrace), or the key is stale (holdDeclared)
 			}
 			h.fatalf("%s: the client holds %q, which the key no longer has and nothing refers to, and no removal was sent", typ, n)
 		}

@@ -77,6 +77,12 @@ type typeSub struct {
 	// awaitFirst is set until the client got its first answer: it must get
 	// one once the type is ready, even an empty one.
 	awaitFirst bool
+	// sentStale is set while the latest response to a peer relay was sent
+	// from a stale key (see staleMark).
+	sentStale bool
+	// declaredOnly is set while known is only what the client declared
+	// (Delta initial_resource_versions), before anything was sent.
+	declaredOnly bool
 	// claimed is the SotW version_info of the first request, checked once
 	// the type is ready: if it is the current content the client is current.
 	claimed string
@@ -147,7 +153,17 @@ type outgoing struct {
 	// client held before (zero for a SotW full-state response, which does
 	// not depend on it) and after, and the key's view (Delta).
 	from, to, view ledger.Hash
+	// stale marks a Delta response to a peer relay sent from a stale key
+	// (system_version_info ends in staleMark): it does not confirm the
+	// peer's views.
+	stale bool
 }
+
+// staleMark ends the system_version_info of a Delta response to a peer
+// relay from a key no live source confirms: the peer must not take it for
+// a confirmation of its own views (it would then overwrite what reconnecting
+// Envoys declare with content that may be older).
+const staleMark = ";stale"
 
 func (r *Relay) newStream(ctx context.Context, delta bool) *stream {
 	s := &stream{
@@ -404,8 +420,15 @@ func (s *stream) sync() error {
 	for _, typeURL := range pushOrder {
 		sub := s.subs[typeURL]
 		ts := snap.types[typeURL]
-		if sub == nil || ts == nil || !ts.ready || (sub.wildcard && !ts.full) {
+		if sub == nil {
 			continue
+		}
+		if ts == nil || !ts.ready || (sub.wildcard && !ts.full) {
+			// The key's view of the type is not known yet: what comes
+			// later in push order waits too, or a route could reach the
+			// client before the clusters it uses (a client that moved to
+			// this relay holds routes of an older view).
+			break
 		}
 		if sub.claimed != "" {
 			if t := sub.target(ts.view); t.Root().String() == sub.claimed {
@@ -420,11 +443,14 @@ func (s *stream) sync() error {
 		if len(upd) == 0 && len(gone) == 0 {
 			sub.share(ts.view)
 		}
+		upd, gone = s.holdDeclared(snap, sub, upd, gone)
 		gone = slices.DeleteFunc(gone, func(n string) bool { return ts.isPending(n, now, wait) })
 		if typeURL == typeCluster {
 			s.forceEndpoints(sub, upd)
 		}
-		if len(upd) > 0 || len(gone) > 0 || sub.awaitFirst {
+		// A peer relay last answered from a stale key is told, even with
+		// nothing new, once the key is fresh: that confirms its views.
+		if len(upd) > 0 || len(gone) > 0 || sub.awaitFirst || (sub.sentStale && !snap.stale) {
 			plans = append(plans, &plan{sub: sub, ts: ts, upd: upd, gone: gone})
 		}
 	}
@@ -440,7 +466,7 @@ func (s *stream) sync() error {
 			removed = s.allowedRemovals(p)
 			p.gone = slices.DeleteFunc(p.gone, func(n string) bool { return slices.Contains(removed, n) })
 		}
-		if len(p.upd) > 0 || len(removed) > 0 || p.sub.awaitFirst {
+		if len(p.upd) > 0 || len(removed) > 0 || p.sub.awaitFirst || (p.sub.sentStale && !snap.stale) {
 			if err := s.emit(p, p.upd, removed); err != nil {
 				return err
 			}
@@ -515,6 +541,41 @@ func (s *stream) heldBy(typeURL, name string) bool {
 		return s.refers(typeListener, refRoutes, name) || s.refers(typeScopedRoute, refRoutes, name) || s.undeclared(typeURL)
 	}
 	return false
+}
+
+// holdDeclared keeps a reconnecting client's declared content while the
+// key is stale. Content hashes have no order: a client that moved from
+// another relay may hold content newer than this relay's view, and while no
+// live source confirms the view (the upstream or the owner is unreachable,
+// or the source is being switched) the relay cannot tell newer from older.
+// So it sends what the client lacks, but neither overwrites nor removes what
+// the client declared until the key is fresh again (the stream is woken
+// then). A client that never declared anything is served the stale view:
+// availability first.
+func (s *stream) holdDeclared(snap *keySnap, sub *typeSub, upd []*Resource, gone []string) ([]*Resource, []string) {
+	if !snap.stale {
+		sub.declaredOnly = false // fresh: from now on the view is the truth
+		return upd, gone
+	}
+	if !sub.declaredOnly {
+		return upd, gone
+	}
+	upd = slices.DeleteFunc(upd, func(r *Resource) bool {
+		_, held := sub.known.Get(r.Name)
+		return held
+	})
+	return upd, nil
+}
+
+// holdsDeclared reports whether name of typeURL is held back by
+// holdDeclared now (for tests of the model).
+func (s *stream) holdsDeclared(typeURL, name string) bool {
+	sub := s.subs[typeURL]
+	if sub == nil || s.key == nil || !s.key.snap.Load().stale || !sub.declaredOnly {
+		return false
+	}
+	_, held := sub.known.Get(name)
+	return held
 }
 
 // declareGrace is how long a Delta stream's removals wait for the client to
@@ -594,6 +655,11 @@ func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 	case s.delta:
 		out.view = p.ts.view.Root()
 		out.version = out.view.String()
+		if s.peerRelay != nil && s.key.snap.Load().stale {
+			out.version += staleMark
+			out.stale = true
+		}
+		sub.sentStale = out.stale
 	case fullStateSotW(sub.typeURL):
 		out.from = ledger.Hash{}
 		out.version = sub.known.Root().String()

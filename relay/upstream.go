@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -103,6 +104,13 @@ type source struct {
 // is reachable again.
 const peerRetryInterval = 2 * time.Second
 
+// A session whose key moved to another owner goes on until the new owner can
+// be reached, checked every switchRetryInterval, for at most switchPatience.
+const (
+	switchRetryInterval = 100 * time.Millisecond
+	switchPatience      = 3 * time.Second
+)
+
 // choose returns the key's source now: the upstream if the relay owns the
 // key or other relays subscribe to it here; else the owner, unless the owner
 // was unreachable and still is.
@@ -171,16 +179,18 @@ func (u *upstream) run(ctx context.Context) {
 		src := u.choose()
 		u.k.source.Store(int32(src.kind))
 		got, err := u.session(ctx, node, presenter, src)
-		switch {
-		case errors.Is(err, errIdle) || ctx.Err() != nil:
+		if errors.Is(err, errIdle) || ctx.Err() != nil {
 			return
+		}
+		// Until the next stream has answered, nobody confirms the views.
+		u.setStale(true)
+		switch {
 		case errors.Is(err, errRehome) || errors.Is(err, errResubscribe) || errors.Is(err, errSourceChanged):
 			continue // a new stream at once, no backoff
 		case src.kind == sourcePeer:
 			u.fallBack(src.addr, err)
 			continue // the upstream is another server: no backoff
 		}
-		u.setStale(true)
 		if got {
 			bo.reset()
 		}
@@ -302,11 +312,37 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 		ut.asked, ut.nonce, ut.named = false, "", false // what it was asked is asked again
 	}
 	u.log("upstream stream open", "node", node.GetId(), "source", src.kind, "owner", src.addr)
+	// retry ticks while the key is in fallback (is the owner back?) or a
+	// switch of source waits for the new source to be reachable.
+	retryTicker := time.NewTicker(peerRetryInterval)
+	defer retryTicker.Stop()
 	var retry <-chan time.Time
 	if src.kind == sourceFallback {
-		t := time.NewTicker(peerRetryInterval)
-		defer t.Stop()
-		retry = t.C
+		retry = retryTicker.C
+	}
+	var switchSince time.Time // when a switch was first wanted but put off
+	// switchNow reports whether to end this session for the key's new
+	// source: make before break, the session goes on until the new source
+	// can be reached (or for switchPatience, after which the new source is
+	// tried anyway and falls back if it fails).
+	switchNow := func() bool {
+		next := u.choose()
+		if next == src {
+			switchSince = time.Time{}
+			return false
+		}
+		if next.kind == sourcePeer && !u.r.peerReady(next.addr) {
+			if switchSince.IsZero() {
+				switchSince = time.Now()
+			}
+			if time.Since(switchSince) < switchPatience {
+				retryTicker.Reset(switchRetryInterval)
+				retry = retryTicker.C
+				return false
+			}
+		}
+		u.log("switching source", "from", src.kind, "to", next.kind, "owner", next.addr)
+		return true
 	}
 
 	// Requests go out on a goroutine of their own, from a mailbox: the
@@ -360,6 +396,16 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 	if err := u.resubscribe(); err != nil {
 		return false, err
 	}
+	// The views are confirmed (the key is fresh) once the stream answered
+	// every type it was asked, or, if it stays silent, confirmAfter after it
+	// opened: a Delta source says nothing for what the relay declared it
+	// holds at the current version. A peer relay that answers from a stale
+	// key (staleMark) confirms nothing until it answers fresh.
+	answered := make(map[string]bool)
+	staleSource, confirmed := false, false
+	confirmTimer := time.NewTimer(confirmAfter)
+	defer confirmTimer.Stop()
+	confirm := confirmTimer.C
 	for {
 		select {
 		case m := <-msgs:
@@ -367,15 +413,29 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 			if err := u.handle(m); err != nil {
 				return got, err
 			}
+			if fromStaleSource(m) {
+				staleSource = true
+			} else {
+				answered[responseType(m)] = true
+			}
+			if !confirmed && u.allAnswered(answered) {
+				u.setStale(false)
+				confirmed, confirm = true, nil
+			}
+		case <-confirm:
+			confirm = nil
+			if !staleSource {
+				u.setStale(false)
+				confirmed = true
+			}
 		case err := <-errc:
 			return got, err
 		case <-retry:
-			if u.choose() != src {
+			if switchNow() {
 				return got, errSourceChanged
 			}
 		case <-u.k.upWake:
-			if u.choose() != src {
-				u.log("switching source", "from", src.kind, "owner", src.addr)
+			if switchNow() {
 				return got, errSourceChanged
 			}
 			_, first, n := u.k.presenter()
@@ -731,7 +791,6 @@ func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace,
 		ts.view = b.Tree()
 		if fromUpstream {
 			ts.ready = true
-			next.stale = false
 		}
 		// The view is the full set only once the upstream answered a
 		// wildcard subscription.
@@ -924,12 +983,52 @@ func (u *upstream) stopTimers() {
 	}
 }
 
-// setStale marks the key's views as not confirmed by a live upstream stream.
+// confirmAfter bounds how long a new stream's first answers take to confirm
+// the views.
+const confirmAfter = 2 * time.Second
+
+// allAnswered reports whether every type asked on the stream was answered.
+func (u *upstream) allAnswered(answered map[string]bool) bool {
+	for typeURL, ut := range u.types {
+		if ut.asked && !answered[typeURL] {
+			return false
+		}
+	}
+	return true
+}
+
+// fromStaleSource reports whether a peer relay answered from a key that no
+// live source confirms (see staleMark).
+func fromStaleSource(m proto.Message) bool {
+	r, ok := m.(*discovery.DeltaDiscoveryResponse)
+	return ok && strings.HasSuffix(r.GetSystemVersionInfo(), staleMark)
+}
+
+func responseType(m proto.Message) string {
+	switch r := m.(type) {
+	case *discovery.DiscoveryResponse:
+		return r.GetTypeUrl()
+	case *discovery.DeltaDiscoveryResponse:
+		return r.GetTypeUrl()
+	}
+	return ""
+}
+
+// setStale marks the key's views as confirmed by a live source or not.
+// Streams are woken when they become fresh: some hold clients' declared
+// content while the key is stale.
 func (u *upstream) setStale(stale bool) {
 	k := u.k
 	k.mu.Lock()
-	if k.snap.Load().stale != stale {
+	changed := k.snap.Load().stale != stale
+	if changed {
 		k.update(func(next *keySnap) { next.stale = stale })
 	}
 	k.mu.Unlock()
+	if changed {
+		u.log("views confirmed by a live source", "fresh", !stale)
+	}
+	if changed && !stale {
+		k.wakeStreams()
+	}
 }
