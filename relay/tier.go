@@ -7,7 +7,6 @@ import (
 	"encoding/hex"
 	"math/rand/v2"
 	"net"
-	"slices"
 	"sync"
 	"time"
 
@@ -344,11 +343,12 @@ func (r *Relay) balance(ctx context.Context) {
 			continue
 		}
 		n := min(excess, max(1, int(r.cfg.ShedRate*d.Seconds())))
-		// Newest first: it spreads the moves across keys. Only settled
-		// streams (everything sent was answered): a client moved while an
-		// update is in flight would hold it without having ACKed it, and
-		// would be counted a straggler until the next change.
-		slices.SortFunc(streams, func(a, b *stream) int { return int(b.id - a.id) })
+		// At random: picking the newest would move the same client again
+		// and again (a moved client is the newest where it lands). Only
+		// settled streams (everything sent was answered): a client moved
+		// while an update is in flight would hold it without having ACKed
+		// it, and would be counted a straggler until the next change.
+		rand.Shuffle(len(streams), func(i, j int) { streams[i], streams[j] = streams[j], streams[i] })
 		moved := 0
 		for _, s := range streams {
 			if moved == n {
