@@ -105,6 +105,10 @@ func RunRelayChild(ctx context.Context, cfg RelayChildConfig, in io.Reader, out,
 		rcfg.UpstreamProtocol = cfg.UpstreamProtocol
 	}
 	rcfg.Logger = slog.New(slog.NewTextHandler(logw, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	// The benchmark times pushes, not admission: the fleet connects at
+	// --start-rate, as it does to the upstream in direct mode, which has
+	// no admission limit either.
+	rcfg.AdmitRate = 0
 	r, err := relay.New(rcfg)
 	if err != nil {
 		return err

@@ -36,9 +36,9 @@ type Owners interface {
 // implements it. Implementations must be safe for concurrent use.
 type Tier interface {
 	// FairShare records this relay's Envoy stream count and returns the
-	// tier's streams per relay; ok is false while the relay knows of no
-	// other.
-	FairShare(conns int) (share int, ok bool)
+	// tier's streams per relay and the count of the least loaded relay; ok
+	// is false while the relay knows of no other.
+	FairShare(conns int) (share, least int, ok bool)
 }
 
 // Relay-to-relay streams carry these gRPC metadata keys: the calling
@@ -318,12 +318,12 @@ func (r *Relay) moveAway(s *stream, why string) bool {
 // balance sheds Envoy streams above the relay's fair share, at most
 // ShedRate a second, at jittered intervals, until Stop.
 //
-// A moved client lands on a random relay (the Service picks), old or new,
-// so relays must shed down to close to the share: once every relay is at
-// most share+m, the least loaded holds at least share-(n-1)·m. The margin m
-// is a fiftieth of the share (at least one stream): enough to keep relays
-// from trading streams over rounding and gossip delay, small enough that a
-// new relay of a tier of 10 ends within a fifth of its share.
+// A moved client lands on a random relay (the Service picks), old or new.
+// While some relay is more than a margin m below the share (a new one),
+// every relay sheds down to the share itself; once none is, relays shed
+// only above share+m. So the tier settles with every relay within m of the
+// share, and does not trade streams over rounding and gossip delay. m is a
+// twenty-fifth of the share, at least two streams.
 func (r *Relay) balance(ctx context.Context) {
 	for {
 		// Jittered: relays that learn of a new member together do not shed
@@ -333,11 +333,15 @@ func (r *Relay) balance(ctx context.Context) {
 			return
 		}
 		streams := r.envoyStreams()
-		share, ok := r.cfg.Tier.FairShare(len(streams))
+		share, least, ok := r.cfg.Tier.FairShare(len(streams))
 		if !ok || r.draining.Load() {
 			continue
 		}
-		limit := share + max(share/50, 1)
+		m := max(share/25, 2)
+		limit := share + m
+		if least < share-m {
+			limit = share
+		}
 		excess := len(streams) - limit
 		if excess <= 0 {
 			continue

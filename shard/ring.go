@@ -244,20 +244,22 @@ func (r *Ring) Members() []Member {
 }
 
 // FairShare records this relay's Envoy stream count (gossiped within
-// MetaInterval) and returns the tier's fair share per relay: the total over
-// the live members divided by their number, rounded up. ok is false while
-// this relay knows of no other member.
-func (r *Ring) FairShare(conns int) (share int, ok bool) {
+// MetaInterval) and returns the tier's fair share per relay (the total over
+// the live members divided by their number, rounded up) and the count of
+// the least loaded member. ok is false while this relay knows of no other
+// member.
+func (r *Ring) FairShare(conns int) (share, least int, ok bool) {
 	r.conns.Store(int64(min(max(conns, 0), maxConns)))
 	members := r.Members()
 	if len(members) < 2 {
-		return 0, false
+		return 0, 0, false
 	}
-	total := 0
+	total, least := 0, members[0].Conns
 	for _, m := range members {
 		total += m.Conns
+		least = min(least, m.Conns)
 	}
-	return (total + len(members) - 1) / len(members), true
+	return (total + len(members) - 1) / len(members), least, true
 }
 
 // rebuild recomputes the members and the hash ring from memberlist, and

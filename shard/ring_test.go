@@ -146,19 +146,19 @@ func TestConnectionCountsAreGossiped(t *testing.T) {
 	b, _ := startRing(t, nw, "b", nil, ta.Addr())
 	c, _ := startRing(t, nw, "c", nil, ta.Addr())
 	waitMembers(t, []*Ring{a, b, c}, "a", "b", "c")
-	if _, ok := (&Ring{}).FairShare(0); ok {
+	if _, _, ok := (&Ring{}).FairShare(0); ok {
 		t.Error("FairShare on a ring with no members: ok, want not ok")
 	}
 	b.FairShare(30)
 	c.FairShare(0)
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		share, ok := a.FairShare(90)
-		if ok && share == 40 {
+		share, least, ok := a.FairShare(90)
+		if ok && share == 40 && least == 0 {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("a.FairShare(90) = %d, %v; want 40 ((90+30+0)/3)", share, ok)
+			t.Fatalf("a.FairShare(90) = %d, %d, %v; want 40 ((90+30+0)/3), 0", share, least, ok)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

@@ -26,6 +26,7 @@ const usage = `loadtest: meshrelay's benchmarks.
 
 Usage:
   loadtest fanout [flags]     direct vs relayed: ACK latency, upstream streams, relay CPU and RSS, bytes
+  loadtest scale [flags]      a tier scaled out and in: keys and streams moved, time to rebalance, bytes re-sent
   loadtest upstream [flags]   serve the synthetic istiod-shaped upstream (with optional churn)
 
 Run "loadtest <command> -h" for a command's flags.
@@ -42,6 +43,8 @@ func main() {
 	switch os.Args[1] {
 	case "fanout":
 		err = fanout(ctx, os.Args[2:])
+	case "scale":
+		err = scale(ctx, os.Args[2:])
 	case "upstream":
 		err = serveUpstream(ctx, os.Args[2:])
 	case "relay-child": // hidden: the relay process fanout starts
@@ -131,6 +134,38 @@ func fanout(ctx context.Context, args []string) error {
 		}
 	}
 	return err
+}
+
+func scale(ctx context.Context, args []string) error {
+	cfg := loadtest.DefaultScaleConfig()
+	fs := flag.NewFlagSet("scale", flag.ContinueOnError)
+	fs.IntVar(&cfg.Scenario.Services, "services", cfg.Scenario.Services, "ServiceEntries in the synthetic upstream")
+	fs.IntVar(&cfg.Scenario.Endpoints, "endpoints", cfg.Scenario.Endpoints, "WorkloadEntries in the synthetic upstream")
+	fs.IntVar(&cfg.Scenario.Namespaces, "namespaces", cfg.Scenario.Namespaces, "namespaces (config is scoped by namespace)")
+	fs.IntVar(&cfg.Relays, "relays", cfg.Relays, "relays before the scale-out")
+	fs.IntVar(&cfg.Envoys, "envoys", cfg.Envoys, "simulated Envoys")
+	fs.IntVar(&cfg.Keys, "keys", cfg.Keys, "aggregation keys the Envoys spread over")
+	fs.Float64Var(&cfg.StartRate, "start-rate", cfg.StartRate, "Envoys connecting per second")
+	fs.IntVar(&cfg.Changes, "changes", cfg.Changes, "endpoint changes timed before the scale-out and during the scale-in")
+	fs.DurationVar(&cfg.ChangeGap, "change-gap", cfg.ChangeGap, "time between changes")
+	fs.Float64Var(&cfg.Tolerance, "tolerance", cfg.Tolerance, "how far from the fair share a relay may be to count as rebalanced (fraction)")
+	fs.DurationVar(&cfg.PhaseTimeout, "phase-timeout", cfg.PhaseTimeout, "bound on each scaling step")
+	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	rep, err := loadtest.RunScale(ctx, cfg, os.Stdout)
+	if err != nil {
+		return err
+	}
+	if *jsonOut != "" {
+		b, err := json.MarshalIndent(rep, "", "  ")
+		if err != nil {
+			return err
+		}
+		return os.WriteFile(*jsonOut, b, 0o644)
+	}
+	return nil
 }
 
 func splitList(s string) []string {

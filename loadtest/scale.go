@@ -1,0 +1,427 @@
+package loadtest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"runtime"
+	"sync"
+	"time"
+
+	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/relay"
+)
+
+// ScaleConfig configures RunScale: a tier scaled out by one relay, then in
+// by one, with Envoys connected through a Service-like proxy.
+type ScaleConfig struct {
+	Scenario upstream.Scenario
+	// Relays is the tier's size before the scale-out. Default 3.
+	Relays int
+	// Envoys and Keys: the fleet. Defaults 3,000 and 100.
+	Envoys, Keys int
+	// StartRate bounds Envoys connecting per second. Default 500.
+	StartRate float64
+	// Changes is the number of endpoint changes timed before the
+	// scale-out (the baseline) and during the scale-in. Default 10.
+	Changes int
+	// ChangeGap is the time between two changes. Default 500ms.
+	ChangeGap time.Duration
+	// Tolerance is how far from the fair share (a fraction) a relay's
+	// Envoy streams may be for the tier to count as rebalanced. Default 0.2.
+	Tolerance float64
+	// SyncTimeout and PhaseTimeout bound the initial sync and each phase.
+	// Defaults 10m and 3m.
+	SyncTimeout, PhaseTimeout time.Duration
+}
+
+// DefaultScaleConfig is what `loadtest scale` runs with no flags.
+func DefaultScaleConfig() ScaleConfig {
+	sc := upstream.DefaultScenario()
+	sc.Services, sc.Endpoints, sc.Namespaces, sc.LocalFraction = 500, 500, 10, 0.25
+	return ScaleConfig{
+		Scenario: sc, Relays: 3, Envoys: 3000, Keys: 100, StartRate: 500,
+		Changes: 10, ChangeGap: 500 * time.Millisecond, Tolerance: 0.2,
+		SyncTimeout: 10 * time.Minute, PhaseTimeout: 3 * time.Minute,
+	}
+}
+
+// ScaleReport is what RunScale measured.
+type ScaleReport struct {
+	Date    string       `json:"date"`
+	Machine Machine      `json:"machine"`
+	Config  ScaleSummary `json:"config"`
+	// SyncS is the initial sync of the fleet through the tier.
+	SyncS float64 `json:"initial_sync_s"`
+	// Baseline is change → last Envoy's ACK before any scaling.
+	Baseline Latency      `json:"baseline_change_to_all"`
+	Phases   []ScalePhase `json:"phases"`
+}
+
+// ScaleSummary is the configuration a report was measured with.
+type ScaleSummary struct {
+	Services, Endpoints, Namespaces int
+	Relays, Envoys, Keys            int
+	Tolerance                       float64
+}
+
+// ScalePhase is one scaling step.
+type ScalePhase struct {
+	Name string `json:"name"`
+	// RelaysBefore and RelaysAfter count running relays.
+	RelaysBefore int `json:"relays_before"`
+	RelaysAfter  int `json:"relays_after"`
+	// KeysMoved is the number of keys whose owner changed; Ideal is the
+	// fraction a perfect consistent hash would move (1/relays after an
+	// add, 1/relays before a removal).
+	KeysMoved     int     `json:"keys_moved"`
+	KeysMovedFrac float64 `json:"keys_moved_fraction"`
+	IdealFrac     float64 `json:"ideal_fraction"`
+	// StreamsMoved is the number of Envoy streams that were reopened
+	// (moved by balancing or draining).
+	StreamsMoved int `json:"envoy_streams_moved"`
+	// RebalancedS is the time from the step until every relay holds
+	// within Tolerance of its fair share, every Envoy is connected and the
+	// upstream holds one stream per key; Rebalanced is false if
+	// PhaseTimeout passed first.
+	RebalancedS float64 `json:"rebalanced_s"`
+	Rebalanced  bool    `json:"rebalanced"`
+	// StreamsPerRelay is each running relay's Envoy streams at the end.
+	StreamsPerRelay []int `json:"envoy_streams_per_relay"`
+	// BytesResent is what the moved Envoys received during the phase;
+	// FullState what the same Envoys received in their initial sync.
+	BytesResent uint64  `json:"bytes_resent_to_moved"`
+	FullState   uint64  `json:"full_state_of_moved"`
+	ResentPct   float64 `json:"resent_percent"`
+	// UpstreamBefore and UpstreamAfter are the upstream's open streams.
+	UpstreamBefore int64 `json:"upstream_streams_before"`
+	UpstreamAfter  int64 `json:"upstream_streams_after"`
+	// During is change → last Envoy's ACK for changes made during the
+	// phase (the scale-in only).
+	During     Latency `json:"change_to_all_during"`
+	Violations int     `json:"violations"`
+}
+
+// scaleRun holds the parts of one RunScale.
+type scaleRun struct {
+	cfg     ScaleConfig
+	up      *upstream.Upstream
+	tier    *Tier
+	fleet   *Fleet
+	tracker *Tracker
+	keys    []relay.Key
+
+	mu    sync.Mutex
+	bytes []uint64 // received, per Envoy
+}
+
+// RunScale measures a tier scaling out and in: cfg.Relays relays, a fleet
+// connected through a Service-like proxy; add one relay (no changes, so
+// that what is re-sent is only what moving costs), then stop one
+// gracefully while endpoints change. Everything runs in this process.
+func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport, error) {
+	if cfg.Relays < 2 || cfg.Envoys < 1 || cfg.Keys < 1 || cfg.Changes < 1 || cfg.Tolerance <= 0 {
+		return nil, errors.New("loadtest: scale needs at least 2 relays, 1 Envoy, 1 key, 1 change and a positive tolerance")
+	}
+	rep := &ScaleReport{
+		Date: time.Now().UTC().Format(time.RFC3339),
+		Machine: Machine{CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0),
+			GoVersion: runtime.Version(), OS: runtime.GOOS + "/" + runtime.GOARCH, LoadAvg: loadAvg()},
+		Config: ScaleSummary{Services: cfg.Scenario.Services, Endpoints: cfg.Scenario.Endpoints, Namespaces: cfg.Scenario.Namespaces,
+			Relays: cfg.Relays, Envoys: cfg.Envoys, Keys: cfg.Keys, Tolerance: cfg.Tolerance},
+	}
+	stopCtx := context.WithoutCancel(ctx)
+	s := &scaleRun{cfg: cfg, tracker: NewTracker(), bytes: make([]uint64, cfg.Envoys)}
+
+	ucfg := upstream.DefaultConfig()
+	ucfg.Scenario = cfg.Scenario
+	ucfg.OnPublish = func(c upstream.Change) { s.tracker.Track(c) }
+	up, err := upstream.New(ucfg)
+	if err != nil {
+		return nil, err
+	}
+	if err := up.Start(ctx); err != nil {
+		return nil, err
+	}
+	defer up.Stop(stopCtx)
+	s.up = up
+
+	tier, err := StartTier(stopCtx, TierConfig{Relays: cfg.Relays, Upstream: up.Addr(), DrainPeriod: 5 * time.Second,
+		BalanceInterval: 2 * time.Second, ShedRate: 100})
+	if err != nil {
+		return nil, err
+	}
+	defer tier.Stop(stopCtx)
+	s.tier = tier
+	if err := s.waitConverged(ctx); err != nil {
+		return nil, err
+	}
+	for k := range cfg.Keys {
+		ns, wl := k%cfg.Scenario.Namespaces, k/cfg.Scenario.Namespaces
+		s.keys = append(s.keys, relay.IstioProfile{}.Key(cfg.Scenario.Node(ns, wl, 0)))
+	}
+
+	fmt.Fprintf(out, "scale: %d relays, %d Envoys over %d keys (%d services, %d endpoints), connecting at %.0f/s\n",
+		cfg.Relays, cfg.Envoys, cfg.Keys, cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.StartRate)
+	start := time.Now()
+	fleet, err := StartFleet(stopCtx, FleetConfig{
+		Scenario: cfg.Scenario, Envoys: cfg.Envoys, Keys: cfg.Keys, Protocol: envoy.Delta,
+		Target: tier.Addr(), StartRate: cfg.StartRate, Tracker: s.tracker,
+		OnEvent: func(i int, ev envoy.Event) {
+			if ev.Kind == envoy.Received {
+				s.mu.Lock()
+				s.bytes[i] += uint64(ev.Bytes)
+				s.mu.Unlock()
+			}
+		},
+	})
+	if err != nil {
+		return nil, err
+	}
+	defer fleet.Stop(stopCtx)
+	s.fleet = fleet
+	sctx, cancel := context.WithTimeout(ctx, cfg.SyncTimeout)
+	err = fleet.WaitSynced(sctx, up)
+	cancel()
+	if err != nil {
+		return nil, fmt.Errorf("loadtest: initial sync: %w", err)
+	}
+	rep.SyncS = time.Since(start).Seconds()
+	fmt.Fprintf(out, "scale: %d Envoys synced in %.1fs; upstream streams %d\n", cfg.Envoys, rep.SyncS, up.Stats().OpenStreams)
+	if _, err := s.waitRebalanced(ctx, time.Now()); err != nil {
+		return nil, err
+	}
+	if err := s.waitQuiet(ctx); err != nil {
+		return nil, err
+	}
+
+	// The baseline: changes with the tier settled.
+	s.tracker.Reset()
+	if err := s.changes(ctx, 0); err != nil {
+		return nil, err
+	}
+	_, rep.Baseline, _ = s.tracker.Results()
+	fmt.Fprintf(out, "scale: baseline change → all Envoys P99 %s (%d changes)\n", ms(rep.Baseline.P99), rep.Baseline.N)
+
+	// Scale out: one more relay, nothing changing upstream.
+	p, err := s.phase(ctx, fmt.Sprintf("add relay-%d", cfg.Relays), false, func() error {
+		_, err := tier.Add(stopCtx)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	rep.Phases = append(rep.Phases, p)
+	s.print(out, p)
+
+	// Scale in: stop relay-0 gracefully while endpoints change.
+	p, err = s.phase(ctx, "stop relay-0 (graceful)", true, func() error {
+		return tier.StopRelay(stopCtx, 0, true)
+	})
+	if err != nil {
+		return nil, err
+	}
+	rep.Phases = append(rep.Phases, p)
+	s.print(out, p)
+	return rep, nil
+}
+
+func (s *scaleRun) waitConverged(ctx context.Context) error {
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	return s.tier.WaitConverged(wctx)
+}
+
+// owners returns each key's owner, as the first running relay's ring has
+// it.
+func (s *scaleRun) owners() []string {
+	r := s.tier.Running()[0]
+	out := make([]string, len(s.keys))
+	for i, k := range s.keys {
+		m, _ := r.Node.Ring().Locate(string(k))
+		out[i] = m.Name
+	}
+	return out
+}
+
+func (s *scaleRun) snapshot() (bytes []uint64, reconnects []uint64) {
+	s.mu.Lock()
+	bytes = append([]uint64(nil), s.bytes...)
+	s.mu.Unlock()
+	for _, e := range s.fleet.Envoys() {
+		reconnects = append(reconnects, e.Stats().Reconnects)
+	}
+	return bytes, reconnects
+}
+
+// phase runs one scaling step and measures it.
+func (s *scaleRun) phase(ctx context.Context, name string, withChanges bool, step func() error) (ScalePhase, error) {
+	p := ScalePhase{Name: name, RelaysBefore: len(s.tier.Running()), UpstreamBefore: s.up.Stats().OpenStreams}
+	ownersBefore := s.owners()
+	bytesBefore, reconnBefore := s.snapshot()
+	violationsBefore := len(s.fleet.Violations())
+	s.tracker.Reset()
+
+	start := time.Now()
+	if err := step(); err != nil {
+		return p, err
+	}
+	changesDone := make(chan error, 1)
+	if withChanges {
+		go func() { changesDone <- s.changes(ctx, s.cfg.Changes) }()
+	} else {
+		changesDone <- nil
+	}
+	if err := s.waitConverged(ctx); err != nil {
+		return p, err
+	}
+	d, err := s.waitRebalanced(ctx, start)
+	if err != nil {
+		return p, err
+	}
+	p.Rebalanced, p.RebalancedS = d >= 0, d.Seconds()
+	if err := <-changesDone; err != nil {
+		return p, err
+	}
+	if err := s.waitQuiet(ctx); err != nil {
+		return p, err
+	}
+	if withChanges {
+		_, p.During, _ = s.tracker.Results()
+	}
+
+	p.RelaysAfter = len(s.tier.Running())
+	p.UpstreamAfter = s.up.Stats().OpenStreams
+	ownersAfter := s.owners()
+	for i := range ownersBefore {
+		if ownersBefore[i] != ownersAfter[i] {
+			p.KeysMoved++
+		}
+	}
+	p.KeysMovedFrac = float64(p.KeysMoved) / float64(len(s.keys))
+	p.IdealFrac = 1 / float64(max(p.RelaysBefore, p.RelaysAfter))
+	bytesAfter, reconnAfter := s.snapshot()
+	for i := range reconnAfter {
+		if reconnAfter[i] > reconnBefore[i] {
+			p.StreamsMoved += int(reconnAfter[i] - reconnBefore[i])
+			p.BytesResent += bytesAfter[i] - bytesBefore[i]
+			p.FullState += bytesBefore[i]
+		}
+	}
+	if p.FullState > 0 {
+		p.ResentPct = 100 * float64(p.BytesResent) / float64(p.FullState)
+	}
+	for _, r := range s.tier.Running() {
+		p.StreamsPerRelay = append(p.StreamsPerRelay, r.Node.Relay().Stats().Streams)
+	}
+	p.Violations = len(s.fleet.Violations()) - violationsBefore
+	return p, nil
+}
+
+// rebalanced reports whether every running relay holds within Tolerance of
+// the fair share, every Envoy is connected, and the upstream holds one
+// stream per key.
+func (s *scaleRun) rebalanced() bool {
+	running := s.tier.Running()
+	fair := float64(s.cfg.Envoys) / float64(len(running))
+	total := 0
+	for _, r := range running {
+		n := r.Node.Relay().Stats().Streams
+		total += n
+		if math.Abs(float64(n)-fair) > s.cfg.Tolerance*fair {
+			return false
+		}
+	}
+	return total == s.cfg.Envoys && s.fleet.Connected() == s.cfg.Envoys &&
+		s.up.Stats().OpenStreams == int64(len(s.keys))
+}
+
+// waitRebalanced waits until rebalanced and returns the time since start,
+// or -1 if PhaseTimeout passed first.
+func (s *scaleRun) waitRebalanced(ctx context.Context, start time.Time) (time.Duration, error) {
+	deadline := time.Now().Add(s.cfg.PhaseTimeout)
+	for !s.rebalanced() {
+		if time.Now().After(deadline) {
+			return -1, nil
+		}
+		select {
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	return time.Since(start), nil
+}
+
+// waitQuiet waits until no Envoy stream has been moved for 3 s (balancing
+// goes on past "within tolerance", down to the share plus a small margin),
+// or PhaseTimeout passes.
+func (s *scaleRun) waitQuiet(ctx context.Context) error {
+	total := func() (n uint64) {
+		_, r := s.snapshot()
+		for _, x := range r {
+			n += x
+		}
+		return n
+	}
+	deadline := time.Now().Add(s.cfg.PhaseTimeout)
+	last, since := total(), time.Now()
+	for time.Since(since) < 3*time.Second && time.Now().Before(deadline) {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
+		if n := total(); n != last {
+			last, since = n, time.Now()
+		}
+	}
+	return nil
+}
+
+// changes moves n endpoints, ChangeGap apart (n = 0: cfg.Changes, each
+// waited for until it reached every Envoy).
+func (s *scaleRun) changes(ctx context.Context, n int) error {
+	wait := n == 0
+	if wait {
+		n = s.cfg.Changes
+	}
+	for i := range n {
+		c, err := s.up.MoveEndpoint(i * 7 % s.cfg.Scenario.Endpoints)
+		if err != nil {
+			return err
+		}
+		if wait {
+			select {
+			case <-s.tracker.Track(c):
+			case <-time.After(s.cfg.PhaseTimeout):
+				return fmt.Errorf("loadtest: change %d did not reach every Envoy in %v", i, s.cfg.PhaseTimeout)
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		select {
+		case <-time.After(s.cfg.ChangeGap):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
+}
+
+func (s *scaleRun) print(out io.Writer, p ScalePhase) {
+	reb := fmt.Sprintf("%.1fs", p.RebalancedS)
+	if !p.Rebalanced {
+		reb = "not within the phase timeout"
+	}
+	fmt.Fprintf(out, "scale: %s: relays %d → %d; keys moved %d (%.1f%%, ideal %.1f%%); Envoy streams moved %d; rebalanced %s, per relay %v\n",
+		p.Name, p.RelaysBefore, p.RelaysAfter, p.KeysMoved, 100*p.KeysMovedFrac, 100*p.IdealFrac, p.StreamsMoved, reb, p.StreamsPerRelay)
+	fmt.Fprintf(out, "scale: %s: bytes re-sent to moved Envoys %d of their full state %d (%.2f%%); upstream streams %d → %d (keys %d); violations %d\n",
+		p.Name, p.BytesResent, p.FullState, p.ResentPct, p.UpstreamBefore, p.UpstreamAfter, len(s.keys), p.Violations)
+	if p.During.N > 0 {
+		fmt.Fprintf(out, "scale: %s: change → all Envoys during the move P50 %s P99 %s (%d changes)\n", p.Name, ms(p.During.P50), ms(p.During.P99), p.During.N)
+	}
+}

@@ -1,0 +1,45 @@
+package loadtest
+
+import (
+	"bytes"
+	"context"
+	"testing"
+	"time"
+)
+
+// TestScale runs the scale benchmark tiny: the tier rebalances after a
+// relay is added and after one is stopped, the upstream keeps one stream
+// per key, and no Envoy sees a protocol violation.
+func TestScale(t *testing.T) {
+	cfg := DefaultScaleConfig()
+	cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = 40, 40, 4
+	cfg.Envoys, cfg.Keys, cfg.Changes = 80, 8, 3
+	cfg.ChangeGap = 100 * time.Millisecond
+	cfg.PhaseTimeout = time.Minute
+	var out bytes.Buffer
+	rep, err := RunScale(context.Background(), cfg, &out)
+	t.Log(out.String())
+	if err != nil {
+		t.Fatalf("RunScale: %v", err)
+	}
+	if len(rep.Phases) != 2 {
+		t.Fatalf("%d phases, want 2", len(rep.Phases))
+	}
+	for _, p := range rep.Phases {
+		if !p.Rebalanced {
+			t.Errorf("%s: not rebalanced within %v (streams per relay %v)", p.Name, cfg.PhaseTimeout, p.StreamsPerRelay)
+		}
+		if p.UpstreamAfter != int64(cfg.Keys) {
+			t.Errorf("%s: upstream streams %d after, want %d", p.Name, p.UpstreamAfter, cfg.Keys)
+		}
+		if p.Violations != 0 {
+			t.Errorf("%s: %d protocol violations", p.Name, p.Violations)
+		}
+		if p.KeysMoved == 0 || p.StreamsMoved == 0 {
+			t.Errorf("%s: %d keys and %d streams moved, want some of each", p.Name, p.KeysMoved, p.StreamsMoved)
+		}
+	}
+	if rep.Phases[0].RelaysAfter != 4 || rep.Phases[1].RelaysAfter != 3 {
+		t.Errorf("relays %d then %d, want 4 then 3", rep.Phases[0].RelaysAfter, rep.Phases[1].RelaysAfter)
+	}
+}
