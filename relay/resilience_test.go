@@ -438,6 +438,23 @@ func TestPassthroughReplay(t *testing.T) {
 				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeNDS, ResourceNamesUnsubscribe: []string{wildcardName}})
 			}
 			c.quiet(typeNDS) // the upstream may answer the NACK; leave it so
+			// The client's last request is forwarded asynchronously: count
+			// what comes after it has reached the upstream.
+			waitFor(t, "the last passthrough request to reach the upstream", func() bool {
+				e.up.mu.Lock()
+				defer e.up.mu.Unlock()
+				for _, q := range e.up.sotwReqs {
+					if q.GetTypeUrl() == typeNDS && q.GetErrorDetail() != nil {
+						return true
+					}
+				}
+				for _, q := range e.up.deltaReq {
+					if q.GetTypeUrl() == typeNDS && len(q.GetResourceNamesUnsubscribe()) > 0 {
+						return true
+					}
+				}
+				return false
+			})
 			e.up.mu.Lock()
 			beforeSotW, beforeDelta := len(e.up.sotwReqs), len(e.up.deltaReq)
 			e.up.mu.Unlock()

@@ -42,7 +42,10 @@ type stream struct {
 	// is scheduled for the end of declareGrace.
 	opened     time.Time
 	graceArmed bool
-	pass       *passthrough
+	// dangling holds, by "type|name", when a listener or route
+	// configuration was first held back for a cluster the client lacked.
+	dangling map[string]time.Time
+	pass     *passthrough
 	// dirty is set when a subscription changed or the key's snapshot did:
 	// the stream must sync.
 	dirty bool
@@ -455,6 +458,8 @@ func (s *stream) sync() error {
 		}
 	}
 	for i, p := range plans {
+		// After the plans before it went out: their clusters are held.
+		s.deferDangling(p)
 		laterUpdates := false
 		for _, q := range plans[i+1:] {
 			laterUpdates = laterUpdates || len(q.upd) > 0
@@ -543,6 +548,57 @@ func (s *stream) heldBy(typeURL, name string) bool {
 	return false
 }
 
+// deferDangling holds back, from a plan of listeners or route
+// configurations, those that use a cluster the client does not hold yet:
+// make-before-break across types. The clusters of this sync went out
+// first (CDS precedes LDS and RDS); a cluster the key's view lacks is on
+// its way from the source (which may answer types out of order), so the
+// resource waits for it, for ResourceWaitTimeout at most: a route may
+// name a cluster that never exists (Envoy answers 503 for it), and must
+// not be held forever for that.
+func (s *stream) deferDangling(p *plan) {
+	if p.sub.typeURL != typeRoute && p.sub.typeURL != typeListener {
+		return
+	}
+	cds := s.subs[typeCluster]
+	if cds == nil || len(p.upd) == 0 {
+		return
+	}
+	now := time.Now()
+	wait := s.r.cfg.ResourceWaitTimeout
+	kept := p.upd[:0]
+	for _, r := range p.upd {
+		key := p.sub.typeURL + "|" + r.Name
+		missing := slices.ContainsFunc(r.refs.of(refClusters), func(c string) bool {
+			_, held := cds.known.Get(c)
+			return !held
+		})
+		if missing {
+			since, ok := s.dangling[key]
+			if !ok {
+				if s.dangling == nil {
+					s.dangling = make(map[string]time.Time)
+				}
+				s.dangling[key], since = now, now
+				time.AfterFunc(wait, func() { wake(s.wake) })
+			}
+			if now.Sub(since) < wait {
+				continue
+			}
+		}
+		delete(s.dangling, key)
+		kept = append(kept, r)
+	}
+	p.upd = kept
+}
+
+// deferred reports whether name of typeURL is held back by deferDangling
+// (for tests of the model).
+func (s *stream) deferred(typeURL, name string) bool {
+	_, ok := s.dangling[typeURL+"|"+name]
+	return ok
+}
+
 // holdDeclared keeps a reconnecting client's declared content while the
 // key is stale. Content hashes have no order: a client that moved from
 // another relay may hold content newer than this relay's view, and while no
@@ -629,8 +685,26 @@ func (s *stream) refers(typeURL string, kind refKind, name string) bool {
 	if sub == nil || sub.known.Len() == 0 {
 		return false
 	}
-	_, ok := s.r.refIndex.names(sub.known, kind)[name]
-	return ok
+	if _, ok := s.r.refIndex.names(sub.known, kind)[name]; ok {
+		return true
+	}
+	// The client declared content this relay has never seen (it came
+	// from another relay): it may refer to anything, until the relay has
+	// replaced it, later in the same sync if the key has it.
+	return opaque(sub.known)
+}
+
+// opaque reports whether a tree holds a resource of unknown content (a
+// client's declaration the relay could not resolve, which lasts until the
+// sync that replaces it). It walks the tree, stopping at the first one:
+// once per removal candidate, and removals are few.
+func opaque(t ledger.Tree[*Resource]) bool {
+	for e := range t.All() {
+		if e.Value == nil {
+			return true
+		}
+	}
+	return false
 }
 
 // emit applies upd and removed to the client's known state and sends the

@@ -5,6 +5,7 @@ import (
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
+	"math"
 	"math/rand/v2"
 	"net"
 	"sync"
@@ -322,8 +323,9 @@ func (r *Relay) moveAway(s *stream, why string) bool {
 // While some relay is more than a margin m below the share (a new one),
 // every relay sheds down to the share itself; once none is, relays shed
 // only above share+m. So the tier settles with every relay within m of the
-// share, and does not trade streams over rounding and gossip delay. m is a
-// twenty-fifth of the share, at least two streams.
+// share, and does not trade streams over rounding, gossip delay and the
+// Service's random placement, whose spread is about √share: m is √share or
+// a twenty-fifth of the share, whichever is larger (share 30: 6, 750: 30).
 func (r *Relay) balance(ctx context.Context) {
 	for {
 		// Jittered: relays that learn of a new member together do not shed
@@ -337,7 +339,7 @@ func (r *Relay) balance(ctx context.Context) {
 		if !ok || r.draining.Load() {
 			continue
 		}
-		m := max(share/25, 2)
+		m := max(int(math.Ceil(math.Sqrt(float64(share)))), share/25, 2)
 		limit := share + m
 		if least < share-m {
 			limit = share
