@@ -349,6 +349,10 @@ func (r *Relay) balance(ctx context.Context) {
 			continue
 		}
 		n := min(excess, max(1, int(r.cfg.ShedRate*d.Seconds())))
+		// Streams younger than three rounds stay: a client that just
+		// arrived (moved here, or still syncing in a ramp) is not moved
+		// again before the tier's counts have caught up with it.
+		minAge := 3 * r.cfg.BalanceInterval
 		// At random: picking the newest would move the same client again
 		// and again (a moved client is the newest where it lands). Only
 		// settled streams (everything sent was answered): a client moved
@@ -360,7 +364,7 @@ func (r *Relay) balance(ctx context.Context) {
 			if moved == n {
 				break
 			}
-			if s.settled() && r.moveAway(s, "rebalance") {
+			if time.Since(s.opened) >= minAge && s.settled() && r.moveAway(s, "rebalance") {
 				moved++
 			}
 		}

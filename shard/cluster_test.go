@@ -312,3 +312,63 @@ func TestServicesComeAndGoThroughPeers(t *testing.T) {
 		t.Errorf("protocol violation: %v", v)
 	}
 }
+
+// TestAddAndRemoveMoveFewKeys: adding a 5th relay to 4 moves at most about
+// twice the ideal fifth of the keys, removing it moves about its keys back,
+// and after every step the upstream holds one stream per key.
+func TestAddAndRemoveMoveFewKeys(t *testing.T) {
+	c := startCluster(t, 4, 48, envoy.Delta)
+	keys := make([]string, 0, 200)
+	for i := range 200 {
+		keys = append(keys, fmt.Sprintf("sidecar/ns-%d/wl-%d#x", i%7, i))
+	}
+	owners := func() map[string]string {
+		r := c.tier.Running()[0].Node.Ring()
+		out := make(map[string]string, len(keys))
+		for _, k := range keys {
+			m, _ := r.Locate(k)
+			out[k] = m.XDSAddr
+		}
+		return out
+	}
+	moved := func(a, b map[string]string) float64 {
+		n := 0
+		for k := range a {
+			if a[k] != b[k] {
+				n++
+			}
+		}
+		return float64(n) / float64(len(keys))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	before := owners()
+	i, err := c.tier.Add(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.tier.WaitConverged(ctx); err != nil {
+		t.Fatal(err)
+	}
+	added := owners()
+	if f := moved(before, added); f > 2*0.2 {
+		t.Errorf("adding a 5th relay moved %.2f of the keys, want at most 2 × 0.20", f)
+	}
+	c.waitOneStreamPerKey("after adding a relay")
+	c.change("after adding a relay")
+
+	if err := c.tier.StopRelay(ctx, i, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.tier.WaitConverged(ctx); err != nil {
+		t.Fatal(err)
+	}
+	removed := owners()
+	if f := moved(added, removed); f > 2*0.2 {
+		t.Errorf("removing it moved %.2f of the keys, want at most 2 × 0.20", f)
+	}
+	c.waitOneStreamPerKey("after removing it")
+	c.change("after removing it")
+	c.checkHistories()
+}
