@@ -25,6 +25,11 @@ type ScaleConfig struct {
 	Envoys, Keys int
 	// StartRate bounds Envoys connecting per second. Default 500.
 	StartRate float64
+	// EnvoysPerConn is how many Envoys share a gRPC connection. Default 3:
+	// in one process every connection costs about six file descriptors
+	// (the Envoy's, the proxy's two, the relay's, and their share of
+	// peers), and 3,000 connections alone would exhaust a limit of 20,000.
+	EnvoysPerConn int
 	// Changes is the number of endpoint changes timed before the
 	// scale-out (the baseline) and during the scale-in. Default 10.
 	Changes int
@@ -43,7 +48,7 @@ func DefaultScaleConfig() ScaleConfig {
 	sc := upstream.DefaultScenario()
 	sc.Services, sc.Endpoints, sc.Namespaces, sc.LocalFraction = 500, 500, 10, 0.25
 	return ScaleConfig{
-		Scenario: sc, Relays: 3, Envoys: 3000, Keys: 100, StartRate: 500,
+		Scenario: sc, Relays: 3, Envoys: 3000, Keys: 100, StartRate: 500, EnvoysPerConn: 3,
 		Changes: 10, ChangeGap: 500 * time.Millisecond, Tolerance: 0.2,
 		SyncTimeout: 10 * time.Minute, PhaseTimeout: 3 * time.Minute,
 	}
@@ -169,7 +174,7 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 	start := time.Now()
 	fleet, err := StartFleet(stopCtx, FleetConfig{
 		Scenario: cfg.Scenario, Envoys: cfg.Envoys, Keys: cfg.Keys, Protocol: envoy.Delta,
-		Target: tier.Addr(), StartRate: cfg.StartRate, Tracker: s.tracker,
+		Target: tier.Addr(), StartRate: cfg.StartRate, EnvoysPerConn: cfg.EnvoysPerConn, Tracker: s.tracker,
 		OnEvent: func(i int, ev envoy.Event) {
 			if ev.Kind == envoy.Received {
 				s.mu.Lock()

@@ -146,6 +146,7 @@ func scale(ctx context.Context, args []string) error {
 	fs.IntVar(&cfg.Envoys, "envoys", cfg.Envoys, "simulated Envoys")
 	fs.IntVar(&cfg.Keys, "keys", cfg.Keys, "aggregation keys the Envoys spread over")
 	fs.Float64Var(&cfg.StartRate, "start-rate", cfg.StartRate, "Envoys connecting per second")
+	fs.IntVar(&cfg.EnvoysPerConn, "envoys-per-conn", cfg.EnvoysPerConn, "Envoys sharing one gRPC connection (file descriptors: ~6 per connection in one process)")
 	fs.IntVar(&cfg.Changes, "changes", cfg.Changes, "endpoint changes timed before the scale-out and during the scale-in")
 	fs.DurationVar(&cfg.ChangeGap, "change-gap", cfg.ChangeGap, "time between changes")
 	fs.Float64Var(&cfg.Tolerance, "tolerance", cfg.Tolerance, "how far from the fair share a relay may be to count as rebalanced (fraction)")
