@@ -16,6 +16,10 @@ func TestScale(t *testing.T) {
 	cfg.Envoys, cfg.Keys, cfg.Changes = 80, 8, 3
 	cfg.ChangeGap = 100 * time.Millisecond
 	cfg.PhaseTimeout = time.Minute
+	// At a share of 20 the relays' own margin is √20 ≈ 5 streams (25 %):
+	// the 20 % bound of the issue is checked at a share of 30 in
+	// shard's TestScaleOutRebalances.
+	cfg.Tolerance = 0.3
 	var out bytes.Buffer
 	rep, err := RunScale(context.Background(), cfg, &out)
 	t.Log(out.String())
@@ -35,8 +39,10 @@ func TestScale(t *testing.T) {
 		if p.Violations != 0 {
 			t.Errorf("%s: %d protocol violations", p.Name, p.Violations)
 		}
-		if p.KeysMoved == 0 || p.StreamsMoved == 0 {
-			t.Errorf("%s: %d keys and %d streams moved, want some of each", p.Name, p.KeysMoved, p.StreamsMoved)
+		// (Keys moved is not checked: with 8 keys, adding a 4th relay
+		// moves none about one time in ten.)
+		if p.StreamsMoved == 0 {
+			t.Errorf("%s: no Envoy stream moved", p.Name)
 		}
 	}
 	if rep.Phases[0].RelaysAfter != 4 || rep.Phases[1].RelaysAfter != 3 {
