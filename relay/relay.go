@@ -154,6 +154,7 @@ func (r *Relay) Start(ctx context.Context) error {
 	r.upConn, r.lis = conn, lis
 	r.ctx, r.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	r.goRun(r.watchWarm)
+	r.goRun(r.pruneConns)
 	if r.cfg.Owners != nil {
 		r.goRun(r.watchOwners)
 	}

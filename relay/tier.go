@@ -235,15 +235,24 @@ func (r *Relay) watchOwners(ctx context.Context) {
 }
 
 // connTracker remembers the server's connections by remote address, so that
-// a stream's connection can be closed to move its client elsewhere.
+// a stream's connection can be closed to move its client elsewhere. It
+// hands grpc-go the connections unwrapped: a wrapped net.Conn cost about
+// 60 KB a connection in the relay's peak RSS (measured at 1,000 SotW
+// Envoys: 372 and 390 MiB wrapped, 303 and 333 MiB not). So it does not see
+// connections close; prune forgets those that no stream uses.
 type connTracker struct {
 	net.Listener
 	mu    sync.Mutex
-	conns map[string]net.Conn
+	conns map[string]trackedConn
+}
+
+type trackedConn struct {
+	net.Conn
+	at time.Time // accepted
 }
 
 func newConnTracker(l net.Listener) *connTracker {
-	return &connTracker{Listener: l, conns: make(map[string]net.Conn)}
+	return &connTracker{Listener: l, conns: make(map[string]trackedConn)}
 }
 
 func (t *connTracker) Accept() (net.Conn, error) {
@@ -251,39 +260,58 @@ func (t *connTracker) Accept() (net.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	tc := &trackedConn{Conn: c, t: t, addr: c.RemoteAddr().String()}
 	t.mu.Lock()
-	t.conns[tc.addr] = tc
+	t.conns[c.RemoteAddr().String()] = trackedConn{Conn: c, at: time.Now()}
 	t.mu.Unlock()
-	return tc, nil
+	return c, nil
 }
 
-// close closes the connection from addr, if it is still open.
+// close closes the connection from addr, if it is still known.
 func (t *connTracker) close(addr string) bool {
 	t.mu.Lock()
-	c := t.conns[addr]
+	c, ok := t.conns[addr]
+	delete(t.conns, addr)
 	t.mu.Unlock()
-	if c == nil {
+	if !ok {
 		return false
 	}
 	c.Close()
 	return true
 }
 
-type trackedConn struct {
-	net.Conn
-	t    *connTracker
-	addr string
-	once sync.Once
+// prune forgets the connections accepted more than grace ago that no
+// stream uses (live lists the remote addresses of the streams).
+func (t *connTracker) prune(live map[string]bool, grace time.Duration) {
+	now := time.Now()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for addr, c := range t.conns {
+		if !live[addr] && now.Sub(c.at) > grace {
+			delete(t.conns, addr)
+		}
+	}
 }
 
-func (c *trackedConn) Close() error {
-	c.once.Do(func() {
-		c.t.mu.Lock()
-		delete(c.t.conns, c.addr)
-		c.t.mu.Unlock()
-	})
-	return c.Conn.Close()
+// pruneConns forgets, every minute, the connections no stream uses.
+func (r *Relay) pruneConns(ctx context.Context) {
+	t := time.NewTicker(time.Minute)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		live := make(map[string]bool)
+		for _, k := range r.keysSnapshot() {
+			k.mu.Lock()
+			for _, s := range k.members {
+				live[s.peer] = true
+			}
+			k.mu.Unlock()
+		}
+		r.tracker.prune(live, time.Minute)
+	}
 }
 
 // envoyStreams returns the attached streams of Envoys (not peers).
