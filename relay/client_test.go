@@ -264,15 +264,7 @@ func (c *rawClient) quiet(skip ...string) {
 	c.ack(m)
 }
 
-func typeOf(m proto.Message) string {
-	switch r := m.(type) {
-	case *discovery.DiscoveryResponse:
-		return r.GetTypeUrl()
-	case *discovery.DeltaDiscoveryResponse:
-		return r.GetTypeUrl()
-	}
-	return ""
-}
+func typeOf(m proto.Message) string { return responseType(m) }
 
 func lastOf(t *testing.T, c *rawClient) proto.Message {
 	t.Helper()

@@ -453,7 +453,7 @@ func (s *stream) sync() error {
 		}
 		// A peer relay last answered from a stale key is told, even with
 		// nothing new, once the key is fresh: that confirms its views.
-		if len(upd) > 0 || len(gone) > 0 || sub.awaitFirst || (sub.sentStale && !snap.stale) {
+		if len(upd) > 0 || len(gone) > 0 || sub.mustAnswer(snap) {
 			plans = append(plans, &plan{sub: sub, ts: ts, upd: upd, gone: gone})
 		}
 	}
@@ -471,7 +471,7 @@ func (s *stream) sync() error {
 			removed = s.allowedRemovals(p)
 			p.gone = slices.DeleteFunc(p.gone, func(n string) bool { return slices.Contains(removed, n) })
 		}
-		if len(p.upd) > 0 || len(removed) > 0 || p.sub.awaitFirst || (p.sub.sentStale && !snap.stale) {
+		if len(p.upd) > 0 || len(removed) > 0 || p.sub.mustAnswer(snap) {
 			if err := s.emit(p, p.upd, removed); err != nil {
 				return err
 			}
@@ -568,11 +568,15 @@ func (s *stream) deferDangling(p *plan) {
 	wait := s.r.cfg.ResourceWaitTimeout
 	kept := p.upd[:0]
 	for _, r := range p.upd {
-		key := p.sub.typeURL + "|" + r.Name
 		missing := slices.ContainsFunc(r.refs.of(refClusters), func(c string) bool {
 			_, held := cds.known.Get(c)
 			return !held
 		})
+		if !missing && len(s.dangling) == 0 {
+			kept = append(kept, r) // the common case: no key built, nothing to forget
+			continue
+		}
+		key := p.sub.typeURL + "|" + r.Name
 		if missing {
 			since, ok := s.dangling[key]
 			if !ok {
@@ -590,6 +594,13 @@ func (s *stream) deferDangling(p *plan) {
 		kept = append(kept, r)
 	}
 	p.upd = kept
+}
+
+// mustAnswer reports whether the client must get a response even with
+// nothing new: its first answer, or (a peer relay last answered from a
+// stale key) the news that the key is fresh.
+func (sub *typeSub) mustAnswer(snap *keySnap) bool {
+	return sub.awaitFirst || (sub.sentStale && !snap.stale)
 }
 
 // deferred reports whether name of typeURL is held back by deferDangling
@@ -611,9 +622,8 @@ func (s *stream) deferred(typeURL, name string) bool {
 func (s *stream) holdDeclared(snap *keySnap, sub *typeSub, upd []*Resource, gone []string) ([]*Resource, []string) {
 	if !snap.stale {
 		sub.declaredOnly = false // fresh: from now on the view is the truth
-		return upd, gone
 	}
-	if !sub.declaredOnly {
+	if !holdingDeclared(snap, sub) {
 		return upd, gone
 	}
 	upd = slices.DeleteFunc(upd, func(r *Resource) bool {
@@ -627,11 +637,17 @@ func (s *stream) holdDeclared(snap *keySnap, sub *typeSub, upd []*Resource, gone
 // holdDeclared now (for tests of the model).
 func (s *stream) holdsDeclared(typeURL, name string) bool {
 	sub := s.subs[typeURL]
-	if sub == nil || s.key == nil || !s.key.snap.Load().stale || !sub.declaredOnly {
+	if sub == nil || s.key == nil || !holdingDeclared(s.key.snap.Load(), sub) {
 		return false
 	}
 	_, held := sub.known.Get(name)
 	return held
+}
+
+// holdingDeclared reports whether sub's declared content is being kept:
+// the key is stale and nothing was sent since the client declared it.
+func holdingDeclared(snap *keySnap, sub *typeSub) bool {
+	return snap.stale && sub.declaredOnly
 }
 
 // declareGrace is how long a Delta stream's removals wait for the client to

@@ -302,31 +302,29 @@ func (r *Relay) pruneConns(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		live := make(map[string]bool)
-		for _, k := range r.keysSnapshot() {
-			k.mu.Lock()
-			for _, s := range k.members {
-				live[s.peer] = true
-			}
-			k.mu.Unlock()
+		envoys, peers := r.streams()
+		live := make(map[string]bool, len(envoys)+len(peers))
+		for _, s := range append(envoys, peers...) {
+			live[s.peer] = true
 		}
 		r.tracker.prune(live, time.Minute)
 	}
 }
 
-// envoyStreams returns the attached streams of Envoys (not peers).
-func (r *Relay) envoyStreams() []*stream {
-	var out []*stream
+// streams returns the attached streams, Envoys' and other relays' apart.
+func (r *Relay) streams() (envoys, peers []*stream) {
 	for _, k := range r.keysSnapshot() {
 		k.mu.Lock()
 		for _, s := range k.members {
 			if s.peerRelay == nil {
-				out = append(out, s)
+				envoys = append(envoys, s)
+			} else {
+				peers = append(peers, s)
 			}
 		}
 		k.mu.Unlock()
 	}
-	return out
+	return envoys, peers
 }
 
 // moveAway ends s by closing its connection, so that its client reconnects
@@ -362,7 +360,7 @@ func (r *Relay) balance(ctx context.Context) {
 		if !sleepCtx(ctx, d) {
 			return
 		}
-		streams := r.envoyStreams()
+		streams, _ := r.streams()
 		share, least, ok := r.cfg.Tier.FairShare(len(streams))
 		if !ok || r.draining.Load() {
 			continue
@@ -416,18 +414,7 @@ func (r *Relay) MarkNotReady() {
 // stream was moved or ctx ended.
 func (r *Relay) DrainStreams(ctx context.Context, period time.Duration) {
 	r.MarkNotReady()
-	var envoys, peers []*stream
-	for _, k := range r.keysSnapshot() {
-		k.mu.Lock()
-		for _, s := range k.members {
-			if s.peerRelay == nil {
-				envoys = append(envoys, s)
-			} else {
-				peers = append(peers, s)
-			}
-		}
-		k.mu.Unlock()
-	}
+	envoys, peers := r.streams()
 	all := append(envoys, peers...)
 	if len(all) == 0 {
 		return
