@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -170,6 +171,9 @@ func (f *Fleet) Stop(ctx context.Context) {
 
 // Envoys returns the fleet's Envoys.
 func (f *Fleet) Envoys() []*envoy.Envoy { return f.envoys }
+
+// Groups returns each Envoy's upstream node group, by index.
+func (f *Fleet) Groups() []string { return slices.Clone(f.groups) }
 
 // BytesReceived is the total size of the responses the fleet received.
 func (f *Fleet) BytesReceived() uint64 { return f.bytes.Load() }

@@ -112,6 +112,12 @@ type Config struct {
 	// a stream that names itself a peer is believed (a trusted network).
 	// Never logged.
 	PeerSecret []byte
+	// Snapshots, if set, persists the views of the keys this relay owns and
+	// loads every persisted key at Start: the relay serves them at once,
+	// stale until a source confirms them (warm start). Default nil: no
+	// persistence; the relay starts cold. The caller stops it after the
+	// relay.
+	Snapshots Snapshots
 	// PeerDialOptions are added to relay-to-relay connections' options
 	// (credentials, a test dialer). Default: plaintext.
 	PeerDialOptions []grpc.DialOption

@@ -20,6 +20,7 @@ type metrics struct {
 	streamErrors       *prometheus.CounterVec
 	upstreamStreams    prometheus.Gauge
 	upstreamReconnects prometheus.Counter
+	restoredKeys       prometheus.Counter
 	upstreamNACKs      *prometheus.CounterVec
 	passthrough        *prometheus.CounterVec
 	passthroughStreams prometheus.Gauge
@@ -73,6 +74,9 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 		upstreamReconnects: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "meshrelay_upstream_reconnects_total", Help: "Upstream streams that failed and were retried.",
 		}),
+		restoredKeys: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "meshrelay_restored_keys_total", Help: "Keys restored from persisted snapshots at start (warm start).",
+		}),
 		upstreamNACKs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "meshrelay_upstream_nacks_total", Help: "Upstream responses the relay refused, by type.",
 		}, []string{"type"}),
@@ -103,7 +107,7 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 	}, []string{"source"})
 	cs := []prometheus.Collector{
 		m.envoys, m.pushes, m.pushBytes, m.pushResources, m.pushACK, m.nacks, m.streamErrors,
-		m.upstreamStreams, m.upstreamReconnects, m.upstreamNACKs, m.passthrough, m.passthroughStreams,
+		m.upstreamStreams, m.upstreamReconnects, m.restoredKeys, m.upstreamNACKs, m.passthrough, m.passthroughStreams,
 		m.refused, m.shed, m.peerFallbacks, m.peerStreams, m.peerClients, sourceCollector{sources, r},
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_cache_resources", Help: "Distinct resources held, shared by every key.",

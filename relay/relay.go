@@ -76,9 +76,12 @@ type Relay struct {
 	stopping chan struct{} // closed by Stop: streams end
 	wg       sync.WaitGroup
 
-	warm      chan struct{} // closed once the upstream was first reached
-	draining  atomic.Bool   // set by MarkNotReady: new streams are refused
-	admission *rate.Limiter // nil: no limit
+	warm       chan struct{} // closed once the upstream was first reached, or snapshots loaded
+	warmOnce   sync.Once
+	loaded     chan struct{} // closed once snapshots are loaded (at once without Snapshots)
+	ownersTerm atomic.Uint64 // counts changes of owners (Snapshots.Save's term)
+	draining   atomic.Bool   // set by MarkNotReady: new streams are refused
+	admission  *rate.Limiter // nil: no limit
 
 	peersMu sync.Mutex
 	peers   map[string]*grpc.ClientConn // relay-to-relay connections by xDS address
@@ -102,6 +105,7 @@ func New(cfg Config) (*Relay, error) {
 		stopping:     make(chan struct{}),
 		keys:         make(map[Key]*keyState),
 		warm:         make(chan struct{}),
+		loaded:       make(chan struct{}),
 		peers:        make(map[string]*grpc.ClientConn),
 	}
 	if cfg.AdmitRate > 0 {
@@ -153,6 +157,11 @@ func (r *Relay) Start(ctx context.Context) error {
 	r.tracker = newConnTracker(lis)
 	r.upConn, r.lis = conn, lis
 	r.ctx, r.cancel = context.WithCancel(context.WithoutCancel(ctx))
+	if r.cfg.Snapshots != nil {
+		r.goRun(r.loadSnapshots)
+	} else {
+		close(r.loaded)
+	}
 	r.goRun(r.watchWarm)
 	r.goRun(r.pruneConns)
 	if r.cfg.Owners != nil {

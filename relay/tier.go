@@ -152,8 +152,14 @@ func (r *Relay) watchWarm(ctx context.Context) {
 	for {
 		s := r.upConn.GetState()
 		if s == connectivity.Ready {
-			close(r.warm)
-			r.log.Info("relay warm: upstream reached")
+			// A relay that loads snapshots takes streams once they are
+			// in place: a stream that came first would find its key cold.
+			select {
+			case <-r.loaded:
+			case <-ctx.Done():
+				return
+			}
+			r.markWarm("upstream reached")
 			return
 		}
 		if s == connectivity.Idle {
@@ -163,6 +169,14 @@ func (r *Relay) watchWarm(ctx context.Context) {
 			return
 		}
 	}
+}
+
+// markWarm lets streams in: the relay has config to serve.
+func (r *Relay) markWarm(why string) {
+	r.warmOnce.Do(func() {
+		close(r.warm)
+		r.log.Info("relay warm: " + why)
+	})
 }
 
 // Ready reports whether the relay takes new streams: warm and not draining.
@@ -228,6 +242,7 @@ func (r *Relay) watchOwners(ctx context.Context) {
 			return
 		case <-r.cfg.Owners.Changed():
 		}
+		r.ownersTerm.Add(1)
 		for _, k := range r.keysSnapshot() {
 			wake(k.upWake)
 		}

@@ -805,6 +805,9 @@ func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace,
 		wake(k.upWake) // ask the upstream for the names the new view points at
 	}
 	u.armExpiry()
+	if fromUpstream {
+		u.persist()
+	}
 }
 
 // withoutArrived returns pending minus the names in upd (a new map if it
@@ -1030,5 +1033,6 @@ func (u *upstream) setStale(stale bool) {
 	}
 	if changed && !stale {
 		k.wakeStreams()
+		u.persist()
 	}
 }

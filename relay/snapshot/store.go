@@ -1,0 +1,728 @@
+package snapshot
+
+import (
+	"cmp"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"io"
+	"log/slog"
+	"maps"
+	"net/url"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+
+	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay"
+)
+
+// Config configures a Store. Start from DefaultConfig.
+type Config struct {
+	// Endpoints are the etcd client URLs. Required.
+	Endpoints []string
+	// TLS, if set, secures the connection to etcd.
+	TLS *tls.Config
+	// Username and Password authenticate to etcd if Username is set.
+	Username, Password string
+	// DialTimeout bounds the first connection to etcd. Default 5s.
+	DialTimeout time.Duration
+	// RequestTimeout bounds each etcd request. Default 10s.
+	RequestTimeout time.Duration
+
+	// Prefix is where the store's keys live in etcd; Cluster is appended so
+	// that two tiers sharing an etcd never mix. Default "/meshrelay/" and
+	// "default".
+	Prefix  string
+	Cluster string
+	// Member names this relay incarnation in the fence records: the etcd
+	// write of whoever claimed a key last wins, and a deposed member's
+	// writes are refused. Required.
+	Member string
+
+	// SealKey, if set (32 bytes), encrypts Secret resources (SDS private
+	// keys) with AES-256-GCM before they are written. If nil, Secrets are
+	// never persisted: their type is left out of every snapshot.
+	SealKey []byte
+
+	// FlushInterval is how long the writer gathers changes before writing:
+	// several changes of a key in that time are one write. Default 100ms.
+	FlushInterval time.Duration
+	// RetryMax bounds the backoff between attempts while etcd fails.
+	// Default 10s.
+	RetryMax time.Duration
+	// CompactAfter is the number of log records after which a key's base
+	// index is rewritten. Default 256.
+	CompactAfter int
+	// GCInterval is how often unreferenced resources are looked for; one
+	// is deleted when two passes in a row found it unreferenced and
+	// unchanged. Default 10m; negative disables collection.
+	GCInterval time.Duration
+	// GCLeader reports whether this relay is the one that collects (in a
+	// tier, the owner of a well-known key). Default: always.
+	GCLeader func() bool
+
+	// Logger receives the store's logs. Default: discard.
+	Logger *slog.Logger
+	// Registerer receives the store's metrics. Default: none.
+	Registerer prometheus.Registerer
+}
+
+// DefaultConfig returns a Config with every default filled in.
+func DefaultConfig() Config {
+	return Config{
+		DialTimeout:    5 * time.Second,
+		RequestTimeout: 10 * time.Second,
+		Prefix:         "/meshrelay/",
+		Cluster:        "default",
+		FlushInterval:  100 * time.Millisecond,
+		RetryMax:       10 * time.Second,
+		CompactAfter:   256,
+		GCInterval:     10 * time.Minute,
+		Logger:         slog.New(slog.NewTextHandler(io.Discard, nil)),
+	}
+}
+
+func (c *Config) validate() error {
+	switch {
+	case len(c.Endpoints) == 0:
+		return errors.New("snapshot: Endpoints is empty")
+	case c.Member == "":
+		return errors.New("snapshot: Member is empty")
+	case c.SealKey != nil && len(c.SealKey) != 32:
+		return fmt.Errorf("snapshot: SealKey is %d bytes, want 32", len(c.SealKey))
+	case c.DialTimeout <= 0 || c.RequestTimeout <= 0:
+		return errors.New("snapshot: DialTimeout and RequestTimeout must be positive")
+	case c.FlushInterval < 0 || c.RetryMax <= 0:
+		return errors.New("snapshot: FlushInterval must not be negative and RetryMax must be positive")
+	case c.CompactAfter < 1:
+		return fmt.Errorf("snapshot: CompactAfter %d, want at least 1", c.CompactAfter)
+	case c.Cluster == "" || strings.Contains(c.Cluster, "/"):
+		return fmt.Errorf("snapshot: Cluster %q must be non-empty without '/'", c.Cluster)
+	case !strings.HasPrefix(c.Prefix, "/") || !strings.HasSuffix(c.Prefix, "/"):
+		return fmt.Errorf("snapshot: Prefix %q must start and end with '/'", c.Prefix)
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	return nil
+}
+
+// Size limits. etcd refuses a request over 1.5 MiB (--max-request-bytes)
+// and a transaction of more than 128 operations (--max-txn-ops): every
+// write here stays under both.
+const (
+	partSize     = 1 << 20        // a resource body longer than this is stored in parts
+	maxParts     = 64             // so a resource is at most 64 MiB
+	batchBytes   = 1 << 20        // bytes of puts gathered in one transaction
+	batchOps     = 100            // operations in one transaction
+	chunkEntries = 256            // a base chunk holds about this many entries…
+	chunkBytes   = 512 << 10      // …and at most this many bytes
+	logMaxBytes  = 256 << 10      // a change larger than this rewrites the base instead
+	listPage     = 2000           // keys read per range request
+	gcLeaderKey  = "meshrelay/gc" // the tier key whose owner collects
+	secretType   = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+)
+
+// GCLeaderKey is the aggregation key whose owner collects garbage in a tier
+// (pass it to the ring's Owner).
+const GCLeaderKey = gcLeaderKey
+
+// ErrDeposed is reported (in logs and metrics) when another relay claimed a
+// key after this one: its writes for the key are refused.
+var ErrDeposed = errors.New("snapshot: deposed: another relay claimed the key")
+
+// Store persists the views of the keys a relay owns in etcd and loads them
+// back at start (relay.Snapshots). The etcd client lives here and nowhere
+// else.
+//
+// Layout under Prefix+Cluster+"/":
+//
+//	res/<hash>            a resource, content-addressed and shared by every key
+//	res/<hash>/<part>     the parts of a resource larger than 1 MiB
+//	chunk/<hash>          a piece of a base index, content-addressed
+//	keys/<key>/fence      the member that claimed the key (the fence)
+//	keys/<key>/head       the key's base index: per type, root and chunks
+//	keys/<key>/log/<seq>  changes since the base, one record per write
+//
+// Every head and log write is a transaction that holds only while the
+// fence's mod revision is the one this store's claim produced: once another
+// member claims the key, this one's writes fail (ErrDeposed), whatever its
+// ring believes. Resources and chunks are content-addressed, so anyone may
+// write them; they are collected once no key refers to them.
+//
+// A Store is safe for concurrent use. Save never blocks on etcd; the writer
+// goroutine retries with backoff while etcd is unreachable. Start it with
+// Start and stop it with Stop.
+type Store struct {
+	cfg    Config
+	cli    *clientv3.Client
+	root   string // Prefix + Cluster + "/"
+	log    *slog.Logger
+	m      *metrics
+	sealer *sealer
+
+	mu    sync.Mutex
+	jobs  map[string]*job
+	taken map[string]*job // jobs the writer is writing now
+	wake  chan struct{}
+	known map[ledger.Hash]struct{} // resources and chunks present in etcd
+
+	// keys is owned by the writer goroutine.
+	keys map[string]*keyRec
+
+	gcPrev map[string]int64 // GC candidates of the previous pass: key → mod revision
+
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	state  int // 0 new, 1 started, 2 stopped
+}
+
+// job is the latest unsaved views of a key.
+type job struct {
+	term  uint64
+	views []relay.View
+	since time.Time // when the oldest change in it was handed over
+}
+
+// keyRec is what the writer knows of a key it writes.
+type keyRec struct {
+	claimRev    int64 // the fence's mod revision after our claim; 0: no claim
+	deposed     bool
+	deposedTerm uint64
+	needBase    bool
+	persisted   map[string]relay.View // what etcd holds now, by type
+	nextSeq     uint64
+	logCount    int
+	logBytes    int
+	baseBytes   int
+}
+
+var _ relay.Snapshots = (*Store)(nil)
+
+// New validates cfg and connects to etcd (lazily: an unreachable etcd is
+// not an error here; writes retry).
+func New(cfg Config) (*Store, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	var sl *sealer
+	if cfg.SealKey != nil {
+		var err error
+		if sl, err = newSealer(cfg.SealKey); err != nil {
+			return nil, err
+		}
+	}
+	cli, err := clientv3.New(clientv3.Config{
+		Endpoints:          cfg.Endpoints,
+		TLS:                cfg.TLS,
+		Username:           cfg.Username,
+		Password:           cfg.Password,
+		DialTimeout:        cfg.DialTimeout,
+		MaxCallSendMsgSize: 2 * batchBytes,
+		MaxCallRecvMsgSize: 512 << 20,
+		Logger:             zap.NewNop(),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("snapshot: etcd client: %w", err)
+	}
+	m, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		cli.Close()
+		return nil, err
+	}
+	s := &Store{
+		cfg:    cfg,
+		cli:    cli,
+		root:   cfg.Prefix + cfg.Cluster + "/",
+		log:    cfg.Logger,
+		m:      m,
+		sealer: sl,
+		jobs:   make(map[string]*job),
+		taken:  make(map[string]*job),
+		wake:   make(chan struct{}, 1),
+		known:  make(map[ledger.Hash]struct{}),
+		keys:   make(map[string]*keyRec),
+	}
+	m.store = s
+	return s, nil
+}
+
+// Start runs the writer (and the collector). It does not block.
+func (s *Store) Start(ctx context.Context) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.state != 0 {
+		return errors.New("snapshot: Start called twice")
+	}
+	s.state = 1
+	ctx, s.cancel = context.WithCancel(context.WithoutCancel(ctx))
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.writer(ctx)
+	}()
+	if s.cfg.GCInterval > 0 {
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.collector(ctx)
+		}()
+	}
+	return nil
+}
+
+// Stop flushes what is pending (until ctx ends), stops the goroutines and
+// closes the etcd client. It is idempotent.
+func (s *Store) Stop(ctx context.Context) error {
+	s.mu.Lock()
+	st := s.state
+	s.state = 2
+	s.mu.Unlock()
+	if st == 1 {
+		s.flushPending(ctx)
+		s.cancel()
+		s.wg.Wait()
+	}
+	if st != 2 {
+		return s.cli.Close()
+	}
+	return nil
+}
+
+// flushPending gives the writer until ctx ends to write what is pending.
+func (s *Store) flushPending(ctx context.Context) {
+	t := time.NewTicker(20 * time.Millisecond)
+	defer t.Stop()
+	for {
+		if n, _ := s.Behind(); n == 0 {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// Save implements relay.Snapshots. It never blocks on etcd.
+func (s *Store) Save(key string, term uint64, views []relay.View) {
+	now := time.Now()
+	s.mu.Lock()
+	if j := s.jobs[key]; j != nil {
+		now = j.since
+	}
+	s.jobs[key] = &job{term: term, views: views, since: now}
+	s.mu.Unlock()
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
+}
+
+// Behind reports the keys whose latest views are not in etcd yet, and how
+// long the oldest has waited: a health detail.
+func (s *Store) Behind() (keys int, oldest time.Duration) {
+	now := time.Now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, j := range s.jobs {
+		oldest = max(oldest, now.Sub(j.since))
+	}
+	keys = len(s.jobs)
+	for k, j := range s.taken {
+		oldest = max(oldest, now.Sub(j.since))
+		if s.jobs[k] == nil {
+			keys++
+		}
+	}
+	return keys, oldest
+}
+
+func (s *Store) writer(ctx context.Context) {
+	retry := time.Duration(0)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.wake:
+		}
+		// Gather: changes within FlushInterval are one write per key.
+		if !sleepCtx(ctx, s.cfg.FlushInterval) {
+			return
+		}
+		for {
+			s.mu.Lock()
+			jobs := s.jobs
+			s.jobs, s.taken = make(map[string]*job), jobs
+			s.mu.Unlock()
+			if len(jobs) == 0 {
+				break
+			}
+			failed := 0
+			for _, key := range slices.Sorted(maps.Keys(jobs)) {
+				j := jobs[key]
+				err := s.flush(ctx, key, j)
+				s.mu.Lock()
+				delete(s.taken, key)
+				if err != nil {
+					// Again later, unless newer views came meanwhile.
+					if cur := s.jobs[key]; cur != nil {
+						cur.since = j.since
+					} else {
+						s.jobs[key] = j
+					}
+				}
+				s.mu.Unlock()
+				if err != nil {
+					failed++
+					s.m.writes.WithLabelValues("error").Inc()
+					if failed == 1 {
+						s.log.Warn("snapshot write failed; retrying", "key", key, "err", err, "retry_in", retry)
+					}
+				}
+				if ctx.Err() != nil {
+					return
+				}
+			}
+			if failed == 0 {
+				retry = 0
+				continue
+			}
+			retry = min(max(2*retry, 100*time.Millisecond), s.cfg.RetryMax)
+			if !sleepCtx(ctx, retry) {
+				return
+			}
+		}
+	}
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// Key layout.
+func (s *Store) resKey(h ledger.Hash) string         { return s.root + "res/" + h.String() }
+func (s *Store) partKey(h ledger.Hash, i int) string { return fmt.Sprintf("%s/%06d", s.resKey(h), i) }
+func (s *Store) chunkKey(h ledger.Hash) string       { return s.root + "chunk/" + h.String() }
+func (s *Store) keyDir(key string) string            { return s.root + "keys/" + url.PathEscape(key) + "/" }
+func (s *Store) fenceKey(key string) string          { return s.keyDir(key) + "fence" }
+func (s *Store) headKey(key string) string           { return s.keyDir(key) + "head" }
+func (s *Store) logKey(key string, seq uint64) string {
+	return fmt.Sprintf("%slog/%016x", s.keyDir(key), seq)
+}
+
+func (s *Store) isKnown(h ledger.Hash) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.known[h]
+	return ok
+}
+
+func (s *Store) addKnown(hs ...ledger.Hash) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, h := range hs {
+		s.known[h] = struct{}{}
+	}
+}
+
+// persistable drops what is never written: Secrets without a seal key.
+func (s *Store) persistable(views []relay.View) map[string]relay.View {
+	out := make(map[string]relay.View, len(views))
+	for _, v := range views {
+		if v.Type == secretType && s.sealer == nil {
+			continue
+		}
+		out[v.Type] = v
+	}
+	return out
+}
+
+// flush writes a key's latest views: new resources first, then, fenced by
+// the claim, either a log record of what changed or a new base.
+func (s *Store) flush(ctx context.Context, key string, j *job) error {
+	rec := s.keys[key]
+	if rec == nil {
+		rec = &keyRec{persisted: map[string]relay.View{}}
+		s.keys[key] = rec
+	}
+	if rec.deposed && j.term <= rec.deposedTerm {
+		s.m.writes.WithLabelValues("deposed").Inc()
+		return nil // another member writes this key until our ring changes
+	}
+	if rec.claimRev == 0 || rec.deposed {
+		rev, err := s.claim(ctx, key)
+		if err != nil {
+			return err
+		}
+		rec.claimRev, rec.deposed, rec.needBase = rev, false, true
+	}
+	views := s.persistable(j.views)
+
+	// What changed, type by type.
+	var changed []logType
+	var fresh []*relay.Resource
+	recordBytes := 0
+	for _, t := range slices.Sorted(maps.Keys(views)) {
+		v := views[t]
+		old, had := rec.persisted[t]
+		lt := logType{Type: t, Full: v.Full, Root: v.Tree.Root()}
+		ledger.Diff(old.Tree, v.Tree, func(c ledger.Change[*relay.Resource]) bool {
+			if c.New == nil {
+				lt.Del = append(lt.Del, c.Name)
+				recordBytes += len(c.Name) + 2
+				return true
+			}
+			lt.Set = append(lt.Set, entry{Name: c.Name, Hash: c.New.Hash})
+			recordBytes += len(c.Name) + 34
+			if !s.isKnown(c.New.Hash) {
+				fresh = append(fresh, c.New.Value)
+			}
+			return true
+		})
+		if !had || len(lt.Set) > 0 || len(lt.Del) > 0 || old.Full != v.Full {
+			changed = append(changed, lt)
+		}
+	}
+	for t := range rec.persisted {
+		if _, ok := views[t]; !ok {
+			changed = append(changed, logType{Type: t, Drop: true, Root: ledger.EmptyRoot()})
+		}
+	}
+	if len(changed) == 0 && !rec.needBase {
+		return nil
+	}
+	if err := s.putResources(ctx, fresh); err != nil {
+		return err
+	}
+	base := rec.needBase || rec.logCount >= s.cfg.CompactAfter || recordBytes > logMaxBytes ||
+		rec.logBytes+recordBytes > max(64<<10, rec.baseBytes/2)
+	var ok bool
+	var err error
+	if base {
+		ok, err = s.writeBase(ctx, key, rec, views)
+	} else {
+		ok, err = s.appendLog(ctx, key, rec, logRecord{Types: changed})
+	}
+	if err != nil {
+		return err
+	}
+	if !ok {
+		rec.deposed, rec.deposedTerm = true, j.term
+		s.m.deposed.Inc()
+		s.m.writes.WithLabelValues("deposed").Inc()
+		s.log.Warn("not writing key: another relay claimed it", "key", key, "err", ErrDeposed)
+		return nil
+	}
+	rec.persisted = views
+	s.m.writes.WithLabelValues("ok").Inc()
+	s.m.lag.Observe(time.Since(j.since).Seconds())
+	return nil
+}
+
+// claim makes this member the key's writer: whoever claimed before is
+// fenced off from now on. It returns the fence's new mod revision.
+func (s *Store) claim(ctx context.Context, key string) (int64, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	resp, err := s.cli.Put(ctx, s.fenceKey(key), s.cfg.Member)
+	if err != nil {
+		return 0, fmt.Errorf("claim %s: %w", key, err)
+	}
+	s.m.bytes.Add(float64(len(s.fenceKey(key)) + len(s.cfg.Member)))
+	s.log.Debug("claimed key", "key", key, "revision", resp.Header.Revision)
+	return resp.Header.Revision, nil
+}
+
+// fenced commits ops only while the key's fence is our claim. It reports
+// false if another member claimed the key since.
+func (s *Store) fenced(ctx context.Context, key string, rec *keyRec, ops ...clientv3.Op) (bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	resp, err := s.cli.Txn(ctx).
+		If(clientv3.Compare(clientv3.ModRevision(s.fenceKey(key)), "=", rec.claimRev)).
+		Then(ops...).
+		Commit()
+	if err != nil {
+		return false, fmt.Errorf("write %s: %w", key, err)
+	}
+	return resp.Succeeded, nil
+}
+
+func (s *Store) appendLog(ctx context.Context, key string, rec *keyRec, r logRecord) (bool, error) {
+	b := encodeLog(r)
+	k := s.logKey(key, rec.nextSeq)
+	ok, err := s.fenced(ctx, key, rec, clientv3.OpPut(k, string(b)))
+	if err != nil || !ok {
+		return ok, err
+	}
+	s.m.bytes.Add(float64(len(k) + len(b)))
+	rec.nextSeq++
+	rec.logCount++
+	rec.logBytes += len(b)
+	return true, nil
+}
+
+// writeBase writes every type's index as chunks, then the head, dropping
+// the log, in one fenced transaction.
+func (s *Store) writeBase(ctx context.Context, key string, rec *keyRec, views map[string]relay.View) (bool, error) {
+	h := head{LogFrom: 0}
+	var puts []clientv3.Op
+	var newChunks []ledger.Hash
+	total := 0
+	for _, t := range slices.Sorted(maps.Keys(views)) {
+		v := views[t]
+		ht := headType{Type: t, Full: v.Full, Root: v.Tree.Root(), N: v.Tree.Len()}
+		for _, c := range chunksOf(v.Tree) {
+			b := encodeChunk(c)
+			ch := ledger.HashBytes(b)
+			ht.Chunks = append(ht.Chunks, ch)
+			total += len(b)
+			if s.isKnown(ch) || slices.Contains(newChunks, ch) {
+				continue
+			}
+			newChunks = append(newChunks, ch)
+			puts = append(puts, clientv3.OpPut(s.chunkKey(ch), string(b)))
+		}
+		h.Types = append(h.Types, ht)
+	}
+	if err := s.commitBatches(ctx, puts); err != nil {
+		return false, err
+	}
+	s.addKnown(newChunks...)
+	hb := encodeHead(h)
+	if len(hb) > batchBytes {
+		return false, fmt.Errorf("write %s: head of %d bytes exceeds %d", key, len(hb), batchBytes)
+	}
+	ok, err := s.fenced(ctx, key, rec,
+		clientv3.OpPut(s.headKey(key), string(hb)),
+		clientv3.OpDelete(s.keyDir(key)+"log/", clientv3.WithPrefix()))
+	if err != nil || !ok {
+		return ok, err
+	}
+	s.m.bytes.Add(float64(len(s.headKey(key)) + len(hb)))
+	s.m.bases.Inc()
+	rec.needBase, rec.nextSeq, rec.logCount, rec.logBytes, rec.baseBytes = false, 0, 0, 0, total
+	return true, nil
+}
+
+// chunksOf cuts a view's entries, sorted by name, into content-defined
+// chunks: a chunk ends after a name whose hash is 0 modulo chunkEntries
+// (or at chunkBytes), so an edit changes only the chunk it falls in and
+// views that share most entries share most chunks.
+func chunksOf(t ledger.Tree[*relay.Resource]) [][]entry {
+	es := make([]entry, 0, t.Len())
+	for e := range t.All() {
+		es = append(es, entry{Name: e.Name, Hash: e.Hash})
+	}
+	slices.SortFunc(es, func(a, b entry) int { return cmp.Compare(a.Name, b.Name) })
+	var out [][]entry
+	start, size := 0, 0
+	for i, e := range es {
+		size += len(e.Name) + 34
+		f := fnv.New64a()
+		f.Write([]byte(e.Name))
+		if f.Sum64()%chunkEntries == 0 || size >= chunkBytes || i == len(es)-1 {
+			out = append(out, es[start:i+1])
+			start, size = i+1, 0
+		}
+	}
+	return out
+}
+
+// putResources writes resources etcd does not hold yet, in transactions
+// within etcd's limits; a resource over partSize goes in parts first.
+func (s *Store) putResources(ctx context.Context, rs []*relay.Resource) error {
+	var ops []clientv3.Op
+	var hs []ledger.Hash
+	seen := make(map[ledger.Hash]bool, len(rs))
+	for _, r := range rs {
+		if seen[r.Hash] {
+			continue
+		}
+		seen[r.Hash] = true
+		body := r.Body.GetValue()
+		rr := resourceRecord{Type: r.Type, Name: r.Name, Body: body}
+		if r.Type == secretType {
+			sealed, err := s.sealer.seal(body, r.Hash)
+			if err != nil {
+				return err
+			}
+			rr.Body, rr.Flags = sealed, flagSealed
+		}
+		if len(rr.Body) > partSize {
+			if err := s.putParts(ctx, r.Hash, &rr); err != nil {
+				return err
+			}
+		}
+		ops = append(ops, clientv3.OpPut(s.resKey(r.Hash), string(encodeResource(rr))))
+		hs = append(hs, r.Hash)
+	}
+	if err := s.commitBatches(ctx, ops); err != nil {
+		return err
+	}
+	s.addKnown(hs...)
+	return nil
+}
+
+// putParts writes a large body in parts, one transaction each, and turns
+// rr into the record that points at them.
+func (s *Store) putParts(ctx context.Context, h ledger.Hash, rr *resourceRecord) error {
+	n := (len(rr.Body) + partSize - 1) / partSize
+	if n > maxParts {
+		return fmt.Errorf("resource %s: %d bytes exceed %d", rr.Name, len(rr.Body), maxParts*partSize)
+	}
+	for i := range n {
+		part := rr.Body[i*partSize : min((i+1)*partSize, len(rr.Body))]
+		if err := s.commitBatches(ctx, []clientv3.Op{clientv3.OpPut(s.partKey(h, i), string(part))}); err != nil {
+			return err
+		}
+	}
+	rr.Flags |= flagParts
+	rr.Parts, rr.Total, rr.Body = n, len(rr.Body), nil
+	return nil
+}
+
+// commitBatches commits puts in transactions of at most batchOps
+// operations and about batchBytes bytes.
+func (s *Store) commitBatches(ctx context.Context, ops []clientv3.Op) error {
+	for len(ops) > 0 {
+		n, size := 0, 0
+		for n < len(ops) && n < batchOps {
+			sz := len(ops[n].KeyBytes()) + len(ops[n].ValueBytes())
+			if n > 0 && size+sz > batchBytes {
+				break
+			}
+			size += sz
+			n++
+		}
+		rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+		_, err := s.cli.Txn(rctx).Then(ops[:n]...).Commit()
+		cancel()
+		if err != nil {
+			return fmt.Errorf("write resources: %w", err)
+		}
+		s.m.bytes.Add(float64(size))
+		ops = ops[n:]
+	}
+	return nil
+}

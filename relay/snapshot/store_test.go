@@ -1,0 +1,443 @@
+package snapshot
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay"
+)
+
+const (
+	typeCluster  = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+	typeEndpoint = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+	typeRoute    = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+)
+
+// etcdFor starts an embedded etcd in a temporary directory, stopped at the
+// end of the test.
+func etcdFor(t *testing.T) *Embedded {
+	t.Helper()
+	e, err := StartEmbedded(t.Context(), EmbeddedConfig{Dir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Close)
+	return e
+}
+
+// storeFor starts a Store on endpoints as member, stopped at the end of the
+// test. adjust, if set, changes the configuration first.
+func storeFor(t *testing.T, endpoints []string, member string, adjust func(*Config)) *Store {
+	t.Helper()
+	cfg := DefaultConfig()
+	cfg.Endpoints = endpoints
+	cfg.Member = member
+	cfg.FlushInterval = 10 * time.Millisecond
+	cfg.RetryMax = 200 * time.Millisecond
+	cfg.RequestTimeout = 2 * time.Second
+	cfg.GCInterval = -1
+	cfg.Registerer = prometheus.NewRegistry()
+	if adjust != nil {
+		adjust(&cfg)
+	}
+	s, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Start(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		s.Stop(ctx)
+	})
+	return s
+}
+
+// res makes a resource whose hash is its content's, as the relay's are.
+func res(typeURL, name string, body []byte) *relay.Resource {
+	b := append([]byte(typeURL+"\x00"+name+"\x00"), body...)
+	return &relay.Resource{Type: typeURL, Name: name, Hash: ledger.HashBytes(b), Body: &anypb.Any{TypeUrl: typeURL, Value: b}}
+}
+
+// viewOf builds a View from resources.
+func viewOf(typeURL string, full bool, rs ...*relay.Resource) relay.View {
+	b := ledger.Tree[*relay.Resource]{}.Edit()
+	for _, r := range rs {
+		b.Set(r.Name, r.Hash, r)
+	}
+	return relay.View{Type: typeURL, Full: full, Tree: b.Tree()}
+}
+
+// waitWritten waits until s has nothing pending or being written.
+func waitWritten(t *testing.T, s *Store) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for time.Now().Before(deadline) {
+		if n, _ := s.Behind(); n == 0 {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	n, d := s.Behind()
+	t.Fatalf("store still behind after 20s: %d keys, oldest %s", n, d)
+}
+
+// loaded returns what a fresh store finds in etcd: key → type → name → body.
+func loaded(t *testing.T, endpoints []string, adjust func(*Config)) map[string]map[string]map[string][]byte {
+	t.Helper()
+	s := storeFor(t, endpoints, "reader", adjust)
+	keys, err := s.Load(t.Context())
+	if err != nil {
+		t.Fatalf("Load: %v", err)
+	}
+	out := map[string]map[string]map[string][]byte{}
+	for _, k := range keys {
+		out[k.Key] = map[string]map[string][]byte{}
+		for _, st := range k.Types {
+			m := map[string][]byte{}
+			for _, r := range st.Resources {
+				m[r.Name] = r.Body
+			}
+			out[k.Key][st.Type] = m
+		}
+	}
+	return out
+}
+
+func want(views ...relay.View) map[string]map[string][]byte {
+	out := map[string]map[string][]byte{}
+	for _, v := range views {
+		m := map[string][]byte{}
+		for e := range v.Tree.All() {
+			m[e.Name] = e.Value.Body.GetValue()
+		}
+		out[v.Type] = m
+	}
+	return out
+}
+
+func sameContent(t *testing.T, what string, got, want map[string]map[string][]byte) {
+	t.Helper()
+	if !maps.EqualFunc(got, want, func(a, b map[string][]byte) bool {
+		return maps.EqualFunc(a, b, bytes.Equal)
+	}) {
+		t.Errorf("%s: loaded types %v, want %v (or bodies differ)", what, slices.Sorted(maps.Keys(got)), slices.Sorted(maps.Keys(want)))
+		for typ := range want {
+			if !maps.EqualFunc(got[typ], want[typ], bytes.Equal) {
+				t.Errorf("%s: %s: loaded %d resources, want %d", what, typ, len(got[typ]), len(want[typ]))
+			}
+		}
+	}
+}
+
+func randomBytes(n int) []byte {
+	b := make([]byte, n)
+	rand.Read(b)
+	return b
+}
+
+func TestRoundTripWithLargeResourceAndSharedContent(t *testing.T) {
+	e := etcdFor(t)
+	s := storeFor(t, e.Endpoints(), "a", nil)
+	shared := res(typeCluster, "shared", []byte("cluster body"))
+	big := res(typeRoute, "big", randomBytes(5<<20)) // a 5 MB RouteConfiguration is real
+	k1 := []relay.View{viewOf(typeCluster, true, shared, res(typeCluster, "only-1", []byte("x"))), viewOf(typeRoute, false, big)}
+	k2 := []relay.View{viewOf(typeCluster, true, shared)}
+	s.Save("key-1", 0, k1)
+	s.Save("key/2 with odd characters", 0, k2)
+	waitWritten(t, s)
+
+	got := loaded(t, e.Endpoints(), nil)
+	sameContent(t, "key-1", got["key-1"], want(k1...))
+	sameContent(t, "key 2", got["key/2 with odd characters"], want(k2...))
+
+	// The shared resource is stored once.
+	resp, err := s.cli.Get(t.Context(), s.resKey(shared.Hash), clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.Count != 1 {
+		t.Errorf("shared resource stored %d times, want once", resp.Count)
+	}
+}
+
+func TestChangesAppendSmallRecordsThenCompact(t *testing.T) {
+	e := etcdFor(t)
+	s := storeFor(t, e.Endpoints(), "a", func(c *Config) { c.CompactAfter = 5 })
+	var eps []*relay.Resource
+	for i := range 2000 {
+		eps = append(eps, res(typeEndpoint, fmt.Sprintf("outbound|80||svc-%d.ns-1.svc.cluster.local", i), []byte(fmt.Sprintf("endpoints of %d v0", i))))
+	}
+	s.Save("k", 0, []relay.View{viewOf(typeEndpoint, false, eps...)})
+	waitWritten(t, s)
+	if got := testutil.ToFloat64(s.m.bases); got != 1 {
+		t.Fatalf("bases after the first write = %v, want 1", got)
+	}
+	for i := range 7 {
+		before := testutil.ToFloat64(s.m.bytes)
+		eps[i] = res(typeEndpoint, eps[i].Name, []byte(fmt.Sprintf("endpoints of %d v1", i)))
+		s.Save("k", 0, []relay.View{viewOf(typeEndpoint, false, eps...)})
+		waitWritten(t, s)
+		written := testutil.ToFloat64(s.m.bytes) - before
+		base := testutil.ToFloat64(s.m.bases)
+		// A one-endpoint change writes one resource and one log record,
+		// until the log reaches CompactAfter records.
+		if i < 5 && (base != 1 || written > 512) {
+			t.Errorf("change %d: wrote %v bytes and %v bases, want ≤ 512 bytes and no new base", i, written, base)
+		}
+		if i == 5 && base != 2 {
+			t.Errorf("change %d: bases = %v, want 2 (log compacted)", i, base)
+		}
+		sameContent(t, fmt.Sprintf("after change %d", i), loaded(t, e.Endpoints(), nil)["k"], want(viewOf(typeEndpoint, false, eps...)))
+	}
+	// Removing a type drops it.
+	s.Save("k", 0, []relay.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("c")))})
+	waitWritten(t, s)
+	if got := loaded(t, e.Endpoints(), nil)["k"]; got[typeEndpoint] != nil || got[typeCluster] == nil {
+		t.Errorf("after the type change: loaded types %v, want only clusters", slices.Sorted(maps.Keys(got)))
+	}
+}
+
+func TestDeposedOwnerCannotOverwrite(t *testing.T) {
+	e := etcdFor(t)
+	a := storeFor(t, e.Endpoints(), "relay-a", nil)
+	b := storeFor(t, e.Endpoints(), "relay-b", nil)
+	va := []relay.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("from a")))}
+	vb := []relay.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("from b")))}
+	va2 := []relay.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("from a, later")))}
+
+	a.Save("k", 7, va)
+	waitWritten(t, a)
+	b.Save("k", 1, vb) // b became the owner
+	waitWritten(t, b)
+	a.Save("k", 7, va2) // a, deposed, has not seen the ring change yet
+	waitWritten(t, a)
+	sameContent(t, "after the deposed write", loaded(t, e.Endpoints(), nil)["k"], want(vb...))
+	if got := testutil.ToFloat64(a.m.deposed); got != 1 {
+		t.Errorf("a's deposed count = %v, want 1", got)
+	}
+	// Its next write in the same term is not even tried.
+	a.Save("k", 7, va2)
+	waitWritten(t, a)
+	if got := testutil.ToFloat64(a.m.deposed); got != 1 {
+		t.Errorf("a's deposed count after a second save = %v, want still 1", got)
+	}
+	sameContent(t, "still b", loaded(t, e.Endpoints(), nil)["k"], want(vb...))
+
+	// A later term (a's ring changed and says it owns the key again):
+	// a claims the key, and now b is the one fenced off.
+	a.Save("k", 8, va2)
+	waitWritten(t, a)
+	sameContent(t, "a again", loaded(t, e.Endpoints(), nil)["k"], want(va2...))
+	b.Save("k", 1, vb)
+	waitWritten(t, b)
+	sameContent(t, "b fenced", loaded(t, e.Endpoints(), nil)["k"], want(va2...))
+}
+
+func TestCollectRemovesOnlyUnreferenced(t *testing.T) {
+	e := etcdFor(t)
+	s := storeFor(t, e.Endpoints(), "a", nil)
+	r1 := res(typeCluster, "r1", []byte("one"))
+	r2 := res(typeCluster, "r2", []byte("two"))
+	r3 := res(typeCluster, "r3", []byte("three"))
+	s.Save("k1", 0, []relay.View{viewOf(typeCluster, true, r1, r2)})
+	s.Save("k2", 0, []relay.View{viewOf(typeCluster, true, r2, r3)})
+	waitWritten(t, s)
+	s.Save("k1", 0, []relay.View{viewOf(typeCluster, true, r2)}) // r1 unreferenced now
+	waitWritten(t, s)
+
+	exists := func(h ledger.Hash) bool {
+		resp, err := s.cli.Get(t.Context(), s.resKey(h), clientv3.WithCountOnly())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.Count == 1
+	}
+	n, err := s.Collect(t.Context())
+	if err != nil || n != 0 {
+		t.Fatalf("first pass: deleted %d, %v; want 0 (an object must be unreferenced in two passes)", n, err)
+	}
+	n, err = s.Collect(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if exists(r1.Hash) {
+		t.Errorf("r1 (unreferenced) survived two passes")
+	}
+	for _, r := range []*relay.Resource{r2, r3} {
+		if !exists(r.Hash) {
+			t.Errorf("%s (referenced) was deleted", r.Name)
+		}
+	}
+	if n < 1 {
+		t.Errorf("second pass deleted %d objects, want at least r1", n)
+	}
+	got := loaded(t, e.Endpoints(), nil)
+	sameContent(t, "k1", got["k1"], want(viewOf(typeCluster, true, r2)))
+	sameContent(t, "k2", got["k2"], want(viewOf(typeCluster, true, r2, r3)))
+
+	// An object referenced again between passes is kept.
+	s.Save("k1", 0, []relay.View{viewOf(typeCluster, true, r2, r3)}) // drops nothing new
+	waitWritten(t, s)
+	r4 := res(typeCluster, "r4", []byte("four"))
+	s.Save("k2", 0, []relay.View{viewOf(typeCluster, true, r4)}) // r3 still referenced by k1
+	waitWritten(t, s)
+	s.Collect(t.Context())
+	s.Save("k2", 0, []relay.View{viewOf(typeCluster, true, r4, r1)}) // r1 back
+	waitWritten(t, s)
+	s.Collect(t.Context())
+	for _, r := range []*relay.Resource{r1, r2, r3, r4} {
+		if !exists(r.Hash) {
+			t.Errorf("%s (referenced) was deleted", r.Name)
+		}
+	}
+}
+
+func TestSecretsNeverStoredInClear(t *testing.T) {
+	const typeSecret = secretType
+	privateKey := []byte("-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\n-----END PRIVATE KEY-----")
+	secret := res(typeSecret, "kubernetes://ingress-cert", privateKey)
+	cluster := res(typeCluster, "c", []byte("c"))
+	views := []relay.View{viewOf(typeSecret, false, secret), viewOf(typeCluster, true, cluster)}
+
+	// everything returns every value stored under the tier's prefix.
+	everything := func(t *testing.T, s *Store) []byte {
+		resp, err := s.cli.Get(t.Context(), s.root, clientv3.WithPrefix())
+		if err != nil {
+			t.Fatal(err)
+		}
+		var all []byte
+		for _, kv := range resp.Kvs {
+			all = append(all, kv.Key...)
+			all = append(all, kv.Value...)
+		}
+		return all
+	}
+	t.Run("no seal key: not stored", func(t *testing.T) {
+		e := etcdFor(t)
+		s := storeFor(t, e.Endpoints(), "a", nil)
+		s.Save("k", 0, views)
+		waitWritten(t, s)
+		if all := everything(t, s); bytes.Contains(all, []byte("MIIEvQIBADANBgkqhkiG9w0BAQEFAASC")) {
+			t.Fatal("the private key is in etcd in clear")
+		}
+		got := loaded(t, e.Endpoints(), nil)["k"]
+		if got[typeSecret] != nil || got[typeCluster] == nil {
+			t.Errorf("loaded types %v, want clusters and no secrets", slices.Sorted(maps.Keys(got)))
+		}
+	})
+	t.Run("seal key: sealed", func(t *testing.T) {
+		e := etcdFor(t)
+		key := randomBytes(32)
+		seal := func(c *Config) { c.SealKey = key }
+		s := storeFor(t, e.Endpoints(), "a", seal)
+		s.Save("k", 0, views)
+		waitWritten(t, s)
+		if all := everything(t, s); bytes.Contains(all, []byte("MIIEvQIBADANBgkqhkiG9w0BAQEFAASC")) {
+			t.Fatal("the private key is in etcd in clear")
+		}
+		sameContent(t, "with the key", loaded(t, e.Endpoints(), seal)["k"], want(views...))
+		// Without the key (or with another), the Secret type is not loaded.
+		got := loaded(t, e.Endpoints(), func(c *Config) { c.SealKey = randomBytes(32) })["k"]
+		if got[typeSecret] != nil || got[typeCluster] == nil {
+			t.Errorf("with another key: loaded types %v, want clusters and no secrets", slices.Sorted(maps.Keys(got)))
+		}
+	})
+}
+
+func TestDamagedRecordsAreLeftOut(t *testing.T) {
+	e := etcdFor(t)
+	s := storeFor(t, e.Endpoints(), "a", nil)
+	c1 := res(typeCluster, "c1", []byte("one"))
+	ep := res(typeEndpoint, "e", []byte("endpoints"))
+	s.Save("k", 0, []relay.View{viewOf(typeCluster, true, c1), viewOf(typeEndpoint, false, ep)})
+	waitWritten(t, s)
+	c2 := res(typeCluster, "c2", []byte("two"))
+	s.Save("k", 0, []relay.View{viewOf(typeCluster, true, c1, c2), viewOf(typeEndpoint, false, ep)})
+	waitWritten(t, s)
+
+	// Drop the resource of c2: the cluster type no longer adds up, the
+	// endpoints still do.
+	if _, err := s.cli.Delete(t.Context(), s.resKey(c2.Hash)); err != nil {
+		t.Fatal(err)
+	}
+	got := loaded(t, e.Endpoints(), nil)["k"]
+	if got[typeCluster] != nil || got[typeEndpoint] == nil {
+		t.Errorf("with a resource missing: loaded types %v, want endpoints only", slices.Sorted(maps.Keys(got)))
+	}
+	// Damage the log record: the record says a root the entries do not
+	// have, so the cluster type is left out again.
+	if _, err := s.cli.Put(t.Context(), s.logKey("k", 0), string(encodeLog(logRecord{Types: []logType{{Type: typeCluster, Full: true, Root: ledger.HashBytes([]byte("forged")), Set: []entry{{Name: "c1", Hash: c1.Hash}}}}}))); err != nil {
+		t.Fatal(err)
+	}
+	got = loaded(t, e.Endpoints(), nil)["k"]
+	if got[typeCluster] != nil || got[typeEndpoint] == nil {
+		t.Errorf("with a forged record: loaded types %v, want endpoints only", slices.Sorted(maps.Keys(got)))
+	}
+	// Garbage in the head: the key is left out, nothing panics.
+	if _, err := s.cli.Put(t.Context(), s.headKey("k"), "garbage"); err != nil {
+		t.Fatal(err)
+	}
+	if got := loaded(t, e.Endpoints(), nil); got["k"] != nil {
+		t.Errorf("with a garbage head: key loaded with %v", slices.Sorted(maps.Keys(got["k"])))
+	}
+}
+
+func TestEtcdDownSaveDoesNotBlockAndCatchesUp(t *testing.T) {
+	dir := t.TempDir()
+	e, err := StartEmbedded(t.Context(), EmbeddedConfig{Dir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	endpoints := e.Endpoints()
+	addr := strings.TrimPrefix(endpoints[0], "http://")
+	s := storeFor(t, endpoints, "a", func(c *Config) { c.RequestTimeout = 300 * time.Millisecond })
+	v1 := []relay.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("v1")))}
+	s.Save("k", 0, v1)
+	waitWritten(t, s)
+	e.Close()
+
+	v2 := []relay.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("v2")))}
+	done := make(chan struct{})
+	go func() {
+		for i := range 100 { // churn while etcd is down
+			s.Save("k", 0, []relay.View{viewOf(typeCluster, true, res(typeCluster, "c", fmt.Appendf(nil, "churn %d", i)))})
+		}
+		s.Save("k", 0, v2)
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Save blocked while etcd is down")
+	}
+	time.Sleep(time.Second) // the writer tries and fails
+	if n, _ := s.Behind(); n != 1 {
+		t.Errorf("Behind() = %d keys while etcd is down, want 1", n)
+	}
+	e2, err := StartEmbedded(t.Context(), EmbeddedConfig{Dir: dir, ClientAddr: addr})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e2.Close)
+	waitWritten(t, s)
+	sameContent(t, "after etcd came back", loaded(t, endpoints, nil)["k"], want(v2...))
+	if got := testutil.ToFloat64(s.m.writes.WithLabelValues("error")); got < 1 {
+		t.Errorf("failed writes counted %v, want at least 1", got)
+	}
+}

@@ -1,0 +1,231 @@
+package snapshot_test
+
+import (
+	"context"
+	"net"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/meshrelay/meshrelay/loadtest"
+	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/snapshot"
+)
+
+// warmRelay is a relay with its store, on a real etcd.
+type warmRelay struct {
+	r   *relay.Relay
+	s   *snapshot.Store
+	reg *prometheus.Registry
+}
+
+func startWarmRelay(t *testing.T, etcd []string, upstreamAddr, id string) *warmRelay {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	scfg := snapshot.DefaultConfig()
+	scfg.Endpoints, scfg.Member, scfg.Registerer = etcd, id, reg
+	scfg.FlushInterval = 20 * time.Millisecond
+	s, err := snapshot.New(scfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Start(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := relay.DefaultConfig()
+	cfg.ID, cfg.Upstream, cfg.Listener, cfg.Registerer, cfg.Gatherer, cfg.Snapshots = id, upstreamAddr, lis, reg, reg, s
+	cfg.BackoffMax = 300 * time.Millisecond
+	r, err := relay.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Start(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	w := &warmRelay{r: r, s: s, reg: reg}
+	t.Cleanup(func() { w.stop(t) })
+	return w
+}
+
+func (w *warmRelay) stop(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := w.r.Stop(ctx); err != nil {
+		t.Errorf("relay stop: %v", err)
+	}
+	if err := w.s.Stop(ctx); err != nil {
+		t.Errorf("store stop: %v", err)
+	}
+}
+
+// eventually fails the test unless cond holds within 20 seconds.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("after 20s: %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// received records the resource names Envoys receive once armed.
+type received struct {
+	mu    sync.Mutex
+	armed bool
+	names map[string]int // "type|name" → responses that carried it
+}
+
+func (rc *received) onEvent(_ int, ev envoy.Event) {
+	if ev.Kind != envoy.Received {
+		return
+	}
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	if !rc.armed {
+		return
+	}
+	for _, n := range ev.Names {
+		rc.names[ev.TypeURL+"|"+n]++
+	}
+}
+
+func TestWarmStartWhileUpstreamIsDown(t *testing.T) {
+	ctx := t.Context()
+	etcd, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(etcd.Close)
+	ucfg := upstream.DefaultConfig()
+	ucfg.Scenario.Services, ucfg.Scenario.Endpoints, ucfg.Scenario.Namespaces = 30, 60, 3
+	up, err := upstream.New(ucfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := up.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { up.Stop(context.Background()) })
+	const keys = 3
+
+	// A first relay syncs its Envoys and persists their keys.
+	r1 := startWarmRelay(t, etcd.Endpoints(), up.Addr(), "relay-1")
+	f1, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: ucfg.Scenario, Envoys: 6, Keys: keys, Target: r1.r.Addr().String()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if err := f1.WaitSynced(wctx, up); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the relay persisted every key", func() bool {
+		n, _ := r1.s.Behind()
+		return n == 0 && testutil.ToFloat64(counter(t, r1.reg, "meshrelay_snapshot_writes_total", "ok")) >= keys
+	})
+	f1.Stop(ctx)
+	r1.stop(t)
+	// The upstream goes down, and changes meanwhile.
+	if err := up.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	change, err := up.MoveEndpoint(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// A relay started now serves the persisted config: to the same
+	// Envoys coming back and to new ones, at once, marked stale.
+	rc := &received{names: map[string]int{}}
+	r2 := startWarmRelay(t, etcd.Endpoints(), up.Addr(), "relay-2")
+	f2, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: ucfg.Scenario, Envoys: 9, Keys: keys, Target: r2.r.Addr().String(), OnEvent: rc.onEvent})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f2.Stop(context.Background())
+	// Synced to the config as it was before the change: every Envoy holds
+	// every cluster and endpoint of its group, and the moved endpoint at
+	// its old generation.
+	eventually(t, "Envoys served from the snapshot", func() bool {
+		return f2.Synced(up) == 9-affected(f2, change)
+	})
+	if got := r2.r.Stats().StaleKeys; got != keys {
+		t.Errorf("stale keys while the upstream is down = %d, want %d", got, keys)
+	}
+	if got := testutil.ToFloat64(counter(t, r2.reg, "meshrelay_restored_keys_total", "")); got != keys {
+		t.Errorf("restored keys = %v, want %d", got, keys)
+	}
+
+	// The upstream returns: the keys are confirmed, and the Envoys get
+	// what changed in between, and nothing else.
+	rc.mu.Lock()
+	rc.armed = true
+	rc.mu.Unlock()
+	if err := up.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	wctx2, cancel2 := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel2()
+	if err := f2.WaitSynced(wctx2, up); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "keys confirmed by the upstream", func() bool { return r2.r.Stats().StaleKeys == 0 })
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	for n := range rc.names {
+		if n != change.TypeURL+"|"+change.Name {
+			t.Errorf("after the upstream returned, Envoys received %s, which did not change", n)
+		}
+	}
+	if got, want := rc.names[change.TypeURL+"|"+change.Name], affected(f2, change); got != want {
+		t.Errorf("%s received %d times, want once by each of the %d Envoys that see it", change.Name, got, want)
+	}
+	if v := f2.Violations(); len(v) > 0 {
+		t.Errorf("protocol violations: %v", v)
+	}
+}
+
+// affected counts the fleet's Envoys in the groups a change reached.
+func affected(f *loadtest.Fleet, c upstream.Change) int {
+	n := 0
+	for _, g := range f.Groups() {
+		if slices.Contains(c.Groups, g) {
+			n++
+		}
+	}
+	return n
+}
+
+// counter reads a counter of reg (with one label value, or none).
+func counter(t *testing.T, reg *prometheus.Registry, name, label string) prometheus.Collector {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if label == "" || (len(m.GetLabel()) > 0 && m.GetLabel()[0].GetValue() == label) {
+				c := prometheus.NewCounter(prometheus.CounterOpts{Name: name})
+				c.Add(m.GetCounter().GetValue())
+				return c
+			}
+		}
+	}
+	return prometheus.NewCounter(prometheus.CounterOpts{Name: name + "_absent"})
+}
