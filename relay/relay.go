@@ -398,7 +398,18 @@ func (r *Relay) Clients() []ClientStatus {
 func (r *Relay) adminMux() *http.ServeMux {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		// Live, whatever the details say: restarting a relay because its
+		// upstream or etcd is away would only lose its cache.
 		fmt.Fprintln(w, "ok")
+		st := r.Stats()
+		fmt.Fprintf(w, "stale keys: %d of %d\n", st.StaleKeys, st.Keys)
+		if lag, ok := r.cfg.Snapshots.(persistenceLag); ok {
+			if n, d := lag.Behind(); n > 0 {
+				fmt.Fprintf(w, "snapshots: behind: %d keys not persisted, oldest change %s ago\n", n, d.Round(time.Millisecond))
+			} else {
+				fmt.Fprintln(w, "snapshots: up to date")
+			}
+		}
 	})
 	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
 		select {
@@ -423,6 +434,12 @@ func (r *Relay) adminMux() *http.ServeMux {
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 	return mux
+}
+
+// persistenceLag is implemented by Snapshots that can say how far behind
+// they are (snapshot.Store): a health detail.
+type persistenceLag interface {
+	Behind() (keys int, oldest time.Duration)
 }
 
 // backoff is a jittered exponential backoff ("full jitter" on the upper

@@ -50,6 +50,7 @@ func TestAdminEndpoints(t *testing.T) {
 	base := "http://" + r.AdminAddr().String()
 	for _, tc := range []struct{ path, want string }{
 		{"/healthz", "ok"},
+		{"/healthz", "stale keys: 0 of 1"},
 		{"/readyz", "ready"},
 		{"/metrics", `meshrelay_xds_clients{protocol="delta"} 1`},
 		{"/metrics", `meshrelay_upstream_streams 1`},

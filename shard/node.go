@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/snapshot"
 )
 
 // NodeConfig configures a Node: a relay and its membership of the tier.
@@ -22,6 +23,11 @@ type NodeConfig struct {
 	// Ring configures membership. XDSAddr, if empty, is the relay's
 	// listening address, which must then be dialable (not 0.0.0.0).
 	Ring Config
+	// Store, if set, persists the views of the keys this relay owns in
+	// etcd and warms the relay at start from every key persisted (it
+	// becomes Relay.Snapshots). The Node starts and stops it; the owner of
+	// snapshot.GCLeaderKey collects its garbage.
+	Store *snapshot.Store
 	// DrainPeriod is how long Stop spreads the closing of streams over,
 	// after leaving the ring. Default 10s; it is cut short by Stop's
 	// context.
@@ -93,6 +99,13 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 		return nil, err
 	}
 	cfg.Relay.Owners, cfg.Relay.Tier = ring, ring
+	if cfg.Store != nil {
+		cfg.Relay.Snapshots = cfg.Store
+		cfg.Store.SetGCLeader(func() bool {
+			_, self := ring.Owner(snapshot.GCLeaderKey)
+			return self
+		})
+	}
 	r, err := relay.New(cfg.Relay)
 	if err != nil {
 		cfg.Relay.Listener.Close()
@@ -133,21 +146,37 @@ func (n *Node) Ring() *Ring { return n.ring }
 // Start starts the relay, then joins the tier: peers may dial the relay as
 // soon as they hear of it.
 func (n *Node) Start(ctx context.Context) error {
+	if n.cfg.Store != nil {
+		if err := n.cfg.Store.Start(ctx); err != nil {
+			return err
+		}
+	}
 	if err := n.relay.Start(ctx); err != nil {
+		n.stopStore(ctx)
 		return err
 	}
 	if err := n.ring.Start(ctx); err != nil {
 		n.relay.Stop(ctx)
+		n.stopStore(ctx)
 		return err
 	}
 	return nil
 }
 
+// stopStore writes what the store still holds (until ctx ends) and closes
+// its etcd client.
+func (n *Node) stopStore(ctx context.Context) error {
+	if n.cfg.Store == nil {
+		return nil
+	}
+	return n.cfg.Store.Stop(ctx)
+}
+
 // Stop shuts the node down gracefully: not ready (new streams refused,
 // /readyz fails) → leave the ring (its keys get new owners, whose relays
 // switch their sources) → drain streams over DrainPeriod (Envoys first,
-// peer relays last) → stop the relay and its upstream streams → stop
-// gossip. ctx bounds the whole; when it ends, the rest is cut short.
+// peer relays last) → stop the relay and its upstream streams → write
+// what the snapshot store holds and close etcd → stop gossip. ctx bounds the whole; when it ends, the rest is cut short.
 //
 // A leave that times out is logged, not returned: the others then notice
 // the relay is gone by probing, a few seconds later.
@@ -157,7 +186,7 @@ func (n *Node) Stop(ctx context.Context) error {
 		n.ring.log.Warn("leaving the tier", "err", err)
 	}
 	n.relay.DrainStreams(ctx, n.cfg.DrainPeriod)
-	return errors.Join(n.relay.Stop(ctx), n.ring.Stop(ctx))
+	return errors.Join(n.relay.Stop(ctx), n.stopStore(ctx), n.ring.Stop(ctx))
 }
 
 // Kill stops the node at once, as a crash would look to the others: no
@@ -167,6 +196,7 @@ func (n *Node) Kill() {
 	cancel()
 	n.ring.kill()
 	n.relay.Stop(ctx)
+	n.stopStore(ctx) // unwritten changes are lost, as in a crash
 }
 
 // kill shuts gossip down without leaving.

@@ -17,6 +17,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/relay"
@@ -86,6 +88,8 @@ func serve(ctx context.Context, args []string) error {
 	fs.IntVar(&ring.Partitions, "ring-partitions", ring.Partitions, "partitions of the consistent-hash ring")
 	fs.Float64Var(&ring.Load, "ring-load", ring.Load, "bounded-load factor of the ring (1 to 10)")
 	drain := fs.Duration("drain-period", 10*time.Second, "on SIGTERM, how long the closing of streams is spread over after leaving the ring")
+	var etcd etcdFlags
+	etcd.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -105,8 +109,23 @@ func serve(ctx context.Context, args []string) error {
 		return fmt.Errorf("--log-level: %w", err)
 	}
 	cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+	if cfg.Registerer == nil {
+		reg := prometheus.NewRegistry()
+		cfg.Registerer, cfg.Gatherer = reg, reg
+	}
+	store, closeEtcd, err := etcd.open(ctx, cfg.ID, ring.Cluster, cfg.Logger, cfg.Registerer)
+	if err != nil {
+		return err
+	}
+	defer closeEtcd()
 
 	if *gossip == "" {
+		if store != nil {
+			cfg.Snapshots = store
+			if err := store.Start(ctx); err != nil {
+				return err
+			}
+		}
 		r, err := relay.New(cfg)
 		if err != nil {
 			return err
@@ -117,7 +136,11 @@ func serve(ctx context.Context, args []string) error {
 		<-ctx.Done()
 		stopCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		return r.Stop(stopCtx)
+		err = r.Stop(stopCtx)
+		if store != nil {
+			err = errors.Join(err, store.Stop(stopCtx))
+		}
+		return err
 	}
 
 	ring.Logger = cfg.Logger
@@ -147,7 +170,7 @@ func serve(ctx context.Context, args []string) error {
 			ring.XDSAddr = net.JoinHostPort(ip, port)
 		}
 	}
-	node, err := shard.NewNode(shard.NodeConfig{Relay: cfg, Ring: ring, DrainPeriod: *drain})
+	node, err := shard.NewNode(shard.NodeConfig{Relay: cfg, Ring: ring, DrainPeriod: *drain, Store: store})
 	if err != nil {
 		return err
 	}

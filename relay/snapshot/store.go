@@ -313,6 +313,10 @@ func (s *Store) flushPending(ctx context.Context) {
 	}
 }
 
+// SetGCLeader replaces Config.GCLeader (a tier elects the collector through
+// its ring, which is built after the store). Call it before Start.
+func (s *Store) SetGCLeader(fn func() bool) { s.cfg.GCLeader = fn }
+
 // Save implements relay.Snapshots. It never blocks on etcd.
 func (s *Store) Save(key string, term uint64, views []relay.View) {
 	now := time.Now()

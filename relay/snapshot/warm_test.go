@@ -2,8 +2,11 @@ package snapshot_test
 
 import (
 	"context"
+	"io"
 	"net"
+	"net/http"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -31,6 +34,8 @@ func startWarmRelay(t *testing.T, etcd []string, upstreamAddr, id string) *warmR
 	scfg := snapshot.DefaultConfig()
 	scfg.Endpoints, scfg.Member, scfg.Registerer = etcd, id, reg
 	scfg.FlushInterval = 20 * time.Millisecond
+	scfg.RetryMax = 300 * time.Millisecond
+	scfg.RequestTimeout = time.Second
 	s, err := snapshot.New(scfg)
 	if err != nil {
 		t.Fatal(err)
@@ -45,6 +50,7 @@ func startWarmRelay(t *testing.T, etcd []string, upstreamAddr, id string) *warmR
 	cfg := relay.DefaultConfig()
 	cfg.ID, cfg.Upstream, cfg.Listener, cfg.Registerer, cfg.Gatherer, cfg.Snapshots = id, upstreamAddr, lis, reg, reg, s
 	cfg.BackoffMax = 300 * time.Millisecond
+	cfg.AdminListen = "127.0.0.1:0"
 	r, err := relay.New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -159,7 +165,7 @@ func TestWarmStartWhileUpstreamIsDown(t *testing.T) {
 	// every cluster and endpoint of its group, and the moved endpoint at
 	// its old generation.
 	eventually(t, "Envoys served from the snapshot", func() bool {
-		return f2.Synced(up) == 9-affected(f2, change)
+		return f2.Synced(up) == 9-affected(f2, change) && holdListenersAndRoutes(f2, up)
 	})
 	if got := r2.r.Stats().StaleKeys; got != keys {
 		t.Errorf("stale keys while the upstream is down = %d, want %d", got, keys)
@@ -197,6 +203,28 @@ func TestWarmStartWhileUpstreamIsDown(t *testing.T) {
 	}
 }
 
+// holdListenersAndRoutes reports whether every Envoy holds the listeners
+// and routes of its group (Synced checks clusters and endpoints, which come
+// first).
+func holdListenersAndRoutes(f *loadtest.Fleet, up *upstream.Upstream) bool {
+	groups := f.Groups()
+	for i, e := range f.Envoys() {
+		snap := up.Snapshot(groups[i])
+		for _, typeURL := range []string{envoy.ListenerType, envoy.RouteType} {
+			held := e.Resources(typeURL)
+			if len(held) != len(snap[typeURL]) {
+				return false
+			}
+			for name := range snap[typeURL] {
+				if _, ok := held[name]; !ok {
+					return false
+				}
+			}
+		}
+	}
+	return true
+}
+
 // affected counts the fleet's Envoys in the groups a change reached.
 func affected(f *loadtest.Fleet, c upstream.Change) int {
 	n := 0
@@ -228,4 +256,103 @@ func counter(t *testing.T, reg *prometheus.Registry, name, label string) prometh
 		}
 	}
 	return prometheus.NewCounter(prometheus.CounterOpts{Name: name + "_absent"})
+}
+
+func TestEtcdDownWhileEnvoysChurn(t *testing.T) {
+	ctx := t.Context()
+	dir := t.TempDir()
+	etcd, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	endpoints := etcd.Endpoints()
+	ucfg := upstream.DefaultConfig()
+	ucfg.Scenario.Services, ucfg.Scenario.Endpoints, ucfg.Scenario.Namespaces = 30, 60, 3
+	up, err := upstream.New(ucfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := up.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { up.Stop(context.Background()) })
+	r := startWarmRelay(t, endpoints, up.Addr(), "relay-1")
+	fleet := func(n int) *loadtest.Fleet {
+		f, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: ucfg.Scenario, Envoys: n, Keys: 3, Target: r.r.Addr().String()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return f
+	}
+	synced := func(f *loadtest.Fleet) {
+		t.Helper()
+		wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		if err := f.WaitSynced(wctx, up); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f1 := fleet(6)
+	defer f1.Stop(context.Background())
+	synced(f1)
+	eventually(t, "every key persisted", func() bool { n, _ := r.s.Behind(); return n == 0 })
+
+	etcd.Close()
+	// Config changes and Envoys come and go while etcd is away: nothing
+	// Envoys see changes.
+	for i := range 5 {
+		if _, err := up.MoveEndpoint(i); err != nil {
+			t.Fatal(err)
+		}
+		f2 := fleet(3)
+		synced(f1)
+		synced(f2)
+		f2.Stop(ctx)
+	}
+	if v := f1.Violations(); len(v) > 0 {
+		t.Errorf("protocol violations while etcd was down: %v", v)
+	}
+	health := get(t, "http://"+r.r.AdminAddr().String()+"/healthz")
+	if !strings.Contains(health, "snapshots: behind: 3 keys") {
+		t.Errorf("/healthz while etcd is down:\n%s\nwant it to say the 3 keys are not persisted", health)
+	}
+
+	// etcd returns: persistence catches up with the latest config, as a
+	// relay started from it (with the upstream down) shows.
+	etcd2, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: dir, ClientAddr: strings.TrimPrefix(endpoints[0], "http://")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(etcd2.Close)
+	eventually(t, "persistence caught up", func() bool { n, _ := r.s.Behind(); return n == 0 })
+	if health := get(t, "http://"+r.r.AdminAddr().String()+"/healthz"); !strings.Contains(health, "snapshots: up to date") {
+		t.Errorf("/healthz after etcd returned:\n%s\nwant snapshots up to date", health)
+	}
+	f1.Stop(ctx)
+	r.stop(t)
+	if err := up.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r2 := startWarmRelay(t, endpoints, up.Addr(), "relay-2")
+	f3, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: ucfg.Scenario, Envoys: 6, Keys: 3, Target: r2.r.Addr().String()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f3.Stop(context.Background())
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if err := f3.WaitSynced(wctx, up); err != nil {
+		t.Fatalf("a relay warm-started from etcd after the outage: %v", err)
+	}
+}
+
+func get(t *testing.T, url string) string {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
 }
