@@ -13,6 +13,7 @@ import (
 	"runtime/debug"
 	"runtime/pprof"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -20,6 +21,7 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/snapshot"
 )
 
 // FanoutMode says how the simulated Envoys reach the upstream.
@@ -61,6 +63,10 @@ type RelayChildConfig struct {
 	// HeapProfile, if set, is a file the child writes a heap profile to
 	// when it reads "profile stop".
 	HeapProfile string `json:"heapprofile,omitempty"`
+	// Etcd, if set, gives the relay a snapshot store on these etcd
+	// endpoints: it persists its keys and starts warm from them, and it
+	// reports its address only once it is ready to serve (warm).
+	Etcd []string `json:"etcd,omitempty"`
 }
 
 // Args returns cfg as the flags of `loadtest relay-child`.
@@ -77,6 +83,9 @@ func (c RelayChildConfig) Args() []string {
 	}
 	if c.HeapProfile != "" {
 		args = append(args, "--heapprofile", c.HeapProfile)
+	}
+	if len(c.Etcd) > 0 {
+		args = append(args, "--etcd", strings.Join(c.Etcd, ","))
 	}
 	return args
 }
@@ -109,12 +118,38 @@ func RunRelayChild(ctx context.Context, cfg RelayChildConfig, in io.Reader, out,
 	// --start-rate, as it does to the upstream in direct mode, which has
 	// no admission limit either.
 	rcfg.AdmitRate = 0
+	var store *snapshot.Store
+	if len(cfg.Etcd) > 0 {
+		scfg := snapshot.DefaultConfig()
+		scfg.Endpoints, scfg.Member, scfg.Logger = cfg.Etcd, rcfg.ID+"-"+strconv.Itoa(os.Getpid()), rcfg.Logger
+		var err error
+		if store, err = snapshot.New(scfg); err != nil {
+			return err
+		}
+		if err := store.Start(ctx); err != nil {
+			return err
+		}
+		rcfg.Snapshots = store
+		defer func() {
+			sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			if err := store.Stop(sctx); err != nil {
+				fmt.Fprintf(logw, "relay-child: snapshot store: %v\n", err)
+			}
+		}()
+	}
 	r, err := relay.New(rcfg)
 	if err != nil {
 		return err
 	}
 	if err := r.Start(ctx); err != nil {
 		return err
+	}
+	if store != nil {
+		// The parent times the start: report once the relay can serve.
+		for deadline := time.Now().Add(time.Minute); !r.Ready() && time.Now().Before(deadline); {
+			time.Sleep(5 * time.Millisecond)
+		}
 	}
 	if _, err := fmt.Fprintf(out, "%s%s\n", readyPrefix, r.Addr()); err != nil {
 		_ = r.Stop(context.Background())

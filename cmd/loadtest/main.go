@@ -27,6 +27,7 @@ const usage = `loadtest: meshrelay's benchmarks.
 Usage:
   loadtest fanout [flags]     direct vs relayed: ACK latency, upstream streams, relay CPU and RSS, bytes
   loadtest scale [flags]      a tier scaled out and in: keys and streams moved, time to rebalance, bytes re-sent
+  loadtest warmstart [flags]  a relay started from the upstream (cold) and from etcd (warm); etcd bytes per change
   loadtest upstream [flags]   serve the synthetic istiod-shaped upstream (with optional churn)
 
 Run "loadtest <command> -h" for a command's flags.
@@ -45,6 +46,8 @@ func main() {
 		err = fanout(ctx, os.Args[2:])
 	case "scale":
 		err = scale(ctx, os.Args[2:])
+	case "warmstart":
+		err = warmstart(ctx, os.Args[2:])
 	case "upstream":
 		err = serveUpstream(ctx, os.Args[2:])
 	case "relay-child": // hidden: the relay process fanout starts
@@ -169,6 +172,36 @@ func scale(ctx context.Context, args []string) error {
 	return nil
 }
 
+func warmstart(ctx context.Context, args []string) error {
+	cfg := loadtest.DefaultWarmStartConfig()
+	fs := flag.NewFlagSet("warmstart", flag.ContinueOnError)
+	fs.IntVar(&cfg.Scenario.Services, "services", cfg.Scenario.Services, "ServiceEntries in the synthetic upstream")
+	fs.IntVar(&cfg.Scenario.Endpoints, "endpoints", cfg.Scenario.Endpoints, "WorkloadEntries in the synthetic upstream")
+	fs.IntVar(&cfg.Scenario.Namespaces, "namespaces", cfg.Scenario.Namespaces, "namespaces (config is scoped by namespace)")
+	fs.IntVar(&cfg.Keys, "keys", cfg.Keys, "aggregation keys, one probe Envoy each")
+	fs.IntVar(&cfg.Changes, "changes", cfg.Changes, "single endpoint changes whose etcd writes are measured")
+	fs.StringVar(&cfg.EtcdDir, "etcd-dir", "", "data directory of the embedded etcd (default: a temporary one)")
+	fs.DurationVar(&cfg.SyncTimeout, "sync-timeout", cfg.SyncTimeout, "bound on each start")
+	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	cfg.StartRelay = loadtest.ExecRelay(exe, os.Stderr, "relay-child")
+	rep, err := loadtest.RunWarmStart(ctx, cfg, os.Stdout)
+	if *jsonOut != "" && rep != nil {
+		b, jerr := json.MarshalIndent(rep, "", "  ")
+		if jerr != nil {
+			return errors.Join(err, jerr)
+		}
+		err = errors.Join(err, os.WriteFile(*jsonOut, b, 0o644))
+	}
+	return err
+}
+
 func splitList(s string) []string {
 	var out []string
 	for _, f := range strings.Split(s, ",") {
@@ -208,12 +241,16 @@ func relayChild(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.XDSListen, "xds-listen", "127.0.0.1:0", "address of the ADS server for Envoys")
 	fs.StringVar(&cfg.CPUProfile, "cpuprofile", "", "CPU profile file, written between \"profile start\" and \"profile stop\" on stdin")
 	fs.StringVar(&cfg.HeapProfile, "heapprofile", "", "heap profile file, written on \"profile stop\" on stdin")
+	etcd := fs.String("etcd", "", "comma-separated etcd endpoints: persist snapshots and start warm from them")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	var err error
 	if cfg.UpstreamProtocol, err = relay.ParseProtocol(*upProto); err != nil {
 		return err
+	}
+	if *etcd != "" {
+		cfg.Etcd = strings.Split(*etcd, ",")
 	}
 	return loadtest.RunRelayChild(ctx, cfg, os.Stdin, os.Stdout, os.Stderr)
 }

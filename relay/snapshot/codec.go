@@ -14,8 +14,8 @@ import (
 //
 //	resource  'R' 1  flags  type  name  (body | parts total)
 //	chunk     'C' 1  n  (name hash)*                 part of a base index
-//	head      'H' 1  logFrom  ntypes  (type full root n nchunks chunk*)*
-//	log       'L' 1  ntypes  (type flags root nset (name hash)* ndel name*)*
+//	head      'H' 1  key  ntypes  (type full root n nchunks chunk*)*
+//	batch     'B' 1  ngroups  (nkeys keyID*  ntypes  (type flags root nset (name hash)* ndel name*)*)*
 //
 // Strings and counts are uvarint-prefixed; hashes are 32 raw bytes; a type
 // URL is a one-byte code if it is one of knownTypes. What is
@@ -26,7 +26,7 @@ const (
 	kindResource = 'R'
 	kindChunk    = 'C'
 	kindHead     = 'H'
-	kindLog      = 'L'
+	kindBatch    = 'B'
 	formatV1     = 1
 )
 
@@ -63,14 +63,15 @@ type headType struct {
 	Chunks []ledger.Hash // the base's chunks, in order
 }
 
-// head is the root record of a key: the base index of each type and the
-// first log record that applies on top of it.
+// head is the root record of a key: its name and the base index of each
+// type. Batch records written after it (a higher etcd revision) apply on
+// top.
 type head struct {
-	LogFrom uint64
-	Types   []headType
+	Key   string
+	Types []headType
 }
 
-// logType is the change of one type in a log record.
+// logType is the change of one type in a batch record.
 type logType struct {
 	Type string
 	Full bool
@@ -80,8 +81,21 @@ type logType struct {
 	Del  []string
 }
 
-type logRecord struct {
+// keyID names a key in batch records and etcd keys: the first 8 bytes of
+// SHA-256 of its name (a key name may be long; a batch names 100 keys).
+type keyID [8]byte
+
+// batchGroup is one change shared by several keys: the same types changed
+// the same way.
+type batchGroup struct {
+	Keys  []keyID
 	Types []logType
+}
+
+// batchRecord is one write of a writer's log: every key that changed in one
+// flush, keys that changed alike sharing one group.
+type batchRecord struct {
+	Groups []batchGroup
 }
 
 // knownTypes are written as one byte (their index + 1) instead of their
@@ -307,7 +321,7 @@ func encodeHead(h head) []byte {
 	e := encoder{}
 	e.byte(kindHead)
 	e.byte(formatV1)
-	e.uvarint(h.LogFrom)
+	e.str(h.Key)
 	e.uvarint(uint64(len(h.Types)))
 	for _, t := range h.Types {
 		e.typ(t.Type)
@@ -326,7 +340,7 @@ func decodeHead(b []byte) (head, error) {
 	d := decoder{b: b}
 	d.start(kindHead)
 	var h head
-	h.LogFrom = d.uvarint()
+	h.Key = d.str()
 	n := d.count(3 + len(ledger.Hash{}))
 	for range n {
 		t := headType{Type: d.typ(), Full: d.bool(), Root: d.hash(), N: int(d.uvarint())}
@@ -339,18 +353,15 @@ func decodeHead(b []byte) (head, error) {
 	return h, d.end()
 }
 
-// Log record type flags.
+// Batch record type flags.
 const (
 	logFull = 1 << iota
 	logDrop
 )
 
-func encodeLog(r logRecord) []byte {
-	e := encoder{}
-	e.byte(kindLog)
-	e.byte(formatV1)
-	e.uvarint(uint64(len(r.Types)))
-	for _, t := range r.Types {
+func (e *encoder) logTypes(ts []logType) {
+	e.uvarint(uint64(len(ts)))
+	for _, t := range ts {
 		e.typ(t.Type)
 		var f byte
 		if t.Full {
@@ -371,14 +382,11 @@ func encodeLog(r logRecord) []byte {
 			e.str(n)
 		}
 	}
-	return e.b
 }
 
-func decodeLog(b []byte) (logRecord, error) {
-	d := decoder{b: b}
-	d.start(kindLog)
-	var r logRecord
-	n := d.count(3 + len(ledger.Hash{}))
+func (d *decoder) logTypes() []logType {
+	n := d.count(2 + len(ledger.Hash{}))
+	var out []logType
 	for range n {
 		t := logType{Type: d.typ()}
 		f := d.byte()
@@ -395,7 +403,52 @@ func decodeLog(b []byte) (logRecord, error) {
 		for range nd {
 			t.Del = append(t.Del, d.str())
 		}
-		r.Types = append(r.Types, t)
+		out = append(out, t)
+	}
+	return out
+}
+
+// encodeChanges encodes a group's changes alone: keys whose changes encode
+// alike share a group.
+func encodeChanges(ts []logType) []byte {
+	e := encoder{}
+	e.logTypes(ts)
+	return e.b
+}
+
+func encodeBatch(r batchRecord) []byte {
+	e := encoder{}
+	e.byte(kindBatch)
+	e.byte(formatV1)
+	e.uvarint(uint64(len(r.Groups)))
+	for _, g := range r.Groups {
+		e.uvarint(uint64(len(g.Keys)))
+		for _, k := range g.Keys {
+			e.b = append(e.b, k[:]...)
+		}
+		e.logTypes(g.Types)
+	}
+	return e.b
+}
+
+func decodeBatch(b []byte) (batchRecord, error) {
+	d := decoder{b: b}
+	d.start(kindBatch)
+	var r batchRecord
+	n := d.count(2)
+	for range n {
+		var g batchGroup
+		nk := d.count(len(keyID{}))
+		for range nk {
+			var k keyID
+			if d.err == nil {
+				copy(k[:], d.b)
+				d.b = d.b[len(k):]
+			}
+			g.Keys = append(g.Keys, k)
+		}
+		g.Types = d.logTypes()
+		r.Groups = append(r.Groups, g)
 	}
 	return r, d.end()
 }

@@ -22,13 +22,16 @@ func TestMain(m *testing.M) {
 
 func TestRecordsRoundTrip(t *testing.T) {
 	h1, h2 := ledger.HashBytes([]byte("1")), ledger.HashBytes([]byte("2"))
-	hd := head{LogFrom: 42, Types: []headType{{Type: "t", Full: true, Root: h1, N: 3, Chunks: []ledger.Hash{h1, h2}}, {Type: "u", Root: h2}}}
+	hd := head{Key: "sidecar/ns-1/app#1", Types: []headType{{Type: "t", Full: true, Root: h1, N: 3, Chunks: []ledger.Hash{h1, h2}}, {Type: "u", Root: h2}}}
 	if got, err := decodeHead(encodeHead(hd)); err != nil || !reflect.DeepEqual(got, hd) {
 		t.Errorf("decodeHead(encodeHead(%+v)) = %+v, %v", hd, got, err)
 	}
-	lr := logRecord{Types: []logType{{Type: "t", Full: true, Root: h1, Set: []entry{{"a", h1}, {"b", h2}}, Del: []string{"c"}}, {Type: "u", Drop: true, Root: h2}}}
-	if got, err := decodeLog(encodeLog(lr)); err != nil || !reflect.DeepEqual(got, lr) {
-		t.Errorf("decodeLog(encodeLog(%+v)) = %+v, %v", lr, got, err)
+	br := batchRecord{Groups: []batchGroup{
+		{Keys: []keyID{idOf("a"), idOf("b")}, Types: []logType{{Type: "t", Full: true, Root: h1, Set: []entry{{"a", h1}, {"b", h2}}, Del: []string{"c"}}, {Type: "u", Drop: true, Root: h2}}},
+		{Keys: []keyID{idOf("c")}, Types: []logType{{Type: knownTypes[1], Root: h2}}},
+	}}
+	if got, err := decodeBatch(encodeBatch(br)); err != nil || !reflect.DeepEqual(got, br) {
+		t.Errorf("decodeBatch(encodeBatch(%+v)) = %+v, %v", br, got, err)
 	}
 	ch := []entry{{"a", h1}, {"b", h2}}
 	if got, err := decodeChunk(encodeChunk(ch)); err != nil || !reflect.DeepEqual(got, ch) {
@@ -50,18 +53,18 @@ func TestRecordsRoundTrip(t *testing.T) {
 // encodes back to the same bytes.
 func FuzzDecode(f *testing.F) {
 	h := ledger.HashBytes([]byte("x"))
-	f.Add(encodeHead(head{LogFrom: 1, Types: []headType{{Type: "t", Root: h, N: 1, Chunks: []ledger.Hash{h}}}}))
-	f.Add(encodeLog(logRecord{Types: []logType{{Type: "t", Root: h, Set: []entry{{"a", h}}, Del: []string{"b"}}}}))
+	f.Add(encodeHead(head{Key: "k", Types: []headType{{Type: "t", Root: h, N: 1, Chunks: []ledger.Hash{h}}}}))
+	f.Add(encodeBatch(batchRecord{Groups: []batchGroup{{Keys: []keyID{idOf("k")}, Types: []logType{{Type: "t", Root: h, Set: []entry{{"a", h}}, Del: []string{"b"}}}}}}))
 	f.Add(encodeChunk([]entry{{"a", h}}))
 	f.Add(encodeResource(resourceRecord{Type: "t", Name: "n", Body: []byte("b")}))
 	f.Add(encodeResource(resourceRecord{Flags: flagParts, Type: "t", Name: "n", Parts: 2, Total: 10}))
-	f.Add([]byte{kindLog, formatV1, 0xff, 0xff, 0xff, 0xff, 0x0f})
+	f.Add([]byte{kindBatch, formatV1, 0xff, 0xff, 0xff, 0xff, 0x0f})
 	f.Fuzz(func(t *testing.T, b []byte) {
 		if hd, err := decodeHead(b); err == nil && !bytes.Equal(encodeHead(hd), b) {
 			t.Errorf("head does not re-encode to its bytes")
 		}
-		if lr, err := decodeLog(b); err == nil && !bytes.Equal(encodeLog(lr), b) {
-			t.Errorf("log record does not re-encode to its bytes")
+		if br, err := decodeBatch(b); err == nil && !bytes.Equal(encodeBatch(br), b) {
+			t.Errorf("batch record does not re-encode to its bytes")
 		}
 		if es, err := decodeChunk(b); err == nil && !bytes.Equal(encodeChunk(es), b) {
 			t.Errorf("chunk does not re-encode to its bytes")

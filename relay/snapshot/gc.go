@@ -2,6 +2,8 @@ package snapshot
 
 import (
 	"context"
+	"errors"
+	"maps"
 	"strings"
 	"time"
 
@@ -42,33 +44,31 @@ func (s *Store) collector(ctx context.Context) {
 // nothing. Collect is called by the collector goroutine; tests call it
 // directly (never both at once).
 func (s *Store) Collect(ctx context.Context) (int, error) {
-	rev, views, err := s.readIndexes(ctx)
+	ix, err := s.readIndexes(ctx)
 	if err != nil {
 		return 0, err
 	}
+	if !ix.complete {
+		return 0, errors.New("snapshot: some records are unreadable: collecting nothing")
+	}
 	refs := make(map[ledger.Hash]bool)
-	for _, vs := range views {
+	for _, vs := range ix.views {
 		for _, v := range vs {
 			for _, h := range v.entries {
 				refs[h] = true
 			}
 		}
 	}
-	// Chunks are referenced by heads; read them again to know which.
-	chunkRefs, err := s.referencedChunks(ctx, rev)
-	if err != nil {
-		return 0, err
-	}
-	cand := make(map[string]int64)
+	cand := maps.Clone(ix.deadBatches)
 	for _, dir := range []string{"res/", "chunk/"} {
 		prefix := s.root + dir
-		if _, err := s.listPrefix(ctx, prefix, rev, true, func(k, _ []byte, modRev int64) error {
+		if _, err := s.listPrefix(ctx, prefix, ix.rev, true, func(k, _ []byte, modRev int64) error {
 			hs, _, _ := strings.Cut(strings.TrimPrefix(string(k), prefix), "/")
 			h, err := ledger.ParseHash(hs)
 			if err != nil {
 				return nil
 			}
-			if (dir == "res/" && !refs[h]) || (dir == "chunk/" && !chunkRefs[h]) {
+			if (dir == "res/" && !refs[h]) || (dir == "chunk/" && !ix.chunkRefs[h]) {
 				cand[string(k)] = modRev
 			}
 			return nil
@@ -99,28 +99,6 @@ func (s *Store) Collect(ctx context.Context) (int, error) {
 	s.gcPrev = cand
 	s.m.gcDeleted.Add(float64(deleted))
 	return deleted, nil
-}
-
-// referencedChunks returns the chunks some key's head refers to.
-func (s *Store) referencedChunks(ctx context.Context, rev int64) (map[ledger.Hash]bool, error) {
-	out := make(map[ledger.Hash]bool)
-	prefix := s.root + "keys/"
-	_, err := s.listPrefix(ctx, prefix, rev, false, func(k, v []byte, _ int64) error {
-		if !strings.HasSuffix(string(k), "/head") {
-			return nil
-		}
-		h, err := decodeHead(v)
-		if err != nil {
-			return err // a head we cannot read: delete nothing
-		}
-		for _, t := range h.Types {
-			for _, c := range t.Chunks {
-				out[c] = true
-			}
-		}
-		return nil
-	})
-	return out, err
 }
 
 // forget drops a deleted object from the known set, so a writer that needs

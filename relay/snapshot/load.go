@@ -1,10 +1,11 @@
 package snapshot
 
 import (
+	"cmp"
 	"context"
+	"encoding/hex"
 	"fmt"
 	"maps"
-	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -50,10 +51,18 @@ func (s *Store) listPrefix(ctx context.Context, prefix string, rev int64, keysOn
 	}
 }
 
-// keyIndex is one key's records as read from etcd.
+// keyIndex is one key's head as read from etcd, and the batch records
+// that apply on top of it.
 type keyIndex struct {
-	head []byte
-	logs map[uint64][]byte
+	head    []byte
+	headRev int64
+	batches []applied
+}
+
+// applied is one batch record's change to a key.
+type applied struct {
+	rev   int64
+	types []logType
 }
 
 // view is a type's entries rebuilt from a head and its log.
@@ -63,89 +72,120 @@ type view struct {
 	entries map[string]ledger.Hash
 }
 
-// readIndexes reads every key's head and log at one revision and rebuilds
-// each key's views, checking every type against the roots the writer
-// recorded: a type that does not add up (a record lost or damaged) is left
-// out, so the relay fetches it from its source instead of serving it.
-func (s *Store) readIndexes(ctx context.Context) (rev int64, views map[string]map[string]*view, err error) {
-	raw := make(map[string]*keyIndex)
+// index is every key's views as etcd holds them at one revision.
+type index struct {
+	rev   int64
+	views map[string]map[string]*view // key → type → view
+	// chunks some head refers to, and batch records that no key applies
+	// any more (etcd key → mod revision): for the collector.
+	chunkRefs   map[ledger.Hash]bool
+	deadBatches map[string]int64
+	// complete is false if a head could not be read: a collector must then
+	// delete nothing.
+	complete bool
+}
+
+// readIndexes reads every key's head and the batch records at one revision
+// and rebuilds each key's views, checking every type against the roots the
+// writer recorded: a type that does not add up (a record lost or damaged)
+// is left out, so the relay fetches it from its source instead of serving
+// it.
+func (s *Store) readIndexes(ctx context.Context) (*index, error) {
+	ix := &index{views: map[string]map[string]*view{}, chunkRefs: map[ledger.Hash]bool{}, deadBatches: map[string]int64{}, complete: true}
+	raw := make(map[keyID]*keyIndex)
 	keysPrefix := s.root + "keys/"
-	rev, err = s.listPrefix(ctx, keysPrefix, 0, false, func(k, v []byte, _ int64) error {
-		rest := strings.TrimPrefix(string(k), keysPrefix)
-		esc, what, ok := strings.Cut(rest, "/")
-		if !ok {
+	var err error
+	ix.rev, err = s.listPrefix(ctx, keysPrefix, 0, false, func(k, v []byte, modRev int64) error {
+		idHex, what, ok := strings.Cut(strings.TrimPrefix(string(k), keysPrefix), "/")
+		var id keyID
+		if !ok || what != "head" || len(idHex) != 2*len(id) {
 			return nil
 		}
-		key, err := url.PathUnescape(esc)
-		if err != nil {
-			return nil // not ours
+		if _, err := hex.Decode(id[:], []byte(idHex)); err != nil {
+			return nil
 		}
-		ki := raw[key]
-		if ki == nil {
-			ki = &keyIndex{logs: map[uint64][]byte{}}
-			raw[key] = ki
-		}
-		switch {
-		case what == "head":
-			ki.head = v
-		case strings.HasPrefix(what, "log/"):
-			seq, err := strconv.ParseUint(strings.TrimPrefix(what, "log/"), 16, 64)
-			if err == nil {
-				ki.logs[seq] = v
-			}
-		}
+		raw[id] = &keyIndex{head: v, headRev: modRev}
 		return nil
 	})
 	if err != nil {
-		return 0, nil, err
+		return nil, err
+	}
+	batchPrefix := s.root + "batch/"
+	if _, err := s.listPrefix(ctx, batchPrefix, ix.rev, false, func(k, v []byte, modRev int64) error {
+		rec, err := decodeBatch(v)
+		if err != nil {
+			s.m.corrupt.Inc()
+			s.log.Warn("batch record unreadable: the keys it names are not loaded", "record", strings.TrimPrefix(string(k), s.root), "err", err)
+			ix.complete = false
+			return nil
+		}
+		live := false
+		for _, g := range rec.Groups {
+			for _, id := range g.Keys {
+				if ki := raw[id]; ki != nil && modRev > ki.headRev {
+					ki.batches = append(ki.batches, applied{rev: modRev, types: g.Types})
+					live = true
+				}
+			}
+		}
+		if !live {
+			ix.deadBatches[string(k)] = modRev
+		}
+		return nil
+	}); err != nil {
+		return nil, err
 	}
 	chunks := make(map[ledger.Hash][]byte)
-	if _, err := s.listPrefix(ctx, s.root+"chunk/", rev, false, func(k, v []byte, _ int64) error {
+	if _, err := s.listPrefix(ctx, s.root+"chunk/", ix.rev, false, func(k, v []byte, _ int64) error {
 		h, err := ledger.ParseHash(strings.TrimPrefix(string(k), s.root+"chunk/"))
 		if err == nil && ledger.HashBytes(v) == h {
 			chunks[h] = v
 		}
 		return nil
 	}); err != nil {
-		return 0, nil, err
+		return nil, err
 	}
 	s.addKnown(slices.Collect(maps.Keys(chunks))...)
-	views = make(map[string]map[string]*view, len(raw))
-	for key, ki := range raw {
-		if ki.head == nil {
-			continue
-		}
-		vs, err := rebuild(ki, chunks)
+	for id, ki := range raw {
+		key, vs, err := rebuild(ki, chunks, ix.chunkRefs)
 		if err != nil {
 			s.m.corrupt.Inc()
-			s.log.Warn("snapshot of key unreadable: not loaded", "key", key, "err", err)
+			s.log.Warn("snapshot of key unreadable: not loaded", "key_id", hex.EncodeToString(id[:]), "err", err)
+			ix.complete = false
 			continue
 		}
-		views[key] = vs
+		if idOf(key) != id {
+			s.m.corrupt.Inc()
+			s.log.Warn("snapshot head names another key: not loaded", "key", key)
+			continue
+		}
+		ix.views[key] = vs
 	}
-	return rev, views, nil
+	return ix, nil
 }
 
-// rebuild applies a key's log to its base.
-func rebuild(ki *keyIndex, chunks map[ledger.Hash][]byte) (map[string]*view, error) {
+// rebuild applies a key's batch records to its base, in revision order,
+// noting the chunks its head refers to.
+func rebuild(ki *keyIndex, chunks map[ledger.Hash][]byte, chunkRefs map[ledger.Hash]bool) (string, map[string]*view, error) {
 	h, err := decodeHead(ki.head)
 	if err != nil {
-		return nil, fmt.Errorf("head: %w", err)
+		return "", nil, fmt.Errorf("head: %w", err)
 	}
 	out := make(map[string]*view, len(h.Types))
 	bad := make(map[string]bool)
 	for _, ht := range h.Types {
 		v := &view{full: ht.Full, root: ht.Root, entries: make(map[string]ledger.Hash, ht.N)}
 		for _, ch := range ht.Chunks {
+			chunkRefs[ch] = true
 			b, ok := chunks[ch]
 			if !ok {
 				bad[ht.Type] = true
-				break
+				continue
 			}
 			es, err := decodeChunk(b)
 			if err != nil {
 				bad[ht.Type] = true
-				break
+				continue
 			}
 			for _, e := range es {
 				v.entries[e.Name] = e.Hash
@@ -153,15 +193,9 @@ func rebuild(ki *keyIndex, chunks map[ledger.Hash][]byte) (map[string]*view, err
 		}
 		out[ht.Type] = v
 	}
-	for _, seq := range slices.Sorted(maps.Keys(ki.logs)) {
-		if seq < h.LogFrom {
-			continue
-		}
-		r, err := decodeLog(ki.logs[seq])
-		if err != nil {
-			return nil, fmt.Errorf("log %d: %w", seq, err)
-		}
-		for _, lt := range r.Types {
+	slices.SortFunc(ki.batches, func(a, b applied) int { return cmp.Compare(a.rev, b.rev) })
+	for _, a := range ki.batches {
+		for _, lt := range a.types {
 			if lt.Drop {
 				delete(out, lt.Type)
 				delete(bad, lt.Type)
@@ -186,7 +220,7 @@ func rebuild(ki *keyIndex, chunks map[ledger.Hash][]byte) (map[string]*view, err
 			delete(out, t)
 		}
 	}
-	return out, nil
+	return h.Key, out, nil
 }
 
 func rootOf(entries map[string]ledger.Hash) ledger.Hash {
@@ -202,10 +236,11 @@ func rootOf(entries map[string]ledger.Hash) ledger.Hash {
 // is left out.
 func (s *Store) Load(ctx context.Context) ([]relay.SavedKey, error) {
 	start := time.Now()
-	rev, views, err := s.readIndexes(ctx)
+	ix, err := s.readIndexes(ctx)
 	if err != nil {
 		return nil, err
 	}
+	rev, views := ix.rev, ix.views
 	need := make(map[ledger.Hash]bool)
 	for _, vs := range views {
 		for _, v := range vs {

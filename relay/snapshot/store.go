@@ -3,14 +3,15 @@ package snapshot
 import (
 	"cmp"
 	"context"
+	"crypto/sha256"
 	"crypto/tls"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"hash/fnv"
 	"io"
 	"log/slog"
 	"maps"
-	"net/url"
 	"slices"
 	"strings"
 	"sync"
@@ -126,6 +127,7 @@ const (
 	chunkEntries = 256            // a base chunk holds about this many entries…
 	chunkBytes   = 512 << 10      // …and at most this many bytes
 	logMaxBytes  = 256 << 10      // a change larger than this rewrites the base instead
+	batchKeys    = 100            // keys in one batch record (one fence compare each)
 	listPage     = 2000           // keys read per range request
 	gcLeaderKey  = "meshrelay/gc" // the tier key whose owner collects
 	secretType   = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
@@ -175,8 +177,9 @@ type Store struct {
 	wake  chan struct{}
 	known map[ledger.Hash]struct{} // resources and chunks present in etcd
 
-	// keys is owned by the writer goroutine.
-	keys map[string]*keyRec
+	// keys and batchSeq are owned by the writer goroutine.
+	keys     map[string]*keyRec
+	batchSeq uint64
 
 	gcPrev map[string]int64 // GC candidates of the previous pass: key → mod revision
 
@@ -199,9 +202,8 @@ type keyRec struct {
 	deposedTerm uint64
 	needBase    bool
 	persisted   map[string]relay.View // what etcd holds now, by type
-	nextSeq     uint64
-	logCount    int
-	logBytes    int
+	logCount    int                   // batch records since the base
+	logBytes    int                   // their bytes (this key's share)
 	baseBytes   int
 }
 
@@ -359,7 +361,7 @@ func (s *Store) writer(ctx context.Context) {
 			return
 		case <-s.wake:
 		}
-		// Gather: changes within FlushInterval are one write per key.
+		// Gather: changes within FlushInterval are one write.
 		if !sleepCtx(ctx, s.cfg.FlushInterval) {
 			return
 		}
@@ -371,33 +373,29 @@ func (s *Store) writer(ctx context.Context) {
 			if len(jobs) == 0 {
 				break
 			}
-			failed := 0
-			for _, key := range slices.Sorted(maps.Keys(jobs)) {
+			failed := s.flush(ctx, jobs)
+			s.mu.Lock()
+			var firstErr error
+			for key, err := range failed {
+				// Again later, unless newer views came meanwhile.
 				j := jobs[key]
-				err := s.flush(ctx, key, j)
-				s.mu.Lock()
-				delete(s.taken, key)
-				if err != nil {
-					// Again later, unless newer views came meanwhile.
-					if cur := s.jobs[key]; cur != nil {
-						cur.since = j.since
-					} else {
-						s.jobs[key] = j
-					}
+				if cur := s.jobs[key]; cur != nil {
+					cur.since = j.since
+				} else {
+					s.jobs[key] = j
 				}
-				s.mu.Unlock()
-				if err != nil {
-					failed++
-					s.m.writes.WithLabelValues("error").Inc()
-					if failed == 1 {
-						s.log.Warn("snapshot write failed; retrying", "key", key, "err", err, "retry_in", retry)
-					}
-				}
-				if ctx.Err() != nil {
-					return
-				}
+				firstErr = err
 			}
-			if failed == 0 {
+			clear(s.taken)
+			s.mu.Unlock()
+			if len(failed) > 0 {
+				s.m.writes.WithLabelValues("error").Add(float64(len(failed)))
+				s.log.Warn("snapshot writes failed; retrying", "keys", len(failed), "err", firstErr, "retry_in", retry)
+			}
+			if ctx.Err() != nil {
+				return
+			}
+			if len(failed) == 0 {
 				retry = 0
 				continue
 			}
@@ -427,11 +425,18 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 func (s *Store) resKey(h ledger.Hash) string         { return s.root + "res/" + h.String() }
 func (s *Store) partKey(h ledger.Hash, i int) string { return fmt.Sprintf("%s/%06d", s.resKey(h), i) }
 func (s *Store) chunkKey(h ledger.Hash) string       { return s.root + "chunk/" + h.String() }
-func (s *Store) keyDir(key string) string            { return s.root + "keys/" + url.PathEscape(key) + "/" }
-func (s *Store) fenceKey(key string) string          { return s.keyDir(key) + "fence" }
-func (s *Store) headKey(key string) string           { return s.keyDir(key) + "head" }
-func (s *Store) logKey(key string, seq uint64) string {
-	return fmt.Sprintf("%slog/%016x", s.keyDir(key), seq)
+func (s *Store) keyDir(id keyID) string              { return s.root + "keys/" + hex.EncodeToString(id[:]) + "/" }
+func (s *Store) fenceKey(id keyID) string            { return s.keyDir(id) + "fence" }
+func (s *Store) headKey(id keyID) string             { return s.keyDir(id) + "head" }
+func (s *Store) batchKey(seq uint64) string {
+	return fmt.Sprintf("%sbatch/%s/%016x", s.root, s.cfg.Member, seq)
+}
+
+func idOf(key string) keyID {
+	sum := sha256.Sum256([]byte(key))
+	var id keyID
+	copy(id[:], sum[:])
+	return id
 }
 
 func (s *Store) isKnown(h ledger.Hash) bool {
@@ -461,9 +466,73 @@ func (s *Store) persistable(views []relay.View) map[string]relay.View {
 	return out
 }
 
-// flush writes a key's latest views: new resources first, then, fenced by
-// the claim, either a log record of what changed or a new base.
-func (s *Store) flush(ctx context.Context, key string, j *job) error {
+// pend is a key the writer is writing now.
+type pend struct {
+	key     string
+	id      keyID
+	rec     *keyRec
+	j       *job
+	views   map[string]relay.View
+	changes []logType
+	size    int // bytes of changes
+}
+
+// flush writes the latest views of every key in jobs: first the resources
+// etcd does not hold, then a new base for the keys that need one (first
+// write, or a log grown long), then one batch record for all the others,
+// where keys that changed alike share one group. Every head and batch write
+// is fenced by the claims of the keys in it. It returns the keys that
+// failed, to be tried again.
+func (s *Store) flush(ctx context.Context, jobs map[string]*job) map[string]error {
+	failed := make(map[string]error)
+	var bases, logs []*pend
+	var fresh []*relay.Resource
+	for _, key := range slices.Sorted(maps.Keys(jobs)) {
+		j := jobs[key]
+		p, err := s.prepare(ctx, key, j, &fresh)
+		switch {
+		case err != nil:
+			failed[key] = err
+		case p == nil:
+		case p.rec.needBase || p.rec.logCount >= s.cfg.CompactAfter || p.size > logMaxBytes ||
+			p.rec.logBytes+p.size > max(64<<10, p.rec.baseBytes/2):
+			bases = append(bases, p)
+		default:
+			logs = append(logs, p)
+		}
+	}
+	if err := s.putResources(ctx, fresh); err != nil {
+		for _, p := range append(bases, logs...) {
+			failed[p.key] = err
+		}
+		return failed
+	}
+	for _, p := range bases {
+		ok, err := s.writeBase(ctx, p)
+		switch {
+		case err != nil:
+			failed[p.key] = err
+		case !ok:
+			s.deposed(p)
+		default:
+			s.written(p)
+		}
+	}
+	for len(logs) > 0 {
+		n := min(len(logs), batchKeys)
+		if err := s.appendBatch(ctx, logs[:n]); err != nil {
+			for _, p := range logs[:n] {
+				failed[p.key] = err
+			}
+		}
+		logs = logs[n:]
+	}
+	return failed
+}
+
+// prepare claims key if it must, and works out what changed since the last
+// write. It returns nil if there is nothing to write.
+func (s *Store) prepare(ctx context.Context, key string, j *job, fresh *[]*relay.Resource) (*pend, error) {
 	rec := s.keys[key]
 	if rec == nil {
 		rec = &keyRec{persisted: map[string]relay.View{}}
@@ -471,130 +540,159 @@ func (s *Store) flush(ctx context.Context, key string, j *job) error {
 	}
 	if rec.deposed && j.term <= rec.deposedTerm {
 		s.m.writes.WithLabelValues("deposed").Inc()
-		return nil // another member writes this key until our ring changes
+		return nil, nil // another member writes this key until our ring changes
 	}
+	p := &pend{key: key, id: idOf(key), rec: rec, j: j, views: s.persistable(j.views)}
 	if rec.claimRev == 0 || rec.deposed {
-		rev, err := s.claim(ctx, key)
+		rev, err := s.claim(ctx, p.id)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		rec.claimRev, rec.deposed, rec.needBase = rev, false, true
 	}
-	views := s.persistable(j.views)
-
-	// What changed, type by type.
-	var changed []logType
-	var fresh []*relay.Resource
-	recordBytes := 0
-	for _, t := range slices.Sorted(maps.Keys(views)) {
-		v := views[t]
+	for _, t := range slices.Sorted(maps.Keys(p.views)) {
+		v := p.views[t]
 		old, had := rec.persisted[t]
 		lt := logType{Type: t, Full: v.Full, Root: v.Tree.Root()}
 		ledger.Diff(old.Tree, v.Tree, func(c ledger.Change[*relay.Resource]) bool {
 			if c.New == nil {
 				lt.Del = append(lt.Del, c.Name)
-				recordBytes += len(c.Name) + 2
+				p.size += len(c.Name) + 2
 				return true
 			}
 			lt.Set = append(lt.Set, entry{Name: c.Name, Hash: c.New.Hash})
-			recordBytes += len(c.Name) + 34
+			p.size += len(c.Name) + 34
 			if !s.isKnown(c.New.Hash) {
-				fresh = append(fresh, c.New.Value)
+				*fresh = append(*fresh, c.New.Value)
 			}
 			return true
 		})
 		if !had || len(lt.Set) > 0 || len(lt.Del) > 0 || old.Full != v.Full {
-			changed = append(changed, lt)
+			p.changes = append(p.changes, lt)
+			p.size += 36
 		}
 	}
-	for t := range rec.persisted {
-		if _, ok := views[t]; !ok {
-			changed = append(changed, logType{Type: t, Drop: true, Root: ledger.EmptyRoot()})
+	for _, t := range slices.Sorted(maps.Keys(rec.persisted)) {
+		if _, ok := p.views[t]; !ok {
+			p.changes = append(p.changes, logType{Type: t, Drop: true, Root: ledger.EmptyRoot()})
+			p.size += 36
 		}
 	}
-	if len(changed) == 0 && !rec.needBase {
-		return nil
+	if len(p.changes) == 0 && !rec.needBase {
+		return nil, nil
 	}
-	if err := s.putResources(ctx, fresh); err != nil {
-		return err
-	}
-	base := rec.needBase || rec.logCount >= s.cfg.CompactAfter || recordBytes > logMaxBytes ||
-		rec.logBytes+recordBytes > max(64<<10, rec.baseBytes/2)
-	var ok bool
-	var err error
-	if base {
-		ok, err = s.writeBase(ctx, key, rec, views)
-	} else {
-		ok, err = s.appendLog(ctx, key, rec, logRecord{Types: changed})
-	}
-	if err != nil {
-		return err
-	}
-	if !ok {
-		rec.deposed, rec.deposedTerm = true, j.term
-		s.m.deposed.Inc()
-		s.m.writes.WithLabelValues("deposed").Inc()
-		s.log.Warn("not writing key: another relay claimed it", "key", key, "err", ErrDeposed)
-		return nil
-	}
-	rec.persisted = views
+	return p, nil
+}
+
+// written records that p's views are in etcd.
+func (s *Store) written(p *pend) {
+	p.rec.persisted = p.views
 	s.m.writes.WithLabelValues("ok").Inc()
-	s.m.lag.Observe(time.Since(j.since).Seconds())
-	return nil
+	s.m.lag.Observe(time.Since(p.j.since).Seconds())
+}
+
+// deposed records that another member claimed p's key.
+func (s *Store) deposed(p *pend) {
+	p.rec.deposed, p.rec.deposedTerm = true, p.j.term
+	s.m.deposed.Inc()
+	s.m.writes.WithLabelValues("deposed").Inc()
+	s.log.Warn("not writing key: another relay claimed it", "key", p.key, "err", ErrDeposed)
 }
 
 // claim makes this member the key's writer: whoever claimed before is
 // fenced off from now on. It returns the fence's new mod revision.
-func (s *Store) claim(ctx context.Context, key string) (int64, error) {
+func (s *Store) claim(ctx context.Context, id keyID) (int64, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
 	defer cancel()
-	resp, err := s.cli.Put(ctx, s.fenceKey(key), s.cfg.Member)
+	k := s.fenceKey(id)
+	resp, err := s.cli.Put(ctx, k, s.cfg.Member)
 	if err != nil {
-		return 0, fmt.Errorf("claim %s: %w", key, err)
+		return 0, fmt.Errorf("claim: %w", err)
 	}
-	s.m.bytes.Add(float64(len(s.fenceKey(key)) + len(s.cfg.Member)))
-	s.log.Debug("claimed key", "key", key, "revision", resp.Header.Revision)
+	s.m.bytes.Add(float64(len(k) + len(s.cfg.Member)))
 	return resp.Header.Revision, nil
 }
 
-// fenced commits ops only while the key's fence is our claim. It reports
-// false if another member claimed the key since.
-func (s *Store) fenced(ctx context.Context, key string, rec *keyRec, ops ...clientv3.Op) (bool, error) {
-	ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
-	defer cancel()
-	resp, err := s.cli.Txn(ctx).
-		If(clientv3.Compare(clientv3.ModRevision(s.fenceKey(key)), "=", rec.claimRev)).
-		Then(ops...).
-		Commit()
-	if err != nil {
-		return false, fmt.Errorf("write %s: %w", key, err)
-	}
-	return resp.Succeeded, nil
+func (s *Store) fence(p *pend) clientv3.Cmp {
+	return clientv3.Compare(clientv3.ModRevision(s.fenceKey(p.id)), "=", p.rec.claimRev)
 }
 
-func (s *Store) appendLog(ctx context.Context, key string, rec *keyRec, r logRecord) (bool, error) {
-	b := encodeLog(r)
-	k := s.logKey(key, rec.nextSeq)
-	ok, err := s.fenced(ctx, key, rec, clientv3.OpPut(k, string(b)))
-	if err != nil || !ok {
-		return ok, err
+// appendBatch writes one batch record for ps (at most batchKeys keys), held
+// only while every one of them is still claimed by this member. Keys
+// another member claimed since are found, marked deposed and left out, and
+// the rest written again.
+func (s *Store) appendBatch(ctx context.Context, ps []*pend) error {
+	for len(ps) > 0 {
+		groups := map[string]*batchGroup{}
+		var order []string
+		for _, p := range ps {
+			sig := string(encodeChanges(p.changes))
+			g := groups[sig]
+			if g == nil {
+				g = &batchGroup{Types: p.changes}
+				groups[sig] = g
+				order = append(order, sig)
+			}
+			g.Keys = append(g.Keys, p.id)
+		}
+		var rec batchRecord
+		for _, sig := range order {
+			rec.Groups = append(rec.Groups, *groups[sig])
+		}
+		b := encodeBatch(rec)
+		// A new key for every attempt: an attempt that failed may still
+		// have committed, and what is written again re-applies its changes.
+		k := s.batchKey(s.batchSeq)
+		s.batchSeq++
+		cmps := make([]clientv3.Cmp, 0, len(ps))
+		gets := make([]clientv3.Op, 0, len(ps))
+		for _, p := range ps {
+			cmps = append(cmps, s.fence(p))
+			gets = append(gets, clientv3.OpGet(s.fenceKey(p.id)))
+		}
+		rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+		resp, err := s.cli.Txn(rctx).If(cmps...).Then(clientv3.OpPut(k, string(b))).Else(gets...).Commit()
+		cancel()
+		if err != nil {
+			return fmt.Errorf("write batch: %w", err)
+		}
+		if resp.Succeeded {
+			s.m.bytes.Add(float64(len(k) + len(b)))
+			share := len(b) / len(ps)
+			for _, p := range ps {
+				p.rec.logCount++
+				p.rec.logBytes += share
+				s.written(p)
+			}
+			return nil
+		}
+		var still []*pend
+		for i, p := range ps {
+			kvs := resp.Responses[i].GetResponseRange().GetKvs()
+			if len(kvs) == 1 && kvs[0].ModRevision == p.rec.claimRev {
+				still = append(still, p)
+			} else {
+				s.deposed(p)
+			}
+		}
+		if len(still) == len(ps) {
+			return errors.New("write batch: refused, yet every fence holds")
+		}
+		ps = still
 	}
-	s.m.bytes.Add(float64(len(k) + len(b)))
-	rec.nextSeq++
-	rec.logCount++
-	rec.logBytes += len(b)
-	return true, nil
+	return nil
 }
 
-// writeBase writes every type's index as chunks, then the head, dropping
-// the log, in one fenced transaction.
-func (s *Store) writeBase(ctx context.Context, key string, rec *keyRec, views map[string]relay.View) (bool, error) {
-	h := head{LogFrom: 0}
+// writeBase writes every type's index as chunks, then the head, in one
+// transaction fenced by the claim. Batch records written before the head
+// no longer apply to the key.
+func (s *Store) writeBase(ctx context.Context, p *pend) (bool, error) {
+	h := head{Key: p.key}
 	var puts []clientv3.Op
 	var newChunks []ledger.Hash
 	total := 0
-	for _, t := range slices.Sorted(maps.Keys(views)) {
-		v := views[t]
+	for _, t := range slices.Sorted(maps.Keys(p.views)) {
+		v := p.views[t]
 		ht := headType{Type: t, Full: v.Full, Root: v.Tree.Root(), N: v.Tree.Len()}
 		for _, c := range chunksOf(v.Tree) {
 			b := encodeChunk(c)
@@ -615,17 +713,20 @@ func (s *Store) writeBase(ctx context.Context, key string, rec *keyRec, views ma
 	s.addKnown(newChunks...)
 	hb := encodeHead(h)
 	if len(hb) > batchBytes {
-		return false, fmt.Errorf("write %s: head of %d bytes exceeds %d", key, len(hb), batchBytes)
+		return false, fmt.Errorf("write %s: head of %d bytes exceeds %d", p.key, len(hb), batchBytes)
 	}
-	ok, err := s.fenced(ctx, key, rec,
-		clientv3.OpPut(s.headKey(key), string(hb)),
-		clientv3.OpDelete(s.keyDir(key)+"log/", clientv3.WithPrefix()))
-	if err != nil || !ok {
-		return ok, err
+	rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	resp, err := s.cli.Txn(rctx).If(s.fence(p)).Then(clientv3.OpPut(s.headKey(p.id), string(hb))).Commit()
+	cancel()
+	if err != nil {
+		return false, fmt.Errorf("write %s: %w", p.key, err)
 	}
-	s.m.bytes.Add(float64(len(s.headKey(key)) + len(hb)))
+	if !resp.Succeeded {
+		return false, nil
+	}
+	s.m.bytes.Add(float64(len(s.headKey(p.id)) + len(hb)))
 	s.m.bases.Inc()
-	rec.needBase, rec.nextSeq, rec.logCount, rec.logBytes, rec.baseBytes = false, 0, 0, 0, total
+	p.rec.needBase, p.rec.logCount, p.rec.logBytes, p.rec.baseBytes = false, 0, 0, total
 	return true, nil
 }
 

@@ -205,6 +205,27 @@ func TestChangesAppendSmallRecordsThenCompact(t *testing.T) {
 		}
 		sameContent(t, fmt.Sprintf("after change %d", i), loaded(t, e.Endpoints(), nil)["k"], want(viewOf(typeEndpoint, false, eps...)))
 	}
+	// The records the base replaced are collected (after two passes).
+	batches := func() int64 {
+		resp, err := s.cli.Get(t.Context(), s.root+"batch/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.Count
+	}
+	if got := batches(); got != 6 {
+		t.Errorf("batch records before collection = %d, want 6 (5 before the new base, 1 after)", got)
+	}
+	for range 2 {
+		if _, err := s.Collect(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := batches(); got != 1 {
+		t.Errorf("batch records after collection = %d, want 1 (the one after the new base)", got)
+	}
+	sameContent(t, "after collection", loaded(t, e.Endpoints(), nil)["k"], want(viewOf(typeEndpoint, false, eps...)))
+
 	// Removing a type drops it.
 	s.Save("k", 0, []relay.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("c")))})
 	waitWritten(t, s)
@@ -380,9 +401,10 @@ func TestDamagedRecordsAreLeftOut(t *testing.T) {
 	if got[typeCluster] != nil || got[typeEndpoint] == nil {
 		t.Errorf("with a resource missing: loaded types %v, want endpoints only", slices.Sorted(maps.Keys(got)))
 	}
-	// Damage the log record: the record says a root the entries do not
-	// have, so the cluster type is left out again.
-	if _, err := s.cli.Put(t.Context(), s.logKey("k", 0), string(encodeLog(logRecord{Types: []logType{{Type: typeCluster, Full: true, Root: ledger.HashBytes([]byte("forged")), Set: []entry{{Name: "c1", Hash: c1.Hash}}}}}))); err != nil {
+	// Damage the batch record: it says a root the entries do not have,
+	// so the cluster type is left out again.
+	forged := batchRecord{Groups: []batchGroup{{Keys: []keyID{idOf("k")}, Types: []logType{{Type: typeCluster, Full: true, Root: ledger.HashBytes([]byte("forged")), Set: []entry{{Name: "c1", Hash: c1.Hash}}}}}}}
+	if _, err := s.cli.Put(t.Context(), s.batchKey(0), string(encodeBatch(forged))); err != nil {
 		t.Fatal(err)
 	}
 	got = loaded(t, e.Endpoints(), nil)["k"]
@@ -390,7 +412,7 @@ func TestDamagedRecordsAreLeftOut(t *testing.T) {
 		t.Errorf("with a forged record: loaded types %v, want endpoints only", slices.Sorted(maps.Keys(got)))
 	}
 	// Garbage in the head: the key is left out, nothing panics.
-	if _, err := s.cli.Put(t.Context(), s.headKey("k"), "garbage"); err != nil {
+	if _, err := s.cli.Put(t.Context(), s.headKey(idOf("k")), "garbage"); err != nil {
 		t.Fatal(err)
 	}
 	if got := loaded(t, e.Endpoints(), nil); got["k"] != nil {
