@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -15,6 +16,7 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/snapshot"
 )
 
 // DemoConfig configures RunDemo: a whole tier in one process.
@@ -40,6 +42,10 @@ type DemoConfig struct {
 	Interval time.Duration
 	// Logger for the relays. Default: discard.
 	Logger *slog.Logger
+	// NoEtcd runs the tier without snapshots. By default an embedded etcd
+	// (in a temporary directory) holds the relays' snapshots, and a
+	// restarted relay starts warm from it.
+	NoEtcd bool
 }
 
 // DemoEvent is one change to the tier: At after the start, Action (kill,
@@ -120,6 +126,27 @@ func ParseDemoCommand(s string) (DemoEvent, error) {
 }
 
 // apply carries out e on the tier.
+// restoredNote says how many keys a relay just started restored from etcd
+// (it waits up to 2 s for the relay to be ready).
+func restoredNote(t *Tier, e DemoEvent, etcd bool) string {
+	if !etcd || (e.Action != "start" && e.Action != "add") {
+		return ""
+	}
+	t.mu.Lock()
+	r := t.slots[len(t.slots)-1]
+	if e.Action == "start" {
+		r = t.slots[e.Relay]
+	}
+	t.mu.Unlock()
+	if r.Node == nil {
+		return ""
+	}
+	for deadline := time.Now().Add(2 * time.Second); !r.Node.Relay().Ready() && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
+	return fmt.Sprintf(" (warm: %d keys restored from etcd)", r.Node.Relay().Stats().RestoredKeys)
+}
+
 func (t *Tier) apply(ctx context.Context, e DemoEvent) error {
 	if e.Action == "add" {
 		_, err := t.Add(ctx)
@@ -179,8 +206,23 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 	}
 	defer up.Stop(stopCtx)
 
+	var etcdEndpoints []string
+	if !cfg.NoEtcd {
+		dir, err := os.MkdirTemp("", "meshrelay-demo-etcd-")
+		if err != nil {
+			return err
+		}
+		defer os.RemoveAll(dir)
+		etcd, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: dir})
+		if err != nil {
+			return err
+		}
+		defer etcd.Close()
+		etcdEndpoints = etcd.Endpoints()
+	}
 	tier, err := StartTier(stopCtx, TierConfig{
 		Relays: cfg.Relays, Upstream: up.Addr(), UpstreamProtocol: cfg.UpstreamProtocol, Logger: cfg.Logger,
+		Etcd: etcdEndpoints,
 	})
 	if err != nil {
 		return err
@@ -200,6 +242,9 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 	fmt.Fprintf(out, "  relays    %d, gossiping in memory, behind a Service at %s; upstream protocol %s, key profile istio\n",
 		cfg.Relays, tier.Addr(), cfg.UpstreamProtocol)
 	fmt.Fprintf(out, "  envoys    %d simulated (%s) over %d keys; churn %.1f changes/s\n", cfg.Envoys, cfg.Protocol, cfg.Keys, cfg.ChurnRate)
+	if len(etcdEndpoints) > 0 {
+		fmt.Fprintf(out, "  etcd      embedded at %s: owners persist their keys; a relay that starts is warm from it\n", etcdEndpoints[0])
+	}
 	if len(cfg.Schedule) > 0 {
 		var ev []string
 		for _, e := range cfg.Schedule {
@@ -264,7 +309,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 			fmt.Fprintf(out, "%6s  %s: %s: %v\n", time.Since(start).Round(time.Second), source, e, err)
 			return
 		}
-		fmt.Fprintf(out, "%6s  %s: %s\n", time.Since(start).Round(time.Second), source, e)
+		fmt.Fprintf(out, "%6s  %s: %s%s\n", time.Since(start).Round(time.Second), source, e, restoredNote(tier, e, len(etcdEndpoints) > 0))
 	}
 
 	printHeader := func() {

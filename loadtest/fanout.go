@@ -147,7 +147,7 @@ func RunRelayChild(ctx context.Context, cfg RelayChildConfig, in io.Reader, out,
 	}
 	if store != nil {
 		// The parent times the start: report once the relay can serve.
-		for deadline := time.Now().Add(time.Minute); !r.Ready() && time.Now().Before(deadline); {
+		for deadline := time.Now().Add(5 * time.Minute); !r.Ready() && time.Now().Before(deadline); {
 			time.Sleep(5 * time.Millisecond)
 		}
 	}
@@ -243,6 +243,8 @@ func ExecRelay(path string, stderr io.Writer, args ...string) StartRelayFunc {
 			Path:   path,
 			Args:   append(append([]string(nil), args...), cfg.Args()...),
 			Stderr: stderr,
+			// A relay with snapshots reports ready once it restored them.
+			ReadyTimeout: 5 * time.Minute,
 		})
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/snapshot"
 	"github.com/meshrelay/meshrelay/shard"
 	"github.com/meshrelay/meshrelay/shard/shardtest"
 )
@@ -36,6 +37,10 @@ type TierConfig struct {
 	// AdmitRate bounds new streams per relay and second (0: no limit).
 	// Default 0.
 	AdmitRate float64
+	// Etcd, if set, gives every relay a snapshot store on these endpoints:
+	// the relays persist the keys they own and a (re)started relay warms
+	// from them.
+	Etcd []string
 	// Relay, if set, adjusts each relay's configuration last.
 	Relay func(*relay.Config)
 	// Logger receives every relay's logs. Default: discard.
@@ -183,7 +188,17 @@ func (t *Tier) Start(ctx context.Context, i int) error {
 	sc.RejoinInterval = time.Second
 	sc.MetaInterval = 200 * time.Millisecond
 	sc.Logger = t.cfg.Logger
-	node, err := shard.NewNode(shard.NodeConfig{Relay: rc, Ring: sc, DrainPeriod: t.cfg.DrainPeriod})
+	var store *snapshot.Store
+	if len(t.cfg.Etcd) > 0 {
+		stc := snapshot.DefaultConfig()
+		stc.Endpoints, stc.Logger = t.cfg.Etcd, t.cfg.Logger
+		stc.Member = fmt.Sprintf("%s-%d", id, time.Now().UnixNano())
+		if store, err = snapshot.New(stc); err != nil {
+			lis.Close()
+			return err
+		}
+	}
+	node, err := shard.NewNode(shard.NodeConfig{Relay: rc, Ring: sc, DrainPeriod: t.cfg.DrainPeriod, Store: store})
 	if err != nil {
 		lis.Close()
 		return err

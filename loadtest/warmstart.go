@@ -100,6 +100,7 @@ type WarmStartReport struct {
 	// Per single endpoint change: bytes written to etcd in all, and per
 	// key that saw the change.
 	ChangeBytes       []int64 `json:"change_bytes"`
+	ChangePuts        []int64 `json:"change_puts"`
 	ChangeKeys        []int   `json:"change_keys"`
 	BytesPerChange    float64 `json:"bytes_per_change"`
 	BytesPerChangeKey float64 `json:"bytes_per_change_key"`
@@ -191,7 +192,7 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 		groupKeys[g]++
 	}
 	for i := range cfg.Changes {
-		_, before := meter.Written()
+		putsBefore, before := meter.Written()
 		c, err := up.MoveEndpoint((i * 7919) % max(1, cfg.Scenario.Endpoints))
 		if err != nil {
 			return rep, err
@@ -209,12 +210,13 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 		if err != nil {
 			return rep, fmt.Errorf("change %d: %w", i, err)
 		}
-		_, after := meter.Written()
+		putsAfter, after := meter.Written()
 		keys := 0
 		for _, g := range c.Groups {
 			keys += groupKeys[g]
 		}
 		rep.ChangeBytes = append(rep.ChangeBytes, after-before)
+		rep.ChangePuts = append(rep.ChangePuts, putsAfter-putsBefore)
 		rep.ChangeKeys = append(rep.ChangeKeys, keys)
 	}
 	var sumB, sumK int64
@@ -299,8 +301,8 @@ func PrintWarmStart(w io.Writer, r *WarmStartReport) {
 	fmt.Fprintf(w, "\n  etcd after the cold start: %d keys, %s of keys and values (db file %s); %s written to get there\n",
 		r.StoredKeys, fmtBytes(uint64(r.StoredBytes)), fmtBytes(uint64(r.EtcdDBSize)), fmtBytes(uint64(r.SyncWrittenBytes)))
 	if len(r.ChangeBytes) > 0 {
-		fmt.Fprintf(w, "  one endpoint change: %.0f bytes written on average (%d changes: %v bytes, seen by %v keys), %.0f bytes per key that saw it\n",
-			r.BytesPerChange, len(r.ChangeBytes), r.ChangeBytes, r.ChangeKeys, r.BytesPerChangeKey)
+		fmt.Fprintf(w, "  one endpoint change: %.0f bytes written on average, %.0f per key that saw it\n", r.BytesPerChange, r.BytesPerChangeKey)
+		fmt.Fprintf(w, "    %d changes: bytes %v, puts %v, keys that saw it %v\n", len(r.ChangeBytes), r.ChangeBytes, r.ChangePuts, r.ChangeKeys)
 	}
 	judge := func(ok bool) string {
 		if ok {

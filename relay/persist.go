@@ -77,40 +77,71 @@ func (r *Relay) loadSnapshots(ctx context.Context) {
 		return
 	}
 	keys, types := 0, 0
+	rs := &restorer{r: r, trees: make(map[typeRoot]*ledger.Tree[*Resource])}
 	for _, sk := range saved {
-		if n := r.restoreKey(sk); n > 0 {
+		if n := r.restoreKey(sk, rs); n > 0 {
 			keys++
 			types += n
 		}
 	}
 	r.metrics.restoredKeys.Add(float64(keys))
+	r.restored.Store(int64(keys))
 	if keys > 0 {
 		r.markWarm(fmt.Sprintf("%d keys restored from snapshots", keys))
 	}
 	r.log.Info("warm start", "keys", keys, "types", types, "took", time.Since(start).Round(time.Millisecond))
 }
 
+// restorer builds the views of restored keys. Keys that persisted the same
+// view (most keys of a namespace) share one tree: it is built and checked
+// once, and the relay holds it once.
+type restorer struct {
+	r     *Relay
+	trees map[typeRoot]*ledger.Tree[*Resource] // nil: did not check out
+}
+
+type typeRoot struct {
+	typ  string
+	root ledger.Hash
+}
+
+// tree returns the view of st, checked: every resource must decode, and
+// the view must hash to the persisted root.
+func (rs *restorer) tree(st SavedType) (ledger.Tree[*Resource], bool) {
+	k := typeRoot{st.Type, st.Root}
+	if t, seen := rs.trees[k]; seen {
+		if t == nil {
+			return ledger.Tree[*Resource]{}, false
+		}
+		return *t, true
+	}
+	rs.trees[k] = nil
+	b := ledger.Tree[*Resource]{}.Edit()
+	for _, sr := range st.Resources {
+		res, err := rs.r.store.decode(st.Type, &anypb.Any{TypeUrl: st.Type, Value: sr.Body}, sr.Name)
+		if err != nil || res.Name != sr.Name {
+			return ledger.Tree[*Resource]{}, false
+		}
+		b.Set(res.Name, res.Hash, res)
+	}
+	t := b.Tree()
+	if t.Root() != st.Root {
+		return ledger.Tree[*Resource]{}, false
+	}
+	rs.trees[k] = &t
+	return t, true
+}
+
 // restoreKey installs a persisted key, stale, if no stream created it
-// first, and returns the number of types restored. Every type is checked:
-// its resources must decode and hash to the persisted root.
-func (r *Relay) restoreKey(sk SavedKey) int {
+// first, and returns the number of types restored.
+func (r *Relay) restoreKey(sk SavedKey, rs *restorer) int {
 	types := make(map[string]*typeSnap, len(sk.Types))
 	for _, st := range sk.Types {
 		if !cached(st.Type) {
 			continue
 		}
-		b := ledger.Tree[*Resource]{}.Edit()
-		ok := true
-		for _, sr := range st.Resources {
-			res, err := r.store.decode(st.Type, &anypb.Any{TypeUrl: st.Type, Value: sr.Body}, sr.Name)
-			if err != nil || res.Name != sr.Name {
-				ok = false
-				break
-			}
-			b.Set(res.Name, res.Hash, r.store.intern(res))
-		}
-		t := b.Tree()
-		if !ok || t.Root() != st.Root {
+		t, ok := rs.tree(st)
+		if !ok {
 			r.log.Warn("warm start: persisted view does not match its root; not restored", "key", sk.Key, "type", shortType(st.Type))
 			continue
 		}

@@ -80,6 +80,7 @@ type Relay struct {
 	warmOnce   sync.Once
 	loaded     chan struct{} // closed once snapshots are loaded (at once without Snapshots)
 	ownersTerm atomic.Uint64 // counts changes of owners (Snapshots.Save's term)
+	restored   atomic.Int64  // keys restored from snapshots at start
 	draining   atomic.Bool   // set by MarkNotReady: new streams are refused
 	admission  *rate.Limiter // nil: no limit
 
@@ -330,6 +331,7 @@ type Stats struct {
 	PeerClients     int // streams of other relays attached to a key this relay owns
 	Keys            int
 	StaleKeys       int
+	RestoredKeys    int    // keys restored from snapshots at start (warm start)
 	UpstreamStreams int    // upstream streams held (owned keys and fallbacks)
 	PeerStreams     int    // streams held to other relays, owners of keys
 	Resources       int    // distinct resources in the cache
@@ -343,7 +345,7 @@ type Stats struct {
 // Stats returns the relay's current figures.
 func (r *Relay) Stats() Stats {
 	keys := r.keysSnapshot()
-	st := Stats{Keys: len(keys), Resources: r.store.len()}
+	st := Stats{Keys: len(keys), Resources: r.store.len(), RestoredKeys: int(r.restored.Load())}
 	for _, k := range keys {
 		k.mu.Lock()
 		st.Streams += len(k.members) - k.peers

@@ -215,6 +215,7 @@ func demo(ctx context.Context, args []string) error {
 	fs.DurationVar(&cfg.Interval, "interval", cfg.Interval, "time between table rows")
 	fs.IntVar(&cfg.Relays, "relays", cfg.Relays, "relays in the tier")
 	schedule := fs.String("schedule", "8s:kill:1,13s:start:1", "tier events, AT:ACTION[:RELAY] comma-separated; actions kill (crash), stop (graceful), start, add; empty: none")
+	fs.BoolVar(&cfg.NoEtcd, "no-etcd", false, "run without the embedded etcd: no snapshots, relays start cold")
 	interactive := fs.Bool("interactive", true, "read kill N, stop N, start N and add from the terminal while running (only if stdin is a terminal)")
 	if err := fs.Parse(args); err != nil {
 		return err

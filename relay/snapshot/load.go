@@ -3,6 +3,7 @@ package snapshot
 import (
 	"cmp"
 	"context"
+	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
 	"maps"
@@ -146,8 +147,9 @@ func (s *Store) readIndexes(ctx context.Context) (*index, error) {
 		return nil, err
 	}
 	s.addKnown(slices.Collect(maps.Keys(chunks))...)
+	rebuilt := make(map[ledger.Hash]*view)
 	for id, ki := range raw {
-		key, vs, err := rebuild(ki, chunks, ix.chunkRefs)
+		key, vs, err := rebuild(ki, chunks, ix.chunkRefs, rebuilt)
 		if err != nil {
 			s.m.corrupt.Inc()
 			s.log.Warn("snapshot of key unreadable: not loaded", "key_id", hex.EncodeToString(id[:]), "err", err)
@@ -164,63 +166,111 @@ func (s *Store) readIndexes(ctx context.Context) (*index, error) {
 	return ix, nil
 }
 
+// history is how one type of a key came to be: a base (nil if the type
+// appeared after it) and the changes applied since, in order.
+type history struct {
+	typ   string
+	base  *headType
+	steps []logType
+}
+
+// signature identifies a history: keys that changed alike (most keys of a
+// namespace) have the same, and their view is rebuilt and checked once.
+func (h *history) signature() ledger.Hash {
+	d := sha256.New()
+	d.Write([]byte(h.typ))
+	if h.base != nil {
+		d.Write(encodeHead(head{Types: []headType{*h.base}}))
+	}
+	for _, st := range h.steps {
+		d.Write(encodeChanges([]logType{st}))
+	}
+	var sum ledger.Hash
+	d.Sum(sum[:0])
+	return sum
+}
+
 // rebuild applies a key's batch records to its base, in revision order,
-// noting the chunks its head refers to.
-func rebuild(ki *keyIndex, chunks map[ledger.Hash][]byte, chunkRefs map[ledger.Hash]bool) (string, map[string]*view, error) {
+// noting the chunks its head refers to. Views already rebuilt for the same
+// history (in views) are shared, not rebuilt: a nil entry there is a
+// history that did not add up.
+func rebuild(ki *keyIndex, chunks map[ledger.Hash][]byte, chunkRefs map[ledger.Hash]bool, views map[ledger.Hash]*view) (string, map[string]*view, error) {
 	h, err := decodeHead(ki.head)
 	if err != nil {
 		return "", nil, fmt.Errorf("head: %w", err)
 	}
-	out := make(map[string]*view, len(h.Types))
-	bad := make(map[string]bool)
-	for _, ht := range h.Types {
-		v := &view{full: ht.Full, root: ht.Root, entries: make(map[string]ledger.Hash, ht.N)}
+	hist := make(map[string]*history, len(h.Types))
+	for i := range h.Types {
+		ht := &h.Types[i]
 		for _, ch := range ht.Chunks {
 			chunkRefs[ch] = true
-			b, ok := chunks[ch]
-			if !ok {
-				bad[ht.Type] = true
-				continue
-			}
-			es, err := decodeChunk(b)
-			if err != nil {
-				bad[ht.Type] = true
-				continue
-			}
-			for _, e := range es {
-				v.entries[e.Name] = e.Hash
-			}
 		}
-		out[ht.Type] = v
+		hist[ht.Type] = &history{typ: ht.Type, base: ht}
 	}
 	slices.SortFunc(ki.batches, func(a, b applied) int { return cmp.Compare(a.rev, b.rev) })
 	for _, a := range ki.batches {
 		for _, lt := range a.types {
 			if lt.Drop {
-				delete(out, lt.Type)
-				delete(bad, lt.Type)
+				delete(hist, lt.Type)
 				continue
 			}
-			v := out[lt.Type]
-			if v == nil {
-				v = &view{entries: make(map[string]ledger.Hash)}
-				out[lt.Type] = v
+			th := hist[lt.Type]
+			if th == nil {
+				th = &history{typ: lt.Type}
+				hist[lt.Type] = th
 			}
-			for _, e := range lt.Set {
-				v.entries[e.Name] = e.Hash
-			}
-			for _, n := range lt.Del {
-				delete(v.entries, n)
-			}
-			v.full, v.root = lt.Full, lt.Root
+			th.steps = append(th.steps, lt)
 		}
 	}
-	for t, v := range out {
-		if bad[t] || rootOf(v.entries) != v.root {
-			delete(out, t)
+	out := make(map[string]*view, len(hist))
+	for t, th := range hist {
+		sig := th.signature()
+		v, seen := views[sig]
+		if !seen {
+			v = th.replay(chunks)
+			views[sig] = v
+		}
+		if v != nil {
+			out[t] = v
 		}
 	}
 	return h.Key, out, nil
+}
+
+// replay rebuilds a type's view from its history and checks it against
+// the root recorded last. It returns nil if a chunk is missing or damaged
+// or the entries do not hash to the root.
+func (h *history) replay(chunks map[ledger.Hash][]byte) *view {
+	v := &view{entries: make(map[string]ledger.Hash)}
+	if b := h.base; b != nil {
+		v.full, v.root = b.Full, b.Root
+		for _, ch := range b.Chunks {
+			data, ok := chunks[ch]
+			if !ok {
+				return nil
+			}
+			es, err := decodeChunk(data)
+			if err != nil {
+				return nil
+			}
+			for _, e := range es {
+				v.entries[e.Name] = e.Hash
+			}
+		}
+	}
+	for _, st := range h.steps {
+		for _, e := range st.Set {
+			v.entries[e.Name] = e.Hash
+		}
+		for _, n := range st.Del {
+			delete(v.entries, n)
+		}
+		v.full, v.root = st.Full, st.Root
+	}
+	if rootOf(v.entries) != v.root {
+		return nil
+	}
+	return v
 }
 
 func rootOf(entries map[string]ledger.Hash) ledger.Hash {
@@ -254,20 +304,30 @@ func (s *Store) Load(ctx context.Context) ([]relay.SavedKey, error) {
 		return nil, err
 	}
 	var out []relay.SavedKey
+	// Keys with the same view share one list of resources (they are read,
+	// never changed).
+	lists := make(map[*view][]relay.SavedResource)
 	for _, key := range slices.Sorted(maps.Keys(views)) {
 		sk := relay.SavedKey{Key: key}
 		for _, t := range slices.Sorted(maps.Keys(views[key])) {
 			v := views[key][t]
-			st := relay.SavedType{Type: t, Full: v.full, Root: v.root, Resources: make([]relay.SavedResource, 0, len(v.entries))}
-			complete := true
-			for name, h := range v.entries {
-				b, ok := bodies[h]
-				if !ok || b.typ != t {
-					complete = false
-					break
+			st := relay.SavedType{Type: t, Full: v.full, Root: v.root}
+			list, complete := lists[v]
+			if !complete {
+				list, complete = make([]relay.SavedResource, 0, len(v.entries)), true
+				for name, h := range v.entries {
+					b, ok := bodies[h]
+					if !ok || b.typ != t {
+						complete = false
+						break
+					}
+					list = append(list, relay.SavedResource{Name: name, Body: b.body})
 				}
-				st.Resources = append(st.Resources, relay.SavedResource{Name: name, Body: b.body})
+				if complete {
+					lists[v] = list
+				}
 			}
+			st.Resources = list
 			if !complete {
 				s.m.corrupt.Inc()
 				s.log.Warn("snapshot type incomplete: not loaded", "key", key, "type", t)

@@ -54,7 +54,11 @@ type Config struct {
 	SealKey []byte
 
 	// FlushInterval is how long the writer gathers changes before writing:
-	// several changes of a key in that time are one write. Default 100ms.
+	// the changes of every key in that time are one batch record. A change
+	// reaches the keys that see it over a few hundred milliseconds (one
+	// upstream stream each), so a second gathers one change of 100 keys
+	// into one record: a restarted relay may start up to this much behind,
+	// and catches up from its source. Default 1s.
 	FlushInterval time.Duration
 	// RetryMax bounds the backoff between attempts while etcd fails.
 	// Default 10s.
@@ -83,7 +87,7 @@ func DefaultConfig() Config {
 		RequestTimeout: 10 * time.Second,
 		Prefix:         "/meshrelay/",
 		Cluster:        "default",
-		FlushInterval:  100 * time.Millisecond,
+		FlushInterval:  time.Second,
 		RetryMax:       10 * time.Second,
 		CompactAfter:   256,
 		GCInterval:     10 * time.Minute,

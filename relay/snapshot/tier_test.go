@@ -1,0 +1,181 @@
+package snapshot_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/loadtest"
+	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/relay/snapshot"
+)
+
+// persistedMatches compares what etcd holds with what the upstream serves
+// now: every key of the fleet persisted, every resource of every type it
+// holds equal to the upstream's. It returns a description of the first
+// difference.
+func persistedMatches(t *testing.T, endpoints []string, up *upstream.Upstream, keys int) (bool, string) {
+	t.Helper()
+	cfg := snapshot.DefaultConfig()
+	cfg.Endpoints, cfg.Member = endpoints, "reader"
+	s, err := snapshot.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Stop(context.Background())
+	saved, err := s.Load(t.Context())
+	if err != nil {
+		return false, err.Error()
+	}
+	if len(saved) != keys {
+		return false, fmt.Sprintf("%d keys persisted, want %d", len(saved), keys)
+	}
+	for _, k := range saved {
+		group := strings.Split(k.Key, "/")[1] // sidecar/<namespace>/<workload>#…
+		snap := up.Snapshot(group)
+		for _, st := range k.Types {
+			if len(st.Resources) != len(snap[st.Type]) {
+				return false, fmt.Sprintf("%s: %d of %s persisted, upstream serves %d", k.Key, len(st.Resources), st.Type, len(snap[st.Type]))
+			}
+			for _, r := range st.Resources {
+				want, err := proto.MarshalOptions{Deterministic: true}.Marshal(snap[st.Type][r.Name])
+				if err != nil {
+					t.Fatal(err)
+				}
+				if string(want) != string(r.Body) {
+					return false, fmt.Sprintf("%s: %s %s persisted differs from the upstream's", k.Key, st.Type, r.Name)
+				}
+			}
+		}
+	}
+	return true, ""
+}
+
+// TestTierPersistsWhatOwnersServe runs a 3-relay tier on one etcd: the
+// owners persist their keys; when an owner dies or is partitioned away, the
+// keys' new owners take over the writes (a deposed owner cannot overwrite
+// them); and a whole new tier started while the upstream is down serves
+// every Envoy the latest config from etcd.
+func TestTierPersistsWhatOwnersServe(t *testing.T) {
+	ctx := context.Background()
+	etcd, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(etcd.Close)
+	endpoints := etcd.Endpoints()
+	ucfg := upstream.DefaultConfig()
+	ucfg.Scenario = upstream.Scenario{Services: 30, Endpoints: 30, Namespaces: 3, LocalFraction: 0.25}
+	up, err := upstream.New(ucfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := up.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { up.Stop(context.Background()) })
+	const keys = 6
+	startTier := func() *loadtest.Tier {
+		tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Etcd: endpoints})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { tier.Stop(context.Background()) })
+		wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		if err := tier.WaitConverged(wctx); err != nil {
+			t.Fatal(err)
+		}
+		return tier
+	}
+	startFleet := func(tier *loadtest.Tier) *loadtest.Fleet {
+		f, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: ucfg.Scenario, Envoys: 18, Keys: keys, Target: tier.Addr()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { f.Stop(context.Background()) })
+		return f
+	}
+	synced := func(f *loadtest.Fleet, when string) {
+		t.Helper()
+		wctx, cancel := context.WithTimeout(ctx, 45*time.Second)
+		defer cancel()
+		if err := f.WaitSynced(wctx, up); err != nil {
+			t.Fatalf("%s: %v", when, err)
+		}
+	}
+	persisted := func(when string) {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			ok, diff := persistedMatches(t, endpoints, up, keys)
+			if ok {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: etcd does not hold the latest config after 30s: %s", when, diff)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	change := func(i int) {
+		if _, err := up.MoveEndpoint(i); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	tier := startTier()
+	fleet := startFleet(tier)
+	synced(fleet, "initial sync")
+	persisted("after the initial sync")
+
+	// An owner dies: its keys' new owners write the next change.
+	if err := tier.StopRelay(ctx, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	if err := tier.WaitConverged(wctx); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	change(0)
+	synced(fleet, "after the owner died")
+	persisted("after the owner died")
+
+	// A relay is cut off: it believes it owns every key and claims those
+	// it serves; after the heal the ring's owners claim them back, and the
+	// partitioned relay's late writes are fenced off.
+	tier.Partition(1)
+	change(1)
+	synced(fleet, "during the partition")
+	tier.Heal()
+	wctx, cancel = context.WithTimeout(ctx, 30*time.Second)
+	if err := tier.WaitConverged(wctx); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	change(2)
+	synced(fleet, "after the heal")
+	persisted("after the heal")
+	for _, v := range fleet.Violations() {
+		t.Errorf("protocol violation: %v", v)
+	}
+
+	// The whole tier goes, then the upstream; a new tier serves new
+	// Envoys the latest config from etcd alone.
+	fleet.Stop(ctx)
+	tier.Stop(ctx)
+	if err := up.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	tier2 := startTier()
+	fleet2 := startFleet(tier2)
+	synced(fleet2, "a new tier, upstream down")
+	for _, v := range fleet2.Violations() {
+		t.Errorf("protocol violation: %v", v)
+	}
+}
