@@ -81,6 +81,10 @@ func (t Tree[V]) Root() Hash {
 	return t.root.digest
 }
 
+// Shares reports whether t and u are the same version: the same nodes, not
+// only the same content (tests of sharing use it).
+func (t Tree[V]) Shares(u Tree[V]) bool { return t.root == u.root }
+
 // Get returns the entry for name.
 func (t Tree[V]) Get(name string) (Entry[V], bool) {
 	return lookup(t.root, name)

@@ -36,6 +36,11 @@ type WarmStartConfig struct {
 	Quiet time.Duration
 	// SyncTimeout bounds each start. Default 10m.
 	SyncTimeout time.Duration
+	// WarmOnly skips the cold start and the changes: EtcdDir must hold
+	// the snapshots of an earlier run (kept with --etcd-dir). Only the warm
+	// start's time to ready and RSS are measured: the probes could not tell
+	// what the earlier run's changes left.
+	WarmOnly bool
 	// StartRelay starts the relay child. Required.
 	StartRelay StartRelayFunc
 	// Targets are the goals the run is judged against.
@@ -167,6 +172,22 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 	}
 	defer up.Stop(context.WithoutCancel(ctx))
 	rc := RelayChildConfig{Upstream: up.Addr(), Etcd: etcd.Endpoints()}
+	if cfg.WarmOnly {
+		if err := up.Stop(ctx); err != nil {
+			return rep, err
+		}
+		start := time.Now()
+		child, err := cfg.StartRelay(ctx, rc)
+		if err != nil {
+			return rep, fmt.Errorf("warm: start relay: %w", err)
+		}
+		rep.Warm.ReadyS = time.Since(start).Seconds()
+		if st, err := child.Stat(); err == nil {
+			rep.Warm.PeakRSS, rep.Warm.CPUS = st.PeakRSS, st.CPU.Seconds()
+		}
+		fmt.Fprintf(out, "warm (upstream down): ready in %.2fs; relay peak RSS %s, CPU %.1fs\n", rep.Warm.ReadyS, fmtBytes(rep.Warm.PeakRSS), rep.Warm.CPUS)
+		return rep, child.Stop(context.WithoutCancel(ctx))
+	}
 
 	fmt.Fprintf(out, "warmstart: %d services, %d endpoints, %d namespaces, %d keys\n", cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces, cfg.Keys)
 	child, fleet, phase, err := startAndServe(ctx, cfg, rc, up, "cold", out)

@@ -3,9 +3,10 @@ package relay
 import (
 	"context"
 	"fmt"
+	"maps"
+	"runtime"
+	"sync"
 	"time"
-
-	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshrelay/meshrelay/ledger"
 )
@@ -77,7 +78,8 @@ func (r *Relay) loadSnapshots(ctx context.Context) {
 		return
 	}
 	keys, types := 0, 0
-	rs := &restorer{r: r, trees: make(map[typeRoot]*ledger.Tree[*Resource])}
+	rs := newRestorer(r)
+	rs.prebuild(saved)
 	for _, sk := range saved {
 		if n := r.restoreKey(sk, rs); n > 0 {
 			keys++
@@ -97,7 +99,122 @@ func (r *Relay) loadSnapshots(ctx context.Context) {
 // once, and the relay holds it once.
 type restorer struct {
 	r     *Relay
-	trees map[typeRoot]*ledger.Tree[*Resource] // nil: did not check out
+	trees map[typeRoot]*ledger.Tree[*Resource] // views that checked out
+	// refs and missing cache what followRestored derives from a view (the
+	// names it refers to) and from a pair of views (the names referred to
+	// that the other lacks), for the keys that share them.
+	refs    map[typeRoot]map[string]int
+	missing map[string][]string
+
+	// bodies maps the bodies Load returned to their Resources: the store
+	// hands every key that holds a resource the same bytes, so a resource
+	// held by 100 keys is hashed and looked up once.
+	bodiesMu sync.Mutex
+	bodies   map[*byte]*Resource
+}
+
+func (rs *restorer) known(body []byte) *Resource {
+	if len(body) == 0 {
+		return nil
+	}
+	rs.bodiesMu.Lock()
+	defer rs.bodiesMu.Unlock()
+	return rs.bodies[&body[0]]
+}
+
+func (rs *restorer) remember(body []byte, r *Resource) {
+	if len(body) == 0 {
+		return
+	}
+	rs.bodiesMu.Lock()
+	defer rs.bodiesMu.Unlock()
+	rs.bodies[&body[0]] = r
+}
+
+func newRestorer(r *Relay) *restorer {
+	return &restorer{
+		r:       r,
+		trees:   make(map[typeRoot]*ledger.Tree[*Resource]),
+		refs:    make(map[typeRoot]map[string]int),
+		missing: make(map[string][]string),
+		bodies:  make(map[*byte]*Resource),
+	}
+}
+
+// prebuild builds and checks every distinct view of saved, on as many
+// goroutines as there are processors: decoding the resources (to find what
+// they refer to) is most of a warm start's work. A view that does not
+// check out does not spoil another that claims the same root and does.
+func (rs *restorer) prebuild(saved []SavedKey) {
+	type listID struct {
+		k     typeRoot
+		first *SavedResource
+		n     int
+	}
+	var todo []SavedType
+	seen := make(map[listID]bool)
+	for _, sk := range saved {
+		for _, st := range sk.Types {
+			id := listID{k: typeRoot{st.Type, st.Root}, n: len(st.Resources)}
+			if len(st.Resources) > 0 {
+				id.first = &st.Resources[0]
+			}
+			if cached(st.Type) && !seen[id] {
+				seen[id] = true
+				todo = append(todo, st)
+			}
+		}
+	}
+	type built struct {
+		k  typeRoot
+		t  ledger.Tree[*Resource]
+		ok bool
+	}
+	work := make(chan SavedType)
+	out := make(chan built)
+	workers := min(runtime.GOMAXPROCS(0), max(len(todo), 1))
+	for range workers {
+		go func() {
+			for st := range work {
+				t, ok := rs.build(st)
+				out <- built{typeRoot{st.Type, st.Root}, t, ok}
+			}
+		}()
+	}
+	go func() {
+		for _, st := range todo {
+			work <- st
+		}
+		close(work)
+	}()
+	for range todo {
+		if b := <-out; b.ok && rs.trees[b.k] == nil {
+			t := b.t
+			rs.trees[b.k] = &t
+		}
+	}
+}
+
+// build decodes st's resources into a tree and checks it against st.Root.
+// It is safe for concurrent use (the relay's store is).
+func (rs *restorer) build(st SavedType) (ledger.Tree[*Resource], bool) {
+	b := ledger.Tree[*Resource]{}.Edit()
+	for _, sr := range st.Resources {
+		res := rs.known(sr.Body)
+		if res == nil {
+			var err error
+			if res, err = rs.r.store.restore(st.Type, sr.Name, sr.Body); err != nil {
+				return ledger.Tree[*Resource]{}, false
+			}
+			rs.remember(sr.Body, res)
+		}
+		if res.Name != sr.Name || res.Type != st.Type {
+			return ledger.Tree[*Resource]{}, false
+		}
+		b.Set(res.Name, res.Hash, res)
+	}
+	t := b.Tree()
+	return t, t.Root() == st.Root
 }
 
 type typeRoot struct {
@@ -105,31 +222,30 @@ type typeRoot struct {
 	root ledger.Hash
 }
 
-// tree returns the view of st, checked: every resource must decode, and
-// the view must hash to the persisted root.
+// tree returns the checked view of st's root (prebuild built them all):
+// the content its root commits to.
 func (rs *restorer) tree(st SavedType) (ledger.Tree[*Resource], bool) {
-	k := typeRoot{st.Type, st.Root}
-	if t, seen := rs.trees[k]; seen {
-		if t == nil {
-			return ledger.Tree[*Resource]{}, false
-		}
+	if t := rs.trees[typeRoot{st.Type, st.Root}]; t != nil {
 		return *t, true
 	}
-	rs.trees[k] = nil
-	b := ledger.Tree[*Resource]{}.Edit()
-	for _, sr := range st.Resources {
-		res, err := rs.r.store.decode(st.Type, &anypb.Any{TypeUrl: st.Type, Value: sr.Body}, sr.Name)
-		if err != nil || res.Name != sr.Name {
-			return ledger.Tree[*Resource]{}, false
+	return ledger.Tree[*Resource]{}, false
+}
+
+// refCounts returns how many resources of view (of type typ) refer to each
+// name of kind.
+func (rs *restorer) refCounts(typ string, kind refKind, view ledger.Tree[*Resource]) map[string]int {
+	k := typeRoot{typ, view.Root()}
+	if c, ok := rs.refs[k]; ok {
+		return c
+	}
+	c := make(map[string]int)
+	for e := range view.All() {
+		for _, n := range e.Value.refs.of(kind) {
+			c[n]++
 		}
-		b.Set(res.Name, res.Hash, res)
 	}
-	t := b.Tree()
-	if t.Root() != st.Root {
-		return ledger.Tree[*Resource]{}, false
-	}
-	rs.trees[k] = &t
-	return t, true
+	rs.refs[k] = c
+	return c
 }
 
 // restoreKey installs a persisted key, stale, if no stream created it
@@ -160,7 +276,7 @@ func (r *Relay) restoreKey(sk SavedKey, rs *restorer) int {
 	k.snap.Store(&keySnap{types: types, stale: true})
 	r.keys[key] = k
 	u := newUpstream(k)
-	u.followRestored()
+	u.followRestored(rs)
 	r.wg.Add(1)
 	go func() {
 		defer r.wg.Done()
@@ -172,15 +288,68 @@ func (r *Relay) restoreKey(sk SavedKey, rs *restorer) int {
 // followRestored derives, from restored views, the names they refer to
 // (endpoints of clusters, routes of listeners), as apply does for views
 // that arrive: the upstream asks for them, and those missing are pending.
-func (u *upstream) followRestored() {
+// What it derives from a view is computed once for the keys that share it.
+func (u *upstream) followRestored(rs *restorer) {
 	k := u.k
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.update(func(next *keySnap) {
-		for _, t := range []string{typeCluster, typeListener, typeScopedRoute} {
-			if ts := next.types[t]; ts != nil {
-				u.follow(next, t, ledger.Tree[*Resource]{}, ts.view)
+		for _, d := range []struct {
+			target  string
+			kind    refKind
+			sources []string
+		}{
+			{typeEndpoint, refEndpoints, []string{typeCluster}},
+			{typeRoute, refRoutes, []string{typeListener, typeScopedRoute}},
+		} {
+			var parts []map[string]int
+			sig := d.target
+			if ts := next.types[d.target]; ts != nil {
+				sig += ts.view.Root().String()
 			}
+			for _, src := range d.sources {
+				if ts := next.types[src]; ts != nil {
+					parts = append(parts, rs.refCounts(src, d.kind, ts.view))
+					sig += src + ts.view.Root().String()
+				}
+			}
+			if len(parts) == 0 {
+				continue
+			}
+			counts := maps.Clone(parts[0])
+			for _, p := range parts[1:] {
+				for n, c := range p {
+					counts[n] += c
+				}
+			}
+			u.derived[d.target] = counts
+			missing, ok := rs.missing[sig]
+			if !ok {
+				var view ledger.Tree[*Resource]
+				if ts := next.types[d.target]; ts != nil {
+					view = ts.view
+				}
+				for n := range counts {
+					if _, ok := view.Get(n); !ok {
+						missing = append(missing, n)
+					}
+				}
+				rs.missing[sig] = missing
+			}
+			if len(missing) == 0 {
+				continue
+			}
+			ts := next.typeOf(d.target)
+			pending := maps.Clone(ts.pending)
+			if pending == nil {
+				pending = make(map[string]time.Time, len(missing))
+			}
+			now := time.Now()
+			for _, n := range missing {
+				pending[n] = now
+			}
+			ts.pending = pending
+			next.types[d.target] = ts
 		}
 	})
 }

@@ -153,6 +153,36 @@ func (s *store) decode(typeURL string, a *anypb.Any, wantName string) (*Resource
 	return s.intern(r), nil
 }
 
+// hasRefs reports whether resources of typeURL refer to others (see refsOf).
+func hasRefs(typeURL string) bool {
+	switch typeURL {
+	case typeCluster, typeListener, typeRoute, typeScopedRoute:
+		return true
+	}
+	return false
+}
+
+// restore turns a persisted resource into a Resource. Only types that refer
+// to others are parsed (for their references); the others are taken as
+// named, since the caller checks every (name, content hash) against a
+// Merkle root the owner computed from what its upstream sent.
+func (s *store) restore(typeURL, name string, body []byte) (*Resource, error) {
+	if hasRefs(typeURL) {
+		return s.decode(typeURL, &anypb.Any{TypeUrl: typeURL, Value: body}, name)
+	}
+	if name == "" {
+		return nil, errNoName
+	}
+	h := contentHash(typeURL, body)
+	if r := s.lookup(h); r != nil {
+		if r.Name != name {
+			return nil, fmt.Errorf("relay: resource named %q carries %q", name, r.Name)
+		}
+		return r, nil
+	}
+	return s.intern(&Resource{Type: typeURL, Name: name, Hash: h, Body: &anypb.Any{TypeUrl: typeURL, Value: body}}), nil
+}
+
 func newMessage(typeURL string) (proto.Message, error) {
 	switch typeURL {
 	case typeCluster:

@@ -180,7 +180,8 @@ func warmstart(ctx context.Context, args []string) error {
 	fs.IntVar(&cfg.Scenario.Namespaces, "namespaces", cfg.Scenario.Namespaces, "namespaces (config is scoped by namespace)")
 	fs.IntVar(&cfg.Keys, "keys", cfg.Keys, "aggregation keys, one probe Envoy each")
 	fs.IntVar(&cfg.Changes, "changes", cfg.Changes, "single endpoint changes whose etcd writes are measured")
-	fs.StringVar(&cfg.EtcdDir, "etcd-dir", "", "data directory of the embedded etcd (default: a temporary one)")
+	fs.StringVar(&cfg.EtcdDir, "etcd-dir", "", "data directory of the embedded etcd (default: a temporary one, removed at the end)")
+	fs.BoolVar(&cfg.WarmOnly, "warm-only", false, "only time a warm start from the snapshots an earlier run left in --etcd-dir")
 	fs.DurationVar(&cfg.SyncTimeout, "sync-timeout", cfg.SyncTimeout, "bound on each start")
 	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
 	if err := fs.Parse(args); err != nil {

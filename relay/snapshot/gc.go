@@ -44,7 +44,7 @@ func (s *Store) collector(ctx context.Context) {
 // nothing. Collect is called by the collector goroutine; tests call it
 // directly (never both at once).
 func (s *Store) Collect(ctx context.Context) (int, error) {
-	ix, err := s.readIndexes(ctx)
+	ix, err := s.readIndexes(ctx, 0)
 	if err != nil {
 		return 0, err
 	}

@@ -5,11 +5,13 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -21,8 +23,11 @@ import (
 // listPrefix calls fn for every key under prefix, at revision rev (0: the
 // latest, which it returns), in pages of listPage keys.
 func (s *Store) listPrefix(ctx context.Context, prefix string, rev int64, keysOnly bool, fn func(k, v []byte, modRev int64) error) (int64, error) {
-	end := clientv3.GetPrefixRangeEnd(prefix)
-	from := prefix
+	return s.listRange(ctx, prefix, clientv3.GetPrefixRangeEnd(prefix), rev, keysOnly, fn)
+}
+
+// listRange is listPrefix for the keys in [from, end).
+func (s *Store) listRange(ctx context.Context, from, end string, rev int64, keysOnly bool, fn func(k, v []byte, modRev int64) error) (int64, error) {
 	for {
 		opts := []clientv3.OpOption{clientv3.WithRange(end), clientv3.WithLimit(listPage), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend)}
 		if rev != 0 {
@@ -35,7 +40,7 @@ func (s *Store) listPrefix(ctx context.Context, prefix string, rev int64, keysOn
 		resp, err := s.cli.Get(rctx, from, opts...)
 		cancel()
 		if err != nil {
-			return rev, fmt.Errorf("read %s: %w", strings.TrimPrefix(prefix, s.root), err)
+			return rev, fmt.Errorf("read %s: %w", strings.TrimPrefix(from, s.root), err)
 		}
 		if rev == 0 {
 			rev = resp.Header.Revision
@@ -87,16 +92,17 @@ type index struct {
 }
 
 // readIndexes reads every key's head and the batch records at one revision
-// and rebuilds each key's views, checking every type against the roots the
-// writer recorded: a type that does not add up (a record lost or damaged)
-// is left out, so the relay fetches it from its source instead of serving
-// it.
-func (s *Store) readIndexes(ctx context.Context) (*index, error) {
+// and rebuilds each key's views. A type whose chunks are missing or damaged
+// is left out; the relay checks the rest against the roots the writer
+// recorded, so a lost or damaged record costs a warm type, not a wrong one.
+//
+// rev 0 reads the latest revision (and reports it in the index).
+func (s *Store) readIndexes(ctx context.Context, rev int64) (*index, error) {
 	ix := &index{views: map[string]map[string]*view{}, chunkRefs: map[ledger.Hash]bool{}, deadBatches: map[string]int64{}, complete: true}
 	raw := make(map[keyID]*keyIndex)
 	keysPrefix := s.root + "keys/"
 	var err error
-	ix.rev, err = s.listPrefix(ctx, keysPrefix, 0, false, func(k, v []byte, modRev int64) error {
+	ix.rev, err = s.listPrefix(ctx, keysPrefix, rev, false, func(k, v []byte, modRev int64) error {
 		idHex, what, ok := strings.Cut(strings.TrimPrefix(string(k), keysPrefix), "/")
 		var id keyID
 		if !ok || what != "head" || len(idHex) != 2*len(id) {
@@ -136,11 +142,15 @@ func (s *Store) readIndexes(ctx context.Context) (*index, error) {
 	}); err != nil {
 		return nil, err
 	}
-	chunks := make(map[ledger.Hash][]byte)
+	// Chunks are decoded once, whatever the number of heads that share them.
+	chunks := make(map[ledger.Hash][]entry)
 	if _, err := s.listPrefix(ctx, s.root+"chunk/", ix.rev, false, func(k, v []byte, _ int64) error {
 		h, err := ledger.ParseHash(strings.TrimPrefix(string(k), s.root+"chunk/"))
-		if err == nil && ledger.HashBytes(v) == h {
-			chunks[h] = v
+		if err != nil || ledger.HashBytes(v) != h {
+			return nil
+		}
+		if es, err := decodeChunk(v); err == nil {
+			chunks[h] = es
 		}
 		return nil
 	}); err != nil {
@@ -148,8 +158,9 @@ func (s *Store) readIndexes(ctx context.Context) (*index, error) {
 	}
 	s.addKnown(slices.Collect(maps.Keys(chunks))...)
 	rebuilt := make(map[ledger.Hash]*view)
+	byRoot := make(map[typeRoot]*view)
 	for id, ki := range raw {
-		key, vs, err := rebuild(ki, chunks, ix.chunkRefs, rebuilt)
+		key, vs, err := rebuild(ki, chunks, ix.chunkRefs, rebuilt, byRoot)
 		if err != nil {
 			s.m.corrupt.Inc()
 			s.log.Warn("snapshot of key unreadable: not loaded", "key_id", hex.EncodeToString(id[:]), "err", err)
@@ -194,7 +205,7 @@ func (h *history) signature() ledger.Hash {
 // noting the chunks its head refers to. Views already rebuilt for the same
 // history (in views) are shared, not rebuilt: a nil entry there is a
 // history that did not add up.
-func rebuild(ki *keyIndex, chunks map[ledger.Hash][]byte, chunkRefs map[ledger.Hash]bool, views map[ledger.Hash]*view) (string, map[string]*view, error) {
+func rebuild(ki *keyIndex, chunks map[ledger.Hash][]entry, chunkRefs map[ledger.Hash]bool, views map[ledger.Hash]*view, byRoot map[typeRoot]*view) (string, map[string]*view, error) {
 	h, err := decodeHead(ki.head)
 	if err != nil {
 		return "", nil, fmt.Errorf("head: %w", err)
@@ -227,7 +238,7 @@ func rebuild(ki *keyIndex, chunks map[ledger.Hash][]byte, chunkRefs map[ledger.H
 		sig := th.signature()
 		v, seen := views[sig]
 		if !seen {
-			v = th.replay(chunks)
+			v = th.replay(chunks, byRoot)
 			views[sig] = v
 		}
 		if v != nil {
@@ -237,20 +248,19 @@ func rebuild(ki *keyIndex, chunks map[ledger.Hash][]byte, chunkRefs map[ledger.H
 	return h.Key, out, nil
 }
 
-// replay rebuilds a type's view from its history and checks it against
-// the root recorded last. It returns nil if a chunk is missing or damaged
-// or the entries do not hash to the root.
-func (h *history) replay(chunks map[ledger.Hash][]byte) *view {
+// replay rebuilds a type's view from its history. It returns nil if a
+// chunk is missing or damaged. It does not check the view against its root:
+// the relay does, once per distinct root, as it builds the view's tree (a
+// root costs a hash per entry; doing it here too was a third of a warm
+// start). Views of the same root and content are shared.
+func (h *history) replay(chunks map[ledger.Hash][]entry, byRoot map[typeRoot]*view) *view {
 	v := &view{entries: make(map[string]ledger.Hash)}
 	if b := h.base; b != nil {
 		v.full, v.root = b.Full, b.Root
+		v.entries = make(map[string]ledger.Hash, b.N)
 		for _, ch := range b.Chunks {
-			data, ok := chunks[ch]
+			es, ok := chunks[ch]
 			if !ok {
-				return nil
-			}
-			es, err := decodeChunk(data)
-			if err != nil {
 				return nil
 			}
 			for _, e := range es {
@@ -267,42 +277,48 @@ func (h *history) replay(chunks map[ledger.Hash][]byte) *view {
 		}
 		v.full, v.root = st.Full, st.Root
 	}
-	if rootOf(v.entries) != v.root {
-		return nil
+	tr := typeRoot{h.typ, v.root}
+	if known := byRoot[tr]; known != nil && known.full == v.full && maps.Equal(known.entries, v.entries) {
+		return known
+	}
+	if byRoot[tr] == nil {
+		byRoot[tr] = v
 	}
 	return v
 }
 
-func rootOf(entries map[string]ledger.Hash) ledger.Hash {
-	b := ledger.Tree[struct{}]{}.Edit()
-	for n, h := range entries {
-		b.Set(n, h, struct{}{})
-	}
-	return b.Tree().Root()
+type typeRoot struct {
+	typ  string
+	root ledger.Hash
 }
 
 // Load implements relay.Snapshots: every key's views, with the resources
-// they refer to. A type whose records or resources are missing or damaged
-// is left out.
+// they refer to. A type whose chunks or resources are missing or damaged
+// is left out; roots are the relay's to check.
 func (s *Store) Load(ctx context.Context) ([]relay.SavedKey, error) {
 	start := time.Now()
-	ix, err := s.readIndexes(ctx)
+	// One revision for every read; the indexes and the resources (most of
+	// the bytes) are read at once.
+	rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	resp, err := s.cli.Get(rctx, s.root, clientv3.WithPrefix(), clientv3.WithCountOnly())
+	cancel()
 	if err != nil {
+		return nil, fmt.Errorf("read snapshots: %w", err)
+	}
+	rev := resp.Header.Revision
+	var (
+		ix          *index
+		bodies      map[ledger.Hash]body
+		ixErr, rErr error
+		wg          sync.WaitGroup
+	)
+	wg.Go(func() { ix, ixErr = s.readIndexes(ctx, rev) })
+	wg.Go(func() { bodies, rErr = s.readResources(ctx, rev) })
+	wg.Wait()
+	if err := errors.Join(ixErr, rErr); err != nil {
 		return nil, err
 	}
-	rev, views := ix.rev, ix.views
-	need := make(map[ledger.Hash]bool)
-	for _, vs := range views {
-		for _, v := range vs {
-			for _, h := range v.entries {
-				need[h] = true
-			}
-		}
-	}
-	bodies, err := s.readResources(ctx, rev, need)
-	if err != nil {
-		return nil, err
-	}
+	views := ix.views
 	var out []relay.SavedKey
 	// Keys with the same view share one list of resources (they are read,
 	// never changed).
@@ -348,69 +364,87 @@ type body struct {
 	body []byte
 }
 
-// readResources reads every resource record at rev and returns the bodies
-// of those in need, opened if sealed and joined if in parts.
-func (s *Store) readResources(ctx context.Context, rev int64, need map[ledger.Hash]bool) (map[ledger.Hash]body, error) {
-	out := make(map[ledger.Hash]body, len(need))
-	parts := make(map[ledger.Hash]map[int][]byte)
-	records := make(map[ledger.Hash]resourceRecord)
+// readResources reads every resource record at rev and returns their
+// bodies, opened if sealed and joined if in parts. (It reads them all, while
+// the indexes that say which are needed are read beside it: the few no key
+// needs are collected garbage-to-be.)
+func (s *Store) readResources(ctx context.Context, rev int64) (map[ledger.Hash]body, error) {
+	// Four ranges of the hash space, read at once: etcd serves each on a
+	// core of its own, and the client decodes them side by side.
 	prefix := s.root + "res/"
-	_, err := s.listPrefix(ctx, prefix, rev, false, func(k, v []byte, _ int64) error {
-		rest := strings.TrimPrefix(string(k), prefix)
-		hs, part, isPart := strings.Cut(rest, "/")
-		h, err := ledger.ParseHash(hs)
-		if err != nil {
-			return nil
-		}
-		s.addKnown(h)
-		if !need[h] {
-			return nil
-		}
-		if isPart {
-			i, err := strconv.Atoi(part)
-			if err == nil && i >= 0 && i < maxParts {
-				if parts[h] == nil {
-					parts[h] = make(map[int][]byte)
-				}
-				parts[h][i] = v
-			}
-			return nil
-		}
-		rr, err := decodeResource(v)
-		if err != nil {
-			s.log.Warn("resource record unreadable", "hash", hs, "err", err)
-			return nil
-		}
-		records[h] = rr
-		return nil
-	})
-	if err != nil {
-		return nil, err
+	bounds := []string{prefix, prefix + "4", prefix + "8", prefix + "c", clientv3.GetPrefixRangeEnd(prefix)}
+	type part struct {
+		records map[ledger.Hash]resourceRecord
+		parts   map[ledger.Hash]map[int][]byte
+		err     error
 	}
-	for h, rr := range records {
-		b := rr.Body
-		if rr.Flags&flagParts != 0 {
-			b = make([]byte, 0, rr.Total)
-			for i := range rr.Parts {
-				b = append(b, parts[h][i]...)
-			}
-			if len(b) != rr.Total {
-				continue
-			}
+	results := make([]part, len(bounds)-1)
+	var wg sync.WaitGroup
+	for i := range results {
+		wg.Go(func() {
+			p := part{records: map[ledger.Hash]resourceRecord{}, parts: map[ledger.Hash]map[int][]byte{}}
+			var hs []ledger.Hash
+			_, p.err = s.listRange(ctx, bounds[i], bounds[i+1], rev, false, func(k, v []byte, _ int64) error {
+				rest := strings.TrimPrefix(string(k), prefix)
+				hexHash, idx, isPart := strings.Cut(rest, "/")
+				h, err := ledger.ParseHash(hexHash)
+				if err != nil {
+					return nil
+				}
+				if isPart {
+					n, err := strconv.Atoi(idx)
+					if err == nil && n >= 0 && n < maxParts {
+						if p.parts[h] == nil {
+							p.parts[h] = make(map[int][]byte)
+						}
+						p.parts[h][n] = v
+					}
+					return nil
+				}
+				hs = append(hs, h)
+				rr, err := decodeResource(v)
+				if err != nil {
+					s.log.Warn("resource record unreadable", "hash", hexHash, "err", err)
+					return nil
+				}
+				p.records[h] = rr
+				return nil
+			})
+			s.addKnown(hs...)
+			results[i] = p
+		})
+	}
+	wg.Wait()
+	out := make(map[ledger.Hash]body)
+	for _, p := range results {
+		if p.err != nil {
+			return nil, p.err
 		}
-		if rr.Flags&flagSealed != 0 {
-			if s.sealer == nil {
-				continue
+		for h, rr := range p.records {
+			b := rr.Body
+			if rr.Flags&flagParts != 0 {
+				b = make([]byte, 0, rr.Total)
+				for i := range rr.Parts {
+					b = append(b, p.parts[h][i]...)
+				}
+				if len(b) != rr.Total {
+					continue
+				}
 			}
-			var err error
-			if b, err = s.sealer.open(b, h); err != nil {
-				s.log.Warn("sealed resource does not open", "hash", h.String(), "err", err)
-				continue
+			if rr.Flags&flagSealed != 0 {
+				if s.sealer == nil {
+					continue
+				}
+				var err error
+				if b, err = s.sealer.open(b, h); err != nil {
+					s.log.Warn("sealed resource does not open", "hash", h.String(), "err", err)
+					continue
+				}
+			} else if rr.Type == secretType {
+				continue // never trust a Secret stored in clear
 			}
-		} else if rr.Type == secretType {
-			continue // never trust a Secret stored in clear
+			out[h] = body{typ: rr.Type, body: b}
 		}
-		out[h] = body{typ: rr.Type, body: b}
 	}
 	return out, nil
 }

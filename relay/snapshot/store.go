@@ -400,8 +400,10 @@ func (s *Store) writer(ctx context.Context) {
 				return
 			}
 			if len(failed) == 0 {
+				// What arrived meanwhile woke s.wake: gather it for a
+				// FlushInterval too.
 				retry = 0
-				continue
+				break
 			}
 			retry = min(max(2*retry, 100*time.Millisecond), s.cfg.RetryMax)
 			if !sleepCtx(ctx, retry) {
@@ -478,7 +480,8 @@ type pend struct {
 	j       *job
 	views   map[string]relay.View
 	changes []logType
-	size    int // bytes of changes
+	size    int  // bytes of changes
+	base    bool // write a new base, not a change record
 }
 
 // flush writes the latest views of every key in jobs: first the resources
@@ -490,22 +493,21 @@ type pend struct {
 func (s *Store) flush(ctx context.Context, jobs map[string]*job) map[string]error {
 	failed := make(map[string]error)
 	var bases, logs []*pend
-	var fresh []*relay.Resource
+	fresh := make(map[ledger.Hash]*relay.Resource)
 	for _, key := range slices.Sorted(maps.Keys(jobs)) {
 		j := jobs[key]
-		p, err := s.prepare(ctx, key, j, &fresh)
+		p, err := s.prepare(ctx, key, j, fresh)
 		switch {
 		case err != nil:
 			failed[key] = err
 		case p == nil:
-		case p.rec.needBase || p.rec.logCount >= s.cfg.CompactAfter || p.size > logMaxBytes ||
-			p.rec.logBytes+p.size > max(64<<10, p.rec.baseBytes/2):
+		case p.base:
 			bases = append(bases, p)
 		default:
 			logs = append(logs, p)
 		}
 	}
-	if err := s.putResources(ctx, fresh); err != nil {
+	if err := s.putResources(ctx, slices.Collect(maps.Values(fresh))); err != nil {
 		for _, p := range append(bases, logs...) {
 			failed[p.key] = err
 		}
@@ -536,7 +538,7 @@ func (s *Store) flush(ctx context.Context, jobs map[string]*job) map[string]erro
 
 // prepare claims key if it must, and works out what changed since the last
 // write. It returns nil if there is nothing to write.
-func (s *Store) prepare(ctx context.Context, key string, j *job, fresh *[]*relay.Resource) (*pend, error) {
+func (s *Store) prepare(ctx context.Context, key string, j *job, fresh map[ledger.Hash]*relay.Resource) (*pend, error) {
 	rec := s.keys[key]
 	if rec == nil {
 		rec = &keyRec{persisted: map[string]relay.View{}}
@@ -554,24 +556,35 @@ func (s *Store) prepare(ctx context.Context, key string, j *job, fresh *[]*relay
 		}
 		rec.claimRev, rec.deposed, rec.needBase = rev, false, true
 	}
+	// A key that gets a new base needs no change record: only the
+	// resources etcd lacks.
+	p.base = rec.needBase || rec.logCount >= s.cfg.CompactAfter
 	for _, t := range slices.Sorted(maps.Keys(p.views)) {
 		v := p.views[t]
 		old, had := rec.persisted[t]
 		lt := logType{Type: t, Full: v.Full, Root: v.Tree.Root()}
+		differs := false
 		ledger.Diff(old.Tree, v.Tree, func(c ledger.Change[*relay.Resource]) bool {
+			differs = true
+			if c.New != nil && fresh[c.New.Hash] == nil && !s.isKnown(c.New.Hash) {
+				fresh[c.New.Hash] = c.New.Value
+			}
+			if p.base {
+				return true
+			}
 			if c.New == nil {
 				lt.Del = append(lt.Del, c.Name)
 				p.size += len(c.Name) + 2
-				return true
+			} else {
+				lt.Set = append(lt.Set, entry{Name: c.Name, Hash: c.New.Hash})
+				p.size += len(c.Name) + 34
 			}
-			lt.Set = append(lt.Set, entry{Name: c.Name, Hash: c.New.Hash})
-			p.size += len(c.Name) + 34
-			if !s.isKnown(c.New.Hash) {
-				*fresh = append(*fresh, c.New.Value)
+			if p.size > logMaxBytes {
+				p.base = true // a change this large is cheaper as a base
 			}
 			return true
 		})
-		if !had || len(lt.Set) > 0 || len(lt.Del) > 0 || old.Full != v.Full {
+		if !had || differs || old.Full != v.Full {
 			p.changes = append(p.changes, lt)
 			p.size += 36
 		}
@@ -584,6 +597,9 @@ func (s *Store) prepare(ctx context.Context, key string, j *job, fresh *[]*relay
 	}
 	if len(p.changes) == 0 && !rec.needBase {
 		return nil, nil
+	}
+	if p.base || rec.logBytes+p.size > max(64<<10, rec.baseBytes/2) {
+		p.base, p.changes = true, nil
 	}
 	return p, nil
 }

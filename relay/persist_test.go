@@ -1,0 +1,86 @@
+package relay
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	cluster "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/ledger"
+)
+
+// savedSnapshots is a Snapshots that loads fixed keys and records saves.
+type savedSnapshots struct{ keys []SavedKey }
+
+func (s *savedSnapshots) Save(string, uint64, []View)              { /* not what these tests look at */ }
+func (s *savedSnapshots) Load(context.Context) ([]SavedKey, error) { return s.keys, nil }
+
+// savedClusters returns a persisted cluster view of names, with its true
+// root.
+func savedClusters(t *testing.T, names ...string) SavedType {
+	t.Helper()
+	st := SavedType{Type: typeCluster, Full: true}
+	b := ledger.Tree[struct{}]{}.Edit()
+	for _, n := range names {
+		body, err := proto.Marshal(&cluster.Cluster{Name: n})
+		if err != nil {
+			t.Fatal(err)
+		}
+		st.Resources = append(st.Resources, SavedResource{Name: n, Body: body})
+		b.Set(n, contentHash(typeCluster, body), struct{}{})
+	}
+	st.Root = b.Tree().Root()
+	return st
+}
+
+// TestRestoreChecksRoots: a persisted view is restored only if its
+// resources hash to its root; keys that share a view share one tree.
+func TestRestoreChecksRoots(t *testing.T) {
+	good := savedClusters(t, "a", "b")
+	forged := savedClusters(t, "a", "b", "c")
+	forged.Root = good.Root // the record claims a root its content does not have
+	forgedOnly := savedClusters(t, "x")
+	forgedOnly.Root = ledger.HashBytes([]byte("forged"))
+	snaps := &savedSnapshots{keys: []SavedKey{
+		{Key: "k0", Types: []SavedType{forged}}, // first: it must not spoil k1's
+		{Key: "k1", Types: []SavedType{good}},
+		{Key: "k2", Types: []SavedType{good}},
+		{Key: "k3", Types: []SavedType{forgedOnly}},
+	}}
+	up := newTestUpstream(t, "ns1")
+	r := startRelay(t, up, func(c *Config) { c.Snapshots = snaps })
+	deadline := time.Now().Add(10 * time.Second)
+	for !r.Ready() && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got := r.Stats().RestoredKeys; got != 3 {
+		t.Errorf("RestoredKeys = %d, want 3 (k3's view matches no root)", got)
+	}
+	r.mu.Lock()
+	k1, k2, k3 := r.keys["k1"], r.keys["k2"], r.keys["k3"]
+	r.mu.Unlock()
+	if k1 == nil || k2 == nil || k3 != nil {
+		t.Fatalf("restored k1 %v, k2 %v, k3 %v; want k1 and k2 only", k1 != nil, k2 != nil, k3 != nil)
+	}
+	v1 := k1.snap.Load().types[typeCluster].view
+	v2 := k2.snap.Load().types[typeCluster].view
+	if v1.Root() != good.Root || v1.Len() != 2 {
+		t.Errorf("k1's clusters: root %s, %d entries; want the persisted root and 2", v1.Root(), v1.Len())
+	}
+	if !v1.Shares(v2) {
+		t.Error("k1 and k2 persisted the same view but hold two trees")
+	}
+	// k0's record claims k1's root with other content: it gets the content
+	// the root commits to.
+	r.mu.Lock()
+	k0 := r.keys["k0"]
+	r.mu.Unlock()
+	if v0 := k0.snap.Load().types[typeCluster].view; !v0.Shares(v1) {
+		t.Errorf("k0 holds %d clusters, want the 2 its root commits to", v0.Len())
+	}
+	if !k1.snap.Load().stale {
+		t.Error("a restored key is not stale before its source confirms it")
+	}
+}
