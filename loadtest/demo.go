@@ -125,7 +125,6 @@ func ParseDemoCommand(s string) (DemoEvent, error) {
 	return DemoEvent{}, fmt.Errorf("command %q: want kill N, stop N, start N or add", s)
 }
 
-// apply carries out e on the tier.
 // restoredNote says how many keys a relay just started restored from etcd
 // (it waits up to 2 s for the relay to be ready).
 func restoredNote(t *Tier, e DemoEvent, etcd bool) string {
@@ -147,6 +146,7 @@ func restoredNote(t *Tier, e DemoEvent, etcd bool) string {
 	return fmt.Sprintf(" (warm: %d keys restored from etcd)", r.Node.Relay().Stats().RestoredKeys)
 }
 
+// apply carries out e on the tier.
 func (t *Tier) apply(ctx context.Context, e DemoEvent) error {
 	if e.Action == "add" {
 		_, err := t.Add(ctx)

@@ -201,6 +201,9 @@ func (t *Tier) Start(ctx context.Context, i int) error {
 	node, err := shard.NewNode(shard.NodeConfig{Relay: rc, Ring: sc, DrainPeriod: t.cfg.DrainPeriod, Store: store})
 	if err != nil {
 		lis.Close()
+		if store != nil {
+			store.Stop(ctx)
+		}
 		return err
 	}
 	if err := node.Start(ctx); err != nil {

@@ -8,6 +8,7 @@ import (
 	"os"
 	"runtime"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
@@ -32,7 +33,8 @@ type WarmStartConfig struct {
 	// directory, removed at the end.
 	EtcdDir string
 	// Quiet is how long etcd must see no write for the relay's
-	// persistence to count as caught up. Default 2s.
+	// persistence to count as caught up: longer than the store's
+	// FlushInterval (1s). Default 2s.
 	Quiet time.Duration
 	// SyncTimeout bounds each start. Default 10m.
 	SyncTimeout time.Duration
@@ -43,6 +45,10 @@ type WarmStartConfig struct {
 	WarmOnly bool
 	// StartRelay starts the relay child. Required.
 	StartRelay StartRelayFunc
+	// StartEtcd, if set, runs etcd in a process of its own (as in
+	// production, and so that this process's gigabytes of probe Envoys do
+	// not slow it down); nil runs it in this process.
+	StartEtcd func(ctx context.Context, dir string) (*Child, error)
 	// Targets are the goals the run is judged against.
 	Targets WarmStartTargets
 }
@@ -149,13 +155,24 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 		}
 		defer os.RemoveAll(dir)
 	}
-	etcd, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: dir})
-	if err != nil {
-		return nil, err
+	var endpoints []string
+	if cfg.StartEtcd != nil {
+		child, err := cfg.StartEtcd(ctx, dir)
+		if err != nil {
+			return nil, fmt.Errorf("start etcd: %w", err)
+		}
+		defer child.Stop(context.WithoutCancel(ctx))
+		endpoints = []string{"http://" + child.Addr()}
+	} else {
+		etcd, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: dir})
+		if err != nil {
+			return nil, err
+		}
+		defer etcd.Close()
+		endpoints = etcd.Endpoints()
 	}
-	defer etcd.Close()
 	def := snapshot.DefaultConfig()
-	meter, err := snapshot.NewMeter(ctx, etcd.Endpoints(), def.Prefix, def.Cluster)
+	meter, err := snapshot.NewMeter(ctx, endpoints, def.Prefix, def.Cluster)
 	if err != nil {
 		return nil, err
 	}
@@ -171,7 +188,7 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 		return nil, err
 	}
 	defer up.Stop(context.WithoutCancel(ctx))
-	rc := RelayChildConfig{Upstream: up.Addr(), Etcd: etcd.Endpoints()}
+	rc := RelayChildConfig{Upstream: up.Addr(), Etcd: endpoints}
 	if cfg.WarmOnly {
 		if err := up.Stop(ctx); err != nil {
 			return rep, err
@@ -194,9 +211,24 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 	if err != nil {
 		return rep, err
 	}
+	// Whatever ends the run from here stops the cold relay and its probes.
+	stopCold := func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
+		defer cancel()
+		fleet.Stop(sctx)
+		child.Stop(sctx)
+	}
+	defer func() {
+		if stopCold != nil {
+			stopCold()
+		}
+	}()
 	rep.Cold = phase
 	qctx, cancel := context.WithTimeout(ctx, cfg.SyncTimeout)
-	err = meter.Quiet(qctx, cfg.Quiet)
+	err = meter.WaitBeyond(qctx, 0)
+	if err == nil {
+		err = meter.Quiet(qctx, cfg.Quiet)
+	}
 	cancel()
 	if err != nil {
 		return rep, fmt.Errorf("etcd never went quiet after the cold start: %w", err)
@@ -254,6 +286,7 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 	fleet.Stop(sctx)
 	err = child.Stop(sctx)
 	cancel()
+	stopCold = nil
 	if err != nil {
 		return rep, fmt.Errorf("stop the cold relay: %w", err)
 	}
@@ -339,5 +372,42 @@ func PrintWarmStart(w io.Writer, r *WarmStartReport) {
 	if r.Targets.BytesPerChange > 0 && len(r.ChangeBytes) > 0 {
 		fmt.Fprintf(w, "  %s  one endpoint change writes ≤ %d bytes     measured %.0f (max %d)\n",
 			judge(r.BytesPerChange <= float64(r.Targets.BytesPerChange)), r.Targets.BytesPerChange, r.BytesPerChange, slices.Max(r.ChangeBytes))
+	}
+}
+
+// RunEtcdChild is the main of an etcd child process: an embedded etcd with
+// its data in dir, on a loopback port it prints as "xds <addr>" (the
+// protocol StartChild waits for), until ctx ends or in reaches EOF.
+func RunEtcdChild(ctx context.Context, dir string, in io.Reader, out io.Writer) error {
+	e, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: dir})
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	if _, err := fmt.Fprintf(out, "%s%s\n", readyPrefix, strings.TrimPrefix(e.Endpoints()[0], "http://")); err != nil {
+		return err
+	}
+	eof := make(chan struct{})
+	go func() {
+		io.Copy(io.Discard, in)
+		close(eof)
+	}()
+	select {
+	case <-ctx.Done():
+	case <-eof:
+	}
+	return nil
+}
+
+// ExecEtcd returns a WarmStartConfig.StartEtcd that runs path with args
+// followed by --dir; cmd/loadtest passes its own executable and
+// "etcd-child".
+func ExecEtcd(path string, stderr io.Writer, args ...string) func(ctx context.Context, dir string) (*Child, error) {
+	return func(ctx context.Context, dir string) (*Child, error) {
+		return StartChild(ctx, ChildConfig{
+			Path:   path,
+			Args:   append(append([]string(nil), args...), "--dir", dir),
+			Stderr: stderr,
+		})
 	}
 }

@@ -16,7 +16,7 @@ func TestWarmStart(t *testing.T) {
 	cfg := DefaultWarmStartConfig()
 	cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = 40, 40, 4
 	cfg.Keys, cfg.EnvoysPerConn, cfg.Changes = 8, 4, 3
-	cfg.Quiet, cfg.SyncTimeout = 300*time.Millisecond, time.Minute
+	cfg.Quiet, cfg.SyncTimeout = 1500*time.Millisecond, time.Minute
 	cfg.EtcdDir = t.TempDir()
 	cfg.StartRelay = testStartRelay(t)
 	var out bytes.Buffer

@@ -24,8 +24,10 @@ type Snapshots interface {
 	// idea of who owns which key changes: a store whose write for key was
 	// fenced off by another owner writes again only for a later term.
 	Save(key string, term uint64, views []View)
-	// Load returns every persisted key. Content is not trusted: the relay
-	// checks each type's resources against its root before serving them.
+	// Load returns every persisted key. The relay checks each type's
+	// resources against its root before serving them: damage to the store
+	// costs a warm type, not a wrong one. (Whoever can write the store at
+	// will can also write consistent roots: protect etcd itself.)
 	Load(ctx context.Context) ([]SavedKey, error)
 }
 
@@ -277,6 +279,7 @@ func (r *Relay) restoreKey(sk SavedKey, rs *restorer) int {
 	r.keys[key] = k
 	u := newUpstream(k)
 	u.followRestored(rs)
+	u.seedRestored()
 	r.wg.Add(1)
 	go func() {
 		defer r.wg.Done()
@@ -352,6 +355,20 @@ func (u *upstream) followRestored(rs *restorer) {
 			next.types[d.target] = ts
 		}
 	})
+}
+
+// seedRestored declares the restored views on the key's first upstream
+// stream (Delta initial_resource_versions, the content hashes, which the
+// upstream does not recognise): it then sends every resource again, so
+// nothing unchanged reaches the Envoys, and removes what it no longer has,
+// which a stream that declared nothing would never hear of. The versions
+// are built when the type is first asked for (a restored key no Envoy asks
+// for costs nothing).
+func (u *upstream) seedRestored() {
+	u.restored = true
+	for t, ts := range u.k.snap.Load().types {
+		u.types[t] = &upType{declare: ts.view}
+	}
 }
 
 // persist hands the key's views to Snapshots if this relay owns the key,

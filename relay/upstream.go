@@ -33,6 +33,9 @@ type upstream struct {
 	// They are fetched before any Envoy asks, as Envoy would ask next.
 	derived map[string]map[string]int
 
+	// restored is set while the key's views come from a snapshot that no
+	// upstream stream has confirmed yet (see seedRestored).
+	restored bool
 	// fallbackFor is the owner's address while the owner cannot be reached
 	// and the key is fed by the upstream directly.
 	fallbackFor string
@@ -60,6 +63,9 @@ type upType struct {
 	// initial_resource_versions).
 	acked    string
 	versions map[string]string
+	// declare, until the type is first asked for, is a restored view to
+	// declare as its versions (see seedRestored).
+	declare ledger.Tree[*Resource]
 }
 
 var (
@@ -403,7 +409,15 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 	// key (staleMark) confirms nothing until it answers fresh.
 	answered := make(map[string]bool)
 	staleSource, confirmed := false, false
-	confirmTimer := time.NewTimer(confirmAfter)
+	wait := confirmAfter
+	if u.restored && src.kind != sourcePeer {
+		// Views restored from a snapshot are confirmed by the upstream's
+		// answers: it was told what they hold (initial versions it does
+		// not recognise), so it answers every type, with removals. Silence
+		// confirms them only after much longer.
+		wait = restoredConfirmAfter
+	}
+	confirmTimer := time.NewTimer(wait)
 	defer confirmTimer.Stop()
 	confirm := confirmTimer.C
 	for {
@@ -419,12 +433,14 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 				answered[responseType(m)] = true
 			}
 			if !confirmed && u.allAnswered(answered) {
+				u.restored = false
 				u.setStale(false)
 				confirmed, confirm = true, nil
 			}
 		case <-confirm:
 			confirm = nil
 			if !staleSource {
+				u.restored = false
 				u.setStale(false)
 				confirmed = true
 			}
@@ -637,6 +653,13 @@ func (u *upstream) deltaSubscribe(typeURL string, ut *upType, wildcard bool, nam
 		} else {
 			req.ResourceNamesSubscribe = names
 		}
+		if ut.versions == nil && ut.declare.Len() > 0 {
+			ut.versions = make(map[string]string, ut.declare.Len())
+			for e := range ut.declare.All() {
+				ut.versions[e.Name] = e.Hash.String()
+			}
+		}
+		ut.declare = ledger.Tree[*Resource]{}
 		if len(ut.versions) > 0 {
 			req.InitialResourceVersions = maps.Clone(ut.versions)
 		}
@@ -987,8 +1010,12 @@ func (u *upstream) stopTimers() {
 }
 
 // confirmAfter bounds how long a new stream's first answers take to confirm
-// the views.
-const confirmAfter = 2 * time.Second
+// the views; restoredConfirmAfter, views restored from a snapshot, on an
+// upstream stream.
+const (
+	confirmAfter         = 2 * time.Second
+	restoredConfirmAfter = 30 * time.Second
+)
 
 // allAnswered reports whether every type asked on the stream was answered.
 func (u *upstream) allAnswered(answered map[string]bool) bool {

@@ -52,6 +52,12 @@ func main() {
 		err = serveUpstream(ctx, os.Args[2:])
 	case "relay-child": // hidden: the relay process fanout starts
 		err = relayChild(ctx, os.Args[2:])
+	case "etcd-child": // hidden: the etcd process warmstart starts
+		fs := flag.NewFlagSet("etcd-child", flag.ContinueOnError)
+		dir := fs.String("dir", "", "etcd's data directory")
+		if err = fs.Parse(os.Args[2:]); err == nil {
+			err = loadtest.RunEtcdChild(ctx, *dir, os.Stdin, os.Stdout)
+		}
 	case "-h", "--help", "help":
 		fmt.Print(usage)
 		return
@@ -192,6 +198,7 @@ func warmstart(ctx context.Context, args []string) error {
 		return err
 	}
 	cfg.StartRelay = loadtest.ExecRelay(exe, os.Stderr, "relay-child")
+	cfg.StartEtcd = loadtest.ExecEtcd(exe, os.Stderr, "etcd-child")
 	rep, err := loadtest.RunWarmStart(ctx, cfg, os.Stdout)
 	if *jsonOut != "" && rep != nil {
 		b, jerr := json.MarshalIndent(rep, "", "  ")

@@ -120,17 +120,21 @@ func serve(ctx context.Context, args []string) error {
 	defer closeEtcd()
 
 	if *gossip == "" {
+		stopStore := func() {}
 		if store != nil {
 			cfg.Snapshots = store
 			if err := store.Start(ctx); err != nil {
 				return err
 			}
+			stopStore = func() { store.Stop(context.WithoutCancel(ctx)) }
 		}
 		r, err := relay.New(cfg)
 		if err != nil {
+			stopStore()
 			return err
 		}
 		if err := r.Start(ctx); err != nil {
+			stopStore()
 			return err
 		}
 		<-ctx.Done()
@@ -172,6 +176,9 @@ func serve(ctx context.Context, args []string) error {
 	}
 	node, err := shard.NewNode(shard.NodeConfig{Relay: cfg, Ring: ring, DrainPeriod: *drain, Store: store})
 	if err != nil {
+		if store != nil {
+			store.Stop(context.WithoutCancel(ctx))
+		}
 		return err
 	}
 	if err := node.Start(ctx); err != nil {

@@ -38,6 +38,10 @@ const (
 
 var errCorrupt = errors.New("snapshot: corrupt record")
 
+// maxEntries bounds the entry count a head may claim for a type (it sizes
+// a map when the view is rebuilt): ten times the largest mesh in sight.
+const maxEntries = 1 << 22
+
 // entry is one (name, content hash) of a view.
 type entry struct {
 	Name string
@@ -343,7 +347,12 @@ func decodeHead(b []byte) (head, error) {
 	h.Key = d.str()
 	n := d.count(3 + len(ledger.Hash{}))
 	for range n {
-		t := headType{Type: d.typ(), Full: d.bool(), Root: d.hash(), N: int(d.uvarint())}
+		t := headType{Type: d.typ(), Full: d.bool(), Root: d.hash()}
+		if n := d.uvarint(); d.err == nil && n > maxEntries {
+			d.fail("entry count out of range")
+		} else {
+			t.N = int(n)
+		}
 		nc := d.count(len(ledger.Hash{}))
 		for range nc {
 			t.Chunks = append(t.Chunks, d.hash())

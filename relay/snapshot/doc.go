@@ -10,15 +10,17 @@
 //     A body over 1 MiB is stored in parts (etcd refuses requests over
 //     1.5 MiB). Secrets are sealed with a key from a file, or not stored.
 //   - A key's index (name → content hash, per type) is a base, cut into
-//     content-defined chunks that identical views share, plus a log of
-//     change records: one endpoint change appends one record of one name
-//     and hash, instead of rewriting the index. The base is rewritten when
-//     the log grows past CompactAfter records or half the base's bytes.
-//   - Every record carries the Merkle root its type must have after it, and
-//     the loader checks it: a lost or damaged record costs a warm type, not
-//     a wrong one.
-//   - Only the member that claimed a key writes it: its head and log writes
-//     are transactions that compare the fence key's mod revision with the
-//     one its claim produced (a revision fence, not a lease), so a deposed
-//     owner's late writes fail.
+//     content-defined chunks that identical views share, plus batch
+//     records: every flush (FlushInterval) writes one record of what
+//     changed on every key the relay owns, keys that changed alike sharing
+//     one entry. One endpoint change seen by 100 keys is one record of a
+//     couple of kilobytes, not 100 index rewrites. A key's base is
+//     rewritten after CompactAfter records, or when they outgrow half of it.
+//   - Every record carries the Merkle root its type must have after it.
+//     The relay checks each view against it as it restores the view, so a
+//     lost or damaged record costs a warm type, not a wrong one.
+//   - Only the member that claimed a key writes it: its head and batch
+//     writes are transactions that compare the fence key's mod revision with
+//     the one its claim produced (a revision fence, not a lease), so a
+//     deposed owner's late writes fail.
 package snapshot

@@ -3,6 +3,7 @@ package snapshot
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"strings"
 	"time"
@@ -36,14 +37,25 @@ func (s *Store) collector(ctx context.Context) {
 }
 
 // Collect runs one collection pass and returns the number of objects it
-// deleted. A resource or chunk is deleted when this pass and the previous
-// one both found that no key refers to it and it was not rewritten in
-// between: a writer puts objects before the record that refers to them, so
-// an object on its way to being referenced is young, and GCInterval is far
-// longer than any write. A pass that cannot read every key's index deletes
+// deleted. A resource, chunk or batch record is deleted when this pass and
+// the previous one both found that no key refers to it (no key applies it)
+// and it was not rewritten in between: a writer puts objects before the
+// record that refers to them, so an object on its way to being referenced
+// was written after the previous pass. A pass that cannot read every key's index deletes
 // nothing. Collect is called by the collector goroutine; tests call it
 // directly (never both at once).
 func (s *Store) Collect(ctx context.Context) (int, error) {
+	// A new epoch first: every writer's next write fails until it has
+	// forgotten what it believed etcd holds, so a write that refers to an
+	// object without writing it either landed before the indexes are read
+	// below (and counts), or writes the object again (a newer revision,
+	// which no deletion below matches).
+	rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	_, err := s.cli.Put(rctx, s.epochKey(), time.Now().UTC().Format(time.RFC3339))
+	cancel()
+	if err != nil {
+		return 0, fmt.Errorf("snapshot: collection epoch: %w", err)
+	}
 	ix, err := s.readIndexes(ctx, 0)
 	if err != nil {
 		return 0, err
@@ -93,23 +105,9 @@ func (s *Store) Collect(ctx context.Context) (int, error) {
 		if resp.Succeeded {
 			deleted++
 			delete(cand, k)
-			s.forget(k)
 		}
 	}
 	s.gcPrev = cand
 	s.m.gcDeleted.Add(float64(deleted))
 	return deleted, nil
-}
-
-// forget drops a deleted object from the known set, so a writer that needs
-// it again writes it.
-func (s *Store) forget(k string) {
-	rest := strings.TrimPrefix(k, s.root)
-	_, hs, _ := strings.Cut(rest, "/")
-	hs, _, _ = strings.Cut(hs, "/")
-	if h, err := ledger.ParseHash(hs); err == nil {
-		s.mu.Lock()
-		delete(s.known, h)
-		s.mu.Unlock()
-	}
 }

@@ -20,6 +20,9 @@ import (
 	"github.com/meshrelay/meshrelay/relay"
 )
 
+// loadProbeTimeout bounds Load's first request.
+const loadProbeTimeout = 2 * time.Second
+
 // listPrefix calls fn for every key under prefix, at revision rev (0: the
 // latest, which it returns), in pages of listPage keys.
 func (s *Store) listPrefix(ctx context.Context, prefix string, rev int64, keysOnly bool, fn func(k, v []byte, modRev int64) error) (int64, error) {
@@ -298,8 +301,10 @@ type typeRoot struct {
 func (s *Store) Load(ctx context.Context) ([]relay.SavedKey, error) {
 	start := time.Now()
 	// One revision for every read; the indexes and the resources (most of
-	// the bytes) are read at once.
-	rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	// the bytes) are read at once. The first read is bounded tightly: the
+	// relay holds its streams until Load returns, and an etcd that is away
+	// must cost it a cold start, not a late one.
+	rctx, cancel := context.WithTimeout(ctx, min(s.cfg.RequestTimeout, loadProbeTimeout))
 	resp, err := s.cli.Get(rctx, s.root, clientv3.WithPrefix(), clientv3.WithCountOnly())
 	cancel()
 	if err != nil {
@@ -383,7 +388,6 @@ func (s *Store) readResources(ctx context.Context, rev int64) (map[ledger.Hash]b
 	for i := range results {
 		wg.Go(func() {
 			p := part{records: map[ledger.Hash]resourceRecord{}, parts: map[ledger.Hash]map[int][]byte{}}
-			var hs []ledger.Hash
 			_, p.err = s.listRange(ctx, bounds[i], bounds[i+1], rev, false, func(k, v []byte, _ int64) error {
 				rest := strings.TrimPrefix(string(k), prefix)
 				hexHash, idx, isPart := strings.Cut(rest, "/")
@@ -401,7 +405,6 @@ func (s *Store) readResources(ctx context.Context, rev int64) (map[ledger.Hash]b
 					}
 					return nil
 				}
-				hs = append(hs, h)
 				rr, err := decodeResource(v)
 				if err != nil {
 					s.log.Warn("resource record unreadable", "hash", hexHash, "err", err)
@@ -410,7 +413,6 @@ func (s *Store) readResources(ctx context.Context, rev int64) (map[ledger.Hash]b
 				p.records[h] = rr
 				return nil
 			})
-			s.addKnown(hs...)
 			results[i] = p
 		})
 	}
@@ -446,5 +448,8 @@ func (s *Store) readResources(ctx context.Context, rev int64) (map[ledger.Hash]b
 			out[h] = body{typ: rr.Type, body: b}
 		}
 	}
+	// Only what reads back whole counts as held: anything else is written
+	// again when a key needs it (a Secret sealed under an older key, say).
+	s.addKnown(slices.Collect(maps.Keys(out))...)
 	return out, nil
 }

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
@@ -151,18 +152,23 @@ var ErrDeposed = errors.New("snapshot: deposed: another relay claimed the key")
 //
 // Layout under Prefix+Cluster+"/":
 //
-//	res/<hash>            a resource, content-addressed and shared by every key
-//	res/<hash>/<part>     the parts of a resource larger than 1 MiB
-//	chunk/<hash>          a piece of a base index, content-addressed
-//	keys/<key>/fence      the member that claimed the key (the fence)
-//	keys/<key>/head       the key's base index: per type, root and chunks
-//	keys/<key>/log/<seq>  changes since the base, one record per write
+//	res/<hash>               a resource, content-addressed, shared by every key
+//	res/<hash>/<part>        the parts of a resource larger than 1 MiB
+//	chunk/<hash>             a piece of a base index, content-addressed
+//	keys/<id>/fence          the member that claimed the key (the fence)
+//	keys/<id>/head           the key's name and base index: per type, root and chunks
+//	batch/<member>/<seq>     one flush's changes of every key the member writes
 //
-// Every head and log write is a transaction that holds only while the
-// fence's mod revision is the one this store's claim produced: once another
-// member claims the key, this one's writes fail (ErrDeposed), whatever its
-// ring believes. Resources and chunks are content-addressed, so anyone may
-// write them; they are collected once no key refers to them.
+// <id> is 8 bytes of SHA-256 of the key's name, in hex. A key's views are
+// its head plus the batch records that name it with a higher revision, in
+// revision order.
+//
+// Every head and batch write is a transaction that holds only while the
+// fences' mod revisions are the ones this store's claims produced: once
+// another member claims a key, this one's writes for it fail (ErrDeposed),
+// whatever its ring believes. Resources and chunks are content-addressed,
+// so anyone may write them; they, and batch records no key applies any
+// more, are collected once nothing refers to them.
 //
 // A Store is safe for concurrent use. Save never blocks on etcd; the writer
 // goroutine retries with backoff while etcd is unreachable. Start it with
@@ -181,9 +187,13 @@ type Store struct {
 	wake  chan struct{}
 	known map[ledger.Hash]struct{} // resources and chunks present in etcd
 
-	// keys and batchSeq are owned by the writer goroutine.
+	// keys, batchSeq and epochRev are owned by the writer goroutine.
 	keys     map[string]*keyRec
 	batchSeq uint64
+	// epochRev is the mod revision of the collector's epoch key as the
+	// writer last saw it (-1: not read yet). Every head and batch write
+	// holds only while it is still so; see Collect.
+	epochRev int64
 
 	gcPrev map[string]int64 // GC candidates of the previous pass: key → mod revision
 
@@ -256,6 +266,8 @@ func New(cfg Config) (*Store, error) {
 		wake:   make(chan struct{}, 1),
 		known:  make(map[ledger.Hash]struct{}),
 		keys:   make(map[string]*keyRec),
+
+		epochRev: -1,
 	}
 	m.store = s
 	return s, nil
@@ -434,8 +446,17 @@ func (s *Store) chunkKey(h ledger.Hash) string       { return s.root + "chunk/" 
 func (s *Store) keyDir(id keyID) string              { return s.root + "keys/" + hex.EncodeToString(id[:]) + "/" }
 func (s *Store) fenceKey(id keyID) string            { return s.keyDir(id) + "fence" }
 func (s *Store) headKey(id keyID) string             { return s.keyDir(id) + "head" }
+func (s *Store) epochKey() string                    { return s.root + "gc/epoch" }
 func (s *Store) batchKey(seq uint64) string {
 	return fmt.Sprintf("%sbatch/%s/%016x", s.root, s.cfg.Member, seq)
+}
+
+// epochRev is the mod revision of the epoch key as read (0: absent).
+func epochRev(kvs []*mvccpb.KeyValue) int64 {
+	if len(kvs) == 1 {
+		return kvs[0].ModRevision
+	}
+	return 0
 }
 
 func idOf(key string) keyID {
@@ -492,6 +513,12 @@ type pend struct {
 // failed, to be tried again.
 func (s *Store) flush(ctx context.Context, jobs map[string]*job) map[string]error {
 	failed := make(map[string]error)
+	if err := s.syncEpoch(ctx); err != nil {
+		for key := range jobs {
+			failed[key] = err
+		}
+		return failed
+	}
 	var bases, logs []*pend
 	fresh := make(map[ledger.Hash]*relay.Resource)
 	for _, key := range slices.Sorted(maps.Keys(jobs)) {
@@ -525,7 +552,13 @@ func (s *Store) flush(ctx context.Context, jobs map[string]*job) map[string]erro
 		}
 	}
 	for len(logs) > 0 {
-		n := min(len(logs), batchKeys)
+		// At most batchKeys keys (a fence compare each) and about
+		// batchBytes of changes (each key's are under logMaxBytes) a record.
+		n, size := 0, 0
+		for n < len(logs) && n < batchKeys && (n == 0 || size+logs[n].size <= batchBytes) {
+			size += logs[n].size
+			n++
+		}
 		if err := s.appendBatch(ctx, logs[:n]); err != nil {
 			for _, p := range logs[:n] {
 				failed[p.key] = err
@@ -637,6 +670,48 @@ func (s *Store) fence(p *pend) clientv3.Cmp {
 	return clientv3.Compare(clientv3.ModRevision(s.fenceKey(p.id)), "=", p.rec.claimRev)
 }
 
+// epochCmp holds a write to the collection epoch the writer knows: one
+// that refers to a resource or chunk it believes etcd holds must not land
+// after a collection pass began that may delete it.
+func (s *Store) epochCmp() clientv3.Cmp {
+	return clientv3.Compare(clientv3.ModRevision(s.epochKey()), "=", s.epochRev)
+}
+
+// syncEpoch reads the collection epoch if the writer has not yet.
+func (s *Store) syncEpoch(ctx context.Context) error {
+	if s.epochRev >= 0 {
+		return nil
+	}
+	rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	resp, err := s.cli.Get(rctx, s.epochKey())
+	if err != nil {
+		return fmt.Errorf("read collection epoch: %w", err)
+	}
+	s.newEpoch(resp.Kvs)
+	return nil
+}
+
+// newEpoch takes the epoch key as read (absent: none yet). A new epoch
+// means a collection pass may delete what no key referred to: from now on
+// nothing is taken to be in etcd until written or read again.
+func (s *Store) newEpoch(kvs []*mvccpb.KeyValue) {
+	rev := int64(0)
+	if len(kvs) == 1 {
+		rev = kvs[0].ModRevision
+	}
+	if rev == s.epochRev {
+		return
+	}
+	if s.epochRev >= 0 {
+		s.mu.Lock()
+		clear(s.known)
+		s.mu.Unlock()
+		s.log.Debug("collection epoch changed: writing what keys refer to again", "revision", rev)
+	}
+	s.epochRev = rev
+}
+
 // appendBatch writes one batch record for ps (at most batchKeys keys), held
 // only while every one of them is still claimed by this member. Keys
 // another member claimed since are found, marked deposed and left out, and
@@ -664,16 +739,25 @@ func (s *Store) appendBatch(ctx context.Context, ps []*pend) error {
 		// have committed, and what is written again re-applies its changes.
 		k := s.batchKey(s.batchSeq)
 		s.batchSeq++
-		cmps := make([]clientv3.Cmp, 0, len(ps))
-		gets := make([]clientv3.Op, 0, len(ps))
+		cmps := make([]clientv3.Cmp, 0, len(ps)+1)
+		gets := make([]clientv3.Op, 0, len(ps)+1)
 		for _, p := range ps {
 			cmps = append(cmps, s.fence(p))
 			gets = append(gets, clientv3.OpGet(s.fenceKey(p.id)))
 		}
+		cmps = append(cmps, s.epochCmp())
+		gets = append(gets, clientv3.OpGet(s.epochKey()))
 		rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
 		resp, err := s.cli.Txn(rctx).If(cmps...).Then(clientv3.OpPut(k, string(b))).Else(gets...).Commit()
 		cancel()
 		if err != nil {
+			// It may have committed all the same: then a record of the
+			// changes since what is persisted now would be applied on top
+			// of it, and undo nothing it added. A new base is right
+			// whatever happened.
+			for _, p := range ps {
+				p.rec.needBase = true
+			}
 			return fmt.Errorf("write batch: %w", err)
 		}
 		if resp.Succeeded {
@@ -685,6 +769,12 @@ func (s *Store) appendBatch(ctx context.Context, ps []*pend) error {
 				s.written(p)
 			}
 			return nil
+		}
+		if epoch := resp.Responses[len(ps)].GetResponseRange().GetKvs(); epochRev(epoch) != s.epochRev {
+			// A collection pass began: write what the changes refer to
+			// again (the next flush does, from a known set now empty).
+			s.newEpoch(epoch)
+			return errors.New("write batch: a collection pass began; writing again")
 		}
 		var still []*pend
 		for i, p := range ps {
@@ -736,12 +826,19 @@ func (s *Store) writeBase(ctx context.Context, p *pend) (bool, error) {
 		return false, fmt.Errorf("write %s: head of %d bytes exceeds %d", p.key, len(hb), batchBytes)
 	}
 	rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
-	resp, err := s.cli.Txn(rctx).If(s.fence(p)).Then(clientv3.OpPut(s.headKey(p.id), string(hb))).Commit()
+	resp, err := s.cli.Txn(rctx).If(s.fence(p), s.epochCmp()).
+		Then(clientv3.OpPut(s.headKey(p.id), string(hb))).
+		Else(clientv3.OpGet(s.epochKey())).
+		Commit()
 	cancel()
 	if err != nil {
 		return false, fmt.Errorf("write %s: %w", p.key, err)
 	}
 	if !resp.Succeeded {
+		if epoch := resp.Responses[0].GetResponseRange().GetKvs(); epochRev(epoch) != s.epochRev {
+			s.newEpoch(epoch)
+			return false, errors.New("write base: a collection pass began; writing again")
+		}
 		return false, nil
 	}
 	s.m.bytes.Add(float64(len(s.headKey(p.id)) + len(hb)))
