@@ -33,6 +33,11 @@ func TestServeFlags(t *testing.T) {
 		{"bad gossip listen", []string{"--upstream", "x:1", "--gossip-listen", "nowhere"}, "--gossip-listen"},
 		{"missing gossip key", []string{"--upstream", "x:1", "--gossip-key-file", "/nonexistent/key"}, "gossip key"},
 		{"bad ring load", []string{"--upstream", "x:1", "--xds-listen", "127.0.0.1:0", "--gossip-listen", "127.0.0.1:0", "--ring-load", "0.5"}, "field Load"},
+		{"bad etcd mode", []string{"--upstream", "x:1", "--etcd", "somewhere"}, `--etcd "somewhere"`},
+		{"external etcd without endpoints", []string{"--upstream", "x:1", "--etcd", "external"}, "needs --etcd-endpoints"},
+		{"embedded etcd and endpoints", []string{"--upstream", "x:1", "--etcd", "embedded", "--etcd-endpoints", "http://127.0.0.1:1"}, "exclude each other"},
+		{"missing etcd CA", []string{"--upstream", "x:1", "--etcd-endpoints", "https://127.0.0.1:1", "--etcd-ca-file", "/nonexistent/ca.pem"}, "--etcd-ca-file"},
+		{"missing seal key", []string{"--upstream", "x:1", "--etcd-endpoints", "http://127.0.0.1:1", "--snapshot-seal-key-file", "/nonexistent/key"}, "seal key file"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -53,6 +58,22 @@ func TestServeStartsAndStops(t *testing.T) {
 		"--gossip-listen", "127.0.0.1:0", "--log-level", "error"})
 	if err != nil {
 		t.Fatalf("serve = %v, want nil after the context ended", err)
+	}
+}
+
+// TestServeWithEmbeddedEtcd: --etcd embedded starts an etcd in the data
+// directory, the relay runs with snapshots, and everything stops cleanly.
+func TestServeWithEmbeddedEtcd(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "etcd")
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	err := serve(ctx, []string{"--upstream", "127.0.0.1:1", "--xds-listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+		"--gossip-listen", "", "--log-level", "error", "--etcd", "embedded", "--etcd-data-dir", dir, "--etcd-listen", "127.0.0.1:0"})
+	if err != nil {
+		t.Fatalf("serve = %v, want nil after the context ended", err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "member")); err != nil {
+		t.Errorf("the embedded etcd left no data in %s: %v", dir, err)
 	}
 }
 
@@ -92,6 +113,11 @@ func TestServeTier(t *testing.T) {
 		go func() { errs <- serve(ctx, args) }()
 	}
 	run("a", gossipA, adminA)
+	// b binds ports of the system's choosing: start it once a holds its
+	// gossip port (a ring of one), or b might take that port.
+	for deadline := time.Now().Add(20 * time.Second); !strings.Contains(scrape(adminA), "meshrelay_ring_members 1") && time.Now().Before(deadline); {
+		time.Sleep(20 * time.Millisecond)
+	}
 	run("b", "127.0.0.1:0", adminB, gossipA)
 	defer func() {
 		cancel()
