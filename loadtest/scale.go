@@ -101,6 +101,12 @@ type ScalePhase struct {
 	BytesResent uint64  `json:"bytes_resent_to_moved"`
 	FullState   uint64  `json:"full_state_of_moved"`
 	ResentPct   float64 `json:"resent_percent"`
+	// MoveBytes is what moving cost the moved Envoys: what each received
+	// beyond the mean of the Envoys of its group that did not move (the
+	// changes made meanwhile reached both); MovePct against FullState.
+	// Without changes it is BytesResent less the unmoved Envoys' traffic.
+	MoveBytes uint64  `json:"move_bytes"`
+	MovePct   float64 `json:"move_percent"`
 	// UpstreamBefore and UpstreamAfter are the upstream's open streams.
 	UpstreamBefore int64 `json:"upstream_streams_before"`
 	UpstreamAfter  int64 `json:"upstream_streams_after"`
@@ -309,15 +315,32 @@ func (s *scaleRun) phase(ctx context.Context, name string, withChanges bool, ste
 	p.KeysMovedFrac = float64(p.KeysMoved) / float64(len(s.keys))
 	p.IdealFrac = 1 / float64(max(p.RelaysBefore, p.RelaysAfter))
 	bytesAfter, reconnAfter := s.snapshot()
+	groups := s.fleet.Groups()
+	stay := map[string][2]uint64{} // group → bytes received by Envoys that did not move, and their count
+	for i := range reconnAfter {
+		if reconnAfter[i] == reconnBefore[i] {
+			g := stay[groups[i]]
+			stay[groups[i]] = [2]uint64{g[0] + bytesAfter[i] - bytesBefore[i], g[1] + 1}
+		}
+	}
 	for i := range reconnAfter {
 		if reconnAfter[i] > reconnBefore[i] {
+			got := bytesAfter[i] - bytesBefore[i]
 			p.StreamsMoved += int(reconnAfter[i] - reconnBefore[i])
-			p.BytesResent += bytesAfter[i] - bytesBefore[i]
+			p.BytesResent += got
 			p.FullState += bytesBefore[i]
+			var mean uint64
+			if g := stay[groups[i]]; g[1] > 0 {
+				mean = g[0] / g[1]
+			}
+			if got > mean {
+				p.MoveBytes += got - mean
+			}
 		}
 	}
 	if p.FullState > 0 {
 		p.ResentPct = 100 * float64(p.BytesResent) / float64(p.FullState)
+		p.MovePct = 100 * float64(p.MoveBytes) / float64(p.FullState)
 	}
 	for _, r := range s.tier.Running() {
 		p.StreamsPerRelay = append(p.StreamsPerRelay, r.Node.Relay().Stats().Streams)
@@ -424,8 +447,8 @@ func (s *scaleRun) print(out io.Writer, p ScalePhase) {
 	}
 	fmt.Fprintf(out, "scale: %s: relays %d → %d; keys moved %d (%.1f%%, ideal %.1f%%); Envoy streams moved %d; rebalanced %s, per relay %v\n",
 		p.Name, p.RelaysBefore, p.RelaysAfter, p.KeysMoved, 100*p.KeysMovedFrac, 100*p.IdealFrac, p.StreamsMoved, reb, p.StreamsPerRelay)
-	fmt.Fprintf(out, "scale: %s: bytes re-sent to moved Envoys %d of their full state %d (%.2f%%); upstream streams %d → %d (keys %d); violations %d\n",
-		p.Name, p.BytesResent, p.FullState, p.ResentPct, p.UpstreamBefore, p.UpstreamAfter, len(s.keys), p.Violations)
+	fmt.Fprintf(out, "scale: %s: bytes re-sent to moved Envoys %d of their full state %d (%.2f%%), %d (%.2f%%) beyond what their unmoved group received; upstream streams %d → %d (keys %d); violations %d\n",
+		p.Name, p.BytesResent, p.FullState, p.ResentPct, p.MoveBytes, p.MovePct, p.UpstreamBefore, p.UpstreamAfter, len(s.keys), p.Violations)
 	if p.During.N > 0 {
 		fmt.Fprintf(out, "scale: %s: change → all Envoys during the move P50 %s P99 %s (%d changes)\n", p.Name, ms(p.During.P50), ms(p.During.P99), p.During.N)
 	}
