@@ -3,6 +3,8 @@ package loadtest
 import (
 	"bytes"
 	"context"
+	"log/slog"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -22,6 +24,9 @@ func TestDemo(t *testing.T) {
 	cfg.Duration = 8 * time.Second
 	cfg.Schedule = []DemoEvent{{At: 2 * time.Second, Action: "kill", Relay: 1}, {At: 4 * time.Second, Action: "start", Relay: 1}}
 	cfg.Input = strings.NewReader("stop 7\nadd\nfly away\n")
+	if os.Getenv("MESHRELAY_TEST_LOG") != "" {
+		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
 	var out bytes.Buffer
 	if err := RunDemo(context.Background(), cfg, &out); err != nil {
 		t.Fatalf("RunDemo: %v\n%s", err, out.String())

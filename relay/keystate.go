@@ -50,6 +50,12 @@ type keySnap struct {
 	// stale is set while the views come from a cache that no live upstream
 	// stream has confirmed (the upstream is unreachable).
 	stale bool
+	// restored is set while the views are a snapshot restored at start
+	// (warm start) that no source has confirmed yet. Such views may be
+	// older than what clients and other relays hold, so they are not
+	// served to peer relays, nor over SotW clients' content, until
+	// confirmed.
+	restored bool
 }
 
 // typeSnap is the published state of one type of a key. It is immutable.
@@ -89,7 +95,7 @@ func (t *typeSnap) isPending(name string, now time.Time, wait time.Duration) boo
 // caller holds k.mu.
 func (k *keyState) update(fn func(next *keySnap)) {
 	cur := k.snap.Load()
-	next := &keySnap{types: maps.Clone(cur.types), stale: cur.stale}
+	next := &keySnap{types: maps.Clone(cur.types), stale: cur.stale, restored: cur.restored}
 	fn(next)
 	k.snap.Store(next)
 }

@@ -275,7 +275,7 @@ func (r *Relay) restoreKey(sk SavedKey, rs *restorer) int {
 		return 0
 	}
 	k := newKeyState(r, key)
-	k.snap.Store(&keySnap{types: types, stale: true})
+	k.snap.Store(&keySnap{types: types, stale: true, restored: true})
 	r.keys[key] = k
 	u := newUpstream(k)
 	u.followRestored(rs)

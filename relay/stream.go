@@ -417,6 +417,12 @@ func (s *stream) sync() error {
 		return nil
 	}
 	snap := s.key.snap.Load()
+	if snap.restored && s.peerRelay != nil {
+		// Views restored from a snapshot may be older than the peer's own:
+		// it keeps them until a live source confirms these (the stream is
+		// woken then). A peer with nothing waits that long.
+		return nil
+	}
 	now := time.Now()
 	wait := s.r.cfg.ResourceWaitTimeout
 	var plans []*plan
@@ -432,6 +438,17 @@ func (s *stream) sync() error {
 			// client before the clusters it uses (a client that moved to
 			// this relay holds routes of an older view).
 			break
+		}
+		if sub.claimed != "" && snap.restored && !s.delta {
+			if t := sub.target(ts.view); t.Root().String() != sub.claimed {
+				// A SotW client that holds config says only its version, and
+				// versions are hashes without order: its config may be newer
+				// than this view restored from a snapshot. It keeps what it
+				// has until a live source confirms the view; so does what
+				// comes later in push order. (A Delta client declares each
+				// resource and is held per resource: holdDeclared.)
+				break
+			}
 		}
 		if sub.claimed != "" {
 			if t := sub.target(ts.view); t.Root().String() == sub.claimed {

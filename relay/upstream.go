@@ -1050,9 +1050,15 @@ func responseType(m proto.Message) string {
 func (u *upstream) setStale(stale bool) {
 	k := u.k
 	k.mu.Lock()
-	changed := k.snap.Load().stale != stale
+	cur := k.snap.Load()
+	changed := cur.stale != stale || (!stale && cur.restored)
 	if changed {
-		k.update(func(next *keySnap) { next.stale = stale })
+		k.update(func(next *keySnap) {
+			next.stale = stale
+			if !stale {
+				next.restored = false // a live source confirmed the views
+			}
+		})
 	}
 	k.mu.Unlock()
 	if changed {

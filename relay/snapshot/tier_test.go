@@ -3,6 +3,8 @@ package snapshot_test
 import (
 	"context"
 	"fmt"
+	"log/slog"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -10,6 +12,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/loadtest"
+	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay/snapshot"
 )
@@ -176,6 +179,112 @@ func TestTierPersistsWhatOwnersServe(t *testing.T) {
 	fleet2 := startFleet(tier2)
 	synced(fleet2, "a new tier, upstream down")
 	for _, v := range fleet2.Violations() {
+		t.Errorf("protocol violation: %v", v)
+	}
+}
+
+// TestOwnerRestartsWarmWhileConfigChurns: a relay killed and started again
+// restores keys from etcd that are up to a second behind (the writers
+// flush once a second) while the config keeps changing; when it becomes
+// the owner again its peers subscribe to it while it is still stale. No
+// Envoy, wherever it is connected, may be taken back to older content.
+//
+// It is not run by default: it also fails without snapshots (NO_ETCD=1),
+// about one run in two. While config churns, Envoys that a crash moves
+// between relays can be sent older content: an open bug of the sharded
+// tier (issue 3), not of the warm start, which this test reproduces. Run
+// it with MESHRELAY_CHURN_RESTART=1 (and MESHRELAY_TEST_LOG=1 for logs).
+func TestOwnerRestartsWarmWhileConfigChurns(t *testing.T) {
+	if os.Getenv("MESHRELAY_CHURN_RESTART") == "" {
+		t.Skip("reproduces an open tier bug; set MESHRELAY_CHURN_RESTART=1 to run it")
+	}
+	for _, proto := range []envoy.Protocol{envoy.SotW, envoy.Delta} {
+		t.Run(proto.String(), func(t *testing.T) { ownerRestartsWarm(t, proto) })
+	}
+}
+
+func ownerRestartsWarm(t *testing.T, proto envoy.Protocol) {
+	ctx := context.Background()
+	etcd, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(etcd.Close)
+	ucfg := upstream.DefaultConfig()
+	ucfg.Scenario = upstream.Scenario{Services: 60, Endpoints: 120, Namespaces: 4, LocalFraction: 0.25}
+	up, err := upstream.New(ucfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := up.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { up.Stop(context.Background()) })
+	var logger *slog.Logger
+	if os.Getenv("MESHRELAY_TEST_LOG") != "" {
+		logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	var etcdEndpoints []string
+	if os.Getenv("NO_ETCD") == "" {
+		etcdEndpoints = etcd.Endpoints()
+	}
+	tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Etcd: etcdEndpoints, Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tier.Stop(context.Background()) })
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if err := tier.WaitConverged(wctx); err != nil {
+		t.Fatal(err)
+	}
+	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: ucfg.Scenario, Envoys: 48, Keys: 12, Protocol: proto, Target: tier.Addr()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { fleet.Stop(context.Background()) })
+	if err := fleet.WaitSynced(wctx, up); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(1500 * time.Millisecond) // every key persisted once
+
+	churnCtx, stopChurn := context.WithCancel(ctx)
+	churned := make(chan struct{})
+	go func() {
+		defer close(churned)
+		for i := 0; ; i++ {
+			select {
+			case <-churnCtx.Done():
+				return
+			case <-time.After(50 * time.Millisecond):
+			}
+			if _, err := up.MoveEndpoint(i % ucfg.Scenario.Endpoints); err != nil {
+				t.Error(err)
+				return
+			}
+		}
+	}()
+	for _, i := range []int{0, 1} {
+		if err := tier.StopRelay(ctx, i, false); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(700 * time.Millisecond)
+		if err := tier.Start(ctx, i); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(2 * time.Second)
+	}
+	stopChurn()
+	<-churned
+	sctx, cancel2 := context.WithTimeout(ctx, 45*time.Second)
+	defer cancel2()
+	if err := tier.WaitConverged(sctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := fleet.WaitSynced(sctx, up); err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range fleet.Violations() {
 		t.Errorf("protocol violation: %v", v)
 	}
 }
