@@ -439,14 +439,16 @@ func (s *stream) sync() error {
 			// this relay holds routes of an older view).
 			break
 		}
-		if sub.claimed != "" && snap.restored && !s.delta {
+		if sub.claimed != "" && snap.stale && !s.delta {
 			if t := sub.target(ts.view); t.Root().String() != sub.claimed {
-				// A SotW client that holds config says only its version, and
-				// versions are hashes without order: its config may be newer
-				// than this view restored from a snapshot. It keeps what it
-				// has until a live source confirms the view; so does what
-				// comes later in push order. (A Delta client declares each
-				// resource and is held per resource: holdDeclared.)
+				// A SotW client that holds config (it moved here from a
+				// relay that crashed, say) says only its version, and
+				// versions are hashes without order: its config may be
+				// newer than this stale view (a source just lost, or a
+				// snapshot restored at start). It keeps what it has until a
+				// live source confirms the view; so does what comes later
+				// in push order. (A Delta client declares each resource and
+				// is held per resource: holdDeclared.)
 				break
 			}
 		}

@@ -17,6 +17,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+
+	"github.com/meshrelay/meshrelay/ledger"
 )
 
 // fakeOwners is an Owners whose answer the test sets.
@@ -373,5 +375,35 @@ func TestDeclaredContentKeptWhileStale(t *testing.T) {
 		c.ack(m)
 		gotC0 = gotC0 || (typeOf(m) == typeEndpoint && slices.Contains(names(m), "c0"))
 		goneRemoved = goneRemoved || slices.Contains(removedOf(m), "gone")
+	}
+}
+
+// TestSotWClaimedVersionKeptWhileStale: a SotW client can only say which
+// version it holds, and a version is a hash without order. While the key
+// is stale, a client that reports a version other than the view's keeps
+// its config (nothing is sent to it); a client with nothing gets the stale
+// view at once; once the source is back, the first gets the full state.
+func TestSotWClaimedVersionKeptWhileStale(t *testing.T) {
+	e := newEnv(t, false, nil)
+	w := e.client(5) // makes the key ready
+	syncAllExpect(w, "c0", "c1", "c2")
+	e.up.stop()
+	waitFor(t, "the key to go stale", func() bool { return e.r.Stats().StaleKeys == 1 })
+
+	moved := e.client(0) // it holds CDS of some version this relay does not have
+	moved.send(&discovery.DiscoveryRequest{TypeUrl: typeCluster, VersionInfo: ledger.HashBytes([]byte("elsewhere")).String()})
+	fresh := e.client(1) // it holds nothing
+	fresh.send(&discovery.DiscoveryRequest{TypeUrl: typeCluster})
+	if m := fresh.recvSotW(typeCluster); len(m.GetResources()) != 3 {
+		t.Fatalf("a new client of a stale key got %d clusters, want the 3 of the cached view", len(m.GetResources()))
+	}
+	select {
+	case m := <-moved.msgs:
+		t.Fatalf("a client that holds another version got %s %v while the key is stale", shortType(typeOf(m)), names(m))
+	case <-time.After(500 * time.Millisecond):
+	}
+	e.up.restart()
+	if m := moved.recvSotW(typeCluster); len(m.GetResources()) != 3 {
+		t.Fatalf("after the source returned: %d clusters, want the full state of 3", len(m.GetResources()))
 	}
 }
