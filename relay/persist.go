@@ -365,7 +365,6 @@ func (u *upstream) followRestored(rs *restorer) {
 // are built when the type is first asked for (a restored key no Envoy asks
 // for costs nothing).
 func (u *upstream) seedRestored() {
-	u.restored = true
 	for t, ts := range u.k.snap.Load().types {
 		u.types[t] = &upType{declare: ts.view}
 	}

@@ -33,9 +33,6 @@ type upstream struct {
 	// They are fetched before any Envoy asks, as Envoy would ask next.
 	derived map[string]map[string]int
 
-	// restored is set while the key's views come from a snapshot that no
-	// upstream stream has confirmed yet (see seedRestored).
-	restored bool
 	// fallbackFor is the owner's address while the owner cannot be reached
 	// and the key is fed by the upstream directly.
 	fallbackFor string
@@ -410,7 +407,7 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 	answered := make(map[string]bool)
 	staleSource, confirmed := false, false
 	wait := confirmAfter
-	if u.restored && src.kind != sourcePeer {
+	if u.k.snap.Load().restored && src.kind != sourcePeer {
 		// Views restored from a snapshot are confirmed by the upstream's
 		// answers: it was told what they hold (initial versions it does
 		// not recognise), so it answers every type, with removals. Silence
@@ -433,14 +430,12 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 				answered[responseType(m)] = true
 			}
 			if !confirmed && u.allAnswered(answered) {
-				u.restored = false
 				u.setStale(false)
 				confirmed, confirm = true, nil
 			}
 		case <-confirm:
 			confirm = nil
 			if !staleSource {
-				u.restored = false
 				u.setStale(false)
 				confirmed = true
 			}

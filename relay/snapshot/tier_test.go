@@ -65,22 +65,8 @@ func persistedMatches(t *testing.T, endpoints []string, up *upstream.Upstream, k
 // every Envoy the latest config from etcd.
 func TestTierPersistsWhatOwnersServe(t *testing.T) {
 	ctx := context.Background()
-	etcd, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(etcd.Close)
-	endpoints := etcd.Endpoints()
-	ucfg := upstream.DefaultConfig()
-	ucfg.Scenario = upstream.Scenario{Services: 30, Endpoints: 30, Namespaces: 3, LocalFraction: 0.25}
-	up, err := upstream.New(ucfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := up.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { up.Stop(context.Background()) })
+	endpoints := startEtcd(t, "").Endpoints()
+	up, sc := startUpstream(t, upstream.Scenario{Services: 30, Endpoints: 30, Namespaces: 3, LocalFraction: 0.25})
 	const keys = 6
 	startTier := func() *loadtest.Tier {
 		tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Etcd: endpoints})
@@ -96,7 +82,7 @@ func TestTierPersistsWhatOwnersServe(t *testing.T) {
 		return tier
 	}
 	startFleet := func(tier *loadtest.Tier) *loadtest.Fleet {
-		f, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: ucfg.Scenario, Envoys: 18, Keys: keys, Target: tier.Addr()})
+		f, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: 18, Keys: keys, Target: tier.Addr()})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -206,21 +192,8 @@ func TestOwnerRestartsWarmWhileConfigChurns(t *testing.T) {
 
 func ownerRestartsWarm(t *testing.T, proto envoy.Protocol) {
 	ctx := context.Background()
-	etcd, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(etcd.Close)
-	ucfg := upstream.DefaultConfig()
-	ucfg.Scenario = upstream.Scenario{Services: 60, Endpoints: 120, Namespaces: 4, LocalFraction: 0.25}
-	up, err := upstream.New(ucfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := up.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { up.Stop(context.Background()) })
+	etcd := startEtcd(t, "")
+	up, sc := startUpstream(t, upstream.Scenario{Services: 60, Endpoints: 120, Namespaces: 4, LocalFraction: 0.25})
 	var logger *slog.Logger
 	if os.Getenv("MESHRELAY_TEST_LOG") != "" {
 		logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
@@ -239,7 +212,7 @@ func ownerRestartsWarm(t *testing.T, proto envoy.Protocol) {
 	if err := tier.WaitConverged(wctx); err != nil {
 		t.Fatal(err)
 	}
-	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: ucfg.Scenario, Envoys: 48, Keys: 12, Protocol: proto, Target: tier.Addr()})
+	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: 48, Keys: 12, Protocol: proto, Target: tier.Addr()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -259,7 +232,7 @@ func ownerRestartsWarm(t *testing.T, proto envoy.Protocol) {
 				return
 			case <-time.After(50 * time.Millisecond):
 			}
-			if _, err := up.MoveEndpoint(i % ucfg.Scenario.Endpoints); err != nil {
+			if _, err := up.MoveEndpoint(i % sc.Endpoints); err != nil {
 				t.Error(err)
 				return
 			}

@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
@@ -109,26 +108,13 @@ func (rc *received) onEvent(_ int, ev envoy.Event) {
 
 func TestWarmStartWhileUpstreamIsDown(t *testing.T) {
 	ctx := t.Context()
-	etcd, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(etcd.Close)
-	ucfg := upstream.DefaultConfig()
-	ucfg.Scenario.Services, ucfg.Scenario.Endpoints, ucfg.Scenario.Namespaces = 30, 60, 3
-	up, err := upstream.New(ucfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := up.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { up.Stop(context.Background()) })
+	etcd := startEtcd(t, "")
+	up, sc := startUpstream(t, smallScenario())
 	const keys = 3
 
 	// A first relay syncs its Envoys and persists their keys.
 	r1 := startWarmRelay(t, etcd.Endpoints(), up.Addr(), "relay-1")
-	f1, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: ucfg.Scenario, Envoys: 6, Keys: keys, Target: r1.r.Addr().String()})
+	f1, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: 6, Keys: keys, Target: r1.r.Addr().String()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -139,7 +125,7 @@ func TestWarmStartWhileUpstreamIsDown(t *testing.T) {
 	}
 	eventually(t, "the relay persisted every key", func() bool {
 		n, _ := r1.s.Behind()
-		return n == 0 && testutil.ToFloat64(counter(t, r1.reg, "meshrelay_snapshot_writes_total", "ok")) >= keys
+		return n == 0 && counter(t, r1.reg, "meshrelay_snapshot_writes_total", "ok") >= keys
 	})
 	f1.Stop(ctx)
 	r1.stop(t)
@@ -156,7 +142,7 @@ func TestWarmStartWhileUpstreamIsDown(t *testing.T) {
 	// Envoys coming back and to new ones, at once, marked stale.
 	rc := &received{names: map[string]int{}}
 	r2 := startWarmRelay(t, etcd.Endpoints(), up.Addr(), "relay-2")
-	f2, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: ucfg.Scenario, Envoys: 9, Keys: keys, Target: r2.r.Addr().String(), OnEvent: rc.onEvent})
+	f2, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: 9, Keys: keys, Target: r2.r.Addr().String(), OnEvent: rc.onEvent})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -170,7 +156,7 @@ func TestWarmStartWhileUpstreamIsDown(t *testing.T) {
 	if got := r2.r.Stats().StaleKeys; got != keys {
 		t.Errorf("stale keys while the upstream is down = %d, want %d", got, keys)
 	}
-	if got := testutil.ToFloat64(counter(t, r2.reg, "meshrelay_restored_keys_total", "")); got != keys {
+	if got := counter(t, r2.reg, "meshrelay_restored_keys_total", ""); got != keys {
 		t.Errorf("restored keys = %v, want %d", got, keys)
 	}
 
@@ -236,8 +222,9 @@ func affected(f *loadtest.Fleet, c upstream.Change) int {
 	return n
 }
 
-// counter reads a counter of reg (with one label value, or none).
-func counter(t *testing.T, reg *prometheus.Registry, name, label string) prometheus.Collector {
+// counter reads a counter of reg (with one label value, or none); 0 if
+// absent.
+func counter(t *testing.T, reg *prometheus.Registry, name, label string) float64 {
 	t.Helper()
 	mfs, err := reg.Gather()
 	if err != nil {
@@ -249,13 +236,11 @@ func counter(t *testing.T, reg *prometheus.Registry, name, label string) prometh
 		}
 		for _, m := range mf.GetMetric() {
 			if label == "" || (len(m.GetLabel()) > 0 && m.GetLabel()[0].GetValue() == label) {
-				c := prometheus.NewCounter(prometheus.CounterOpts{Name: name})
-				c.Add(m.GetCounter().GetValue())
-				return c
+				return m.GetCounter().GetValue()
 			}
 		}
 	}
-	return prometheus.NewCounter(prometheus.CounterOpts{Name: name + "_absent"})
+	return 0
 }
 
 func TestEtcdDownWhileEnvoysChurn(t *testing.T) {
@@ -266,19 +251,10 @@ func TestEtcdDownWhileEnvoysChurn(t *testing.T) {
 		t.Fatal(err)
 	}
 	endpoints := etcd.Endpoints()
-	ucfg := upstream.DefaultConfig()
-	ucfg.Scenario.Services, ucfg.Scenario.Endpoints, ucfg.Scenario.Namespaces = 30, 60, 3
-	up, err := upstream.New(ucfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := up.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { up.Stop(context.Background()) })
+	up, sc := startUpstream(t, smallScenario())
 	r := startWarmRelay(t, endpoints, up.Addr(), "relay-1")
 	fleet := func(n int) *loadtest.Fleet {
-		f, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: ucfg.Scenario, Envoys: n, Keys: 3, Target: r.r.Addr().String()})
+		f, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: n, Keys: 3, Target: r.r.Addr().String()})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -334,7 +310,7 @@ func TestEtcdDownWhileEnvoysChurn(t *testing.T) {
 		t.Fatal(err)
 	}
 	r2 := startWarmRelay(t, endpoints, up.Addr(), "relay-2")
-	f3, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: ucfg.Scenario, Envoys: 6, Keys: 3, Target: r2.r.Addr().String()})
+	f3, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: 6, Keys: 3, Target: r2.r.Addr().String()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -355,4 +331,44 @@ func get(t *testing.T, url string) string {
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
 	return string(b)
+}
+
+// startEtcd starts an embedded etcd in dir (its own temporary one if empty)
+// and stops it at the end of the test.
+func startEtcd(t *testing.T, dir string) *snapshot.Embedded {
+	t.Helper()
+	if dir == "" {
+		dir = t.TempDir()
+	}
+	e, err := snapshot.StartEmbedded(t.Context(), snapshot.EmbeddedConfig{Dir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Close)
+	return e
+}
+
+// startUpstream starts the synthetic upstream with sc and stops it at the
+// end of the test.
+func startUpstream(t *testing.T, sc upstream.Scenario) (*upstream.Upstream, upstream.Scenario) {
+	t.Helper()
+	ucfg := upstream.DefaultConfig()
+	ucfg.Scenario = sc
+	up, err := upstream.New(ucfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := up.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { up.Stop(context.Background()) })
+	return up, sc
+}
+
+// smallScenario is the upstream of these tests: 30 services, 60
+// endpoints, 3 namespaces.
+func smallScenario() upstream.Scenario {
+	sc := upstream.DefaultScenario()
+	sc.Services, sc.Endpoints, sc.Namespaces = 30, 60, 3
+	return sc
 }
