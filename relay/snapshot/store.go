@@ -534,7 +534,7 @@ func (s *Store) flush(ctx context.Context, jobs map[string]*job) map[string]erro
 			logs = append(logs, p)
 		}
 	}
-	if err := s.putResources(ctx, slices.Collect(maps.Values(fresh))); err != nil {
+	if err := s.putResources(ctx, fresh); err != nil {
 		for _, p := range append(bases, logs...) {
 			failed[p.key] = err
 		}
@@ -873,15 +873,10 @@ func chunksOf(t ledger.Tree[*relay.Resource]) [][]entry {
 
 // putResources writes resources etcd does not hold yet, in transactions
 // within etcd's limits; a resource over partSize goes in parts first.
-func (s *Store) putResources(ctx context.Context, rs []*relay.Resource) error {
+func (s *Store) putResources(ctx context.Context, rs map[ledger.Hash]*relay.Resource) error {
 	var ops []clientv3.Op
 	var hs []ledger.Hash
-	seen := make(map[ledger.Hash]bool, len(rs))
-	for _, r := range rs {
-		if seen[r.Hash] {
-			continue
-		}
-		seen[r.Hash] = true
+	for _, r := range rs { // one per content: prepare gathered them by hash
 		body := r.Body.GetValue()
 		rr := resourceRecord{Type: r.Type, Name: r.Name, Body: body}
 		if r.Type == secretType {
