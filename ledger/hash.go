@@ -30,6 +30,16 @@ func (h Hash) String() string { return hex.EncodeToString(h[:]) }
 // IsZero reports whether h is the zero Hash.
 func (h Hash) IsZero() bool { return h == Hash{} }
 
+// HashFromBytes returns the Hash whose bytes are b (32 of them).
+func HashFromBytes(b []byte) (Hash, error) {
+	var h Hash
+	if len(b) != len(h) {
+		return Hash{}, fmt.Errorf("%w: %d bytes", ErrBadHash, len(b))
+	}
+	copy(h[:], b)
+	return h, nil
+}
+
 // ErrBadHash is returned by ParseHash for anything that is not 64 hex digits.
 var ErrBadHash = errors.New("ledger: not a content version")
 

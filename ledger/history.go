@@ -1,0 +1,288 @@
+package ledger
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+)
+
+// HistoryConfig bounds a History. Every bound is applied when a version is
+// recorded; the current version is never expired.
+type HistoryConfig struct {
+	// MaxVersions is how many versions are kept, the current one included.
+	// Default 1000.
+	MaxVersions int
+	// MaxAge expires versions received longer ago than this. Default 1 h.
+	MaxAge time.Duration
+	// MaxChanges bounds the name changes held to go back through the kept
+	// versions: it bounds memory (about 100 bytes each) when a few versions
+	// change much, such as a SotW full-state replace. Default 50,000.
+	MaxChanges int
+}
+
+// DefaultHistoryConfig returns the defaults.
+func DefaultHistoryConfig() HistoryConfig {
+	return HistoryConfig{MaxVersions: 1000, MaxAge: time.Hour, MaxChanges: 50_000}
+}
+
+// Validate reports the first field out of range.
+func (c HistoryConfig) Validate() error {
+	switch {
+	case c.MaxVersions < 1:
+		return fmt.Errorf("ledger: MaxVersions %d, want ≥ 1", c.MaxVersions)
+	case c.MaxAge <= 0:
+		return fmt.Errorf("ledger: MaxAge %v, want > 0", c.MaxAge)
+	case c.MaxChanges < 1:
+		return fmt.Errorf("ledger: MaxChanges %d, want ≥ 1", c.MaxChanges)
+	}
+	return nil
+}
+
+// Version is one recorded version of a view.
+type Version struct {
+	// Seq numbers the versions of one History, from 1, in the order they
+	// were recorded.
+	Seq uint64
+	// Root is the view's Merkle root: the version itself.
+	Root Hash
+	// Received is when the view was received from its source.
+	Received time.Time
+	// Len is the number of resources in the view.
+	Len int
+}
+
+// History is the bounded record of the versions of one view (one key, one
+// type) over time, with what each held.
+//
+// It keeps the current Tree (which it shares with whoever built it) and, for
+// each older version, only the names that differ from the next one with
+// their older hashes ("undo" records). An older tree is rebuilt on demand
+// by applying the undo records from the current one back: memory grows with
+// the changes, not with versions × resources, and rebuilding costs time in
+// proportion to the changes between the two versions. (DESIGN suggests
+// keeping interior nodes at some heights instead; with persistent trees
+// sharing every unchanged subtree, the undo records are the smaller of the
+// two and need no recomputation for the current version, which is the one
+// almost every query asks about.) A rebuilt tree's root is checked against
+// the recorded one, so a query can never answer from a wrong history.
+//
+// History is safe for concurrent use.
+type History[V any] struct {
+	cfg HistoryConfig
+
+	mu       sync.Mutex
+	cur      Tree[V]
+	versions []histVersion // oldest first; the last is cur
+	changes  int           // undo entries held
+	seq      uint64
+}
+
+type histVersion struct {
+	Version
+	// undo lists, by name, what this version held of the names the next
+	// version changed (a zero Hash: absent). The current version has none.
+	undo []undoEntry
+}
+
+type undoEntry struct {
+	name string
+	hash Hash
+}
+
+// ErrUnknownVersion is returned for a root the History does not hold (never
+// recorded, or expired).
+var ErrUnknownVersion = errors.New("ledger: version not in history")
+
+// NewHistory returns an empty History.
+func NewHistory[V any](cfg HistoryConfig) (*History[V], error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return &History[V]{cfg: cfg}, nil
+}
+
+// Record makes t the current version, received at at, and reports whether
+// it is a new version (a tree with the current root is not recorded again).
+// Its cost follows the difference from the current version.
+func (h *History[V]) Record(t Tree[V], at time.Time) (Version, bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if n := len(h.versions); n > 0 && h.versions[n-1].Root == t.Root() {
+		h.cur = t // the same content; keep the newest tree, which callers share
+		return h.versions[n-1].Version, false
+	}
+	if n := len(h.versions); n > 0 {
+		var undo []undoEntry
+		Diff(h.cur, t, func(c Change[V]) bool {
+			e := undoEntry{name: c.Name}
+			if c.Old != nil {
+				e.hash = c.Old.Hash
+			}
+			undo = append(undo, e)
+			return true
+		})
+		slices.SortFunc(undo, func(a, b undoEntry) int { return strings.Compare(a.name, b.name) })
+		h.versions[n-1].undo = undo
+		h.changes += len(undo)
+	}
+	h.seq++
+	v := Version{Seq: h.seq, Root: t.Root(), Received: at, Len: t.Len()}
+	h.cur = t
+	h.versions = append(h.versions, histVersion{Version: v})
+	h.expire(at)
+	return v, true
+}
+
+// expire drops the oldest versions beyond the bounds. The caller holds mu.
+func (h *History[V]) expire(now time.Time) {
+	drop := 0
+	changes := h.changes
+	for n := len(h.versions); n-drop > 1; drop++ {
+		old := h.versions[drop]
+		if n-drop <= h.cfg.MaxVersions && changes <= h.cfg.MaxChanges && now.Sub(old.Received) <= h.cfg.MaxAge {
+			break
+		}
+		changes -= len(old.undo)
+	}
+	if drop == 0 {
+		return
+	}
+	h.changes = changes
+	clear(h.versions[:drop])
+	h.versions = h.versions[drop:]
+	if cap(h.versions) > 2*len(h.versions)+16 {
+		h.versions = slices.Clone(h.versions)
+	}
+}
+
+// Current returns the current version (zero Seq if none was recorded).
+func (h *History[V]) Current() Version {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if len(h.versions) == 0 {
+		return Version{}
+	}
+	return h.versions[len(h.versions)-1].Version
+}
+
+// Tree returns the current tree.
+func (h *History[V]) Tree() Tree[V] {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.cur
+}
+
+// Versions returns the kept versions, oldest first.
+func (h *History[V]) Versions() []Version {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	out := make([]Version, len(h.versions))
+	for i, v := range h.versions {
+		out[i] = v.Version
+	}
+	return out
+}
+
+// Lookup returns the latest kept version whose root is root.
+func (h *History[V]) Lookup(root Hash) (Version, bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if i := h.indexLocked(root); i >= 0 {
+		return h.versions[i].Version, true
+	}
+	return Version{}, false
+}
+
+func (h *History[V]) indexLocked(root Hash) int {
+	for i := len(h.versions) - 1; i >= 0; i-- {
+		if h.versions[i].Root == root {
+			return i
+		}
+	}
+	return -1
+}
+
+// Held returns how many versions and undo entries the History holds: what
+// its memory grows with.
+func (h *History[V]) Held() (versions, changes int) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return len(h.versions), h.changes
+}
+
+// TreeAt rebuilds the tree of the kept version whose root is root. The
+// values of entries rebuilt from undo records are zero: only names and
+// hashes are history.
+func (h *History[V]) TreeAt(root Hash) (Tree[V], error) {
+	h.mu.Lock()
+	i := h.indexLocked(root)
+	if i < 0 {
+		h.mu.Unlock()
+		return Tree[V]{}, fmt.Errorf("%w: %s", ErrUnknownVersion, root)
+	}
+	cur := h.cur
+	// The undo records are never changed once written; copy their headers.
+	undo := make([][]undoEntry, 0, len(h.versions)-1-i)
+	for j := len(h.versions) - 2; j >= i; j-- {
+		undo = append(undo, h.versions[j].undo)
+	}
+	h.mu.Unlock()
+	if len(undo) == 0 {
+		return cur, nil
+	}
+	b := cur.Edit()
+	var zero V
+	for _, u := range undo {
+		for _, e := range u {
+			if e.hash.IsZero() {
+				b.Delete(e.name)
+			} else {
+				b.Set(e.name, e.hash, zero)
+			}
+		}
+	}
+	t := b.Tree()
+	if t.Root() != root {
+		return Tree[V]{}, fmt.Errorf("ledger: history rebuilt %s, want %s", t.Root(), root)
+	}
+	return t, nil
+}
+
+// Prove returns the Proof of what the version whose root is root held of
+// name.
+func (h *History[V]) Prove(root Hash, name string) (Proof, error) {
+	t, err := h.TreeAt(root)
+	if err != nil {
+		return Proof{}, err
+	}
+	return t.Prove(name), nil
+}
+
+// FirstWith returns the Seq of the earliest kept version that holds name at
+// hash: a view at that version or a later one has received hash or a later
+// content of name (if it holds name at all).
+func (h *History[V]) FirstWith(name string, hash Hash) (uint64, bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	cur, ok := h.cur.Get(name)
+	var at Hash // name's hash at version i, walking back
+	if ok {
+		at = cur.Hash
+	}
+	var first uint64
+	for i := len(h.versions) - 1; i >= 0; i-- {
+		v := &h.versions[i]
+		if i < len(h.versions)-1 {
+			if j, found := slices.BinarySearchFunc(v.undo, name, func(e undoEntry, n string) int { return strings.Compare(e.name, n) }); found {
+				at = v.undo[j].hash
+			}
+		}
+		if at == hash && !hash.IsZero() {
+			first = v.Seq
+		}
+	}
+	return first, first != 0
+}
