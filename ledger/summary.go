@@ -1,0 +1,351 @@
+package ledger
+
+import (
+	"cmp"
+	"slices"
+	"strings"
+	"time"
+)
+
+// Summary is one relay's ledger at one moment: every key it holds with the
+// key's current versions, and every Envoy it serves (or served, until
+// forgotten) with what it was sent and ACKed. Summaries of every relay,
+// merged, answer for the tier.
+type Summary struct {
+	Relay string
+	At    time.Time
+	Keys  []KeySummary // by Key
+}
+
+// KeySummary is a relay's state of one key.
+type KeySummary struct {
+	Key   string
+	Relay string
+	// Origin is set while the relay holds the key's upstream stream (it
+	// owns the key, or fell back to the upstream): its versions are the
+	// key's reference. Stale is set while no live source confirms them.
+	Origin bool
+	Stale  bool
+	Types  []TypeVersion // by Type
+	Envoys []EnvoyState  // by Node
+}
+
+// TypeVersion is a key's current version of one type.
+type TypeVersion struct {
+	Type    string
+	Version Version
+}
+
+// EnvoyState is what a relay knows of one Envoy.
+type EnvoyState struct {
+	Node           string
+	ConnectedAt    time.Time
+	DisconnectedAt time.Time // zero while connected
+	Types          []EnvoyType
+}
+
+// Connected reports whether the Envoy's stream is open.
+func (e *EnvoyState) Connected() bool { return e.DisconnectedAt.IsZero() }
+
+// EnvoyType is an Envoy's state of one type.
+type EnvoyType struct {
+	Type string
+	// Sent is the view the Envoy holds all it should of once it applies
+	// what it was sent (zero: not known yet); Pending is set while the
+	// latest response is unanswered.
+	Sent    Hash
+	SentAt  time.Time
+	Pending bool
+	// Acked is the latest view the Envoy ACKed all it should of ("acked",
+	// not "applied": an ACK says the config was valid, not that it serves).
+	Acked   Hash
+	AckedAt time.Time
+	NACK    *NACKState
+}
+
+// NACKState is an Envoy's latest NACK of a type.
+type NACKState struct {
+	Fingerprint Fingerprint
+	Version     string
+	Detail      string
+	At          time.Time
+}
+
+// Reason says why an Envoy is not on its key's current version.
+type Reason string
+
+// Straggler reasons, in the order they are checked.
+const (
+	// NotConnected: the Envoy's stream ended and it has not connected again.
+	NotConnected Reason = "not connected"
+	// NACKed: it rejected what it was sent (Straggler.NACK says how).
+	NACKed Reason = "nacked"
+	// NotACKed: it was sent the version and has not answered.
+	NotACKed Reason = "sent, not acked"
+	// StaleSource: its relay's source has not delivered the current version:
+	// the relay's views are stale or behind the key's reference.
+	StaleSource Reason = "stale source"
+	// NotSent: none of the above; the relay has not sent it the version yet
+	// (it is held back, say until the clusters a route uses arrive).
+	NotSent Reason = "not sent"
+)
+
+// Straggler is an Envoy not on its key's current version, and why.
+type Straggler struct {
+	Node   string
+	Key    string
+	Relay  string
+	Type   string // the first type, in push order, that is behind
+	Reason Reason
+	NACK   *NACKState // for NACKed
+	// Since is when it fell behind as far as the relay can tell: the stream's
+	// end, the NACK, the send, or the last ACK.
+	Since time.Time
+}
+
+// Convergence counts Envoys on their key's current version.
+type Convergence struct {
+	Envoys  int
+	Current int
+}
+
+// Share is Current / Envoys (1 when there are no Envoys).
+func (c Convergence) Share() float64 {
+	if c.Envoys == 0 {
+		return 1
+	}
+	return float64(c.Current) / float64(c.Envoys)
+}
+
+func (c *Convergence) add(current bool) {
+	c.Envoys++
+	if current {
+		c.Current++
+	}
+}
+
+// Convergence returns the share of this summary's Envoys on their key's
+// current version.
+func (s *Summary) Convergence() Convergence { return Merge(s).Convergence() }
+
+// Stragglers lists this summary's Envoys behind their key's current
+// version (at most limit; 0 means all).
+func (s *Summary) Stragglers(limit int) []Straggler { return Merge(s).Stragglers(limit) }
+
+// Report is the ledger merged from one or more Summaries: the answers for a
+// relay, or for the tier.
+type Report struct {
+	keys  map[string]*reportKey
+	order []string
+}
+
+type reportKey struct {
+	// reference is the key's current version of each type: from a fresh
+	// relay at the origin if there is one, else the latest received.
+	reference map[string]refVersion
+	// relays holds, by relay, its summary of the key.
+	relays []*KeySummary
+	envoys []reportEnvoy
+}
+
+type refVersion struct {
+	Version
+	origin, fresh bool
+}
+
+type reportEnvoy struct {
+	state *EnvoyState
+	from  *KeySummary
+}
+
+// Merge merges the summaries of several relays (or one). An Envoy listed by
+// more than one relay (it moved) counts once, as its latest connection
+// says.
+func Merge(sums ...*Summary) *Report {
+	r := &Report{keys: make(map[string]*reportKey)}
+	latest := make(map[string]reportEnvoy) // by node
+	for _, s := range sums {
+		for i := range s.Keys {
+			ks := &s.Keys[i]
+			rk := r.keys[ks.Key]
+			if rk == nil {
+				rk = &reportKey{reference: make(map[string]refVersion)}
+				r.keys[ks.Key] = rk
+				r.order = append(r.order, ks.Key)
+			}
+			rk.relays = append(rk.relays, ks)
+			for _, tv := range ks.Types {
+				cand := refVersion{Version: tv.Version, origin: ks.Origin, fresh: !ks.Stale}
+				if cur, ok := rk.reference[tv.Type]; !ok || better(cand, cur) {
+					rk.reference[tv.Type] = cand
+				}
+			}
+			for j := range ks.Envoys {
+				e := reportEnvoy{state: &ks.Envoys[j], from: ks}
+				if cur, ok := latest[e.state.Node]; !ok || newer(e.state, cur.state) {
+					latest[e.state.Node] = e
+				}
+			}
+		}
+	}
+	for _, e := range latest {
+		rk := r.keys[e.from.Key]
+		rk.envoys = append(rk.envoys, e)
+	}
+	slices.Sort(r.order)
+	for _, rk := range r.keys {
+		slices.SortFunc(rk.envoys, func(a, b reportEnvoy) int { return strings.Compare(a.state.Node, b.state.Node) })
+	}
+	return r
+}
+
+// better reports whether a is a better reference version than b: from a
+// fresh origin first, then the latest received.
+func better(a, b refVersion) bool {
+	ra, rb := btoi(a.origin && a.fresh), btoi(b.origin && b.fresh)
+	if ra != rb {
+		return ra > rb
+	}
+	return a.Received.After(b.Received)
+}
+
+// newer reports whether Envoy state a is a later word on its node than b:
+// connected beats disconnected, then the latest connection.
+func newer(a, b *EnvoyState) bool {
+	if a.Connected() != b.Connected() {
+		return a.Connected()
+	}
+	return a.ConnectedAt.After(b.ConnectedAt)
+}
+
+// typeRank orders types as they are pushed: CDS, EDS, LDS, RDS, then the
+// rest by name.
+func typeRank(typeURL string) int {
+	for i, suffix := range []string{".Cluster", ".ClusterLoadAssignment", ".Listener", ".RouteConfiguration"} {
+		if strings.HasSuffix(typeURL, suffix) {
+			return i
+		}
+	}
+	return 4
+}
+
+// behind returns nil if e is on its key's reference version of every type
+// it holds, or the Straggler that says why not.
+func (rk *reportKey) behind(e reportEnvoy) *Straggler {
+	st := e.state
+	s := &Straggler{Node: st.Node, Key: e.from.Key, Relay: e.from.Relay}
+	if !st.Connected() {
+		s.Reason, s.Since = NotConnected, st.DisconnectedAt
+		return s
+	}
+	if len(st.Types) == 0 {
+		s.Reason, s.Since = NotSent, st.ConnectedAt
+		if e.from.Stale {
+			s.Reason = StaleSource
+		}
+		return s
+	}
+	types := slices.Clone(st.Types)
+	slices.SortFunc(types, func(a, b EnvoyType) int {
+		return cmp.Or(cmp.Compare(typeRank(a.Type), typeRank(b.Type)), strings.Compare(a.Type, b.Type))
+	})
+	for _, et := range types {
+		ref, ok := rk.reference[et.Type]
+		if ok && et.Acked == ref.Root {
+			continue
+		}
+		s.Type = et.Type
+		switch {
+		case et.NACK != nil:
+			s.Reason, s.NACK, s.Since = NACKed, et.NACK, et.NACK.At
+		case et.Pending:
+			s.Reason, s.Since = NotACKed, et.SentAt
+		case !ok || e.from.Stale || !holds(e.from, et.Type, ref.Root):
+			s.Reason, s.Since = StaleSource, et.AckedAt
+		default:
+			s.Reason, s.Since = NotSent, et.AckedAt
+		}
+		if s.Since.IsZero() {
+			s.Since = st.ConnectedAt
+		}
+		return s
+	}
+	return nil
+}
+
+// holds reports whether the relay's current version of typeURL is root.
+func holds(ks *KeySummary, typeURL string, root Hash) bool {
+	for _, tv := range ks.Types {
+		if tv.Type == typeURL {
+			return tv.Version.Root == root
+		}
+	}
+	return false
+}
+
+// Convergence returns the share of every Envoy in the report on its key's
+// current version.
+func (r *Report) Convergence() Convergence {
+	var c Convergence
+	for _, rk := range r.keys {
+		for _, e := range rk.envoys {
+			c.add(rk.behind(e) == nil)
+		}
+	}
+	return c
+}
+
+// ByKey returns the convergence of each key's Envoys.
+func (r *Report) ByKey() map[string]Convergence {
+	out := make(map[string]Convergence, len(r.keys))
+	for name, rk := range r.keys {
+		var c Convergence
+		for _, e := range rk.envoys {
+			c.add(rk.behind(e) == nil)
+		}
+		out[name] = c
+	}
+	return out
+}
+
+// ByRelay returns the convergence of the Envoys of each relay.
+func (r *Report) ByRelay() map[string]Convergence {
+	out := make(map[string]Convergence)
+	for _, rk := range r.keys {
+		for _, e := range rk.envoys {
+			c := out[e.from.Relay]
+			c.add(rk.behind(e) == nil)
+			out[e.from.Relay] = c
+		}
+	}
+	return out
+}
+
+// Stragglers lists the Envoys behind their key's current version, by key
+// and node (at most limit; 0 means all).
+func (r *Report) Stragglers(limit int) []Straggler {
+	var out []Straggler
+	for _, name := range r.order {
+		rk := r.keys[name]
+		for _, e := range rk.envoys {
+			if s := rk.behind(e); s != nil {
+				out = append(out, *s)
+				if limit > 0 && len(out) == limit {
+					return out
+				}
+			}
+		}
+	}
+	return out
+}
+
+// Reference returns the key's current version of typeURL, as the report
+// sees it.
+func (r *Report) Reference(key, typeURL string) (Version, bool) {
+	rk := r.keys[key]
+	if rk == nil {
+		return Version{}, false
+	}
+	v, ok := rk.reference[typeURL]
+	return v.Version, ok
+}

@@ -1,0 +1,578 @@
+package ledger
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// TrackerConfig configures a Tracker.
+type TrackerConfig struct {
+	// Relay names this relay in answers (Straggler.Relay, Summary.Relay).
+	Relay string
+	// ForgetAfter is how long an Envoy whose stream ended is still listed,
+	// as not connected, unless it connects again. Default 30 s: longer
+	// than an Envoy takes to reconnect with backoff, so an Envoy in
+	// transit between relays is a straggler, and one that is gone (its pod
+	// deleted) stops counting soon after.
+	ForgetAfter time.Duration
+	// MaxDetail is how many bytes of a NACK's error_detail are kept.
+	// Default 1024.
+	MaxDetail int
+	// Converged, if set, observes the time from a version's receipt from
+	// upstream to an Envoy's ACK of it, once per Envoy, type and version.
+	// It is called on the goroutine that reports the ACK, holding no lock.
+	Converged func(typeURL string, d time.Duration)
+}
+
+// DefaultTrackerConfig returns the defaults.
+func DefaultTrackerConfig() TrackerConfig {
+	return TrackerConfig{ForgetAfter: 30 * time.Second, MaxDetail: 1024}
+}
+
+// Views is what the Tracker needs of one key's versions of one type: a
+// *History.
+type Views interface {
+	Current() Version
+	Lookup(root Hash) (Version, bool)
+	FirstWith(name string, hash Hash) (uint64, bool)
+	Prove(root Hash, name string) (Proof, error)
+}
+
+var _ Views = (*History[int])(nil)
+
+// Tracker is one relay's ledger of its Envoys: for each Envoy and type, the
+// version it was sent, the one it ACKed and its latest NACK, against its
+// key's versions; and the answers built on them (convergence, stragglers,
+// delivery of a resource, wait).
+//
+// Envoys are tracked through the *Envoy handle Connect returns. A Tracker
+// is safe for concurrent use; each Envoy's handle is used by one goroutine
+// (its stream's) while queries run on any.
+type Tracker struct {
+	cfg TrackerConfig
+
+	mu    sync.RWMutex
+	keys  map[string]*keyEntry
+	nodes map[string]*Envoy // the latest Envoy handle of each node id
+
+	nacks nackTable
+
+	// changed is closed and replaced on every change while waiters > 0.
+	waiters   atomic.Int32
+	changedMu sync.Mutex
+	changed   chan struct{}
+}
+
+// keyEntry is the Tracker's state of one aggregation key. mu guards
+// everything below it and every Envoy's types.
+type keyEntry struct {
+	key string
+
+	mu     sync.Mutex
+	types  map[string]*typeEntry
+	origin bool
+	stale  bool
+	envoys map[*Envoy]struct{}
+	// connected counts the connected Envoys, current those of them on the
+	// key's current version (kept as Envoys and versions change, so that
+	// Convergence reads counters, not every Envoy); gone holds the
+	// disconnected ones not forgotten yet.
+	connected, current int
+	gone               map[*Envoy]struct{}
+}
+
+type typeEntry struct {
+	views   Views
+	current Version
+}
+
+// Envoy is the Tracker's handle on one Envoy stream. Its methods are called
+// by the stream's goroutine; Disconnect ends it. A nil *Envoy records
+// nothing (a relay does not track other relays' streams).
+type Envoy struct {
+	t    *Tracker
+	k    *keyEntry
+	node string
+
+	// Guarded by k.mu. A forgotten handle (its node connected again, or it
+	// was disconnected past ForgetAfter) records nothing more. current is
+	// set while it is connected and on its key's current version.
+	forgotten      bool
+	current        bool
+	connectedAt    time.Time
+	disconnectedAt time.Time // zero while connected
+	types          map[string]*envoyType
+}
+
+type envoyType struct {
+	// sentView is the view the Envoy holds all it should of once it
+	// applies what it was sent (zero: not known yet); pending is set while
+	// its latest response is unanswered.
+	sentView Hash
+	sentAt   time.Time
+	pending  bool
+	// ackedView is the latest view the Envoy ACKed all it should of.
+	ackedView Hash
+	ackedAt   time.Time
+	// nack is the latest NACK, cleared by a later ACK.
+	nack *nackState
+}
+
+type nackState struct {
+	row     *nackRow
+	version string
+	detail  string
+	at      time.Time
+}
+
+// NewTracker returns an empty Tracker.
+func NewTracker(cfg TrackerConfig) (*Tracker, error) {
+	if cfg.ForgetAfter <= 0 {
+		return nil, fmt.Errorf("ledger: ForgetAfter %v, want > 0", cfg.ForgetAfter)
+	}
+	if cfg.MaxDetail <= 0 {
+		return nil, fmt.Errorf("ledger: MaxDetail %d, want > 0", cfg.MaxDetail)
+	}
+	return &Tracker{
+		cfg:     cfg,
+		keys:    make(map[string]*keyEntry),
+		nodes:   make(map[string]*Envoy),
+		nacks:   nackTable{rows: make(map[Fingerprint]*nackRow)},
+		changed: make(chan struct{}),
+	}, nil
+}
+
+// keyEntry returns the entry of key, creating it.
+func (t *Tracker) keyEntry(key string) *keyEntry {
+	t.mu.RLock()
+	k := t.keys[key]
+	t.mu.RUnlock()
+	if k != nil {
+		return k
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if k = t.keys[key]; k == nil {
+		k = &keyEntry{key: key, types: make(map[string]*typeEntry), envoys: make(map[*Envoy]struct{}), gone: make(map[*Envoy]struct{})}
+		t.keys[key] = k
+	}
+	return k
+}
+
+// Recorded tells the Tracker that key's view of typeURL is now v, out of
+// views (the History that recorded it).
+func (t *Tracker) Recorded(key, typeURL string, views Views, v Version) {
+	k := t.keyEntry(key)
+	k.mu.Lock()
+	te := k.types[typeURL]
+	if te == nil {
+		te = &typeEntry{}
+		k.types[typeURL] = te
+	}
+	te.views, te.current = views, v
+	k.refreshAllLocked()
+	k.mu.Unlock()
+	t.notify()
+}
+
+// refreshAllLocked recounts the key's current Envoys after its versions
+// changed. The caller holds k.mu.
+func (k *keyEntry) refreshAllLocked() {
+	for e := range k.envoys {
+		k.refreshLocked(e)
+	}
+}
+
+// refreshLocked updates e.current and the key's count after a change to e.
+// The caller holds k.mu.
+func (k *keyEntry) refreshLocked(e *Envoy) {
+	cur := !e.forgotten && e.disconnectedAt.IsZero() && k.currentLocked(e)
+	if cur != e.current {
+		e.current = cur
+		if cur {
+			k.current++
+		} else {
+			k.current--
+		}
+	}
+}
+
+// SetSource says where key's views come from: origin is set while this relay
+// holds the key's upstream stream (its views are the key's reference for the
+// tier), stale while no live source confirms them.
+func (t *Tracker) SetSource(key string, origin, stale bool) {
+	k := t.keyEntry(key)
+	k.mu.Lock()
+	changed := k.stale != stale || k.origin != origin
+	k.origin, k.stale = origin, stale
+	k.mu.Unlock()
+	if changed {
+		t.notify()
+	}
+}
+
+// DropKey forgets key's versions once the relay no longer holds it. Envoys
+// of the key stay listed until forgotten.
+func (t *Tracker) DropKey(key string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	k := t.keys[key]
+	if k == nil {
+		return
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if len(k.envoys) == 0 {
+		delete(t.keys, key)
+		return
+	}
+	k.types = make(map[string]*typeEntry)
+	k.refreshAllLocked()
+}
+
+// Connect starts tracking a stream of node, an Envoy of key. A node
+// connected again (here, after its earlier stream ended or while it lingers)
+// is the new stream from then on.
+func (t *Tracker) Connect(node, key string, at time.Time) *Envoy {
+	k := t.keyEntry(key)
+	e := &Envoy{t: t, k: k, node: node, connectedAt: at, types: make(map[string]*envoyType)}
+	t.mu.Lock()
+	old := t.nodes[node]
+	t.nodes[node] = e
+	t.mu.Unlock()
+	if old != nil {
+		old.forget()
+	}
+	k.mu.Lock()
+	k.envoys[e] = struct{}{}
+	k.connected++
+	k.mu.Unlock()
+	t.notify()
+	return e
+}
+
+// forget removes e from its key (and its NACK from the counts).
+func (e *Envoy) forget() {
+	e.k.mu.Lock()
+	if !e.forgotten {
+		e.forgotten = true
+		e.k.refreshLocked(e)
+		delete(e.k.envoys, e)
+		delete(e.k.gone, e)
+		if e.disconnectedAt.IsZero() {
+			e.k.connected--
+		}
+		for _, et := range e.types {
+			if et.nack != nil {
+				e.t.nacks.release(et.nack.row)
+			}
+		}
+	}
+	e.k.mu.Unlock()
+}
+
+// Disconnect records that the Envoy's stream ended. It is listed as not
+// connected until ForgetAfter passes or the node connects again.
+func (e *Envoy) Disconnect(at time.Time) {
+	if e == nil {
+		return
+	}
+	e.k.mu.Lock()
+	if e.disconnectedAt.IsZero() && !e.forgotten {
+		e.disconnectedAt = at
+		e.k.connected--
+		e.k.gone[e] = struct{}{}
+		e.k.refreshLocked(e)
+	}
+	e.k.mu.Unlock()
+	e.t.notify()
+}
+
+// Subscribe records that the Envoy subscribed to typeURL: until it is
+// synced, it is not on its key's current version.
+func (e *Envoy) Subscribe(typeURL string) {
+	if e == nil {
+		return
+	}
+	e.k.mu.Lock()
+	if !e.forgotten {
+		e.typeLocked(typeURL)
+		e.k.refreshLocked(e)
+	}
+	e.k.mu.Unlock()
+}
+
+// Sent records a response of typeURL sent to the Envoy at at.
+func (e *Envoy) Sent(typeURL string, at time.Time) {
+	if e == nil {
+		return
+	}
+	e.k.mu.Lock()
+	if !e.forgotten {
+		et := e.typeLocked(typeURL)
+		et.sentView, et.sentAt, et.pending = Hash{}, at, true
+		e.k.refreshLocked(e)
+	}
+	e.k.mu.Unlock()
+}
+
+// Synced records that, once it applies what it was sent, the Envoy holds
+// all it should of view (the root of its key's view of typeURL). If nothing
+// is awaiting an answer, it holds it already.
+func (e *Envoy) Synced(typeURL string, view Hash, at time.Time) {
+	if e == nil {
+		return
+	}
+	e.k.mu.Lock()
+	if e.forgotten {
+		e.k.mu.Unlock()
+		return
+	}
+	et := e.typeLocked(typeURL)
+	et.sentView = view
+	changed := false
+	if !et.pending && et.nack == nil && et.ackedView != view {
+		et.ackedView, et.ackedAt, changed = view, at, true
+		e.k.refreshLocked(e)
+	}
+	e.k.mu.Unlock()
+	if changed {
+		e.t.notify()
+	}
+}
+
+// Answered records the Envoy's ACK (detail == "") or NACK of a response of
+// typeURL carrying version; latest tells whether it answers the latest
+// response sent.
+func (e *Envoy) Answered(typeURL, version, detail string, latest bool, at time.Time) {
+	if e == nil {
+		return
+	}
+	var converged time.Duration
+	var observe bool
+	e.k.mu.Lock()
+	if e.forgotten {
+		e.k.mu.Unlock()
+		return
+	}
+	et := e.typeLocked(typeURL)
+	if latest {
+		et.pending = false
+	}
+	if detail != "" {
+		if len(detail) > e.t.cfg.MaxDetail {
+			detail = detail[:e.t.cfg.MaxDetail]
+		}
+		row := e.t.nacks.acquire(typeURL, detail, at)
+		if et.nack != nil {
+			e.t.nacks.release(et.nack.row)
+		}
+		et.nack = &nackState{row: row, version: version, detail: detail, at: at}
+	} else if latest {
+		if et.nack != nil {
+			e.t.nacks.release(et.nack.row)
+			et.nack = nil
+		}
+		if v := et.sentView; !v.IsZero() && v != et.ackedView {
+			et.ackedView, et.ackedAt = v, at
+			if te := e.k.types[typeURL]; te != nil && e.t.cfg.Converged != nil {
+				if te.current.Root == v {
+					converged, observe = at.Sub(te.current.Received), true
+				} else if ver, ok := te.views.Lookup(v); ok {
+					converged, observe = at.Sub(ver.Received), true
+				}
+			}
+		}
+	}
+	e.k.refreshLocked(e)
+	e.k.mu.Unlock()
+	if observe {
+		e.t.cfg.Converged(typeURL, converged)
+	}
+	e.t.notify()
+}
+
+// typeLocked returns the Envoy's state of typeURL, creating it. The caller
+// holds e.k.mu.
+func (e *Envoy) typeLocked(typeURL string) *envoyType {
+	et := e.types[typeURL]
+	if et == nil {
+		et = &envoyType{}
+		e.types[typeURL] = et
+	}
+	return et
+}
+
+// notify wakes waiters, if any.
+func (t *Tracker) notify() {
+	if t.waiters.Load() == 0 {
+		return
+	}
+	t.changedMu.Lock()
+	close(t.changed)
+	t.changed = make(chan struct{})
+	t.changedMu.Unlock()
+}
+
+func (t *Tracker) watch() <-chan struct{} {
+	t.changedMu.Lock()
+	defer t.changedMu.Unlock()
+	return t.changed
+}
+
+// Scope selects the Envoys a query is about. The zero Scope is every Envoy.
+type Scope struct {
+	// Key, if set, selects the Envoys of that aggregation key.
+	Key string
+	// KeyPrefix, if set, selects the Envoys of keys that start with it
+	// (with the Istio profile, "sidecar/<namespace>/" is a namespace).
+	KeyPrefix string
+}
+
+func (s Scope) has(key string) bool {
+	return (s.Key == "" || key == s.Key) && strings.HasPrefix(key, s.KeyPrefix)
+}
+
+// ErrBadShare is returned by Wait for a target share outside (0, 1].
+var ErrBadShare = errors.New("ledger: target share must be in (0, 1]")
+
+// Wait returns when the share of the scope's Envoys on their key's current
+// version reaches share, with the convergence then, or when ctx ends, with
+// the convergence and stragglers then and ctx's error.
+func (t *Tracker) Wait(ctx context.Context, scope Scope, share float64) (Convergence, []Straggler, error) {
+	if !(share > 0 && share <= 1) {
+		return Convergence{}, nil, ErrBadShare
+	}
+	t.waiters.Add(1)
+	defer t.waiters.Add(-1)
+	for {
+		ch := t.watch()
+		s := t.Summary(scope, time.Now())
+		c := s.Convergence()
+		if c.Share() >= share {
+			return c, nil, nil
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return c, s.Stragglers(0), ctx.Err()
+		}
+	}
+}
+
+// Summary returns the Tracker's state of the scope's keys and Envoys at
+// now: what every query is answered from, on one relay or, merged with
+// Merge, across the tier.
+func (t *Tracker) Summary(scope Scope, now time.Time) *Summary {
+	t.mu.RLock()
+	keys := make([]*keyEntry, 0, len(t.keys))
+	for name, k := range t.keys {
+		if scope.has(name) {
+			keys = append(keys, k)
+		}
+	}
+	t.mu.RUnlock()
+	slices.SortFunc(keys, func(a, b *keyEntry) int { return strings.Compare(a.key, b.key) })
+	s := &Summary{Relay: t.cfg.Relay, At: now, Keys: make([]KeySummary, 0, len(keys))}
+	var forgotten []*Envoy
+	for _, k := range keys {
+		var ks KeySummary
+		ks, forgotten = k.summary(t.cfg.Relay, now, t.cfg.ForgetAfter, forgotten)
+		s.Keys = append(s.Keys, ks)
+	}
+	if len(forgotten) > 0 {
+		t.mu.Lock()
+		for _, e := range forgotten {
+			if t.nodes[e.node] == e {
+				delete(t.nodes, e.node)
+			}
+		}
+		t.mu.Unlock()
+		for _, e := range forgotten {
+			e.forget()
+		}
+	}
+	return s
+}
+
+// summary is the KeySummary of k; Envoys disconnected for longer than
+// forgetAfter are left out and appended to forgotten.
+func (k *keyEntry) summary(relay string, now time.Time, forgetAfter time.Duration, forgotten []*Envoy) (KeySummary, []*Envoy) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	ks := KeySummary{Key: k.key, Relay: relay, Origin: k.origin, Stale: k.stale, Types: make([]TypeVersion, 0, len(k.types)), Envoys: make([]EnvoyState, 0, len(k.envoys))}
+	for typeURL, te := range k.types {
+		ks.Types = append(ks.Types, TypeVersion{Type: typeURL, Version: te.current})
+	}
+	slices.SortFunc(ks.Types, func(a, b TypeVersion) int { return strings.Compare(a.Type, b.Type) })
+	for e := range k.envoys {
+		if !e.disconnectedAt.IsZero() && now.Sub(e.disconnectedAt) > forgetAfter {
+			forgotten = append(forgotten, e)
+			continue
+		}
+		es := EnvoyState{Node: e.node, ConnectedAt: e.connectedAt, DisconnectedAt: e.disconnectedAt, Types: make([]EnvoyType, 0, len(e.types))}
+		for typeURL, et := range e.types {
+			x := EnvoyType{Type: typeURL, Sent: et.sentView, SentAt: et.sentAt, Pending: et.pending, Acked: et.ackedView, AckedAt: et.ackedAt}
+			if n := et.nack; n != nil {
+				x.NACK = &NACKState{Fingerprint: n.row.fp, Version: n.version, Detail: n.detail, At: n.at}
+			}
+			es.Types = append(es.Types, x)
+		}
+		slices.SortFunc(es.Types, func(a, b EnvoyType) int { return strings.Compare(a.Type, b.Type) })
+		ks.Envoys = append(ks.Envoys, es)
+	}
+	slices.SortFunc(ks.Envoys, func(a, b EnvoyState) int { return strings.Compare(a.Node, b.Node) })
+	return ks, forgotten
+}
+
+// NACKs returns the NACKs Envoys hold now, one row per fingerprint, most
+// frequent first.
+func (t *Tracker) NACKs() []NACKRow { return t.nacks.snapshot() }
+
+// Convergence returns the share of the scope's Envoys on their key's
+// current version on this relay. It is Summary(scope, now).Convergence()
+// without building the summary: the query an operator polls.
+func (t *Tracker) Convergence(scope Scope, now time.Time) Convergence {
+	t.mu.RLock()
+	keys := make([]*keyEntry, 0, len(t.keys))
+	for name, k := range t.keys {
+		if scope.has(name) {
+			keys = append(keys, k)
+		}
+	}
+	t.mu.RUnlock()
+	var c Convergence
+	for _, k := range keys {
+		k.mu.Lock()
+		c.Envoys += k.connected
+		c.Current += k.current
+		for e := range k.gone {
+			if now.Sub(e.disconnectedAt) <= t.cfg.ForgetAfter {
+				c.Envoys++
+			}
+		}
+		k.mu.Unlock()
+	}
+	return c
+}
+
+// currentLocked reports whether the connected Envoy e is on k's current
+// version of every type it subscribes to. The caller holds k.mu.
+func (k *keyEntry) currentLocked(e *Envoy) bool {
+	if len(e.types) == 0 {
+		return false
+	}
+	for typeURL, et := range e.types {
+		te := k.types[typeURL]
+		if te == nil || et.ackedView != te.current.Root {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,388 @@
+package ledger
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+)
+
+const (
+	cds = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+	eds = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+)
+
+// fixture is one relay's Tracker with the histories of its keys.
+type fixture struct {
+	t     *testing.T
+	tr    *Tracker
+	hists map[string]*History[int] // by key|type
+	views map[string]map[string]Hash
+	now   time.Time
+
+	mu        sync.Mutex
+	converged []time.Duration
+}
+
+func newFixture(t *testing.T, relay string) *fixture {
+	t.Helper()
+	f := &fixture{t: t, hists: map[string]*History[int]{}, views: map[string]map[string]Hash{}, now: time.Unix(1_700_000_000, 0)}
+	cfg := DefaultTrackerConfig()
+	cfg.Relay = relay
+	cfg.Converged = func(_ string, d time.Duration) {
+		f.mu.Lock()
+		f.converged = append(f.converged, d)
+		f.mu.Unlock()
+	}
+	tr, err := NewTracker(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.tr = tr
+	return f
+}
+
+func (f *fixture) tick() time.Time { f.now = f.now.Add(time.Second); return f.now }
+
+// record makes key's view of typeURL hold pairs (name → content label).
+func (f *fixture) record(key, typeURL string, pairs map[string]string) Hash {
+	id := key + "|" + typeURL
+	hist := f.hists[id]
+	if hist == nil {
+		hist = newHistory(f.t, DefaultHistoryConfig())
+		f.hists[id] = hist
+	}
+	m := map[string]Hash{}
+	for n, c := range pairs {
+		m[n] = h(c)
+	}
+	f.views[id] = m
+	v, _ := hist.Record(build(m), f.tick())
+	f.tr.Recorded(key, typeURL, hist, v)
+	return v.Root
+}
+
+// sync sends e the key's current view of typeURL (answered or not).
+func (f *fixture) sync(e *Envoy, key, typeURL string) Hash {
+	root := f.hists[key+"|"+typeURL].Current().Root
+	e.Sent(typeURL, f.tick())
+	e.Synced(typeURL, root, f.now)
+	return root
+}
+
+func (f *fixture) ack(e *Envoy, typeURL string) { e.Answered(typeURL, "v", "", true, f.tick()) }
+func (f *fixture) nack(e *Envoy, typeURL, detail string) {
+	e.Answered(typeURL, "v", detail, true, f.tick())
+}
+
+// TestTrackerAnswers: Envoys of every kind (current, NACKing, silent, never
+// sent, gone) give exactly the expected convergence, stragglers, NACK rows
+// and delivery answers.
+func TestTrackerAnswers(t *testing.T) {
+	f := newFixture(t, "relay-a")
+	f.record("k1", cds, map[string]string{"a": "1", "b": "1"})
+	f.record("k1", eds, map[string]string{"a": "1"})
+	f.tr.SetSource("k1", true, false)
+	envoys := map[string]*Envoy{}
+	for _, n := range []string{"e1", "e2", "e3", "e4", "e5", "e6"} {
+		envoys[n] = f.tr.Connect(n, "k1", f.tick())
+		envoys[n].Subscribe(cds)
+		envoys[n].Subscribe(eds)
+	}
+	for _, n := range []string{"e1", "e2", "e3", "e5", "e6"} {
+		f.sync(envoys[n], "k1", cds)
+		f.sync(envoys[n], "k1", eds)
+		f.ack(envoys[n], eds)
+	}
+	f.ack(envoys["e1"], cds)
+	f.ack(envoys["e5"], cds)
+	f.nack(envoys["e2"], cds, `Proto constraint validation failed: name: "outbound|80||a.ns.svc" at 10.0.0.1:80 (line 12)`)
+	f.nack(envoys["e6"], cds, `Proto constraint validation failed:   name: "outbound|80||b.ns.svc" at 10.9.8.7:8080 (line 3)`)
+	// e3 never answers CDS; e4 is sent nothing; e5 goes away.
+	envoys["e5"].Disconnect(f.tick())
+
+	if got, want := f.tr.Convergence(Scope{}, f.now), (Convergence{Envoys: 6, Current: 1}); got != want {
+		t.Fatalf("Convergence() = %+v, want %+v", got, want)
+	}
+	sum := f.tr.Summary(Scope{}, f.now)
+	if got := sum.Convergence(); got != (Convergence{Envoys: 6, Current: 1}) {
+		t.Fatalf("Summary().Convergence() = %+v", got)
+	}
+	want := map[string]Reason{"e2": NACKed, "e3": NotACKed, "e4": NotSent, "e5": NotConnected, "e6": NACKed}
+	checkStragglers(t, sum.Stragglers(0), want)
+
+	rows := f.tr.NACKs()
+	if len(rows) != 1 || rows[0].Envoys != 2 || rows[0].Type != cds {
+		t.Fatalf("NACKs() = %+v, want one CDS row of 2 Envoys", rows)
+	}
+	if e2 := stragglerOf(sum.Stragglers(0), "e2"); e2.NACK.Fingerprint != rows[0].Fingerprint {
+		t.Fatalf("e2's NACK fingerprint %s, row %s", e2.NACK.Fingerprint, rows[0].Fingerprint)
+	}
+
+	// A new version of b: e1 is behind until it ACKs it.
+	f.record("k1", cds, map[string]string{"a": "1", "b": "2"})
+	if got := f.tr.Convergence(Scope{}, f.now); got.Current != 0 {
+		t.Fatalf("after a new version Convergence() = %+v, want none current", got)
+	}
+	d, err := f.tr.Delivery(Scope{}, cds, "b", h("2"), f.now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if env, del, known := d.Counts(); env != 6 || del != 0 || !known {
+		t.Fatalf("Delivery(b@2) before any ACK = %d/%d known %v, want 0/6 known", del, env, known)
+	}
+	f.sync(envoys["e1"], "k1", cds)
+	f.ack(envoys["e1"], cds)
+	// e2 fixes itself on the new version (its NACK clears).
+	f.sync(envoys["e2"], "k1", cds)
+	f.ack(envoys["e2"], cds)
+	if got := f.tr.Convergence(Scope{}, f.now); got != (Convergence{Envoys: 6, Current: 2}) {
+		t.Fatalf("Convergence() = %+v, want 2 of 6", got)
+	}
+	if rows := f.tr.NACKs(); len(rows) != 1 || rows[0].Envoys != 1 {
+		t.Fatalf("NACKs() after e2's ACK = %+v, want one row of 1 Envoy", rows)
+	}
+	d, err = f.tr.Delivery(Scope{}, cds, "b", h("2"), f.now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if env, del, _ := d.Counts(); env != 6 || del != 2 || d.Done() {
+		t.Fatalf("Delivery(b@2) = %d/%d done %v, want 2/6 not done", del, env, d.Done())
+	}
+	missing := map[string]Reason{}
+	for _, s := range d.Keys[0].Missing {
+		missing[s.Node] = s.Reason
+	}
+	wantMissing := map[string]Reason{"e3": NotACKed, "e4": NotSent, "e5": NotConnected, "e6": NACKed}
+	if !maps.Equal(missing, wantMissing) {
+		t.Fatalf("Delivery missing = %v, want %v", missing, wantMissing)
+	}
+	// a@1 is older content every Envoy that ACKed any version holds: the
+	// ones that ACKed CDS at all.
+	d, err = f.tr.Delivery(Scope{}, cds, "a", h("1"), f.now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, del, _ := d.Counts(); del != 3 { // e1, e2 (v2) and e5 (v1, gone but it ACKed)
+		t.Fatalf("Delivery(a@1) delivered %d, want 3", del)
+	}
+	// A resource the view does not hold concerns nobody.
+	if d, _ := f.tr.Delivery(Scope{}, cds, "zz", h("1"), f.now); len(d.Keys) != 0 {
+		t.Fatalf("Delivery(absent name) keys = %+v, want none", d.Keys)
+	}
+
+	f.mu.Lock()
+	n := len(f.converged)
+	f.mu.Unlock()
+	// ACKs of a version: e1,e2,e3,e5,e6 EDS v1; e1,e5 CDS v1; e1,e2 CDS v2.
+	if n != 9 {
+		t.Fatalf("Converged observed %d times, want 9", n)
+	}
+
+	// Forgotten after ForgetAfter.
+	later := f.now.Add(DefaultTrackerConfig().ForgetAfter + time.Second)
+	if got := f.tr.Summary(Scope{}, later).Convergence(); got.Envoys != 5 {
+		t.Fatalf("after ForgetAfter: %d Envoys, want 5", got.Envoys)
+	}
+}
+
+func stragglerOf(ss []Straggler, node string) Straggler {
+	for _, s := range ss {
+		if s.Node == node {
+			return s
+		}
+	}
+	return Straggler{}
+}
+
+func checkStragglers(t *testing.T, got []Straggler, want map[string]Reason) {
+	t.Helper()
+	m := map[string]Reason{}
+	for _, s := range got {
+		m[s.Node] = s.Reason
+	}
+	if !maps.Equal(m, want) {
+		t.Fatalf("stragglers = %v, want %v", m, want)
+	}
+}
+
+// TestTierMerge: three relays; the key's owner is the reference, an Envoy
+// on a relay whose view lags is behind with a stale source, and an Envoy
+// that moved counts once, where it is connected.
+func TestTierMerge(t *testing.T) {
+	owner, peer, other := newFixture(t, "relay-0"), newFixture(t, "relay-1"), newFixture(t, "relay-2")
+	v1 := map[string]string{"a": "1"}
+	v2 := map[string]string{"a": "2"}
+	owner.record("k", cds, v1)
+	owner.record("k", cds, v2)
+	owner.tr.SetSource("k", true, false)
+	peer.record("k", cds, v1) // it has not received v2 yet
+	other.record("k", cds, v2)
+
+	on := func(f *fixture, node string) *Envoy {
+		e := f.tr.Connect(node, "k", f.tick())
+		f.sync(e, "k", cds)
+		f.ack(e, cds)
+		return e
+	}
+	on(owner, "o1")
+	on(peer, "p1")
+	on(other, "x1")
+	// "m" was on the peer, left, and is now on the other relay.
+	m := on(peer, "m")
+	m.Disconnect(peer.tick())
+	on(other, "m")
+
+	rep := Merge(owner.tr.Summary(Scope{}, owner.now), peer.tr.Summary(Scope{}, peer.now), other.tr.Summary(Scope{}, other.now))
+	if got := rep.Convergence(); got != (Convergence{Envoys: 4, Current: 3}) {
+		t.Fatalf("tier Convergence() = %+v, want 3 of 4", got)
+	}
+	checkStragglers(t, rep.Stragglers(0), map[string]Reason{"p1": StaleSource})
+	byRelay := rep.ByRelay()
+	if byRelay["relay-1"] != (Convergence{Envoys: 1, Current: 0}) || byRelay["relay-2"] != (Convergence{Envoys: 2, Current: 2}) {
+		t.Fatalf("ByRelay() = %v", byRelay)
+	}
+	if ref, _ := rep.Reference("k", cds); ref.Root != build(map[string]Hash{"a": h("2")}).Root() {
+		t.Fatalf("Reference = %v, want v2", ref.Root)
+	}
+	// On the peer alone, its Envoy is on its relay's current version.
+	if got := peer.tr.Convergence(Scope{}, peer.now); got != (Convergence{Envoys: 2, Current: 1}) {
+		t.Fatalf("peer Convergence() = %+v, want 1 of 2 (m is not connected there)", got)
+	}
+
+	// Delivery of a@2 across the tier: the peer does not know it.
+	var vs []Verdicts
+	for _, f := range []*fixture{owner, peer, other} {
+		v, err := f.tr.Verdicts(Scope{}, cds, "a", h("2"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		vs = append(vs, v...)
+	}
+	all := rep.Delivery(cds, "a", h("2"), vs)
+	if env, del, known := all.Counts(); env != 4 || del != 3 || !known {
+		// o1, x1 and m (on relay-2) have it; p1's relay has not received it.
+		t.Fatalf("tier Delivery(a@2) = %d/%d known %v, want 3/4 known", del, env, known)
+	}
+	checkStragglers(t, all.Keys[0].Missing, map[string]Reason{"p1": StaleSource})
+}
+
+// TestWait: Wait returns once the share is reached, and with the stragglers
+// when its deadline passes first.
+func TestWait(t *testing.T) {
+	f := newFixture(t, "r")
+	f.record("k", cds, map[string]string{"a": "1"})
+	e1 := f.tr.Connect("e1", "k", f.tick())
+	e2 := f.tr.Connect("e2", "k", f.tick())
+	f.sync(e1, "k", cds)
+	f.sync(e2, "k", cds)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	c, ss, err := f.tr.Wait(ctx, Scope{}, 1)
+	if err == nil || c != (Convergence{Envoys: 2}) || len(ss) != 2 {
+		t.Fatalf("Wait before ACKs = %+v, %v, %v; want a deadline error, 0 of 2 and 2 stragglers", c, ss, err)
+	}
+
+	done := make(chan Convergence)
+	go func() {
+		c, _, err := f.tr.Wait(context.Background(), Scope{Key: "k"}, 1)
+		if err != nil {
+			t.Error(err)
+		}
+		done <- c
+	}()
+	// Answer on this goroutine: the fixture's clock is not shared.
+	for f.tr.waiters.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	e1.Answered(cds, "v", "", true, time.Now())
+	e2.Answered(cds, "v", "", true, time.Now())
+	if c := <-done; c != (Convergence{Envoys: 2, Current: 2}) {
+		t.Fatalf("Wait = %+v, want 2 of 2", c)
+	}
+	if _, _, err := f.tr.Wait(context.Background(), Scope{}, 0); err != ErrBadShare {
+		t.Fatalf("Wait(share 0) err = %v, want ErrBadShare", err)
+	}
+}
+
+// TestConvergenceFastPathAgrees: the Tracker's Convergence agrees with the
+// one built from its Summary under random operations.
+func TestConvergenceFastPathAgrees(t *testing.T) {
+	for seed := range uint64(20) {
+		r := rand.New(rand.NewPCG(seed, 17))
+		f := newFixture(t, "r")
+		keys := []string{"k0", "k1", "k2"}
+		types := []string{cds, eds}
+		for _, k := range keys {
+			for _, ty := range types {
+				f.record(k, ty, map[string]string{"a": "0"})
+			}
+		}
+		var es []*Envoy
+		for step := range 400 {
+			switch op := r.IntN(10); {
+			case op == 0 || len(es) == 0:
+				e := f.tr.Connect(fmt.Sprint("n", r.IntN(30)), keys[r.IntN(3)], f.tick())
+				es = append(es, e)
+			case op == 1:
+				f.record(keys[r.IntN(3)], types[r.IntN(2)], map[string]string{"a": fmt.Sprint(step)})
+			case op == 2:
+				es[r.IntN(len(es))].Disconnect(f.tick())
+			case op < 6:
+				e := es[r.IntN(len(es))]
+				f.sync(e, e.k.key, types[r.IntN(2)])
+			case op < 9:
+				f.ack(es[r.IntN(len(es))], types[r.IntN(2)])
+			default:
+				f.nack(es[r.IntN(len(es))], types[r.IntN(2)], "bad")
+			}
+			if fast, slow := f.tr.Convergence(Scope{}, f.now), f.tr.Summary(Scope{}, f.now).Convergence(); fast != slow {
+				t.Fatalf("seed %d step %d: Convergence() = %+v, Summary().Convergence() = %+v", seed, step, fast, slow)
+			}
+		}
+		// NACK rows count exactly the Envoys that hold a NACK now.
+		holding := 0
+		for _, k := range keys {
+			for _, es := range f.tr.Summary(Scope{Key: k}, f.now).Keys {
+				for _, e := range es.Envoys {
+					for _, et := range e.Types {
+						if et.NACK != nil {
+							holding++
+						}
+					}
+				}
+			}
+		}
+		total := 0
+		for _, row := range f.tr.NACKs() {
+			total += row.Envoys
+		}
+		if total != holding {
+			t.Fatalf("seed %d: NACK rows count %d Envoys, %d hold one", seed, total, holding)
+		}
+	}
+}
+
+func TestNormalizeNACK(t *testing.T) {
+	tests := []struct{ a, b string }{
+		{`cluster "outbound|80||a" bad at 10.0.0.1:80`, `cluster "outbound|80||b" bad at 192.168.1.2:9090`},
+		{"version 3fa2c9e1d0 rejected 12 times", "version 77aa00bbcc rejected 3 times"},
+		{"a  b\n c", "a b c"},
+	}
+	for _, tt := range tests {
+		if na, nb := NormalizeNACK(tt.a), NormalizeNACK(tt.b); na != nb {
+			t.Errorf("NormalizeNACK(%q) = %q, NormalizeNACK(%q) = %q; want equal", tt.a, na, tt.b, nb)
+		}
+	}
+	if FingerprintOf(cds, "x") == FingerprintOf(eds, "x") {
+		t.Error("the same text of two types has one fingerprint")
+	}
+	if got := slices.Sorted(maps.Keys(map[string]int{})); len(got) != 0 {
+		t.Fatal(got)
+	}
+}
