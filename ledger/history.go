@@ -18,14 +18,16 @@ type HistoryConfig struct {
 	// MaxAge expires versions received longer ago than this. Default 1 h.
 	MaxAge time.Duration
 	// MaxChanges bounds the name changes held to go back through the kept
-	// versions: it bounds memory (about 100 bytes each) when a few versions
-	// change much, such as a SotW full-state replace. Default 50,000.
+	// versions (about 50 bytes each, plus about 100 per version): it bounds
+	// memory when versions change many names at once. Default 10,000: a
+	// History holds at most about 0.6 MB, and 1,000 versions of one change
+	// each (an endpoint moving) about 150 KB.
 	MaxChanges int
 }
 
 // DefaultHistoryConfig returns the defaults.
 func DefaultHistoryConfig() HistoryConfig {
-	return HistoryConfig{MaxVersions: 1000, MaxAge: time.Hour, MaxChanges: 50_000}
+	return HistoryConfig{MaxVersions: 1000, MaxAge: time.Hour, MaxChanges: 10_000}
 }
 
 // Validate reports the first field out of range.
