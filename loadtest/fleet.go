@@ -50,6 +50,9 @@ type FleetConfig struct {
 	OnEvent func(i int, ev envoy.Event)
 	// MaxMsgSize bounds a received message. Default 256 MiB.
 	MaxMsgSize int
+	// Configure, if set, adjusts Envoy i's config before it starts (a test
+	// makes some Envoys reject responses, or never ACK).
+	Configure func(i int, c *envoy.Config)
 }
 
 // Fleet is a running set of simulated Envoys. Stop it when done.
@@ -126,6 +129,9 @@ func StartFleet(ctx context.Context, cfg FleetConfig) (*Fleet, error) {
 			if cfg.OnEvent != nil {
 				cfg.OnEvent(idx, ev)
 			}
+		}
+		if cfg.Configure != nil {
+			cfg.Configure(i, &ec)
 		}
 		e, err := envoy.New(ec)
 		if err != nil {

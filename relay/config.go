@@ -13,6 +13,8 @@ import (
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
+
+	"github.com/meshrelay/meshrelay/ledger"
 )
 
 // Protocol is an ADS protocol variant.
@@ -103,6 +105,16 @@ type Config struct {
 	// upstream stream is held by its owner, and the other relays subscribe
 	// to the owner (see Owners). Default nil: this relay owns every key.
 	Owners Owners
+	// Peers, if set, lists the tier's other relays: tier-wide ledger
+	// answers (TierLedger, TierDelivery, TierWait) are gathered from them.
+	// Default nil: the answers are this relay's alone.
+	Peers Peers
+	// LedgerGatherTimeout bounds a tier-wide ledger gather: the answer is at
+	// most this old, and a relay that does not answer within it is named
+	// as missing. Default 1 s.
+	LedgerGatherTimeout time.Duration
+	// LedgerPollInterval is how often TierWait gathers. Default 100 ms.
+	LedgerPollInterval time.Duration
 	// Tier, if set, balances Envoy streams across the tier: above its fair
 	// share, the relay moves streams away (see BalanceInterval). Default
 	// nil: no balancing.
@@ -152,6 +164,13 @@ type Config struct {
 	Gatherer   prometheus.Gatherer
 	// Logger receives structured logs. Default: discard.
 	Logger *slog.Logger
+
+	// History bounds each key's ledger history of each type (versions
+	// kept for delivery queries). Default ledger.DefaultHistoryConfig().
+	History ledger.HistoryConfig
+	// ForgetEnvoysAfter is how long an Envoy whose stream ended is listed
+	// by the ledger as not connected. Default 30 s.
+	ForgetEnvoysAfter time.Duration
 }
 
 // DefaultConfig returns a Config with every default filled in but Upstream.
@@ -162,6 +181,10 @@ func DefaultConfig() Config {
 	}
 	return Config{
 		ID:                  "meshrelay-" + host,
+		History:             ledger.DefaultHistoryConfig(),
+		ForgetEnvoysAfter:   ledger.DefaultTrackerConfig().ForgetAfter,
+		LedgerGatherTimeout: time.Second,
+		LedgerPollInterval:  100 * time.Millisecond,
 		XDSListen:           ":15010",
 		UpstreamProtocol:    ProtocolDelta,
 		KeyProfile:          IstioProfile{},
@@ -212,6 +235,8 @@ func (cfg *Config) validate() error {
 	for name, d := range map[string]time.Duration{
 		"ResourceWaitTimeout": cfg.ResourceWaitTimeout, "KeyIdleTimeout": cfg.KeyIdleTimeout,
 		"BackoffInitial": cfg.BackoffInitial, "BackoffMax": cfg.BackoffMax,
+		"ForgetEnvoysAfter": cfg.ForgetEnvoysAfter, "LedgerGatherTimeout": cfg.LedgerGatherTimeout,
+		"LedgerPollInterval": cfg.LedgerPollInterval,
 	} {
 		if d <= 0 {
 			bad(name, "must be positive")
@@ -222,6 +247,9 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.Tier != nil && (cfg.BalanceInterval <= 0 || cfg.ShedRate <= 0) {
 		bad("BalanceInterval", "and ShedRate must be positive with a Tier")
+	}
+	if err := cfg.History.Validate(); err != nil {
+		bad("History", err.Error())
 	}
 	if cfg.BackoffMax < cfg.BackoffInitial {
 		bad("BackoffMax", "is below BackoffInitial")

@@ -70,7 +70,7 @@ func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 		if i := slices.IndexFunc(sub.inflight, func(r sentResponse) bool { return r.nonce == n }); i >= 0 {
 			sent := sub.inflight[i]
 			sub.inflight = slices.Delete(sub.inflight, 0, i+1)
-			s.ack(sub, sent, nackDetail(req.GetErrorDetail()))
+			s.ack(sub, sent, nackDetail(req.GetErrorDetail()), len(sub.inflight) == 0)
 		}
 	}
 

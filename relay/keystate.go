@@ -32,6 +32,11 @@ type keyState struct {
 	// metrics and the admin surface; the upstream goroutine sets it.
 	source atomic.Int32
 
+	// hist is the ledger history of each type's view. Only the key's
+	// upstream goroutine (or the restore before it starts) records.
+	histMu sync.Mutex
+	hist   map[string]*ledger.History[*Resource]
+
 	mu      sync.Mutex
 	members []*stream // in join order; the first one's node is presented upstream
 	peers   int       // members that are other relays subscribing to this key
@@ -80,9 +85,28 @@ func newKeyState(r *Relay, key Key) *keyState {
 		r:      r,
 		upWake: make(chan struct{}, 1),
 		want:   make(map[string]*typeWant),
+		hist:   make(map[string]*ledger.History[*Resource]),
 	}
 	k.snap.Store(&keySnap{types: map[string]*typeSnap{}})
 	return k
+}
+
+// recordView enters typeURL's view, received from the key's source at at,
+// into the key's ledger history.
+func (k *keyState) recordView(typeURL string, view ledger.Tree[*Resource], at time.Time) {
+	k.histMu.Lock()
+	h := k.hist[typeURL]
+	if h == nil {
+		var err error
+		if h, err = ledger.NewHistory[*Resource](k.r.cfg.History); err != nil {
+			panic(err) // Config.validate checked it
+		}
+		k.hist[typeURL] = h
+	}
+	k.histMu.Unlock()
+	if v, recorded := h.Record(view, at); recorded {
+		k.r.ledger.Recorded(string(k.key), typeURL, h, v)
+	}
 }
 
 func (t *typeSnap) isPending(name string, now time.Time, wait time.Duration) bool {

@@ -16,6 +16,7 @@ type metrics struct {
 	pushBytes          *prometheus.CounterVec
 	pushResources      *prometheus.CounterVec
 	pushACK            *prometheus.HistogramVec
+	converged          *prometheus.HistogramVec
 	nacks              *prometheus.CounterVec
 	streamErrors       *prometheus.CounterVec
 	upstreamStreams    prometheus.Gauge
@@ -39,8 +40,8 @@ type metrics struct {
 	peerOpen     atomic.Int64
 }
 
-// convergenceBuckets follow istiod's pilot_proxy_convergence_time, from 1 ms,
-// but the relay measures to the ACK, not to the send.
+// convergenceBuckets follow istiod's pilot_proxy_convergence_time, from 1 ms
+// (its buckets start at 100 ms).
 var convergenceBuckets = []float64{.001, .003, .01, .03, .1, .3, 1, 3, 10, 30}
 
 func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
@@ -58,8 +59,14 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 			Name: "meshrelay_xds_push_resources_total", Help: "Resources and removals sent downstream, by type.",
 		}, []string{"type"}),
 		pushACK: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "meshrelay_proxy_convergence_time_seconds",
+			Name:    "meshrelay_xds_push_ack_time_seconds",
 			Help:    "Time from sending a response to its ACK, by type.",
+			Buckets: convergenceBuckets,
+		}, []string{"type"}),
+		converged: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "meshrelay_proxy_convergence_time_seconds",
+			Help: "Time from this relay's receipt of a version from its source to an Envoy's ACK of it, by type " +
+				"(istiod's pilot_proxy_convergence_time measures to the send). Once per Envoy, type and version.",
 			Buckets: convergenceBuckets,
 		}, []string{"type"}),
 		nacks: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -106,7 +113,7 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 		Name: "meshrelay_keys_by_source", Help: "Keys by where their config comes from: upstream (owned), peer (the owner), fallback (the upstream, the owner being unreachable).",
 	}, []string{"source"})
 	cs := []prometheus.Collector{
-		m.envoys, m.pushes, m.pushBytes, m.pushResources, m.pushACK, m.nacks, m.streamErrors,
+		m.envoys, m.pushes, m.pushBytes, m.pushResources, m.pushACK, m.converged, m.nacks, m.streamErrors,
 		m.upstreamStreams, m.upstreamReconnects, m.restoredKeys, m.upstreamNACKs, m.passthrough, m.passthroughStreams,
 		m.refused, m.shed, m.peerFallbacks, m.peerStreams, m.peerClients, sourceCollector{sources, r},
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
@@ -133,6 +140,7 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 			pushResources: m.pushResources.WithLabelValues(t),
 			nacks:         m.nacks.WithLabelValues(t),
 			pushACK:       m.pushACK.WithLabelValues(t),
+			converged:     m.converged.WithLabelValues(t),
 		}
 	}
 	return m, nil
@@ -142,7 +150,7 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 // (a push or an ACK per stream per change) does no label hashing.
 type typeMetrics struct {
 	pushes, pushBytes, pushResources, nacks prometheus.Counter
-	pushACK                                 prometheus.Observer
+	pushACK, converged                      prometheus.Observer
 }
 
 func (m *metrics) forType(typeURL string) *typeMetrics {

@@ -276,6 +276,11 @@ func (r *Relay) restoreKey(sk SavedKey, rs *restorer) int {
 	}
 	k := newKeyState(r, key)
 	k.snap.Store(&keySnap{types: types, stale: true, restored: true})
+	now := time.Now()
+	for typeURL, ts := range types {
+		k.recordView(typeURL, ts.view, now)
+	}
+	r.ledger.SetSource(sk.Key, true, true)
 	r.keys[key] = k
 	u := newUpstream(k)
 	u.followRestored(rs)

@@ -39,6 +39,7 @@ import (
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
@@ -46,6 +47,9 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
+
+	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/ledger/ledgerpb"
 )
 
 // Relay is one meshrelay process's xDS relay. Create it with New, then Start;
@@ -57,6 +61,7 @@ type Relay struct {
 	refIndex     refIndex
 	metrics      *metrics
 	pushACK      latency
+	ledger       *ledger.Tracker
 	controlPlane *core.ControlPlane
 	// controlPlaneWire is controlPlane encoded, for responses the relay
 	// encodes itself; bodies caches those responses' shared bytes.
@@ -117,6 +122,14 @@ func New(cfg Config) (*Relay, error) {
 		return nil, fmt.Errorf("relay: register metrics: %w", err)
 	}
 	r.metrics = m
+	tcfg := ledger.DefaultTrackerConfig()
+	tcfg.Relay, tcfg.ForgetAfter = cfg.ID, cfg.ForgetEnvoysAfter
+	tcfg.Converged = func(typeURL string, d time.Duration) {
+		m.forType(typeURL).converged.Observe(d.Seconds())
+	}
+	if r.ledger, err = ledger.NewTracker(tcfg); err != nil {
+		return nil, fmt.Errorf("relay: %w", err)
+	}
 	r.controlPlaneWire = mustMarshal(r.controlPlane)
 	return r, nil
 }
@@ -187,6 +200,7 @@ func (r *Relay) Start(ctx context.Context) error {
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: time.Minute, Timeout: 20 * time.Second}),
 	)
 	discovery.RegisterAggregatedDiscoveryServiceServer(r.server, r)
+	ledgerpb.RegisterLedgerServer(r.server, ledgerServer{r: r})
 	r.serveWG.Add(1)
 	go func() {
 		defer r.serveWG.Done()
@@ -312,17 +326,30 @@ func (r *Relay) keysSnapshot() []*keyState {
 // dropIfIdle forgets k if it still has no members, and reports whether it
 // did. The key's upstream goroutine calls it when its idle timer fires.
 func (r *Relay) dropIfIdle(k *keyState) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	if len(k.members) > 0 {
-		return false
+	dropped := func() bool {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		k.mu.Lock()
+		defer k.mu.Unlock()
+		if len(k.members) > 0 {
+			return false
+		}
+		delete(r.keys, k.key)
+		return true
+	}()
+	if dropped {
+		r.ledger.DropKey(string(k.key))
+		r.log.Debug("key dropped after idling", "key", k.key)
 	}
-	delete(r.keys, k.key)
-	r.log.Debug("key dropped after idling", "key", k.key)
-	return true
+	return dropped
 }
+
+// Gatherer returns the registry of the relay's metrics.
+func (r *Relay) Gatherer() prometheus.Gatherer { return r.cfg.Gatherer }
+
+// Ledger returns the relay's ledger: what each of its Envoys was sent and
+// ACKed against its key's versions, and the queries built on it.
+func (r *Relay) Ledger() *ledger.Tracker { return r.ledger }
 
 // Stats is a point-in-time summary of a relay, for the demo, the load tests
 // and the admin surface.
@@ -370,6 +397,9 @@ type ClientStatus struct {
 	Key      Key
 	Protocol Protocol
 	Peer     string
+	// PeerRelay is the ID of the relay on the other end, for a stream of
+	// another relay subscribing to a key this relay owns ("" for Envoys).
+	PeerRelay string
 	// Types holds the stream's state by type URL.
 	Types map[string]TypeStatus
 }
@@ -384,6 +414,9 @@ func (r *Relay) Clients() []ClientStatus {
 		k.mu.Unlock()
 		for _, s := range members {
 			cs := ClientStatus{NodeID: s.node.GetId(), Key: k.key, Protocol: ProtocolSotW, Peer: s.peer}
+			if s.peerRelay != nil {
+				cs.PeerRelay = s.peerRelay.id
+			}
 			if s.delta {
 				cs.Protocol = ProtocolDelta
 			}

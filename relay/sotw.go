@@ -94,7 +94,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 		return nil
 	}
 	if sub.nonce != "" {
-		s.ack(sub, sub.sent, nackDetail(req.GetErrorDetail()))
+		s.ack(sub, sub.sent, nackDetail(req.GetErrorDetail()), true)
 	}
 	wildcard := explicit || (sub.legacy && names.n == 0)
 	if digest == sub.listDigest && wildcard == sub.wildcard {

@@ -35,6 +35,9 @@ type stream struct {
 	// subscribes to a key this relay owns.
 	peerRelay *peerIdentity
 	wake      chan struct{}
+	// led is the stream's entry in the relay's ledger (nil for a peer
+	// relay's stream).
+	led *ledger.Envoy
 
 	nonce uint64
 	subs  map[string]*typeSub
@@ -218,6 +221,7 @@ func (s *stream) attach(node *core.Node) error {
 	key := s.r.cfg.KeyProfile.Key(node)
 	s.log = s.log.With("node", node.GetId(), "key", key)
 	s.key = s.r.acquireKey(key, s)
+	s.led = s.r.ledger.Connect(node.GetId(), string(key), time.Now())
 	s.r.metrics.envoys.WithLabelValues(protocolName(s.delta)).Inc()
 	s.log.Debug("stream attached", "peer", s.peer)
 	return nil
@@ -230,6 +234,7 @@ func (s *stream) close() {
 		s.pass.stop()
 	}
 	if s.key != nil {
+		s.led.Disconnect(time.Now())
 		s.key.leave(s)
 		if s.peerRelay != nil {
 			s.r.metrics.peerClients.Dec()
@@ -281,6 +286,7 @@ func (s *stream) newSub(typeURL string, wildcard, legacy bool, names nameSet) *t
 	s.subs[typeURL] = sub
 	s.dirty = true
 	s.key.subscribe(typeURL, false, wildcard, names, nil)
+	s.led.Subscribe(typeURL)
 	return sub
 }
 
@@ -325,9 +331,10 @@ func (s *stream) resubscribe(sub *typeSub, wildcard bool, names nameSet, resend 
 }
 
 // ack records the client's answer to the response with the given nonce and
-// version.
-func (s *stream) ack(sub *typeSub, sent sentResponse, errorDetail string) {
+// version; latest tells whether that is the latest response of its type.
+func (s *stream) ack(sub *typeSub, sent sentResponse, errorDetail string, latest bool) {
 	now := time.Now()
+	s.led.Answered(sub.typeURL, sent.version, errorDetail, latest, now)
 	tm := s.r.metrics.forType(sub.typeURL)
 	if errorDetail != "" {
 		s.updateStatus(sub.typeURL, func(st *TypeStatus) {
@@ -407,6 +414,11 @@ type plan struct {
 	ts   *typeSnap
 	upd  []*Resource
 	gone []string // removal candidates, not yet checked for references
+	// want counts the updates and removals the client needs to hold all
+	// it should of the view, done those sent (or applied) this round:
+	// when they match, the client is in sync with the view once it applies
+	// them.
+	want, done int
 }
 
 // sync brings the client up to the key's latest snapshot: updates in push
@@ -425,7 +437,7 @@ func (s *stream) sync() error {
 	}
 	now := time.Now()
 	wait := s.r.cfg.ResourceWaitTimeout
-	var plans []*plan
+	var plans, synced []*plan
 	for _, typeURL := range pushOrder {
 		sub := s.subs[typeURL]
 		ts := snap.types[typeURL]
@@ -462,7 +474,8 @@ func (s *stream) sync() error {
 			sub.claimed = ""
 		}
 		upd, gone := sub.changes(ts.view)
-		if len(upd) == 0 && len(gone) == 0 {
+		want := len(upd) + len(gone)
+		if want == 0 {
 			sub.share(ts.view)
 		}
 		upd, gone = s.holdDeclared(snap, sub, upd, gone)
@@ -472,8 +485,12 @@ func (s *stream) sync() error {
 		}
 		// A peer relay last answered from a stale key is told, even with
 		// nothing new, once the key is fresh: that confirms its views.
-		if len(upd) > 0 || len(gone) > 0 || sub.mustAnswer(snap) {
-			plans = append(plans, &plan{sub: sub, ts: ts, upd: upd, gone: gone})
+		p := &plan{sub: sub, ts: ts, upd: upd, gone: gone, want: want}
+		switch {
+		case len(upd) > 0 || len(gone) > 0 || sub.mustAnswer(snap):
+			plans = append(plans, p)
+		case want == 0:
+			synced = append(synced, p)
 		}
 	}
 	for i, p := range plans {
@@ -506,6 +523,11 @@ func (s *stream) sync() error {
 					return err
 				}
 			}
+		}
+	}
+	for _, p := range append(synced, plans...) {
+		if p.done == p.want {
+			s.led.Synced(p.sub.typeURL, p.ts.view.Root(), now)
 		}
 	}
 	return nil
@@ -746,6 +768,7 @@ func opaque(t ledger.Tree[*Resource]) bool {
 // response that carries them.
 func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 	sub := p.sub
+	p.done += len(upd) + len(removed)
 	from := sub.known.Root()
 	kb := sub.known.Edit()
 	for _, r := range upd {
@@ -794,6 +817,7 @@ func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 	}
 	sub.sent = sent
 	s.updateStatus(sub.typeURL, func(st *TypeStatus) { st.SentVersion, st.SentAt = out.version, now })
+	s.led.Sent(sub.typeURL, now)
 	if err := s.send(out); err != nil {
 		return err
 	}

@@ -181,6 +181,7 @@ func (u *upstream) run(ctx context.Context) {
 		}
 		src := u.choose()
 		u.k.source.Store(int32(src.kind))
+		u.reportSource()
 		got, err := u.session(ctx, node, presenter, src)
 		if errors.Is(err, errIdle) || ctx.Err() != nil {
 			return
@@ -781,8 +782,10 @@ func (u *upstream) nack(typeURL string, ut *upType, version, nonce string, cause
 // marks the type ready and the key fresh.
 func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace, fromUpstream bool) {
 	k := u.k
+	received := time.Now()
 	k.mu.Lock()
 	var derivedChanged bool
+	var view ledger.Tree[*Resource]
 	k.update(func(next *keySnap) {
 		ts := next.typeOf(typeURL)
 		old := ts.view
@@ -816,8 +819,10 @@ func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace,
 		ts.pending = withoutArrived(ts.pending, upd)
 		next.types[typeURL] = ts
 		derivedChanged = u.follow(next, typeURL, old, ts.view)
+		view = ts.view
 	})
 	k.mu.Unlock()
+	k.recordView(typeURL, view, received)
 	k.wakeStreams()
 	if derivedChanged {
 		wake(k.upWake) // ask the upstream for the names the new view points at
@@ -1057,10 +1062,18 @@ func (u *upstream) setStale(stale bool) {
 	}
 	k.mu.Unlock()
 	if changed {
+		u.reportSource()
 		u.log("views confirmed by a live source", "fresh", !stale)
 	}
 	if changed && !stale {
 		k.wakeStreams()
 		u.persist()
 	}
+}
+
+// reportSource tells the ledger where the key's views come from now.
+func (u *upstream) reportSource() {
+	k := u.k
+	origin := sourceKind(k.source.Load()) != sourcePeer
+	k.r.ledger.SetSource(string(k.key), origin, k.snap.Load().stale)
 }

@@ -47,6 +47,7 @@ type Node struct {
 var (
 	_ relay.Owners = (*Ring)(nil)
 	_ relay.Tier   = (*Ring)(nil)
+	_ relay.Peers  = (*Ring)(nil)
 )
 
 // NewNode builds a Node. If the relay has no Listener it listens now, so
@@ -98,7 +99,7 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 		cfg.Relay.Listener.Close()
 		return nil, err
 	}
-	cfg.Relay.Owners, cfg.Relay.Tier = ring, ring
+	cfg.Relay.Owners, cfg.Relay.Tier, cfg.Relay.Peers = ring, ring, ring
 	if cfg.Store != nil {
 		cfg.Relay.Snapshots = cfg.Store
 		cfg.Store.SetGCLeader(func() bool {

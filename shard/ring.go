@@ -243,6 +243,19 @@ func (r *Ring) Members() []Member {
 	return out
 }
 
+// PeerAddrs returns the xDS addresses of the other live members.
+func (r *Ring) PeerAddrs() []string {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	out := make([]string, 0, len(r.members))
+	for _, m := range r.members {
+		if !m.Self && m.XDSAddr != "" {
+			out = append(out, m.XDSAddr)
+		}
+	}
+	return out
+}
+
 // FairShare records this relay's Envoy stream count (gossiped within
 // MetaInterval) and returns the tier's fair share per relay (the total over
 // the live members divided by their number, rounded up) and the count of

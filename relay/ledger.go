@@ -1,0 +1,236 @@
+package relay
+
+import (
+	"context"
+	"crypto/hmac"
+	"slices"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/ledger/ledgerpb"
+)
+
+// Tier-wide ledger answers are gathered from every relay when asked
+// (scatter-gather), each relay answering from its own ledger over the
+// meshrelay.ledger.v1 service on its xDS port:
+//
+//   - Gossip (memberlist) carries a few hundred bytes of metadata per relay
+//     and exchanges full state every 30 s by default: per-Envoy state does
+//     not fit, and bounding its staleness to a second would mean gossiping
+//     megabytes a second for answers that are rarely asked.
+//   - Streams to each key's owner would make every ACK cross the tier a
+//     second time, on the data path, to serve those same rare answers.
+//   - A gather costs nothing until asked, and its answer is as fresh as the
+//     gather itself: at most LedgerGatherTimeout (1 s) old. A relay that
+//     does not answer within it is named in the answer (Missing), never
+//     left out silently.
+
+// Peers lists the other relays of the tier, for answers gathered from every
+// relay. shard.Ring implements it. Implementations must be safe for
+// concurrent use.
+type Peers interface {
+	// PeerAddrs returns the xDS addresses of the tier's other live relays.
+	PeerAddrs() []string
+}
+
+// TierLedger is the tier's ledger, gathered from every relay.
+type TierLedger struct {
+	*ledger.Report
+	// Relays lists the relays whose ledgers it holds, this one included.
+	Relays []string
+	// Missing holds, by xDS address, the relays that did not answer within
+	// the gather's bound: their Envoys are not counted.
+	Missing map[string]error
+}
+
+// TierLedger gathers the ledgers of every relay of the tier for scope, and
+// merges them: convergence, stragglers and per-relay figures against each
+// key's reference version (its origin's). It waits at most
+// LedgerGatherTimeout for the other relays.
+func (r *Relay) TierLedger(ctx context.Context, scope ledger.Scope) TierLedger {
+	sums := []*ledger.Summary{r.ledger.Summary(scope, time.Now())}
+	req := &ledgerpb.SummaryRequest{Scope: ledgerpb.FromScope(scope)}
+	got, missing := gather(ctx, r, func(ctx context.Context, c ledgerpb.LedgerClient) (*ledger.Summary, error) {
+		p, err := c.GetSummary(ctx, req)
+		if err != nil {
+			return nil, err
+		}
+		return ledgerpb.ToSummary(p)
+	})
+	sums = append(sums, got...)
+	out := TierLedger{Report: ledger.Merge(sums...), Missing: missing}
+	for _, s := range sums {
+		out.Relays = append(out.Relays, s.Relay)
+	}
+	slices.Sort(out.Relays)
+	return out
+}
+
+// TierDelivery answers, for the tier's Envoys of scope (each counted once,
+// where it is connected), whether typeURL/name at hash (or a later content)
+// reached them. Every relay judges the few roots its own Envoys ACKed, each
+// by a Merkle proof against its history of the key. Missing names the
+// relays that did not answer (their Envoys are not counted).
+func (r *Relay) TierDelivery(ctx context.Context, scope ledger.Scope, typeURL, name string, hash ledger.Hash) (*ledger.Delivery, map[string]error, error) {
+	type answer struct {
+		sum      *ledger.Summary
+		verdicts []ledger.Verdicts
+	}
+	verdicts, err := r.ledger.Verdicts(scope, typeURL, name, hash)
+	if err != nil {
+		return nil, nil, err
+	}
+	sums := []*ledger.Summary{r.ledger.Summary(scope, time.Now())}
+	sreq := &ledgerpb.SummaryRequest{Scope: ledgerpb.FromScope(scope)}
+	dreq := &ledgerpb.DeliveryRequest{Scope: sreq.Scope, Type: typeURL, Name: name, Hash: hash[:]}
+	got, missing := gather(ctx, r, func(ctx context.Context, c ledgerpb.LedgerClient) (answer, error) {
+		pv, err := c.CheckDelivery(ctx, dreq)
+		if err != nil {
+			return answer{}, err
+		}
+		vs, err := ledgerpb.ToVerdicts(pv)
+		if err != nil {
+			return answer{}, err
+		}
+		ps, err := c.GetSummary(ctx, sreq)
+		if err != nil {
+			return answer{}, err
+		}
+		s, err := ledgerpb.ToSummary(ps)
+		return answer{s, vs}, err
+	})
+	for _, a := range got {
+		sums = append(sums, a.sum)
+		verdicts = append(verdicts, a.verdicts...)
+	}
+	return ledger.Merge(sums...).Delivery(typeURL, name, hash, verdicts), missing, nil
+}
+
+// TierWait returns when the share of the tier's Envoys of scope on their
+// key's current version reaches share, or when ctx ends, with the latest
+// complete gather (every relay answered, if one was) and ctx's error. It
+// gathers every LedgerPollInterval.
+func (r *Relay) TierWait(ctx context.Context, scope ledger.Scope, share float64) (TierLedger, error) {
+	if !(share > 0 && share <= 1) {
+		return TierLedger{}, ledger.ErrBadShare
+	}
+	t := time.NewTicker(r.cfg.LedgerPollInterval)
+	defer t.Stop()
+	var last TierLedger
+	for {
+		tl := r.TierLedger(ctx, scope)
+		if len(tl.Missing) == 0 {
+			if tl.Convergence().Share() >= share {
+				return tl, nil
+			}
+			last = tl
+		} else if last.Report == nil {
+			last = tl
+		}
+		select {
+		case <-ctx.Done():
+			return last, ctx.Err()
+		case <-t.C:
+		}
+	}
+}
+
+// gather calls every other relay of the tier at once and returns the
+// answers, and the errors of those that failed or did not answer in time.
+func gather[T any](ctx context.Context, r *Relay, call func(context.Context, ledgerpb.LedgerClient) (T, error)) ([]T, map[string]error) {
+	if r.cfg.Peers == nil {
+		return nil, nil
+	}
+	addrs := r.cfg.Peers.PeerAddrs()
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.LedgerGatherTimeout)
+	defer cancel()
+	ctx = metadata.AppendToOutgoingContext(ctx, r.peerMetadata()...)
+	var (
+		mu      sync.Mutex
+		wg      sync.WaitGroup
+		out     []T
+		missing map[string]error
+	)
+	for _, addr := range addrs {
+		wg.Go(func() {
+			var v T
+			conn, err := r.peerConn(addr)
+			if err == nil {
+				v, err = call(ctx, ledgerpb.NewLedgerClient(conn))
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				if missing == nil {
+					missing = make(map[string]error)
+				}
+				missing[addr] = err
+				return
+			}
+			out = append(out, v)
+		})
+	}
+	wg.Wait()
+	return out, missing
+}
+
+// peerMetadata is the metadata that proves a call comes from a relay of the
+// tier.
+func (r *Relay) peerMetadata() []string {
+	kv := []string{mdPeer, r.cfg.ID}
+	if len(r.cfg.PeerSecret) > 0 {
+		kv = append(kv, mdPeerAuth, peerToken(r.cfg.PeerSecret, r.cfg.ID))
+	}
+	return kv
+}
+
+// ledgerServer serves this relay's ledger to the tier's other relays.
+type ledgerServer struct {
+	ledgerpb.UnimplementedLedgerServer
+	r *Relay
+}
+
+// checkPeer admits only calls that prove they come from a relay of the
+// tier (when the tier has a peer secret).
+func (s ledgerServer) checkPeer(ctx context.Context) error {
+	md, _ := metadata.FromIncomingContext(ctx)
+	ids := md.Get(mdPeer)
+	if len(ids) != 1 || ids[0] == "" {
+		return status.Error(codes.PermissionDenied, "the ledger exchange is for the relays of the tier")
+	}
+	if secret := s.r.cfg.PeerSecret; len(secret) > 0 {
+		tokens := md.Get(mdPeerAuth)
+		if len(tokens) != 1 || !hmac.Equal([]byte(tokens[0]), []byte(peerToken(secret, ids[0]))) {
+			s.r.log.Warn("ledger call refused: bad proof", "peer_relay", ids[0])
+			return status.Error(codes.Unauthenticated, "ledger exchange: bad peer proof")
+		}
+	}
+	return nil
+}
+
+func (s ledgerServer) GetSummary(ctx context.Context, req *ledgerpb.SummaryRequest) (*ledgerpb.Summary, error) {
+	if err := s.checkPeer(ctx); err != nil {
+		return nil, err
+	}
+	return ledgerpb.FromSummary(s.r.ledger.Summary(ledgerpb.ToScope(req.GetScope()), time.Now())), nil
+}
+
+func (s ledgerServer) CheckDelivery(ctx context.Context, req *ledgerpb.DeliveryRequest) (*ledgerpb.DeliveryVerdicts, error) {
+	if err := s.checkPeer(ctx); err != nil {
+		return nil, err
+	}
+	h, err := ledger.HashFromBytes(req.GetHash())
+	if err != nil || h.IsZero() {
+		return nil, status.Errorf(codes.InvalidArgument, "want the 32 bytes of a content hash: %v", err)
+	}
+	vs, err := s.r.ledger.Verdicts(ledgerpb.ToScope(req.GetScope()), req.GetType(), req.GetName(), h)
+	if err != nil {
+		return nil, status.Error(codes.Internal, err.Error())
+	}
+	return ledgerpb.FromVerdicts(vs), nil
+}
