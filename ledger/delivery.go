@@ -84,9 +84,11 @@ func (t *Tracker) Verdicts(scope Scope, typeURL, name string, hash Hash) ([]Verd
 			views, cur = te.views, te.current
 		}
 		roots := map[Hash]bool{}
-		for e := range k.envoys {
-			if et := e.types[typeURL]; et != nil {
-				roots[et.ackedView] = false
+		for _, e := range k.envoys {
+			for _, et := range e.types {
+				if et.typeURL == typeURL {
+					roots[et.ackedView] = false
+				}
 			}
 		}
 		k.mu.Unlock()
@@ -168,7 +170,7 @@ func (r *Report) Delivery(typeURL, name string, hash Hash, verdicts []Verdicts) 
 				dk.Delivered++
 				continue
 			}
-			s := rk.behind(e)
+			s := e.behind
 			if s == nil {
 				// On its key's current version, which its relay has not
 				// proved holds the content: that relay is behind.
@@ -176,6 +178,7 @@ func (r *Report) Delivery(typeURL, name string, hash Hash, verdicts []Verdicts) 
 			}
 			dk.Missing = append(dk.Missing, *s)
 		}
+		sortByNode(dk.Missing)
 		out.Keys = append(out.Keys, dk)
 	}
 	return out

@@ -263,9 +263,10 @@ func (h *History[V]) Prove(root Hash, name string) (Proof, error) {
 	return t.Prove(name), nil
 }
 
-// FirstWith returns the Seq of the earliest kept version that holds name at
-// hash: a view at that version or a later one has received hash or a later
-// content of name (if it holds name at all).
+// FirstWith returns the Seq of the version that last brought name to hash:
+// the first of the latest run of kept versions holding name at hash. A view
+// at that version or a later one has received that change or a later one
+// (if it holds name at all). It walks back only through that run.
 func (h *History[V]) FirstWith(name string, hash Hash) (uint64, bool) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -284,6 +285,8 @@ func (h *History[V]) FirstWith(name string, hash Hash) (uint64, bool) {
 		}
 		if at == hash && !hash.IsZero() {
 			first = v.Seq
+		} else if first != 0 {
+			break // the run ended
 		}
 	}
 	return first, first != 0

@@ -88,10 +88,13 @@ func TestHistoryRebuildsEveryVersion(t *testing.T) {
 		for _, n := range names {
 			for c := range 6 {
 				hv := h(fmt.Sprint(c))
+				// The first version of the latest run holding hv.
 				var want uint64
 				for i := len(models) - 1; i >= 0; i-- {
 					if models[i][n] == hv {
 						want = vs[i].Seq
+					} else if want != 0 {
+						break
 					}
 				}
 				if got, ok := hist.FirstWith(n, hv); got != want || ok != (want != 0) {

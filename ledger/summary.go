@@ -41,7 +41,7 @@ type EnvoyState struct {
 	Node           string
 	ConnectedAt    time.Time
 	DisconnectedAt time.Time // zero while connected
-	Types          []EnvoyType
+	Types          []EnvoyType // in push order: CDS, EDS, LDS, RDS, then by name
 }
 
 // Connected reports whether the Envoy's stream is open.
@@ -142,10 +142,15 @@ type Report struct {
 type reportKey struct {
 	// reference is the key's current version of each type: from a fresh
 	// relay at the origin if there is one, else the latest received.
-	reference map[string]refVersion
+	reference []typeRef
 	// relays holds, by relay, its summary of the key.
 	relays []*KeySummary
 	envoys []reportEnvoy
+}
+
+type typeRef struct {
+	typeURL string
+	refVersion
 }
 
 type refVersion struct {
@@ -156,6 +161,9 @@ type refVersion struct {
 type reportEnvoy struct {
 	state *EnvoyState
 	from  *KeySummary
+	// behind says why the Envoy is not on its key's reference version (nil:
+	// it is); computed once by Merge.
+	behind *Straggler
 }
 
 // Merge merges the summaries of several relays (or one). An Envoy listed by
@@ -163,40 +171,81 @@ type reportEnvoy struct {
 // says.
 func Merge(sums ...*Summary) *Report {
 	r := &Report{keys: make(map[string]*reportKey)}
-	latest := make(map[string]reportEnvoy) // by node
+	// An Envoy is listed once per relay; only several relays can list it
+	// twice.
+	var latest map[string]*EnvoyState // by node
+	if len(sums) > 1 {
+		total := 0
+		for _, s := range sums {
+			for i := range s.Keys {
+				total += len(s.Keys[i].Envoys)
+			}
+		}
+		latest = make(map[string]*EnvoyState, total)
+		for _, s := range sums {
+			for i := range s.Keys {
+				for j := range s.Keys[i].Envoys {
+					e := &s.Keys[i].Envoys[j]
+					if cur, ok := latest[e.Node]; !ok || newer(e, cur) {
+						latest[e.Node] = e
+					}
+				}
+			}
+		}
+	}
 	for _, s := range sums {
 		for i := range s.Keys {
 			ks := &s.Keys[i]
 			rk := r.keys[ks.Key]
 			if rk == nil {
-				rk = &reportKey{reference: make(map[string]refVersion)}
+				rk = &reportKey{}
 				r.keys[ks.Key] = rk
 				r.order = append(r.order, ks.Key)
 			}
 			rk.relays = append(rk.relays, ks)
 			for _, tv := range ks.Types {
-				cand := refVersion{Version: tv.Version, origin: ks.Origin, fresh: !ks.Stale}
-				if cur, ok := rk.reference[tv.Type]; !ok || better(cand, cur) {
-					rk.reference[tv.Type] = cand
-				}
+				rk.offer(tv.Type, refVersion{Version: tv.Version, origin: ks.Origin, fresh: !ks.Stale})
 			}
+			rk.envoys = slices.Grow(rk.envoys, len(ks.Envoys))
 			for j := range ks.Envoys {
-				e := reportEnvoy{state: &ks.Envoys[j], from: ks}
-				if cur, ok := latest[e.state.Node]; !ok || newer(e.state, cur.state) {
-					latest[e.state.Node] = e
+				e := &ks.Envoys[j]
+				if latest == nil || latest[e.Node] == e {
+					rk.envoys = append(rk.envoys, reportEnvoy{state: e, from: ks})
 				}
 			}
 		}
 	}
-	for _, e := range latest {
-		rk := r.keys[e.from.Key]
-		rk.envoys = append(rk.envoys, e)
-	}
 	slices.Sort(r.order)
 	for _, rk := range r.keys {
-		slices.SortFunc(rk.envoys, func(a, b reportEnvoy) int { return strings.Compare(a.state.Node, b.state.Node) })
+		for i := range rk.envoys {
+			rk.envoys[i].behind = rk.behind(rk.envoys[i])
+		}
 	}
 	return r
+}
+
+// offer makes v the key's reference version of typeURL if it is better
+// than the one it has.
+func (rk *reportKey) offer(typeURL string, v refVersion) {
+	for i := range rk.reference {
+		if rk.reference[i].typeURL == typeURL {
+			if better(v, rk.reference[i].refVersion) {
+				rk.reference[i].refVersion = v
+			}
+			return
+		}
+	}
+	rk.reference = append(rk.reference, typeRef{typeURL: typeURL, refVersion: v})
+}
+
+// ref returns the key's reference version of typeURL.
+func (rk *reportKey) ref(typeURL string) (refVersion, bool) {
+	for _, r := range rk.reference {
+		if r.typeURL == typeURL {
+			return r.refVersion, true
+		}
+	}
+	return refVersion{}, false
 }
 
 // better reports whether a is a better reference version than b: from a
@@ -218,8 +267,12 @@ func newer(a, b *EnvoyState) bool {
 	return a.ConnectedAt.After(b.ConnectedAt)
 }
 
-// typeRank orders types as they are pushed: CDS, EDS, LDS, RDS, then the
+// typeOrder orders types as they are pushed: CDS, EDS, LDS, RDS, then the
 // rest by name.
+func typeOrder(a, b string) int {
+	return cmp.Or(cmp.Compare(typeRank(a), typeRank(b)), strings.Compare(a, b))
+}
+
 func typeRank(typeURL string) int {
 	for i, suffix := range []string{".Cluster", ".ClusterLoadAssignment", ".Listener", ".RouteConfiguration"} {
 		if strings.HasSuffix(typeURL, suffix) {
@@ -233,27 +286,27 @@ func typeRank(typeURL string) int {
 // it holds, or the Straggler that says why not.
 func (rk *reportKey) behind(e reportEnvoy) *Straggler {
 	st := e.state
-	s := &Straggler{Node: st.Node, Key: e.from.Key, Relay: e.from.Relay}
+	newStraggler := func() *Straggler { return &Straggler{Node: st.Node, Key: e.from.Key, Relay: e.from.Relay} }
 	if !st.Connected() {
+		s := newStraggler()
 		s.Reason, s.Since = NotConnected, st.DisconnectedAt
 		return s
 	}
 	if len(st.Types) == 0 {
+		s := newStraggler()
 		s.Reason, s.Since = NotSent, st.ConnectedAt
 		if e.from.Stale {
 			s.Reason = StaleSource
 		}
 		return s
 	}
-	types := slices.Clone(st.Types)
-	slices.SortFunc(types, func(a, b EnvoyType) int {
-		return cmp.Or(cmp.Compare(typeRank(a.Type), typeRank(b.Type)), strings.Compare(a.Type, b.Type))
-	})
-	for _, et := range types {
-		ref, ok := rk.reference[et.Type]
+	for i := range st.Types {
+		et := &st.Types[i]
+		ref, ok := rk.ref(et.Type)
 		if ok && et.Acked == ref.Root {
 			continue
 		}
+		s := newStraggler()
 		s.Type = et.Type
 		switch {
 		case et.NACK != nil:
@@ -289,7 +342,7 @@ func (r *Report) Convergence() Convergence {
 	var c Convergence
 	for _, rk := range r.keys {
 		for _, e := range rk.envoys {
-			c.add(rk.behind(e) == nil)
+			c.add(e.behind == nil)
 		}
 	}
 	return c
@@ -301,7 +354,7 @@ func (r *Report) ByKey() map[string]Convergence {
 	for name, rk := range r.keys {
 		var c Convergence
 		for _, e := range rk.envoys {
-			c.add(rk.behind(e) == nil)
+			c.add(e.behind == nil)
 		}
 		out[name] = c
 	}
@@ -314,7 +367,7 @@ func (r *Report) ByRelay() map[string]Convergence {
 	for _, rk := range r.keys {
 		for _, e := range rk.envoys {
 			c := out[e.from.Relay]
-			c.add(rk.behind(e) == nil)
+			c.add(e.behind == nil)
 			out[e.from.Relay] = c
 		}
 	}
@@ -326,17 +379,22 @@ func (r *Report) ByRelay() map[string]Convergence {
 func (r *Report) Stragglers(limit int) []Straggler {
 	var out []Straggler
 	for _, name := range r.order {
-		rk := r.keys[name]
-		for _, e := range rk.envoys {
-			if s := rk.behind(e); s != nil {
+		first := len(out)
+		for _, e := range r.keys[name].envoys {
+			if s := e.behind; s != nil {
 				out = append(out, *s)
-				if limit > 0 && len(out) == limit {
-					return out
-				}
 			}
+		}
+		sortByNode(out[first:])
+		if limit > 0 && len(out) >= limit {
+			return out[:limit]
 		}
 	}
 	return out
+}
+
+func sortByNode(ss []Straggler) {
+	slices.SortFunc(ss, func(a, b Straggler) int { return strings.Compare(a.Node, b.Node) })
 }
 
 // Reference returns the key's current version of typeURL, as the report
@@ -346,6 +404,6 @@ func (r *Report) Reference(key, typeURL string) (Version, bool) {
 	if rk == nil {
 		return Version{}, false
 	}
-	v, ok := rk.reference[typeURL]
+	v, ok := rk.ref(typeURL)
 	return v.Version, ok
 }

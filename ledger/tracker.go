@@ -78,7 +78,7 @@ type keyEntry struct {
 	types  map[string]*typeEntry
 	origin bool
 	stale  bool
-	envoys map[*Envoy]struct{}
+	envoys []*Envoy // a slice, not a map: queries walk it (Envoy.idx is the place)
 	// connected counts the connected Envoys, current those of them on the
 	// key's current version (kept as Envoys and versions change, so that
 	// Convergence reads counters, not every Envoy); gone holds the
@@ -107,10 +107,12 @@ type Envoy struct {
 	current        bool
 	connectedAt    time.Time
 	disconnectedAt time.Time // zero while connected
-	types          map[string]*envoyType
+	types          []envoyType // in push order (typeOrder), held in place: queries walk them
+	idx            int         // in k.envoys, while not forgotten
 }
 
 type envoyType struct {
+	typeURL string
 	// sentView is the view the Envoy holds all it should of once it
 	// applies what it was sent (zero: not known yet); pending is set while
 	// its latest response is unanswered.
@@ -159,7 +161,7 @@ func (t *Tracker) keyEntry(key string) *keyEntry {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if k = t.keys[key]; k == nil {
-		k = &keyEntry{key: key, types: make(map[string]*typeEntry), envoys: make(map[*Envoy]struct{}), gone: make(map[*Envoy]struct{})}
+		k = &keyEntry{key: key, types: make(map[string]*typeEntry), gone: make(map[*Envoy]struct{})}
 		t.keys[key] = k
 	}
 	return k
@@ -184,7 +186,7 @@ func (t *Tracker) Recorded(key, typeURL string, views Views, v Version) {
 // refreshAllLocked recounts the key's current Envoys after its versions
 // changed. The caller holds k.mu.
 func (k *keyEntry) refreshAllLocked() {
-	for e := range k.envoys {
+	for _, e := range k.envoys {
 		k.refreshLocked(e)
 	}
 }
@@ -241,7 +243,7 @@ func (t *Tracker) DropKey(key string) {
 // is the new stream from then on.
 func (t *Tracker) Connect(node, key string, at time.Time) *Envoy {
 	k := t.keyEntry(key)
-	e := &Envoy{t: t, k: k, node: node, connectedAt: at, types: make(map[string]*envoyType)}
+	e := &Envoy{t: t, k: k, node: node, connectedAt: at}
 	t.mu.Lock()
 	old := t.nodes[node]
 	t.nodes[node] = e
@@ -250,7 +252,8 @@ func (t *Tracker) Connect(node, key string, at time.Time) *Envoy {
 		old.forget()
 	}
 	k.mu.Lock()
-	k.envoys[e] = struct{}{}
+	e.idx = len(k.envoys)
+	k.envoys = append(k.envoys, e)
 	k.connected++
 	k.mu.Unlock()
 	t.notify()
@@ -263,14 +266,14 @@ func (e *Envoy) forget() {
 	if !e.forgotten {
 		e.forgotten = true
 		e.k.refreshLocked(e)
-		delete(e.k.envoys, e)
+		e.k.remove(e)
 		delete(e.k.gone, e)
 		if e.disconnectedAt.IsZero() {
 			e.k.connected--
 		}
-		for _, et := range e.types {
-			if et.nack != nil {
-				e.t.nacks.release(et.nack.row)
+		for i := range e.types {
+			if n := e.types[i].nack; n != nil {
+				e.t.nacks.release(n.row)
 			}
 		}
 	}
@@ -400,13 +403,25 @@ func (e *Envoy) Answered(typeURL, version, detail string, latest bool, at time.T
 
 // typeLocked returns the Envoy's state of typeURL, creating it. The caller
 // holds e.k.mu.
+// The pointer is valid until the next typeLocked.
 func (e *Envoy) typeLocked(typeURL string) *envoyType {
-	et := e.types[typeURL]
-	if et == nil {
-		et = &envoyType{}
-		e.types[typeURL] = et
+	for i := range e.types { // a handful: a scan beats a search
+		if e.types[i].typeURL == typeURL {
+			return &e.types[i]
+		}
 	}
-	return et
+	i, _ := slices.BinarySearchFunc(e.types, typeURL, func(et envoyType, u string) int { return typeOrder(et.typeURL, u) })
+	e.types = slices.Insert(e.types, i, envoyType{typeURL: typeURL})
+	return &e.types[i]
+}
+
+// remove takes e out of k.envoys. The caller holds k.mu.
+func (k *keyEntry) remove(e *Envoy) {
+	last := len(k.envoys) - 1
+	k.envoys[e.idx] = k.envoys[last]
+	k.envoys[e.idx].idx = e.idx
+	k.envoys[last] = nil
+	k.envoys = k.envoys[:last]
 }
 
 // notify wakes waiters, if any.
@@ -511,23 +526,26 @@ func (k *keyEntry) summary(relay string, now time.Time, forgetAfter time.Duratio
 		ks.Types = append(ks.Types, TypeVersion{Type: typeURL, Version: te.current})
 	}
 	slices.SortFunc(ks.Types, func(a, b TypeVersion) int { return strings.Compare(a.Type, b.Type) })
-	for e := range k.envoys {
+	// One array for every Envoy's types: one allocation, not one each.
+	buf := make([]EnvoyType, 0, len(k.envoys)*max(1, len(k.types)))
+	for _, e := range k.envoys {
 		if !e.disconnectedAt.IsZero() && now.Sub(e.disconnectedAt) > forgetAfter {
 			forgotten = append(forgotten, e)
 			continue
 		}
-		es := EnvoyState{Node: e.node, ConnectedAt: e.connectedAt, DisconnectedAt: e.disconnectedAt, Types: make([]EnvoyType, 0, len(e.types))}
-		for typeURL, et := range e.types {
-			x := EnvoyType{Type: typeURL, Sent: et.sentView, SentAt: et.sentAt, Pending: et.pending, Acked: et.ackedView, AckedAt: et.ackedAt}
+		es := EnvoyState{Node: e.node, ConnectedAt: e.connectedAt, DisconnectedAt: e.disconnectedAt}
+		first := len(buf)
+		for i := range e.types {
+			et := &e.types[i]
+			x := EnvoyType{Type: et.typeURL, Sent: et.sentView, SentAt: et.sentAt, Pending: et.pending, Acked: et.ackedView, AckedAt: et.ackedAt}
 			if n := et.nack; n != nil {
 				x.NACK = &NACKState{Fingerprint: n.row.fp, Version: n.version, Detail: n.detail, At: n.at}
 			}
-			es.Types = append(es.Types, x)
+			buf = append(buf, x)
 		}
-		slices.SortFunc(es.Types, func(a, b EnvoyType) int { return strings.Compare(a.Type, b.Type) })
+		es.Types = buf[first:len(buf):len(buf)]
 		ks.Envoys = append(ks.Envoys, es)
 	}
-	slices.SortFunc(ks.Envoys, func(a, b EnvoyState) int { return strings.Compare(a.Node, b.Node) })
 	return ks, forgotten
 }
 
@@ -568,8 +586,9 @@ func (k *keyEntry) currentLocked(e *Envoy) bool {
 	if len(e.types) == 0 {
 		return false
 	}
-	for typeURL, et := range e.types {
-		te := k.types[typeURL]
+	for i := range e.types {
+		et := &e.types[i]
+		te := k.types[et.typeURL]
 		if te == nil || et.ackedView != te.current.Root {
 			return false
 		}

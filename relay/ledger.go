@@ -53,7 +53,7 @@ type TierLedger struct {
 // key's reference version (its origin's). It waits at most
 // LedgerGatherTimeout for the other relays.
 func (r *Relay) TierLedger(ctx context.Context, scope ledger.Scope) TierLedger {
-	sums := []*ledger.Summary{r.ledger.Summary(scope, time.Now())}
+	local := r.localSummary(scope)
 	req := &ledgerpb.SummaryRequest{Scope: ledgerpb.FromScope(scope)}
 	got, missing := gather(ctx, r, func(ctx context.Context, c ledgerpb.LedgerClient) (*ledger.Summary, error) {
 		p, err := c.GetSummary(ctx, req)
@@ -62,7 +62,7 @@ func (r *Relay) TierLedger(ctx context.Context, scope ledger.Scope) TierLedger {
 		}
 		return ledgerpb.ToSummary(p)
 	})
-	sums = append(sums, got...)
+	sums := append(got, <-local)
 	out := TierLedger{Report: ledger.Merge(sums...), Missing: missing}
 	for _, s := range sums {
 		out.Relays = append(out.Relays, s.Relay)
@@ -85,7 +85,7 @@ func (r *Relay) TierDelivery(ctx context.Context, scope ledger.Scope, typeURL, n
 	if err != nil {
 		return nil, nil, err
 	}
-	sums := []*ledger.Summary{r.ledger.Summary(scope, time.Now())}
+	local := r.localSummary(scope)
 	sreq := &ledgerpb.SummaryRequest{Scope: ledgerpb.FromScope(scope)}
 	dreq := &ledgerpb.DeliveryRequest{Scope: sreq.Scope, Type: typeURL, Name: name, Hash: hash[:]}
 	got, missing := gather(ctx, r, func(ctx context.Context, c ledgerpb.LedgerClient) (answer, error) {
@@ -104,6 +104,7 @@ func (r *Relay) TierDelivery(ctx context.Context, scope ledger.Scope, typeURL, n
 		s, err := ledgerpb.ToSummary(ps)
 		return answer{s, vs}, err
 	})
+	sums := []*ledger.Summary{<-local}
 	for _, a := range got {
 		sums = append(sums, a.sum)
 		verdicts = append(verdicts, a.verdicts...)
@@ -138,6 +139,14 @@ func (r *Relay) TierWait(ctx context.Context, scope ledger.Scope, share float64)
 		case <-t.C:
 		}
 	}
+}
+
+// localSummary builds this relay's summary while the other relays build
+// theirs.
+func (r *Relay) localSummary(scope ledger.Scope) <-chan *ledger.Summary {
+	ch := make(chan *ledger.Summary, 1)
+	go func() { ch <- r.ledger.Summary(scope, time.Now()) }()
+	return ch
 }
 
 // gather calls every other relay of the tier at once and returns the

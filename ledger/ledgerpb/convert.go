@@ -1,6 +1,7 @@
 package ledgerpb
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"time"
@@ -57,26 +58,71 @@ func ToScope(s *Scope) ledger.Scope {
 func FromSummary(s *ledger.Summary) *Summary {
 	out := &Summary{Relay: s.Relay, At: nanos(s.At), Keys: make([]*KeySummary, len(s.Keys))}
 	for i := range s.Keys {
-		k := &s.Keys[i]
-		pk := &KeySummary{Key: k.Key, Origin: k.Origin, Stale: k.Stale,
-			Types: make([]*TypeVersion, len(k.Types)), Envoys: make([]*EnvoyState, len(k.Envoys))}
-		for j, tv := range k.Types {
-			v := tv.Version
-			pk.Types[j] = &TypeVersion{Type: tv.Type, Version: &Version{Seq: v.Seq, Root: hashBytes(v.Root), Received: nanos(v.Received), Len: int64(v.Len)}}
-		}
-		for j := range k.Envoys {
-			e := &k.Envoys[j]
-			pe := &EnvoyState{Node: e.Node, ConnectedAt: nanos(e.ConnectedAt), DisconnectedAt: nanos(e.DisconnectedAt), Types: make([]*EnvoyType, len(e.Types))}
-			for l, et := range e.Types {
-				pe.Types[l] = &EnvoyType{Type: et.Type, Sent: hashBytes(et.Sent), SentAt: nanos(et.SentAt), Pending: et.Pending,
-					Acked: hashBytes(et.Acked), AckedAt: nanos(et.AckedAt), Nack: fromNACK(et.NACK)}
-			}
-			pk.Envoys[j] = pe
-		}
-		out.Keys[i] = pk
+		out.Keys[i] = fromKey(&s.Keys[i])
 	}
 	return out
 }
+
+func fromKey(k *ledger.KeySummary) *KeySummary {
+	pk := &KeySummary{Key: k.Key, Origin: k.Origin, Stale: k.Stale, Types: make([]*TypeVersion, len(k.Types)),
+		EnvoyCount: uint32(len(k.Envoys))}
+	for j, tv := range k.Types {
+		v := tv.Version
+		pk.Types[j] = &TypeVersion{Type: tv.Type, Version: &Version{Seq: v.Seq, Root: hashBytes(v.Root), Received: nanos(v.Received), Len: int64(v.Len)}}
+	}
+	typeIdx := map[string]uint64{}
+	rootIdx := map[ledger.Hash]uint64{{}: 0}
+	root := func(h ledger.Hash) uint64 {
+		i, ok := rootIdx[h]
+		if !ok {
+			pk.Roots = append(pk.Roots, append([]byte(nil), h[:]...))
+			i = uint64(len(pk.Roots))
+			rootIdx[h] = i
+		}
+		return i
+	}
+	b := make([]byte, 0, len(k.Envoys)*(64+len(k.Types)*16))
+	for j := range k.Envoys {
+		e := &k.Envoys[j]
+		b = binary.AppendUvarint(b, uint64(len(e.Node)))
+		b = append(b, e.Node...)
+		b = binary.AppendUvarint(b, uint64(nanos(e.ConnectedAt)))
+		b = binary.AppendUvarint(b, uint64(nanos(e.DisconnectedAt)))
+		b = binary.AppendUvarint(b, uint64(len(e.Types)))
+		for _, et := range e.Types {
+			ti, ok := typeIdx[et.Type]
+			if !ok {
+				ti = uint64(len(pk.TypeUrls))
+				pk.TypeUrls = append(pk.TypeUrls, et.Type)
+				typeIdx[et.Type] = ti
+			}
+			var flags byte
+			if et.Pending {
+				flags |= flagPending
+			}
+			if et.NACK != nil {
+				flags |= flagNACK
+			}
+			b = binary.AppendUvarint(b, ti)
+			b = append(b, flags)
+			b = binary.AppendUvarint(b, root(et.Sent))
+			b = binary.AppendUvarint(b, uint64(nanos(et.SentAt)))
+			b = binary.AppendUvarint(b, root(et.Acked))
+			b = binary.AppendUvarint(b, uint64(nanos(et.AckedAt)))
+			if et.NACK != nil {
+				b = binary.AppendUvarint(b, uint64(len(pk.Nacks)))
+				pk.Nacks = append(pk.Nacks, fromNACK(et.NACK))
+			}
+		}
+	}
+	pk.Envoys = b
+	return pk
+}
+
+const (
+	flagPending = 1 << iota
+	flagNACK
+)
 
 func fromNACK(n *ledger.NACKState) *NACK {
 	if n == nil {
@@ -92,43 +138,180 @@ func toNACK(n *NACK) *ledger.NACKState {
 	return &ledger.NACKState{Fingerprint: ledger.Fingerprint(n.Fingerprint), Version: n.Version, Detail: n.Detail, At: fromNanos(n.At)}
 }
 
-// ToSummary decodes a Summary, checking every hash.
+// ToSummary decodes a Summary, checking every hash, index and length.
 func ToSummary(p *Summary) (*ledger.Summary, error) {
 	out := &ledger.Summary{Relay: p.GetRelay(), At: fromNanos(p.GetAt()), Keys: make([]ledger.KeySummary, len(p.GetKeys()))}
 	for i, pk := range p.GetKeys() {
-		k := ledger.KeySummary{Key: pk.GetKey(), Relay: out.Relay, Origin: pk.GetOrigin(), Stale: pk.GetStale(),
-			Types: make([]ledger.TypeVersion, len(pk.GetTypes())), Envoys: make([]ledger.EnvoyState, len(pk.GetEnvoys()))}
-		for j, tv := range pk.GetTypes() {
-			v := tv.GetVersion()
-			root, err := toHash(v.GetRoot(), "a root")
-			if err != nil {
-				return nil, err
-			}
-			if v.GetLen() < 0 {
-				return nil, fmt.Errorf("%w: %d resources", ErrBadMessage, v.GetLen())
-			}
-			k.Types[j] = ledger.TypeVersion{Type: tv.GetType(), Version: ledger.Version{Seq: v.GetSeq(), Root: root, Received: fromNanos(v.GetReceived()), Len: int(v.GetLen())}}
-		}
-		for j, pe := range pk.GetEnvoys() {
-			e := ledger.EnvoyState{Node: pe.GetNode(), ConnectedAt: fromNanos(pe.GetConnectedAt()), DisconnectedAt: fromNanos(pe.GetDisconnectedAt()),
-				Types: make([]ledger.EnvoyType, len(pe.GetTypes()))}
-			for l, pt := range pe.GetTypes() {
-				sent, err := toHash(pt.GetSent(), "a sent view")
-				if err != nil {
-					return nil, err
-				}
-				acked, err := toHash(pt.GetAcked(), "an acked view")
-				if err != nil {
-					return nil, err
-				}
-				e.Types[l] = ledger.EnvoyType{Type: pt.GetType(), Sent: sent, SentAt: fromNanos(pt.GetSentAt()), Pending: pt.GetPending(),
-					Acked: acked, AckedAt: fromNanos(pt.GetAckedAt()), NACK: toNACK(pt.GetNack())}
-			}
-			k.Envoys[j] = e
+		k, err := toKey(pk, out.Relay)
+		if err != nil {
+			return nil, fmt.Errorf("key %q: %w", pk.GetKey(), err)
 		}
 		out.Keys[i] = k
 	}
 	return out, nil
+}
+
+// minEnvoyRecord and minTypeRecord are the fewest bytes an Envoy's record
+// and one of its types take.
+const minEnvoyRecord, minTypeRecord = 5, 6
+
+func toKey(pk *KeySummary, relay string) (ledger.KeySummary, error) {
+	k := ledger.KeySummary{Key: pk.GetKey(), Relay: relay, Origin: pk.GetOrigin(), Stale: pk.GetStale(),
+		Types: make([]ledger.TypeVersion, len(pk.GetTypes()))}
+	for j, tv := range pk.GetTypes() {
+		v := tv.GetVersion()
+		root, err := toHash(v.GetRoot(), "a root")
+		if err != nil {
+			return k, err
+		}
+		if v.GetLen() < 0 {
+			return k, fmt.Errorf("%w: %d resources", ErrBadMessage, v.GetLen())
+		}
+		k.Types[j] = ledger.TypeVersion{Type: tv.GetType(), Version: ledger.Version{Seq: v.GetSeq(), Root: root, Received: fromNanos(v.GetReceived()), Len: int(v.GetLen())}}
+	}
+	roots := make([]ledger.Hash, 1, len(pk.GetRoots())+1)
+	for _, b := range pk.GetRoots() {
+		h, err := ledger.HashFromBytes(b)
+		if err != nil {
+			return k, fmt.Errorf("%w: a root of %d bytes", ErrBadMessage, len(b))
+		}
+		roots = append(roots, h)
+	}
+	nacks := make([]*ledger.NACKState, len(pk.GetNacks()))
+	for i, n := range pk.GetNacks() {
+		nacks[i] = toNACK(n)
+	}
+	data := pk.GetEnvoys()
+	n := int(pk.GetEnvoyCount())
+	if n > len(data)/minEnvoyRecord {
+		return k, fmt.Errorf("%w: %d Envoys in %d bytes", ErrBadMessage, n, len(data))
+	}
+	// Node names share one string: a record's name is a slice of it.
+	str := string(data)
+	d := decoder{b: data}
+	k.Envoys = make([]ledger.EnvoyState, n)
+	var types []ledger.EnvoyType
+	for j := range n {
+		e := &k.Envoys[j]
+		l := d.uvarint()
+		if d.err == nil && l > uint64(len(d.b)) {
+			d.fail("a node name")
+		}
+		if d.err != nil {
+			return k, d.err
+		}
+		start := len(data) - len(d.b)
+		e.Node = str[start : start+int(l)]
+		d.b = d.b[l:]
+		e.ConnectedAt = fromNanos(int64(d.uvarint()))
+		e.DisconnectedAt = fromNanos(int64(d.uvarint()))
+		nt := d.uvarint()
+		if d.err == nil && (nt > uint64(len(pk.GetTypeUrls())) || nt > uint64(len(d.b)/minTypeRecord)) {
+			d.fail("a count of types")
+		}
+		if d.err != nil {
+			return k, d.err
+		}
+		if cap(types)-len(types) < int(nt) {
+			// Room for this Envoy and, at as many types, the rest (no more
+			// than the bytes left can hold).
+			types = make([]ledger.EnvoyType, 0, min(int(nt)*(n-j), len(d.b)/minTypeRecord))
+		}
+		first := len(types)
+		for range nt {
+			var et ledger.EnvoyType
+			et.Type = d.index(pk.GetTypeUrls(), "a type")
+			flags := d.byte()
+			et.Pending = flags&flagPending != 0
+			et.Sent = d.root(roots)
+			et.SentAt = fromNanos(int64(d.uvarint()))
+			et.Acked = d.root(roots)
+			et.AckedAt = fromNanos(int64(d.uvarint()))
+			if flags&flagNACK != 0 {
+				if i := d.uvarint(); d.err == nil {
+					if i >= uint64(len(nacks)) {
+						d.fail("a NACK index")
+					} else {
+						et.NACK = nacks[i]
+					}
+				}
+			}
+			if flags&^(flagPending|flagNACK) != 0 {
+				d.fail("flags")
+			}
+			if d.err != nil {
+				return k, d.err
+			}
+			types = append(types, et)
+		}
+		e.Types = types[first:len(types):len(types)]
+	}
+	if len(d.b) != 0 {
+		return k, fmt.Errorf("%w: %d bytes after the last Envoy", ErrBadMessage, len(d.b))
+	}
+	return k, nil
+}
+
+// decoder reads a packed record; the first error sticks.
+type decoder struct {
+	b   []byte
+	err error
+}
+
+func (d *decoder) fail(what string) {
+	if d.err == nil {
+		d.err = fmt.Errorf("%w: bad %s", ErrBadMessage, what)
+	}
+}
+
+func (d *decoder) uvarint() uint64 {
+	if d.err != nil {
+		return 0
+	}
+	v, n := binary.Uvarint(d.b)
+	if n <= 0 {
+		d.fail("varint")
+		return 0
+	}
+	d.b = d.b[n:]
+	return v
+}
+
+func (d *decoder) byte() byte {
+	if d.err != nil {
+		return 0
+	}
+	if len(d.b) == 0 {
+		d.fail("record: truncated")
+		return 0
+	}
+	c := d.b[0]
+	d.b = d.b[1:]
+	return c
+}
+
+func (d *decoder) index(table []string, what string) string {
+	i := d.uvarint()
+	if d.err != nil {
+		return ""
+	}
+	if i >= uint64(len(table)) {
+		d.fail(what + " index")
+		return ""
+	}
+	return table[i]
+}
+
+func (d *decoder) root(roots []ledger.Hash) ledger.Hash {
+	i := d.uvarint()
+	if d.err != nil {
+		return ledger.Hash{}
+	}
+	if i >= uint64(len(roots)) {
+		d.fail("root index")
+		return ledger.Hash{}
+	}
+	return roots[i]
 }
 
 // FromVerdicts encodes a relay's delivery verdicts.

@@ -63,8 +63,15 @@ func TestBadMessagesRefused(t *testing.T) {
 	bad := []*Summary{
 		{Keys: []*KeySummary{{Types: []*TypeVersion{{Version: &Version{Root: []byte{1, 2, 3}}}}}}},
 		{Keys: []*KeySummary{{Types: []*TypeVersion{{Version: &Version{Len: -1}}}}}},
-		{Keys: []*KeySummary{{Envoys: []*EnvoyState{{Types: []*EnvoyType{{Acked: make([]byte, 31)}}}}}}},
-		{Keys: []*KeySummary{{Envoys: []*EnvoyState{{Types: []*EnvoyType{{Sent: make([]byte, 33)}}}}}}},
+		{Keys: []*KeySummary{{Roots: [][]byte{make([]byte, 31)}}}},
+		// Records that point outside their tables, or run short or long.
+		{Keys: []*KeySummary{{EnvoyCount: 1, Envoys: []byte{1, 'a', 0, 0, 1, 0, 0, 0, 0, 0, 0}}}},
+		{Keys: []*KeySummary{{EnvoyCount: 1, TypeUrls: []string{"t"}, Envoys: []byte{1, 'a', 0, 0, 1, 0, 0, 5, 0, 0, 0}}}},
+		{Keys: []*KeySummary{{EnvoyCount: 1, TypeUrls: []string{"t"}, Envoys: []byte{1, 'a', 0, 0, 1, 0, 2, 0, 0, 0, 0, 0}}}},
+		{Keys: []*KeySummary{{EnvoyCount: 1, TypeUrls: []string{"t"}, Envoys: []byte{1, 'a', 0, 0, 1, 0, 8, 0, 0, 0, 0}}}},
+		{Keys: []*KeySummary{{EnvoyCount: 1, Envoys: []byte{9, 'a', 0, 0, 0}}}},
+		{Keys: []*KeySummary{{EnvoyCount: 1, Envoys: []byte{1, 'a', 0, 0, 0, 7}}}},
+		{Keys: []*KeySummary{{EnvoyCount: 3, Envoys: []byte{1, 'a', 0, 0, 0}}}},
 	}
 	for i, p := range bad {
 		if _, err := ToSummary(p); !errors.Is(err, ErrBadMessage) {

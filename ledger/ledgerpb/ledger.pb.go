@@ -184,12 +184,27 @@ func (x *Summary) GetKeys() []*KeySummary {
 }
 
 type KeySummary struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Key           string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
-	Origin        bool                   `protobuf:"varint,2,opt,name=origin,proto3" json:"origin,omitempty"`
-	Stale         bool                   `protobuf:"varint,3,opt,name=stale,proto3" json:"stale,omitempty"`
-	Types         []*TypeVersion         `protobuf:"bytes,4,rep,name=types,proto3" json:"types,omitempty"`
-	Envoys        []*EnvoyState          `protobuf:"bytes,5,rep,name=envoys,proto3" json:"envoys,omitempty"`
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Key    string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	Origin bool                   `protobuf:"varint,2,opt,name=origin,proto3" json:"origin,omitempty"`
+	Stale  bool                   `protobuf:"varint,3,opt,name=stale,proto3" json:"stale,omitempty"`
+	Types  []*TypeVersion         `protobuf:"bytes,4,rep,name=types,proto3" json:"types,omitempty"`
+	// The Envoys, packed (a message per Envoy and type costs more to decode
+	// than the whole query may take): tables of the type URLs, roots and
+	// NACKs they use, and the records, which index them.
+	TypeUrls []string `protobuf:"bytes,5,rep,name=type_urls,json=typeUrls,proto3" json:"type_urls,omitempty"`
+	// Roots are 32 bytes each; a record's root index 0 is the zero hash, i
+	// is roots[i-1].
+	Roots      [][]byte `protobuf:"bytes,6,rep,name=roots,proto3" json:"roots,omitempty"`
+	Nacks      []*NACK  `protobuf:"bytes,7,rep,name=nacks,proto3" json:"nacks,omitempty"`
+	EnvoyCount uint32   `protobuf:"varint,8,opt,name=envoy_count,json=envoyCount,proto3" json:"envoy_count,omitempty"`
+	// Each Envoy: uvarint len(node), node, uvarint connected_at,
+	// uvarint disconnected_at, uvarint count of types; then for each type:
+	// uvarint type index, a flags byte (1: pending, 2: NACK), uvarint sent
+	// root index, uvarint sent_at, uvarint acked root index, uvarint
+	// acked_at, and with a NACK, uvarint NACK index. Times are Unix
+	// nanoseconds (0: none).
+	Envoys        []byte `protobuf:"bytes,9,opt,name=envoys,proto3" json:"envoys,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -252,7 +267,35 @@ func (x *KeySummary) GetTypes() []*TypeVersion {
 	return nil
 }
 
-func (x *KeySummary) GetEnvoys() []*EnvoyState {
+func (x *KeySummary) GetTypeUrls() []string {
+	if x != nil {
+		return x.TypeUrls
+	}
+	return nil
+}
+
+func (x *KeySummary) GetRoots() [][]byte {
+	if x != nil {
+		return x.Roots
+	}
+	return nil
+}
+
+func (x *KeySummary) GetNacks() []*NACK {
+	if x != nil {
+		return x.Nacks
+	}
+	return nil
+}
+
+func (x *KeySummary) GetEnvoyCount() uint32 {
+	if x != nil {
+		return x.EnvoyCount
+	}
+	return 0
+}
+
+func (x *KeySummary) GetEnvoys() []byte {
 	if x != nil {
 		return x.Envoys
 	}
@@ -379,166 +422,6 @@ func (x *TypeVersion) GetVersion() *Version {
 	return nil
 }
 
-type EnvoyState struct {
-	state          protoimpl.MessageState `protogen:"open.v1"`
-	Node           string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
-	ConnectedAt    int64                  `protobuf:"varint,2,opt,name=connected_at,json=connectedAt,proto3" json:"connected_at,omitempty"`
-	DisconnectedAt int64                  `protobuf:"varint,3,opt,name=disconnected_at,json=disconnectedAt,proto3" json:"disconnected_at,omitempty"`
-	Types          []*EnvoyType           `protobuf:"bytes,4,rep,name=types,proto3" json:"types,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
-}
-
-func (x *EnvoyState) Reset() {
-	*x = EnvoyState{}
-	mi := &file_ledger_proto_msgTypes[6]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *EnvoyState) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*EnvoyState) ProtoMessage() {}
-
-func (x *EnvoyState) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[6]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use EnvoyState.ProtoReflect.Descriptor instead.
-func (*EnvoyState) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{6}
-}
-
-func (x *EnvoyState) GetNode() string {
-	if x != nil {
-		return x.Node
-	}
-	return ""
-}
-
-func (x *EnvoyState) GetConnectedAt() int64 {
-	if x != nil {
-		return x.ConnectedAt
-	}
-	return 0
-}
-
-func (x *EnvoyState) GetDisconnectedAt() int64 {
-	if x != nil {
-		return x.DisconnectedAt
-	}
-	return 0
-}
-
-func (x *EnvoyState) GetTypes() []*EnvoyType {
-	if x != nil {
-		return x.Types
-	}
-	return nil
-}
-
-type EnvoyType struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Type          string                 `protobuf:"bytes,1,opt,name=type,proto3" json:"type,omitempty"`
-	Sent          []byte                 `protobuf:"bytes,2,opt,name=sent,proto3" json:"sent,omitempty"`
-	SentAt        int64                  `protobuf:"varint,3,opt,name=sent_at,json=sentAt,proto3" json:"sent_at,omitempty"`
-	Pending       bool                   `protobuf:"varint,4,opt,name=pending,proto3" json:"pending,omitempty"`
-	Acked         []byte                 `protobuf:"bytes,5,opt,name=acked,proto3" json:"acked,omitempty"`
-	AckedAt       int64                  `protobuf:"varint,6,opt,name=acked_at,json=ackedAt,proto3" json:"acked_at,omitempty"`
-	Nack          *NACK                  `protobuf:"bytes,7,opt,name=nack,proto3" json:"nack,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
-}
-
-func (x *EnvoyType) Reset() {
-	*x = EnvoyType{}
-	mi := &file_ledger_proto_msgTypes[7]
-	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-	ms.StoreMessageInfo(mi)
-}
-
-func (x *EnvoyType) String() string {
-	return protoimpl.X.MessageStringOf(x)
-}
-
-func (*EnvoyType) ProtoMessage() {}
-
-func (x *EnvoyType) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[7]
-	if x != nil {
-		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
-		if ms.LoadMessageInfo() == nil {
-			ms.StoreMessageInfo(mi)
-		}
-		return ms
-	}
-	return mi.MessageOf(x)
-}
-
-// Deprecated: Use EnvoyType.ProtoReflect.Descriptor instead.
-func (*EnvoyType) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{7}
-}
-
-func (x *EnvoyType) GetType() string {
-	if x != nil {
-		return x.Type
-	}
-	return ""
-}
-
-func (x *EnvoyType) GetSent() []byte {
-	if x != nil {
-		return x.Sent
-	}
-	return nil
-}
-
-func (x *EnvoyType) GetSentAt() int64 {
-	if x != nil {
-		return x.SentAt
-	}
-	return 0
-}
-
-func (x *EnvoyType) GetPending() bool {
-	if x != nil {
-		return x.Pending
-	}
-	return false
-}
-
-func (x *EnvoyType) GetAcked() []byte {
-	if x != nil {
-		return x.Acked
-	}
-	return nil
-}
-
-func (x *EnvoyType) GetAckedAt() int64 {
-	if x != nil {
-		return x.AckedAt
-	}
-	return 0
-}
-
-func (x *EnvoyType) GetNack() *NACK {
-	if x != nil {
-		return x.Nack
-	}
-	return nil
-}
-
 type NACK struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Fingerprint   string                 `protobuf:"bytes,1,opt,name=fingerprint,proto3" json:"fingerprint,omitempty"`
@@ -551,7 +434,7 @@ type NACK struct {
 
 func (x *NACK) Reset() {
 	*x = NACK{}
-	mi := &file_ledger_proto_msgTypes[8]
+	mi := &file_ledger_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -563,7 +446,7 @@ func (x *NACK) String() string {
 func (*NACK) ProtoMessage() {}
 
 func (x *NACK) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[8]
+	mi := &file_ledger_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -576,7 +459,7 @@ func (x *NACK) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NACK.ProtoReflect.Descriptor instead.
 func (*NACK) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{8}
+	return file_ledger_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *NACK) GetFingerprint() string {
@@ -619,7 +502,7 @@ type DeliveryRequest struct {
 
 func (x *DeliveryRequest) Reset() {
 	*x = DeliveryRequest{}
-	mi := &file_ledger_proto_msgTypes[9]
+	mi := &file_ledger_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -631,7 +514,7 @@ func (x *DeliveryRequest) String() string {
 func (*DeliveryRequest) ProtoMessage() {}
 
 func (x *DeliveryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[9]
+	mi := &file_ledger_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -644,7 +527,7 @@ func (x *DeliveryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeliveryRequest.ProtoReflect.Descriptor instead.
 func (*DeliveryRequest) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{9}
+	return file_ledger_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *DeliveryRequest) GetScope() *Scope {
@@ -684,7 +567,7 @@ type DeliveryVerdicts struct {
 
 func (x *DeliveryVerdicts) Reset() {
 	*x = DeliveryVerdicts{}
-	mi := &file_ledger_proto_msgTypes[10]
+	mi := &file_ledger_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -696,7 +579,7 @@ func (x *DeliveryVerdicts) String() string {
 func (*DeliveryVerdicts) ProtoMessage() {}
 
 func (x *DeliveryVerdicts) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[10]
+	mi := &file_ledger_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -709,7 +592,7 @@ func (x *DeliveryVerdicts) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeliveryVerdicts.ProtoReflect.Descriptor instead.
 func (*DeliveryVerdicts) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{10}
+	return file_ledger_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *DeliveryVerdicts) GetKeys() []*KeyVerdicts {
@@ -733,7 +616,7 @@ type KeyVerdicts struct {
 
 func (x *KeyVerdicts) Reset() {
 	*x = KeyVerdicts{}
-	mi := &file_ledger_proto_msgTypes[11]
+	mi := &file_ledger_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -745,7 +628,7 @@ func (x *KeyVerdicts) String() string {
 func (*KeyVerdicts) ProtoMessage() {}
 
 func (x *KeyVerdicts) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[11]
+	mi := &file_ledger_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -758,7 +641,7 @@ func (x *KeyVerdicts) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyVerdicts.ProtoReflect.Descriptor instead.
 func (*KeyVerdicts) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{11}
+	return file_ledger_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *KeyVerdicts) GetKey() string {
@@ -810,14 +693,19 @@ const file_ledger_proto_rawDesc = "" +
 	"\aSummary\x12\x14\n" +
 	"\x05relay\x18\x01 \x01(\tR\x05relay\x12\x0e\n" +
 	"\x02at\x18\x02 \x01(\x03R\x02at\x123\n" +
-	"\x04keys\x18\x03 \x03(\v2\x1f.meshrelay.ledger.v1.KeySummaryR\x04keys\"\xbd\x01\n" +
+	"\x04keys\x18\x03 \x03(\v2\x1f.meshrelay.ledger.v1.KeySummaryR\x04keys\"\xa1\x02\n" +
 	"\n" +
 	"KeySummary\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x16\n" +
 	"\x06origin\x18\x02 \x01(\bR\x06origin\x12\x14\n" +
 	"\x05stale\x18\x03 \x01(\bR\x05stale\x126\n" +
-	"\x05types\x18\x04 \x03(\v2 .meshrelay.ledger.v1.TypeVersionR\x05types\x127\n" +
-	"\x06envoys\x18\x05 \x03(\v2\x1f.meshrelay.ledger.v1.EnvoyStateR\x06envoys\"]\n" +
+	"\x05types\x18\x04 \x03(\v2 .meshrelay.ledger.v1.TypeVersionR\x05types\x12\x1b\n" +
+	"\ttype_urls\x18\x05 \x03(\tR\btypeUrls\x12\x14\n" +
+	"\x05roots\x18\x06 \x03(\fR\x05roots\x12/\n" +
+	"\x05nacks\x18\a \x03(\v2\x19.meshrelay.ledger.v1.NACKR\x05nacks\x12\x1f\n" +
+	"\venvoy_count\x18\b \x01(\rR\n" +
+	"envoyCount\x12\x16\n" +
+	"\x06envoys\x18\t \x01(\fR\x06envoys\"]\n" +
 	"\aVersion\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x12\n" +
 	"\x04root\x18\x02 \x01(\fR\x04root\x12\x1a\n" +
@@ -825,21 +713,7 @@ const file_ledger_proto_rawDesc = "" +
 	"\x03len\x18\x04 \x01(\x03R\x03len\"Y\n" +
 	"\vTypeVersion\x12\x12\n" +
 	"\x04type\x18\x01 \x01(\tR\x04type\x126\n" +
-	"\aversion\x18\x02 \x01(\v2\x1c.meshrelay.ledger.v1.VersionR\aversion\"\xa2\x01\n" +
-	"\n" +
-	"EnvoyState\x12\x12\n" +
-	"\x04node\x18\x01 \x01(\tR\x04node\x12!\n" +
-	"\fconnected_at\x18\x02 \x01(\x03R\vconnectedAt\x12'\n" +
-	"\x0fdisconnected_at\x18\x03 \x01(\x03R\x0edisconnectedAt\x124\n" +
-	"\x05types\x18\x04 \x03(\v2\x1e.meshrelay.ledger.v1.EnvoyTypeR\x05types\"\xc6\x01\n" +
-	"\tEnvoyType\x12\x12\n" +
-	"\x04type\x18\x01 \x01(\tR\x04type\x12\x12\n" +
-	"\x04sent\x18\x02 \x01(\fR\x04sent\x12\x17\n" +
-	"\asent_at\x18\x03 \x01(\x03R\x06sentAt\x12\x18\n" +
-	"\apending\x18\x04 \x01(\bR\apending\x12\x14\n" +
-	"\x05acked\x18\x05 \x01(\fR\x05acked\x12\x19\n" +
-	"\backed_at\x18\x06 \x01(\x03R\aackedAt\x12-\n" +
-	"\x04nack\x18\a \x01(\v2\x19.meshrelay.ledger.v1.NACKR\x04nack\"j\n" +
+	"\aversion\x18\x02 \x01(\v2\x1c.meshrelay.ledger.v1.VersionR\aversion\"j\n" +
 	"\x04NACK\x12 \n" +
 	"\vfingerprint\x18\x01 \x01(\tR\vfingerprint\x12\x18\n" +
 	"\aversion\x18\x02 \x01(\tR\aversion\x12\x16\n" +
@@ -877,7 +751,7 @@ func file_ledger_proto_rawDescGZIP() []byte {
 	return file_ledger_proto_rawDescData
 }
 
-var file_ledger_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
+var file_ledger_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
 var file_ledger_proto_goTypes = []any{
 	(*Scope)(nil),            // 0: meshrelay.ledger.v1.Scope
 	(*SummaryRequest)(nil),   // 1: meshrelay.ledger.v1.SummaryRequest
@@ -885,32 +759,28 @@ var file_ledger_proto_goTypes = []any{
 	(*KeySummary)(nil),       // 3: meshrelay.ledger.v1.KeySummary
 	(*Version)(nil),          // 4: meshrelay.ledger.v1.Version
 	(*TypeVersion)(nil),      // 5: meshrelay.ledger.v1.TypeVersion
-	(*EnvoyState)(nil),       // 6: meshrelay.ledger.v1.EnvoyState
-	(*EnvoyType)(nil),        // 7: meshrelay.ledger.v1.EnvoyType
-	(*NACK)(nil),             // 8: meshrelay.ledger.v1.NACK
-	(*DeliveryRequest)(nil),  // 9: meshrelay.ledger.v1.DeliveryRequest
-	(*DeliveryVerdicts)(nil), // 10: meshrelay.ledger.v1.DeliveryVerdicts
-	(*KeyVerdicts)(nil),      // 11: meshrelay.ledger.v1.KeyVerdicts
+	(*NACK)(nil),             // 6: meshrelay.ledger.v1.NACK
+	(*DeliveryRequest)(nil),  // 7: meshrelay.ledger.v1.DeliveryRequest
+	(*DeliveryVerdicts)(nil), // 8: meshrelay.ledger.v1.DeliveryVerdicts
+	(*KeyVerdicts)(nil),      // 9: meshrelay.ledger.v1.KeyVerdicts
 }
 var file_ledger_proto_depIdxs = []int32{
-	0,  // 0: meshrelay.ledger.v1.SummaryRequest.scope:type_name -> meshrelay.ledger.v1.Scope
-	3,  // 1: meshrelay.ledger.v1.Summary.keys:type_name -> meshrelay.ledger.v1.KeySummary
-	5,  // 2: meshrelay.ledger.v1.KeySummary.types:type_name -> meshrelay.ledger.v1.TypeVersion
-	6,  // 3: meshrelay.ledger.v1.KeySummary.envoys:type_name -> meshrelay.ledger.v1.EnvoyState
-	4,  // 4: meshrelay.ledger.v1.TypeVersion.version:type_name -> meshrelay.ledger.v1.Version
-	7,  // 5: meshrelay.ledger.v1.EnvoyState.types:type_name -> meshrelay.ledger.v1.EnvoyType
-	8,  // 6: meshrelay.ledger.v1.EnvoyType.nack:type_name -> meshrelay.ledger.v1.NACK
-	0,  // 7: meshrelay.ledger.v1.DeliveryRequest.scope:type_name -> meshrelay.ledger.v1.Scope
-	11, // 8: meshrelay.ledger.v1.DeliveryVerdicts.keys:type_name -> meshrelay.ledger.v1.KeyVerdicts
-	1,  // 9: meshrelay.ledger.v1.Ledger.GetSummary:input_type -> meshrelay.ledger.v1.SummaryRequest
-	9,  // 10: meshrelay.ledger.v1.Ledger.CheckDelivery:input_type -> meshrelay.ledger.v1.DeliveryRequest
-	2,  // 11: meshrelay.ledger.v1.Ledger.GetSummary:output_type -> meshrelay.ledger.v1.Summary
-	10, // 12: meshrelay.ledger.v1.Ledger.CheckDelivery:output_type -> meshrelay.ledger.v1.DeliveryVerdicts
-	11, // [11:13] is the sub-list for method output_type
-	9,  // [9:11] is the sub-list for method input_type
-	9,  // [9:9] is the sub-list for extension type_name
-	9,  // [9:9] is the sub-list for extension extendee
-	0,  // [0:9] is the sub-list for field type_name
+	0, // 0: meshrelay.ledger.v1.SummaryRequest.scope:type_name -> meshrelay.ledger.v1.Scope
+	3, // 1: meshrelay.ledger.v1.Summary.keys:type_name -> meshrelay.ledger.v1.KeySummary
+	5, // 2: meshrelay.ledger.v1.KeySummary.types:type_name -> meshrelay.ledger.v1.TypeVersion
+	6, // 3: meshrelay.ledger.v1.KeySummary.nacks:type_name -> meshrelay.ledger.v1.NACK
+	4, // 4: meshrelay.ledger.v1.TypeVersion.version:type_name -> meshrelay.ledger.v1.Version
+	0, // 5: meshrelay.ledger.v1.DeliveryRequest.scope:type_name -> meshrelay.ledger.v1.Scope
+	9, // 6: meshrelay.ledger.v1.DeliveryVerdicts.keys:type_name -> meshrelay.ledger.v1.KeyVerdicts
+	1, // 7: meshrelay.ledger.v1.Ledger.GetSummary:input_type -> meshrelay.ledger.v1.SummaryRequest
+	7, // 8: meshrelay.ledger.v1.Ledger.CheckDelivery:input_type -> meshrelay.ledger.v1.DeliveryRequest
+	2, // 9: meshrelay.ledger.v1.Ledger.GetSummary:output_type -> meshrelay.ledger.v1.Summary
+	8, // 10: meshrelay.ledger.v1.Ledger.CheckDelivery:output_type -> meshrelay.ledger.v1.DeliveryVerdicts
+	9, // [9:11] is the sub-list for method output_type
+	7, // [7:9] is the sub-list for method input_type
+	7, // [7:7] is the sub-list for extension type_name
+	7, // [7:7] is the sub-list for extension extendee
+	0, // [0:7] is the sub-list for field type_name
 }
 
 func init() { file_ledger_proto_init() }
@@ -924,7 +794,7 @@ func file_ledger_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ledger_proto_rawDesc), len(file_ledger_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   12,
+			NumMessages:   10,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
