@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"strings"
 	"syscall"
 	"time"
@@ -28,6 +29,7 @@ Usage:
   loadtest fanout [flags]     direct vs relayed: ACK latency, upstream streams, relay CPU and RSS, bytes
   loadtest scale [flags]      a tier scaled out and in: keys and streams moved, time to rebalance, bytes re-sent
   loadtest warmstart [flags]  a relay started from the upstream (cold) and from etcd (warm); etcd bytes per change
+  loadtest ledger [flags]     the ledger at 10,000 Envoys: ACK bookkeeping, convergence and tier-wide queries, memory
   loadtest upstream [flags]   serve the synthetic istiod-shaped upstream (with optional churn)
 
 Run "loadtest <command> -h" for a command's flags.
@@ -48,6 +50,8 @@ func main() {
 		err = scale(ctx, os.Args[2:])
 	case "warmstart":
 		err = warmstart(ctx, os.Args[2:])
+	case "ledger":
+		err = ledgerBench(ctx, os.Args[2:])
 	case "upstream":
 		err = serveUpstream(ctx, os.Args[2:])
 	case "relay-child": // hidden: the relay process fanout starts
@@ -176,6 +180,50 @@ func scale(ctx context.Context, args []string) error {
 		return os.WriteFile(*jsonOut, b, 0o644)
 	}
 	return nil
+}
+
+func ledgerBench(ctx context.Context, args []string) error {
+	cfg := loadtest.DefaultLedgerConfig()
+	fs := flag.NewFlagSet("ledger", flag.ContinueOnError)
+	fs.IntVar(&cfg.Relays, "relays", cfg.Relays, "relays the Envoys are spread over for the tier-wide queries")
+	fs.IntVar(&cfg.Envoys, "envoys", cfg.Envoys, "Envoys the ledger tracks")
+	fs.IntVar(&cfg.Keys, "keys", cfg.Keys, "aggregation keys")
+	fs.IntVar(&cfg.Resources, "resources", cfg.Resources, "resources in every key's view (half clusters, half endpoints)")
+	fs.IntVar(&cfg.Versions, "versions", cfg.Versions, "versions of history per key")
+	fs.IntVar(&cfg.Queries, "queries", cfg.Queries, "timed repetitions of each query")
+	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
+	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
+	rep, err := loadtest.RunLedger(ctx, cfg, os.Stdout)
+	if err != nil {
+		return err
+	}
+	return writeJSON(*jsonOut, rep)
+}
+
+// writeJSON writes v as indented JSON to path, if path is set.
+func writeJSON(path string, v any) error {
+	if path == "" {
+		return nil
+	}
+	b, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(path, b, 0o644)
 }
 
 func warmstart(ctx context.Context, args []string) error {

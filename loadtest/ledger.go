@@ -1,0 +1,389 @@
+package loadtest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"runtime"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay"
+)
+
+// LedgerConfig configures RunLedger.
+type LedgerConfig struct {
+	// Relays share the Envoys for the tier-wide queries. Default 3.
+	Relays int
+	// Envoys and Keys: the fleet the ledger tracks. Defaults 10,000 and 100.
+	Envoys, Keys int
+	// Resources in every key's view, half clusters and half endpoints
+	// (every key sees every service, as without Sidecar scoping). Default
+	// 60,000.
+	Resources int
+	// Versions of history kept per key: endpoint changes recorded before
+	// the measures. Default 1,000.
+	Versions int
+	// Queries is how many times each query is timed. Default 200.
+	Queries int
+}
+
+// DefaultLedgerConfig is what `loadtest ledger` runs with no flags.
+func DefaultLedgerConfig() LedgerConfig {
+	return LedgerConfig{Relays: 3, Envoys: 10_000, Keys: 100, Resources: 60_000, Versions: 1000, Queries: 200}
+}
+
+// LedgerReport is what RunLedger measured.
+type LedgerReport struct {
+	Date    string       `json:"date"`
+	Machine Machine      `json:"machine"`
+	Config  LedgerConfig `json:"config"`
+
+	// ACK bookkeeping on one relay's ledger, per call: Answered alone, and
+	// a whole response (Sent, Synced, Answered).
+	ACKNanos      float64 `json:"ack_ns"`
+	ResponseNanos float64 `json:"response_ns"`
+	// Convergence on one relay holding every Envoy (in-process), and the
+	// same from a full Summary (what a relay sends its peers).
+	Convergence Quantiles `json:"convergence"`
+	Summary     Quantiles `json:"summary"`
+	// Tier-wide, asked of one relay, gathered from all over loopback gRPC.
+	Tier         Quantiles `json:"tier"`
+	TierDelivery Quantiles `json:"tier_delivery"`
+	// LedgerBytes is the heap the ledger holds: histories (undo records and
+	// versions) and per-Envoy state, not the views it shares with the
+	// cache.
+	LedgerBytes     int64 `json:"ledger_bytes"`
+	HistoryVersions int   `json:"history_versions"`
+	HistoryChanges  int   `json:"history_changes"`
+
+	Stragglers int `json:"stragglers"`
+
+	Targets LedgerTargets `json:"targets"`
+}
+
+// Quantiles of a timed query.
+type Quantiles struct {
+	P50 time.Duration `json:"p50"`
+	P99 time.Duration `json:"p99"`
+}
+
+// LedgerTargets are issue 5's goals, each with whether it was met.
+type LedgerTargets struct {
+	ACK         bool `json:"ack_le_2us"`
+	Convergence bool `json:"convergence_le_1ms"`
+	Tier        bool `json:"tier_le_20ms"`
+	Memory      bool `json:"memory_le_64MiB"`
+}
+
+const (
+	ledgerCDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+	ledgerEDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+)
+
+// ledgerViews is the synthetic config: one tree per type, then Versions
+// endpoint changes, every tree kept (the relay's cache would hold them;
+// they are not the ledger's memory).
+type ledgerViews struct {
+	cds   ledger.Tree[struct{}]
+	eds   []ledger.Tree[struct{}] // eds[0] before any change
+	moved string                  // the name the last change moved
+	at    []time.Time
+}
+
+func buildLedgerViews(cfg LedgerConfig) *ledgerViews {
+	half := cfg.Resources / 2
+	name := func(i int) string { return fmt.Sprintf("outbound|80||svc-%d.ns-%d.svc.cluster.local", i, i%50) }
+	cb, eb := ledger.Tree[struct{}]{}.Edit(), ledger.Tree[struct{}]{}.Edit()
+	for i := range half {
+		cb.Set(name(i), ledger.HashBytes([]byte("cluster "+name(i))), struct{}{})
+		eb.Set(name(i), ledger.HashBytes([]byte("endpoints 0 "+name(i))), struct{}{})
+	}
+	v := &ledgerViews{cds: cb.Tree(), eds: []ledger.Tree[struct{}]{eb.Tree()}}
+	t0 := time.Now().Add(-time.Duration(cfg.Versions) * time.Second)
+	v.at = append(v.at, t0)
+	for i := 1; i <= cfg.Versions; i++ {
+		b := v.eds[i-1].Edit()
+		v.moved = name((i * 7919) % half)
+		b.Set(v.moved, ledger.HashBytes(fmt.Appendf(nil, "endpoints %d %s", i, v.moved)), struct{}{})
+		v.eds = append(v.eds, b.Tree())
+		v.at = append(v.at, t0.Add(time.Duration(i)*time.Second))
+	}
+	return v
+}
+
+// record gives tr the histories of every key, each with every version.
+func (v *ledgerViews) record(tr *ledger.Tracker, keys []string, origin func(key string) bool) error {
+	for _, key := range keys {
+		cds, err := ledger.NewHistory[struct{}](ledger.DefaultHistoryConfig())
+		if err != nil {
+			return err
+		}
+		eds, _ := ledger.NewHistory[struct{}](ledger.DefaultHistoryConfig())
+		cv, _ := cds.Record(v.cds, v.at[0])
+		tr.Recorded(key, ledgerCDS, cds, cv)
+		for i, t := range v.eds {
+			ev, _ := eds.Record(t, v.at[i])
+			tr.Recorded(key, ledgerEDS, eds, ev)
+		}
+		tr.SetSource(key, origin(key), false)
+	}
+	return nil
+}
+
+// connect tracks envoys Envoys of keys on tr (Envoy i of keys[i%len]), each
+// synced and ACKed on both types, but for 1% that NACK and 1% that never
+// answer the latest endpoints.
+func (v *ledgerViews) connect(tr *ledger.Tracker, keys []string, first, envoys int) []*ledger.Envoy {
+	now := time.Now()
+	cdsRoot, edsRoot := v.cds.Root(), v.eds[len(v.eds)-1].Root()
+	out := make([]*ledger.Envoy, 0, envoys)
+	for i := first; i < first+envoys; i++ {
+		e := tr.Connect(fmt.Sprintf("sidecar~10.%d.%d.%d~pod-%d.ns~ns.svc.cluster.local", i>>16&255, i>>8&255, i&255, i), keys[i%len(keys)], now)
+		for _, t := range []struct {
+			typeURL string
+			root    ledger.Hash
+		}{{ledgerCDS, cdsRoot}, {ledgerEDS, edsRoot}} {
+			e.Subscribe(t.typeURL)
+			e.Sent(t.typeURL, now)
+			e.Synced(t.typeURL, t.root, now)
+			switch {
+			case t.typeURL == ledgerEDS && i%100 == 1:
+				e.Answered(t.typeURL, "v", fmt.Sprintf("endpoint 10.0.%d.%d:80 rejected", i>>8&255, i&255), true, now)
+			case t.typeURL == ledgerEDS && i%100 == 2:
+				// never answers
+			default:
+				e.Answered(t.typeURL, "v", "", true, now)
+			}
+		}
+		out = append(out, e)
+	}
+	return out
+}
+
+// staticPeers is a fixed tier for relay.Config.Peers.
+type staticPeers struct {
+	mu    sync.Mutex
+	addrs []string
+}
+
+func (p *staticPeers) PeerAddrs() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(p.addrs)
+}
+
+// RunLedger measures the ledger at the scale of issue 5: ACK bookkeeping,
+// the convergence query in-process, the tier-wide query across relays over
+// gRPC, and the ledger's memory. The ledger is driven directly (Envoys are
+// tracked through its API as a relay's streams would), so the figures are
+// the ledger's own, not those of 10,000 simulated Envoys sharing the cores.
+// Progress goes to out.
+func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerReport, error) {
+	if cfg.Relays < 1 || cfg.Envoys < 100 || cfg.Keys < 1 || cfg.Resources < 2 || cfg.Versions < 1 || cfg.Queries < 1 {
+		return nil, errors.New("loadtest: ledger wants Relays ≥ 1, Envoys ≥ 100, Keys, Resources ≥ 2, Versions and Queries ≥ 1")
+	}
+	rep := &LedgerReport{
+		Date: time.Now().UTC().Format(time.RFC3339), Config: cfg,
+		Machine: Machine{CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0), GoVersion: runtime.Version(),
+			OS: runtime.GOOS + "/" + runtime.GOARCH, LoadAvg: loadAvg()},
+	}
+	keys := make([]string, cfg.Keys)
+	for i := range keys {
+		keys[i] = fmt.Sprintf("sidecar/ns-%d/wl-%d#%04x", i%10, i/10, i)
+	}
+	fmt.Fprintf(out, "building %d resources and %d versions…\n", cfg.Resources, cfg.Versions)
+	views := buildLedgerViews(cfg)
+
+	// One relay's ledger holding every Envoy: memory, ACKs, convergence.
+	base := heapInUse()
+	tcfg := ledger.DefaultTrackerConfig()
+	tcfg.Relay = "relay-0"
+	hist := prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x", Buckets: prometheus.DefBuckets})
+	tcfg.Converged = func(_ string, d time.Duration) { hist.Observe(d.Seconds()) }
+	tr, err := ledger.NewTracker(tcfg)
+	if err != nil {
+		return nil, err
+	}
+	if err := views.record(tr, keys, func(string) bool { return true }); err != nil {
+		return nil, err
+	}
+	envoys := views.connect(tr, keys, 0, cfg.Envoys)
+	rep.LedgerBytes = heapInUse() - base
+	for _, ks := range tr.Summary(ledger.Scope{Key: keys[0]}, time.Now()).Keys {
+		for _, tv := range ks.Types {
+			if tv.Type == ledgerEDS {
+				rep.HistoryVersions = cfg.Keys * int(tv.Version.Seq)
+			}
+		}
+	}
+	rep.HistoryChanges = cfg.Keys * cfg.Versions
+	fmt.Fprintf(out, "ledger of %d Envoys over %d keys, %d versions each: %.1f MiB\n", cfg.Envoys, cfg.Keys, cfg.Versions, float64(rep.LedgerBytes)/(1<<20))
+
+	// ACK bookkeeping: every Envoy sent, synced and ACKed again, timed as a
+	// whole, then ACKs alone.
+	root := views.eds[len(views.eds)-1].Root()
+	prev := views.eds[len(views.eds)-2].Root()
+	const rounds = 10
+	var respTotal, ackTotal time.Duration
+	for r := range rounds {
+		target := root
+		if r%2 == 0 {
+			target = prev
+		}
+		start := time.Now()
+		for _, e := range envoys {
+			e.Sent(ledgerEDS, start)
+			e.Synced(ledgerEDS, target, start)
+		}
+		mid := time.Now()
+		for _, e := range envoys {
+			e.Answered(ledgerEDS, "v", "", true, mid)
+		}
+		end := time.Now()
+		respTotal += end.Sub(start)
+		ackTotal += end.Sub(mid)
+	}
+	n := float64(rounds * len(envoys))
+	rep.ACKNanos = float64(ackTotal.Nanoseconds()) / n
+	rep.ResponseNanos = float64(respTotal.Nanoseconds()) / n
+	// Back to the state built above: 1% NACKing, 1% silent.
+	views.connect(tr, keys, 0, cfg.Envoys)
+	fmt.Fprintf(out, "ACK bookkeeping: %.0f ns per ACK, %.0f ns per response (send, sync, ACK)\n", rep.ACKNanos, rep.ResponseNanos)
+
+	rep.Convergence = timeQuery(cfg.Queries, func() { tr.Convergence(ledger.Scope{}, time.Now()) })
+	rep.Summary = timeQuery(cfg.Queries/10+1, func() { tr.Summary(ledger.Scope{}, time.Now()).Convergence() })
+	rep.Stragglers = len(tr.Summary(ledger.Scope{}, time.Now()).Stragglers(0))
+	fmt.Fprintf(out, "convergence in-process: P50 %v P99 %v (from a summary: P50 %v); %d stragglers\n",
+		rep.Convergence.P50, rep.Convergence.P99, rep.Summary.P50, rep.Stragglers)
+	runtime.KeepAlive(envoys)
+	tr = nil
+
+	// The tier: Relays real relays, the Envoys spread over them, each key's
+	// origin one of them.
+	relays, stop, err := startLedgerRelays(ctx, cfg.Relays)
+	if err != nil {
+		return nil, err
+	}
+	defer stop()
+	per := cfg.Envoys / cfg.Relays
+	for i, r := range relays {
+		origin := func(key string) bool { return slices.Index(keys, key)%cfg.Relays == i }
+		if err := views.record(r.Ledger(), keys, origin); err != nil {
+			return nil, err
+		}
+		views.connect(r.Ledger(), keys, i*per, per)
+	}
+	// Relays keep their connections to each other: the first gathers dial
+	// them, and are not timed.
+	for range 3 {
+		relays[0].TierLedger(ctx, ledger.Scope{})
+	}
+	var tierErr error
+	rep.Tier = timeQuery(cfg.Queries, func() {
+		tl := relays[0].TierLedger(ctx, ledger.Scope{})
+		if len(tl.Missing) > 0 && tierErr == nil {
+			tierErr = fmt.Errorf("tier query: relays missing: %v", tl.Missing)
+		}
+	})
+	if tierErr != nil {
+		return nil, tierErr
+	}
+	tl := relays[0].TierLedger(ctx, ledger.Scope{})
+	fmt.Fprintf(out, "tier-wide across %d relays: P50 %v P99 %v (%d Envoys, share %.3f)\n", cfg.Relays, rep.Tier.P50, rep.Tier.P99, tl.Convergence().Envoys, tl.Convergence().Share())
+	movedHash, _ := views.eds[len(views.eds)-1].Get(views.moved)
+	rep.TierDelivery = timeQuery(cfg.Queries/4+1, func() {
+		if _, _, err := relays[0].TierDelivery(ctx, ledger.Scope{}, ledgerEDS, views.moved, movedHash.Hash); err != nil && tierErr == nil {
+			tierErr = err
+		}
+	})
+	if tierErr != nil {
+		return nil, tierErr
+	}
+	fmt.Fprintf(out, "tier-wide delivery of one endpoint: P50 %v P99 %v\n", rep.TierDelivery.P50, rep.TierDelivery.P99)
+
+	rep.Targets = LedgerTargets{
+		ACK:         rep.ACKNanos <= 2000,
+		Convergence: rep.Convergence.P99 <= time.Millisecond,
+		Tier:        rep.Tier.P99 <= 20*time.Millisecond,
+		Memory:      rep.LedgerBytes <= 64<<20,
+	}
+	fmt.Fprintf(out, "targets: ACK ≤ 2 µs %s, convergence ≤ 1 ms %s, tier ≤ 20 ms %s, memory ≤ 64 MiB %s\n",
+		pass(rep.Targets.ACK), pass(rep.Targets.Convergence), pass(rep.Targets.Tier), pass(rep.Targets.Memory))
+	return rep, nil
+}
+
+func pass(ok bool) string {
+	if ok {
+		return "PASS"
+	}
+	return "FAIL"
+}
+
+func timeQuery(n int, fn func()) Quantiles {
+	ds := make([]time.Duration, n)
+	for i := range ds {
+		start := time.Now()
+		fn()
+		ds[i] = time.Since(start)
+	}
+	slices.Sort(ds)
+	return Quantiles{P50: ds[n/2], P99: ds[min(n-1, n*99/100)]}
+}
+
+func heapInUse() int64 {
+	runtime.GC()
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return int64(ms.HeapAlloc)
+}
+
+// startLedgerRelays starts n relays on loopback that know each other as
+// peers. Their upstream is never dialled: the ledger is driven directly.
+func startLedgerRelays(ctx context.Context, n int) ([]*relay.Relay, func(), error) {
+	var relays []*relay.Relay
+	var peers []*staticPeers
+	var addrs []string
+	stop := func() {
+		for _, r := range relays {
+			r.Stop(context.Background())
+		}
+	}
+	for i := range n {
+		lis, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			stop()
+			return nil, nil, err
+		}
+		cfg := relay.DefaultConfig()
+		cfg.ID = fmt.Sprintf("relay-%d", i)
+		cfg.Listener = lis
+		cfg.Upstream = "127.0.0.1:1"
+		p := &staticPeers{}
+		cfg.Peers = p
+		r, err := relay.New(cfg)
+		if err != nil {
+			lis.Close()
+			stop()
+			return nil, nil, err
+		}
+		if err := r.Start(ctx); err != nil {
+			stop()
+			return nil, nil, err
+		}
+		relays = append(relays, r)
+		peers = append(peers, p)
+		addrs = append(addrs, lis.Addr().String())
+	}
+	for i, p := range peers {
+		p.addrs = slices.Delete(slices.Clone(addrs), i, i+1)
+	}
+	return relays, stop, nil
+}
