@@ -40,7 +40,7 @@ type TypeVersion struct {
 type EnvoyState struct {
 	Node           string
 	ConnectedAt    time.Time
-	DisconnectedAt time.Time // zero while connected
+	DisconnectedAt time.Time   // zero while connected
 	Types          []EnvoyType // in push order: CDS, EDS, LDS, RDS, then by name
 }
 

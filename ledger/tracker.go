@@ -106,7 +106,7 @@ type Envoy struct {
 	forgotten      bool
 	current        bool
 	connectedAt    time.Time
-	disconnectedAt time.Time // zero while connected
+	disconnectedAt time.Time   // zero while connected
 	types          []envoyType // in push order (typeOrder), held in place: queries walk them
 	idx            int         // in k.envoys, while not forgotten
 }
