@@ -78,15 +78,34 @@ type History[V any] struct {
 	mu       sync.Mutex
 	cur      Tree[V]
 	versions []histVersion // oldest first; the last is cur
-	changes  int           // undo entries held
-	seq      uint64
+	// log holds the undo records of every kept version, oldest first, in
+	// one array (not one per version: fewer objects for the collector);
+	// logBase is the position of log[0] since the History began.
+	log     []undoEntry
+	logBase int
+	seq     uint64
 }
 
+// histVersion is a kept Version without pointers (the time as Unix
+// nanoseconds): the collector skips the array of them.
 type histVersion struct {
-	Version
-	// undo lists, by name, what this version held of the names the next
-	// version changed (a zero Hash: absent). The current version has none.
-	undo []undoEntry
+	seq      uint64
+	root     Hash
+	received int64
+	len      int
+	// log[undoFrom-logBase : undoTo-logBase] lists, by name, what this
+	// version held of the names the next version changed (a zero Hash:
+	// absent). The current version has none. Entries are never changed
+	// once written, so slices of them stay valid without the lock.
+	undoFrom, undoTo int
+}
+
+func (v *histVersion) version() Version {
+	return Version{Seq: v.seq, Root: v.root, Received: time.Unix(0, v.received), Len: v.len}
+}
+
+func (h *History[V]) undoOf(v *histVersion) []undoEntry {
+	return h.log[v.undoFrom-h.logBase : v.undoTo-h.logBase : v.undoTo-h.logBase]
 }
 
 type undoEntry struct {
@@ -112,28 +131,30 @@ func NewHistory[V any](cfg HistoryConfig) (*History[V], error) {
 func (h *History[V]) Record(t Tree[V], at time.Time) (Version, bool) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if n := len(h.versions); n > 0 && h.versions[n-1].Root == t.Root() {
+	if n := len(h.versions); n > 0 && h.versions[n-1].root == t.Root() {
 		h.cur = t // the same content; keep the newest tree, which callers share
-		return h.versions[n-1].Version, false
+		return h.versions[n-1].version(), false
 	}
+	end := h.logBase + len(h.log)
 	if n := len(h.versions); n > 0 {
-		var undo []undoEntry
+		from := len(h.log)
 		Diff(h.cur, t, func(c Change[V]) bool {
 			e := undoEntry{name: c.Name}
 			if c.Old != nil {
 				e.hash = c.Old.Hash
 			}
-			undo = append(undo, e)
+			h.log = append(h.log, e)
 			return true
 		})
-		slices.SortFunc(undo, func(a, b undoEntry) int { return strings.Compare(a.name, b.name) })
-		h.versions[n-1].undo = undo
-		h.changes += len(undo)
+		slices.SortFunc(h.log[from:], func(a, b undoEntry) int { return strings.Compare(a.name, b.name) })
+		end = h.logBase + len(h.log)
+		h.versions[n-1].undoTo = end
 	}
 	h.seq++
-	v := Version{Seq: h.seq, Root: t.Root(), Received: at, Len: t.Len()}
+	hv := histVersion{seq: h.seq, root: t.Root(), received: at.UnixNano(), len: t.Len(), undoFrom: end, undoTo: end}
 	h.cur = t
-	h.versions = append(h.versions, histVersion{Version: v})
+	h.versions = append(h.versions, hv)
+	v := hv.version()
 	h.expire(at)
 	return v, true
 }
@@ -141,22 +162,29 @@ func (h *History[V]) Record(t Tree[V], at time.Time) (Version, bool) {
 // expire drops the oldest versions beyond the bounds. The caller holds mu.
 func (h *History[V]) expire(now time.Time) {
 	drop := 0
-	changes := h.changes
+	changes := len(h.log)
 	for n := len(h.versions); n-drop > 1; drop++ {
-		old := h.versions[drop]
-		if n-drop <= h.cfg.MaxVersions && changes <= h.cfg.MaxChanges && now.Sub(old.Received) <= h.cfg.MaxAge {
+		old := &h.versions[drop]
+		if n-drop <= h.cfg.MaxVersions && changes <= h.cfg.MaxChanges && now.UnixNano()-old.received <= int64(h.cfg.MaxAge) {
 			break
 		}
-		changes -= len(old.undo)
+		changes -= old.undoTo - old.undoFrom
 	}
 	if drop == 0 {
 		return
 	}
-	h.changes = changes
 	clear(h.versions[:drop])
 	h.versions = h.versions[drop:]
 	if cap(h.versions) > 2*len(h.versions)+16 {
 		h.versions = slices.Clone(h.versions)
+	}
+	// The dropped records are not cleared: a rebuild may still be reading
+	// them. The array is copied once it is mostly dropped records.
+	base := h.versions[0].undoFrom
+	h.log = h.log[base-h.logBase:]
+	h.logBase = base
+	if cap(h.log) > 2*len(h.log)+1024 {
+		h.log = slices.Clone(h.log)
 	}
 }
 
@@ -167,7 +195,7 @@ func (h *History[V]) Current() Version {
 	if len(h.versions) == 0 {
 		return Version{}
 	}
-	return h.versions[len(h.versions)-1].Version
+	return h.versions[len(h.versions)-1].version()
 }
 
 // Tree returns the current tree.
@@ -183,7 +211,7 @@ func (h *History[V]) Versions() []Version {
 	defer h.mu.Unlock()
 	out := make([]Version, len(h.versions))
 	for i, v := range h.versions {
-		out[i] = v.Version
+		out[i] = v.version()
 	}
 	return out
 }
@@ -193,14 +221,14 @@ func (h *History[V]) Lookup(root Hash) (Version, bool) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if i := h.indexLocked(root); i >= 0 {
-		return h.versions[i].Version, true
+		return h.versions[i].version(), true
 	}
 	return Version{}, false
 }
 
 func (h *History[V]) indexLocked(root Hash) int {
 	for i := len(h.versions) - 1; i >= 0; i-- {
-		if h.versions[i].Root == root {
+		if h.versions[i].root == root {
 			return i
 		}
 	}
@@ -212,7 +240,7 @@ func (h *History[V]) indexLocked(root Hash) int {
 func (h *History[V]) Held() (versions, changes int) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return len(h.versions), h.changes
+	return len(h.versions), len(h.log)
 }
 
 // TreeAt rebuilds the tree of the kept version whose root is root. The
@@ -229,7 +257,7 @@ func (h *History[V]) TreeAt(root Hash) (Tree[V], error) {
 	// The undo records are never changed once written; copy their headers.
 	undo := make([][]undoEntry, 0, len(h.versions)-1-i)
 	for j := len(h.versions) - 2; j >= i; j-- {
-		undo = append(undo, h.versions[j].undo)
+		undo = append(undo, h.undoOf(&h.versions[j]))
 	}
 	h.mu.Unlock()
 	if len(undo) == 0 {
@@ -279,12 +307,13 @@ func (h *History[V]) FirstWith(name string, hash Hash) (uint64, bool) {
 	for i := len(h.versions) - 1; i >= 0; i-- {
 		v := &h.versions[i]
 		if i < len(h.versions)-1 {
-			if j, found := slices.BinarySearchFunc(v.undo, name, func(e undoEntry, n string) int { return strings.Compare(e.name, n) }); found {
-				at = v.undo[j].hash
+			undo := h.undoOf(v)
+			if j, found := slices.BinarySearchFunc(undo, name, func(e undoEntry, n string) int { return strings.Compare(e.name, n) }); found {
+				at = undo[j].hash
 			}
 		}
 		if at == hash && !hash.IsZero() {
-			first = v.Seq
+			first = v.seq
 		} else if first != 0 {
 			break // the run ended
 		}

@@ -272,13 +272,13 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 		return nil, err
 	}
 	defer stop()
-	per := cfg.Envoys / cfg.Relays
 	for i, r := range relays {
 		origin := func(key string) bool { return slices.Index(keys, key)%cfg.Relays == i }
 		if err := views.record(r.Ledger(), keys, origin); err != nil {
 			return nil, err
 		}
-		views.connect(r.Ledger(), keys, i*per, per)
+		from, to := i*cfg.Envoys/cfg.Relays, (i+1)*cfg.Envoys/cfg.Relays
+		views.connect(r.Ledger(), keys, from, to-from)
 	}
 	// Relays keep their connections to each other: the first gathers dial
 	// them, and are not timed.
