@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -62,6 +63,8 @@ type Tracker struct {
 	nodes map[string]*Envoy // the latest Envoy handle of each node id
 
 	nacks nackTable
+	// lastSweep is when every key was last swept (Unix nanoseconds).
+	lastSweep atomic.Int64
 
 	// changed is closed and replaced on every change while waiters > 0.
 	waiters   atomic.Int32
@@ -256,6 +259,7 @@ func (t *Tracker) Connect(node, key string, at time.Time) *Envoy {
 	k.envoys = append(k.envoys, e)
 	k.connected++
 	k.mu.Unlock()
+	t.sweep(k, at)
 	t.notify()
 	return e
 }
@@ -294,6 +298,7 @@ func (e *Envoy) Disconnect(at time.Time) {
 		e.k.refreshLocked(e)
 	}
 	e.k.mu.Unlock()
+	e.t.sweep(e.k, at)
 	e.t.notify()
 }
 
@@ -501,19 +506,56 @@ func (t *Tracker) Summary(scope Scope, now time.Time) *Summary {
 		ks, forgotten = k.summary(t.cfg.Relay, now, t.cfg.ForgetAfter, forgotten)
 		s.Keys = append(s.Keys, ks)
 	}
-	if len(forgotten) > 0 {
-		t.mu.Lock()
-		for _, e := range forgotten {
-			if t.nodes[e.node] == e {
-				delete(t.nodes, e.node)
-			}
-		}
-		t.mu.Unlock()
-		for _, e := range forgotten {
-			e.forget()
+	t.forgetAll(forgotten)
+	return s
+}
+
+// forgetAll forgets Envoys disconnected past ForgetAfter.
+func (t *Tracker) forgetAll(es []*Envoy) {
+	if len(es) == 0 {
+		return
+	}
+	t.mu.Lock()
+	for _, e := range es {
+		if t.nodes[e.node] == e {
+			delete(t.nodes, e.node)
 		}
 	}
-	return s
+	t.mu.Unlock()
+	for _, e := range es {
+		e.forget()
+	}
+}
+
+// expiredLocked appends to out the Envoys of k disconnected past
+// ForgetAfter at now. The caller holds k.mu.
+func (t *Tracker) expiredLocked(k *keyEntry, now time.Time, out []*Envoy) []*Envoy {
+	for e := range k.gone {
+		if now.Sub(e.disconnectedAt) > t.cfg.ForgetAfter {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// sweep forgets the Envoys disconnected past ForgetAfter: those of k, and
+// of every key if the last sweep of every key is ForgetAfter/2 old. Queries
+// forget them too, but memory must not wait for a query: under churn (pods
+// replaced) every stream that ends would stay.
+func (t *Tracker) sweep(k *keyEntry, now time.Time) {
+	var expired []*Envoy
+	keys := []*keyEntry{k}
+	if last := t.lastSweep.Load(); now.UnixNano()-last > int64(t.cfg.ForgetAfter/2) && t.lastSweep.CompareAndSwap(last, now.UnixNano()) {
+		t.mu.RLock()
+		keys = slices.Collect(maps.Values(t.keys))
+		t.mu.RUnlock()
+	}
+	for _, k := range keys {
+		k.mu.Lock()
+		expired = t.expiredLocked(k, now, expired)
+		k.mu.Unlock()
+	}
+	t.forgetAll(expired)
 }
 
 // summary is the KeySummary of k; Envoys disconnected for longer than

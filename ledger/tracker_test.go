@@ -386,3 +386,50 @@ func TestNormalizeNACK(t *testing.T) {
 		t.Fatal(got)
 	}
 }
+
+// TestTrackerForgetsUnderChurn: pods replaced for hours (every stream ends
+// and a new node connects) with nobody asking a query: the ledger holds no
+// more than the Envoys connected and those gone for less than ForgetAfter,
+// and its NACK rows count only those.
+func TestTrackerForgetsUnderChurn(t *testing.T) {
+	f := newFixture(t, "r")
+	f.record("k0", cds, map[string]string{"a": "1"})
+	f.record("k1", cds, map[string]string{"a": "1"})
+	const live = 50
+	forget := DefaultTrackerConfig().ForgetAfter
+	var es []*Envoy
+	for i := range 20_000 {
+		key := fmt.Sprint("k", i%2)
+		e := f.tr.Connect(fmt.Sprint("pod-", i), key, f.now)
+		f.sync(e, key, cds)
+		f.nack(e, cds, fmt.Sprintf("cluster %d rejected", i))
+		es = append(es, e)
+		if len(es) > live {
+			es[0].Disconnect(f.now)
+			es = es[1:]
+		}
+		// One connection a second.
+		if nodes, envoys := f.held(); nodes > live+int(forget/time.Second)+2 || envoys != nodes {
+			t.Fatalf("after %d pods: %d nodes and %d Envoys held, want at most %d", i+1, nodes, envoys, live+int(forget/time.Second)+2)
+		}
+	}
+	total := 0
+	for _, row := range f.tr.NACKs() {
+		total += row.Envoys
+	}
+	if nodes, _ := f.held(); total != nodes {
+		t.Fatalf("NACK rows count %d Envoys, %d are held", total, nodes)
+	}
+}
+
+// held returns the node ids and Envoy handles the Tracker holds.
+func (f *fixture) held() (nodes, envoys int) {
+	f.tr.mu.RLock()
+	defer f.tr.mu.RUnlock()
+	for _, k := range f.tr.keys {
+		k.mu.Lock()
+		envoys += len(k.envoys)
+		k.mu.Unlock()
+	}
+	return len(f.tr.nodes), envoys
+}
