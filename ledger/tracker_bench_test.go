@@ -54,24 +54,11 @@ func benchTracker(b *testing.B, envoys, keys, names, versions int) (*Tracker, []
 	return tr, es, [2]Hash{prev, last}
 }
 
-// BenchmarkACK is the bookkeeping of one ACK (issue 5: ≤ 2 µs).
+// BenchmarkACK is the bookkeeping of a whole response: sent, synced and
+// ACKed, each ACK moving the Envoy to another version (and observing its
+// latency). It bounds an ACK's own cost from above (issue 5: ≤ 2 µs);
+// timing the ACK alone here would time the benchmark's timer calls.
 func BenchmarkACK(b *testing.B) {
-	_, es, roots := benchTracker(b, 10_000, 100, 1000, 100)
-	now := time.Now()
-	b.ResetTimer()
-	for i := 0; b.Loop(); i++ {
-		e := es[i%len(es)]
-		b.StopTimer()
-		e.Sent(eds, now)
-		e.Synced(eds, roots[(i/len(es))%2], now)
-		b.StartTimer()
-		e.Answered(eds, "v", "", true, now)
-	}
-}
-
-// BenchmarkResponse is the bookkeeping of a whole response: sent, synced,
-// ACKed.
-func BenchmarkResponse(b *testing.B) {
 	_, es, roots := benchTracker(b, 10_000, 100, 1000, 100)
 	now := time.Now()
 	for i := 0; b.Loop(); i++ {

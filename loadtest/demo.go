@@ -13,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
@@ -313,7 +314,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 	}
 
 	printHeader := func() {
-		fmt.Fprintf(out, "%6s %9s %7s %4s %8s %11s %11s %8s %5s", "time", "envoys", "synced", "ring", "upstream",
+		fmt.Fprintf(out, "%6s %9s %7s %7s %4s %8s %11s %11s %8s %5s", "time", "envoys", "synced", "ledger", "ring", "upstream",
 			"change→all50", "change→all99", "sent MB", "viol")
 		tier.mu.Lock()
 		n := len(tier.slots)
@@ -346,9 +347,21 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 			cols = append(cols, fmt.Sprintf("%d/%d/%d", st.Streams, st.UpstreamStreams, st.PeerStreams))
 		}
 		_, complete, _ := tracker.Results()
-		fmt.Fprintf(out, "%6s %9s %7d %4d %8d %11s %11s %8.1f %5d",
+		// What the relays' own ledger says, asked of one relay for the
+		// whole tier: the share of Envoys that ACKed their key's current
+		// version.
+		share := "-"
+		if running := tier.Running(); len(running) > 0 {
+			qctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			tl := running[0].Node.Relay().TierLedger(qctx, ledger.Scope{})
+			cancel()
+			if c := tl.Convergence(); c.Envoys > 0 {
+				share = fmt.Sprintf("%.1f%%", 100*c.Share())
+			}
+		}
+		fmt.Fprintf(out, "%6s %9s %7d %7s %4d %8d %11s %11s %8.1f %5d",
 			time.Since(start).Round(time.Second), fmt.Sprintf("%d/%d", fleet.Connected(), cfg.Envoys),
-			fleet.Synced(up), ring, up.Stats().OpenStreams, ms(complete.P50), ms(complete.P99),
+			fleet.Synced(up), share, ring, up.Stats().OpenStreams, ms(complete.P50), ms(complete.P99),
 			float64(sent)/1e6, len(fleet.Violations()))
 		for _, c := range cols {
 			fmt.Fprintf(out, " %13s", c)
@@ -381,6 +394,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 			fmt.Fprintf(out, "\n%d changes reached all their Envoys: P50 %s, P99 %s, max %s (per Envoy ACK P99 %s)\n",
 				complete.N, ms(complete.P50), ms(complete.P99), ms(complete.Max), ms(perEnvoy.P99))
 			fmt.Fprintf(out, "upstream streams at the end: %d for %d keys\n", up.Stats().OpenStreams, cfg.Keys)
+			demoLedgerWait(out, tier)
 			if v := fleet.Violations(); len(v) > 0 {
 				for _, e := range v[:min(len(v), 5)] {
 					fmt.Fprintf(out, "violation: %v\n", e)
@@ -403,4 +417,31 @@ func ms(d time.Duration) string {
 		return fmt.Sprintf("%.2fms", float64(d)/float64(time.Millisecond))
 	}
 	return d.Round(100 * time.Microsecond).String()
+}
+
+// demoLedgerWait asks one relay whether the last change reached every
+// Envoy of the tier, as an operator would: a wait on the ledger for the
+// whole tier, bounded at 10 s.
+func demoLedgerWait(out io.Writer, tier *Tier) {
+	running := tier.Running()
+	if len(running) == 0 {
+		return
+	}
+	r := running[0]
+	wctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	start := time.Now()
+	tl, err := r.Node.Relay().TierWait(wctx, ledger.Scope{}, 1)
+	c := tl.Convergence()
+	if err == nil {
+		fmt.Fprintf(out, "ledger (asked of %s): %d of %d Envoys ACKed their key's current version, tier-wide, %s after the churn stopped\n",
+			r.ID, c.Current, c.Envoys, time.Since(start).Round(time.Millisecond))
+		return
+	}
+	fmt.Fprintf(out, "ledger (asked of %s): %d of %d Envoys on their key's current version after 10 s (%v); stragglers:\n", r.ID, c.Current, c.Envoys, err)
+	if tl.Report != nil {
+		for _, s := range tl.Stragglers(5) {
+			fmt.Fprintf(out, "  %s on %s: %s (%s)\n", s.Node, s.Relay, s.Reason, s.Type)
+		}
+	}
 }

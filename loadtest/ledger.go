@@ -77,8 +77,9 @@ type Quantiles struct {
 // LedgerTargets are issue 5's goals, each with whether it was met.
 type LedgerTargets struct {
 	ACK         bool `json:"ack_le_2us"`
-	Convergence bool `json:"convergence_le_1ms"`
-	Tier        bool `json:"tier_le_20ms"`
+	Convergence bool `json:"convergence_p99_le_1ms"`
+	TierP50     bool `json:"tier_p50_le_20ms"`
+	TierP99     bool `json:"tier_p99_le_20ms"`
 	Memory      bool `json:"memory_le_64MiB"`
 }
 
@@ -311,11 +312,12 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 	rep.Targets = LedgerTargets{
 		ACK:         rep.ACKNanos <= 2000,
 		Convergence: rep.Convergence.P99 <= time.Millisecond,
-		Tier:        rep.Tier.P99 <= 20*time.Millisecond,
+		TierP50:     rep.Tier.P50 <= 20*time.Millisecond,
+		TierP99:     rep.Tier.P99 <= 20*time.Millisecond,
 		Memory:      rep.LedgerBytes <= 64<<20,
 	}
-	fmt.Fprintf(out, "targets: ACK ≤ 2 µs %s, convergence ≤ 1 ms %s, tier ≤ 20 ms %s, memory ≤ 64 MiB %s\n",
-		pass(rep.Targets.ACK), pass(rep.Targets.Convergence), pass(rep.Targets.Tier), pass(rep.Targets.Memory))
+	fmt.Fprintf(out, "targets: ACK ≤ 2 µs %s, convergence ≤ 1 ms %s, tier ≤ 20 ms P50 %s P99 %s, memory ≤ 64 MiB %s\n",
+		pass(rep.Targets.ACK), pass(rep.Targets.Convergence), pass(rep.Targets.TierP50), pass(rep.Targets.TierP99), pass(rep.Targets.Memory))
 	return rep, nil
 }
 
