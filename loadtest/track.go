@@ -12,7 +12,9 @@ import (
 
 // Tracker measures how long changes take to reach every Envoy that must get
 // them: from the upstream publishing a resource at generation G to each
-// Envoy ACKing that resource at generation G or later. Safe for concurrent
+// Envoy ACKing that resource at generation G or later, or declaring it holds
+// it to a new stream (it applied the response, but the stream broke before
+// its ACK went out: the server learns it holds it from the declaration). Safe for concurrent
 // use; Envoys report to it from their stream goroutines.
 type Tracker struct {
 	mu      sync.Mutex
@@ -180,7 +182,7 @@ func (t *Tracker) Forget(cutoff time.Time) {
 
 // observe records an Envoy's event.
 func (t *Tracker) observe(idx int, ev envoy.Event) {
-	if ev.Kind != envoy.ACKed || t.active.Load() == 0 {
+	if (ev.Kind != envoy.ACKed && ev.Kind != envoy.Declared) || t.active.Load() == 0 {
 		return
 	}
 	t.mu.Lock()

@@ -398,6 +398,51 @@ func TestReconnectKeepsState(t *testing.T) {
 	})
 }
 
+// TestDeclaredOnReconnect: the first request of each type on a new stream
+// is reported as a Declared event naming what the Envoy holds (a change it
+// applied but could not ACK before the stream broke is known to the server
+// from there on), and the first stream declares nothing.
+func TestDeclaredOnReconnect(t *testing.T) {
+	matrix(t, func(t *testing.T, p Protocol, kind string) {
+		w := baseWorld()
+		u := newUpstream(t, kind, w)
+		var mu sync.Mutex
+		declared := map[string][]string{}
+		e := newTestEnvoy(t, u.conn, p, func(c *Config) {
+			c.OnEvent = func(ev Event) {
+				if ev.Kind == Declared {
+					mu.Lock()
+					declared[ev.TypeURL] = append(declared[ev.TypeURL], ev.Names...)
+					mu.Unlock()
+				}
+			}
+		})
+		waitFor(t, e, "initial sync", synced(w))
+		mu.Lock()
+		if len(declared) != 0 {
+			t.Fatalf("first stream declared %v, want nothing", declared)
+		}
+		mu.Unlock()
+		u.stop()
+		waitFor(t, e, "disconnected", func(v View) bool { return !v.Stats().Connected })
+		u.start()
+		waitFor(t, e, "reconnected", func(v View) bool { return v.Stats().Connected && v.Stats().Reconnects > 0 && synced(w)(v) })
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			mu.Lock()
+			cds, eds := slices.Sorted(slices.Values(declared[ClusterType])), slices.Sorted(slices.Values(declared[EndpointType]))
+			mu.Unlock()
+			if slices.Equal(cds, []string{"c1", "c2"}) && slices.Equal(eds, []string{"c1", "c2"}) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("declared CDS %v, EDS %v; want [c1 c2] each", cds, eds)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+}
+
 func TestForgetThenSubscribe(t *testing.T) {
 	matrix(t, func(t *testing.T, p Protocol, kind string) {
 		w := baseWorld()

@@ -18,6 +18,12 @@ const (
 	// Removed: resources stopped being held (removed by the server, or
 	// dropped because they are no longer subscribed).
 	Removed
+	// Declared: the first request of a new stream told the server what the
+	// Envoy holds of a type (Delta initial_resource_versions, SotW
+	// version_info): Names and Generations are what it holds. A response
+	// applied just before a stream broke, whose ACK was never sent, is
+	// known to the server from then on.
+	Declared
 )
 
 // String returns the kind's name.
@@ -31,6 +37,8 @@ func (k EventKind) String() string {
 		return "nacked"
 	case Removed:
 		return "removed"
+	case Declared:
+		return "declared"
 	default:
 		return fmt.Sprintf("EventKind(%d)", int(k))
 	}

@@ -256,15 +256,30 @@ func (e *Envoy) pendingLocked(out []outbound) []outbound {
 			ts.dirty = false
 			continue
 		}
+		declared := e.declaredLocked(ts)
 		if e.cfg.Protocol == Delta {
 			if req := e.deltaSubscriptionLocked(ts); req != nil {
-				out = append(out, outbound{delta: req})
+				out = append(out, outbound{delta: req, ev: declared})
 			}
 		} else {
-			out = append(out, outbound{sotw: e.sotwRequestLocked(ts, ts.acked, nil)})
+			out = append(out, outbound{sotw: e.sotwRequestLocked(ts, ts.acked, nil), ev: declared})
 		}
 	}
 	return out
+}
+
+// declaredLocked returns the Declared event of the first request of a type
+// on a new stream, if the Envoy holds something of it and someone listens.
+func (e *Envoy) declaredLocked(ts *typeState) *Event {
+	if ts.opened || len(ts.held) == 0 || e.cfg.OnEvent == nil {
+		return nil
+	}
+	ev := &Event{Kind: Declared, TypeURL: ts.url, Version: ts.acked}
+	for n := range ts.held {
+		ev.Names = append(ev.Names, n.Value())
+		ev.Generations = append(ev.Generations, ts.heldGen[n])
+	}
+	return ev
 }
 
 // nodeLocked returns the node for the next request: only the first of a
