@@ -2,6 +2,8 @@ package ledger
 
 import (
 	"cmp"
+	"crypto/sha256"
+	"encoding/binary"
 	"slices"
 	"strings"
 	"time"
@@ -28,6 +30,48 @@ type KeySummary struct {
 	Stale  bool
 	Types  []TypeVersion // by Type
 	Envoys []EnvoyState  // by Node
+}
+
+// LedgerVersion is the key's ledger version: its types' roots combined.
+func (k *KeySummary) LedgerVersion() Hash {
+	pairs := make([]typeRoot, len(k.Types))
+	for i, tv := range k.Types {
+		pairs[i] = typeRoot{tv.Type, tv.Version.Root}
+	}
+	return combine(pairs)
+}
+
+// LedgerVersion is the ledger version the Envoy ACKed: the roots it ACKed
+// of each type it subscribes to, combined. It equals its key's when it is
+// on every type's current version and subscribes to every type the key has.
+func (e *EnvoyState) LedgerVersion() Hash {
+	pairs := make([]typeRoot, len(e.Types))
+	for i, et := range e.Types {
+		pairs[i] = typeRoot{et.Type, et.Acked}
+	}
+	return combine(pairs)
+}
+
+type typeRoot struct {
+	typeURL string
+	root    Hash
+}
+
+// combine hashes (type URL, root) pairs in type URL order: the same content
+// gives the same version on every relay, whatever order it learned it in.
+func combine(pairs []typeRoot) Hash {
+	slices.SortFunc(pairs, func(a, b typeRoot) int { return strings.Compare(a.typeURL, b.typeURL) })
+	h := sha256.New()
+	h.Write([]byte("meshrelay.ledger.v1/key"))
+	for _, p := range pairs {
+		var n [binary.MaxVarintLen64]byte
+		h.Write(n[:binary.PutUvarint(n[:], uint64(len(p.typeURL)))])
+		h.Write([]byte(p.typeURL))
+		h.Write(p.root[:])
+	}
+	var out Hash
+	h.Sum(out[:0])
+	return out
 }
 
 // TypeVersion is a key's current version of one type.

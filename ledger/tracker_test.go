@@ -249,6 +249,18 @@ func TestTierMerge(t *testing.T) {
 	if ref, _ := rep.Reference("k", cds); ref.Root != build(map[string]Hash{"a": h("2")}).Root() {
 		t.Fatalf("Reference = %v, want v2", ref.Root)
 	}
+	// Ledger versions are content: the owner and the relay-2, holding the
+	// same views, agree; the lagging peer does not; an Envoy on the
+	// current version ACKed the key's ledger version.
+	ko, kp, kx := owner.tr.Summary(Scope{}, owner.now).Keys[0], peer.tr.Summary(Scope{}, peer.now).Keys[0], other.tr.Summary(Scope{}, other.now).Keys[0]
+	if ko.LedgerVersion() != kx.LedgerVersion() || ko.LedgerVersion() == kp.LedgerVersion() {
+		t.Fatalf("ledger versions: owner %v, relay-2 %v (want equal), peer %v (want different)", ko.LedgerVersion(), kx.LedgerVersion(), kp.LedgerVersion())
+	}
+	for _, e := range ko.Envoys {
+		if e.LedgerVersion() != ko.LedgerVersion() {
+			t.Fatalf("Envoy %s ACKed ledger version %v, key's is %v", e.Node, e.LedgerVersion(), ko.LedgerVersion())
+		}
+	}
 	// On the peer alone, its Envoy is on its relay's current version.
 	if got := peer.tr.Convergence(Scope{}, peer.now); got != (Convergence{Envoys: 2, Current: 1}) {
 		t.Fatalf("peer Convergence() = %+v, want 1 of 2 (m is not connected there)", got)
