@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/meshrelay/meshrelay/ledger"
@@ -325,6 +326,36 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 		fmt.Fprintln(out)
 	}
 	shownRelays := -1
+	// The ledger column: what the relays' own ledger says, asked of one
+	// relay for the whole tier (the share of Envoys that ACKed their key's
+	// current version). Asked apart from the loop, which must not wait on
+	// a gather that waits for a relay just killed.
+	var ledgerShare atomic.Value
+	ledgerShare.Store("-")
+	ledgerDone := make(chan struct{})
+	defer func() { <-ledgerDone }()
+	go func() {
+		defer close(ledgerDone)
+		t := time.NewTicker(cfg.Interval)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			running := tier.Running()
+			if len(running) == 0 {
+				continue
+			}
+			qctx, cancel := context.WithTimeout(ctx, time.Second)
+			tl := running[0].Node.Relay().TierLedger(qctx, ledger.Scope{})
+			cancel()
+			if c := tl.Convergence(); c.Envoys > 0 {
+				ledgerShare.Store(fmt.Sprintf("%.1f%%", 100*c.Share()))
+			}
+		}
+	}()
 	print := func() {
 		tier.mu.Lock()
 		slots := slices.Clone(tier.slots)
@@ -350,15 +381,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 		// What the relays' own ledger says, asked of one relay for the
 		// whole tier: the share of Envoys that ACKed their key's current
 		// version.
-		share := "-"
-		if running := tier.Running(); len(running) > 0 {
-			qctx, cancel := context.WithTimeout(context.Background(), time.Second)
-			tl := running[0].Node.Relay().TierLedger(qctx, ledger.Scope{})
-			cancel()
-			if c := tl.Convergence(); c.Envoys > 0 {
-				share = fmt.Sprintf("%.1f%%", 100*c.Share())
-			}
-		}
+		share, _ := ledgerShare.Load().(string)
 		fmt.Fprintf(out, "%6s %9s %7d %7s %4d %8d %11s %11s %8.1f %5d",
 			time.Since(start).Round(time.Second), fmt.Sprintf("%d/%d", fleet.Connected(), cfg.Envoys),
 			fleet.Synced(up), share, ring, up.Stats().OpenStreams, ms(complete.P50), ms(complete.P99),

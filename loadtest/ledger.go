@@ -32,6 +32,82 @@ type LedgerConfig struct {
 	Versions int
 	// Queries is how many times each query is timed. Default 200.
 	Queries int
+	// StartPeer, if set, runs relays 1… of the tier each in a process of
+	// its own, as in production (cmd/loadtest passes ExecLedgerPeer);
+	// relay 0, which is asked, stays in this one. Nil: every relay runs in
+	// this process (their collector then marks all their heaps at once).
+	StartPeer func(ctx context.Context, cfg LedgerPeerConfig) (*Child, error) `json:"-"`
+}
+
+// LedgerPeerConfig is one relay of RunLedger's tier in a process of its
+// own: relay Index of Relays, holding its share of the Envoys.
+type LedgerPeerConfig struct {
+	Index                                     int
+	Relays, Envoys, Keys, Resources, Versions int
+}
+
+// Args renders c as ledger-child flags.
+func (c LedgerPeerConfig) Args() []string {
+	return []string{"--index", fmt.Sprint(c.Index), "--relays", fmt.Sprint(c.Relays), "--envoys", fmt.Sprint(c.Envoys),
+		"--keys", fmt.Sprint(c.Keys), "--resources", fmt.Sprint(c.Resources), "--versions", fmt.Sprint(c.Versions)}
+}
+
+// ExecLedgerPeer returns a StartPeer that runs path with args followed by
+// the peer's flags; cmd/loadtest passes its own executable and
+// "ledger-child".
+func ExecLedgerPeer(path string, stderr io.Writer, args ...string) func(context.Context, LedgerPeerConfig) (*Child, error) {
+	return func(ctx context.Context, cfg LedgerPeerConfig) (*Child, error) {
+		return StartChild(ctx, ChildConfig{Path: path, Args: append(slices.Clone(args), cfg.Args()...), Stderr: stderr, ReadyTimeout: 2 * time.Minute})
+	}
+}
+
+// RunLedgerChild runs one relay of RunLedger's tier: it builds the same
+// views, tracks its share of the Envoys, prints "xds <addr>" on out and
+// serves its ledger until ctx ends or in reaches EOF (the parent is gone).
+func RunLedgerChild(ctx context.Context, cfg LedgerPeerConfig, in io.Reader, out io.Writer) error {
+	lcfg := LedgerConfig{Relays: cfg.Relays, Envoys: cfg.Envoys, Keys: cfg.Keys, Resources: cfg.Resources, Versions: cfg.Versions}
+	views := buildLedgerViews(lcfg)
+	r, err := startLedgerRelay(ctx, cfg.Index, nil)
+	if err != nil {
+		return err
+	}
+	defer r.Stop(context.Background())
+	if err := views.populate(r, lcfg, ledgerKeys(cfg.Keys), cfg.Index); err != nil {
+		return err
+	}
+	if _, err := fmt.Fprintf(out, "%s%s\n", readyPrefix, r.Addr()); err != nil {
+		return err
+	}
+	eof := make(chan struct{})
+	go func() {
+		defer close(eof)
+		_, _ = io.Copy(io.Discard, in)
+	}()
+	select {
+	case <-ctx.Done():
+	case <-eof:
+	}
+	return nil
+}
+
+func ledgerKeys(n int) []string {
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = fmt.Sprintf("sidecar/ns-%d/wl-%d#%04x", i%10, i/10, i)
+	}
+	return keys
+}
+
+// populate gives relay i of the tier the histories of every key (it is
+// the origin of one key in Relays) and its share of the Envoys.
+func (v *ledgerViews) populate(r *relay.Relay, cfg LedgerConfig, keys []string, i int) error {
+	origin := func(key string) bool { return slices.Index(keys, key)%cfg.Relays == i }
+	if err := v.record(r.Ledger(), keys, origin); err != nil {
+		return err
+	}
+	from, to := i*cfg.Envoys/cfg.Relays, (i+1)*cfg.Envoys/cfg.Relays
+	v.connect(r.Ledger(), keys, from, to-from)
+	return nil
 }
 
 // DefaultLedgerConfig is what `loadtest ledger` runs with no flags.
@@ -64,6 +140,12 @@ type LedgerReport struct {
 	HistoryChanges  int   `json:"history_changes"`
 
 	Stragglers int `json:"stragglers"`
+	// PeersApart is set when the relays other than the one asked ran each
+	// in a process of its own.
+	PeersApart bool `json:"peers_apart"`
+	// TierEnvoys and TierStragglers are what the tier-wide query counted.
+	TierEnvoys     int `json:"tier_envoys"`
+	TierStragglers int `json:"tier_stragglers"`
 
 	Targets LedgerTargets `json:"targets"`
 }
@@ -195,10 +277,7 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 		Machine: Machine{CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0), GoVersion: runtime.Version(),
 			OS: runtime.GOOS + "/" + runtime.GOARCH, LoadAvg: loadAvg()},
 	}
-	keys := make([]string, cfg.Keys)
-	for i := range keys {
-		keys[i] = fmt.Sprintf("sidecar/ns-%d/wl-%d#%04x", i%10, i/10, i)
-	}
+	keys := ledgerKeys(cfg.Keys)
 	fmt.Fprintf(out, "building %d resources and %d versions…\n", cfg.Resources, cfg.Versions)
 	views := buildLedgerViews(cfg)
 
@@ -267,20 +346,46 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 	tr = nil
 
 	// The tier: Relays real relays, the Envoys spread over them, each key's
-	// origin one of them.
-	relays, stop, err := startLedgerRelays(ctx, cfg.Relays)
+	// origin one of them. Relay 0 is asked.
+	peers := &staticPeers{}
+	asked, err := startLedgerRelay(ctx, 0, peers)
 	if err != nil {
 		return nil, err
 	}
-	defer stop()
-	for i, r := range relays {
-		origin := func(key string) bool { return slices.Index(keys, key)%cfg.Relays == i }
-		if err := views.record(r.Ledger(), keys, origin); err != nil {
-			return nil, err
-		}
-		from, to := i*cfg.Envoys/cfg.Relays, (i+1)*cfg.Envoys/cfg.Relays
-		views.connect(r.Ledger(), keys, from, to-from)
+	defer asked.Stop(context.Background())
+	if err := views.populate(asked, cfg, keys, 0); err != nil {
+		return nil, err
 	}
+	where := "in this process"
+	if cfg.StartPeer != nil {
+		where = "each in a process of its own"
+	}
+	for i := 1; i < cfg.Relays; i++ {
+		var addr string
+		if cfg.StartPeer != nil {
+			c, err := cfg.StartPeer(ctx, LedgerPeerConfig{Index: i, Relays: cfg.Relays, Envoys: cfg.Envoys, Keys: cfg.Keys, Resources: cfg.Resources, Versions: cfg.Versions})
+			if err != nil {
+				return nil, fmt.Errorf("loadtest: start relay-%d: %w", i, err)
+			}
+			defer c.Stop(context.Background())
+			addr = c.Addr()
+		} else {
+			r, err := startLedgerRelay(ctx, i, nil)
+			if err != nil {
+				return nil, err
+			}
+			defer r.Stop(context.Background())
+			if err := views.populate(r, cfg, keys, i); err != nil {
+				return nil, err
+			}
+			addr = r.Addr().String()
+		}
+		peers.mu.Lock()
+		peers.addrs = append(peers.addrs, addr)
+		peers.mu.Unlock()
+	}
+	rep.PeersApart = cfg.StartPeer != nil
+	relays := []*relay.Relay{asked}
 	// Relays keep their connections to each other: the first gathers dial
 	// them, and are not timed.
 	for range 3 {
@@ -297,7 +402,12 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 		return nil, tierErr
 	}
 	tl := relays[0].TierLedger(ctx, ledger.Scope{})
-	fmt.Fprintf(out, "tier-wide across %d relays: P50 %v P99 %v (%d Envoys, share %.3f)\n", cfg.Relays, rep.Tier.P50, rep.Tier.P99, tl.Convergence().Envoys, tl.Convergence().Share())
+	if len(tl.Missing) > 0 {
+		return nil, fmt.Errorf("loadtest: relays missing from the tier-wide answer: %v", tl.Missing)
+	}
+	rep.TierEnvoys, rep.TierStragglers = tl.Convergence().Envoys, len(tl.Stragglers(0))
+	fmt.Fprintf(out, "tier-wide across %d relays (the others %s): P50 %v P99 %v (%d Envoys, share %.3f)\n",
+		cfg.Relays, where, rep.Tier.P50, rep.Tier.P99, tl.Convergence().Envoys, tl.Convergence().Share())
 	movedHash, _ := views.eds[len(views.eds)-1].Get(views.moved)
 	rep.TierDelivery = timeQuery(cfg.Queries/4+1, func() {
 		if _, _, err := relays[0].TierDelivery(ctx, ledger.Scope{}, ledgerEDS, views.moved, movedHash.Hash); err != nil && tierErr == nil {
@@ -347,45 +457,26 @@ func heapInUse() int64 {
 	return int64(ms.HeapAlloc)
 }
 
-// startLedgerRelays starts n relays on loopback that know each other as
-// peers. Their upstream is never dialled: the ledger is driven directly.
-func startLedgerRelays(ctx context.Context, n int) ([]*relay.Relay, func(), error) {
-	var relays []*relay.Relay
-	var peers []*staticPeers
-	var addrs []string
-	stop := func() {
-		for _, r := range relays {
-			r.Stop(context.Background())
-		}
+// startLedgerRelay starts relay-i on loopback, asking peers (nil: none)
+// for tier-wide answers. Its upstream is never dialled: the ledger is
+// driven directly.
+func startLedgerRelay(ctx context.Context, i int, peers relay.Peers) (*relay.Relay, error) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
 	}
-	for i := range n {
-		lis, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			stop()
-			return nil, nil, err
-		}
-		cfg := relay.DefaultConfig()
-		cfg.ID = fmt.Sprintf("relay-%d", i)
-		cfg.Listener = lis
-		cfg.Upstream = "127.0.0.1:1"
-		p := &staticPeers{}
-		cfg.Peers = p
-		r, err := relay.New(cfg)
-		if err != nil {
-			lis.Close()
-			stop()
-			return nil, nil, err
-		}
-		if err := r.Start(ctx); err != nil {
-			stop()
-			return nil, nil, err
-		}
-		relays = append(relays, r)
-		peers = append(peers, p)
-		addrs = append(addrs, lis.Addr().String())
+	cfg := relay.DefaultConfig()
+	cfg.ID = fmt.Sprintf("relay-%d", i)
+	cfg.Listener = lis
+	cfg.Upstream = "127.0.0.1:1"
+	cfg.Peers = peers
+	r, err := relay.New(cfg)
+	if err != nil {
+		lis.Close()
+		return nil, err
 	}
-	for i, p := range peers {
-		p.addrs = slices.Delete(slices.Clone(addrs), i, i+1)
+	if err := r.Start(ctx); err != nil {
+		return nil, err
 	}
-	return relays, stop, nil
+	return r, nil
 }

@@ -56,6 +56,18 @@ func main() {
 		err = serveUpstream(ctx, os.Args[2:])
 	case "relay-child": // hidden: the relay process fanout starts
 		err = relayChild(ctx, os.Args[2:])
+	case "ledger-child": // hidden: a relay of the ledger benchmark's tier
+		var pc loadtest.LedgerPeerConfig
+		fs := flag.NewFlagSet("ledger-child", flag.ContinueOnError)
+		fs.IntVar(&pc.Index, "index", 1, "this relay's index")
+		fs.IntVar(&pc.Relays, "relays", 3, "relays in the tier")
+		fs.IntVar(&pc.Envoys, "envoys", 10_000, "Envoys in the tier")
+		fs.IntVar(&pc.Keys, "keys", 100, "aggregation keys")
+		fs.IntVar(&pc.Resources, "resources", 60_000, "resources in every key's view")
+		fs.IntVar(&pc.Versions, "versions", 1000, "versions of history per key")
+		if err = fs.Parse(os.Args[2:]); err == nil {
+			err = loadtest.RunLedgerChild(ctx, pc, os.Stdin, os.Stdout)
+		}
 	case "etcd-child": // hidden: the etcd process warmstart starts
 		fs := flag.NewFlagSet("etcd-child", flag.ContinueOnError)
 		dir := fs.String("dir", "", "etcd's data directory")
@@ -193,8 +205,16 @@ func ledgerBench(ctx context.Context, args []string) error {
 	fs.IntVar(&cfg.Queries, "queries", cfg.Queries, "timed repetitions of each query")
 	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
+	inProcess := fs.Bool("in-process", false, "run every relay of the tier in this process (default: the relays other than the one asked run each in a process of its own, as in production)")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if !*inProcess {
+		exe, err := os.Executable()
+		if err != nil {
+			return fmt.Errorf("find own executable for the ledger children: %w", err)
+		}
+		cfg.StartPeer = loadtest.ExecLedgerPeer(exe, os.Stderr, "ledger-child")
 	}
 	if *cpuProfile != "" {
 		f, err := os.Create(*cpuProfile)
