@@ -33,9 +33,10 @@ type LedgerConfig struct {
 	// Queries is how many times each query is timed. Default 200.
 	Queries int
 	// StartPeer, if set, runs relays 1… of the tier each in a process of
-	// its own, as in production (cmd/loadtest passes ExecLedgerPeer);
-	// relay 0, which is asked, stays in this one. Nil: every relay runs in
-	// this process (their collector then marks all their heaps at once).
+	// its own, as in production (cmd/loadtest passes ExecLedgerPeer with
+	// --peers-apart); relay 0, which is asked, stays in this one. Nil:
+	// every relay runs in this process (one collector marks all their
+	// heaps, but on two cores three processes contend more than that).
 	StartPeer func(ctx context.Context, cfg LedgerPeerConfig) (*Child, error) `json:"-"`
 }
 

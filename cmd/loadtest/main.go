@@ -205,11 +205,11 @@ func ledgerBench(ctx context.Context, args []string) error {
 	fs.IntVar(&cfg.Queries, "queries", cfg.Queries, "timed repetitions of each query")
 	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
-	inProcess := fs.Bool("in-process", false, "run every relay of the tier in this process (default: the relays other than the one asked run each in a process of its own, as in production)")
+	apart := fs.Bool("peers-apart", false, "run the relays other than the one asked each in a process of its own, as in production (on a small machine the processes contend for the cores: slower)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	if !*inProcess {
+	if *apart {
 		exe, err := os.Executable()
 		if err != nil {
 			return fmt.Errorf("find own executable for the ledger children: %w", err)
