@@ -355,13 +355,28 @@ func (e *Envoy) Synced(typeURL string, view Hash, at time.Time) {
 	}
 }
 
-// Answered records the Envoy's ACK (detail == "") or NACK of a response of
-// typeURL carrying version; latest tells whether it answers the latest
-// response sent.
-func (e *Envoy) Answered(typeURL, version, detail string, latest bool, at time.Time) {
+// Answer is an Envoy's answer to a response of one type.
+type Answer struct {
+	// Version is the version of the response answered.
+	Version string
+	// Detail is a NACK's error_detail; "" for an ACK.
+	Detail string
+	// Latest is set if it answers the latest response sent of the type.
+	Latest bool
+	// Rejecting is set on an ACK while content the Envoy rejected earlier
+	// has not been sent to it again: the ACK keeps the NACK, and the Envoy
+	// is not on the version (a relay does not send rejected content again
+	// until it changes, so a later response may carry other names only).
+	Rejecting bool
+	At        time.Time
+}
+
+// Answered records the Envoy's ACK or NACK of a response of typeURL.
+func (e *Envoy) Answered(typeURL string, a Answer) {
 	if e == nil {
 		return
 	}
+	detail, latest, at := a.Detail, a.Latest, a.At
 	var converged time.Duration
 	var observe bool
 	e.k.mu.Lock()
@@ -381,8 +396,8 @@ func (e *Envoy) Answered(typeURL, version, detail string, latest bool, at time.T
 		if et.nack != nil {
 			e.t.nacks.release(et.nack.row)
 		}
-		et.nack = &nackState{row: row, version: version, detail: detail, at: at}
-	} else if latest {
+		et.nack = &nackState{row: row, version: a.Version, detail: detail, at: at}
+	} else if latest && !a.Rejecting {
 		if et.nack != nil {
 			e.t.nacks.release(et.nack.row)
 			et.nack = nil

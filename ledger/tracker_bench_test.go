@@ -47,7 +47,7 @@ func benchTracker(b *testing.B, envoys, keys, names, versions int) (*Tracker, []
 		}{{cds, trees[0].Root()}, {eds, last}} {
 			e.Sent(t.typeURL, now)
 			e.Synced(t.typeURL, t.root, now)
-			e.Answered(t.typeURL, "v", "", true, now)
+			e.Answered(t.typeURL, Answer{Version: "v", Latest: true, At: now})
 		}
 		es = append(es, e)
 	}
@@ -65,7 +65,7 @@ func BenchmarkACK(b *testing.B) {
 		e := es[i%len(es)]
 		e.Sent(eds, now)
 		e.Synced(eds, roots[(i/len(es))%2], now)
-		e.Answered(eds, "v", "", true, now)
+		e.Answered(eds, Answer{Version: "v", Latest: true, At: now})
 	}
 }
 

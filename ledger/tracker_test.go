@@ -74,9 +74,11 @@ func (f *fixture) sync(e *Envoy, key, typeURL string) Hash {
 	return root
 }
 
-func (f *fixture) ack(e *Envoy, typeURL string) { e.Answered(typeURL, "v", "", true, f.tick()) }
+func (f *fixture) ack(e *Envoy, typeURL string) {
+	e.Answered(typeURL, Answer{Version: "v", Latest: true, At: f.tick()})
+}
 func (f *fixture) nack(e *Envoy, typeURL, detail string) {
-	e.Answered(typeURL, "v", detail, true, f.tick())
+	e.Answered(typeURL, Answer{Version: "v", Detail: detail, Latest: true, At: f.tick()})
 }
 
 // TestTrackerAnswers: Envoys of every kind (current, NACKing, silent, never
@@ -312,8 +314,8 @@ func TestWait(t *testing.T) {
 	for f.tr.waiters.Load() == 0 {
 		time.Sleep(time.Millisecond)
 	}
-	e1.Answered(cds, "v", "", true, time.Now())
-	e2.Answered(cds, "v", "", true, time.Now())
+	e1.Answered(cds, Answer{Version: "v", Latest: true, At: time.Now()})
+	e2.Answered(cds, Answer{Version: "v", Latest: true, At: time.Now()})
 	if c := <-done; c != (Convergence{Envoys: 2, Current: 2}) {
 		t.Fatalf("Wait = %+v, want 2 of 2", c)
 	}

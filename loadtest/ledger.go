@@ -239,11 +239,11 @@ func (v *ledgerViews) connect(tr *ledger.Tracker, keys []string, first, envoys i
 			e.Synced(t.typeURL, t.root, now)
 			switch {
 			case t.typeURL == ledgerEDS && i%100 == 1:
-				e.Answered(t.typeURL, "v", fmt.Sprintf("endpoint 10.0.%d.%d:80 rejected", i>>8&255, i&255), true, now)
+				e.Answered(t.typeURL, ledger.Answer{Version: "v", Detail: fmt.Sprintf("endpoint 10.0.%d.%d:80 rejected", i>>8&255, i&255), Latest: true, At: now})
 			case t.typeURL == ledgerEDS && i%100 == 2:
 				// never answers
 			default:
-				e.Answered(t.typeURL, "v", "", true, now)
+				e.Answered(t.typeURL, ledger.Answer{Version: "v", Latest: true, At: now})
 			}
 		}
 		out = append(out, e)
@@ -325,7 +325,7 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 		}
 		mid := time.Now()
 		for _, e := range envoys {
-			e.Answered(ledgerEDS, "v", "", true, mid)
+			e.Answered(ledgerEDS, ledger.Answer{Version: "v", Latest: true, At: mid})
 		}
 		end := time.Now()
 		respTotal += end.Sub(start)

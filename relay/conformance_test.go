@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -17,6 +18,8 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/meshrelay/meshrelay/ledger"
 )
 
 // env is one conformance case's world: a real go-control-plane upstream
@@ -80,6 +83,44 @@ func removedOf(m proto.Message) []string {
 }
 
 // status returns the relay's view of a client's state for a type.
+// waitAcked waits up to 5 s for the relay to have taken the client's ACK of
+// version.
+func (e *env) waitAcked(t *testing.T, nodeID, typeURL, version string) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		if e.status(nodeID, typeURL).AckedVersion == version {
+			return
+		}
+	}
+	t.Fatalf("the relay never took the ACK of %s", version)
+}
+
+func versionOf(m proto.Message) string {
+	switch r := m.(type) {
+	case *discovery.DiscoveryResponse:
+		return r.GetVersionInfo()
+	case *discovery.DeltaDiscoveryResponse:
+		return r.GetSystemVersionInfo()
+	}
+	return ""
+}
+
+// waitLedger waits up to 5 s for the relay's ledger to count want, with the
+// one straggler's reason (if any).
+func (e *env) waitLedger(t *testing.T, when string, want ledger.Convergence, reason ledger.Reason) {
+	t.Helper()
+	var got ledger.Convergence
+	var ss []ledger.Straggler
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		sum := e.r.Ledger().Summary(ledger.Scope{}, time.Now())
+		got, ss = sum.Convergence(), sum.Stragglers(0)
+		if got == want && (reason == "" && len(ss) == 0 || len(ss) == 1 && ss[0].Reason == reason) {
+			return
+		}
+	}
+	t.Fatalf("after %s: ledger %+v with stragglers %+v; want %+v, reason %q", when, got, ss, want, reason)
+}
+
 func (e *env) status(nodeID, typeURL string) TypeStatus {
 	for _, c := range e.r.Clients() {
 		if c.NodeID == nodeID {
@@ -252,6 +293,30 @@ func TestConformance(t *testing.T) {
 			if st := e.status(c.node.GetId(), typeCluster); st.NACK != nil || st.AckedVersion == "" {
 				t.Fatalf("status after ACK = %+v, want ACKed and no NACK", st)
 			}
+		}},
+		{"ledger: a NACKed change keeps the client behind until it is sent again", func(t *testing.T, e *env) {
+			c := e.client(0)
+			c.subscribe(typeCluster)
+			c.ack(c.recv())
+			e.waitLedger(t, "the first ACK", ledger.Convergence{Envoys: 1, Current: 1}, "")
+			e.up.set("ns1", typeCluster, mkCluster("c0", "v2"))
+			c.nack(c.recv(), "")
+			e.waitLedger(t, "the NACK", ledger.Convergence{Envoys: 1}, ledger.NACKed)
+			// A response that carries other names only: an ACK of it does
+			// not mean the client holds c0 at v2. (A SotW CDS response
+			// carries everything, c0 included: the ACK clears the NACK.)
+			e.up.set("ns1", typeCluster, mkCluster("c3"))
+			m := c.recv()
+			c.ack(m)
+			e.waitAcked(t, c.node.GetId(), typeCluster, versionOf(m))
+			if !e.delta {
+				e.waitLedger(t, "a SotW full-state ACK", ledger.Convergence{Envoys: 1, Current: 1}, "")
+				return
+			}
+			e.waitLedger(t, "an ACK of another name", ledger.Convergence{Envoys: 1}, ledger.NACKed)
+			e.up.set("ns1", typeCluster, mkCluster("c0", "v3"))
+			c.ack(c.recv())
+			e.waitLedger(t, "c0 sent again and ACKed", ledger.Convergence{Envoys: 1, Current: 1}, "")
 		}},
 		{"node from the first request is kept", func(t *testing.T, e *env) {
 			c := e.client(0)

@@ -99,11 +99,18 @@ type typeSub struct {
 	inflight []sentResponse
 	// sent is the latest response (SotW: the one an ACK refers to).
 	sent sentResponse
+	// rejected holds the names of responses the client NACKed that it has
+	// not been sent again since (the relay does not send rejected content
+	// again until it changes): until it has, it is not on the view.
+	rejected map[string]struct{}
 }
 
 type sentResponse struct {
 	nonce, version string
 	at             time.Time
+	// from and to are what the client held before and after it: what the
+	// response changed, which is what a NACK of it rejects.
+	from, to ledger.Tree[*Resource]
 }
 
 // maxInflight bounds the Delta responses remembered for ACK matching; a
@@ -334,7 +341,8 @@ func (s *stream) resubscribe(sub *typeSub, wildcard bool, names nameSet, resend 
 // version; latest tells whether that is the latest response of its type.
 func (s *stream) ack(sub *typeSub, sent sentResponse, errorDetail string, latest bool) {
 	now := time.Now()
-	s.led.Answered(sub.typeURL, sent.version, errorDetail, latest, now)
+	rejecting := s.noteRejected(sub, sent, errorDetail != "")
+	s.led.Answered(sub.typeURL, ledger.Answer{Version: sent.version, Detail: errorDetail, Latest: latest, Rejecting: rejecting, At: now})
 	tm := s.r.metrics.forType(sub.typeURL)
 	if errorDetail != "" {
 		s.updateStatus(sub.typeURL, func(st *TypeStatus) {
@@ -350,6 +358,44 @@ func (s *stream) ack(sub *typeSub, sent sentResponse, errorDetail string, latest
 	d := now.Sub(sent.at)
 	tm.pushACK.Observe(d.Seconds())
 	s.r.pushACK.observe(d)
+}
+
+// noteRejected keeps sub.rejected up to date with an answer to sent, and
+// reports whether the client still lacks content it rejected.
+func (s *stream) noteRejected(sub *typeSub, sent sentResponse, nack bool) bool {
+	if s.led == nil {
+		return false // not tracked
+	}
+	if nack {
+		if sub.rejected == nil {
+			sub.rejected = make(map[string]struct{})
+		}
+		ledger.Diff(sent.from, sent.to, func(c ledger.Change[*Resource]) bool {
+			sub.rejected[c.Name] = struct{}{}
+			return true
+		})
+		return true
+	}
+	if len(sub.rejected) == 0 {
+		return false
+	}
+	if !s.delta && fullStateSotW(sub.typeURL) {
+		clear(sub.rejected) // every response carries everything
+		return false
+	}
+	var view ledger.Tree[*Resource]
+	if ts := s.key.snap.Load().types[sub.typeURL]; ts != nil {
+		view = ts.view
+	}
+	for n := range sub.rejected {
+		f, had := sent.from.Get(n)
+		t, has := sent.to.Get(n)
+		resent := had != has || (has && f.Hash != t.Hash)
+		if _, inView := view.Get(n); resent || !inView {
+			delete(sub.rejected, n)
+		}
+	}
+	return len(sub.rejected) > 0
 }
 
 // share makes the client's known tree the view itself when they hold the
@@ -769,7 +815,8 @@ func opaque(t ledger.Tree[*Resource]) bool {
 func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 	sub := p.sub
 	p.done += len(upd) + len(removed)
-	from := sub.known.Root()
+	fromTree := sub.known
+	from := fromTree.Root()
 	kb := sub.known.Edit()
 	for _, r := range upd {
 		kb.Set(r.Name, r.Hash, r)
@@ -806,7 +853,7 @@ func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 	}
 	out.nonce = s.nextNonce()
 	now := time.Now()
-	sent := sentResponse{nonce: out.nonce, version: out.version, at: now}
+	sent := sentResponse{nonce: out.nonce, version: out.version, at: now, from: fromTree, to: sub.known}
 	if s.delta {
 		sub.inflight = append(sub.inflight, sent)
 		if len(sub.inflight) > maxInflight {
