@@ -1,6 +1,7 @@
 package ledger
 
 import (
+	"errors"
 	"fmt"
 	"time"
 )
@@ -97,6 +98,9 @@ func (t *Tracker) Verdicts(scope Scope, typeURL, name string, hash Hash) ([]Verd
 		}
 		v := Verdicts{Key: k.key, Roots: roots}
 		_, refs, err := proveAt(views, cur.Root, name)
+		if errors.Is(err, ErrUnknownVersion) {
+			continue // the view moved on and the version expired: ask again
+		}
 		if err != nil {
 			return nil, fmt.Errorf("key %s: %w", k.key, err)
 		}
@@ -109,6 +113,9 @@ func (t *Tracker) Verdicts(scope Scope, typeURL, name string, hash Hash) ([]Verd
 				continue
 			}
 			_, has, err := proveAt(views, root, name)
+			if errors.Is(err, ErrUnknownVersion) {
+				continue // expired since Lookup: not known to hold it
+			}
 			if err != nil {
 				return nil, fmt.Errorf("key %s: %w", k.key, err)
 			}

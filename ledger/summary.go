@@ -168,6 +168,20 @@ func (c *Convergence) add(current bool) {
 	}
 }
 
+// nextForget returns when the first of the summary's disconnected Envoys is
+// forgotten.
+func (s *Summary) nextForget(after time.Duration) (time.Time, bool) {
+	var first time.Time
+	for i := range s.Keys {
+		for j := range s.Keys[i].Envoys {
+			if d := s.Keys[i].Envoys[j].DisconnectedAt; !d.IsZero() && (first.IsZero() || d.Before(first)) {
+				first = d
+			}
+		}
+	}
+	return first.Add(after), !first.IsZero()
+}
+
 // Convergence returns the share of this summary's Envoys on their key's
 // current version.
 func (s *Summary) Convergence() Convergence { return Merge(s).Convergence() }

@@ -81,7 +81,12 @@ type keyEntry struct {
 	types  map[string]*typeEntry
 	origin bool
 	stale  bool
-	envoys []*Envoy // a slice, not a map: queries walk it (Envoy.idx is the place)
+	// idle is set once the relay dropped the key while Envoys of it were
+	// still listed: the entry goes when they do. dropped is set once the
+	// entry left Tracker.keys: whoever still holds it looks the key up
+	// again.
+	idle, dropped bool
+	envoys        []*Envoy // a slice, not a map: queries walk it (Envoy.idx is the place)
 	// connected counts the connected Envoys, current those of them on the
 	// key's current version (kept as Envoys and versions change, so that
 	// Convergence reads counters, not every Envoy); gone holds the
@@ -170,11 +175,23 @@ func (t *Tracker) keyEntry(key string) *keyEntry {
 	return k
 }
 
+// lockKey returns the entry of key, creating it, with its lock held.
+func (t *Tracker) lockKey(key string) *keyEntry {
+	for {
+		k := t.keyEntry(key)
+		k.mu.Lock()
+		if !k.dropped {
+			return k
+		}
+		k.mu.Unlock() // dropped meanwhile: look it up again
+	}
+}
+
 // Recorded tells the Tracker that key's view of typeURL is now v, out of
 // views (the History that recorded it).
 func (t *Tracker) Recorded(key, typeURL string, views Views, v Version) {
-	k := t.keyEntry(key)
-	k.mu.Lock()
+	k := t.lockKey(key)
+	k.idle = false
 	te := k.types[typeURL]
 	if te == nil {
 		te = &typeEntry{}
@@ -212,8 +229,7 @@ func (k *keyEntry) refreshLocked(e *Envoy) {
 // holds the key's upstream stream (its views are the key's reference for the
 // tier), stale while no live source confirms them.
 func (t *Tracker) SetSource(key string, origin, stale bool) {
-	k := t.keyEntry(key)
-	k.mu.Lock()
+	k := t.lockKey(key)
 	changed := k.stale != stale || k.origin != origin
 	k.origin, k.stale = origin, stale
 	k.mu.Unlock()
@@ -223,7 +239,10 @@ func (t *Tracker) SetSource(key string, origin, stale bool) {
 }
 
 // DropKey forgets key's versions once the relay no longer holds it. Envoys
-// of the key stay listed until forgotten.
+// of the key stay listed until forgotten; the key goes with the last. The
+// caller must not record views of the key it dropped, nor let a new holder
+// of the key record before it returns (the relay calls it holding the lock
+// under which it creates keys).
 func (t *Tracker) DropKey(key string) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -235,9 +254,11 @@ func (t *Tracker) DropKey(key string) {
 	defer k.mu.Unlock()
 	if len(k.envoys) == 0 {
 		delete(t.keys, key)
+		k.dropped = true
 		return
 	}
 	k.types = make(map[string]*typeEntry)
+	k.idle = true
 	k.refreshAllLocked()
 }
 
@@ -245,8 +266,13 @@ func (t *Tracker) DropKey(key string) {
 // connected again (here, after its earlier stream ended or while it lingers)
 // is the new stream from then on.
 func (t *Tracker) Connect(node, key string, at time.Time) *Envoy {
-	k := t.keyEntry(key)
+	k := t.lockKey(key)
 	e := &Envoy{t: t, k: k, node: node, connectedAt: at}
+	e.idx = len(k.envoys)
+	k.envoys = append(k.envoys, e)
+	k.connected++
+	k.idle = false
+	k.mu.Unlock()
 	t.mu.Lock()
 	old := t.nodes[node]
 	t.nodes[node] = e
@@ -254,11 +280,6 @@ func (t *Tracker) Connect(node, key string, at time.Time) *Envoy {
 	if old != nil {
 		old.forget()
 	}
-	k.mu.Lock()
-	e.idx = len(k.envoys)
-	k.envoys = append(k.envoys, e)
-	k.connected++
-	k.mu.Unlock()
 	t.sweep(k, at)
 	t.notify()
 	return e
@@ -281,7 +302,24 @@ func (e *Envoy) forget() {
 			}
 		}
 	}
+	last := e.k.idle && len(e.k.envoys) == 0
 	e.k.mu.Unlock()
+	if last {
+		e.t.dropIdle(e.k)
+	}
+}
+
+// dropIdle removes k, which the relay dropped, once its last Envoy is
+// forgotten.
+func (t *Tracker) dropIdle(k *keyEntry) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.idle && len(k.envoys) == 0 && t.keys[k.key] == k {
+		delete(t.keys, k.key)
+		k.dropped = true
+	}
 }
 
 // Disconnect records that the Envoy's stream ended. It is listed as not
@@ -488,15 +526,28 @@ func (t *Tracker) Wait(ctx context.Context, scope Scope, share float64) (Converg
 	defer t.waiters.Add(-1)
 	for {
 		ch := t.watch()
-		s := t.Summary(scope, time.Now())
+		now := time.Now()
+		s := t.Summary(scope, now)
 		c := s.Convergence()
 		if c.Share() >= share {
 			return c, nil, nil
 		}
+		// An Envoy that left counts until forgotten, which nothing
+		// announces: wake then too.
+		var next <-chan time.Time
+		var tm *time.Timer
+		if at, ok := s.nextForget(t.cfg.ForgetAfter); ok {
+			tm = time.NewTimer(at.Sub(now) + time.Millisecond)
+			next = tm.C
+		}
 		select {
 		case <-ch:
+		case <-next:
 		case <-ctx.Done():
 			return c, s.Stragglers(0), ctx.Err()
+		}
+		if tm != nil {
+			tm.Stop()
 		}
 	}
 }
@@ -540,6 +591,7 @@ func (t *Tracker) forgetAll(es []*Envoy) {
 	for _, e := range es {
 		e.forget()
 	}
+	t.notify() // the shares changed: a Wait may be done
 }
 
 // expiredLocked appends to out the Envoys of k disconnected past

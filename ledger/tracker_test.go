@@ -447,3 +447,61 @@ func (f *fixture) held() (nodes, envoys int) {
 	}
 	return len(f.tr.nodes), envoys
 }
+
+// TestWaitWakesWhenForgotten: a wait for every Envoy is done once the one
+// that left is forgotten, though nothing else happens.
+func TestWaitWakesWhenForgotten(t *testing.T) {
+	cfg := DefaultTrackerConfig()
+	cfg.ForgetAfter = 50 * time.Millisecond
+	tr, err := NewTracker(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hist := newHistory(t, DefaultHistoryConfig())
+	v, _ := hist.Record(build(map[string]Hash{"a": h("1")}), time.Now())
+	tr.Recorded("k", cds, hist, v)
+	stay, gone := tr.Connect("stay", "k", time.Now()), tr.Connect("gone", "k", time.Now())
+	for _, e := range []*Envoy{stay, gone} {
+		e.Sent(cds, time.Now())
+		e.Synced(cds, v.Root, time.Now())
+	}
+	stay.Answered(cds, Answer{Version: "v", Latest: true, At: time.Now()})
+	gone.Disconnect(time.Now())
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if c, _, err := tr.Wait(ctx, Scope{}, 1); err != nil || c != (Convergence{Envoys: 1, Current: 1}) {
+		t.Fatalf("Wait = %+v, %v; want 1 of 1 once the other is forgotten", c, err)
+	}
+}
+
+// TestDroppedKeyGoesWithItsLastEnvoy: a key the relay dropped while Envoys
+// of it were listed leaves once they are forgotten, and a key dropped and
+// held again at once is a live entry (its Envoys counted, its versions
+// kept).
+func TestDroppedKeyGoesWithItsLastEnvoy(t *testing.T) {
+	f := newFixture(t, "r")
+	f.record("k", cds, map[string]string{"a": "1"})
+	e := f.tr.Connect("e", "k", f.now)
+	e.Disconnect(f.now)
+	f.tr.DropKey("k")
+	if _, ok := f.tr.keys["k"]; !ok {
+		t.Fatal("key dropped while an Envoy of it is listed")
+	}
+	// Long after: another key's Envoy connects, and the sweep forgets e.
+	f.now = f.now.Add(time.Hour)
+	f.tr.Connect("x", "other", f.now)
+	if _, ok := f.tr.keys["k"]; ok {
+		t.Fatal("dropped key still held after its last Envoy was forgotten")
+	}
+	// Dropped with no Envoy, then held again: one live entry.
+	f.tr.DropKey("other2")
+	f.record("k2", cds, map[string]string{"a": "1"})
+	f.tr.DropKey("k2")
+	f.record("k2", cds, map[string]string{"a": "2"})
+	e2 := f.tr.Connect("e2", "k2", f.now)
+	f.sync(e2, "k2", cds)
+	f.ack(e2, cds)
+	if c := f.tr.Convergence(Scope{Key: "k2"}, f.now); c != (Convergence{Envoys: 1, Current: 1}) {
+		t.Fatalf("k2 after drop and reuse: %+v, want 1 of 1", c)
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
@@ -29,6 +30,11 @@ import (
 //     gather itself: at most LedgerGatherTimeout (1 s) old. A relay that
 //     does not answer within it is named in the answer (Missing), never
 //     left out silently.
+
+// maxLedgerAnswer bounds a peer's answer: 32 MiB holds the packed state of
+// about 300,000 Envoys, and bounds what a faulty peer can make this relay
+// decode (and allocate: a decoded Envoy takes ~20 times its packed bytes).
+var maxLedgerAnswer = grpc.MaxCallRecvMsgSize(32 << 20)
 
 // Peers lists the other relays of the tier, for answers gathered from every
 // relay. shard.Ring implements it. Implementations must be safe for
@@ -56,7 +62,7 @@ func (r *Relay) TierLedger(ctx context.Context, scope ledger.Scope) TierLedger {
 	local := r.localSummary(scope)
 	req := &ledgerpb.SummaryRequest{Scope: ledgerpb.FromScope(scope)}
 	got, missing := gather(ctx, r, func(ctx context.Context, c ledgerpb.LedgerClient) (*ledger.Summary, error) {
-		p, err := c.GetSummary(ctx, req)
+		p, err := c.GetSummary(ctx, req, maxLedgerAnswer)
 		if err != nil {
 			return nil, err
 		}
@@ -89,7 +95,7 @@ func (r *Relay) TierDelivery(ctx context.Context, scope ledger.Scope, typeURL, n
 	sreq := &ledgerpb.SummaryRequest{Scope: ledgerpb.FromScope(scope)}
 	dreq := &ledgerpb.DeliveryRequest{Scope: sreq.Scope, Type: typeURL, Name: name, Hash: hash[:]}
 	got, missing := gather(ctx, r, func(ctx context.Context, c ledgerpb.LedgerClient) (answer, error) {
-		pv, err := c.CheckDelivery(ctx, dreq)
+		pv, err := c.CheckDelivery(ctx, dreq, maxLedgerAnswer)
 		if err != nil {
 			return answer{}, err
 		}
@@ -97,7 +103,7 @@ func (r *Relay) TierDelivery(ctx context.Context, scope ledger.Scope, typeURL, n
 		if err != nil {
 			return answer{}, err
 		}
-		ps, err := c.GetSummary(ctx, sreq)
+		ps, err := c.GetSummary(ctx, sreq, maxLedgerAnswer)
 		if err != nil {
 			return answer{}, err
 		}

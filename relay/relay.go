@@ -335,10 +335,13 @@ func (r *Relay) dropIfIdle(k *keyState) bool {
 			return false
 		}
 		delete(r.keys, k.key)
+		// Under r.mu: a stream that takes the key again (acquireKey) must
+		// not record its views before the ledger forgets the old ones.
+		// The ledger never calls back.
+		r.ledger.DropKey(string(k.key))
 		return true
 	}()
 	if dropped {
-		r.ledger.DropKey(string(k.key))
 		r.log.Debug("key dropped after idling", "key", k.key)
 	}
 	return dropped
