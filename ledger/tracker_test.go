@@ -8,6 +8,7 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 )
 
@@ -288,40 +289,47 @@ func TestTierMerge(t *testing.T) {
 // TestWait: Wait returns once the share is reached, and with the stragglers
 // when its deadline passes first.
 func TestWait(t *testing.T) {
-	f := newFixture(t, "r")
-	f.record("k", cds, map[string]string{"a": "1"})
-	e1 := f.tr.Connect("e1", "k", f.tick())
-	e2 := f.tr.Connect("e2", "k", f.tick())
-	f.sync(e1, "k", cds)
-	f.sync(e2, "k", cds)
-
-	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
-	defer cancel()
-	c, ss, err := f.tr.Wait(ctx, Scope{}, 1)
-	if err == nil || c != (Convergence{Envoys: 2}) || len(ss) != 2 {
-		t.Fatalf("Wait before ACKs = %+v, %v, %v; want a deadline error, 0 of 2 and 2 stragglers", c, ss, err)
-	}
-
-	done := make(chan Convergence)
-	go func() {
-		c, _, err := f.tr.Wait(context.Background(), Scope{Key: "k"}, 1)
-		if err != nil {
-			t.Error(err)
+	synctest.Test(t, func(t *testing.T) {
+		f := newFixture(t, "r")
+		f.record("k", cds, map[string]string{"a": "1"})
+		e1 := f.tr.Connect("e1", "k", time.Now())
+		e2 := f.tr.Connect("e2", "k", time.Now())
+		for _, e := range []*Envoy{e1, e2} {
+			e.Sent(cds, time.Now())
+			e.Synced(cds, f.hists["k|"+cds].Current().Root, time.Now())
 		}
-		done <- c
-	}()
-	// Answer on this goroutine: the fixture's clock is not shared.
-	for f.tr.waiters.Load() == 0 {
-		time.Sleep(time.Millisecond)
-	}
-	e1.Answered(cds, Answer{Version: "v", Latest: true, At: time.Now()})
-	e2.Answered(cds, Answer{Version: "v", Latest: true, At: time.Now()})
-	if c := <-done; c != (Convergence{Envoys: 2, Current: 2}) {
-		t.Fatalf("Wait = %+v, want 2 of 2", c)
-	}
-	if _, _, err := f.tr.Wait(context.Background(), Scope{}, 0); err != ErrBadShare {
-		t.Fatalf("Wait(share 0) err = %v, want ErrBadShare", err)
-	}
+
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		defer cancel()
+		c, ss, err := f.tr.Wait(ctx, Scope{}, 1)
+		if err == nil || c != (Convergence{Envoys: 2}) || len(ss) != 2 {
+			t.Fatalf("Wait before ACKs = %+v, %v, %v; want a deadline error, 0 of 2 and 2 stragglers", c, ss, err)
+		}
+
+		done := make(chan Convergence, 1)
+		go func() {
+			c, _, err := f.tr.Wait(context.Background(), Scope{Key: "k"}, 1)
+			if err != nil {
+				t.Error(err)
+			}
+			done <- c
+		}()
+		synctest.Wait() // the waiter is blocked
+		e1.Answered(cds, Answer{Version: "v", Latest: true, At: time.Now()})
+		synctest.Wait()
+		select {
+		case c := <-done:
+			t.Fatalf("Wait returned %+v at 1 of 2", c)
+		default:
+		}
+		e2.Answered(cds, Answer{Version: "v", Latest: true, At: time.Now()})
+		if c := <-done; c != (Convergence{Envoys: 2, Current: 2}) {
+			t.Fatalf("Wait = %+v, want 2 of 2", c)
+		}
+		if _, _, err := f.tr.Wait(context.Background(), Scope{}, 0); err != ErrBadShare {
+			t.Fatalf("Wait(share 0) err = %v, want ErrBadShare", err)
+		}
+	})
 }
 
 // TestConvergenceFastPathAgrees: the Tracker's Convergence agrees with the
@@ -449,29 +457,34 @@ func (f *fixture) held() (nodes, envoys int) {
 }
 
 // TestWaitWakesWhenForgotten: a wait for every Envoy is done once the one
-// that left is forgotten, though nothing else happens.
+// that left is forgotten, though nothing else happens (in a synctest
+// bubble: ForgetAfter passes on the fake clock).
 func TestWaitWakesWhenForgotten(t *testing.T) {
-	cfg := DefaultTrackerConfig()
-	cfg.ForgetAfter = 50 * time.Millisecond
-	tr, err := NewTracker(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	hist := newHistory(t, DefaultHistoryConfig())
-	v, _ := hist.Record(build(map[string]Hash{"a": h("1")}), time.Now())
-	tr.Recorded("k", cds, hist, v)
-	stay, gone := tr.Connect("stay", "k", time.Now()), tr.Connect("gone", "k", time.Now())
-	for _, e := range []*Envoy{stay, gone} {
-		e.Sent(cds, time.Now())
-		e.Synced(cds, v.Root, time.Now())
-	}
-	stay.Answered(cds, Answer{Version: "v", Latest: true, At: time.Now()})
-	gone.Disconnect(time.Now())
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	if c, _, err := tr.Wait(ctx, Scope{}, 1); err != nil || c != (Convergence{Envoys: 1, Current: 1}) {
-		t.Fatalf("Wait = %+v, %v; want 1 of 1 once the other is forgotten", c, err)
-	}
+	synctest.Test(t, func(t *testing.T) {
+		tr, err := NewTracker(DefaultTrackerConfig())
+		if err != nil {
+			t.Fatal(err)
+		}
+		hist := newHistory(t, DefaultHistoryConfig())
+		v, _ := hist.Record(build(map[string]Hash{"a": h("1")}), time.Now())
+		tr.Recorded("k", cds, hist, v)
+		stay, gone := tr.Connect("stay", "k", time.Now()), tr.Connect("gone", "k", time.Now())
+		for _, e := range []*Envoy{stay, gone} {
+			e.Sent(cds, time.Now())
+			e.Synced(cds, v.Root, time.Now())
+		}
+		stay.Answered(cds, Answer{Version: "v", Latest: true, At: time.Now()})
+		gone.Disconnect(time.Now())
+		start := time.Now()
+		ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
+		defer cancel()
+		if c, _, err := tr.Wait(ctx, Scope{}, 1); err != nil || c != (Convergence{Envoys: 1, Current: 1}) {
+			t.Fatalf("Wait = %+v, %v; want 1 of 1 once the other is forgotten", c, err)
+		}
+		if d, forget := time.Since(start), DefaultTrackerConfig().ForgetAfter; d < forget || d > forget+time.Second {
+			t.Fatalf("Wait returned after %v, want just after ForgetAfter (%v)", d, forget)
+		}
+	})
 }
 
 // TestDroppedKeyGoesWithItsLastEnvoy: a key the relay dropped while Envoys
