@@ -105,6 +105,10 @@ type Config struct {
 	// upstream stream is held by its owner, and the other relays subscribe
 	// to the owner (see Owners). Default nil: this relay owns every key.
 	Owners Owners
+	// AdminServices, if set, registers gRPC services on the admin listener
+	// (beside grpc.health.v1 and reflection, which the relay serves):
+	// shard.Node registers the tier's admin API. Nil: none.
+	AdminServices func(*grpc.Server)
 	// Peers, if set, lists the tier's other relays: tier-wide ledger
 	// answers (TierLedger, TierDelivery, TierWait) are gathered from them.
 	// Default nil: the answers are this relay's alone.

@@ -69,12 +69,13 @@ type Relay struct {
 	bodies           bodyCache
 	streamID         atomic.Uint64
 
-	upConn   *grpc.ClientConn
-	server   *grpc.Server
-	lis      net.Listener
-	tracker  *connTracker
-	admin    *http.Server
-	adminLis net.Listener
+	upConn    *grpc.ClientConn
+	server    *grpc.Server
+	lis       net.Listener
+	tracker   *connTracker
+	admin     *http.Server
+	adminGRPC *grpc.Server
+	adminLis  net.Listener
 
 	ctx      context.Context // upstream goroutines' context
 	cancel   context.CancelFunc
@@ -209,7 +210,8 @@ func (r *Relay) Start(ctx context.Context) error {
 		}
 	}()
 	if r.adminLis != nil {
-		r.admin = &http.Server{Handler: r.adminMux(), ReadHeaderTimeout: 10 * time.Second}
+		r.adminGRPC = r.newAdminGRPC()
+		r.admin = &http.Server{Handler: adminHandler(r.adminGRPC, r.adminMux()), ReadHeaderTimeout: 10 * time.Second, Protocols: adminProtocols()}
 		r.serveWG.Add(1)
 		go func() {
 			defer r.serveWG.Done()
@@ -274,6 +276,7 @@ func (r *Relay) Stop(ctx context.Context) error {
 	r.wg.Wait()
 	var err error
 	if r.admin != nil {
+		r.adminGRPC.Stop() // ends the admin API's streams (waits)
 		err = r.admin.Shutdown(ctx)
 	}
 	r.serveWG.Wait()

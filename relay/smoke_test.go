@@ -1,13 +1,19 @@
 package relay
 
 import (
+	"context"
 	"io"
 	"net/http"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc/codes"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	reflectionpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
+	"google.golang.org/grpc/status"
 )
 
 func TestSmoke(t *testing.T) {
@@ -66,5 +72,39 @@ func TestAdminEndpoints(t *testing.T) {
 		if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), tc.want) {
 			t.Errorf("GET %s = %d, want 200 with %q in:\n%.2000s", tc.path, resp.StatusCode, tc.want, body)
 		}
+	}
+
+	// gRPC on the same port: health (the relay's readiness) and reflection.
+	conn := dial(t, r.AdminAddr().String())
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	hc, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
+	if err != nil || hc.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+		t.Fatalf("health Check = %v, %v; want SERVING", hc, err)
+	}
+	if _, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{Service: "nope"}); status.Code(err) != codes.NotFound {
+		t.Fatalf("health Check(nope) err = %v, want NotFound", err)
+	}
+	rs, err := reflectionpb.NewServerReflectionClient(conn).ServerReflectionInfo(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rs.Send(&reflectionpb.ServerReflectionRequest{MessageRequest: &reflectionpb.ServerReflectionRequest_ListServices{}}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := rs.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var services []string
+	for _, s := range resp.GetListServicesResponse().GetService() {
+		services = append(services, s.GetName())
+	}
+	if !slices.Contains(services, "grpc.health.v1.Health") {
+		t.Fatalf("reflection lists %v, want grpc.health.v1.Health among them", services)
+	}
+	r.MarkNotReady()
+	if hc, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{}); err != nil || hc.GetStatus() != healthpb.HealthCheckResponse_NOT_SERVING {
+		t.Fatalf("health Check while draining = %v, %v; want NOT_SERVING", hc, err)
 	}
 }

@@ -69,7 +69,7 @@ func serve(ctx context.Context, args []string) error {
 	upProto := fs.String("upstream-protocol", string(cfg.UpstreamProtocol), "ADS variant spoken to the upstream: sotw or delta")
 	profile := fs.String("key-profile", relay.ProfileIstio, "aggregation key profile: istio or per-node")
 	keyMeta := fs.String("key-metadata", "", "comma-separated extra node metadata fields for the istio key profile")
-	fs.StringVar(&cfg.AdminListen, "admin-listen", ":15014", "address of the admin HTTP server (/healthz, /readyz, /metrics, /debug/pprof); empty: none")
+	fs.StringVar(&cfg.AdminListen, "admin-listen", ":15014", "address of the admin server: HTTP (/healthz, /readyz, /metrics, /debug/pprof) and gRPC (health, reflection) on one port; empty: none")
 	fs.StringVar(&cfg.ID, "id", cfg.ID, "relay name, sent as control_plane.identifier")
 	fs.IntVar(&cfg.MaxMsgSize, "max-msg-size", cfg.MaxMsgSize, "largest gRPC message sent or received, in bytes")
 	fs.DurationVar(&cfg.KeyIdleTimeout, "key-idle-timeout", cfg.KeyIdleTimeout, "how long a key without Envoys keeps its upstream stream and cache")
