@@ -23,14 +23,32 @@ type Summary struct {
 type KeySummary struct {
 	Key   string
 	Relay string
-	// Origin is set while the relay holds the key's upstream stream (it
-	// owns the key, or fell back to the upstream): its versions are the
-	// key's reference. Stale is set while no live source confirms them.
-	Origin bool
+	// Source is where the relay gets the key from. A relay that holds the
+	// key's upstream stream (SourceUpstream, SourceFallback) is an origin:
+	// its versions are the key's reference. Stale is set while no live
+	// source confirms them.
+	Source Source
 	Stale  bool
 	Types  []TypeVersion // by Type
 	Envoys []EnvoyState  // by Node
 }
+
+// Source says where a relay gets a key's config from.
+type Source string
+
+// Sources.
+const (
+	// SourceUpstream: the relay owns the key and holds its upstream stream.
+	SourceUpstream Source = "upstream"
+	// SourceFallback: the relay holds an upstream stream for the key though
+	// another owns it (the owner is unreachable).
+	SourceFallback Source = "fallback"
+	// SourcePeer: the relay gets the key from its owner.
+	SourcePeer Source = "peer"
+)
+
+// Origin reports whether the relay holds the key's upstream stream.
+func (k *KeySummary) Origin() bool { return k.Source == SourceUpstream || k.Source == SourceFallback }
 
 // LedgerVersion is the key's ledger version: its types' roots combined.
 func (k *KeySummary) LedgerVersion() Hash {
@@ -262,7 +280,7 @@ func Merge(sums ...*Summary) *Report {
 			}
 			rk.relays = append(rk.relays, ks)
 			for _, tv := range ks.Types {
-				rk.offer(tv.Type, refVersion{Version: tv.Version, origin: ks.Origin, fresh: !ks.Stale})
+				rk.offer(tv.Type, refVersion{Version: tv.Version, origin: ks.Origin(), fresh: !ks.Stale})
 			}
 			rk.envoys = slices.Grow(rk.envoys, len(ks.Envoys))
 			for j := range ks.Envoys {
@@ -464,4 +482,45 @@ func (r *Report) Reference(key, typeURL string) (Version, bool) {
 	}
 	v, ok := rk.ref(typeURL)
 	return v.Version, ok
+}
+
+// KeyReport is the report's state of one key.
+type KeyReport struct {
+	Key string
+	// Version is the key's ledger version: its reference roots combined.
+	Version Hash
+	// Convergence counts the key's Envoys (each once, where connected).
+	Convergence Convergence
+	// Holders are the summaries of the key by every relay that holds it.
+	Holders []*KeySummary
+}
+
+// Keys returns the report's keys, by name.
+func (r *Report) Keys() []KeyReport {
+	out := make([]KeyReport, 0, len(r.order))
+	for _, name := range r.order {
+		rk := r.keys[name]
+		kr := KeyReport{Key: name, Holders: rk.relays}
+		pairs := make([]typeRoot, len(rk.reference))
+		for i, ref := range rk.reference {
+			pairs[i] = typeRoot{ref.typeURL, ref.Root}
+		}
+		kr.Version = combine(pairs)
+		for _, e := range rk.envoys {
+			kr.Convergence.add(e.behind == nil)
+		}
+		out = append(out, kr)
+	}
+	return out
+}
+
+// Connected returns how many of the summary's Envoys are connected.
+func (k *KeySummary) Connected() int {
+	n := 0
+	for i := range k.Envoys {
+		if k.Envoys[i].Connected() {
+			n++
+		}
+	}
+	return n
 }

@@ -79,7 +79,7 @@ type keyEntry struct {
 
 	mu     sync.Mutex
 	types  map[string]*typeEntry
-	origin bool
+	source Source
 	stale  bool
 	// idle is set once the relay dropped the key while Envoys of it were
 	// still listed: the entry goes when they do. dropped is set once the
@@ -225,13 +225,12 @@ func (k *keyEntry) refreshLocked(e *Envoy) {
 	}
 }
 
-// SetSource says where key's views come from: origin is set while this relay
-// holds the key's upstream stream (its views are the key's reference for the
-// tier), stale while no live source confirms them.
-func (t *Tracker) SetSource(key string, origin, stale bool) {
+// SetSource says where key's views come from (an origin's are the key's
+// reference for the tier), and whether no live source confirms them.
+func (t *Tracker) SetSource(key string, src Source, stale bool) {
 	k := t.lockKey(key)
-	changed := k.stale != stale || k.origin != origin
-	k.origin, k.stale = origin, stale
+	changed := k.stale != stale || k.source != src
+	k.source, k.stale = src, stale
 	k.mu.Unlock()
 	if changed {
 		t.notify()
@@ -630,7 +629,7 @@ func (t *Tracker) sweep(k *keyEntry, now time.Time) {
 func (k *keyEntry) summary(relay string, now time.Time, forgetAfter time.Duration, forgotten []*Envoy) (KeySummary, []*Envoy) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	ks := KeySummary{Key: k.key, Relay: relay, Origin: k.origin, Stale: k.stale, Types: make([]TypeVersion, 0, len(k.types)), Envoys: make([]EnvoyState, 0, len(k.envoys))}
+	ks := KeySummary{Key: k.key, Relay: relay, Source: k.source, Stale: k.stale, Types: make([]TypeVersion, 0, len(k.types)), Envoys: make([]EnvoyState, 0, len(k.envoys))}
 	for typeURL, te := range k.types {
 		ks.Types = append(ks.Types, TypeVersion{Type: typeURL, Version: te.current})
 	}

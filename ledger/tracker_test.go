@@ -89,7 +89,7 @@ func TestTrackerAnswers(t *testing.T) {
 	f := newFixture(t, "relay-a")
 	f.record("k1", cds, map[string]string{"a": "1", "b": "1"})
 	f.record("k1", eds, map[string]string{"a": "1"})
-	f.tr.SetSource("k1", true, false)
+	f.tr.SetSource("k1", SourceUpstream, false)
 	envoys := map[string]*Envoy{}
 	for _, n := range []string{"e1", "e2", "e3", "e4", "e5", "e6"} {
 		envoys[n] = f.tr.Connect(n, "k1", f.tick())
@@ -222,7 +222,7 @@ func TestTierMerge(t *testing.T) {
 	v2 := map[string]string{"a": "2"}
 	owner.record("k", cds, v1)
 	owner.record("k", cds, v2)
-	owner.tr.SetSource("k", true, false)
+	owner.tr.SetSource("k", SourceUpstream, false)
 	peer.record("k", cds, v1) // it has not received v2 yet
 	other.record("k", cds, v2)
 

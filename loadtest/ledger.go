@@ -216,7 +216,11 @@ func (v *ledgerViews) record(tr *ledger.Tracker, keys []string, origin func(key 
 			ev, _ := eds.Record(t, v.at[i])
 			tr.Recorded(key, ledgerEDS, eds, ev)
 		}
-		tr.SetSource(key, origin(key), false)
+		src := ledger.SourcePeer
+		if origin(key) {
+			src = ledger.SourceUpstream
+		}
+		tr.SetSource(key, src, false)
 	}
 	return nil
 }

@@ -280,7 +280,7 @@ func (r *Relay) restoreKey(sk SavedKey, rs *restorer) int {
 	for typeURL, ts := range types {
 		k.recordView(typeURL, ts.view, now)
 	}
-	r.ledger.SetSource(sk.Key, true, true)
+	r.ledger.SetSource(sk.Key, ledger.SourceUpstream, true)
 	r.keys[key] = k
 	u := newUpstream(k)
 	u.followRestored(rs)

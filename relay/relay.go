@@ -350,6 +350,9 @@ func (r *Relay) dropIfIdle(k *keyState) bool {
 	return dropped
 }
 
+// ID returns the relay's ID (Config.ID).
+func (r *Relay) ID() string { return r.cfg.ID }
+
 // Gatherer returns the registry of the relay's metrics.
 func (r *Relay) Gatherer() prometheus.Gatherer { return r.cfg.Gatherer }
 

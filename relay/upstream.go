@@ -1074,6 +1074,12 @@ func (u *upstream) setStale(stale bool) {
 // reportSource tells the ledger where the key's views come from now.
 func (u *upstream) reportSource() {
 	k := u.k
-	origin := sourceKind(k.source.Load()) != sourcePeer
-	k.r.ledger.SetSource(string(k.key), origin, k.snap.Load().stale)
+	src := ledger.SourcePeer
+	switch sourceKind(k.source.Load()) {
+	case sourceUpstream:
+		src = ledger.SourceUpstream
+	case sourceFallback:
+		src = ledger.SourceFallback
+	}
+	k.r.ledger.SetSource(string(k.key), src, k.snap.Load().stale)
 }

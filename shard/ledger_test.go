@@ -6,16 +6,24 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/anypb"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/shard/adminpb"
 )
 
 const (
@@ -33,7 +41,8 @@ const (
 func TestLedgerQueries(t *testing.T) {
 	ctx := context.Background()
 	up, sc := startLedgerUpstream(t)
-	tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Logger: testLogger()})
+	tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Logger: testLogger(),
+		Relay: func(c *relay.Config) { c.AdminListen = "127.0.0.1:0" }})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -226,6 +235,8 @@ func TestLedgerQueries(t *testing.T) {
 	if observed == 0 {
 		t.Fatal("meshrelay_proxy_convergence_time_seconds observed nothing")
 	}
+	checkAdminAPI(t, tier, byRole, edsType, ch.Name, newHash)
+
 	for _, v := range fleet.Violations() {
 		t.Errorf("protocol violation: %v", v)
 	}
@@ -280,4 +291,152 @@ func histogramCount(t *testing.T, r *loadtest.TierRelay, name string) uint64 {
 		}
 	}
 	return n
+}
+
+// checkAdminAPI asks the same questions of the admin API (meshrelay.admin.v1)
+// on another relay's admin listener, in the state TestLedgerQueries left:
+// the answers must be the ledger's, in the API's terms.
+func checkAdminAPI(t *testing.T, tier *loadtest.Tier, byRole map[string][]string, typeURL, name string, hash ledger.Hash) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	asked := tier.Running()[2]
+	conn, err := grpc.NewClient(asked.Node.Relay().AdminAddr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	c := adminpb.NewAdminClient(conn)
+
+	ring, err := c.GetRing(ctx, &adminpb.GetRingRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	selves := 0
+	for _, m := range ring.GetMembers() {
+		if m.GetSelf() {
+			selves++
+		}
+	}
+	if ring.GetRelay() != asked.ID || len(ring.GetMembers()) != 3 || selves != 1 {
+		t.Fatalf("GetRing = %v, want relay %s, 3 members, one of them self", ring, asked.ID)
+	}
+
+	shards, err := c.ListShards(ctx, &adminpb.ListShardsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	total := int64(0)
+	for _, sh := range shards.GetShards() {
+		total += sh.GetEnvoys()
+		owner, ok := asked.Node.Ring().Locate(sh.GetKey())
+		if !ok || sh.GetOwner() != owner.Name || sh.GetOwnerXdsAddress() != owner.XDSAddr {
+			t.Errorf("shard %s: owner %s (%s), the ring says %s (%s)", sh.GetKey(), sh.GetOwner(), sh.GetOwnerXdsAddress(), owner.Name, owner.XDSAddr)
+		}
+		if sh.GetEnvoys() != 4 || sh.GetCurrent() != 2 {
+			t.Errorf("shard %s: %d of %d Envoys current, want 2 of 4", sh.GetKey(), sh.GetCurrent(), sh.GetEnvoys())
+		}
+		upstream := 0
+		for _, h := range sh.GetHolders() {
+			switch h.GetSource() {
+			case string(ledger.SourceUpstream):
+				upstream++
+				if !strings.HasPrefix(sh.GetOwner(), h.GetRelay()+"-") {
+					t.Errorf("shard %s: %s holds the upstream stream, the owner is %s", sh.GetKey(), h.GetRelay(), sh.GetOwner())
+				}
+				if h.GetLedgerVersion() != sh.GetLedgerVersion() {
+					t.Errorf("shard %s: owner's ledger version %s, the shard's %s", sh.GetKey(), h.GetLedgerVersion(), sh.GetLedgerVersion())
+				}
+			case string(ledger.SourcePeer):
+			default:
+				t.Errorf("shard %s: holder %s has source %q", sh.GetKey(), h.GetRelay(), h.GetSource())
+			}
+		}
+		if upstream != 1 {
+			t.Errorf("shard %s: %d holders with the upstream stream, want 1", sh.GetKey(), upstream)
+		}
+	}
+	if len(shards.GetShards()) != 3 || total != 12 || len(shards.GetMissing()) != 0 {
+		t.Fatalf("ListShards: %d shards, %d Envoys, missing %v; want 3, 12, none", len(shards.GetShards()), total, shards.GetMissing())
+	}
+
+	conv, err := c.GetConvergence(ctx, &adminpb.ConvergenceRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tc := conv.GetTier(); tc.GetEnvoys() != 12 || tc.GetCurrent() != 6 || tc.GetShare() != 0.5 || len(conv.GetByKey()) != 3 {
+		t.Fatalf("GetConvergence = %v, want 6 of 12 over 3 keys", conv)
+	}
+
+	ss, err := c.ListStragglers(ctx, &adminpb.StragglersRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]string{}
+	for _, s := range ss.GetStragglers() {
+		got[s.GetNode()] = s.GetReason()
+		if s.GetReason() == string(ledger.NACKed) && (s.GetNack().GetFingerprint() == "" || s.GetSince() == nil) {
+			t.Errorf("straggler %s: NACK %v since %v, want a fingerprint and a time", s.GetNode(), s.GetNack(), s.GetSince())
+		}
+	}
+	want := map[string]string{}
+	for _, n := range byRole["nack"] {
+		want[n] = string(ledger.NACKed)
+	}
+	for _, n := range byRole["silent"] {
+		want[n] = string(ledger.NotACKed)
+	}
+	if !maps.Equal(got, want) {
+		t.Fatalf("ListStragglers = %v, want %v", got, want)
+	}
+	if ss, _ := c.ListStragglers(ctx, &adminpb.StragglersRequest{Limit: 2}); len(ss.GetStragglers()) != 2 {
+		t.Fatalf("ListStragglers(limit 2) = %d stragglers", len(ss.GetStragglers()))
+	}
+
+	d, err := c.CheckDelivery(ctx, &adminpb.DeliveryRequest{Type: typeURL, Name: name, Hash: hash.String()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.GetEnvoys() != 12 || d.GetDelivered() != 6 || !d.GetKnown() || d.GetDone() || len(d.GetMissing()) != 6 {
+		t.Fatalf("CheckDelivery = %v, want 6 of 12 delivered, known, 6 missing", d)
+	}
+	if _, err := c.CheckDelivery(ctx, &adminpb.DeliveryRequest{Type: typeURL, Name: name, Hash: "nope"}); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("CheckDelivery(bad hash) err = %v, want InvalidArgument", err)
+	}
+
+	// Wait: half the tier is there at once; all of it never comes.
+	w, err := c.Wait(ctx, &adminpb.WaitRequest{Share: 0.5, Timeout: durationpb.New(10 * time.Second)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var last *adminpb.Convergence
+	for {
+		m, err := w.Recv()
+		if err != nil {
+			break
+		}
+		last = m
+	}
+	if !last.GetReached() {
+		t.Fatalf("Wait(0.5): last message %v, want reached", last)
+	}
+	w, err = c.Wait(ctx, &adminpb.WaitRequest{Share: 1, Timeout: durationpb.New(300 * time.Millisecond)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		m, err := w.Recv()
+		if err != nil {
+			if status.Code(err) != codes.DeadlineExceeded || last.GetReached() || len(last.GetStragglers()) != 6 {
+				t.Fatalf("Wait(1.0) ended with %v after %v; want DEADLINE_EXCEEDED after a message with the 6 stragglers", err, last)
+			}
+			break
+		}
+		last = m
+	}
+	// A bad request's error comes with the stream's first Recv.
+	w, _ = c.Wait(ctx, &adminpb.WaitRequest{Share: 2})
+	if _, err := w.Recv(); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("Wait(share 2) err = %v, want InvalidArgument", err)
+	}
 }

@@ -10,9 +10,11 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
 
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/snapshot"
+	"github.com/meshrelay/meshrelay/shard/adminpb"
 )
 
 // NodeConfig configures a Node: a relay and its membership of the tier.
@@ -107,12 +109,22 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 			return self
 		})
 	}
+	n := &Node{ring: ring}
+	// The tier's admin API, on the relay's admin listener.
+	registerMore := cfg.Relay.AdminServices
+	cfg.Relay.AdminServices = func(s *grpc.Server) {
+		adminpb.RegisterAdminServer(s, adminServer{n: n})
+		if registerMore != nil {
+			registerMore(s)
+		}
+	}
 	r, err := relay.New(cfg.Relay)
 	if err != nil {
 		cfg.Relay.Listener.Close()
 		return nil, err
 	}
-	return &Node{cfg: cfg, relay: r, ring: ring}, nil
+	n.cfg, n.relay = cfg, r
+	return n, nil
 }
 
 // interfaceIP returns the first private (RFC 1918 or ULA) address of an up,

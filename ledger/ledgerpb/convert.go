@@ -64,7 +64,7 @@ func FromSummary(s *ledger.Summary) *Summary {
 }
 
 func fromKey(k *ledger.KeySummary) *KeySummary {
-	pk := &KeySummary{Key: k.Key, Origin: k.Origin, Stale: k.Stale, Types: make([]*TypeVersion, len(k.Types)),
+	pk := &KeySummary{Key: k.Key, Source: string(k.Source), Stale: k.Stale, Types: make([]*TypeVersion, len(k.Types)),
 		EnvoyCount: uint32(len(k.Envoys))}
 	for j, tv := range k.Types {
 		v := tv.Version
@@ -156,7 +156,7 @@ func ToSummary(p *Summary) (*ledger.Summary, error) {
 const minEnvoyRecord, minTypeRecord = 5, 6
 
 func toKey(pk *KeySummary, relay string) (ledger.KeySummary, error) {
-	k := ledger.KeySummary{Key: pk.GetKey(), Relay: relay, Origin: pk.GetOrigin(), Stale: pk.GetStale(),
+	k := ledger.KeySummary{Key: pk.GetKey(), Relay: relay, Source: ledger.Source(pk.GetSource()), Stale: pk.GetStale(),
 		Types: make([]ledger.TypeVersion, len(pk.GetTypes()))}
 	for j, tv := range pk.GetTypes() {
 		v := tv.GetVersion()

@@ -184,11 +184,12 @@ func (x *Summary) GetKeys() []*KeySummary {
 }
 
 type KeySummary struct {
-	state  protoimpl.MessageState `protogen:"open.v1"`
-	Key    string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
-	Origin bool                   `protobuf:"varint,2,opt,name=origin,proto3" json:"origin,omitempty"`
-	Stale  bool                   `protobuf:"varint,3,opt,name=stale,proto3" json:"stale,omitempty"`
-	Types  []*TypeVersion         `protobuf:"bytes,4,rep,name=types,proto3" json:"types,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Key   string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	// upstream, fallback or peer (ledger.Source).
+	Source string         `protobuf:"bytes,2,opt,name=source,proto3" json:"source,omitempty"`
+	Stale  bool           `protobuf:"varint,3,opt,name=stale,proto3" json:"stale,omitempty"`
+	Types  []*TypeVersion `protobuf:"bytes,4,rep,name=types,proto3" json:"types,omitempty"`
 	// The Envoys, packed (a message per Envoy and type costs more to decode
 	// than the whole query may take): tables of the type URLs, roots and
 	// NACKs they use, and the records, which index them.
@@ -246,11 +247,11 @@ func (x *KeySummary) GetKey() string {
 	return ""
 }
 
-func (x *KeySummary) GetOrigin() bool {
+func (x *KeySummary) GetSource() string {
 	if x != nil {
-		return x.Origin
+		return x.Source
 	}
-	return false
+	return ""
 }
 
 func (x *KeySummary) GetStale() bool {
@@ -697,7 +698,7 @@ const file_ledger_proto_rawDesc = "" +
 	"\n" +
 	"KeySummary\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x16\n" +
-	"\x06origin\x18\x02 \x01(\bR\x06origin\x12\x14\n" +
+	"\x06source\x18\x02 \x01(\tR\x06source\x12\x14\n" +
 	"\x05stale\x18\x03 \x01(\bR\x05stale\x126\n" +
 	"\x05types\x18\x04 \x03(\v2 .meshrelay.ledger.v1.TypeVersionR\x05types\x12\x1b\n" +
 	"\ttype_urls\x18\x05 \x03(\tR\btypeUrls\x12\x14\n" +

@@ -1,0 +1,196 @@
+package shard
+
+import (
+	"context"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/shard/adminpb"
+)
+
+// adminServer serves meshrelay.admin.v1 on one relay's admin listener. Any
+// relay answers for the whole tier: the ring is its own view of the
+// membership, and everything else comes from the ledgers of every relay,
+// gathered when asked (relay.TierLedger), within the relay's gather bound;
+// relays that did not answer are named in each answer's missing map.
+type adminServer struct {
+	adminpb.UnimplementedAdminServer
+	n *Node
+}
+
+// Wait's bounds.
+const (
+	defaultWaitTimeout = 30 * time.Second
+	maxWaitTimeout     = 10 * time.Minute
+	waitPoll           = 100 * time.Millisecond
+)
+
+func selectorScope(s *adminpb.Selector) ledger.Scope {
+	return ledger.Scope{Key: s.GetKey(), KeyPrefix: s.GetKeyPrefix()}
+}
+
+func (a adminServer) GetRing(context.Context, *adminpb.GetRingRequest) (*adminpb.Ring, error) {
+	out := &adminpb.Ring{Relay: a.n.relay.ID()}
+	for _, m := range a.n.ring.Members() {
+		out.Members = append(out.Members, &adminpb.Member{Name: m.Name, XdsAddress: m.XDSAddr, Envoys: int64(m.Conns), Self: m.Self})
+	}
+	return out, nil
+}
+
+func (a adminServer) ListShards(ctx context.Context, req *adminpb.ListShardsRequest) (*adminpb.ShardList, error) {
+	tl := a.n.relay.TierLedger(ctx, selectorScope(req.GetSelector()))
+	out := &adminpb.ShardList{Missing: missing(tl)}
+	for _, kr := range tl.Keys() {
+		sh := &adminpb.Shard{Key: kr.Key, LedgerVersion: kr.Version.String(),
+			Envoys: int64(kr.Convergence.Envoys), Current: int64(kr.Convergence.Current)}
+		if m, ok := a.n.ring.Locate(kr.Key); ok {
+			sh.Owner, sh.OwnerXdsAddress = m.Name, m.XDSAddr
+		}
+		for _, h := range kr.Holders {
+			sh.Holders = append(sh.Holders, &adminpb.ShardHolder{Relay: h.Relay, Source: string(h.Source), Stale: h.Stale,
+				Envoys: int64(h.Connected()), LedgerVersion: h.LedgerVersion().String()})
+		}
+		out.Shards = append(out.Shards, sh)
+	}
+	return out, nil
+}
+
+func (a adminServer) GetConvergence(ctx context.Context, req *adminpb.ConvergenceRequest) (*adminpb.Convergence, error) {
+	return convergence(a.n.relay.TierLedger(ctx, selectorScope(req.GetSelector()))), nil
+}
+
+func (a adminServer) ListStragglers(ctx context.Context, req *adminpb.StragglersRequest) (*adminpb.StragglerList, error) {
+	if req.GetLimit() < 0 {
+		return nil, status.Error(codes.InvalidArgument, "limit must not be negative")
+	}
+	tl := a.n.relay.TierLedger(ctx, selectorScope(req.GetSelector()))
+	return &adminpb.StragglerList{Stragglers: stragglers(tl.Stragglers(int(req.GetLimit()))), Missing: missing(tl)}, nil
+}
+
+func (a adminServer) CheckDelivery(ctx context.Context, req *adminpb.DeliveryRequest) (*adminpb.Delivery, error) {
+	h, err := ledger.ParseHash(req.GetHash())
+	if err != nil {
+		return nil, status.Errorf(codes.InvalidArgument, "hash: %v", err)
+	}
+	if req.GetType() == "" || req.GetName() == "" {
+		return nil, status.Error(codes.InvalidArgument, "type and name are required")
+	}
+	d, miss, err := a.n.relay.TierDelivery(ctx, selectorScope(req.GetSelector()), req.GetType(), req.GetName(), h)
+	if err != nil {
+		return nil, status.Error(codes.Internal, err.Error())
+	}
+	envoys, delivered, known := d.Counts()
+	out := &adminpb.Delivery{Envoys: int64(envoys), Delivered: int64(delivered), Known: known, Done: d.Done(), MissingRelays: errorStrings(miss)}
+	for _, k := range d.Keys {
+		out.Missing = append(out.Missing, stragglers(k.Missing)...)
+	}
+	return out, nil
+}
+
+func (a adminServer) Wait(req *adminpb.WaitRequest, stream adminpb.Admin_WaitServer) error {
+	share := req.GetShare()
+	if !(share > 0 && share <= 1) {
+		return status.Error(codes.InvalidArgument, "share must be in (0, 1]")
+	}
+	timeout := defaultWaitTimeout
+	if d := req.GetTimeout(); d != nil {
+		if err := d.CheckValid(); err != nil || d.AsDuration() <= 0 {
+			return status.Error(codes.InvalidArgument, "timeout must be a positive duration")
+		}
+		timeout = min(d.AsDuration(), maxWaitTimeout)
+	}
+	ctx, cancel := context.WithTimeout(stream.Context(), timeout)
+	defer cancel()
+	scope := selectorScope(req.GetSelector())
+	t := time.NewTicker(waitPoll)
+	defer t.Stop()
+	var last ledger.Convergence
+	sent := false
+	for {
+		tl := a.n.relay.TierLedger(ctx, scope)
+		c := tl.Convergence()
+		if ctx.Err() == nil && len(tl.Missing) == 0 && c.Share() >= share {
+			msg := convergence(tl)
+			msg.Reached = true
+			return stream.Send(msg)
+		}
+		if !sent || c != last {
+			if err := stream.Send(convergence(tl)); err != nil {
+				return err
+			}
+			last, sent = c, true
+		}
+		select {
+		case <-t.C:
+			continue
+		case <-ctx.Done():
+		}
+		if stream.Context().Err() != nil {
+			return stream.Context().Err()
+		}
+		// The timeout: a last word, with the stragglers, from a gather of
+		// its own (the one above may have been cut short).
+		gctx, gcancel := context.WithTimeout(stream.Context(), time.Second)
+		tl = a.n.relay.TierLedger(gctx, scope)
+		gcancel()
+		msg := convergence(tl)
+		msg.Stragglers = stragglers(tl.Stragglers(0))
+		if err := stream.Send(msg); err != nil {
+			return err
+		}
+		return status.Errorf(codes.DeadlineExceeded, "%d of %d Envoys on their key's current version after %v, want a share of %g",
+			msg.GetTier().GetCurrent(), msg.GetTier().GetEnvoys(), timeout, share)
+	}
+}
+
+func counts(c ledger.Convergence) *adminpb.Counts {
+	return &adminpb.Counts{Envoys: int64(c.Envoys), Current: int64(c.Current), Share: c.Share()}
+}
+
+func convergence(tl relay.TierLedger) *adminpb.Convergence {
+	out := &adminpb.Convergence{Tier: counts(tl.Convergence()), ByKey: map[string]*adminpb.Counts{}, ByRelay: map[string]*adminpb.Counts{}, Missing: missing(tl)}
+	for k, c := range tl.ByKey() {
+		out.ByKey[k] = counts(c)
+	}
+	for r, c := range tl.ByRelay() {
+		out.ByRelay[r] = counts(c)
+	}
+	return out
+}
+
+func stragglers(ss []ledger.Straggler) []*adminpb.Straggler {
+	out := make([]*adminpb.Straggler, 0, len(ss))
+	for _, s := range ss {
+		p := &adminpb.Straggler{Node: s.Node, Key: s.Key, Relay: s.Relay, Type: s.Type, Reason: string(s.Reason), Since: timestamp(s.Since)}
+		if n := s.NACK; n != nil {
+			p.Nack = &adminpb.NACK{Fingerprint: string(n.Fingerprint), Version: n.Version, Detail: n.Detail, At: timestamp(n.At)}
+		}
+		out = append(out, p)
+	}
+	return out
+}
+
+func timestamp(t time.Time) *timestamppb.Timestamp {
+	if t.IsZero() {
+		return nil
+	}
+	return timestamppb.New(t)
+}
+
+func missing(tl relay.TierLedger) map[string]string { return errorStrings(tl.Missing) }
+
+func errorStrings(m map[string]error) map[string]string {
+	if len(m) == 0 {
+		return nil
+	}
+	out := make(map[string]string, len(m))
+	for k, err := range m {
+		out[k] = err.Error()
+	}
+	return out
+}
