@@ -524,3 +524,26 @@ func (k *KeySummary) Connected() int {
 	}
 	return n
 }
+
+// EnvoyReport is the report's word on one Envoy (counted once, where it is
+// connected).
+type EnvoyReport struct {
+	Key   string
+	Relay string
+	State *EnvoyState
+	// Behind says why it is not on its key's current version (nil: it is).
+	Behind *Straggler
+}
+
+// Envoys returns the report's Envoys, by key and node.
+func (r *Report) Envoys() []EnvoyReport {
+	var out []EnvoyReport
+	for _, name := range r.order {
+		first := len(out)
+		for _, e := range r.keys[name].envoys {
+			out = append(out, EnvoyReport{Key: name, Relay: e.from.Relay, State: e.state, Behind: e.behind})
+		}
+		slices.SortFunc(out[first:], func(a, b EnvoyReport) int { return strings.Compare(a.State.Node, b.State.Node) })
+	}
+	return out
+}

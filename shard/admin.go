@@ -194,3 +194,82 @@ func errorStrings(m map[string]error) map[string]string {
 	}
 	return out
 }
+
+func (a adminServer) LocateEnvoy(ctx context.Context, req *adminpb.LocateEnvoyRequest) (*adminpb.EnvoyInfo, error) {
+	if req.GetNode() == "" {
+		return nil, status.Error(codes.InvalidArgument, "node is required")
+	}
+	tl := a.n.relay.TierLedger(ctx, ledger.Scope{})
+	for _, e := range tl.Envoys() {
+		if e.State.Node == req.GetNode() {
+			return a.envoyInfo(tl, e), nil
+		}
+	}
+	if len(tl.Missing) > 0 {
+		return nil, status.Errorf(codes.NotFound, "node %q: not on the relays that answered (%d did not)", req.GetNode(), len(tl.Missing))
+	}
+	return nil, status.Errorf(codes.NotFound, "node %q: not on the tier", req.GetNode())
+}
+
+func (a adminServer) ListEnvoys(ctx context.Context, req *adminpb.ListEnvoysRequest) (*adminpb.EnvoyList, error) {
+	if req.GetLimit() < 0 {
+		return nil, status.Error(codes.InvalidArgument, "limit must not be negative")
+	}
+	tl := a.n.relay.TierLedger(ctx, selectorScope(req.GetSelector()))
+	out := &adminpb.EnvoyList{Missing: missing(tl)}
+	for _, e := range tl.Envoys() {
+		switch {
+		case req.GetRelay() != "" && e.Relay != req.GetRelay():
+			continue
+		case req.GetLagging() && e.Behind == nil:
+			continue
+		case req.GetNacking() && !nacking(e.State):
+			continue
+		}
+		out.Envoys = append(out.Envoys, a.envoyInfo(tl, e))
+		if l := int(req.GetLimit()); l > 0 && len(out.Envoys) == l {
+			break
+		}
+	}
+	return out, nil
+}
+
+func nacking(st *ledger.EnvoyState) bool {
+	for _, et := range st.Types {
+		if et.NACK != nil {
+			return true
+		}
+	}
+	return false
+}
+
+func (a adminServer) envoyInfo(tl relay.TierLedger, e ledger.EnvoyReport) *adminpb.EnvoyInfo {
+	st := e.State
+	out := &adminpb.EnvoyInfo{Node: st.Node, Key: e.Key, Relay: e.Relay, Connected: st.Connected(),
+		ConnectedAt: timestamp(st.ConnectedAt), DisconnectedAt: timestamp(st.DisconnectedAt), Current: e.Behind == nil}
+	if e.Behind != nil {
+		out.Reason = string(e.Behind.Reason)
+	}
+	if m, ok := a.n.ring.Locate(e.Key); ok {
+		out.Owner = m.Name
+	}
+	for _, et := range st.Types {
+		t := &adminpb.EnvoyType{Type: et.Type, Acked: hexOf(et.Acked), AckedAt: timestamp(et.AckedAt), Sent: hexOf(et.Sent),
+			SentAt: timestamp(et.SentAt), Pending: et.Pending}
+		if n := et.NACK; n != nil {
+			t.Nack = &adminpb.NACK{Fingerprint: string(n.Fingerprint), Version: n.Version, Detail: n.Detail, At: timestamp(n.At)}
+		}
+		if v, ok := tl.Reference(e.Key, et.Type); ok {
+			t.CurrentView = v.Root.String()
+		}
+		out.Types = append(out.Types, t)
+	}
+	return out
+}
+
+func hexOf(h ledger.Hash) string {
+	if h.IsZero() {
+		return ""
+	}
+	return h.String()
+}

@@ -404,6 +404,50 @@ func checkAdminAPI(t *testing.T, tier *loadtest.Tier, byRole map[string][]string
 		t.Fatalf("CheckDelivery(bad hash) err = %v, want InvalidArgument", err)
 	}
 
+	// Where is a NACKing Envoy, and what does it hold?
+	nacker := byRole["nack"][0]
+	info, err := c.LocateEnvoy(ctx, &adminpb.LocateEnvoyRequest{Node: nacker})
+	if err != nil {
+		t.Fatal(err)
+	}
+	onRelay := ""
+	for _, r := range tier.Running() {
+		for _, cs := range r.Node.Relay().Clients() {
+			if cs.NodeID == nacker && cs.PeerRelay == "" {
+				onRelay = r.ID
+			}
+		}
+	}
+	owner, _ := asked.Node.Ring().Locate(info.GetKey())
+	var edsState *adminpb.EnvoyType
+	for _, et := range info.GetTypes() {
+		if et.GetType() == typeURL {
+			edsState = et
+		}
+	}
+	if info.GetRelay() != onRelay || info.GetOwner() != owner.Name || info.GetCurrent() || info.GetReason() != string(ledger.NACKed) ||
+		!info.GetConnected() || edsState == nil || edsState.GetNack() == nil || edsState.GetAcked() == edsState.GetCurrentView() {
+		t.Fatalf("LocateEnvoy(%s) = %v; want it on %s, owner %s, NACKing its endpoints, behind", nacker, info, onRelay, owner.Name)
+	}
+	if _, err := c.LocateEnvoy(ctx, &adminpb.LocateEnvoyRequest{Node: "nobody"}); status.Code(err) != codes.NotFound {
+		t.Fatalf("LocateEnvoy(nobody) err = %v, want NotFound", err)
+	}
+	for _, tc := range []struct {
+		req  *adminpb.ListEnvoysRequest
+		want int
+	}{
+		{&adminpb.ListEnvoysRequest{}, 12},
+		{&adminpb.ListEnvoysRequest{Lagging: true}, 6},
+		{&adminpb.ListEnvoysRequest{Nacking: true}, 3},
+		{&adminpb.ListEnvoysRequest{Selector: &adminpb.Selector{Key: info.GetKey()}}, 4},
+		{&adminpb.ListEnvoysRequest{Relay: onRelay, Nacking: true, Limit: 1}, 1},
+	} {
+		l, err := c.ListEnvoys(ctx, tc.req)
+		if err != nil || len(l.GetEnvoys()) != tc.want {
+			t.Fatalf("ListEnvoys(%v) = %d Envoys, %v; want %d", tc.req, len(l.GetEnvoys()), err, tc.want)
+		}
+	}
+
 	// Wait: half the tier is there at once; all of it never comes.
 	w, err := c.Wait(ctx, &adminpb.WaitRequest{Share: 0.5, Timeout: durationpb.New(10 * time.Second)})
 	if err != nil {

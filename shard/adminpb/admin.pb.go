@@ -1193,6 +1193,406 @@ func (x *WaitRequest) GetTimeout() *durationpb.Duration {
 	return nil
 }
 
+type LocateEnvoyRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The node id.
+	Node          string `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LocateEnvoyRequest) Reset() {
+	*x = LocateEnvoyRequest{}
+	mi := &file_admin_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LocateEnvoyRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LocateEnvoyRequest) ProtoMessage() {}
+
+func (x *LocateEnvoyRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_admin_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LocateEnvoyRequest.ProtoReflect.Descriptor instead.
+func (*LocateEnvoyRequest) Descriptor() ([]byte, []int) {
+	return file_admin_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *LocateEnvoyRequest) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+type EnvoyInfo struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Node  string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	Key   string                 `protobuf:"bytes,2,opt,name=key,proto3" json:"key,omitempty"`
+	// The relay it is connected to (or was last, if it is not connected).
+	Relay string `protobuf:"bytes,3,opt,name=relay,proto3" json:"relay,omitempty"`
+	// The ring's owner of its key.
+	Owner          string                 `protobuf:"bytes,4,opt,name=owner,proto3" json:"owner,omitempty"`
+	Connected      bool                   `protobuf:"varint,5,opt,name=connected,proto3" json:"connected,omitempty"`
+	ConnectedAt    *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=connected_at,json=connectedAt,proto3" json:"connected_at,omitempty"`
+	DisconnectedAt *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=disconnected_at,json=disconnectedAt,proto3" json:"disconnected_at,omitempty"`
+	// On its key's current version of every type it subscribes to.
+	Current bool `protobuf:"varint,8,opt,name=current,proto3" json:"current,omitempty"`
+	// Why not, if not: the straggler reason.
+	Reason        string       `protobuf:"bytes,9,opt,name=reason,proto3" json:"reason,omitempty"`
+	Types         []*EnvoyType `protobuf:"bytes,10,rep,name=types,proto3" json:"types,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EnvoyInfo) Reset() {
+	*x = EnvoyInfo{}
+	mi := &file_admin_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EnvoyInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EnvoyInfo) ProtoMessage() {}
+
+func (x *EnvoyInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_admin_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EnvoyInfo.ProtoReflect.Descriptor instead.
+func (*EnvoyInfo) Descriptor() ([]byte, []int) {
+	return file_admin_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *EnvoyInfo) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *EnvoyInfo) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *EnvoyInfo) GetRelay() string {
+	if x != nil {
+		return x.Relay
+	}
+	return ""
+}
+
+func (x *EnvoyInfo) GetOwner() string {
+	if x != nil {
+		return x.Owner
+	}
+	return ""
+}
+
+func (x *EnvoyInfo) GetConnected() bool {
+	if x != nil {
+		return x.Connected
+	}
+	return false
+}
+
+func (x *EnvoyInfo) GetConnectedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ConnectedAt
+	}
+	return nil
+}
+
+func (x *EnvoyInfo) GetDisconnectedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.DisconnectedAt
+	}
+	return nil
+}
+
+func (x *EnvoyInfo) GetCurrent() bool {
+	if x != nil {
+		return x.Current
+	}
+	return false
+}
+
+func (x *EnvoyInfo) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *EnvoyInfo) GetTypes() []*EnvoyType {
+	if x != nil {
+		return x.Types
+	}
+	return nil
+}
+
+type EnvoyType struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Type  string                 `protobuf:"bytes,1,opt,name=type,proto3" json:"type,omitempty"`
+	// The views (Merkle roots, hex) it ACKed and was sent; empty: none yet.
+	Acked   string                 `protobuf:"bytes,2,opt,name=acked,proto3" json:"acked,omitempty"`
+	AckedAt *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=acked_at,json=ackedAt,proto3" json:"acked_at,omitempty"`
+	Sent    string                 `protobuf:"bytes,4,opt,name=sent,proto3" json:"sent,omitempty"`
+	SentAt  *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=sent_at,json=sentAt,proto3" json:"sent_at,omitempty"`
+	// The latest response is unanswered.
+	Pending bool  `protobuf:"varint,6,opt,name=pending,proto3" json:"pending,omitempty"`
+	Nack    *NACK `protobuf:"bytes,7,opt,name=nack,proto3" json:"nack,omitempty"`
+	// The key's current view of the type (hex).
+	CurrentView   string `protobuf:"bytes,8,opt,name=current_view,json=currentView,proto3" json:"current_view,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EnvoyType) Reset() {
+	*x = EnvoyType{}
+	mi := &file_admin_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EnvoyType) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EnvoyType) ProtoMessage() {}
+
+func (x *EnvoyType) ProtoReflect() protoreflect.Message {
+	mi := &file_admin_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EnvoyType.ProtoReflect.Descriptor instead.
+func (*EnvoyType) Descriptor() ([]byte, []int) {
+	return file_admin_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *EnvoyType) GetType() string {
+	if x != nil {
+		return x.Type
+	}
+	return ""
+}
+
+func (x *EnvoyType) GetAcked() string {
+	if x != nil {
+		return x.Acked
+	}
+	return ""
+}
+
+func (x *EnvoyType) GetAckedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.AckedAt
+	}
+	return nil
+}
+
+func (x *EnvoyType) GetSent() string {
+	if x != nil {
+		return x.Sent
+	}
+	return ""
+}
+
+func (x *EnvoyType) GetSentAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.SentAt
+	}
+	return nil
+}
+
+func (x *EnvoyType) GetPending() bool {
+	if x != nil {
+		return x.Pending
+	}
+	return false
+}
+
+func (x *EnvoyType) GetNack() *NACK {
+	if x != nil {
+		return x.Nack
+	}
+	return nil
+}
+
+func (x *EnvoyType) GetCurrentView() string {
+	if x != nil {
+		return x.CurrentView
+	}
+	return ""
+}
+
+type ListEnvoysRequest struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Selector *Selector              `protobuf:"bytes,1,opt,name=selector,proto3" json:"selector,omitempty"`
+	// Only the Envoys of this relay.
+	Relay string `protobuf:"bytes,2,opt,name=relay,proto3" json:"relay,omitempty"`
+	// Only those behind their key's current version.
+	Lagging bool `protobuf:"varint,3,opt,name=lagging,proto3" json:"lagging,omitempty"`
+	// Only those holding a NACK.
+	Nacking bool `protobuf:"varint,4,opt,name=nacking,proto3" json:"nacking,omitempty"`
+	// At most this many (0: all).
+	Limit         int32 `protobuf:"varint,5,opt,name=limit,proto3" json:"limit,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListEnvoysRequest) Reset() {
+	*x = ListEnvoysRequest{}
+	mi := &file_admin_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListEnvoysRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListEnvoysRequest) ProtoMessage() {}
+
+func (x *ListEnvoysRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_admin_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListEnvoysRequest.ProtoReflect.Descriptor instead.
+func (*ListEnvoysRequest) Descriptor() ([]byte, []int) {
+	return file_admin_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *ListEnvoysRequest) GetSelector() *Selector {
+	if x != nil {
+		return x.Selector
+	}
+	return nil
+}
+
+func (x *ListEnvoysRequest) GetRelay() string {
+	if x != nil {
+		return x.Relay
+	}
+	return ""
+}
+
+func (x *ListEnvoysRequest) GetLagging() bool {
+	if x != nil {
+		return x.Lagging
+	}
+	return false
+}
+
+func (x *ListEnvoysRequest) GetNacking() bool {
+	if x != nil {
+		return x.Nacking
+	}
+	return false
+}
+
+func (x *ListEnvoysRequest) GetLimit() int32 {
+	if x != nil {
+		return x.Limit
+	}
+	return 0
+}
+
+type EnvoyList struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Envoys        []*EnvoyInfo           `protobuf:"bytes,1,rep,name=envoys,proto3" json:"envoys,omitempty"`
+	Missing       map[string]string      `protobuf:"bytes,2,rep,name=missing,proto3" json:"missing,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EnvoyList) Reset() {
+	*x = EnvoyList{}
+	mi := &file_admin_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EnvoyList) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EnvoyList) ProtoMessage() {}
+
+func (x *EnvoyList) ProtoReflect() protoreflect.Message {
+	mi := &file_admin_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EnvoyList.ProtoReflect.Descriptor instead.
+func (*EnvoyList) Descriptor() ([]byte, []int) {
+	return file_admin_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *EnvoyList) GetEnvoys() []*EnvoyInfo {
+	if x != nil {
+		return x.Envoys
+	}
+	return nil
+}
+
+func (x *EnvoyList) GetMissing() map[string]string {
+	if x != nil {
+		return x.Missing
+	}
+	return nil
+}
+
 var File_admin_proto protoreflect.FileDescriptor
 
 const file_admin_proto_rawDesc = "" +
@@ -1301,7 +1701,42 @@ const file_admin_proto_rawDesc = "" +
 	"\vWaitRequest\x128\n" +
 	"\bselector\x18\x01 \x01(\v2\x1c.meshrelay.admin.v1.SelectorR\bselector\x12\x14\n" +
 	"\x05share\x18\x02 \x01(\x01R\x05share\x123\n" +
-	"\atimeout\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\atimeout2\xfb\x03\n" +
+	"\atimeout\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\atimeout\"(\n" +
+	"\x12LocateEnvoyRequest\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\"\xe6\x02\n" +
+	"\tEnvoyInfo\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\x12\x10\n" +
+	"\x03key\x18\x02 \x01(\tR\x03key\x12\x14\n" +
+	"\x05relay\x18\x03 \x01(\tR\x05relay\x12\x14\n" +
+	"\x05owner\x18\x04 \x01(\tR\x05owner\x12\x1c\n" +
+	"\tconnected\x18\x05 \x01(\bR\tconnected\x12=\n" +
+	"\fconnected_at\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\vconnectedAt\x12C\n" +
+	"\x0fdisconnected_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\x0edisconnectedAt\x12\x18\n" +
+	"\acurrent\x18\b \x01(\bR\acurrent\x12\x16\n" +
+	"\x06reason\x18\t \x01(\tR\x06reason\x123\n" +
+	"\x05types\x18\n" +
+	" \x03(\v2\x1d.meshrelay.admin.v1.EnvoyTypeR\x05types\"\xa0\x02\n" +
+	"\tEnvoyType\x12\x12\n" +
+	"\x04type\x18\x01 \x01(\tR\x04type\x12\x14\n" +
+	"\x05acked\x18\x02 \x01(\tR\x05acked\x125\n" +
+	"\backed_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\aackedAt\x12\x12\n" +
+	"\x04sent\x18\x04 \x01(\tR\x04sent\x123\n" +
+	"\asent_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\x06sentAt\x12\x18\n" +
+	"\apending\x18\x06 \x01(\bR\apending\x12,\n" +
+	"\x04nack\x18\a \x01(\v2\x18.meshrelay.admin.v1.NACKR\x04nack\x12!\n" +
+	"\fcurrent_view\x18\b \x01(\tR\vcurrentView\"\xad\x01\n" +
+	"\x11ListEnvoysRequest\x128\n" +
+	"\bselector\x18\x01 \x01(\v2\x1c.meshrelay.admin.v1.SelectorR\bselector\x12\x14\n" +
+	"\x05relay\x18\x02 \x01(\tR\x05relay\x12\x18\n" +
+	"\alagging\x18\x03 \x01(\bR\alagging\x12\x18\n" +
+	"\anacking\x18\x04 \x01(\bR\anacking\x12\x14\n" +
+	"\x05limit\x18\x05 \x01(\x05R\x05limit\"\xc4\x01\n" +
+	"\tEnvoyList\x125\n" +
+	"\x06envoys\x18\x01 \x03(\v2\x1d.meshrelay.admin.v1.EnvoyInfoR\x06envoys\x12D\n" +
+	"\amissing\x18\x02 \x03(\v2*.meshrelay.admin.v1.EnvoyList.MissingEntryR\amissing\x1a:\n" +
+	"\fMissingEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x012\xa5\x05\n" +
 	"\x05Admin\x12G\n" +
 	"\aGetRing\x12\".meshrelay.admin.v1.GetRingRequest\x1a\x18.meshrelay.admin.v1.Ring\x12R\n" +
 	"\n" +
@@ -1309,7 +1744,10 @@ const file_admin_proto_rawDesc = "" +
 	"\x0eGetConvergence\x12&.meshrelay.admin.v1.ConvergenceRequest\x1a\x1f.meshrelay.admin.v1.Convergence\x12Z\n" +
 	"\x0eListStragglers\x12%.meshrelay.admin.v1.StragglersRequest\x1a!.meshrelay.admin.v1.StragglerList\x12R\n" +
 	"\rCheckDelivery\x12#.meshrelay.admin.v1.DeliveryRequest\x1a\x1c.meshrelay.admin.v1.Delivery\x12J\n" +
-	"\x04Wait\x12\x1f.meshrelay.admin.v1.WaitRequest\x1a\x1f.meshrelay.admin.v1.Convergence0\x01B.Z,github.com/meshrelay/meshrelay/shard/adminpbb\x06proto3"
+	"\x04Wait\x12\x1f.meshrelay.admin.v1.WaitRequest\x1a\x1f.meshrelay.admin.v1.Convergence0\x01\x12T\n" +
+	"\vLocateEnvoy\x12&.meshrelay.admin.v1.LocateEnvoyRequest\x1a\x1d.meshrelay.admin.v1.EnvoyInfo\x12R\n" +
+	"\n" +
+	"ListEnvoys\x12%.meshrelay.admin.v1.ListEnvoysRequest\x1a\x1d.meshrelay.admin.v1.EnvoyListB.Z,github.com/meshrelay/meshrelay/shard/adminpbb\x06proto3"
 
 var (
 	file_admin_proto_rawDescOnce sync.Once
@@ -1323,7 +1761,7 @@ func file_admin_proto_rawDescGZIP() []byte {
 	return file_admin_proto_rawDescData
 }
 
-var file_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
+var file_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
 var file_admin_proto_goTypes = []any{
 	(*Selector)(nil),              // 0: meshrelay.admin.v1.Selector
 	(*GetRingRequest)(nil),        // 1: meshrelay.admin.v1.GetRingRequest
@@ -1343,57 +1781,76 @@ var file_admin_proto_goTypes = []any{
 	(*DeliveryRequest)(nil),       // 15: meshrelay.admin.v1.DeliveryRequest
 	(*Delivery)(nil),              // 16: meshrelay.admin.v1.Delivery
 	(*WaitRequest)(nil),           // 17: meshrelay.admin.v1.WaitRequest
-	nil,                           // 18: meshrelay.admin.v1.ShardList.MissingEntry
-	nil,                           // 19: meshrelay.admin.v1.Convergence.ByKeyEntry
-	nil,                           // 20: meshrelay.admin.v1.Convergence.ByRelayEntry
-	nil,                           // 21: meshrelay.admin.v1.Convergence.MissingEntry
-	nil,                           // 22: meshrelay.admin.v1.StragglerList.MissingEntry
-	nil,                           // 23: meshrelay.admin.v1.Delivery.MissingRelaysEntry
-	(*timestamppb.Timestamp)(nil), // 24: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 25: google.protobuf.Duration
+	(*LocateEnvoyRequest)(nil),    // 18: meshrelay.admin.v1.LocateEnvoyRequest
+	(*EnvoyInfo)(nil),             // 19: meshrelay.admin.v1.EnvoyInfo
+	(*EnvoyType)(nil),             // 20: meshrelay.admin.v1.EnvoyType
+	(*ListEnvoysRequest)(nil),     // 21: meshrelay.admin.v1.ListEnvoysRequest
+	(*EnvoyList)(nil),             // 22: meshrelay.admin.v1.EnvoyList
+	nil,                           // 23: meshrelay.admin.v1.ShardList.MissingEntry
+	nil,                           // 24: meshrelay.admin.v1.Convergence.ByKeyEntry
+	nil,                           // 25: meshrelay.admin.v1.Convergence.ByRelayEntry
+	nil,                           // 26: meshrelay.admin.v1.Convergence.MissingEntry
+	nil,                           // 27: meshrelay.admin.v1.StragglerList.MissingEntry
+	nil,                           // 28: meshrelay.admin.v1.Delivery.MissingRelaysEntry
+	nil,                           // 29: meshrelay.admin.v1.EnvoyList.MissingEntry
+	(*timestamppb.Timestamp)(nil), // 30: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 31: google.protobuf.Duration
 }
 var file_admin_proto_depIdxs = []int32{
 	3,  // 0: meshrelay.admin.v1.Ring.members:type_name -> meshrelay.admin.v1.Member
 	0,  // 1: meshrelay.admin.v1.ListShardsRequest.selector:type_name -> meshrelay.admin.v1.Selector
 	6,  // 2: meshrelay.admin.v1.ShardList.shards:type_name -> meshrelay.admin.v1.Shard
-	18, // 3: meshrelay.admin.v1.ShardList.missing:type_name -> meshrelay.admin.v1.ShardList.MissingEntry
+	23, // 3: meshrelay.admin.v1.ShardList.missing:type_name -> meshrelay.admin.v1.ShardList.MissingEntry
 	7,  // 4: meshrelay.admin.v1.Shard.holders:type_name -> meshrelay.admin.v1.ShardHolder
 	0,  // 5: meshrelay.admin.v1.ConvergenceRequest.selector:type_name -> meshrelay.admin.v1.Selector
 	9,  // 6: meshrelay.admin.v1.Convergence.tier:type_name -> meshrelay.admin.v1.Counts
-	19, // 7: meshrelay.admin.v1.Convergence.by_key:type_name -> meshrelay.admin.v1.Convergence.ByKeyEntry
-	20, // 8: meshrelay.admin.v1.Convergence.by_relay:type_name -> meshrelay.admin.v1.Convergence.ByRelayEntry
-	21, // 9: meshrelay.admin.v1.Convergence.missing:type_name -> meshrelay.admin.v1.Convergence.MissingEntry
+	24, // 7: meshrelay.admin.v1.Convergence.by_key:type_name -> meshrelay.admin.v1.Convergence.ByKeyEntry
+	25, // 8: meshrelay.admin.v1.Convergence.by_relay:type_name -> meshrelay.admin.v1.Convergence.ByRelayEntry
+	26, // 9: meshrelay.admin.v1.Convergence.missing:type_name -> meshrelay.admin.v1.Convergence.MissingEntry
 	13, // 10: meshrelay.admin.v1.Convergence.stragglers:type_name -> meshrelay.admin.v1.Straggler
 	0,  // 11: meshrelay.admin.v1.StragglersRequest.selector:type_name -> meshrelay.admin.v1.Selector
 	13, // 12: meshrelay.admin.v1.StragglerList.stragglers:type_name -> meshrelay.admin.v1.Straggler
-	22, // 13: meshrelay.admin.v1.StragglerList.missing:type_name -> meshrelay.admin.v1.StragglerList.MissingEntry
+	27, // 13: meshrelay.admin.v1.StragglerList.missing:type_name -> meshrelay.admin.v1.StragglerList.MissingEntry
 	14, // 14: meshrelay.admin.v1.Straggler.nack:type_name -> meshrelay.admin.v1.NACK
-	24, // 15: meshrelay.admin.v1.Straggler.since:type_name -> google.protobuf.Timestamp
-	24, // 16: meshrelay.admin.v1.NACK.at:type_name -> google.protobuf.Timestamp
+	30, // 15: meshrelay.admin.v1.Straggler.since:type_name -> google.protobuf.Timestamp
+	30, // 16: meshrelay.admin.v1.NACK.at:type_name -> google.protobuf.Timestamp
 	0,  // 17: meshrelay.admin.v1.DeliveryRequest.selector:type_name -> meshrelay.admin.v1.Selector
 	13, // 18: meshrelay.admin.v1.Delivery.missing:type_name -> meshrelay.admin.v1.Straggler
-	23, // 19: meshrelay.admin.v1.Delivery.missing_relays:type_name -> meshrelay.admin.v1.Delivery.MissingRelaysEntry
+	28, // 19: meshrelay.admin.v1.Delivery.missing_relays:type_name -> meshrelay.admin.v1.Delivery.MissingRelaysEntry
 	0,  // 20: meshrelay.admin.v1.WaitRequest.selector:type_name -> meshrelay.admin.v1.Selector
-	25, // 21: meshrelay.admin.v1.WaitRequest.timeout:type_name -> google.protobuf.Duration
-	9,  // 22: meshrelay.admin.v1.Convergence.ByKeyEntry.value:type_name -> meshrelay.admin.v1.Counts
-	9,  // 23: meshrelay.admin.v1.Convergence.ByRelayEntry.value:type_name -> meshrelay.admin.v1.Counts
-	1,  // 24: meshrelay.admin.v1.Admin.GetRing:input_type -> meshrelay.admin.v1.GetRingRequest
-	4,  // 25: meshrelay.admin.v1.Admin.ListShards:input_type -> meshrelay.admin.v1.ListShardsRequest
-	8,  // 26: meshrelay.admin.v1.Admin.GetConvergence:input_type -> meshrelay.admin.v1.ConvergenceRequest
-	11, // 27: meshrelay.admin.v1.Admin.ListStragglers:input_type -> meshrelay.admin.v1.StragglersRequest
-	15, // 28: meshrelay.admin.v1.Admin.CheckDelivery:input_type -> meshrelay.admin.v1.DeliveryRequest
-	17, // 29: meshrelay.admin.v1.Admin.Wait:input_type -> meshrelay.admin.v1.WaitRequest
-	2,  // 30: meshrelay.admin.v1.Admin.GetRing:output_type -> meshrelay.admin.v1.Ring
-	5,  // 31: meshrelay.admin.v1.Admin.ListShards:output_type -> meshrelay.admin.v1.ShardList
-	10, // 32: meshrelay.admin.v1.Admin.GetConvergence:output_type -> meshrelay.admin.v1.Convergence
-	12, // 33: meshrelay.admin.v1.Admin.ListStragglers:output_type -> meshrelay.admin.v1.StragglerList
-	16, // 34: meshrelay.admin.v1.Admin.CheckDelivery:output_type -> meshrelay.admin.v1.Delivery
-	10, // 35: meshrelay.admin.v1.Admin.Wait:output_type -> meshrelay.admin.v1.Convergence
-	30, // [30:36] is the sub-list for method output_type
-	24, // [24:30] is the sub-list for method input_type
-	24, // [24:24] is the sub-list for extension type_name
-	24, // [24:24] is the sub-list for extension extendee
-	0,  // [0:24] is the sub-list for field type_name
+	31, // 21: meshrelay.admin.v1.WaitRequest.timeout:type_name -> google.protobuf.Duration
+	30, // 22: meshrelay.admin.v1.EnvoyInfo.connected_at:type_name -> google.protobuf.Timestamp
+	30, // 23: meshrelay.admin.v1.EnvoyInfo.disconnected_at:type_name -> google.protobuf.Timestamp
+	20, // 24: meshrelay.admin.v1.EnvoyInfo.types:type_name -> meshrelay.admin.v1.EnvoyType
+	30, // 25: meshrelay.admin.v1.EnvoyType.acked_at:type_name -> google.protobuf.Timestamp
+	30, // 26: meshrelay.admin.v1.EnvoyType.sent_at:type_name -> google.protobuf.Timestamp
+	14, // 27: meshrelay.admin.v1.EnvoyType.nack:type_name -> meshrelay.admin.v1.NACK
+	0,  // 28: meshrelay.admin.v1.ListEnvoysRequest.selector:type_name -> meshrelay.admin.v1.Selector
+	19, // 29: meshrelay.admin.v1.EnvoyList.envoys:type_name -> meshrelay.admin.v1.EnvoyInfo
+	29, // 30: meshrelay.admin.v1.EnvoyList.missing:type_name -> meshrelay.admin.v1.EnvoyList.MissingEntry
+	9,  // 31: meshrelay.admin.v1.Convergence.ByKeyEntry.value:type_name -> meshrelay.admin.v1.Counts
+	9,  // 32: meshrelay.admin.v1.Convergence.ByRelayEntry.value:type_name -> meshrelay.admin.v1.Counts
+	1,  // 33: meshrelay.admin.v1.Admin.GetRing:input_type -> meshrelay.admin.v1.GetRingRequest
+	4,  // 34: meshrelay.admin.v1.Admin.ListShards:input_type -> meshrelay.admin.v1.ListShardsRequest
+	8,  // 35: meshrelay.admin.v1.Admin.GetConvergence:input_type -> meshrelay.admin.v1.ConvergenceRequest
+	11, // 36: meshrelay.admin.v1.Admin.ListStragglers:input_type -> meshrelay.admin.v1.StragglersRequest
+	15, // 37: meshrelay.admin.v1.Admin.CheckDelivery:input_type -> meshrelay.admin.v1.DeliveryRequest
+	17, // 38: meshrelay.admin.v1.Admin.Wait:input_type -> meshrelay.admin.v1.WaitRequest
+	18, // 39: meshrelay.admin.v1.Admin.LocateEnvoy:input_type -> meshrelay.admin.v1.LocateEnvoyRequest
+	21, // 40: meshrelay.admin.v1.Admin.ListEnvoys:input_type -> meshrelay.admin.v1.ListEnvoysRequest
+	2,  // 41: meshrelay.admin.v1.Admin.GetRing:output_type -> meshrelay.admin.v1.Ring
+	5,  // 42: meshrelay.admin.v1.Admin.ListShards:output_type -> meshrelay.admin.v1.ShardList
+	10, // 43: meshrelay.admin.v1.Admin.GetConvergence:output_type -> meshrelay.admin.v1.Convergence
+	12, // 44: meshrelay.admin.v1.Admin.ListStragglers:output_type -> meshrelay.admin.v1.StragglerList
+	16, // 45: meshrelay.admin.v1.Admin.CheckDelivery:output_type -> meshrelay.admin.v1.Delivery
+	10, // 46: meshrelay.admin.v1.Admin.Wait:output_type -> meshrelay.admin.v1.Convergence
+	19, // 47: meshrelay.admin.v1.Admin.LocateEnvoy:output_type -> meshrelay.admin.v1.EnvoyInfo
+	22, // 48: meshrelay.admin.v1.Admin.ListEnvoys:output_type -> meshrelay.admin.v1.EnvoyList
+	41, // [41:49] is the sub-list for method output_type
+	33, // [33:41] is the sub-list for method input_type
+	33, // [33:33] is the sub-list for extension type_name
+	33, // [33:33] is the sub-list for extension extendee
+	0,  // [0:33] is the sub-list for field type_name
 }
 
 func init() { file_admin_proto_init() }
@@ -1407,7 +1864,7 @@ func file_admin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_admin_proto_rawDesc), len(file_admin_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   24,
+			NumMessages:   30,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -30,6 +30,8 @@ const (
 	Admin_ListStragglers_FullMethodName = "/meshrelay.admin.v1.Admin/ListStragglers"
 	Admin_CheckDelivery_FullMethodName  = "/meshrelay.admin.v1.Admin/CheckDelivery"
 	Admin_Wait_FullMethodName           = "/meshrelay.admin.v1.Admin/Wait"
+	Admin_LocateEnvoy_FullMethodName    = "/meshrelay.admin.v1.Admin/LocateEnvoy"
+	Admin_ListEnvoys_FullMethodName     = "/meshrelay.admin.v1.Admin/ListEnvoys"
 )
 
 // AdminClient is the client API for Admin service.
@@ -55,6 +57,11 @@ type AdminClient interface {
 	// (the stream ends with DEADLINE_EXCEEDED after a last message listing
 	// the stragglers).
 	Wait(ctx context.Context, in *WaitRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[Convergence], error)
+	// LocateEnvoy returns where an Envoy is: its relay, its key and the
+	// key's owner, with its state per type.
+	LocateEnvoy(ctx context.Context, in *LocateEnvoyRequest, opts ...grpc.CallOption) (*EnvoyInfo, error)
+	// ListEnvoys lists the tier's Envoys, filtered.
+	ListEnvoys(ctx context.Context, in *ListEnvoysRequest, opts ...grpc.CallOption) (*EnvoyList, error)
 }
 
 type adminClient struct {
@@ -134,6 +141,26 @@ func (c *adminClient) Wait(ctx context.Context, in *WaitRequest, opts ...grpc.Ca
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Admin_WaitClient = grpc.ServerStreamingClient[Convergence]
 
+func (c *adminClient) LocateEnvoy(ctx context.Context, in *LocateEnvoyRequest, opts ...grpc.CallOption) (*EnvoyInfo, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(EnvoyInfo)
+	err := c.cc.Invoke(ctx, Admin_LocateEnvoy_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminClient) ListEnvoys(ctx context.Context, in *ListEnvoysRequest, opts ...grpc.CallOption) (*EnvoyList, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(EnvoyList)
+	err := c.cc.Invoke(ctx, Admin_ListEnvoys_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AdminServer is the server API for Admin service.
 // All implementations must embed UnimplementedAdminServer
 // for forward compatibility.
@@ -157,6 +184,11 @@ type AdminServer interface {
 	// (the stream ends with DEADLINE_EXCEEDED after a last message listing
 	// the stragglers).
 	Wait(*WaitRequest, grpc.ServerStreamingServer[Convergence]) error
+	// LocateEnvoy returns where an Envoy is: its relay, its key and the
+	// key's owner, with its state per type.
+	LocateEnvoy(context.Context, *LocateEnvoyRequest) (*EnvoyInfo, error)
+	// ListEnvoys lists the tier's Envoys, filtered.
+	ListEnvoys(context.Context, *ListEnvoysRequest) (*EnvoyList, error)
 	mustEmbedUnimplementedAdminServer()
 }
 
@@ -184,6 +216,12 @@ func (UnimplementedAdminServer) CheckDelivery(context.Context, *DeliveryRequest)
 }
 func (UnimplementedAdminServer) Wait(*WaitRequest, grpc.ServerStreamingServer[Convergence]) error {
 	return status.Errorf(codes.Unimplemented, "method Wait not implemented")
+}
+func (UnimplementedAdminServer) LocateEnvoy(context.Context, *LocateEnvoyRequest) (*EnvoyInfo, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method LocateEnvoy not implemented")
+}
+func (UnimplementedAdminServer) ListEnvoys(context.Context, *ListEnvoysRequest) (*EnvoyList, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method ListEnvoys not implemented")
 }
 func (UnimplementedAdminServer) mustEmbedUnimplementedAdminServer() {}
 func (UnimplementedAdminServer) testEmbeddedByValue()               {}
@@ -307,6 +345,42 @@ func _Admin_Wait_Handler(srv interface{}, stream grpc.ServerStream) error {
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Admin_WaitServer = grpc.ServerStreamingServer[Convergence]
 
+func _Admin_LocateEnvoy_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(LocateEnvoyRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).LocateEnvoy(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_LocateEnvoy_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).LocateEnvoy(ctx, req.(*LocateEnvoyRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Admin_ListEnvoys_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListEnvoysRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).ListEnvoys(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_ListEnvoys_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).ListEnvoys(ctx, req.(*ListEnvoysRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Admin_ServiceDesc is the grpc.ServiceDesc for Admin service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -333,6 +407,14 @@ var Admin_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "CheckDelivery",
 			Handler:    _Admin_CheckDelivery_Handler,
+		},
+		{
+			MethodName: "LocateEnvoy",
+			Handler:    _Admin_LocateEnvoy_Handler,
+		},
+		{
+			MethodName: "ListEnvoys",
+			Handler:    _Admin_ListEnvoys_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{
