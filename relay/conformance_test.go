@@ -400,6 +400,33 @@ func TestConformance(t *testing.T) {
 				wantNames(t, c2.recv(), "c0", "c1")
 			}
 		}},
+		{"declared content the key never had is kept a while (the client may come from a relay ahead)", func(t *testing.T, e *env) {
+			if !e.delta {
+				t.Skip("Delta only: SotW clients declare no per-resource versions")
+			}
+			c := e.client(0)
+			c.subscribe(typeCluster)
+			d := c.recv().(*discovery.DeltaDiscoveryResponse)
+			c.ack(d)
+			c.close()
+			// A client from a relay ahead of this one holds c0 at content
+			// this relay never had, and lacks c2.
+			declared := versionMap(d)
+			declared["c0"] = ledger.HashBytes([]byte("newer c0")).String()
+			delete(declared, "c2")
+			c2 := e.client(0)
+			start := time.Now()
+			c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster, InitialResourceVersions: declared})
+			m := c2.recv()
+			wantNames(t, m, "c2") // what it lacks, not c0
+			c2.ack(m)
+			// Past unseenHold, the view wins.
+			m = c2.recv()
+			if time.Since(start) < unseenHold {
+				t.Fatalf("c0 sent after %v, want it held %v", time.Since(start), unseenHold)
+			}
+			wantNames(t, m, "c0")
+		}},
 		{"named again is sent even if declared (Envoy #22418)", func(t *testing.T, e *env) {
 			if !e.delta {
 				t.Skip("Delta only: SotW clients declare no per-resource versions")

@@ -2,6 +2,7 @@ package relay
 
 import (
 	"slices"
+	"time"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc/codes"
@@ -62,6 +63,9 @@ func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 		sub.awaitFirst = wildcard || s.peerRelay != nil
 		sub.known = s.declared(sub, req.GetInitialResourceVersions())
 		sub.declaredOnly = sub.known.Len() > 0
+		if sub.declaredOnly {
+			sub.declaredAt = time.Now()
+		}
 		return nil
 	}
 

@@ -109,6 +109,19 @@ func (k *keyState) recordView(typeURL string, view ledger.Tree[*Resource], at ti
 	}
 }
 
+// hadContent reports whether the key's history of typeURL ever had name at
+// hash (within what it keeps).
+func (k *keyState) hadContent(typeURL, name string, hash ledger.Hash) bool {
+	k.histMu.Lock()
+	h := k.hist[typeURL]
+	k.histMu.Unlock()
+	if h == nil {
+		return false
+	}
+	_, ok := h.FirstWith(name, hash)
+	return ok
+}
+
 func (t *typeSnap) isPending(name string, now time.Time, wait time.Duration) bool {
 	at, ok := t.pending[name]
 	return ok && now.Sub(at) < wait

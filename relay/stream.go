@@ -42,9 +42,11 @@ type stream struct {
 	nonce uint64
 	subs  map[string]*typeSub
 	// opened is when the stream started; graceArmed is set once a wake-up
-	// is scheduled for the end of declareGrace.
-	opened     time.Time
-	graceArmed bool
+	// is scheduled for the end of declareGrace, unseenArmed for the end of
+	// unseenHold.
+	opened      time.Time
+	graceArmed  bool
+	unseenArmed bool
 	// dangling holds, by "type|name", when a listener or route
 	// configuration was first held back for a cluster the client lacked.
 	dangling map[string]time.Time
@@ -87,8 +89,10 @@ type typeSub struct {
 	// from a stale key (see staleMark).
 	sentStale bool
 	// declaredOnly is set while known is only what the client declared
-	// (Delta initial_resource_versions), before anything was sent.
+	// (Delta initial_resource_versions), before anything was sent;
+	// declaredAt is when it declared (see holdUnseen).
 	declaredOnly bool
+	declaredAt   time.Time
 	// claimed is the SotW version_info of the first request, checked once
 	// the type is ready: if it is the current content the client is current.
 	claimed string
@@ -711,7 +715,7 @@ func (s *stream) holdDeclared(snap *keySnap, sub *typeSub, upd []*Resource, gone
 		sub.declaredOnly = false // fresh: from now on the view is the truth
 	}
 	if !holdingDeclared(snap, sub) {
-		return upd, gone
+		return s.holdUnseen(sub, upd, gone)
 	}
 	upd = slices.DeleteFunc(upd, func(r *Resource) bool {
 		_, held := sub.known.Get(r.Name)
@@ -720,12 +724,65 @@ func (s *stream) holdDeclared(snap *keySnap, sub *typeSub, upd []*Resource, gone
 	return upd, nil
 }
 
+// unseenHold is how long a reconnecting client keeps declared content this
+// relay's key never had, on a fresh key. A variable for tests.
+var unseenHold = 5 * time.Second
+
+// holdUnseen keeps, for unseenHold after a client declared what it holds,
+// each declared resource whose content the key's history never had: a
+// fresh key's view can still lag behind the relay the client came from
+// (a change on its way from the owner, slow under load), and content this
+// relay never saw may be newer than its view. Content the history had is
+// older than, or the same as, the view: it is replaced at once. Past the
+// hold the view wins (the content may be older than the history kept).
+func (s *stream) holdUnseen(sub *typeSub, upd []*Resource, gone []string) ([]*Resource, []string) {
+	if sub.declaredAt.IsZero() {
+		return upd, gone
+	}
+	left := unseenHold - time.Since(sub.declaredAt)
+	if left <= 0 {
+		sub.declaredAt = time.Time{}
+		return upd, gone
+	}
+	held := false
+	unseen := func(name string) bool {
+		if s.unseen(sub, name) {
+			held = true
+			return true
+		}
+		return false
+	}
+	upd = slices.DeleteFunc(upd, func(r *Resource) bool { return unseen(r.Name) })
+	gone = slices.DeleteFunc(gone, unseen)
+	if held && !s.unseenArmed {
+		s.unseenArmed = true
+		time.AfterFunc(left, func() { wake(s.wake) })
+	}
+	return upd, gone
+}
+
+// unseen reports whether the client holds name of sub at content the key's
+// history never had (and within unseenHold of declaring it).
+func (s *stream) unseen(sub *typeSub, name string) bool {
+	if sub.declaredAt.IsZero() || time.Since(sub.declaredAt) >= unseenHold {
+		return false
+	}
+	e, ok := sub.known.Get(name)
+	if !ok || e.Hash == unknownContent {
+		return false
+	}
+	return !s.key.hadContent(sub.typeURL, name, e.Hash)
+}
+
 // holdsDeclared reports whether name of typeURL is held back by
 // holdDeclared now (for tests of the model).
 func (s *stream) holdsDeclared(typeURL, name string) bool {
 	sub := s.subs[typeURL]
-	if sub == nil || s.key == nil || !holdingDeclared(s.key.snap.Load(), sub) {
+	if sub == nil || s.key == nil {
 		return false
+	}
+	if !holdingDeclared(s.key.snap.Load(), sub) {
+		return s.unseen(sub, name)
 	}
 	_, held := sub.known.Get(name)
 	return held

@@ -408,11 +408,16 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 	answered := make(map[string]bool)
 	staleSource, confirmed := false, false
 	wait := confirmAfter
-	if u.k.snap.Load().restored && src.kind != sourcePeer {
-		// Views restored from a snapshot are confirmed by the upstream's
-		// answers: it was told what they hold (initial versions it does
-		// not recognise), so it answers every type, with removals. Silence
-		// confirms them only after much longer.
+	if src.kind != sourcePeer && (u.delta || u.k.snap.Load().restored) {
+		// A Delta upstream is made to answer every type it is told of
+		// (deltaSubscribe declares one resource at a version no server
+		// has), and views restored from a snapshot are declared at
+		// versions it does not recognise: silence then means a slow
+		// upstream, not an unchanged one, and confirms the views only
+		// after much longer. (Found by the demo under load: a key whose
+		// owner had just crashed was confirmed by 2 s of silence while
+		// the loaded upstream was still sending what had changed, and a
+		// moved Envoy was sent the older view.)
 		wait = restoredConfirmAfter
 	}
 	confirmTimer := time.NewTimer(wait)
@@ -658,6 +663,14 @@ func (u *upstream) deltaSubscribe(typeURL string, ut *upType, wildcard bool, nam
 		ut.declare = ledger.Tree[*Resource]{}
 		if len(ut.versions) > 0 {
 			req.InitialResourceVersions = maps.Clone(ut.versions)
+			if sourceKind(u.k.source.Load()) != sourcePeer {
+				// Probe: one resource declared at a version no server has,
+				// so that the upstream answers the type even when nothing
+				// else changed, and silence is never taken for "current".
+				// (A relay answers its peers on every type anyway.)
+				probe := slices.Min(slices.Collect(maps.Keys(req.InitialResourceVersions)))
+				req.InitialResourceVersions[probe] = probeVersion
+			}
 		}
 		return req
 	}
@@ -1008,6 +1021,10 @@ func (u *upstream) stopTimers() {
 		u.expiry.Stop()
 	}
 }
+
+// probeVersion is declared for one resource of each type on a new Delta
+// upstream stream: no server holds it, so the server sends that resource.
+const probeVersion = "meshrelay-probe"
 
 // confirmAfter bounds how long a new stream's first answers take to confirm
 // the views; restoredConfirmAfter, views restored from a snapshot, on an
