@@ -416,7 +416,17 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 			perEnvoy, complete, _ := tracker.Results()
 			fmt.Fprintf(out, "\n%d changes reached all their Envoys: P50 %s, P99 %s, max %s (per Envoy ACK P99 %s)\n",
 				complete.N, ms(complete.P50), ms(complete.P99), ms(complete.Max), ms(perEnvoy.P99))
-			fmt.Fprintf(out, "upstream streams at the end: %d for %d keys\n", up.Stats().OpenStreams, cfg.Keys)
+			// The tier may still be settling from the last event: wait for
+			// it a bounded while (a slow machine takes longer).
+			settle := time.Now()
+			for n := up.Stats().OpenStreams; int(n) != cfg.Keys && time.Since(settle) < 15*time.Second; n = up.Stats().OpenStreams {
+				time.Sleep(50 * time.Millisecond)
+			}
+			fmt.Fprintf(out, "upstream streams at the end: %d for %d keys", up.Stats().OpenStreams, cfg.Keys)
+			if d := time.Since(settle); d > 100*time.Millisecond {
+				fmt.Fprintf(out, " (settled %s after the end)", d.Round(100*time.Millisecond))
+			}
+			fmt.Fprintln(out)
 			demoLedgerWait(out, tier)
 			if v := fleet.Violations(); len(v) > 0 {
 				for _, e := range v[:min(len(v), 5)] {
