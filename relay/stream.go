@@ -736,7 +736,9 @@ var unseenHold = 5 * time.Second
 // older than, or the same as, the view: it is replaced at once. Past the
 // hold the view wins (the content may be older than the history kept).
 func (s *stream) holdUnseen(sub *typeSub, upd []*Resource, gone []string) ([]*Resource, []string) {
-	if sub.declaredAt.IsZero() {
+	if sub.declaredAt.IsZero() || s.peerRelay != nil {
+		// A peer relay declares its cache, which may be a snapshot
+		// restored at start: it must be brought to this owner's view.
 		return upd, gone
 	}
 	left := unseenHold - time.Since(sub.declaredAt)
@@ -764,7 +766,7 @@ func (s *stream) holdUnseen(sub *typeSub, upd []*Resource, gone []string) ([]*Re
 // unseen reports whether the client holds name of sub at content the key's
 // history never had (and within unseenHold of declaring it).
 func (s *stream) unseen(sub *typeSub, name string) bool {
-	if sub.declaredAt.IsZero() || time.Since(sub.declaredAt) >= unseenHold {
+	if sub.declaredAt.IsZero() || s.peerRelay != nil || time.Since(sub.declaredAt) >= unseenHold {
 		return false
 	}
 	e, ok := sub.known.Get(name)
