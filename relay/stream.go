@@ -728,6 +728,10 @@ func (s *stream) holdDeclared(snap *keySnap, sub *typeSub, upd []*Resource, gone
 // relay's key never had, on a fresh key. A variable for tests.
 var unseenHold = 5 * time.Second
 
+// maxUnseenChecks bounds the differences holdUnseen looks up in the key's
+// history in one sync.
+const maxUnseenChecks = 256
+
 // holdUnseen keeps, for unseenHold after a client declared what it holds,
 // each declared resource whose content the key's history never had: a
 // fresh key's view can still lag behind the relay the client came from
@@ -742,7 +746,10 @@ func (s *stream) holdUnseen(sub *typeSub, upd []*Resource, gone []string) ([]*Re
 		return upd, gone
 	}
 	left := unseenHold - time.Since(sub.declaredAt)
-	if left <= 0 {
+	if left <= 0 || len(upd)+len(gone) > maxUnseenChecks {
+		// Past the hold, or more differences than a relay slightly ahead
+		// would explain (each check walks the key's history): the view
+		// wins.
 		sub.declaredAt = time.Time{}
 		return upd, gone
 	}
