@@ -42,11 +42,9 @@ type stream struct {
 	nonce uint64
 	subs  map[string]*typeSub
 	// opened is when the stream started; graceArmed is set once a wake-up
-	// is scheduled for the end of declareGrace, unseenArmed for the end of
-	// unseenHold.
-	opened      time.Time
-	graceArmed  bool
-	unseenArmed bool
+	// is scheduled for the end of declareGrace.
+	opened     time.Time
+	graceArmed bool
 	// dangling holds, by "type|name", when a listener or route
 	// configuration was first held back for a cluster the client lacked.
 	dangling map[string]time.Time
@@ -90,9 +88,11 @@ type typeSub struct {
 	sentStale bool
 	// declaredOnly is set while known is only what the client declared
 	// (Delta initial_resource_versions), before anything was sent;
-	// declaredAt is when it declared (see holdUnseen).
+	// declaredAt is when it declared (see holdUnseen), unseenArmed is set
+	// once a wake-up is scheduled for the end of that hold.
 	declaredOnly bool
 	declaredAt   time.Time
+	unseenArmed  bool
 	// claimed is the SotW version_info of the first request, checked once
 	// the type is ready: if it is the current content the client is current.
 	claimed string
@@ -763,8 +763,8 @@ func (s *stream) holdUnseen(sub *typeSub, upd []*Resource, gone []string) ([]*Re
 	}
 	upd = slices.DeleteFunc(upd, func(r *Resource) bool { return unseen(r.Name) })
 	gone = slices.DeleteFunc(gone, unseen)
-	if held && !s.unseenArmed {
-		s.unseenArmed = true
+	if held && !sub.unseenArmed {
+		sub.unseenArmed = true
 		time.AfterFunc(left, func() { wake(s.wake) })
 	}
 	return upd, gone
