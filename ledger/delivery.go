@@ -68,16 +68,8 @@ func (t *Tracker) Verdicts(scope Scope, typeURL, name string, hash Hash) ([]Verd
 	if hash.IsZero() {
 		return nil, fmt.Errorf("ledger: delivery of %s %q: no content hash", typeURL, name)
 	}
-	t.mu.RLock()
-	keys := make([]*keyEntry, 0, len(t.keys))
-	for n, k := range t.keys {
-		if scope.has(n) {
-			keys = append(keys, k)
-		}
-	}
-	t.mu.RUnlock()
 	var out []Verdicts
-	for _, k := range keys {
+	for _, k := range t.keysIn(scope) {
 		k.mu.Lock()
 		var views Views
 		var cur Version

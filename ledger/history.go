@@ -198,13 +198,6 @@ func (h *History[V]) Current() Version {
 	return h.versions[len(h.versions)-1].version()
 }
 
-// Tree returns the current tree.
-func (h *History[V]) Tree() Tree[V] {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return h.cur
-}
-
 // Versions returns the kept versions, oldest first.
 func (h *History[V]) Versions() []Version {
 	h.mu.Lock()

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -555,14 +554,7 @@ func (t *Tracker) Wait(ctx context.Context, scope Scope, share float64) (Converg
 // now: what every query is answered from, on one relay or, merged with
 // Merge, across the tier.
 func (t *Tracker) Summary(scope Scope, now time.Time) *Summary {
-	t.mu.RLock()
-	keys := make([]*keyEntry, 0, len(t.keys))
-	for name, k := range t.keys {
-		if scope.has(name) {
-			keys = append(keys, k)
-		}
-	}
-	t.mu.RUnlock()
+	keys := t.keysIn(scope)
 	slices.SortFunc(keys, func(a, b *keyEntry) int { return strings.Compare(a.key, b.key) })
 	s := &Summary{Relay: t.cfg.Relay, At: now, Keys: make([]KeySummary, 0, len(keys))}
 	var forgotten []*Envoy
@@ -612,9 +604,7 @@ func (t *Tracker) sweep(k *keyEntry, now time.Time) {
 	var expired []*Envoy
 	keys := []*keyEntry{k}
 	if last := t.lastSweep.Load(); now.UnixNano()-last > int64(t.cfg.ForgetAfter/2) && t.lastSweep.CompareAndSwap(last, now.UnixNano()) {
-		t.mu.RLock()
-		keys = slices.Collect(maps.Values(t.keys))
-		t.mu.RUnlock()
+		keys = t.keysIn(Scope{})
 	}
 	for _, k := range keys {
 		k.mu.Lock()
@@ -657,6 +647,19 @@ func (k *keyEntry) summary(relay string, now time.Time, forgetAfter time.Duratio
 	return ks, forgotten
 }
 
+// keysIn returns the entries of the scope's keys.
+func (t *Tracker) keysIn(scope Scope) []*keyEntry {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	keys := make([]*keyEntry, 0, len(t.keys))
+	for name, k := range t.keys {
+		if scope.has(name) {
+			keys = append(keys, k)
+		}
+	}
+	return keys
+}
+
 // NACKs returns the NACKs Envoys hold now, one row per fingerprint, most
 // frequent first.
 func (t *Tracker) NACKs() []NACKRow { return t.nacks.snapshot() }
@@ -665,14 +668,7 @@ func (t *Tracker) NACKs() []NACKRow { return t.nacks.snapshot() }
 // current version on this relay. It is Summary(scope, now).Convergence()
 // without building the summary: the query an operator polls.
 func (t *Tracker) Convergence(scope Scope, now time.Time) Convergence {
-	t.mu.RLock()
-	keys := make([]*keyEntry, 0, len(t.keys))
-	for name, k := range t.keys {
-		if scope.has(name) {
-			keys = append(keys, k)
-		}
-	}
-	t.mu.RUnlock()
+	keys := t.keysIn(scope)
 	var c Convergence
 	for _, k := range keys {
 		k.mu.Lock()
