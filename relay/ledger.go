@@ -2,7 +2,6 @@ package relay
 
 import (
 	"context"
-	"crypto/hmac"
 	"slices"
 	"sync"
 	"time"
@@ -194,16 +193,6 @@ func gather[T any](ctx context.Context, r *Relay, call func(context.Context, led
 	return out, missing
 }
 
-// peerMetadata is the metadata that proves a call comes from a relay of the
-// tier.
-func (r *Relay) peerMetadata() []string {
-	kv := []string{mdPeer, r.cfg.ID}
-	if len(r.cfg.PeerSecret) > 0 {
-		kv = append(kv, mdPeerAuth, peerToken(r.cfg.PeerSecret, r.cfg.ID))
-	}
-	return kv
-}
-
 // ledgerServer serves this relay's ledger to the tier's other relays.
 type ledgerServer struct {
 	ledgerpb.UnimplementedLedgerServer
@@ -218,12 +207,9 @@ func (s ledgerServer) checkPeer(ctx context.Context) error {
 	if len(ids) != 1 || ids[0] == "" {
 		return status.Error(codes.PermissionDenied, "the ledger exchange is for the relays of the tier")
 	}
-	if secret := s.r.cfg.PeerSecret; len(secret) > 0 {
-		tokens := md.Get(mdPeerAuth)
-		if len(tokens) != 1 || !hmac.Equal([]byte(tokens[0]), []byte(peerToken(secret, ids[0]))) {
-			s.r.log.Warn("ledger call refused: bad proof", "peer_relay", ids[0])
-			return status.Error(codes.Unauthenticated, "ledger exchange: bad peer proof")
-		}
+	if !s.r.provesPeer(md, ids[0]) {
+		s.r.log.Warn("ledger call refused: bad proof", "peer_relay", ids[0])
+		return status.Error(codes.Unauthenticated, "ledger exchange: bad peer proof")
 	}
 	return nil
 }
