@@ -149,14 +149,8 @@ func fanout(ctx context.Context, args []string) error {
 	cfg.StartRelay = loadtest.ExecRelay(exe, os.Stderr, "relay-child")
 
 	rep, err := loadtest.RunFanout(ctx, cfg, os.Stdout)
-	if *jsonOut != "" && rep != nil {
-		b, jerr := json.MarshalIndent(rep, "", "  ")
-		if jerr == nil {
-			jerr = os.WriteFile(*jsonOut, append(b, '\n'), 0o644)
-		}
-		if jerr != nil {
-			return errors.Join(err, fmt.Errorf("--json: %w", jerr))
-		}
+	if rep != nil { // what was measured, even if the run failed later
+		err = errors.Join(err, writeJSON(*jsonOut, rep))
 	}
 	return err
 }
@@ -184,14 +178,7 @@ func scale(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	if *jsonOut != "" {
-		b, err := json.MarshalIndent(rep, "", "  ")
-		if err != nil {
-			return err
-		}
-		return os.WriteFile(*jsonOut, b, 0o644)
-	}
-	return nil
+	return writeJSON(*jsonOut, rep)
 }
 
 func ledgerBench(ctx context.Context, args []string) error {
@@ -234,16 +221,19 @@ func ledgerBench(ctx context.Context, args []string) error {
 	return writeJSON(*jsonOut, rep)
 }
 
-// writeJSON writes v as indented JSON to path, if path is set.
+// writeJSON writes v as indented JSON to path (--json), if path is set.
 func writeJSON(path string, v any) error {
 	if path == "" {
 		return nil
 	}
 	b, err := json.MarshalIndent(v, "", "  ")
-	if err != nil {
-		return err
+	if err == nil {
+		err = os.WriteFile(path, append(b, '\n'), 0o644)
 	}
-	return os.WriteFile(path, b, 0o644)
+	if err != nil {
+		return fmt.Errorf("--json: %w", err)
+	}
+	return nil
 }
 
 func warmstart(ctx context.Context, args []string) error {
@@ -268,12 +258,8 @@ func warmstart(ctx context.Context, args []string) error {
 	cfg.StartRelay = loadtest.ExecRelay(exe, os.Stderr, "relay-child")
 	cfg.StartEtcd = loadtest.ExecEtcd(exe, os.Stderr, "etcd-child")
 	rep, err := loadtest.RunWarmStart(ctx, cfg, os.Stdout)
-	if *jsonOut != "" && rep != nil {
-		b, jerr := json.MarshalIndent(rep, "", "  ")
-		if jerr != nil {
-			return errors.Join(err, jerr)
-		}
-		err = errors.Join(err, os.WriteFile(*jsonOut, b, 0o644))
+	if rep != nil { // what was measured, even if the run failed later
+		err = errors.Join(err, writeJSON(*jsonOut, rep))
 	}
 	return err
 }
