@@ -740,16 +740,13 @@ const maxUnseenChecks = 256
 // older than, or the same as, the view: it is replaced at once. Past the
 // hold the view wins (the content may be older than the history kept).
 func (s *stream) holdUnseen(sub *typeSub, upd []*Resource, gone []string) ([]*Resource, []string) {
-	if sub.declaredAt.IsZero() || s.peerRelay != nil {
-		// A peer relay declares its cache, which may be a snapshot
-		// restored at start: it must be brought to this owner's view.
+	left, holding := s.unseenLeft(sub)
+	if !holding {
 		return upd, gone
 	}
-	left := unseenHold - time.Since(sub.declaredAt)
-	if left <= 0 || len(upd)+len(gone) > maxUnseenChecks {
-		// Past the hold, or more differences than a relay slightly ahead
-		// would explain (each check walks the key's history): the view
-		// wins.
+	if len(upd)+len(gone) > maxUnseenChecks {
+		// More differences than a relay slightly ahead would explain
+		// (each check walks the key's history): the view wins.
 		sub.declaredAt = time.Time{}
 		return upd, gone
 	}
@@ -770,10 +767,22 @@ func (s *stream) holdUnseen(sub *typeSub, upd []*Resource, gone []string) ([]*Re
 	return upd, gone
 }
 
+// unseenLeft returns how long sub's unseen content is still held, and
+// whether it is.
+func (s *stream) unseenLeft(sub *typeSub) (time.Duration, bool) {
+	if sub.declaredAt.IsZero() || s.peerRelay != nil {
+		// A peer relay declares its cache, which may be a snapshot
+		// restored at start: it must be brought to this owner's view.
+		return 0, false
+	}
+	left := unseenHold - time.Since(sub.declaredAt)
+	return left, left > 0
+}
+
 // unseen reports whether the client holds name of sub at content the key's
 // history never had (and within unseenHold of declaring it).
 func (s *stream) unseen(sub *typeSub, name string) bool {
-	if sub.declaredAt.IsZero() || s.peerRelay != nil || time.Since(sub.declaredAt) >= unseenHold {
+	if _, holding := s.unseenLeft(sub); !holding {
 		return false
 	}
 	e, ok := sub.known.Get(name)
