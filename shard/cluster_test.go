@@ -45,14 +45,12 @@ func testLogger() *slog.Logger {
 	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
 }
 
-func startCluster(t *testing.T, relays, envoys int, proto envoy.Protocol) *cluster {
+// startUpstream starts the synthetic upstream with sc (logging with the
+// tier when MESHRELAY_TEST_LOG is set) and stops it at the end of the test.
+func startUpstream(t *testing.T, sc upstream.Scenario) *upstream.Upstream {
 	t.Helper()
-	// Everything started here lives until the test's cleanups: its
-	// context is never cancelled (only the waits below have deadlines).
-	ctx := context.Background()
-	c := &cluster{t: t, received: make([]int64, envoys)}
 	ucfg := upstream.DefaultConfig()
-	ucfg.Scenario = upstream.Scenario{Services: 30, Endpoints: 30, Namespaces: 4, LocalFraction: 0.25}
+	ucfg.Scenario = sc
 	if l := testLogger(); l != nil {
 		ucfg.Logger = l.With("upstream", true)
 	}
@@ -60,11 +58,22 @@ func startCluster(t *testing.T, relays, envoys int, proto envoy.Protocol) *clust
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := up.Start(ctx); err != nil {
+	if err := up.Start(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	c.up = up
 	t.Cleanup(func() { up.Stop(context.Background()) })
+	return up
+}
+
+func startCluster(t *testing.T, relays, envoys int, proto envoy.Protocol) *cluster {
+	t.Helper()
+	// Everything started here lives until the test's cleanups: its
+	// context is never cancelled (only the waits below have deadlines).
+	ctx := context.Background()
+	c := &cluster{t: t, received: make([]int64, envoys)}
+	sc := upstream.Scenario{Services: 30, Endpoints: 30, Namespaces: 4, LocalFraction: 0.25}
+	up := startUpstream(t, sc)
+	c.up = up
 
 	tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: relays, Upstream: up.Addr(), Logger: testLogger()})
 	if err != nil {
@@ -78,7 +87,7 @@ func startCluster(t *testing.T, relays, envoys int, proto envoy.Protocol) *clust
 		t.Fatal(err)
 	}
 	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{
-		Scenario: ucfg.Scenario, Envoys: envoys, Keys: testKeys, Protocol: proto, Target: tier.Addr(),
+		Scenario: sc, Envoys: envoys, Keys: testKeys, Protocol: proto, Target: tier.Addr(),
 		OnEvent: func(i int, ev envoy.Event) {
 			switch ev.Kind {
 			case envoy.Removed:

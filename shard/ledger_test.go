@@ -40,7 +40,8 @@ const (
 // endpoint's ClusterLoadAssignment, and the wait.
 func TestLedgerQueries(t *testing.T) {
 	ctx := context.Background()
-	up, sc := startLedgerUpstream(t)
+	sc := upstream.Scenario{Services: 12, Endpoints: 12, Namespaces: 3, LocalFraction: 0}
+	up := startUpstream(t, sc)
 	tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Logger: testLogger(),
 		Relay: func(c *relay.Config) { c.AdminListen = "127.0.0.1:0" }})
 	if err != nil {
@@ -240,22 +241,6 @@ func TestLedgerQueries(t *testing.T) {
 	for _, v := range fleet.Violations() {
 		t.Errorf("protocol violation: %v", v)
 	}
-}
-
-func startLedgerUpstream(t *testing.T) (*upstream.Upstream, upstream.Scenario) {
-	t.Helper()
-	sc := upstream.Scenario{Services: 12, Endpoints: 12, Namespaces: 3, LocalFraction: 0}
-	ucfg := upstream.DefaultConfig()
-	ucfg.Scenario = sc
-	up, err := upstream.New(ucfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := up.Start(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { up.Stop(context.Background()) })
-	return up, sc
 }
 
 // waitLedger polls cond for up to 30 s (it is bounded: the test fails then).
