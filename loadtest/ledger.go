@@ -390,15 +390,14 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 		peers.mu.Unlock()
 	}
 	rep.PeersApart = cfg.StartPeer != nil
-	relays := []*relay.Relay{asked}
 	// Relays keep their connections to each other: the first gathers dial
 	// them, and are not timed.
 	for range 3 {
-		relays[0].TierLedger(ctx, ledger.Scope{})
+		asked.TierLedger(ctx, ledger.Scope{})
 	}
 	var tierErr error
 	rep.Tier = timeQuery(cfg.Queries, func() {
-		tl := relays[0].TierLedger(ctx, ledger.Scope{})
+		tl := asked.TierLedger(ctx, ledger.Scope{})
 		if len(tl.Missing) > 0 && tierErr == nil {
 			tierErr = fmt.Errorf("tier query: relays missing: %v", tl.Missing)
 		}
@@ -406,7 +405,7 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 	if tierErr != nil {
 		return nil, tierErr
 	}
-	tl := relays[0].TierLedger(ctx, ledger.Scope{})
+	tl := asked.TierLedger(ctx, ledger.Scope{})
 	if len(tl.Missing) > 0 {
 		return nil, fmt.Errorf("loadtest: relays missing from the tier-wide answer: %v", tl.Missing)
 	}
@@ -415,7 +414,7 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 		cfg.Relays, where, rep.Tier.P50, rep.Tier.P99, tl.Convergence().Envoys, tl.Convergence().Share())
 	movedHash, _ := views.eds[len(views.eds)-1].Get(views.moved)
 	rep.TierDelivery = timeQuery(cfg.Queries/4+1, func() {
-		if _, _, err := relays[0].TierDelivery(ctx, ledger.Scope{}, ledgerEDS, views.moved, movedHash.Hash); err != nil && tierErr == nil {
+		if _, _, err := asked.TierDelivery(ctx, ledger.Scope{}, ledgerEDS, views.moved, movedHash.Hash); err != nil && tierErr == nil {
 			tierErr = err
 		}
 	})
