@@ -257,21 +257,56 @@ func (h *History[V]) TreeAt(root Hash) (Tree[V], error) {
 		return cur, nil
 	}
 	b := cur.Edit()
-	var zero V
 	for _, u := range undo {
-		for _, e := range u {
-			if e.hash.IsZero() {
-				b.Delete(e.name)
-			} else {
-				b.Set(e.name, e.hash, zero)
-			}
-		}
+		applyUndo(b, u)
 	}
 	t := b.Tree()
 	if t.Root() != root {
 		return Tree[V]{}, fmt.Errorf("ledger: history rebuilt %s, want %s", t.Root(), root)
 	}
 	return t, nil
+}
+
+// Back calls fn with the kept versions and their trees, newest first, at
+// most max of them, until fn returns false. Each tree is rebuilt from the
+// one after it (the values of rebuilt entries are zero), so a walk back
+// costs the changes it goes through, not one rebuild per version.
+func (h *History[V]) Back(max int, fn func(Version, Tree[V]) bool) {
+	h.mu.Lock()
+	n := min(max, len(h.versions))
+	versions := make([]Version, n)
+	undo := make([][]undoEntry, n) // undo[k] leads from tree k-1 to tree k
+	for k := range n {
+		v := &h.versions[len(h.versions)-1-k]
+		versions[k] = v.version()
+		if k > 0 {
+			undo[k] = h.undoOf(v)
+		}
+	}
+	t := h.cur
+	h.mu.Unlock()
+	for k := range n {
+		if k > 0 {
+			b := t.Edit()
+			applyUndo(b, undo[k])
+			t = b.Tree()
+		}
+		if !fn(versions[k], t) {
+			return
+		}
+	}
+}
+
+// applyUndo takes b back over one version's undo records.
+func applyUndo[V any](b *Builder[V], u []undoEntry) {
+	var zero V
+	for _, e := range u {
+		if e.hash.IsZero() {
+			b.Delete(e.name)
+		} else {
+			b.Set(e.name, e.hash, zero)
+		}
+	}
 }
 
 // Prove returns the Proof of what the version whose root is root held of

@@ -83,6 +83,24 @@ func TestHistoryRebuildsEveryVersion(t *testing.T) {
 				}
 			}
 		}
+		// Back walks every version, newest first, with its content, and
+		// stops when asked.
+		k := len(models) - 1
+		hist.Back(len(models)+5, func(v Version, got Tree[int]) bool {
+			if v.Root != roots[k] || got.Root() != roots[k] || !maps.Equal(contents(got), models[k]) {
+				t.Fatalf("seed %d: Back at version %d = root %v, %v; want %v, %v", seed, k, got.Root(), contents(got), roots[k], models[k])
+			}
+			k--
+			return true
+		})
+		if k != -1 {
+			t.Fatalf("seed %d: Back walked %d versions, want %d", seed, len(models)-1-k, len(models))
+		}
+		walked := 0
+		hist.Back(len(models), func(Version, Tree[int]) bool { walked++; return walked < 3 })
+		if walked != 3 {
+			t.Fatalf("seed %d: Back went on after fn returned false: %d calls, want 3", seed, walked)
+		}
 		// FirstWith against a scan of the models, for every name and hash.
 		vs := hist.Versions()
 		for _, n := range names {
