@@ -427,6 +427,46 @@ func TestConformance(t *testing.T) {
 			}
 			wantNames(t, m, "c0")
 		}},
+		{"a claimed version the key never had is kept a while (the client may come from a relay ahead)", func(t *testing.T, e *env) {
+			if e.delta {
+				t.Skip("SotW only: a Delta client is held per resource (the case above)")
+			}
+			c := e.client(0)
+			c.subscribe(typeEndpoint, "c0", "c1")
+			m := c.recv()
+			c.ack(m)
+			older := versionOf(m)
+			e.up.set("ns1", typeEndpoint, mkCLA("c0", 9090))
+			m = c.recv()
+			wantNames(t, m, "c0") // SotW EDS: what changed
+			c.ack(m)
+			c.close()
+			// A client from a relay ahead of this one claims a version of
+			// c0 and c1 that this key never had; another claims the older
+			// version, which the key had (its history knows the subset's
+			// root), and is brought up to date at once.
+			ahead, behind := e.client(1), e.client(2)
+			start := time.Now()
+			ahead.send(&discovery.DiscoveryRequest{TypeUrl: typeEndpoint, ResourceNames: []string{"c0", "c1"},
+				VersionInfo: ledger.HashBytes([]byte("newer")).String()})
+			behind.send(&discovery.DiscoveryRequest{TypeUrl: typeEndpoint, ResourceNames: []string{"c0", "c1"}, VersionInfo: older})
+			m = behind.recv()
+			wantNames(t, m, "c0", "c1")
+			if v := versionOf(m); v == older {
+				t.Fatalf("behind got version %s again, want the current one", v)
+			}
+			k := e.r.keysSnapshot()[0]
+			root, _ := ledger.ParseHash(older)
+			sub := &typeSub{typeURL: typeEndpoint, names: newNameSet([]string{"c0", "c1"})}
+			if !k.hadRoot(typeEndpoint, sub.target, root) {
+				t.Fatalf("hadRoot(%s) = false for a version the key sent", older)
+			}
+			m = ahead.recv()
+			if d := time.Since(start); d < unseenHold {
+				t.Fatalf("ahead was answered after %v, want its claim kept %v", d, unseenHold)
+			}
+			wantNames(t, m, "c0", "c1") // past the hold, the view wins
+		}},
 		{"named again is sent even if declared (Envoy #22418)", func(t *testing.T, e *env) {
 			if !e.delta {
 				t.Skip("Delta only: SotW clients declare no per-resource versions")

@@ -122,6 +122,31 @@ func (k *keyState) hadContent(typeURL, name string, hash ledger.Hash) bool {
 	return ok
 }
 
+// maxClaimVersions bounds the versions hadRoot goes back through for a
+// subscription to some of a type's names: each costs a subset tree.
+const maxClaimVersions = 32
+
+// hadRoot reports whether one of the key's recent versions of typeURL gave
+// target (the part of a view a client subscribes to) the root root: whether
+// a SotW client claiming root holds content this key had.
+func (k *keyState) hadRoot(typeURL string, target func(ledger.Tree[*Resource]) ledger.Tree[*Resource], root ledger.Hash) bool {
+	k.histMu.Lock()
+	h := k.hist[typeURL]
+	k.histMu.Unlock()
+	if h == nil {
+		return false
+	}
+	if _, ok := h.Lookup(root); ok {
+		return true // the whole view: any kept version
+	}
+	found := false
+	h.Back(maxClaimVersions, func(_ ledger.Version, t ledger.Tree[*Resource]) bool {
+		found = target(t).Root() == root
+		return !found
+	})
+	return found
+}
+
 func (t *typeSnap) isPending(name string, now time.Time, wait time.Duration) bool {
 	at, ok := t.pending[name]
 	return ok && now.Sub(at) < wait

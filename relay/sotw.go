@@ -1,6 +1,8 @@
 package relay
 
 import (
+	"time"
+
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -85,6 +87,9 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 		legacy := names.n == 0 && legacyWildcard(typeURL)
 		sub = s.newSub(typeURL, explicit || legacy, legacy, set)
 		sub.claimed, sub.listDigest = req.GetVersionInfo(), digest
+		if sub.claimed != "" {
+			sub.declaredAt = time.Now() // see holdClaim
+		}
 		return nil
 	}
 	if req.GetResponseNonce() != sub.nonce {

@@ -88,7 +88,8 @@ type typeSub struct {
 	sentStale bool
 	// declaredOnly is set while known is only what the client declared
 	// (Delta initial_resource_versions), before anything was sent;
-	// declaredAt is when it declared (see holdUnseen), unseenArmed is set
+	// declaredAt is when it declared, in Delta or by a SotW version_info
+	// (see holdUnseen and holdClaim), unseenArmed is set
 	// once a wake-up is scheduled for the end of that hold.
 	declaredOnly bool
 	declaredAt   time.Time
@@ -501,21 +502,21 @@ func (s *stream) sync() error {
 			// this relay holds routes of an older view).
 			break
 		}
-		if sub.claimed != "" && snap.stale && !s.delta {
-			if t := sub.target(ts.view); t.Root().String() != sub.claimed {
+		if sub.claimed != "" {
+			t := sub.target(ts.view)
+			if t.Root().String() != sub.claimed && (snap.stale || s.holdClaim(sub)) {
 				// A SotW client that holds config (it moved here from a
 				// relay that crashed, say) says only its version, and
 				// versions are hashes without order: its config may be
-				// newer than this stale view (a source just lost, or a
-				// snapshot restored at start). It keeps what it has until a
-				// live source confirms the view; so does what comes later
-				// in push order. (A Delta client declares each resource and
-				// is held per resource: holdDeclared.)
+				// newer than this view. It keeps what it has until a live
+				// source confirms a stale view (a source just lost, or a
+				// snapshot restored at start), or a while if this key never
+				// had its version; so does what comes later in push order.
+				// (A Delta client declares each resource and is held per
+				// resource: holdDeclared.)
 				break
 			}
-		}
-		if sub.claimed != "" {
-			if t := sub.target(ts.view); t.Root().String() == sub.claimed {
+			if t.Root().String() == sub.claimed {
 				sub.known, sub.awaitFirst = t, false
 				s.updateStatus(typeURL, func(st *TypeStatus) {
 					st.SentVersion, st.AckedVersion = sub.claimed, sub.claimed
@@ -765,6 +766,26 @@ func (s *stream) holdUnseen(sub *typeSub, upd []*Resource, gone []string) ([]*Re
 		time.AfterFunc(left, func() { wake(s.wake) })
 	}
 	return upd, gone
+}
+
+// holdClaim is holdUnseen for a SotW client, which declares only the root
+// of what it holds: it reports whether the client keeps its config, for
+// unseenHold after it claimed a root that the key's recent versions never
+// had. A claim that is no root of this tier's is not held: the view wins.
+func (s *stream) holdClaim(sub *typeSub) bool {
+	left, holding := s.unseenLeft(sub)
+	if !holding {
+		return false
+	}
+	root, err := ledger.ParseHash(sub.claimed)
+	if err != nil || s.key.hadRoot(sub.typeURL, sub.target, root) {
+		return false
+	}
+	if !sub.unseenArmed {
+		sub.unseenArmed = true
+		time.AfterFunc(left, func() { wake(s.wake) })
+	}
+	return true
 }
 
 // unseenLeft returns how long sub's unseen content is still held, and
