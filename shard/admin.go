@@ -2,6 +2,8 @@ package shard
 
 import (
 	"context"
+	"slices"
+	"strings"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -55,6 +57,7 @@ func (a adminServer) ListShards(ctx context.Context, req *adminpb.ListShardsRequ
 			sh.Holders = append(sh.Holders, &adminpb.ShardHolder{Relay: h.Relay, Source: string(h.Source), Stale: h.Stale,
 				Envoys: int64(h.Connected()), LedgerVersion: h.LedgerVersion().String()})
 		}
+		slices.SortFunc(sh.Holders, func(a, b *adminpb.ShardHolder) int { return strings.Compare(a.Relay, b.Relay) })
 		out.Shards = append(out.Shards, sh)
 	}
 	return out, nil
@@ -104,20 +107,34 @@ func (a adminServer) Wait(req *adminpb.WaitRequest, stream adminpb.Admin_WaitSer
 		}
 		timeout = min(d.AsDuration(), maxWaitTimeout)
 	}
-	ctx, cancel := context.WithTimeout(stream.Context(), timeout)
-	defer cancel()
+	deadline := time.Now().Add(timeout)
 	scope := selectorScope(req.GetSelector())
 	t := time.NewTicker(waitPoll)
 	defer t.Stop()
 	var last ledger.Convergence
 	sent := false
 	for {
-		tl := a.n.relay.TierLedger(ctx, scope)
+		// Each gather is bounded by the relay's gather timeout, not by
+		// the wait's: one cut short would report live relays missing.
+		tl := a.n.relay.TierLedger(stream.Context(), scope)
+		if err := stream.Context().Err(); err != nil {
+			return err
+		}
 		c := tl.Convergence()
-		if ctx.Err() == nil && len(tl.Missing) == 0 && c.Share() >= share {
+		if len(tl.Missing) == 0 && c.Share() >= share {
 			msg := convergence(tl)
 			msg.Reached = true
 			return stream.Send(msg)
+		}
+		if !time.Now().Before(deadline) {
+			// The timeout: a last word, with the stragglers.
+			msg := convergence(tl)
+			msg.Stragglers = stragglers(tl.Stragglers(0))
+			if err := stream.Send(msg); err != nil {
+				return err
+			}
+			return status.Errorf(codes.DeadlineExceeded, "%d of %d Envoys on their key's current version after %v, want a share of %g",
+				c.Current, c.Envoys, timeout, share)
 		}
 		if !sent || c != last {
 			if err := stream.Send(convergence(tl)); err != nil {
@@ -125,26 +142,13 @@ func (a adminServer) Wait(req *adminpb.WaitRequest, stream adminpb.Admin_WaitSer
 			}
 			last, sent = c, true
 		}
+		wait := time.NewTimer(time.Until(deadline))
 		select {
 		case <-t.C:
-			continue
-		case <-ctx.Done():
+		case <-wait.C:
+		case <-stream.Context().Done():
 		}
-		if stream.Context().Err() != nil {
-			return stream.Context().Err()
-		}
-		// The timeout: a last word, with the stragglers, from a gather of
-		// its own (the one above may have been cut short).
-		gctx, gcancel := context.WithTimeout(stream.Context(), time.Second)
-		tl = a.n.relay.TierLedger(gctx, scope)
-		gcancel()
-		msg := convergence(tl)
-		msg.Stragglers = stragglers(tl.Stragglers(0))
-		if err := stream.Send(msg); err != nil {
-			return err
-		}
-		return status.Errorf(codes.DeadlineExceeded, "%d of %d Envoys on their key's current version after %v, want a share of %g",
-			msg.GetTier().GetCurrent(), msg.GetTier().GetEnvoys(), timeout, share)
+		wait.Stop()
 	}
 }
 
@@ -259,12 +263,30 @@ func (a adminServer) envoyInfo(tl relay.TierLedger, e ledger.EnvoyReport) *admin
 		if n := et.NACK; n != nil {
 			t.Nack = &adminpb.NACK{Fingerprint: string(n.Fingerprint), Version: n.Version, Detail: n.Detail, At: timestamp(n.At)}
 		}
-		if v, ok := tl.Reference(e.Key, et.Type); ok {
+		v, known := tl.Reference(e.Key, et.Type)
+		if known {
 			t.CurrentView = v.Root.String()
 		}
+		t.Status = typeStatus(st.Connected(), et, v.Root, known)
 		out.Types = append(out.Types, t)
 	}
 	return out
+}
+
+// typeStatus names an Envoy's state of one type as istioctl proxy-status
+// does, against the key's current view of it (if known).
+func typeStatus(connected bool, et ledger.EnvoyType, current ledger.Hash, known bool) string {
+	switch {
+	case !connected:
+		return "DISCONNECTED"
+	case et.NACK != nil:
+		return "NACKED"
+	case et.Pending:
+		return "STALE"
+	case !et.Acked.IsZero() && (et.Acked == current || !known && et.Acked == et.Sent):
+		return "SYNCED"
+	}
+	return "NOT SENT"
 }
 
 func hexOf(h ledger.Hash) string {

@@ -414,6 +414,29 @@ func checkAdminAPI(t *testing.T, tier *loadtest.Tier, byRole map[string][]string
 		!info.GetConnected() || edsState == nil || edsState.GetNack() == nil || edsState.GetAcked() == edsState.GetCurrentView() {
 		t.Fatalf("LocateEnvoy(%s) = %v; want it on %s, owner %s, NACKing its endpoints, behind", nacker, info, onRelay, owner.Name)
 	}
+	// Each type's status, in istioctl's terms, follows the Envoy's role:
+	// the silent ones never answered their first response.
+	all, err := c.ListEnvoys(ctx, &adminpb.ListEnvoysRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	roleOf := map[string]string{}
+	for r, nodes := range byRole {
+		for _, n := range nodes {
+			roleOf[n] = r
+		}
+	}
+	for _, e := range all.GetEnvoys() {
+		for _, et := range e.GetTypes() {
+			want := map[string]string{"ok": "SYNCED", "nack": "SYNCED", "silent": "STALE"}[roleOf[e.GetNode()]]
+			if roleOf[e.GetNode()] == "nack" && et.GetType() == typeURL {
+				want = "NACKED"
+			}
+			if et.GetStatus() != want {
+				t.Errorf("ListEnvoys: %s (%s) %s status %q, want %q", e.GetNode(), roleOf[e.GetNode()], et.GetType(), et.GetStatus(), want)
+			}
+		}
+	}
 	if _, err := c.LocateEnvoy(ctx, &adminpb.LocateEnvoyRequest{Node: "nobody"}); status.Code(err) != codes.NotFound {
 		t.Fatalf("LocateEnvoy(nobody) err = %v, want NotFound", err)
 	}

@@ -352,7 +352,7 @@ type Shard struct {
 	// Envoys of the key across the tier, and those on the current version.
 	Envoys  int64 `protobuf:"varint,5,opt,name=envoys,proto3" json:"envoys,omitempty"`
 	Current int64 `protobuf:"varint,6,opt,name=current,proto3" json:"current,omitempty"`
-	// Every relay that holds the key.
+	// Every relay that holds the key, by name.
 	Holders       []*ShardHolder `protobuf:"bytes,7,rep,name=holders,proto3" json:"holders,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1370,7 +1370,12 @@ type EnvoyType struct {
 	Pending bool  `protobuf:"varint,6,opt,name=pending,proto3" json:"pending,omitempty"`
 	Nack    *NACK `protobuf:"bytes,7,opt,name=nack,proto3" json:"nack,omitempty"`
 	// The key's current view of the type (hex).
-	CurrentView   string `protobuf:"bytes,8,opt,name=current_view,json=currentView,proto3" json:"current_view,omitempty"`
+	CurrentView string `protobuf:"bytes,8,opt,name=current_view,json=currentView,proto3" json:"current_view,omitempty"`
+	// In istioctl proxy-status's terms: SYNCED (it ACKed the current view),
+	// NACKED (it rejected the latest response), STALE (sent, not answered
+	// yet), NOT SENT (the current view has not been sent to it), or
+	// DISCONNECTED.
+	Status        string `protobuf:"bytes,9,opt,name=status,proto3" json:"status,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1457,6 +1462,13 @@ func (x *EnvoyType) GetNack() *NACK {
 func (x *EnvoyType) GetCurrentView() string {
 	if x != nil {
 		return x.CurrentView
+	}
+	return ""
+}
+
+func (x *EnvoyType) GetStatus() string {
+	if x != nil {
+		return x.Status
 	}
 	return ""
 }
@@ -1715,7 +1727,7 @@ const file_admin_proto_rawDesc = "" +
 	"\acurrent\x18\b \x01(\bR\acurrent\x12\x16\n" +
 	"\x06reason\x18\t \x01(\tR\x06reason\x123\n" +
 	"\x05types\x18\n" +
-	" \x03(\v2\x1d.meshrelay.admin.v1.EnvoyTypeR\x05types\"\xa0\x02\n" +
+	" \x03(\v2\x1d.meshrelay.admin.v1.EnvoyTypeR\x05types\"\xb8\x02\n" +
 	"\tEnvoyType\x12\x12\n" +
 	"\x04type\x18\x01 \x01(\tR\x04type\x12\x14\n" +
 	"\x05acked\x18\x02 \x01(\tR\x05acked\x125\n" +
@@ -1724,7 +1736,8 @@ const file_admin_proto_rawDesc = "" +
 	"\asent_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\x06sentAt\x12\x18\n" +
 	"\apending\x18\x06 \x01(\bR\apending\x12,\n" +
 	"\x04nack\x18\a \x01(\v2\x18.meshrelay.admin.v1.NACKR\x04nack\x12!\n" +
-	"\fcurrent_view\x18\b \x01(\tR\vcurrentView\"\xad\x01\n" +
+	"\fcurrent_view\x18\b \x01(\tR\vcurrentView\x12\x16\n" +
+	"\x06status\x18\t \x01(\tR\x06status\"\xad\x01\n" +
 	"\x11ListEnvoysRequest\x128\n" +
 	"\bselector\x18\x01 \x01(\v2\x1c.meshrelay.admin.v1.SelectorR\bselector\x12\x14\n" +
 	"\x05relay\x18\x02 \x01(\tR\x05relay\x12\x18\n" +
