@@ -1,0 +1,321 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/testing/protocmp"
+	"google.golang.org/protobuf/types/known/anypb"
+	"sigs.k8s.io/yaml"
+
+	"github.com/google/go-cmp/cmp"
+
+	"github.com/meshrelay/meshrelay/loadtest"
+	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/shard/adminpb"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+var update = flag.Bool("update", false, "rewrite the golden files in testdata")
+
+const edsType = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+
+// liveTier is a 3-relay tier with 6 Envoys over 3 keys, all on relay-0 (so
+// that every answer is the same from run to run but the owners, which
+// follow the members' random incarnations). Three Envoys take everything;
+// three NACK endpoint updates. One endpoint has moved: the NACKing three
+// are behind on EDS.
+type liveTier struct {
+	tier   *loadtest.Tier
+	fleet  *loadtest.Fleet
+	admin  string // relay-2's admin address: asked for the whole tier
+	client adminpb.AdminClient
+	moved  upstream.Change
+}
+
+func startLiveTier(t *testing.T) *liveTier {
+	t.Helper()
+	ctx := context.Background()
+	sc := upstream.Scenario{Services: 6, Endpoints: 6, Namespaces: 3, LocalFraction: 0}
+	ucfg := upstream.DefaultConfig()
+	ucfg.Scenario = sc
+	up, err := upstream.New(ucfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := up.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { up.Stop(context.Background()) })
+	tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(),
+		Relay: func(c *relay.Config) { c.AdminListen = "127.0.0.1:0" }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tier.Stop(context.Background()) })
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if err := tier.WaitConverged(wctx); err != nil {
+		t.Fatal(err)
+	}
+	relays := tier.Running()
+	var rejecting atomic.Bool
+	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{
+		Scenario: sc, Envoys: 6, Keys: 3, Protocol: envoy.Delta, Target: relays[0].Node.Relay().Addr().String(),
+		Configure: func(i int, c *envoy.Config) {
+			if i < 3 {
+				return
+			}
+			c.Reject = func(typeURL string, res []*anypb.Any) error {
+				if typeURL != edsType || !rejecting.Load() || len(res) == 0 {
+					return nil
+				}
+				return fmt.Errorf("endpoint rejected by %s: priority 7 invalid", c.Node.GetId())
+			}
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { fleet.Stop(context.Background()) })
+
+	lt := &liveTier{tier: tier, fleet: fleet, admin: relays[2].Node.Relay().AdminAddr().String()}
+	conn, err := grpc.NewClient(lt.admin, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	lt.client = adminpb.NewAdminClient(conn)
+	lt.waitFor(t, "every Envoy current", func(ctx context.Context) bool {
+		c, err := lt.client.GetConvergence(ctx, &adminpb.ConvergenceRequest{})
+		return err == nil && c.GetTier().GetEnvoys() == 6 && c.GetTier().GetCurrent() == 6
+	})
+	rejecting.Store(true)
+	if lt.moved, err = up.MoveEndpoint(0); err != nil {
+		t.Fatal(err)
+	}
+	lt.waitFor(t, "three Envoys NACKing, the ring gossiping relay-0's streams", func(ctx context.Context) bool {
+		list, err := lt.client.ListEnvoys(ctx, &adminpb.ListEnvoysRequest{Nacking: true})
+		c, cerr := lt.client.GetConvergence(ctx, &adminpb.ConvergenceRequest{})
+		ring, rerr := lt.client.GetRing(ctx, &adminpb.GetRingRequest{})
+		return err == nil && cerr == nil && rerr == nil && len(list.GetEnvoys()) == 3 &&
+			c.GetTier().GetCurrent() == 3 && ringEnvoys(ring) == "6,0,0"
+	})
+	return lt
+}
+
+// ringEnvoys lists the members' gossiped Envoy counts, relay-0 first.
+func ringEnvoys(r *adminpb.Ring) string {
+	counts := make([]string, 3)
+	for _, m := range r.GetMembers() {
+		if i := strings.IndexByte("012", m.GetName()[len("relay-")]); i >= 0 && i < 3 {
+			counts[i] = fmt.Sprint(m.GetEnvoys())
+		}
+	}
+	return strings.Join(counts, ",")
+}
+
+func (lt *liveTier) waitFor(t *testing.T, what string, ok func(context.Context) bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		done := ok(ctx)
+		cancel()
+		if done {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// relayctl runs the command against the tier and returns its exit code and
+// output.
+func (lt *liveTier) relayctl(args ...string) (code int, stdout, stderr string) {
+	var out, errOut bytes.Buffer
+	code = run(append([]string{"--admin-address", lt.admin}, args...), &out, &errOut)
+	return code, out.String(), errOut.String()
+}
+
+// normalize replaces what differs from run to run: addresses, member
+// incarnations, ages and durations, and hashes (each distinct one becomes
+// h1, h2, … in order of appearance, so equal hashes stay equal); and, as
+// column widths follow those, it makes every gap between columns two
+// spaces.
+func normalize(s string) string {
+	s = regexp.MustCompile(`127\.0\.0\.1:\d+`).ReplaceAllString(s, "ADDR")
+	s = regexp.MustCompile(`(relay-\d)-[0-9a-f]{8,}`).ReplaceAllString(s, "$1-INC")
+	s = regexp.MustCompile(`\b\d+(\.\d+)?(ns|µs|ms|s|m|h)\b`).ReplaceAllString(s, "DUR")
+	hashes := map[string]string{}
+	s = regexp.MustCompile(`\b[0-9a-f]{12,64}\b`).ReplaceAllStringFunc(s, func(h string) string {
+		if _, ok := hashes[h]; !ok {
+			hashes[h] = fmt.Sprintf("h%d", len(hashes)+1)
+		}
+		return hashes[h]
+	})
+	return regexp.MustCompile(` {2,}`).ReplaceAllString(s, "  ")
+}
+
+func golden(t *testing.T, name, got string) {
+	t.Helper()
+	path := filepath.Join("testdata", name+".golden")
+	got = normalize(got)
+	if *update {
+		if err := os.WriteFile(path, []byte(got), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	want, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("%v (run go test ./cmd/relayctl -update to write it)", err)
+	}
+	if got != string(want) {
+		t.Errorf("%s: output differs from %s (normalized; -want +got):\n%s", name, path, cmp.Diff(string(want), got))
+	}
+}
+
+// TestRelayctl runs every command against a live 3-relay tier: the output
+// whose content is the same from run to run is compared with golden files
+// (normalized), the rest with what the admin API itself answers.
+func TestRelayctl(t *testing.T) {
+	lt := startLiveTier(t)
+	ctx := context.Background()
+	nacking := lt.fleet.Envoys()[3].ID()
+	shards, err := lt.client.ListShards(ctx, &adminpb.ListShardsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(shards.GetShards()) != 3 {
+		t.Fatalf("ListShards: %d shards, want 3", len(shards.GetShards()))
+	}
+	aKey := shards.GetShards()[0].GetKey()
+	located, err := lt.client.LocateEnvoy(ctx, &adminpb.LocateEnvoyRequest{Node: nacking})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The owner follows the members' incarnations.
+	ownerOf := func(s string) string { return strings.ReplaceAll(s, "Owner:    "+located.GetOwner(), "Owner:    OWNER") }
+	same := func(s string) string { return s }
+
+	for _, tc := range []struct {
+		name string
+		args []string
+		code int
+		fix  func(string) string
+	}{
+		{"ring", []string{"ring"}, 0, same},
+		{"proxy-status", []string{"proxy-status"}, 0, same},
+		{"proxy-status-lagging", []string{"proxy-status", "--lagging"}, 0, same},
+		{"proxy-status-node", []string{"proxy-status", nacking}, 0, ownerOf},
+		{"convergence", []string{"convergence", "--keys"}, 0, same},
+		{"stragglers", []string{"stragglers"}, 0, same},
+		{"delivery", []string{"delivery", "--type", "eds", "--name", lt.moved.Name, "--hash", movedHash(t, lt)}, 0, same},
+		{"wait-reached", []string{"wait", "--share", "0.5"}, 0, same},
+		{"wait-timeout", []string{"wait", "--share", "1", "--wait-timeout", "300ms"}, 1, same},
+		{"usage-output", []string{"ring", "-o", "xml"}, 2, same},
+		{"usage-args", []string{"shards", "extra"}, 2, same},
+		{"usage-selector", []string{"convergence", "--key", "a", "--prefix", "b"}, 2, same},
+		{"unknown-node", []string{"proxy-status", "no-such-node"}, 1, same},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			code, out, errOut := lt.relayctl(tc.args...)
+			if code != tc.code {
+				t.Fatalf("relayctl %s: exit %d, want %d\nstdout:\n%s\nstderr:\n%s", strings.Join(tc.args, " "), code, tc.code, out, errOut)
+			}
+			golden(t, tc.name, tc.fix(out)+"--- stderr\n"+errOut)
+		})
+	}
+
+	// shards and shard name owners, which follow the members' random
+	// incarnations: their rows are checked against ListShards.
+	t.Run("shards", func(t *testing.T) {
+		code, out, errOut := lt.relayctl("shards")
+		if code != 0 || errOut != "" {
+			t.Fatalf("relayctl shards: exit %d, stderr %q", code, errOut)
+		}
+		lines := strings.Split(strings.TrimSpace(out), "\n")
+		if len(lines) != 4 || strings.Join(strings.Fields(lines[0]), " ") != "KEY OWNER VERSION ENVOYS CURRENT HOLDERS" {
+			t.Fatalf("relayctl shards =\n%s\nwant a header and 3 rows", out)
+		}
+		for i, sh := range shards.GetShards() {
+			want := []string{sh.GetKey(), sh.GetOwner(), sh.GetLedgerVersion()[:12], fmt.Sprint(sh.GetEnvoys()), fmt.Sprint(sh.GetCurrent()), holders(sh)}
+			if got := strings.Fields(lines[i+1]); !slicesEqual(got, want) {
+				t.Errorf("relayctl shards row %d = %q, want %q", i, got, want)
+			}
+			if sh.GetEnvoys() != 2 || sh.GetCurrent() != 1 || !strings.Contains(holders(sh), "relay-0:") {
+				t.Errorf("shard %s: %d of %d current, holders %s; want 1 of 2, relay-0 holding it", sh.GetKey(), sh.GetCurrent(), sh.GetEnvoys(), holders(sh))
+			}
+		}
+	})
+	t.Run("shard", func(t *testing.T) {
+		code, out, _ := lt.relayctl("shard", aKey)
+		sh := shards.GetShards()[0]
+		for _, want := range []string{"Key:      " + aKey, "Owner:    " + sh.GetOwner() + " (" + sh.GetOwnerXdsAddress() + ")",
+			"Version:  " + sh.GetLedgerVersion(), "Envoys:   2, 1 on the current version"} {
+			if code != 0 || !strings.Contains(out, want+"\n") {
+				t.Errorf("relayctl shard %s: exit %d, output lacks %q:\n%s", aKey, code, want, out)
+			}
+		}
+		if code, _, errOut := lt.relayctl("shard", "no/such/key"); code != 1 || !strings.Contains(errOut, `no relay holds key "no/such/key"`) {
+			t.Errorf("relayctl shard no/such/key: exit %d, stderr %q; want 1 and no relay holds it", code, errOut)
+		}
+	})
+
+	// -o json and -o yaml print the API's answer itself.
+	t.Run("json-yaml", func(t *testing.T) {
+		want, err := lt.client.GetConvergence(ctx, &adminpb.ConvergenceRequest{Selector: &adminpb.Selector{Key: aKey}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, format := range []string{"json", "yaml"} {
+			code, out, _ := lt.relayctl("convergence", "--key", aKey, "-o", format)
+			b := []byte(out)
+			if format == "yaml" {
+				if b, err = yaml.YAMLToJSON(b); err != nil {
+					t.Fatalf("-o yaml: %v", err)
+				}
+			}
+			got := &adminpb.Convergence{}
+			if err := protojson.Unmarshal(b, got); err != nil || code != 0 {
+				t.Fatalf("-o %s: exit %d, %v:\n%s", format, code, err, out)
+			}
+			if !proto.Equal(got, want) {
+				t.Errorf("-o %s = %v, want the API's %v", format, got, cmp.Diff(want, got, protocmp.Transform()))
+			}
+		}
+	})
+}
+
+// movedHash is the moved endpoint's content hash, as a current Envoy holds
+// it.
+func movedHash(t *testing.T, lt *liveTier) string {
+	t.Helper()
+	held, ok := lt.fleet.Envoys()[0].Resources(edsType)[lt.moved.Name]
+	if !ok {
+		t.Fatalf("Envoy 0 does not hold %s", lt.moved.Name)
+	}
+	return held.Version
+}
+
+func slicesEqual(a, b []string) bool { return strings.Join(a, "\x00") == strings.Join(b, "\x00") }
