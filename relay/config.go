@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -160,6 +161,18 @@ type Config struct {
 	// /metrics, /debug/pprof). Empty: none. Default "" (the serve command
 	// sets ":15014").
 	AdminListen string
+	// AdminListener, if set, is used instead of listening on AdminListen.
+	// The relay closes it on Stop.
+	AdminListener net.Listener
+	// AdminTLS, if set, makes the admin listener serve TLS (HTTP/1 and
+	// HTTP/2 by ALPN); with ClientAuth RequireAndVerifyClientCert, mTLS.
+	// Default nil: cleartext (HTTP/1 and h2c).
+	AdminTLS *tls.Config
+	// AdminToken, if set, is the bearer token every admin gRPC call but
+	// grpc.health.v1 (kubelet probes carry none) and /debug/pprof must
+	// carry ("authorization: Bearer <token>"). A secret: never logged.
+	// Default "": none.
+	AdminToken string
 
 	// Registerer and Gatherer hold the relay's Prometheus metrics. Default:
 	// a registry of the relay's own, so several relays can live in one

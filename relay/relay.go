@@ -22,6 +22,7 @@ package relay
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -161,7 +162,9 @@ func (r *Relay) Start(ctx context.Context) error {
 			return fmt.Errorf("relay: listen %s: %w", r.cfg.XDSListen, err)
 		}
 	}
-	if r.cfg.AdminListen != "" {
+	if r.cfg.AdminListener != nil {
+		r.adminLis = r.cfg.AdminListener
+	} else if r.cfg.AdminListen != "" {
 		r.adminLis, err = net.Listen("tcp", r.cfg.AdminListen)
 		if err != nil {
 			conn.Close()
@@ -212,10 +215,18 @@ func (r *Relay) Start(ctx context.Context) error {
 	if r.adminLis != nil {
 		r.adminGRPC = r.newAdminGRPC()
 		r.admin = &http.Server{Handler: adminHandler(r.adminGRPC, r.adminMux()), ReadHeaderTimeout: 10 * time.Second, Protocols: adminProtocols()}
+		adminLis := r.adminLis
+		if r.cfg.AdminTLS != nil {
+			tc := r.cfg.AdminTLS.Clone()
+			if len(tc.NextProtos) == 0 {
+				tc.NextProtos = []string{"h2", "http/1.1"}
+			}
+			adminLis = tls.NewListener(adminLis, tc)
+		}
 		r.serveWG.Add(1)
 		go func() {
 			defer r.serveWG.Done()
-			if err := r.admin.Serve(r.adminLis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			if err := r.admin.Serve(adminLis); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				r.log.Error("admin server stopped", "err", err)
 			}
 		}()
@@ -472,11 +483,12 @@ func (r *Relay) adminMux() *http.ServeMux {
 		}
 	})
 	mux.Handle("/metrics", promhttp.HandlerFor(r.cfg.Gatherer, promhttp.HandlerOpts{}))
-	mux.HandleFunc("/debug/pprof/", pprof.Index)
-	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
-	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
-	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
-	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	// Profiles can hold anything in memory (Secrets): behind the token.
+	mux.Handle("/debug/pprof/", r.adminAuthHTTP(http.HandlerFunc(pprof.Index)))
+	mux.Handle("/debug/pprof/cmdline", r.adminAuthHTTP(http.HandlerFunc(pprof.Cmdline)))
+	mux.Handle("/debug/pprof/profile", r.adminAuthHTTP(http.HandlerFunc(pprof.Profile)))
+	mux.Handle("/debug/pprof/symbol", r.adminAuthHTTP(http.HandlerFunc(pprof.Symbol)))
+	mux.Handle("/debug/pprof/trace", r.adminAuthHTTP(http.HandlerFunc(pprof.Trace)))
 	return mux
 }
 
