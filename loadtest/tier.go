@@ -43,6 +43,8 @@ type TierConfig struct {
 	Etcd []string
 	// Relay, if set, adjusts each relay's configuration last.
 	Relay func(*relay.Config)
+	// Node, if set, adjusts each node's configuration last (after Relay).
+	Node func(*shard.NodeConfig)
 	// Logger receives every relay's logs. Default: discard.
 	Logger *slog.Logger
 }
@@ -198,7 +200,11 @@ func (t *Tier) Start(ctx context.Context, i int) error {
 			return err
 		}
 	}
-	node, err := shard.NewNode(shard.NodeConfig{Relay: rc, Ring: sc, DrainPeriod: t.cfg.DrainPeriod, Store: store})
+	nc := shard.NodeConfig{Relay: rc, Ring: sc, DrainPeriod: t.cfg.DrainPeriod, Store: store}
+	if t.cfg.Node != nil {
+		t.cfg.Node(&nc)
+	}
+	node, err := shard.NewNode(nc)
 	if err != nil {
 		lis.Close()
 		if store != nil {

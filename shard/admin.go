@@ -8,6 +8,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/meshrelay/meshrelay/ledger"
@@ -39,7 +40,8 @@ func selectorScope(s *adminpb.Selector) ledger.Scope {
 func (a adminServer) GetRing(context.Context, *adminpb.GetRingRequest) (*adminpb.Ring, error) {
 	out := &adminpb.Ring{Relay: a.n.relay.ID()}
 	for _, m := range a.n.ring.Members() {
-		out.Members = append(out.Members, &adminpb.Member{Name: m.Name, XdsAddress: m.XDSAddr, Envoys: int64(m.Conns), Self: m.Self})
+		out.Members = append(out.Members, &adminpb.Member{Name: m.Name, XdsAddress: m.XDSAddr, AdminAddress: m.AdminAddr,
+			Envoys: int64(m.Conns), Self: m.Self})
 	}
 	return out, nil
 }
@@ -150,6 +152,18 @@ func (a adminServer) Wait(req *adminpb.WaitRequest, stream adminpb.Admin_WaitSer
 		}
 		wait.Stop()
 	}
+}
+
+func (a adminServer) Drain(ctx context.Context, req *adminpb.DrainRequest) (*adminpb.DrainResponse, error) {
+	if !a.n.cfg.AllowMutations {
+		return nil, status.Error(codes.PermissionDenied, "this relay's admin API is read-only: start it with --admin-allow-mutations to drain through it")
+	}
+	if req.GetRelay() != a.n.relay.ID() && req.GetRelay() != a.n.ring.Name() {
+		return nil, status.Errorf(codes.FailedPrecondition, "this is relay %s (%s), not %q: ask that relay's own admin address (relayctl drain finds it in the ring)",
+			a.n.relay.ID(), a.n.ring.Name(), req.GetRelay())
+	}
+	streams, started := a.n.Drain(ctx)
+	return &adminpb.DrainResponse{Relay: a.n.ring.Name(), Streams: int64(streams), Period: durationpb.New(a.n.cfg.DrainPeriod), Already: !started}, nil
 }
 
 func counts(c ledger.Convergence) *adminpb.Counts {

@@ -26,6 +26,10 @@ type Config struct {
 	// XDSAddr is the address peers dial for this relay's ADS server,
 	// host:port. Required.
 	XDSAddr string
+	// AdminAddr is the address of this relay's admin API, host:port,
+	// gossiped so that relayctl finds a relay it names (drain). Default
+	// "": not advertised.
+	AdminAddr string
 
 	// BindAddr and BindPort are where gossip listens (TCP and UDP).
 	// Default 0.0.0.0:7946. Port 0 picks a free one. Ignored with Transport.
@@ -131,8 +135,11 @@ func (cfg *Config) validate() error {
 	if cfg.Name == "" {
 		bad("Name", "is empty")
 	}
-	if err := checkXDSAddr(cfg.XDSAddr); err != nil {
+	if err := checkAddr("xDS", cfg.XDSAddr); err != nil {
 		bad("XDSAddr", err.Error())
+	}
+	if err := checkAddr("admin", cfg.AdminAddr); cfg.AdminAddr != "" && err != nil {
+		bad("AdminAddr", err.Error())
 	}
 	if cfg.Transport == nil && (cfg.BindPort < 0 || cfg.BindPort > 65535) {
 		bad("BindPort", fmt.Sprintf("is %d", cfg.BindPort))

@@ -17,6 +17,8 @@ type Member struct {
 	Name string
 	// XDSAddr is where the relay serves ADS, for Envoys and for peers.
 	XDSAddr string
+	// AdminAddr is where it serves the admin API ("" if it does not).
+	AdminAddr string
 	// Conns is the relay's Envoy stream count, as last gossiped.
 	Conns int
 	// Self marks the local relay.

@@ -18,6 +18,9 @@ type meta struct {
 	XDS string `json:"xds"`
 	// Conns is its Envoy stream count.
 	Conns int `json:"conns"`
+	// Admin is its admin API's address, if it serves one (added in
+	// format 1 without a version change: older relays ignore it).
+	Admin string `json:"admin,omitempty"`
 }
 
 const (
@@ -53,7 +56,10 @@ func decodeMeta(b []byte) (meta, error) {
 	if m.V != metaVersion {
 		return meta{}, fmt.Errorf("shard: member metadata format %d, this relay reads %d", m.V, metaVersion)
 	}
-	if err := checkXDSAddr(m.XDS); err != nil {
+	if err := checkAddr("xDS", m.XDS); err != nil {
+		return meta{}, err
+	}
+	if err := checkAddr("admin", m.Admin); m.Admin != "" && err != nil {
 		return meta{}, err
 	}
 	if m.Conns < 0 || m.Conns > maxConns {
@@ -62,17 +68,18 @@ func decodeMeta(b []byte) (meta, error) {
 	return m, nil
 }
 
-// checkXDSAddr accepts host:port with a port in 1-65535 and a non-empty host.
-func checkXDSAddr(addr string) error {
+// checkAddr accepts host:port with a port in 1-65535 and a non-empty host;
+// what names the address in the error.
+func checkAddr(what, addr string) error {
 	host, port, err := net.SplitHostPort(addr)
 	if err != nil {
-		return fmt.Errorf("shard: xDS address %q: %w", addr, err)
+		return fmt.Errorf("shard: %s address %q: %w", what, addr, err)
 	}
 	if host == "" {
-		return fmt.Errorf("shard: xDS address %q has no host", addr)
+		return fmt.Errorf("shard: %s address %q has no host", what, addr)
 	}
 	if p, err := strconv.Atoi(port); err != nil || p < 1 || p > 65535 {
-		return fmt.Errorf("shard: xDS address %q: bad port", addr)
+		return fmt.Errorf("shard: %s address %q: bad port", what, addr)
 	}
 	return nil
 }

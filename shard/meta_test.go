@@ -6,7 +6,7 @@ import (
 )
 
 func TestMetaRoundTrip(t *testing.T) {
-	m := meta{V: metaVersion, XDS: "10.0.0.7:15010", Conns: 1234}
+	m := meta{V: metaVersion, XDS: "10.0.0.7:15010", Conns: 1234, Admin: "10.0.0.7:15014"}
 	b, err := m.encode()
 	if err != nil {
 		t.Fatal(err)
@@ -32,6 +32,8 @@ func TestDecodeMetaRefusesBadInput(t *testing.T) {
 		`{"v":1,"xds":"a:99999"}`,
 		`{"v":1,"xds":"a:1","conns":-1}`,
 		`{"v":1,"xds":"a:1","conns":99999999999}`,
+		`{"v":1,"xds":"a:1","admin":"a"}`,
+		`{"v":1,"xds":"a:1","admin":"a:0"}`,
 		strings.Repeat(" ", 513),
 	} {
 		if m, err := decodeMeta([]byte(in)); err == nil {
@@ -44,7 +46,7 @@ func TestDecodeMetaRefusesBadInput(t *testing.T) {
 // decodeMeta returns an error or a meta that re-encodes to something it
 // decodes to the same value.
 func FuzzDecodeMeta(f *testing.F) {
-	for _, s := range []string{`{"v":1,"xds":"10.0.0.7:15010","conns":3}`, `{"v":1,"xds":"[::1]:1"}`, `{}`, `null`, `[]`} {
+	for _, s := range []string{`{"v":1,"xds":"10.0.0.7:15010","conns":3}`, `{"v":1,"xds":"a:1","admin":"b:2"}`, `{"v":1,"xds":"[::1]:1"}`, `{}`, `null`, `[]`} {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -30,10 +31,13 @@ type NodeConfig struct {
 	// becomes Relay.Snapshots). The Node starts and stops it; the owner of
 	// snapshot.GCLeaderKey collects its garbage.
 	Store *snapshot.Store
-	// DrainPeriod is how long Stop spreads the closing of streams over,
-	// after leaving the ring. Default 10s; it is cut short by Stop's
-	// context.
+	// DrainPeriod is how long Stop (and Drain) spreads the closing of
+	// streams over, after leaving the ring. Default 10s; it is cut short by
+	// Stop's context.
 	DrainPeriod time.Duration
+	// AllowMutations lets the admin API change the tier (Drain). Default
+	// false: the admin API only reads.
+	AllowMutations bool
 }
 
 // Node is one relay of a sharded tier: a relay.Relay whose key owners and
@@ -43,6 +47,10 @@ type Node struct {
 	cfg   NodeConfig
 	relay *relay.Relay
 	ring  *Ring
+
+	drainMu     sync.Mutex
+	drainCancel context.CancelFunc // set once Drain started
+	drainDone   chan struct{}      // closed when its streams are closed
 }
 
 // Compile-time checks of the interfaces package relay declares.
@@ -52,8 +60,9 @@ var (
 	_ relay.Peers  = (*Ring)(nil)
 )
 
-// NewNode builds a Node. If the relay has no Listener it listens now, so
-// that its address can be gossiped.
+// NewNode builds a Node. If the relay has no Listener (or AdminListener,
+// with AdminListen set) it listens now, so that the addresses can be
+// gossiped.
 func NewNode(cfg NodeConfig) (*Node, error) {
 	if cfg.DrainPeriod == 0 {
 		cfg.DrainPeriod = 10 * time.Second
@@ -68,18 +77,35 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 		}
 		cfg.Relay.Listener = lis
 	}
-	if cfg.Ring.XDSAddr == "" {
-		addr := cfg.Relay.Listener.Addr().(*net.TCPAddr)
-		ip := addr.IP
-		if ip.IsUnspecified() {
-			// Listening on every address: advertise the one other hosts
-			// most likely reach, as memberlist does for gossip.
-			if ip = interfaceIP(); ip == nil {
-				cfg.Relay.Listener.Close()
-				return nil, fmt.Errorf("shard: the relay listens on %s and this host has no address to advertise: set the xDS address other relays dial (--advertise-xds)", addr)
-			}
+	if cfg.Relay.AdminListen != "" && cfg.Relay.AdminListener == nil {
+		lis, err := net.Listen("tcp", cfg.Relay.AdminListen)
+		if err != nil {
+			cfg.Relay.Listener.Close()
+			return nil, fmt.Errorf("shard: admin listen %s: %w", cfg.Relay.AdminListen, err)
 		}
-		cfg.Ring.XDSAddr = net.JoinHostPort(ip.String(), strconv.Itoa(addr.Port))
+		cfg.Relay.AdminListener = lis
+	}
+	closeListeners := func() {
+		cfg.Relay.Listener.Close()
+		if cfg.Relay.AdminListener != nil {
+			cfg.Relay.AdminListener.Close()
+		}
+	}
+	if cfg.Ring.XDSAddr == "" {
+		addr, err := advertised(cfg.Relay.Listener, "xDS", "--advertise-xds")
+		if err != nil {
+			closeListeners()
+			return nil, err
+		}
+		cfg.Ring.XDSAddr = addr
+	}
+	if cfg.Ring.AdminAddr == "" && cfg.Relay.AdminListener != nil {
+		addr, err := advertised(cfg.Relay.AdminListener, "admin", "--advertise-admin")
+		if err != nil {
+			closeListeners()
+			return nil, err
+		}
+		cfg.Ring.AdminAddr = addr
 	}
 	if cfg.Ring.Name == "" {
 		cfg.Ring.Name = cfg.Relay.ID
@@ -98,7 +124,7 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 	}
 	ring, err := New(cfg.Ring)
 	if err != nil {
-		cfg.Relay.Listener.Close()
+		closeListeners()
 		return nil, err
 	}
 	cfg.Relay.Owners, cfg.Relay.Tier, cfg.Relay.Peers = ring, ring, ring
@@ -120,11 +146,25 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 	}
 	r, err := relay.New(cfg.Relay)
 	if err != nil {
-		cfg.Relay.Listener.Close()
+		closeListeners()
 		return nil, err
 	}
 	n.cfg, n.relay = cfg, r
 	return n, nil
+}
+
+// advertised returns the address other hosts dial for lis: its own, or,
+// if it listens on every address, the one other hosts most likely reach
+// (as memberlist does for gossip).
+func advertised(lis net.Listener, what, flag string) (string, error) {
+	addr := lis.Addr().(*net.TCPAddr)
+	ip := addr.IP
+	if ip.IsUnspecified() {
+		if ip = interfaceIP(); ip == nil {
+			return "", fmt.Errorf("shard: the relay listens on %s and this host has no address to advertise: set the %s address other hosts dial (%s)", addr, what, flag)
+		}
+	}
+	return net.JoinHostPort(ip.String(), strconv.Itoa(addr.Port)), nil
 }
 
 // interfaceIP returns the first private (RFC 1918 or ULA) address of an up,
@@ -194,12 +234,46 @@ func (n *Node) stopStore(ctx context.Context) error {
 // A leave that times out is logged, not returned: the others then notice
 // the relay is gone by probing, a few seconds later.
 func (n *Node) Stop(ctx context.Context) error {
+	n.drainMu.Lock()
+	cancel, done := n.drainCancel, n.drainDone
+	n.drainMu.Unlock()
+	if cancel != nil {
+		cancel() // what Drain has not closed yet is closed below
+		<-done
+	}
 	n.relay.MarkNotReady()
 	if err := n.ring.Leave(ctx); err != nil {
 		n.ring.log.Warn("leaving the tier", "err", err)
 	}
 	n.relay.DrainStreams(ctx, n.cfg.DrainPeriod)
 	return errors.Join(n.relay.Stop(ctx), n.stopStore(ctx), n.ring.Stop(ctx))
+}
+
+// Drain makes the node leave the tier and move its streams away, as Stop
+// does, but keeps it running: it turns not ready, leaves the ring, and
+// closes its streams over DrainPeriod in the background. It returns the
+// streams it closes, and false if the node was draining already.
+func (n *Node) Drain(ctx context.Context) (streams int, started bool) {
+	n.drainMu.Lock()
+	if n.drainDone != nil {
+		n.drainMu.Unlock()
+		return 0, false
+	}
+	dctx, cancel := context.WithCancel(context.Background())
+	n.drainCancel, n.drainDone = cancel, make(chan struct{})
+	n.drainMu.Unlock()
+
+	st := n.relay.Stats()
+	n.relay.MarkNotReady()
+	if err := n.ring.Leave(ctx); err != nil {
+		n.ring.log.Warn("leaving the tier", "err", err)
+	}
+	n.ring.log.Info("draining on request", "streams", st.Streams+st.PeerClients, "period", n.cfg.DrainPeriod)
+	go func() {
+		defer close(n.drainDone)
+		n.relay.DrainStreams(dctx, n.cfg.DrainPeriod)
+	}()
+	return st.Streams + st.PeerClients, true
 }
 
 // Kill stops the node at once, as a crash would look to the others: no

@@ -81,7 +81,7 @@ func New(cfg Config) (*Ring, error) {
 		nodes:   make(map[string]nodeInfo),
 	}
 	r.log = cfg.Logger.With("relay", r.name)
-	wire, err := meta{V: metaVersion, XDS: cfg.XDSAddr}.encode()
+	wire, err := meta{V: metaVersion, XDS: cfg.XDSAddr, Admin: cfg.AdminAddr}.encode()
 	if err != nil {
 		return nil, err
 	}
@@ -295,7 +295,7 @@ func (r *Ring) rebuild() {
 			}
 			continue
 		}
-		members = append(members, Member{Name: name, XDSAddr: m.XDS, Conns: m.Conns, Self: name == r.name})
+		members = append(members, Member{Name: name, XDSAddr: m.XDS, AdminAddr: m.Admin, Conns: m.Conns, Self: name == r.name})
 	}
 	slices.SortFunc(members, func(a, b Member) int { return strings.Compare(a.Name, b.Name) })
 	sameSet := slices.EqualFunc(members, r.members, func(a, b Member) bool {
@@ -355,7 +355,7 @@ func (r *Ring) gossipConns(ctx context.Context) {
 		if n == sent {
 			continue
 		}
-		wire, err := meta{V: metaVersion, XDS: r.cfg.XDSAddr, Conns: int(n)}.encode()
+		wire, err := meta{V: metaVersion, XDS: r.cfg.XDSAddr, Admin: r.cfg.AdminAddr, Conns: int(n)}.encode()
 		if err != nil {
 			continue // cannot happen: the address fitted in New, and a count is short
 		}

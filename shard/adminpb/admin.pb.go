@@ -180,7 +180,9 @@ type Member struct {
 	// Envoy streams, as last gossiped.
 	Envoys int64 `protobuf:"varint,3,opt,name=envoys,proto3" json:"envoys,omitempty"`
 	// The relay that answered.
-	Self          bool `protobuf:"varint,4,opt,name=self,proto3" json:"self,omitempty"`
+	Self bool `protobuf:"varint,4,opt,name=self,proto3" json:"self,omitempty"`
+	// Its admin API's address, if it advertises one.
+	AdminAddress  string `protobuf:"bytes,5,opt,name=admin_address,json=adminAddress,proto3" json:"admin_address,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -241,6 +243,13 @@ func (x *Member) GetSelf() bool {
 		return x.Self
 	}
 	return false
+}
+
+func (x *Member) GetAdminAddress() string {
+	if x != nil {
+		return x.AdminAddress
+	}
+	return ""
 }
 
 type ListShardsRequest struct {
@@ -1605,6 +1614,123 @@ func (x *EnvoyList) GetMissing() map[string]string {
 	return nil
 }
 
+type DrainRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The relay to drain: its ID or member name.
+	Relay         string `protobuf:"bytes,1,opt,name=relay,proto3" json:"relay,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DrainRequest) Reset() {
+	*x = DrainRequest{}
+	mi := &file_admin_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DrainRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DrainRequest) ProtoMessage() {}
+
+func (x *DrainRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_admin_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
+func (*DrainRequest) Descriptor() ([]byte, []int) {
+	return file_admin_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *DrainRequest) GetRelay() string {
+	if x != nil {
+		return x.Relay
+	}
+	return ""
+}
+
+type DrainResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The member name of the relay draining.
+	Relay string `protobuf:"bytes,1,opt,name=relay,proto3" json:"relay,omitempty"`
+	// The streams it closes (Envoys and relays subscribed to it).
+	Streams int64 `protobuf:"varint,2,opt,name=streams,proto3" json:"streams,omitempty"`
+	// Over how long.
+	Period *durationpb.Duration `protobuf:"bytes,3,opt,name=period,proto3" json:"period,omitempty"`
+	// It was draining already: nothing more was done.
+	Already       bool `protobuf:"varint,4,opt,name=already,proto3" json:"already,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DrainResponse) Reset() {
+	*x = DrainResponse{}
+	mi := &file_admin_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DrainResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DrainResponse) ProtoMessage() {}
+
+func (x *DrainResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_admin_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DrainResponse.ProtoReflect.Descriptor instead.
+func (*DrainResponse) Descriptor() ([]byte, []int) {
+	return file_admin_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *DrainResponse) GetRelay() string {
+	if x != nil {
+		return x.Relay
+	}
+	return ""
+}
+
+func (x *DrainResponse) GetStreams() int64 {
+	if x != nil {
+		return x.Streams
+	}
+	return 0
+}
+
+func (x *DrainResponse) GetPeriod() *durationpb.Duration {
+	if x != nil {
+		return x.Period
+	}
+	return nil
+}
+
+func (x *DrainResponse) GetAlready() bool {
+	if x != nil {
+		return x.Already
+	}
+	return false
+}
+
 var File_admin_proto protoreflect.FileDescriptor
 
 const file_admin_proto_rawDesc = "" +
@@ -1617,13 +1743,14 @@ const file_admin_proto_rawDesc = "" +
 	"\x0eGetRingRequest\"R\n" +
 	"\x04Ring\x12\x14\n" +
 	"\x05relay\x18\x01 \x01(\tR\x05relay\x124\n" +
-	"\amembers\x18\x02 \x03(\v2\x1a.meshrelay.admin.v1.MemberR\amembers\"i\n" +
+	"\amembers\x18\x02 \x03(\v2\x1a.meshrelay.admin.v1.MemberR\amembers\"\x8e\x01\n" +
 	"\x06Member\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1f\n" +
 	"\vxds_address\x18\x02 \x01(\tR\n" +
 	"xdsAddress\x12\x16\n" +
 	"\x06envoys\x18\x03 \x01(\x03R\x06envoys\x12\x12\n" +
-	"\x04self\x18\x04 \x01(\bR\x04self\"M\n" +
+	"\x04self\x18\x04 \x01(\bR\x04self\x12#\n" +
+	"\radmin_address\x18\x05 \x01(\tR\fadminAddress\"M\n" +
 	"\x11ListShardsRequest\x128\n" +
 	"\bselector\x18\x01 \x01(\v2\x1c.meshrelay.admin.v1.SelectorR\bselector\"\xc0\x01\n" +
 	"\tShardList\x121\n" +
@@ -1749,7 +1876,14 @@ const file_admin_proto_rawDesc = "" +
 	"\amissing\x18\x02 \x03(\v2*.meshrelay.admin.v1.EnvoyList.MissingEntryR\amissing\x1a:\n" +
 	"\fMissingEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x012\xa5\x05\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"$\n" +
+	"\fDrainRequest\x12\x14\n" +
+	"\x05relay\x18\x01 \x01(\tR\x05relay\"\x8c\x01\n" +
+	"\rDrainResponse\x12\x14\n" +
+	"\x05relay\x18\x01 \x01(\tR\x05relay\x12\x18\n" +
+	"\astreams\x18\x02 \x01(\x03R\astreams\x121\n" +
+	"\x06period\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\x06period\x12\x18\n" +
+	"\aalready\x18\x04 \x01(\bR\aalready2\xf3\x05\n" +
 	"\x05Admin\x12G\n" +
 	"\aGetRing\x12\".meshrelay.admin.v1.GetRingRequest\x1a\x18.meshrelay.admin.v1.Ring\x12R\n" +
 	"\n" +
@@ -1760,7 +1894,8 @@ const file_admin_proto_rawDesc = "" +
 	"\x04Wait\x12\x1f.meshrelay.admin.v1.WaitRequest\x1a\x1f.meshrelay.admin.v1.Convergence0\x01\x12T\n" +
 	"\vLocateEnvoy\x12&.meshrelay.admin.v1.LocateEnvoyRequest\x1a\x1d.meshrelay.admin.v1.EnvoyInfo\x12R\n" +
 	"\n" +
-	"ListEnvoys\x12%.meshrelay.admin.v1.ListEnvoysRequest\x1a\x1d.meshrelay.admin.v1.EnvoyListB.Z,github.com/meshrelay/meshrelay/shard/adminpbb\x06proto3"
+	"ListEnvoys\x12%.meshrelay.admin.v1.ListEnvoysRequest\x1a\x1d.meshrelay.admin.v1.EnvoyList\x12L\n" +
+	"\x05Drain\x12 .meshrelay.admin.v1.DrainRequest\x1a!.meshrelay.admin.v1.DrainResponseB.Z,github.com/meshrelay/meshrelay/shard/adminpbb\x06proto3"
 
 var (
 	file_admin_proto_rawDescOnce sync.Once
@@ -1774,7 +1909,7 @@ func file_admin_proto_rawDescGZIP() []byte {
 	return file_admin_proto_rawDescData
 }
 
-var file_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 32)
 var file_admin_proto_goTypes = []any{
 	(*Selector)(nil),              // 0: meshrelay.admin.v1.Selector
 	(*GetRingRequest)(nil),        // 1: meshrelay.admin.v1.GetRingRequest
@@ -1799,71 +1934,76 @@ var file_admin_proto_goTypes = []any{
 	(*EnvoyType)(nil),             // 20: meshrelay.admin.v1.EnvoyType
 	(*ListEnvoysRequest)(nil),     // 21: meshrelay.admin.v1.ListEnvoysRequest
 	(*EnvoyList)(nil),             // 22: meshrelay.admin.v1.EnvoyList
-	nil,                           // 23: meshrelay.admin.v1.ShardList.MissingEntry
-	nil,                           // 24: meshrelay.admin.v1.Convergence.ByKeyEntry
-	nil,                           // 25: meshrelay.admin.v1.Convergence.ByRelayEntry
-	nil,                           // 26: meshrelay.admin.v1.Convergence.MissingEntry
-	nil,                           // 27: meshrelay.admin.v1.StragglerList.MissingEntry
-	nil,                           // 28: meshrelay.admin.v1.Delivery.MissingRelaysEntry
-	nil,                           // 29: meshrelay.admin.v1.EnvoyList.MissingEntry
-	(*timestamppb.Timestamp)(nil), // 30: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 31: google.protobuf.Duration
+	(*DrainRequest)(nil),          // 23: meshrelay.admin.v1.DrainRequest
+	(*DrainResponse)(nil),         // 24: meshrelay.admin.v1.DrainResponse
+	nil,                           // 25: meshrelay.admin.v1.ShardList.MissingEntry
+	nil,                           // 26: meshrelay.admin.v1.Convergence.ByKeyEntry
+	nil,                           // 27: meshrelay.admin.v1.Convergence.ByRelayEntry
+	nil,                           // 28: meshrelay.admin.v1.Convergence.MissingEntry
+	nil,                           // 29: meshrelay.admin.v1.StragglerList.MissingEntry
+	nil,                           // 30: meshrelay.admin.v1.Delivery.MissingRelaysEntry
+	nil,                           // 31: meshrelay.admin.v1.EnvoyList.MissingEntry
+	(*timestamppb.Timestamp)(nil), // 32: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 33: google.protobuf.Duration
 }
 var file_admin_proto_depIdxs = []int32{
 	3,  // 0: meshrelay.admin.v1.Ring.members:type_name -> meshrelay.admin.v1.Member
 	0,  // 1: meshrelay.admin.v1.ListShardsRequest.selector:type_name -> meshrelay.admin.v1.Selector
 	6,  // 2: meshrelay.admin.v1.ShardList.shards:type_name -> meshrelay.admin.v1.Shard
-	23, // 3: meshrelay.admin.v1.ShardList.missing:type_name -> meshrelay.admin.v1.ShardList.MissingEntry
+	25, // 3: meshrelay.admin.v1.ShardList.missing:type_name -> meshrelay.admin.v1.ShardList.MissingEntry
 	7,  // 4: meshrelay.admin.v1.Shard.holders:type_name -> meshrelay.admin.v1.ShardHolder
 	0,  // 5: meshrelay.admin.v1.ConvergenceRequest.selector:type_name -> meshrelay.admin.v1.Selector
 	9,  // 6: meshrelay.admin.v1.Convergence.tier:type_name -> meshrelay.admin.v1.Counts
-	24, // 7: meshrelay.admin.v1.Convergence.by_key:type_name -> meshrelay.admin.v1.Convergence.ByKeyEntry
-	25, // 8: meshrelay.admin.v1.Convergence.by_relay:type_name -> meshrelay.admin.v1.Convergence.ByRelayEntry
-	26, // 9: meshrelay.admin.v1.Convergence.missing:type_name -> meshrelay.admin.v1.Convergence.MissingEntry
+	26, // 7: meshrelay.admin.v1.Convergence.by_key:type_name -> meshrelay.admin.v1.Convergence.ByKeyEntry
+	27, // 8: meshrelay.admin.v1.Convergence.by_relay:type_name -> meshrelay.admin.v1.Convergence.ByRelayEntry
+	28, // 9: meshrelay.admin.v1.Convergence.missing:type_name -> meshrelay.admin.v1.Convergence.MissingEntry
 	13, // 10: meshrelay.admin.v1.Convergence.stragglers:type_name -> meshrelay.admin.v1.Straggler
 	0,  // 11: meshrelay.admin.v1.StragglersRequest.selector:type_name -> meshrelay.admin.v1.Selector
 	13, // 12: meshrelay.admin.v1.StragglerList.stragglers:type_name -> meshrelay.admin.v1.Straggler
-	27, // 13: meshrelay.admin.v1.StragglerList.missing:type_name -> meshrelay.admin.v1.StragglerList.MissingEntry
+	29, // 13: meshrelay.admin.v1.StragglerList.missing:type_name -> meshrelay.admin.v1.StragglerList.MissingEntry
 	14, // 14: meshrelay.admin.v1.Straggler.nack:type_name -> meshrelay.admin.v1.NACK
-	30, // 15: meshrelay.admin.v1.Straggler.since:type_name -> google.protobuf.Timestamp
-	30, // 16: meshrelay.admin.v1.NACK.at:type_name -> google.protobuf.Timestamp
+	32, // 15: meshrelay.admin.v1.Straggler.since:type_name -> google.protobuf.Timestamp
+	32, // 16: meshrelay.admin.v1.NACK.at:type_name -> google.protobuf.Timestamp
 	0,  // 17: meshrelay.admin.v1.DeliveryRequest.selector:type_name -> meshrelay.admin.v1.Selector
 	13, // 18: meshrelay.admin.v1.Delivery.missing:type_name -> meshrelay.admin.v1.Straggler
-	28, // 19: meshrelay.admin.v1.Delivery.missing_relays:type_name -> meshrelay.admin.v1.Delivery.MissingRelaysEntry
+	30, // 19: meshrelay.admin.v1.Delivery.missing_relays:type_name -> meshrelay.admin.v1.Delivery.MissingRelaysEntry
 	0,  // 20: meshrelay.admin.v1.WaitRequest.selector:type_name -> meshrelay.admin.v1.Selector
-	31, // 21: meshrelay.admin.v1.WaitRequest.timeout:type_name -> google.protobuf.Duration
-	30, // 22: meshrelay.admin.v1.EnvoyInfo.connected_at:type_name -> google.protobuf.Timestamp
-	30, // 23: meshrelay.admin.v1.EnvoyInfo.disconnected_at:type_name -> google.protobuf.Timestamp
+	33, // 21: meshrelay.admin.v1.WaitRequest.timeout:type_name -> google.protobuf.Duration
+	32, // 22: meshrelay.admin.v1.EnvoyInfo.connected_at:type_name -> google.protobuf.Timestamp
+	32, // 23: meshrelay.admin.v1.EnvoyInfo.disconnected_at:type_name -> google.protobuf.Timestamp
 	20, // 24: meshrelay.admin.v1.EnvoyInfo.types:type_name -> meshrelay.admin.v1.EnvoyType
-	30, // 25: meshrelay.admin.v1.EnvoyType.acked_at:type_name -> google.protobuf.Timestamp
-	30, // 26: meshrelay.admin.v1.EnvoyType.sent_at:type_name -> google.protobuf.Timestamp
+	32, // 25: meshrelay.admin.v1.EnvoyType.acked_at:type_name -> google.protobuf.Timestamp
+	32, // 26: meshrelay.admin.v1.EnvoyType.sent_at:type_name -> google.protobuf.Timestamp
 	14, // 27: meshrelay.admin.v1.EnvoyType.nack:type_name -> meshrelay.admin.v1.NACK
 	0,  // 28: meshrelay.admin.v1.ListEnvoysRequest.selector:type_name -> meshrelay.admin.v1.Selector
 	19, // 29: meshrelay.admin.v1.EnvoyList.envoys:type_name -> meshrelay.admin.v1.EnvoyInfo
-	29, // 30: meshrelay.admin.v1.EnvoyList.missing:type_name -> meshrelay.admin.v1.EnvoyList.MissingEntry
-	9,  // 31: meshrelay.admin.v1.Convergence.ByKeyEntry.value:type_name -> meshrelay.admin.v1.Counts
-	9,  // 32: meshrelay.admin.v1.Convergence.ByRelayEntry.value:type_name -> meshrelay.admin.v1.Counts
-	1,  // 33: meshrelay.admin.v1.Admin.GetRing:input_type -> meshrelay.admin.v1.GetRingRequest
-	4,  // 34: meshrelay.admin.v1.Admin.ListShards:input_type -> meshrelay.admin.v1.ListShardsRequest
-	8,  // 35: meshrelay.admin.v1.Admin.GetConvergence:input_type -> meshrelay.admin.v1.ConvergenceRequest
-	11, // 36: meshrelay.admin.v1.Admin.ListStragglers:input_type -> meshrelay.admin.v1.StragglersRequest
-	15, // 37: meshrelay.admin.v1.Admin.CheckDelivery:input_type -> meshrelay.admin.v1.DeliveryRequest
-	17, // 38: meshrelay.admin.v1.Admin.Wait:input_type -> meshrelay.admin.v1.WaitRequest
-	18, // 39: meshrelay.admin.v1.Admin.LocateEnvoy:input_type -> meshrelay.admin.v1.LocateEnvoyRequest
-	21, // 40: meshrelay.admin.v1.Admin.ListEnvoys:input_type -> meshrelay.admin.v1.ListEnvoysRequest
-	2,  // 41: meshrelay.admin.v1.Admin.GetRing:output_type -> meshrelay.admin.v1.Ring
-	5,  // 42: meshrelay.admin.v1.Admin.ListShards:output_type -> meshrelay.admin.v1.ShardList
-	10, // 43: meshrelay.admin.v1.Admin.GetConvergence:output_type -> meshrelay.admin.v1.Convergence
-	12, // 44: meshrelay.admin.v1.Admin.ListStragglers:output_type -> meshrelay.admin.v1.StragglerList
-	16, // 45: meshrelay.admin.v1.Admin.CheckDelivery:output_type -> meshrelay.admin.v1.Delivery
-	10, // 46: meshrelay.admin.v1.Admin.Wait:output_type -> meshrelay.admin.v1.Convergence
-	19, // 47: meshrelay.admin.v1.Admin.LocateEnvoy:output_type -> meshrelay.admin.v1.EnvoyInfo
-	22, // 48: meshrelay.admin.v1.Admin.ListEnvoys:output_type -> meshrelay.admin.v1.EnvoyList
-	41, // [41:49] is the sub-list for method output_type
-	33, // [33:41] is the sub-list for method input_type
-	33, // [33:33] is the sub-list for extension type_name
-	33, // [33:33] is the sub-list for extension extendee
-	0,  // [0:33] is the sub-list for field type_name
+	31, // 30: meshrelay.admin.v1.EnvoyList.missing:type_name -> meshrelay.admin.v1.EnvoyList.MissingEntry
+	33, // 31: meshrelay.admin.v1.DrainResponse.period:type_name -> google.protobuf.Duration
+	9,  // 32: meshrelay.admin.v1.Convergence.ByKeyEntry.value:type_name -> meshrelay.admin.v1.Counts
+	9,  // 33: meshrelay.admin.v1.Convergence.ByRelayEntry.value:type_name -> meshrelay.admin.v1.Counts
+	1,  // 34: meshrelay.admin.v1.Admin.GetRing:input_type -> meshrelay.admin.v1.GetRingRequest
+	4,  // 35: meshrelay.admin.v1.Admin.ListShards:input_type -> meshrelay.admin.v1.ListShardsRequest
+	8,  // 36: meshrelay.admin.v1.Admin.GetConvergence:input_type -> meshrelay.admin.v1.ConvergenceRequest
+	11, // 37: meshrelay.admin.v1.Admin.ListStragglers:input_type -> meshrelay.admin.v1.StragglersRequest
+	15, // 38: meshrelay.admin.v1.Admin.CheckDelivery:input_type -> meshrelay.admin.v1.DeliveryRequest
+	17, // 39: meshrelay.admin.v1.Admin.Wait:input_type -> meshrelay.admin.v1.WaitRequest
+	18, // 40: meshrelay.admin.v1.Admin.LocateEnvoy:input_type -> meshrelay.admin.v1.LocateEnvoyRequest
+	21, // 41: meshrelay.admin.v1.Admin.ListEnvoys:input_type -> meshrelay.admin.v1.ListEnvoysRequest
+	23, // 42: meshrelay.admin.v1.Admin.Drain:input_type -> meshrelay.admin.v1.DrainRequest
+	2,  // 43: meshrelay.admin.v1.Admin.GetRing:output_type -> meshrelay.admin.v1.Ring
+	5,  // 44: meshrelay.admin.v1.Admin.ListShards:output_type -> meshrelay.admin.v1.ShardList
+	10, // 45: meshrelay.admin.v1.Admin.GetConvergence:output_type -> meshrelay.admin.v1.Convergence
+	12, // 46: meshrelay.admin.v1.Admin.ListStragglers:output_type -> meshrelay.admin.v1.StragglerList
+	16, // 47: meshrelay.admin.v1.Admin.CheckDelivery:output_type -> meshrelay.admin.v1.Delivery
+	10, // 48: meshrelay.admin.v1.Admin.Wait:output_type -> meshrelay.admin.v1.Convergence
+	19, // 49: meshrelay.admin.v1.Admin.LocateEnvoy:output_type -> meshrelay.admin.v1.EnvoyInfo
+	22, // 50: meshrelay.admin.v1.Admin.ListEnvoys:output_type -> meshrelay.admin.v1.EnvoyList
+	24, // 51: meshrelay.admin.v1.Admin.Drain:output_type -> meshrelay.admin.v1.DrainResponse
+	43, // [43:52] is the sub-list for method output_type
+	34, // [34:43] is the sub-list for method input_type
+	34, // [34:34] is the sub-list for extension type_name
+	34, // [34:34] is the sub-list for extension extendee
+	0,  // [0:34] is the sub-list for field type_name
 }
 
 func init() { file_admin_proto_init() }
@@ -1877,7 +2017,7 @@ func file_admin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_admin_proto_rawDesc), len(file_admin_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   30,
+			NumMessages:   32,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -32,6 +32,7 @@ const (
 	Admin_Wait_FullMethodName           = "/meshrelay.admin.v1.Admin/Wait"
 	Admin_LocateEnvoy_FullMethodName    = "/meshrelay.admin.v1.Admin/LocateEnvoy"
 	Admin_ListEnvoys_FullMethodName     = "/meshrelay.admin.v1.Admin/ListEnvoys"
+	Admin_Drain_FullMethodName          = "/meshrelay.admin.v1.Admin/Drain"
 )
 
 // AdminClient is the client API for Admin service.
@@ -62,6 +63,16 @@ type AdminClient interface {
 	LocateEnvoy(ctx context.Context, in *LocateEnvoyRequest, opts ...grpc.CallOption) (*EnvoyInfo, error)
 	// ListEnvoys lists the tier's Envoys, filtered.
 	ListEnvoys(ctx context.Context, in *ListEnvoysRequest, opts ...grpc.CallOption) (*EnvoyList, error)
+	// Drain makes the relay asked leave the tier and move its Envoys away:
+	// it turns not ready (new streams are refused), leaves the ring, and
+	// closes its streams spread over its drain period; Envoys reconnect
+	// through the Service to the other relays. It keeps running, serving no
+	// Envoys, until stopped. Mutating: PERMISSION_DENIED unless the relay
+	// was started allowing it. The request names the relay asked, so that a
+	// call through a load balancer never drains another (FAILED_PRECONDITION,
+	// naming the relay reached); relayctl finds a relay's admin address in
+	// the ring.
+	Drain(ctx context.Context, in *DrainRequest, opts ...grpc.CallOption) (*DrainResponse, error)
 }
 
 type adminClient struct {
@@ -161,6 +172,16 @@ func (c *adminClient) ListEnvoys(ctx context.Context, in *ListEnvoysRequest, opt
 	return out, nil
 }
 
+func (c *adminClient) Drain(ctx context.Context, in *DrainRequest, opts ...grpc.CallOption) (*DrainResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(DrainResponse)
+	err := c.cc.Invoke(ctx, Admin_Drain_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AdminServer is the server API for Admin service.
 // All implementations must embed UnimplementedAdminServer
 // for forward compatibility.
@@ -189,6 +210,16 @@ type AdminServer interface {
 	LocateEnvoy(context.Context, *LocateEnvoyRequest) (*EnvoyInfo, error)
 	// ListEnvoys lists the tier's Envoys, filtered.
 	ListEnvoys(context.Context, *ListEnvoysRequest) (*EnvoyList, error)
+	// Drain makes the relay asked leave the tier and move its Envoys away:
+	// it turns not ready (new streams are refused), leaves the ring, and
+	// closes its streams spread over its drain period; Envoys reconnect
+	// through the Service to the other relays. It keeps running, serving no
+	// Envoys, until stopped. Mutating: PERMISSION_DENIED unless the relay
+	// was started allowing it. The request names the relay asked, so that a
+	// call through a load balancer never drains another (FAILED_PRECONDITION,
+	// naming the relay reached); relayctl finds a relay's admin address in
+	// the ring.
+	Drain(context.Context, *DrainRequest) (*DrainResponse, error)
 	mustEmbedUnimplementedAdminServer()
 }
 
@@ -222,6 +253,9 @@ func (UnimplementedAdminServer) LocateEnvoy(context.Context, *LocateEnvoyRequest
 }
 func (UnimplementedAdminServer) ListEnvoys(context.Context, *ListEnvoysRequest) (*EnvoyList, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method ListEnvoys not implemented")
+}
+func (UnimplementedAdminServer) Drain(context.Context, *DrainRequest) (*DrainResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Drain not implemented")
 }
 func (UnimplementedAdminServer) mustEmbedUnimplementedAdminServer() {}
 func (UnimplementedAdminServer) testEmbeddedByValue()               {}
@@ -381,6 +415,24 @@ func _Admin_ListEnvoys_Handler(srv interface{}, ctx context.Context, dec func(in
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Admin_Drain_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DrainRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).Drain(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_Drain_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).Drain(ctx, req.(*DrainRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Admin_ServiceDesc is the grpc.ServiceDesc for Admin service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -415,6 +467,10 @@ var Admin_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListEnvoys",
 			Handler:    _Admin_ListEnvoys_Handler,
+		},
+		{
+			MethodName: "Drain",
+			Handler:    _Admin_Drain_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{
