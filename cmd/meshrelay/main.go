@@ -77,6 +77,8 @@ func serve(ctx context.Context, args []string) error {
 	fs.Float64Var(&cfg.AdmitRate, "admit-rate", cfg.AdmitRate, "new Envoy streams admitted per second (token bucket); past it: ResourceExhausted. 0: no limit")
 	fs.IntVar(&cfg.AdmitBurst, "admit-burst", cfg.AdmitBurst, "token bucket size for --admit-rate")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	var admin adminFlags
+	admin.register(fs)
 
 	gossip := fs.String("gossip-listen", ":7946", "address of the gossip (memberlist) listener, TCP and UDP; empty: no tier, this relay owns every key")
 	gossipAdvertise := fs.String("gossip-advertise", "", "host:port other relays gossip to (default: from --gossip-listen; set the pod IP in Kubernetes)")
@@ -87,7 +89,8 @@ func serve(ctx context.Context, args []string) error {
 	fs.DurationVar(&ring.RejoinInterval, "rejoin-interval", ring.RejoinInterval, "how often --join is resolved again and absent relays joined (heals partitions)")
 	fs.IntVar(&ring.Partitions, "ring-partitions", ring.Partitions, "partitions of the consistent-hash ring")
 	fs.Float64Var(&ring.Load, "ring-load", ring.Load, "bounded-load factor of the ring (1 to 10)")
-	drain := fs.Duration("drain-period", 10*time.Second, "on SIGTERM, how long the closing of streams is spread over after leaving the ring")
+	drain := fs.Duration("drain-period", 10*time.Second, "on SIGTERM (or an admin Drain), how long the closing of streams is spread over after leaving the ring")
+	advertiseAdmin := fs.String("advertise-admin", "", "host:port relayctl dials for this relay's admin API (default: $POD_IP with the --admin-listen port)")
 	var etcd etcdFlags
 	etcd.register(fs)
 	if err := fs.Parse(args); err != nil {
@@ -102,6 +105,9 @@ func serve(ctx context.Context, args []string) error {
 		extra = strings.Split(*keyMeta, ",")
 	}
 	if cfg.KeyProfile, err = relay.ParseKeyProfile(*profile, extra); err != nil {
+		return err
+	}
+	if err := admin.apply(&cfg); err != nil {
 		return err
 	}
 	var level slog.Level
@@ -164,17 +170,13 @@ func serve(ctx context.Context, args []string) error {
 			return err
 		}
 	}
-	ring.XDSAddr = *advertiseXDS
-	if ring.XDSAddr == "" {
-		if ip := os.Getenv("POD_IP"); ip != "" {
-			_, port, err := net.SplitHostPort(cfg.XDSListen)
-			if err != nil {
-				return fmt.Errorf("--xds-listen: %w", err)
-			}
-			ring.XDSAddr = net.JoinHostPort(ip, port)
-		}
+	if ring.XDSAddr, err = podAddr(*advertiseXDS, cfg.XDSListen); err != nil {
+		return fmt.Errorf("--xds-listen: %w", err)
 	}
-	node, err := shard.NewNode(shard.NodeConfig{Relay: cfg, Ring: ring, DrainPeriod: *drain, Store: store})
+	if ring.AdminAddr, err = podAddr(*advertiseAdmin, cfg.AdminListen); err != nil {
+		return fmt.Errorf("--admin-listen: %w", err)
+	}
+	node, err := shard.NewNode(shard.NodeConfig{Relay: cfg, Ring: ring, DrainPeriod: *drain, Store: store, AllowMutations: admin.allowMutations})
 	if err != nil {
 		if store != nil {
 			store.Stop(context.WithoutCancel(ctx))
@@ -190,6 +192,21 @@ func serve(ctx context.Context, args []string) error {
 	stopCtx, cancel := context.WithTimeout(context.Background(), *drain+15*time.Second)
 	defer cancel()
 	return node.Stop(stopCtx)
+}
+
+// podAddr is the address to advertise for a listener: the flag's if set,
+// else $POD_IP with the listener's port, else "" (derived from the
+// listener once it listens).
+func podAddr(flagged, listen string) (string, error) {
+	ip := os.Getenv("POD_IP")
+	if flagged != "" || ip == "" || listen == "" {
+		return flagged, nil
+	}
+	_, port, err := net.SplitHostPort(listen)
+	if err != nil {
+		return "", err
+	}
+	return net.JoinHostPort(ip, port), nil
 }
 
 func splitHostPort(addr string) (string, int, error) {

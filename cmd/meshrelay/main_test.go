@@ -38,6 +38,10 @@ func TestServeFlags(t *testing.T) {
 		{"embedded etcd and endpoints", []string{"--upstream", "x:1", "--etcd", "embedded", "--etcd-endpoints", "http://127.0.0.1:1"}, "exclude each other"},
 		{"missing etcd CA", []string{"--upstream", "x:1", "--etcd-endpoints", "https://127.0.0.1:1", "--etcd-ca-file", "/nonexistent/ca.pem"}, "--etcd-ca-file"},
 		{"missing seal key", []string{"--upstream", "x:1", "--etcd-endpoints", "http://127.0.0.1:1", "--snapshot-seal-key-file", "/nonexistent/key"}, "seal key file"},
+		{"admin token in clear text", []string{"--upstream", "x:1", "--admin-token-file", "/dev/null"}, "need --admin-tls-cert"},
+		{"admin client CA without TLS", []string{"--upstream", "x:1", "--admin-client-ca", "/dev/null"}, "need --admin-tls-cert"},
+		{"admin cert without key", []string{"--upstream", "x:1", "--admin-tls-cert", "/nonexistent/cert.pem"}, "go together"},
+		{"missing admin cert", []string{"--upstream", "x:1", "--admin-tls-cert", "/nonexistent/cert.pem", "--admin-tls-key", "/nonexistent/key.pem"}, "--admin-tls-cert"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
