@@ -45,13 +45,17 @@ func ringCmd(o *options) *cobra.Command {
 				}
 				slices.SortFunc(ring.Members, func(a, b *adminpb.Member) int { return strings.Compare(a.GetName(), b.GetName()) })
 				return o.print(ring, func(w io.Writer) {
-					row(w, "MEMBER", "XDS ADDRESS", "ENVOYS")
+					row(w, "MEMBER", "XDS ADDRESS", "ADMIN ADDRESS", "ENVOYS")
 					for _, m := range ring.GetMembers() {
 						name := m.GetName()
 						if m.GetSelf() {
 							name += "*"
 						}
-						row(w, name, m.GetXdsAddress(), m.GetEnvoys())
+						admin := m.GetAdminAddress()
+						if admin == "" {
+							admin = "-"
+						}
+						row(w, name, m.GetXdsAddress(), admin, m.GetEnvoys())
 					}
 				})
 			})
@@ -396,6 +400,61 @@ are on their key's current version (exit 0), or --wait-timeout passes
 		}
 	}
 	return cmd
+}
+
+func drainCmd(o *options) *cobra.Command {
+	return &cobra.Command{
+		Use:   "drain RELAY",
+		Short: "Take a relay out of the tier: not ready, out of the ring, its Envoys moved to the others",
+		Long: `drain finds RELAY (its ID or member name) in the ring of the relay at
+--admin-address and asks it, at its own admin address, to drain: it turns
+not ready, leaves the ring and closes its streams over its drain period;
+Envoys reconnect through the Service to the other relays. It keeps running,
+serving no Envoys, until it is stopped. The relay must allow it
+(meshrelay serve --admin-allow-mutations).`,
+		Args: exactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			var target *adminpb.Member
+			err := o.call(cmd.Context(), func(ctx context.Context, c adminpb.AdminClient) error {
+				ring, err := c.GetRing(ctx, &adminpb.GetRingRequest{})
+				if err != nil {
+					return err
+				}
+				for _, m := range ring.GetMembers() {
+					if m.GetName() == args[0] || strings.HasPrefix(m.GetName(), args[0]+"-") && strings.Count(m.GetName()[len(args[0]):], "-") == 1 {
+						target = m
+					}
+				}
+				return nil
+			})
+			switch {
+			case err != nil:
+				return err
+			case target == nil:
+				return fmt.Errorf("no relay %q in the ring", args[0])
+			case target.GetAdminAddress() == "":
+				return fmt.Errorf("relay %s advertises no admin address", target.GetName())
+			}
+			c, done, err := o.clientAt(target.GetAdminAddress())
+			if err != nil {
+				return err
+			}
+			defer done()
+			ctx, cancel := context.WithTimeout(cmd.Context(), o.timeout)
+			defer cancel()
+			got, err := c.Drain(ctx, &adminpb.DrainRequest{Relay: target.GetName()})
+			if err != nil {
+				return err
+			}
+			return o.print(got, func(w io.Writer) {
+				if got.GetAlready() {
+					fmt.Fprintf(w, "%s is draining already\n", got.GetRelay())
+					return
+				}
+				fmt.Fprintf(w, "%s draining: closing %d streams over %s\n", got.GetRelay(), got.GetStreams(), got.GetPeriod().AsDuration())
+			})
+		},
+	}
 }
 
 // progress prints a wait's convergence when it changed.

@@ -28,7 +28,9 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/shard"
 	"github.com/meshrelay/meshrelay/shard/adminpb"
+	"github.com/meshrelay/meshrelay/shard/shardtest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -215,7 +217,9 @@ func TestRelayctl(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The owner follows the members' incarnations.
-	ownerOf := func(s string) string { return strings.ReplaceAll(s, "Owner:    "+located.GetOwner(), "Owner:    OWNER") }
+	ownerOf := func(s string) string {
+		return strings.ReplaceAll(s, "Owner:    "+located.GetOwner(), "Owner:    OWNER")
+	}
 	same := func(s string) string { return s }
 
 	for _, tc := range []struct {
@@ -319,3 +323,78 @@ func movedHash(t *testing.T, lt *liveTier) string {
 }
 
 func slicesEqual(a, b []string) bool { return strings.Join(a, "\x00") == strings.Join(b, "\x00") }
+
+// TestRelayctlSecureDrain: against a tier whose admin listeners want mTLS
+// and a bearer token, relayctl reaches them with the TLS flags and the
+// token file, refuses to send a token in clear text, and drains a relay it
+// finds in the ring through another.
+func TestRelayctlSecureDrain(t *testing.T) {
+	const token = "relayctl-test-token"
+	certs := shardtest.NewCerts(t)
+	ctx := context.Background()
+	ucfg := upstream.DefaultConfig()
+	ucfg.Scenario = upstream.Scenario{Services: 3, Endpoints: 3, Namespaces: 1}
+	up, err := upstream.New(ucfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := up.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { up.Stop(context.Background()) })
+	tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), DrainPeriod: 200 * time.Millisecond,
+		Relay: func(c *relay.Config) { c.AdminListen, c.AdminTLS, c.AdminToken = "127.0.0.1:0", certs.Server, token },
+		Node:  func(c *shard.NodeConfig) { c.AllowMutations = true },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tier.Stop(context.Background()) })
+	tokenFile := filepath.Join(t.TempDir(), "token")
+	if err := os.WriteFile(tokenFile, []byte(token+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	relays := tier.Running()
+	relayctl := func(args ...string) (int, string, string) {
+		var out, errOut bytes.Buffer
+		base := []string{"--admin-address", relays[0].Node.Relay().AdminAddr().String(),
+			"--ca-file", certs.CAFile, "--cert-file", certs.ClientCertFile, "--key-file", certs.ClientKeyFile}
+		code := run(append(base, args...), &out, &errOut)
+		return code, out.String(), errOut.String()
+	}
+
+	if code, _, errOut := relayctl("ring"); code != 1 || !strings.Contains(errOut, "Unauthenticated") {
+		t.Errorf("relayctl ring without the token: exit %d, %q; want 1, Unauthenticated", code, errOut)
+	}
+	if code, out, errOut := relayctl("--token-file", tokenFile, "ring"); code != 0 || strings.Count(out, "\n") != 4 {
+		t.Errorf("relayctl ring with TLS and the token: exit %d\n%s%s\nwant a header and 3 members", code, out, errOut)
+	}
+	var out, errOut bytes.Buffer
+	code := run([]string{"--admin-address", relays[0].Node.Relay().AdminAddr().String(), "--token-file", tokenFile, "ring"}, &out, &errOut)
+	if code != 2 || !strings.Contains(errOut.String(), "clear text") {
+		t.Errorf("relayctl --token-file without TLS: exit %d, %q; want 2, refused", code, errOut.String())
+	}
+
+	drained := relays[1]
+	code, got, stderr := relayctl("--token-file", tokenFile, "drain", drained.ID)
+	if want := drained.Node.Ring().Name() + " draining: closing "; code != 0 || !strings.HasPrefix(got, want) || !strings.HasSuffix(got, " streams over 200ms\n") {
+		t.Fatalf("relayctl drain %s: exit %d, %q %q; want %q…", drained.ID, code, got, stderr, want)
+	}
+	if code, got, _ := relayctl("--token-file", tokenFile, "drain", drained.ID); code != 0 || got != drained.Node.Ring().Name()+" is draining already\n" {
+		// It left the ring: relayctl finds it no more, or (gossip not
+		// settled yet) finds it draining already.
+		if code != 1 {
+			t.Errorf("relayctl drain %s again: exit %d, %q", drained.ID, code, got)
+		}
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for len(relays[0].Node.Ring().Members()) != 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("relay-0 still sees %d members after the drain", len(relays[0].Node.Ring().Members()))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if code, _, errOut := relayctl("--token-file", tokenFile, "drain", drained.ID); code != 1 || !strings.Contains(errOut, "no relay \""+drained.ID+"\" in the ring") {
+		t.Errorf("relayctl drain of a relay out of the ring: exit %d, %q", code, errOut)
+	}
+}

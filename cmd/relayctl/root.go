@@ -2,13 +2,18 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
+	"os"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
@@ -20,6 +25,11 @@ type options struct {
 	address string
 	output  string
 	timeout time.Duration
+	// TLS and the bearer token (see dialOptions).
+	tls                 bool
+	caFile, certFile    string
+	keyFile, serverName string
+	tokenFile           string
 
 	out, errOut io.Writer
 	now         func() time.Time // for ages; time.Now outside tests
@@ -80,19 +90,90 @@ func newRoot(o *options) *cobra.Command {
 	f.StringVar(&o.address, "admin-address", "localhost:15014", "a relay's admin address (host:port)")
 	f.StringVarP(&o.output, "output", "o", "table", "output format: table, json or yaml")
 	f.DurationVar(&o.timeout, "timeout", 10*time.Second, "how long a query may take (wait has its own --wait-timeout)")
+	f.BoolVar(&o.tls, "tls", false, "speak TLS to the admin API (implied by --ca-file and --cert-file)")
+	f.StringVar(&o.caFile, "ca-file", "", "PEM file of the CAs that sign the relays' admin certificates (default: the system's)")
+	f.StringVar(&o.certFile, "cert-file", "", "PEM file of the client certificate, for relays that require mTLS")
+	f.StringVar(&o.keyFile, "key-file", "", "PEM file of the client certificate's key")
+	f.StringVar(&o.serverName, "server-name", "", "name the relays' certificates are checked against (default: the host dialled)")
+	f.StringVar(&o.tokenFile, "token-file", "", "file holding the admin API's bearer token (needs TLS)")
 	root.AddCommand(ringCmd(o), shardsCmd(o), shardCmd(o), proxyStatusCmd(o), convergenceCmd(o),
-		stragglersCmd(o), deliveryCmd(o), waitCmd(o))
+		stragglersCmd(o), deliveryCmd(o), waitCmd(o), drainCmd(o))
 	return root
 }
 
 // client dials the admin address. The connection is made on first use.
 func (o *options) client() (adminpb.AdminClient, func(), error) {
-	conn, err := grpc.NewClient(o.address, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	return o.clientAt(o.address)
+}
+
+// clientAt dials a relay's admin address.
+func (o *options) clientAt(addr string) (adminpb.AdminClient, func(), error) {
+	opts, err := o.dialOptions()
 	if err != nil {
-		return nil, nil, usageError{fmt.Errorf("--admin-address %q: %w", o.address, err)}
+		return nil, nil, err
+	}
+	conn, err := grpc.NewClient(addr, opts...)
+	if err != nil {
+		return nil, nil, usageError{fmt.Errorf("admin address %q: %w", addr, err)}
 	}
 	return adminpb.NewAdminClient(conn), func() { conn.Close() }, nil
 }
+
+// dialOptions are the transport credentials (TLS, with a client
+// certificate for mTLS, or cleartext) and the bearer token, from the
+// flags.
+func (o *options) dialOptions() ([]grpc.DialOption, error) {
+	useTLS := o.tls || o.caFile != "" || o.certFile != ""
+	if (o.certFile == "") != (o.keyFile == "") {
+		return nil, usageError{errors.New("--cert-file and --key-file go together")}
+	}
+	if !useTLS {
+		if o.tokenFile != "" {
+			return nil, usageError{errors.New("--token-file needs --tls: a bearer token must not cross the network in clear text")}
+		}
+		return []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, nil
+	}
+	tc := &tls.Config{ServerName: o.serverName, MinVersion: tls.VersionTLS12}
+	if o.caFile != "" {
+		b, err := os.ReadFile(o.caFile)
+		if err != nil {
+			return nil, fmt.Errorf("--ca-file: %w", err)
+		}
+		tc.RootCAs = x509.NewCertPool()
+		if !tc.RootCAs.AppendCertsFromPEM(b) {
+			return nil, fmt.Errorf("--ca-file %s: no PEM certificate in it", o.caFile)
+		}
+	}
+	if o.certFile != "" {
+		pair, err := tls.LoadX509KeyPair(o.certFile, o.keyFile)
+		if err != nil {
+			return nil, fmt.Errorf("--cert-file, --key-file: %w", err)
+		}
+		tc.Certificates = []tls.Certificate{pair}
+	}
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(credentials.NewTLS(tc))}
+	if o.tokenFile != "" {
+		b, err := os.ReadFile(o.tokenFile)
+		if err != nil {
+			return nil, fmt.Errorf("--token-file: %w", err)
+		}
+		token := strings.TrimSpace(string(b))
+		if token == "" {
+			return nil, fmt.Errorf("--token-file %s is empty", o.tokenFile)
+		}
+		opts = append(opts, grpc.WithPerRPCCredentials(bearer(token)))
+	}
+	return opts, nil
+}
+
+// bearer sends a token as "authorization: Bearer <token>", over TLS only.
+type bearer string
+
+func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + string(b)}, nil
+}
+
+func (bearer) RequireTransportSecurity() bool { return true }
 
 // call runs fn with a client and a context bounded by --timeout.
 func (o *options) call(ctx context.Context, fn func(context.Context, adminpb.AdminClient) error) error {
