@@ -60,8 +60,8 @@ type TierLedger struct {
 func (r *Relay) TierLedger(ctx context.Context, scope ledger.Scope) TierLedger {
 	local := r.localSummary(scope)
 	req := &ledgerpb.SummaryRequest{Scope: ledgerpb.FromScope(scope)}
-	got, missing := gather(ctx, r, func(ctx context.Context, c ledgerpb.LedgerClient) (*ledger.Summary, error) {
-		p, err := c.GetSummary(ctx, req, maxLedgerAnswer)
+	got, missing := gather(ctx, r, func(ctx context.Context, conn *grpc.ClientConn) (*ledger.Summary, error) {
+		p, err := ledgerpb.NewLedgerClient(conn).GetSummary(ctx, req, maxLedgerAnswer)
 		if err != nil {
 			return nil, err
 		}
@@ -93,7 +93,8 @@ func (r *Relay) TierDelivery(ctx context.Context, scope ledger.Scope, typeURL, n
 	local := r.localSummary(scope)
 	sreq := &ledgerpb.SummaryRequest{Scope: ledgerpb.FromScope(scope)}
 	dreq := &ledgerpb.DeliveryRequest{Scope: sreq.Scope, Type: typeURL, Name: name, Hash: hash[:]}
-	got, missing := gather(ctx, r, func(ctx context.Context, c ledgerpb.LedgerClient) (answer, error) {
+	got, missing := gather(ctx, r, func(ctx context.Context, conn *grpc.ClientConn) (answer, error) {
+		c := ledgerpb.NewLedgerClient(conn)
 		pv, err := c.CheckDelivery(ctx, dreq, maxLedgerAnswer)
 		if err != nil {
 			return answer{}, err
@@ -156,7 +157,7 @@ func (r *Relay) localSummary(scope ledger.Scope) <-chan *ledger.Summary {
 
 // gather calls every other relay of the tier at once and returns the
 // answers, and the errors of those that failed or did not answer in time.
-func gather[T any](ctx context.Context, r *Relay, call func(context.Context, ledgerpb.LedgerClient) (T, error)) ([]T, map[string]error) {
+func gather[T any](ctx context.Context, r *Relay, call func(context.Context, *grpc.ClientConn) (T, error)) ([]T, map[string]error) {
 	if r.cfg.Peers == nil {
 		return nil, nil
 	}
@@ -175,7 +176,7 @@ func gather[T any](ctx context.Context, r *Relay, call func(context.Context, led
 			var v T
 			conn, err := r.peerConn(addr)
 			if err == nil {
-				v, err = call(ctx, ledgerpb.NewLedgerClient(conn))
+				v, err = call(ctx, conn)
 			}
 			mu.Lock()
 			defer mu.Unlock()
@@ -199,30 +200,31 @@ type ledgerServer struct {
 	r *Relay
 }
 
-// checkPeer admits only calls that prove they come from a relay of the
-// tier (when the tier has a peer secret).
-func (s ledgerServer) checkPeer(ctx context.Context) error {
+// checkPeerCall admits only calls that prove they come from a relay of the
+// tier (when the tier has a peer secret); service names the exchange in
+// errors and logs.
+func (r *Relay) checkPeerCall(ctx context.Context, service string) error {
 	md, _ := metadata.FromIncomingContext(ctx)
 	ids := md.Get(mdPeer)
 	if len(ids) != 1 || ids[0] == "" {
-		return status.Error(codes.PermissionDenied, "the ledger exchange is for the relays of the tier")
+		return status.Errorf(codes.PermissionDenied, "the %s exchange is for the relays of the tier", service)
 	}
-	if !s.r.provesPeer(md, ids[0]) {
-		s.r.log.Warn("ledger call refused: bad proof", "peer_relay", ids[0])
-		return status.Error(codes.Unauthenticated, "ledger exchange: bad peer proof")
+	if !r.provesPeer(md, ids[0]) {
+		r.log.Warn(service+" call refused: bad proof", "peer_relay", ids[0])
+		return status.Errorf(codes.Unauthenticated, "%s exchange: bad peer proof", service)
 	}
 	return nil
 }
 
 func (s ledgerServer) GetSummary(ctx context.Context, req *ledgerpb.SummaryRequest) (*ledgerpb.Summary, error) {
-	if err := s.checkPeer(ctx); err != nil {
+	if err := s.r.checkPeerCall(ctx, "ledger"); err != nil {
 		return nil, err
 	}
 	return ledgerpb.FromSummary(s.r.ledger.Summary(ledgerpb.ToScope(req.GetScope()), time.Now())), nil
 }
 
 func (s ledgerServer) CheckDelivery(ctx context.Context, req *ledgerpb.DeliveryRequest) (*ledgerpb.DeliveryVerdicts, error) {
-	if err := s.checkPeer(ctx); err != nil {
+	if err := s.r.checkPeerCall(ctx, "ledger"); err != nil {
 		return nil, err
 	}
 	h, err := ledger.HashFromBytes(req.GetHash())

@@ -51,6 +51,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/ledger/ledgerpb"
+	"github.com/meshrelay/meshrelay/relay/inspectpb"
 )
 
 // Relay is one meshrelay process's xDS relay. Create it with New, then Start;
@@ -205,6 +206,7 @@ func (r *Relay) Start(ctx context.Context) error {
 	)
 	discovery.RegisterAggregatedDiscoveryServiceServer(r.server, r)
 	ledgerpb.RegisterLedgerServer(r.server, ledgerServer{r: r})
+	inspectpb.RegisterInspectServer(r.server, inspectServer{r: r})
 	r.serveWG.Add(1)
 	go func() {
 		defer r.serveWG.Done()

@@ -163,6 +163,8 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 			}
 		case <-s.wake:
 			s.dirty = true
+		case q := <-s.dumps:
+			q.reply <- s.sent(q.types)
 		case m := <-s.passOut():
 			if err := s.forward(m); err != nil {
 				return err

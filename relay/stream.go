@@ -35,6 +35,8 @@ type stream struct {
 	// subscribes to a key this relay owns.
 	peerRelay *peerIdentity
 	wake      chan struct{}
+	// dumps asks the stream what it sent (Relay.ConfigDump).
+	dumps chan dumpReq
 	// led is the stream's entry in the relay's ledger (nil for a peer
 	// relay's stream).
 	led *ledger.Envoy
@@ -190,6 +192,7 @@ func (r *Relay) newStream(ctx context.Context, delta bool) *stream {
 		delta: delta,
 		ctx:   ctx,
 		wake:  make(chan struct{}, 1),
+		dumps: make(chan dumpReq),
 		subs:  make(map[string]*typeSub),
 
 		opened: time.Now(),

@@ -1,0 +1,350 @@
+package relay
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+
+	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/inspectpb"
+)
+
+// What one relay holds of a key or a node, for the tier's admin API: any
+// relay answers by asking every relay of the tier (meshrelay.inspect.v1 on
+// the xDS port, with the relay-to-relay proof, as the ledger exchange).
+
+// ErrNotHeld is returned for a key the relay holds no state of, or a node
+// not connected to it.
+var ErrNotHeld = errors.New("relay: not held here")
+
+// defaultMaxNames bounds the subscribed names KeyDetail lists per type.
+const defaultMaxNames = 100
+
+// KeyDetail describes the relay's state of key, listing at most maxNames
+// subscribed names per type (0: 100).
+func (r *Relay) KeyDetail(key string, maxNames int) (*inspectpb.KeyDetail, error) {
+	if maxNames <= 0 {
+		maxNames = defaultMaxNames
+	}
+	r.mu.Lock()
+	k := r.keys[Key(key)]
+	r.mu.Unlock()
+	if k == nil {
+		return nil, fmt.Errorf("key %q: %w", key, ErrNotHeld)
+	}
+	snap := k.snap.Load()
+	out := &inspectpb.KeyDetail{Relay: r.cfg.ID, Key: key, Source: sourceKind(k.source.Load()).String(),
+		Stale: snap.stale, Restored: snap.restored}
+	k.mu.Lock()
+	for _, s := range k.members {
+		if s.peerRelay != nil {
+			out.Peers = append(out.Peers, s.peerRelay.id)
+		} else {
+			out.Envoys++
+		}
+	}
+	wants := make(map[string]typeWant, len(k.want))
+	for t, w := range k.want {
+		wants[t] = typeWant{wildcard: w.wildcard, names: maps.Clone(w.names)}
+	}
+	k.mu.Unlock()
+	slices.Sort(out.Peers)
+	out.Peers = slices.Compact(out.Peers)
+	for _, typeURL := range typesOf(snap, wants) {
+		td := &inspectpb.TypeDetail{Type: typeURL}
+		if ts := snap.types[typeURL]; ts != nil {
+			td.Resources, td.Version, td.Ready, td.Pending = int64(ts.view.Len()), ts.view.Root().String(), ts.ready, int64(len(ts.pending))
+			for e := range ts.view.All() {
+				td.Bytes += int64(e.Value.Size())
+			}
+		}
+		if w, ok := wants[typeURL]; ok {
+			td.Wildcard = w.wildcard > 0
+			names := slices.Sorted(maps.Keys(w.names))
+			td.NamesTotal = int64(len(names))
+			td.Names = names[:min(len(names), maxNames)]
+		}
+		out.Types = append(out.Types, td)
+	}
+	return out, nil
+}
+
+// typesOf lists the types a key has a view of or a subscription to, in
+// push order, then the rest by type URL.
+func typesOf(snap *keySnap, wants map[string]typeWant) []string {
+	all := map[string]bool{}
+	for t := range snap.types {
+		all[t] = true
+	}
+	for t := range wants {
+		all[t] = true
+	}
+	return slices.SortedFunc(maps.Keys(all), func(a, b string) int {
+		ia, ib := slices.Index(pushOrder, a), slices.Index(pushOrder, b)
+		if ia < 0 {
+			ia = len(pushOrder)
+		}
+		if ib < 0 {
+			ib = len(pushOrder)
+		}
+		return cmp.Or(cmp.Compare(ia, ib), cmp.Compare(a, b))
+	})
+}
+
+// dumpType is one type of what a config dump shows: a view (of a key, or
+// what a stream sent its client) and its version.
+type dumpType struct {
+	typeURL string
+	version string
+	entries []ledger.Entry[*Resource]
+}
+
+// dumpReq asks a stream's goroutine, which owns its state, what it sent.
+type dumpReq struct {
+	types []string // empty: all
+	reply chan []dumpType
+}
+
+// sent lists what the stream sent its client, by type (run by the stream's
+// goroutine). Content the client declared on connecting and this relay
+// never sent it is included if the relay holds it.
+func (s *stream) sent(types []string) []dumpType {
+	var out []dumpType
+	for _, typeURL := range pushOrder {
+		sub := s.subs[typeURL]
+		if sub == nil || len(types) > 0 && !slices.Contains(types, typeURL) {
+			continue
+		}
+		dt := dumpType{typeURL: typeURL, version: sub.known.Root().String()}
+		for e := range sub.known.All() {
+			if e.Value == nil {
+				e.Value = s.r.store.lookup(e.Hash)
+			}
+			dt.entries = append(dt.entries, e)
+		}
+		out = append(out, dt)
+	}
+	return out
+}
+
+// ConfigDump returns what the relay sent a node, or a key's views, as
+// Envoy's config dump with Secrets redacted (see inspectpb.ConfigDump). It
+// returns ErrNotHeld for a node not connected here or a key not held.
+func (r *Relay) ConfigDump(ctx context.Context, req *inspectpb.ConfigDumpRequest) (*inspectpb.ConfigDump, error) {
+	out := &inspectpb.ConfigDump{Relay: r.cfg.ID, Node: req.GetNode(), Key: req.GetKey()}
+	var types []dumpType
+	switch {
+	case req.GetNode() != "" && req.GetKey() != "":
+		return nil, errors.New("relay: config dump: a node or a key, not both")
+	case req.GetNode() != "":
+		envoys, _ := r.streams()
+		i := slices.IndexFunc(envoys, func(s *stream) bool { return s.node.GetId() == req.GetNode() })
+		if i < 0 {
+			return nil, fmt.Errorf("node %q: %w", req.GetNode(), ErrNotHeld)
+		}
+		s := envoys[i]
+		out.Key = string(s.key.key)
+		q := dumpReq{types: req.GetTypes(), reply: make(chan []dumpType, 1)}
+		select {
+		case s.dumps <- q:
+		case <-s.ctx.Done():
+			return nil, fmt.Errorf("node %q: %w (its stream ended)", req.GetNode(), ErrNotHeld)
+		case <-ctx.Done():
+			return nil, fmt.Errorf("node %q: its stream is busy: %w", req.GetNode(), ctx.Err())
+		}
+		types = <-q.reply
+	case req.GetKey() != "":
+		r.mu.Lock()
+		k := r.keys[Key(req.GetKey())]
+		r.mu.Unlock()
+		if k == nil {
+			return nil, fmt.Errorf("key %q: %w", req.GetKey(), ErrNotHeld)
+		}
+		snap := k.snap.Load()
+		for _, typeURL := range pushOrder {
+			ts := snap.types[typeURL]
+			if ts == nil || len(req.GetTypes()) > 0 && !slices.Contains(req.GetTypes(), typeURL) {
+				continue
+			}
+			types = append(types, dumpType{typeURL: typeURL, version: ts.view.Root().String(), entries: slices.Collect(ts.view.All())})
+		}
+	default:
+		return nil, errors.New("relay: config dump: a node or a key is required")
+	}
+	dump, err := buildConfigDump(types)
+	if err != nil {
+		return nil, err
+	}
+	if out.ConfigDump, err = anypb.New(dump); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// buildConfigDump lays views out as Envoy's /config_dump does, each
+// resource as a dynamic one with its version (its content hash), every
+// sensitive field redacted. Types Envoy's dump has no place for (runtime)
+// are left out.
+func buildConfigDump(types []dumpType) (*adminv3.ConfigDump, error) {
+	dump := &adminv3.ConfigDump{}
+	for _, t := range types {
+		var bodies []*anypb.Any
+		var names, versions []string
+		for _, e := range t.entries {
+			if e.Value == nil {
+				continue // declared by the client, not held here
+			}
+			b, err := redactAny(e.Value.Body)
+			if err != nil {
+				return nil, fmt.Errorf("config dump: %s %q: %w", shortType(t.typeURL), e.Name, err)
+			}
+			bodies, names, versions = append(bodies, b), append(names, e.Name), append(versions, e.Hash.String())
+		}
+		var msg proto.Message
+		switch t.typeURL {
+		case typeCluster:
+			d := &adminv3.ClustersConfigDump{VersionInfo: t.version}
+			for i, b := range bodies {
+				d.DynamicActiveClusters = append(d.DynamicActiveClusters, &adminv3.ClustersConfigDump_DynamicCluster{VersionInfo: versions[i], Cluster: b})
+			}
+			msg = d
+		case typeEndpoint:
+			d := &adminv3.EndpointsConfigDump{}
+			for i, b := range bodies {
+				d.DynamicEndpointConfigs = append(d.DynamicEndpointConfigs, &adminv3.EndpointsConfigDump_DynamicEndpointConfig{VersionInfo: versions[i], EndpointConfig: b})
+			}
+			msg = d
+		case typeListener:
+			d := &adminv3.ListenersConfigDump{VersionInfo: t.version}
+			for i, b := range bodies {
+				d.DynamicListeners = append(d.DynamicListeners, &adminv3.ListenersConfigDump_DynamicListener{Name: names[i],
+					ActiveState: &adminv3.ListenersConfigDump_DynamicListenerState{VersionInfo: versions[i], Listener: b}})
+			}
+			msg = d
+		case typeScopedRoute:
+			d := &adminv3.ScopedRoutesConfigDump{}
+			for i, b := range bodies {
+				d.DynamicScopedRouteConfigs = append(d.DynamicScopedRouteConfigs, &adminv3.ScopedRoutesConfigDump_DynamicScopedRouteConfigs{
+					Name: names[i], VersionInfo: versions[i], ScopedRouteConfigs: []*anypb.Any{b}})
+			}
+			msg = d
+		case typeRoute:
+			d := &adminv3.RoutesConfigDump{}
+			for i, b := range bodies {
+				d.DynamicRouteConfigs = append(d.DynamicRouteConfigs, &adminv3.RoutesConfigDump_DynamicRouteConfig{VersionInfo: versions[i], RouteConfig: b})
+			}
+			msg = d
+		case typeSecret:
+			d := &adminv3.SecretsConfigDump{}
+			for i, b := range bodies {
+				d.DynamicActiveSecrets = append(d.DynamicActiveSecrets, &adminv3.SecretsConfigDump_DynamicSecret{Name: names[i], VersionInfo: versions[i], Secret: b})
+			}
+			msg = d
+		case typeExtension:
+			d := &adminv3.EcdsConfigDump{}
+			for i, b := range bodies {
+				d.EcdsFilters = append(d.EcdsFilters, &adminv3.EcdsConfigDump_EcdsFilterConfig{VersionInfo: versions[i], EcdsFilter: b})
+			}
+			msg = d
+		default:
+			continue
+		}
+		a, err := anypb.New(msg)
+		if err != nil {
+			return nil, err
+		}
+		dump.Configs = append(dump.Configs, a)
+	}
+	return dump, nil
+}
+
+// inspectServer answers the tier's other relays what this one holds.
+type inspectServer struct {
+	inspectpb.UnimplementedInspectServer
+	r *Relay
+}
+
+func (s inspectServer) GetKey(ctx context.Context, req *inspectpb.KeyRequest) (*inspectpb.KeyDetail, error) {
+	if err := s.r.checkPeerCall(ctx, "inspect"); err != nil {
+		return nil, err
+	}
+	d, err := s.r.KeyDetail(req.GetKey(), int(req.GetMaxNames()))
+	return d, inspectStatus(err)
+}
+
+func (s inspectServer) GetConfigDump(ctx context.Context, req *inspectpb.ConfigDumpRequest) (*inspectpb.ConfigDump, error) {
+	if err := s.r.checkPeerCall(ctx, "inspect"); err != nil {
+		return nil, err
+	}
+	d, err := s.r.ConfigDump(ctx, req)
+	return d, inspectStatus(err)
+}
+
+func inspectStatus(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, ErrNotHeld):
+		return status.Error(codes.NotFound, err.Error())
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, context.Canceled):
+		return status.Error(codes.DeadlineExceeded, err.Error())
+	}
+	return status.Error(codes.Internal, err.Error())
+}
+
+// TierKeyDetail returns every relay's account of key (this one's and the
+// tier's others', each listing at most maxNames names per type), by relay
+// ID; relays that hold no such key are left out, relays that did not
+// answer are in missing.
+func (r *Relay) TierKeyDetail(ctx context.Context, key string, maxNames int) ([]*inspectpb.KeyDetail, map[string]error) {
+	req := &inspectpb.KeyRequest{Key: key, MaxNames: int32(maxNames)}
+	got, missing := gather(ctx, r, func(ctx context.Context, conn *grpc.ClientConn) (*inspectpb.KeyDetail, error) {
+		return inspectpb.NewInspectClient(conn).GetKey(ctx, req, maxLedgerAnswer)
+	})
+	missing = withoutNotFound(missing)
+	if d, err := r.KeyDetail(key, maxNames); err == nil {
+		got = append(got, d)
+	}
+	slices.SortFunc(got, func(a, b *inspectpb.KeyDetail) int { return cmp.Compare(a.GetRelay(), b.GetRelay()) })
+	return got, missing
+}
+
+// TierConfigDump returns the config dump of a node, from the relay it is
+// connected to, or of a key, from this relay if it holds the key, else
+// from one that does. It returns ErrNotHeld if no relay that answered has
+// it (the missing ones may).
+func (r *Relay) TierConfigDump(ctx context.Context, req *inspectpb.ConfigDumpRequest) (*inspectpb.ConfigDump, map[string]error, error) {
+	d, err := r.ConfigDump(ctx, req)
+	if !errors.Is(err, ErrNotHeld) {
+		return d, nil, err
+	}
+	got, missing := gather(ctx, r, func(ctx context.Context, conn *grpc.ClientConn) (*inspectpb.ConfigDump, error) {
+		// A dump is as large as the key's config: bounded like a response.
+		return inspectpb.NewInspectClient(conn).GetConfigDump(ctx, req, grpc.MaxCallRecvMsgSize(r.cfg.MaxMsgSize))
+	})
+	missing = withoutNotFound(missing)
+	if len(got) == 0 {
+		return nil, missing, err
+	}
+	// A node is connected to one relay (two, briefly, while it moves: the
+	// answers are alike); a key's holders serve the same views when fresh.
+	slices.SortFunc(got, func(a, b *inspectpb.ConfigDump) int { return cmp.Compare(a.GetRelay(), b.GetRelay()) })
+	return got[0], missing, nil
+}
+
+// withoutNotFound drops, from a gather's failures, the relays that answered
+// they hold nothing of what was asked.
+func withoutNotFound(missing map[string]error) map[string]error {
+	maps.DeleteFunc(missing, func(_ string, err error) bool { return status.Code(err) == codes.NotFound })
+	return missing
+}
