@@ -2,17 +2,20 @@ package shard
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"strings"
 	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/inspectpb"
 	"github.com/meshrelay/meshrelay/shard/adminpb"
 )
 
@@ -50,19 +53,92 @@ func (a adminServer) ListShards(ctx context.Context, req *adminpb.ListShardsRequ
 	tl := a.n.relay.TierLedger(ctx, selectorScope(req.GetSelector()))
 	out := &adminpb.ShardList{Missing: missing(tl)}
 	for _, kr := range tl.Keys() {
-		sh := &adminpb.Shard{Key: kr.Key, LedgerVersion: kr.Version.String(),
-			Envoys: int64(kr.Convergence.Envoys), Current: int64(kr.Convergence.Current)}
-		if m, ok := a.n.ring.Locate(kr.Key); ok {
-			sh.Owner, sh.OwnerXdsAddress = m.Name, m.XDSAddr
-		}
-		for _, h := range kr.Holders {
-			sh.Holders = append(sh.Holders, &adminpb.ShardHolder{Relay: h.Relay, Source: string(h.Source), Stale: h.Stale,
-				Envoys: int64(h.Connected()), LedgerVersion: h.LedgerVersion().String()})
-		}
-		slices.SortFunc(sh.Holders, func(a, b *adminpb.ShardHolder) int { return strings.Compare(a.Relay, b.Relay) })
-		out.Shards = append(out.Shards, sh)
+		out.Shards = append(out.Shards, a.shard(kr))
 	}
 	return out, nil
+}
+
+// shard is a key as the ledgers gathered tell it.
+func (a adminServer) shard(kr ledger.KeyReport) *adminpb.Shard {
+	sh := &adminpb.Shard{Key: kr.Key, LedgerVersion: kr.Version.String(),
+		Envoys: int64(kr.Convergence.Envoys), Current: int64(kr.Convergence.Current)}
+	if m, ok := a.n.ring.Locate(kr.Key); ok {
+		sh.Owner, sh.OwnerXdsAddress = m.Name, m.XDSAddr
+	}
+	for _, h := range kr.Holders {
+		sh.Holders = append(sh.Holders, &adminpb.ShardHolder{Relay: h.Relay, Source: string(h.Source), Stale: h.Stale,
+			Envoys: int64(h.Connected()), LedgerVersion: h.LedgerVersion().String()})
+	}
+	slices.SortFunc(sh.Holders, func(a, b *adminpb.ShardHolder) int { return strings.Compare(a.Relay, b.Relay) })
+	return sh
+}
+
+func (a adminServer) GetShard(ctx context.Context, req *adminpb.GetShardRequest) (*adminpb.ShardDetail, error) {
+	if req.GetKey() == "" {
+		return nil, status.Error(codes.InvalidArgument, "key is required")
+	}
+	if req.GetMaxNames() < 0 {
+		return nil, status.Error(codes.InvalidArgument, "max_names must not be negative")
+	}
+	var (
+		tl      relay.TierLedger
+		details []*inspectpb.KeyDetail
+		miss    map[string]error
+		done    = make(chan struct{})
+	)
+	go func() {
+		defer close(done)
+		tl = a.n.relay.TierLedger(ctx, ledger.Scope{Key: req.GetKey()})
+	}()
+	details, miss = a.n.relay.TierKeyDetail(ctx, req.GetKey(), int(req.GetMaxNames()))
+	<-done
+	keys := tl.Keys()
+	if len(keys) == 0 && len(details) == 0 {
+		return nil, status.Errorf(codes.NotFound, "no relay holds key %q", req.GetKey())
+	}
+	out := &adminpb.ShardDetail{Holders: details, Missing: missing(tl)}
+	for addr, err := range miss {
+		if out.Missing == nil {
+			out.Missing = map[string]string{}
+		}
+		out.Missing[addr] = err.Error()
+	}
+	if len(keys) > 0 {
+		out.Shard = a.shard(keys[0])
+	} else {
+		out.Shard = &adminpb.Shard{Key: req.GetKey()}
+		if m, ok := a.n.ring.Locate(req.GetKey()); ok {
+			out.Shard.Owner, out.Shard.OwnerXdsAddress = m.Name, m.XDSAddr
+		}
+	}
+	return out, nil
+}
+
+func (a adminServer) GetConfigDump(ctx context.Context, req *adminpb.ConfigDumpRequest) (*inspectpb.ConfigDump, error) {
+	if (req.GetNode() == "") == (req.GetKey() == "") {
+		return nil, status.Error(codes.InvalidArgument, "one of node and key is required")
+	}
+	d, miss, err := a.n.relay.TierConfigDump(ctx, &inspectpb.ConfigDumpRequest{Node: req.GetNode(), Key: req.GetKey(), Types: req.GetTypes()})
+	switch {
+	case errors.Is(err, relay.ErrNotHeld) && len(miss) > 0:
+		return nil, status.Errorf(codes.Unavailable, "%v; relays that did not answer may hold it: %v", err, miss)
+	case errors.Is(err, relay.ErrNotHeld):
+		return nil, status.Errorf(codes.NotFound, "%v on any relay of the tier", err)
+	case err != nil:
+		return nil, status.Error(codes.Internal, err.Error())
+	}
+	if req.GetJson() {
+		dump, err := d.GetConfigDump().UnmarshalNew()
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "config dump: %v", err)
+		}
+		b, err := protojson.MarshalOptions{UseProtoNames: true, Multiline: true, Indent: "  "}.Marshal(dump)
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "config dump as JSON: %v", err)
+		}
+		d.Json, d.ConfigDump = string(b), nil
+	}
+	return d, nil
 }
 
 func (a adminServer) GetConvergence(ctx context.Context, req *adminpb.ConvergenceRequest) (*adminpb.Convergence, error) {

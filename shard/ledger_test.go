@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	envoyadmin "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -414,6 +415,76 @@ func checkAdminAPI(t *testing.T, tier *loadtest.Tier, byRole map[string][]string
 		!info.GetConnected() || edsState == nil || edsState.GetNack() == nil || edsState.GetAcked() == edsState.GetCurrentView() {
 		t.Fatalf("LocateEnvoy(%s) = %v; want it on %s, owner %s, NACKing its endpoints, behind", nacker, info, onRelay, owner.Name)
 	}
+	// GetShard: the key in detail, from each holder; the origin lists the
+	// other holders as subscribed to it.
+	sd, err := c.GetShard(ctx, &adminpb.GetShardRequest{Key: info.GetKey()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var holderNames, peersOfOrigin []string
+	envoysOf := map[string]int64{}
+	for _, h := range sd.GetShard().GetHolders() {
+		holderNames, envoysOf[h.GetRelay()] = append(holderNames, h.GetRelay()), h.GetEnvoys()
+	}
+	var detailNames []string
+	var cdsCount int64 = -1
+	for _, d := range sd.GetHolders() {
+		detailNames = append(detailNames, d.GetRelay())
+		if d.GetEnvoys() != envoysOf[d.GetRelay()] {
+			t.Errorf("GetShard: %s tells %d Envoys, the ledger %d", d.GetRelay(), d.GetEnvoys(), envoysOf[d.GetRelay()])
+		}
+		if d.GetSource() == "upstream" {
+			peersOfOrigin = d.GetPeers()
+		}
+		for _, td := range d.GetTypes() {
+			if td.GetType() == cdsType {
+				if cdsCount >= 0 && td.GetResources() != cdsCount {
+					t.Errorf("GetShard: holders disagree on the clusters: %d and %d", cdsCount, td.GetResources())
+				}
+				cdsCount = td.GetResources()
+			}
+		}
+	}
+	others := slices.DeleteFunc(slices.Clone(holderNames), func(r string) bool { return strings.HasPrefix(sd.GetShard().GetOwner(), r+"-") })
+	if !slices.Equal(detailNames, holderNames) || !slices.Equal(peersOfOrigin, others) || cdsCount <= 0 || len(sd.GetMissing()) != 0 {
+		t.Fatalf("GetShard(%s) = %v; want every holder %v in detail, the origin's peers %v, clusters", info.GetKey(), sd, holderNames, others)
+	}
+	if _, err := c.GetShard(ctx, &adminpb.GetShardRequest{Key: "no/such/key"}); status.Code(err) != codes.NotFound {
+		t.Fatalf("GetShard(no/such/key) err = %v, want NotFound", err)
+	}
+
+	// GetConfigDump of a node, asked of a relay it may not be connected to:
+	// the relay it is on answers, with its clusters.
+	for _, asJSON := range []bool{false, true} {
+		d, err := c.GetConfigDump(ctx, &adminpb.ConfigDumpRequest{Node: nacker, Json: asJSON, Types: []string{cdsType}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.GetRelay() != onRelay || d.GetKey() != info.GetKey() {
+			t.Fatalf("GetConfigDump(%s) from %s of key %s, want %s of %s", nacker, d.GetRelay(), d.GetKey(), onRelay, info.GetKey())
+		}
+		var clusters int
+		if asJSON {
+			clusters = strings.Count(d.GetJson(), `"@type": "type.googleapis.com/envoy.config.cluster.v3.Cluster"`)
+			if d.GetConfigDump() != nil || !strings.Contains(d.GetJson(), `"dynamic_active_clusters"`) {
+				t.Fatalf("GetConfigDump as JSON: any %v, json without dynamic_active_clusters", d.GetConfigDump())
+			}
+		} else {
+			var cd envoyadmin.ConfigDump
+			var cl envoyadmin.ClustersConfigDump
+			if err := d.GetConfigDump().UnmarshalTo(&cd); err != nil || len(cd.GetConfigs()) != 1 || cd.GetConfigs()[0].UnmarshalTo(&cl) != nil {
+				t.Fatalf("GetConfigDump: %v, want one ClustersConfigDump: %v", cd.GetConfigs(), err)
+			}
+			clusters = len(cl.GetDynamicActiveClusters())
+		}
+		if int64(clusters) != cdsCount {
+			t.Errorf("GetConfigDump (json %v): %d clusters, the key has %d", asJSON, clusters, cdsCount)
+		}
+	}
+	if _, err := c.GetConfigDump(ctx, &adminpb.ConfigDumpRequest{Node: "nobody"}); status.Code(err) != codes.NotFound {
+		t.Fatalf("GetConfigDump(nobody) err = %v, want NotFound", err)
+	}
+
 	// Each type's status, in istioctl's terms, follows the Envoy's role:
 	// the silent ones never answered their first response.
 	all, err := c.ListEnvoys(ctx, &adminpb.ListEnvoysRequest{})

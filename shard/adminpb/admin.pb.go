@@ -7,11 +7,12 @@
 // versions:
 // 	protoc-gen-go v1.36.12
 // 	protoc        v3.21.12
-// source: admin.proto
+// source: shard/adminpb/admin.proto
 
 package adminpb
 
 import (
+	inspectpb "github.com/meshrelay/meshrelay/relay/inspectpb"
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	durationpb "google.golang.org/protobuf/types/known/durationpb"
@@ -41,7 +42,7 @@ type Selector struct {
 
 func (x *Selector) Reset() {
 	*x = Selector{}
-	mi := &file_admin_proto_msgTypes[0]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[0]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -53,7 +54,7 @@ func (x *Selector) String() string {
 func (*Selector) ProtoMessage() {}
 
 func (x *Selector) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[0]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[0]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -66,7 +67,7 @@ func (x *Selector) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Selector.ProtoReflect.Descriptor instead.
 func (*Selector) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{0}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{0}
 }
 
 func (x *Selector) GetKey() string {
@@ -91,7 +92,7 @@ type GetRingRequest struct {
 
 func (x *GetRingRequest) Reset() {
 	*x = GetRingRequest{}
-	mi := &file_admin_proto_msgTypes[1]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[1]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -103,7 +104,7 @@ func (x *GetRingRequest) String() string {
 func (*GetRingRequest) ProtoMessage() {}
 
 func (x *GetRingRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[1]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[1]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -116,7 +117,7 @@ func (x *GetRingRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetRingRequest.ProtoReflect.Descriptor instead.
 func (*GetRingRequest) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{1}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{1}
 }
 
 type Ring struct {
@@ -130,7 +131,7 @@ type Ring struct {
 
 func (x *Ring) Reset() {
 	*x = Ring{}
-	mi := &file_admin_proto_msgTypes[2]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -142,7 +143,7 @@ func (x *Ring) String() string {
 func (*Ring) ProtoMessage() {}
 
 func (x *Ring) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[2]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -155,7 +156,7 @@ func (x *Ring) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Ring.ProtoReflect.Descriptor instead.
 func (*Ring) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{2}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *Ring) GetRelay() string {
@@ -189,7 +190,7 @@ type Member struct {
 
 func (x *Member) Reset() {
 	*x = Member{}
-	mi := &file_admin_proto_msgTypes[3]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -201,7 +202,7 @@ func (x *Member) String() string {
 func (*Member) ProtoMessage() {}
 
 func (x *Member) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[3]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -214,7 +215,7 @@ func (x *Member) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Member.ProtoReflect.Descriptor instead.
 func (*Member) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{3}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Member) GetName() string {
@@ -261,7 +262,7 @@ type ListShardsRequest struct {
 
 func (x *ListShardsRequest) Reset() {
 	*x = ListShardsRequest{}
-	mi := &file_admin_proto_msgTypes[4]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -273,7 +274,7 @@ func (x *ListShardsRequest) String() string {
 func (*ListShardsRequest) ProtoMessage() {}
 
 func (x *ListShardsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[4]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -286,7 +287,7 @@ func (x *ListShardsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListShardsRequest.ProtoReflect.Descriptor instead.
 func (*ListShardsRequest) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{4}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *ListShardsRequest) GetSelector() *Selector {
@@ -307,7 +308,7 @@ type ShardList struct {
 
 func (x *ShardList) Reset() {
 	*x = ShardList{}
-	mi := &file_admin_proto_msgTypes[5]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -319,7 +320,7 @@ func (x *ShardList) String() string {
 func (*ShardList) ProtoMessage() {}
 
 func (x *ShardList) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[5]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -332,7 +333,7 @@ func (x *ShardList) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ShardList.ProtoReflect.Descriptor instead.
 func (*ShardList) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{5}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ShardList) GetShards() []*Shard {
@@ -369,7 +370,7 @@ type Shard struct {
 
 func (x *Shard) Reset() {
 	*x = Shard{}
-	mi := &file_admin_proto_msgTypes[6]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -381,7 +382,7 @@ func (x *Shard) String() string {
 func (*Shard) ProtoMessage() {}
 
 func (x *Shard) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[6]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -394,7 +395,7 @@ func (x *Shard) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Shard.ProtoReflect.Descriptor instead.
 func (*Shard) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{6}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Shard) GetKey() string {
@@ -464,7 +465,7 @@ type ShardHolder struct {
 
 func (x *ShardHolder) Reset() {
 	*x = ShardHolder{}
-	mi := &file_admin_proto_msgTypes[7]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -476,7 +477,7 @@ func (x *ShardHolder) String() string {
 func (*ShardHolder) ProtoMessage() {}
 
 func (x *ShardHolder) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[7]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -489,7 +490,7 @@ func (x *ShardHolder) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ShardHolder.ProtoReflect.Descriptor instead.
 func (*ShardHolder) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{7}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ShardHolder) GetRelay() string {
@@ -527,6 +528,193 @@ func (x *ShardHolder) GetLedgerVersion() string {
 	return ""
 }
 
+type GetShardRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Key   string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	// At most this many subscribed names per type and holder (0: 100).
+	MaxNames      int32 `protobuf:"varint,2,opt,name=max_names,json=maxNames,proto3" json:"max_names,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetShardRequest) Reset() {
+	*x = GetShardRequest{}
+	mi := &file_shard_adminpb_admin_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetShardRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetShardRequest) ProtoMessage() {}
+
+func (x *GetShardRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_shard_adminpb_admin_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetShardRequest.ProtoReflect.Descriptor instead.
+func (*GetShardRequest) Descriptor() ([]byte, []int) {
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *GetShardRequest) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *GetShardRequest) GetMaxNames() int32 {
+	if x != nil {
+		return x.MaxNames
+	}
+	return 0
+}
+
+type ShardDetail struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Shard *Shard                 `protobuf:"bytes,1,opt,name=shard,proto3" json:"shard,omitempty"`
+	// Each holder's account of the key, by relay.
+	Holders       []*inspectpb.KeyDetail `protobuf:"bytes,2,rep,name=holders,proto3" json:"holders,omitempty"`
+	Missing       map[string]string      `protobuf:"bytes,3,rep,name=missing,proto3" json:"missing,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ShardDetail) Reset() {
+	*x = ShardDetail{}
+	mi := &file_shard_adminpb_admin_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ShardDetail) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ShardDetail) ProtoMessage() {}
+
+func (x *ShardDetail) ProtoReflect() protoreflect.Message {
+	mi := &file_shard_adminpb_admin_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ShardDetail.ProtoReflect.Descriptor instead.
+func (*ShardDetail) Descriptor() ([]byte, []int) {
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *ShardDetail) GetShard() *Shard {
+	if x != nil {
+		return x.Shard
+	}
+	return nil
+}
+
+func (x *ShardDetail) GetHolders() []*inspectpb.KeyDetail {
+	if x != nil {
+		return x.Holders
+	}
+	return nil
+}
+
+func (x *ShardDetail) GetMissing() map[string]string {
+	if x != nil {
+		return x.Missing
+	}
+	return nil
+}
+
+type ConfigDumpRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One of a node id and a key.
+	Node string `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	Key  string `protobuf:"bytes,2,opt,name=key,proto3" json:"key,omitempty"`
+	// Only these types (type URLs); empty: all.
+	Types []string `protobuf:"bytes,3,rep,name=types,proto3" json:"types,omitempty"`
+	// Answer with the dump as Envoy's /config_dump JSON (ConfigDump.json)
+	// rather than as an Any: the relay knows every type in it, a client may
+	// not.
+	Json          bool `protobuf:"varint,4,opt,name=json,proto3" json:"json,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ConfigDumpRequest) Reset() {
+	*x = ConfigDumpRequest{}
+	mi := &file_shard_adminpb_admin_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ConfigDumpRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ConfigDumpRequest) ProtoMessage() {}
+
+func (x *ConfigDumpRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_shard_adminpb_admin_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ConfigDumpRequest.ProtoReflect.Descriptor instead.
+func (*ConfigDumpRequest) Descriptor() ([]byte, []int) {
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *ConfigDumpRequest) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *ConfigDumpRequest) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *ConfigDumpRequest) GetTypes() []string {
+	if x != nil {
+		return x.Types
+	}
+	return nil
+}
+
+func (x *ConfigDumpRequest) GetJson() bool {
+	if x != nil {
+		return x.Json
+	}
+	return false
+}
+
 type ConvergenceRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Selector      *Selector              `protobuf:"bytes,1,opt,name=selector,proto3" json:"selector,omitempty"`
@@ -536,7 +724,7 @@ type ConvergenceRequest struct {
 
 func (x *ConvergenceRequest) Reset() {
 	*x = ConvergenceRequest{}
-	mi := &file_admin_proto_msgTypes[8]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -548,7 +736,7 @@ func (x *ConvergenceRequest) String() string {
 func (*ConvergenceRequest) ProtoMessage() {}
 
 func (x *ConvergenceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[8]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -561,7 +749,7 @@ func (x *ConvergenceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConvergenceRequest.ProtoReflect.Descriptor instead.
 func (*ConvergenceRequest) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{8}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ConvergenceRequest) GetSelector() *Selector {
@@ -582,7 +770,7 @@ type Counts struct {
 
 func (x *Counts) Reset() {
 	*x = Counts{}
-	mi := &file_admin_proto_msgTypes[9]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -594,7 +782,7 @@ func (x *Counts) String() string {
 func (*Counts) ProtoMessage() {}
 
 func (x *Counts) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[9]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -607,7 +795,7 @@ func (x *Counts) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Counts.ProtoReflect.Descriptor instead.
 func (*Counts) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{9}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *Counts) GetEnvoys() int64 {
@@ -647,7 +835,7 @@ type Convergence struct {
 
 func (x *Convergence) Reset() {
 	*x = Convergence{}
-	mi := &file_admin_proto_msgTypes[10]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -659,7 +847,7 @@ func (x *Convergence) String() string {
 func (*Convergence) ProtoMessage() {}
 
 func (x *Convergence) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[10]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -672,7 +860,7 @@ func (x *Convergence) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Convergence.ProtoReflect.Descriptor instead.
 func (*Convergence) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{10}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Convergence) GetTier() *Counts {
@@ -728,7 +916,7 @@ type StragglersRequest struct {
 
 func (x *StragglersRequest) Reset() {
 	*x = StragglersRequest{}
-	mi := &file_admin_proto_msgTypes[11]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -740,7 +928,7 @@ func (x *StragglersRequest) String() string {
 func (*StragglersRequest) ProtoMessage() {}
 
 func (x *StragglersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[11]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -753,7 +941,7 @@ func (x *StragglersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StragglersRequest.ProtoReflect.Descriptor instead.
 func (*StragglersRequest) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{11}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *StragglersRequest) GetSelector() *Selector {
@@ -780,7 +968,7 @@ type StragglerList struct {
 
 func (x *StragglerList) Reset() {
 	*x = StragglerList{}
-	mi := &file_admin_proto_msgTypes[12]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -792,7 +980,7 @@ func (x *StragglerList) String() string {
 func (*StragglerList) ProtoMessage() {}
 
 func (x *StragglerList) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[12]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -805,7 +993,7 @@ func (x *StragglerList) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StragglerList.ProtoReflect.Descriptor instead.
 func (*StragglerList) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{12}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *StragglerList) GetStragglers() []*Straggler {
@@ -839,7 +1027,7 @@ type Straggler struct {
 
 func (x *Straggler) Reset() {
 	*x = Straggler{}
-	mi := &file_admin_proto_msgTypes[13]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -851,7 +1039,7 @@ func (x *Straggler) String() string {
 func (*Straggler) ProtoMessage() {}
 
 func (x *Straggler) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[13]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -864,7 +1052,7 @@ func (x *Straggler) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Straggler.ProtoReflect.Descriptor instead.
 func (*Straggler) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{13}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Straggler) GetNode() string {
@@ -929,7 +1117,7 @@ type NACK struct {
 
 func (x *NACK) Reset() {
 	*x = NACK{}
-	mi := &file_admin_proto_msgTypes[14]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -941,7 +1129,7 @@ func (x *NACK) String() string {
 func (*NACK) ProtoMessage() {}
 
 func (x *NACK) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[14]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -954,7 +1142,7 @@ func (x *NACK) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NACK.ProtoReflect.Descriptor instead.
 func (*NACK) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{14}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *NACK) GetFingerprint() string {
@@ -998,7 +1186,7 @@ type DeliveryRequest struct {
 
 func (x *DeliveryRequest) Reset() {
 	*x = DeliveryRequest{}
-	mi := &file_admin_proto_msgTypes[15]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1010,7 +1198,7 @@ func (x *DeliveryRequest) String() string {
 func (*DeliveryRequest) ProtoMessage() {}
 
 func (x *DeliveryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[15]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1023,7 +1211,7 @@ func (x *DeliveryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeliveryRequest.ProtoReflect.Descriptor instead.
 func (*DeliveryRequest) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{15}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *DeliveryRequest) GetSelector() *Selector {
@@ -1070,7 +1258,7 @@ type Delivery struct {
 
 func (x *Delivery) Reset() {
 	*x = Delivery{}
-	mi := &file_admin_proto_msgTypes[16]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1082,7 +1270,7 @@ func (x *Delivery) String() string {
 func (*Delivery) ProtoMessage() {}
 
 func (x *Delivery) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[16]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1095,7 +1283,7 @@ func (x *Delivery) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Delivery.ProtoReflect.Descriptor instead.
 func (*Delivery) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{16}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *Delivery) GetEnvoys() int64 {
@@ -1153,7 +1341,7 @@ type WaitRequest struct {
 
 func (x *WaitRequest) Reset() {
 	*x = WaitRequest{}
-	mi := &file_admin_proto_msgTypes[17]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1165,7 +1353,7 @@ func (x *WaitRequest) String() string {
 func (*WaitRequest) ProtoMessage() {}
 
 func (x *WaitRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[17]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1178,7 +1366,7 @@ func (x *WaitRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WaitRequest.ProtoReflect.Descriptor instead.
 func (*WaitRequest) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{17}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *WaitRequest) GetSelector() *Selector {
@@ -1212,7 +1400,7 @@ type LocateEnvoyRequest struct {
 
 func (x *LocateEnvoyRequest) Reset() {
 	*x = LocateEnvoyRequest{}
-	mi := &file_admin_proto_msgTypes[18]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1224,7 +1412,7 @@ func (x *LocateEnvoyRequest) String() string {
 func (*LocateEnvoyRequest) ProtoMessage() {}
 
 func (x *LocateEnvoyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[18]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1237,7 +1425,7 @@ func (x *LocateEnvoyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LocateEnvoyRequest.ProtoReflect.Descriptor instead.
 func (*LocateEnvoyRequest) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{18}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *LocateEnvoyRequest) GetNode() string {
@@ -1269,7 +1457,7 @@ type EnvoyInfo struct {
 
 func (x *EnvoyInfo) Reset() {
 	*x = EnvoyInfo{}
-	mi := &file_admin_proto_msgTypes[19]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1281,7 +1469,7 @@ func (x *EnvoyInfo) String() string {
 func (*EnvoyInfo) ProtoMessage() {}
 
 func (x *EnvoyInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[19]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1294,7 +1482,7 @@ func (x *EnvoyInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EnvoyInfo.ProtoReflect.Descriptor instead.
 func (*EnvoyInfo) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{19}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *EnvoyInfo) GetNode() string {
@@ -1391,7 +1579,7 @@ type EnvoyType struct {
 
 func (x *EnvoyType) Reset() {
 	*x = EnvoyType{}
-	mi := &file_admin_proto_msgTypes[20]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1403,7 +1591,7 @@ func (x *EnvoyType) String() string {
 func (*EnvoyType) ProtoMessage() {}
 
 func (x *EnvoyType) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[20]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1416,7 +1604,7 @@ func (x *EnvoyType) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EnvoyType.ProtoReflect.Descriptor instead.
 func (*EnvoyType) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{20}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *EnvoyType) GetType() string {
@@ -1499,7 +1687,7 @@ type ListEnvoysRequest struct {
 
 func (x *ListEnvoysRequest) Reset() {
 	*x = ListEnvoysRequest{}
-	mi := &file_admin_proto_msgTypes[21]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1511,7 +1699,7 @@ func (x *ListEnvoysRequest) String() string {
 func (*ListEnvoysRequest) ProtoMessage() {}
 
 func (x *ListEnvoysRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[21]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1524,7 +1712,7 @@ func (x *ListEnvoysRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEnvoysRequest.ProtoReflect.Descriptor instead.
 func (*ListEnvoysRequest) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{21}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ListEnvoysRequest) GetSelector() *Selector {
@@ -1572,7 +1760,7 @@ type EnvoyList struct {
 
 func (x *EnvoyList) Reset() {
 	*x = EnvoyList{}
-	mi := &file_admin_proto_msgTypes[22]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1584,7 +1772,7 @@ func (x *EnvoyList) String() string {
 func (*EnvoyList) ProtoMessage() {}
 
 func (x *EnvoyList) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[22]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1597,7 +1785,7 @@ func (x *EnvoyList) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EnvoyList.ProtoReflect.Descriptor instead.
 func (*EnvoyList) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{22}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *EnvoyList) GetEnvoys() []*EnvoyInfo {
@@ -1624,7 +1812,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_admin_proto_msgTypes[23]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1636,7 +1824,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[23]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1649,7 +1837,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{23}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *DrainRequest) GetRelay() string {
@@ -1675,7 +1863,7 @@ type DrainResponse struct {
 
 func (x *DrainResponse) Reset() {
 	*x = DrainResponse{}
-	mi := &file_admin_proto_msgTypes[24]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1687,7 +1875,7 @@ func (x *DrainResponse) String() string {
 func (*DrainResponse) ProtoMessage() {}
 
 func (x *DrainResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_admin_proto_msgTypes[24]
+	mi := &file_shard_adminpb_admin_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1700,7 +1888,7 @@ func (x *DrainResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainResponse.ProtoReflect.Descriptor instead.
 func (*DrainResponse) Descriptor() ([]byte, []int) {
-	return file_admin_proto_rawDescGZIP(), []int{24}
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *DrainResponse) GetRelay() string {
@@ -1731,11 +1919,11 @@ func (x *DrainResponse) GetAlready() bool {
 	return false
 }
 
-var File_admin_proto protoreflect.FileDescriptor
+var File_shard_adminpb_admin_proto protoreflect.FileDescriptor
 
-const file_admin_proto_rawDesc = "" +
+const file_shard_adminpb_admin_proto_rawDesc = "" +
 	"\n" +
-	"\vadmin.proto\x12\x12meshrelay.admin.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\";\n" +
+	"\x19shard/adminpb/admin.proto\x12\x12meshrelay.admin.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1drelay/inspectpb/inspect.proto\x1a\x1fgoogle/protobuf/timestamp.proto\";\n" +
 	"\bSelector\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x1d\n" +
 	"\n" +
@@ -1772,7 +1960,22 @@ const file_admin_proto_rawDesc = "" +
 	"\x06source\x18\x02 \x01(\tR\x06source\x12\x14\n" +
 	"\x05stale\x18\x03 \x01(\bR\x05stale\x12\x16\n" +
 	"\x06envoys\x18\x04 \x01(\x03R\x06envoys\x12%\n" +
-	"\x0eledger_version\x18\x05 \x01(\tR\rledgerVersion\"N\n" +
+	"\x0eledger_version\x18\x05 \x01(\tR\rledgerVersion\"@\n" +
+	"\x0fGetShardRequest\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x1b\n" +
+	"\tmax_names\x18\x02 \x01(\x05R\bmaxNames\"\xfd\x01\n" +
+	"\vShardDetail\x12/\n" +
+	"\x05shard\x18\x01 \x01(\v2\x19.meshrelay.admin.v1.ShardR\x05shard\x129\n" +
+	"\aholders\x18\x02 \x03(\v2\x1f.meshrelay.inspect.v1.KeyDetailR\aholders\x12F\n" +
+	"\amissing\x18\x03 \x03(\v2,.meshrelay.admin.v1.ShardDetail.MissingEntryR\amissing\x1a:\n" +
+	"\fMissingEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"c\n" +
+	"\x11ConfigDumpRequest\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\x12\x10\n" +
+	"\x03key\x18\x02 \x01(\tR\x03key\x12\x14\n" +
+	"\x05types\x18\x03 \x03(\tR\x05types\x12\x12\n" +
+	"\x04json\x18\x04 \x01(\bR\x04json\"N\n" +
 	"\x12ConvergenceRequest\x128\n" +
 	"\bselector\x18\x01 \x01(\v2\x1c.meshrelay.admin.v1.SelectorR\bselector\"P\n" +
 	"\x06Counts\x12\x16\n" +
@@ -1883,11 +2086,13 @@ const file_admin_proto_rawDesc = "" +
 	"\x05relay\x18\x01 \x01(\tR\x05relay\x12\x18\n" +
 	"\astreams\x18\x02 \x01(\x03R\astreams\x121\n" +
 	"\x06period\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\x06period\x12\x18\n" +
-	"\aalready\x18\x04 \x01(\bR\aalready2\xf3\x05\n" +
+	"\aalready\x18\x04 \x01(\bR\aalready2\x9f\a\n" +
 	"\x05Admin\x12G\n" +
 	"\aGetRing\x12\".meshrelay.admin.v1.GetRingRequest\x1a\x18.meshrelay.admin.v1.Ring\x12R\n" +
 	"\n" +
-	"ListShards\x12%.meshrelay.admin.v1.ListShardsRequest\x1a\x1d.meshrelay.admin.v1.ShardList\x12Y\n" +
+	"ListShards\x12%.meshrelay.admin.v1.ListShardsRequest\x1a\x1d.meshrelay.admin.v1.ShardList\x12P\n" +
+	"\bGetShard\x12#.meshrelay.admin.v1.GetShardRequest\x1a\x1f.meshrelay.admin.v1.ShardDetail\x12X\n" +
+	"\rGetConfigDump\x12%.meshrelay.admin.v1.ConfigDumpRequest\x1a .meshrelay.inspect.v1.ConfigDump\x12Y\n" +
 	"\x0eGetConvergence\x12&.meshrelay.admin.v1.ConvergenceRequest\x1a\x1f.meshrelay.admin.v1.Convergence\x12Z\n" +
 	"\x0eListStragglers\x12%.meshrelay.admin.v1.StragglersRequest\x1a!.meshrelay.admin.v1.StragglerList\x12R\n" +
 	"\rCheckDelivery\x12#.meshrelay.admin.v1.DeliveryRequest\x1a\x1c.meshrelay.admin.v1.Delivery\x12J\n" +
@@ -1898,19 +2103,19 @@ const file_admin_proto_rawDesc = "" +
 	"\x05Drain\x12 .meshrelay.admin.v1.DrainRequest\x1a!.meshrelay.admin.v1.DrainResponseB.Z,github.com/meshrelay/meshrelay/shard/adminpbb\x06proto3"
 
 var (
-	file_admin_proto_rawDescOnce sync.Once
-	file_admin_proto_rawDescData []byte
+	file_shard_adminpb_admin_proto_rawDescOnce sync.Once
+	file_shard_adminpb_admin_proto_rawDescData []byte
 )
 
-func file_admin_proto_rawDescGZIP() []byte {
-	file_admin_proto_rawDescOnce.Do(func() {
-		file_admin_proto_rawDescData = protoimpl.X.CompressGZIP(unsafe.Slice(unsafe.StringData(file_admin_proto_rawDesc), len(file_admin_proto_rawDesc)))
+func file_shard_adminpb_admin_proto_rawDescGZIP() []byte {
+	file_shard_adminpb_admin_proto_rawDescOnce.Do(func() {
+		file_shard_adminpb_admin_proto_rawDescData = protoimpl.X.CompressGZIP(unsafe.Slice(unsafe.StringData(file_shard_adminpb_admin_proto_rawDesc), len(file_shard_adminpb_admin_proto_rawDesc)))
 	})
-	return file_admin_proto_rawDescData
+	return file_shard_adminpb_admin_proto_rawDescData
 }
 
-var file_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 32)
-var file_admin_proto_goTypes = []any{
+var file_shard_adminpb_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 36)
+var file_shard_adminpb_admin_proto_goTypes = []any{
 	(*Selector)(nil),              // 0: meshrelay.admin.v1.Selector
 	(*GetRingRequest)(nil),        // 1: meshrelay.admin.v1.GetRingRequest
 	(*Ring)(nil),                  // 2: meshrelay.admin.v1.Ring
@@ -1919,113 +2124,126 @@ var file_admin_proto_goTypes = []any{
 	(*ShardList)(nil),             // 5: meshrelay.admin.v1.ShardList
 	(*Shard)(nil),                 // 6: meshrelay.admin.v1.Shard
 	(*ShardHolder)(nil),           // 7: meshrelay.admin.v1.ShardHolder
-	(*ConvergenceRequest)(nil),    // 8: meshrelay.admin.v1.ConvergenceRequest
-	(*Counts)(nil),                // 9: meshrelay.admin.v1.Counts
-	(*Convergence)(nil),           // 10: meshrelay.admin.v1.Convergence
-	(*StragglersRequest)(nil),     // 11: meshrelay.admin.v1.StragglersRequest
-	(*StragglerList)(nil),         // 12: meshrelay.admin.v1.StragglerList
-	(*Straggler)(nil),             // 13: meshrelay.admin.v1.Straggler
-	(*NACK)(nil),                  // 14: meshrelay.admin.v1.NACK
-	(*DeliveryRequest)(nil),       // 15: meshrelay.admin.v1.DeliveryRequest
-	(*Delivery)(nil),              // 16: meshrelay.admin.v1.Delivery
-	(*WaitRequest)(nil),           // 17: meshrelay.admin.v1.WaitRequest
-	(*LocateEnvoyRequest)(nil),    // 18: meshrelay.admin.v1.LocateEnvoyRequest
-	(*EnvoyInfo)(nil),             // 19: meshrelay.admin.v1.EnvoyInfo
-	(*EnvoyType)(nil),             // 20: meshrelay.admin.v1.EnvoyType
-	(*ListEnvoysRequest)(nil),     // 21: meshrelay.admin.v1.ListEnvoysRequest
-	(*EnvoyList)(nil),             // 22: meshrelay.admin.v1.EnvoyList
-	(*DrainRequest)(nil),          // 23: meshrelay.admin.v1.DrainRequest
-	(*DrainResponse)(nil),         // 24: meshrelay.admin.v1.DrainResponse
-	nil,                           // 25: meshrelay.admin.v1.ShardList.MissingEntry
-	nil,                           // 26: meshrelay.admin.v1.Convergence.ByKeyEntry
-	nil,                           // 27: meshrelay.admin.v1.Convergence.ByRelayEntry
-	nil,                           // 28: meshrelay.admin.v1.Convergence.MissingEntry
-	nil,                           // 29: meshrelay.admin.v1.StragglerList.MissingEntry
-	nil,                           // 30: meshrelay.admin.v1.Delivery.MissingRelaysEntry
-	nil,                           // 31: meshrelay.admin.v1.EnvoyList.MissingEntry
-	(*timestamppb.Timestamp)(nil), // 32: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 33: google.protobuf.Duration
+	(*GetShardRequest)(nil),       // 8: meshrelay.admin.v1.GetShardRequest
+	(*ShardDetail)(nil),           // 9: meshrelay.admin.v1.ShardDetail
+	(*ConfigDumpRequest)(nil),     // 10: meshrelay.admin.v1.ConfigDumpRequest
+	(*ConvergenceRequest)(nil),    // 11: meshrelay.admin.v1.ConvergenceRequest
+	(*Counts)(nil),                // 12: meshrelay.admin.v1.Counts
+	(*Convergence)(nil),           // 13: meshrelay.admin.v1.Convergence
+	(*StragglersRequest)(nil),     // 14: meshrelay.admin.v1.StragglersRequest
+	(*StragglerList)(nil),         // 15: meshrelay.admin.v1.StragglerList
+	(*Straggler)(nil),             // 16: meshrelay.admin.v1.Straggler
+	(*NACK)(nil),                  // 17: meshrelay.admin.v1.NACK
+	(*DeliveryRequest)(nil),       // 18: meshrelay.admin.v1.DeliveryRequest
+	(*Delivery)(nil),              // 19: meshrelay.admin.v1.Delivery
+	(*WaitRequest)(nil),           // 20: meshrelay.admin.v1.WaitRequest
+	(*LocateEnvoyRequest)(nil),    // 21: meshrelay.admin.v1.LocateEnvoyRequest
+	(*EnvoyInfo)(nil),             // 22: meshrelay.admin.v1.EnvoyInfo
+	(*EnvoyType)(nil),             // 23: meshrelay.admin.v1.EnvoyType
+	(*ListEnvoysRequest)(nil),     // 24: meshrelay.admin.v1.ListEnvoysRequest
+	(*EnvoyList)(nil),             // 25: meshrelay.admin.v1.EnvoyList
+	(*DrainRequest)(nil),          // 26: meshrelay.admin.v1.DrainRequest
+	(*DrainResponse)(nil),         // 27: meshrelay.admin.v1.DrainResponse
+	nil,                           // 28: meshrelay.admin.v1.ShardList.MissingEntry
+	nil,                           // 29: meshrelay.admin.v1.ShardDetail.MissingEntry
+	nil,                           // 30: meshrelay.admin.v1.Convergence.ByKeyEntry
+	nil,                           // 31: meshrelay.admin.v1.Convergence.ByRelayEntry
+	nil,                           // 32: meshrelay.admin.v1.Convergence.MissingEntry
+	nil,                           // 33: meshrelay.admin.v1.StragglerList.MissingEntry
+	nil,                           // 34: meshrelay.admin.v1.Delivery.MissingRelaysEntry
+	nil,                           // 35: meshrelay.admin.v1.EnvoyList.MissingEntry
+	(*inspectpb.KeyDetail)(nil),   // 36: meshrelay.inspect.v1.KeyDetail
+	(*timestamppb.Timestamp)(nil), // 37: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 38: google.protobuf.Duration
+	(*inspectpb.ConfigDump)(nil),  // 39: meshrelay.inspect.v1.ConfigDump
 }
-var file_admin_proto_depIdxs = []int32{
+var file_shard_adminpb_admin_proto_depIdxs = []int32{
 	3,  // 0: meshrelay.admin.v1.Ring.members:type_name -> meshrelay.admin.v1.Member
 	0,  // 1: meshrelay.admin.v1.ListShardsRequest.selector:type_name -> meshrelay.admin.v1.Selector
 	6,  // 2: meshrelay.admin.v1.ShardList.shards:type_name -> meshrelay.admin.v1.Shard
-	25, // 3: meshrelay.admin.v1.ShardList.missing:type_name -> meshrelay.admin.v1.ShardList.MissingEntry
+	28, // 3: meshrelay.admin.v1.ShardList.missing:type_name -> meshrelay.admin.v1.ShardList.MissingEntry
 	7,  // 4: meshrelay.admin.v1.Shard.holders:type_name -> meshrelay.admin.v1.ShardHolder
-	0,  // 5: meshrelay.admin.v1.ConvergenceRequest.selector:type_name -> meshrelay.admin.v1.Selector
-	9,  // 6: meshrelay.admin.v1.Convergence.tier:type_name -> meshrelay.admin.v1.Counts
-	26, // 7: meshrelay.admin.v1.Convergence.by_key:type_name -> meshrelay.admin.v1.Convergence.ByKeyEntry
-	27, // 8: meshrelay.admin.v1.Convergence.by_relay:type_name -> meshrelay.admin.v1.Convergence.ByRelayEntry
-	28, // 9: meshrelay.admin.v1.Convergence.missing:type_name -> meshrelay.admin.v1.Convergence.MissingEntry
-	13, // 10: meshrelay.admin.v1.Convergence.stragglers:type_name -> meshrelay.admin.v1.Straggler
-	0,  // 11: meshrelay.admin.v1.StragglersRequest.selector:type_name -> meshrelay.admin.v1.Selector
-	13, // 12: meshrelay.admin.v1.StragglerList.stragglers:type_name -> meshrelay.admin.v1.Straggler
-	29, // 13: meshrelay.admin.v1.StragglerList.missing:type_name -> meshrelay.admin.v1.StragglerList.MissingEntry
-	14, // 14: meshrelay.admin.v1.Straggler.nack:type_name -> meshrelay.admin.v1.NACK
-	32, // 15: meshrelay.admin.v1.Straggler.since:type_name -> google.protobuf.Timestamp
-	32, // 16: meshrelay.admin.v1.NACK.at:type_name -> google.protobuf.Timestamp
-	0,  // 17: meshrelay.admin.v1.DeliveryRequest.selector:type_name -> meshrelay.admin.v1.Selector
-	13, // 18: meshrelay.admin.v1.Delivery.missing:type_name -> meshrelay.admin.v1.Straggler
-	30, // 19: meshrelay.admin.v1.Delivery.missing_relays:type_name -> meshrelay.admin.v1.Delivery.MissingRelaysEntry
-	0,  // 20: meshrelay.admin.v1.WaitRequest.selector:type_name -> meshrelay.admin.v1.Selector
-	33, // 21: meshrelay.admin.v1.WaitRequest.timeout:type_name -> google.protobuf.Duration
-	32, // 22: meshrelay.admin.v1.EnvoyInfo.connected_at:type_name -> google.protobuf.Timestamp
-	32, // 23: meshrelay.admin.v1.EnvoyInfo.disconnected_at:type_name -> google.protobuf.Timestamp
-	20, // 24: meshrelay.admin.v1.EnvoyInfo.types:type_name -> meshrelay.admin.v1.EnvoyType
-	32, // 25: meshrelay.admin.v1.EnvoyType.acked_at:type_name -> google.protobuf.Timestamp
-	32, // 26: meshrelay.admin.v1.EnvoyType.sent_at:type_name -> google.protobuf.Timestamp
-	14, // 27: meshrelay.admin.v1.EnvoyType.nack:type_name -> meshrelay.admin.v1.NACK
-	0,  // 28: meshrelay.admin.v1.ListEnvoysRequest.selector:type_name -> meshrelay.admin.v1.Selector
-	19, // 29: meshrelay.admin.v1.EnvoyList.envoys:type_name -> meshrelay.admin.v1.EnvoyInfo
-	31, // 30: meshrelay.admin.v1.EnvoyList.missing:type_name -> meshrelay.admin.v1.EnvoyList.MissingEntry
-	33, // 31: meshrelay.admin.v1.DrainResponse.period:type_name -> google.protobuf.Duration
-	9,  // 32: meshrelay.admin.v1.Convergence.ByKeyEntry.value:type_name -> meshrelay.admin.v1.Counts
-	9,  // 33: meshrelay.admin.v1.Convergence.ByRelayEntry.value:type_name -> meshrelay.admin.v1.Counts
-	1,  // 34: meshrelay.admin.v1.Admin.GetRing:input_type -> meshrelay.admin.v1.GetRingRequest
-	4,  // 35: meshrelay.admin.v1.Admin.ListShards:input_type -> meshrelay.admin.v1.ListShardsRequest
-	8,  // 36: meshrelay.admin.v1.Admin.GetConvergence:input_type -> meshrelay.admin.v1.ConvergenceRequest
-	11, // 37: meshrelay.admin.v1.Admin.ListStragglers:input_type -> meshrelay.admin.v1.StragglersRequest
-	15, // 38: meshrelay.admin.v1.Admin.CheckDelivery:input_type -> meshrelay.admin.v1.DeliveryRequest
-	17, // 39: meshrelay.admin.v1.Admin.Wait:input_type -> meshrelay.admin.v1.WaitRequest
-	18, // 40: meshrelay.admin.v1.Admin.LocateEnvoy:input_type -> meshrelay.admin.v1.LocateEnvoyRequest
-	21, // 41: meshrelay.admin.v1.Admin.ListEnvoys:input_type -> meshrelay.admin.v1.ListEnvoysRequest
-	23, // 42: meshrelay.admin.v1.Admin.Drain:input_type -> meshrelay.admin.v1.DrainRequest
-	2,  // 43: meshrelay.admin.v1.Admin.GetRing:output_type -> meshrelay.admin.v1.Ring
-	5,  // 44: meshrelay.admin.v1.Admin.ListShards:output_type -> meshrelay.admin.v1.ShardList
-	10, // 45: meshrelay.admin.v1.Admin.GetConvergence:output_type -> meshrelay.admin.v1.Convergence
-	12, // 46: meshrelay.admin.v1.Admin.ListStragglers:output_type -> meshrelay.admin.v1.StragglerList
-	16, // 47: meshrelay.admin.v1.Admin.CheckDelivery:output_type -> meshrelay.admin.v1.Delivery
-	10, // 48: meshrelay.admin.v1.Admin.Wait:output_type -> meshrelay.admin.v1.Convergence
-	19, // 49: meshrelay.admin.v1.Admin.LocateEnvoy:output_type -> meshrelay.admin.v1.EnvoyInfo
-	22, // 50: meshrelay.admin.v1.Admin.ListEnvoys:output_type -> meshrelay.admin.v1.EnvoyList
-	24, // 51: meshrelay.admin.v1.Admin.Drain:output_type -> meshrelay.admin.v1.DrainResponse
-	43, // [43:52] is the sub-list for method output_type
-	34, // [34:43] is the sub-list for method input_type
-	34, // [34:34] is the sub-list for extension type_name
-	34, // [34:34] is the sub-list for extension extendee
-	0,  // [0:34] is the sub-list for field type_name
+	6,  // 5: meshrelay.admin.v1.ShardDetail.shard:type_name -> meshrelay.admin.v1.Shard
+	36, // 6: meshrelay.admin.v1.ShardDetail.holders:type_name -> meshrelay.inspect.v1.KeyDetail
+	29, // 7: meshrelay.admin.v1.ShardDetail.missing:type_name -> meshrelay.admin.v1.ShardDetail.MissingEntry
+	0,  // 8: meshrelay.admin.v1.ConvergenceRequest.selector:type_name -> meshrelay.admin.v1.Selector
+	12, // 9: meshrelay.admin.v1.Convergence.tier:type_name -> meshrelay.admin.v1.Counts
+	30, // 10: meshrelay.admin.v1.Convergence.by_key:type_name -> meshrelay.admin.v1.Convergence.ByKeyEntry
+	31, // 11: meshrelay.admin.v1.Convergence.by_relay:type_name -> meshrelay.admin.v1.Convergence.ByRelayEntry
+	32, // 12: meshrelay.admin.v1.Convergence.missing:type_name -> meshrelay.admin.v1.Convergence.MissingEntry
+	16, // 13: meshrelay.admin.v1.Convergence.stragglers:type_name -> meshrelay.admin.v1.Straggler
+	0,  // 14: meshrelay.admin.v1.StragglersRequest.selector:type_name -> meshrelay.admin.v1.Selector
+	16, // 15: meshrelay.admin.v1.StragglerList.stragglers:type_name -> meshrelay.admin.v1.Straggler
+	33, // 16: meshrelay.admin.v1.StragglerList.missing:type_name -> meshrelay.admin.v1.StragglerList.MissingEntry
+	17, // 17: meshrelay.admin.v1.Straggler.nack:type_name -> meshrelay.admin.v1.NACK
+	37, // 18: meshrelay.admin.v1.Straggler.since:type_name -> google.protobuf.Timestamp
+	37, // 19: meshrelay.admin.v1.NACK.at:type_name -> google.protobuf.Timestamp
+	0,  // 20: meshrelay.admin.v1.DeliveryRequest.selector:type_name -> meshrelay.admin.v1.Selector
+	16, // 21: meshrelay.admin.v1.Delivery.missing:type_name -> meshrelay.admin.v1.Straggler
+	34, // 22: meshrelay.admin.v1.Delivery.missing_relays:type_name -> meshrelay.admin.v1.Delivery.MissingRelaysEntry
+	0,  // 23: meshrelay.admin.v1.WaitRequest.selector:type_name -> meshrelay.admin.v1.Selector
+	38, // 24: meshrelay.admin.v1.WaitRequest.timeout:type_name -> google.protobuf.Duration
+	37, // 25: meshrelay.admin.v1.EnvoyInfo.connected_at:type_name -> google.protobuf.Timestamp
+	37, // 26: meshrelay.admin.v1.EnvoyInfo.disconnected_at:type_name -> google.protobuf.Timestamp
+	23, // 27: meshrelay.admin.v1.EnvoyInfo.types:type_name -> meshrelay.admin.v1.EnvoyType
+	37, // 28: meshrelay.admin.v1.EnvoyType.acked_at:type_name -> google.protobuf.Timestamp
+	37, // 29: meshrelay.admin.v1.EnvoyType.sent_at:type_name -> google.protobuf.Timestamp
+	17, // 30: meshrelay.admin.v1.EnvoyType.nack:type_name -> meshrelay.admin.v1.NACK
+	0,  // 31: meshrelay.admin.v1.ListEnvoysRequest.selector:type_name -> meshrelay.admin.v1.Selector
+	22, // 32: meshrelay.admin.v1.EnvoyList.envoys:type_name -> meshrelay.admin.v1.EnvoyInfo
+	35, // 33: meshrelay.admin.v1.EnvoyList.missing:type_name -> meshrelay.admin.v1.EnvoyList.MissingEntry
+	38, // 34: meshrelay.admin.v1.DrainResponse.period:type_name -> google.protobuf.Duration
+	12, // 35: meshrelay.admin.v1.Convergence.ByKeyEntry.value:type_name -> meshrelay.admin.v1.Counts
+	12, // 36: meshrelay.admin.v1.Convergence.ByRelayEntry.value:type_name -> meshrelay.admin.v1.Counts
+	1,  // 37: meshrelay.admin.v1.Admin.GetRing:input_type -> meshrelay.admin.v1.GetRingRequest
+	4,  // 38: meshrelay.admin.v1.Admin.ListShards:input_type -> meshrelay.admin.v1.ListShardsRequest
+	8,  // 39: meshrelay.admin.v1.Admin.GetShard:input_type -> meshrelay.admin.v1.GetShardRequest
+	10, // 40: meshrelay.admin.v1.Admin.GetConfigDump:input_type -> meshrelay.admin.v1.ConfigDumpRequest
+	11, // 41: meshrelay.admin.v1.Admin.GetConvergence:input_type -> meshrelay.admin.v1.ConvergenceRequest
+	14, // 42: meshrelay.admin.v1.Admin.ListStragglers:input_type -> meshrelay.admin.v1.StragglersRequest
+	18, // 43: meshrelay.admin.v1.Admin.CheckDelivery:input_type -> meshrelay.admin.v1.DeliveryRequest
+	20, // 44: meshrelay.admin.v1.Admin.Wait:input_type -> meshrelay.admin.v1.WaitRequest
+	21, // 45: meshrelay.admin.v1.Admin.LocateEnvoy:input_type -> meshrelay.admin.v1.LocateEnvoyRequest
+	24, // 46: meshrelay.admin.v1.Admin.ListEnvoys:input_type -> meshrelay.admin.v1.ListEnvoysRequest
+	26, // 47: meshrelay.admin.v1.Admin.Drain:input_type -> meshrelay.admin.v1.DrainRequest
+	2,  // 48: meshrelay.admin.v1.Admin.GetRing:output_type -> meshrelay.admin.v1.Ring
+	5,  // 49: meshrelay.admin.v1.Admin.ListShards:output_type -> meshrelay.admin.v1.ShardList
+	9,  // 50: meshrelay.admin.v1.Admin.GetShard:output_type -> meshrelay.admin.v1.ShardDetail
+	39, // 51: meshrelay.admin.v1.Admin.GetConfigDump:output_type -> meshrelay.inspect.v1.ConfigDump
+	13, // 52: meshrelay.admin.v1.Admin.GetConvergence:output_type -> meshrelay.admin.v1.Convergence
+	15, // 53: meshrelay.admin.v1.Admin.ListStragglers:output_type -> meshrelay.admin.v1.StragglerList
+	19, // 54: meshrelay.admin.v1.Admin.CheckDelivery:output_type -> meshrelay.admin.v1.Delivery
+	13, // 55: meshrelay.admin.v1.Admin.Wait:output_type -> meshrelay.admin.v1.Convergence
+	22, // 56: meshrelay.admin.v1.Admin.LocateEnvoy:output_type -> meshrelay.admin.v1.EnvoyInfo
+	25, // 57: meshrelay.admin.v1.Admin.ListEnvoys:output_type -> meshrelay.admin.v1.EnvoyList
+	27, // 58: meshrelay.admin.v1.Admin.Drain:output_type -> meshrelay.admin.v1.DrainResponse
+	48, // [48:59] is the sub-list for method output_type
+	37, // [37:48] is the sub-list for method input_type
+	37, // [37:37] is the sub-list for extension type_name
+	37, // [37:37] is the sub-list for extension extendee
+	0,  // [0:37] is the sub-list for field type_name
 }
 
-func init() { file_admin_proto_init() }
-func file_admin_proto_init() {
-	if File_admin_proto != nil {
+func init() { file_shard_adminpb_admin_proto_init() }
+func file_shard_adminpb_admin_proto_init() {
+	if File_shard_adminpb_admin_proto != nil {
 		return
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
-			RawDescriptor: unsafe.Slice(unsafe.StringData(file_admin_proto_rawDesc), len(file_admin_proto_rawDesc)),
+			RawDescriptor: unsafe.Slice(unsafe.StringData(file_shard_adminpb_admin_proto_rawDesc), len(file_shard_adminpb_admin_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   32,
+			NumMessages:   36,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
-		GoTypes:           file_admin_proto_goTypes,
-		DependencyIndexes: file_admin_proto_depIdxs,
-		MessageInfos:      file_admin_proto_msgTypes,
+		GoTypes:           file_shard_adminpb_admin_proto_goTypes,
+		DependencyIndexes: file_shard_adminpb_admin_proto_depIdxs,
+		MessageInfos:      file_shard_adminpb_admin_proto_msgTypes,
 	}.Build()
-	File_admin_proto = out.File
-	file_admin_proto_goTypes = nil
-	file_admin_proto_depIdxs = nil
+	File_shard_adminpb_admin_proto = out.File
+	file_shard_adminpb_admin_proto_goTypes = nil
+	file_shard_adminpb_admin_proto_depIdxs = nil
 }

@@ -7,12 +7,13 @@
 // versions:
 // - protoc-gen-go-grpc v1.5.1
 // - protoc             v3.21.12
-// source: admin.proto
+// source: shard/adminpb/admin.proto
 
 package adminpb
 
 import (
 	context "context"
+	inspectpb "github.com/meshrelay/meshrelay/relay/inspectpb"
 	grpc "google.golang.org/grpc"
 	codes "google.golang.org/grpc/codes"
 	status "google.golang.org/grpc/status"
@@ -26,6 +27,8 @@ const _ = grpc.SupportPackageIsVersion9
 const (
 	Admin_GetRing_FullMethodName        = "/meshrelay.admin.v1.Admin/GetRing"
 	Admin_ListShards_FullMethodName     = "/meshrelay.admin.v1.Admin/ListShards"
+	Admin_GetShard_FullMethodName       = "/meshrelay.admin.v1.Admin/GetShard"
+	Admin_GetConfigDump_FullMethodName  = "/meshrelay.admin.v1.Admin/GetConfigDump"
 	Admin_GetConvergence_FullMethodName = "/meshrelay.admin.v1.Admin/GetConvergence"
 	Admin_ListStragglers_FullMethodName = "/meshrelay.admin.v1.Admin/ListStragglers"
 	Admin_CheckDelivery_FullMethodName  = "/meshrelay.admin.v1.Admin/CheckDelivery"
@@ -44,6 +47,14 @@ type AdminClient interface {
 	// ListShards returns every key the tier holds: its owner, where each
 	// relay that holds it gets it from, its Envoys and ledger version.
 	ListShards(ctx context.Context, in *ListShardsRequest, opts ...grpc.CallOption) (*ShardList, error)
+	// GetShard returns one key in detail: as ListShards has it, and each
+	// holder's own account (resource counts and sizes per type, the names
+	// it subscribes to, the relays subscribed to it).
+	GetShard(ctx context.Context, in *GetShardRequest, opts ...grpc.CallOption) (*ShardDetail, error)
+	// GetConfigDump returns what the tier sent a node (asked of the relay it
+	// is connected to), or a key's views (asked of the key's origin, else
+	// any holder), as Envoy's config dump with Secrets redacted.
+	GetConfigDump(ctx context.Context, in *ConfigDumpRequest, opts ...grpc.CallOption) (*inspectpb.ConfigDump, error)
 	// GetConvergence returns the share of Envoys on their key's current
 	// version, tier-wide, per key and per relay.
 	GetConvergence(ctx context.Context, in *ConvergenceRequest, opts ...grpc.CallOption) (*Convergence, error)
@@ -97,6 +108,26 @@ func (c *adminClient) ListShards(ctx context.Context, in *ListShardsRequest, opt
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(ShardList)
 	err := c.cc.Invoke(ctx, Admin_ListShards_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminClient) GetShard(ctx context.Context, in *GetShardRequest, opts ...grpc.CallOption) (*ShardDetail, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ShardDetail)
+	err := c.cc.Invoke(ctx, Admin_GetShard_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminClient) GetConfigDump(ctx context.Context, in *ConfigDumpRequest, opts ...grpc.CallOption) (*inspectpb.ConfigDump, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(inspectpb.ConfigDump)
+	err := c.cc.Invoke(ctx, Admin_GetConfigDump_FullMethodName, in, out, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -191,6 +222,14 @@ type AdminServer interface {
 	// ListShards returns every key the tier holds: its owner, where each
 	// relay that holds it gets it from, its Envoys and ledger version.
 	ListShards(context.Context, *ListShardsRequest) (*ShardList, error)
+	// GetShard returns one key in detail: as ListShards has it, and each
+	// holder's own account (resource counts and sizes per type, the names
+	// it subscribes to, the relays subscribed to it).
+	GetShard(context.Context, *GetShardRequest) (*ShardDetail, error)
+	// GetConfigDump returns what the tier sent a node (asked of the relay it
+	// is connected to), or a key's views (asked of the key's origin, else
+	// any holder), as Envoy's config dump with Secrets redacted.
+	GetConfigDump(context.Context, *ConfigDumpRequest) (*inspectpb.ConfigDump, error)
 	// GetConvergence returns the share of Envoys on their key's current
 	// version, tier-wide, per key and per relay.
 	GetConvergence(context.Context, *ConvergenceRequest) (*Convergence, error)
@@ -235,6 +274,12 @@ func (UnimplementedAdminServer) GetRing(context.Context, *GetRingRequest) (*Ring
 }
 func (UnimplementedAdminServer) ListShards(context.Context, *ListShardsRequest) (*ShardList, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method ListShards not implemented")
+}
+func (UnimplementedAdminServer) GetShard(context.Context, *GetShardRequest) (*ShardDetail, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method GetShard not implemented")
+}
+func (UnimplementedAdminServer) GetConfigDump(context.Context, *ConfigDumpRequest) (*inspectpb.ConfigDump, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method GetConfigDump not implemented")
 }
 func (UnimplementedAdminServer) GetConvergence(context.Context, *ConvergenceRequest) (*Convergence, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method GetConvergence not implemented")
@@ -310,6 +355,42 @@ func _Admin_ListShards_Handler(srv interface{}, ctx context.Context, dec func(in
 	}
 	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
 		return srv.(AdminServer).ListShards(ctx, req.(*ListShardsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Admin_GetShard_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(GetShardRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).GetShard(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_GetShard_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).GetShard(ctx, req.(*GetShardRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Admin_GetConfigDump_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ConfigDumpRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).GetConfigDump(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_GetConfigDump_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).GetConfigDump(ctx, req.(*ConfigDumpRequest))
 	}
 	return interceptor(ctx, in, info, handler)
 }
@@ -449,6 +530,14 @@ var Admin_ServiceDesc = grpc.ServiceDesc{
 			Handler:    _Admin_ListShards_Handler,
 		},
 		{
+			MethodName: "GetShard",
+			Handler:    _Admin_GetShard_Handler,
+		},
+		{
+			MethodName: "GetConfigDump",
+			Handler:    _Admin_GetConfigDump_Handler,
+		},
+		{
 			MethodName: "GetConvergence",
 			Handler:    _Admin_GetConvergence_Handler,
 		},
@@ -480,5 +569,5 @@ var Admin_ServiceDesc = grpc.ServiceDesc{
 			ServerStreams: true,
 		},
 	},
-	Metadata: "admin.proto",
+	Metadata: "shard/adminpb/admin.proto",
 }

@@ -11,4 +11,4 @@
 //	go generate ./shard/adminpb
 package adminpb
 
-//go:generate protoc --go_out=. --go_opt=paths=source_relative --go-grpc_out=. --go-grpc_opt=paths=source_relative admin.proto
+//go:generate protoc -I ../.. --go_out=../.. --go_opt=paths=source_relative --go-grpc_out=../.. --go-grpc_opt=paths=source_relative shard/adminpb/admin.proto
