@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -14,6 +15,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
+	"sigs.k8s.io/yaml"
 
 	"github.com/meshrelay/meshrelay/shard/adminpb"
 )
@@ -102,35 +104,198 @@ func holders(sh *adminpb.Shard) string {
 }
 
 func shardCmd(o *options) *cobra.Command {
-	return &cobra.Command{
+	cmd := &cobra.Command{
 		Use:   "shard KEY",
-		Short: "Show one key: its owner, ledger version, and each relay that holds it",
+		Short: "Show one key: owner, ledger version, and each holder's account (per type: resources, bytes, subscriptions)",
 		Args:  exactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			return o.call(cmd.Context(), func(ctx context.Context, c adminpb.AdminClient) error {
-				list, err := c.ListShards(ctx, &adminpb.ListShardsRequest{Selector: &adminpb.Selector{Key: args[0]}})
-				if err != nil {
-					return err
-				}
-				o.warnMissing(list.GetMissing())
-				if len(list.GetShards()) == 0 {
-					return fmt.Errorf("no relay holds key %q", args[0])
-				}
-				sh := list.GetShards()[0]
-				return o.print(sh, func(w io.Writer) {
-					row(w, "Key:", sh.GetKey())
-					row(w, "Owner:", fmt.Sprintf("%s (%s)", sh.GetOwner(), sh.GetOwnerXdsAddress()))
-					row(w, "Version:", sh.GetLedgerVersion())
-					row(w, "Envoys:", fmt.Sprintf("%d, %d on the current version", sh.GetEnvoys(), sh.GetCurrent()))
-					row(w)
-					row(w, "RELAY", "SOURCE", "STALE", "ENVOYS", "VERSION")
-					for _, h := range sh.GetHolders() {
-						row(w, h.GetRelay(), h.GetSource(), yesNo(h.GetStale()), h.GetEnvoys(), short(h.GetLedgerVersion()))
-					}
-				})
-			})
-		},
 	}
+	maxNames := cmd.Flags().Int32("max-names", 5, "subscribed names listed per type and holder")
+	cmd.RunE = func(cmd *cobra.Command, args []string) error {
+		return o.call(cmd.Context(), func(ctx context.Context, c adminpb.AdminClient) error {
+			sd, err := c.GetShard(ctx, &adminpb.GetShardRequest{Key: args[0], MaxNames: *maxNames})
+			if err != nil {
+				return err
+			}
+			o.warnMissing(sd.GetMissing())
+			return o.print(sd, func(w io.Writer) { shardDetail(w, sd) })
+		})
+	}
+	return cmd
+}
+
+func shardDetail(w io.Writer, sd *adminpb.ShardDetail) {
+	sh := sd.GetShard()
+	row(w, "Key:", sh.GetKey())
+	row(w, "Owner:", fmt.Sprintf("%s (%s)", sh.GetOwner(), sh.GetOwnerXdsAddress()))
+	row(w, "Version:", sh.GetLedgerVersion())
+	row(w, "Envoys:", fmt.Sprintf("%d, %d on the current version", sh.GetEnvoys(), sh.GetCurrent()))
+	peers := map[string]string{}
+	for _, d := range sd.GetHolders() {
+		peers[d.GetRelay()] = strings.Join(d.GetPeers(), ",")
+	}
+	row(w)
+	row(w, "RELAY", "SOURCE", "STALE", "ENVOYS", "VERSION", "PEERS SUBSCRIBED")
+	for _, h := range sh.GetHolders() {
+		p := peers[h.GetRelay()]
+		if p == "" {
+			p = "-"
+		}
+		row(w, h.GetRelay(), h.GetSource(), yesNo(h.GetStale()), h.GetEnvoys(), short(h.GetLedgerVersion()), p)
+	}
+	for _, d := range sd.GetHolders() {
+		row(w)
+		row(w, d.GetRelay()+":")
+		row(w, "TYPE", "RESOURCES", "BYTES", "VERSION", "SUBSCRIBED")
+		for _, td := range d.GetTypes() {
+			sub := "all"
+			if !td.GetWildcard() {
+				sub = fmt.Sprintf("%d: %s", td.GetNamesTotal(), strings.Join(td.GetNames(), " "))
+				if more := td.GetNamesTotal() - int64(len(td.GetNames())); more > 0 {
+					sub += fmt.Sprintf(" (and %d more)", more)
+				}
+			}
+			if td.GetPending() > 0 {
+				sub += fmt.Sprintf(", %d not arrived", td.GetPending())
+			}
+			row(w, typeName(td.GetType()), td.GetResources(), td.GetBytes(), short(td.GetVersion()), sub)
+		}
+	}
+}
+
+func proxyConfigCmd(o *options) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "proxy-config (NODE | --key KEY)",
+		Short: "What the tier sent an Envoy (or a key's views), as Envoy's config dump, Secrets redacted",
+		Long: `proxy-config shows what the relay an Envoy is connected to sent it, or
+with --key a key's views, as Envoy's own config dump: -o json prints it
+whole (the JSON Envoy's /config_dump serves), the table lists each
+resource and its version. Fields Envoy marks sensitive (private keys,
+passwords) are "[redacted]", as in Envoy's /config_dump.`,
+		Args: maxArgs(1),
+	}
+	key := cmd.Flags().String("key", "", "a key's views instead of a node's")
+	types := cmd.Flags().StringSlice("type", nil, "only these types: cds, eds, lds, rds, sds, or type URLs")
+	cmd.RunE = func(cmd *cobra.Command, args []string) error {
+		req := &adminpb.ConfigDumpRequest{Key: *key, Json: true}
+		if len(args) == 1 {
+			req.Node = args[0]
+		}
+		if (req.Node == "") == (req.Key == "") {
+			return usageError{errors.New("give a node or --key")}
+		}
+		for _, t := range *types {
+			req.Types = append(req.Types, typeURL(t))
+		}
+		return o.call(cmd.Context(), func(ctx context.Context, c adminpb.AdminClient) error {
+			d, err := c.GetConfigDump(ctx, req)
+			if err != nil {
+				return err
+			}
+			switch o.output {
+			case "json":
+				_, err := fmt.Fprintln(o.out, d.GetJson())
+				return err
+			case "yaml":
+				b, err := yaml.JSONToYAML([]byte(d.GetJson()))
+				if err != nil {
+					return fmt.Errorf("the config dump as YAML: %w", err)
+				}
+				_, err = o.out.Write(b)
+				return err
+			}
+			rows, err := dumpRows(d.GetJson())
+			if err != nil {
+				return err
+			}
+			return o.print(d, func(w io.Writer) {
+				if d.GetNode() != "" {
+					fmt.Fprintf(w, "%s on %s (key %s)\n\n", d.GetNode(), d.GetRelay(), d.GetKey())
+				} else {
+					fmt.Fprintf(w, "key %s on %s\n\n", d.GetKey(), d.GetRelay())
+				}
+				row(w, "TYPE", "NAME", "VERSION")
+				for _, r := range rows {
+					row(w, r[0], r[1], short(r[2]))
+				}
+			})
+		})
+	}
+	return cmd
+}
+
+// typeURL reads a type as a short name (cds) or a type URL.
+func typeURL(t string) string {
+	for _, tn := range typeNames {
+		if strings.EqualFold(t, tn.name) {
+			return tn.url
+		}
+	}
+	if strings.EqualFold(t, "sds") {
+		return "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+	}
+	return t
+}
+
+// dumpRows lists the resources of an Envoy config dump (JSON, proto field
+// names) as type, name, version.
+func dumpRows(js string) ([][3]string, error) {
+	var dump struct {
+		Configs []map[string]json.RawMessage `json:"configs"`
+	}
+	if err := json.Unmarshal([]byte(js), &dump); err != nil {
+		return nil, fmt.Errorf("read the config dump: %w", err)
+	}
+	// Each section: the list's field, the resource's field within an item
+	// (empty: the item itself), the version's field, and the name's.
+	sections := map[string]struct{ typ, list, res, version, name string }{
+		"ClustersConfigDump":     {"CDS", "dynamic_active_clusters", "cluster", "version_info", "name"},
+		"EndpointsConfigDump":    {"EDS", "dynamic_endpoint_configs", "endpoint_config", "version_info", "cluster_name"},
+		"ListenersConfigDump":    {"LDS", "dynamic_listeners", "", "", "name"},
+		"ScopedRoutesConfigDump": {"SRDS", "dynamic_scoped_route_configs", "", "version_info", "name"},
+		"RoutesConfigDump":       {"RDS", "dynamic_route_configs", "route_config", "version_info", "name"},
+		"SecretsConfigDump":      {"SDS", "dynamic_active_secrets", "", "version_info", "name"},
+		"EcdsConfigDump":         {"ECDS", "ecds_filters", "ecds_filter", "version_info", "name"},
+	}
+	var out [][3]string
+	for _, c := range dump.Configs {
+		var at string
+		json.Unmarshal(c["@type"], &at)
+		sec, ok := sections[at[strings.LastIndex(at, ".")+1:]]
+		if !ok {
+			continue
+		}
+		var items []map[string]json.RawMessage
+		json.Unmarshal(c[sec.list], &items)
+		for _, it := range items {
+			var name, version string
+			res := it
+			if sec.res != "" {
+				json.Unmarshal(it[sec.res], &res)
+			}
+			json.Unmarshal(res[sec.name], &name)
+			if sec.typ == "LDS" {
+				var st map[string]json.RawMessage
+				json.Unmarshal(it["active_state"], &st)
+				json.Unmarshal(st["version_info"], &version)
+			} else {
+				json.Unmarshal(it[sec.version], &version)
+			}
+			if name == "" {
+				json.Unmarshal(it["name"], &name)
+			}
+			out = append(out, [3]string{sec.typ, name, version})
+		}
+	}
+	// The types in the dump's order, each one's resources by name.
+	for i := 0; i < len(out); {
+		j := i + 1
+		for j < len(out) && out[j][0] == out[i][0] {
+			j++
+		}
+		slices.SortFunc(out[i:j], func(a, b [3]string) int { return strings.Compare(a[1], b[1]) })
+		i = j
+	}
+	return out, nil
 }
 
 func proxyStatusCmd(o *options) *cobra.Command {
@@ -301,11 +466,7 @@ func deliveryCmd(o *options) *cobra.Command {
 		cmd.MarkFlagRequired(f)
 	}
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
-		for _, t := range typeNames {
-			if strings.EqualFold(req.Type, t.name) {
-				req.Type = t.url
-			}
-		}
+		req.Type = typeURL(req.Type)
 		return o.call(cmd.Context(), func(ctx context.Context, c adminpb.AdminClient) error {
 			d, err := c.CheckDelivery(ctx, req)
 			if err != nil {

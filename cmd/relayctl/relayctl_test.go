@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	envoyadmin "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -241,6 +242,8 @@ func TestRelayctl(t *testing.T) {
 		{"usage-args", []string{"shards", "extra"}, 2, same},
 		{"usage-selector", []string{"convergence", "--key", "a", "--prefix", "b"}, 2, same},
 		{"unknown-node", []string{"proxy-status", "no-such-node"}, 1, same},
+		{"proxy-config", []string{"proxy-config", nacking, "--type", "cds,lds"}, 0, same},
+		{"proxy-config-usage", []string{"proxy-config"}, 2, same},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			code, out, errOut := lt.relayctl(tc.args...)
@@ -275,14 +278,38 @@ func TestRelayctl(t *testing.T) {
 	t.Run("shard", func(t *testing.T) {
 		code, out, _ := lt.relayctl("shard", aKey)
 		sh := shards.GetShards()[0]
-		for _, want := range []string{"Key:      " + aKey, "Owner:    " + sh.GetOwner() + " (" + sh.GetOwnerXdsAddress() + ")",
-			"Version:  " + sh.GetLedgerVersion(), "Envoys:   2, 1 on the current version"} {
-			if code != 0 || !strings.Contains(out, want+"\n") {
-				t.Errorf("relayctl shard %s: exit %d, output lacks %q:\n%s", aKey, code, want, out)
+		want := []string{"Key:      " + aKey, "Owner:    " + sh.GetOwner() + " (" + sh.GetOwnerXdsAddress() + ")",
+			"Version:  " + sh.GetLedgerVersion(), "Envoys:   2, 1 on the current version"}
+		for _, h := range sh.GetHolders() {
+			// Each holder: a row, and a table of its types.
+			want = append(want, h.GetRelay()+":")
+			if !regexp.MustCompile(`(?m)^` + h.GetRelay() + ` +` + h.GetSource() + ` +no +` + fmt.Sprint(h.GetEnvoys()) + ` +` + h.GetLedgerVersion()[:12]).MatchString(out) {
+				t.Errorf("relayctl shard %s: no row for holder %s (%s, %d Envoys):\n%s", aKey, h.GetRelay(), h.GetSource(), h.GetEnvoys(), out)
+			}
+		}
+		for _, w := range append(want, "CDS   ", "EDS   ", "LDS   ", "RDS   ") {
+			if code != 0 || !strings.Contains(out, w) {
+				t.Errorf("relayctl shard %s: exit %d, output lacks %q:\n%s", aKey, code, w, out)
 			}
 		}
 		if code, _, errOut := lt.relayctl("shard", "no/such/key"); code != 1 || !strings.Contains(errOut, `no relay holds key "no/such/key"`) {
 			t.Errorf("relayctl shard no/such/key: exit %d, stderr %q; want 1 and no relay holds it", code, errOut)
+		}
+	})
+
+	// proxy-config -o json is Envoy's config dump itself.
+	t.Run("proxy-config-json", func(t *testing.T) {
+		code, out, errOut := lt.relayctl("proxy-config", nacking, "-o", "json")
+		var dump envoyadmin.ConfigDump
+		if err := protojson.Unmarshal([]byte(out), &dump); code != 0 || err != nil {
+			t.Fatalf("relayctl proxy-config -o json: exit %d, %v, %s", code, err, errOut)
+		}
+		var types []string
+		for _, c := range dump.GetConfigs() {
+			types = append(types, c.GetTypeUrl()[strings.LastIndex(c.GetTypeUrl(), ".")+1:])
+		}
+		if want := []string{"ClustersConfigDump", "EndpointsConfigDump", "ListenersConfigDump", "RoutesConfigDump"}; !slicesEqual(types, want) {
+			t.Errorf("proxy-config -o json sections %v, want %v", types, want)
 		}
 	})
 

@@ -96,7 +96,7 @@ func newRoot(o *options) *cobra.Command {
 	f.StringVar(&o.keyFile, "key-file", "", "PEM file of the client certificate's key")
 	f.StringVar(&o.serverName, "server-name", "", "name the relays' certificates are checked against (default: the host dialled)")
 	f.StringVar(&o.tokenFile, "token-file", "", "file holding the admin API's bearer token (needs TLS)")
-	root.AddCommand(ringCmd(o), shardsCmd(o), shardCmd(o), proxyStatusCmd(o), convergenceCmd(o),
+	root.AddCommand(ringCmd(o), shardsCmd(o), shardCmd(o), proxyStatusCmd(o), proxyConfigCmd(o), convergenceCmd(o),
 		stragglersCmd(o), deliveryCmd(o), waitCmd(o), drainCmd(o))
 	return root
 }
