@@ -535,6 +535,35 @@ type EnvoyReport struct {
 	Behind *Straggler
 }
 
+// SyncStatus is an Envoy's state of one type in istioctl proxy-status's
+// terms.
+type SyncStatus string
+
+const (
+	StatusSynced       SyncStatus = "SYNCED"       // it ACKed its key's current view
+	StatusNACKed       SyncStatus = "NACKED"       // it rejected the latest response
+	StatusStale        SyncStatus = "STALE"        // sent, not answered yet
+	StatusNotSent      SyncStatus = "NOT SENT"     // the current view has not been sent to it
+	StatusDisconnected SyncStatus = "DISCONNECTED" // it left (listed a while)
+)
+
+// Status returns e's status of type et, against its key's current view of
+// the type in the report (if the report knows it).
+func (r *Report) Status(e EnvoyReport, et EnvoyType) SyncStatus {
+	current, known := r.Reference(e.Key, et.Type)
+	switch {
+	case !e.State.Connected():
+		return StatusDisconnected
+	case et.NACK != nil:
+		return StatusNACKed
+	case et.Pending:
+		return StatusStale
+	case !et.Acked.IsZero() && (et.Acked == current.Root || !known && et.Acked == et.Sent):
+		return StatusSynced
+	}
+	return StatusNotSent
+}
+
 // Envoys returns the report's Envoys, by key and node.
 func (r *Report) Envoys() []EnvoyReport {
 	var out []EnvoyReport

@@ -353,30 +353,13 @@ func (a adminServer) envoyInfo(tl relay.TierLedger, e ledger.EnvoyReport) *admin
 		if n := et.NACK; n != nil {
 			t.Nack = &adminpb.NACK{Fingerprint: string(n.Fingerprint), Version: n.Version, Detail: n.Detail, At: timestamp(n.At)}
 		}
-		v, known := tl.Reference(e.Key, et.Type)
-		if known {
+		if v, known := tl.Reference(e.Key, et.Type); known {
 			t.CurrentView = v.Root.String()
 		}
-		t.Status = typeStatus(st.Connected(), et, v.Root, known)
+		t.Status = string(tl.Status(e, et))
 		out.Types = append(out.Types, t)
 	}
 	return out
-}
-
-// typeStatus names an Envoy's state of one type as istioctl proxy-status
-// does, against the key's current view of it (if known).
-func typeStatus(connected bool, et ledger.EnvoyType, current ledger.Hash, known bool) string {
-	switch {
-	case !connected:
-		return "DISCONNECTED"
-	case et.NACK != nil:
-		return "NACKED"
-	case et.Pending:
-		return "STALE"
-	case !et.Acked.IsZero() && (et.Acked == current || !known && et.Acked == et.Sent):
-		return "SYNCED"
-	}
-	return "NOT SENT"
 }
 
 func hexOf(h ledger.Hash) string {
