@@ -35,6 +35,9 @@ func (r *Relay) DeltaAggregatedResources(ds discovery.AggregatedDiscoveryService
 
 // onDelta handles one Delta request.
 func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
+	if isDebugType(req.GetTypeUrl()) && s.key == nil {
+		return s.answerDebugDelta(req)
+	}
 	if s.key == nil {
 		if err := s.attach(req.GetNode()); err != nil {
 			return err

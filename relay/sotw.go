@@ -49,6 +49,13 @@ func (s *stream) onSotW(req *discovery.DiscoveryRequest) error {
 // (req.ResourceNames is not read): they are decoded only if the stream's
 // subscription changed.
 func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) error {
+	if s.key == nil && isDebugType(req.GetTypeUrl()) {
+		list, err := names.decode()
+		if err != nil {
+			return status.Error(codes.InvalidArgument, err.Error())
+		}
+		return s.answerDebugSotW(req.GetTypeUrl(), list)
+	}
 	if s.key == nil {
 		if err := s.attach(req.GetNode()); err != nil {
 			return err

@@ -2,9 +2,11 @@ package shard_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
+	"regexp"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -12,6 +14,10 @@ import (
 	"time"
 
 	envoyadmin "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	statusv3 "github.com/envoyproxy/go-control-plane/envoy/service/status/v3"
+	resourcev3 "github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -238,6 +244,7 @@ func TestLedgerQueries(t *testing.T) {
 		t.Fatal("meshrelay_proxy_convergence_time_seconds observed nothing")
 	}
 	checkAdminAPI(t, tier, byRole, edsType, ch.Name, newHash)
+	checkSyncz(t, tier, byRole)
 
 	for _, v := range fleet.Violations() {
 		t.Errorf("protocol violation: %v", v)
@@ -465,7 +472,8 @@ func checkAdminAPI(t *testing.T, tier *loadtest.Tier, byRole map[string][]string
 		}
 		var clusters int
 		if asJSON {
-			clusters = strings.Count(d.GetJson(), `"@type": "type.googleapis.com/envoy.config.cluster.v3.Cluster"`)
+			// (protojson varies its spacing from run to run.)
+			clusters = len(regexp.MustCompile(`"@type":\s*"type.googleapis.com/envoy.config.cluster.v3.Cluster"`).FindAllString(d.GetJson(), -1))
 			if d.GetConfigDump() != nil || !strings.Contains(d.GetJson(), `"dynamic_active_clusters"`) {
 				t.Fatalf("GetConfigDump as JSON: any %v, json without dynamic_active_clusters", d.GetConfigDump())
 			}
@@ -561,5 +569,98 @@ func checkAdminAPI(t *testing.T, tier *loadtest.Tier, byRole map[string][]string
 	w, _ = c.Wait(ctx, &adminpb.WaitRequest{Share: 2})
 	if _, err := w.Recv(); status.Code(err) != codes.InvalidArgument {
 		t.Fatalf("Wait(share 2) err = %v, want InvalidArgument", err)
+	}
+}
+
+// checkSyncz asks a relay istiod's debug type URLs over ADS, as istioctl
+// proxy-status --xds-address does, and decodes the answers as istioctl
+// does: a CSDS ClientConfig per Envoy of the tier, each type's status
+// following the Envoy's role; the control plane identifier istiod's JSON.
+// Then a node's config dump, as istioctl x internal-debug asks it.
+func checkSyncz(t *testing.T, tier *loadtest.Tier, byRole map[string][]string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	asked := tier.Running()[1]
+	conn, err := grpc.NewClient(asked.Node.Relay().Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ask := func(typeURL string, names ...string) *discovery.DiscoveryResponse {
+		t.Helper()
+		ads, err := discovery.NewAggregatedDiscoveryServiceClient(conn).StreamAggregatedResources(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ads.CloseSend()
+		// istioctl's node: no metadata, so it never joins a key.
+		if err := ads.Send(&discovery.DiscoveryRequest{TypeUrl: typeURL, ResourceNames: names,
+			Node: &core.Node{Id: "debug~0.0.0.0~istioctl-1~.svc.cluster.local"}}); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := ads.Recv()
+		if err != nil {
+			t.Fatalf("%s: %v", typeURL, err)
+		}
+		return resp
+	}
+
+	resp := ask("istio.io/debug/syncz")
+	var cp struct {
+		Component, ID string
+		Info          struct {
+			Version string `json:"version"`
+		}
+	}
+	if err := json.Unmarshal([]byte(resp.GetControlPlane().GetIdentifier()), &cp); err != nil || cp.ID != asked.ID {
+		t.Fatalf("syncz control plane %q: %v; want istiod's JSON naming %s", resp.GetControlPlane().GetIdentifier(), err, asked.ID)
+	}
+	want := map[string]string{
+		"ok":     "CDS=SYNCED EDS=SYNCED LDS=SYNCED RDS=SYNCED ECDS=NOT_SENT",
+		"nack":   "CDS=SYNCED EDS=ERROR LDS=SYNCED RDS=SYNCED ECDS=NOT_SENT",
+		"silent": "CDS=STALE EDS=STALE LDS=STALE RDS=STALE ECDS=NOT_SENT",
+	}
+	short := map[string]string{cdsType: "CDS", edsType: "EDS", resourcev3.ListenerType: "LDS", resourcev3.RouteType: "RDS",
+		resourcev3.ExtensionConfigType: "ECDS"}
+	got := map[string]string{}
+	for _, r := range resp.GetResources() {
+		if r.GetTypeUrl() != "type.googleapis.com/envoy.service.status.v3.ClientConfig" {
+			t.Fatalf("syncz resource of type %s", r.GetTypeUrl())
+		}
+		var cc statusv3.ClientConfig
+		if err := r.UnmarshalTo(&cc); err != nil {
+			t.Fatalf("could not unmarshal ClientConfig: %v", err)
+		}
+		status := map[string]string{}
+		for _, g := range cc.GetGenericXdsConfigs() {
+			status[short[g.GetTypeUrl()]] = g.GetConfigStatus().String()
+		}
+		got[cc.GetNode().GetId()] = fmt.Sprintf("CDS=%s EDS=%s LDS=%s RDS=%s ECDS=%s", status["CDS"], status["EDS"], status["LDS"], status["RDS"], status["ECDS"])
+	}
+	n := 0
+	for role, nodes := range byRole {
+		for _, node := range nodes {
+			n++
+			if got[node] != want[role] {
+				t.Errorf("syncz: %s (%s) = %q, want %q", node, role, got[node], want[role])
+			}
+		}
+	}
+	if len(got) != n {
+		t.Errorf("syncz lists %d Envoys, the tier has %d", len(got), n)
+	}
+
+	nacker := byRole["nack"][0]
+	dump := ask("istio.io/debug/config_dump", nacker)
+	var sections []string
+	for _, r := range dump.GetResources() {
+		sections = append(sections, r.GetTypeUrl()[strings.LastIndex(r.GetTypeUrl(), ".")+1:])
+	}
+	if want := []string{"ClustersConfigDump", "EndpointsConfigDump", "ListenersConfigDump", "RoutesConfigDump"}; !slices.Equal(sections, want) {
+		t.Errorf("config_dump of %s: sections %v, want %v", nacker, sections, want)
+	}
+	if none := ask("istio.io/debug/config_dump", "nobody"); len(none.GetResources()) != 0 {
+		t.Errorf("config_dump of an unknown node: %d resources, want none (as istiod)", len(none.GetResources()))
 	}
 }
