@@ -343,9 +343,9 @@ func newer(a, b *EnvoyState) bool {
 	return a.ConnectedAt.After(b.ConnectedAt)
 }
 
-// typeOrder orders types as they are pushed: CDS, EDS, LDS, RDS, then the
+// TypeOrder orders types as they are pushed: CDS, EDS, LDS, RDS, then the
 // rest by name.
-func typeOrder(a, b string) int {
+func TypeOrder(a, b string) int {
 	return cmp.Or(cmp.Compare(typeRank(a), typeRank(b)), strings.Compare(a, b))
 }
 

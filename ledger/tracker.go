@@ -114,7 +114,7 @@ type Envoy struct {
 	current        bool
 	connectedAt    time.Time
 	disconnectedAt time.Time   // zero while connected
-	types          []envoyType // in push order (typeOrder), held in place: queries walk them
+	types          []envoyType // in push order (TypeOrder), held in place: queries walk them
 	idx            int         // in k.envoys, while not forgotten
 }
 
@@ -466,7 +466,7 @@ func (e *Envoy) typeLocked(typeURL string) *envoyType {
 			return &e.types[i]
 		}
 	}
-	i, _ := slices.BinarySearchFunc(e.types, typeURL, func(et envoyType, u string) int { return typeOrder(et.typeURL, u) })
+	i, _ := slices.BinarySearchFunc(e.types, typeURL, func(et envoyType, u string) int { return TypeOrder(et.typeURL, u) })
 	e.types = slices.Insert(e.types, i, envoyType{typeURL: typeURL})
 	return &e.types[i]
 }

@@ -3,6 +3,7 @@ package shard
 import (
 	"context"
 	"errors"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -296,7 +297,7 @@ func (a adminServer) LocateEnvoy(ctx context.Context, req *adminpb.LocateEnvoyRe
 	tl := a.n.relay.TierLedger(ctx, ledger.Scope{})
 	for _, e := range tl.Envoys() {
 		if e.State.Node == req.GetNode() {
-			return a.envoyInfo(tl, e), nil
+			return envoyInfo(tl, e, a.keyViews(tl)), nil
 		}
 	}
 	if len(tl.Missing) > 0 {
@@ -311,6 +312,7 @@ func (a adminServer) ListEnvoys(ctx context.Context, req *adminpb.ListEnvoysRequ
 	}
 	tl := a.n.relay.TierLedger(ctx, selectorScope(req.GetSelector()))
 	out := &adminpb.EnvoyList{Missing: missing(tl)}
+	var picked []ledger.EnvoyReport
 	for _, e := range tl.Envoys() {
 		switch {
 		case req.GetRelay() != "" && e.Relay != req.GetRelay():
@@ -320,12 +322,50 @@ func (a adminServer) ListEnvoys(ctx context.Context, req *adminpb.ListEnvoysRequ
 		case req.GetNacking() && !nacking(e.State):
 			continue
 		}
-		out.Envoys = append(out.Envoys, a.envoyInfo(tl, e))
-		if l := int(req.GetLimit()); l > 0 && len(out.Envoys) == l {
+		picked = append(picked, e)
+		if l := int(req.GetLimit()); l > 0 && len(picked) == l {
 			break
 		}
 	}
+	if req.GetView() != adminpb.EnvoyView_ENVOY_VIEW_BASIC {
+		keys := a.keyViews(tl)
+		for _, e := range picked {
+			out.Envoys = append(out.Envoys, envoyInfo(tl, e, keys))
+		}
+		return out, nil
+	}
+	// The basic view: a status per type, the types listed once.
+	index := map[string]int{}
+	for _, e := range picked {
+		for _, et := range e.State.Types {
+			index[et.Type] = 0
+		}
+	}
+	out.StatusTypes = slices.SortedFunc(maps.Keys(index), ledger.TypeOrder)
+	for i, t := range out.StatusTypes {
+		index[t] = i
+	}
+	out.Envoys = make([]*adminpb.EnvoyInfo, 0, len(picked))
+	for _, e := range picked {
+		st := e.State
+		info := &adminpb.EnvoyInfo{Node: st.Node, Key: e.Key, Relay: e.Relay, Connected: st.Connected(), Current: e.Behind == nil,
+			Statuses: make([]adminpb.SyncStatus, len(out.StatusTypes))}
+		if e.Behind != nil {
+			info.Reason = string(e.Behind.Reason)
+		}
+		for _, et := range st.Types {
+			info.Statuses[index[et.Type]] = syncStatuses[tl.Status(e, et)]
+		}
+		out.Envoys = append(out.Envoys, info)
+	}
 	return out, nil
+}
+
+// syncStatuses are the ledger's statuses as the API's enum.
+var syncStatuses = map[ledger.SyncStatus]adminpb.SyncStatus{
+	ledger.StatusSynced: adminpb.SyncStatus_SYNCED, ledger.StatusNotSent: adminpb.SyncStatus_NOT_SENT,
+	ledger.StatusStale: adminpb.SyncStatus_STALE, ledger.StatusNACKed: adminpb.SyncStatus_NACKED,
+	ledger.StatusDisconnected: adminpb.SyncStatus_DISCONNECTED,
 }
 
 func nacking(st *ledger.EnvoyState) bool {
@@ -337,34 +377,65 @@ func nacking(st *ledger.EnvoyState) bool {
 	return false
 }
 
-func (a adminServer) envoyInfo(tl relay.TierLedger, e ledger.EnvoyReport) *adminpb.EnvoyInfo {
+// keyView is what every Envoy of a key shares, computed once per query:
+// the key's owner and its current view of a type (and the view's hex).
+type keyView struct {
+	owner string
+	view  ledger.Hash
+	hex   string
+}
+
+// keyViews returns a memo of keyView by key and type ("" for the owner
+// alone).
+func (a adminServer) keyViews(tl relay.TierLedger) func(key, typeURL string) keyView {
+	type kt struct{ key, typeURL string }
+	memo := map[kt]keyView{}
+	return func(key, typeURL string) keyView {
+		if kv, ok := memo[kt{key, typeURL}]; ok {
+			return kv
+		}
+		var kv keyView
+		if typeURL == "" {
+			if m, found := a.n.ring.Locate(key); found {
+				kv.owner = m.Name
+			}
+		} else if v, known := tl.Reference(key, typeURL); known {
+			kv.view, kv.hex = v.Root, v.Root.String()
+		}
+		memo[kt{key, typeURL}] = kv
+		return kv
+	}
+}
+
+// envoyInfo is one Envoy in the API's terms (the full view). A root the
+// Envoy shares with its key's current view is given as that view's hex,
+// built once per key.
+func envoyInfo(tl relay.TierLedger, e ledger.EnvoyReport, keys func(key, typeURL string) keyView) *adminpb.EnvoyInfo {
 	st := e.State
-	out := &adminpb.EnvoyInfo{Node: st.Node, Key: e.Key, Relay: e.Relay, Connected: st.Connected(),
-		ConnectedAt: timestamp(st.ConnectedAt), DisconnectedAt: timestamp(st.DisconnectedAt), Current: e.Behind == nil}
+	out := &adminpb.EnvoyInfo{Node: st.Node, Key: e.Key, Relay: e.Relay, Connected: st.Connected(), Current: e.Behind == nil,
+		Owner: keys(e.Key, "").owner}
 	if e.Behind != nil {
 		out.Reason = string(e.Behind.Reason)
 	}
-	if m, ok := a.n.ring.Locate(e.Key); ok {
-		out.Owner = m.Name
-	}
+	out.ConnectedAt, out.DisconnectedAt = timestamp(st.ConnectedAt), timestamp(st.DisconnectedAt)
+	out.Types = make([]*adminpb.EnvoyType, 0, len(st.Types))
 	for _, et := range st.Types {
-		t := &adminpb.EnvoyType{Type: et.Type, Acked: hexOf(et.Acked), AckedAt: timestamp(et.AckedAt), Sent: hexOf(et.Sent),
-			SentAt: timestamp(et.SentAt), Pending: et.Pending}
+		t := &adminpb.EnvoyType{Type: et.Type, Status: string(tl.Status(e, et))}
+		out.Types = append(out.Types, t)
+		kv := keys(e.Key, et.Type)
+		hex := func(h ledger.Hash) string {
+			switch {
+			case h.IsZero():
+				return ""
+			case h == kv.view:
+				return kv.hex
+			}
+			return h.String()
+		}
+		t.Acked, t.AckedAt, t.Sent, t.SentAt, t.Pending, t.CurrentView = hex(et.Acked), timestamp(et.AckedAt), hex(et.Sent), timestamp(et.SentAt), et.Pending, kv.hex
 		if n := et.NACK; n != nil {
 			t.Nack = &adminpb.NACK{Fingerprint: string(n.Fingerprint), Version: n.Version, Detail: n.Detail, At: timestamp(n.At)}
 		}
-		if v, known := tl.Reference(e.Key, et.Type); known {
-			t.CurrentView = v.Root.String()
-		}
-		t.Status = string(tl.Status(e, et))
-		out.Types = append(out.Types, t)
 	}
 	return out
-}
-
-func hexOf(h ledger.Hash) string {
-	if h.IsZero() {
-		return ""
-	}
-	return h.String()
 }

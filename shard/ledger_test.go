@@ -516,6 +516,31 @@ func checkAdminAPI(t *testing.T, tier *loadtest.Tier, byRole map[string][]string
 			}
 		}
 	}
+	// The basic view says the same statuses, the types listed once.
+	basic, err := c.ListEnvoys(ctx, &adminpb.ListEnvoysRequest{View: adminpb.EnvoyView_ENVOY_VIEW_BASIC})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fullStatus := map[string]string{}
+	for _, e := range all.GetEnvoys() {
+		for _, et := range e.GetTypes() {
+			fullStatus[e.GetNode()+" "+et.GetType()] = et.GetStatus()
+		}
+	}
+	basicStatus := map[string]string{}
+	for _, e := range basic.GetEnvoys() {
+		if len(e.GetTypes()) != 0 || e.GetConnectedAt() != nil || len(e.GetStatuses()) != len(basic.GetStatusTypes()) {
+			t.Fatalf("basic view of %s = %v, want statuses only, one per status type %v", e.GetNode(), e, basic.GetStatusTypes())
+		}
+		for i, st := range e.GetStatuses() {
+			if st != adminpb.SyncStatus_SYNC_STATUS_UNSPECIFIED {
+				basicStatus[e.GetNode()+" "+basic.GetStatusTypes()[i]] = strings.ReplaceAll(st.String(), "_", " ")
+			}
+		}
+	}
+	if !maps.Equal(basicStatus, fullStatus) || len(basic.GetEnvoys()) != len(all.GetEnvoys()) || basic.GetStatusTypes()[0] != cdsType {
+		t.Fatalf("basic view statuses %v (types %v)\nwant the full view's %v", basicStatus, basic.GetStatusTypes(), fullStatus)
+	}
 	if _, err := c.LocateEnvoy(ctx, &adminpb.LocateEnvoyRequest{Node: "nobody"}); status.Code(err) != codes.NotFound {
 		t.Fatalf("LocateEnvoy(nobody) err = %v, want NotFound", err)
 	}

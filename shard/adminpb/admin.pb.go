@@ -29,6 +29,118 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// SyncStatus is EnvoyType.status as an enum, for the BASIC view.
+type SyncStatus int32
+
+const (
+	SyncStatus_SYNC_STATUS_UNSPECIFIED SyncStatus = 0
+	SyncStatus_SYNCED                  SyncStatus = 1
+	SyncStatus_NOT_SENT                SyncStatus = 2
+	SyncStatus_STALE                   SyncStatus = 3
+	SyncStatus_NACKED                  SyncStatus = 4
+	SyncStatus_DISCONNECTED            SyncStatus = 5
+)
+
+// Enum value maps for SyncStatus.
+var (
+	SyncStatus_name = map[int32]string{
+		0: "SYNC_STATUS_UNSPECIFIED",
+		1: "SYNCED",
+		2: "NOT_SENT",
+		3: "STALE",
+		4: "NACKED",
+		5: "DISCONNECTED",
+	}
+	SyncStatus_value = map[string]int32{
+		"SYNC_STATUS_UNSPECIFIED": 0,
+		"SYNCED":                  1,
+		"NOT_SENT":                2,
+		"STALE":                   3,
+		"NACKED":                  4,
+		"DISCONNECTED":            5,
+	}
+)
+
+func (x SyncStatus) Enum() *SyncStatus {
+	p := new(SyncStatus)
+	*p = x
+	return p
+}
+
+func (x SyncStatus) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (SyncStatus) Descriptor() protoreflect.EnumDescriptor {
+	return file_shard_adminpb_admin_proto_enumTypes[0].Descriptor()
+}
+
+func (SyncStatus) Type() protoreflect.EnumType {
+	return &file_shard_adminpb_admin_proto_enumTypes[0]
+}
+
+func (x SyncStatus) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use SyncStatus.Descriptor instead.
+func (SyncStatus) EnumDescriptor() ([]byte, []int) {
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{0}
+}
+
+// EnvoyView picks the fields of an EnvoyInfo (AIP-157).
+type EnvoyView int32
+
+const (
+	EnvoyView_ENVOY_VIEW_UNSPECIFIED EnvoyView = 0 // FULL
+	// node, key, relay, connected, current, reason, and statuses (one
+	// SyncStatus per type of EnvoyList.status_types): what a proxy-status
+	// table shows, at a sixth of the size.
+	EnvoyView_ENVOY_VIEW_BASIC EnvoyView = 1
+	EnvoyView_ENVOY_VIEW_FULL  EnvoyView = 2
+)
+
+// Enum value maps for EnvoyView.
+var (
+	EnvoyView_name = map[int32]string{
+		0: "ENVOY_VIEW_UNSPECIFIED",
+		1: "ENVOY_VIEW_BASIC",
+		2: "ENVOY_VIEW_FULL",
+	}
+	EnvoyView_value = map[string]int32{
+		"ENVOY_VIEW_UNSPECIFIED": 0,
+		"ENVOY_VIEW_BASIC":       1,
+		"ENVOY_VIEW_FULL":        2,
+	}
+)
+
+func (x EnvoyView) Enum() *EnvoyView {
+	p := new(EnvoyView)
+	*p = x
+	return p
+}
+
+func (x EnvoyView) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (EnvoyView) Descriptor() protoreflect.EnumDescriptor {
+	return file_shard_adminpb_admin_proto_enumTypes[1].Descriptor()
+}
+
+func (EnvoyView) Type() protoreflect.EnumType {
+	return &file_shard_adminpb_admin_proto_enumTypes[1]
+}
+
+func (x EnvoyView) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use EnvoyView.Descriptor instead.
+func (EnvoyView) EnumDescriptor() ([]byte, []int) {
+	return file_shard_adminpb_admin_proto_rawDescGZIP(), []int{1}
+}
+
 // Selector picks keys: one key, or the keys that start with a prefix
 // (with the Istio profile, "sidecar/<namespace>/" is a namespace). Empty:
 // every key.
@@ -1449,8 +1561,12 @@ type EnvoyInfo struct {
 	// On its key's current version of every type it subscribes to.
 	Current bool `protobuf:"varint,8,opt,name=current,proto3" json:"current,omitempty"`
 	// Why not, if not: the straggler reason.
-	Reason        string       `protobuf:"bytes,9,opt,name=reason,proto3" json:"reason,omitempty"`
-	Types         []*EnvoyType `protobuf:"bytes,10,rep,name=types,proto3" json:"types,omitempty"`
+	Reason string `protobuf:"bytes,9,opt,name=reason,proto3" json:"reason,omitempty"`
+	// FULL view: each type it subscribes to.
+	Types []*EnvoyType `protobuf:"bytes,10,rep,name=types,proto3" json:"types,omitempty"`
+	// BASIC view: the status of each type of EnvoyList.status_types, in
+	// that order (SYNC_STATUS_UNSPECIFIED: it does not subscribe to it).
+	Statuses      []SyncStatus `protobuf:"varint,11,rep,packed,name=statuses,proto3,enum=meshrelay.admin.v1.SyncStatus" json:"statuses,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1551,6 +1667,13 @@ func (x *EnvoyInfo) GetReason() string {
 func (x *EnvoyInfo) GetTypes() []*EnvoyType {
 	if x != nil {
 		return x.Types
+	}
+	return nil
+}
+
+func (x *EnvoyInfo) GetStatuses() []SyncStatus {
+	if x != nil {
+		return x.Statuses
 	}
 	return nil
 }
@@ -1680,7 +1803,9 @@ type ListEnvoysRequest struct {
 	// Only those holding a NACK.
 	Nacking bool `protobuf:"varint,4,opt,name=nacking,proto3" json:"nacking,omitempty"`
 	// At most this many (0: all).
-	Limit         int32 `protobuf:"varint,5,opt,name=limit,proto3" json:"limit,omitempty"`
+	Limit int32 `protobuf:"varint,5,opt,name=limit,proto3" json:"limit,omitempty"`
+	// How much of each Envoy to answer. Default FULL.
+	View          EnvoyView `protobuf:"varint,6,opt,name=view,proto3,enum=meshrelay.admin.v1.EnvoyView" json:"view,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1750,10 +1875,20 @@ func (x *ListEnvoysRequest) GetLimit() int32 {
 	return 0
 }
 
+func (x *ListEnvoysRequest) GetView() EnvoyView {
+	if x != nil {
+		return x.View
+	}
+	return EnvoyView_ENVOY_VIEW_UNSPECIFIED
+}
+
 type EnvoyList struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Envoys        []*EnvoyInfo           `protobuf:"bytes,1,rep,name=envoys,proto3" json:"envoys,omitempty"`
-	Missing       map[string]string      `protobuf:"bytes,2,rep,name=missing,proto3" json:"missing,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Envoys  []*EnvoyInfo           `protobuf:"bytes,1,rep,name=envoys,proto3" json:"envoys,omitempty"`
+	Missing map[string]string      `protobuf:"bytes,2,rep,name=missing,proto3" json:"missing,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// BASIC view: the types (type URLs) of each EnvoyInfo.statuses, in push
+	// order (CDS, EDS, LDS, RDS, then by name).
+	StatusTypes   []string `protobuf:"bytes,3,rep,name=status_types,json=statusTypes,proto3" json:"status_types,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1798,6 +1933,13 @@ func (x *EnvoyList) GetEnvoys() []*EnvoyInfo {
 func (x *EnvoyList) GetMissing() map[string]string {
 	if x != nil {
 		return x.Missing
+	}
+	return nil
+}
+
+func (x *EnvoyList) GetStatusTypes() []string {
+	if x != nil {
+		return x.StatusTypes
 	}
 	return nil
 }
@@ -2045,7 +2187,7 @@ const file_shard_adminpb_admin_proto_rawDesc = "" +
 	"\x05share\x18\x02 \x01(\x01R\x05share\x123\n" +
 	"\atimeout\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\atimeout\"(\n" +
 	"\x12LocateEnvoyRequest\x12\x12\n" +
-	"\x04node\x18\x01 \x01(\tR\x04node\"\xe6\x02\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\"\xa2\x03\n" +
 	"\tEnvoyInfo\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x10\n" +
 	"\x03key\x18\x02 \x01(\tR\x03key\x12\x14\n" +
@@ -2057,7 +2199,8 @@ const file_shard_adminpb_admin_proto_rawDesc = "" +
 	"\acurrent\x18\b \x01(\bR\acurrent\x12\x16\n" +
 	"\x06reason\x18\t \x01(\tR\x06reason\x123\n" +
 	"\x05types\x18\n" +
-	" \x03(\v2\x1d.meshrelay.admin.v1.EnvoyTypeR\x05types\"\xb8\x02\n" +
+	" \x03(\v2\x1d.meshrelay.admin.v1.EnvoyTypeR\x05types\x12:\n" +
+	"\bstatuses\x18\v \x03(\x0e2\x1e.meshrelay.admin.v1.SyncStatusR\bstatuses\"\xb8\x02\n" +
 	"\tEnvoyType\x12\x12\n" +
 	"\x04type\x18\x01 \x01(\tR\x04type\x12\x14\n" +
 	"\x05acked\x18\x02 \x01(\tR\x05acked\x125\n" +
@@ -2067,16 +2210,18 @@ const file_shard_adminpb_admin_proto_rawDesc = "" +
 	"\apending\x18\x06 \x01(\bR\apending\x12,\n" +
 	"\x04nack\x18\a \x01(\v2\x18.meshrelay.admin.v1.NACKR\x04nack\x12!\n" +
 	"\fcurrent_view\x18\b \x01(\tR\vcurrentView\x12\x16\n" +
-	"\x06status\x18\t \x01(\tR\x06status\"\xad\x01\n" +
+	"\x06status\x18\t \x01(\tR\x06status\"\xe0\x01\n" +
 	"\x11ListEnvoysRequest\x128\n" +
 	"\bselector\x18\x01 \x01(\v2\x1c.meshrelay.admin.v1.SelectorR\bselector\x12\x14\n" +
 	"\x05relay\x18\x02 \x01(\tR\x05relay\x12\x18\n" +
 	"\alagging\x18\x03 \x01(\bR\alagging\x12\x18\n" +
 	"\anacking\x18\x04 \x01(\bR\anacking\x12\x14\n" +
-	"\x05limit\x18\x05 \x01(\x05R\x05limit\"\xc4\x01\n" +
+	"\x05limit\x18\x05 \x01(\x05R\x05limit\x121\n" +
+	"\x04view\x18\x06 \x01(\x0e2\x1d.meshrelay.admin.v1.EnvoyViewR\x04view\"\xe7\x01\n" +
 	"\tEnvoyList\x125\n" +
 	"\x06envoys\x18\x01 \x03(\v2\x1d.meshrelay.admin.v1.EnvoyInfoR\x06envoys\x12D\n" +
-	"\amissing\x18\x02 \x03(\v2*.meshrelay.admin.v1.EnvoyList.MissingEntryR\amissing\x1a:\n" +
+	"\amissing\x18\x02 \x03(\v2*.meshrelay.admin.v1.EnvoyList.MissingEntryR\amissing\x12!\n" +
+	"\fstatus_types\x18\x03 \x03(\tR\vstatusTypes\x1a:\n" +
 	"\fMissingEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"$\n" +
@@ -2086,7 +2231,21 @@ const file_shard_adminpb_admin_proto_rawDesc = "" +
 	"\x05relay\x18\x01 \x01(\tR\x05relay\x12\x18\n" +
 	"\astreams\x18\x02 \x01(\x03R\astreams\x121\n" +
 	"\x06period\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\x06period\x12\x18\n" +
-	"\aalready\x18\x04 \x01(\bR\aalready2\x9f\a\n" +
+	"\aalready\x18\x04 \x01(\bR\aalready*l\n" +
+	"\n" +
+	"SyncStatus\x12\x1b\n" +
+	"\x17SYNC_STATUS_UNSPECIFIED\x10\x00\x12\n" +
+	"\n" +
+	"\x06SYNCED\x10\x01\x12\f\n" +
+	"\bNOT_SENT\x10\x02\x12\t\n" +
+	"\x05STALE\x10\x03\x12\n" +
+	"\n" +
+	"\x06NACKED\x10\x04\x12\x10\n" +
+	"\fDISCONNECTED\x10\x05*R\n" +
+	"\tEnvoyView\x12\x1a\n" +
+	"\x16ENVOY_VIEW_UNSPECIFIED\x10\x00\x12\x14\n" +
+	"\x10ENVOY_VIEW_BASIC\x10\x01\x12\x13\n" +
+	"\x0fENVOY_VIEW_FULL\x10\x022\x9f\a\n" +
 	"\x05Admin\x12G\n" +
 	"\aGetRing\x12\".meshrelay.admin.v1.GetRingRequest\x1a\x18.meshrelay.admin.v1.Ring\x12R\n" +
 	"\n" +
@@ -2114,114 +2273,119 @@ func file_shard_adminpb_admin_proto_rawDescGZIP() []byte {
 	return file_shard_adminpb_admin_proto_rawDescData
 }
 
+var file_shard_adminpb_admin_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
 var file_shard_adminpb_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 36)
 var file_shard_adminpb_admin_proto_goTypes = []any{
-	(*Selector)(nil),              // 0: meshrelay.admin.v1.Selector
-	(*GetRingRequest)(nil),        // 1: meshrelay.admin.v1.GetRingRequest
-	(*Ring)(nil),                  // 2: meshrelay.admin.v1.Ring
-	(*Member)(nil),                // 3: meshrelay.admin.v1.Member
-	(*ListShardsRequest)(nil),     // 4: meshrelay.admin.v1.ListShardsRequest
-	(*ShardList)(nil),             // 5: meshrelay.admin.v1.ShardList
-	(*Shard)(nil),                 // 6: meshrelay.admin.v1.Shard
-	(*ShardHolder)(nil),           // 7: meshrelay.admin.v1.ShardHolder
-	(*GetShardRequest)(nil),       // 8: meshrelay.admin.v1.GetShardRequest
-	(*ShardDetail)(nil),           // 9: meshrelay.admin.v1.ShardDetail
-	(*ConfigDumpRequest)(nil),     // 10: meshrelay.admin.v1.ConfigDumpRequest
-	(*ConvergenceRequest)(nil),    // 11: meshrelay.admin.v1.ConvergenceRequest
-	(*Counts)(nil),                // 12: meshrelay.admin.v1.Counts
-	(*Convergence)(nil),           // 13: meshrelay.admin.v1.Convergence
-	(*StragglersRequest)(nil),     // 14: meshrelay.admin.v1.StragglersRequest
-	(*StragglerList)(nil),         // 15: meshrelay.admin.v1.StragglerList
-	(*Straggler)(nil),             // 16: meshrelay.admin.v1.Straggler
-	(*NACK)(nil),                  // 17: meshrelay.admin.v1.NACK
-	(*DeliveryRequest)(nil),       // 18: meshrelay.admin.v1.DeliveryRequest
-	(*Delivery)(nil),              // 19: meshrelay.admin.v1.Delivery
-	(*WaitRequest)(nil),           // 20: meshrelay.admin.v1.WaitRequest
-	(*LocateEnvoyRequest)(nil),    // 21: meshrelay.admin.v1.LocateEnvoyRequest
-	(*EnvoyInfo)(nil),             // 22: meshrelay.admin.v1.EnvoyInfo
-	(*EnvoyType)(nil),             // 23: meshrelay.admin.v1.EnvoyType
-	(*ListEnvoysRequest)(nil),     // 24: meshrelay.admin.v1.ListEnvoysRequest
-	(*EnvoyList)(nil),             // 25: meshrelay.admin.v1.EnvoyList
-	(*DrainRequest)(nil),          // 26: meshrelay.admin.v1.DrainRequest
-	(*DrainResponse)(nil),         // 27: meshrelay.admin.v1.DrainResponse
-	nil,                           // 28: meshrelay.admin.v1.ShardList.MissingEntry
-	nil,                           // 29: meshrelay.admin.v1.ShardDetail.MissingEntry
-	nil,                           // 30: meshrelay.admin.v1.Convergence.ByKeyEntry
-	nil,                           // 31: meshrelay.admin.v1.Convergence.ByRelayEntry
-	nil,                           // 32: meshrelay.admin.v1.Convergence.MissingEntry
-	nil,                           // 33: meshrelay.admin.v1.StragglerList.MissingEntry
-	nil,                           // 34: meshrelay.admin.v1.Delivery.MissingRelaysEntry
-	nil,                           // 35: meshrelay.admin.v1.EnvoyList.MissingEntry
-	(*inspectpb.KeyDetail)(nil),   // 36: meshrelay.inspect.v1.KeyDetail
-	(*timestamppb.Timestamp)(nil), // 37: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 38: google.protobuf.Duration
-	(*inspectpb.ConfigDump)(nil),  // 39: meshrelay.inspect.v1.ConfigDump
+	(SyncStatus)(0),               // 0: meshrelay.admin.v1.SyncStatus
+	(EnvoyView)(0),                // 1: meshrelay.admin.v1.EnvoyView
+	(*Selector)(nil),              // 2: meshrelay.admin.v1.Selector
+	(*GetRingRequest)(nil),        // 3: meshrelay.admin.v1.GetRingRequest
+	(*Ring)(nil),                  // 4: meshrelay.admin.v1.Ring
+	(*Member)(nil),                // 5: meshrelay.admin.v1.Member
+	(*ListShardsRequest)(nil),     // 6: meshrelay.admin.v1.ListShardsRequest
+	(*ShardList)(nil),             // 7: meshrelay.admin.v1.ShardList
+	(*Shard)(nil),                 // 8: meshrelay.admin.v1.Shard
+	(*ShardHolder)(nil),           // 9: meshrelay.admin.v1.ShardHolder
+	(*GetShardRequest)(nil),       // 10: meshrelay.admin.v1.GetShardRequest
+	(*ShardDetail)(nil),           // 11: meshrelay.admin.v1.ShardDetail
+	(*ConfigDumpRequest)(nil),     // 12: meshrelay.admin.v1.ConfigDumpRequest
+	(*ConvergenceRequest)(nil),    // 13: meshrelay.admin.v1.ConvergenceRequest
+	(*Counts)(nil),                // 14: meshrelay.admin.v1.Counts
+	(*Convergence)(nil),           // 15: meshrelay.admin.v1.Convergence
+	(*StragglersRequest)(nil),     // 16: meshrelay.admin.v1.StragglersRequest
+	(*StragglerList)(nil),         // 17: meshrelay.admin.v1.StragglerList
+	(*Straggler)(nil),             // 18: meshrelay.admin.v1.Straggler
+	(*NACK)(nil),                  // 19: meshrelay.admin.v1.NACK
+	(*DeliveryRequest)(nil),       // 20: meshrelay.admin.v1.DeliveryRequest
+	(*Delivery)(nil),              // 21: meshrelay.admin.v1.Delivery
+	(*WaitRequest)(nil),           // 22: meshrelay.admin.v1.WaitRequest
+	(*LocateEnvoyRequest)(nil),    // 23: meshrelay.admin.v1.LocateEnvoyRequest
+	(*EnvoyInfo)(nil),             // 24: meshrelay.admin.v1.EnvoyInfo
+	(*EnvoyType)(nil),             // 25: meshrelay.admin.v1.EnvoyType
+	(*ListEnvoysRequest)(nil),     // 26: meshrelay.admin.v1.ListEnvoysRequest
+	(*EnvoyList)(nil),             // 27: meshrelay.admin.v1.EnvoyList
+	(*DrainRequest)(nil),          // 28: meshrelay.admin.v1.DrainRequest
+	(*DrainResponse)(nil),         // 29: meshrelay.admin.v1.DrainResponse
+	nil,                           // 30: meshrelay.admin.v1.ShardList.MissingEntry
+	nil,                           // 31: meshrelay.admin.v1.ShardDetail.MissingEntry
+	nil,                           // 32: meshrelay.admin.v1.Convergence.ByKeyEntry
+	nil,                           // 33: meshrelay.admin.v1.Convergence.ByRelayEntry
+	nil,                           // 34: meshrelay.admin.v1.Convergence.MissingEntry
+	nil,                           // 35: meshrelay.admin.v1.StragglerList.MissingEntry
+	nil,                           // 36: meshrelay.admin.v1.Delivery.MissingRelaysEntry
+	nil,                           // 37: meshrelay.admin.v1.EnvoyList.MissingEntry
+	(*inspectpb.KeyDetail)(nil),   // 38: meshrelay.inspect.v1.KeyDetail
+	(*timestamppb.Timestamp)(nil), // 39: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 40: google.protobuf.Duration
+	(*inspectpb.ConfigDump)(nil),  // 41: meshrelay.inspect.v1.ConfigDump
 }
 var file_shard_adminpb_admin_proto_depIdxs = []int32{
-	3,  // 0: meshrelay.admin.v1.Ring.members:type_name -> meshrelay.admin.v1.Member
-	0,  // 1: meshrelay.admin.v1.ListShardsRequest.selector:type_name -> meshrelay.admin.v1.Selector
-	6,  // 2: meshrelay.admin.v1.ShardList.shards:type_name -> meshrelay.admin.v1.Shard
-	28, // 3: meshrelay.admin.v1.ShardList.missing:type_name -> meshrelay.admin.v1.ShardList.MissingEntry
-	7,  // 4: meshrelay.admin.v1.Shard.holders:type_name -> meshrelay.admin.v1.ShardHolder
-	6,  // 5: meshrelay.admin.v1.ShardDetail.shard:type_name -> meshrelay.admin.v1.Shard
-	36, // 6: meshrelay.admin.v1.ShardDetail.holders:type_name -> meshrelay.inspect.v1.KeyDetail
-	29, // 7: meshrelay.admin.v1.ShardDetail.missing:type_name -> meshrelay.admin.v1.ShardDetail.MissingEntry
-	0,  // 8: meshrelay.admin.v1.ConvergenceRequest.selector:type_name -> meshrelay.admin.v1.Selector
-	12, // 9: meshrelay.admin.v1.Convergence.tier:type_name -> meshrelay.admin.v1.Counts
-	30, // 10: meshrelay.admin.v1.Convergence.by_key:type_name -> meshrelay.admin.v1.Convergence.ByKeyEntry
-	31, // 11: meshrelay.admin.v1.Convergence.by_relay:type_name -> meshrelay.admin.v1.Convergence.ByRelayEntry
-	32, // 12: meshrelay.admin.v1.Convergence.missing:type_name -> meshrelay.admin.v1.Convergence.MissingEntry
-	16, // 13: meshrelay.admin.v1.Convergence.stragglers:type_name -> meshrelay.admin.v1.Straggler
-	0,  // 14: meshrelay.admin.v1.StragglersRequest.selector:type_name -> meshrelay.admin.v1.Selector
-	16, // 15: meshrelay.admin.v1.StragglerList.stragglers:type_name -> meshrelay.admin.v1.Straggler
-	33, // 16: meshrelay.admin.v1.StragglerList.missing:type_name -> meshrelay.admin.v1.StragglerList.MissingEntry
-	17, // 17: meshrelay.admin.v1.Straggler.nack:type_name -> meshrelay.admin.v1.NACK
-	37, // 18: meshrelay.admin.v1.Straggler.since:type_name -> google.protobuf.Timestamp
-	37, // 19: meshrelay.admin.v1.NACK.at:type_name -> google.protobuf.Timestamp
-	0,  // 20: meshrelay.admin.v1.DeliveryRequest.selector:type_name -> meshrelay.admin.v1.Selector
-	16, // 21: meshrelay.admin.v1.Delivery.missing:type_name -> meshrelay.admin.v1.Straggler
-	34, // 22: meshrelay.admin.v1.Delivery.missing_relays:type_name -> meshrelay.admin.v1.Delivery.MissingRelaysEntry
-	0,  // 23: meshrelay.admin.v1.WaitRequest.selector:type_name -> meshrelay.admin.v1.Selector
-	38, // 24: meshrelay.admin.v1.WaitRequest.timeout:type_name -> google.protobuf.Duration
-	37, // 25: meshrelay.admin.v1.EnvoyInfo.connected_at:type_name -> google.protobuf.Timestamp
-	37, // 26: meshrelay.admin.v1.EnvoyInfo.disconnected_at:type_name -> google.protobuf.Timestamp
-	23, // 27: meshrelay.admin.v1.EnvoyInfo.types:type_name -> meshrelay.admin.v1.EnvoyType
-	37, // 28: meshrelay.admin.v1.EnvoyType.acked_at:type_name -> google.protobuf.Timestamp
-	37, // 29: meshrelay.admin.v1.EnvoyType.sent_at:type_name -> google.protobuf.Timestamp
-	17, // 30: meshrelay.admin.v1.EnvoyType.nack:type_name -> meshrelay.admin.v1.NACK
-	0,  // 31: meshrelay.admin.v1.ListEnvoysRequest.selector:type_name -> meshrelay.admin.v1.Selector
-	22, // 32: meshrelay.admin.v1.EnvoyList.envoys:type_name -> meshrelay.admin.v1.EnvoyInfo
-	35, // 33: meshrelay.admin.v1.EnvoyList.missing:type_name -> meshrelay.admin.v1.EnvoyList.MissingEntry
-	38, // 34: meshrelay.admin.v1.DrainResponse.period:type_name -> google.protobuf.Duration
-	12, // 35: meshrelay.admin.v1.Convergence.ByKeyEntry.value:type_name -> meshrelay.admin.v1.Counts
-	12, // 36: meshrelay.admin.v1.Convergence.ByRelayEntry.value:type_name -> meshrelay.admin.v1.Counts
-	1,  // 37: meshrelay.admin.v1.Admin.GetRing:input_type -> meshrelay.admin.v1.GetRingRequest
-	4,  // 38: meshrelay.admin.v1.Admin.ListShards:input_type -> meshrelay.admin.v1.ListShardsRequest
-	8,  // 39: meshrelay.admin.v1.Admin.GetShard:input_type -> meshrelay.admin.v1.GetShardRequest
-	10, // 40: meshrelay.admin.v1.Admin.GetConfigDump:input_type -> meshrelay.admin.v1.ConfigDumpRequest
-	11, // 41: meshrelay.admin.v1.Admin.GetConvergence:input_type -> meshrelay.admin.v1.ConvergenceRequest
-	14, // 42: meshrelay.admin.v1.Admin.ListStragglers:input_type -> meshrelay.admin.v1.StragglersRequest
-	18, // 43: meshrelay.admin.v1.Admin.CheckDelivery:input_type -> meshrelay.admin.v1.DeliveryRequest
-	20, // 44: meshrelay.admin.v1.Admin.Wait:input_type -> meshrelay.admin.v1.WaitRequest
-	21, // 45: meshrelay.admin.v1.Admin.LocateEnvoy:input_type -> meshrelay.admin.v1.LocateEnvoyRequest
-	24, // 46: meshrelay.admin.v1.Admin.ListEnvoys:input_type -> meshrelay.admin.v1.ListEnvoysRequest
-	26, // 47: meshrelay.admin.v1.Admin.Drain:input_type -> meshrelay.admin.v1.DrainRequest
-	2,  // 48: meshrelay.admin.v1.Admin.GetRing:output_type -> meshrelay.admin.v1.Ring
-	5,  // 49: meshrelay.admin.v1.Admin.ListShards:output_type -> meshrelay.admin.v1.ShardList
-	9,  // 50: meshrelay.admin.v1.Admin.GetShard:output_type -> meshrelay.admin.v1.ShardDetail
-	39, // 51: meshrelay.admin.v1.Admin.GetConfigDump:output_type -> meshrelay.inspect.v1.ConfigDump
-	13, // 52: meshrelay.admin.v1.Admin.GetConvergence:output_type -> meshrelay.admin.v1.Convergence
-	15, // 53: meshrelay.admin.v1.Admin.ListStragglers:output_type -> meshrelay.admin.v1.StragglerList
-	19, // 54: meshrelay.admin.v1.Admin.CheckDelivery:output_type -> meshrelay.admin.v1.Delivery
-	13, // 55: meshrelay.admin.v1.Admin.Wait:output_type -> meshrelay.admin.v1.Convergence
-	22, // 56: meshrelay.admin.v1.Admin.LocateEnvoy:output_type -> meshrelay.admin.v1.EnvoyInfo
-	25, // 57: meshrelay.admin.v1.Admin.ListEnvoys:output_type -> meshrelay.admin.v1.EnvoyList
-	27, // 58: meshrelay.admin.v1.Admin.Drain:output_type -> meshrelay.admin.v1.DrainResponse
-	48, // [48:59] is the sub-list for method output_type
-	37, // [37:48] is the sub-list for method input_type
-	37, // [37:37] is the sub-list for extension type_name
-	37, // [37:37] is the sub-list for extension extendee
-	0,  // [0:37] is the sub-list for field type_name
+	5,  // 0: meshrelay.admin.v1.Ring.members:type_name -> meshrelay.admin.v1.Member
+	2,  // 1: meshrelay.admin.v1.ListShardsRequest.selector:type_name -> meshrelay.admin.v1.Selector
+	8,  // 2: meshrelay.admin.v1.ShardList.shards:type_name -> meshrelay.admin.v1.Shard
+	30, // 3: meshrelay.admin.v1.ShardList.missing:type_name -> meshrelay.admin.v1.ShardList.MissingEntry
+	9,  // 4: meshrelay.admin.v1.Shard.holders:type_name -> meshrelay.admin.v1.ShardHolder
+	8,  // 5: meshrelay.admin.v1.ShardDetail.shard:type_name -> meshrelay.admin.v1.Shard
+	38, // 6: meshrelay.admin.v1.ShardDetail.holders:type_name -> meshrelay.inspect.v1.KeyDetail
+	31, // 7: meshrelay.admin.v1.ShardDetail.missing:type_name -> meshrelay.admin.v1.ShardDetail.MissingEntry
+	2,  // 8: meshrelay.admin.v1.ConvergenceRequest.selector:type_name -> meshrelay.admin.v1.Selector
+	14, // 9: meshrelay.admin.v1.Convergence.tier:type_name -> meshrelay.admin.v1.Counts
+	32, // 10: meshrelay.admin.v1.Convergence.by_key:type_name -> meshrelay.admin.v1.Convergence.ByKeyEntry
+	33, // 11: meshrelay.admin.v1.Convergence.by_relay:type_name -> meshrelay.admin.v1.Convergence.ByRelayEntry
+	34, // 12: meshrelay.admin.v1.Convergence.missing:type_name -> meshrelay.admin.v1.Convergence.MissingEntry
+	18, // 13: meshrelay.admin.v1.Convergence.stragglers:type_name -> meshrelay.admin.v1.Straggler
+	2,  // 14: meshrelay.admin.v1.StragglersRequest.selector:type_name -> meshrelay.admin.v1.Selector
+	18, // 15: meshrelay.admin.v1.StragglerList.stragglers:type_name -> meshrelay.admin.v1.Straggler
+	35, // 16: meshrelay.admin.v1.StragglerList.missing:type_name -> meshrelay.admin.v1.StragglerList.MissingEntry
+	19, // 17: meshrelay.admin.v1.Straggler.nack:type_name -> meshrelay.admin.v1.NACK
+	39, // 18: meshrelay.admin.v1.Straggler.since:type_name -> google.protobuf.Timestamp
+	39, // 19: meshrelay.admin.v1.NACK.at:type_name -> google.protobuf.Timestamp
+	2,  // 20: meshrelay.admin.v1.DeliveryRequest.selector:type_name -> meshrelay.admin.v1.Selector
+	18, // 21: meshrelay.admin.v1.Delivery.missing:type_name -> meshrelay.admin.v1.Straggler
+	36, // 22: meshrelay.admin.v1.Delivery.missing_relays:type_name -> meshrelay.admin.v1.Delivery.MissingRelaysEntry
+	2,  // 23: meshrelay.admin.v1.WaitRequest.selector:type_name -> meshrelay.admin.v1.Selector
+	40, // 24: meshrelay.admin.v1.WaitRequest.timeout:type_name -> google.protobuf.Duration
+	39, // 25: meshrelay.admin.v1.EnvoyInfo.connected_at:type_name -> google.protobuf.Timestamp
+	39, // 26: meshrelay.admin.v1.EnvoyInfo.disconnected_at:type_name -> google.protobuf.Timestamp
+	25, // 27: meshrelay.admin.v1.EnvoyInfo.types:type_name -> meshrelay.admin.v1.EnvoyType
+	0,  // 28: meshrelay.admin.v1.EnvoyInfo.statuses:type_name -> meshrelay.admin.v1.SyncStatus
+	39, // 29: meshrelay.admin.v1.EnvoyType.acked_at:type_name -> google.protobuf.Timestamp
+	39, // 30: meshrelay.admin.v1.EnvoyType.sent_at:type_name -> google.protobuf.Timestamp
+	19, // 31: meshrelay.admin.v1.EnvoyType.nack:type_name -> meshrelay.admin.v1.NACK
+	2,  // 32: meshrelay.admin.v1.ListEnvoysRequest.selector:type_name -> meshrelay.admin.v1.Selector
+	1,  // 33: meshrelay.admin.v1.ListEnvoysRequest.view:type_name -> meshrelay.admin.v1.EnvoyView
+	24, // 34: meshrelay.admin.v1.EnvoyList.envoys:type_name -> meshrelay.admin.v1.EnvoyInfo
+	37, // 35: meshrelay.admin.v1.EnvoyList.missing:type_name -> meshrelay.admin.v1.EnvoyList.MissingEntry
+	40, // 36: meshrelay.admin.v1.DrainResponse.period:type_name -> google.protobuf.Duration
+	14, // 37: meshrelay.admin.v1.Convergence.ByKeyEntry.value:type_name -> meshrelay.admin.v1.Counts
+	14, // 38: meshrelay.admin.v1.Convergence.ByRelayEntry.value:type_name -> meshrelay.admin.v1.Counts
+	3,  // 39: meshrelay.admin.v1.Admin.GetRing:input_type -> meshrelay.admin.v1.GetRingRequest
+	6,  // 40: meshrelay.admin.v1.Admin.ListShards:input_type -> meshrelay.admin.v1.ListShardsRequest
+	10, // 41: meshrelay.admin.v1.Admin.GetShard:input_type -> meshrelay.admin.v1.GetShardRequest
+	12, // 42: meshrelay.admin.v1.Admin.GetConfigDump:input_type -> meshrelay.admin.v1.ConfigDumpRequest
+	13, // 43: meshrelay.admin.v1.Admin.GetConvergence:input_type -> meshrelay.admin.v1.ConvergenceRequest
+	16, // 44: meshrelay.admin.v1.Admin.ListStragglers:input_type -> meshrelay.admin.v1.StragglersRequest
+	20, // 45: meshrelay.admin.v1.Admin.CheckDelivery:input_type -> meshrelay.admin.v1.DeliveryRequest
+	22, // 46: meshrelay.admin.v1.Admin.Wait:input_type -> meshrelay.admin.v1.WaitRequest
+	23, // 47: meshrelay.admin.v1.Admin.LocateEnvoy:input_type -> meshrelay.admin.v1.LocateEnvoyRequest
+	26, // 48: meshrelay.admin.v1.Admin.ListEnvoys:input_type -> meshrelay.admin.v1.ListEnvoysRequest
+	28, // 49: meshrelay.admin.v1.Admin.Drain:input_type -> meshrelay.admin.v1.DrainRequest
+	4,  // 50: meshrelay.admin.v1.Admin.GetRing:output_type -> meshrelay.admin.v1.Ring
+	7,  // 51: meshrelay.admin.v1.Admin.ListShards:output_type -> meshrelay.admin.v1.ShardList
+	11, // 52: meshrelay.admin.v1.Admin.GetShard:output_type -> meshrelay.admin.v1.ShardDetail
+	41, // 53: meshrelay.admin.v1.Admin.GetConfigDump:output_type -> meshrelay.inspect.v1.ConfigDump
+	15, // 54: meshrelay.admin.v1.Admin.GetConvergence:output_type -> meshrelay.admin.v1.Convergence
+	17, // 55: meshrelay.admin.v1.Admin.ListStragglers:output_type -> meshrelay.admin.v1.StragglerList
+	21, // 56: meshrelay.admin.v1.Admin.CheckDelivery:output_type -> meshrelay.admin.v1.Delivery
+	15, // 57: meshrelay.admin.v1.Admin.Wait:output_type -> meshrelay.admin.v1.Convergence
+	24, // 58: meshrelay.admin.v1.Admin.LocateEnvoy:output_type -> meshrelay.admin.v1.EnvoyInfo
+	27, // 59: meshrelay.admin.v1.Admin.ListEnvoys:output_type -> meshrelay.admin.v1.EnvoyList
+	29, // 60: meshrelay.admin.v1.Admin.Drain:output_type -> meshrelay.admin.v1.DrainResponse
+	50, // [50:61] is the sub-list for method output_type
+	39, // [39:50] is the sub-list for method input_type
+	39, // [39:39] is the sub-list for extension type_name
+	39, // [39:39] is the sub-list for extension extendee
+	0,  // [0:39] is the sub-list for field type_name
 }
 
 func init() { file_shard_adminpb_admin_proto_init() }
@@ -2234,13 +2398,14 @@ func file_shard_adminpb_admin_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_shard_adminpb_admin_proto_rawDesc), len(file_shard_adminpb_admin_proto_rawDesc)),
-			NumEnums:      0,
+			NumEnums:      2,
 			NumMessages:   36,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
 		GoTypes:           file_shard_adminpb_admin_proto_goTypes,
 		DependencyIndexes: file_shard_adminpb_admin_proto_depIdxs,
+		EnumInfos:         file_shard_adminpb_admin_proto_enumTypes,
 		MessageInfos:      file_shard_adminpb_admin_proto_msgTypes,
 	}.Build()
 	File_shard_adminpb_admin_proto = out.File
