@@ -324,6 +324,9 @@ shows that Envoy in detail.`,
 				}
 				return o.print(info, func(w io.Writer) { o.envoyDetail(w, info) })
 			}
+			if o.output == "table" {
+				req.View = adminpb.EnvoyView_ENVOY_VIEW_BASIC // what the table shows
+			}
 			list, err := c.ListEnvoys(ctx, req)
 			if err != nil {
 				return err
@@ -338,8 +341,13 @@ shows that Envoy in detail.`,
 				row(w, head...)
 				for _, e := range list.GetEnvoys() {
 					byType := map[string]string{}
-					for _, t := range e.GetTypes() {
+					for _, t := range e.GetTypes() { // the full view (-o json, yaml)
 						byType[t.GetType()] = t.GetStatus()
+					}
+					for i, st := range e.GetStatuses() { // the basic view (table)
+						if st != adminpb.SyncStatus_SYNC_STATUS_UNSPECIFIED && i < len(list.GetStatusTypes()) {
+							byType[list.GetStatusTypes()[i]] = strings.ReplaceAll(st.String(), "_", " ")
+						}
 					}
 					cols := []any{e.GetNode(), e.GetKey(), e.GetRelay()}
 					for _, t := range typeNames {
