@@ -30,6 +30,7 @@ Usage:
   loadtest scale [flags]      a tier scaled out and in: keys and streams moved, time to rebalance, bytes re-sent
   loadtest warmstart [flags]  a relay started from the upstream (cold) and from etcd (warm); etcd bytes per change
   loadtest ledger [flags]     the ledger at 10,000 Envoys: ACK bookkeeping, convergence and tier-wide queries, memory
+  loadtest proxystatus [flags] a tier-wide proxy-status of 10,000 Envoys over 3 relays: the admin API and istioctl's syncz
   loadtest upstream [flags]   serve the synthetic istiod-shaped upstream (with optional churn)
 
 Run "loadtest <command> -h" for a command's flags.
@@ -52,6 +53,8 @@ func main() {
 		err = warmstart(ctx, os.Args[2:])
 	case "ledger":
 		err = ledgerBench(ctx, os.Args[2:])
+	case "proxystatus":
+		err = proxyStatus(ctx, os.Args[2:])
 	case "upstream":
 		err = serveUpstream(ctx, os.Args[2:])
 	case "relay-child": // hidden: the relay process fanout starts
@@ -203,22 +206,57 @@ func ledgerBench(ctx context.Context, args []string) error {
 		}
 		cfg.StartPeer = loadtest.ExecLedgerPeer(exe, os.Stderr, "ledger-child")
 	}
-	if *cpuProfile != "" {
-		f, err := os.Create(*cpuProfile)
-		if err != nil {
-			return err
-		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			return err
-		}
-		defer pprof.StopCPUProfile()
+	stop, err := startCPUProfile(*cpuProfile)
+	if err != nil {
+		return err
 	}
+	defer stop()
 	rep, err := loadtest.RunLedger(ctx, cfg, os.Stdout)
 	if err != nil {
 		return err
 	}
 	return writeJSON(*jsonOut, rep)
+}
+
+func proxyStatus(ctx context.Context, args []string) error {
+	cfg := loadtest.DefaultProxyStatusConfig()
+	fs := flag.NewFlagSet("proxystatus", flag.ContinueOnError)
+	fs.IntVar(&cfg.Relays, "relays", cfg.Relays, "relays the Envoys are spread over")
+	fs.IntVar(&cfg.Envoys, "envoys", cfg.Envoys, "Envoys in the tier's ledgers")
+	fs.IntVar(&cfg.Keys, "keys", cfg.Keys, "aggregation keys")
+	fs.IntVar(&cfg.Queries, "queries", cfg.Queries, "timed repetitions of each query")
+	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
+	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	stop, err := startCPUProfile(*cpuProfile)
+	if err != nil {
+		return err
+	}
+	defer stop()
+	rep, err := loadtest.RunProxyStatus(ctx, cfg, os.Stdout)
+	if err != nil {
+		return err
+	}
+	return writeJSON(*jsonOut, rep)
+}
+
+// startCPUProfile profiles the process into path (--cpuprofile), if set,
+// until stop is called.
+func startCPUProfile(path string) (stop func(), err error) {
+	if path == "" {
+		return func() {}, nil
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() { pprof.StopCPUProfile(); f.Close() }, nil
 }
 
 // writeJSON writes v as indented JSON to path (--json), if path is set.
