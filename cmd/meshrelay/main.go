@@ -22,6 +22,8 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/relay"
+	// Every Envoy and Istio type, for config dumps and reflection.
+	_ "github.com/meshrelay/meshrelay/relay/xdstypes"
 	"github.com/meshrelay/meshrelay/shard"
 )
 
