@@ -53,10 +53,12 @@ type liveTier struct {
 	moved  upstream.Change
 }
 
-func startLiveTier(t *testing.T) *liveTier {
+// startTier starts a synthetic upstream of scenario sc and a tier of
+// cfg on it (cfg.Upstream is set), stopped at the end of the test, and
+// waits for the tier to converge.
+func startTier(t *testing.T, sc upstream.Scenario, cfg loadtest.TierConfig) (*upstream.Upstream, *loadtest.Tier) {
 	t.Helper()
 	ctx := context.Background()
-	sc := upstream.Scenario{Services: 6, Endpoints: 6, Namespaces: 3, LocalFraction: 0}
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario = sc
 	up, err := upstream.New(ucfg)
@@ -67,8 +69,8 @@ func startLiveTier(t *testing.T) *liveTier {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { up.Stop(context.Background()) })
-	tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(),
-		Relay: func(c *relay.Config) { c.AdminListen = "127.0.0.1:0" }})
+	cfg.Upstream = up.Addr()
+	tier, err := loadtest.StartTier(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -78,6 +80,14 @@ func startLiveTier(t *testing.T) *liveTier {
 	if err := tier.WaitConverged(wctx); err != nil {
 		t.Fatal(err)
 	}
+	return up, tier
+}
+
+func startLiveTier(t *testing.T) *liveTier {
+	t.Helper()
+	ctx := context.Background()
+	sc := upstream.Scenario{Services: 6, Endpoints: 6, Namespaces: 3, LocalFraction: 0}
+	up, tier := startTier(t, sc, loadtest.TierConfig{Relays: 3, Relay: func(c *relay.Config) { c.AdminListen = "127.0.0.1:0" }})
 	relays := tier.Running()
 	var rejecting atomic.Bool
 	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{
@@ -358,25 +368,10 @@ func slicesEqual(a, b []string) bool { return strings.Join(a, "\x00") == strings
 func TestRelayctlSecureDrain(t *testing.T) {
 	const token = "relayctl-test-token"
 	certs := shardtest.NewCerts(t)
-	ctx := context.Background()
-	ucfg := upstream.DefaultConfig()
-	ucfg.Scenario = upstream.Scenario{Services: 3, Endpoints: 3, Namespaces: 1}
-	up, err := upstream.New(ucfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := up.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { up.Stop(context.Background()) })
-	tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), DrainPeriod: 200 * time.Millisecond,
+	_, tier := startTier(t, upstream.Scenario{Services: 3, Endpoints: 3, Namespaces: 1}, loadtest.TierConfig{Relays: 3, DrainPeriod: 200 * time.Millisecond,
 		Relay: func(c *relay.Config) { c.AdminListen, c.AdminTLS, c.AdminToken = "127.0.0.1:0", certs.Server, token },
 		Node:  func(c *shard.NodeConfig) { c.AllowMutations = true },
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { tier.Stop(context.Background()) })
 	tokenFile := filepath.Join(t.TempDir(), "token")
 	if err := os.WriteFile(tokenFile, []byte(token+"\n"), 0o600); err != nil {
 		t.Fatal(err)
