@@ -39,8 +39,12 @@ const (
 var synczTypes = []string{typeListener, typeRoute, typeEndpoint, typeCluster, typeExtension}
 
 // answerDebugSotW answers a SotW request for a debug type URL. A debug
-// client is not an Envoy: its stream joins no key.
-func (s *stream) answerDebugSotW(typeURL string, names []string) error {
+// client is not an Envoy: its stream joins no key. An ACK or a NACK of an
+// answer (a request with a response nonce) is not answered again.
+func (s *stream) answerDebugSotW(typeURL, responseNonce string, names []string) error {
+	if responseNonce != "" {
+		return nil
+	}
 	res, err := s.r.debugResources(s.ctx, typeURL, names)
 	if err != nil {
 		return err
@@ -53,6 +57,9 @@ func (s *stream) answerDebugSotW(typeURL string, names []string) error {
 
 // answerDebugDelta answers a Delta request for a debug type URL.
 func (s *stream) answerDebugDelta(req *discovery.DeltaDiscoveryRequest) error {
+	if req.GetResponseNonce() != "" {
+		return nil
+	}
 	res, err := s.r.debugResources(s.ctx, req.GetTypeUrl(), req.GetResourceNamesSubscribe())
 	if err != nil {
 		return err
@@ -70,8 +77,15 @@ func isDebugType(typeURL string) bool {
 	return typeURL == typeDebugSyncz || typeURL == typeDebugConfigDump
 }
 
-// debugResources answers a debug type URL for the tier.
+// debugResources answers a debug type URL for the tier. Only a relay whose
+// xDS port is trusted (Authorizer AllowAll, as istiod's plaintext port)
+// answers: with an Authorizer, a stream proves only that it may have its
+// own node's config, not every node's, and the admin API (which has its
+// own access control) answers the same questions.
 func (r *Relay) debugResources(ctx context.Context, typeURL string, names []string) ([]*anypb.Any, error) {
+	if _, trusted := r.cfg.Authorizer.(AllowAll); !trusted {
+		return nil, status.Errorf(codes.PermissionDenied, "%s is answered only on a trusted xDS port (no Authorizer): ask the admin API (relayctl)", typeURL)
+	}
 	if typeURL == typeDebugSyncz {
 		return r.syncz(r.TierLedger(ctx, ledger.Scope{}))
 	}

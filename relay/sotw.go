@@ -54,7 +54,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 		if err != nil {
 			return status.Error(codes.InvalidArgument, err.Error())
 		}
-		return s.answerDebugSotW(req.GetTypeUrl(), list)
+		return s.answerDebugSotW(req.GetTypeUrl(), req.GetResponseNonce(), list)
 	}
 	if s.key == nil {
 		if err := s.attach(req.GetNode()); err != nil {
