@@ -137,6 +137,26 @@ func (s *stream) sent(types []string) []dumpType {
 	return out
 }
 
+// streamOf returns the Envoy stream of node and its key (nil if none is
+// attached here; the latest to attach if several are).
+func (r *Relay) streamOf(node string) (*stream, Key) {
+	var (
+		found *stream
+		key   Key
+	)
+	for _, k := range r.keysSnapshot() {
+		k.mu.Lock()
+		for _, s := range k.members {
+			// s.node is set before the stream joins a key's members.
+			if s.peerRelay == nil && s.node.GetId() == node && (found == nil || s.id > found.id) {
+				found, key = s, k.key
+			}
+		}
+		k.mu.Unlock()
+	}
+	return found, key
+}
+
 // ConfigDump returns what the relay sent a node, or a key's views, as
 // Envoy's config dump with Secrets redacted (see inspectpb.ConfigDump). It
 // returns ErrNotHeld for a node not connected here or a key not held.
@@ -147,13 +167,11 @@ func (r *Relay) ConfigDump(ctx context.Context, req *inspectpb.ConfigDumpRequest
 	case req.GetNode() != "" && req.GetKey() != "":
 		return nil, errors.New("relay: config dump: a node or a key, not both")
 	case req.GetNode() != "":
-		envoys, _ := r.streams()
-		i := slices.IndexFunc(envoys, func(s *stream) bool { return s.node.GetId() == req.GetNode() })
-		if i < 0 {
+		s, k := r.streamOf(req.GetNode())
+		if s == nil {
 			return nil, fmt.Errorf("node %q: %w", req.GetNode(), ErrNotHeld)
 		}
-		s := envoys[i]
-		out.Key = string(s.key.key)
+		out.Key = string(k)
 		q := dumpReq{types: req.GetTypes(), reply: make(chan []dumpType, 1)}
 		select {
 		case s.dumps <- q:
