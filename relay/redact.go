@@ -18,9 +18,10 @@ const redacted = "[redacted]"
 // redactAny returns a copy of a resource with every field Envoy marks
 // sensitive (udpa.annotations.sensitive: private keys, passwords, session
 // ticket keys, generic secrets) replaced by "[redacted]", as Envoy's own
-// /config_dump does: a string or bytes field is replaced; in a sensitive
-// message, every string and bytes field within. Any fields are unpacked and
-// redacted too. A resource whose type this binary does not know, or that
+// /config_dump does: a string or bytes field is replaced, a number, bool
+// or enum cleared; in a sensitive message, every such field within. Any
+// fields are unpacked and redacted too, and fields unknown to this binary
+// dropped. A resource whose type this binary does not know, or that
 // does not decode, cannot be checked and is refused.
 func redactAny(a *anypb.Any) (*anypb.Any, error) {
 	m, err := a.UnmarshalNew()
@@ -44,9 +45,28 @@ func redactMessage(m protoreflect.Message, sensitive bool, depth int) error {
 	if a, ok := m.Interface().(*anypb.Any); ok {
 		return redactNestedAny(a, sensitive, depth)
 	}
-	var err error
+	// Fields this binary's protos do not know could be sensitive in a
+	// newer Envoy's: they are dropped, not shown.
+	m.SetUnknown(nil)
+	var (
+		err     error
+		cleared []protoreflect.FieldDescriptor
+	)
 	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
 		s := sensitive || isSensitive(fd)
+		valueKind := fd.Kind()
+		if fd.IsMap() {
+			valueKind = fd.MapValue().Kind()
+		}
+		switch valueKind {
+		case protoreflect.MessageKind, protoreflect.GroupKind, protoreflect.StringKind, protoreflect.BytesKind:
+		default:
+			// A number, a bool or an enum in a sensitive field: gone.
+			if s {
+				cleared = append(cleared, fd)
+			}
+			return true
+		}
 		switch {
 		case fd.IsList():
 			l := v.List()
@@ -71,6 +91,9 @@ func redactMessage(m protoreflect.Message, sensitive bool, depth int) error {
 		}
 		return err == nil
 	})
+	for _, fd := range cleared {
+		m.Clear(fd)
+	}
 	return err
 }
 
