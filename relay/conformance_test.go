@@ -457,8 +457,8 @@ func TestConformance(t *testing.T) {
 			}
 			k := e.r.keysSnapshot()[0]
 			root, _ := ledger.ParseHash(older)
-			sub := &typeSub{typeURL: typeEndpoint, names: newNameSet([]string{"c0", "c1"})}
-			if !k.hadRoot(typeEndpoint, sub.target, root) {
+			sub := &typeSub{typeURL: typeEndpoint, names: newNameSet([]string{"c0", "c1"}), listDigest: listDigest([]string{"c0", "c1"})}
+			if !k.hadRoot(sub, root) {
 				t.Fatalf("hadRoot(%s) = false for a version the key sent", older)
 			}
 			m = ahead.recv()

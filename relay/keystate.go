@@ -37,6 +37,10 @@ type keyState struct {
 	histMu sync.Mutex
 	hist   map[string]*ledger.History[*Resource]
 
+	// claims remembers hadRoot's answers (see there).
+	claimMu sync.Mutex
+	claims  map[claimKey]claimMemo
+
 	mu      sync.Mutex
 	members []*stream // in join order; the first one's node is presented upstream
 	peers   int       // members that are other relays subscribing to this key
@@ -126,12 +130,14 @@ func (k *keyState) hadContent(typeURL, name string, hash ledger.Hash) bool {
 // subscription to some of a type's names: each costs a subset tree.
 const maxClaimVersions = 32
 
-// hadRoot reports whether one of the key's recent versions of typeURL gave
-// target (the part of a view a client subscribes to) the root root: whether
-// a SotW client claiming root holds content this key had.
-func (k *keyState) hadRoot(typeURL string, target func(ledger.Tree[*Resource]) ledger.Tree[*Resource], root ledger.Hash) bool {
+// hadRoot reports whether one of the key's recent versions of the type
+// gave sub's subscription (sub.target of the view) the root root: whether
+// a SotW client claiming root holds content this key had. Answers are
+// remembered until the type's next version: clients held after a failover
+// ask again on every wake-up, and many ask the same.
+func (k *keyState) hadRoot(sub *typeSub, root ledger.Hash) bool {
 	k.histMu.Lock()
-	h := k.hist[typeURL]
+	h := k.hist[sub.typeURL]
 	k.histMu.Unlock()
 	if h == nil {
 		return false
@@ -139,12 +145,43 @@ func (k *keyState) hadRoot(typeURL string, target func(ledger.Tree[*Resource]) l
 	if _, ok := h.Lookup(root); ok {
 		return true // the whole view: any kept version
 	}
+	ck := claimKey{typeURL: sub.typeURL, names: sub.listDigest, wildcard: sub.wildcard, root: root}
+	seq := h.Current().Seq
+	k.claimMu.Lock()
+	m, ok := k.claims[ck]
+	k.claimMu.Unlock()
+	if ok && m.seq == seq {
+		return m.had
+	}
 	found := false
 	h.Back(maxClaimVersions, func(_ ledger.Version, t ledger.Tree[*Resource]) bool {
-		found = target(t).Root() == root
+		found = sub.target(t).Root() == root
 		return !found
 	})
+	k.claimMu.Lock()
+	if k.claims == nil || len(k.claims) >= maxClaimMemos {
+		k.claims = make(map[claimKey]claimMemo)
+	}
+	k.claims[ck] = claimMemo{seq: seq, had: found}
+	k.claimMu.Unlock()
 	return found
+}
+
+// maxClaimMemos bounds the claims a key remembers (hadRoot).
+const maxClaimMemos = 1024
+
+// claimKey is a SotW claim: a root, for a subscription to a type.
+type claimKey struct {
+	typeURL  string
+	names    uint64 // the subscription's list digest
+	wildcard bool
+	root     ledger.Hash
+}
+
+// claimMemo is hadRoot's answer as of the type's version seq.
+type claimMemo struct {
+	seq uint64
+	had bool
 }
 
 func (t *typeSnap) isPending(name string, now time.Time, wait time.Duration) bool {

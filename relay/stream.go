@@ -781,7 +781,7 @@ func (s *stream) holdClaim(sub *typeSub) bool {
 		return false
 	}
 	root, err := ledger.ParseHash(sub.claimed)
-	if err != nil || s.key.hadRoot(sub.typeURL, sub.target, root) {
+	if err != nil || s.key.hadRoot(sub, root) {
 		return false
 	}
 	if !sub.unseenArmed {
