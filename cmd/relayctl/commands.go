@@ -470,10 +470,10 @@ func deliveryCmd(o *options) *cobra.Command {
 	cmd.Flags().StringVar(&req.Type, "type", "", "the resource's type: a type URL, or cds, eds, lds, rds")
 	cmd.Flags().StringVar(&req.Name, "name", "", "the resource's name")
 	cmd.Flags().StringVar(&req.Hash, "hash", "", "its content hash (hex, as in a Delta resource's version)")
-	for _, f := range []string{"type", "name", "hash"} {
-		cmd.MarkFlagRequired(f)
-	}
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
+		if req.Type == "" || req.Name == "" || req.Hash == "" {
+			return usageError{errors.New("--type, --name and --hash are required")}
+		}
 		req.Type = typeURL(req.Type)
 		return o.call(cmd.Context(), func(ctx context.Context, c adminpb.AdminClient) error {
 			d, err := c.CheckDelivery(ctx, req)
@@ -589,10 +589,28 @@ serving no Envoys, until it is stopped. The relay must allow it
 				if err != nil {
 					return err
 				}
+				var byID []*adminpb.Member
 				for _, m := range ring.GetMembers() {
-					if m.GetName() == args[0] || strings.HasPrefix(m.GetName(), args[0]+"-") && strings.Count(m.GetName()[len(args[0]):], "-") == 1 {
-						target = m
+					switch {
+					case m.GetName() == args[0]:
+						target = m // a member name: exactly one
+						return nil
+					case memberID(m.GetName()) == args[0]:
+						byID = append(byID, m)
 					}
+				}
+				switch len(byID) {
+				case 0:
+				case 1:
+					target = byID[0]
+				default:
+					// Two incarnations of one ID (a restart not yet
+					// forgotten): the member name says which.
+					var names []string
+					for _, m := range byID {
+						names = append(names, m.GetName())
+					}
+					return usageError{fmt.Errorf("relay %q is in the ring %d times (%s): name the member", args[0], len(byID), strings.Join(names, ", "))}
 				}
 				return nil
 			})
@@ -624,6 +642,15 @@ serving no Envoys, until it is stopped. The relay must allow it
 			})
 		},
 	}
+}
+
+// memberID is a member name's relay ID: the name without its incarnation
+// suffix (the last "-" and what follows).
+func memberID(name string) string {
+	if i := strings.LastIndexByte(name, '-'); i > 0 {
+		return name[:i]
+	}
+	return name
 }
 
 // progress prints a wait's convergence when it changed.

@@ -251,6 +251,7 @@ func TestRelayctl(t *testing.T) {
 		{"usage-output", []string{"ring", "-o", "xml"}, 2, same},
 		{"usage-args", []string{"shards", "extra"}, 2, same},
 		{"usage-selector", []string{"convergence", "--key", "a", "--prefix", "b"}, 2, same},
+		{"usage-delivery", []string{"delivery", "--type", "eds", "--name", "x"}, 2, same},
 		{"unknown-node", []string{"proxy-status", "no-such-node"}, 1, same},
 		{"proxy-config", []string{"proxy-config", nacking, "--type", "cds,lds"}, 0, same},
 		{"proxy-config-usage", []string{"proxy-config"}, 2, same},
