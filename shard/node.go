@@ -50,7 +50,7 @@ type Node struct {
 
 	drainMu     sync.Mutex
 	drainCancel context.CancelFunc // set once Drain started
-	drainDone   chan struct{}      // closed when its streams are closed
+	drainDone   chan struct{}      // closed when its streams are closed (set by Stop too)
 }
 
 // Compile-time checks of the interfaces package relay declares.
@@ -236,6 +236,11 @@ func (n *Node) stopStore(ctx context.Context) error {
 func (n *Node) Stop(ctx context.Context) error {
 	n.drainMu.Lock()
 	cancel, done := n.drainCancel, n.drainDone
+	if done == nil {
+		// Stopping: a Drain from now on has nothing to do.
+		n.drainDone = make(chan struct{})
+		close(n.drainDone)
+	}
 	n.drainMu.Unlock()
 	if cancel != nil {
 		cancel() // what Drain has not closed yet is closed below

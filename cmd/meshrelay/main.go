@@ -5,6 +5,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"flag"
 	"fmt"
@@ -117,6 +118,9 @@ func serve(ctx context.Context, args []string) error {
 		return fmt.Errorf("--log-level: %w", err)
 	}
 	cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+	if admin.allowMutations && cfg.AdminToken == "" && (cfg.AdminTLS == nil || cfg.AdminTLS.ClientAuth != tls.RequireAndVerifyClientCert) {
+		cfg.Logger.Warn("the admin API allows mutating calls (Drain) to anyone who reaches its port: set --admin-token-file or --admin-client-ca")
+	}
 	if cfg.Registerer == nil {
 		reg := prometheus.NewRegistry()
 		cfg.Registerer, cfg.Gatherer = reg, reg
