@@ -94,7 +94,7 @@ func TestAdminReflection(t *testing.T) {
 	}
 	const tlsContext = "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 	for _, symbol := range []string{tlsContext, "envoy.admin.v3.ConfigDump", "istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig",
-		"istio.mesh.v1alpha1.ProxyConfig", "meshrelay.admin.v1.Admin"} {
+		"istio.mesh.v1alpha1.ProxyConfig", "istio.networking.v1alpha3.ServiceEntry", "meshrelay.admin.v1.Admin"} {
 		fetch(symbol)
 	}
 	set := &descriptorpb.FileDescriptorSet{}
@@ -121,7 +121,8 @@ func TestAdminReflection(t *testing.T) {
 	if sni := m.Get(m.Descriptor().Fields().ByName("sni")).String(); sni != "checkout.payments.svc.cluster.local" {
 		t.Errorf("decoded by reflection, sni = %q", sni)
 	}
-	for _, name := range []protoreflect.FullName{"istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig", "istio.mesh.v1alpha1.ProxyConfig"} {
+	for _, name := range []protoreflect.FullName{"istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig", "istio.mesh.v1alpha1.ProxyConfig",
+		"istio.networking.v1alpha3.ServiceEntry"} {
 		if _, err := reg.FindDescriptorByName(name); err != nil {
 			t.Errorf("reflection did not serve %s: %v", name, err)
 		}

@@ -1,6 +1,7 @@
 // Package xdstypes links every Envoy v3 proto package (go-control-plane)
-// and Istio's Envoy extension and mesh config protos (istio.io/api) into a
-// binary that imports it, for their descriptors and types alone:
+// and every Istio proto package (istio.io/api: Istio's Envoy extensions,
+// mesh config, networking, security, telemetry) into a binary that imports
+// it, for their descriptors and types alone:
 //
 //   - config dumps (the admin API, istio.io/debug/config_dump) decode and
 //     redact every extension an Envoy config may embed in an Any, instead

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Regenerates imports.go: every Envoy v3 proto package of the
 # go-control-plane version in go.mod (the deprecated v2 API and v2alpha
-# packages left out), and Istio's Envoy extension and mesh config protos.
+# packages left out), and every proto package of istio.io/api.
 set -eu
 cd "$(dirname "$0")"
 gcp=$(go list -m -f '{{.Dir}}' github.com/envoyproxy/go-control-plane/envoy)
@@ -14,7 +14,7 @@ istio=$(go list -m -f '{{.Dir}}' istio.io/api)
 	echo 'import ('
 	(cd "$gcp" && find . -name '*.pb.go' ! -name '*.pb.validate.go' | xargs -n1 dirname | sort -u |
 		grep -v -e '/v2$' -e '/v2/' -e 'v2alpha' -e '^\./api/v2' | sed 's|^\./|github.com/envoyproxy/go-control-plane/envoy/|')
-	(cd "$istio" && find envoy mesh/v1alpha1 -name '*.pb.go' | xargs -n1 dirname | sort -u | sed 's|^|istio.io/api/|')
+	(cd "$istio" && find . -name '*.pb.go' ! -path './common-protos/*' | xargs -n1 dirname | sort -u | sed 's|^\./|istio.io/api/|')
 } | sed -e '/^github.com\|^istio.io/s|.*|\t_ "&"|' > imports.go
 echo ')' >> imports.go
 gofmt -l imports.go
