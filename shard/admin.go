@@ -42,10 +42,11 @@ func selectorScope(s *adminpb.Selector) ledger.Scope {
 }
 
 func (a adminServer) GetRing(context.Context, *adminpb.GetRingRequest) (*adminpb.Ring, error) {
-	out := &adminpb.Ring{Relay: a.n.relay.ID()}
+	score, states := a.n.ring.Health()
+	out := &adminpb.Ring{Relay: a.n.relay.ID(), HealthScore: int32(score)}
 	for _, m := range a.n.ring.Members() {
 		out.Members = append(out.Members, &adminpb.Member{Name: m.Name, XdsAddress: m.XDSAddr, AdminAddress: m.AdminAddr,
-			Envoys: int64(m.Conns), Self: m.Self})
+			Envoys: int64(m.Conns), Self: m.Self, State: states[m.Name]})
 	}
 	return out, nil
 }

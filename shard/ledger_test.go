@@ -310,6 +310,9 @@ func checkAdminAPI(t *testing.T, tier *loadtest.Tier, byRole map[string][]string
 		if m.GetSelf() {
 			selves++
 		}
+		if m.GetState() != "alive" {
+			t.Errorf("GetRing: member %s is %q, want alive", m.GetName(), m.GetState())
+		}
 	}
 	if ring.GetRelay() != asked.ID || len(ring.GetMembers()) != 3 || selves != 1 {
 		t.Fatalf("GetRing = %v, want relay %s, 3 members, one of them self", ring, asked.ID)

@@ -243,6 +243,28 @@ func (r *Ring) Members() []Member {
 	return out
 }
 
+// Health returns gossip's view of the tier's health: this relay's
+// awareness score (memberlist's: 0 is healthy; it rises while this relay
+// misses its own probes' deadlines, a sign that it, not its peers, is
+// slow) and each member's state by name ("alive" or "suspect"; a member
+// declared dead or gone has left the ring). Empty before Start and after
+// Stop.
+func (r *Ring) Health() (score int, states map[string]string) {
+	if r.state.Load() != 1 {
+		return 0, nil
+	}
+	states = make(map[string]string)
+	for _, n := range r.ml.Members() {
+		switch n.State {
+		case memberlist.StateAlive:
+			states[n.Name] = "alive"
+		case memberlist.StateSuspect:
+			states[n.Name] = "suspect"
+		}
+	}
+	return r.ml.GetHealthScore(), states
+}
+
 // PeerAddrs returns the xDS addresses of the other live members.
 func (r *Ring) PeerAddrs() []string {
 	r.mu.RLock()

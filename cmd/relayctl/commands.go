@@ -47,7 +47,7 @@ func ringCmd(o *options) *cobra.Command {
 				}
 				slices.SortFunc(ring.Members, func(a, b *adminpb.Member) int { return strings.Compare(a.GetName(), b.GetName()) })
 				return o.print(ring, func(w io.Writer) {
-					row(w, "MEMBER", "XDS ADDRESS", "ADMIN ADDRESS", "ENVOYS")
+					row(w, "MEMBER", "STATE", "XDS ADDRESS", "ADMIN ADDRESS", "ENVOYS")
 					for _, m := range ring.GetMembers() {
 						name := m.GetName()
 						if m.GetSelf() {
@@ -57,8 +57,9 @@ func ringCmd(o *options) *cobra.Command {
 						if admin == "" {
 							admin = "-"
 						}
-						row(w, name, m.GetXdsAddress(), admin, m.GetEnvoys())
+						row(w, name, m.GetState(), m.GetXdsAddress(), admin, m.GetEnvoys())
 					}
+					fmt.Fprintf(w, "\ngossip health score of %s: %d (0 is healthy; it rises while that relay is slow)\n", ring.GetRelay(), ring.GetHealthScore())
 				})
 			})
 		},

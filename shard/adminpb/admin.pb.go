@@ -235,8 +235,12 @@ func (*GetRingRequest) Descriptor() ([]byte, []int) {
 type Ring struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The relay that answered.
-	Relay         string    `protobuf:"bytes,1,opt,name=relay,proto3" json:"relay,omitempty"`
-	Members       []*Member `protobuf:"bytes,2,rep,name=members,proto3" json:"members,omitempty"`
+	Relay   string    `protobuf:"bytes,1,opt,name=relay,proto3" json:"relay,omitempty"`
+	Members []*Member `protobuf:"bytes,2,rep,name=members,proto3" json:"members,omitempty"`
+	// Gossip's awareness score of the relay that answered: 0 is healthy; it
+	// rises while the relay misses its own probes' deadlines (it, not its
+	// peers, is slow).
+	HealthScore   int32 `protobuf:"varint,3,opt,name=health_score,json=healthScore,proto3" json:"health_score,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -285,6 +289,13 @@ func (x *Ring) GetMembers() []*Member {
 	return nil
 }
 
+func (x *Ring) GetHealthScore() int32 {
+	if x != nil {
+		return x.HealthScore
+	}
+	return 0
+}
+
 type Member struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The memberlist name: the relay's ID and an incarnation suffix.
@@ -295,7 +306,10 @@ type Member struct {
 	// The relay that answered.
 	Self bool `protobuf:"varint,4,opt,name=self,proto3" json:"self,omitempty"`
 	// Its admin API's address, if it advertises one.
-	AdminAddress  string `protobuf:"bytes,5,opt,name=admin_address,json=adminAddress,proto3" json:"admin_address,omitempty"`
+	AdminAddress string `protobuf:"bytes,5,opt,name=admin_address,json=adminAddress,proto3" json:"admin_address,omitempty"`
+	// As gossip sees it: alive, or suspect (missed probes; declared dead,
+	// it leaves the ring).
+	State         string `protobuf:"bytes,6,opt,name=state,proto3" json:"state,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -361,6 +375,13 @@ func (x *Member) GetSelf() bool {
 func (x *Member) GetAdminAddress() string {
 	if x != nil {
 		return x.AdminAddress
+	}
+	return ""
+}
+
+func (x *Member) GetState() string {
+	if x != nil {
+		return x.State
 	}
 	return ""
 }
@@ -2070,17 +2091,19 @@ const file_shard_adminpb_admin_proto_rawDesc = "" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x1d\n" +
 	"\n" +
 	"key_prefix\x18\x02 \x01(\tR\tkeyPrefix\"\x10\n" +
-	"\x0eGetRingRequest\"R\n" +
+	"\x0eGetRingRequest\"u\n" +
 	"\x04Ring\x12\x14\n" +
 	"\x05relay\x18\x01 \x01(\tR\x05relay\x124\n" +
-	"\amembers\x18\x02 \x03(\v2\x1a.meshrelay.admin.v1.MemberR\amembers\"\x8e\x01\n" +
+	"\amembers\x18\x02 \x03(\v2\x1a.meshrelay.admin.v1.MemberR\amembers\x12!\n" +
+	"\fhealth_score\x18\x03 \x01(\x05R\vhealthScore\"\xa4\x01\n" +
 	"\x06Member\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1f\n" +
 	"\vxds_address\x18\x02 \x01(\tR\n" +
 	"xdsAddress\x12\x16\n" +
 	"\x06envoys\x18\x03 \x01(\x03R\x06envoys\x12\x12\n" +
 	"\x04self\x18\x04 \x01(\bR\x04self\x12#\n" +
-	"\radmin_address\x18\x05 \x01(\tR\fadminAddress\"M\n" +
+	"\radmin_address\x18\x05 \x01(\tR\fadminAddress\x12\x14\n" +
+	"\x05state\x18\x06 \x01(\tR\x05state\"M\n" +
 	"\x11ListShardsRequest\x128\n" +
 	"\bselector\x18\x01 \x01(\v2\x1c.meshrelay.admin.v1.SelectorR\bselector\"\xc0\x01\n" +
 	"\tShardList\x121\n" +
