@@ -464,7 +464,7 @@ func demoLedgerWait(out io.Writer, tier *Tier) {
 	wctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	start := time.Now()
-	tl, err := r.Node.Relay().TierWait(wctx, ledger.Scope{}, 1)
+	tl, err := r.Node.Relay().TierWait(wctx, ledger.Scope{}, 1, nil)
 	c := tl.Convergence()
 	if err == nil {
 		fmt.Fprintf(out, "ledger (asked of %s): %d of %d Envoys ACKed their key's current version, tier-wide, %s after the churn stopped\n",

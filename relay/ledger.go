@@ -121,8 +121,9 @@ func (r *Relay) TierDelivery(ctx context.Context, scope ledger.Scope, typeURL, n
 // TierWait returns when the share of the tier's Envoys of scope on their
 // key's current version reaches share, or when ctx ends, with the latest
 // complete gather (every relay answered, if one was) and ctx's error. It
-// gathers every LedgerPollInterval.
-func (r *Relay) TierWait(ctx context.Context, scope ledger.Scope, share float64) (TierLedger, error) {
+// gathers every LedgerPollInterval and hands progress, if set, each
+// gather short of the share that ended before ctx.
+func (r *Relay) TierWait(ctx context.Context, scope ledger.Scope, share float64, progress func(TierLedger)) (TierLedger, error) {
 	if !(share > 0 && share <= 1) {
 		return TierLedger{}, ledger.ErrBadShare
 	}
@@ -130,14 +131,23 @@ func (r *Relay) TierWait(ctx context.Context, scope ledger.Scope, share float64)
 	defer t.Stop()
 	var last TierLedger
 	for {
-		tl := r.TierLedger(ctx, scope)
-		if len(tl.Missing) == 0 {
-			if tl.Convergence().Share() >= share {
-				return tl, nil
-			}
+		// Each gather is bounded by LedgerGatherTimeout alone: one cut
+		// short by ctx's deadline would name live relays missing (their
+		// side of the call may end first). The wait may overrun ctx by
+		// that much.
+		tl := r.TierLedger(context.WithoutCancel(ctx), scope)
+		complete := len(tl.Missing) == 0
+		if complete && tl.Convergence().Share() >= share {
+			return tl, nil
+		}
+		if complete || last.Report == nil {
 			last = tl
-		} else if last.Report == nil {
-			last = tl
+		}
+		if ctx.Err() != nil {
+			return last, ctx.Err()
+		}
+		if progress != nil {
+			progress(tl)
 		}
 		select {
 		case <-ctx.Done():

@@ -34,7 +34,6 @@ type adminServer struct {
 const (
 	defaultWaitTimeout = 30 * time.Second
 	maxWaitTimeout     = 10 * time.Minute
-	waitPoll           = 100 * time.Millisecond
 )
 
 func selectorScope(s *adminpb.Selector) ledger.Scope {
@@ -187,49 +186,36 @@ func (a adminServer) Wait(req *adminpb.WaitRequest, stream adminpb.Admin_WaitSer
 		}
 		timeout = min(d.AsDuration(), maxWaitTimeout)
 	}
-	deadline := time.Now().Add(timeout)
-	scope := selectorScope(req.GetSelector())
-	t := time.NewTicker(waitPoll)
-	defer t.Stop()
+	ctx, cancel := context.WithTimeout(stream.Context(), timeout)
+	defer cancel()
 	var last ledger.Convergence
-	sent := false
-	for {
-		// Each gather is bounded by the relay's gather timeout, not by
-		// the wait's: one cut short would report live relays missing.
-		tl := a.n.relay.TierLedger(stream.Context(), scope)
-		if err := stream.Context().Err(); err != nil {
-			return err
-		}
-		c := tl.Convergence()
-		if len(tl.Missing) == 0 && c.Share() >= share {
-			msg := convergence(tl)
-			msg.Reached = true
-			return stream.Send(msg)
-		}
-		if !time.Now().Before(deadline) {
-			// The timeout: a last word, with the stragglers.
-			msg := convergence(tl)
-			msg.Stragglers = stragglers(tl.Stragglers(0))
-			if err := stream.Send(msg); err != nil {
-				return err
-			}
-			return status.Errorf(codes.DeadlineExceeded, "%d of %d Envoys on their key's current version after %v, want a share of %g",
-				c.Current, c.Envoys, timeout, share)
-		}
-		if !sent || c != last {
-			if err := stream.Send(convergence(tl)); err != nil {
-				return err
-			}
+	sent, serr := false, error(nil)
+	tl, err := a.n.relay.TierWait(ctx, selectorScope(req.GetSelector()), share, func(tl relay.TierLedger) {
+		if c := tl.Convergence(); serr == nil && (!sent || c != last) {
+			serr = stream.Send(convergence(tl))
 			last, sent = c, true
 		}
-		wait := time.NewTimer(time.Until(deadline))
-		select {
-		case <-t.C:
-		case <-wait.C:
-		case <-stream.Context().Done():
-		}
-		wait.Stop()
+	})
+	switch {
+	case serr != nil:
+		return serr
+	case err == nil:
+		msg := convergence(tl)
+		msg.Reached = true
+		return stream.Send(msg)
+	case stream.Context().Err() != nil:
+		return stream.Context().Err()
 	}
+	// The timeout: a last word, with the stragglers, from the latest
+	// complete gather.
+	msg := convergence(tl)
+	msg.Stragglers = stragglers(tl.Stragglers(0))
+	if err := stream.Send(msg); err != nil {
+		return err
+	}
+	c := tl.Convergence()
+	return status.Errorf(codes.DeadlineExceeded, "%d of %d Envoys on their key's current version after %v, want a share of %g",
+		c.Current, c.Envoys, timeout, share)
 }
 
 func (a adminServer) Drain(ctx context.Context, req *adminpb.DrainRequest) (*adminpb.DrainResponse, error) {

@@ -220,12 +220,12 @@ func TestLedgerQueries(t *testing.T) {
 	// Wait: half the tier is current; all of it never is.
 	wctx2, cancel2 := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel2()
-	if tl, err := anyRelay(1).Node.Relay().TierWait(wctx2, ledger.Scope{}, 0.5); err != nil || tl.Convergence().Share() < 0.5 {
+	if tl, err := anyRelay(1).Node.Relay().TierWait(wctx2, ledger.Scope{}, 0.5, nil); err != nil || tl.Convergence().Share() < 0.5 {
 		t.Fatalf("TierWait(0.5) = %+v, %v", tl.Convergence(), err)
 	}
 	sctx, cancel3 := context.WithTimeout(ctx, 300*time.Millisecond)
 	defer cancel3()
-	tl2, err := anyRelay(2).Node.Relay().TierWait(sctx, ledger.Scope{}, 1)
+	tl2, err := anyRelay(2).Node.Relay().TierWait(sctx, ledger.Scope{}, 1, nil)
 	if !errors.Is(err, context.DeadlineExceeded) || len(tl2.Stragglers(0)) != 6 {
 		t.Fatalf("TierWait(1.0) = %d stragglers, %v; want 6 and the deadline", len(tl2.Stragglers(0)), err)
 	}
