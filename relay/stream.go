@@ -507,7 +507,8 @@ func (s *stream) sync() error {
 		}
 		if sub.claimed != "" {
 			t := sub.target(ts.view)
-			if t.Root().String() != sub.claimed && (snap.stale || s.holdClaim(sub)) {
+			current := t.Root().String() == sub.claimed
+			if !current && (snap.stale || s.holdClaim(sub)) {
 				// A SotW client that holds config (it moved here from a
 				// relay that crashed, say) says only its version, and
 				// versions are hashes without order: its config may be
@@ -519,7 +520,7 @@ func (s *stream) sync() error {
 				// resource: holdDeclared.)
 				break
 			}
-			if t.Root().String() == sub.claimed {
+			if current {
 				sub.known, sub.awaitFirst = t, false
 				s.updateStatus(typeURL, func(st *TypeStatus) {
 					st.SentVersion, st.AckedVersion = sub.claimed, sub.claimed
@@ -764,11 +765,19 @@ func (s *stream) holdUnseen(sub *typeSub, upd []*Resource, gone []string) ([]*Re
 	}
 	upd = slices.DeleteFunc(upd, func(r *Resource) bool { return unseen(r.Name) })
 	gone = slices.DeleteFunc(gone, unseen)
-	if held && !sub.unseenArmed {
+	if held {
+		s.armUnseen(sub, left)
+	}
+	return upd, gone
+}
+
+// armUnseen schedules, once, a sync for the end of sub's unseen hold, left
+// from now.
+func (s *stream) armUnseen(sub *typeSub, left time.Duration) {
+	if !sub.unseenArmed {
 		sub.unseenArmed = true
 		time.AfterFunc(left, func() { wake(s.wake) })
 	}
-	return upd, gone
 }
 
 // holdClaim is holdUnseen for a SotW client, which declares only the root
@@ -784,10 +793,7 @@ func (s *stream) holdClaim(sub *typeSub) bool {
 	if err != nil || s.key.hadRoot(sub, root) {
 		return false
 	}
-	if !sub.unseenArmed {
-		sub.unseenArmed = true
-		time.AfterFunc(left, func() { wake(s.wake) })
-	}
+	s.armUnseen(sub, left)
 	return true
 }
 
