@@ -587,62 +587,58 @@ serving no Envoys, until it is stopped. The relay must allow it
 			var target *adminpb.Member
 			err := o.call(cmd.Context(), func(ctx context.Context, c adminpb.AdminClient) error {
 				ring, err := c.GetRing(ctx, &adminpb.GetRingRequest{})
+				if err == nil {
+					target, err = findMember(ring, args[0])
+				}
+				return err
+			})
+			if err != nil {
+				return err
+			}
+			if target.GetAdminAddress() == "" {
+				return fmt.Errorf("relay %s advertises no admin address", target.GetName())
+			}
+			return o.callAt(cmd.Context(), target.GetAdminAddress(), func(ctx context.Context, c adminpb.AdminClient) error {
+				got, err := c.Drain(ctx, &adminpb.DrainRequest{Relay: target.GetName()})
 				if err != nil {
 					return err
 				}
-				var byID []*adminpb.Member
-				for _, m := range ring.GetMembers() {
-					switch {
-					case m.GetName() == args[0]:
-						target = m // a member name: exactly one
-						return nil
-					case memberID(m.GetName()) == args[0]:
-						byID = append(byID, m)
+				return o.print(got, func(w io.Writer) {
+					if got.GetAlready() {
+						fmt.Fprintf(w, "%s is draining already\n", got.GetRelay())
+						return
 					}
-				}
-				switch len(byID) {
-				case 0:
-				case 1:
-					target = byID[0]
-				default:
-					// Two incarnations of one ID (a restart not yet
-					// forgotten): the member name says which.
-					var names []string
-					for _, m := range byID {
-						names = append(names, m.GetName())
-					}
-					return usageError{fmt.Errorf("relay %q is in the ring %d times (%s): name the member", args[0], len(byID), strings.Join(names, ", "))}
-				}
-				return nil
-			})
-			switch {
-			case err != nil:
-				return err
-			case target == nil:
-				return fmt.Errorf("no relay %q in the ring", args[0])
-			case target.GetAdminAddress() == "":
-				return fmt.Errorf("relay %s advertises no admin address", target.GetName())
-			}
-			c, done, err := o.clientAt(target.GetAdminAddress())
-			if err != nil {
-				return err
-			}
-			defer done()
-			ctx, cancel := context.WithTimeout(cmd.Context(), o.timeout)
-			defer cancel()
-			got, err := c.Drain(ctx, &adminpb.DrainRequest{Relay: target.GetName()})
-			if err != nil {
-				return err
-			}
-			return o.print(got, func(w io.Writer) {
-				if got.GetAlready() {
-					fmt.Fprintf(w, "%s is draining already\n", got.GetRelay())
-					return
-				}
-				fmt.Fprintf(w, "%s draining: closing %d streams over %s\n", got.GetRelay(), got.GetStreams(), got.GetPeriod().AsDuration())
+					fmt.Fprintf(w, "%s draining: closing %d streams over %s\n", got.GetRelay(), got.GetStreams(), got.GetPeriod().AsDuration())
+				})
 			})
 		},
 	}
+}
+
+// findMember finds the member a relay is named by: its member name, or an
+// ID that only one member has (two incarnations of one ID, a restart not
+// yet forgotten, must be told apart by their member names).
+func findMember(ring *adminpb.Ring, name string) (*adminpb.Member, error) {
+	var byID []*adminpb.Member
+	for _, m := range ring.GetMembers() {
+		switch {
+		case m.GetName() == name:
+			return m, nil
+		case memberID(m.GetName()) == name:
+			byID = append(byID, m)
+		}
+	}
+	switch len(byID) {
+	case 0:
+		return nil, fmt.Errorf("no relay %q in the ring", name)
+	case 1:
+		return byID[0], nil
+	}
+	var names []string
+	for _, m := range byID {
+		names = append(names, m.GetName())
+	}
+	return nil, usageError{fmt.Errorf("relay %q is in the ring %d times (%s): name the member", name, len(byID), strings.Join(names, ", "))}
 }
 
 // memberID is a member name's relay ID: the name without its incarnation

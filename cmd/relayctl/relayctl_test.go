@@ -421,3 +421,21 @@ func TestRelayctlSecureDrain(t *testing.T) {
 		t.Errorf("relayctl drain of a relay out of the ring: exit %d, %q", code, errOut)
 	}
 }
+
+func TestFindMember(t *testing.T) {
+	ring := &adminpb.Ring{Members: []*adminpb.Member{
+		{Name: "relay-1-0a0a0a0a"}, {Name: "relay-10-0b0b0b0b"}, {Name: "relay-2-0c0c0c0c"}, {Name: "relay-2-0d0d0d0d"},
+	}}
+	for _, tc := range []struct{ name, want, err string }{
+		{"relay-1", "relay-1-0a0a0a0a", ""},
+		{"relay-10", "relay-10-0b0b0b0b", ""},
+		{"relay-2-0d0d0d0d", "relay-2-0d0d0d0d", ""},
+		{"relay-2", "", "in the ring 2 times"},
+		{"relay", "", `no relay "relay"`},
+	} {
+		m, err := findMember(ring, tc.name)
+		if m.GetName() != tc.want || (tc.err == "") != (err == nil) || err != nil && !strings.Contains(err.Error(), tc.err) {
+			t.Errorf("findMember(%q) = %q, %v; want %q, %q", tc.name, m.GetName(), err, tc.want, tc.err)
+		}
+	}
+}

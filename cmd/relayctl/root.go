@@ -177,7 +177,12 @@ func (bearer) RequireTransportSecurity() bool { return true }
 
 // call runs fn with a client and a context bounded by --timeout.
 func (o *options) call(ctx context.Context, fn func(context.Context, adminpb.AdminClient) error) error {
-	c, done, err := o.client()
+	return o.callAt(ctx, o.address, fn)
+}
+
+// callAt is call against the relay at addr.
+func (o *options) callAt(ctx context.Context, addr string, fn func(context.Context, adminpb.AdminClient) error) error {
+	c, done, err := o.clientAt(addr)
 	if err != nil {
 		return err
 	}
