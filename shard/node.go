@@ -246,10 +246,7 @@ func (n *Node) Stop(ctx context.Context) error {
 		cancel() // what Drain has not closed yet is closed below
 		<-done
 	}
-	n.relay.MarkNotReady()
-	if err := n.ring.Leave(ctx); err != nil {
-		n.ring.log.Warn("leaving the tier", "err", err)
-	}
+	n.leaveTier(ctx)
 	n.relay.DrainStreams(ctx, n.cfg.DrainPeriod)
 	return errors.Join(n.relay.Stop(ctx), n.stopStore(ctx), n.ring.Stop(ctx))
 }
@@ -269,16 +266,22 @@ func (n *Node) Drain(ctx context.Context) (streams int, started bool) {
 	n.drainMu.Unlock()
 
 	st := n.relay.Stats()
-	n.relay.MarkNotReady()
-	if err := n.ring.Leave(ctx); err != nil {
-		n.ring.log.Warn("leaving the tier", "err", err)
-	}
+	n.leaveTier(ctx)
 	n.ring.log.Info("draining on request", "streams", st.Streams+st.PeerClients, "period", n.cfg.DrainPeriod)
 	go func() {
 		defer close(n.drainDone)
 		n.relay.DrainStreams(dctx, n.cfg.DrainPeriod)
 	}()
 	return st.Streams + st.PeerClients, true
+}
+
+// leaveTier turns the relay not ready (no new streams) and takes it out of
+// the ring: its keys get other owners. A leave that times out is logged.
+func (n *Node) leaveTier(ctx context.Context) {
+	n.relay.MarkNotReady()
+	if err := n.ring.Leave(ctx); err != nil {
+		n.ring.log.Warn("leaving the tier", "err", err)
+	}
 }
 
 // Kill stops the node at once, as a crash would look to the others: no
