@@ -110,6 +110,22 @@ func StartTier(ctx context.Context, cfg TierConfig) (*Tier, error) {
 	return t, nil
 }
 
+// StartConvergedTier starts a tier (StartTier) and waits up to wait for it
+// to converge (WaitConverged); if it does not, it stops the tier.
+func StartConvergedTier(ctx context.Context, cfg TierConfig, wait time.Duration) (*Tier, error) {
+	t, err := StartTier(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	wctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	if err := t.WaitConverged(wctx); err != nil {
+		t.Stop(context.WithoutCancel(ctx))
+		return nil, fmt.Errorf("loadtest: tier not converged after %v: %w", wait, err)
+	}
+	return t, nil
+}
+
 // Addr is the Service's address: what Envoys connect to.
 func (t *Tier) Addr() string { return t.svc.Addr() }
 

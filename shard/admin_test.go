@@ -38,22 +38,17 @@ func TestAdminAccessAndDrain(t *testing.T) {
 	ctx := context.Background()
 	sc := upstream.Scenario{Services: 6, Endpoints: 6, Namespaces: 3, LocalFraction: 0}
 	up := startUpstream(t, sc)
-	tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Logger: testLogger(),
+	tier, err := loadtest.StartConvergedTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Logger: testLogger(),
 		DrainPeriod: 500 * time.Millisecond,
 		Relay: func(c *relay.Config) {
 			c.AdminListen, c.AdminTLS, c.AdminToken = "127.0.0.1:0", certs.Server, token
 		},
 		Node: func(c *shard.NodeConfig) { c.AllowMutations = c.Relay.ID != "relay-2" },
-	})
+	}, 30*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { tier.Stop(context.Background()) })
-	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	if err := tier.WaitConverged(wctx); err != nil {
-		t.Fatal(err)
-	}
 	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: 30, Keys: 3, Protocol: envoy.Delta, Target: tier.Addr()})
 	if err != nil {
 		t.Fatal(err)

@@ -75,17 +75,12 @@ func startCluster(t *testing.T, relays, envoys int, proto envoy.Protocol) *clust
 	up := startUpstream(t, sc)
 	c.up = up
 
-	tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: relays, Upstream: up.Addr(), Logger: testLogger()})
+	tier, err := loadtest.StartConvergedTier(ctx, loadtest.TierConfig{Relays: relays, Upstream: up.Addr(), Logger: testLogger()}, 30*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
 	c.tier = tier
 	t.Cleanup(func() { tier.Stop(context.Background()) })
-	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	if err := tier.WaitConverged(wctx); err != nil {
-		t.Fatal(err)
-	}
 	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{
 		Scenario: sc, Envoys: envoys, Keys: testKeys, Protocol: proto, Target: tier.Addr(),
 		OnEvent: func(i int, ev envoy.Event) {

@@ -49,17 +49,12 @@ func TestLedgerQueries(t *testing.T) {
 	ctx := context.Background()
 	sc := upstream.Scenario{Services: 12, Endpoints: 12, Namespaces: 3, LocalFraction: 0}
 	up := startUpstream(t, sc)
-	tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Logger: testLogger(),
-		Relay: func(c *relay.Config) { c.AdminListen = "127.0.0.1:0" }})
+	tier, err := loadtest.StartConvergedTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Logger: testLogger(),
+		Relay: func(c *relay.Config) { c.AdminListen = "127.0.0.1:0" }}, 30*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { tier.Stop(context.Background()) })
-	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	if err := tier.WaitConverged(wctx); err != nil {
-		t.Fatal(err)
-	}
 
 	const keys, envoys = 3, 12
 	role := func(i int) string { return []string{"ok", "ok", "nack", "silent"}[i/keys] }

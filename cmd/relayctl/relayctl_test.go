@@ -70,16 +70,11 @@ func startTier(t *testing.T, sc upstream.Scenario, cfg loadtest.TierConfig) (*up
 	}
 	t.Cleanup(func() { up.Stop(context.Background()) })
 	cfg.Upstream = up.Addr()
-	tier, err := loadtest.StartTier(ctx, cfg)
+	tier, err := loadtest.StartConvergedTier(ctx, cfg, 30*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { tier.Stop(context.Background()) })
-	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	if err := tier.WaitConverged(wctx); err != nil {
-		t.Fatal(err)
-	}
 	return up, tier
 }
 

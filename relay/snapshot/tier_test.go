@@ -69,16 +69,11 @@ func TestTierPersistsWhatOwnersServe(t *testing.T) {
 	up, sc := startUpstream(t, upstream.Scenario{Services: 30, Endpoints: 30, Namespaces: 3, LocalFraction: 0.25})
 	const keys = 6
 	startTier := func() *loadtest.Tier {
-		tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Etcd: endpoints})
+		tier, err := loadtest.StartConvergedTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Etcd: endpoints}, 30*time.Second)
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { tier.Stop(context.Background()) })
-		wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		defer cancel()
-		if err := tier.WaitConverged(wctx); err != nil {
-			t.Fatal(err)
-		}
 		return tier
 	}
 	startFleet := func(tier *loadtest.Tier) *loadtest.Fleet {
