@@ -148,18 +148,17 @@ func (r *Relay) syncz(tl TierLedger) ([]*anypb.Any, error) {
 // identifier of a debug answer as istiod's JSON (component, ID, build
 // info).
 func (r *Relay) debugControlPlane() *core.ControlPlane {
-	version := "unknown"
-	if bi, ok := debug.ReadBuildInfo(); ok {
-		version = bi.Main.Version
+	type buildInfo struct {
+		Version string `json:"version"`
 	}
-	b, _ := json.Marshal(struct {
+	id := struct {
 		Component string
 		ID        string
-		Info      struct {
-			Version string `json:"version"`
-		}
-	}{Component: "meshrelay", ID: r.cfg.ID, Info: struct {
-		Version string `json:"version"`
-	}{version}})
+		Info      buildInfo
+	}{Component: "meshrelay", ID: r.cfg.ID, Info: buildInfo{Version: "unknown"}}
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		id.Info.Version = bi.Main.Version
+	}
+	b, _ := json.Marshal(id)
 	return &core.ControlPlane{Identifier: string(b)}
 }
