@@ -24,6 +24,9 @@ const (
 	// applied just before a stream broke, whose ACK was never sent, is
 	// known to the server from then on.
 	Declared
+	// Opened: a new stream was opened (nonces start afresh on it). Only At
+	// is set. It comes before every other event of the stream.
+	Opened
 )
 
 // String returns the kind's name.
@@ -39,6 +42,8 @@ func (k EventKind) String() string {
 		return "removed"
 	case Declared:
 		return "declared"
+	case Opened:
+		return "opened"
 	default:
 		return fmt.Sprintf("EventKind(%d)", int(k))
 	}
@@ -70,6 +75,9 @@ type Event struct {
 	Bytes int
 	// Err is the reason of a NACK.
 	Err error
+	// ControlPlane is the response's control_plane.identifier (Received
+	// only): which server sent it.
+	ControlPlane string
 }
 
 // Rule names a protocol rule a Violation broke.

@@ -88,7 +88,7 @@ func (e *Envoy) handleDelta(resp *discovery.DeltaDiscoveryResponse, at time.Time
 // followed by the subscription changes it caused.
 func (e *Envoy) handle(r *response) []outbound {
 	if e.cfg.OnEvent != nil {
-		ev := Event{Kind: Received, TypeURL: r.typeURL, Version: r.version, Nonce: r.nonce, At: r.at, Bytes: r.size}
+		ev := Event{Kind: Received, TypeURL: r.typeURL, Version: r.version, Nonce: r.nonce, At: r.at, Bytes: r.size, ControlPlane: r.cp}
 		ev.Names, ev.Versions = r.names()
 		ev.Generations = r.generations()
 		e.cfg.OnEvent(ev)

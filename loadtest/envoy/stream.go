@@ -122,6 +122,9 @@ func (e *Envoy) session(ctx context.Context, client discovery.AggregatedDiscover
 	e.notifyLocked()
 	e.mu.Unlock()
 	e.log.Info("ads stream open", "protocol", e.cfg.Protocol.String())
+	if e.cfg.OnEvent != nil {
+		e.cfg.OnEvent(Event{Kind: Opened, At: time.Now()})
+	}
 	defer func() {
 		e.mu.Lock()
 		e.stats.Connected = false
