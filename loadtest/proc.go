@@ -121,7 +121,22 @@ type ChildConfig struct {
 	// ReadyTimeout bounds the wait for the child to print its address and
 	// accept a connection there. Default 30s.
 	ReadyTimeout time.Duration
+	// Addr, if set, is where the child listens: it is not expected to
+	// print its address (a program of its own, like meshrelay serve), and
+	// StartChild waits until it accepts connections there.
+	Addr string
+	// OnLine, if set, is called with every other line the child prints on
+	// stdout, in order, from one goroutine. It must not block for long.
+	OnLine func(line string)
+	// Dir is the child's working directory. Default: the parent's.
+	Dir string
+	// User, if set, runs the child as another user (the parent must be
+	// root; Linux only).
+	User *ChildUser
 }
+
+// ChildUser is the user and group a child runs as.
+type ChildUser struct{ UID, GID uint32 }
 
 // readyPrefix starts the line a child prints on stdout once it listens:
 // "xds <host:port>".
@@ -172,7 +187,8 @@ func StartChild(ctx context.Context, cfg ChildConfig) (*Child, error) {
 	cmd.Env = append(os.Environ(), cfg.Env...)
 	cmd.Stdin, cmd.Stdout = inR, outW
 	cmd.Stderr = cfg.Stderr
-	cmd.SysProcAttr = childSysProcAttr()
+	cmd.SysProcAttr = childSysProcAttr(cfg.User)
+	cmd.Dir = cfg.Dir
 	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
 	cmd.WaitDelay = 5 * time.Second
 	err = cmd.Start()
@@ -199,11 +215,13 @@ func StartChild(ctx context.Context, cfg ChildConfig) (*Child, error) {
 		defer outR.Close()
 		sc := bufio.NewScanner(outR)
 		for sc.Scan() {
-			if addr, ok := strings.CutPrefix(sc.Text(), readyPrefix); ok {
+			if addr, ok := strings.CutPrefix(sc.Text(), readyPrefix); ok && cfg.Addr == "" {
 				select {
 				case ready <- strings.TrimSpace(addr):
 				default:
 				}
+			} else if cfg.OnLine != nil {
+				cfg.OnLine(sc.Text())
 			}
 		}
 	}()
@@ -216,6 +234,9 @@ func StartChild(ctx context.Context, cfg ChildConfig) (*Child, error) {
 		_ = c.Stop(stopCtx)
 		return nil, err
 	}
+	if cfg.Addr != "" {
+		ready <- cfg.Addr
+	}
 	select {
 	case c.addr = <-ready:
 	case <-c.exited:
@@ -225,15 +246,56 @@ func StartChild(ctx context.Context, cfg ChildConfig) (*Child, error) {
 	case <-ctx.Done():
 		return fail(ctx.Err())
 	}
-	// It listens before it prints; make sure it accepts.
-	d := net.Dialer{Deadline: time.Now().Add(cfg.ReadyTimeout)}
-	conn, err := d.DialContext(ctx, "tcp", c.addr)
-	if err != nil {
-		return fail(fmt.Errorf("loadtest: child %s does not accept at %s: %w", cfg.Path, c.addr, err))
+	// It listens before it prints; make sure it accepts. (A child with a
+	// known Addr may still be starting: try until the deadline.)
+	deadline := time.Now().Add(cfg.ReadyTimeout)
+	for {
+		d := net.Dialer{Deadline: deadline}
+		conn, err := d.DialContext(ctx, "tcp", c.addr)
+		if err == nil {
+			conn.Close()
+			return c, nil
+		}
+		select {
+		case <-c.exited:
+			return fail(fmt.Errorf("loadtest: child %s exited before it was ready: %v", cfg.Path, c.exitErr()))
+		default:
+		}
+		if cfg.Addr == "" || time.Now().After(deadline) || ctx.Err() != nil {
+			return fail(fmt.Errorf("loadtest: child %s does not accept at %s: %w", cfg.Path, c.addr, err))
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
-	conn.Close()
-	return c, nil
 }
+
+// Signal sends sig to the child's process group (SIGSTOP freezes it,
+// SIGCONT thaws it). It does nothing once the child has exited.
+func (c *Child) Signal(sig syscall.Signal) error {
+	select {
+	case <-c.exited:
+		return nil
+	default:
+	}
+	return signalGroup(c.Pid(), sig)
+}
+
+// Kill ends the child at once (SIGKILL to its process group, as a crash or
+// an OOM kill would) and returns once it has exited and its output is
+// read. It is idempotent; Stop after Kill returns at once.
+func (c *Child) Kill() {
+	c.mu.Lock()
+	if !c.stopped {
+		c.stopped = true
+		c.stdin.Close()
+	}
+	c.mu.Unlock()
+	_ = c.Signal(syscall.SIGKILL)
+	<-c.exited
+	<-c.outEnd
+}
+
+// Exited is closed once the child has exited.
+func (c *Child) Exited() <-chan struct{} { return c.exited }
 
 // Addr is the address the child printed.
 func (c *Child) Addr() string { return c.addr }

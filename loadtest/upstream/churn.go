@@ -56,7 +56,7 @@ func (u *Upstream) Churn(ctx context.Context, cfg ChurnConfig, onChange func(Cha
 	if err := cfg.validate(); err != nil {
 		return err
 	}
-	rng := rand.New(rand.NewPCG(uint64(cfg.Seed), 0x6d657368726c6179))
+	ch := u.NewChurner(cfg.Seed, cfg.AddRemoveFraction)
 	var deadline <-chan time.Time
 	if cfg.Duration > 0 {
 		timer := time.NewTimer(cfg.Duration)
@@ -69,7 +69,6 @@ func (u *Upstream) Churn(ctx context.Context, cfg ChurnConfig, onChange func(Cha
 	defer ticker.Stop()
 
 	start := time.Now()
-	st := churnState{addNext: true}
 	done := 0
 	for {
 		// Catch up with the schedule; the first mutation is immediate.
@@ -85,9 +84,9 @@ func (u *Upstream) Churn(ctx context.Context, cfg ChurnConfig, onChange func(Cha
 				return nil
 			default:
 			}
-			changes, err := u.churnStep(rng, cfg.AddRemoveFraction, &st)
+			changes, err := ch.Step()
 			if err != nil {
-				return fmt.Errorf("upstream: churn: %w", err)
+				return err
 			}
 			if onChange != nil {
 				for _, c := range changes {
@@ -111,6 +110,44 @@ func (u *Upstream) Churn(ctx context.Context, cfg ChurnConfig, onChange func(Cha
 type churnState struct {
 	addNext bool // the next add/remove mutation adds
 }
+
+// Churner applies the mutations of a churn one at a time, when its caller
+// says: the same seed on the same scenario gives the same sequence of
+// mutations, generations and content, so two Upstreams stepped alike (a
+// process and its mirror, or a process restarted and stepped again to where
+// it was) serve the same. Not safe for concurrent use; the Upstream it
+// mutates is.
+type Churner struct {
+	u         *Upstream
+	rng       *rand.Rand
+	addRemove float64
+	st        churnState
+	steps     int
+}
+
+// NewChurner returns a Churner of u with ChurnConfig's Seed and
+// AddRemoveFraction meanings.
+func (u *Upstream) NewChurner(seed int64, addRemoveFraction float64) *Churner {
+	return &Churner{
+		u:         u,
+		rng:       rand.New(rand.NewPCG(uint64(seed), 0x6d657368726c6179)),
+		addRemove: addRemoveFraction,
+		st:        churnState{addNext: true},
+	}
+}
+
+// Step applies the next mutation and returns the Changes it published.
+func (c *Churner) Step() ([]Change, error) {
+	changes, err := c.u.churnStep(c.rng, c.addRemove, &c.st)
+	if err != nil {
+		return changes, fmt.Errorf("upstream: churn: %w", err)
+	}
+	c.steps++
+	return changes, nil
+}
+
+// Steps is the number of mutations applied.
+func (c *Churner) Steps() int { return c.steps }
 
 // churnStep applies one mutation chosen with rng.
 func (u *Upstream) churnStep(rng *rand.Rand, addRemove float64, st *churnState) ([]Change, error) {

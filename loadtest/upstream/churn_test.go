@@ -228,3 +228,37 @@ func TestRun(t *testing.T) {
 		t.Errorf("Run output ends %q, want %q", out, "upstream: stopped")
 	}
 }
+
+// TestChurnerReplays checks what a restarted upstream process relies on:
+// two upstreams stepped alike by Churners of the same seed serve the same
+// resources at the same generations.
+func TestChurnerReplays(t *testing.T) {
+	a, b := newUpstream(t, testScenario()), newUpstream(t, testScenario())
+	ca, cb := a.NewChurner(7, 0.3), b.NewChurner(7, 0.3)
+	for i := range 60 {
+		if _, err := ca.Step(); err != nil {
+			t.Fatalf("step %d: %v", i, err)
+		}
+		if _, err := cb.Step(); err != nil {
+			t.Fatalf("step %d: %v", i, err)
+		}
+	}
+	if ca.Steps() != 60 {
+		t.Errorf("Steps() = %d, want 60", ca.Steps())
+	}
+	for _, g := range a.Groups() {
+		sa, sb := a.Snapshot(g), b.Snapshot(g)
+		for typeURL, res := range sa {
+			if len(res) != len(sb[typeURL]) {
+				t.Fatalf("%s %s: %d resources against %d", g, typeURL, len(res), len(sb[typeURL]))
+			}
+			for name, m := range res {
+				ga, _ := upstream.Generation(m)
+				gb, _ := upstream.Generation(sb[typeURL][name])
+				if ga != gb {
+					t.Errorf("%s %s %s: generation %d against %d", g, typeURL, name, ga, gb)
+				}
+			}
+		}
+	}
+}

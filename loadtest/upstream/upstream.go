@@ -625,7 +625,11 @@ func (u *Upstream) Start(ctx context.Context) error {
 
 	srvCtx, cancel := context.WithCancel(context.Background())
 	xl := xdsLogger{u.log}
-	cb := &callbacks{c: &u.stats, log: u.log}
+	u.stats.mu.Lock()
+	u.stats.serving++
+	serving := u.stats.serving
+	u.stats.mu.Unlock()
+	cb := &callbacks{c: &u.stats, serving: serving, log: u.log}
 	ads := &adsServer{
 		sotw:  sotw.NewServer(srvCtx, u.mux, cb, sotw.WithOrderedADS(), sotw.WithLogger(xl)),
 		delta: delta.NewServer(srvCtx, u.mux, cb, delta.WithLogger(xl)),
@@ -688,6 +692,19 @@ func (u *Upstream) Stats() Stats {
 	}
 }
 
+// StreamsByNode returns, for every node id, the number of ADS streams open
+// now whose first request presented that node (streams whose first
+// request carried no node are not counted).
+func (u *Upstream) StreamsByNode() map[string]int {
+	u.stats.mu.Lock()
+	defer u.stats.mu.Unlock()
+	out := map[string]int{}
+	for _, n := range u.stats.nodes {
+		out[n]++
+	}
+	return out
+}
+
 // adsServer serves the AggregatedDiscoveryService with go-control-plane's
 // SotW and Delta servers, as its pkg/server/v3 does. (pkg/server/v3 itself
 // imports the separate ratelimit module, which this module does not
@@ -707,6 +724,13 @@ func (a *adsServer) DeltaAggregatedResources(s discovery.AggregatedDiscoveryServ
 }
 
 type counters struct {
+	// nodes maps each open stream to the node id its first request
+	// carried; serving counts starts, as stream ids restart with each
+	// server.
+	mu      sync.Mutex
+	nodes   map[streamKey]string
+	serving uint64
+
 	open      atomic.Int64
 	opened    atomic.Uint64
 	requests  atomic.Uint64
@@ -718,7 +742,8 @@ type counters struct {
 // callbacks implements go-control-plane's sotw.Callbacks and
 // delta.Callbacks. The servers call them synchronously on stream goroutines.
 type callbacks struct {
-	c   *counters
+	c       *counters
+	serving uint64 // which Start this server belongs to
 	log *slog.Logger
 }
 
@@ -726,6 +751,36 @@ var (
 	_ sotw.Callbacks  = (*callbacks)(nil)
 	_ delta.Callbacks = (*callbacks)(nil)
 )
+
+// streamKey names a stream across servers: the Start that served it,
+// the kind of server, the server's stream id.
+type streamKey struct {
+	serving uint64
+	delta   bool
+	id      int64
+}
+
+// node records the node of a stream's first request.
+func (cb *callbacks) node(delta bool, id int64, node *core.Node) {
+	if node.GetId() == "" {
+		return
+	}
+	cb.c.mu.Lock()
+	defer cb.c.mu.Unlock()
+	k := streamKey{cb.serving, delta, id}
+	if _, ok := cb.c.nodes[k]; !ok {
+		if cb.c.nodes == nil {
+			cb.c.nodes = map[streamKey]string{}
+		}
+		cb.c.nodes[k] = node.GetId()
+	}
+}
+
+func (cb *callbacks) forget(delta bool, id int64) {
+	cb.c.mu.Lock()
+	defer cb.c.mu.Unlock()
+	delete(cb.c.nodes, streamKey{cb.serving, delta, id})
+}
 
 func (cb *callbacks) opened() {
 	cb.c.open.Add(1)
@@ -742,9 +797,13 @@ func (cb *callbacks) OnStreamOpen(context.Context, int64, string) error {
 	return nil
 }
 
-func (cb *callbacks) OnStreamClosed(id int64, node *core.Node) { cb.closed(id, node) }
+func (cb *callbacks) OnStreamClosed(id int64, node *core.Node) {
+	cb.forget(false, id)
+	cb.closed(id, node)
+}
 
-func (cb *callbacks) OnStreamRequest(int64, *discovery.DiscoveryRequest) error {
+func (cb *callbacks) OnStreamRequest(id int64, req *discovery.DiscoveryRequest) error {
+	cb.node(false, id, req.GetNode())
 	cb.c.requests.Add(1)
 	return nil
 }
@@ -759,9 +818,13 @@ func (cb *callbacks) OnDeltaStreamOpen(context.Context, int64, string) error {
 	return nil
 }
 
-func (cb *callbacks) OnDeltaStreamClosed(id int64, node *core.Node) { cb.closed(id, node) }
+func (cb *callbacks) OnDeltaStreamClosed(id int64, node *core.Node) {
+	cb.forget(true, id)
+	cb.closed(id, node)
+}
 
-func (cb *callbacks) OnStreamDeltaRequest(int64, *discovery.DeltaDiscoveryRequest) error {
+func (cb *callbacks) OnStreamDeltaRequest(id int64, req *discovery.DeltaDiscoveryRequest) error {
+	cb.node(true, id, req.GetNode())
 	cb.c.requests.Add(1)
 	return nil
 }

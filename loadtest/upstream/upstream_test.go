@@ -653,6 +653,10 @@ func TestStats(t *testing.T) {
 	if s.Requests < 8 {
 		t.Errorf("Stats().Requests = %d, want >= 8", s.Requests)
 	}
+	node := sc.Node(0, 0, 0).GetId()
+	if got := u.StreamsByNode(); len(got) != 1 || got[node] != 2 {
+		t.Errorf("StreamsByNode() = %v, want {%s: 2}", got, node)
+	}
 	if _, err := u.MoveEndpoint(1); err != nil {
 		t.Fatalf("MoveEndpoint(1): %v", err)
 	}
