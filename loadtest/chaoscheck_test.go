@@ -84,11 +84,11 @@ func TestCheckHistory(t *testing.T) {
 			event:  -1,
 		},
 		{
-			name: "nonce reused",
+			name:   "nonce reused",
 			events: append(sync, recv(1100, "1", []string{"a"}, []uint64{2}), ack(1101, "1", []string{"a"}, []uint64{2})),
-			pubs:  pubs,
-			want:  []string{RuleNonce},
-			event: 3,
+			pubs:   pubs,
+			want:   []string{RuleNonce},
+			event:  3,
 		},
 		{
 			name: "nonces restart on a new stream",

@@ -744,7 +744,7 @@ type counters struct {
 type callbacks struct {
 	c       *counters
 	serving uint64 // which Start this server belongs to
-	log *slog.Logger
+	log     *slog.Logger
 }
 
 var (
