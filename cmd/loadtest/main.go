@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/pprof"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -32,6 +33,7 @@ Usage:
   loadtest ledger [flags]     the ledger at 10,000 Envoys: ACK bookkeeping, convergence and tier-wide queries, memory
   loadtest proxystatus [flags] a tier-wide proxy-status of 10,000 Envoys over 3 relays: the admin API and istioctl's syncz
   loadtest upstream [flags]   serve the synthetic istiod-shaped upstream (with optional churn)
+  loadtest chaos [flags]      real relay processes under faults (kills, freezes, cuts, etcd and upstream loss): a history check and liveness figures
 
 Run "loadtest <command> -h" for a command's flags.
 `
@@ -57,6 +59,28 @@ func main() {
 		err = proxyStatus(ctx, os.Args[2:])
 	case "upstream":
 		err = serveUpstream(ctx, os.Args[2:])
+	case "chaos":
+		err = chaos(ctx, os.Args[2:])
+	case "etcd-member-child": // hidden: an etcd member of the chaos suite's cluster
+		var mc loadtest.EtcdMemberConfig
+		fs := flag.NewFlagSet("etcd-member-child", flag.ContinueOnError)
+		fs.StringVar(&mc.Name, "name", "", "member name")
+		fs.StringVar(&mc.Dir, "dir", "", "data directory")
+		fs.StringVar(&mc.Client, "client", "", "client host:port")
+		fs.StringVar(&mc.Peer, "peer", "", "peer host:port")
+		fs.StringVar(&mc.InitialCluster, "initial-cluster", "", "name=peer URL, comma-separated")
+		if err = fs.Parse(os.Args[2:]); err == nil {
+			err = loadtest.RunEtcdMemberChild(ctx, mc, os.Stdin, os.Stdout)
+		}
+	case "chaos-upstream-child": // hidden: the chaos suite's upstream
+		fs := flag.NewFlagSet("chaos-upstream-child", flag.ContinueOnError)
+		raw := fs.String("config", "", "ChaosUpstreamConfig, JSON")
+		if err = fs.Parse(os.Args[2:]); err == nil {
+			var uc loadtest.ChaosUpstreamConfig
+			if err = json.Unmarshal([]byte(*raw), &uc); err == nil {
+				err = loadtest.RunChaosUpstream(ctx, uc, os.Stdin, os.Stdout)
+			}
+		}
 	case "relay-child": // hidden: the relay process fanout starts
 		err = relayChild(ctx, os.Args[2:])
 	case "ledger-child": // hidden: a relay of the ledger benchmark's tier
@@ -353,4 +377,97 @@ func relayChild(ctx context.Context, args []string) error {
 		cfg.Etcd = strings.Split(*etcd, ",")
 	}
 	return loadtest.RunRelayChild(ctx, cfg, os.Stdin, os.Stdout, os.Stderr)
+}
+
+func chaos(ctx context.Context, args []string) error {
+	cfg := loadtest.DefaultChaosConfig()
+	fs := flag.NewFlagSet("chaos", flag.ContinueOnError)
+	seeds := fs.Int("seeds", 1, "seeds to run: 1 … N (each a fresh tier and its own fault schedule)")
+	seed := fs.Uint64("seed", 0, "run only this seed (a failing seed's rerun)")
+	fs.IntVar(&cfg.Relays, "relays", cfg.Relays, "meshrelay serve processes (2 to 5)")
+	fs.IntVar(&cfg.EtcdMembers, "etcd-members", cfg.EtcdMembers, "etcd cluster members, each a process")
+	fs.IntVar(&cfg.Envoys, "envoys", cfg.Envoys, "simulated Envoys")
+	fs.IntVar(&cfg.Keys, "keys", cfg.Keys, "aggregation keys the Envoys spread over")
+	fs.IntVar(&cfg.Scenario.Services, "services", cfg.Scenario.Services, "ServiceEntries in the synthetic upstream")
+	fs.IntVar(&cfg.Scenario.Endpoints, "endpoints", cfg.Scenario.Endpoints, "WorkloadEntries in the synthetic upstream")
+	fs.IntVar(&cfg.Scenario.Namespaces, "namespaces", cfg.Scenario.Namespaces, "namespaces (config is scoped by namespace)")
+	protocols := fs.String("protocols", "delta,sotw", "the Envoys' ADS variants, comma-separated; seed s uses the (s mod n)th")
+	upProto := fs.String("upstream-protocol", string(cfg.UpstreamProtocol), "the relays' ADS variant to the upstream: sotw or delta")
+	fs.Float64Var(&cfg.ChurnRate, "churn-rate", cfg.ChurnRate, "upstream changes per second")
+	fs.IntVar(&cfg.Faults, "faults", cfg.Faults, "faults per seed (shuffled rounds of every kind)")
+	kinds := fs.String("kinds", "", "fault kinds, comma-separated (default all: kill-relay, freeze-relay, cut-relays, kill-etcd, kill-upstream, rolling-restart)")
+	fs.DurationVar(&cfg.DeliveryBound, "delivery-bound", cfg.DeliveryBound, "the checker's bound on a change reaching every Envoy that must get it")
+	fs.DurationVar(&cfg.RecoverTimeout, "recover-timeout", cfg.RecoverTimeout, "bound on the wait for recovery after each fault")
+	fs.StringVar(&cfg.Dir, "dir", "", "keep each seed's logs here (default: a temporary directory, removed if every seed passes)")
+	bin := fs.String("meshrelay", "", "the meshrelay binary (default: go build ./cmd/meshrelay into a temporary directory, once)")
+	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	if !loadtest.InChaosNetns() {
+		// Build the relay once, then run the suite in a network namespace
+		// of its own (its link cuts never touch the host's network).
+		if err := loadtest.CanCreateNetns(); err != nil {
+			return err
+		}
+		if *bin == "" {
+			dir, err := os.MkdirTemp("", "meshrelay-bin-")
+			if err != nil {
+				return err
+			}
+			defer os.RemoveAll(dir)
+			if *bin, err = loadtest.BuildMeshrelay(ctx, dir, os.Stderr); err != nil {
+				return err
+			}
+		}
+		return loadtest.ReexecInNetns(ctx, exe, append([]string{"chaos", "--meshrelay", *bin}, args...))
+	}
+	cfg.Meshrelay = *bin
+	if *seed != 0 {
+		cfg.Seeds = []uint64{*seed}
+	} else {
+		cfg.Seeds = nil
+		for s := 1; s <= *seeds; s++ {
+			cfg.Seeds = append(cfg.Seeds, uint64(s))
+		}
+	}
+	cfg.Protocols = nil
+	for _, p := range splitList(*protocols) {
+		switch p {
+		case "delta":
+			cfg.Protocols = append(cfg.Protocols, envoy.Delta)
+		case "sotw":
+			cfg.Protocols = append(cfg.Protocols, envoy.SotW)
+		default:
+			return fmt.Errorf("--protocols: unknown protocol %q (want delta or sotw)", p)
+		}
+	}
+	if cfg.UpstreamProtocol, err = relay.ParseProtocol(*upProto); err != nil {
+		return err
+	}
+	if *kinds != "" {
+		cfg.Kinds = nil
+		for _, k := range splitList(*kinds) {
+			if !slices.Contains(loadtest.AllFaults, loadtest.FaultKind(k)) {
+				return fmt.Errorf("--kinds: unknown fault %q", k)
+			}
+			cfg.Kinds = append(cfg.Kinds, loadtest.FaultKind(k))
+		}
+	}
+	cfg.StartEtcdMember = loadtest.ExecEtcdMember(exe, "etcd-member-child")
+	cfg.StartUpstream = loadtest.ExecChaosUpstream(exe, "chaos-upstream-child")
+	cfg.Log = os.Stdout
+	rep, err := loadtest.RunChaos(ctx, cfg, os.Stdout)
+	if rep != nil {
+		loadtest.PrintChaos(os.Stdout, rep)
+		err = errors.Join(err, writeJSON(*jsonOut, rep))
+		if rep.Failed() {
+			err = errors.Join(err, fmt.Errorf("chaos: %d violations", rep.Violations))
+		}
+	}
+	return err
 }

@@ -1,0 +1,1002 @@
+package loadtest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"os"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/shard/shardtest"
+)
+
+// FaultKind names a kind of fault of the chaos suite.
+type FaultKind string
+
+// The faults.
+const (
+	FaultKill     FaultKind = "kill-relay"      // SIGKILL a relay, restart it (warm, from etcd)
+	FaultFreeze   FaultKind = "freeze-relay"    // SIGSTOP a relay, SIGCONT it later
+	FaultCut      FaultKind = "cut-relays"      // drop every packet between two relays, then heal
+	FaultEtcd     FaultKind = "kill-etcd"       // SIGKILL an etcd member, restart it
+	FaultUpstream FaultKind = "kill-upstream"   // SIGKILL the upstream, restart it
+	FaultRolling  FaultKind = "rolling-restart" // SIGTERM and restart every relay, one after another
+)
+
+// AllFaults lists every kind, in the order the report prints them.
+var AllFaults = []FaultKind{FaultKill, FaultFreeze, FaultCut, FaultEtcd, FaultUpstream, FaultRolling}
+
+// ChaosConfig configures RunChaos. Start from DefaultChaosConfig.
+type ChaosConfig struct {
+	// Meshrelay is the meshrelay binary the relays run (`meshrelay
+	// serve`). Required.
+	Meshrelay string
+	// StartEtcdMember and StartUpstream start the etcd members and the
+	// upstream, each in a process of its own. Required.
+	StartEtcdMember StartEtcdMemberFunc
+	StartUpstream   StartChaosUpstreamFunc
+
+	// Seeds are run one after another, each with a fresh tier.
+	Seeds []uint64
+	// Relays is the number of `meshrelay serve` processes. Default 3.
+	Relays int
+	// EtcdMembers is the size of the etcd cluster. Default 3.
+	EtcdMembers int
+	// Scenario is the upstream's configuration. Default 40 services, 80
+	// endpoints, 4 namespaces.
+	Scenario upstream.Scenario
+	// Envoys spread over Keys aggregation keys. Default 40 over 8.
+	Envoys, Keys int
+	// Protocols are the Envoys' ADS variants; seed s uses Protocols[s %
+	// len]. Default Delta, SotW.
+	Protocols []envoy.Protocol
+	// UpstreamProtocol is the relays'. Default Delta.
+	UpstreamProtocol relay.Protocol
+	// ChurnRate is upstream changes a second, stepped by the driver; the
+	// churn pauses while the upstream is down. Default 3.
+	ChurnRate float64
+	// AddRemoveFraction of the changes add or remove a service. Default 0.1.
+	AddRemoveFraction float64
+	// Faults per seed. Kinds are drawn as shuffled rounds of Kinds, so
+	// every len(Kinds) faults cover every kind. Default 6.
+	Faults int
+	// Kinds are the faults drawn from. Default AllFaults.
+	Kinds []FaultKind
+	// Hold is how long a freeze or a cut lasts: drawn in [Hold.Min,
+	// Hold.Max]. Default 5–20 s.
+	Hold Range
+	// Down is how long a killed process stays down: drawn in [Down.Min,
+	// Down.Max]. Default 1–5 s.
+	Down Range
+	// DeliveryBound is the checker's bound on a change reaching every
+	// Envoy that must get it. Default 60 s: a freeze of up to 20 s holds
+	// the Envoys of the frozen relay (they cannot tell a frozen server
+	// from a quiet one), plus the time to notice, move and resync.
+	DeliveryBound time.Duration
+	// RecoverTimeout bounds the wait after each fault for every Envoy to
+	// hold the config of the moment it healed; past it the run records a
+	// liveness violation and goes on. Default 2 min.
+	RecoverTimeout time.Duration
+	// Settle is waited after a fault's recovery before the next fault.
+	// Default 2 s.
+	Settle time.Duration
+	// Dir holds each seed's logs (seed-N/…); kept. Default: a temporary
+	// directory, removed if every seed passed.
+	Dir string
+	// Log receives progress lines. Default: discard.
+	Log io.Writer
+}
+
+// Range is a closed interval of durations.
+type Range struct{ Min, Max time.Duration }
+
+func (r Range) draw(rng *rand.Rand) time.Duration {
+	if r.Max <= r.Min {
+		return r.Min
+	}
+	return r.Min + time.Duration(rng.Int64N(int64(r.Max-r.Min)))
+}
+
+// DefaultChaosConfig returns the suite's defaults (Meshrelay and the
+// start functions still to set).
+func DefaultChaosConfig() ChaosConfig {
+	sc := upstream.DefaultScenario()
+	sc.Services, sc.Endpoints, sc.Namespaces = 40, 80, 4
+	return ChaosConfig{
+		Seeds: []uint64{1}, Relays: 3, EtcdMembers: 3, Scenario: sc, Envoys: 40, Keys: 8,
+		Protocols: []envoy.Protocol{envoy.Delta, envoy.SotW}, UpstreamProtocol: relay.ProtocolDelta,
+		ChurnRate: 3, AddRemoveFraction: 0.1, Faults: 6, Kinds: AllFaults,
+		Hold: Range{5 * time.Second, 20 * time.Second}, Down: Range{time.Second, 5 * time.Second},
+		DeliveryBound: time.Minute, RecoverTimeout: 2 * time.Minute, Settle: 2 * time.Second,
+	}
+}
+
+func (c *ChaosConfig) validate() error {
+	var errs []error
+	bad := func(f string, args ...any) { errs = append(errs, fmt.Errorf("loadtest: chaos: "+f, args...)) }
+	if c.Meshrelay == "" || c.StartEtcdMember == nil || c.StartUpstream == nil {
+		bad("Meshrelay, StartEtcdMember and StartUpstream are required")
+	}
+	if c.Relays < 2 || c.Relays > 5 {
+		bad("Relays %d: want 2 to 5", c.Relays)
+	}
+	if c.EtcdMembers < 1 || c.EtcdMembers > 5 {
+		bad("EtcdMembers %d: want 1 to 5", c.EtcdMembers)
+	}
+	if c.Envoys < 1 || c.Keys < 1 || len(c.Seeds) == 0 || len(c.Protocols) == 0 || len(c.Kinds) == 0 || c.Faults < 0 {
+		bad("Envoys, Keys, Seeds, Protocols and Kinds must be set")
+	}
+	if c.ChurnRate <= 0 || c.DeliveryBound <= 0 || c.RecoverTimeout <= 0 {
+		bad("ChurnRate, DeliveryBound and RecoverTimeout must be positive")
+	}
+	if c.Log == nil {
+		c.Log = io.Discard
+	}
+	return errors.Join(errs...)
+}
+
+// Fault is one scheduled fault.
+type Fault struct {
+	Kind FaultKind `json:"kind"`
+	// Target is the relay or etcd member (-1: none; a cut's first relay).
+	Target int `json:"target"`
+	// Peer is a cut's second relay.
+	Peer int `json:"peer,omitempty"`
+	// Hold is how long the fault lasts (a freeze, a cut, a process down).
+	Hold time.Duration `json:"hold_ns"`
+}
+
+func (f Fault) String() string {
+	switch f.Kind {
+	case FaultKill:
+		return fmt.Sprintf("kill relay-%d, restart after %v", f.Target, f.Hold.Round(time.Millisecond))
+	case FaultFreeze:
+		return fmt.Sprintf("freeze relay-%d for %v", f.Target, f.Hold.Round(time.Millisecond))
+	case FaultCut:
+		return fmt.Sprintf("cut relay-%d from relay-%d for %v", f.Target, f.Peer, f.Hold.Round(time.Millisecond))
+	case FaultEtcd:
+		return fmt.Sprintf("kill etcd-%d, restart after %v", f.Target, f.Hold.Round(time.Millisecond))
+	case FaultUpstream:
+		return fmt.Sprintf("kill the upstream, restart after %v", f.Hold.Round(time.Millisecond))
+	case FaultRolling:
+		return "rolling restart of every relay"
+	}
+	return string(f.Kind)
+}
+
+// ChaosSchedule draws seed's faults: the same seed and config give the
+// same schedule. The kinds come from one sequence of shuffled rounds of
+// Kinds, seed s taking its Faults from position (s-1)·Faults on, so that
+// seeds 1 … N cover every kind evenly (with Faults = 3 and six kinds, seeds
+// 1 and 2 play each kind once); what each fault hits and for how long is
+// drawn from the seed.
+func ChaosSchedule(cfg ChaosConfig, seed uint64) []Fault {
+	kindRNG := rand.New(rand.NewPCG(0x6b696e6473, 0x63686161730a))
+	var kinds []FaultKind
+	first := int(max(seed, 1)-1) * cfg.Faults
+	for len(kinds) < first+cfg.Faults {
+		round := slices.Clone(cfg.Kinds)
+		kindRNG.Shuffle(len(round), func(i, j int) { round[i], round[j] = round[j], round[i] })
+		kinds = append(kinds, round...)
+	}
+	kinds = kinds[first : first+cfg.Faults]
+	rng := rand.New(rand.NewPCG(seed, 0x63686161730a))
+	var out []Fault
+	for _, k := range kinds {
+		f := Fault{Kind: k, Target: -1}
+		switch f.Kind {
+		case FaultKill:
+			f.Target, f.Hold = rng.IntN(cfg.Relays), cfg.Down.draw(rng)
+		case FaultFreeze:
+			f.Target, f.Hold = rng.IntN(cfg.Relays), cfg.Hold.draw(rng)
+		case FaultCut:
+			f.Target = rng.IntN(cfg.Relays)
+			f.Peer = (f.Target + 1 + rng.IntN(cfg.Relays-1)) % cfg.Relays
+			f.Hold = cfg.Hold.draw(rng)
+		case FaultEtcd:
+			f.Target, f.Hold = rng.IntN(cfg.EtcdMembers), cfg.Down.draw(rng)
+		case FaultUpstream:
+			f.Hold = cfg.Down.draw(rng)
+		}
+		out = append(out, f)
+	}
+	return out
+}
+
+// FaultRecord is a fault as it was played.
+type FaultRecord struct {
+	Fault
+	Start time.Time `json:"start"`
+	// Healed is when the fault ended: the process restarted, thawed, the
+	// link healed, the last relay of a rolling restart started.
+	Healed time.Time `json:"healed"`
+	// RecoverS is from Healed until every Envoy held, for every change
+	// published up to Healed, that change or a newer one (from the
+	// checker's delivery times; 0 if they all held it already).
+	RecoverS float64 `json:"recover_s"`
+	// DuringP99S is the P99, over the changes published between Start and
+	// Healed, of change → last Envoy ACK.
+	DuringP99S float64 `json:"during_p99_s"`
+	// During are those changes' change → last ACK, in seconds.
+	During []float64 `json:"during_s"`
+}
+
+// ChaosSeedReport is one seed's run.
+type ChaosSeedReport struct {
+	Seed     uint64        `json:"seed"`
+	Protocol string        `json:"protocol"`
+	Faults   []FaultRecord `json:"faults"`
+	Changes  int           `json:"changes"`
+	// ChangeP99S is change → last ACK over the whole run.
+	ChangeP99S float64  `json:"change_p99_s"`
+	Violations []string `json:"violations"`
+	Dir        string   `json:"dir"`
+	Err        string   `json:"error,omitempty"`
+}
+
+// ChaosKindFigures are one fault kind's figures over every seed.
+type ChaosKindFigures struct {
+	Kind       FaultKind `json:"kind"`
+	Faults     int       `json:"faults"`
+	RecoverP50 float64   `json:"recover_p50_s"`
+	RecoverP99 float64   `json:"recover_p99_s"`
+	DuringP99  float64   `json:"during_change_p99_s"`
+	DuringN    int       `json:"during_changes"`
+}
+
+// ChaosReport is what RunChaos measured and found.
+type ChaosReport struct {
+	Date          string             `json:"date"`
+	Machine       string             `json:"machine"`
+	Relays        int                `json:"relays"`
+	EtcdMembers   int                `json:"etcd_members"`
+	Envoys        int                `json:"envoys"`
+	Keys          int                `json:"keys"`
+	ChurnRate     float64            `json:"churn_rate"`
+	DeliveryBound float64            `json:"delivery_bound_s"`
+	Seeds         []ChaosSeedReport  `json:"seeds"`
+	Kinds         []ChaosKindFigures `json:"kinds"`
+	Violations    int                `json:"violations"`
+}
+
+// Failed reports whether any seed found a violation or failed to run.
+func (r *ChaosReport) Failed() bool {
+	for _, s := range r.Seeds {
+		if len(s.Violations) > 0 || s.Err != "" {
+			return true
+		}
+	}
+	return false
+}
+
+// Fixed addresses in the run's own network namespace.
+const (
+	chaosUpstreamAddr = "127.0.0.100:15010"
+	chaosRelayUIDBase = 61000
+)
+
+func chaosRelayIP(i int) string { return fmt.Sprintf("127.0.0.%d", 10+i) }
+func chaosEtcdIP(i int) string  { return fmt.Sprintf("127.0.0.%d", 2+i) }
+
+// RunChaos runs every seed and reports. It must run in a network
+// namespace of its own (ReexecInNetns). A seed that finds a violation
+// prints the seed, its schedule, the first violating event and the relay
+// logs around it to out; the run goes on with the next seed.
+func RunChaos(ctx context.Context, cfg ChaosConfig, out io.Writer) (*ChaosReport, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	uids := make([]uint32, cfg.Relays)
+	for i := range uids {
+		uids[i] = uint32(chaosRelayUIDBase + i)
+	}
+	net, err := setupChaosNet(uids)
+	if err != nil {
+		return nil, err
+	}
+	dir := cfg.Dir
+	keep := dir != ""
+	if dir == "" {
+		if dir, err = os.MkdirTemp("", "meshrelay-chaos-"); err != nil {
+			return nil, err
+		}
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	// Relays run as other users: they need to reach the binary.
+	for _, d := range []string{dir, filepath.Dir(cfg.Meshrelay)} {
+		if err := os.Chmod(d, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	rep := &ChaosReport{
+		Date:    time.Now().UTC().Format(time.RFC3339),
+		Machine: fmt.Sprintf("%d CPUs, %s, %s/%s, load average at start %s", runtime.NumCPU(), runtime.Version(), runtime.GOOS, runtime.GOARCH, loadAvg()),
+		Relays:  cfg.Relays, EtcdMembers: cfg.EtcdMembers, Envoys: cfg.Envoys, Keys: cfg.Keys,
+		ChurnRate: cfg.ChurnRate, DeliveryBound: cfg.DeliveryBound.Seconds(),
+	}
+	for _, seed := range cfg.Seeds {
+		if ctx.Err() != nil {
+			break
+		}
+		sr := runChaosSeed(ctx, cfg, net, seed, filepath.Join(dir, fmt.Sprintf("seed-%d", seed)), out)
+		rep.Seeds = append(rep.Seeds, sr)
+		rep.Violations += len(sr.Violations)
+	}
+	rep.Kinds = chaosFigures(cfg.Kinds, rep.Seeds)
+	if !keep && !rep.Failed() {
+		os.RemoveAll(dir)
+	}
+	return rep, ctx.Err()
+}
+
+// chaosFigures gathers each kind's figures over the seeds.
+func chaosFigures(kinds []FaultKind, seeds []ChaosSeedReport) []ChaosKindFigures {
+	var out []ChaosKindFigures
+	for _, k := range kinds {
+		f := ChaosKindFigures{Kind: k}
+		var rec, during []time.Duration
+		for _, s := range seeds {
+			for _, fr := range s.Faults {
+				if fr.Kind != k || fr.Healed.IsZero() {
+					continue
+				}
+				f.Faults++
+				rec = append(rec, secs(fr.RecoverS))
+				for _, d := range fr.During {
+					during = append(during, secs(d))
+				}
+			}
+		}
+		r, d := summarize(rec), summarize(during)
+		f.RecoverP50, f.RecoverP99 = r.P50.Seconds(), r.P99.Seconds()
+		f.DuringP99, f.DuringN = d.P99.Seconds(), d.N
+		out = append(out, f)
+	}
+	return out
+}
+
+func secs(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
+
+// PrintChaos prints the figures table.
+func PrintChaos(w io.Writer, r *ChaosReport) {
+	fmt.Fprintf(w, "\nloadtest chaos: %d seeds, %d relays, %d etcd members, %d Envoys over %d keys, churn %.1f/s; %s\n",
+		len(r.Seeds), r.Relays, r.EtcdMembers, r.Envoys, r.Keys, r.ChurnRate, r.Machine)
+	fmt.Fprintf(w, "%-16s %7s %12s %12s %22s\n", "fault", "faults", "recover P50", "recover P99", "change→all P99 during")
+	for _, k := range r.Kinds {
+		fmt.Fprintf(w, "%-16s %7d %11.2fs %11.2fs %14.2fs (%4d)\n", k.Kind, k.Faults, k.RecoverP50, k.RecoverP99, k.DuringP99, k.DuringN)
+	}
+	for _, s := range r.Seeds {
+		verdict := "PASS"
+		if len(s.Violations) > 0 || s.Err != "" {
+			verdict = fmt.Sprintf("FAIL (%d violations) %s", len(s.Violations), s.Err)
+		}
+		fmt.Fprintf(w, "seed %d (%s): %d changes, change→all P99 %.2fs: %s\n", s.Seed, s.Protocol, s.Changes, s.ChangeP99S, verdict)
+	}
+	fmt.Fprintf(w, "violations: %d (delivery bound %.0fs)\n", r.Violations, r.DeliveryBound)
+}
+
+// chaosRun is one seed's tier.
+type chaosRun struct {
+	cfg  ChaosConfig
+	net  *chaosNet
+	dir  string
+	out  io.Writer
+	seed uint64
+
+	etcd   *EtcdCluster
+	up     *chaosUpstream
+	mirror *upstream.Upstream // what the upstream serves, stepped alike
+	churn  *upstream.Churner
+	svc    *shardtest.Service
+	fleet  *Fleet
+
+	relayLogs []*os.File
+	files     []*os.File // every log file, closed at the end
+	histories []envoyRecord
+	churnMu   sync.Mutex // held by a churn step, and while the upstream is down
+
+	mu        sync.Mutex
+	relays    []*Child // nil while down
+	ready     []bool
+	upDown    bool // the upstream is down: the churn waits
+	published []Published
+	errs      []string // process failures seen during the run
+}
+
+type envoyRecord struct {
+	mu     sync.Mutex
+	events []envoy.Event
+}
+
+func runChaosSeed(ctx context.Context, cfg ChaosConfig, net *chaosNet, seed uint64, dir string, out io.Writer) (sr ChaosSeedReport) {
+	proto := cfg.Protocols[seed%uint64(len(cfg.Protocols))]
+	sr = ChaosSeedReport{Seed: seed, Protocol: proto.String(), Dir: dir}
+	schedule := ChaosSchedule(cfg, seed)
+	fmt.Fprintf(out, "seed %d: %s Envoys, logs in %s; schedule:\n", seed, proto, dir)
+	for i, f := range schedule {
+		fmt.Fprintf(out, "  %d. %s\n", i+1, f)
+	}
+	r := &chaosRun{cfg: cfg, net: net, dir: dir, out: out, seed: seed,
+		relays: make([]*Child, cfg.Relays), ready: make([]bool, cfg.Relays)}
+	defer r.stop()
+	hist, faults, err := r.run(ctx, proto, schedule)
+	sr.Faults = faults
+	if err != nil {
+		sr.Err = err.Error()
+		fmt.Fprintf(out, "seed %d: %v\n", seed, err)
+	}
+	if hist == nil {
+		return sr
+	}
+	res := CheckHistory(*hist, CheckConfig{DeliveryBound: cfg.DeliveryBound})
+	sr.Changes = len(res.Changes)
+	var all []time.Duration
+	for _, c := range res.Changes {
+		all = append(all, c.Last)
+	}
+	sr.ChangeP99S = summarize(all).P99.Seconds()
+	for i := range sr.Faults {
+		fr := &sr.Faults[i]
+		if fr.Healed.IsZero() {
+			continue
+		}
+		var during []time.Duration
+		var last time.Time
+		for _, c := range res.Changes {
+			if c.At.After(fr.Healed) {
+				continue
+			}
+			if c.Done.After(last) {
+				last = c.Done
+			}
+			if !c.At.Before(fr.Start) {
+				during = append(during, c.Last)
+				fr.During = append(fr.During, c.Last.Seconds())
+			}
+		}
+		fr.RecoverS = max(last.Sub(fr.Healed), 0).Seconds()
+		fr.DuringP99S = summarize(during).P99.Seconds()
+	}
+	for _, v := range res.Violations {
+		sr.Violations = append(sr.Violations, v.String())
+	}
+	for _, e := range r.fleet.Violations() {
+		sr.Violations = append(sr.Violations, "envoy: "+e.Error())
+	}
+	sr.Violations = append(sr.Violations, r.errs...)
+	if len(sr.Violations) > 0 {
+		r.explain(hist, res.Violations, schedule, sr.Violations)
+	}
+	return sr
+}
+
+// run plays one seed and returns its history.
+func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fault) (*History, []FaultRecord, error) {
+	if err := os.MkdirAll(r.dir, 0o755); err != nil {
+		return nil, nil, err
+	}
+	// etcd: a real cluster, each member its own process.
+	var hosts []string
+	var etcdLogs []io.Writer
+	for i := range r.cfg.EtcdMembers {
+		hosts = append(hosts, chaosEtcdIP(i))
+		f, err := r.logFile(fmt.Sprintf("etcd-%d", i))
+		if err != nil {
+			return nil, nil, err
+		}
+		etcdLogs = append(etcdLogs, f)
+	}
+	etcd, err := StartEtcdCluster(ctx, r.cfg.StartEtcdMember, hosts, filepath.Join(r.dir, "etcd"), etcdLogs)
+	if err != nil {
+		return nil, nil, err
+	}
+	r.etcd = etcd
+
+	// The upstream and its mirror.
+	upLog, err := r.logFile("upstream")
+	if err != nil {
+		return nil, nil, err
+	}
+	ucfg := ChaosUpstreamConfig{Listen: chaosUpstreamAddr, Scenario: r.cfg.Scenario, Seed: int64(r.seed), AddRemoveFraction: r.cfg.AddRemoveFraction}
+	r.up = &chaosUpstream{start: r.cfg.StartUpstream, cfg: ucfg, log: upLog}
+	if err := r.up.run(ctx, 0); err != nil {
+		return nil, nil, err
+	}
+	mcfg := upstream.DefaultConfig()
+	mcfg.Scenario = r.cfg.Scenario
+	if r.mirror, err = upstream.New(mcfg); err != nil {
+		return nil, nil, err
+	}
+	r.churn = r.mirror.NewChurner(int64(r.seed), r.cfg.AddRemoveFraction)
+
+	// Relays, and the Service in front of them.
+	for i := range r.cfg.Relays {
+		f, err := r.logFile(fmt.Sprintf("relay-%d", i))
+		if err != nil {
+			return nil, nil, err
+		}
+		r.relayLogs = append(r.relayLogs, f)
+	}
+	for i := range r.cfg.Relays {
+		if err := r.startRelay(ctx, i); err != nil {
+			return nil, nil, err
+		}
+	}
+	pollCtx, stopPoll := context.WithCancel(ctx)
+	var pollWG sync.WaitGroup
+	pollWG.Add(1)
+	go func() {
+		defer pollWG.Done()
+		r.pollReady(pollCtx)
+	}()
+	defer func() {
+		stopPoll()
+		pollWG.Wait()
+	}()
+	if r.svc, err = shardtest.NewService(r.readyAddrs); err != nil {
+		return nil, nil, err
+	}
+	if err := r.waitFor(ctx, 2*time.Minute, "every relay ready", func() bool { return len(r.readyAddrs()) == r.cfg.Relays }); err != nil {
+		return nil, nil, err
+	}
+
+	// The Envoys, every event recorded.
+	r.histories = make([]envoyRecord, r.cfg.Envoys)
+	fleet, err := StartFleet(ctx, FleetConfig{
+		Scenario: r.cfg.Scenario, Envoys: r.cfg.Envoys, Keys: r.cfg.Keys, Protocol: proto, Target: r.svc.Addr(),
+		OnEvent: func(i int, ev envoy.Event) {
+			h := &r.histories[i]
+			h.mu.Lock()
+			h.events = append(h.events, ev)
+			h.mu.Unlock()
+		},
+		Configure: func(_ int, c *envoy.Config) {
+			// Retries as an Envoy's, capped lower than its 30 s so that
+			// the figures measure the tier, not the client's backoff.
+			c.Backoff = envoy.Backoff{Base: 500 * time.Millisecond, Max: 5 * time.Second}
+		},
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	r.fleet = fleet
+	initial := map[string]map[ResourceKey]uint64{}
+	for _, g := range r.mirror.Groups() {
+		initial[g] = generations(r.mirror.Snapshot(g))
+	}
+	if err := r.waitFor(ctx, 2*time.Minute, "initial sync", func() bool { return fleet.Synced(r.mirror) == r.cfg.Envoys }); err != nil {
+		return nil, nil, err
+	}
+	start := time.Now()
+	fmt.Fprintf(r.out, "seed %d: tier up, %d Envoys synced\n", r.seed, r.cfg.Envoys)
+
+	// The churn, and the faults.
+	churnCtx, stopChurn := context.WithCancel(ctx)
+	churnDone := make(chan struct{})
+	go func() {
+		defer close(churnDone)
+		r.runChurn(churnCtx)
+	}()
+	var records []FaultRecord
+	var runErr error
+	for i, f := range schedule {
+		if ctx.Err() != nil {
+			runErr = ctx.Err()
+			break
+		}
+		rec := FaultRecord{Fault: f, Start: time.Now()}
+		fmt.Fprintf(r.out, "seed %d: %6.1fs fault %d: %s\n", r.seed, time.Since(start).Seconds(), i+1, f)
+		if err := r.play(ctx, f); err != nil {
+			runErr = fmt.Errorf("fault %d (%s): %w", i+1, f, err)
+			records = append(records, rec)
+			break
+		}
+		rec.Healed = time.Now()
+		snap := r.expectedNow()
+		err := r.waitFor(ctx, r.cfg.RecoverTimeout, "recovery", func() bool { return r.covers(snap) })
+		if err != nil {
+			r.fail("liveness: after fault %d (%s): %v", i+1, f, err)
+		} else {
+			fmt.Fprintf(r.out, "seed %d: %6.1fs   healed; every Envoy current %.1fs later\n", r.seed, time.Since(start).Seconds(), time.Since(rec.Healed).Seconds())
+		}
+		records = append(records, rec)
+		sleepCtx(ctx, r.cfg.Settle)
+	}
+	stopChurn()
+	<-churnDone
+
+	// Steady state: everything delivered, one upstream stream per key.
+	if runErr == nil {
+		if err := r.waitFor(ctx, r.cfg.RecoverTimeout, "final sync", func() bool { return fleet.Synced(r.mirror) == r.cfg.Envoys }); err != nil {
+			r.fail("liveness: %v", err)
+		}
+		var streams map[string]int
+		err := r.waitFor(ctx, r.cfg.RecoverTimeout, "one upstream stream per key", func() bool {
+			streams, _ = r.up.streams()
+			return r.oneStreamPerKey(streams) == ""
+		})
+		if err != nil {
+			r.fail("steady state: %s", r.oneStreamPerKey(streams))
+		}
+		sleepCtx(ctx, time.Second) // late events of the last pushes
+	}
+	end := time.Now()
+	fleet.Stop(context.WithoutCancel(ctx))
+	h := &History{Initial: initial, End: end}
+	r.mu.Lock()
+	h.Published = slices.Clone(r.published)
+	r.mu.Unlock()
+	groups := fleet.Groups()
+	for i, e := range fleet.Envoys() {
+		rec := &r.histories[i]
+		rec.mu.Lock()
+		h.Envoys = append(h.Envoys, EnvoyHistory{ID: e.ID(), Group: groups[i], Events: rec.events})
+		rec.mu.Unlock()
+	}
+	return h, records, runErr
+}
+
+// generations maps "type|name" to generation over every type of a
+// snapshot.
+func generations(snap map[string]map[string]proto.Message) map[ResourceKey]uint64 {
+	out := map[ResourceKey]uint64{}
+	for typeURL, res := range snap {
+		for name, m := range res {
+			g, _ := upstream.Generation(m)
+			out[resourceKey(typeURL, name)] = g
+		}
+	}
+	return out
+}
+
+func (r *chaosRun) fail(format string, args ...any) {
+	msg := fmt.Sprintf(format, args...)
+	fmt.Fprintf(r.out, "seed %d: %s\n", r.seed, msg)
+	r.mu.Lock()
+	r.errs = append(r.errs, msg)
+	r.mu.Unlock()
+}
+
+func (r *chaosRun) logFile(name string) (*os.File, error) {
+	f, err := os.OpenFile(filepath.Join(r.dir, name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err == nil {
+		r.files = append(r.files, f)
+	}
+	return f, err
+}
+
+// waitFor polls cond every 100 ms for up to d.
+func (r *chaosRun) waitFor(ctx context.Context, d time.Duration, what string, cond func() bool) error {
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s: not after %v", what, d)
+		}
+		if !sleepCtx(ctx, 100*time.Millisecond) {
+			return ctx.Err()
+		}
+	}
+	return nil
+}
+
+// startRelay starts relay i (again): `meshrelay serve` as its own user.
+func (r *chaosRun) startRelay(ctx context.Context, i int) error {
+	ip := chaosRelayIP(i)
+	var join []string
+	for j := range r.cfg.Relays {
+		if j != i {
+			join = append(join, chaosRelayIP(j)+":7946")
+		}
+	}
+	fmt.Fprintf(r.relayLogs[i], "=== chaos: start relay-%d at %s\n", i, time.Now().Format(time.RFC3339Nano))
+	child, err := StartChild(ctx, ChildConfig{
+		Path: r.cfg.Meshrelay,
+		Args: []string{"serve", "--id", fmt.Sprintf("relay-%d", i),
+			"--xds-listen", ip + ":15010", "--admin-listen", ip + ":15014", "--gossip-listen", ip + ":7946",
+			"--join", strings.Join(join, ","), "--rejoin-interval", "2s", "--drain-period", "2s",
+			"--upstream", chaosUpstreamAddr, "--upstream-protocol", string(r.cfg.UpstreamProtocol),
+			"--etcd-endpoints", strings.Join(r.etcd.Endpoints(), ","), "--log-level", "info"},
+		Stderr:       r.relayLogs[i],
+		Addr:         ip + ":15010",
+		Dir:          r.dir,
+		User:         &ChildUser{UID: uint32(chaosRelayUIDBase + i), GID: uint32(chaosRelayUIDBase + i)},
+		ReadyTimeout: 2 * time.Minute,
+	})
+	if err != nil {
+		return fmt.Errorf("relay-%d: %w", i, err)
+	}
+	r.mu.Lock()
+	r.relays[i] = child
+	r.mu.Unlock()
+	return nil
+}
+
+func (r *chaosRun) relay(i int) *Child {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.relays[i]
+}
+
+// takeRelay marks relay i down and returns its process.
+func (r *chaosRun) takeRelay(i int) *Child {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	c := r.relays[i]
+	r.relays[i], r.ready[i] = nil, false
+	return c
+}
+
+// pollReady asks every running relay's /readyz, as a Kubernetes readiness
+// probe does, every 200 ms; the Service sends new connections only to
+// ready relays. It also notes relays that exited on their own.
+func (r *chaosRun) pollReady(ctx context.Context) {
+	client := &http.Client{Timeout: 500 * time.Millisecond}
+	for sleepCtx(ctx, 200*time.Millisecond) {
+		for i := range r.cfg.Relays {
+			c := r.relay(i)
+			ok := false
+			if c != nil {
+				select {
+				case <-c.Exited():
+					r.fail("relay-%d exited on its own", i)
+					r.takeRelay(i)
+					continue
+				default:
+				}
+				resp, err := client.Get("http://" + chaosRelayIP(i) + ":15014/readyz")
+				if err == nil {
+					ok = resp.StatusCode == http.StatusOK
+					resp.Body.Close()
+				}
+			}
+			r.mu.Lock()
+			if r.relays[i] == c {
+				r.ready[i] = ok
+			}
+			r.mu.Unlock()
+		}
+	}
+}
+
+func (r *chaosRun) readyAddrs() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []string
+	for i, ok := range r.ready {
+		if ok {
+			out = append(out, chaosRelayIP(i)+":15010")
+		}
+	}
+	return out
+}
+
+// runChurn steps the upstream and its mirror at ChurnRate, except while
+// the upstream is down, and records what each step published.
+func (r *chaosRun) runChurn(ctx context.Context) {
+	t := time.NewTicker(time.Duration(float64(time.Second) / r.cfg.ChurnRate))
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if err := r.step(); err != nil {
+			r.fail("churn: %v", err)
+			return
+		}
+	}
+}
+
+// step applies one churn step to the upstream and its mirror.
+func (r *chaosRun) step() error {
+	r.churnMu.Lock() // an upstream fault holds it while the upstream is down
+	defer r.churnMu.Unlock()
+	at := time.Now()
+	changes, err := r.churn.Step()
+	if err != nil {
+		return err
+	}
+	n, err := r.up.step()
+	if err != nil {
+		return err
+	}
+	if n != r.churn.Steps() {
+		return fmt.Errorf("upstream at step %d, its mirror at %d", n, r.churn.Steps())
+	}
+	snaps := map[string]map[ResourceKey]uint64{}
+	var pubs []Published
+	for _, c := range changes {
+		for _, g := range c.Groups {
+			if snaps[g] == nil {
+				snaps[g] = generations(r.mirror.Snapshot(g))
+			}
+			key := resourceKey(c.TypeURL, c.Name)
+			gen, ok := snaps[g][key]
+			pubs = append(pubs, Published{At: at, Group: g, Key: key, Generation: gen, Removed: !ok})
+		}
+	}
+	r.mu.Lock()
+	r.published = append(r.published, pubs...)
+	r.mu.Unlock()
+	return nil
+}
+
+// expectedNow is what the upstream serves each group now (clusters and
+// endpoints), for covers.
+func (r *chaosRun) expectedNow() map[string]map[string]uint64 {
+	out := map[string]map[string]uint64{}
+	for _, g := range r.mirror.Groups() {
+		out[g] = expected(r.mirror.Snapshot(g))
+	}
+	return out
+}
+
+// covers reports whether every Envoy holds, of the clusters and endpoints
+// snap had, that generation or a newer one (or nothing, if the upstream
+// removed it since), and nothing removed before snap.
+func (r *chaosRun) covers(snap map[string]map[string]uint64) bool {
+	now := r.expectedNow()
+	groups := r.fleet.Groups()
+	for i, e := range r.fleet.Envoys() {
+		was, is := snap[groups[i]], now[groups[i]]
+		held := map[string]uint64{}
+		for _, typeURL := range []string{envoy.ClusterType, envoy.EndpointType} {
+			for name, h := range e.Resources(typeURL) {
+				held[typeURL+"|"+name] = h.Generation
+			}
+		}
+		for key, gen := range was {
+			h, ok := held[key]
+			_, served := is[key]
+			if (ok && h < gen) || (!ok && served) {
+				return false
+			}
+		}
+		for key := range held {
+			if _, ok := was[key]; !ok {
+				if _, ok := is[key]; !ok {
+					return false
+				}
+			}
+		}
+	}
+	return true
+}
+
+// oneStreamPerKey returns "" if the upstream has exactly one stream per
+// key, and what differs otherwise.
+func (r *chaosRun) oneStreamPerKey(streams map[string]int) string {
+	if streams == nil {
+		return "no answer from the upstream"
+	}
+	perKey := map[int]int{}
+	var stray []string
+	nodeKey := map[string]int{}
+	for i, e := range r.fleet.Envoys() {
+		nodeKey[e.ID()] = i % r.cfg.Keys
+	}
+	for node, n := range streams {
+		k, ok := nodeKey[node]
+		if !ok {
+			stray = append(stray, fmt.Sprintf("%s: %d", node, n))
+			continue
+		}
+		perKey[k] += n
+	}
+	var bad []string
+	for k := range r.cfg.Keys {
+		if perKey[k] != 1 {
+			bad = append(bad, fmt.Sprintf("key %d: %d streams", k, perKey[k]))
+		}
+	}
+	if len(bad) == 0 && len(stray) == 0 {
+		return ""
+	}
+	return fmt.Sprintf("want one upstream stream per key: %s %s", strings.Join(bad, ", "), strings.Join(stray, ", "))
+}
+
+// play applies fault f and returns once it healed.
+func (r *chaosRun) play(ctx context.Context, f Fault) error {
+	switch f.Kind {
+	case FaultKill:
+		if c := r.takeRelay(f.Target); c != nil {
+			c.Kill()
+		}
+		sleepCtx(ctx, f.Hold)
+		return r.startRelay(ctx, f.Target)
+	case FaultFreeze:
+		c := r.relay(f.Target)
+		if c == nil {
+			return fmt.Errorf("relay-%d is not running", f.Target)
+		}
+		if err := c.Signal(syscall.SIGSTOP); err != nil {
+			return err
+		}
+		sleepCtx(ctx, f.Hold)
+		return c.Signal(syscall.SIGCONT)
+	case FaultCut:
+		if err := r.net.cut(f.Target, f.Peer, chaosRelayIP(f.Target), chaosRelayIP(f.Peer)); err != nil {
+			return err
+		}
+		sleepCtx(ctx, f.Hold)
+		return r.net.heal()
+	case FaultEtcd:
+		r.etcd.Kill(f.Target)
+		sleepCtx(ctx, f.Hold)
+		return r.etcd.Start(ctx, f.Target)
+	case FaultUpstream:
+		// istiod down publishes nothing: the churn waits.
+		r.churnMu.Lock()
+		defer r.churnMu.Unlock()
+		r.up.kill()
+		sleepCtx(ctx, f.Hold)
+		return r.up.run(ctx, r.churn.Steps())
+	case FaultRolling:
+		for i := range r.cfg.Relays {
+			if c := r.takeRelay(i); c != nil {
+				sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+				err := c.Stop(sctx)
+				cancel()
+				if err != nil {
+					r.fail("relay-%d on SIGTERM: %v", i, err)
+				}
+			}
+			if err := r.startRelay(ctx, i); err != nil {
+				return err
+			}
+			if err := r.waitFor(ctx, 2*time.Minute, fmt.Sprintf("relay-%d ready", i), func() bool {
+				r.mu.Lock()
+				defer r.mu.Unlock()
+				return r.ready[i]
+			}); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	return fmt.Errorf("unknown fault %q", f.Kind)
+}
+
+// stop ends every process of the run; safe on a half-started run.
+func (r *chaosRun) stop() {
+	if r.fleet != nil {
+		r.fleet.Stop(context.Background())
+	}
+	if r.svc != nil {
+		r.svc.Close()
+	}
+	for i := range r.relays {
+		if c := r.takeRelay(i); c != nil {
+			c.Kill()
+		}
+	}
+	if r.up != nil {
+		r.up.kill()
+	}
+	if r.etcd != nil {
+		r.etcd.Stop()
+	}
+	if r.net != nil {
+		_ = r.net.heal()
+	}
+	for _, f := range r.files {
+		f.Close()
+	}
+}
