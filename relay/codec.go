@@ -66,13 +66,13 @@ const (
 // Merkle roots that determine it. A SotW full-state body is determined by
 // what the client holds after (to); a SotW partial or a Delta body by what it
 // held before and after (the difference), Delta's also by the view's root
-// (its system_version_info).
+// (its system_version_info). Every version in it carries the view's stamp.
 type bodyKey struct {
 	delta    bool
 	typeURL  string
 	from, to ledger.Hash
 	view     ledger.Hash
-	stale    bool
+	stamp    ledger.Stamp
 }
 
 // bodyCache keeps recent bodies, bounded in bytes; bodies still on their way
@@ -132,7 +132,7 @@ func encodeSotW(o *outgoing, controlPlane []byte) []byte {
 func encodeDelta(o *outgoing, controlPlane []byte) []byte {
 	n := len(o.version) + len(o.typeURL) + len(controlPlane) + 16
 	for _, r := range o.upd {
-		n += len(r.Name) + len(r.Type) + len(r.Body.GetValue()) + 2*len(r.Hash) + 24
+		n += len(r.Name) + len(r.Type) + len(r.Body.GetValue()) + 2*len(r.Hash) + 48
 	}
 	for _, name := range o.removed {
 		n += len(name) + 4
@@ -142,7 +142,7 @@ func encodeDelta(o *outgoing, controlPlane []byte) []byte {
 	for _, r := range o.upd {
 		// envoy.service.discovery.v3.Resource: name, version, resource.
 		b = protowire.AppendTag(b, fDeltaResources, protowire.BytesType)
-		version := r.Hash.String()
+		version := stampedVersion(r.Hash, o.stamp)
 		anyLen := anySize(r)
 		size := protowire.SizeTag(fResourceName) + protowire.SizeBytes(len(r.Name)) +
 			protowire.SizeTag(fResourceVersion) + protowire.SizeBytes(len(version)) +

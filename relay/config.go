@@ -188,6 +188,10 @@ type Config struct {
 	// ForgetEnvoysAfter is how long an Envoy whose stream ended is listed
 	// by the ledger as not connected. Default 30 s.
 	ForgetEnvoysAfter time.Duration
+
+	// wall is the wall clock the relay's version stamps read (time.Now if
+	// nil); tests move it.
+	wall func() time.Time
 }
 
 // DefaultConfig returns a Config with every default filled in but Upstream.

@@ -378,7 +378,7 @@ func (h *downHarness) clientRequested(typeURL, claimed string, declared map[stri
 		held = make(map[string]heldRes)
 		h.model[typeURL] = held
 		for n, v := range declared {
-			if hash, err := ledger.ParseHash(v); err == nil {
+			if hash, _, err := ParseVersion(v); err == nil {
 				held[n] = heldRes{hash, h.r.store.lookup(hash)}
 			} else {
 				held[n] = heldRes{}
@@ -431,7 +431,7 @@ func (h *downHarness) checkConverged() {
 			if !sub.wildcard && !sub.names.has(e.Name) {
 				continue
 			}
-			if have, ok := held[e.Name]; (!ok || have.hash != e.Hash) && !h.s.holdsDeclared(typeURL, e.Name) && !h.s.deferred(typeURL, e.Name) {
+			if have, ok := held[e.Name]; (!ok || have.hash != e.Hash) && !h.s.heldByOrder(typeURL) && !h.s.deferred(typeURL, e.Name) {
 				h.fatalf("%s: the key has %q at %.8s, the client holds it: %v at %.8s, and nothing was sent", typ, e.Name, e.Hash, ok, have.hash)
 			}
 		}
@@ -445,8 +445,8 @@ func (h *downHarness) checkConverged() {
 			if h.referredBy(typeURL, n) != "" {
 				continue
 			}
-			if wait, _ := h.s.awaitingDeclarations(typeURL); wait || h.s.holdsDeclared(typeURL, n) {
-				continue // a referrer may yet be declared (declareGrace), or the key is stale (holdDeclared)
+			if wait, _ := h.s.awaitingDeclarations(typeURL); wait || h.s.heldByOrder(typeURL) {
+				continue // a referrer may yet be declared (declareGrace), or the client holds a newer version
 			}
 			h.fatalf("%s: the client holds %q, which the key no longer has and nothing refers to, and no removal was sent", typ, n)
 		}
@@ -649,7 +649,7 @@ func (h *downHarness) checkResponse(o *outgoing) error {
 				h.fatalf("SotW %s response (nonce %s) updates %q but leaves it out of the full state", typ, o.nonce, n)
 			}
 		}
-		if root := b.Tree().Root().String(); o.version != root {
+		if root := stampedVersion(b.Tree().Root(), o.stamp); o.version != root {
 			h.fatalf("SotW %s response (nonce %s) has version %s, want the root of its resources %s", typ, o.nonce, o.version, root)
 		}
 	default:
@@ -1811,6 +1811,29 @@ func FuzzKeyProfile(f *testing.F) {
 		reordered := IstioProfile{ExtraMetadata: []string{"DNS_CAPTURE", "PROXY_CONFIG"}}
 		if got, want := reordered.Key(n), profiles[1].Key(n); got != want {
 			t.Fatalf("Key(%s) with ExtraMetadata reordered = %q, want %q", n.GetId(), got, want)
+		}
+	})
+}
+
+// FuzzParseVersion: a wire version comes back from clients. It parses to a
+// hash and a Stamp that render to a version that parses the same (a bare
+// hash with the zero Stamp), or fails; it never panics.
+func FuzzParseVersion(f *testing.F) {
+	h := ledger.HashBytes([]byte("c0"))
+	for _, v := range []string{h.String(), stampedVersion(h, 0), stampedVersion(h, ledger.StampAt(time.UnixMilli(1764574155123))+2), h.String() + "@", "@1.0", "x@1.0", h.String() + "@1.2.3"} {
+		f.Add(v)
+	}
+	f.Fuzz(func(t *testing.T, v string) {
+		hash, s, err := ParseVersion(v)
+		if err != nil {
+			return
+		}
+		if !strings.Contains(v, "@") && s != 0 {
+			t.Fatalf("ParseVersion(%q) = %s, %v; want no stamp on a bare hash", v, hash, s)
+		}
+		again := stampedVersion(hash, s)
+		if h2, s2, err := ParseVersion(again); err != nil || h2 != hash || s2 != s {
+			t.Fatalf("ParseVersion(%q) = %s, %v, rendered %q, which parses as %s, %v, %v", v, hash, s, again, h2, s2, err)
 		}
 	})
 }

@@ -30,10 +30,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 )
 
-func TestMain(m *testing.M) {
-	unseenHold = 500 * time.Millisecond // tests wait it out
-	goleak.VerifyTestMain(m)
-}
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // typeNDS stands for the types the relay does not cache (Istio's NDS here).
 const typeNDS = "type.googleapis.com/istio.networking.nds.v1.NameTable"

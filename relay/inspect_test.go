@@ -43,10 +43,14 @@ func TestInspect(t *testing.T) {
 	sds := c.recv()
 	c.ack(sds)
 	got[typeSecret] = sds
-	held := map[string]string{} // type|name → version the client holds
+	held := map[string]string{} // type|name → content version the client holds
 	for typeURL, m := range got {
 		for _, r := range m.(*discovery.DeltaDiscoveryResponse).GetResources() {
-			held[typeURL+"|"+r.GetName()] = r.GetVersion()
+			h, _, err := ParseVersion(r.GetVersion())
+			if err != nil {
+				t.Fatal(err)
+			}
+			held[typeURL+"|"+r.GetName()] = h.String()
 		}
 	}
 	ctx := context.Background()

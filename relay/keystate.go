@@ -37,10 +37,6 @@ type keyState struct {
 	histMu sync.Mutex
 	hist   map[string]*ledger.History[*Resource]
 
-	// claims remembers hadRoot's answers (see there).
-	claimMu sync.Mutex
-	claims  map[claimKey]claimMemo
-
 	mu      sync.Mutex
 	members []*stream // in join order; the first one's node is presented upstream
 	peers   int       // members that are other relays subscribing to this key
@@ -60,16 +56,20 @@ type keySnap struct {
 	// stream has confirmed (the upstream is unreachable).
 	stale bool
 	// restored is set while the views are a snapshot restored at start
-	// (warm start) that no source has confirmed yet. Such views may be
-	// older than what clients and other relays hold, so they are not
-	// served to peer relays, nor over SotW clients' content, until
-	// confirmed.
+	// (warm start) that no source has confirmed yet (for the admin API:
+	// the views' Stamps order them against what clients hold).
 	restored bool
 }
 
 // typeSnap is the published state of one type of a key. It is immutable.
 type typeSnap struct {
 	view ledger.Tree[*Resource]
+	// stamp orders the view among the key's versions of the type
+	// (ledger.Stamp): set by the key's source when the view arrived, taken
+	// from the owner by a relay that subscribes to it, restored with a
+	// snapshot. A client that holds content stamped later keeps it until
+	// the view is newer (stream.sync).
+	stamp ledger.Stamp
 	// ready is set once the upstream has answered for this type: before
 	// that an empty view means "not known yet", not "nothing exists".
 	ready bool
@@ -111,77 +111,6 @@ func (k *keyState) recordView(typeURL string, view ledger.Tree[*Resource], at ti
 	if v, recorded := h.Record(view, at); recorded {
 		k.r.ledger.Recorded(string(k.key), typeURL, h, v)
 	}
-}
-
-// hadContent reports whether the key's history of typeURL ever had name at
-// hash (within what it keeps).
-func (k *keyState) hadContent(typeURL, name string, hash ledger.Hash) bool {
-	k.histMu.Lock()
-	h := k.hist[typeURL]
-	k.histMu.Unlock()
-	if h == nil {
-		return false
-	}
-	_, ok := h.FirstWith(name, hash)
-	return ok
-}
-
-// maxClaimVersions bounds the versions hadRoot goes back through for a
-// subscription to some of a type's names: each costs a subset tree.
-const maxClaimVersions = 32
-
-// hadRoot reports whether one of the key's recent versions of the type
-// gave sub's subscription (sub.target of the view) the root root: whether
-// a SotW client claiming root holds content this key had. Answers are
-// remembered until the type's next version: clients held after a failover
-// ask again on every wake-up, and many ask the same.
-func (k *keyState) hadRoot(sub *typeSub, root ledger.Hash) bool {
-	k.histMu.Lock()
-	h := k.hist[sub.typeURL]
-	k.histMu.Unlock()
-	if h == nil {
-		return false
-	}
-	if _, ok := h.Lookup(root); ok {
-		return true // the whole view: any kept version
-	}
-	ck := claimKey{typeURL: sub.typeURL, names: sub.listDigest, wildcard: sub.wildcard, root: root}
-	seq := h.Current().Seq
-	k.claimMu.Lock()
-	m, ok := k.claims[ck]
-	k.claimMu.Unlock()
-	if ok && m.seq == seq {
-		return m.had
-	}
-	found := false
-	h.Back(maxClaimVersions, func(_ ledger.Version, t ledger.Tree[*Resource]) bool {
-		found = sub.target(t).Root() == root
-		return !found
-	})
-	k.claimMu.Lock()
-	if k.claims == nil || len(k.claims) >= maxClaimMemos {
-		k.claims = make(map[claimKey]claimMemo)
-	}
-	k.claims[ck] = claimMemo{seq: seq, had: found}
-	k.claimMu.Unlock()
-	return found
-}
-
-// maxClaimMemos bounds the claims a key remembers (hadRoot).
-const maxClaimMemos = 1024
-
-// claimKey is a SotW claim: a root, for a subscription to a type.
-type claimKey struct {
-	typeURL  string
-	names    uint64 // the subscription's list digest
-	wildcard bool
-	root     ledger.Hash
-}
-
-// claimMemo is hadRoot's answer as of the type's version seq.
-type claimMemo struct {
-	seq uint64
-	had bool
 }
 
 func (t *typeSnap) isPending(name string, now time.Time, wait time.Duration) bool {

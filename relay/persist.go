@@ -39,6 +39,10 @@ type View struct {
 	// (it answered a wildcard subscription), not just the names asked for.
 	Full bool
 	Tree ledger.Tree[*Resource]
+	// Stamp orders the view among the key's versions (ledger.Stamp). A
+	// store may persist an earlier Stamp, never a later one: a restored
+	// view must not order after content newer than it.
+	Stamp ledger.Stamp
 }
 
 // SavedKey is what Load found of one key.
@@ -48,11 +52,13 @@ type SavedKey struct {
 }
 
 // SavedType is a persisted view: Root is the Merkle root the resources must
-// hash to.
+// hash to, Stamp at or before the Stamp the view had (zero: unknown, older
+// than any stamped view).
 type SavedType struct {
 	Type      string
 	Full      bool
 	Root      ledger.Hash
+	Stamp     ledger.Stamp
 	Resources []SavedResource
 }
 
@@ -263,7 +269,8 @@ func (r *Relay) restoreKey(sk SavedKey, rs *restorer) int {
 			r.log.Warn("warm start: persisted view does not match its root; not restored", "key", sk.Key, "type", shortType(st.Type))
 			continue
 		}
-		types[st.Type] = &typeSnap{view: t, ready: true, full: st.Full}
+		types[st.Type] = &typeSnap{view: t, ready: true, full: st.Full, stamp: st.Stamp}
+		r.observe(st.Stamp, "snapshot", sk.Key)
 	}
 	if len(types) == 0 {
 		return 0
@@ -396,7 +403,7 @@ func (u *upstream) persist() {
 	views := make([]View, 0, len(snap.types))
 	for t, ts := range snap.types {
 		if ts.ready {
-			views = append(views, View{Type: t, Full: ts.full, Tree: ts.view})
+			views = append(views, View{Type: t, Full: ts.full, Tree: ts.view, Stamp: ts.stamp})
 		}
 	}
 	snaps.Save(string(u.k.key), u.r.ownersTerm.Load(), views)

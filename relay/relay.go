@@ -70,6 +70,9 @@ type Relay struct {
 	controlPlaneWire []byte
 	bodies           bodyCache
 	streamID         atomic.Uint64
+	// clock stamps the views of the keys this relay is the source of, and
+	// observes the Stamps of views it gets from the tier (ledger.Stamp).
+	clock *ledger.Clock
 
 	upConn    *grpc.ClientConn
 	server    *grpc.Server
@@ -116,6 +119,7 @@ func New(cfg Config) (*Relay, error) {
 		warm:         make(chan struct{}),
 		loaded:       make(chan struct{}),
 		peers:        make(map[string]*grpc.ClientConn),
+		clock:        ledger.NewClock(cfg.wall),
 	}
 	if cfg.AdmitRate > 0 {
 		r.admission = rate.NewLimiter(rate.Limit(cfg.AdmitRate), cfg.AdmitBurst)

@@ -1,8 +1,6 @@
 package relay
 
 import (
-	"time"
-
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -19,7 +17,7 @@ func (r *Relay) StreamAggregatedResources(ss discovery.AggregatedDiscoveryServic
 	s := r.newStream(ss.Context(), false)
 	s.peerRelay = pi
 	s.send = func(o *outgoing) error {
-		body := r.bodies.get(bodyKey{typeURL: o.typeURL, from: o.from, to: o.to}, func() []byte {
+		body := r.bodies.get(bodyKey{typeURL: o.typeURL, from: o.from, to: o.to, stamp: o.stamp}, func() []byte {
 			return encodeSotW(o, r.controlPlaneWire)
 		})
 		w := &wireMessage{body: body, tail: nonceField(fSotWNonce, o.nonce)}
@@ -93,9 +91,12 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 		}
 		legacy := names.n == 0 && legacyWildcard(typeURL)
 		sub = s.newSub(typeURL, explicit || legacy, legacy, set)
-		sub.claimed, sub.listDigest = req.GetVersionInfo(), digest
-		if sub.claimed != "" {
-			sub.declaredAt = time.Now() // see holdClaim
+		sub.listDigest = digest
+		if v := req.GetVersionInfo(); v != "" {
+			// What the client holds, from another relay or an earlier
+			// stream: settled against the view in sync. A version that is
+			// not the relay's stands for nothing held (the view is sent).
+			sub.claimed, sub.ahead, _ = ParseVersion(v)
 		}
 		return nil
 	}

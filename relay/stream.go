@@ -85,20 +85,14 @@ type typeSub struct {
 	// awaitFirst is set until the client got its first answer: it must get
 	// one once the type is ready, even an empty one.
 	awaitFirst bool
-	// sentStale is set while the latest response to a peer relay was sent
-	// from a stale key (see staleMark).
-	sentStale bool
-	// declaredOnly is set while known is only what the client declared
-	// (Delta initial_resource_versions), before anything was sent;
-	// declaredAt is when it declared, in Delta or by a SotW version_info
-	// (see holdUnseen and holdClaim), unseenArmed is set
-	// once a wake-up is scheduled for the end of that hold.
-	declaredOnly bool
-	declaredAt   time.Time
-	unseenArmed  bool
+	// ahead is the Stamp of what the client declared it holds (the latest
+	// of its Delta initial_resource_versions, its SotW version_info) until
+	// the key's view is at least as new: while the view is older the client
+	// keeps what it holds (see sync).
+	ahead ledger.Stamp
 	// claimed is the SotW version_info of the first request, checked once
 	// the type is ready: if it is the current content the client is current.
-	claimed string
+	claimed ledger.Hash
 
 	// nonce is the latest response's nonce (SotW: older ones are stale).
 	nonce string
@@ -171,19 +165,11 @@ type outgoing struct {
 	nonce string
 	// The Merkle roots that determine the response's bytes: what the
 	// client held before (zero for a SotW full-state response, which does
-	// not depend on it) and after, and the key's view (Delta).
+	// not depend on it) and after, and the key's view (Delta); and the
+	// view's Stamp, which every version in it carries.
 	from, to, view ledger.Hash
-	// stale marks a Delta response to a peer relay sent from a stale key
-	// (system_version_info ends in staleMark): it does not confirm the
-	// peer's views.
-	stale bool
+	stamp          ledger.Stamp
 }
-
-// staleMark ends the system_version_info of a Delta response to a peer
-// relay from a key no live source confirms: the peer must not take it for
-// a confirmation of its own views (it would then overwrite what reconnecting
-// Envoys declare with content that may be older).
-const staleMark = ";stale"
 
 func (r *Relay) newStream(ctx context.Context, delta bool) *stream {
 	s := &stream{
@@ -483,12 +469,6 @@ func (s *stream) sync() error {
 		return nil
 	}
 	snap := s.key.snap.Load()
-	if snap.restored && s.peerRelay != nil {
-		// Views restored from a snapshot may be older than the peer's own:
-		// it keeps them until a live source confirms these (the stream is
-		// woken then). A peer with nothing waits that long.
-		return nil
-	}
 	now := time.Now()
 	wait := s.r.cfg.ResourceWaitTimeout
 	var plans, synced []*plan
@@ -505,44 +485,35 @@ func (s *stream) sync() error {
 			// this relay holds routes of an older view).
 			break
 		}
-		if sub.claimed != "" {
-			t := sub.target(ts.view)
-			current := t.Root().String() == sub.claimed
-			if !current && (snap.stale || s.holdClaim(sub)) {
-				// A SotW client that holds config (it moved here from a
-				// relay that crashed, say) says only its version, and
-				// versions are hashes without order: its config may be
-				// newer than this view. It keeps what it has until a live
-				// source confirms a stale view (a source just lost, or a
-				// snapshot restored at start), or a while if this key never
-				// had its version; so does what comes later in push order.
-				// (A Delta client declares each resource and is held per
-				// resource: holdDeclared.)
-				break
+		if sub.ahead != 0 || !sub.claimed.IsZero() {
+			if !s.reconnected(sub, ts) {
+				// The client holds a newer version of the type than the
+				// key's view (it moved here from a relay that was further
+				// on, or this relay restored an older snapshot): it keeps
+				// all it has of the type until the view is at least as new
+				// (the stream is woken on every new view), and gets only
+				// the names it asks for and holds nothing of. What refers
+				// to it is not sent before what it refers to
+				// (deferDangling) and what it refers to is not removed
+				// (heldBy).
+				if upd := s.lacking(sub, ts.view); len(upd) > 0 {
+					plans = append(plans, &plan{sub: sub, ts: ts, upd: upd, want: len(upd) + 1})
+				}
+				continue
 			}
-			if current {
-				sub.known, sub.awaitFirst = t, false
-				s.updateStatus(typeURL, func(st *TypeStatus) {
-					st.SentVersion, st.AckedVersion = sub.claimed, sub.claimed
-				})
-			}
-			sub.claimed = ""
 		}
 		upd, gone := sub.changes(ts.view)
 		want := len(upd) + len(gone)
 		if want == 0 {
 			sub.share(ts.view)
 		}
-		upd, gone = s.holdDeclared(snap, sub, upd, gone)
 		gone = slices.DeleteFunc(gone, func(n string) bool { return ts.isPending(n, now, wait) })
 		if typeURL == typeCluster {
 			s.forceEndpoints(sub, upd)
 		}
-		// A peer relay last answered from a stale key is told, even with
-		// nothing new, once the key is fresh: that confirms its views.
 		p := &plan{sub: sub, ts: ts, upd: upd, gone: gone, want: want}
 		switch {
-		case len(upd) > 0 || len(gone) > 0 || sub.mustAnswer(snap):
+		case len(upd) > 0 || len(gone) > 0 || sub.awaitFirst:
 			plans = append(plans, p)
 		case want == 0:
 			synced = append(synced, p)
@@ -562,7 +533,7 @@ func (s *stream) sync() error {
 			removed = s.allowedRemovals(p)
 			p.gone = slices.DeleteFunc(p.gone, func(n string) bool { return slices.Contains(removed, n) })
 		}
-		if len(p.upd) > 0 || len(removed) > 0 || p.sub.mustAnswer(snap) {
+		if len(p.upd) > 0 || len(removed) > 0 || p.sub.awaitFirst {
 			if err := s.emit(p, p.upd, removed); err != nil {
 				return err
 			}
@@ -692,11 +663,67 @@ func (s *stream) deferDangling(p *plan) {
 	p.upd = kept
 }
 
-// mustAnswer reports whether the client must get a response even with
-// nothing new: its first answer, or (a peer relay last answered from a
-// stale key) the news that the key is fresh.
-func (sub *typeSub) mustAnswer(snap *keySnap) bool {
-	return sub.awaitFirst || (sub.sentStale && !snap.stale)
+// reconnected settles what a reconnecting client declared it holds of
+// sub's type (Delta initial_resource_versions, SotW version_info) against
+// the key's view ts, and reports whether the view may be sent: the client
+// holds the view's content, or the view is at least as new as what it holds
+// (its Stamp is not older). Otherwise the client keeps what it has, and
+// reconnected is asked again at the next view. Once settled, the view is the
+// truth for the client.
+func (s *stream) reconnected(sub *typeSub, ts *typeSnap) bool {
+	t := sub.target(ts.view)
+	held := sub.known.Root()
+	if !sub.claimed.IsZero() {
+		held = sub.claimed
+	}
+	current := t.Root() == held
+	if !current && sub.ahead > ts.stamp {
+		return false
+	}
+	if current && !sub.claimed.IsZero() {
+		// A SotW client that reported what the view holds is current:
+		// nothing to send.
+		version := stampedVersion(sub.claimed, ts.stamp)
+		sub.known, sub.awaitFirst = t, false
+		s.updateStatus(sub.typeURL, func(st *TypeStatus) {
+			st.SentVersion, st.AckedVersion = version, version
+		})
+	}
+	sub.ahead, sub.claimed = 0, ledger.Hash{}
+	return true
+}
+
+// lacking returns what a Delta client subscribes to by name, holds nothing
+// of, and the view has: sent to a client that otherwise keeps what it holds
+// (it cannot be older than nothing). A wildcard subscription or a SotW one
+// gets nothing: a name the client lacks may be one its newer version
+// removed, and a SotW client said only a root.
+func (s *stream) lacking(sub *typeSub, view ledger.Tree[*Resource]) []*Resource {
+	if !s.delta || sub.wildcard {
+		return nil
+	}
+	var out []*Resource
+	for _, n := range sub.names {
+		if _, held := sub.known.Get(n); held {
+			continue
+		}
+		if e, ok := view.Get(n); ok {
+			out = append(out, e.Value)
+		}
+	}
+	return out
+}
+
+// heldByOrder reports whether the client keeps what it holds of typeURL
+// because the key's view is older than what the client declared (see
+// reconnected; for tests of the model).
+func (s *stream) heldByOrder(typeURL string) bool {
+	sub := s.subs[typeURL]
+	if sub == nil || s.key == nil {
+		return false
+	}
+	ts := s.key.snap.Load().types[typeURL]
+	return ts != nil && sub.ahead > ts.stamp
 }
 
 // deferred reports whether name of typeURL is held back by deferDangling
@@ -704,142 +731,6 @@ func (sub *typeSub) mustAnswer(snap *keySnap) bool {
 func (s *stream) deferred(typeURL, name string) bool {
 	_, ok := s.dangling[typeURL+"|"+name]
 	return ok
-}
-
-// holdDeclared keeps a reconnecting client's declared content while the
-// key is stale. Content hashes have no order: a client that moved from
-// another relay may hold content newer than this relay's view, and while no
-// live source confirms the view (the upstream or the owner is unreachable,
-// or the source is being switched) the relay cannot tell newer from older.
-// So it sends what the client lacks, but neither overwrites nor removes what
-// the client declared until the key is fresh again (the stream is woken
-// then). A client that never declared anything is served the stale view:
-// availability first.
-func (s *stream) holdDeclared(snap *keySnap, sub *typeSub, upd []*Resource, gone []string) ([]*Resource, []string) {
-	if !snap.stale {
-		sub.declaredOnly = false // fresh: from now on the view is the truth
-	}
-	if !holdingDeclared(snap, sub) {
-		return s.holdUnseen(sub, upd, gone)
-	}
-	upd = slices.DeleteFunc(upd, func(r *Resource) bool {
-		_, held := sub.known.Get(r.Name)
-		return held
-	})
-	return upd, nil
-}
-
-// unseenHold is how long a reconnecting client keeps declared content this
-// relay's key never had, on a fresh key. A variable for tests.
-var unseenHold = 5 * time.Second
-
-// maxUnseenChecks bounds the differences holdUnseen looks up in the key's
-// history in one sync.
-const maxUnseenChecks = 256
-
-// holdUnseen keeps, for unseenHold after a client declared what it holds,
-// each declared resource whose content the key's history never had: a
-// fresh key's view can still lag behind the relay the client came from
-// (a change on its way from the owner, slow under load), and content this
-// relay never saw may be newer than its view. Content the history had is
-// older than, or the same as, the view: it is replaced at once. Past the
-// hold the view wins (the content may be older than the history kept).
-func (s *stream) holdUnseen(sub *typeSub, upd []*Resource, gone []string) ([]*Resource, []string) {
-	left, holding := s.unseenLeft(sub)
-	if !holding {
-		return upd, gone
-	}
-	if len(upd)+len(gone) > maxUnseenChecks {
-		// More differences than a relay slightly ahead would explain
-		// (each check walks the key's history): the view wins.
-		sub.declaredAt = time.Time{}
-		return upd, gone
-	}
-	held := false
-	unseen := func(name string) bool {
-		if s.unseen(sub, name) {
-			held = true
-			return true
-		}
-		return false
-	}
-	upd = slices.DeleteFunc(upd, func(r *Resource) bool { return unseen(r.Name) })
-	gone = slices.DeleteFunc(gone, unseen)
-	if held {
-		s.armUnseen(sub, left)
-	}
-	return upd, gone
-}
-
-// armUnseen schedules, once, a sync for the end of sub's unseen hold, left
-// from now.
-func (s *stream) armUnseen(sub *typeSub, left time.Duration) {
-	if !sub.unseenArmed {
-		sub.unseenArmed = true
-		time.AfterFunc(left, func() { wake(s.wake) })
-	}
-}
-
-// holdClaim is holdUnseen for a SotW client, which declares only the root
-// of what it holds: it reports whether the client keeps its config, for
-// unseenHold after it claimed a root that the key's recent versions never
-// had. A claim that is no root of this tier's is not held: the view wins.
-func (s *stream) holdClaim(sub *typeSub) bool {
-	left, holding := s.unseenLeft(sub)
-	if !holding {
-		return false
-	}
-	root, err := ledger.ParseHash(sub.claimed)
-	if err != nil || s.key.hadRoot(sub, root) {
-		return false
-	}
-	s.armUnseen(sub, left)
-	return true
-}
-
-// unseenLeft returns how long sub's unseen content is still held, and
-// whether it is.
-func (s *stream) unseenLeft(sub *typeSub) (time.Duration, bool) {
-	if sub.declaredAt.IsZero() || s.peerRelay != nil {
-		// A peer relay declares its cache, which may be a snapshot
-		// restored at start: it must be brought to this owner's view.
-		return 0, false
-	}
-	left := unseenHold - time.Since(sub.declaredAt)
-	return left, left > 0
-}
-
-// unseen reports whether the client holds name of sub at content the key's
-// history never had (and within unseenHold of declaring it).
-func (s *stream) unseen(sub *typeSub, name string) bool {
-	if _, holding := s.unseenLeft(sub); !holding {
-		return false
-	}
-	e, ok := sub.known.Get(name)
-	if !ok || e.Hash == unknownContent {
-		return false
-	}
-	return !s.key.hadContent(sub.typeURL, name, e.Hash)
-}
-
-// holdsDeclared reports whether name of typeURL is held back by
-// holdDeclared now (for tests of the model).
-func (s *stream) holdsDeclared(typeURL, name string) bool {
-	sub := s.subs[typeURL]
-	if sub == nil || s.key == nil {
-		return false
-	}
-	if !holdingDeclared(s.key.snap.Load(), sub) {
-		return s.unseen(sub, name)
-	}
-	_, held := sub.known.Get(name)
-	return held
-}
-
-// holdingDeclared reports whether sub's declared content is being kept:
-// the key is stale and nothing was sent since the client declared it.
-func holdingDeclared(snap *keySnap, sub *typeSub) bool {
-	return snap.stale && sub.declaredOnly
 }
 
 // declareGrace is how long a Delta stream's removals wait for the client to
@@ -934,19 +825,14 @@ func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 	first := sub.awaitFirst
 	sub.awaitFirst = false
 
-	out := &outgoing{typeURL: sub.typeURL, upd: upd, removed: removed, from: from, to: sub.known.Root()}
+	out := &outgoing{typeURL: sub.typeURL, upd: upd, removed: removed, from: from, to: sub.known.Root(), stamp: p.ts.stamp}
 	switch {
 	case s.delta:
 		out.view = p.ts.view.Root()
-		out.version = out.view.String()
-		if s.peerRelay != nil && s.key.snap.Load().stale {
-			out.version += staleMark
-			out.stale = true
-		}
-		sub.sentStale = out.stale
+		out.version = stampedVersion(out.view, out.stamp)
 	case fullStateSotW(sub.typeURL):
 		out.from = ledger.Hash{}
-		out.version = sub.known.Root().String()
+		out.version = stampedVersion(sub.known.Root(), out.stamp)
 		out.full, out.held = true, sub.known
 	default:
 		// SotW cannot say "removed" for these types: a removal only
@@ -954,7 +840,7 @@ func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 		if len(upd) == 0 && !first {
 			return nil
 		}
-		out.version = sub.known.Root().String()
+		out.version = stampedVersion(sub.known.Root(), out.stamp)
 	}
 	out.nonce = s.nextNonce()
 	now := time.Now()

@@ -334,12 +334,13 @@ func removedOfAny(c *rawClient) []string {
 	return removedOf(c.last)
 }
 
-// TestDeclaredContentKeptWhileStale: a client that moved from another relay
-// may hold content newer than this relay's view. While the key is stale
-// (its source unreachable), the relay neither overwrites nor removes what
-// the client declared; once the source is back, the client gets what
-// differs.
-func TestDeclaredContentKeptWhileStale(t *testing.T) {
+// TestNewerDeclaredContentKeptWhileUpstreamDown: a client that moved from
+// another relay may hold content newer than this relay's view (its Stamp
+// says so). While the key's source is unreachable the view stays older:
+// the relay neither overwrites nor removes what the client declared, and
+// sends only what it asks for and holds nothing of; once the source is
+// back, the view is newer and the client gets what differs.
+func TestNewerDeclaredContentKeptWhileUpstreamDown(t *testing.T) {
 	e := newEnv(t, true, nil)
 	w := e.client(5) // makes the key ready
 	syncAllExpect(w, "c0", "c1", "c2")
@@ -352,22 +353,24 @@ func TestDeclaredContentKeptWhileStale(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	later := e.wall.stampIn(time.Second) // from a relay further on
 	c := e.client(0)
 	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeEndpoint, ResourceNamesSubscribe: []string{"c0", "c1"},
-		InitialResourceVersions: map[string]string{"c0": ahead.Hash.String()}})
+		InitialResourceVersions: map[string]string{"c0": stampedVersion(ahead.Hash, later)}})
 	if m := c.recvDelta(typeEndpoint); !slices.Equal(names(m), []string{"c1"}) {
-		t.Fatalf("stale key: first EDS response carries %v, want only c1 (c0 was declared)", names(m))
+		t.Fatalf("EDS response carries %v, want only c1 (c0 was declared newer)", names(m))
 	} else {
 		c.ack(m)
 	}
 	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster, ResourceNamesSubscribe: []string{"*"},
-		InitialResourceVersions: map[string]string{"c0": "1", "gone": ahead.Hash.String()}})
-	if m := c.recvDelta(typeCluster); len(removedOf(m)) != 0 {
-		t.Fatalf("stale key: CDS response removes %v, want nothing removed", removedOf(m))
-	} else {
-		c.ack(m)
+		InitialResourceVersions: map[string]string{"c0": "1", "gone": stampedVersion(ahead.Hash, later)}})
+	select {
+	case m := <-c.msgs:
+		t.Fatalf("CDS declared newer than the view: got %s %v removed %v, want nothing", shortType(typeOf(m)), names(m), removedOf(m))
+	case <-time.After(500 * time.Millisecond):
 	}
 
+	e.wall.advance(2 * time.Second)
 	e.up.restart()
 	var gotC0, goneRemoved bool
 	for !gotC0 || !goneRemoved {
@@ -378,20 +381,21 @@ func TestDeclaredContentKeptWhileStale(t *testing.T) {
 	}
 }
 
-// TestSotWClaimedVersionKeptWhileStale: a SotW client can only say which
-// version it holds, and a version is a hash without order. While the key
-// is stale, a client that reports a version other than the view's keeps
-// its config (nothing is sent to it); a client with nothing gets the stale
-// view at once; once the source is back, the first gets the full state.
-func TestSotWClaimedVersionKeptWhileStale(t *testing.T) {
+// TestSotWNewerClaimKeptWhileUpstreamDown: a SotW client can only say which
+// version it holds: a root and its Stamp. While the key's source is
+// unreachable, a client whose version is newer than the view keeps its
+// config (nothing is sent to it); a client with nothing gets the view at
+// once; once the source is back, the first gets the full state.
+func TestSotWNewerClaimKeptWhileUpstreamDown(t *testing.T) {
 	e := newEnv(t, false, nil)
 	w := e.client(5) // makes the key ready
 	syncAllExpect(w, "c0", "c1", "c2")
 	e.up.stop()
 	waitFor(t, "the key to go stale", func() bool { return e.r.Stats().StaleKeys == 1 })
 
-	moved := e.client(0) // it holds CDS of some version this relay does not have
-	moved.send(&discovery.DiscoveryRequest{TypeUrl: typeCluster, VersionInfo: ledger.HashBytes([]byte("elsewhere")).String()})
+	moved := e.client(0) // it holds CDS of a later version from another relay
+	moved.send(&discovery.DiscoveryRequest{TypeUrl: typeCluster,
+		VersionInfo: stampedVersion(ledger.HashBytes([]byte("elsewhere")), e.wall.stampIn(time.Second))})
 	fresh := e.client(1) // it holds nothing
 	fresh.send(&discovery.DiscoveryRequest{TypeUrl: typeCluster})
 	if m := fresh.recvSotW(typeCluster); len(m.GetResources()) != 3 {
@@ -399,9 +403,10 @@ func TestSotWClaimedVersionKeptWhileStale(t *testing.T) {
 	}
 	select {
 	case m := <-moved.msgs:
-		t.Fatalf("a client that holds another version got %s %v while the key is stale", shortType(typeOf(m)), names(m))
+		t.Fatalf("a client that holds a newer version got %s %v", shortType(typeOf(m)), names(m))
 	case <-time.After(500 * time.Millisecond):
 	}
+	e.wall.advance(2 * time.Second)
 	e.up.restart()
 	if m := moved.recvSotW(typeCluster); len(m.GetResources()) != 3 {
 		t.Fatalf("after the source returned: %d clusters, want the full state of 3", len(m.GetResources()))

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"maps"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -400,29 +399,22 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 	if err := u.resubscribe(); err != nil {
 		return false, err
 	}
-	// The views are confirmed (the key is fresh) once the stream answered
-	// every type it was asked, or, if it stays silent, confirmAfter after it
-	// opened: a Delta source says nothing for what the relay declared it
-	// holds at the current version. A peer relay that answers from a stale
-	// key (staleMark) confirms nothing until it answers fresh.
+	// The views are confirmed (the key is fresh, for the admin API, the
+	// metrics and persistence) once the stream answered every type it was
+	// asked. A Delta upstream is made to answer every type (deltaSubscribe
+	// declares one resource at a version no server has); a SotW upstream
+	// may stay silent when nothing changed, and so may an owner whose view
+	// is older than what this relay holds: their silence confirms after
+	// confirmAfter. Confirmation orders nothing: every view carries its
+	// Stamp, and clients are served by it (stream.sync).
 	answered := make(map[string]bool)
-	staleSource, confirmed := false, false
-	wait := confirmAfter
-	if src.kind != sourcePeer && (u.delta || u.k.snap.Load().restored) {
-		// A Delta upstream is made to answer every type it is told of
-		// (deltaSubscribe declares one resource at a version no server
-		// has), and views restored from a snapshot are declared at
-		// versions it does not recognise: silence then means a slow
-		// upstream, not an unchanged one, and confirms the views only
-		// after much longer. (Found by the demo under load: a key whose
-		// owner had just crashed was confirmed by 2 s of silence while
-		// the loaded upstream was still sending what had changed, and a
-		// moved Envoy was sent the older view.)
-		wait = restoredConfirmAfter
+	confirmed := false
+	var confirm <-chan time.Time
+	if src.kind == sourcePeer || !u.delta {
+		confirmTimer := time.NewTimer(confirmAfter)
+		defer confirmTimer.Stop()
+		confirm = confirmTimer.C
 	}
-	confirmTimer := time.NewTimer(wait)
-	defer confirmTimer.Stop()
-	confirm := confirmTimer.C
 	for {
 		select {
 		case m := <-msgs:
@@ -430,18 +422,14 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 			if err := u.handle(m); err != nil {
 				return got, err
 			}
-			if fromStaleSource(m) {
-				staleSource = true
-			} else {
-				answered[responseType(m)] = true
-			}
+			answered[responseType(m)] = true
 			if !confirmed && u.allAnswered(answered) {
 				u.setStale(false)
 				confirmed, confirm = true, nil
 			}
 		case <-confirm:
 			confirm = nil
-			if !staleSource {
+			if !confirmed {
 				u.setStale(false)
 				confirmed = true
 			}
@@ -479,8 +467,8 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 }
 
 // declareViews sets, for every type, the versions a new Delta stream
-// declares to what the key's views hold: the relay's content hashes, which
-// a peer relay recognises.
+// declares to what the key's views hold: the relay's content hashes and
+// the views' Stamps, which a peer relay recognises and orders.
 func (u *upstream) declareViews() {
 	snap := u.k.snap.Load()
 	for typeURL, ut := range u.types {
@@ -490,7 +478,7 @@ func (u *upstream) declareViews() {
 			continue
 		}
 		for e := range ts.view.All() {
-			ut.versions[e.Name] = e.Hash.String()
+			ut.versions[e.Name] = stampedVersion(e.Hash, ts.stamp)
 		}
 	}
 }
@@ -609,7 +597,7 @@ func (u *upstream) dropUnwanted(typeURL string, names nameSet) {
 		}
 	}
 	if len(drop) > 0 {
-		u.apply(typeURL, nil, drop, false, false)
+		u.apply(typeURL, nil, drop, false, 0)
 	}
 	// The upstream must not be told on a reconnect that the key still
 	// holds what it dropped.
@@ -717,7 +705,7 @@ func (u *upstream) onSotW(resp *discovery.DiscoveryResponse) error {
 	if !ut.wildcard {
 		upd = slices.DeleteFunc(upd, func(r *Resource) bool { return !ut.names.has(r.Name) })
 	}
-	u.apply(typeURL, upd, nil, fullStateSotW(typeURL), true)
+	u.apply(typeURL, upd, nil, fullStateSotW(typeURL), u.r.clock.Now())
 	ut.acked = resp.GetVersionInfo()
 	return u.request(u.sotwRequest(typeURL, ut, ut.wildcard, ut.names, nil))
 }
@@ -753,7 +741,7 @@ func (u *upstream) onDelta(resp *discovery.DeltaDiscoveryResponse) error {
 		delete(ut.versions, n)
 	}
 	if ut.asked {
-		u.apply(typeURL, kept, resp.GetRemovedResources(), false, true)
+		u.apply(typeURL, kept, resp.GetRemovedResources(), false, u.stampOf(resp))
 	}
 	return u.request(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: resp.GetNonce()})
 }
@@ -790,10 +778,30 @@ func (u *upstream) nack(typeURL string, ut *upType, version, nonce string, cause
 	return u.request(u.sotwRequest(typeURL, ut, ut.wildcard, ut.names, detail))
 }
 
+// stampOf returns the Stamp of a Delta response: the owner's, carried in
+// its system_version_info, from a peer relay; this relay's clock now, from
+// the upstream, whose versions carry no order.
+func (u *upstream) stampOf(resp *discovery.DeltaDiscoveryResponse) ledger.Stamp {
+	if sourceKind(u.k.source.Load()) != sourcePeer {
+		return u.r.clock.Now()
+	}
+	_, s, err := ParseVersion(resp.GetSystemVersionInfo())
+	if err != nil || s == 0 {
+		// An owner that does not stamp (a relay of an earlier release):
+		// its view is as new as it arrives here.
+		return u.r.clock.Now()
+	}
+	u.r.observe(s, "owner", string(u.k.key))
+	return s
+}
+
 // apply publishes a new view of typeURL: upd set, del removed, and with
-// replace everything else removed too (a SotW full-state response). fromUpstream
-// marks the type ready and the key fresh.
-func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace, fromUpstream bool) {
+// replace everything else removed too (a SotW full-state response). A
+// non-zero stamp is the new view's Stamp: it came from the key's source,
+// and marks the type ready; zero keeps the view's Stamp (the relay itself
+// dropped names nobody asks for).
+func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace bool, stamp ledger.Stamp) {
+	fromUpstream := stamp != 0
 	k := u.k
 	received := time.Now()
 	k.mu.Lock()
@@ -824,7 +832,7 @@ func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace,
 		}
 		ts.view = b.Tree()
 		if fromUpstream {
-			ts.ready = true
+			ts.ready, ts.stamp = true, stamp
 		}
 		// The view is the full set only once the upstream answered a
 		// wildcard subscription.
@@ -1026,13 +1034,9 @@ func (u *upstream) stopTimers() {
 // upstream stream: no server holds it, so the server sends that resource.
 const probeVersion = "meshrelay-probe"
 
-// confirmAfter bounds how long a new stream's first answers take to confirm
-// the views; restoredConfirmAfter, views restored from a snapshot, on an
-// upstream stream.
-const (
-	confirmAfter         = 2 * time.Second
-	restoredConfirmAfter = 30 * time.Second
-)
+// confirmAfter is how long a SotW upstream or a peer relay may stay silent
+// on a new stream before its silence confirms the views.
+const confirmAfter = 2 * time.Second
 
 // allAnswered reports whether every type asked on the stream was answered.
 func (u *upstream) allAnswered(answered map[string]bool) bool {
@@ -1042,13 +1046,6 @@ func (u *upstream) allAnswered(answered map[string]bool) bool {
 		}
 	}
 	return true
-}
-
-// fromStaleSource reports whether a peer relay answered from a key that no
-// live source confirms (see staleMark).
-func fromStaleSource(m proto.Message) bool {
-	r, ok := m.(*discovery.DeltaDiscoveryResponse)
-	return ok && strings.HasSuffix(r.GetSystemVersionInfo(), staleMark)
 }
 
 func responseType(m proto.Message) string {

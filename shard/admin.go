@@ -155,7 +155,8 @@ func (a adminServer) ListStragglers(ctx context.Context, req *adminpb.Stragglers
 }
 
 func (a adminServer) CheckDelivery(ctx context.Context, req *adminpb.DeliveryRequest) (*adminpb.Delivery, error) {
-	h, err := ledger.ParseHash(req.GetHash())
+	// A content hash, or a resource's version as an Envoy shows it.
+	h, _, err := relay.ParseVersion(req.GetHash())
 	if err != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "hash: %v", err)
 	}

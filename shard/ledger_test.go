@@ -108,7 +108,7 @@ func TestLedgerQueries(t *testing.T) {
 		if !ok {
 			return false, "not held"
 		}
-		h, err := ledger.ParseHash(held.Version)
+		h, _, err := relay.ParseVersion(held.Version)
 		if err != nil {
 			return false, err.Error()
 		}

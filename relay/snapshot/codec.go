@@ -14,9 +14,13 @@ import (
 //
 //	resource  'R' 1  flags  type  name  (body | parts total)
 //	chunk     'C' 1  n  (name hash)*                 part of a base index
-//	head      'H' 1  key  ntypes  (type full root n nchunks chunk*)*
-//	batch     'B' 1  ngroups  (nkeys keyID*  ntypes  (type flags root nset (name hash)* ndel name*)*)*
+//	head      'H' 2  key  ntypes  (type full root stamp n nchunks chunk*)*
+//	batch     'B' 2  stamp  ngroups  (nkeys keyID*  ntypes  (type flags root nset (name hash)* ndel name*)*)*
 //
+// A head's stamp is its type's view's ledger.Stamp; a batch record's is the
+// earliest Stamp of the views it changed (a lower bound for each: keys that
+// changed alike still share a group). Format 1 heads and batches, written
+// before views had Stamps, read with the zero Stamp.
 // Strings and counts are uvarint-prefixed; hashes are 32 raw bytes; a type
 // URL is a one-byte code if it is one of knownTypes. What is
 // read back comes from etcd, which anyone with access to it can write, so
@@ -28,6 +32,7 @@ const (
 	kindHead     = 'H'
 	kindBatch    = 'B'
 	formatV1     = 1
+	formatV2     = 2 // heads and batches with Stamps
 )
 
 // Resource flags.
@@ -63,6 +68,7 @@ type headType struct {
 	Type   string
 	Full   bool
 	Root   ledger.Hash
+	Stamp  ledger.Stamp
 	N      int           // entries in the base
 	Chunks []ledger.Hash // the base's chunks, in order
 }
@@ -99,6 +105,8 @@ type batchGroup struct {
 // batchRecord is one write of a writer's log: every key that changed in one
 // flush, keys that changed alike sharing one group.
 type batchRecord struct {
+	// Stamp is at or before the Stamp of every view the record changed.
+	Stamp  ledger.Stamp
 	Groups []batchGroup
 }
 
@@ -170,12 +178,19 @@ func (d *decoder) uvarint() uint64 {
 		return 0
 	}
 	v, n := binary.Uvarint(d.b)
-	if n <= 0 {
+	if n <= 0 || n != uvarintLen(v) {
+		// A varint longer than it needs to be is not what the encoder
+		// writes: one value, one encoding.
 		d.fail("bad varint")
 		return 0
 	}
 	d.b = d.b[n:]
 	return v
+}
+
+func uvarintLen(v uint64) int {
+	var buf [binary.MaxVarintLen64]byte
+	return binary.PutUvarint(buf[:], v)
 }
 
 // count reads a count of items each at least min bytes long, so that a
@@ -240,13 +255,16 @@ func (d *decoder) bool() bool {
 	return false
 }
 
-func (d *decoder) start(kind byte) {
+// start reads a record's kind and format, which must be one of formats.
+func (d *decoder) start(kind byte, formats ...byte) byte {
 	if k := d.byte(); d.err == nil && k != kind {
 		d.fail(fmt.Sprintf("kind %q, want %q", k, kind))
 	}
-	if v := d.byte(); d.err == nil && v != formatV1 {
+	v := d.byte()
+	if d.err == nil && !slices.Contains(formats, v) {
 		d.fail(fmt.Sprintf("format %d", v))
 	}
+	return v
 }
 
 func (d *decoder) end() error {
@@ -275,7 +293,7 @@ func encodeResource(r resourceRecord) []byte {
 // decodeResource decodes a resource record. Body aliases b.
 func decodeResource(b []byte) (resourceRecord, error) {
 	d := decoder{b: b}
-	d.start(kindResource)
+	d.start(kindResource, formatV1)
 	var r resourceRecord
 	r.Flags = d.byte()
 	r.Type = d.typ()
@@ -312,7 +330,7 @@ func encodeChunk(es []entry) []byte {
 
 func decodeChunk(b []byte) ([]entry, error) {
 	d := decoder{b: b}
-	d.start(kindChunk)
+	d.start(kindChunk, formatV1)
 	n := d.count(1 + len(ledger.Hash{}))
 	es := make([]entry, 0, n)
 	for range n {
@@ -324,13 +342,14 @@ func decodeChunk(b []byte) ([]entry, error) {
 func encodeHead(h head) []byte {
 	e := encoder{}
 	e.byte(kindHead)
-	e.byte(formatV1)
+	e.byte(formatV2)
 	e.str(h.Key)
 	e.uvarint(uint64(len(h.Types)))
 	for _, t := range h.Types {
 		e.typ(t.Type)
 		e.bool(t.Full)
 		e.hash(t.Root)
+		e.uvarint(uint64(t.Stamp))
 		e.uvarint(uint64(t.N))
 		e.uvarint(uint64(len(t.Chunks)))
 		for _, c := range t.Chunks {
@@ -342,12 +361,15 @@ func encodeHead(h head) []byte {
 
 func decodeHead(b []byte) (head, error) {
 	d := decoder{b: b}
-	d.start(kindHead)
+	format := d.start(kindHead, formatV1, formatV2)
 	var h head
 	h.Key = d.str()
 	n := d.count(3 + len(ledger.Hash{}))
 	for range n {
 		t := headType{Type: d.typ(), Full: d.bool(), Root: d.hash()}
+		if format >= formatV2 {
+			t.Stamp = ledger.Stamp(d.uvarint())
+		}
 		if n := d.uvarint(); d.err == nil && n > maxEntries {
 			d.fail("entry count out of range")
 		} else {
@@ -428,7 +450,8 @@ func encodeChanges(ts []logType) []byte {
 func encodeBatch(r batchRecord) []byte {
 	e := encoder{}
 	e.byte(kindBatch)
-	e.byte(formatV1)
+	e.byte(formatV2)
+	e.uvarint(uint64(r.Stamp))
 	e.uvarint(uint64(len(r.Groups)))
 	for _, g := range r.Groups {
 		e.uvarint(uint64(len(g.Keys)))
@@ -442,8 +465,11 @@ func encodeBatch(r batchRecord) []byte {
 
 func decodeBatch(b []byte) (batchRecord, error) {
 	d := decoder{b: b}
-	d.start(kindBatch)
+	format := d.start(kindBatch, formatV1, formatV2)
 	var r batchRecord
+	if format >= formatV2 {
+		r.Stamp = ledger.Stamp(d.uvarint())
+	}
 	n := d.count(2)
 	for range n {
 		var g batchGroup

@@ -71,6 +71,7 @@ type keyIndex struct {
 // applied is one batch record's change to a key.
 type applied struct {
 	rev   int64
+	stamp ledger.Stamp
 	types []logType
 }
 
@@ -85,6 +86,9 @@ type view struct {
 type index struct {
 	rev   int64
 	views map[string]map[string]*view // key → type → view
+	// stamps holds each key's views' Stamps (key → type → Stamp), apart
+	// from the views, which keys share whatever their Stamps.
+	stamps map[string]map[string]ledger.Stamp
 	// chunks some head refers to, and batch records that no key applies
 	// any more (etcd key → mod revision): for the collector.
 	chunkRefs   map[ledger.Hash]bool
@@ -101,7 +105,7 @@ type index struct {
 //
 // rev 0 reads the latest revision (and reports it in the index).
 func (s *Store) readIndexes(ctx context.Context, rev int64) (*index, error) {
-	ix := &index{views: map[string]map[string]*view{}, chunkRefs: map[ledger.Hash]bool{}, deadBatches: map[string]int64{}, complete: true}
+	ix := &index{views: map[string]map[string]*view{}, stamps: map[string]map[string]ledger.Stamp{}, chunkRefs: map[ledger.Hash]bool{}, deadBatches: map[string]int64{}, complete: true}
 	raw := make(map[keyID]*keyIndex)
 	keysPrefix := s.root + "keys/"
 	var err error
@@ -133,7 +137,7 @@ func (s *Store) readIndexes(ctx context.Context, rev int64) (*index, error) {
 		for _, g := range rec.Groups {
 			for _, id := range g.Keys {
 				if ki := raw[id]; ki != nil && modRev > ki.headRev {
-					ki.batches = append(ki.batches, applied{rev: modRev, types: g.Types})
+					ki.batches = append(ki.batches, applied{rev: modRev, stamp: rec.Stamp, types: g.Types})
 					live = true
 				}
 			}
@@ -163,7 +167,7 @@ func (s *Store) readIndexes(ctx context.Context, rev int64) (*index, error) {
 	rebuilt := make(map[ledger.Hash]*view)
 	byRoot := make(map[typeRoot]*view)
 	for id, ki := range raw {
-		key, vs, err := rebuild(ki, chunks, ix.chunkRefs, rebuilt, byRoot)
+		key, vs, stamps, err := rebuild(ki, chunks, ix.chunkRefs, rebuilt, byRoot)
 		if err != nil {
 			s.m.corrupt.Inc()
 			s.log.Warn("snapshot of key unreadable: not loaded", "key_id", hex.EncodeToString(id[:]), "err", err)
@@ -175,17 +179,19 @@ func (s *Store) readIndexes(ctx context.Context, rev int64) (*index, error) {
 			s.log.Warn("snapshot head names another key: not loaded", "key", key)
 			continue
 		}
-		ix.views[key] = vs
+		ix.views[key], ix.stamps[key] = vs, stamps
 	}
 	return ix, nil
 }
 
 // history is how one type of a key came to be: a base (nil if the type
-// appeared after it) and the changes applied since, in order.
+// appeared after it) and the changes applied since, in order; stamp is the
+// Stamp of the last of them.
 type history struct {
 	typ   string
 	base  *headType
 	steps []logType
+	stamp ledger.Stamp
 }
 
 // signature identifies a history: keys that changed alike (most keys of a
@@ -194,7 +200,9 @@ func (h *history) signature() ledger.Hash {
 	d := sha256.New()
 	d.Write([]byte(h.typ))
 	if h.base != nil {
-		d.Write(encodeHead(head{Types: []headType{*h.base}}))
+		base := *h.base
+		base.Stamp = 0 // views of different Stamps share a rebuild
+		d.Write(encodeHead(head{Types: []headType{base}}))
 	}
 	for _, st := range h.steps {
 		d.Write(encodeChanges([]logType{st}))
@@ -205,13 +213,13 @@ func (h *history) signature() ledger.Hash {
 }
 
 // rebuild applies a key's batch records to its base, in revision order,
-// noting the chunks its head refers to. Views already rebuilt for the same
-// history (in views) are shared, not rebuilt: a nil entry there is a
-// history that did not add up.
-func rebuild(ki *keyIndex, chunks map[ledger.Hash][]entry, chunkRefs map[ledger.Hash]bool, views map[ledger.Hash]*view, byRoot map[typeRoot]*view) (string, map[string]*view, error) {
+// noting the chunks its head refers to, and returns the key's views with
+// their Stamps. Views already rebuilt for the same history (in views) are
+// shared, not rebuilt: a nil entry there is a history that did not add up.
+func rebuild(ki *keyIndex, chunks map[ledger.Hash][]entry, chunkRefs map[ledger.Hash]bool, views map[ledger.Hash]*view, byRoot map[typeRoot]*view) (string, map[string]*view, map[string]ledger.Stamp, error) {
 	h, err := decodeHead(ki.head)
 	if err != nil {
-		return "", nil, fmt.Errorf("head: %w", err)
+		return "", nil, nil, fmt.Errorf("head: %w", err)
 	}
 	hist := make(map[string]*history, len(h.Types))
 	for i := range h.Types {
@@ -219,7 +227,7 @@ func rebuild(ki *keyIndex, chunks map[ledger.Hash][]entry, chunkRefs map[ledger.
 		for _, ch := range ht.Chunks {
 			chunkRefs[ch] = true
 		}
-		hist[ht.Type] = &history{typ: ht.Type, base: ht}
+		hist[ht.Type] = &history{typ: ht.Type, base: ht, stamp: ht.Stamp}
 	}
 	slices.SortFunc(ki.batches, func(a, b applied) int { return cmp.Compare(a.rev, b.rev) })
 	for _, a := range ki.batches {
@@ -234,9 +242,11 @@ func rebuild(ki *keyIndex, chunks map[ledger.Hash][]entry, chunkRefs map[ledger.
 				hist[lt.Type] = th
 			}
 			th.steps = append(th.steps, lt)
+			th.stamp = a.stamp
 		}
 	}
 	out := make(map[string]*view, len(hist))
+	stamps := make(map[string]ledger.Stamp, len(hist))
 	for t, th := range hist {
 		sig := th.signature()
 		v, seen := views[sig]
@@ -245,10 +255,10 @@ func rebuild(ki *keyIndex, chunks map[ledger.Hash][]entry, chunkRefs map[ledger.
 			views[sig] = v
 		}
 		if v != nil {
-			out[t] = v
+			out[t], stamps[t] = v, th.stamp
 		}
 	}
-	return h.Key, out, nil
+	return h.Key, out, stamps, nil
 }
 
 // replay rebuilds a type's view from its history. It returns nil if a
@@ -332,7 +342,7 @@ func (s *Store) Load(ctx context.Context) ([]relay.SavedKey, error) {
 		sk := relay.SavedKey{Key: key}
 		for _, t := range slices.Sorted(maps.Keys(views[key])) {
 			v := views[key][t]
-			st := relay.SavedType{Type: t, Full: v.full, Root: v.root}
+			st := relay.SavedType{Type: t, Full: v.full, Root: v.root, Stamp: ix.stamps[key][t]}
 			list, complete := lists[v]
 			if !complete {
 				list, complete = make([]relay.SavedResource, 0, len(v.entries)), true
