@@ -601,7 +601,7 @@ func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fau
 			break
 		}
 		rec := FaultRecord{Fault: f, Start: time.Now()}
-		fmt.Fprintf(r.out, "seed %d: %6.1fs fault %d: %s\n", r.seed, time.Since(start).Seconds(), i+1, f)
+		fmt.Fprintf(r.out, "seed %d: %6.1fs (%s) fault %d: %s\n", r.seed, time.Since(start).Seconds(), rec.Start.Format("15:04:05.000"), i+1, f)
 		if err := r.play(ctx, f); err != nil {
 			runErr = fmt.Errorf("fault %d (%s): %w", i+1, f, err)
 			records = append(records, rec)
