@@ -48,9 +48,10 @@ func TestHistoryRebuildsEveryVersion(t *testing.T) {
 				}
 			}
 			tree = b.Tree()
-			v, _ := hist.Record(tree, t0.Add(time.Duration(step)*time.Second))
-			if v.Root != tree.Root() {
-				t.Fatalf("Record returned root %v, want %v", v.Root, tree.Root())
+			at := t0.Add(time.Duration(step) * time.Second)
+			v, _ := hist.Record(tree, at, StampAt(at))
+			if v.Root != tree.Root() || v.Stamp != StampAt(at) {
+				t.Fatalf("Record returned root %v stamp %v, want %v and %v (a view seen again takes the later stamp)", v.Root, v.Stamp, tree.Root(), StampAt(at))
 			}
 			if len(roots) == 0 || roots[len(roots)-1] != tree.Root() {
 				models = append(models, maps.Clone(model))
@@ -164,7 +165,7 @@ func TestHistoryBounds(t *testing.T) {
 					b.Set(fmt.Sprint("svc-", j), h(fmt.Sprint(step)), step)
 				}
 				tree = b.Tree()
-				hist.Record(tree, t0.Add(time.Duration(step)*time.Second))
+				hist.Record(tree, t0.Add(time.Duration(step)*time.Second), 0)
 				if step == 0 {
 					first = tree.Root()
 				}

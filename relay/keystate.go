@@ -95,9 +95,9 @@ func newKeyState(r *Relay, key Key) *keyState {
 	return k
 }
 
-// recordView enters typeURL's view, received from the key's source at at,
-// into the key's ledger history.
-func (k *keyState) recordView(typeURL string, view ledger.Tree[*Resource], at time.Time) {
+// recordView enters typeURL's view, received from the key's source at at
+// and stamped stamp, into the key's ledger history.
+func (k *keyState) recordView(typeURL string, view ledger.Tree[*Resource], at time.Time, stamp ledger.Stamp) {
 	k.histMu.Lock()
 	h := k.hist[typeURL]
 	if h == nil {
@@ -108,7 +108,7 @@ func (k *keyState) recordView(typeURL string, view ledger.Tree[*Resource], at ti
 		k.hist[typeURL] = h
 	}
 	k.histMu.Unlock()
-	if v, recorded := h.Record(view, at); recorded {
+	if v, recorded := h.Record(view, at, stamp); recorded {
 		k.r.ledger.Recorded(string(k.key), typeURL, h, v)
 	}
 }

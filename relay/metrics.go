@@ -28,6 +28,7 @@ type metrics struct {
 	refused            *prometheus.CounterVec
 	shed               *prometheus.CounterVec
 	peerFallbacks      prometheus.Counter
+	silentConfirms     prometheus.Counter
 	peerStreams        prometheus.Gauge
 	peerClients        prometheus.Gauge
 
@@ -102,6 +103,9 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 		peerFallbacks: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "meshrelay_peer_fallbacks_total", Help: "Times a key's owner could not be reached and the relay subscribed to the upstream itself.",
 		}),
+		silentConfirms: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "meshrelay_source_silent_confirmations_total", Help: "Source streams (a SotW upstream, a peer relay) whose silence, not an answer of every type, ended the key's staleness.",
+		}),
 		peerStreams: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "meshrelay_peer_streams", Help: "Open streams this relay holds to keys' owners (relay-to-relay, outgoing).",
 		}),
@@ -115,7 +119,7 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 	cs := []prometheus.Collector{
 		m.envoys, m.pushes, m.pushBytes, m.pushResources, m.pushACK, m.converged, m.nacks, m.streamErrors,
 		m.upstreamStreams, m.upstreamReconnects, m.restoredKeys, m.upstreamNACKs, m.passthrough, m.passthroughStreams,
-		m.refused, m.shed, m.peerFallbacks, m.peerStreams, m.peerClients, sourceCollector{sources, r},
+		m.refused, m.shed, m.peerFallbacks, m.silentConfirms, m.peerStreams, m.peerClients, sourceCollector{sources, r},
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_cache_resources", Help: "Distinct resources held, shared by every key.",
 		}, func() float64 { return float64(r.store.len()) }),

@@ -285,7 +285,7 @@ func (r *Relay) restoreKey(sk SavedKey, rs *restorer) int {
 	k.snap.Store(&keySnap{types: types, stale: true, restored: true})
 	now := time.Now()
 	for typeURL, ts := range types {
-		k.recordView(typeURL, ts.view, now)
+		k.recordView(typeURL, ts.view, now, ts.stamp)
 	}
 	r.ledger.SetSource(sk.Key, ledger.SourceUpstream, true)
 	r.keys[key] = k

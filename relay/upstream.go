@@ -430,6 +430,7 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 		case <-confirm:
 			confirm = nil
 			if !confirmed {
+				u.r.metrics.silentConfirms.Inc()
 				u.setStale(false)
 				confirmed = true
 			}
@@ -807,6 +808,7 @@ func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace 
 	k.mu.Lock()
 	var derivedChanged bool
 	var view ledger.Tree[*Resource]
+	var viewStamp ledger.Stamp
 	k.update(func(next *keySnap) {
 		ts := next.typeOf(typeURL)
 		old := ts.view
@@ -840,10 +842,10 @@ func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace 
 		ts.pending = withoutArrived(ts.pending, upd)
 		next.types[typeURL] = ts
 		derivedChanged = u.follow(next, typeURL, old, ts.view)
-		view = ts.view
+		view, viewStamp = ts.view, ts.stamp
 	})
 	k.mu.Unlock()
-	k.recordView(typeURL, view, received)
+	k.recordView(typeURL, view, received, viewStamp)
 	k.wakeStreams()
 	if derivedChanged {
 		wake(k.upWake) // ask the upstream for the names the new view points at
