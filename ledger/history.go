@@ -52,9 +52,9 @@ type Version struct {
 	Root Hash
 	// Received is when the view was received from its source.
 	Received time.Time
-	// Stamp orders the version among the view's versions (see Stamp): the
-	// latest Stamp its source gave this content. Zero if unstamped.
-	Stamp Stamp
+	// Order says how new the version is (see Order): the latest its source
+	// gave this content. Zero if unordered.
+	Order Order
 	// Len is the number of resources in the view.
 	Len int
 }
@@ -95,7 +95,7 @@ type histVersion struct {
 	seq      uint64
 	root     Hash
 	received int64
-	stamp    Stamp
+	order    Order
 	len      int
 	// log[undoFrom-logBase : undoTo-logBase] lists, by name, what this
 	// version held of the names the next version changed (a zero Hash:
@@ -105,7 +105,7 @@ type histVersion struct {
 }
 
 func (v *histVersion) version() Version {
-	return Version{Seq: v.seq, Root: v.root, Received: time.Unix(0, v.received), Stamp: v.stamp, Len: v.len}
+	return Version{Seq: v.seq, Root: v.root, Received: time.Unix(0, v.received), Order: v.order, Len: v.len}
 }
 
 func (h *History[V]) undoOf(v *histVersion) []undoEntry {
@@ -129,16 +129,18 @@ func NewHistory[V any](cfg HistoryConfig) (*History[V], error) {
 	return &History[V]{cfg: cfg}, nil
 }
 
-// Record makes t the current version, received at at and stamped stamp by
+// Record makes t the current version, received at at with Order order from
 // its source, and reports whether it is a new version (a tree with the
-// current root is not recorded again: its Stamp moves on). Its cost follows
+// current root is not recorded again: its Order moves on). Its cost follows
 // the difference from the current version.
-func (h *History[V]) Record(t Tree[V], at time.Time, stamp Stamp) (Version, bool) {
+func (h *History[V]) Record(t Tree[V], at time.Time, order Order) (Version, bool) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if n := len(h.versions); n > 0 && h.versions[n-1].root == t.Root() {
 		h.cur = t // the same content; keep the newest tree, which callers share
-		h.versions[n-1].stamp = max(h.versions[n-1].stamp, stamp)
+		if !order.IsZero() {
+			h.versions[n-1].order = order
+		}
 		return h.versions[n-1].version(), false
 	}
 	end := h.logBase + len(h.log)
@@ -157,7 +159,7 @@ func (h *History[V]) Record(t Tree[V], at time.Time, stamp Stamp) (Version, bool
 		h.versions[n-1].undoTo = end
 	}
 	h.seq++
-	hv := histVersion{seq: h.seq, root: t.Root(), received: at.UnixNano(), stamp: stamp, len: t.Len(), undoFrom: end, undoTo: end}
+	hv := histVersion{seq: h.seq, root: t.Root(), received: at.UnixNano(), order: order, len: t.Len(), undoFrom: end, undoTo: end}
 	h.cur = t
 	h.versions = append(h.versions, hv)
 	v := hv.version()

@@ -49,9 +49,10 @@ func TestHistoryRebuildsEveryVersion(t *testing.T) {
 			}
 			tree = b.Tree()
 			at := t0.Add(time.Duration(step) * time.Second)
-			v, _ := hist.Record(tree, at, StampAt(at))
-			if v.Root != tree.Root() || v.Stamp != StampAt(at) {
-				t.Fatalf("Record returned root %v stamp %v, want %v and %v (a view seen again takes the later stamp)", v.Root, v.Stamp, tree.Root(), StampAt(at))
+			order := Order{Session: StampAt(t0), At: StampAt(at)}
+			v, _ := hist.Record(tree, at, order)
+			if v.Root != tree.Root() || v.Order != order {
+				t.Fatalf("Record returned root %v order %v, want %v and %v (a view seen again takes the later order)", v.Root, v.Order, tree.Root(), order)
 			}
 			if len(roots) == 0 || roots[len(roots)-1] != tree.Root() {
 				models = append(models, maps.Clone(model))
@@ -165,7 +166,7 @@ func TestHistoryBounds(t *testing.T) {
 					b.Set(fmt.Sprint("svc-", j), h(fmt.Sprint(step)), step)
 				}
 				tree = b.Tree()
-				hist.Record(tree, t0.Add(time.Duration(step)*time.Second), 0)
+				hist.Record(tree, t0.Add(time.Duration(step)*time.Second), Order{})
 				if step == 0 {
 					first = tree.Root()
 				}

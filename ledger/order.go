@@ -9,54 +9,11 @@ import (
 	"time"
 )
 
-// Stamp orders the versions of one key's view of a type: of two views of
-// the same key and type, the one with the larger Stamp is the newer. A Hash
-// says what a view is; a Stamp says when, in the key's history, it was true.
-//
-// A Stamp is a hybrid logical clock reading (Kulkarni et al., 2014): the
+// Stamp is a hybrid logical clock reading (Kulkarni et al., 2014): the
 // high 48 bits are milliseconds of wall-clock time since the Unix epoch, the
 // low 16 bits a counter that orders readings within one millisecond (and
 // carries the clock past a reading from a faster clock). The zero Stamp is
-// "unordered": older than every stamped view. Clients of a relay built
-// before stamps, or of another control plane, declare content with no
-// Stamp; the relay's view wins over it, as it always did.
-//
-// Who stamps. Only a key's source stamps: the relay that holds the key's
-// upstream stream (its owner, or a relay in fallback while the owner is
-// unreachable) stamps each view when it receives it, with its Clock. A
-// relay that subscribes to the owner takes the owner's Stamps with the
-// views, so the same version has the same Stamp on every relay that holds
-// it; every response to an Envoy carries the Stamp of the view it was built
-// from (SotW version_info, Delta resource versions), and so does what the
-// Envoy declares when it reconnects. Snapshots in etcd carry a lower bound
-// of the Stamps of the views they hold.
-//
-// Why the order holds where views travel:
-//   - Within one source, readings of its Clock only grow, so a later receipt
-//     has a larger Stamp: the order is the source's receipt order, which is
-//     the upstream's order on one stream.
-//   - A Clock is moved past every Stamp the relay learns from the tier (a
-//     peer's response or declaration, a restored snapshot; Observe), so a
-//     relay that becomes a key's source after another (a ring change, a
-//     crash, a restart) stamps after everything of the key it has seen,
-//     whatever the clocks say; the wall-clock part orders sources that never
-//     saw each other (a crashed owner and its successor) as real time does,
-//     to within the clocks' skew.
-//   - A restored snapshot is stamped at or before its views were received,
-//     so it is older than anything a live source receives after the relay
-//     started, and newer than nothing it did not see.
-//   - During a partition two relays may both act as a key's source: each
-//     orders its own views, and when the partition heals the deposed one
-//     subscribes to the owner and takes the owner's views. Its Envoys'
-//     content stamped later than the owner's view is kept until the owner's
-//     view is newer, which its next receipt is (its Clock observed theirs).
-//
-// What it cannot order: two sources that are live at the same time receive
-// the same upstream changes at different moments. A source whose receipt of
-// an upstream change lags another's by more than the time between two
-// changes stamps the older version later. The tier keeps such overlaps to a
-// switch of source (make-before-break) and to fallbacks, and the robustness
-// suite (loadtest chaos) checks every Envoy's history for regressions.
+// "never". Versions are ordered by pairs of them (Order).
 type Stamp uint64
 
 // logicalBits is the width of a Stamp's counter.
@@ -84,6 +41,82 @@ func (s Stamp) String() string {
 // ErrBadStamp is returned by ParseStamp for anything that is not a Stamp's
 // String form.
 var ErrBadStamp = errors.New("ledger: not a version stamp")
+
+// Order says how new a version of one key's view of a type is, where a
+// Hash says what it is. The key's source (the relay that holds its upstream
+// stream: its owner, or a relay in fallback while the owner is
+// unreachable) gives each view it receives an Order: Session is its Clock's
+// reading when it opened the upstream stream the view came on, At its
+// reading when the view arrived. A relay that subscribes to the owner takes
+// the owner's Orders with the views, every response to an Envoy carries the
+// Order of the view it was built from (SotW version_info, Delta resource
+// versions), and so does what the Envoy declares when it reconnects. The
+// zero Order is "unordered": the view of a snapshot restored from etcd, and
+// what clients of a relay built before Orders, or of another control plane,
+// declare.
+//
+// Why Covers is safe. An upstream sends, on one stream, states of the key in
+// the order they happened, each received after it happened: a view is at
+// least as new as the upstream's state when its stream was opened (the
+// upstream answers a stream's subscription with what it has then), and no
+// newer than the upstream's state when it arrived. So view v is at least as
+// new as view c if both came on the same stream and v arrived later, or if
+// v's stream was opened after c arrived (v.Session ≥ c.At). Nothing else is
+// known: two streams open at the same time receive the same changes at
+// different moments (a relay frozen for 10 s reads ten seconds of changes
+// at once when it resumes, each "arriving" late). A client whose version
+// the view does not cover keeps what it holds; the source then opens a new
+// stream (Relay renews a session when a client declares a version its own
+// does not cover), whose Session is after every version it was shown, so
+// the wait lasts one round trip to the upstream. Clocks are compared across
+// relays: a relay's Clock observes every Order it learns from the tier, and
+// Envoys' declarations are never observed (an Envoy cannot move a relay's
+// clock); what clocks of different machines disagree by beyond that is a
+// window in which a cross-relay comparison can be wrong.
+type Order struct {
+	Session, At Stamp
+}
+
+// IsZero reports whether o is the zero (unordered) Order.
+func (o Order) IsZero() bool { return o == Order{} }
+
+// Covers reports whether a view of Order o is known to be at least as new as
+// one of Order c: c is unordered, or both came on the same upstream stream
+// and o arrived no earlier, or o's stream was opened after c arrived.
+func (o Order) Covers(c Order) bool {
+	if c.IsZero() {
+		return true
+	}
+	if o.IsZero() {
+		return false
+	}
+	return (o.Session == c.Session && o.At >= c.At) || o.Session >= c.At
+}
+
+// String renders o as "<session>/<at>", its form on the wire.
+func (o Order) String() string { return o.Session.String() + "/" + o.At.String() }
+
+// ErrBadOrder is returned by ParseOrder for anything that is not an Order's
+// String form.
+var ErrBadOrder = errors.New("ledger: not a version order")
+
+// ParseOrder parses the String form of an Order. The input comes back from
+// clients, so it is untrusted: anything malformed is ErrBadOrder.
+func ParseOrder(str string) (Order, error) {
+	sess, at, ok := strings.Cut(str, "/")
+	if !ok {
+		return Order{}, fmt.Errorf("%w: %q", ErrBadOrder, str)
+	}
+	s, err := ParseStamp(sess)
+	if err != nil {
+		return Order{}, fmt.Errorf("%w: %q", ErrBadOrder, str)
+	}
+	a, err := ParseStamp(at)
+	if err != nil || a < s {
+		return Order{}, fmt.Errorf("%w: %q", ErrBadOrder, str)
+	}
+	return Order{Session: s, At: a}, nil
+}
 
 // ParseStamp parses the String form of a Stamp. The input comes back from
 // clients, so it is untrusted: anything malformed is ErrBadStamp.

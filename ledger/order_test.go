@@ -74,3 +74,57 @@ func FuzzParseStamp(f *testing.F) {
 		}
 	})
 }
+
+func TestOrderCovers(t *testing.T) {
+	s := func(ms int64) Stamp { return StampAt(time.UnixMilli(ms)) }
+	o := func(session, at int64) Order { return Order{Session: s(session), At: s(at)} }
+	for _, tt := range []struct {
+		name string
+		v, c Order
+		want bool
+	}{
+		{"an unordered client", o(10, 20), Order{}, true},
+		{"an unordered view covers nothing ordered", Order{}, o(10, 20), false},
+		{"same stream, later", o(10, 30), o(10, 20), true},
+		{"same stream, equal", o(10, 20), o(10, 20), true},
+		{"same stream, earlier", o(10, 15), o(10, 20), false},
+		{"a stream opened after the client's arrived", o(25, 26), o(10, 20), true},
+		{"opened exactly when it arrived", o(20, 21), o(10, 20), true},
+		{"opened before the client's arrived: a concurrent stream", o(15, 40), o(10, 20), false},
+		{"an older stream, however late it arrived (a frozen relay)", o(5, 90), o(10, 20), false},
+	} {
+		if got := tt.v.Covers(tt.c); got != tt.want {
+			t.Errorf("%s: %v.Covers(%v) = %v, want %v", tt.name, tt.v, tt.c, got, tt.want)
+		}
+	}
+}
+
+func TestOrderString(t *testing.T) {
+	o := Order{Session: StampAt(time.UnixMilli(1764574155123)), At: StampAt(time.UnixMilli(1764574155200)) + 4}
+	if got, err := ParseOrder(o.String()); err != nil || got != o {
+		t.Errorf("ParseOrder(%q) = %v, %v, want %v", o.String(), got, err, o)
+	}
+	for _, bad := range []string{"", "/", "1.0", "1.0/", "/1.0", "2.0/1.0", "1.0/x", "1.0/2.0/3.0"} {
+		if _, err := ParseOrder(bad); !errors.Is(err, ErrBadOrder) {
+			t.Errorf("ParseOrder(%q) = %v, want ErrBadOrder", bad, err)
+		}
+	}
+}
+
+func FuzzParseOrder(f *testing.F) {
+	for _, s := range []string{"0.0/0.0", "1764574155123.3/1764574155200.0", "2.0/1.0", "1.0/2.0/3.0", ""} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, in string) {
+		o, err := ParseOrder(in)
+		if err != nil {
+			return
+		}
+		if o.At < o.Session {
+			t.Fatalf("ParseOrder(%q) = %v: arrived before its stream opened", in, o)
+		}
+		if again, err := ParseOrder(o.String()); err != nil || again != o {
+			t.Fatalf("ParseOrder(%q) = %v, but its String %q parses as %v, %v", in, o, o.String(), again, err)
+		}
+	})
+}

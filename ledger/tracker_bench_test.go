@@ -29,11 +29,11 @@ func benchTracker(b *testing.B, envoys, keys, names, versions int) (*Tracker, []
 	for k := range keys {
 		key := fmt.Sprint("key-", k)
 		cdsH, _ := NewHistory[int](DefaultHistoryConfig())
-		v, _ := cdsH.Record(trees[0], now, 0)
+		v, _ := cdsH.Record(trees[0], now, Order{})
 		tr.Recorded(key, cds, cdsH, v)
 		edsH, _ := NewHistory[int](DefaultHistoryConfig())
 		for _, t := range trees {
-			v, _ := edsH.Record(t, now, 0)
+			v, _ := edsH.Record(t, now, Order{})
 			tr.Recorded(key, eds, edsH, v)
 		}
 	}

@@ -62,7 +62,7 @@ func (f *fixture) record(key, typeURL string, pairs map[string]string) Hash {
 		m[n] = h(c)
 	}
 	f.views[id] = m
-	v, _ := hist.Record(build(m), f.tick(), 0)
+	v, _ := hist.Record(build(m), f.tick(), Order{})
 	f.tr.Recorded(key, typeURL, hist, v)
 	return v.Root
 }
@@ -466,7 +466,7 @@ func TestWaitWakesWhenForgotten(t *testing.T) {
 			t.Fatal(err)
 		}
 		hist := newHistory(t, DefaultHistoryConfig())
-		v, _ := hist.Record(build(map[string]Hash{"a": h("1")}), time.Now(), 0)
+		v, _ := hist.Record(build(map[string]Hash{"a": h("1")}), time.Now(), Order{})
 		tr.Recorded("k", cds, hist, v)
 		stay, gone := tr.Connect("stay", "k", time.Now()), tr.Connect("gone", "k", time.Now())
 		for _, e := range []*Envoy{stay, gone} {

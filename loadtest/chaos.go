@@ -97,6 +97,8 @@ type ChaosConfig struct {
 	// Dir holds each seed's logs (seed-N/…); kept. Default: a temporary
 	// directory, removed if every seed passed.
 	Dir string
+	// RelayLogLevel is the relays' --log-level. Default info.
+	RelayLogLevel string
 	// Log receives progress lines. Default: discard.
 	Log io.Writer
 }
@@ -122,6 +124,7 @@ func DefaultChaosConfig() ChaosConfig {
 		ChurnRate: 3, AddRemoveFraction: 0.1, Faults: 6, Kinds: AllFaults,
 		Hold: Range{5 * time.Second, 20 * time.Second}, Down: Range{time.Second, 5 * time.Second},
 		DeliveryBound: time.Minute, RecoverTimeout: 2 * time.Minute, Settle: 2 * time.Second,
+		RelayLogLevel: "info",
 	}
 }
 
@@ -711,7 +714,7 @@ func (r *chaosRun) startRelay(ctx context.Context, i int) error {
 			"--xds-listen", ip + ":15010", "--admin-listen", ip + ":15014", "--gossip-listen", ip + ":7946",
 			"--join", strings.Join(join, ","), "--rejoin-interval", "2s", "--drain-period", "2s",
 			"--upstream", chaosUpstreamAddr, "--upstream-protocol", string(r.cfg.UpstreamProtocol),
-			"--etcd-endpoints", strings.Join(r.etcd.Endpoints(), ","), "--log-level", "info"},
+			"--etcd-endpoints", strings.Join(r.etcd.Endpoints(), ","), "--log-level", r.cfg.RelayLogLevel},
 		Stderr:       r.relayLogs[i],
 		Addr:         ip + ":15010",
 		Dir:          r.dir,

@@ -210,10 +210,10 @@ func (v *ledgerViews) record(tr *ledger.Tracker, keys []string, origin func(key 
 			return err
 		}
 		eds, _ := ledger.NewHistory[struct{}](ledger.DefaultHistoryConfig())
-		cv, _ := cds.Record(v.cds, v.at[0], ledger.StampAt(v.at[0]))
+		cv, _ := cds.Record(v.cds, v.at[0], ledger.Order{})
 		tr.Recorded(key, ledgerCDS, cds, cv)
 		for i, t := range v.eds {
-			ev, _ := eds.Record(t, v.at[i], ledger.StampAt(v.at[i]))
+			ev, _ := eds.Record(t, v.at[i], ledger.Order{})
 			tr.Recorded(key, ledgerEDS, eds, ev)
 		}
 		src := ledger.SourcePeer

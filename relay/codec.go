@@ -66,13 +66,13 @@ const (
 // Merkle roots that determine it. A SotW full-state body is determined by
 // what the client holds after (to); a SotW partial or a Delta body by what it
 // held before and after (the difference), Delta's also by the view's root
-// (its system_version_info). Every version in it carries the view's stamp.
+// (its system_version_info). Every version in it carries the view's Order.
 type bodyKey struct {
 	delta    bool
 	typeURL  string
 	from, to ledger.Hash
 	view     ledger.Hash
-	stamp    ledger.Stamp
+	order    ledger.Order
 }
 
 // bodyCache keeps recent bodies, bounded in bytes; bodies still on their way
@@ -142,7 +142,7 @@ func encodeDelta(o *outgoing, controlPlane []byte) []byte {
 	for _, r := range o.upd {
 		// envoy.service.discovery.v3.Resource: name, version, resource.
 		b = protowire.AppendTag(b, fDeltaResources, protowire.BytesType)
-		version := stampedVersion(r.Hash, o.stamp)
+		version := stampedVersion(r.Hash, o.order)
 		anyLen := anySize(r)
 		size := protowire.SizeTag(fResourceName) + protowire.SizeBytes(len(r.Name)) +
 			protowire.SizeTag(fResourceVersion) + protowire.SizeBytes(len(version)) +

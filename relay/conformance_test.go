@@ -59,9 +59,12 @@ func newTestWall() *testWall {
 	return w
 }
 
-func (w *testWall) now() time.Time                       { return time.UnixMilli(w.ms.Load()) }
-func (w *testWall) advance(d time.Duration)              { w.ms.Add(d.Milliseconds()) }
-func (w *testWall) stampIn(d time.Duration) ledger.Stamp { return ledger.StampAt(w.now().Add(d)) }
+func (w *testWall) now() time.Time          { return time.UnixMilli(w.ms.Load()) }
+func (w *testWall) advance(d time.Duration) { w.ms.Add(d.Milliseconds()) }
+func (w *testWall) orderIn(d time.Duration) ledger.Order {
+	s := ledger.StampAt(w.now().Add(d))
+	return ledger.Order{Session: s, At: s}
+}
 
 func (e *env) client(i int) *rawClient {
 	return newRawClient(e.t, e.conn, e.delta, node("ns1", "app", i))
@@ -442,7 +445,7 @@ func TestConformance(t *testing.T) {
 				// It holds c0 at content this relay never had, from a
 				// version ordered before the view, and lacks c2.
 				declared := versionMap(d)
-				declared["c0"] = stampedVersion(ledger.HashBytes([]byte("older c0")), stampOf(t, declared["c0"])-1)
+				declared["c0"] = stampedVersion(ledger.HashBytes([]byte("older c0")), olderThan(orderOf(t, declared["c0"])))
 				delete(declared, "c2")
 				c2 := e.client(0)
 				c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster, InitialResourceVersions: declared})
@@ -454,7 +457,7 @@ func TestConformance(t *testing.T) {
 			c.ack(m)
 			c.close()
 			c2 := e.client(0)
-			claim := stampedVersion(ledger.HashBytes([]byte("older")), stampOf(t, versionOf(m))-1)
+			claim := stampedVersion(ledger.HashBytes([]byte("older")), olderThan(orderOf(t, versionOf(m))))
 			c2.send(&discovery.DiscoveryRequest{TypeUrl: typeEndpoint, ResourceNames: []string{"c0", "c1"}, VersionInfo: claim})
 			c2.subs[typeEndpoint] = []string{"c0", "c1"}
 			m = c2.recv()
@@ -474,7 +477,7 @@ func TestConformance(t *testing.T) {
 				// It holds c0 at content of a later version than the
 				// view (from a relay further on), in which c2 is gone.
 				declared := versionMap(d)
-				ahead = stampedVersion(ledger.HashBytes([]byte("newer c0")), e.wall.stampIn(time.Second))
+				ahead = stampedVersion(ledger.HashBytes([]byte("newer c0")), e.wall.orderIn(time.Second))
 				declared["c0"] = ahead
 				delete(declared, "c2")
 				c = e.client(0)
@@ -484,29 +487,31 @@ func TestConformance(t *testing.T) {
 				m := c.recv()
 				c.ack(m)
 				c.close()
-				ahead = stampedVersion(ledger.HashBytes([]byte("newer")), e.wall.stampIn(time.Second))
+				ahead = stampedVersion(ledger.HashBytes([]byte("newer")), e.wall.orderIn(time.Second))
 				c = e.client(0)
 				c.send(&discovery.DiscoveryRequest{TypeUrl: typeEndpoint, ResourceNames: []string{"c0", "c1"}, VersionInfo: ahead})
 				c.subs[typeEndpoint] = []string{"c0", "c1"}
 			}
 			c.quiet() // neither c0 overwritten nor c2 brought back
-			// The upstream moves on, after the client's version: the view
-			// is newer than what the client holds, and wins.
+			// Time passes; the relay renews its upstream stream (the
+			// client holds a version from a stream opened after its own)
+			// and the upstream moves on: the view covers what the client
+			// holds, and wins.
 			e.wall.advance(2 * time.Second)
 			if e.delta {
 				e.up.set("ns1", typeCluster, mkCluster("c1", "v2"))
 				m := c.recv()
 				wantNames(t, m, "c0", "c1", "c2")
-				if v := stampOf(t, versionMap(m.(*discovery.DeltaDiscoveryResponse))["c1"]); v <= stampOf(t, ahead) {
-					t.Fatalf("sent at stamp %v, not after the client's %v", v, stampOf(t, ahead))
+				if v := orderOf(t, versionMap(m.(*discovery.DeltaDiscoveryResponse))["c1"]); !v.Covers(orderOf(t, ahead)) {
+					t.Fatalf("sent at order %v, which does not cover the client's %v", v, orderOf(t, ahead))
 				}
 				return
 			}
 			e.up.set("ns1", typeEndpoint, mkCLA("c0", 9090))
 			m := c.recv()
 			wantNames(t, m, "c0", "c1")
-			if v := stampOf(t, versionOf(m)); v <= stampOf(t, ahead) {
-				t.Fatalf("sent at stamp %v, not after the client's %v", v, stampOf(t, ahead))
+			if v := orderOf(t, versionOf(m)); !v.Covers(orderOf(t, ahead)) {
+				t.Fatalf("sent at order %v, which does not cover the client's %v", v, orderOf(t, ahead))
 			}
 		}},
 		{"moved: the view's content under a newer stamp is not sent again", func(t *testing.T, e *env) {
@@ -515,11 +520,12 @@ func TestConformance(t *testing.T) {
 			c.close()
 			c2 := e.client(0)
 			later := func(v string) string {
-				h, s, err := ParseVersion(v)
+				h, o, err := ParseVersion(v)
 				if err != nil {
 					t.Fatal(err)
 				}
-				return stampedVersion(h, s+1)
+				o.At++ // later on the same stream
+				return stampedVersion(h, o)
 			}
 			for _, typeURL := range []string{typeCluster, typeEndpoint} {
 				if e.delta {
@@ -751,14 +757,20 @@ func versionsOf(m proto.Message) []string {
 	return nil
 }
 
-// stampOf returns the Stamp of a wire version.
-func stampOf(t *testing.T, v string) ledger.Stamp {
+// orderOf returns the Order of a wire version.
+func orderOf(t *testing.T, v string) ledger.Order {
 	t.Helper()
-	_, s, err := ParseVersion(v)
-	if err != nil || s == 0 {
-		t.Fatalf("version %q has no stamp (%v)", v, err)
+	_, o, err := ParseVersion(v)
+	if err != nil || o.IsZero() {
+		t.Fatalf("version %q has no order (%v)", v, err)
 	}
-	return s
+	return o
+}
+
+// olderThan returns an Order that o covers: of a stream closed before o's
+// was opened.
+func olderThan(o ledger.Order) ledger.Order {
+	return ledger.Order{Session: o.Session - 1, At: o.Session - 1}
 }
 
 func versionMap(d *discovery.DeltaDiscoveryResponse) map[string]string {

@@ -21,7 +21,7 @@ func (r *Relay) DeltaAggregatedResources(ds discovery.AggregatedDiscoveryService
 	s := r.newStream(ds.Context(), true)
 	s.peerRelay = pi
 	s.send = func(o *outgoing) error {
-		body := r.bodies.get(bodyKey{delta: true, typeURL: o.typeURL, from: o.from, to: o.to, view: o.view, stamp: o.stamp}, func() []byte {
+		body := r.bodies.get(bodyKey{delta: true, typeURL: o.typeURL, from: o.from, to: o.to, view: o.view, order: o.order}, func() []byte {
 			return encodeDelta(o, r.controlPlaneWire)
 		})
 		w := &wireMessage{body: body, tail: nonceField(fDeltaNonce, o.nonce)}
@@ -63,7 +63,7 @@ func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 		// A peer relay is answered on every type, even with nothing new:
 		// the answers tell it its source confirms its views.
 		sub.awaitFirst = wildcard || s.peerRelay != nil
-		sub.known, sub.ahead = s.declared(sub, req.GetInitialResourceVersions())
+		sub.known, sub.orders = s.declared(sub, req.GetInitialResourceVersions())
 		return nil
 	}
 
@@ -102,32 +102,34 @@ func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 var unknownContent = ledger.Hash{}
 
 // declared builds what a reconnecting client says it holds
-// (initial_resource_versions), limited to what it subscribes to, and returns
-// the latest Stamp among them: the version it holds is at least that new. A
-// version that is not one of the relay's content versions stands for
-// unknown content: the resource is sent again if it exists, and removed if
-// not. Another relay's Stamps move this relay's clock (ledger.Clock); an
-// Envoy's are its own word and move nothing.
-func (s *stream) declared(sub *typeSub, versions map[string]string) (ledger.Tree[*Resource], ledger.Stamp) {
+// (initial_resource_versions), limited to what it subscribes to, and the
+// Orders of the versions it holds them at (see orderSet). A version that is
+// not one of the relay's content versions stands for unknown content: the
+// resource is sent again if it exists, and removed if not. Another relay's
+// Orders move this relay's clock (ledger.Clock); an Envoy's are its own
+// word and move nothing.
+func (s *stream) declared(sub *typeSub, versions map[string]string) (ledger.Tree[*Resource], orderSet) {
 	if len(versions) == 0 {
-		return ledger.Tree[*Resource]{}, 0
+		return ledger.Tree[*Resource]{}, nil
 	}
-	var latest ledger.Stamp
+	var orders orderSet
 	b := ledger.Tree[*Resource]{}.Edit()
 	for name, v := range versions {
 		if !sub.wildcard && !sub.names.has(name) {
 			continue
 		}
-		h, stamp, err := ParseVersion(v)
+		h, o, err := ParseVersion(v)
 		if err != nil {
 			b.Set(name, unknownContent, nil)
 			continue
 		}
-		latest = max(latest, stamp)
+		orders = orders.add(o)
 		b.Set(name, h, s.r.store.lookup(h))
 	}
 	if s.peerRelay != nil {
-		s.r.observe(latest, "peer", s.peerRelay.id)
+		for _, o := range orders {
+			s.r.observe(o, "peer", s.peerRelay.id)
+		}
 	}
-	return b.Tree(), latest
+	return b.Tree(), orders
 }

@@ -649,7 +649,7 @@ func (h *downHarness) checkResponse(o *outgoing) error {
 				h.fatalf("SotW %s response (nonce %s) updates %q but leaves it out of the full state", typ, o.nonce, n)
 			}
 		}
-		if root := stampedVersion(b.Tree().Root(), o.stamp); o.version != root {
+		if root := stampedVersion(b.Tree().Root(), o.order); o.version != root {
 			h.fatalf("SotW %s response (nonce %s) has version %s, want the root of its resources %s", typ, o.nonce, o.version, root)
 		}
 	default:
@@ -1816,24 +1816,25 @@ func FuzzKeyProfile(f *testing.F) {
 }
 
 // FuzzParseVersion: a wire version comes back from clients. It parses to a
-// hash and a Stamp that render to a version that parses the same (a bare
-// hash with the zero Stamp), or fails; it never panics.
+// hash and an Order that render to a version that parses the same (a bare
+// hash with the zero Order), or fails; it never panics.
 func FuzzParseVersion(f *testing.F) {
 	h := ledger.HashBytes([]byte("c0"))
-	for _, v := range []string{h.String(), stampedVersion(h, 0), stampedVersion(h, ledger.StampAt(time.UnixMilli(1764574155123))+2), h.String() + "@", "@1.0", "x@1.0", h.String() + "@1.2.3"} {
+	s := ledger.StampAt(time.UnixMilli(1764574155123))
+	for _, v := range []string{h.String(), stampedVersion(h, ledger.Order{}), stampedVersion(h, ledger.Order{Session: s, At: s + 2}), h.String() + "@", "@1.0/1.0", "x@1.0/1.0", h.String() + "@1.2/1.3", h.String() + "@2.0/1.0"} {
 		f.Add(v)
 	}
 	f.Fuzz(func(t *testing.T, v string) {
-		hash, s, err := ParseVersion(v)
+		hash, o, err := ParseVersion(v)
 		if err != nil {
 			return
 		}
-		if !strings.Contains(v, "@") && s != 0 {
-			t.Fatalf("ParseVersion(%q) = %s, %v; want no stamp on a bare hash", v, hash, s)
+		if !strings.Contains(v, "@") && !o.IsZero() {
+			t.Fatalf("ParseVersion(%q) = %s, %v; want no order on a bare hash", v, hash, o)
 		}
-		again := stampedVersion(hash, s)
-		if h2, s2, err := ParseVersion(again); err != nil || h2 != hash || s2 != s {
-			t.Fatalf("ParseVersion(%q) = %s, %v, rendered %q, which parses as %s, %v, %v", v, hash, s, again, h2, s2, err)
+		again := stampedVersion(hash, o)
+		if h2, o2, err := ParseVersion(again); err != nil || h2 != hash || o2 != o {
+			t.Fatalf("ParseVersion(%q) = %s, %v, rendered %q, which parses as %s, %v, %v", v, hash, o, again, h2, o2, err)
 		}
 	})
 }

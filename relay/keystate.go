@@ -32,6 +32,12 @@ type keyState struct {
 	// metrics and the admin surface; the upstream goroutine sets it.
 	source atomic.Int32
 
+	// demanded is the latest arrival (a ledger.Stamp) of a version some
+	// client holds that the key's views cannot cover because their upstream
+	// stream was opened before it: the key's source opens a new stream
+	// (see demand).
+	demanded atomic.Uint64
+
 	// hist is the ledger history of each type's view. Only the key's
 	// upstream goroutine (or the restore before it starts) records.
 	histMu sync.Mutex
@@ -57,19 +63,18 @@ type keySnap struct {
 	stale bool
 	// restored is set while the views are a snapshot restored at start
 	// (warm start) that no source has confirmed yet (for the admin API:
-	// the views' Stamps order them against what clients hold).
+	// the views' Orders say how new they are against what clients hold).
 	restored bool
 }
 
 // typeSnap is the published state of one type of a key. It is immutable.
 type typeSnap struct {
 	view ledger.Tree[*Resource]
-	// stamp orders the view among the key's versions of the type
-	// (ledger.Stamp): set by the key's source when the view arrived, taken
-	// from the owner by a relay that subscribes to it, restored with a
-	// snapshot. A client that holds content stamped later keeps it until
-	// the view is newer (stream.sync).
-	stamp ledger.Stamp
+	// order says how new the view is (ledger.Order): set by the key's
+	// source when the view arrived, taken from the owner by a relay that
+	// subscribes to it; zero for a view restored from a snapshot. A client
+	// whose version the view does not cover keeps it (stream.sync).
+	order ledger.Order
 	// ready is set once the upstream has answered for this type: before
 	// that an empty view means "not known yet", not "nothing exists".
 	ready bool
@@ -96,8 +101,8 @@ func newKeyState(r *Relay, key Key) *keyState {
 }
 
 // recordView enters typeURL's view, received from the key's source at at
-// and stamped stamp, into the key's ledger history.
-func (k *keyState) recordView(typeURL string, view ledger.Tree[*Resource], at time.Time, stamp ledger.Stamp) {
+// with Order order, into the key's ledger history.
+func (k *keyState) recordView(typeURL string, view ledger.Tree[*Resource], at time.Time, order ledger.Order) {
 	k.histMu.Lock()
 	h := k.hist[typeURL]
 	if h == nil {
@@ -108,7 +113,7 @@ func (k *keyState) recordView(typeURL string, view ledger.Tree[*Resource], at ti
 		k.hist[typeURL] = h
 	}
 	k.histMu.Unlock()
-	if v, recorded := h.Record(view, at, stamp); recorded {
+	if v, recorded := h.Record(view, at, order); recorded {
 		k.r.ledger.Recorded(string(k.key), typeURL, h, v)
 	}
 }
@@ -145,6 +150,31 @@ func (k *keyState) wakeStreams() {
 	defer k.mu.Unlock()
 	for _, s := range k.members {
 		wake(s.wake)
+	}
+}
+
+// demand asks the key's source for views that cover a version a client
+// holds, which arrived at at on another upstream stream (ledger.Order): an
+// upstream stream opened after at gives them. A relay that owns the key (or
+// is in fallback) opens one; a relay that subscribes to the owner passes
+// the demand on to it. from a peer relay, at moves the relay's clock; from
+// an Envoy (untrusted), an arrival further ahead of the clock than
+// ledger.MaxObserveAhead is ignored.
+func (k *keyState) demand(at ledger.Stamp, fromPeer bool) {
+	if fromPeer {
+		k.r.observe(ledger.Order{Session: at, At: at}, "peer demand", string(k.key))
+	} else if at > ledger.StampAt(time.Now().Add(ledger.MaxObserveAhead)) {
+		return
+	}
+	for {
+		cur := k.demanded.Load()
+		if uint64(at) <= cur {
+			return
+		}
+		if k.demanded.CompareAndSwap(cur, uint64(at)) {
+			wake(k.upWake)
+			return
+		}
 	}
 }
 

@@ -39,10 +39,6 @@ type View struct {
 	// (it answered a wildcard subscription), not just the names asked for.
 	Full bool
 	Tree ledger.Tree[*Resource]
-	// Stamp orders the view among the key's versions (ledger.Stamp). A
-	// store may persist an earlier Stamp, never a later one: a restored
-	// view must not order after content newer than it.
-	Stamp ledger.Stamp
 }
 
 // SavedKey is what Load found of one key.
@@ -52,13 +48,14 @@ type SavedKey struct {
 }
 
 // SavedType is a persisted view: Root is the Merkle root the resources must
-// hash to, Stamp at or before the Stamp the view had (zero: unknown, older
-// than any stamped view).
+// hash to. A restored view is unordered (the zero ledger.Order): it covers
+// only clients that hold nothing or unordered versions, so it is never sent
+// over what a client or another relay holds, however old, until a live
+// source has answered.
 type SavedType struct {
 	Type      string
 	Full      bool
 	Root      ledger.Hash
-	Stamp     ledger.Stamp
 	Resources []SavedResource
 }
 
@@ -269,8 +266,7 @@ func (r *Relay) restoreKey(sk SavedKey, rs *restorer) int {
 			r.log.Warn("warm start: persisted view does not match its root; not restored", "key", sk.Key, "type", shortType(st.Type))
 			continue
 		}
-		types[st.Type] = &typeSnap{view: t, ready: true, full: st.Full, stamp: st.Stamp}
-		r.observe(st.Stamp, "snapshot", sk.Key)
+		types[st.Type] = &typeSnap{view: t, ready: true, full: st.Full}
 	}
 	if len(types) == 0 {
 		return 0
@@ -285,7 +281,7 @@ func (r *Relay) restoreKey(sk SavedKey, rs *restorer) int {
 	k.snap.Store(&keySnap{types: types, stale: true, restored: true})
 	now := time.Now()
 	for typeURL, ts := range types {
-		k.recordView(typeURL, ts.view, now, ts.stamp)
+		k.recordView(typeURL, ts.view, now, ledger.Order{})
 	}
 	r.ledger.SetSource(sk.Key, ledger.SourceUpstream, true)
 	r.keys[key] = k
@@ -403,7 +399,7 @@ func (u *upstream) persist() {
 	views := make([]View, 0, len(snap.types))
 	for t, ts := range snap.types {
 		if ts.ready {
-			views = append(views, View{Type: t, Full: ts.full, Tree: ts.view, Stamp: ts.stamp})
+			views = append(views, View{Type: t, Full: ts.full, Tree: ts.view})
 		}
 	}
 	snaps.Save(string(u.k.key), u.r.ownersTerm.Load(), views)

@@ -70,8 +70,8 @@ type Relay struct {
 	controlPlaneWire []byte
 	bodies           bodyCache
 	streamID         atomic.Uint64
-	// clock stamps the views of the keys this relay is the source of, and
-	// observes the Stamps of views it gets from the tier (ledger.Stamp).
+	// clock orders the views of the keys this relay is the source of, and
+	// observes the Orders of views it gets from the tier (ledger.Order).
 	clock *ledger.Clock
 
 	upConn    *grpc.ClientConn

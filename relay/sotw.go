@@ -5,6 +5,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/ledger"
 )
 
 // StreamAggregatedResources serves one SotW ADS stream.
@@ -17,7 +19,7 @@ func (r *Relay) StreamAggregatedResources(ss discovery.AggregatedDiscoveryServic
 	s := r.newStream(ss.Context(), false)
 	s.peerRelay = pi
 	s.send = func(o *outgoing) error {
-		body := r.bodies.get(bodyKey{typeURL: o.typeURL, from: o.from, to: o.to, stamp: o.stamp}, func() []byte {
+		body := r.bodies.get(bodyKey{typeURL: o.typeURL, from: o.from, to: o.to, order: o.order}, func() []byte {
 			return encodeSotW(o, r.controlPlaneWire)
 		})
 		w := &wireMessage{body: body, tail: nonceField(fSotWNonce, o.nonce)}
@@ -96,7 +98,9 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 			// What the client holds, from another relay or an earlier
 			// stream: settled against the view in sync. A version that is
 			// not the relay's stands for nothing held (the view is sent).
-			sub.claimed, sub.ahead, _ = ParseVersion(v)
+			var o ledger.Order
+			sub.claimed, o, _ = ParseVersion(v)
+			sub.orders = sub.orders.add(o)
 		}
 		return nil
 	}

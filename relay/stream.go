@@ -85,11 +85,11 @@ type typeSub struct {
 	// awaitFirst is set until the client got its first answer: it must get
 	// one once the type is ready, even an empty one.
 	awaitFirst bool
-	// ahead is the Stamp of what the client declared it holds (the latest
-	// of its Delta initial_resource_versions, its SotW version_info) until
-	// the key's view is at least as new: while the view is older the client
-	// keeps what it holds (see sync).
-	ahead ledger.Stamp
+	// orders are the Orders of what the client declared it holds (its Delta
+	// initial_resource_versions, its SotW version_info) until the key's
+	// view covers them: until then the client keeps what it holds (see
+	// reconnected).
+	orders orderSet
 	// claimed is the SotW version_info of the first request, checked once
 	// the type is ready: if it is the current content the client is current.
 	claimed ledger.Hash
@@ -166,9 +166,9 @@ type outgoing struct {
 	// The Merkle roots that determine the response's bytes: what the
 	// client held before (zero for a SotW full-state response, which does
 	// not depend on it) and after, and the key's view (Delta); and the
-	// view's Stamp, which every version in it carries.
+	// view's Order, which every version in it carries.
 	from, to, view ledger.Hash
-	stamp          ledger.Stamp
+	order          ledger.Order
 }
 
 func (r *Relay) newStream(ctx context.Context, delta bool) *stream {
@@ -211,6 +211,9 @@ func (s *stream) attach(node *core.Node) error {
 		// so that both relays agree on it whatever the profile.
 		s.log = s.log.With("node", node.GetId(), "key", pi.key, "peer_relay", pi.id)
 		s.key = s.r.acquireKey(pi.key, s)
+		if pi.demand != 0 {
+			s.key.demand(pi.demand, true)
+		}
 		s.r.metrics.peerClients.Inc()
 		s.log.Debug("peer stream attached", "peer", s.peer)
 		return nil
@@ -485,7 +488,7 @@ func (s *stream) sync() error {
 			// this relay holds routes of an older view).
 			break
 		}
-		if sub.ahead != 0 || !sub.claimed.IsZero() {
+		if len(sub.orders) > 0 || !sub.claimed.IsZero() {
 			if !s.reconnected(sub, ts) {
 				// The client holds a newer version of the type than the
 				// key's view (it moved here from a relay that was further
@@ -666,10 +669,12 @@ func (s *stream) deferDangling(p *plan) {
 // reconnected settles what a reconnecting client declared it holds of
 // sub's type (Delta initial_resource_versions, SotW version_info) against
 // the key's view ts, and reports whether the view may be sent: the client
-// holds the view's content, or the view is at least as new as what it holds
-// (its Stamp is not older). Otherwise the client keeps what it has, and
-// reconnected is asked again at the next view. Once settled, the view is the
-// truth for the client.
+// holds the view's content, or the view covers the Orders of what it holds
+// (ledger.Order). Otherwise the client keeps what it has, reconnected is
+// asked again at the next view, and if the view's upstream stream is too
+// old to ever cover what the client holds, the key's source is asked for a
+// new one (keyState.demand). Once settled, the view is the truth for the
+// client.
 func (s *stream) reconnected(sub *typeSub, ts *typeSnap) bool {
 	t := sub.target(ts.view)
 	held := sub.known.Root()
@@ -677,19 +682,24 @@ func (s *stream) reconnected(sub *typeSub, ts *typeSnap) bool {
 		held = sub.claimed
 	}
 	current := t.Root() == held
-	if !current && sub.ahead > ts.stamp {
+	if !current && !sub.orders.coveredBy(ts.order) {
+		for _, o := range sub.orders {
+			if o.Session != ts.order.Session && !ts.order.Covers(o) {
+				s.key.demand(o.At, s.peerRelay != nil)
+			}
+		}
 		return false
 	}
 	if current && !sub.claimed.IsZero() {
 		// A SotW client that reported what the view holds is current:
 		// nothing to send.
-		version := stampedVersion(sub.claimed, ts.stamp)
+		version := stampedVersion(sub.claimed, ts.order)
 		sub.known, sub.awaitFirst = t, false
 		s.updateStatus(sub.typeURL, func(st *TypeStatus) {
 			st.SentVersion, st.AckedVersion = version, version
 		})
 	}
-	sub.ahead, sub.claimed = 0, ledger.Hash{}
+	sub.orders, sub.claimed = nil, ledger.Hash{}
 	return true
 }
 
@@ -715,15 +725,15 @@ func (s *stream) lacking(sub *typeSub, view ledger.Tree[*Resource]) []*Resource 
 }
 
 // heldByOrder reports whether the client keeps what it holds of typeURL
-// because the key's view is older than what the client declared (see
+// because the key's view does not cover what the client declared (see
 // reconnected; for tests of the model).
 func (s *stream) heldByOrder(typeURL string) bool {
 	sub := s.subs[typeURL]
-	if sub == nil || s.key == nil {
+	if sub == nil || s.key == nil || len(sub.orders) == 0 {
 		return false
 	}
 	ts := s.key.snap.Load().types[typeURL]
-	return ts != nil && sub.ahead > ts.stamp
+	return ts != nil && !sub.orders.coveredBy(ts.order)
 }
 
 // deferred reports whether name of typeURL is held back by deferDangling
@@ -733,13 +743,14 @@ func (s *stream) deferred(typeURL, name string) bool {
 	return ok
 }
 
-// declareGrace is how long a Delta stream's removals wait for the client to
+// declareGrace is how long a stream's removals wait for the client to
 // declare what it holds of the types that may refer to them. A client that
 // reconnects (to another relay, after a move or a crash) declares its state
-// type by type, CDS first: without the wait, a cluster removed while it was
-// away would go out before the relay learns that a route it holds still
-// uses it. Envoy sends every type's first request at once, so the wait is
-// short, and it ends early once they arrive.
+// type by type, CDS first (Delta initial_resource_versions, SotW
+// version_info): without the wait, a cluster removed while it was away
+// would go out before the relay learns that a route it holds still uses it.
+// Envoy sends every type's first request at once, so the wait is short, and
+// it ends early once they arrive.
 const declareGrace = time.Second
 
 // referringTypes lists the types whose resources may refer to one of typeURL.
@@ -750,12 +761,9 @@ var referringTypes = map[string][]string{
 }
 
 // awaitingDeclarations reports whether removals of typeURL wait for the
-// client to declare a referring type: within declareGrace of a Delta
+// client to declare a referring type: within declareGrace of a
 // stream's start, a type of referringTypes[typeURL] was not requested yet.
 func (s *stream) awaitingDeclarations(typeURL string) (bool, time.Duration) {
-	if !s.delta {
-		return false, 0
-	}
 	left := declareGrace - time.Since(s.opened)
 	if left <= 0 {
 		return false, 0
@@ -781,7 +789,15 @@ func (s *stream) undeclared(typeURL string) bool {
 
 func (s *stream) refers(typeURL string, kind refKind, name string) bool {
 	sub := s.subs[typeURL]
-	if sub == nil || sub.known.Len() == 0 {
+	if sub == nil {
+		return false
+	}
+	if !sub.claimed.IsZero() {
+		// A SotW client said it holds a version of the type the relay
+		// has not settled (reconnected): it may refer to anything.
+		return true
+	}
+	if sub.known.Len() == 0 {
 		return false
 	}
 	if _, ok := s.r.refIndex.names(sub.known, kind)[name]; ok {
@@ -825,14 +841,14 @@ func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 	first := sub.awaitFirst
 	sub.awaitFirst = false
 
-	out := &outgoing{typeURL: sub.typeURL, upd: upd, removed: removed, from: from, to: sub.known.Root(), stamp: p.ts.stamp}
+	out := &outgoing{typeURL: sub.typeURL, upd: upd, removed: removed, from: from, to: sub.known.Root(), order: p.ts.order}
 	switch {
 	case s.delta:
 		out.view = p.ts.view.Root()
-		out.version = stampedVersion(out.view, out.stamp)
+		out.version = stampedVersion(out.view, out.order)
 	case fullStateSotW(sub.typeURL):
 		out.from = ledger.Hash{}
-		out.version = stampedVersion(sub.known.Root(), out.stamp)
+		out.version = stampedVersion(sub.known.Root(), out.order)
 		out.full, out.held = true, sub.known
 	default:
 		// SotW cannot say "removed" for these types: a removal only
@@ -840,7 +856,7 @@ func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 		if len(upd) == 0 && !first {
 			return nil
 		}
-		out.version = stampedVersion(sub.known.Root(), out.stamp)
+		out.version = stampedVersion(sub.known.Root(), out.order)
 	}
 	out.nonce = s.nextNonce()
 	now := time.Now()

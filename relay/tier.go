@@ -19,6 +19,8 @@ import (
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+
+	"github.com/meshrelay/meshrelay/ledger"
 )
 
 // Owners says which relay of the tier owns each aggregation key: the one
@@ -44,12 +46,15 @@ type Tier interface {
 
 // Relay-to-relay streams carry these gRPC metadata keys: the calling
 // relay's ID, the aggregation key it subscribes for (so both ends agree on
-// it whatever the profile), and a proof that it holds the tier's peer
-// secret.
+// it whatever the profile), a proof that it holds the tier's peer secret,
+// and, if a client of the calling relay holds a version the key's views do
+// not cover, when that version arrived (a ledger.Stamp: the owner opens an
+// upstream stream after it; keyState.demand).
 const (
-	mdPeer     = "x-meshrelay-peer"
-	mdPeerKey  = "x-meshrelay-key"
-	mdPeerAuth = "x-meshrelay-peer-auth"
+	mdPeer       = "x-meshrelay-peer"
+	mdPeerKey    = "x-meshrelay-key"
+	mdPeerAuth   = "x-meshrelay-peer-auth"
+	mdPeerDemand = "x-meshrelay-demand"
 )
 
 // maxKeyLen bounds a key named by a peer.
@@ -68,6 +73,8 @@ func peerToken(secret []byte, id string) string {
 type peerIdentity struct {
 	id  string
 	key Key
+	// demand is mdPeerDemand's Stamp (zero if none).
+	demand ledger.Stamp
 }
 
 // identifyPeer reads a relay-to-relay stream's metadata. It returns nil for
@@ -87,7 +94,15 @@ func (r *Relay) identifyPeer(ctx context.Context) (*peerIdentity, error) {
 		r.log.Warn("peer stream refused: bad proof", "peer_relay", ids[0])
 		return nil, status.Error(codes.Unauthenticated, "relay-to-relay stream: bad peer proof")
 	}
-	return &peerIdentity{id: ids[0], key: Key(keys[0])}, nil
+	pi := &peerIdentity{id: ids[0], key: Key(keys[0])}
+	if d := md.Get(mdPeerDemand); len(d) == 1 {
+		s, err := ledger.ParseStamp(d[0])
+		if err != nil {
+			return nil, status.Errorf(codes.InvalidArgument, "relay-to-relay stream: %s: %v", mdPeerDemand, err)
+		}
+		pi.demand = s
+	}
+	return pi, nil
 }
 
 // provesPeer reports whether md carries the proof that relay id holds the

@@ -353,7 +353,7 @@ func TestNewerDeclaredContentKeptWhileUpstreamDown(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	later := e.wall.stampIn(time.Second) // from a relay further on
+	later := e.wall.orderIn(time.Second) // from a stream opened later, on a relay further on
 	c := e.client(0)
 	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeEndpoint, ResourceNamesSubscribe: []string{"c0", "c1"},
 		InitialResourceVersions: map[string]string{"c0": stampedVersion(ahead.Hash, later)}})
@@ -395,7 +395,7 @@ func TestSotWNewerClaimKeptWhileUpstreamDown(t *testing.T) {
 
 	moved := e.client(0) // it holds CDS of a later version from another relay
 	moved.send(&discovery.DiscoveryRequest{TypeUrl: typeCluster,
-		VersionInfo: stampedVersion(ledger.HashBytes([]byte("elsewhere")), e.wall.stampIn(time.Second))})
+		VersionInfo: stampedVersion(ledger.HashBytes([]byte("elsewhere")), e.wall.orderIn(time.Second))})
 	fresh := e.client(1) // it holds nothing
 	fresh.send(&discovery.DiscoveryRequest{TypeUrl: typeCluster})
 	if m := fresh.recvSotW(typeCluster); len(m.GetResources()) != 3 {

@@ -13,6 +13,7 @@ import (
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
@@ -43,6 +44,17 @@ type upstream struct {
 	node      *core.Node                // the node the current stream presents
 	first     bool                      // the next request is the stream's first: it carries the node
 	delta     bool
+
+	// sessionAt is the relay's clock when the current upstream stream was
+	// opened (the Session of the views it brings: ledger.Order), opened
+	// the same in wall-clock time; demandSent is the latest demand passed
+	// on to the owner (keyState.demand).
+	sessionAt  ledger.Stamp
+	opened     time.Time
+	demandSent ledger.Stamp
+	// renewing is set while the current stream renews one that could not
+	// cover what a client holds: it must get an answer to every type.
+	renewing bool
 }
 
 // upType is the upstream state of one type.
@@ -69,6 +81,7 @@ var (
 	errIdle          = errors.New("relay: key idle")
 	errResubscribe   = errors.New("relay: a type became wildcard")
 	errSourceChanged = errors.New("relay: the key's source changed")
+	errRenew         = errors.New("relay: a client holds a version this stream cannot cover")
 )
 
 // sourceKind says where a key's config comes from.
@@ -182,13 +195,14 @@ func (u *upstream) run(ctx context.Context) {
 		u.k.source.Store(int32(src.kind))
 		u.reportSource()
 		got, err := u.session(ctx, node, presenter, src)
+		u.renewing = errors.Is(err, errRenew)
 		if errors.Is(err, errIdle) || ctx.Err() != nil {
 			return
 		}
 		// Until the next stream has answered, nobody confirms the views.
 		u.setStale(true)
 		switch {
-		case errors.Is(err, errRehome) || errors.Is(err, errResubscribe) || errors.Is(err, errSourceChanged):
+		case errors.Is(err, errRehome) || errors.Is(err, errResubscribe) || errors.Is(err, errSourceChanged) || errors.Is(err, errRenew):
 			continue // a new stream at once, no backoff
 		case src.kind == sourcePeer:
 			u.fallBack(src.addr, err)
@@ -268,6 +282,10 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 			return false, fmt.Errorf("owner %s: %w", src.addr, err)
 		}
 		sctx = u.r.peerContext(sctx, u.k.key)
+		if d := ledger.Stamp(u.k.demanded.Load()); d > u.demandSent {
+			sctx = metadata.AppendToOutgoingContext(sctx, mdPeerDemand, d.String())
+			u.demandSent = d
+		}
 		// Relays speak Delta to each other, and their versions are content
 		// hashes: declaring the views makes the owner send only what
 		// differs, so a switch of source re-sends nothing unchanged.
@@ -310,6 +328,9 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 		}()
 	}
 	u.presented, u.node, u.first = presenter, node, true
+	// Opened before anything is asked: every answer on this stream is at
+	// least as new as the upstream was now.
+	u.sessionAt, u.opened = u.r.clock.Now(), time.Now()
 	presentedNode := node
 	for _, ut := range u.types {
 		ut.asked, ut.nonce, ut.named = false, "", false // what it was asked is asked again
@@ -409,6 +430,14 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 	// Stamp, and clients are served by it (stream.sync).
 	answered := make(map[string]bool)
 	confirmed := false
+	var renewAt <-chan time.Time // a renewal put off (renewAfter)
+	renew := func() bool {
+		wait, now := u.renewal(src)
+		if !now && wait > 0 && renewAt == nil {
+			renewAt = time.After(wait)
+		}
+		return now
+	}
 	var confirm <-chan time.Time
 	if src.kind == sourcePeer || !u.delta {
 		confirmTimer := time.NewTimer(confirmAfter)
@@ -440,9 +469,17 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 			if switchNow() {
 				return got, errSourceChanged
 			}
+		case <-renewAt:
+			renewAt = nil
+			if renew() {
+				return got, errRenew
+			}
 		case <-u.k.upWake:
 			if switchNow() {
 				return got, errSourceChanged
+			}
+			if renew() {
+				return got, errRenew
 			}
 			_, first, n := u.k.presenter()
 			if n > 0 && first != u.presented && !u.k.isMember(u.presented) {
@@ -467,9 +504,32 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 	}
 }
 
+// renewAfter is how long an upstream stream lives at least before a
+// client's demand renews it: a bound on the upstream reconnects that clients
+// (each of which may declare anything) can cause.
+const renewAfter = time.Second
+
+// renewal reports whether to end the session for a new one that covers what
+// clients demanded (keyState.demand): at once (now), or after wait. A relay
+// that subscribes to the owner renews its stream to pass the demand on.
+func (u *upstream) renewal(src source) (wait time.Duration, now bool) {
+	d := ledger.Stamp(u.k.demanded.Load())
+	if src.kind == sourcePeer {
+		return 0, d > u.demandSent
+	}
+	if d < u.sessionAt {
+		return 0, false // the current stream was opened after it
+	}
+	if left := renewAfter - time.Since(u.opened); left > 0 {
+		return left, false
+	}
+	u.log("renewing upstream stream: a client holds a version it cannot cover", "arrived", d)
+	return 0, true
+}
+
 // declareViews sets, for every type, the versions a new Delta stream
 // declares to what the key's views hold: the relay's content hashes and
-// the views' Stamps, which a peer relay recognises and orders.
+// the views' Orders, which a peer relay recognises and orders.
 func (u *upstream) declareViews() {
 	snap := u.k.snap.Load()
 	for typeURL, ut := range u.types {
@@ -479,7 +539,7 @@ func (u *upstream) declareViews() {
 			continue
 		}
 		for e := range ts.view.All() {
-			ut.versions[e.Name] = stampedVersion(e.Hash, ts.stamp)
+			ut.versions[e.Name] = stampedVersion(e.Hash, ts.order)
 		}
 	}
 }
@@ -561,6 +621,12 @@ func (u *upstream) resubscribe() error {
 			req = u.deltaSubscribe(typeURL, ut, w.wildcard, names)
 		} else {
 			req = u.sotwRequest(typeURL, ut, w.wildcard, names, nil)
+			if u.renewing {
+				// A SotW upstream answers a stream's first request only
+				// if its version differs from the one reported: a renewal
+				// needs the answers.
+				req.(*discovery.DiscoveryRequest).VersionInfo = ""
+			}
 		}
 		ut.asked, ut.wildcard, ut.names = true, w.wildcard, names
 		if err := u.request(req); err != nil {
@@ -598,7 +664,7 @@ func (u *upstream) dropUnwanted(typeURL string, names nameSet) {
 		}
 	}
 	if len(drop) > 0 {
-		u.apply(typeURL, nil, drop, false, 0)
+		u.apply(typeURL, nil, drop, false, false, ledger.Order{})
 	}
 	// The upstream must not be told on a reconnect that the key still
 	// holds what it dropped.
@@ -706,7 +772,7 @@ func (u *upstream) onSotW(resp *discovery.DiscoveryResponse) error {
 	if !ut.wildcard {
 		upd = slices.DeleteFunc(upd, func(r *Resource) bool { return !ut.names.has(r.Name) })
 	}
-	u.apply(typeURL, upd, nil, fullStateSotW(typeURL), u.r.clock.Now())
+	u.apply(typeURL, upd, nil, fullStateSotW(typeURL), true, u.arrived())
 	ut.acked = resp.GetVersionInfo()
 	return u.request(u.sotwRequest(typeURL, ut, ut.wildcard, ut.names, nil))
 }
@@ -742,7 +808,7 @@ func (u *upstream) onDelta(resp *discovery.DeltaDiscoveryResponse) error {
 		delete(ut.versions, n)
 	}
 	if ut.asked {
-		u.apply(typeURL, kept, resp.GetRemovedResources(), false, u.stampOf(resp))
+		u.apply(typeURL, kept, resp.GetRemovedResources(), false, true, u.orderOf(resp))
 	}
 	return u.request(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: resp.GetNonce()})
 }
@@ -779,36 +845,42 @@ func (u *upstream) nack(typeURL string, ut *upType, version, nonce string, cause
 	return u.request(u.sotwRequest(typeURL, ut, ut.wildcard, ut.names, detail))
 }
 
-// stampOf returns the Stamp of a Delta response: the owner's, carried in
-// its system_version_info, from a peer relay; this relay's clock now, from
-// the upstream, whose versions carry no order.
-func (u *upstream) stampOf(resp *discovery.DeltaDiscoveryResponse) ledger.Stamp {
+// arrived returns the Order of a view the upstream just sent on the current
+// stream.
+func (u *upstream) arrived() ledger.Order {
+	return ledger.Order{Session: u.sessionAt, At: u.r.clock.Now()}
+}
+
+// orderOf returns the Order of a Delta response: the owner's, carried in its
+// system_version_info, from a peer relay; arrived, from the upstream.
+func (u *upstream) orderOf(resp *discovery.DeltaDiscoveryResponse) ledger.Order {
 	if sourceKind(u.k.source.Load()) != sourcePeer {
-		return u.r.clock.Now()
+		return u.arrived()
 	}
-	_, s, err := ParseVersion(resp.GetSystemVersionInfo())
-	if err != nil || s == 0 {
-		// An owner that does not stamp (a relay of an earlier release):
-		// its view is as new as it arrives here.
-		return u.r.clock.Now()
+	_, o, err := ParseVersion(resp.GetSystemVersionInfo())
+	if err != nil || o.IsZero() {
+		// An owner whose view is unordered (restored from a snapshot),
+		// or of a release before Orders: the view covers only what
+		// clients hold unordered.
+		return ledger.Order{}
 	}
-	u.r.observe(s, "owner", string(u.k.key))
-	return s
+	u.r.observe(o, "owner", string(u.k.key))
+	return o
 }
 
 // apply publishes a new view of typeURL: upd set, del removed, and with
-// replace everything else removed too (a SotW full-state response). A
-// non-zero stamp is the new view's Stamp: it came from the key's source,
-// and marks the type ready; zero keeps the view's Stamp (the relay itself
-// dropped names nobody asks for).
-func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace bool, stamp ledger.Stamp) {
-	fromUpstream := stamp != 0
+// replace everything else removed too (a SotW full-state response). A view
+// from the key's source (fromSource) has order and marks the type ready;
+// otherwise (the relay itself dropped names nobody asks for) the view keeps
+// its Order.
+func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace, fromSource bool, order ledger.Order) {
+	fromUpstream := fromSource
 	k := u.k
 	received := time.Now()
 	k.mu.Lock()
 	var derivedChanged bool
 	var view ledger.Tree[*Resource]
-	var viewStamp ledger.Stamp
+	var viewOrder ledger.Order
 	k.update(func(next *keySnap) {
 		ts := next.typeOf(typeURL)
 		old := ts.view
@@ -834,7 +906,7 @@ func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace 
 		}
 		ts.view = b.Tree()
 		if fromUpstream {
-			ts.ready, ts.stamp = true, stamp
+			ts.ready, ts.order = true, order
 		}
 		// The view is the full set only once the upstream answered a
 		// wildcard subscription.
@@ -842,10 +914,10 @@ func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace 
 		ts.pending = withoutArrived(ts.pending, upd)
 		next.types[typeURL] = ts
 		derivedChanged = u.follow(next, typeURL, old, ts.view)
-		view, viewStamp = ts.view, ts.stamp
+		view, viewOrder = ts.view, ts.order
 	})
 	k.mu.Unlock()
-	k.recordView(typeURL, view, received, viewStamp)
+	k.recordView(typeURL, view, received, viewOrder)
 	k.wakeStreams()
 	if derivedChanged {
 		wake(k.upWake) // ask the upstream for the names the new view points at

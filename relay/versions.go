@@ -1,55 +1,98 @@
 package relay
 
 import (
+	"cmp"
+	"slices"
 	"strings"
 
 	"github.com/meshrelay/meshrelay/ledger"
 )
 
-// Versions on the wire are a content hash and the Stamp of the view it was
-// sent from, "<hash>@<stamp>": a Delta resource's version (its content hash)
-// and system_version_info (the view's root), a SotW version_info (the root
-// of what the client holds). The hash says what the client holds, the Stamp
-// how new it is (ledger.Stamp), and both come back when the client
-// reconnects, to this relay or another.
+// Versions on the wire are a content hash and the Order of the view it was
+// sent from, "<hash>@<session>/<at>": a Delta resource's version (its
+// content hash) and system_version_info (the view's root), a SotW
+// version_info (the root of what the client holds). The hash says what the
+// client holds, the Order how new it is (ledger.Order), and both come back
+// when the client reconnects, to this relay or another.
 
-// stampedVersion renders the wire version of content h sent from a view
-// stamped s.
-func stampedVersion(h ledger.Hash, s ledger.Stamp) string {
-	return h.String() + "@" + s.String()
+// stampedVersion renders the wire version of content h sent from a view of
+// Order o.
+func stampedVersion(h ledger.Hash, o ledger.Order) string {
+	return h.String() + "@" + o.String()
 }
 
 // ParseVersion parses a version the relay put on the wire (a Delta
 // resource's version or system_version_info, a SotW version_info): its
-// content hash and Stamp. A bare hash (from a relay that did not stamp)
-// parses with the zero Stamp: unordered, older than any view. The input is
-// untrusted: anything else is an error wrapping ledger.ErrBadHash or
-// ledger.ErrBadStamp.
-func ParseVersion(v string) (ledger.Hash, ledger.Stamp, error) {
-	hash, stamp, stamped := strings.Cut(v, "@")
+// content hash and Order. A bare hash (from a relay that did not order its
+// versions) parses with the zero Order: unordered, covered by any view. The
+// input is untrusted: anything else is an error wrapping ledger.ErrBadHash
+// or ledger.ErrBadOrder.
+func ParseVersion(v string) (ledger.Hash, ledger.Order, error) {
+	hash, order, ordered := strings.Cut(v, "@")
 	h, err := ledger.ParseHash(hash)
 	if err != nil {
-		return ledger.Hash{}, 0, err
+		return ledger.Hash{}, ledger.Order{}, err
 	}
-	if !stamped {
-		return h, 0, nil
+	if !ordered {
+		return h, ledger.Order{}, nil
 	}
-	s, err := ledger.ParseStamp(stamp)
+	o, err := ledger.ParseOrder(order)
 	if err != nil {
-		return ledger.Hash{}, 0, err
+		return ledger.Hash{}, ledger.Order{}, err
 	}
-	return h, s, nil
+	return h, o, nil
 }
 
-// observe moves the relay's clock past a Stamp learned from the tier (a
-// peer relay, a snapshot): what this relay stamps from now on orders after
-// it. A Stamp too far ahead of the wall clock is refused and logged: the
-// relay it came from has a clock that is off.
-func (r *Relay) observe(s ledger.Stamp, from, who string) {
-	if s == 0 {
+// observe moves the relay's clock past an Order learned from the tier (a
+// peer relay's views or declaration): what this relay orders from now on
+// comes after it. An Order too far ahead of the wall clock is refused and
+// logged: the relay it came from has a clock that is off.
+func (r *Relay) observe(o ledger.Order, from, who string) {
+	if o.IsZero() {
 		return
 	}
-	if err := r.clock.Observe(s); err != nil {
-		r.log.Warn("version stamp not observed", "from", from, "who", who, "err", err)
+	if err := r.clock.Observe(o.At); err != nil {
+		r.log.Warn("version order not observed", "from", from, "who", who, "err", err)
 	}
+}
+
+// maxDeclaredOrders bounds the distinct Orders a client's declaration of
+// one type keeps: a client holds a type's resources from a few versions at
+// most (those sent since it last held them all at one).
+const maxDeclaredOrders = 16
+
+// orderSet is the distinct Orders a client declared it holds a type's
+// resources at, none covering another: the key's view may be sent once it
+// covers them all.
+type orderSet []ledger.Order
+
+// add returns the set with o: dropped if a member covers it, replacing the
+// members it covers. Past maxDeclaredOrders the set keeps the latest-opened
+// ones (an honest client never gets there).
+func (s orderSet) add(o ledger.Order) orderSet {
+	if o.IsZero() {
+		return s
+	}
+	for _, m := range s {
+		if m.Covers(o) {
+			return s
+		}
+	}
+	s = slices.DeleteFunc(s, func(m ledger.Order) bool { return o.Covers(m) })
+	s = append(s, o)
+	if len(s) > maxDeclaredOrders {
+		slices.SortFunc(s, func(a, b ledger.Order) int { return cmp.Compare(b.Session, a.Session) })
+		s = s[:maxDeclaredOrders]
+	}
+	return s
+}
+
+// coveredBy reports whether view covers every Order of the set.
+func (s orderSet) coveredBy(view ledger.Order) bool {
+	for _, o := range s {
+		if !view.Covers(o) {
+			return false
+		}
+	}
+	return true
 }

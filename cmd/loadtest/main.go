@@ -399,6 +399,7 @@ func chaos(ctx context.Context, args []string) error {
 	fs.DurationVar(&cfg.DeliveryBound, "delivery-bound", cfg.DeliveryBound, "the checker's bound on a change reaching every Envoy that must get it")
 	fs.DurationVar(&cfg.RecoverTimeout, "recover-timeout", cfg.RecoverTimeout, "bound on the wait for recovery after each fault")
 	fs.StringVar(&cfg.Dir, "dir", "", "keep each seed's logs here (default: a temporary directory, removed if every seed passes)")
+	fs.StringVar(&cfg.RelayLogLevel, "relay-log-level", cfg.RelayLogLevel, "the relays' --log-level (debug, info, warn, error)")
 	bin := fs.String("meshrelay", "", "the meshrelay binary (default: go build ./cmd/meshrelay into a temporary directory, once)")
 	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
 	if err := fs.Parse(args); err != nil {

@@ -14,13 +14,9 @@ import (
 //
 //	resource  'R' 1  flags  type  name  (body | parts total)
 //	chunk     'C' 1  n  (name hash)*                 part of a base index
-//	head      'H' 2  key  ntypes  (type full root stamp n nchunks chunk*)*
-//	batch     'B' 2  stamp  ngroups  (nkeys keyID*  ntypes  (type flags root nset (name hash)* ndel name*)*)*
+//	head      'H' 1  key  ntypes  (type full root n nchunks chunk*)*
+//	batch     'B' 1  ngroups  (nkeys keyID*  ntypes  (type flags root nset (name hash)* ndel name*)*)*
 //
-// A head's stamp is its type's view's ledger.Stamp; a batch record's is the
-// earliest Stamp of the views it changed (a lower bound for each: keys that
-// changed alike still share a group). Format 1 heads and batches, written
-// before views had Stamps, read with the zero Stamp.
 // Strings and counts are uvarint-prefixed; hashes are 32 raw bytes; a type
 // URL is a one-byte code if it is one of knownTypes. What is
 // read back comes from etcd, which anyone with access to it can write, so
@@ -32,7 +28,6 @@ const (
 	kindHead     = 'H'
 	kindBatch    = 'B'
 	formatV1     = 1
-	formatV2     = 2 // heads and batches with Stamps
 )
 
 // Resource flags.
@@ -68,7 +63,6 @@ type headType struct {
 	Type   string
 	Full   bool
 	Root   ledger.Hash
-	Stamp  ledger.Stamp
 	N      int           // entries in the base
 	Chunks []ledger.Hash // the base's chunks, in order
 }
@@ -105,8 +99,6 @@ type batchGroup struct {
 // batchRecord is one write of a writer's log: every key that changed in one
 // flush, keys that changed alike sharing one group.
 type batchRecord struct {
-	// Stamp is at or before the Stamp of every view the record changed.
-	Stamp  ledger.Stamp
 	Groups []batchGroup
 }
 
@@ -255,16 +247,13 @@ func (d *decoder) bool() bool {
 	return false
 }
 
-// start reads a record's kind and format, which must be one of formats.
-func (d *decoder) start(kind byte, formats ...byte) byte {
+func (d *decoder) start(kind byte) {
 	if k := d.byte(); d.err == nil && k != kind {
 		d.fail(fmt.Sprintf("kind %q, want %q", k, kind))
 	}
-	v := d.byte()
-	if d.err == nil && !slices.Contains(formats, v) {
+	if v := d.byte(); d.err == nil && v != formatV1 {
 		d.fail(fmt.Sprintf("format %d", v))
 	}
-	return v
 }
 
 func (d *decoder) end() error {
@@ -293,7 +282,7 @@ func encodeResource(r resourceRecord) []byte {
 // decodeResource decodes a resource record. Body aliases b.
 func decodeResource(b []byte) (resourceRecord, error) {
 	d := decoder{b: b}
-	d.start(kindResource, formatV1)
+	d.start(kindResource)
 	var r resourceRecord
 	r.Flags = d.byte()
 	r.Type = d.typ()
@@ -330,7 +319,7 @@ func encodeChunk(es []entry) []byte {
 
 func decodeChunk(b []byte) ([]entry, error) {
 	d := decoder{b: b}
-	d.start(kindChunk, formatV1)
+	d.start(kindChunk)
 	n := d.count(1 + len(ledger.Hash{}))
 	es := make([]entry, 0, n)
 	for range n {
@@ -342,14 +331,13 @@ func decodeChunk(b []byte) ([]entry, error) {
 func encodeHead(h head) []byte {
 	e := encoder{}
 	e.byte(kindHead)
-	e.byte(formatV2)
+	e.byte(formatV1)
 	e.str(h.Key)
 	e.uvarint(uint64(len(h.Types)))
 	for _, t := range h.Types {
 		e.typ(t.Type)
 		e.bool(t.Full)
 		e.hash(t.Root)
-		e.uvarint(uint64(t.Stamp))
 		e.uvarint(uint64(t.N))
 		e.uvarint(uint64(len(t.Chunks)))
 		for _, c := range t.Chunks {
@@ -361,15 +349,12 @@ func encodeHead(h head) []byte {
 
 func decodeHead(b []byte) (head, error) {
 	d := decoder{b: b}
-	format := d.start(kindHead, formatV1, formatV2)
+	d.start(kindHead)
 	var h head
 	h.Key = d.str()
 	n := d.count(3 + len(ledger.Hash{}))
 	for range n {
 		t := headType{Type: d.typ(), Full: d.bool(), Root: d.hash()}
-		if format >= formatV2 {
-			t.Stamp = ledger.Stamp(d.uvarint())
-		}
 		if n := d.uvarint(); d.err == nil && n > maxEntries {
 			d.fail("entry count out of range")
 		} else {
@@ -450,8 +435,7 @@ func encodeChanges(ts []logType) []byte {
 func encodeBatch(r batchRecord) []byte {
 	e := encoder{}
 	e.byte(kindBatch)
-	e.byte(formatV2)
-	e.uvarint(uint64(r.Stamp))
+	e.byte(formatV1)
 	e.uvarint(uint64(len(r.Groups)))
 	for _, g := range r.Groups {
 		e.uvarint(uint64(len(g.Keys)))
@@ -465,11 +449,8 @@ func encodeBatch(r batchRecord) []byte {
 
 func decodeBatch(b []byte) (batchRecord, error) {
 	d := decoder{b: b}
-	format := d.start(kindBatch, formatV1, formatV2)
+	d.start(kindBatch)
 	var r batchRecord
-	if format >= formatV2 {
-		r.Stamp = ledger.Stamp(d.uvarint())
-	}
 	n := d.count(2)
 	for range n {
 		var g batchGroup

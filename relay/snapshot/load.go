@@ -71,7 +71,6 @@ type keyIndex struct {
 // applied is one batch record's change to a key.
 type applied struct {
 	rev   int64
-	stamp ledger.Stamp
 	types []logType
 }
 
@@ -86,9 +85,6 @@ type view struct {
 type index struct {
 	rev   int64
 	views map[string]map[string]*view // key → type → view
-	// stamps holds each key's views' Stamps (key → type → Stamp), apart
-	// from the views, which keys share whatever their Stamps.
-	stamps map[string]map[string]ledger.Stamp
 	// chunks some head refers to, and batch records that no key applies
 	// any more (etcd key → mod revision): for the collector.
 	chunkRefs   map[ledger.Hash]bool
@@ -105,7 +101,7 @@ type index struct {
 //
 // rev 0 reads the latest revision (and reports it in the index).
 func (s *Store) readIndexes(ctx context.Context, rev int64) (*index, error) {
-	ix := &index{views: map[string]map[string]*view{}, stamps: map[string]map[string]ledger.Stamp{}, chunkRefs: map[ledger.Hash]bool{}, deadBatches: map[string]int64{}, complete: true}
+	ix := &index{views: map[string]map[string]*view{}, chunkRefs: map[ledger.Hash]bool{}, deadBatches: map[string]int64{}, complete: true}
 	raw := make(map[keyID]*keyIndex)
 	keysPrefix := s.root + "keys/"
 	var err error
@@ -137,7 +133,7 @@ func (s *Store) readIndexes(ctx context.Context, rev int64) (*index, error) {
 		for _, g := range rec.Groups {
 			for _, id := range g.Keys {
 				if ki := raw[id]; ki != nil && modRev > ki.headRev {
-					ki.batches = append(ki.batches, applied{rev: modRev, stamp: rec.Stamp, types: g.Types})
+					ki.batches = append(ki.batches, applied{rev: modRev, types: g.Types})
 					live = true
 				}
 			}
@@ -167,7 +163,7 @@ func (s *Store) readIndexes(ctx context.Context, rev int64) (*index, error) {
 	rebuilt := make(map[ledger.Hash]*view)
 	byRoot := make(map[typeRoot]*view)
 	for id, ki := range raw {
-		key, vs, stamps, err := rebuild(ki, chunks, ix.chunkRefs, rebuilt, byRoot)
+		key, vs, err := rebuild(ki, chunks, ix.chunkRefs, rebuilt, byRoot)
 		if err != nil {
 			s.m.corrupt.Inc()
 			s.log.Warn("snapshot of key unreadable: not loaded", "key_id", hex.EncodeToString(id[:]), "err", err)
@@ -179,19 +175,17 @@ func (s *Store) readIndexes(ctx context.Context, rev int64) (*index, error) {
 			s.log.Warn("snapshot head names another key: not loaded", "key", key)
 			continue
 		}
-		ix.views[key], ix.stamps[key] = vs, stamps
+		ix.views[key] = vs
 	}
 	return ix, nil
 }
 
 // history is how one type of a key came to be: a base (nil if the type
-// appeared after it) and the changes applied since, in order; stamp is the
-// Stamp of the last of them.
+// appeared after it) and the changes applied since, in order.
 type history struct {
 	typ   string
 	base  *headType
 	steps []logType
-	stamp ledger.Stamp
 }
 
 // signature identifies a history: keys that changed alike (most keys of a
@@ -200,9 +194,7 @@ func (h *history) signature() ledger.Hash {
 	d := sha256.New()
 	d.Write([]byte(h.typ))
 	if h.base != nil {
-		base := *h.base
-		base.Stamp = 0 // views of different Stamps share a rebuild
-		d.Write(encodeHead(head{Types: []headType{base}}))
+		d.Write(encodeHead(head{Types: []headType{*h.base}}))
 	}
 	for _, st := range h.steps {
 		d.Write(encodeChanges([]logType{st}))
@@ -213,13 +205,13 @@ func (h *history) signature() ledger.Hash {
 }
 
 // rebuild applies a key's batch records to its base, in revision order,
-// noting the chunks its head refers to, and returns the key's views with
-// their Stamps. Views already rebuilt for the same history (in views) are
-// shared, not rebuilt: a nil entry there is a history that did not add up.
-func rebuild(ki *keyIndex, chunks map[ledger.Hash][]entry, chunkRefs map[ledger.Hash]bool, views map[ledger.Hash]*view, byRoot map[typeRoot]*view) (string, map[string]*view, map[string]ledger.Stamp, error) {
+// noting the chunks its head refers to. Views already rebuilt for the same
+// history (in views) are shared, not rebuilt: a nil entry there is a
+// history that did not add up.
+func rebuild(ki *keyIndex, chunks map[ledger.Hash][]entry, chunkRefs map[ledger.Hash]bool, views map[ledger.Hash]*view, byRoot map[typeRoot]*view) (string, map[string]*view, error) {
 	h, err := decodeHead(ki.head)
 	if err != nil {
-		return "", nil, nil, fmt.Errorf("head: %w", err)
+		return "", nil, fmt.Errorf("head: %w", err)
 	}
 	hist := make(map[string]*history, len(h.Types))
 	for i := range h.Types {
@@ -227,7 +219,7 @@ func rebuild(ki *keyIndex, chunks map[ledger.Hash][]entry, chunkRefs map[ledger.
 		for _, ch := range ht.Chunks {
 			chunkRefs[ch] = true
 		}
-		hist[ht.Type] = &history{typ: ht.Type, base: ht, stamp: ht.Stamp}
+		hist[ht.Type] = &history{typ: ht.Type, base: ht}
 	}
 	slices.SortFunc(ki.batches, func(a, b applied) int { return cmp.Compare(a.rev, b.rev) })
 	for _, a := range ki.batches {
@@ -242,11 +234,9 @@ func rebuild(ki *keyIndex, chunks map[ledger.Hash][]entry, chunkRefs map[ledger.
 				hist[lt.Type] = th
 			}
 			th.steps = append(th.steps, lt)
-			th.stamp = a.stamp
 		}
 	}
 	out := make(map[string]*view, len(hist))
-	stamps := make(map[string]ledger.Stamp, len(hist))
 	for t, th := range hist {
 		sig := th.signature()
 		v, seen := views[sig]
@@ -255,10 +245,10 @@ func rebuild(ki *keyIndex, chunks map[ledger.Hash][]entry, chunkRefs map[ledger.
 			views[sig] = v
 		}
 		if v != nil {
-			out[t], stamps[t] = v, th.stamp
+			out[t] = v
 		}
 	}
-	return h.Key, out, stamps, nil
+	return h.Key, out, nil
 }
 
 // replay rebuilds a type's view from its history. It returns nil if a
@@ -342,7 +332,7 @@ func (s *Store) Load(ctx context.Context) ([]relay.SavedKey, error) {
 		sk := relay.SavedKey{Key: key}
 		for _, t := range slices.Sorted(maps.Keys(views[key])) {
 			v := views[key][t]
-			st := relay.SavedType{Type: t, Full: v.full, Root: v.root, Stamp: ix.stamps[key][t]}
+			st := relay.SavedType{Type: t, Full: v.full, Root: v.root}
 			list, complete := lists[v]
 			if !complete {
 				list, complete = make([]relay.SavedResource, 0, len(v.entries)), true

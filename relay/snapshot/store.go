@@ -730,7 +730,7 @@ func (s *Store) appendBatch(ctx context.Context, ps []*pend) error {
 			}
 			g.Keys = append(g.Keys, p.id)
 		}
-		rec := batchRecord{Stamp: earliestStamp(ps)}
+		var rec batchRecord
 		for _, sig := range order {
 			rec.Groups = append(rec.Groups, *groups[sig])
 		}
@@ -793,21 +793,6 @@ func (s *Store) appendBatch(ctx context.Context, ps []*pend) error {
 	return nil
 }
 
-// earliestStamp returns the earliest Stamp of the views ps change: a batch
-// record's Stamp, at or before every one of them.
-func earliestStamp(ps []*pend) ledger.Stamp {
-	var out ledger.Stamp
-	first := true
-	for _, p := range ps {
-		for _, lt := range p.changes {
-			if v, ok := p.views[lt.Type]; ok && !lt.Drop && (first || v.Stamp < out) {
-				out, first = v.Stamp, false
-			}
-		}
-	}
-	return out
-}
-
 // writeBase writes every type's index as chunks, then the head, in one
 // transaction fenced by the claim. Batch records written before the head
 // no longer apply to the key.
@@ -818,7 +803,7 @@ func (s *Store) writeBase(ctx context.Context, p *pend) (bool, error) {
 	total := 0
 	for _, t := range slices.Sorted(maps.Keys(p.views)) {
 		v := p.views[t]
-		ht := headType{Type: t, Full: v.Full, Root: v.Tree.Root(), Stamp: v.Stamp, N: v.Tree.Len()}
+		ht := headType{Type: t, Full: v.Full, Root: v.Tree.Root(), N: v.Tree.Len()}
 		for _, c := range chunksOf(v.Tree) {
 			b := encodeChunk(c)
 			ch := ledger.HashBytes(b)
