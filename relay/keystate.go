@@ -118,6 +118,34 @@ func (k *keyState) recordView(typeURL string, view ledger.Tree[*Resource], at ti
 	}
 }
 
+// maxClaimVersions bounds the versions versionHeld goes back through for a
+// subscription to some of a type's names: each costs a subset tree.
+const maxClaimVersions = 32
+
+// versionHeld returns what a client subscribed as sub holds if it holds
+// the version root of the type: a version the key's history kept (the whole
+// view, or sub's part of one of its last maxClaimVersions). The values of
+// entries rebuilt from the history are nil.
+func (k *keyState) versionHeld(sub *typeSub, root ledger.Hash) (ledger.Tree[*Resource], bool) {
+	k.histMu.Lock()
+	h := k.hist[sub.typeURL]
+	k.histMu.Unlock()
+	if h == nil {
+		return ledger.Tree[*Resource]{}, false
+	}
+	if t, err := h.TreeAt(root); err == nil && sub.wildcard {
+		return t, true
+	}
+	var held ledger.Tree[*Resource]
+	found := false
+	h.Back(maxClaimVersions, func(_ ledger.Version, t ledger.Tree[*Resource]) bool {
+		held = sub.target(t)
+		found = held.Root() == root
+		return !found
+	})
+	return held, found
+}
+
 func (t *typeSnap) isPending(name string, now time.Time, wait time.Duration) bool {
 	at, ok := t.pending[name]
 	return ok && now.Sub(at) < wait

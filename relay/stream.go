@@ -92,7 +92,12 @@ type typeSub struct {
 	orders orderSet
 	// claimed is the SotW version_info of the first request, checked once
 	// the type is ready: if it is the current content the client is current.
-	claimed ledger.Hash
+	// claimTried is set once the key's history was asked for it
+	// (resolveClaim).
+	claimed    ledger.Hash
+	claimTried bool
+	// claimKnown is set once known is what the claimed version holds.
+	claimKnown bool
 
 	// nonce is the latest response's nonce (SotW: older ones are stale).
 	nonce string
@@ -676,6 +681,7 @@ func (s *stream) deferDangling(p *plan) {
 // new one (keyState.demand). Once settled, the view is the truth for the
 // client.
 func (s *stream) reconnected(sub *typeSub, ts *typeSnap) bool {
+	s.resolveClaim(sub)
 	t := sub.target(ts.view)
 	held := sub.known.Root()
 	if !sub.claimed.IsZero() {
@@ -699,8 +705,33 @@ func (s *stream) reconnected(sub *typeSub, ts *typeSnap) bool {
 			st.SentVersion, st.AckedVersion = version, version
 		})
 	}
-	sub.orders, sub.claimed = nil, ledger.Hash{}
+	sub.orders, sub.claimed, sub.claimKnown = nil, ledger.Hash{}, false
 	return true
+}
+
+// resolveClaim turns a SotW client's claimed version into what it holds,
+// once, if the key's history has that version: from then on the relay
+// knows each resource the client holds, as it does a Delta client's, and
+// holds back the removal of what they still refer to (a full-state CDS
+// response that left out a cluster the client's routes use would remove
+// it). A claim the history lacks stays a root: what the client holds of
+// the type may refer to anything.
+func (s *stream) resolveClaim(sub *typeSub) {
+	if sub.claimed.IsZero() || sub.claimTried {
+		return
+	}
+	sub.claimTried = true
+	t, ok := s.key.versionHeld(sub, sub.claimed)
+	if !ok {
+		return
+	}
+	b := t.Edit()
+	for e := range t.All() {
+		if e.Value == nil {
+			b.Set(e.Name, e.Hash, s.r.store.lookup(e.Hash))
+		}
+	}
+	sub.known, sub.claimKnown = b.Tree(), true
 }
 
 // lacking returns what a Delta client subscribes to by name, holds nothing
@@ -792,9 +823,9 @@ func (s *stream) refers(typeURL string, kind refKind, name string) bool {
 	if sub == nil {
 		return false
 	}
-	if !sub.claimed.IsZero() {
+	if !sub.claimed.IsZero() && !sub.claimKnown {
 		// A SotW client said it holds a version of the type the relay
-		// has not settled (reconnected): it may refer to anything.
+		// does not know (resolveClaim): it may refer to anything.
 		return true
 	}
 	if sub.known.Len() == 0 {

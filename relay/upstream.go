@@ -444,6 +444,9 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 		defer confirmTimer.Stop()
 		confirm = confirmTimer.C
 	}
+	if renew() { // a demand this stream cannot cover either
+		return false, errRenew
+	}
 	for {
 		select {
 		case m := <-msgs:
