@@ -526,7 +526,7 @@ func (u *upstream) renewal(src source) (wait time.Duration, now bool) {
 	if left := renewAfter - time.Since(u.opened); left > 0 {
 		return left, false
 	}
-	u.log("renewing upstream stream: a client holds a version it cannot cover", "arrived", d)
+	u.log("renewing upstream stream: a client holds a version it cannot cover", "arrived", d.String())
 	return 0, true
 }
 
