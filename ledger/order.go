@@ -73,6 +73,15 @@ var ErrBadStamp = errors.New("ledger: not a version stamp")
 // Envoys' declarations are never observed (an Envoy cannot move a relay's
 // clock); what clocks of different machines disagree by beyond that is a
 // window in which a cross-relay comparison can be wrong.
+//
+// Why clocks, and not the etcd fence revision or ring incarnations: what
+// must be ordered is upstream streams, and every relay that is a key's
+// source opens one, owner or not (a relay in fallback, a relay partitioned
+// away, a tier run without etcd); only the owner claims a fence, and ring
+// incarnations order members, not streams, and differ between the views of
+// two relays. A clock reading needs no coordination on the data path, and
+// the hybrid clock keeps causality (a relay that has seen a stream's
+// versions opens its next one after them) where wall clocks alone would not.
 type Order struct {
 	Session, At Stamp
 }
