@@ -73,18 +73,7 @@ func RunEtcdMemberChild(ctx context.Context, cfg EtcdMemberConfig, in io.Reader,
 	case <-ctx.Done():
 		return nil
 	}
-	if _, err := fmt.Fprintf(out, "%s%s\n", readyPrefix, cfg.Client); err != nil {
-		return err
-	}
-	eof := make(chan struct{})
-	go func() {
-		io.Copy(io.Discard, in)
-		close(eof)
-	}()
-	select {
-	case <-ctx.Done():
-	case <-eof:
-	case err := <-e.Err():
+	if err := serveChild(ctx, cfg.Client, in, out, e.Err()); err != nil {
 		return fmt.Errorf("loadtest: etcd member %s: %w", cfg.Name, err)
 	}
 	return nil

@@ -76,19 +76,7 @@ func RunLedgerChild(ctx context.Context, cfg LedgerPeerConfig, in io.Reader, out
 	if err := views.populate(r, lcfg, ledgerKeys(cfg.Keys), cfg.Index); err != nil {
 		return err
 	}
-	if _, err := fmt.Fprintf(out, "%s%s\n", readyPrefix, r.Addr()); err != nil {
-		return err
-	}
-	eof := make(chan struct{})
-	go func() {
-		defer close(eof)
-		_, _ = io.Copy(io.Discard, in)
-	}()
-	select {
-	case <-ctx.Done():
-	case <-eof:
-	}
-	return nil
+	return serveChild(ctx, r.Addr().String(), in, out, nil)
 }
 
 func ledgerKeys(n int) []string {

@@ -138,6 +138,28 @@ type ChildConfig struct {
 // ChildUser is the user and group a child runs as.
 type ChildUser struct{ UID, GID uint32 }
 
+// serveChild is the end of a child process's main: it reports addr on out
+// (the line StartChild waits for), then returns when in reaches EOF (the
+// parent stopped it or went away), ctx ends, or failed (if not nil) reports
+// an error, which it returns.
+func serveChild(ctx context.Context, addr string, in io.Reader, out io.Writer, failed <-chan error) error {
+	if _, err := fmt.Fprintf(out, "%s%s\n", readyPrefix, addr); err != nil {
+		return err
+	}
+	eof := make(chan struct{})
+	go func() {
+		defer close(eof)
+		_, _ = io.Copy(io.Discard, in)
+	}()
+	select {
+	case <-ctx.Done():
+	case <-eof:
+	case err := <-failed:
+		return err
+	}
+	return nil
+}
+
 // readyPrefix starts the line a child prints on stdout once it listens:
 // "xds <host:port>".
 const readyPrefix = "xds "

@@ -387,19 +387,7 @@ func RunEtcdChild(ctx context.Context, dir string, in io.Reader, out io.Writer) 
 		return err
 	}
 	defer e.Close()
-	if _, err := fmt.Fprintf(out, "%s%s\n", readyPrefix, strings.TrimPrefix(e.Endpoints()[0], "http://")); err != nil {
-		return err
-	}
-	eof := make(chan struct{})
-	go func() {
-		io.Copy(io.Discard, in)
-		close(eof)
-	}()
-	select {
-	case <-ctx.Done():
-	case <-eof:
-	}
-	return nil
+	return serveChild(ctx, strings.TrimPrefix(e.Endpoints()[0], "http://"), in, out, nil)
 }
 
 // ExecEtcd returns a WarmStartConfig.StartEtcd that runs path with args

@@ -444,62 +444,23 @@ func TestConformance(t *testing.T) {
 		// was sent at once, even when the client was ahead); on SotW the
 		// first case was a delay only, which no order of messages shows.
 		{"moved: content older than the view is replaced at once", func(t *testing.T, e *env) {
-			c := e.client(0)
+			// It holds content this relay never had, from a version
+			// ordered before the view (and, in Delta, lacks c2).
+			c, claim := e.moved(t, "older", olderThan)
 			if e.delta {
-				c.subscribe(typeCluster)
-				d := c.recv().(*discovery.DeltaDiscoveryResponse)
-				c.ack(d)
-				c.close()
-				// It holds c0 at content this relay never had, from a
-				// version ordered before the view, and lacks c2.
-				declared := versionMap(d)
-				declared["c0"] = stampedVersion(ledger.HashBytes([]byte("older c0")), olderThan(orderOf(t, declared["c0"])))
-				delete(declared, "c2")
-				c2 := e.client(0)
-				c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster, InitialResourceVersions: declared})
-				wantNames(t, c2.recv(), "c0", "c2")
+				wantNames(t, c.recv(), "c0", "c2")
 				return
 			}
-			c.subscribe(typeEndpoint, "c0", "c1")
 			m := c.recv()
-			c.ack(m)
-			c.close()
-			c2 := e.client(0)
-			claim := stampedVersion(ledger.HashBytes([]byte("older")), olderThan(orderOf(t, versionOf(m))))
-			c2.send(&discovery.DiscoveryRequest{TypeUrl: typeEndpoint, ResourceNames: []string{"c0", "c1"}, VersionInfo: claim})
-			c2.subs[typeEndpoint] = []string{"c0", "c1"}
-			m = c2.recv()
 			wantNames(t, m, "c0", "c1")
 			if v := versionOf(m); v == claim {
 				t.Fatalf("answered with the claimed version %s, want the view's", v)
 			}
 		}},
 		{"moved: content newer than the view is kept until the view is newer", func(t *testing.T, e *env) {
-			c := e.client(0)
-			var ahead string
-			if e.delta {
-				c.subscribe(typeCluster)
-				d := c.recv().(*discovery.DeltaDiscoveryResponse)
-				c.ack(d)
-				c.close()
-				// It holds c0 at content of a later version than the
-				// view (from a relay further on), in which c2 is gone.
-				declared := versionMap(d)
-				ahead = stampedVersion(ledger.HashBytes([]byte("newer c0")), e.wall.orderIn(time.Second))
-				declared["c0"] = ahead
-				delete(declared, "c2")
-				c = e.client(0)
-				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster, InitialResourceVersions: declared})
-			} else {
-				c.subscribe(typeEndpoint, "c0", "c1")
-				m := c.recv()
-				c.ack(m)
-				c.close()
-				ahead = stampedVersion(ledger.HashBytes([]byte("newer")), e.wall.orderIn(time.Second))
-				c = e.client(0)
-				c.send(&discovery.DiscoveryRequest{TypeUrl: typeEndpoint, ResourceNames: []string{"c0", "c1"}, VersionInfo: ahead})
-				c.subs[typeEndpoint] = []string{"c0", "c1"}
-			}
+			// It holds content of a later version than the view (from
+			// a relay further on), in which, in Delta, c2 is gone.
+			c, ahead := e.moved(t, "newer", func(ledger.Order) ledger.Order { return e.wall.orderIn(time.Second) })
 			c.quiet() // neither c0 overwritten nor c2 brought back
 			// Time passes; the relay renews its upstream stream (the
 			// client holds a version from a stream opened after its own)
@@ -763,6 +724,37 @@ func versionsOf(m proto.Message) []string {
 		return sorted(out)
 	}
 	return nil
+}
+
+// moved plays a client that held the relay's config and moves back to it
+// holding other content at an Order of its own (order, from the Order of
+// what it was sent). In Delta it holds CDS with c0 at that content and
+// without c2; in SotW it claims that version of EDS for c0 and c1. It
+// returns the new client and the version it declared.
+func (e *env) moved(t *testing.T, content string, order func(ledger.Order) ledger.Order) (*rawClient, string) {
+	t.Helper()
+	c := e.client(0)
+	if e.delta {
+		c.subscribe(typeCluster)
+		d := c.recv().(*discovery.DeltaDiscoveryResponse)
+		c.ack(d)
+		c.close()
+		declared := versionMap(d)
+		declared["c0"] = stampedVersion(ledger.HashBytes([]byte(content)), order(orderOf(t, declared["c0"])))
+		delete(declared, "c2")
+		c = e.client(0)
+		c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster, InitialResourceVersions: declared})
+		return c, declared["c0"]
+	}
+	c.subscribe(typeEndpoint, "c0", "c1")
+	m := c.recv()
+	c.ack(m)
+	c.close()
+	claim := stampedVersion(ledger.HashBytes([]byte(content)), order(orderOf(t, versionOf(m))))
+	c = e.client(0)
+	c.send(&discovery.DiscoveryRequest{TypeUrl: typeEndpoint, ResourceNames: []string{"c0", "c1"}, VersionInfo: claim})
+	c.subs[typeEndpoint] = []string{"c0", "c1"}
+	return c, claim
 }
 
 // orderOf returns the Order of a wire version.

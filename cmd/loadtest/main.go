@@ -143,16 +143,9 @@ func fanout(ctx context.Context, args []string) error {
 		return err
 	}
 	cfg.Targets.RelayPeakRSS = *targetRSS << 20
-	cfg.Protocols = nil
-	for _, p := range splitList(*protocols) {
-		switch p {
-		case "delta":
-			cfg.Protocols = append(cfg.Protocols, envoy.Delta)
-		case "sotw":
-			cfg.Protocols = append(cfg.Protocols, envoy.SotW)
-		default:
-			return fmt.Errorf("--protocols: unknown protocol %q (want delta or sotw)", p)
-		}
+	var err error
+	if cfg.Protocols, err = parseProtocols(*protocols); err != nil {
+		return err
 	}
 	cfg.Modes = nil
 	for _, m := range splitList(*modes) {
@@ -326,6 +319,22 @@ func warmstart(ctx context.Context, args []string) error {
 	return err
 }
 
+// parseProtocols parses --protocols: Envoys' ADS variants, comma-separated.
+func parseProtocols(list string) ([]envoy.Protocol, error) {
+	var out []envoy.Protocol
+	for _, p := range splitList(list) {
+		switch p {
+		case "delta":
+			out = append(out, envoy.Delta)
+		case "sotw":
+			out = append(out, envoy.SotW)
+		default:
+			return nil, fmt.Errorf("--protocols: unknown protocol %q (want delta or sotw)", p)
+		}
+	}
+	return out, nil
+}
+
 func splitList(s string) []string {
 	var out []string
 	for _, f := range strings.Split(s, ",") {
@@ -436,16 +445,8 @@ func chaos(ctx context.Context, args []string) error {
 			cfg.Seeds = append(cfg.Seeds, uint64(s))
 		}
 	}
-	cfg.Protocols = nil
-	for _, p := range splitList(*protocols) {
-		switch p {
-		case "delta":
-			cfg.Protocols = append(cfg.Protocols, envoy.Delta)
-		case "sotw":
-			cfg.Protocols = append(cfg.Protocols, envoy.SotW)
-		default:
-			return fmt.Errorf("--protocols: unknown protocol %q (want delta or sotw)", p)
-		}
+	if cfg.Protocols, err = parseProtocols(*protocols); err != nil {
+		return err
 	}
 	if cfg.UpstreamProtocol, err = relay.ParseProtocol(*upProto); err != nil {
 		return err
