@@ -504,7 +504,7 @@ func (s *stream) sync() error {
 				// to it is not sent before what it refers to
 				// (deferDangling) and what it refers to is not removed
 				// (heldBy).
-				if upd := s.lacking(sub, ts.view); len(upd) > 0 {
+				if upd := s.lacking(sub, ts); len(upd) > 0 {
 					plans = append(plans, &plan{sub: sub, ts: ts, upd: upd, want: len(upd) + 1})
 				}
 				continue
@@ -735,14 +735,18 @@ func (s *stream) resolveClaim(sub *typeSub) {
 }
 
 // lacking returns what a Delta client subscribes to by name, holds nothing
-// of, and the view has: sent to a client that otherwise keeps what it holds
-// (it cannot be older than nothing). A wildcard subscription or a SotW one
-// gets nothing: a name the client lacks may be one its newer version
-// removed, and a SotW client said only a root.
-func (s *stream) lacking(sub *typeSub, view ledger.Tree[*Resource]) []*Resource {
-	if !s.delta || sub.wildcard {
+// of, and the view has, if the view came from a live source: sent to a
+// client that otherwise keeps what it holds (a live view of a name it lacks
+// is older than its other content by a moment at most). A wildcard
+// subscription or a SotW one gets nothing (a name the client lacks may be
+// one its newer version removed, and a SotW client said only a root), and
+// neither does a view restored from a snapshot (unordered, and as old as
+// the snapshot: the client may have held the name, newer, before).
+func (s *stream) lacking(sub *typeSub, ts *typeSnap) []*Resource {
+	if !s.delta || sub.wildcard || ts.order.IsZero() {
 		return nil
 	}
+	view := ts.view
 	var out []*Resource
 	for _, n := range sub.names {
 		if _, held := sub.known.Get(n); held {
