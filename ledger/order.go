@@ -196,6 +196,13 @@ func (c *Clock) Observe(s Stamp) error {
 	return nil
 }
 
+// Last returns the latest Stamp the Clock returned or observed.
+func (c *Clock) Last() Stamp {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.last
+}
+
 func (c *Clock) wall() Stamp {
 	if c.now == nil {
 		return StampAt(time.Now())

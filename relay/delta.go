@@ -123,6 +123,9 @@ func (s *stream) declared(sub *typeSub, versions map[string]string) (ledger.Tree
 			b.Set(name, unknownContent, nil)
 			continue
 		}
+		if s.peerRelay == nil {
+			o = s.r.plausible(o)
+		}
 		orders = orders.add(o)
 		b.Set(name, h, s.r.store.lookup(h))
 	}

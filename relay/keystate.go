@@ -190,9 +190,9 @@ func (k *keyState) wakeStreams() {
 // ledger.MaxObserveAhead is ignored.
 func (k *keyState) demand(at ledger.Stamp, fromPeer bool) {
 	if fromPeer {
-		k.r.observe(ledger.Order{Session: at, At: at}, "peer demand", string(k.key))
-	} else if at > ledger.StampAt(time.Now().Add(ledger.MaxObserveAhead)) {
-		return
+		if !k.r.observe(ledger.Order{Session: at, At: at}, "peer demand", string(k.key)) {
+			return // its clock is off: no stream of ours can cover it
+		}
 	}
 	for {
 		cur := k.demanded.Load()

@@ -100,7 +100,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 			// not the relay's stands for nothing held (the view is sent).
 			var o ledger.Order
 			sub.claimed, o, _ = ParseVersion(v)
-			sub.orders = sub.orders.add(o)
+			sub.orders = sub.orders.add(s.r.plausible(o))
 		}
 		return nil
 	}

@@ -90,6 +90,10 @@ type typeSub struct {
 	// view covers them: until then the client keeps what it holds (see
 	// reconnected).
 	orders orderSet
+	// sentOrder is, on a peer relay's stream, the Order of the latest
+	// response: a new Order of the same content is news to the peer (see
+	// sync).
+	sentOrder ledger.Order
 	// claimed is the SotW version_info of the first request, checked once
 	// the type is ready: if it is the current content the client is current.
 	// claimTried is set once the key's history was asked for it
@@ -521,7 +525,7 @@ func (s *stream) sync() error {
 		}
 		p := &plan{sub: sub, ts: ts, upd: upd, gone: gone, want: want}
 		switch {
-		case len(upd) > 0 || len(gone) > 0 || sub.awaitFirst:
+		case len(upd) > 0 || len(gone) > 0 || sub.awaitFirst || s.orderNews(sub, ts, want):
 			plans = append(plans, p)
 		case want == 0:
 			synced = append(synced, p)
@@ -541,7 +545,7 @@ func (s *stream) sync() error {
 			removed = s.allowedRemovals(p)
 			p.gone = slices.DeleteFunc(p.gone, func(n string) bool { return slices.Contains(removed, n) })
 		}
-		if len(p.upd) > 0 || len(removed) > 0 || p.sub.awaitFirst {
+		if len(p.upd) > 0 || len(removed) > 0 || p.sub.awaitFirst || s.orderNews(p.sub, p.ts, p.want) {
 			if err := s.emit(p, p.upd, removed); err != nil {
 				return err
 			}
@@ -565,6 +569,15 @@ func (s *stream) sync() error {
 		}
 	}
 	return nil
+}
+
+// orderNews reports whether a peer relay that holds everything the view
+// has for it (want is zero) must be told of the view's new Order all the
+// same: the owner renewed its upstream stream, or the upstream confirmed
+// the same content, and the peer's own clients wait for a view that
+// covers what they hold.
+func (s *stream) orderNews(sub *typeSub, ts *typeSnap, want int) bool {
+	return s.peerRelay != nil && s.delta && want == 0 && ts.order != sub.sentOrder && !sub.awaitFirst
 }
 
 // forceEndpoints makes the stream send again the endpoints of every cluster
@@ -877,6 +890,18 @@ func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 	sub.awaitFirst = false
 
 	out := &outgoing{typeURL: sub.typeURL, upd: upd, removed: removed, from: from, to: sub.known.Root(), order: p.ts.order}
+	if s.peerRelay != nil {
+		// A peer relay takes the response's Order for its whole view of
+		// the type, and serves its own clients by it: only a response
+		// after which it holds exactly what this view has for it carries
+		// the view's Order (one that leaves something out, held back or
+		// deferred, carries none, and the peer's view is unordered until
+		// the next).
+		if sub.known.Root() != sub.target(p.ts.view).Root() {
+			out.order = ledger.Order{}
+		}
+		sub.sentOrder = out.order
+	}
 	switch {
 	case s.delta:
 		out.view = p.ts.view.Root()

@@ -420,6 +420,7 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 	if err := u.resubscribe(); err != nil {
 		return false, err
 	}
+	u.renewing = false // the first requests asked for answers
 	// The views are confirmed (the key is fresh, for the admin API, the
 	// metrics and persistence) once the stream answered every type it was
 	// asked. A Delta upstream is made to answer every type (deltaSubscribe
@@ -507,9 +508,9 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 	}
 }
 
-// renewAfter is how long an upstream stream lives at least before a
-// client's demand renews it: a bound on the upstream reconnects that clients
-// (each of which may declare anything) can cause.
+// renewAfter is how long an upstream or peer stream lives at least before
+// a client's demand renews it: a bound on the reconnects that clients (each
+// of which may declare anything) can cause, one a second per key.
 const renewAfter = time.Second
 
 // renewal reports whether to end the session for a new one that covers what
@@ -517,10 +518,10 @@ const renewAfter = time.Second
 // that subscribes to the owner renews its stream to pass the demand on.
 func (u *upstream) renewal(src source) (wait time.Duration, now bool) {
 	d := ledger.Stamp(u.k.demanded.Load())
-	if src.kind == sourcePeer {
-		return 0, d > u.demandSent
-	}
-	if d < u.sessionAt {
+	switch {
+	case src.kind == sourcePeer && d <= u.demandSent:
+		return 0, false // passed on already
+	case src.kind != sourcePeer && d < u.sessionAt:
 		return 0, false // the current stream was opened after it
 	}
 	if left := renewAfter - time.Since(u.opened); left > 0 {

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/meshrelay/meshrelay/ledger"
 )
@@ -47,13 +48,30 @@ func ParseVersion(v string) (ledger.Hash, ledger.Order, error) {
 // peer relay's views or declaration): what this relay orders from now on
 // comes after it. An Order too far ahead of the wall clock is refused and
 // logged: the relay it came from has a clock that is off.
-func (r *Relay) observe(o ledger.Order, from, who string) {
+// It reports whether the clock is past o now.
+func (r *Relay) observe(o ledger.Order, from, who string) bool {
 	if o.IsZero() {
-		return
+		return true
 	}
 	if err := r.clock.Observe(o.At); err != nil {
 		r.log.Warn("version order not observed", "from", from, "who", who, "err", err)
+		return false
 	}
+	return true
+}
+
+// maxClientAhead is how far past the relay's clock an Envoy's declared
+// version may have arrived (clocks of different relays disagree a little).
+const maxClientAhead = time.Second
+
+// plausible returns o, or the zero Order if o arrived later than this
+// relay's clock allows (an Envoy's word is untrusted: a version from the
+// future can be neither covered nor demanded, so the view wins over it).
+func (r *Relay) plausible(o ledger.Order) ledger.Order {
+	if limit := max(ledger.StampAt(time.Now().Add(maxClientAhead)), r.clock.Last()); o.At > limit {
+		return ledger.Order{}
+	}
+	return o
 }
 
 // maxDeclaredOrders bounds the distinct Orders a client's declaration of
@@ -67,8 +85,9 @@ const maxDeclaredOrders = 16
 type orderSet []ledger.Order
 
 // add returns the set with o: dropped if a member covers it, replacing the
-// members it covers. Past maxDeclaredOrders the set keeps the latest-opened
-// ones (an honest client never gets there).
+// members it covers. Past maxDeclaredOrders (an honest client never gets
+// there) the set becomes the one Order that only a stream opened after all
+// of them covers.
 func (s orderSet) add(o ledger.Order) orderSet {
 	if o.IsZero() {
 		return s
@@ -81,8 +100,8 @@ func (s orderSet) add(o ledger.Order) orderSet {
 	s = slices.DeleteFunc(s, func(m ledger.Order) bool { return o.Covers(m) })
 	s = append(s, o)
 	if len(s) > maxDeclaredOrders {
-		slices.SortFunc(s, func(a, b ledger.Order) int { return cmp.Compare(b.Session, a.Session) })
-		s = s[:maxDeclaredOrders]
+		latest := slices.MaxFunc(s, func(a, b ledger.Order) int { return cmp.Compare(a.At, b.At) }).At
+		s = orderSet{{Session: latest, At: latest}}
 	}
 	return s
 }
