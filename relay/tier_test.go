@@ -412,3 +412,108 @@ func TestSotWNewerClaimKeptWhileUpstreamDown(t *testing.T) {
 		t.Fatalf("after the source returned: %d clusters, want the full state of 3", len(m.GetResources()))
 	}
 }
+
+// TestMovedEnvoyReleasedByRenewal: an Envoy declares a version from an
+// upstream stream opened after the key's own (it comes from a relay that
+// opened one later: a fallback, a new owner). Its relay cannot order that
+// version under its view, so the key's source opens a new upstream stream,
+// and the Envoy is answered from it: at the owner, and at a relay that
+// subscribes to the owner (which passes the demand on).
+func TestMovedEnvoyReleasedByRenewal(t *testing.T) {
+	for _, viaPeer := range []bool{false, true} {
+		t.Run(map[bool]string{false: "at the owner", true: "through a peer"}[viaPeer], func(t *testing.T) {
+			up := newTestUpstream(t, "ns0")
+			seed(up, "ns0", 3)
+			owner := startRelay(t, up, func(c *Config) { c.ID = "owner" })
+			other := startRelay(t, up, func(c *Config) { c.ID = "other"; c.Owners = newFakeOwners(owner.Addr().String(), false) })
+			addr := owner.Addr().String()
+			if viaPeer {
+				addr = other.Addr().String()
+			}
+			// c stays: the key's upstream stream presents it throughout.
+			c := newRawClient(t, dial(t, addr), true, node("ns0", "app", 1))
+			c.subscribe(typeCluster)
+			d := c.recvDelta(typeCluster)
+			c.ack(d)
+			_, before := up.streams()
+			declared := versionMap(d)
+			now := ledger.StampAt(time.Now())
+			declared["c0"] = stampedVersion(ledger.HashBytes([]byte("newer")), ledger.Order{Session: now, At: now})
+			moved := newRawClient(t, dial(t, addr), true, node("ns0", "app", 2))
+			moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster, InitialResourceVersions: declared})
+			m := moved.recvDelta(typeCluster)
+			wantNames(t, m, "c0") // the view's c0, from the new stream
+			if o := orderOf(t, versionMap(m)["c0"]); o.Session < now {
+				t.Fatalf("answered at %v, from a stream opened before the Envoy's version arrived (%v)", o, now)
+			}
+			if _, after := up.streams(); after-before != 1 {
+				t.Fatalf("upstream streams opened = %d, want 1 (one renewal)", after-before)
+			}
+		})
+	}
+}
+
+// TestPeerTakesOrderOnlyFromCompleteResponses: a relay that comes back to
+// its owner from fallback holds a version the owner's view cannot order,
+// so the owner holds it back, but still sends names it asks for and lacks.
+// Such a response leaves the peer's view partly its own: it must not carry
+// the owner's Order, or an Envoy that holds the owner's newer content and
+// moves to the peer would be sent the peer's older copy as if it were
+// current (found by review).
+func TestPeerTakesOrderOnlyFromCompleteResponses(t *testing.T) {
+	up := newTestUpstream(t, "ns0")
+	seed(up, "ns0", 3)
+	up.set("ns0", typeEndpoint, mkCLA("c9", 1))
+	secret := []byte("s")
+	owner := startRelay(t, up, func(c *Config) { c.ID = "owner"; c.PeerSecret = secret })
+	owners := newFakeOwners("127.0.0.1:1", false) // unreachable: "other" falls back
+	up2 := newTestUpstream(t, "ns0")              // its path to the upstream meanwhile
+	seed(up2, "ns0", 3)
+	other := startRelay(t, up2, func(c *Config) { c.ID = "other"; c.Owners = owners; c.PeerSecret = secret })
+	eds := []string{"c0", "c1", "c2", "c9"}
+	sync := func(c *rawClient, names ...string) map[string]string {
+		c.subscribe(typeCluster)
+		c.ack(c.recvDelta(typeCluster))
+		c.subscribe(typeEndpoint, names...)
+		m := c.recvDelta(typeEndpoint)
+		c.ack(m)
+		return versionMap(m)
+	}
+	presenter := newRawClient(t, dial(t, owner.Addr().String()), true, node("ns0", "app", 0))
+	sync(presenter, eds...)
+	atOwner := newRawClient(t, dial(t, owner.Addr().String()), true, node("ns0", "app", 1))
+	held := sync(atOwner, eds...)
+	atOther := newRawClient(t, dial(t, other.Addr().String()), true, node("ns0", "app", 2))
+	sync(atOther, "c0", "c1")
+	waitFor(t, "the other relay in fallback", func() bool { return other.Stats().UpstreamStreams == 1 })
+	// The owner re-homes to a young upstream stream (renewals wait
+	// renewAfter), then c1 changes twice; the second change reaches only
+	// the owner before the other relay comes back to it.
+	_, opened := up.streams()
+	presenter.close()
+	waitFor(t, "the owner re-homed", func() bool { _, o := up.streams(); return o > opened })
+	up.set("ns0", typeEndpoint, mkCLA("c1", 9091))
+	up2.set("ns0", typeEndpoint, mkCLA("c1", 9091))
+	m := atOwner.recvDelta(typeEndpoint)
+	maps.Copy(held, versionMap(m))
+	atOwner.ack(m)
+	atOther.ack(atOther.recvDelta(typeEndpoint))
+	up.set("ns0", typeEndpoint, mkCLA("c1", 9092))
+	m = atOwner.recvDelta(typeEndpoint)
+	maps.Copy(held, versionMap(m))
+	atOwner.ack(m)
+	owners.set(owner.Addr().String(), false)
+	waitFor(t, "the other relay back on its owner", func() bool { return other.Stats().PeerStreams == 1 })
+	atOther.subscribe(typeEndpoint, "c9") // sent to the peer while it is held
+	waitFor(t, "c9 at the other relay", func() bool {
+		_, ok := other.keysSnapshot()[0].snap.Load().types[typeEndpoint].view.Get("c9")
+		return ok
+	})
+	// The Envoy that holds c1 at 9092 moves to the other relay: it holds
+	// what the owner's view has, so it is sent nothing, least of all the
+	// other relay's older c1.
+	atOwner.close()
+	moved := newRawClient(t, dial(t, other.Addr().String()), true, node("ns0", "app", 1))
+	moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeEndpoint, ResourceNamesSubscribe: eds, InitialResourceVersions: held})
+	moved.quiet() // c1 at 9091 would arrive before the barrier
+}
