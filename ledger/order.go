@@ -61,18 +61,21 @@ var ErrBadStamp = errors.New("ledger: not a version stamp")
 // upstream answers a stream's subscription with what it has then), and no
 // newer than the upstream's state when it arrived. So view v is at least as
 // new as view c if both came on the same stream and v arrived later, or if
-// v's stream was opened after c arrived (v.Session ≥ c.At). Nothing else is
+// v's stream was opened after c arrived (v.Session > c.At). Nothing else is
 // known: two streams open at the same time receive the same changes at
 // different moments (a relay frozen for 10 s reads ten seconds of changes
 // at once when it resumes, each "arriving" late). A client whose version
 // the view does not cover keeps what it holds; the source then opens a new
 // stream (Relay renews a session when a client declares a version its own
-// does not cover), whose Session is after every version it was shown, so
-// the wait lasts one round trip to the upstream. Clocks are compared across
+// does not cover, at most once a second per key), whose Session is after
+// every version it was shown, so the wait lasts that second and a round
+// trip to the upstream at most. Clocks are compared across
 // relays: a relay's Clock observes every Order it learns from the tier, and
 // Envoys' declarations are never observed (an Envoy cannot move a relay's
 // clock); what clocks of different machines disagree by beyond that is a
-// window in which a cross-relay comparison can be wrong.
+// window in which a cross-relay comparison can be wrong. The argument also
+// takes the upstream to be one consistent source: replicas that lag each
+// other are not (a stream opened later on a lagging replica is older).
 //
 // Why clocks, and not the etcd fence revision or ring incarnations: what
 // must be ordered is upstream streams, and every relay that is a key's
@@ -99,7 +102,7 @@ func (o Order) Covers(c Order) bool {
 	if o.IsZero() {
 		return false
 	}
-	return (o.Session == c.Session && o.At >= c.At) || o.Session >= c.At
+	return (o.Session == c.Session && o.At >= c.At) || o.Session > c.At
 }
 
 // String renders o as "<session>/<at>", its form on the wire.

@@ -89,7 +89,7 @@ func TestOrderCovers(t *testing.T) {
 		{"same stream, equal", o(10, 20), o(10, 20), true},
 		{"same stream, earlier", o(10, 15), o(10, 20), false},
 		{"a stream opened after the client's arrived", o(25, 26), o(10, 20), true},
-		{"opened exactly when it arrived", o(20, 21), o(10, 20), true},
+		{"opened at the same reading as it arrived: not known to be after", o(20, 21), o(10, 20), false},
 		{"opened before the client's arrived: a concurrent stream", o(15, 40), o(10, 20), false},
 		{"an older stream, however late it arrived (a frozen relay)", o(5, 90), o(10, 20), false},
 	} {

@@ -428,7 +428,7 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 	// may stay silent when nothing changed, and so may an owner whose view
 	// is older than what this relay holds: their silence confirms after
 	// confirmAfter. Confirmation orders nothing: every view carries its
-	// Stamp, and clients are served by it (stream.sync).
+	// Order, and clients are served by it (stream.sync).
 	answered := make(map[string]bool)
 	confirmed := false
 	var renewAt <-chan time.Time // a renewal put off (renewAfter)
@@ -521,7 +521,7 @@ func (u *upstream) renewal(src source) (wait time.Duration, now bool) {
 	switch {
 	case src.kind == sourcePeer && d <= u.demandSent:
 		return 0, false // passed on already
-	case src.kind != sourcePeer && d < u.sessionAt:
+	case src.kind != sourcePeer && d < u.sessionAt: // Covers wants Session > At
 		return 0, false // the current stream was opened after it
 	}
 	if left := renewAfter - time.Since(u.opened); left > 0 {
@@ -1136,9 +1136,8 @@ func responseType(m proto.Message) string {
 	return ""
 }
 
-// setStale marks the key's views as confirmed by a live source or not.
-// Streams are woken when they become fresh: some hold clients' declared
-// content while the key is stale.
+// setStale marks the key's views as confirmed by a live source or not (for
+// operators and for persistence: serving follows the views' Orders).
 func (u *upstream) setStale(stale bool) {
 	k := u.k
 	k.mu.Lock()
@@ -1158,7 +1157,6 @@ func (u *upstream) setStale(stale bool) {
 		u.log("views confirmed by a live source", "fresh", !stale)
 	}
 	if changed && !stale {
-		k.wakeStreams()
 		u.persist()
 	}
 }
