@@ -153,6 +153,11 @@ func (o *outgoing) fullSotW() []*Resource {
 	}
 	out := make([]*Resource, 0, o.held.Len())
 	for e := range o.held.All() {
+		if e.Value == nil {
+			// Content the relay knows only by hash (resolveClaim takes a
+			// claim only with every body): never held in a full state.
+			continue
+		}
 		out = append(out, e.Value)
 	}
 	return out
@@ -738,11 +743,19 @@ func (s *stream) resolveClaim(sub *typeSub) {
 	if !ok {
 		return
 	}
+	// The history keeps names and hashes; the bodies must still be in the
+	// store (a full-state response carries every resource the client
+	// holds), or the claim stays a root.
 	b := t.Edit()
 	for e := range t.All() {
-		if e.Value == nil {
-			b.Set(e.Name, e.Hash, s.r.store.lookup(e.Hash))
+		if e.Value != nil {
+			continue
 		}
+		r := s.r.store.lookup(e.Hash)
+		if r == nil {
+			return
+		}
+		b.Set(e.Name, e.Hash, r)
 	}
 	sub.known, sub.claimKnown = b.Tree(), true
 }

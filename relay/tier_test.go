@@ -517,3 +517,32 @@ func TestPeerTakesOrderOnlyFromCompleteResponses(t *testing.T) {
 	moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeEndpoint, ResourceNamesSubscribe: eds, InitialResourceVersions: held})
 	moved.quiet() // c1 at 9091 would arrive before the barrier
 }
+
+// TestSotWClaimWithoutBodies: a SotW client claims a version the key's
+// history still has, but whose bodies the relay no longer holds (the store
+// keeps a resource only while something refers to it; the history keeps
+// names and hashes). The claim stays a root: the relay used to take it with
+// bodies missing, and crashed encoding the next full-state response (found
+// by CI).
+func TestSotWClaimWithoutBodies(t *testing.T) {
+	e := newEnv(t, false, nil)
+	k := newKeyState(e.r, "sidecar/ns9/claims")
+	gone := &Resource{Type: typeCluster, Name: "c9", Hash: ledger.HashBytes([]byte("a body no longer held"))}
+	b := ledger.Tree[*Resource]{}.Edit()
+	b.Set(gone.Name, gone.Hash, gone)
+	claimed := b.Tree()
+	k.recordView(typeCluster, claimed, time.Now(), ledger.Order{})
+	b = claimed.Edit()
+	b.Delete(gone.Name)
+	k.recordView(typeCluster, b.Tree(), time.Now(), ledger.Order{}) // the claim is history now
+	if _, ok := k.versionHeld(&typeSub{typeURL: typeCluster, wildcard: true}, claimed.Root()); !ok {
+		t.Fatal("the key's history lost the claimed version")
+	}
+	s := e.r.newStream(context.Background(), false)
+	s.key = k
+	sub := &typeSub{typeURL: typeCluster, wildcard: true, claimed: claimed.Root()}
+	s.resolveClaim(sub)
+	if sub.claimKnown {
+		t.Fatalf("a claim whose bodies are gone was taken: the client holds %d resources (one without a body: %v)", sub.known.Len(), opaque(sub.known))
+	}
+}
