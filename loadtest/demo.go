@@ -284,7 +284,9 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 
 	// Commands from Input arrive on a channel; the reader is abandoned at
 	// the end (a terminal read cannot be interrupted), never waited for.
-	commands := make(chan string)
+	// Lines typed while a command plays wait in the channel's buffer (and
+	// are played at the end if the run ends first).
+	commands := make(chan string, 64)
 	if cfg.Input != nil {
 		go func() {
 			sc := bufio.NewScanner(cfg.Input)
@@ -391,9 +393,31 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 		}
 		fmt.Fprintln(out)
 	}
+	command := func(line string) {
+		if strings.TrimSpace(line) == "" {
+			return
+		}
+		e, err := ParseDemoCommand(line)
+		if err != nil {
+			fmt.Fprintf(out, "        %v\n", err)
+			return
+		}
+		play(e, "command")
+	}
 	tick := time.NewTicker(cfg.Interval)
 	defer tick.Stop()
 	for {
+		// An event that is due goes first: on a starved machine every
+		// channel is ready at once, and a random pick could leave the
+		// schedule unplayed past the end.
+		select {
+		case <-next:
+			play(schedule[0], "schedule")
+			schedule = schedule[1:]
+			arm()
+			continue
+		default:
+		}
 		select {
 		case <-tick.C:
 			print()
@@ -402,16 +426,22 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 			schedule = schedule[1:]
 			arm()
 		case line := <-commands:
-			if strings.TrimSpace(line) == "" {
-				continue
-			}
-			e, err := ParseDemoCommand(line)
-			if err != nil {
-				fmt.Fprintf(out, "        %v\n", err)
-				continue
-			}
-			play(e, "command")
+			command(line)
 		case <-ctx.Done():
+			// Events due before the end are played, however late, and
+			// commands typed before it too.
+			for len(schedule) > 0 && schedule[0].At <= time.Since(start) {
+				play(schedule[0], "schedule")
+				schedule = schedule[1:]
+			}
+			for typed := true; typed; {
+				select {
+				case line := <-commands:
+					command(line)
+				default:
+					typed = false
+				}
+			}
 			print()
 			perEnvoy, complete, _ := tracker.Results()
 			fmt.Fprintf(out, "\n%d changes reached all their Envoys: P50 %s, P99 %s, max %s (per Envoy ACK P99 %s)\n",
