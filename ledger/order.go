@@ -190,7 +190,7 @@ var ErrStampAhead = errors.New("ledger: stamp too far ahead of the clock")
 // not be observed (one could push the clock anywhere). A Stamp more than
 // MaxObserveAhead ahead of the wall clock is refused with ErrStampAhead.
 func (c *Clock) Observe(s Stamp) error {
-	if limit := c.wall() + StampAt(time.UnixMilli(MaxObserveAhead.Milliseconds())); s > limit {
+	if limit := StampAt(c.wallTime().Add(MaxObserveAhead)); s > limit {
 		return fmt.Errorf("%w: %s, more than %v ahead", ErrStampAhead, s.Time().UTC().Format(time.RFC3339Nano), MaxObserveAhead)
 	}
 	c.mu.Lock()
@@ -206,9 +206,11 @@ func (c *Clock) Last() Stamp {
 	return c.last
 }
 
-func (c *Clock) wall() Stamp {
+func (c *Clock) wall() Stamp { return StampAt(c.wallTime()) }
+
+func (c *Clock) wallTime() time.Time {
 	if c.now == nil {
-		return StampAt(time.Now())
+		return time.Now()
 	}
-	return StampAt(c.now())
+	return c.now()
 }

@@ -133,8 +133,9 @@ func (k *keyState) versionHeld(sub *typeSub, root ledger.Hash) (ledger.Tree[*Res
 	if h == nil {
 		return ledger.Tree[*Resource]{}, false
 	}
-	if t, err := h.TreeAt(root); err == nil && sub.wildcard {
-		return t, true
+	if sub.wildcard {
+		t, err := h.TreeAt(root) // any kept version of the whole view
+		return t, err == nil
 	}
 	var held ledger.Tree[*Resource]
 	found := false
@@ -185,9 +186,9 @@ func (k *keyState) wakeStreams() {
 // holds, which arrived at at on another upstream stream (ledger.Order): an
 // upstream stream opened after at gives them. A relay that owns the key (or
 // is in fallback) opens one; a relay that subscribes to the owner passes
-// the demand on to it. from a peer relay, at moves the relay's clock; from
-// an Envoy (untrusted), an arrival further ahead of the clock than
-// ledger.MaxObserveAhead is ignored.
+// the demand on to it. From a peer relay, at moves the relay's clock (and is
+// dropped if the clock refuses it); an Envoy's was checked when it declared
+// it (Relay.plausible).
 func (k *keyState) demand(at ledger.Stamp, fromPeer bool) {
 	if fromPeer {
 		if !k.r.observe(ledger.Order{Session: at, At: at}, "peer demand", string(k.key)) {

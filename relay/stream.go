@@ -906,11 +906,11 @@ func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 	if s.peerRelay != nil {
 		// A peer relay takes the response's Order for its whole view of
 		// the type, and serves its own clients by it: only a response
-		// after which it holds exactly what this view has for it carries
-		// the view's Order (one that leaves something out, held back or
-		// deferred, carries none, and the peer's view is unordered until
-		// the next).
-		if sub.known.Root() != sub.target(p.ts.view).Root() {
+		// after which it holds exactly what this view has for it (the
+		// plan's every difference sent) carries the view's Order; one that
+		// leaves something out, held back, pending or deferred, carries
+		// none, and the peer's view is unordered until the next.
+		if p.done != p.want {
 			out.order = ledger.Order{}
 		}
 		sub.sentOrder = out.order

@@ -878,7 +878,6 @@ func (u *upstream) orderOf(resp *discovery.DeltaDiscoveryResponse) ledger.Order 
 // otherwise (the relay itself dropped names nobody asks for) the view keeps
 // its Order.
 func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace, fromSource bool, order ledger.Order) {
-	fromUpstream := fromSource
 	k := u.k
 	received := time.Now()
 	k.mu.Lock()
@@ -909,12 +908,12 @@ func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace,
 			b.Delete(n)
 		}
 		ts.view = b.Tree()
-		if fromUpstream {
+		if fromSource {
 			ts.ready, ts.order = true, order
 		}
 		// The view is the full set only once the upstream answered a
 		// wildcard subscription.
-		ts.full = u.types[typeURL].wildcard && (fromUpstream || ts.full)
+		ts.full = u.types[typeURL].wildcard && (fromSource || ts.full)
 		ts.pending = withoutArrived(ts.pending, upd)
 		next.types[typeURL] = ts
 		derivedChanged = u.follow(next, typeURL, old, ts.view)
@@ -927,7 +926,7 @@ func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace,
 		wake(k.upWake) // ask the upstream for the names the new view points at
 	}
 	u.armExpiry()
-	if fromUpstream {
+	if fromSource {
 		u.persist()
 	}
 }
