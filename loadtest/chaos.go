@@ -655,11 +655,14 @@ func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fau
 	return h, records, runErr
 }
 
-// generations maps "type|name" to generation over every type of a
-// snapshot.
-func generations(snap map[string]map[string]proto.Message) map[ResourceKey]uint64 {
+// generations maps "type|name" to generation over the given types of a
+// snapshot (every type if none is given).
+func generations(snap map[string]map[string]proto.Message, types ...string) map[ResourceKey]uint64 {
 	out := map[ResourceKey]uint64{}
 	for typeURL, res := range snap {
+		if len(types) > 0 && !slices.Contains(types, typeURL) {
+			continue
+		}
 		for name, m := range res {
 			g, _ := upstream.Generation(m)
 			out[resourceKey(typeURL, name)] = g

@@ -257,14 +257,7 @@ func (f *Fleet) WaitSynced(ctx context.Context, up *upstream.Upstream) error {
 
 // expected maps "type|name" to generation for CDS and EDS of a snapshot.
 func expected(snap map[string]map[string]proto.Message) map[string]uint64 {
-	out := map[string]uint64{}
-	for _, typeURL := range []string{envoy.ClusterType, envoy.EndpointType} {
-		for name, m := range snap[typeURL] {
-			g, _ := upstream.Generation(m)
-			out[typeURL+"|"+name] = g
-		}
-	}
-	return out
+	return generations(snap, envoy.ClusterType, envoy.EndpointType)
 }
 
 func holds(e *envoy.Envoy, want map[string]uint64) bool {
