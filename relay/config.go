@@ -93,6 +93,12 @@ type Config struct {
 	// Until then it is pending, never reported missing. (Envoy's own
 	// initial fetch timeout is 15 s.) Default 15s.
 	ResourceWaitTimeout time.Duration
+	// KeepDroppedBytes is how many bytes of the resources the views dropped
+	// most recently (removed or replaced) the relay keeps, so that a SotW
+	// Envoy that moved between relays and holds a version a few changes
+	// old can be told what it holds, and keep the clusters its routes
+	// still use until the routes change. Default 32 MiB; 0 keeps none.
+	KeepDroppedBytes int64
 	// KeyIdleTimeout is how long a key with no connected Envoy keeps its
 	// upstream stream and cache, so that reconnecting Envoys find it warm.
 	// Default 2m.
@@ -214,6 +220,7 @@ func DefaultConfig() Config {
 		MaxSubscribedNames:  1_000_000,
 		ResourceWaitTimeout: 15 * time.Second,
 		KeyIdleTimeout:      2 * time.Minute,
+		KeepDroppedBytes:    32 << 20,
 		BackoffInitial:      250 * time.Millisecond,
 		BackoffMax:          30 * time.Second,
 		AdmitRate:           100,
@@ -249,6 +256,9 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.MaxMsgSize < 4<<20 {
 		bad("MaxMsgSize", fmt.Sprintf("is %d bytes, want at least 4 MiB", cfg.MaxMsgSize))
+	}
+	if cfg.KeepDroppedBytes < 0 {
+		bad("KeepDroppedBytes", "is negative")
 	}
 	if cfg.MaxSubscribedNames <= 0 {
 		bad("MaxSubscribedNames", "must be positive")

@@ -28,6 +28,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/inspectpb"
 )
 
 // The relay decodes three kinds of untrusted input: requests from Envoys
@@ -1835,6 +1836,57 @@ func FuzzParseVersion(f *testing.F) {
 		again := stampedVersion(hash, o)
 		if h2, o2, err := ParseVersion(again); err != nil || h2 != hash || o2 != o {
 			t.Fatalf("ParseVersion(%q) = %s, %v, rendered %q, which parses as %s, %v, %v", v, hash, o, again, h2, o2, err)
+		}
+	})
+}
+
+// FuzzVersionAnswer reads arbitrary bytes as another relay's answer to
+// GetVersion (claims.go) for the version of c0 and c1: an answer is taken
+// only if it is that version, and every resource in it has its body.
+func FuzzVersionAnswer(f *testing.F) {
+	s := newStore()
+	held, err := s.decode(typeCluster, mustAny(mkCluster("c0")), "c0") // the asker holds c0
+	if err != nil {
+		f.Fatal(err)
+	}
+	c1 := mustAny(mkCluster("c1"))
+	b := ledger.Tree[*Resource]{}.Edit()
+	b.Set("c0", held.Hash, held)
+	b.Set("c1", contentHash(typeCluster, c1.GetValue()), nil)
+	root := b.Tree().Root()
+	add := func(m *inspectpb.VersionContent) {
+		raw, err := proto.Marshal(m)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(raw)
+	}
+	c1Hash := contentHash(typeCluster, c1.GetValue())
+	add(&inspectpb.VersionContent{Relay: "r", Entries: []*inspectpb.VersionEntry{
+		{Name: "c0", Hash: held.Hash[:]}, {Name: "c1", Hash: c1Hash[:], Body: c1}}})
+	add(&inspectpb.VersionContent{Relay: "r", Entries: []*inspectpb.VersionEntry{ // c1 without its body
+		{Name: "c0", Hash: held.Hash[:]}, {Name: "c1", Hash: c1Hash[:]}}})
+	add(&inspectpb.VersionContent{Relay: "r", Entries: []*inspectpb.VersionEntry{ // c1's body under c0's name
+		{Name: "c0", Hash: c1Hash[:], Body: c1}}})
+	add(&inspectpb.VersionContent{Entries: []*inspectpb.VersionEntry{{Name: "c0", Hash: []byte("short")}}})
+	f.Add([]byte("\x12\xff\xff garbage"))
+
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		var got inspectpb.VersionContent
+		if proto.Unmarshal(raw, &got) != nil {
+			return
+		}
+		tree, err := s.versionTree(typeCluster, &got, root)
+		if err != nil {
+			return
+		}
+		if tree.Root() != root {
+			t.Fatalf("took version %s, asked %s", tree.Root(), root)
+		}
+		for e := range tree.All() {
+			if e.Value == nil || e.Value.Hash != e.Hash || e.Value.Name != e.Name {
+				t.Fatalf("took %q without its body, or with another", e.Name)
+			}
 		}
 	})
 }

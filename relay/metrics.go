@@ -29,6 +29,7 @@ type metrics struct {
 	shed               *prometheus.CounterVec
 	peerFallbacks      prometheus.Counter
 	silentConfirms     prometheus.Counter
+	claims             *prometheus.CounterVec
 	peerStreams        prometheus.Gauge
 	peerClients        prometheus.Gauge
 
@@ -106,6 +107,9 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 		silentConfirms: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "meshrelay_source_silent_confirmations_total", Help: "Source streams (a SotW upstream, a peer relay) whose silence, not an answer of every type, ended the key's staleness.",
 		}),
+		claims: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshrelay_sotw_claims_total", Help: "Versions SotW clients said they hold (version_info on a new stream) that the key's view does not: by where the relay learnt what they hold (history: its own key history; tier: another relay's; unknown: nowhere, so the client may lose what its routes still use).",
+		}, []string{"resolved"}),
 		peerStreams: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "meshrelay_peer_streams", Help: "Open streams this relay holds to keys' owners (relay-to-relay, outgoing).",
 		}),
@@ -119,10 +123,13 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 	cs := []prometheus.Collector{
 		m.envoys, m.pushes, m.pushBytes, m.pushResources, m.pushACK, m.converged, m.nacks, m.streamErrors,
 		m.upstreamStreams, m.upstreamReconnects, m.restoredKeys, m.upstreamNACKs, m.passthrough, m.passthroughStreams,
-		m.refused, m.shed, m.peerFallbacks, m.silentConfirms, m.peerStreams, m.peerClients, sourceCollector{sources, r},
+		m.refused, m.shed, m.peerFallbacks, m.silentConfirms, m.claims, m.peerStreams, m.peerClients, sourceCollector{sources, r},
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_cache_resources", Help: "Distinct resources held, shared by every key.",
 		}, func() float64 { return float64(r.store.len()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "meshrelay_cache_dropped_bytes", Help: "Bytes of resources the views dropped lately, kept for clients that still hold them (KeepDroppedBytes).",
+		}, func() float64 { _, b := r.dropped.held(); return float64(b) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_keys", Help: "Aggregation keys held.",
 		}, func() float64 { return float64(r.Stats().Keys) }),

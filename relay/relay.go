@@ -60,6 +60,7 @@ type Relay struct {
 	cfg          Config
 	log          *slog.Logger
 	store        *store
+	dropped      *dropped
 	refIndex     refIndex
 	metrics      *metrics
 	pushACK      latency
@@ -113,6 +114,7 @@ func New(cfg Config) (*Relay, error) {
 		cfg:          cfg,
 		log:          cfg.Logger.With("relay", cfg.ID),
 		store:        newStore(),
+		dropped:      &dropped{budget: cfg.KeepDroppedBytes},
 		controlPlane: &core.ControlPlane{Identifier: cfg.ID},
 		stopping:     make(chan struct{}),
 		keys:         make(map[Key]*keyState),

@@ -101,6 +101,56 @@ func (s *store) forget(h ledger.Hash) {
 	}
 }
 
+// dropped keeps alive, within a byte budget, the resources the relay's
+// views dropped most recently (removed, or replaced by new content): the
+// store holds a resource only while something refers to it, and the key
+// histories keep names and hashes alone. An Envoy that moved here (or to a
+// relay that asks this one) and holds a version a few changes old still
+// holds those resources; a full-state response must carry those its routes
+// still use until the routes change (make-before-break), so the relay
+// needs their bodies. The oldest go first once the budget is spent.
+//
+// A dropped is safe for concurrent use.
+type dropped struct {
+	mu     sync.Mutex
+	q      []*Resource // oldest first, from q[head]
+	head   int
+	bytes  int64
+	budget int64
+}
+
+// keep adds rs, newest last, and lets the oldest go beyond the budget.
+func (d *dropped) keep(rs []*Resource) {
+	if d.budget <= 0 || len(rs) == 0 {
+		return
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, r := range rs {
+		if r == nil {
+			continue
+		}
+		d.q = append(d.q, r)
+		d.bytes += int64(r.Size())
+	}
+	for d.bytes > d.budget && d.head < len(d.q) {
+		d.bytes -= int64(d.q[d.head].Size())
+		d.q[d.head] = nil
+		d.head++
+	}
+	if d.head > len(d.q)/2 {
+		d.q = append(d.q[:0:0], d.q[d.head:]...)
+		d.head = 0
+	}
+}
+
+// held returns how many resources and bytes d keeps alive.
+func (d *dropped) held() (n int, bytes int64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return len(d.q) - d.head, d.bytes
+}
+
 // len returns the number of distinct resources held (including some whose
 // last reference has just gone and which the next GC will drop).
 func (s *store) len() int {

@@ -102,6 +102,9 @@ type typeSub struct {
 	claimTried bool
 	// claimKnown is set once known is what the claimed version holds.
 	claimKnown bool
+	// lookup is the tier's lookup of the claimed version, while it runs
+	// (claimPending).
+	lookup *claimLookup
 
 	// nonce is the latest response's nonce (SotW: older ones are stale).
 	nonce string
@@ -503,6 +506,12 @@ func (s *stream) sync() error {
 			break
 		}
 		if len(sub.orders) > 0 || !sub.claimed.IsZero() {
+			if s.claimPending(sub, ts) {
+				// The tier is asked what the client's version holds:
+				// what comes later waits too, as for a type not known
+				// yet (the answer wakes the stream).
+				break
+			}
 			if !s.reconnected(sub, ts) {
 				// The client holds a newer version of the type than the
 				// key's view (it moved here from a relay that was further
@@ -699,7 +708,6 @@ func (s *stream) deferDangling(p *plan) {
 // new one (keyState.demand). Once settled, the view is the truth for the
 // client.
 func (s *stream) reconnected(sub *typeSub, ts *typeSnap) bool {
-	s.resolveClaim(sub)
 	t := sub.target(ts.view)
 	held := sub.known.Root()
 	if !sub.claimed.IsZero() {
@@ -732,20 +740,36 @@ func (s *stream) reconnected(sub *typeSub, ts *typeSnap) bool {
 // knows each resource the client holds, as it does a Delta client's, and
 // holds back the removal of what they still refer to (a full-state CDS
 // response that left out a cluster the client's routes use would remove
-// it). A claim the history lacks stays a root: what the client holds of
-// the type may refer to anything.
-func (s *stream) resolveClaim(sub *typeSub) {
+// it). A claim of the view's content needs nothing; one the history lacks
+// is asked of the tier (askTier, claims.go). A claim nobody knows stays a
+// root: what the client holds of the type may refer to anything.
+func (s *stream) resolveClaim(sub *typeSub, ts *typeSnap) {
 	if sub.claimed.IsZero() || sub.claimTried {
 		return
 	}
 	sub.claimTried = true
-	t, ok := s.key.versionHeld(sub, sub.claimed)
-	if !ok {
+	if sub.target(ts.view).Root() == sub.claimed {
+		return // current (reconnected)
+	}
+	if t, ok := s.heldVersion(sub); ok {
+		sub.known, sub.claimKnown = t, true
+		s.r.metrics.claims.WithLabelValues("history").Inc()
 		return
 	}
-	// The history keeps names and hashes; the bodies must still be in the
-	// store (a full-state response carries every resource the client
-	// holds), or the claim stays a root.
+	if !s.askTier(sub) {
+		s.r.metrics.claims.WithLabelValues("unknown").Inc()
+	}
+}
+
+// heldVersion returns what the key's history says a client subscribed as
+// sub holds at its claimed version. The history keeps names and hashes;
+// the bodies must still be in the store (a full-state response carries
+// every resource the client holds), or the claim stays unresolved.
+func (s *stream) heldVersion(sub *typeSub) (ledger.Tree[*Resource], bool) {
+	t, ok := s.key.versionHeld(sub, sub.claimed)
+	if !ok {
+		return t, false
+	}
 	b := t.Edit()
 	for e := range t.All() {
 		if e.Value != nil {
@@ -753,11 +777,11 @@ func (s *stream) resolveClaim(sub *typeSub) {
 		}
 		r := s.r.store.lookup(e.Hash)
 		if r == nil {
-			return
+			return ledger.Tree[*Resource]{}, false
 		}
 		b.Set(e.Name, e.Hash, r)
 	}
-	sub.known, sub.claimKnown = b.Tree(), true
+	return b.Tree(), true
 }
 
 // lacking returns what a Delta client subscribes to by name, holds nothing

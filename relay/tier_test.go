@@ -5,6 +5,7 @@ import (
 	"maps"
 	"net"
 	"net/http"
+	"runtime"
 	"slices"
 	"sync"
 	"testing"
@@ -40,6 +41,17 @@ func (o *fakeOwners) Owner(string) (string, bool) {
 }
 
 func (o *fakeOwners) Changed() <-chan struct{} { return o.changed }
+
+// PeerAddrs makes a fakeOwners the tier's Peers too: the owner is the one
+// other relay.
+func (o *fakeOwners) PeerAddrs() []string {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.self {
+		return nil
+	}
+	return []string{o.addr}
+}
 
 func (o *fakeOwners) set(addr string, self bool) {
 	o.mu.Lock()
@@ -541,8 +553,71 @@ func TestSotWClaimWithoutBodies(t *testing.T) {
 	s := e.r.newStream(context.Background(), false)
 	s.key = k
 	sub := &typeSub{typeURL: typeCluster, wildcard: true, claimed: claimed.Root()}
-	s.resolveClaim(sub)
+	s.resolveClaim(sub, k.snap.Load().typeOf(typeCluster))
 	if sub.claimKnown {
 		t.Fatalf("a claim whose bodies are gone was taken: the client holds %d resources (one without a body: %v)", sub.known.Len(), opaque(sub.known))
+	}
+}
+
+// TestSotWClaimResolvedByTier: a SotW Envoy moves to a relay new to its
+// key, holding a version from before the relay had the key: a route that
+// uses c2, and c2, which the upstream has since removed (after the route
+// stopped using it). It says only the versions. The relay asks the tier
+// what they hold, and removes c2 only after the route that no longer uses
+// it went out: a full-state CDS response without c2 first would remove a
+// cluster the client's route still uses (seen in loadtest chaos).
+func TestSotWClaimResolvedByTier(t *testing.T) {
+	up := newTestUpstream(t, "ns0")
+	seed(up, "ns0", 3) // r80 uses c0, c1, c2
+	secret := []byte("s")
+	owner := startRelay(t, up, func(c *Config) { c.ID = "owner"; c.PeerSecret = secret })
+	stays := newRawClient(t, dial(t, owner.Addr().String()), false, node("ns0", "app", 0))
+	held := syncAll(stays)
+	up.set("ns0", typeRoute, mkRoute("r80", "c0", "c1"))
+	stays.ack(stays.recvSotW(typeRoute))
+	up.del("ns0", typeCluster, "c2")
+	m := stays.recvSotW(typeCluster)
+	wantNames(t, m, "c0", "c1")
+	stays.ack(m)
+	stays.close()
+	// Nothing refers to the old c2 and r80 now but the owner's dropped
+	// resources (KeepDroppedBytes): the history keeps their hashes alone.
+	waitFor(t, "the client gone", func() bool { return owner.Stats().Streams == 0 })
+	runtime.GC()
+	runtime.GC()
+
+	owners := newFakeOwners(owner.Addr().String(), false)
+	other := startRelay(t, up, func(c *Config) { c.ID = "other"; c.Owners = owners; c.Peers = owners; c.PeerSecret = secret })
+	moved := newRawClient(t, dial(t, other.Addr().String()), false, node("ns0", "app", 1))
+	for _, typeURL := range []string{typeCluster, typeEndpoint, typeListener, typeRoute} {
+		req := &discovery.DiscoveryRequest{TypeUrl: typeURL, VersionInfo: versionOf(held[typeURL])}
+		switch typeURL {
+		case typeEndpoint:
+			req.ResourceNames = []string{"c0", "c1", "c2"}
+		case typeRoute:
+			req.ResourceNames = []string{"r80"}
+		}
+		moved.subs[typeURL] = req.ResourceNames
+		moved.send(req)
+	}
+	routeUpdated := false
+	for {
+		m := moved.recv()
+		moved.ack(m)
+		switch typeOf(m) {
+		case typeRoute:
+			routeUpdated = true
+		case typeCluster:
+			if slices.Contains(names(m), "c2") {
+				continue
+			}
+			if !routeUpdated {
+				t.Fatalf("CDS %v removed c2 while the client's route r80 still used it", names(m))
+			}
+			if testutil.ToFloat64(other.metrics.claims.WithLabelValues("tier")) == 0 {
+				t.Error("no claim resolved by the tier")
+			}
+			return
+		}
 	}
 }

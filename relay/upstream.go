@@ -884,6 +884,7 @@ func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace,
 	var derivedChanged bool
 	var view ledger.Tree[*Resource]
 	var viewOrder ledger.Order
+	var gone []*Resource // what the view dropped, kept a while (Relay.dropped)
 	k.update(func(next *keySnap) {
 		ts := next.typeOf(typeURL)
 		old := ts.view
@@ -896,15 +897,22 @@ func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace,
 			for e := range old.All() {
 				if _, ok := keep[e.Name]; !ok {
 					b.Delete(e.Name)
+					gone = append(gone, e.Value)
 				}
 			}
 		}
 		for _, r := range upd {
 			if cur, ok := b.Get(r.Name); !ok || cur.Hash != r.Hash {
+				if ok {
+					gone = append(gone, cur.Value)
+				}
 				b.Set(r.Name, r.Hash, r)
 			}
 		}
 		for _, n := range del {
+			if cur, ok := b.Get(n); ok {
+				gone = append(gone, cur.Value)
+			}
 			b.Delete(n)
 		}
 		ts.view = b.Tree()
@@ -920,6 +928,7 @@ func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace,
 		view, viewOrder = ts.view, ts.order
 	})
 	k.mu.Unlock()
+	k.r.dropped.keep(gone)
 	k.recordView(typeURL, view, received, viewOrder)
 	k.wakeStreams()
 	if derivedChanged {

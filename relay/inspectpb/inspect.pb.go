@@ -446,6 +446,203 @@ func (x *ConfigDump) GetJson() string {
 	return ""
 }
 
+type VersionRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Key   string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	Type  string                 `protobuf:"bytes,2,opt,name=type,proto3" json:"type,omitempty"`
+	// The version: the Merkle root (hex) of what the client holds.
+	Root string `protobuf:"bytes,3,opt,name=root,proto3" json:"root,omitempty"`
+	// The client's subscription: every resource of the type, or these names
+	// (the version is then the root of its part of a view).
+	Wildcard      bool     `protobuf:"varint,4,opt,name=wildcard,proto3" json:"wildcard,omitempty"`
+	Names         []string `protobuf:"bytes,5,rep,name=names,proto3" json:"names,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VersionRequest) Reset() {
+	*x = VersionRequest{}
+	mi := &file_relay_inspectpb_inspect_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VersionRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VersionRequest) ProtoMessage() {}
+
+func (x *VersionRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_relay_inspectpb_inspect_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VersionRequest.ProtoReflect.Descriptor instead.
+func (*VersionRequest) Descriptor() ([]byte, []int) {
+	return file_relay_inspectpb_inspect_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *VersionRequest) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *VersionRequest) GetType() string {
+	if x != nil {
+		return x.Type
+	}
+	return ""
+}
+
+func (x *VersionRequest) GetRoot() string {
+	if x != nil {
+		return x.Root
+	}
+	return ""
+}
+
+func (x *VersionRequest) GetWildcard() bool {
+	if x != nil {
+		return x.Wildcard
+	}
+	return false
+}
+
+func (x *VersionRequest) GetNames() []string {
+	if x != nil {
+		return x.Names
+	}
+	return nil
+}
+
+type VersionContent struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The relay that answered.
+	Relay string `protobuf:"bytes,1,opt,name=relay,proto3" json:"relay,omitempty"`
+	// Every resource the version held, by name.
+	Entries       []*VersionEntry `protobuf:"bytes,2,rep,name=entries,proto3" json:"entries,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VersionContent) Reset() {
+	*x = VersionContent{}
+	mi := &file_relay_inspectpb_inspect_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VersionContent) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VersionContent) ProtoMessage() {}
+
+func (x *VersionContent) ProtoReflect() protoreflect.Message {
+	mi := &file_relay_inspectpb_inspect_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VersionContent.ProtoReflect.Descriptor instead.
+func (*VersionContent) Descriptor() ([]byte, []int) {
+	return file_relay_inspectpb_inspect_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *VersionContent) GetRelay() string {
+	if x != nil {
+		return x.Relay
+	}
+	return ""
+}
+
+func (x *VersionContent) GetEntries() []*VersionEntry {
+	if x != nil {
+		return x.Entries
+	}
+	return nil
+}
+
+type VersionEntry struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// The resource's content hash (32 bytes).
+	Hash []byte `protobuf:"bytes,2,opt,name=hash,proto3" json:"hash,omitempty"`
+	// The resource, for those the answering relay's view no longer holds as
+	// they were (the asker holds the others if its view is as new); absent
+	// if the answering relay no longer holds it either.
+	Body          *anypb.Any `protobuf:"bytes,3,opt,name=body,proto3" json:"body,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VersionEntry) Reset() {
+	*x = VersionEntry{}
+	mi := &file_relay_inspectpb_inspect_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VersionEntry) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VersionEntry) ProtoMessage() {}
+
+func (x *VersionEntry) ProtoReflect() protoreflect.Message {
+	mi := &file_relay_inspectpb_inspect_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VersionEntry.ProtoReflect.Descriptor instead.
+func (*VersionEntry) Descriptor() ([]byte, []int) {
+	return file_relay_inspectpb_inspect_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *VersionEntry) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *VersionEntry) GetHash() []byte {
+	if x != nil {
+		return x.Hash
+	}
+	return nil
+}
+
+func (x *VersionEntry) GetBody() *anypb.Any {
+	if x != nil {
+		return x.Body
+	}
+	return nil
+}
+
 var File_relay_inspectpb_inspect_proto protoreflect.FileDescriptor
 
 const file_relay_inspectpb_inspect_proto_rawDesc = "" +
@@ -487,10 +684,25 @@ const file_relay_inspectpb_inspect_proto_rawDesc = "" +
 	"\x03key\x18\x03 \x01(\tR\x03key\x125\n" +
 	"\vconfig_dump\x18\x04 \x01(\v2\x14.google.protobuf.AnyR\n" +
 	"configDump\x12\x12\n" +
-	"\x04json\x18\x05 \x01(\tR\x04json2\xb2\x01\n" +
+	"\x04json\x18\x05 \x01(\tR\x04json\"|\n" +
+	"\x0eVersionRequest\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
+	"\x04type\x18\x02 \x01(\tR\x04type\x12\x12\n" +
+	"\x04root\x18\x03 \x01(\tR\x04root\x12\x1a\n" +
+	"\bwildcard\x18\x04 \x01(\bR\bwildcard\x12\x14\n" +
+	"\x05names\x18\x05 \x03(\tR\x05names\"d\n" +
+	"\x0eVersionContent\x12\x14\n" +
+	"\x05relay\x18\x01 \x01(\tR\x05relay\x12<\n" +
+	"\aentries\x18\x02 \x03(\v2\".meshrelay.inspect.v1.VersionEntryR\aentries\"`\n" +
+	"\fVersionEntry\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
+	"\x04hash\x18\x02 \x01(\fR\x04hash\x12(\n" +
+	"\x04body\x18\x03 \x01(\v2\x14.google.protobuf.AnyR\x04body2\x8c\x02\n" +
 	"\aInspect\x12K\n" +
 	"\x06GetKey\x12 .meshrelay.inspect.v1.KeyRequest\x1a\x1f.meshrelay.inspect.v1.KeyDetail\x12Z\n" +
-	"\rGetConfigDump\x12'.meshrelay.inspect.v1.ConfigDumpRequest\x1a .meshrelay.inspect.v1.ConfigDumpB0Z.github.com/meshrelay/meshrelay/relay/inspectpbb\x06proto3"
+	"\rGetConfigDump\x12'.meshrelay.inspect.v1.ConfigDumpRequest\x1a .meshrelay.inspect.v1.ConfigDump\x12X\n" +
+	"\n" +
+	"GetVersion\x12$.meshrelay.inspect.v1.VersionRequest\x1a$.meshrelay.inspect.v1.VersionContentB0Z.github.com/meshrelay/meshrelay/relay/inspectpbb\x06proto3"
 
 var (
 	file_relay_inspectpb_inspect_proto_rawDescOnce sync.Once
@@ -504,27 +716,34 @@ func file_relay_inspectpb_inspect_proto_rawDescGZIP() []byte {
 	return file_relay_inspectpb_inspect_proto_rawDescData
 }
 
-var file_relay_inspectpb_inspect_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
+var file_relay_inspectpb_inspect_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
 var file_relay_inspectpb_inspect_proto_goTypes = []any{
 	(*KeyRequest)(nil),        // 0: meshrelay.inspect.v1.KeyRequest
 	(*KeyDetail)(nil),         // 1: meshrelay.inspect.v1.KeyDetail
 	(*TypeDetail)(nil),        // 2: meshrelay.inspect.v1.TypeDetail
 	(*ConfigDumpRequest)(nil), // 3: meshrelay.inspect.v1.ConfigDumpRequest
 	(*ConfigDump)(nil),        // 4: meshrelay.inspect.v1.ConfigDump
-	(*anypb.Any)(nil),         // 5: google.protobuf.Any
+	(*VersionRequest)(nil),    // 5: meshrelay.inspect.v1.VersionRequest
+	(*VersionContent)(nil),    // 6: meshrelay.inspect.v1.VersionContent
+	(*VersionEntry)(nil),      // 7: meshrelay.inspect.v1.VersionEntry
+	(*anypb.Any)(nil),         // 8: google.protobuf.Any
 }
 var file_relay_inspectpb_inspect_proto_depIdxs = []int32{
 	2, // 0: meshrelay.inspect.v1.KeyDetail.types:type_name -> meshrelay.inspect.v1.TypeDetail
-	5, // 1: meshrelay.inspect.v1.ConfigDump.config_dump:type_name -> google.protobuf.Any
-	0, // 2: meshrelay.inspect.v1.Inspect.GetKey:input_type -> meshrelay.inspect.v1.KeyRequest
-	3, // 3: meshrelay.inspect.v1.Inspect.GetConfigDump:input_type -> meshrelay.inspect.v1.ConfigDumpRequest
-	1, // 4: meshrelay.inspect.v1.Inspect.GetKey:output_type -> meshrelay.inspect.v1.KeyDetail
-	4, // 5: meshrelay.inspect.v1.Inspect.GetConfigDump:output_type -> meshrelay.inspect.v1.ConfigDump
-	4, // [4:6] is the sub-list for method output_type
-	2, // [2:4] is the sub-list for method input_type
-	2, // [2:2] is the sub-list for extension type_name
-	2, // [2:2] is the sub-list for extension extendee
-	0, // [0:2] is the sub-list for field type_name
+	8, // 1: meshrelay.inspect.v1.ConfigDump.config_dump:type_name -> google.protobuf.Any
+	7, // 2: meshrelay.inspect.v1.VersionContent.entries:type_name -> meshrelay.inspect.v1.VersionEntry
+	8, // 3: meshrelay.inspect.v1.VersionEntry.body:type_name -> google.protobuf.Any
+	0, // 4: meshrelay.inspect.v1.Inspect.GetKey:input_type -> meshrelay.inspect.v1.KeyRequest
+	3, // 5: meshrelay.inspect.v1.Inspect.GetConfigDump:input_type -> meshrelay.inspect.v1.ConfigDumpRequest
+	5, // 6: meshrelay.inspect.v1.Inspect.GetVersion:input_type -> meshrelay.inspect.v1.VersionRequest
+	1, // 7: meshrelay.inspect.v1.Inspect.GetKey:output_type -> meshrelay.inspect.v1.KeyDetail
+	4, // 8: meshrelay.inspect.v1.Inspect.GetConfigDump:output_type -> meshrelay.inspect.v1.ConfigDump
+	6, // 9: meshrelay.inspect.v1.Inspect.GetVersion:output_type -> meshrelay.inspect.v1.VersionContent
+	7, // [7:10] is the sub-list for method output_type
+	4, // [4:7] is the sub-list for method input_type
+	4, // [4:4] is the sub-list for extension type_name
+	4, // [4:4] is the sub-list for extension extendee
+	0, // [0:4] is the sub-list for field type_name
 }
 
 func init() { file_relay_inspectpb_inspect_proto_init() }
@@ -538,7 +757,7 @@ func file_relay_inspectpb_inspect_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_relay_inspectpb_inspect_proto_rawDesc), len(file_relay_inspectpb_inspect_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   5,
+			NumMessages:   8,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -26,6 +26,7 @@ const _ = grpc.SupportPackageIsVersion9
 const (
 	Inspect_GetKey_FullMethodName        = "/meshrelay.inspect.v1.Inspect/GetKey"
 	Inspect_GetConfigDump_FullMethodName = "/meshrelay.inspect.v1.Inspect/GetConfigDump"
+	Inspect_GetVersion_FullMethodName    = "/meshrelay.inspect.v1.Inspect/GetVersion"
 )
 
 // InspectClient is the client API for Inspect service.
@@ -39,6 +40,12 @@ type InspectClient interface {
 	// a key's views, as Envoy's own config dump, Secrets redacted:
 	// NOT_FOUND if the node is not connected to it or it holds no such key.
 	GetConfigDump(ctx context.Context, in *ConfigDumpRequest, opts ...grpc.CallOption) (*ConfigDump, error)
+	// GetVersion returns what a version of a key's view of a type held, from
+	// the relay's history: for a SotW Envoy that moved to another relay and
+	// said only its version_info, so that the relay it moved to knows which
+	// resources it holds (and keeps those its routes still use until they
+	// change). NOT_FOUND if the relay's history lacks the version.
+	GetVersion(ctx context.Context, in *VersionRequest, opts ...grpc.CallOption) (*VersionContent, error)
 }
 
 type inspectClient struct {
@@ -69,6 +76,16 @@ func (c *inspectClient) GetConfigDump(ctx context.Context, in *ConfigDumpRequest
 	return out, nil
 }
 
+func (c *inspectClient) GetVersion(ctx context.Context, in *VersionRequest, opts ...grpc.CallOption) (*VersionContent, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(VersionContent)
+	err := c.cc.Invoke(ctx, Inspect_GetVersion_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // InspectServer is the server API for Inspect service.
 // All implementations must embed UnimplementedInspectServer
 // for forward compatibility.
@@ -80,6 +97,12 @@ type InspectServer interface {
 	// a key's views, as Envoy's own config dump, Secrets redacted:
 	// NOT_FOUND if the node is not connected to it or it holds no such key.
 	GetConfigDump(context.Context, *ConfigDumpRequest) (*ConfigDump, error)
+	// GetVersion returns what a version of a key's view of a type held, from
+	// the relay's history: for a SotW Envoy that moved to another relay and
+	// said only its version_info, so that the relay it moved to knows which
+	// resources it holds (and keeps those its routes still use until they
+	// change). NOT_FOUND if the relay's history lacks the version.
+	GetVersion(context.Context, *VersionRequest) (*VersionContent, error)
 	mustEmbedUnimplementedInspectServer()
 }
 
@@ -95,6 +118,9 @@ func (UnimplementedInspectServer) GetKey(context.Context, *KeyRequest) (*KeyDeta
 }
 func (UnimplementedInspectServer) GetConfigDump(context.Context, *ConfigDumpRequest) (*ConfigDump, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method GetConfigDump not implemented")
+}
+func (UnimplementedInspectServer) GetVersion(context.Context, *VersionRequest) (*VersionContent, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method GetVersion not implemented")
 }
 func (UnimplementedInspectServer) mustEmbedUnimplementedInspectServer() {}
 func (UnimplementedInspectServer) testEmbeddedByValue()                 {}
@@ -153,6 +179,24 @@ func _Inspect_GetConfigDump_Handler(srv interface{}, ctx context.Context, dec fu
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Inspect_GetVersion_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(VersionRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(InspectServer).GetVersion(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Inspect_GetVersion_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(InspectServer).GetVersion(ctx, req.(*VersionRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Inspect_ServiceDesc is the grpc.ServiceDesc for Inspect service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -167,6 +211,10 @@ var Inspect_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "GetConfigDump",
 			Handler:    _Inspect_GetConfigDump_Handler,
+		},
+		{
+			MethodName: "GetVersion",
+			Handler:    _Inspect_GetVersion_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

@@ -1,0 +1,197 @@
+package relay
+
+import (
+	"context"
+	"fmt"
+	"slices"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/inspectpb"
+)
+
+// A SotW client says of each type only the version it holds (version_info,
+// a Merkle root). A relay whose key history has that version knows what
+// the client holds (stream.resolveClaim). One that lacks it (the client
+// came from a relay that was further on, or the version passed while this
+// one was cut off) asks the tier's other relays, which answer from their
+// histories (GetVersion). Until they answer, the type and those after it in
+// push order wait, as they do for a type the key's source has not answered
+// yet; the answers end the wait, whatever they are.
+
+// claimLookup is a stream's question to the tier about one claimed
+// version. The asking goroutine sets held and ok, then closes done.
+type claimLookup struct {
+	done chan struct{}
+	held ledger.Tree[*Resource]
+	ok   bool
+}
+
+// claimPending reports whether sub's claimed version is being looked up in
+// the tier, and applies the answer once it came.
+func (s *stream) claimPending(sub *typeSub, ts *typeSnap) bool {
+	s.resolveClaim(sub, ts)
+	l := sub.lookup
+	if l == nil {
+		return false
+	}
+	select {
+	case <-l.done:
+	default:
+		return true
+	}
+	sub.lookup = nil
+	if l.ok {
+		sub.known, sub.claimKnown = l.held, true
+		s.r.metrics.claims.WithLabelValues("tier").Inc()
+	} else {
+		s.r.metrics.claims.WithLabelValues("unknown").Inc()
+	}
+	return false
+}
+
+// askTier starts the tier lookup of sub's claimed version, if the tier has
+// other relays, and reports whether it did.
+func (s *stream) askTier(sub *typeSub) bool {
+	if s.r.cfg.Peers == nil {
+		return false
+	}
+	addrs := s.r.cfg.Peers.PeerAddrs()
+	if len(addrs) == 0 {
+		return false
+	}
+	l := &claimLookup{done: make(chan struct{})}
+	sub.lookup = l
+	req := &inspectpb.VersionRequest{Key: string(s.key.key), Type: sub.typeURL, Root: sub.claimed.String(), Wildcard: sub.wildcard}
+	if !sub.wildcard {
+		req.Names = slices.Clone(sub.names) // read by the asking goroutine
+	}
+	go func() {
+		defer wake(s.wake)
+		defer close(l.done)
+		l.held, l.ok = s.r.askVersion(s.ctx, addrs, req, sub.claimed)
+	}()
+	return true
+}
+
+// askVersion asks the relays at addrs, all at once, what the version root
+// of req held, and returns the first answer that proves to be it (every
+// body present and matching its hash, the tree's root root). It gives up
+// when every relay has answered otherwise, or after LedgerGatherTimeout.
+func (r *Relay) askVersion(ctx context.Context, addrs []string, req *inspectpb.VersionRequest, root ledger.Hash) (ledger.Tree[*Resource], bool) {
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.LedgerGatherTimeout)
+	defer cancel()
+	ctx = metadata.AppendToOutgoingContext(ctx, r.peerMetadata()...)
+	type answer struct {
+		t   ledger.Tree[*Resource]
+		err error
+	}
+	answers := make(chan answer, len(addrs))
+	for _, addr := range addrs {
+		go func() {
+			t, err := r.askOne(ctx, addr, req, root)
+			if err != nil && status.Code(err) != codes.NotFound && ctx.Err() == nil {
+				r.log.Debug("claimed version: a relay's answer failed", "addr", addr, "key", req.GetKey(), "type", shortType(req.GetType()), "err", err)
+			}
+			answers <- answer{t, err}
+		}()
+	}
+	for range addrs {
+		if a := <-answers; a.err == nil {
+			return a.t, true
+		}
+	}
+	return ledger.Tree[*Resource]{}, false
+}
+
+// askOne asks one relay, and checks its answer.
+func (r *Relay) askOne(ctx context.Context, addr string, req *inspectpb.VersionRequest, root ledger.Hash) (ledger.Tree[*Resource], error) {
+	conn, err := r.peerConn(addr)
+	if err != nil {
+		return ledger.Tree[*Resource]{}, err
+	}
+	got, err := inspectpb.NewInspectClient(conn).GetVersion(ctx, req, grpc.MaxCallRecvMsgSize(r.cfg.MaxMsgSize))
+	if err != nil {
+		return ledger.Tree[*Resource]{}, err
+	}
+	return r.store.versionTree(req.GetType(), got, root)
+}
+
+// versionTree builds what a relay answered for a version of typeURL: each
+// resource from its body, or from s if the answer left it out. An
+// answer that names a resource nobody has, carries a body that is not what
+// it says, or is not the version asked for is an error.
+func (s *store) versionTree(typeURL string, got *inspectpb.VersionContent, root ledger.Hash) (ledger.Tree[*Resource], error) {
+	b := ledger.Tree[*Resource]{}.Edit()
+	for _, e := range got.GetEntries() {
+		if len(e.GetHash()) != len(ledger.Hash{}) {
+			return ledger.Tree[*Resource]{}, fmt.Errorf("relay %s: resource %q has a hash of %d bytes", got.GetRelay(), e.GetName(), len(e.GetHash()))
+		}
+		h := ledger.Hash(e.GetHash())
+		var res *Resource
+		if e.GetBody() != nil {
+			var err error
+			if res, err = s.decode(typeURL, e.GetBody(), e.GetName()); err != nil {
+				return ledger.Tree[*Resource]{}, fmt.Errorf("relay %s: %w", got.GetRelay(), err)
+			}
+		} else if res = s.lookup(h); res == nil {
+			return ledger.Tree[*Resource]{}, fmt.Errorf("relay %s: resource %q: neither relay holds it", got.GetRelay(), e.GetName())
+		}
+		if res.Hash != h || res.Name != e.GetName() {
+			return ledger.Tree[*Resource]{}, fmt.Errorf("relay %s: resource %q is not the content it names", got.GetRelay(), e.GetName())
+		}
+		b.Set(res.Name, res.Hash, res)
+	}
+	t := b.Tree()
+	if t.Root() != root {
+		return ledger.Tree[*Resource]{}, fmt.Errorf("relay %s answered version %s, not %s", got.GetRelay(), t.Root(), root)
+	}
+	return t, nil
+}
+
+// GetVersion answers another relay of the tier what a version of one of
+// this relay's keys held (see askVersion): every resource's name and hash,
+// with the body of those the key's view no longer holds as they were.
+func (s inspectServer) GetVersion(ctx context.Context, req *inspectpb.VersionRequest) (*inspectpb.VersionContent, error) {
+	if err := s.r.checkPeerCall(ctx, "inspect"); err != nil {
+		return nil, err
+	}
+	root, err := ledger.ParseHash(req.GetRoot())
+	if err != nil {
+		return nil, status.Errorf(codes.InvalidArgument, "root: %v", err)
+	}
+	s.r.mu.Lock()
+	k := s.r.keys[Key(req.GetKey())]
+	s.r.mu.Unlock()
+	if k == nil {
+		return nil, status.Errorf(codes.NotFound, "key %q: %v", req.GetKey(), ErrNotHeld)
+	}
+	sub := &typeSub{typeURL: req.GetType(), wildcard: req.GetWildcard(), names: newNameSet(req.GetNames())}
+	held, ok := k.versionHeld(sub, root)
+	if !ok {
+		return nil, status.Errorf(codes.NotFound, "key %q: version %s of %s not in history", req.GetKey(), root, shortType(req.GetType()))
+	}
+	var view ledger.Tree[*Resource]
+	if ts := k.snap.Load().types[req.GetType()]; ts != nil {
+		view = ts.view
+	}
+	out := &inspectpb.VersionContent{Relay: s.r.cfg.ID}
+	for e := range held.All() {
+		ve := &inspectpb.VersionEntry{Name: e.Name, Hash: e.Hash[:]}
+		if cur, ok := view.Get(e.Name); !ok || cur.Hash != e.Hash {
+			res := e.Value
+			if res == nil {
+				res = s.r.store.lookup(e.Hash)
+			}
+			if res != nil {
+				ve.Body = res.Body
+			}
+		}
+		out.Entries = append(out.Entries, ve)
+	}
+	return out, nil
+}
