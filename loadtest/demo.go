@@ -271,16 +271,31 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 	}
 	defer fleet.Stop(stopCtx)
 
+	// The churn starts once every Envoy holds its first config: a change
+	// made before then would be timed by the initial sync of the slowest
+	// Envoy, which is its own figure (firstSync).
 	churnDone := make(chan error, 1)
-	if cfg.ChurnRate > 0 {
-		go func() {
-			// Churn is always bounded; ctx ends it sooner.
-			churnDone <- up.Churn(ctx, upstream.ChurnConfig{Rate: cfg.ChurnRate, AddRemoveFraction: 0.05, Seed: 1, Duration: 24 * time.Hour},
-				nil)
-		}()
-	} else {
-		churnDone <- nil
-	}
+	var firstSync atomic.Int64
+	go func() {
+		tick := time.NewTicker(20 * time.Millisecond)
+		defer tick.Stop()
+		for fleet.Synced(up) < cfg.Envoys {
+			select {
+			case <-tick.C:
+			case <-ctx.Done():
+				churnDone <- nil
+				return
+			}
+		}
+		firstSync.Store(int64(time.Since(start)))
+		if cfg.ChurnRate <= 0 {
+			churnDone <- nil
+			return
+		}
+		// Churn is always bounded; ctx ends it sooner.
+		churnDone <- up.Churn(ctx, upstream.ChurnConfig{Rate: cfg.ChurnRate, AddRemoveFraction: 0.05, Seed: 1, Duration: 24 * time.Hour},
+			nil)
+	}()
 
 	// Commands from Input arrive on a channel; the reader is abandoned at
 	// the end (a terminal read cannot be interrupted), never waited for.
@@ -444,7 +459,13 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 			}
 			print()
 			perEnvoy, complete, _ := tracker.Results()
-			fmt.Fprintf(out, "\n%d changes reached all their Envoys: P50 %s, P99 %s, max %s (per Envoy ACK P99 %s)\n",
+			fmt.Fprintln(out)
+			if d := time.Duration(firstSync.Load()); d > 0 {
+				fmt.Fprintf(out, "initial sync: every Envoy held its first config %s after the start; the churn began then\n", ms(d))
+			} else {
+				fmt.Fprintf(out, "initial sync: not every Envoy held its first config by the end; no churn\n")
+			}
+			fmt.Fprintf(out, "%d changes reached all their Envoys: P50 %s, P99 %s, max %s (per Envoy ACK P99 %s)\n",
 				complete.N, ms(complete.P50), ms(complete.P99), ms(complete.Max), ms(perEnvoy.P99))
 			// The tier may still be settling from the last event: wait for
 			// it a bounded while (a slow machine takes longer).

@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 
@@ -9,6 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
@@ -23,13 +25,29 @@ import (
 // push order wait, as they do for a type the key's source has not answered
 // yet; the answers end the wait, whatever they are.
 
-// claimLookup is a stream's question to the tier about one claimed
-// version. The asking goroutine sets held and ok, then closes done.
+// claimLookup is a key's question to the tier about one claimed version,
+// shared by the key's streams that claim it (a relay's Envoys of one key
+// that moved together ask once). The asking goroutine sets held and ok,
+// then closes done and wakes the key's streams.
 type claimLookup struct {
 	done chan struct{}
 	held ledger.Tree[*Resource]
 	ok   bool
 }
+
+// claimQuestion identifies a lookup: a version of a type, for a
+// subscription to every resource or to the names whose listDigest is names.
+type claimQuestion struct {
+	typeURL  string
+	root     ledger.Hash
+	wildcard bool
+	names    uint64
+}
+
+// maxClaimLookups bounds the lookups a key remembers; they are forgotten
+// all at once when it is reached (those under way still answer their
+// streams).
+const maxClaimLookups = 64
 
 // claimPending reports whether sub's claimed version is being looked up in
 // the tier, and applies the answer once it came.
@@ -54,8 +72,8 @@ func (s *stream) claimPending(sub *typeSub, ts *typeSnap) bool {
 	return false
 }
 
-// askTier starts the tier lookup of sub's claimed version, if the tier has
-// other relays, and reports whether it did.
+// askTier looks sub's claimed version up in the tier, if the tier has
+// other relays, and reports whether it does.
 func (s *stream) askTier(sub *typeSub) bool {
 	if s.r.cfg.Peers == nil {
 		return false
@@ -64,16 +82,32 @@ func (s *stream) askTier(sub *typeSub) bool {
 	if len(addrs) == 0 {
 		return false
 	}
-	l := &claimLookup{done: make(chan struct{})}
-	sub.lookup = l
+	q := claimQuestion{typeURL: sub.typeURL, root: sub.claimed, wildcard: sub.wildcard}
 	req := &inspectpb.VersionRequest{Key: string(s.key.key), Type: sub.typeURL, Root: sub.claimed.String(), Wildcard: sub.wildcard}
 	if !sub.wildcard {
+		q.names = listDigest(sub.names)
 		req.Names = slices.Clone(sub.names) // read by the asking goroutine
 	}
+	k := s.key
+	k.claimsMu.Lock()
+	defer k.claimsMu.Unlock()
+	if sub.lookup = k.claims[q]; sub.lookup != nil {
+		return true
+	}
+	if len(k.claims) >= maxClaimLookups {
+		clear(k.claims)
+	}
+	if k.claims == nil {
+		k.claims = make(map[claimQuestion]*claimLookup)
+	}
+	l := &claimLookup{done: make(chan struct{})}
+	k.claims[q], sub.lookup = l, l
+	s.r.wg.Add(1)
 	go func() {
-		defer wake(s.wake)
-		defer close(l.done)
-		l.held, l.ok = s.r.askVersion(s.ctx, addrs, req, sub.claimed)
+		defer s.r.wg.Done()
+		l.held, l.ok = s.r.askVersion(s.r.ctx, addrs, req, q.root)
+		close(l.done)
+		k.wakeStreams()
 	}()
 	return true
 }
@@ -114,12 +148,27 @@ func (r *Relay) askOne(ctx context.Context, addr string, req *inspectpb.VersionR
 	if err != nil {
 		return ledger.Tree[*Resource]{}, err
 	}
-	got, err := inspectpb.NewInspectClient(conn).GetVersion(ctx, req, grpc.MaxCallRecvMsgSize(r.cfg.MaxMsgSize))
+	c := inspectpb.NewInspectClient(conn)
+	got, err := c.GetVersion(ctx, req, grpc.MaxCallRecvMsgSize(r.cfg.MaxMsgSize))
 	if err != nil {
 		return ledger.Tree[*Resource]{}, err
 	}
-	return r.store.versionTree(req.GetType(), got, root)
+	t, err := r.store.versionTree(req.GetType(), got, root)
+	if errors.Is(err, errBodyMissing) && !req.GetBodies() {
+		// This relay's view is not the answering one's: ask for them all.
+		all := proto.CloneOf(req)
+		all.Bodies = true
+		if got, err = c.GetVersion(ctx, all, grpc.MaxCallRecvMsgSize(r.cfg.MaxMsgSize)); err != nil {
+			return ledger.Tree[*Resource]{}, err
+		}
+		t, err = r.store.versionTree(req.GetType(), got, root)
+	}
+	return t, err
 }
+
+// errBodyMissing: an answer left out a resource's body, and this relay
+// does not hold it.
+var errBodyMissing = errors.New("neither relay holds the resource")
 
 // versionTree builds what a relay answered for a version of typeURL: each
 // resource from its body, or from s if the answer left it out. An
@@ -139,7 +188,7 @@ func (s *store) versionTree(typeURL string, got *inspectpb.VersionContent, root 
 				return ledger.Tree[*Resource]{}, fmt.Errorf("relay %s: %w", got.GetRelay(), err)
 			}
 		} else if res = s.lookup(h); res == nil {
-			return ledger.Tree[*Resource]{}, fmt.Errorf("relay %s: resource %q: neither relay holds it", got.GetRelay(), e.GetName())
+			return ledger.Tree[*Resource]{}, fmt.Errorf("relay %s: resource %q: %w", got.GetRelay(), e.GetName(), errBodyMissing)
 		}
 		if res.Hash != h || res.Name != e.GetName() {
 			return ledger.Tree[*Resource]{}, fmt.Errorf("relay %s: resource %q is not the content it names", got.GetRelay(), e.GetName())
@@ -182,7 +231,7 @@ func (s inspectServer) GetVersion(ctx context.Context, req *inspectpb.VersionReq
 	out := &inspectpb.VersionContent{Relay: s.r.cfg.ID}
 	for e := range held.All() {
 		ve := &inspectpb.VersionEntry{Name: e.Name, Hash: e.Hash[:]}
-		if cur, ok := view.Get(e.Name); !ok || cur.Hash != e.Hash {
+		if cur, ok := view.Get(e.Name); req.GetBodies() || !ok || cur.Hash != e.Hash {
 			res := e.Value
 			if res == nil {
 				res = s.r.store.lookup(e.Hash)

@@ -43,6 +43,11 @@ type keyState struct {
 	histMu sync.Mutex
 	hist   map[string]*ledger.History[*Resource]
 
+	// claims are the key's lookups of SotW clients' claimed versions in
+	// the tier (claims.go).
+	claimsMu sync.Mutex
+	claims   map[claimQuestion]*claimLookup
+
 	mu      sync.Mutex
 	members []*stream // in join order; the first one's node is presented upstream
 	peers   int       // members that are other relays subscribing to this key

@@ -454,8 +454,12 @@ type VersionRequest struct {
 	Root string `protobuf:"bytes,3,opt,name=root,proto3" json:"root,omitempty"`
 	// The client's subscription: every resource of the type, or these names
 	// (the version is then the root of its part of a view).
-	Wildcard      bool     `protobuf:"varint,4,opt,name=wildcard,proto3" json:"wildcard,omitempty"`
-	Names         []string `protobuf:"bytes,5,rep,name=names,proto3" json:"names,omitempty"`
+	Wildcard bool     `protobuf:"varint,4,opt,name=wildcard,proto3" json:"wildcard,omitempty"`
+	Names    []string `protobuf:"bytes,5,rep,name=names,proto3" json:"names,omitempty"`
+	// Every resource with its body, not only those the answering relay's
+	// view no longer holds as they were (asked again when the asker lacked
+	// one of the others).
+	Bodies        bool `protobuf:"varint,6,opt,name=bodies,proto3" json:"bodies,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -525,6 +529,13 @@ func (x *VersionRequest) GetNames() []string {
 	return nil
 }
 
+func (x *VersionRequest) GetBodies() bool {
+	if x != nil {
+		return x.Bodies
+	}
+	return false
+}
+
 type VersionContent struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The relay that answered.
@@ -585,8 +596,8 @@ type VersionEntry struct {
 	// The resource's content hash (32 bytes).
 	Hash []byte `protobuf:"bytes,2,opt,name=hash,proto3" json:"hash,omitempty"`
 	// The resource, for those the answering relay's view no longer holds as
-	// they were (the asker holds the others if its view is as new); absent
-	// if the answering relay no longer holds it either.
+	// they were (the asker holds the others if its view is as new), or for
+	// all if asked; absent if the answering relay no longer holds it.
 	Body          *anypb.Any `protobuf:"bytes,3,opt,name=body,proto3" json:"body,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -684,13 +695,14 @@ const file_relay_inspectpb_inspect_proto_rawDesc = "" +
 	"\x03key\x18\x03 \x01(\tR\x03key\x125\n" +
 	"\vconfig_dump\x18\x04 \x01(\v2\x14.google.protobuf.AnyR\n" +
 	"configDump\x12\x12\n" +
-	"\x04json\x18\x05 \x01(\tR\x04json\"|\n" +
+	"\x04json\x18\x05 \x01(\tR\x04json\"\x94\x01\n" +
 	"\x0eVersionRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04type\x18\x02 \x01(\tR\x04type\x12\x12\n" +
 	"\x04root\x18\x03 \x01(\tR\x04root\x12\x1a\n" +
 	"\bwildcard\x18\x04 \x01(\bR\bwildcard\x12\x14\n" +
-	"\x05names\x18\x05 \x03(\tR\x05names\"d\n" +
+	"\x05names\x18\x05 \x03(\tR\x05names\x12\x16\n" +
+	"\x06bodies\x18\x06 \x01(\bR\x06bodies\"d\n" +
 	"\x0eVersionContent\x12\x14\n" +
 	"\x05relay\x18\x01 \x01(\tR\x05relay\x12<\n" +
 	"\aentries\x18\x02 \x03(\v2\".meshrelay.inspect.v1.VersionEntryR\aentries\"`\n" +
