@@ -64,6 +64,7 @@ func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 		// the answers tell it its source confirms its views.
 		sub.awaitFirst = wildcard || s.peerRelay != nil
 		sub.known, sub.orders = s.declared(sub, req.GetInitialResourceVersions())
+		sub.declared = sub.known.Len() > 0
 		return nil
 	}
 

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	cluster "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
@@ -82,5 +83,45 @@ func TestRestoreChecksRoots(t *testing.T) {
 	}
 	if !k1.snap.Load().stale {
 		t.Error("a restored key is not stale before its source confirms it")
+	}
+}
+
+// TestRestoredViewReplacesNothingDeclared: a view restored from a snapshot
+// has no Order and may be older than anything. It is served to a client
+// that holds nothing, but a client that declares other content, even
+// content without an Order (a peer relay whose view is unordered), keeps
+// it until a live view arrives. The chaos suite saw the opposite: a relay
+// restarted warm became a key's owner and sent its peer the snapshot's
+// content, generation 1 after 41, which the peer passed on to its Envoys.
+func TestRestoredViewReplacesNothingDeclared(t *testing.T) {
+	n := node("ns1", "app", 0)
+	key := string(IstioProfile{}.Key(n))
+	saved := savedClusters(t, "a", "b")
+	up := newTestUpstream(t, "ns1")
+	up.set("ns1", typeCluster, mkCluster("a"), mkCluster("c"))
+	up.stop() // the view stays the snapshot's
+	r := startRelay(t, up, func(c *Config) {
+		c.Snapshots = &savedSnapshots{keys: []SavedKey{{Key: key, Types: []SavedType{saved}}}}
+		c.BackoffInitial, c.BackoffMax = 50*time.Millisecond, 200*time.Millisecond // back at once
+	})
+	waitFor(t, "the key restored", func() bool { return r.Stats().RestoredKeys == 1 })
+
+	fresh := newRawClient(t, dial(t, r.Addr().String()), true, n)
+	fresh.subscribe(typeCluster)
+	wantNames(t, fresh.recvDelta(typeCluster), "a", "b") // holds nothing: served
+
+	moved := newRawClient(t, dial(t, r.Addr().String()), true, node("ns1", "app", 1))
+	declared := map[string]string{ // plain content versions: no Order
+		"a": contentHash(typeCluster, mustAny(mkCluster("a")).GetValue()).String(),
+		"c": contentHash(typeCluster, mustAny(mkCluster("c")).GetValue()).String(),
+	}
+	moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster, InitialResourceVersions: declared})
+	// The upstream is down: the client is sent nothing (a barrier cannot
+	// pass either). Once it is back, the first response is the live view's,
+	// which is what the client holds.
+	up.restart()
+	m := moved.recvDelta(typeCluster)
+	if len(m.GetResources()) != 0 || len(m.GetRemovedResources()) != 0 {
+		t.Fatalf("the client holding a and c got %v, removed %v; want nothing (the snapshot's b, or c removed, before the live view)", names(m), removedOf(m))
 	}
 }

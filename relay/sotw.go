@@ -101,6 +101,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 			var o ledger.Order
 			sub.claimed, o, _ = ParseVersion(v)
 			sub.orders = sub.orders.add(s.r.plausible(o))
+			sub.declared = !sub.claimed.IsZero()
 		}
 		return nil
 	}

@@ -90,6 +90,11 @@ type typeSub struct {
 	// view covers them: until then the client keeps what it holds (see
 	// reconnected).
 	orders orderSet
+	// declared is set while what the client declared it holds (of any
+	// Order, or none) is not settled by reconnected: a view without an
+	// Order (restored from a snapshot, or a peer's incomplete one) may be
+	// older than anything, and replaces nothing a client holds.
+	declared bool
 	// sentOrder is, on a peer relay's stream, the Order of the latest
 	// response: a new Order of the same content is news to the peer (see
 	// sync).
@@ -505,7 +510,7 @@ func (s *stream) sync() error {
 			// this relay holds routes of an older view).
 			break
 		}
-		if len(sub.orders) > 0 || !sub.claimed.IsZero() {
+		if sub.declared {
 			if s.claimPending(sub, ts) {
 				// The tier is asked what the client's version holds:
 				// what comes later waits too, as for a type not known
@@ -714,7 +719,7 @@ func (s *stream) reconnected(sub *typeSub, ts *typeSnap) bool {
 		held = sub.claimed
 	}
 	current := t.Root() == held
-	if !current && !sub.orders.coveredBy(ts.order) {
+	if !current && (ts.order.IsZero() || !sub.orders.coveredBy(ts.order)) {
 		for _, o := range sub.orders {
 			if o.Session != ts.order.Session && !ts.order.Covers(o) {
 				s.key.demand(o.At, s.peerRelay != nil)
@@ -731,7 +736,7 @@ func (s *stream) reconnected(sub *typeSub, ts *typeSnap) bool {
 			st.SentVersion, st.AckedVersion = version, version
 		})
 	}
-	sub.orders, sub.claimed, sub.claimKnown = nil, ledger.Hash{}, false
+	sub.orders, sub.claimed, sub.claimKnown, sub.declared = nil, ledger.Hash{}, false, false
 	return true
 }
 
@@ -814,11 +819,11 @@ func (s *stream) lacking(sub *typeSub, ts *typeSnap) []*Resource {
 // reconnected; for tests of the model).
 func (s *stream) heldByOrder(typeURL string) bool {
 	sub := s.subs[typeURL]
-	if sub == nil || s.key == nil || len(sub.orders) == 0 {
+	if sub == nil || s.key == nil || !sub.declared {
 		return false
 	}
 	ts := s.key.snap.Load().types[typeURL]
-	return ts != nil && !sub.orders.coveredBy(ts.order)
+	return ts != nil && (ts.order.IsZero() || !sub.orders.coveredBy(ts.order))
 }
 
 // deferred reports whether name of typeURL is held back by deferDangling
