@@ -63,7 +63,7 @@ func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 		// A peer relay is answered on every type, even with nothing new:
 		// the answers tell it its source confirms its views.
 		sub.awaitFirst = wildcard || s.peerRelay != nil
-		sub.known, sub.orders = s.declared(sub, req.GetInitialResourceVersions())
+		sub.known, sub.orders, sub.unordered = s.declared(sub, req.GetInitialResourceVersions())
 		sub.declared = sub.known.Len() > 0
 		return nil
 	}
@@ -109,11 +109,10 @@ var unknownContent = ledger.Hash{}
 // resource is sent again if it exists, and removed if not. Another relay's
 // Orders move this relay's clock (ledger.Clock); an Envoy's are its own
 // word and move nothing.
-func (s *stream) declared(sub *typeSub, versions map[string]string) (ledger.Tree[*Resource], orderSet) {
+func (s *stream) declared(sub *typeSub, versions map[string]string) (known ledger.Tree[*Resource], orders orderSet, unordered bool) {
 	if len(versions) == 0 {
-		return ledger.Tree[*Resource]{}, nil
+		return ledger.Tree[*Resource]{}, nil, false
 	}
-	var orders orderSet
 	b := ledger.Tree[*Resource]{}.Edit()
 	for name, v := range versions {
 		if !sub.wildcard && !sub.names.has(name) {
@@ -122,11 +121,13 @@ func (s *stream) declared(sub *typeSub, versions map[string]string) (ledger.Tree
 		h, o, err := ParseVersion(v)
 		if err != nil {
 			b.Set(name, unknownContent, nil)
+			unordered = true
 			continue
 		}
 		if s.peerRelay == nil {
 			o = s.r.plausible(o)
 		}
+		unordered = unordered || o.IsZero()
 		orders = orders.add(o)
 		b.Set(name, h, s.r.store.lookup(h))
 	}
@@ -135,5 +136,5 @@ func (s *stream) declared(sub *typeSub, versions map[string]string) (ledger.Tree
 			s.r.observe(o, "peer", s.peerRelay.id)
 		}
 	}
-	return b.Tree(), orders
+	return b.Tree(), orders, unordered
 }

@@ -100,8 +100,9 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 			// not the relay's stands for nothing held (the view is sent).
 			var o ledger.Order
 			sub.claimed, o, _ = ParseVersion(v)
-			sub.orders = sub.orders.add(s.r.plausible(o))
-			sub.declared = !sub.claimed.IsZero()
+			o = s.r.plausible(o)
+			sub.orders = sub.orders.add(o)
+			sub.declared, sub.unordered = !sub.claimed.IsZero(), o.IsZero()
 		}
 		return nil
 	}

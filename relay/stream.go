@@ -95,6 +95,9 @@ type typeSub struct {
 	// Order (restored from a snapshot, or a peer's incomplete one) may be
 	// older than anything, and replaces nothing a client holds.
 	declared bool
+	// unordered is set if part of what the client declared has no Order
+	// (or is not a version of the relay's).
+	unordered bool
 	// sentOrder is, on a peer relay's stream, the Order of the latest
 	// response: a new Order of the same content is news to the peer (see
 	// sync).
@@ -517,7 +520,7 @@ func (s *stream) sync() error {
 				// yet (the answer wakes the stream).
 				break
 			}
-			if !s.reconnected(sub, ts) {
+			if !s.reconnected(sub, ts, snap.stale) {
 				// The client holds a newer version of the type than the
 				// key's view (it moved here from a relay that was further
 				// on, or this relay restored an older snapshot): it keeps
@@ -712,14 +715,19 @@ func (s *stream) deferDangling(p *plan) {
 // old to ever cover what the client holds, the key's source is asked for a
 // new one (keyState.demand). Once settled, the view is the truth for the
 // client.
-func (s *stream) reconnected(sub *typeSub, ts *typeSnap) bool {
+func (s *stream) reconnected(sub *typeSub, ts *typeSnap, stale bool) bool {
 	t := sub.target(ts.view)
 	held := sub.known.Root()
 	if !sub.claimed.IsZero() {
 		held = sub.claimed
 	}
 	current := t.Root() == held
-	if !current && (ts.order.IsZero() || !sub.orders.coveredBy(ts.order)) {
+	// A view without an Order may be older than anything; so may the part
+	// of what the client holds that came without one, unless the view is
+	// live (its source's stream is up: it is the upstream's state of a
+	// moment ago).
+	covered := !ts.order.IsZero() && sub.orders.coveredBy(ts.order) && !(sub.unordered && stale)
+	if !current && !covered {
 		for _, o := range sub.orders {
 			if o.Session != ts.order.Session && !ts.order.Covers(o) {
 				s.key.demand(o.At, s.peerRelay != nil)
@@ -736,7 +744,7 @@ func (s *stream) reconnected(sub *typeSub, ts *typeSnap) bool {
 			st.SentVersion, st.AckedVersion = version, version
 		})
 	}
-	sub.orders, sub.claimed, sub.claimKnown, sub.declared = nil, ledger.Hash{}, false, false
+	sub.orders, sub.claimed, sub.claimKnown, sub.declared, sub.unordered = nil, ledger.Hash{}, false, false, false
 	return true
 }
 
@@ -822,8 +830,9 @@ func (s *stream) heldByOrder(typeURL string) bool {
 	if sub == nil || s.key == nil || !sub.declared {
 		return false
 	}
-	ts := s.key.snap.Load().types[typeURL]
-	return ts != nil && (ts.order.IsZero() || !sub.orders.coveredBy(ts.order))
+	snap := s.key.snap.Load()
+	ts := snap.types[typeURL]
+	return ts != nil && (ts.order.IsZero() || !sub.orders.coveredBy(ts.order) || sub.unordered && snap.stale)
 }
 
 // deferred reports whether name of typeURL is held back by deferDangling

@@ -621,3 +621,32 @@ func TestSotWClaimResolvedByTier(t *testing.T) {
 		}
 	}
 }
+
+// TestUnorderedDeclarationKeptWhileStale: what a client declares without
+// an Order (a peer relay whose view took an incomplete response, an Envoy
+// served from one) may be newer than a view whose source is down; it is
+// kept until the source is back. The chaos suite saw a frozen owner's
+// stale view sent over a peer's unordered one: generation 1 after 41.
+func TestUnorderedDeclarationKeptWhileStale(t *testing.T) {
+	e := newEnv(t, true, nil)
+	w := e.client(5) // makes the key ready
+	w.subscribe(typeCluster)
+	staleSession := orderOf(t, versionOf(w.recvDelta(typeCluster))).Session
+	e.up.stop()
+	waitFor(t, "the key to go stale", func() bool { return e.r.Stats().StaleKeys == 1 })
+
+	newer := mustAny(mkCluster("c0", "newer"))
+	c := e.client(0)
+	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster, ResourceNamesSubscribe: []string{"*"},
+		InitialResourceVersions: map[string]string{"c0": contentHash(typeCluster, newer.GetValue()).String()}})
+	// Nothing while the source is down; then the live view, which is
+	// newer than anything, replaces it.
+	e.up.restart()
+	m := c.recvDelta(typeCluster)
+	if orderOf(t, versionOf(m)).Session == staleSession {
+		t.Fatalf("got %v removed %v from the stale view, over content declared without an Order", names(m), removedOf(m))
+	}
+	if !slices.Contains(names(m), "c0") {
+		t.Fatalf("the live view's first response carries %v, want c0 replaced", names(m))
+	}
+}

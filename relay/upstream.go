@@ -1145,7 +1145,8 @@ func responseType(m proto.Message) string {
 }
 
 // setStale marks the key's views as confirmed by a live source or not (for
-// operators and for persistence: serving follows the views' Orders).
+// operators, for persistence, and for clients that declared content without
+// an Order, which only a live view replaces: they are woken).
 func (u *upstream) setStale(stale bool) {
 	k := u.k
 	k.mu.Lock()
@@ -1163,6 +1164,7 @@ func (u *upstream) setStale(stale bool) {
 	if changed {
 		u.reportSource()
 		u.log("views confirmed by a live source", "fresh", !stale)
+		k.wakeStreams()
 	}
 	if changed && !stale {
 		u.persist()
