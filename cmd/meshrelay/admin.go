@@ -2,7 +2,6 @@ package main
 
 import (
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"flag"
 	"fmt"
@@ -10,6 +9,7 @@ import (
 	"strings"
 
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/tlsfiles"
 )
 
 // adminFlags configure who may use the admin listener.
@@ -38,22 +38,20 @@ func (a *adminFlags) apply(cfg *relay.Config) error {
 		}
 		return nil
 	}
-	pair, err := tls.LoadX509KeyPair(a.certFile, a.keyFile)
+	// Both files are read again when they change (cert-manager, Secret
+	// volumes): a handshake gets the current pair, open connections keep
+	// theirs.
+	pair, err := tlsfiles.LoadKeyPair(a.certFile, a.keyFile)
 	if err != nil {
 		return fmt.Errorf("--admin-tls-cert, --admin-tls-key: %w", err)
 	}
-	tc := &tls.Config{Certificates: []tls.Certificate{pair}, MinVersion: tls.VersionTLS12}
+	var cas *tlsfiles.CAPool
 	if a.clientCA != "" {
-		b, err := os.ReadFile(a.clientCA)
-		if err != nil {
+		if cas, err = tlsfiles.LoadCAPool(a.clientCA); err != nil {
 			return fmt.Errorf("--admin-client-ca: %w", err)
 		}
-		tc.ClientCAs = x509.NewCertPool()
-		if !tc.ClientCAs.AppendCertsFromPEM(b) {
-			return fmt.Errorf("--admin-client-ca %s: no PEM certificate in it", a.clientCA)
-		}
-		tc.ClientAuth = tls.RequireAndVerifyClientCert
 	}
+	tc := tlsfiles.ServerConfig(pair, cas, tls.RequireAndVerifyClientCert, "h2", "http/1.1")
 	cfg.AdminTLS = tc
 	if a.tokenFile != "" {
 		b, err := os.ReadFile(a.tokenFile)

@@ -4,6 +4,7 @@ import (
 	"crypto/tls"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 
 	"github.com/meshrelay/meshrelay/relay"
@@ -24,8 +25,13 @@ func TestAdminFlagsLoad(t *testing.T) {
 	if err := a.apply(&cfg); err != nil {
 		t.Fatal(err)
 	}
-	if cfg.AdminTLS == nil || len(cfg.AdminTLS.Certificates) != 1 || cfg.AdminTLS.ClientAuth != tls.RequireAndVerifyClientCert || cfg.AdminTLS.ClientCAs == nil {
-		t.Errorf("AdminTLS = %+v, want a certificate and required client certificates", cfg.AdminTLS)
+	if cfg.AdminTLS == nil || cfg.AdminTLS.GetConfigForClient == nil {
+		t.Fatalf("AdminTLS = %+v, want a config that reads the files at each handshake", cfg.AdminTLS)
+	}
+	hs, err := cfg.AdminTLS.GetConfigForClient(&tls.ClientHelloInfo{})
+	if err != nil || len(hs.Certificates) != 1 || hs.ClientAuth != tls.RequireAndVerifyClientCert || hs.ClientCAs == nil ||
+		!slices.Equal(hs.NextProtos, []string{"h2", "http/1.1"}) {
+		t.Errorf("a handshake's config = %+v, %v; want a certificate, required client certificates, ALPN h2 and http/1.1", hs, err)
 	}
 	if cfg.AdminToken != "tok" {
 		t.Errorf("AdminToken = %q, want the file's token, trimmed", cfg.AdminToken)
