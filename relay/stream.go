@@ -722,12 +722,7 @@ func (s *stream) reconnected(sub *typeSub, ts *typeSnap, stale bool) bool {
 		held = sub.claimed
 	}
 	current := t.Root() == held
-	// A view without an Order may be older than anything; so may the part
-	// of what the client holds that came without one, unless the view is
-	// live (its source's stream is up: it is the upstream's state of a
-	// moment ago).
-	covered := !ts.order.IsZero() && sub.orders.coveredBy(ts.order) && !(sub.unordered && stale)
-	if !current && !covered {
+	if !current && !sub.coveredBy(ts, stale) {
 		for _, o := range sub.orders {
 			if o.Session != ts.order.Session && !ts.order.Covers(o) {
 				s.key.demand(o.At, s.peerRelay != nil)
@@ -746,6 +741,15 @@ func (s *stream) reconnected(sub *typeSub, ts *typeSnap, stale bool) bool {
 	}
 	sub.orders, sub.claimed, sub.claimKnown, sub.declared, sub.unordered = nil, ledger.Hash{}, false, false, false
 	return true
+}
+
+// coveredBy reports whether the view ts (of a key stale or not) is at least
+// as new as everything the client declared. A view without an Order may be
+// older than anything; so may the part of what the client holds that came
+// without one, unless the view is live (its source's stream is up: it is
+// the upstream's state of a moment ago).
+func (sub *typeSub) coveredBy(ts *typeSnap, stale bool) bool {
+	return !ts.order.IsZero() && sub.orders.coveredBy(ts.order) && !(sub.unordered && stale)
 }
 
 // resolveClaim turns a SotW client's claimed version into what it holds,
@@ -832,7 +836,7 @@ func (s *stream) heldByOrder(typeURL string) bool {
 	}
 	snap := s.key.snap.Load()
 	ts := snap.types[typeURL]
-	return ts != nil && (ts.order.IsZero() || !sub.orders.coveredBy(ts.order) || sub.unordered && snap.stale)
+	return ts != nil && !sub.coveredBy(ts, snap.stale)
 }
 
 // deferred reports whether name of typeURL is held back by deferDangling
