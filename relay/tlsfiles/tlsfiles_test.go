@@ -1,45 +1,38 @@
 package tlsfiles
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
+	"bytes"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/pem"
-	"math/big"
 	"net"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/meshrelay/meshrelay/shard/shardtest"
 )
 
-// issue returns a self-signed certificate for name, as PEM files' contents.
-func issue(t *testing.T, name string) (certPEM, keyPEM []byte, cert *x509.Certificate) {
+// issue returns a new certificate and key (a test PKI's client pair, which
+// serves as well as any: the tests' clients skip verification), and its
+// CA, as PEM files' contents; each call is another PKI.
+func issue(t *testing.T) (certPEM, keyPEM, caPEM []byte) {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
+	c := shardtest.NewCerts(t)
+	read := func(f string) []byte {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
 	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: name},
-		DNSNames: []string{name}, NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		KeyUsage: x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign, IsCA: true, BasicConstraintsValid: true,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kder, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, _ = x509.ParseCertificate(der)
-	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kder}), cert
+	return read(c.ClientCertFile), read(c.ClientKeyFile), read(c.CAFile)
+}
+
+// leaf returns the DER of the first certificate of certPEM.
+func leaf(certPEM []byte) []byte {
+	b, _ := pem.Decode(certPEM)
+	return b.Bytes
 }
 
 // pipe returns the two ends of a loopback TCP connection (buffered, unlike
@@ -64,8 +57,8 @@ func pipe(t *testing.T) (client, server net.Conn) {
 	return client, server
 }
 
-// served returns the name on the certificate a handshake with cfg gets.
-func served(t *testing.T, cfg *tls.Config) string {
+// served returns the certificate (DER) a handshake with cfg gets.
+func served(t *testing.T, cfg *tls.Config) []byte {
 	t.Helper()
 	c, s := pipe(t)
 	defer c.Close()
@@ -79,7 +72,7 @@ func served(t *testing.T, cfg *tls.Config) string {
 	if err := <-done; err != nil {
 		t.Fatalf("server handshake: %v", err)
 	}
-	return cl.ConnectionState().PeerCertificates[0].Subject.CommonName
+	return cl.ConnectionState().PeerCertificates[0].Raw
 }
 
 // writeAtomically replaces path's content the way rotation tools do: a new
@@ -101,7 +94,7 @@ func writeAtomically(t *testing.T, path string, b []byte) {
 func TestKeyPairFollowsRotation(t *testing.T) {
 	dir := t.TempDir()
 	cf, kf := filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
-	c1, k1, _ := issue(t, "one")
+	c1, k1, _ := issue(t)
 	writeAtomically(t, cf, c1)
 	writeAtomically(t, kf, k1)
 	pair, err := LoadKeyPair(cf, kf)
@@ -109,21 +102,21 @@ func TestKeyPairFollowsRotation(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg := ServerConfig(pair, nil, tls.NoClientCert)
-	if got := served(t, cfg); got != "one" {
-		t.Fatalf("served %q, want one", got)
+	if !bytes.Equal(served(t, cfg), leaf(c1)) {
+		t.Fatal("did not serve the first certificate")
 	}
 
-	c2, k2, _ := issue(t, "two")
+	c2, k2, _ := issue(t)
 	writeAtomically(t, cf, c2) // the certificate first: the pair does not match yet
-	if got := served(t, cfg); got != "one" {
-		t.Fatalf("with a certificate that does not match its key, served %q, want the last good one", got)
+	if !bytes.Equal(served(t, cfg), leaf(c1)) {
+		t.Fatal("with a certificate that does not match its key, did not serve the last good one")
 	}
 	if _, err := pair.Status(); err == nil {
 		t.Error("a pair that does not load is not reported")
 	}
 	writeAtomically(t, kf, k2)
-	if got := served(t, cfg); got != "two" {
-		t.Fatalf("after rotation served %q, want two", got)
+	if !bytes.Equal(served(t, cfg), leaf(c2)) {
+		t.Fatal("after rotation, did not serve the new certificate")
 	}
 	if _, err := pair.Status(); err != nil {
 		t.Errorf("status after a good load: %v", err)
@@ -134,8 +127,8 @@ func TestKeyPairFollowsRotation(t *testing.T) {
 // files by pointing the ..data symlink at a new directory.
 func TestKeyPairFollowsSymlinkSwap(t *testing.T) {
 	dir := t.TempDir()
-	put := func(version, name string) {
-		c, k, _ := issue(t, name)
+	put := func(version string) []byte {
+		c, k, _ := issue(t)
 		d := filepath.Join(dir, version)
 		if err := os.Mkdir(d, 0o700); err != nil {
 			t.Fatal(err)
@@ -149,8 +142,9 @@ func TestKeyPairFollowsSymlinkSwap(t *testing.T) {
 		if err := os.Rename(tmp, filepath.Join(dir, "..data")); err != nil {
 			t.Fatal(err)
 		}
+		return c
 	}
-	put("v1", "one")
+	one := put("v1")
 	for _, f := range []string{"tls.crt", "tls.key"} {
 		if err := os.Symlink(filepath.Join("..data", f), filepath.Join(dir, f)); err != nil {
 			t.Fatal(err)
@@ -161,12 +155,12 @@ func TestKeyPairFollowsSymlinkSwap(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg := ServerConfig(pair, nil, tls.NoClientCert)
-	if got := served(t, cfg); got != "one" {
-		t.Fatalf("served %q, want one", got)
+	if !bytes.Equal(served(t, cfg), leaf(one)) {
+		t.Fatal("did not serve the first certificate")
 	}
-	put("v2", "two")
-	if got := served(t, cfg); got != "two" {
-		t.Fatalf("after the swap served %q, want two", got)
+	two := put("v2")
+	if !bytes.Equal(served(t, cfg), leaf(two)) {
+		t.Fatal("after the swap, did not serve the new certificate")
 	}
 }
 
@@ -175,11 +169,11 @@ func TestKeyPairFollowsSymlinkSwap(t *testing.T) {
 func TestCAPoolFollowsRotation(t *testing.T) {
 	dir := t.TempDir()
 	cf, kf, caf := filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key"), filepath.Join(dir, "ca.crt")
-	sc, sk, _ := issue(t, "server")
+	sc, sk, _ := issue(t)
 	writeAtomically(t, cf, sc)
 	writeAtomically(t, kf, sk)
-	oldCA, oldKey, _ := issue(t, "old-client")
-	newCA, newKey, _ := issue(t, "new-client")
+	oldCert, oldKey, oldCA := issue(t)
+	newCert, newKey, newCA := issue(t)
 	writeAtomically(t, caf, oldCA)
 	pair, err := LoadKeyPair(cf, kf)
 	if err != nil {
@@ -205,11 +199,11 @@ func TestCAPoolFollowsRotation(t *testing.T) {
 		err = <-done
 		return err == nil
 	}
-	if !accepts(oldCA, oldKey) || accepts(newCA, newKey) {
+	if !accepts(oldCert, oldKey) || accepts(newCert, newKey) {
 		t.Fatal("before rotation: want the old client accepted and the new one refused")
 	}
 	writeAtomically(t, caf, newCA)
-	if accepts(oldCA, oldKey) || !accepts(newCA, newKey) {
+	if accepts(oldCert, oldKey) || !accepts(newCert, newKey) {
 		t.Fatal("after rotation: want the new client accepted and the old one refused")
 	}
 	if _, err := LoadCAPool(filepath.Join(dir, "tls.key")); err == nil {
