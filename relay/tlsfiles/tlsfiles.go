@@ -12,6 +12,7 @@ package tlsfiles
 import (
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/pem"
 	"fmt"
 	"os"
 	"sync"
@@ -125,20 +126,43 @@ func (k *KeyPair) Certificate() *tls.Certificate {
 func (k *KeyPair) Status() (time.Time, error) { return k.w.status() }
 
 // CAPool is a set of CA certificates from a PEM file.
-type CAPool struct{ w *watched[*x509.CertPool] }
+type CAPool struct{ w *watched[caSet] }
+
+type caSet struct {
+	pool  *x509.CertPool
+	certs []*x509.Certificate
+}
 
 // LoadCAPool reads file; it must hold at least one certificate now.
 func LoadCAPool(file string) (*CAPool, error) {
-	w, err := newWatched(func() (*x509.CertPool, error) {
+	w, err := newWatched(func() (caSet, error) {
 		b, err := os.ReadFile(file)
 		if err != nil {
-			return nil, fmt.Errorf("tlsfiles: %w", err)
+			return caSet{}, fmt.Errorf("tlsfiles: %w", err)
 		}
-		p := x509.NewCertPool()
-		if !p.AppendCertsFromPEM(b) {
-			return nil, fmt.Errorf("tlsfiles: %s: no PEM certificate in it", file)
+		var set caSet
+		for len(b) > 0 {
+			var blk *pem.Block
+			if blk, b = pem.Decode(b); blk == nil {
+				break
+			}
+			if blk.Type != "CERTIFICATE" {
+				continue
+			}
+			c, err := x509.ParseCertificate(blk.Bytes)
+			if err != nil {
+				return caSet{}, fmt.Errorf("tlsfiles: %s: %w", file, err)
+			}
+			set.certs = append(set.certs, c)
 		}
-		return p, nil
+		if len(set.certs) == 0 {
+			return caSet{}, fmt.Errorf("tlsfiles: %s: no PEM certificate in it", file)
+		}
+		set.pool = x509.NewCertPool()
+		for _, c := range set.certs {
+			set.pool.AddCert(c)
+		}
+		return set, nil
 	}, file)
 	if err != nil {
 		return nil, err
@@ -149,7 +173,15 @@ func LoadCAPool(file string) (*CAPool, error) {
 // Pool returns the current pool.
 func (p *CAPool) Pool() *x509.CertPool {
 	c, _ := p.w.get()
-	return c
+	return c.pool
+}
+
+// Certificates returns the current CA certificates (for verifiers that want
+// them one by one, such as a SPIFFE trust bundle). The caller must not
+// modify them.
+func (p *CAPool) Certificates() []*x509.Certificate {
+	c, _ := p.w.get()
+	return c.certs
 }
 
 // Status is KeyPair.Status for the CA file.
