@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/auth"
 )
 
 // Protocol is an ADS protocol variant.
@@ -51,18 +52,55 @@ type AllowAll struct{}
 // Authorize implements Authorizer.
 func (AllowAll) Authorize(context.Context, *core.Node) error { return nil }
 
+// Authenticator proves the workload identity of a stream on the TLS xDS
+// port from its TLS state and metadata (grpc/peer and grpc/metadata in
+// ctx), before anything is read from it. *auth.Authenticator is the one
+// the serve command wires. Errors should be *auth.Error (their Reason
+// labels meshrelay_xds_auth_failures_total); their text reaches the
+// client, so it must not hold the credential. Implementations must be safe
+// for concurrent use.
+type Authenticator interface {
+	Authenticate(ctx context.Context) (auth.Identity, error)
+}
+
+var _ Authenticator = (*auth.Authenticator)(nil)
+
 // Config configures a Relay. Start from DefaultConfig.
 type Config struct {
 	// ID names the relay in control_plane.identifier on every response and
 	// in logs. Default: "meshrelay-<hostname>".
 	ID string
 
-	// XDSListen is the address of the downstream ADS server for Envoys.
-	// Default ":15010" (istiod's plaintext port). Ignored if Listener is set.
+	// XDSListen is the address of the plaintext ADS server for Envoys, the
+	// tier's other relays and trusted networks: it authenticates no one
+	// (istiod's port 15010). Default ":15010"; empty: none (XDSTLS must
+	// then be set). Ignored if Listener is set.
 	XDSListen string
 	// Listener, if set, is used instead of listening on XDSListen (tests
 	// pass a bufconn or a loopback listener here). Stop closes it.
 	Listener net.Listener
+
+	// XDSTLS, if set, opens the TLS ADS server (istiod's port 15012) on
+	// XDSTLSListen (or TLSListener) with this config (tlsfiles.ServerConfig
+	// reads rotated certificate files at each handshake). Its ALPN is h2
+	// whatever NextProtos says. To verify client certificates in the
+	// Authenticator, where a failure is counted and named, ask for them
+	// with ClientAuth tls.RequestClientCert. Default nil: no TLS port.
+	XDSTLS *tls.Config
+	// XDSTLSListen is the TLS ADS server's address. Default ":15012".
+	XDSTLSListen string
+	// TLSListener, if set, is used instead of listening on XDSTLSListen.
+	TLSListener net.Listener
+	// Authenticator, if set, proves the identity of every Envoy stream on
+	// the TLS port before anything is served; the node the stream
+	// presents must then pass istiod's rule (auth.CheckNode: namespace
+	// and service account), or the stream is refused with
+	// PermissionDenied, and the identity becomes part of the node's key.
+	// Default nil: the TLS port serves anyone (--xds-auth=none).
+	Authenticator Authenticator
+	// HandshakeTimeout bounds a TLS handshake: a client that never
+	// finishes one is dropped. Default 10s.
+	HandshakeTimeout time.Duration
 
 	// Upstream is the gRPC target of the upstream control plane (istiod),
 	// e.g. "istiod.istio-system.svc:15010". Required.
@@ -213,6 +251,8 @@ func DefaultConfig() Config {
 		LedgerGatherTimeout: time.Second,
 		LedgerPollInterval:  100 * time.Millisecond,
 		XDSListen:           ":15010",
+		XDSTLSListen:        ":15012",
+		HandshakeTimeout:    10 * time.Second,
 		UpstreamProtocol:    ProtocolDelta,
 		KeyProfile:          IstioProfile{},
 		Authorizer:          AllowAll{},
@@ -242,8 +282,14 @@ func (cfg *Config) validate() error {
 	if cfg.Upstream == "" {
 		bad("Upstream", "is empty: the relay needs an upstream control plane")
 	}
-	if cfg.Listener == nil && cfg.XDSListen == "" {
-		bad("XDSListen", "is empty and no Listener is set")
+	if cfg.Listener == nil && cfg.XDSListen == "" && cfg.XDSTLS == nil {
+		bad("XDSListen", "is empty and neither Listener nor XDSTLS is set: the relay would serve no one")
+	}
+	if cfg.XDSTLS != nil && cfg.TLSListener == nil && cfg.XDSTLSListen == "" {
+		bad("XDSTLSListen", "is empty and no TLSListener is set")
+	}
+	if cfg.Authenticator != nil && cfg.XDSTLS == nil {
+		bad("Authenticator", "is set without XDSTLS: only the TLS port authenticates")
 	}
 	if _, err := ParseProtocol(string(cfg.UpstreamProtocol)); err != nil {
 		bad("UpstreamProtocol", fmt.Sprintf("is %q, want sotw or delta", cfg.UpstreamProtocol))
@@ -267,7 +313,7 @@ func (cfg *Config) validate() error {
 		"ResourceWaitTimeout": cfg.ResourceWaitTimeout, "KeyIdleTimeout": cfg.KeyIdleTimeout,
 		"BackoffInitial": cfg.BackoffInitial, "BackoffMax": cfg.BackoffMax,
 		"ForgetEnvoysAfter": cfg.ForgetEnvoysAfter, "LedgerGatherTimeout": cfg.LedgerGatherTimeout,
-		"LedgerPollInterval": cfg.LedgerPollInterval,
+		"LedgerPollInterval": cfg.LedgerPollInterval, "HandshakeTimeout": cfg.HandshakeTimeout,
 	} {
 		if d <= 0 {
 			bad(name, "must be positive")

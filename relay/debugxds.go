@@ -83,7 +83,7 @@ func isDebugType(typeURL string) bool {
 // own node's config, not every node's, and the admin API (which has its
 // own access control) answers the same questions.
 func (r *Relay) debugResources(ctx context.Context, typeURL string, names []string) ([]*anypb.Any, error) {
-	if _, trusted := r.cfg.Authorizer.(AllowAll); !trusted {
+	if _, trusted := r.cfg.Authorizer.(AllowAll); !trusted || onTLSPort(ctx) {
 		return nil, status.Errorf(codes.PermissionDenied, "%s is answered only on a trusted xDS port (no Authorizer): ask the admin API (relayctl)", typeURL)
 	}
 	if typeURL == typeDebugSyncz {

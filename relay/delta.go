@@ -13,13 +13,13 @@ import (
 
 // DeltaAggregatedResources serves one Delta (incremental) ADS stream.
 func (r *Relay) DeltaAggregatedResources(ds discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
-	pi, err := r.admit(ds.Context())
+	who, err := r.admit(ds.Context())
 	if err != nil {
 		r.metrics.streamErrors.WithLabelValues(status.Code(err).String()).Inc()
 		return err
 	}
 	s := r.newStream(ds.Context(), true)
-	s.peerRelay = pi
+	s.peerRelay, s.identity = who.relay, who.identity
 	s.send = func(o *outgoing) error {
 		body := r.bodies.get(bodyKey{delta: true, typeURL: o.typeURL, from: o.from, to: o.to, view: o.view, order: o.order}, func() []byte {
 			return encodeDelta(o, r.controlPlaneWire)

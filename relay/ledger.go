@@ -219,6 +219,10 @@ func (r *Relay) checkPeerCall(ctx context.Context, service string) error {
 	if len(ids) != 1 || ids[0] == "" {
 		return status.Errorf(codes.PermissionDenied, "the %s exchange is for the relays of the tier", service)
 	}
+	if len(r.cfg.PeerSecret) == 0 && r.cfg.Authenticator != nil && onTLSPort(ctx) {
+		r.metrics.authFailures.WithLabelValues("unproven_peer").Inc()
+		return status.Errorf(codes.Unauthenticated, "the %s exchange on the TLS port needs the tier's peer secret", service)
+	}
 	if !r.provesPeer(md, ids[0]) {
 		r.log.Warn(service+" call refused: bad proof", "peer_relay", ids[0])
 		return status.Errorf(codes.Unauthenticated, "%s exchange: bad peer proof", service)

@@ -32,6 +32,7 @@ type metrics struct {
 	claims             *prometheus.CounterVec
 	peerStreams        prometheus.Gauge
 	peerClients        prometheus.Gauge
+	authFailures       *prometheus.CounterVec
 
 	byType map[string]*typeMetrics // by type URL; "" for the rest
 
@@ -116,6 +117,9 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 		peerClients: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "meshrelay_peer_clients", Help: "Open streams of other relays subscribed to keys this relay owns (relay-to-relay, incoming).",
 		}),
+		authFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshrelay_xds_auth_failures_total", Help: "Streams on the TLS xDS port refused for their credentials or identity: by reason (no_credentials, bad_token, expired, not_yet_valid, wrong_issuer, wrong_audience, untrusted_cert, no_spiffe_id, wrong_trust_domain, review_failed, review_denied, identity_mismatch, unproven_peer).",
+		}, []string{"reason"}),
 	}
 	sources := prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "meshrelay_keys_by_source", Help: "Keys by where their config comes from: upstream (owned), peer (the owner), fallback (the upstream, the owner being unreachable).",
@@ -123,7 +127,7 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 	cs := []prometheus.Collector{
 		m.envoys, m.pushes, m.pushBytes, m.pushResources, m.pushACK, m.converged, m.nacks, m.streamErrors,
 		m.upstreamStreams, m.upstreamReconnects, m.restoredKeys, m.upstreamNACKs, m.passthrough, m.passthroughStreams,
-		m.refused, m.shed, m.peerFallbacks, m.silentConfirms, m.claims, m.peerStreams, m.peerClients, sourceCollector{sources, r},
+		m.refused, m.shed, m.peerFallbacks, m.silentConfirms, m.claims, m.peerStreams, m.peerClients, m.authFailures, sourceCollector{sources, r},
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_cache_resources", Help: "Distinct resources held, shared by every key.",
 		}, func() float64 { return float64(r.store.len()) }),

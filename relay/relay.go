@@ -45,6 +45,7 @@ import (
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
@@ -76,8 +77,9 @@ type Relay struct {
 	clock *ledger.Clock
 
 	upConn    *grpc.ClientConn
-	server    *grpc.Server
-	lis       net.Listener
+	servers   []*grpc.Server // xDS servers: plaintext, TLS
+	lis       net.Listener   // plaintext xDS; nil if none
+	tlsLis    net.Listener   // TLS xDS; nil if none
 	tracker   *connTracker
 	admin     *http.Server
 	adminGRPC *grpc.Server
@@ -95,6 +97,7 @@ type Relay struct {
 	restored   atomic.Int64  // keys restored from snapshots at start
 	draining   atomic.Bool   // set by MarkNotReady: new streams are refused
 	admission  *rate.Limiter // nil: no limit
+	authLogs   *rate.Limiter // bounds authentication warnings
 
 	peersMu sync.Mutex
 	peers   map[string]*grpc.ClientConn // relay-to-relay connections by xDS address
@@ -122,6 +125,7 @@ func New(cfg Config) (*Relay, error) {
 		loaded:       make(chan struct{}),
 		peers:        make(map[string]*grpc.ClientConn),
 		clock:        ledger.NewClock(cfg.wall),
+		authLogs:     newAuthLogLimiter(),
 	}
 	if cfg.AdmitRate > 0 {
 		r.admission = rate.NewLimiter(rate.Limit(cfg.AdmitRate), cfg.AdmitBurst)
@@ -161,13 +165,10 @@ func (r *Relay) Start(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("relay: upstream %s: %w", r.cfg.Upstream, err)
 	}
-	lis := r.cfg.Listener
-	if lis == nil {
-		lis, err = net.Listen("tcp", r.cfg.XDSListen)
-		if err != nil {
-			conn.Close()
-			return fmt.Errorf("relay: listen %s: %w", r.cfg.XDSListen, err)
-		}
+	lis, tlsLis, err := r.listen()
+	if err != nil {
+		conn.Close()
+		return err
 	}
 	if r.cfg.AdminListener != nil {
 		r.adminLis = r.cfg.AdminListener
@@ -175,12 +176,12 @@ func (r *Relay) Start(ctx context.Context) error {
 		r.adminLis, err = net.Listen("tcp", r.cfg.AdminListen)
 		if err != nil {
 			conn.Close()
-			lis.Close()
+			closeAll(lis, tlsLis)
 			return fmt.Errorf("relay: admin listen %s: %w", r.cfg.AdminListen, err)
 		}
 	}
-	r.tracker = newConnTracker(lis)
-	r.upConn, r.lis = conn, lis
+	r.tracker = newConnTracker()
+	r.upConn, r.lis, r.tlsLis = conn, lis, tlsLis
 	r.ctx, r.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	if r.cfg.Snapshots != nil {
 		r.goRun(r.loadSnapshots)
@@ -195,31 +196,13 @@ func (r *Relay) Start(ctx context.Context) error {
 	if r.cfg.Tier != nil {
 		r.goRun(r.balance)
 	}
-	r.server = grpc.NewServer(
-		grpc.ForceServerCodecV2(newCodec()),
-		// Stop returns only once every handler has: no stream attaches a
-		// key (and starts its goroutine) behind Stop's back.
-		grpc.WaitForHandlers(true),
-		// Thousands of mostly idle Envoy connections: give each
-		// connection's write buffer back between writes.
-		grpc.SharedWriteBuffer(true),
-		grpc.MaxRecvMsgSize(r.cfg.MaxMsgSize),
-		grpc.MaxSendMsgSize(r.cfg.MaxMsgSize),
-		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
-		// Generous: a loaded Envoy (or a loaded 2-core benchmark) may be slow
-		// to answer a ping, and a dropped connection costs a reconnect.
-		grpc.KeepaliveParams(keepalive.ServerParameters{Time: time.Minute, Timeout: 20 * time.Second}),
-	)
-	discovery.RegisterAggregatedDiscoveryServiceServer(r.server, r)
-	ledgerpb.RegisterLedgerServer(r.server, ledgerServer{r: r})
-	inspectpb.RegisterInspectServer(r.server, inspectServer{r: r})
-	r.serveWG.Add(1)
-	go func() {
-		defer r.serveWG.Done()
-		if err := r.server.Serve(r.tracker); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-			r.log.Error("xDS server stopped", "err", err)
-		}
-	}()
+	if lis != nil {
+		r.serveXDS(lis)
+	}
+	if tlsLis != nil {
+		// gRPC's TLS credentials insist on ALPN h2 and add it.
+		r.serveXDS(tlsLis, grpc.Creds(credentials.NewTLS(r.cfg.XDSTLS.Clone())), grpc.ConnectionTimeout(r.cfg.HandshakeTimeout))
+	}
 	if r.adminLis != nil {
 		r.adminGRPC = r.newAdminGRPC()
 		r.admin = &http.Server{Handler: adminHandler(r.adminGRPC, r.adminMux()), ReadHeaderTimeout: 10 * time.Second, Protocols: adminProtocols()}
@@ -240,12 +223,83 @@ func (r *Relay) Start(ctx context.Context) error {
 		}()
 	}
 	r.state = 1
-	r.log.Info("relay started", "xds", lis.Addr().String(), "upstream", r.cfg.Upstream,
-		"upstream_protocol", r.cfg.UpstreamProtocol, "key_profile", r.cfg.KeyProfile.Name())
+	attrs := []any{"upstream", r.cfg.Upstream, "upstream_protocol", r.cfg.UpstreamProtocol, "key_profile", r.cfg.KeyProfile.Name()}
+	if tlsLis != nil {
+		attrs = append(attrs, "xds_tls", tlsLis.Addr().String(), "xds_auth", r.authMode())
+	}
+	if lis != nil {
+		attrs = append(attrs, "xds_plaintext", lis.Addr().String())
+	}
+	r.log.Info("relay started", attrs...)
+	if lis != nil && tlsLis != nil {
+		r.log.Warn("PLAINTEXT xDS port open beside the TLS one: it authenticates no one and serves every namespace's config to whoever reaches it", "xds_plaintext", lis.Addr().String())
+	}
 	return nil
 }
 
-// Addr returns the address the xDS server listens on (after Start).
+// listen opens the plaintext and TLS xDS listeners the config asks for
+// (either may be nil, not both).
+func (r *Relay) listen() (lis, tlsLis net.Listener, err error) {
+	lis = r.cfg.Listener
+	if lis == nil && r.cfg.XDSListen != "" {
+		if lis, err = net.Listen("tcp", r.cfg.XDSListen); err != nil {
+			return nil, nil, fmt.Errorf("relay: listen %s: %w", r.cfg.XDSListen, err)
+		}
+	}
+	if r.cfg.XDSTLS == nil {
+		return lis, nil, nil
+	}
+	tlsLis = r.cfg.TLSListener
+	if tlsLis == nil {
+		if tlsLis, err = net.Listen("tcp", r.cfg.XDSTLSListen); err != nil {
+			closeAll(lis)
+			return nil, nil, fmt.Errorf("relay: listen %s: %w", r.cfg.XDSTLSListen, err)
+		}
+	}
+	return lis, tlsLis, nil
+}
+
+func closeAll(ls ...net.Listener) {
+	for _, l := range ls {
+		if l != nil {
+			l.Close()
+		}
+	}
+}
+
+// serveXDS serves the relay's gRPC services (ADS, and the tier's ledger
+// and inspect exchanges) on lis until Stop.
+func (r *Relay) serveXDS(lis net.Listener, opts ...grpc.ServerOption) {
+	srv := grpc.NewServer(append([]grpc.ServerOption{
+		grpc.ForceServerCodecV2(newCodec()),
+		// Stop returns only once every handler has: no stream attaches a
+		// key (and starts its goroutine) behind Stop's back.
+		grpc.WaitForHandlers(true),
+		// Thousands of mostly idle Envoy connections: give each
+		// connection's write buffer back between writes.
+		grpc.SharedWriteBuffer(true),
+		grpc.MaxRecvMsgSize(r.cfg.MaxMsgSize),
+		grpc.MaxSendMsgSize(r.cfg.MaxMsgSize),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
+		// Generous: a loaded Envoy (or a loaded 2-core benchmark) may be slow
+		// to answer a ping, and a dropped connection costs a reconnect.
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: time.Minute, Timeout: 20 * time.Second}),
+	}, opts...)...)
+	discovery.RegisterAggregatedDiscoveryServiceServer(srv, r)
+	ledgerpb.RegisterLedgerServer(srv, ledgerServer{r: r})
+	inspectpb.RegisterInspectServer(srv, inspectServer{r: r})
+	r.servers = append(r.servers, srv)
+	r.serveWG.Add(1)
+	go func() {
+		defer r.serveWG.Done()
+		if err := srv.Serve(r.tracker.track(lis)); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+			r.log.Error("xDS server stopped", "addr", lis.Addr().String(), "err", err)
+		}
+	}()
+}
+
+// Addr returns the address the plaintext xDS server listens on (after
+// Start), or nil.
 func (r *Relay) Addr() net.Addr {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -253,6 +307,17 @@ func (r *Relay) Addr() net.Addr {
 		return nil
 	}
 	return r.lis.Addr()
+}
+
+// TLSAddr returns the address the TLS xDS server listens on (after Start),
+// or nil.
+func (r *Relay) TLSAddr() net.Addr {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.tlsLis == nil {
+		return nil
+	}
+	return r.tlsLis.Addr()
 }
 
 // AdminAddr returns the admin server's address, or nil.
@@ -282,13 +347,19 @@ func (r *Relay) Stop(ctx context.Context) error {
 	close(r.stopping)
 	done := make(chan struct{})
 	go func() {
-		r.server.GracefulStop()
+		var wg sync.WaitGroup
+		for _, srv := range r.servers {
+			wg.Go(srv.GracefulStop)
+		}
+		wg.Wait()
 		close(done)
 	}()
 	select {
 	case <-done:
 	case <-ctx.Done():
-		r.server.Stop()
+		for _, srv := range r.servers {
+			srv.Stop()
+		}
 		<-done
 	}
 	r.cancel()

@@ -11,13 +11,13 @@ import (
 
 // StreamAggregatedResources serves one SotW ADS stream.
 func (r *Relay) StreamAggregatedResources(ss discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
-	pi, err := r.admit(ss.Context())
+	who, err := r.admit(ss.Context())
 	if err != nil {
 		r.metrics.streamErrors.WithLabelValues(status.Code(err).String()).Inc()
 		return err
 	}
 	s := r.newStream(ss.Context(), false)
-	s.peerRelay = pi
+	s.peerRelay, s.identity = who.relay, who.identity
 	s.send = func(o *outgoing) error {
 		body := r.bodies.get(bodyKey{typeURL: o.typeURL, from: o.from, to: o.to, order: o.order}, func() []byte {
 			return encodeSotW(o, r.controlPlaneWire)

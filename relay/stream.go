@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/auth"
 )
 
 // stream is one downstream ADS stream, SotW or Delta. All of its state is
@@ -34,7 +35,10 @@ type stream struct {
 	// peerRelay is set on a stream from another relay of the tier, which
 	// subscribes to a key this relay owns.
 	peerRelay *peerIdentity
-	wake      chan struct{}
+	// identity is the workload a stream on the TLS port proved it is (nil
+	// elsewhere): the node it presents must be of it.
+	identity *auth.Identity
+	wake     chan struct{}
 	// dumps asks the stream what it sent (Relay.ConfigDump).
 	dumps chan dumpReq
 	// led is the stream's entry in the relay's ledger (nil for a peer
@@ -243,11 +247,15 @@ func (s *stream) attach(node *core.Node) error {
 		s.log.Debug("peer stream attached", "peer", s.peer)
 		return nil
 	}
+	if err := s.checkIdentity(node); err != nil {
+		return err
+	}
 	if err := s.r.cfg.Authorizer.Authorize(s.ctx, node); err != nil {
 		s.log.Warn("stream refused", "node", node.GetId(), "peer", s.peer, "err", err)
 		return status.Errorf(codes.PermissionDenied, "node %q: %v", node.GetId(), err)
 	}
-	key := s.r.cfg.KeyProfile.Key(node)
+	// The key is derived only now, from a node its identity may present.
+	key := identityKey(s.r.cfg.KeyProfile.Key(node), s.identity)
 	s.log = s.log.With("node", node.GetId(), "key", key)
 	s.key = s.r.acquireKey(key, s)
 	s.led = s.r.ledger.Connect(node.GetId(), string(key), time.Now())

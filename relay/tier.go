@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/auth"
 )
 
 // Owners says which relay of the tier owns each aggregation key: the one
@@ -130,25 +131,47 @@ func (r *Relay) peerContext(ctx context.Context, key Key) context.Context {
 	return metadata.AppendToOutgoingContext(ctx, append(r.peerMetadata(), mdPeerKey, string(key))...)
 }
 
+// caller is what a new stream proved about who opened it: another relay
+// of the tier, or, on the TLS port, a workload identity.
+type caller struct {
+	relay    *peerIdentity
+	identity *auth.Identity
+}
+
 // admit decides whether a new downstream stream may start: not while the
 // relay is draining or has never reached its upstream, and, for Envoys, at
-// most AdmitRate a second. It returns the stream's peer identity, if any.
-func (r *Relay) admit(ctx context.Context) (*peerIdentity, error) {
+// most AdmitRate a second and, on the TLS port, once they proved who they
+// are (after the token bucket: a flood of bad credentials costs a token
+// each, not a verification each).
+func (r *Relay) admit(ctx context.Context) (caller, error) {
 	if r.draining.Load() {
-		return nil, status.Error(codes.Unavailable, "relay is draining: reconnect to another")
+		return caller{}, status.Error(codes.Unavailable, "relay is draining: reconnect to another")
 	}
 	pi, err := r.identifyPeer(ctx)
 	if err != nil {
-		return nil, err
+		return caller{}, err
+	}
+	if pi != nil && len(r.cfg.PeerSecret) == 0 && r.cfg.Authenticator != nil && onTLSPort(ctx) {
+		// Without a peer secret any stream may name itself a relay: on a
+		// port that authenticates, that would skip the check.
+		r.metrics.authFailures.WithLabelValues("unproven_peer").Inc()
+		return caller{}, status.Error(codes.Unauthenticated, "relay-to-relay streams on the TLS port need the tier's peer secret")
 	}
 	if !r.waitWarm(ctx) {
-		return nil, status.Error(codes.Unavailable, "relay has no config to serve yet (upstream not reached)")
+		return caller{}, status.Error(codes.Unavailable, "relay has no config to serve yet (upstream not reached)")
 	}
-	if pi == nil && r.admission != nil && !r.admission.Allow() {
+	if pi != nil {
+		return caller{relay: pi}, nil
+	}
+	if r.admission != nil && !r.admission.Allow() {
 		r.metrics.refused.WithLabelValues("rate").Inc()
-		return nil, status.Errorf(codes.ResourceExhausted, "relay admits %v new streams a second: retry", r.cfg.AdmitRate)
+		return caller{}, status.Errorf(codes.ResourceExhausted, "relay admits %v new streams a second: retry", r.cfg.AdmitRate)
 	}
-	return pi, nil
+	id, err := r.authenticate(ctx)
+	if err != nil {
+		return caller{}, err
+	}
+	return caller{identity: id}, nil
 }
 
 // waitWarm waits up to WarmWait for the relay to be warm.
@@ -284,9 +307,14 @@ func (r *Relay) watchOwners(ctx context.Context) {
 // Envoys: 372 and 390 MiB wrapped, 303 and 333 MiB not). So it does not see
 // connections close; prune forgets those that no stream uses.
 type connTracker struct {
-	net.Listener
 	mu    sync.Mutex
 	conns map[string]trackedConn
+}
+
+// trackedListener adds the connections it accepts to a connTracker.
+type trackedListener struct {
+	net.Listener
+	t *connTracker
 }
 
 type trackedConn struct {
@@ -294,18 +322,21 @@ type trackedConn struct {
 	at time.Time // accepted
 }
 
-func newConnTracker(l net.Listener) *connTracker {
-	return &connTracker{Listener: l, conns: make(map[string]trackedConn)}
+func newConnTracker() *connTracker {
+	return &connTracker{conns: make(map[string]trackedConn)}
 }
 
-func (t *connTracker) Accept() (net.Conn, error) {
-	c, err := t.Listener.Accept()
+// track returns l, its connections tracked by t.
+func (t *connTracker) track(l net.Listener) net.Listener { return trackedListener{l, t} }
+
+func (l trackedListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
 	if err != nil {
 		return nil, err
 	}
-	t.mu.Lock()
-	t.conns[c.RemoteAddr().String()] = trackedConn{Conn: c, at: time.Now()}
-	t.mu.Unlock()
+	l.t.mu.Lock()
+	l.t.conns[c.RemoteAddr().String()] = trackedConn{Conn: c, at: time.Now()}
+	l.t.mu.Unlock()
 	return c, nil
 }
 

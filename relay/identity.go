@@ -1,0 +1,107 @@
+package relay
+
+import (
+	"context"
+	"strings"
+	"time"
+
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	"golang.org/x/time/rate"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+
+	"github.com/meshrelay/meshrelay/relay/auth"
+)
+
+// onTLSPort reports whether ctx's stream came in on the TLS xDS port (the
+// only server with transport credentials).
+func onTLSPort(ctx context.Context) bool {
+	p, ok := peer.FromContext(ctx)
+	if !ok {
+		return false
+	}
+	_, ok = p.AuthInfo.(credentials.TLSInfo)
+	return ok
+}
+
+// authMode names how the TLS port authenticates, for logs.
+func (r *Relay) authMode() string {
+	type moded interface{ Mode() auth.Mode }
+	switch a := r.cfg.Authenticator.(type) {
+	case nil:
+		return string(auth.ModeNone)
+	case moded:
+		return string(a.Mode())
+	}
+	return "custom"
+}
+
+// authenticate proves the identity of a new Envoy stream on the TLS port
+// (nil, nil elsewhere, or with no Authenticator). A refusal is
+// Unauthenticated and counted by reason; it is logged at most a few times
+// a second, naming the peer's address, never the credential.
+func (r *Relay) authenticate(ctx context.Context) (*auth.Identity, error) {
+	if r.cfg.Authenticator == nil || !onTLSPort(ctx) {
+		return nil, nil
+	}
+	id, err := r.cfg.Authenticator.Authenticate(ctx)
+	if err != nil {
+		reason := auth.ReasonOf(err)
+		r.metrics.authFailures.WithLabelValues(string(reason)).Inc()
+		if r.authLogs.Allow() {
+			r.log.Warn("stream refused: authentication failed", "peer", peerAddr(ctx), "reason", reason, "err", err)
+		}
+		if reason == auth.ReviewFailed {
+			// The verifier could not reach what it asks (the Kubernetes
+			// API): the client is not at fault and should retry.
+			return nil, status.Errorf(codes.Unavailable, "authentication unavailable: %v", err)
+		}
+		return nil, status.Errorf(codes.Unauthenticated, "authentication failed: %v", err)
+	}
+	return &id, nil
+}
+
+// checkIdentity applies istiod's rule to the node an authenticated stream
+// presents: PermissionDenied, counted and logged (rate-limited) with the
+// node id, if it is another namespace's or service account's.
+func (s *stream) checkIdentity(node *core.Node) error {
+	if s.identity == nil {
+		return nil
+	}
+	if err := auth.CheckNode(*s.identity, node); err != nil {
+		s.r.metrics.authFailures.WithLabelValues(string(auth.ReasonOf(err))).Inc()
+		if s.r.authLogs.Allow() {
+			s.log.Warn("stream refused: node does not match its identity", "node", node.GetId(), "peer", s.peer, "identity", s.identity.SPIFFEID(), "err", err)
+		}
+		return status.Errorf(codes.PermissionDenied, "authorization failed: %v", err)
+	}
+	return nil
+}
+
+// identityKey makes an authenticated stream's identity part of its key:
+// nodes that look alike but are proven by different service accounts
+// (istiod's rule lets a node without SERVICE_ACCOUNT through for any) must
+// not share an upstream stream, nor each other's config.
+func identityKey(k Key, id *auth.Identity) Key {
+	if id == nil {
+		return k
+	}
+	prefix, sum := string(k), ""
+	if i := strings.LastIndexByte(prefix, '#'); i >= 0 {
+		prefix, sum = prefix[:i], prefix[i+1:]
+	}
+	return Key(prefix + "#" + digest(sum+"\x00"+id.SPIFFEID()))
+}
+
+func peerAddr(ctx context.Context) string {
+	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
+		return p.Addr.String()
+	}
+	return ""
+}
+
+// newAuthLogLimiter bounds authentication warnings: a flood of failures
+// costs a counter each, not a log line each.
+func newAuthLogLimiter() *rate.Limiter { return rate.NewLimiter(rate.Every(200*time.Millisecond), 10) }
