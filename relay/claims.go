@@ -206,7 +206,7 @@ func (s *store) versionTree(typeURL string, got *inspectpb.VersionContent, root 
 // this relay's keys held (see askVersion): every resource's name and hash,
 // with the body of those the key's view no longer holds as they were.
 func (s inspectServer) GetVersion(ctx context.Context, req *inspectpb.VersionRequest) (*inspectpb.VersionContent, error) {
-	if err := s.r.checkPeerCall(ctx, "inspect"); err != nil {
+	if err := s.r.checkPeerCall(ctx, s.port, "inspect"); err != nil {
 		return nil, err
 	}
 	root, err := ledger.ParseHash(req.GetRoot())

@@ -179,6 +179,20 @@ type Config struct {
 	// persistence; the relay starts cold. The caller stops it after the
 	// relay.
 	Snapshots Snapshots
+	// PeerListen, if set, opens a port for the tier's relays alone: their
+	// streams to keys' owners and the ledger and inspect exchanges go
+	// there (and nowhere else: the xDS ports then refuse them), and no
+	// Envoy is served on it. Empty (the default): relays use the
+	// plaintext xDS port. Ignored if PeerListener is set.
+	PeerListen string
+	// PeerListener, if set, is used instead of listening on PeerListen.
+	PeerListener net.Listener
+	// PeerTLS, if set, makes the peer port mTLS: it must require and
+	// verify client certificates and check their identity
+	// (auth.PeerTLS builds one that wants the tier's SPIFFE ID). A
+	// relay proven by its certificate needs no PeerSecret proof.
+	// Default nil: plaintext, relays proven by PeerSecret alone.
+	PeerTLS *tls.Config
 	// PeerDialOptions are added to relay-to-relay connections' options
 	// (credentials, a test dialer). Default: plaintext.
 	PeerDialOptions []grpc.DialOption
@@ -287,6 +301,9 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.XDSTLS != nil && cfg.TLSListener == nil && cfg.XDSTLSListen == "" {
 		bad("XDSTLSListen", "is empty and no TLSListener is set")
+	}
+	if cfg.PeerTLS != nil && cfg.PeerListen == "" && cfg.PeerListener == nil {
+		bad("PeerTLS", "is set without a peer port (PeerListen)")
 	}
 	if cfg.Authenticator != nil && cfg.XDSTLS == nil {
 		bad("Authenticator", "is set without XDSTLS: only the TLS port authenticates")

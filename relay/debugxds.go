@@ -45,7 +45,7 @@ func (s *stream) answerDebugSotW(typeURL, responseNonce string, names []string) 
 	if responseNonce != "" {
 		return nil
 	}
-	res, err := s.r.debugResources(s.ctx, typeURL, names)
+	res, err := s.r.debugResources(s.ctx, s.port, typeURL, names)
 	if err != nil {
 		return err
 	}
@@ -60,7 +60,7 @@ func (s *stream) answerDebugDelta(req *discovery.DeltaDiscoveryRequest) error {
 	if req.GetResponseNonce() != "" {
 		return nil
 	}
-	res, err := s.r.debugResources(s.ctx, req.GetTypeUrl(), req.GetResourceNamesSubscribe())
+	res, err := s.r.debugResources(s.ctx, s.port, req.GetTypeUrl(), req.GetResourceNamesSubscribe())
 	if err != nil {
 		return err
 	}
@@ -82,8 +82,8 @@ func isDebugType(typeURL string) bool {
 // answers: with an Authorizer, a stream proves only that it may have its
 // own node's config, not every node's, and the admin API (which has its
 // own access control) answers the same questions.
-func (r *Relay) debugResources(ctx context.Context, typeURL string, names []string) ([]*anypb.Any, error) {
-	if _, trusted := r.cfg.Authorizer.(AllowAll); !trusted || onTLSPort(ctx) {
+func (r *Relay) debugResources(ctx context.Context, p port, typeURL string, names []string) ([]*anypb.Any, error) {
+	if _, trusted := r.cfg.Authorizer.(AllowAll); !trusted || p != portPlain {
 		return nil, status.Errorf(codes.PermissionDenied, "%s is answered only on a trusted xDS port (no Authorizer): ask the admin API (relayctl)", typeURL)
 	}
 	if typeURL == typeDebugSyncz {

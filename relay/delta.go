@@ -11,14 +11,15 @@ import (
 	"github.com/meshrelay/meshrelay/ledger"
 )
 
-// DeltaAggregatedResources serves one Delta (incremental) ADS stream.
-func (r *Relay) DeltaAggregatedResources(ds discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
-	who, err := r.admit(ds.Context())
+// serveDelta serves one Delta (incremental) ADS stream that came in on
+// port p.
+func (r *Relay) serveDelta(ds discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer, p port) error {
+	who, err := r.admit(ds.Context(), p)
 	if err != nil {
 		r.metrics.streamErrors.WithLabelValues(status.Code(err).String()).Inc()
 		return err
 	}
-	s := r.newStream(ds.Context(), true)
+	s := r.newStream(ds.Context(), true, p)
 	s.peerRelay, s.identity = who.relay, who.identity
 	s.send = func(o *outgoing) error {
 		body := r.bodies.get(bodyKey{delta: true, typeURL: o.typeURL, from: o.from, to: o.to, view: o.view, order: o.order}, func() []byte {

@@ -257,7 +257,7 @@ func newDownHarness(t testing.TB, conn *grpc.ClientConn, delta bool) *downHarnes
 		unknown: make(map[string]bool),
 		warming: make(map[string]string),
 	}
-	h.s = r.newStream(context.Background(), delta)
+	h.s = r.newStream(context.Background(), delta, portPlain)
 	h.s.send = h.checkResponse
 	h.s.sendRaw = func(m proto.Message) error {
 		t.Fatalf("passthrough answer %v forwarded, but nothing answers upstream", m)
@@ -1208,7 +1208,7 @@ func newUpHarness(t testing.TB, delta bool) *upHarness {
 	h.k = newKeyState(r, "k")
 	// A member whose node the upstream presents. The member is not
 	// otherwise driven: the harness subscribes for it.
-	m := r.newStream(context.Background(), false)
+	m := r.newStream(context.Background(), false, portPlain)
 	m.node = fuzzNode
 	h.k.join(m)
 	h.k.subscribe(typeCluster, false, true, nil, nil)

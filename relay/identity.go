@@ -8,23 +8,11 @@ import (
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/relay/auth"
 )
-
-// onTLSPort reports whether ctx's stream came in on the TLS xDS port (the
-// only server with transport credentials).
-func onTLSPort(ctx context.Context) bool {
-	p, ok := peer.FromContext(ctx)
-	if !ok {
-		return false
-	}
-	_, ok = p.AuthInfo.(credentials.TLSInfo)
-	return ok
-}
 
 // authMode names how the TLS port authenticates, for logs.
 func (r *Relay) authMode() string {
@@ -42,8 +30,8 @@ func (r *Relay) authMode() string {
 // (nil, nil elsewhere, or with no Authenticator). A refusal is
 // Unauthenticated and counted by reason; it is logged at most a few times
 // a second, naming the peer's address, never the credential.
-func (r *Relay) authenticate(ctx context.Context) (*auth.Identity, error) {
-	if r.cfg.Authenticator == nil || !onTLSPort(ctx) {
+func (r *Relay) authenticate(ctx context.Context, p port) (*auth.Identity, error) {
+	if r.cfg.Authenticator == nil || p != portTLS {
 		return nil, nil
 	}
 	id, err := r.cfg.Authenticator.Authenticate(ctx)

@@ -289,11 +289,12 @@ func buildConfigDump(types []dumpType) (*adminv3.ConfigDump, error) {
 // inspectServer answers the tier's other relays what this one holds.
 type inspectServer struct {
 	inspectpb.UnimplementedInspectServer
-	r *Relay
+	r    *Relay
+	port port
 }
 
 func (s inspectServer) GetKey(ctx context.Context, req *inspectpb.KeyRequest) (*inspectpb.KeyDetail, error) {
-	if err := s.r.checkPeerCall(ctx, "inspect"); err != nil {
+	if err := s.r.checkPeerCall(ctx, s.port, "inspect"); err != nil {
 		return nil, err
 	}
 	d, err := s.r.KeyDetail(req.GetKey(), int(req.GetMaxNames()))
@@ -301,7 +302,7 @@ func (s inspectServer) GetKey(ctx context.Context, req *inspectpb.KeyRequest) (*
 }
 
 func (s inspectServer) GetConfigDump(ctx context.Context, req *inspectpb.ConfigDumpRequest) (*inspectpb.ConfigDump, error) {
-	if err := s.r.checkPeerCall(ctx, "inspect"); err != nil {
+	if err := s.r.checkPeerCall(ctx, s.port, "inspect"); err != nil {
 		return nil, err
 	}
 	d, err := s.r.ConfigDump(ctx, req)

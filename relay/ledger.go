@@ -207,38 +207,34 @@ func gather[T any](ctx context.Context, r *Relay, call func(context.Context, *gr
 // ledgerServer serves this relay's ledger to the tier's other relays.
 type ledgerServer struct {
 	ledgerpb.UnimplementedLedgerServer
-	r *Relay
+	r    *Relay
+	port port
 }
 
 // checkPeerCall admits only calls that prove they come from a relay of the
 // tier (when the tier has a peer secret); service names the exchange in
 // errors and logs.
-func (r *Relay) checkPeerCall(ctx context.Context, service string) error {
+func (r *Relay) checkPeerCall(ctx context.Context, p port, service string) error {
 	md, _ := metadata.FromIncomingContext(ctx)
 	ids := md.Get(mdPeer)
 	if len(ids) != 1 || ids[0] == "" {
 		return status.Errorf(codes.PermissionDenied, "the %s exchange is for the relays of the tier", service)
 	}
-	if len(r.cfg.PeerSecret) == 0 && r.cfg.Authenticator != nil && onTLSPort(ctx) {
-		r.metrics.authFailures.WithLabelValues("unproven_peer").Inc()
-		return status.Errorf(codes.Unauthenticated, "the %s exchange on the TLS port needs the tier's peer secret", service)
+	if err := r.checkPort(p, true); err != nil {
+		return err
 	}
-	if !r.provesPeer(md, ids[0]) {
-		r.log.Warn(service+" call refused: bad proof", "peer_relay", ids[0])
-		return status.Errorf(codes.Unauthenticated, "%s exchange: bad peer proof", service)
-	}
-	return nil
+	return r.provePeer(md, p, ids[0], service+" exchange")
 }
 
 func (s ledgerServer) GetSummary(ctx context.Context, req *ledgerpb.SummaryRequest) (*ledgerpb.Summary, error) {
-	if err := s.r.checkPeerCall(ctx, "ledger"); err != nil {
+	if err := s.r.checkPeerCall(ctx, s.port, "ledger"); err != nil {
 		return nil, err
 	}
 	return ledgerpb.FromSummary(s.r.ledger.Summary(ledgerpb.ToScope(req.GetScope()), time.Now())), nil
 }
 
 func (s ledgerServer) CheckDelivery(ctx context.Context, req *ledgerpb.DeliveryRequest) (*ledgerpb.DeliveryVerdicts, error) {
-	if err := s.r.checkPeerCall(ctx, "ledger"); err != nil {
+	if err := s.r.checkPeerCall(ctx, s.port, "ledger"); err != nil {
 		return nil, err
 	}
 	h, err := ledger.HashFromBytes(req.GetHash())

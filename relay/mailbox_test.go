@@ -29,7 +29,7 @@ func newTestRelay(t *testing.T) *Relay {
 func TestServeKeepsReading(t *testing.T) {
 	r := newTestRelay(t)
 	ctx, cancel := context.WithCancel(context.Background())
-	s := r.newStream(ctx, false)
+	s := r.newStream(ctx, false, portPlain)
 	stuck := make(chan struct{})
 	var read atomic.Int32
 	recv := func() (int, error) {
@@ -53,7 +53,7 @@ func TestServeKeepsReading(t *testing.T) {
 // maxQueuedRequests without the relay getting to them loses its stream.
 func TestServeFloodEndsStream(t *testing.T) {
 	r := newTestRelay(t)
-	s := r.newStream(context.Background(), false)
+	s := r.newStream(context.Background(), false, portPlain)
 	stuck := make(chan struct{})
 	var read atomic.Int32
 	recv := func() (int, error) { read.Add(1); return 1, nil } // an endless flood
@@ -73,7 +73,7 @@ func TestServeFloodEndsStream(t *testing.T) {
 // them end the stream long before the count limit.
 func TestServeByteBudget(t *testing.T) {
 	r := newTestRelay(t)
-	s := r.newStream(context.Background(), false)
+	s := r.newStream(context.Background(), false, portPlain)
 	stuck := make(chan struct{})
 	var read atomic.Int32
 	recv := func() (int, error) { read.Add(1); return 1, nil }

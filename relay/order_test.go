@@ -45,7 +45,7 @@ func TestPushOrder(t *testing.T) {
 				t.Fatal(err)
 			}
 			k := newKeyState(r, "k")
-			s := r.newStream(context.Background(), delta)
+			s := r.newStream(context.Background(), delta, portPlain)
 			s.key = k
 			var sent []string
 			s.send = func(o *outgoing) error {

@@ -39,7 +39,6 @@ import (
 	"time"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
-	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/time/rate"
@@ -51,8 +50,6 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/ledger"
-	"github.com/meshrelay/meshrelay/ledger/ledgerpb"
-	"github.com/meshrelay/meshrelay/relay/inspectpb"
 )
 
 // Relay is one meshrelay process's xDS relay. Create it with New, then Start;
@@ -80,6 +77,7 @@ type Relay struct {
 	servers   []*grpc.Server // xDS servers: plaintext, TLS
 	lis       net.Listener   // plaintext xDS; nil if none
 	tlsLis    net.Listener   // TLS xDS; nil if none
+	peerLis   net.Listener   // the tier's relays; nil if none
 	tracker   *connTracker
 	admin     *http.Server
 	adminGRPC *grpc.Server
@@ -165,7 +163,7 @@ func (r *Relay) Start(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("relay: upstream %s: %w", r.cfg.Upstream, err)
 	}
-	lis, tlsLis, err := r.listen()
+	lis, tlsLis, peerLis, err := r.listen()
 	if err != nil {
 		conn.Close()
 		return err
@@ -176,12 +174,12 @@ func (r *Relay) Start(ctx context.Context) error {
 		r.adminLis, err = net.Listen("tcp", r.cfg.AdminListen)
 		if err != nil {
 			conn.Close()
-			closeAll(lis, tlsLis)
+			closeAll(lis, tlsLis, peerLis)
 			return fmt.Errorf("relay: admin listen %s: %w", r.cfg.AdminListen, err)
 		}
 	}
 	r.tracker = newConnTracker()
-	r.upConn, r.lis, r.tlsLis = conn, lis, tlsLis
+	r.upConn, r.lis, r.tlsLis, r.peerLis = conn, lis, tlsLis, peerLis
 	r.ctx, r.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	if r.cfg.Snapshots != nil {
 		r.goRun(r.loadSnapshots)
@@ -197,11 +195,18 @@ func (r *Relay) Start(ctx context.Context) error {
 		r.goRun(r.balance)
 	}
 	if lis != nil {
-		r.serveXDS(lis)
+		r.serveXDS(lis, portPlain)
 	}
 	if tlsLis != nil {
 		// gRPC's TLS credentials insist on ALPN h2 and add it.
-		r.serveXDS(tlsLis, grpc.Creds(credentials.NewTLS(r.cfg.XDSTLS.Clone())), grpc.ConnectionTimeout(r.cfg.HandshakeTimeout))
+		r.serveXDS(tlsLis, portTLS, grpc.Creds(credentials.NewTLS(r.cfg.XDSTLS.Clone())), grpc.ConnectionTimeout(r.cfg.HandshakeTimeout))
+	}
+	if peerLis != nil {
+		var opts []grpc.ServerOption
+		if r.cfg.PeerTLS != nil {
+			opts = append(opts, grpc.Creds(credentials.NewTLS(r.cfg.PeerTLS.Clone())), grpc.ConnectionTimeout(r.cfg.HandshakeTimeout))
+		}
+		r.serveXDS(peerLis, portPeer, opts...)
 	}
 	if r.adminLis != nil {
 		r.adminGRPC = r.newAdminGRPC()
@@ -230,72 +235,23 @@ func (r *Relay) Start(ctx context.Context) error {
 	if lis != nil {
 		attrs = append(attrs, "xds_plaintext", lis.Addr().String())
 	}
+	if peerLis != nil {
+		attrs = append(attrs, "peer", peerLis.Addr().String())
+	}
 	r.log.Info("relay started", attrs...)
+	switch {
+	case r.cfg.Owners == nil:
+	case peerLis != nil && r.cfg.PeerTLS != nil:
+		r.log.Info("relay-to-relay traffic on the peer port, authenticated by mTLS")
+	case len(r.cfg.PeerSecret) > 0:
+		r.log.Warn("relay-to-relay traffic authenticated only by the HMAC of the peer secret (no peer certificate): replayable by whoever reads it")
+	default:
+		r.log.Warn("relay-to-relay traffic not authenticated (no peer certificate, no peer secret): any stream may claim to be a relay")
+	}
 	if lis != nil && tlsLis != nil {
 		r.log.Warn("PLAINTEXT xDS port open beside the TLS one: it authenticates no one and serves every namespace's config to whoever reaches it", "xds_plaintext", lis.Addr().String())
 	}
 	return nil
-}
-
-// listen opens the plaintext and TLS xDS listeners the config asks for
-// (either may be nil, not both).
-func (r *Relay) listen() (lis, tlsLis net.Listener, err error) {
-	lis = r.cfg.Listener
-	if lis == nil && r.cfg.XDSListen != "" {
-		if lis, err = net.Listen("tcp", r.cfg.XDSListen); err != nil {
-			return nil, nil, fmt.Errorf("relay: listen %s: %w", r.cfg.XDSListen, err)
-		}
-	}
-	if r.cfg.XDSTLS == nil {
-		return lis, nil, nil
-	}
-	tlsLis = r.cfg.TLSListener
-	if tlsLis == nil {
-		if tlsLis, err = net.Listen("tcp", r.cfg.XDSTLSListen); err != nil {
-			closeAll(lis)
-			return nil, nil, fmt.Errorf("relay: listen %s: %w", r.cfg.XDSTLSListen, err)
-		}
-	}
-	return lis, tlsLis, nil
-}
-
-func closeAll(ls ...net.Listener) {
-	for _, l := range ls {
-		if l != nil {
-			l.Close()
-		}
-	}
-}
-
-// serveXDS serves the relay's gRPC services (ADS, and the tier's ledger
-// and inspect exchanges) on lis until Stop.
-func (r *Relay) serveXDS(lis net.Listener, opts ...grpc.ServerOption) {
-	srv := grpc.NewServer(append([]grpc.ServerOption{
-		grpc.ForceServerCodecV2(newCodec()),
-		// Stop returns only once every handler has: no stream attaches a
-		// key (and starts its goroutine) behind Stop's back.
-		grpc.WaitForHandlers(true),
-		// Thousands of mostly idle Envoy connections: give each
-		// connection's write buffer back between writes.
-		grpc.SharedWriteBuffer(true),
-		grpc.MaxRecvMsgSize(r.cfg.MaxMsgSize),
-		grpc.MaxSendMsgSize(r.cfg.MaxMsgSize),
-		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
-		// Generous: a loaded Envoy (or a loaded 2-core benchmark) may be slow
-		// to answer a ping, and a dropped connection costs a reconnect.
-		grpc.KeepaliveParams(keepalive.ServerParameters{Time: time.Minute, Timeout: 20 * time.Second}),
-	}, opts...)...)
-	discovery.RegisterAggregatedDiscoveryServiceServer(srv, r)
-	ledgerpb.RegisterLedgerServer(srv, ledgerServer{r: r})
-	inspectpb.RegisterInspectServer(srv, inspectServer{r: r})
-	r.servers = append(r.servers, srv)
-	r.serveWG.Add(1)
-	go func() {
-		defer r.serveWG.Done()
-		if err := srv.Serve(r.tracker.track(lis)); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-			r.log.Error("xDS server stopped", "addr", lis.Addr().String(), "err", err)
-		}
-	}()
 }
 
 // Addr returns the address the plaintext xDS server listens on (after
@@ -537,6 +493,15 @@ func (r *Relay) adminMux() *http.ServeMux {
 		fmt.Fprintln(w, "ok")
 		st := r.Stats()
 		fmt.Fprintf(w, "stale keys: %d of %d\n", st.StaleKeys, st.Keys)
+		r.mu.Lock()
+		lis, tlsLis := r.lis, r.tlsLis
+		r.mu.Unlock()
+		if tlsLis != nil {
+			fmt.Fprintf(w, "xds tls: %s, auth %s\n", tlsLis.Addr(), r.authMode())
+		}
+		if lis != nil {
+			fmt.Fprintf(w, "xds plaintext: %s: WARNING: PLAINTEXT, serves anyone who reaches it\n", lis.Addr())
+		}
 		if lag, ok := r.cfg.Snapshots.(persistenceLag); ok {
 			if n, d := lag.Behind(); n > 0 {
 				fmt.Fprintf(w, "snapshots: behind: %d keys not persisted, oldest change %s ago\n", n, d.Round(time.Millisecond))

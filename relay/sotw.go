@@ -9,14 +9,14 @@ import (
 	"github.com/meshrelay/meshrelay/ledger"
 )
 
-// StreamAggregatedResources serves one SotW ADS stream.
-func (r *Relay) StreamAggregatedResources(ss discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
-	who, err := r.admit(ss.Context())
+// serveSotW serves one SotW ADS stream that came in on port p.
+func (r *Relay) serveSotW(ss discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer, p port) error {
+	who, err := r.admit(ss.Context(), p)
 	if err != nil {
 		r.metrics.streamErrors.WithLabelValues(status.Code(err).String()).Inc()
 		return err
 	}
-	s := r.newStream(ss.Context(), false)
+	s := r.newStream(ss.Context(), false, p)
 	s.peerRelay, s.identity = who.relay, who.identity
 	s.send = func(o *outgoing) error {
 		body := r.bodies.get(bodyKey{typeURL: o.typeURL, from: o.from, to: o.to, order: o.order}, func() []byte {

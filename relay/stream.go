@@ -26,6 +26,7 @@ type stream struct {
 	r     *Relay
 	id    uint64
 	delta bool
+	port  port // the listener it came in on
 	ctx   context.Context
 	peer  string
 	log   *slog.Logger
@@ -200,11 +201,12 @@ type outgoing struct {
 	order          ledger.Order
 }
 
-func (r *Relay) newStream(ctx context.Context, delta bool) *stream {
+func (r *Relay) newStream(ctx context.Context, delta bool, p port) *stream {
 	s := &stream{
 		r:     r,
 		id:    r.streamID.Add(1),
 		delta: delta,
+		port:  p,
 		ctx:   ctx,
 		wake:  make(chan struct{}, 1),
 		dumps: make(chan dumpReq),

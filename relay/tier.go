@@ -81,7 +81,7 @@ type peerIdentity struct {
 // identifyPeer reads a relay-to-relay stream's metadata. It returns nil for
 // an ordinary client stream, and an error for a peer stream that does not
 // prove itself.
-func (r *Relay) identifyPeer(ctx context.Context) (*peerIdentity, error) {
+func (r *Relay) identifyPeer(ctx context.Context, p port) (*peerIdentity, error) {
 	md, _ := metadata.FromIncomingContext(ctx)
 	ids := md.Get(mdPeer)
 	if len(ids) == 0 {
@@ -91,9 +91,8 @@ func (r *Relay) identifyPeer(ctx context.Context) (*peerIdentity, error) {
 	if len(ids) != 1 || len(keys) != 1 || ids[0] == "" || keys[0] == "" || len(keys[0]) > maxKeyLen {
 		return nil, status.Error(codes.InvalidArgument, "relay-to-relay stream: want exactly one peer id and one key")
 	}
-	if !r.provesPeer(md, ids[0]) {
-		r.log.Warn("peer stream refused: bad proof", "peer_relay", ids[0])
-		return nil, status.Error(codes.Unauthenticated, "relay-to-relay stream: bad peer proof")
+	if err := r.provePeer(md, p, ids[0], "relay-to-relay stream"); err != nil {
+		return nil, err
 	}
 	pi := &peerIdentity{id: ids[0], key: Key(keys[0])}
 	if d := md.Get(mdPeerDemand); len(d) == 1 {
@@ -106,14 +105,27 @@ func (r *Relay) identifyPeer(ctx context.Context) (*peerIdentity, error) {
 	return pi, nil
 }
 
-// provesPeer reports whether md carries the proof that relay id holds the
-// tier's peer secret (always true without one: a trusted network).
-func (r *Relay) provesPeer(md metadata.MD, id string) bool {
-	if len(r.cfg.PeerSecret) == 0 {
-		return true
+// provePeer checks that a stream or call (what) on port p that names
+// itself relay id is one: by the peer port's mTLS handshake, else by the
+// HMAC of the tier's peer secret in md, else (no secret) by the network,
+// but never on the authenticating TLS port, where believing it would skip
+// authentication.
+func (r *Relay) provePeer(md metadata.MD, p port, id, what string) error {
+	switch {
+	case r.peerProvenByTLS(p):
+		return nil
+	case r.unprovenPeer(p):
+		r.metrics.authFailures.WithLabelValues("unproven_peer").Inc()
+		return status.Errorf(codes.Unauthenticated, "%s on the TLS port needs the tier's peer secret", what)
+	case len(r.cfg.PeerSecret) == 0:
+		return nil
 	}
 	tokens := md.Get(mdPeerAuth)
-	return len(tokens) == 1 && hmac.Equal([]byte(tokens[0]), []byte(peerToken(r.cfg.PeerSecret, id)))
+	if len(tokens) != 1 || !hmac.Equal([]byte(tokens[0]), []byte(peerToken(r.cfg.PeerSecret, id))) {
+		r.log.Warn(what+" refused: bad proof", "peer_relay", id)
+		return status.Errorf(codes.Unauthenticated, "%s: bad peer proof", what)
+	}
+	return nil
 }
 
 // peerMetadata is the metadata that proves a call or stream comes from this
@@ -143,19 +155,16 @@ type caller struct {
 // most AdmitRate a second and, on the TLS port, once they proved who they
 // are (after the token bucket: a flood of bad credentials costs a token
 // each, not a verification each).
-func (r *Relay) admit(ctx context.Context) (caller, error) {
+func (r *Relay) admit(ctx context.Context, p port) (caller, error) {
 	if r.draining.Load() {
 		return caller{}, status.Error(codes.Unavailable, "relay is draining: reconnect to another")
 	}
-	pi, err := r.identifyPeer(ctx)
+	pi, err := r.identifyPeer(ctx, p)
 	if err != nil {
 		return caller{}, err
 	}
-	if pi != nil && len(r.cfg.PeerSecret) == 0 && r.cfg.Authenticator != nil && onTLSPort(ctx) {
-		// Without a peer secret any stream may name itself a relay: on a
-		// port that authenticates, that would skip the check.
-		r.metrics.authFailures.WithLabelValues("unproven_peer").Inc()
-		return caller{}, status.Error(codes.Unauthenticated, "relay-to-relay streams on the TLS port need the tier's peer secret")
+	if err := r.checkPort(p, pi != nil); err != nil {
+		return caller{}, err
 	}
 	if !r.waitWarm(ctx) {
 		return caller{}, status.Error(codes.Unavailable, "relay has no config to serve yet (upstream not reached)")
@@ -167,7 +176,7 @@ func (r *Relay) admit(ctx context.Context) (caller, error) {
 		r.metrics.refused.WithLabelValues("rate").Inc()
 		return caller{}, status.Errorf(codes.ResourceExhausted, "relay admits %v new streams a second: retry", r.cfg.AdmitRate)
 	}
-	id, err := r.authenticate(ctx)
+	id, err := r.authenticate(ctx, p)
 	if err != nil {
 		return caller{}, err
 	}

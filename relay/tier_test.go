@@ -273,7 +273,7 @@ func FuzzIdentifyPeer(f *testing.F) {
 		if withToken {
 			md.Append(mdPeerAuth, token)
 		}
-		pi, err := r.identifyPeer(metadata.NewIncomingContext(context.Background(), md))
+		pi, err := r.identifyPeer(metadata.NewIncomingContext(context.Background(), md), portPlain)
 		if err != nil {
 			return
 		}
@@ -550,7 +550,7 @@ func TestSotWClaimWithoutBodies(t *testing.T) {
 	if _, ok := k.versionHeld(&typeSub{typeURL: typeCluster, wildcard: true}, claimed.Root()); !ok {
 		t.Fatal("the key's history lost the claimed version")
 	}
-	s := e.r.newStream(context.Background(), false)
+	s := e.r.newStream(context.Background(), false, portPlain)
 	s.key = k
 	sub := &typeSub{typeURL: typeCluster, wildcard: true, claimed: claimed.Root()}
 	s.resolveClaim(sub, k.snap.Load().typeOf(typeCluster))

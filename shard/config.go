@@ -23,8 +23,9 @@ type Config struct {
 	// the old one (memberlist refuses a name it still holds as dead for
 	// DeadNodeReclaimTime). Required.
 	Name string
-	// XDSAddr is the address peers dial for this relay's ADS server,
-	// host:port. Required.
+	// XDSAddr is the address the tier's other relays dial for this
+	// relay's ADS, ledger and inspect services (its peer port, or its
+	// plaintext xDS port if it has none), host:port. Required.
 	XDSAddr string
 	// AdminAddr is the address of this relay's admin API, host:port,
 	// gossiped so that relayctl finds a relay it names (drain). Default

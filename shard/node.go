@@ -23,8 +23,10 @@ type NodeConfig struct {
 	// Relay configures the relay. Owners and Tier are set to the ring;
 	// PeerSecret, if empty, is derived from Ring.SecretKey.
 	Relay relay.Config
-	// Ring configures membership. XDSAddr, if empty, is the relay's
-	// listening address, which must then be dialable (not 0.0.0.0).
+	// Ring configures membership. XDSAddr, if empty, is the address of
+	// the port the tier's relays dial (the relay's peer port if it has
+	// one, else its plaintext xDS port), which must then be dialable (not
+	// 0.0.0.0).
 	Ring Config
 	// Store, if set, persists the views of the keys this relay owns in
 	// etcd and warms the relay at start from every key persisted (it
@@ -60,9 +62,9 @@ var (
 	_ relay.Peers  = (*Ring)(nil)
 )
 
-// NewNode builds a Node. If the relay has no Listener (or AdminListener,
-// with AdminListen set) it listens now, so that the addresses can be
-// gossiped.
+// NewNode builds a Node. The relay's listeners the tier gossips (the one
+// relays dial: the peer port, else the plaintext xDS port; the admin port)
+// are opened now, if not given, so that their addresses are known.
 func NewNode(cfg NodeConfig) (*Node, error) {
 	if cfg.DrainPeriod == 0 {
 		cfg.DrainPeriod = 10 * time.Second
@@ -70,29 +72,46 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 	if cfg.DrainPeriod < 0 {
 		return nil, errors.New("shard: field DrainPeriod is negative")
 	}
-	if cfg.Relay.Listener == nil {
-		lis, err := net.Listen("tcp", cfg.Relay.XDSListen)
-		if err != nil {
-			return nil, fmt.Errorf("shard: listen %s: %w", cfg.Relay.XDSListen, err)
-		}
-		cfg.Relay.Listener = lis
-	}
-	if cfg.Relay.AdminListen != "" && cfg.Relay.AdminListener == nil {
-		lis, err := net.Listen("tcp", cfg.Relay.AdminListen)
-		if err != nil {
-			cfg.Relay.Listener.Close()
-			return nil, fmt.Errorf("shard: admin listen %s: %w", cfg.Relay.AdminListen, err)
-		}
-		cfg.Relay.AdminListener = lis
-	}
+	// On failure the listeners are closed, given or opened: the relay
+	// that would have closed them will not run.
 	closeListeners := func() {
-		cfg.Relay.Listener.Close()
-		if cfg.Relay.AdminListener != nil {
-			cfg.Relay.AdminListener.Close()
+		for _, l := range []net.Listener{cfg.Relay.PeerListener, cfg.Relay.Listener, cfg.Relay.AdminListener} {
+			if l != nil {
+				l.Close()
+			}
 		}
+	}
+	open := func(given *net.Listener, addr string) error {
+		if *given != nil || addr == "" {
+			return nil
+		}
+		lis, err := net.Listen("tcp", addr)
+		if err != nil {
+			closeListeners()
+			return fmt.Errorf("shard: listen %s: %w", addr, err)
+		}
+		*given = lis
+		return nil
+	}
+	if err := open(&cfg.Relay.PeerListener, cfg.Relay.PeerListen); err != nil {
+		return nil, err
+	}
+	if err := open(&cfg.Relay.Listener, cfg.Relay.XDSListen); err != nil {
+		return nil, err
+	}
+	if err := open(&cfg.Relay.AdminListener, cfg.Relay.AdminListen); err != nil {
+		return nil, err
+	}
+	peerLis, flag := cfg.Relay.PeerListener, "--advertise-peer"
+	if peerLis == nil {
+		peerLis, flag = cfg.Relay.Listener, "--advertise-xds"
+	}
+	if peerLis == nil {
+		closeListeners()
+		return nil, errors.New("shard: the relay has neither a peer port nor a plaintext xDS port for the tier's relays to dial")
 	}
 	if cfg.Ring.XDSAddr == "" {
-		addr, err := advertised(cfg.Relay.Listener, "xDS", "--advertise-xds")
+		addr, err := advertised(peerLis, "peer", flag)
 		if err != nil {
 			closeListeners()
 			return nil, err

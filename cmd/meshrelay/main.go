@@ -67,7 +67,7 @@ func serve(ctx context.Context, args []string) error {
 	cfg := relay.DefaultConfig()
 	ring := shard.DefaultConfig()
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
-	fs.StringVar(&cfg.XDSListen, "xds-listen", cfg.XDSListen, "address of the ADS server for Envoys")
+	fs.StringVar(&cfg.XDSListen, "xds-listen", cfg.XDSListen, "address of the plaintext ADS server (istiod's 15010): it authenticates no one; with --xds-tls-cert, off unless set")
 	fs.StringVar(&cfg.Upstream, "upstream", "", "gRPC target of the upstream control plane (istiod), e.g. istiod.istio-system.svc:15010 (required)")
 	upProto := fs.String("upstream-protocol", string(cfg.UpstreamProtocol), "ADS variant spoken to the upstream: sotw or delta")
 	profile := fs.String("key-profile", relay.ProfileIstio, "aggregation key profile: istio or per-node")
@@ -82,6 +82,10 @@ func serve(ctx context.Context, args []string) error {
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	var admin adminFlags
 	admin.register(fs)
+	var xdsTLS xdsTLSFlags
+	xdsTLS.register(fs, &cfg)
+	var peer peerFlags
+	peer.register(fs, &cfg)
 
 	gossip := fs.String("gossip-listen", ":7946", "address of the gossip (memberlist) listener, TCP and UDP; empty: no tier, this relay owns every key")
 	gossipAdvertise := fs.String("gossip-advertise", "", "host:port other relays gossip to (default: from --gossip-listen; set the pod IP in Kubernetes)")
@@ -112,6 +116,16 @@ func serve(ctx context.Context, args []string) error {
 	}
 	if err := admin.apply(&cfg); err != nil {
 		return err
+	}
+	if err := xdsTLS.apply(ctx, &cfg); err != nil {
+		return err
+	}
+	if err := peer.apply(&cfg, xdsTLS.trustDomain); err != nil {
+		return err
+	}
+	if xdsTLS.enabled() && !flagSet(fs, "xds-listen") {
+		// With TLS the plaintext port is opt-in: it authenticates no one.
+		cfg.XDSListen = ""
 	}
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(*logLevel)); err != nil {
@@ -176,8 +190,17 @@ func serve(ctx context.Context, args []string) error {
 			return err
 		}
 	}
-	if ring.XDSAddr, err = podAddr(*advertiseXDS, cfg.XDSListen); err != nil {
-		return fmt.Errorf("--xds-listen: %w", err)
+	switch {
+	case cfg.PeerListen != "":
+		if ring.XDSAddr, err = podAddr(peer.advertise, cfg.PeerListen); err != nil {
+			return fmt.Errorf("--peer-listen: %w", err)
+		}
+	case cfg.XDSListen != "":
+		if ring.XDSAddr, err = podAddr(*advertiseXDS, cfg.XDSListen); err != nil {
+			return fmt.Errorf("--xds-listen: %w", err)
+		}
+	default:
+		return errors.New("a tier (--gossip-listen) needs a port its relays dial: --peer-listen (with --peer-tls-cert for mTLS), or --xds-listen")
 	}
 	if ring.AdminAddr, err = podAddr(*advertiseAdmin, cfg.AdminListen); err != nil {
 		return fmt.Errorf("--admin-listen: %w", err)
@@ -269,4 +292,11 @@ func demo(ctx context.Context, args []string) error {
 		return err
 	}
 	return loadtest.RunDemo(ctx, cfg, os.Stdout)
+}
+
+// flagSet reports whether the command line set the named flag.
+func flagSet(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
 }

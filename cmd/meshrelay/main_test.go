@@ -14,6 +14,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/relay/auth/authtest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -41,6 +42,18 @@ func TestServeFlags(t *testing.T) {
 		{"admin token in clear text", []string{"--upstream", "x:1", "--admin-token-file", "/dev/null"}, "need --admin-tls-cert"},
 		{"admin client CA without TLS", []string{"--upstream", "x:1", "--admin-client-ca", "/dev/null"}, "need --admin-tls-cert"},
 		{"admin cert without key", []string{"--upstream", "x:1", "--admin-tls-cert", "/nonexistent/cert.pem"}, "go together"},
+		{"xds client CA without TLS", []string{"--upstream", "x:1", "--xds-client-ca", "/dev/null"}, "need --xds-tls-cert"},
+		{"xds cert without key", []string{"--upstream", "x:1", "--xds-tls-cert", "/nonexistent/cert.pem"}, "go together"},
+		{"missing xds cert", []string{"--upstream", "x:1", "--xds-tls-cert", "/nonexistent/cert.pem", "--xds-tls-key", "/nonexistent/key.pem"}, "--xds-tls-cert"},
+		{"bad xds auth", append(tlsArgs(t), "--upstream", "x:1", "--xds-auth", "maybe"), `unknown mode "maybe"`},
+		{"mtls without client CA", append(tlsArgs(t), "--upstream", "x:1", "--xds-auth", "mtls"), "needs --xds-client-ca"},
+		{"tokenreview outside a cluster", append(tlsArgs(t), "--upstream", "x:1", "--xds-auth", "jwt"), "in-cluster config"},
+		{"local verifier without keys", append(tlsArgs(t), "--upstream", "x:1", "--xds-auth", "jwt", "--jwt-verifier", "local"), "needs --jwt-jwks-file or --jwt-jwks-url"},
+		{"bad jwt verifier", append(tlsArgs(t), "--upstream", "x:1", "--xds-auth", "jwt", "--jwt-verifier", "trust-me"), `--jwt-verifier "trust-me"`},
+		{"tier over TLS only", append(tlsArgs(t), "--upstream", "x:1", "--xds-auth", "none", "--gossip-listen", "127.0.0.1:0"), "needs a port its relays dial"},
+		{"peer cert without CA", []string{"--upstream", "x:1", "--peer-listen", "127.0.0.1:0", "--peer-tls-cert", "/nonexistent/c.pem", "--peer-tls-key", "/nonexistent/k.pem"}, "go together"},
+		{"peer TLS without a peer port", []string{"--upstream", "x:1", "--peer-tls-cert", "/nonexistent/c.pem", "--peer-tls-key", "/nonexistent/k.pem", "--peer-tls-ca", "/nonexistent/ca.pem"}, "needs --peer-listen"},
+		{"peer identity without TLS", []string{"--upstream", "x:1", "--peer-identity", "spiffe://cluster.local/ns/x/sa/y"}, "needs --peer-tls-cert"},
 		{"missing admin cert", []string{"--upstream", "x:1", "--admin-tls-cert", "/nonexistent/cert.pem", "--admin-tls-key", "/nonexistent/key.pem"}, "--admin-tls-cert"},
 	}
 	for _, tt := range tests {
@@ -169,4 +182,12 @@ func freeAddr(t *testing.T) string {
 	}
 	t.Fatal("no free address")
 	return ""
+}
+
+// tlsArgs are the flags of a TLS xDS port with a serving pair of a test
+// CA, listening on loopback.
+func tlsArgs(t *testing.T) []string {
+	t.Helper()
+	cert, key := authtest.NewCA(t, "mesh root").Serving(t).Write(t, "")
+	return []string{"--xds-tls-cert", cert, "--xds-tls-key", key, "--xds-tls-listen", "127.0.0.1:0", "--admin-listen", ""}
 }

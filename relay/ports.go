@@ -1,0 +1,153 @@
+package relay
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"time"
+
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/status"
+
+	"github.com/meshrelay/meshrelay/ledger/ledgerpb"
+	"github.com/meshrelay/meshrelay/relay/inspectpb"
+)
+
+// port names the listener a stream or call came in on: what it may ask
+// and what it must prove depend on it.
+type port uint8
+
+const (
+	// portPlain is the plaintext xDS port (istiod's 15010): Envoys, and
+	// the tier's relays when there is no peer port. It authenticates no
+	// one.
+	portPlain port = iota
+	// portTLS is the TLS xDS port (istiod's 15012): Envoys, each proving
+	// its identity when an Authenticator is set.
+	portTLS
+	// portPeer is the tier's relays' own port.
+	portPeer
+)
+
+func (p port) String() string {
+	switch p {
+	case portTLS:
+		return "tls"
+	case portPeer:
+		return "peer"
+	}
+	return "plaintext"
+}
+
+// listen opens the listeners the config asks for: plaintext xDS, TLS xDS
+// and peer (any may be nil; validate made sure one xDS port is not).
+func (r *Relay) listen() (lis, tlsLis, peerLis net.Listener, err error) {
+	open := func(given net.Listener, addr string) (net.Listener, error) {
+		if given != nil || addr == "" {
+			return given, nil
+		}
+		l, err := net.Listen("tcp", addr)
+		if err != nil {
+			return nil, fmt.Errorf("relay: listen %s: %w", addr, err)
+		}
+		return l, nil
+	}
+	if lis, err = open(r.cfg.Listener, r.cfg.XDSListen); err != nil {
+		return nil, nil, nil, err
+	}
+	if r.cfg.XDSTLS != nil {
+		if tlsLis, err = open(r.cfg.TLSListener, r.cfg.XDSTLSListen); err != nil {
+			closeAll(lis)
+			return nil, nil, nil, err
+		}
+	}
+	if peerLis, err = open(r.cfg.PeerListener, r.cfg.PeerListen); err != nil {
+		closeAll(lis, tlsLis)
+		return nil, nil, nil, err
+	}
+	return lis, tlsLis, peerLis, nil
+}
+
+func closeAll(ls ...net.Listener) {
+	for _, l := range ls {
+		if l != nil {
+			l.Close()
+		}
+	}
+}
+
+// hasPeerPort reports whether the tier's relays have a port of their own.
+func (r *Relay) hasPeerPort() bool { return r.cfg.PeerListen != "" || r.cfg.PeerListener != nil }
+
+// serveXDS serves the relay's gRPC services (ADS, and the tier's ledger
+// and inspect exchanges) on lis, as port p, until Stop.
+func (r *Relay) serveXDS(lis net.Listener, p port, opts ...grpc.ServerOption) {
+	srv := grpc.NewServer(append([]grpc.ServerOption{
+		grpc.ForceServerCodecV2(newCodec()),
+		// Stop returns only once every handler has: no stream attaches a
+		// key (and starts its goroutine) behind Stop's back.
+		grpc.WaitForHandlers(true),
+		// Thousands of mostly idle Envoy connections: give each
+		// connection's write buffer back between writes.
+		grpc.SharedWriteBuffer(true),
+		grpc.MaxRecvMsgSize(r.cfg.MaxMsgSize),
+		grpc.MaxSendMsgSize(r.cfg.MaxMsgSize),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
+		// Generous: a loaded Envoy (or a loaded 2-core benchmark) may be slow
+		// to answer a ping, and a dropped connection costs a reconnect.
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: time.Minute, Timeout: 20 * time.Second}),
+	}, opts...)...)
+	discovery.RegisterAggregatedDiscoveryServiceServer(srv, adsService{r, p})
+	ledgerpb.RegisterLedgerServer(srv, ledgerServer{r: r, port: p})
+	inspectpb.RegisterInspectServer(srv, inspectServer{r: r, port: p})
+	r.servers = append(r.servers, srv)
+	r.serveWG.Add(1)
+	go func() {
+		defer r.serveWG.Done()
+		if err := srv.Serve(r.tracker.track(lis)); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+			r.log.Error("xDS server stopped", "port", p, "addr", lis.Addr().String(), "err", err)
+		}
+	}()
+}
+
+// adsService is the ADS server of one port.
+type adsService struct {
+	r    *Relay
+	port port
+}
+
+func (a adsService) StreamAggregatedResources(ss discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
+	return a.r.serveSotW(ss, a.port)
+}
+
+func (a adsService) DeltaAggregatedResources(ds discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
+	return a.r.serveDelta(ds, a.port)
+}
+
+// checkPort refuses what port p does not serve: relay-to-relay traffic
+// (isPeer) anywhere but on the peer port when there is one, and anything
+// else on it.
+func (r *Relay) checkPort(p port, isPeer bool) error {
+	switch {
+	case p == portPeer && !isPeer:
+		return status.Error(codes.PermissionDenied, "this port serves the tier's relays only: Envoys dial the xDS port")
+	case p != portPeer && isPeer && r.hasPeerPort():
+		return status.Error(codes.PermissionDenied, "relay-to-relay traffic goes to the peer port")
+	}
+	return nil
+}
+
+// peerProvenByTLS reports whether a relay-to-relay call on port p is
+// proven by the peer port's mTLS handshake (PeerTLS verified the
+// certificate and its identity), so that no secret proof is needed.
+func (r *Relay) peerProvenByTLS(p port) bool { return p == portPeer && r.cfg.PeerTLS != nil }
+
+// unprovenPeer reports whether a call on port p that names itself a relay
+// must be refused for lack of any proof: on the authenticating TLS port,
+// without a peer secret, believing it would skip authentication.
+func (r *Relay) unprovenPeer(p port) bool {
+	return p == portTLS && r.cfg.Authenticator != nil && len(r.cfg.PeerSecret) == 0
+}
