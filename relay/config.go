@@ -232,6 +232,21 @@ type Config struct {
 	// Default "": none.
 	AdminToken string
 
+	// AdminAuthenticator, if set, proves the identity of admin API
+	// callers (a service-account JWT, or a SPIFFE client certificate when
+	// AdminTLS asks for one), and of debug requests (istio.io/debug/…) on
+	// the TLS xDS port, which are proven by the stream's Authenticator. A
+	// proven caller whose SPIFFE ID is in AdminIdentities is an admin;
+	// another sees only its own namespace's Envoys, keys and config, and
+	// may not mutate. AdminToken, if also set, still makes an admin.
+	// Default nil: the admin API is guarded by AdminToken and AdminTLS
+	// alone.
+	AdminAuthenticator Authenticator
+	// AdminIdentities are the SPIFFE IDs of admins
+	// (spiffe://cluster.local/ns/istio-system/sa/istioctl, say). Default
+	// none.
+	AdminIdentities []string
+
 	// Registerer and Gatherer hold the relay's Prometheus metrics. Default:
 	// a registry of the relay's own, so several relays can live in one
 	// process.
