@@ -111,6 +111,22 @@ type Config struct {
 	// UpstreamProtocol is the ADS variant spoken to the upstream. Default
 	// delta. Envoys may use either variant whatever this is.
 	UpstreamProtocol Protocol
+	// ForwardCredentials makes each key's upstream stream present, as
+	// "authorization: Bearer", the service-account token of the member
+	// whose node it presents (--upstream-auth forward): members of a key
+	// share namespace and service account, so istiod's own identity check
+	// passes unchanged. The token is one the Authenticator verified on the
+	// TLS port (members proven by certificate alone have none to give),
+	// or, on a stream from another relay, the one that relay presents;
+	// tokens stay in memory, are never logged and never persisted. The
+	// upstream stream moves to another member's node and token when its
+	// member leaves, or TokenRefreshBefore ahead of its token's expiry if
+	// another member's token lives longer. Needs an Authenticator and, in
+	// a tier, PeerTLS (tokens cross between relays). UpstreamDialOptions
+	// should carry TLS. Default false.
+	ForwardCredentials bool
+	// TokenRefreshBefore: see ForwardCredentials. Default 5m.
+	TokenRefreshBefore time.Duration
 
 	// KeyProfile derives aggregation keys. Default IstioProfile{}.
 	KeyProfile KeyProfile
@@ -282,6 +298,7 @@ func DefaultConfig() Config {
 		XDSListen:           ":15010",
 		XDSTLSListen:        ":15012",
 		HandshakeTimeout:    10 * time.Second,
+		TokenRefreshBefore:  5 * time.Minute,
 		UpstreamProtocol:    ProtocolDelta,
 		KeyProfile:          IstioProfile{},
 		Authorizer:          AllowAll{},
@@ -319,6 +336,15 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.PeerTLS != nil && cfg.PeerListen == "" && cfg.PeerListener == nil {
 		bad("PeerTLS", "is set without a peer port (PeerListen)")
+	}
+	if cfg.ForwardCredentials && cfg.Authenticator == nil {
+		bad("ForwardCredentials", "needs an Authenticator: the tokens it forwards are those the TLS port verified")
+	}
+	if cfg.ForwardCredentials && cfg.Owners != nil && cfg.PeerTLS == nil {
+		bad("ForwardCredentials", "in a tier needs PeerTLS: Envoys' tokens cross between relays")
+	}
+	if cfg.ForwardCredentials && cfg.TokenRefreshBefore <= 0 {
+		bad("TokenRefreshBefore", "must be positive")
 	}
 	if cfg.Authenticator != nil && cfg.XDSTLS == nil {
 		bad("Authenticator", "is set without XDSTLS: only the TLS port authenticates")

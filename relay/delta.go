@@ -20,7 +20,7 @@ func (r *Relay) serveDelta(ds discovery.AggregatedDiscoveryService_DeltaAggregat
 		return err
 	}
 	s := r.newStream(ds.Context(), true, p)
-	s.peerRelay, s.identity = who.relay, who.identity
+	s.peerRelay, s.identity, s.cred = who.relay, who.identity, who.cred
 	s.send = func(o *outgoing) error {
 		body := r.bodies.get(bodyKey{delta: true, typeURL: o.typeURL, from: o.from, to: o.to, view: o.view, order: o.order}, func() []byte {
 			return encodeDelta(o, r.controlPlaneWire)

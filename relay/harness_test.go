@@ -45,6 +45,7 @@ type testUpstream struct {
 	addr   string
 	groups []string
 	caches map[string]*cache.LinearCache
+	opts   []grpc.ServerOption // added to the server's (interceptors)
 
 	mu       sync.Mutex
 	srv      *grpc.Server
@@ -57,10 +58,16 @@ type testUpstream struct {
 
 func newTestUpstream(t *testing.T, groups ...string) *testUpstream {
 	t.Helper()
+	return newTestUpstreamWith(t, nil, groups...)
+}
+
+// newTestUpstreamWith is newTestUpstream with server options of its own.
+func newTestUpstreamWith(t *testing.T, opts []grpc.ServerOption, groups ...string) *testUpstream {
+	t.Helper()
 	if len(groups) == 0 {
 		groups = []string{"default"}
 	}
-	u := &testUpstream{t: t, groups: groups, caches: make(map[string]*cache.LinearCache)}
+	u := &testUpstream{t: t, groups: groups, caches: make(map[string]*cache.LinearCache), opts: opts}
 	for _, g := range groups {
 		for _, typeURL := range upstreamTypes {
 			u.caches[g+"|"+typeURL] = cache.NewLinearCache(typeURL)
@@ -112,7 +119,7 @@ func (u *testUpstream) serve(lis net.Listener) {
 			return nil
 		},
 	}
-	srv := grpc.NewServer(grpc.MaxRecvMsgSize(256<<20), grpc.MaxSendMsgSize(256<<20))
+	srv := grpc.NewServer(append([]grpc.ServerOption{grpc.MaxRecvMsgSize(256 << 20), grpc.MaxSendMsgSize(256 << 20)}, u.opts...)...)
 	discovery.RegisterAggregatedDiscoveryServiceServer(srv, serverv3.NewServer(context.Background(), mux, cb))
 	done := make(chan struct{})
 	u.mu.Lock()

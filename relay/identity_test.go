@@ -38,7 +38,14 @@ type secureEnv struct {
 
 func newSecureEnv(t *testing.T, mode auth.Mode, mod func(*Config)) *secureEnv {
 	t.Helper()
-	e := &secureEnv{up: newTestUpstream(t, "ns1", "ns2"), mesh: authtest.NewCA(t, "mesh root"), issuer: authtest.NewIssuer(t)}
+	return newSecureEnvWith(t, mode, authtest.NewIssuer(t), nil, mod)
+}
+
+// newSecureEnvWith is newSecureEnv with the token issuer given and the
+// upstream's server options (an upstream that checks tokens as istiod).
+func newSecureEnvWith(t *testing.T, mode auth.Mode, issuer *authtest.Issuer, upOpts []grpc.ServerOption, mod func(*Config)) *secureEnv {
+	t.Helper()
+	e := &secureEnv{up: newTestUpstreamWith(t, upOpts, "ns1", "ns2"), mesh: authtest.NewCA(t, "mesh root"), issuer: issuer}
 	seed(e.up, "ns1", 3)
 	seed(e.up, "ns2", 3)
 	certFile, keyFile := e.mesh.Serving(t, "meshrelay.istio-system.svc").Write(t, "")
@@ -81,7 +88,19 @@ func authFailures(r *Relay, reason string) float64 {
 type creds struct {
 	cert  *authtest.Issued
 	token string
+	// perRPC sends token on every stream of the connection, as
+	// istio-agent does (else the test adds it to one stream's context).
+	perRPC bool
 }
+
+// bearerCreds sends a token as "authorization: Bearer" on every call.
+type bearerCreds string
+
+func (b bearerCreds) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + string(b)}, nil
+}
+
+func (bearerCreds) RequireTransportSecurity() bool { return true }
 
 func (e *secureEnv) dial(t *testing.T, c creds) *grpc.ClientConn {
 	t.Helper()
@@ -91,7 +110,11 @@ func (e *secureEnv) dial(t *testing.T, c creds) *grpc.ClientConn {
 		// the server names (Go would otherwise send a foreign one not at all).
 		tc.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &c.cert.TLS, nil }
 	}
-	conn, err := grpc.NewClient(e.r.TLSAddr().String(), grpc.WithTransportCredentials(credentials.NewTLS(tc)))
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(credentials.NewTLS(tc))}
+	if c.perRPC {
+		opts = append(opts, grpc.WithPerRPCCredentials(bearerCreds(c.token)))
+	}
+	conn, err := grpc.NewClient(e.r.TLSAddr().String(), opts...)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -263,7 +263,7 @@ func (k *keyState) presenter() (*core.Node, *stream, int) {
 	if len(k.members) == 0 {
 		return nil, nil, 0
 	}
-	s := k.members[0]
+	s := presentable(k.members, k.r.cfg.ForwardCredentials, time.Now(), k.r.cfg.TokenRefreshBefore)
 	return s.node, s, len(k.members)
 }
 

@@ -17,7 +17,7 @@ func (r *Relay) serveSotW(ss discovery.AggregatedDiscoveryService_StreamAggregat
 		return err
 	}
 	s := r.newStream(ss.Context(), false, p)
-	s.peerRelay, s.identity = who.relay, who.identity
+	s.peerRelay, s.identity, s.cred = who.relay, who.identity, who.cred
 	s.send = func(o *outgoing) error {
 		body := r.bodies.get(bodyKey{typeURL: o.typeURL, from: o.from, to: o.to, order: o.order}, func() []byte {
 			return encodeSotW(o, r.controlPlaneWire)

@@ -39,6 +39,9 @@ type stream struct {
 	// identity is the workload a stream on the TLS port proved it is (nil
 	// elsewhere): the node it presents must be of it.
 	identity *auth.Identity
+	// cred is the token the key's upstream stream may present for this
+	// member (forward mode); nil if none.
+	cred *credential
 	wake     chan struct{}
 	// dumps asks the stream what it sent (Relay.ConfigDump).
 	dumps chan dumpReq

@@ -148,6 +148,7 @@ func (r *Relay) peerContext(ctx context.Context, key Key) context.Context {
 type caller struct {
 	relay    *peerIdentity
 	identity *auth.Identity
+	cred     *credential // kept to present upstream (ForwardCredentials)
 }
 
 // admit decides whether a new downstream stream may start: not while the
@@ -170,7 +171,7 @@ func (r *Relay) admit(ctx context.Context, p port) (caller, error) {
 		return caller{}, status.Error(codes.Unavailable, "relay has no config to serve yet (upstream not reached)")
 	}
 	if pi != nil {
-		return caller{relay: pi}, nil
+		return caller{relay: pi, cred: r.forwardable(ctx, true, nil)}, nil
 	}
 	if r.admission != nil && !r.admission.Allow() {
 		r.metrics.refused.WithLabelValues("rate").Inc()
@@ -180,7 +181,7 @@ func (r *Relay) admit(ctx context.Context, p port) (caller, error) {
 	if err != nil {
 		return caller{}, err
 	}
-	return caller{identity: id}, nil
+	return caller{identity: id, cred: r.forwardable(ctx, false, id)}, nil
 }
 
 // waitWarm waits up to WarmWait for the relay to be warm.

@@ -292,6 +292,11 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 		u.delta = true
 		u.declareViews()
 	}
+	if u.r.cfg.ForwardCredentials && presenter != nil {
+		// The member's own token: istiod checks it against the node this
+		// stream presents, which is that member's.
+		sctx = withCredential(sctx, presenter.cred)
+	}
 	client := discovery.NewAggregatedDiscoveryServiceClient(conn)
 	var (
 		send func(proto.Message) error
@@ -439,6 +444,10 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 		}
 		return now
 	}
+	refresh := u.refreshTimer(presenter)
+	if refresh != nil {
+		defer refresh.Stop()
+	}
 	var confirm <-chan time.Time
 	if src.kind == sourcePeer || !u.delta {
 		confirmTimer := time.NewTimer(confirmAfter)
@@ -486,7 +495,7 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 				return got, errRenew
 			}
 			_, first, n := u.k.presenter()
-			if n > 0 && first != u.presented && !u.k.isMember(u.presented) {
+			if n > 0 && first != u.presented && (!u.k.isMember(u.presented) || u.tokenExpiring(first)) {
 				u.log("re-homing upstream stream", "from", presentedNode.GetId(), "to", first.node.GetId())
 				return got, errRehome
 			}
@@ -502,10 +511,45 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 			}
 		case <-u.expiryC():
 			u.expirePending()
+		case <-timerC(refresh):
+			refresh = nil
+			if _, first, n := u.k.presenter(); n > 0 && first != u.presented && u.tokenExpiring(first) {
+				u.log("re-homing upstream stream: its token expires", "from", presentedNode.GetId(), "to", first.node.GetId())
+				return got, errRehome
+			}
 		case <-ctx.Done():
 			return got, ctx.Err()
 		}
 	}
+}
+
+// refreshTimer fires TokenRefreshBefore ahead of the expiry of the token
+// the stream presents (forward mode): then a member whose token lives
+// longer takes over. Nil if there is nothing to refresh.
+func (u *upstream) refreshTimer(presenter *stream) *time.Timer {
+	if !u.r.cfg.ForwardCredentials || presenter == nil || presenter.cred == nil || presenter.cred.expires.IsZero() {
+		return nil
+	}
+	return time.NewTimer(time.Until(presenter.cred.expires.Add(-u.r.cfg.TokenRefreshBefore)))
+}
+
+// tokenExpiring reports whether, in forward mode, the presented token is
+// within TokenRefreshBefore of its expiry while next's lives past it: the
+// stream should move to next before istiod would refuse a reconnect.
+func (u *upstream) tokenExpiring(next *stream) bool {
+	if !u.r.cfg.ForwardCredentials || u.presented == nil {
+		return false
+	}
+	horizon := time.Now().Add(u.r.cfg.TokenRefreshBefore)
+	return !u.presented.cred.usableAt(horizon) && next.cred.usableAt(horizon)
+}
+
+// timerC is t's channel, or nil (never ready) for a nil timer.
+func timerC(t *time.Timer) <-chan time.Time {
+	if t == nil {
+		return nil
+	}
+	return t.C
 }
 
 // renewAfter is how long an upstream or peer stream lives at least before

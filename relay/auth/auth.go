@@ -181,3 +181,11 @@ func serviceAccountUser(user string) (ns, sa string, ok bool) {
 	}
 	return ns, sa, true
 }
+
+// UnverifiedExpiry reads a JWT's exp claim without verifying anything:
+// only to schedule (when to stop presenting a token the relay keeps),
+// never to trust. Zero if the token has none or is not a JWT.
+func UnverifiedExpiry(token string) time.Time {
+	exp, _ := unverifiedExpiry(token)
+	return exp
+}

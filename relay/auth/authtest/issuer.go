@@ -8,6 +8,7 @@ package authtest
 import (
 	"crypto/rand"
 	"crypto/rsa"
+	"encoding/hex"
 	"encoding/json"
 	"os"
 	"path/filepath"
@@ -94,7 +95,12 @@ func (is *Issuer) claims(tok Token) map[string]any {
 	if tok.Subject == "" {
 		tok.Subject = "system:serviceaccount:" + tok.Namespace + ":" + tok.ServiceAccount
 	}
+	jti := make([]byte, 16)
+	rand.Read(jti)
 	return map[string]any{
+		// A random jti, as Kubernetes (1.29 on) writes: two tokens of one
+		// service account signed in the same second still differ.
+		"jti": hex.EncodeToString(jti),
 		"iss": tok.Issuer, "sub": tok.Subject, "aud": tok.Audiences,
 		"iat": tok.IssuedAt.Unix(), "nbf": tok.IssuedAt.Unix(), "exp": tok.IssuedAt.Add(tok.TTL).Unix(),
 		"kubernetes.io": map[string]any{

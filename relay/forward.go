@@ -1,0 +1,84 @@
+package relay
+
+import (
+	"context"
+	"log/slog"
+	"time"
+
+	"google.golang.org/grpc/metadata"
+
+	"github.com/meshrelay/meshrelay/relay/auth"
+)
+
+// credential is a bearer token a stream came with, kept in memory so that
+// its key's upstream stream can present it (Config.ForwardCredentials). It
+// prints as a placeholder, so that no log line can hold it.
+type credential struct {
+	token   string
+	expires time.Time // zero: unknown
+}
+
+func (c *credential) String() string { return "[token]" }
+
+// LogValue implements slog.LogValuer.
+func (c *credential) LogValue() slog.Value { return slog.StringValue("[token]") }
+
+// usableAt reports whether c may still be presented at t.
+func (c *credential) usableAt(t time.Time) bool {
+	return c != nil && (c.expires.IsZero() || t.Before(c.expires))
+}
+
+// forwardable returns the credential of a new stream to keep, in forward
+// mode: an Envoy's token the TLS port verified (id proven by a JWT), or the
+// token another relay presents on its stream to a key this relay owns
+// (the peer port proved that relay; it verified the token). Nil otherwise.
+func (r *Relay) forwardable(ctx context.Context, peer bool, id *auth.Identity) *credential {
+	if !r.cfg.ForwardCredentials || (!peer && (id == nil || id.Method != auth.MethodJWT)) {
+		return nil
+	}
+	tok, err := auth.BearerToken(ctx)
+	if err != nil || tok == "" {
+		return nil
+	}
+	c := &credential{token: tok}
+	if id != nil {
+		c.expires = id.Expires
+	} else {
+		c.expires = auth.UnverifiedExpiry(tok)
+	}
+	return c
+}
+
+// withCredential adds c to an outgoing stream's metadata (nothing if nil).
+func withCredential(ctx context.Context, c *credential) context.Context {
+	if c == nil {
+		return ctx
+	}
+	return metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+c.token)
+}
+
+// presentable picks the member whose node (and, in forward mode, token) a
+// key's upstream stream presents: the first to join, but in forward mode
+// the first whose token lives past refresh from now, else the first whose
+// token is still valid, else the first. members is in join order.
+func presentable(members []*stream, forward bool, now time.Time, refresh time.Duration) *stream {
+	if len(members) == 0 {
+		return nil
+	}
+	if !forward {
+		return members[0]
+	}
+	var valid *stream
+	for _, s := range members {
+		switch {
+		case s.cred.usableAt(now.Add(refresh)):
+			return s
+		case valid == nil && s.cred.usableAt(now):
+			valid = s
+		}
+	}
+	if valid != nil {
+		return valid
+	}
+	return members[0]
+}
