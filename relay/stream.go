@@ -42,7 +42,7 @@ type stream struct {
 	// cred is the token the key's upstream stream may present for this
 	// member (forward mode); nil if none.
 	cred *credential
-	wake     chan struct{}
+	wake chan struct{}
 	// dumps asks the stream what it sent (Relay.ConfigDump).
 	dumps chan dumpReq
 	// led is the stream's entry in the relay's ledger (nil for a peer
