@@ -37,6 +37,7 @@ import (
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
 )
@@ -92,6 +93,11 @@ type Config struct {
 	// Conn carries the ADS stream. Required. Several Envoys may share it;
 	// the caller owns and closes it.
 	Conn grpc.ClientConnInterface
+	// Metadata is sent with every stream the Envoy opens, added to what
+	// the context carries: "authorization: Bearer <token>" is how
+	// istio-agent presents the pod's service-account token on istiod's TLS
+	// port. Default nil: none. It must not be modified after New.
+	Metadata metadata.MD
 	// Reject, if set, is asked about every response's resources before they
 	// are applied; a non-nil error NACKs the response and keeps the previous
 	// state. Called from the stream goroutine, without locks held. Nil
@@ -166,6 +172,9 @@ type Stats struct {
 	Violations uint64
 	// Connected is true while a stream is open.
 	Connected bool
+	// LastErr is why the last stream ended, or could not open (a refused
+	// stream's gRPC status: status.Code reads it); nil before any ended.
+	LastErr error
 }
 
 // ErrStopped is returned by WaitFor when the Envoy stops before the condition

@@ -136,7 +136,7 @@ func (f *fakeStream) send(typeURL, nonce string, res []proto.Message, removed ..
 }
 
 // startFake serves a on bufconn and returns a client connection.
-func startFake(t *testing.T, a *fakeADS) *grpc.ClientConn {
+func startFake(t *testing.T, a discovery.AggregatedDiscoveryServiceServer) *grpc.ClientConn {
 	t.Helper()
 	lis := bufconn.Listen(1 << 20)
 	srv := grpc.NewServer()

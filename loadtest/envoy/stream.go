@@ -2,13 +2,16 @@ package envoy
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"hash/maphash"
+	"io"
 	"math/rand/v2"
 	"time"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
 )
 
 // stream is the open ADS stream, one of the two kinds.
@@ -62,6 +65,9 @@ func (e *Envoy) run(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
+		e.mu.Lock()
+		e.stats.LastErr = err
+		e.mu.Unlock()
 		e.log.Info("ads stream ended", "err", err, "failures", failures)
 	}
 }
@@ -97,6 +103,10 @@ func sleep(ctx context.Context, d time.Duration) bool {
 func (e *Envoy) session(ctx context.Context, client discovery.AggregatedDiscoveryServiceClient) (answered bool, err error) {
 	sctx, scancel := context.WithCancel(ctx)
 	defer scancel()
+	if len(e.cfg.Metadata) > 0 {
+		md, _ := metadata.FromOutgoingContext(sctx)
+		sctx = metadata.NewOutgoingContext(sctx, metadata.Join(md, e.cfg.Metadata))
+	}
 	var st stream
 	opt := grpc.MaxCallRecvMsgSize(e.cfg.MaxRecvMsgSize)
 	if e.cfg.Protocol == Delta {
@@ -140,8 +150,27 @@ func (e *Envoy) session(ctx context.Context, client discovery.AggregatedDiscover
 		<-recvDone
 	}()
 
+	// A Send fails with io.EOF once the server ended the stream; only Recv
+	// says why (a refused stream's status).
+	sendFailed := func(err error) error {
+		if !errors.Is(err, io.EOF) {
+			return err
+		}
+		for {
+			select {
+			case r := <-in:
+				if r.err != nil {
+					return fmt.Errorf("recv: %w", r.err)
+				}
+			case <-recvDone:
+				return err
+			case <-ctx.Done():
+				return err
+			}
+		}
+	}
 	if err := e.flush(st); err != nil {
-		return false, err
+		return false, sendFailed(err)
 	}
 	for {
 		select {
@@ -149,7 +178,7 @@ func (e *Envoy) session(ctx context.Context, client discovery.AggregatedDiscover
 			return answered, ctx.Err()
 		case <-e.kick:
 			if err := e.flush(st); err != nil {
-				return answered, err
+				return answered, sendFailed(err)
 			}
 		case r := <-in:
 			if r.err != nil {
@@ -163,7 +192,7 @@ func (e *Envoy) session(ctx context.Context, client discovery.AggregatedDiscover
 				out = e.handleSotw(r.sotw, r.at)
 			}
 			if err := e.send(st, out); err != nil {
-				return answered, err
+				return answered, sendFailed(err)
 			}
 		}
 	}
