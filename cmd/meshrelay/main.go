@@ -86,6 +86,8 @@ func serve(ctx context.Context, args []string) error {
 	xdsTLS.register(fs, &cfg)
 	var peer peerFlags
 	peer.register(fs, &cfg)
+	var upAuth upstreamAuthFlags
+	upAuth.register(fs)
 
 	gossip := fs.String("gossip-listen", ":7946", "address of the gossip (memberlist) listener, TCP and UDP; empty: no tier, this relay owns every key")
 	gossipAdvertise := fs.String("gossip-advertise", "", "host:port other relays gossip to (default: from --gossip-listen; set the pod IP in Kubernetes)")
@@ -121,6 +123,9 @@ func serve(ctx context.Context, args []string) error {
 		return err
 	}
 	if err := peer.apply(&cfg, xdsTLS.trustDomain); err != nil {
+		return err
+	}
+	if err := upAuth.apply(&cfg, xdsTLS.enabled()); err != nil {
 		return err
 	}
 	if xdsTLS.enabled() && !flagSet(fs, "xds-listen") {

@@ -54,6 +54,12 @@ func TestServeFlags(t *testing.T) {
 		{"peer cert without CA", []string{"--upstream", "x:1", "--peer-listen", "127.0.0.1:0", "--peer-tls-cert", "/nonexistent/c.pem", "--peer-tls-key", "/nonexistent/k.pem"}, "go together"},
 		{"peer TLS without a peer port", []string{"--upstream", "x:1", "--peer-tls-cert", "/nonexistent/c.pem", "--peer-tls-key", "/nonexistent/k.pem", "--peer-tls-ca", "/nonexistent/ca.pem"}, "needs --peer-listen"},
 		{"peer identity without TLS", []string{"--upstream", "x:1", "--peer-identity", "spiffe://cluster.local/ns/x/sa/y"}, "needs --peer-tls-cert"},
+		{"bad upstream auth", []string{"--upstream", "x:1", "--upstream-auth", "sudo"}, `--upstream-auth "sudo"`},
+		{"forward without a TLS port", []string{"--upstream", "x:1", "--upstream-auth", "forward"}, "needs --xds-tls-cert"},
+		{"relay identity without a token", []string{"--upstream", "x:1", "--upstream-auth", "relay-identity"}, "needs --upstream-token-file"},
+		{"relay identity with an empty token", []string{"--upstream", "x:1", "--upstream-auth", "relay-identity", "--upstream-token-file", "/dev/null"}, "is empty"},
+		{"upstream CA in plaintext", []string{"--upstream", "x:1", "--upstream-ca", "/dev/null"}, "need --upstream-auth forward or relay-identity"},
+		{"missing upstream CA", []string{"--upstream", "x:1", "--upstream-auth", "relay-identity", "--upstream-token-file", "/etc/hostname", "--upstream-ca", "/nonexistent/ca.pem"}, "--upstream-ca"},
 		{"missing admin cert", []string{"--upstream", "x:1", "--admin-tls-cert", "/nonexistent/cert.pem", "--admin-tls-key", "/nonexistent/key.pem"}, "--admin-tls-cert"},
 	}
 	for _, tt := range tests {

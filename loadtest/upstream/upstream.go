@@ -72,6 +72,10 @@ type Config struct {
 	// Upstream. Benchmarks use it to start timing a change without racing
 	// its arrival.
 	OnPublish func(Change)
+	// ServerOptions are added to the gRPC server's: TLS credentials and
+	// a Guard's interceptor make it istiod's port 15012. Nil: plaintext,
+	// anyone served (istiod's 15010).
+	ServerOptions []grpc.ServerOption
 }
 
 // DefaultConfig returns a Config with every default filled in and
@@ -634,12 +638,12 @@ func (u *Upstream) Start(ctx context.Context) error {
 		sotw:  sotw.NewServer(srvCtx, u.mux, cb, sotw.WithOrderedADS(), sotw.WithLogger(xl)),
 		delta: delta.NewServer(srvCtx, u.mux, cb, delta.WithLogger(xl)),
 	}
-	srv := grpc.NewServer(
+	srv := grpc.NewServer(append([]grpc.ServerOption{
 		grpc.MaxRecvMsgSize(u.cfg.MaxMsgSize),
 		grpc.MaxSendMsgSize(u.cfg.MaxMsgSize),
 		grpc.WaitForHandlers(true),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: time.Second, PermitWithoutStream: true}),
-	)
+	}, u.cfg.ServerOptions...)...)
 	discovery.RegisterAggregatedDiscoveryServiceServer(srv, ads)
 	done := make(chan struct{})
 	go func() {

@@ -1,0 +1,138 @@
+package main
+
+import (
+	"context"
+	"crypto/sha256"
+	"crypto/tls"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/relay/auth"
+	"github.com/meshrelay/meshrelay/relay/auth/authtest"
+)
+
+// TestServeSecure runs meshrelay serve as an Istio drop-in: a TLS xDS
+// port verifying service-account JWTs locally, the plaintext port off,
+// and forward mode to an upstream that is istiod's 15012 (TLS, and a
+// Guard that checks each stream's token against its node). A sidecar with
+// its token is served, and the upstream sees that sidecar's token; one
+// without a token is refused.
+func TestServeSecure(t *testing.T) {
+	mesh, issuer := authtest.NewCA(t, "mesh root"), authtest.NewIssuer(t)
+	root := mesh.WriteRoot(t)
+	lcfg := auth.DefaultLocalConfig()
+	lcfg.Issuer, lcfg.Keys = issuer.URL, auth.KeysFromFile(issuer.WriteJWKS(t))
+	verifier, err := auth.NewLocal(context.Background(), lcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	guard := &upstream.Guard{Tokens: verifier}
+	upCert := mesh.Serving(t, "istiod.istio-system.svc")
+	ucfg := upstream.DefaultConfig()
+	ucfg.Listen = "127.0.0.1:0"
+	ucfg.ServerOptions = []grpc.ServerOption{
+		grpc.Creds(credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{upCert.TLS}, MinVersion: tls.VersionTLS12})),
+		grpc.ChainStreamInterceptor(guard.Interceptor),
+	}
+	up, err := upstream.New(ucfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := up.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	defer up.Stop(context.Background())
+
+	cert, key := mesh.Serving(t, "meshrelay.istio-system.svc").Write(t, "")
+	xdsAddr, admin := freeAddr(t), freeAddr(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() {
+		errc <- serve(ctx, []string{"--upstream", up.Addr(), "--upstream-ca", root, "--upstream-san", "istiod.istio-system.svc",
+			"--xds-tls-cert", cert, "--xds-tls-key", key, "--xds-tls-listen", xdsAddr,
+			"--xds-auth", "jwt", "--jwt-verifier", "local", "--jwt-issuer", issuer.URL, "--jwt-jwks-file", issuer.WriteJWKS(t),
+			"--gossip-listen", "", "--admin-listen", admin, "--log-level", "error"})
+	}()
+	defer func() {
+		cancel()
+		if err := <-errc; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	}()
+
+	ns := upstream.NamespaceName(0)
+	md, _ := structpb.NewStruct(map[string]any{"NAMESPACE": ns, "SERVICE_ACCOUNT": "app"})
+	node := &core.Node{Id: "sidecar~10.0.0.1~app-1." + ns + "~" + ns + ".svc.cluster.local", Metadata: md}
+	conn, err := grpc.NewClient(xdsAddr, grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{
+		RootCAs: mesh.Pool(), ServerName: "meshrelay.istio-system.svc", MinVersion: tls.VersionTLS12})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	first := func(token string) (*discovery.DeltaDiscoveryResponse, error) {
+		sctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		if token != "" {
+			sctx = metadata.AppendToOutgoingContext(sctx, "authorization", "Bearer "+token)
+		}
+		var resp *discovery.DeltaDiscoveryResponse
+		var err error
+		// The relay refuses streams (Unavailable) until it reached its
+		// upstream: retry those, as Envoy does.
+		for sctx.Err() == nil {
+			var st discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesClient
+			if st, err = discovery.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(sctx); err == nil {
+				st.Send(&discovery.DeltaDiscoveryRequest{Node: node, TypeUrl: "type.googleapis.com/envoy.config.cluster.v3.Cluster"})
+				resp, err = st.Recv()
+			}
+			if status.Code(err) != codes.Unavailable {
+				return resp, err
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		return resp, err
+	}
+	token := issuer.Sign(t, authtest.Token{Namespace: ns, ServiceAccount: "app"})
+	resp, err := first(token)
+	if err != nil || len(resp.GetResources()) == 0 {
+		t.Fatalf("sidecar with its token: %v, %d clusters; want the namespace's clusters", err, len(resp.GetResources()))
+	}
+	admitted := guard.Admitted()
+	if len(admitted) != 1 || admitted[0].Token != sha256.Sum256([]byte(token)) || admitted[0].Node != node.GetId() {
+		t.Fatalf("upstream admitted %+v, want one stream with the sidecar's token and node", admitted)
+	}
+	if _, err := first(""); status.Code(err) != codes.Unauthenticated {
+		t.Fatalf("sidecar without a token: %v, want Unauthenticated", err)
+	}
+	health := get(t, "http://"+admin+"/healthz")
+	if !strings.Contains(health, "xds tls: "+xdsAddr+", auth jwt") || strings.Contains(health, "plaintext") {
+		t.Fatalf("/healthz = %q, want the TLS port with jwt auth and no plaintext port", health)
+	}
+}
+
+func get(t *testing.T, url string) string {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}

@@ -1,0 +1,148 @@
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"os"
+	"strings"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+
+	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/tlsfiles"
+)
+
+// upstreamAuthFlags say how the relay's streams to istiod are
+// authenticated.
+type upstreamAuthFlags struct {
+	mode      string
+	caFile    string
+	san       string
+	tokenFile string
+}
+
+// The --upstream-auth modes.
+const (
+	upstreamPlaintext     = "plaintext"
+	upstreamForward       = "forward"
+	upstreamRelayIdentity = "relay-identity"
+)
+
+func (u *upstreamAuthFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&u.mode, "upstream-auth", "", "how streams to istiod are authenticated: plaintext (istiod's 15010, no credentials), forward (TLS to 15012, each key's stream presenting one of its Envoys' own token), or relay-identity (TLS, the relay's own --upstream-token-file, for an istiod with XDS_AUTH=false). Default: forward when the TLS xDS port authenticates, else plaintext")
+	fs.StringVar(&u.caFile, "upstream-ca", "", "PEM CAs istiod's serving certificate chains to (the mesh root); default: the system's roots")
+	fs.StringVar(&u.san, "upstream-san", "", "name istiod's certificate must carry (ISTIOD_SAN); default: the host of --upstream")
+	fs.StringVar(&u.tokenFile, "upstream-token-file", "", "for relay-identity: file holding the relay's token (a projected service-account token), read again at every stream")
+}
+
+// apply sets the upstream's transport and credentials in cfg. tlsPort says
+// whether the relay has a TLS xDS port: forward is the default when it
+// authenticates (the tokens it verifies are what forward presents).
+func (u *upstreamAuthFlags) apply(cfg *relay.Config, tlsPort bool) error {
+	mode := u.mode
+	if mode == "" {
+		mode = upstreamPlaintext
+		if tlsPort && cfg.Authenticator != nil {
+			mode = upstreamForward
+		}
+	}
+	switch mode {
+	case upstreamPlaintext:
+		if u.caFile != "" || u.san != "" || u.tokenFile != "" {
+			return errors.New("--upstream-ca, --upstream-san and --upstream-token-file need --upstream-auth forward or relay-identity")
+		}
+		return nil
+	case upstreamForward:
+		if cfg.Authenticator == nil {
+			return errors.New("--upstream-auth forward presents the tokens Envoys bring to the TLS port: it needs --xds-tls-cert and --xds-auth jwt or any")
+		}
+		if u.tokenFile != "" {
+			return errors.New("--upstream-token-file is for --upstream-auth relay-identity")
+		}
+		cfg.ForwardCredentials = true
+	case upstreamRelayIdentity:
+		if u.tokenFile == "" {
+			return errors.New("--upstream-auth relay-identity needs --upstream-token-file")
+		}
+		if _, err := readToken(u.tokenFile); err != nil {
+			return fmt.Errorf("--upstream-token-file: %w", err)
+		}
+		cfg.UpstreamDialOptions = append(cfg.UpstreamDialOptions, grpc.WithPerRPCCredentials(tokenFile(u.tokenFile)))
+	default:
+		return fmt.Errorf("--upstream-auth %q: want plaintext, forward or relay-identity", mode)
+	}
+	tc := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: u.san}
+	if tc.ServerName == "" {
+		host, _, err := net.SplitHostPort(strings.TrimPrefix(cfg.Upstream, "dns:///"))
+		if err != nil {
+			host = cfg.Upstream
+		}
+		tc.ServerName = host
+	}
+	if u.caFile != "" {
+		roots, err := tlsfiles.LoadCAPool(u.caFile)
+		if err != nil {
+			return fmt.Errorf("--upstream-ca: %w", err)
+		}
+		// The root is read again when it rotates; each handshake verifies
+		// against the current one.
+		tc.RootCAs = roots.Pool()
+		tc.InsecureSkipVerify = true //nolint:gosec // verified in VerifyConnection against the current roots
+		tc.VerifyConnection = func(cs tls.ConnectionState) error {
+			return verifyServer(cs, roots, tc.ServerName)
+		}
+	}
+	cfg.UpstreamDialOptions = append(cfg.UpstreamDialOptions, grpc.WithTransportCredentials(credentials.NewTLS(tc)))
+	return nil
+}
+
+// verifyServer verifies a server's chain against the current roots and
+// its name.
+func verifyServer(cs tls.ConnectionState, roots *tlsfiles.CAPool, name string) error {
+	if len(cs.PeerCertificates) == 0 {
+		return errors.New("upstream presented no certificate")
+	}
+	opts := x509VerifyOptions(roots, name, cs)
+	_, err := cs.PeerCertificates[0].Verify(opts)
+	return err
+}
+
+// tokenFile sends the file's token as "authorization: Bearer" on every
+// stream, reading it each time (kubelet rotates projected tokens).
+type tokenFile string
+
+func (f tokenFile) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	tok, err := readToken(string(f))
+	if err != nil {
+		return nil, err
+	}
+	return map[string]string{"authorization": "Bearer " + tok}, nil
+}
+
+func (tokenFile) RequireTransportSecurity() bool { return true }
+
+func readToken(path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", err
+	}
+	tok := strings.TrimSpace(string(b))
+	if tok == "" {
+		return "", fmt.Errorf("%s is empty", path)
+	}
+	return tok, nil
+}
+
+func x509VerifyOptions(roots *tlsfiles.CAPool, name string, cs tls.ConnectionState) x509.VerifyOptions {
+	inter := x509.NewCertPool()
+	for _, c := range cs.PeerCertificates[1:] {
+		inter.AddCert(c)
+	}
+	return x509.VerifyOptions{Roots: roots.Pool(), Intermediates: inter, DNSName: name}
+}
