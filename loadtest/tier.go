@@ -2,6 +2,7 @@ package loadtest
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -11,6 +12,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/snapshot"
@@ -47,6 +49,21 @@ type TierConfig struct {
 	Node func(*shard.NodeConfig)
 	// Logger receives every relay's logs. Default: discard.
 	Logger *slog.Logger
+	// Secure, if set, makes every relay an Istio drop-in: Envoys on a TLS
+	// port (the Service's), the relays on an mTLS peer port of their own,
+	// and no plaintext port.
+	Secure *TierSecurity
+}
+
+// TierSecurity is what a secure tier's relays need (see relay.Config).
+type TierSecurity struct {
+	// XDSTLS and Authenticator serve the TLS xDS port.
+	XDSTLS        *tls.Config
+	Authenticator relay.Authenticator
+	// PeerServer and PeerClient are the peer port's mTLS (auth.PeerTLS).
+	PeerServer, PeerClient *tls.Config
+	// Forward makes keys' upstream streams present their members' tokens.
+	Forward bool
 }
 
 // Tier is a running in-process tier. Its methods are safe for concurrent
@@ -134,8 +151,12 @@ func (t *Tier) Addr() string { return t.svc.Addr() }
 func (t *Tier) readyAddrs() []string {
 	var out []string
 	for _, r := range t.Running() {
-		if r.Node.Relay().Ready() {
-			out = append(out, r.Node.Relay().Addr().String())
+		if rl := r.Node.Relay(); rl.Ready() {
+			if a := rl.TLSAddr(); a != nil {
+				out = append(out, a.String())
+			} else {
+				out = append(out, rl.Addr().String())
+			}
 		}
 	}
 	return out
@@ -196,6 +217,17 @@ func (t *Tier) Start(ctx context.Context, i int) error {
 	rc.PeerDialOptions = []grpc.DialOption{grpc.WithContextDialer(t.nw.Dialer(tr.Addr()))}
 	rc.Logger = t.cfg.Logger
 	rc.PeerSecret = []byte("tier test peer secret")
+	if s := t.cfg.Secure; s != nil {
+		tlsLis, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			lis.Close()
+			return err
+		}
+		rc.Listener, rc.XDSListen, rc.PeerListener = nil, "", lis
+		rc.TLSListener, rc.XDSTLS, rc.Authenticator = tlsLis, s.XDSTLS, s.Authenticator
+		rc.PeerTLS, rc.ForwardCredentials = s.PeerServer, s.Forward
+		rc.PeerDialOptions = append(rc.PeerDialOptions, grpc.WithTransportCredentials(credentials.NewTLS(s.PeerClient)))
+	}
 	if t.cfg.Relay != nil {
 		t.cfg.Relay(&rc)
 	}
@@ -281,7 +313,7 @@ func (t *Tier) Converged() bool {
 	var want []string
 	running := t.Running()
 	for _, r := range running {
-		want = append(want, r.Node.Relay().Addr().String())
+		want = append(want, r.Node.Relay().PeerAddr().String())
 	}
 	slices.Sort(want)
 	for _, got := range t.Members() {

@@ -151,3 +151,17 @@ func (r *Relay) peerProvenByTLS(p port) bool { return p == portPeer && r.cfg.Pee
 func (r *Relay) unprovenPeer(p port) bool {
 	return p == portTLS && r.cfg.Authenticator != nil && len(r.cfg.PeerSecret) == 0
 }
+
+// PeerAddr returns the address the tier's relays dial for this one (after
+// Start): its peer port's, else its plaintext xDS port's, or nil.
+func (r *Relay) PeerAddr() net.Addr {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	switch {
+	case r.peerLis != nil:
+		return r.peerLis.Addr()
+	case r.lis != nil:
+		return r.lis.Addr()
+	}
+	return nil
+}

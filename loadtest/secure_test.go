@@ -1,0 +1,187 @@
+package loadtest
+
+import (
+	"context"
+	"crypto/sha256"
+	"crypto/tls"
+	"encoding/json"
+	"net"
+	"os"
+	"os/exec"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/xds" // the xds:/// resolver
+
+	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/auth"
+	"github.com/meshrelay/meshrelay/relay/auth/authtest"
+	"github.com/meshrelay/meshrelay/relay/tlsfiles"
+)
+
+// callCredsEnv turns on grpc-go's call_creds in xDS bootstraps. grpc-go
+// reads it once, when its package starts, so the test runs itself again
+// in a child process with it set.
+const callCredsEnv = "GRPC_EXPERIMENTAL_XDS_BOOTSTRAP_CALL_CREDS"
+
+// TestXDSClientOverTLSThroughTier: an independent client, grpc-go's own
+// xds:/// resolver, with a bootstrap of channel_creds tls (the mesh root)
+// and call_creds jwt_token_file (its service-account token), resolves and
+// calls a service through a 3-relay tier that is an Istio drop-in: Envoys
+// on the TLS port verified by JWT, relays on an mTLS peer port, forward
+// mode to an upstream that is istiod's 15012 (TLS, and a Guard that
+// checks each stream's token against its node). The upstream sees only
+// streams carrying the client's token and its node.
+func TestXDSClientOverTLSThroughTier(t *testing.T) {
+	if os.Getenv(callCredsEnv) != "true" {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestXDSClientOverTLSThroughTier$", "-test.count=1")
+		cmd.Env = append(os.Environ(), callCredsEnv+"=true")
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("the test in a child process with %s=true: %v\n%s", callCredsEnv, err, out)
+		}
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	mesh, issuer := authtest.NewCA(t, "mesh root"), authtest.NewIssuer(t)
+	root := mesh.WriteRoot(t)
+	roots, err := tlsfiles.LoadCAPool(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lcfg := auth.DefaultLocalConfig()
+	lcfg.Issuer, lcfg.Keys = issuer.URL, auth.KeysFromFile(issuer.WriteJWKS(t))
+	verifier, err := auth.NewLocal(ctx, lcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	backend := healthBackend(t, "greeter")
+	guard := &upstream.Guard{Tokens: verifier}
+	ucfg := upstream.DefaultConfig()
+	ucfg.Listen = "127.0.0.1:0"
+	ucfg.Scenario = upstream.Scenario{Services: 20, Endpoints: 20, Namespaces: 2,
+		GRPCServices: []upstream.GRPCService{{Name: "greeter.test", Backend: backend}}}
+	ucfg.ServerOptions = []grpc.ServerOption{
+		grpc.Creds(credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{mesh.Serving(t, "istiod.istio-system.svc").TLS}, MinVersion: tls.VersionTLS12})),
+		grpc.ChainStreamInterceptor(guard.Interceptor),
+	}
+	up, err := upstream.New(ucfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := up.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	defer up.Stop(context.Background())
+
+	pair, err := tlsfiles.LoadKeyPair(mesh.Serving(t, "meshrelay.istio-system.svc").Write(t, ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tierPair, err := tlsfiles.LoadKeyPair(mesh.Workload(t, "cluster.local", "istio-system", "meshrelay").Write(t, ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	peerServer, peerClient, err := auth.PeerTLS(tierPair, roots, "spiffe://cluster.local/ns/istio-system/sa/meshrelay")
+	if err != nil {
+		t.Fatal(err)
+	}
+	authn, err := auth.NewAuthenticator(auth.ModeJWT, nil, verifier)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tier, err := StartConvergedTier(ctx, TierConfig{
+		Relays: 3, Upstream: up.Addr(),
+		Secure: &TierSecurity{
+			XDSTLS: tlsfiles.ServerConfig(pair, roots, tls.RequestClientCert), Authenticator: authn,
+			PeerServer: peerServer, PeerClient: peerClient, Forward: true,
+		},
+		Relay: func(c *relay.Config) {
+			c.UpstreamDialOptions = append(c.UpstreamDialOptions, grpc.WithTransportCredentials(credentials.NewTLS(
+				&tls.Config{RootCAs: mesh.Pool(), ServerName: "istiod.istio-system.svc", MinVersion: tls.VersionTLS12})))
+		},
+	}, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tier.Stop(context.Background())
+
+	ns := upstream.NamespaceName(0)
+	token := issuer.Sign(t, authtest.Token{Namespace: ns, ServiceAccount: "greeter-client"})
+	nodeID := "sidecar~127.0.0.1~grpc-client." + ns + "~" + ns + ".svc.cluster.local"
+	bootstrap, err := json.Marshal(map[string]any{
+		"xds_servers": []any{map[string]any{
+			"server_uri":      tier.Addr(),
+			"channel_creds":   []any{map[string]any{"type": "tls", "config": map[string]any{"ca_certificate_file": root}}},
+			"call_creds":      []any{map[string]any{"type": "jwt_token_file", "config": map[string]any{"jwt_token_file": authtest.WriteToken(t, token)}}},
+			"server_features": []string{"xds_v3"},
+		}},
+		"node": map[string]any{"id": nodeID, "metadata": map[string]any{
+			"NAMESPACE": ns, "SERVICE_ACCOUNT": "greeter-client", "GENERATOR": "grpc",
+		}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	builder, err := xds.NewXDSResolverWithConfigForTesting(bootstrap)
+	if err != nil {
+		t.Fatalf("NewXDSResolverWithConfigForTesting: %v", err)
+	}
+	cc, err := grpc.NewClient("xds:///greeter.test", grpc.WithTransportCredentials(insecureCreds()), grpc.WithResolvers(builder))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	resp, err := healthpb.NewHealthClient(cc).Check(ctx, &healthpb.HealthCheckRequest{Service: "greeter"})
+	if err != nil || resp.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+		t.Fatalf("Check through xds:///greeter.test: %v %v, want SERVING", resp, err)
+	}
+	admitted := guard.Admitted()
+	if len(admitted) == 0 {
+		t.Fatal("the upstream admitted no stream")
+	}
+	for _, s := range admitted {
+		if s.Token != sha256.Sum256([]byte(token)) || s.Node != nodeID {
+			t.Fatalf("upstream stream %+v: want the client's token and node %s", s, nodeID)
+		}
+	}
+	if refused := guard.Refused(); len(refused) > 0 {
+		t.Fatalf("the upstream refused streams: %v", refused)
+	}
+}
+
+// healthBackend runs a gRPC health server on loopback reporting service
+// SERVING until the test ends, and returns its address.
+func healthBackend(t *testing.T, service string) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := health.NewServer()
+	hs.SetServingStatus(service, healthpb.HealthCheckResponse_SERVING)
+	srv := grpc.NewServer()
+	healthpb.RegisterHealthServer(srv, hs)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = srv.Serve(lis)
+	}()
+	t.Cleanup(func() {
+		srv.Stop()
+		<-done
+	})
+	return lis.Addr().String()
+}
+
+func insecureCreds() credentials.TransportCredentials { return insecure.NewCredentials() }
