@@ -2,7 +2,9 @@ package relay
 
 import (
 	"context"
+	"net/netip"
 	"strings"
+	"sync"
 	"time"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -38,6 +40,9 @@ func (r *Relay) authenticate(ctx context.Context, p port) (*auth.Identity, error
 	if err != nil {
 		reason := auth.ReasonOf(err)
 		r.metrics.authFailures.WithLabelValues(string(reason)).Inc()
+		if reason != auth.ReviewFailed {
+			r.failures.failed(sourceIP(ctx))
+		}
 		if r.authLogs.Allow() {
 			r.log.Warn("stream refused: authentication failed", "peer", peerAddr(ctx), "reason", reason, "err", err)
 		}
@@ -60,6 +65,7 @@ func (s *stream) checkIdentity(node *core.Node) error {
 	}
 	if err := auth.CheckNode(*s.identity, node); err != nil {
 		s.r.metrics.authFailures.WithLabelValues(string(auth.ReasonOf(err))).Inc()
+		s.r.failures.failed(sourceIP(s.ctx))
 		if s.r.authLogs.Allow() {
 			s.log.Warn("stream refused: node does not match its identity", "node", node.GetId(), "peer", s.peer, "identity", s.identity.SPIFFEID(), "err", err)
 		}
@@ -88,6 +94,75 @@ func peerAddr(ctx context.Context) string {
 		return p.Addr.String()
 	}
 	return ""
+}
+
+// failureGate bounds the verifications a source address may cost while
+// its authentications fail: each source may fail failBurst times, then
+// once a failInterval; past that its streams are refused before anything
+// is verified, and before they take a token of the admission bucket, so a
+// pod that floods bad credentials neither burns CPU nor starves the
+// others (in Kubernetes each pod has an address of its own). A source
+// that authenticates is not slowed. Bounded: at most maxFailingSources
+// addresses are remembered. Safe for concurrent use.
+type failureGate struct {
+	mu sync.Mutex
+	by map[netip.Addr]*rate.Limiter
+}
+
+const (
+	failBurst         = 5
+	failInterval      = time.Second
+	maxFailingSources = 10_000
+)
+
+func newFailureGate() *failureGate { return &failureGate{by: make(map[netip.Addr]*rate.Limiter)} }
+
+// allows reports whether a stream from ip may be verified.
+func (g *failureGate) allows(ip netip.Addr) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	l := g.by[ip]
+	return l == nil || l.Tokens() >= 1
+}
+
+// failed counts a failed authentication from ip.
+func (g *failureGate) failed(ip netip.Addr) {
+	if !ip.IsValid() {
+		return
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	l := g.by[ip]
+	if l == nil {
+		if len(g.by) >= maxFailingSources {
+			// Forget the sources that stopped failing (full buckets);
+			// if all still fail, forget them all: the bound holds.
+			for a, old := range g.by {
+				if old.Tokens() >= failBurst {
+					delete(g.by, a)
+				}
+			}
+			if len(g.by) >= maxFailingSources {
+				clear(g.by)
+			}
+		}
+		l = rate.NewLimiter(rate.Every(failInterval), failBurst)
+		g.by[ip] = l
+	}
+	l.Allow()
+}
+
+// sourceIP is the address a stream comes from (invalid if unknown).
+func sourceIP(ctx context.Context) netip.Addr {
+	p, ok := peer.FromContext(ctx)
+	if !ok || p.Addr == nil {
+		return netip.Addr{}
+	}
+	ap, err := netip.ParseAddrPort(p.Addr.String())
+	if err != nil {
+		return netip.Addr{}
+	}
+	return ap.Addr().Unmap()
 }
 
 // newAuthLogLimiter bounds authentication warnings: a flood of failures

@@ -118,7 +118,7 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 			Name: "meshrelay_peer_clients", Help: "Open streams of other relays subscribed to keys this relay owns (relay-to-relay, incoming).",
 		}),
 		authFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "meshrelay_xds_auth_failures_total", Help: "Streams on the TLS xDS port refused for their credentials or identity: by reason (no_credentials, bad_token, expired, not_yet_valid, wrong_issuer, wrong_audience, untrusted_cert, no_spiffe_id, wrong_trust_domain, review_failed, review_denied, identity_mismatch, unproven_peer).",
+			Name: "meshrelay_xds_auth_failures_total", Help: "Streams on the TLS xDS port refused for their credentials or identity: by reason (no_credentials, bad_token, expired, not_yet_valid, wrong_issuer, wrong_audience, untrusted_cert, no_spiffe_id, wrong_trust_domain, review_failed, review_denied, identity_mismatch, unproven_peer, throttled: a source address that kept failing, refused before verification).",
 		}, []string{"reason"}),
 	}
 	sources := prometheus.NewGaugeVec(prometheus.GaugeOpts{

@@ -95,6 +95,10 @@ func (r *Relay) serveXDS(lis net.Listener, p port, opts ...grpc.ServerOption) {
 		grpc.SharedWriteBuffer(true),
 		grpc.MaxRecvMsgSize(r.cfg.MaxMsgSize),
 		grpc.MaxSendMsgSize(r.cfg.MaxMsgSize),
+		// A stream's metadata is a token and a few short values: refuse
+		// a flood of headers before it is held in memory (grpc-go's
+		// default allows 16 MiB).
+		grpc.MaxHeaderListSize(maxHeaderListBytes),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
 		// Generous: a loaded Envoy (or a loaded 2-core benchmark) may be slow
 		// to answer a ping, and a dropped connection costs a reconnect.
@@ -165,3 +169,7 @@ func (r *Relay) PeerAddr() net.Addr {
 	}
 	return nil
 }
+
+// maxHeaderListBytes bounds a call's metadata: an authorization header
+// (auth.MaxTokenBytes) and the rest with room to spare.
+const maxHeaderListBytes = 64 << 10

@@ -96,6 +96,7 @@ type Relay struct {
 	draining   atomic.Bool   // set by MarkNotReady: new streams are refused
 	admission  *rate.Limiter // nil: no limit
 	authLogs   *rate.Limiter // bounds authentication warnings
+	failures   *failureGate  // bounds verifications of failing sources
 
 	peersMu sync.Mutex
 	peers   map[string]*grpc.ClientConn // relay-to-relay connections by xDS address
@@ -124,6 +125,7 @@ func New(cfg Config) (*Relay, error) {
 		peers:        make(map[string]*grpc.ClientConn),
 		clock:        ledger.NewClock(cfg.wall),
 		authLogs:     newAuthLogLimiter(),
+		failures:     newFailureGate(),
 	}
 	if cfg.AdmitRate > 0 {
 		r.admission = rate.NewLimiter(rate.Limit(cfg.AdmitRate), cfg.AdmitBurst)

@@ -173,6 +173,10 @@ func (r *Relay) admit(ctx context.Context, p port) (caller, error) {
 	if pi != nil {
 		return caller{relay: pi, cred: r.forwardable(ctx, true, nil)}, nil
 	}
+	if p == portTLS && r.cfg.Authenticator != nil && !r.failures.allows(sourceIP(ctx)) {
+		r.metrics.authFailures.WithLabelValues("throttled").Inc()
+		return caller{}, status.Error(codes.Unauthenticated, "too many failed authentications from this address: retry later")
+	}
 	if r.admission != nil && !r.admission.Allow() {
 		r.metrics.refused.WithLabelValues("rate").Inc()
 		return caller{}, status.Errorf(codes.ResourceExhausted, "relay admits %v new streams a second: retry", r.cfg.AdmitRate)
