@@ -5,7 +5,9 @@ import (
 	"crypto/rand"
 	"crypto/rsa"
 	"crypto/tls"
+	"net"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -110,7 +112,13 @@ func (e *secureEnv) dial(t *testing.T, c creds) *grpc.ClientConn {
 		// the server names (Go would otherwise send a foreign one not at all).
 		tc.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &c.cert.TLS, nil }
 	}
-	opts := []grpc.DialOption{grpc.WithTransportCredentials(credentials.NewTLS(tc))}
+	// Each connection from an address of its own, as each pod has: the
+	// relay throttles an address whose authentications keep failing.
+	n := podAddrs.Add(1)
+	src := &net.TCPAddr{IP: net.IPv4(127, 1, byte(n>>8), byte(n))}
+	d := &net.Dialer{LocalAddr: src}
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(credentials.NewTLS(tc)),
+		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) { return d.DialContext(ctx, "tcp", addr) })}
 	if c.perRPC {
 		opts = append(opts, grpc.WithPerRPCCredentials(bearerCreds(c.token)))
 	}
@@ -121,6 +129,9 @@ func (e *secureEnv) dial(t *testing.T, c creds) *grpc.ClientConn {
 	t.Cleanup(func() { conn.Close() })
 	return conn
 }
+
+// podAddrs numbers the loopback addresses test clients connect from.
+var podAddrs atomic.Uint32
 
 // saNode is an Istio sidecar's node with namespace and service account.
 func saNode(ns, sa string, i int) *core.Node {
