@@ -125,7 +125,10 @@ type Config struct {
 	// a tier, PeerTLS (tokens cross between relays). UpstreamDialOptions
 	// should carry TLS. Default false.
 	ForwardCredentials bool
-	// TokenRefreshBefore: see ForwardCredentials. Default 5m.
+	// TokenRefreshBefore: see ForwardCredentials. Also, an Envoy whose
+	// token comes within half of it of its expiry is asked to reconnect
+	// (its connection is closed), so that the key always has a token
+	// istiod takes when its stream must be opened again. Default 5m.
 	TokenRefreshBefore time.Duration
 
 	// KeyProfile derives aggregation keys. Default IstioProfile{}.

@@ -82,3 +82,37 @@ func presentable(members []*stream, forward bool, now time.Time, refresh time.Du
 	}
 	return members[0]
 }
+
+// refreshCredentials keeps, in forward mode, a supply of tokens istiod
+// will still take: a stream keeps the token it opened with, and istiod
+// refuses an expired one when a key's upstream stream must be opened again
+// (after a failure, or a re-home). So an Envoy whose token comes within
+// half of TokenRefreshBefore of its expiry is moved away (its connection
+// closed, as balancing does): it reconnects, most likely elsewhere, with
+// the token istio-agent holds now. The key's stream, if it presented that
+// Envoy, has already moved to a member whose token lives longer. At most
+// ShedRate a second; istiod itself closes every connection after 30
+// minutes (its MaxServerConnectionAge), far more often than this.
+func (r *Relay) refreshCredentials(ctx context.Context) {
+	every := max(r.cfg.TokenRefreshBefore/5, 100*time.Millisecond)
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		budget := max(1, int(r.cfg.ShedRate*every.Seconds()))
+		horizon := time.Now().Add(r.cfg.TokenRefreshBefore / 2)
+		streams, _ := r.streams()
+		for _, s := range streams {
+			if budget == 0 {
+				break
+			}
+			if s.cred != nil && !s.cred.usableAt(horizon) && r.moveAway(s, "token_expiry") {
+				budget--
+			}
+		}
+	}
+}

@@ -7,7 +7,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	synth "github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay/auth"
@@ -130,4 +133,30 @@ func waitOpenUpstreams(t *testing.T, up *testUpstream, n int) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	waitCtx(ctx, t, "upstream streams open", func() bool { open, _ := up.streams(); return open == n })
+}
+
+// An Envoy whose token nears its expiry is asked to reconnect (its
+// connection closed), so that the key keeps a token istiod takes; with a
+// fresh token it is served again at once, and the upstream stream moves
+// to it when the old one can no longer be presented.
+func TestForwardAsksExpiringTokensToReconnect(t *testing.T) {
+	const refresh = 10 * time.Second
+	e, g := forwardEnv(t, refresh)
+	// Within half the refresh margin of its expiry after a second.
+	old, tokOld, closeOld := e.member(t, 1, refresh/2+time.Second)
+	defer closeOld()
+	waitPresented(t, g, tokOld, "the member's token is presented")
+	if err := old.streamErr(); status.Code(err) != codes.Unavailable {
+		t.Fatalf("the stream with the expiring token ended with %v, want Unavailable (connection closed)", err)
+	}
+	if got := testutil.ToFloat64(e.r.metrics.shed.WithLabelValues("token_expiry")); got != 1 {
+		t.Fatalf("streams moved for token expiry = %v, want 1", got)
+	}
+	// istio-agent reconnects with the token it holds now.
+	_, tokNew, closeNew := e.member(t, 1, time.Hour)
+	defer closeNew()
+	waitPresented(t, g, tokNew, "the reconnected member's fresh token is presented")
+	if refused := g.Refused(); len(refused) > 0 {
+		t.Fatalf("the upstream refused streams: %v", refused)
+	}
 }

@@ -100,7 +100,7 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 			Name: "meshrelay_xds_streams_refused_total", Help: "New downstream streams refused: rate (admission bucket empty) or cold (upstream never reached).",
 		}, []string{"reason"}),
 		shed: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "meshrelay_xds_streams_moved_total", Help: "Downstream streams whose connection the relay closed to move the client: rebalance or drain.",
+			Name: "meshrelay_xds_streams_moved_total", Help: "Downstream streams whose connection the relay closed to move the client: rebalance, drain, or token_expiry (forward mode: the Envoy reconnects with a fresh token).",
 		}, []string{"reason"}),
 		peerFallbacks: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "meshrelay_peer_fallbacks_total", Help: "Times a key's owner could not be reached and the relay subscribed to the upstream itself.",

@@ -196,6 +196,9 @@ func (r *Relay) Start(ctx context.Context) error {
 	if r.cfg.Tier != nil {
 		r.goRun(r.balance)
 	}
+	if r.cfg.ForwardCredentials {
+		r.goRun(r.refreshCredentials)
+	}
 	if lis != nil {
 		r.serveXDS(lis, portPlain)
 	}
