@@ -4,39 +4,182 @@ import (
 	"context"
 	"crypto/subtle"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/reflection"
 	"google.golang.org/grpc/status"
+
+	"github.com/meshrelay/meshrelay/relay/auth"
 )
 
 // The admin listener serves HTTP/1 (health, readiness, /metrics, pprof) and,
 // over HTTP/2 on the same port, gRPC: grpc.health.v1 (the relay's
 // readiness), server reflection, and whatever Config.AdminServices
 // registers (the admin API of the tier). With Config.AdminTLS it serves
-// TLS (mTLS if the config asks for client certificates); with
-// Config.AdminToken every gRPC call but health checks, and pprof, must
-// carry the bearer token.
+// TLS (mTLS if the config asks for client certificates).
+//
+// Who may do what (every gRPC call but health checks, and pprof):
+//
+//   - with neither Config.AdminToken nor Config.AdminAuthenticator, every
+//     caller is an admin (the port is guarded by AdminTLS and the network);
+//   - a call carrying AdminToken as "authorization: Bearer" is an admin;
+//   - else, with an AdminAuthenticator, the call proves an identity (a
+//     service-account JWT, or a SPIFFE client certificate): one in
+//     Config.AdminIdentities is an admin, any other is scoped to its
+//     namespace (AdminCaller), and a call that proves none is
+//     Unauthenticated;
+//   - else it is Unauthenticated.
+//
+// The services read the verdict with AdminCallerFrom: a scoped caller sees
+// only its namespace's Envoys, keys and config, and changes nothing. pprof
+// (which can show anything in memory) wants an admin.
 
-// newAdminGRPC builds the admin listener's gRPC server.
+// AdminCaller is who an admin API call comes from, as the admin listener
+// proved it. The zero AdminCaller sees nothing: it is what a context the
+// admin listener did not vouch for holds.
+type AdminCaller struct {
+	// Admin sees the whole tier and may change it (where the relay
+	// allows mutating calls at all).
+	Admin bool
+	// Namespace is, for a caller that is not an admin, the only
+	// namespace whose Envoys, keys and config it sees ("" for an admin).
+	Namespace string
+	// Identity is the SPIFFE ID the caller proved; "" for the admin token
+	// or an open admin API.
+	Identity string
+}
+
+type adminCallerKey struct{}
+
+// AdminCallerFrom returns the caller of the admin call ctx belongs to, or
+// the zero AdminCaller (which sees nothing) if the admin listener did not
+// decide it.
+func AdminCallerFrom(ctx context.Context) AdminCaller {
+	c, _ := ctx.Value(adminCallerKey{}).(AdminCaller)
+	return c
+}
+
+func withAdminCaller(ctx context.Context, c AdminCaller) context.Context {
+	return context.WithValue(ctx, adminCallerKey{}, c)
+}
+
+// String names the caller for logs and errors.
+func (c AdminCaller) String() string {
+	switch {
+	case c.Admin && c.Identity != "":
+		return "admin " + c.Identity
+	case c.Admin:
+		return "admin"
+	case c.Identity != "":
+		return c.Identity + " (namespace " + c.Namespace + ")"
+	}
+	return "nobody"
+}
+
+// SeesKey reports whether the caller may see key, its Envoys and its
+// config: an admin sees every key, another caller the keys of its
+// namespace (KeyNamespace).
+func (c AdminCaller) SeesKey(key string) bool {
+	return c.Admin || c.Namespace != "" && KeyNamespace(key) == c.Namespace
+}
+
+// MayAskNode reports whether the caller may ask for the node named id:
+// an admin may ask for any; another caller for a node whose id names its
+// namespace or none. It says nothing of whether the node exists, so a
+// refusal reveals nothing; the answer's key (SeesKey) has the last word.
+func (c AdminCaller) MayAskNode(id string) bool {
+	if c.Admin {
+		return true
+	}
+	ns := auth.ConfigNamespace(&core.Node{Id: id})
+	return c.Namespace != "" && (ns == "" || ns == c.Namespace)
+}
+
+// KeyNamespace returns the namespace of a key's Envoys, read from the key
+// the relay derived from their nodes (the ledger records an Envoy's node
+// id and key, not its metadata):
+//
+//   - an istio-profile key, "<type>/<namespace>/<workload>#<hash>", names
+//     the namespace the profile read from its nodes (metadata NAMESPACE,
+//     else the id's domain): for a node istiod reads a namespace from
+//     (auth.ConfigNamespace), that one, which the TLS port checked the
+//     stream's identity against;
+//   - a per-node key, "node/<id>#<hash>", names its node id's namespace
+//     (the id's DNS domain, "sidecar~ip~pod.ns~ns.svc.cluster.local");
+//   - anything else, or a name that is not a Kubernetes namespace name,
+//     names none: "", which only admins see.
+//
+// A workload can make its own Envoys look like another namespace's (a
+// crafted node on the plaintext port, a per-node key whose id and
+// metadata disagree), never another workload's look like its own.
+func KeyNamespace(key string) string {
+	prefix := key
+	if i := strings.LastIndexByte(prefix, '#'); i >= 0 {
+		prefix = prefix[:i]
+	}
+	var ns string
+	if id, ok := strings.CutPrefix(prefix, "node/"); ok {
+		// Istio's ids hold no "/": one that does is an istio-profile key
+		// of a node that calls itself of type "node", which names none.
+		if !strings.Contains(id, "/") {
+			ns = auth.ConfigNamespace(&core.Node{Id: id})
+		}
+	} else if parts := strings.Split(prefix, "/"); len(parts) == 3 && parts[0] != "" {
+		ns = parts[1]
+	}
+	if !isNamespaceName(ns) {
+		return ""
+	}
+	return ns
+}
+
+// isNamespaceName reports whether s is a Kubernetes namespace name (an
+// RFC 1123 label).
+func isNamespaceName(s string) bool {
+	if s == "" || len(s) > 63 || s[0] == '-' || s[len(s)-1] == '-' {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-') {
+			return false
+		}
+	}
+	return true
+}
+
+// newAdminGRPC builds the admin listener's gRPC server: every call but
+// health checks is authenticated (adminCaller) and carries its caller in
+// its context.
 func (r *Relay) newAdminGRPC() *grpc.Server {
 	s := grpc.NewServer(grpc.MaxSendMsgSize(r.cfg.MaxMsgSize),
 		grpc.UnaryInterceptor(func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-			if err := r.adminAuth(ctx, info.FullMethod); err != nil {
+			if isHealth(info.FullMethod) {
+				return handler(ctx, req)
+			}
+			c, err := r.adminCaller(ctx, info.FullMethod)
+			if err != nil {
 				return nil, err
 			}
-			return handler(ctx, req)
+			return handler(withAdminCaller(ctx, c), req)
 		}),
 		grpc.StreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
-			if err := r.adminAuth(ss.Context(), info.FullMethod); err != nil {
+			if isHealth(info.FullMethod) {
+				return handler(srv, ss)
+			}
+			c, err := r.adminCaller(ss.Context(), info.FullMethod)
+			if err != nil {
 				return err
 			}
-			return handler(srv, ss)
+			return handler(srv, callerStream{ss, withAdminCaller(ss.Context(), c)})
 		}))
 	healthpb.RegisterHealthServer(s, adminHealth{r})
 	reflection.Register(s)
@@ -46,20 +189,60 @@ func (r *Relay) newAdminGRPC() *grpc.Server {
 	return s
 }
 
-// adminAuth checks an admin gRPC call's bearer token, if the relay has
-// one. Health checks need none: kubelet's gRPC probes carry none, and
-// readiness tells nothing secret.
-func (r *Relay) adminAuth(ctx context.Context, method string) error {
-	if r.cfg.AdminToken == "" || strings.HasPrefix(method, "/grpc.health.v1.Health/") {
-		return nil
+// Health checks need no credentials: kubelet's gRPC probes carry none,
+// and readiness tells nothing secret.
+func isHealth(method string) bool { return strings.HasPrefix(method, "/grpc.health.v1.Health/") }
+
+// callerStream is a server stream whose context carries its AdminCaller.
+type callerStream struct {
+	grpc.ServerStream
+	ctx context.Context
+}
+
+func (s callerStream) Context() context.Context { return s.ctx }
+
+// adminCaller decides who an admin call (of method, for logs) is from, by
+// the rules above. Refusals name what was wrong with a credential, never
+// the credential; they are logged at most a few times a second.
+func (r *Relay) adminCaller(ctx context.Context, method string) (AdminCaller, error) {
+	if r.cfg.AdminToken == "" && r.cfg.AdminAuthenticator == nil {
+		return AdminCaller{Admin: true}, nil
 	}
-	md, _ := metadata.FromIncomingContext(ctx)
-	for _, v := range md.Get("authorization") {
-		if r.tokenMatches(v) {
-			return nil
+	if r.cfg.AdminToken != "" {
+		md, _ := metadata.FromIncomingContext(ctx)
+		for _, v := range md.Get("authorization") {
+			if r.tokenMatches(v) {
+				return AdminCaller{Admin: true}, nil
+			}
 		}
 	}
-	return status.Error(codes.Unauthenticated, "the admin API wants a bearer token (authorization: Bearer <token>)")
+	if r.cfg.AdminAuthenticator == nil {
+		return AdminCaller{}, status.Error(codes.Unauthenticated, "the admin API wants a bearer token (authorization: Bearer <token>)")
+	}
+	id, err := r.cfg.AdminAuthenticator.Authenticate(ctx)
+	if err != nil {
+		reason := auth.ReasonOf(err)
+		if r.authLogs.Allow() {
+			r.log.Warn("admin call refused: authentication failed", "method", method, "peer", peerAddr(ctx), "reason", reason, "err", err)
+		}
+		if reason == auth.ReviewFailed {
+			return AdminCaller{}, status.Errorf(codes.Unavailable, "admin API: authentication unavailable: %v", err)
+		}
+		return AdminCaller{}, status.Errorf(codes.Unauthenticated,
+			"the admin API wants the admin token, a service-account token (authorization: Bearer) or a SPIFFE client certificate: %v", err)
+	}
+	return r.identityCaller(id), nil
+}
+
+// identityCaller is what a proven identity may do, on the admin API and
+// in debug requests over xDS: everything if Config.AdminIdentities names
+// it, else see its own namespace.
+func (r *Relay) identityCaller(id auth.Identity) AdminCaller {
+	spiffe := id.SPIFFEID()
+	if slices.Contains(r.cfg.AdminIdentities, spiffe) {
+		return AdminCaller{Admin: true, Identity: spiffe}
+	}
+	return AdminCaller{Namespace: id.Namespace, Identity: spiffe}
 }
 
 // tokenMatches reports whether an authorization header carries the admin
@@ -69,13 +252,24 @@ func (r *Relay) tokenMatches(header string) bool {
 	return ok && subtle.ConstantTimeCompare([]byte(token), []byte(r.cfg.AdminToken)) == 1
 }
 
-// adminAuthHTTP lets through only requests with the admin token, if the
-// relay has one.
+// adminAuthHTTP lets through only admins (adminCaller, from the request's
+// Authorization header and client certificate): 401 for a request that
+// proves nothing, 403 for a caller scoped to a namespace.
 func (r *Relay) adminAuthHTTP(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
-		if r.cfg.AdminToken != "" && !r.tokenMatches(req.Header.Get("Authorization")) {
+		ctx := metadata.NewIncomingContext(req.Context(), metadata.MD{"authorization": req.Header.Values("Authorization")})
+		p := &peer.Peer{}
+		if req.TLS != nil {
+			p.AuthInfo = credentials.TLSInfo{State: *req.TLS}
+		}
+		c, err := r.adminCaller(peer.NewContext(ctx, p), req.URL.Path)
+		switch {
+		case err != nil:
 			w.Header().Set("WWW-Authenticate", "Bearer")
-			http.Error(w, "this endpoint wants the admin bearer token", http.StatusUnauthorized)
+			http.Error(w, "this endpoint wants an admin: the admin bearer token, or an admin identity's token or certificate", http.StatusUnauthorized)
+			return
+		case !c.Admin:
+			http.Error(w, "this endpoint is for admins; "+c.String()+" is not one", http.StatusForbidden)
 			return
 		}
 		h.ServeHTTP(w, req)

@@ -1,7 +1,6 @@
 package relay
 
 import (
-	"context"
 	"encoding/json"
 	"errors"
 	"runtime/debug"
@@ -45,7 +44,7 @@ func (s *stream) answerDebugSotW(typeURL, responseNonce string, names []string) 
 	if responseNonce != "" {
 		return nil
 	}
-	res, err := s.r.debugResources(s.ctx, s.port, typeURL, names)
+	res, err := s.debugResources(typeURL, names)
 	if err != nil {
 		return err
 	}
@@ -60,7 +59,7 @@ func (s *stream) answerDebugDelta(req *discovery.DeltaDiscoveryRequest) error {
 	if req.GetResponseNonce() != "" {
 		return nil
 	}
-	res, err := s.r.debugResources(s.ctx, s.port, req.GetTypeUrl(), req.GetResourceNamesSubscribe())
+	res, err := s.debugResources(req.GetTypeUrl(), req.GetResourceNamesSubscribe())
 	if err != nil {
 		return err
 	}
@@ -77,22 +76,63 @@ func isDebugType(typeURL string) bool {
 	return typeURL == typeDebugSyncz || typeURL == typeDebugConfigDump
 }
 
-// debugResources answers a debug type URL for the tier. Only a relay whose
-// xDS port is trusted (Authorizer AllowAll, as istiod's plaintext port)
-// answers: with an Authorizer, a stream proves only that it may have its
-// own node's config, not every node's, and the admin API (which has its
-// own access control) answers the same questions.
-func (r *Relay) debugResources(ctx context.Context, p port, typeURL string, names []string) ([]*anypb.Any, error) {
-	if _, trusted := r.cfg.Authorizer.(AllowAll); !trusted || p != portPlain {
-		return nil, status.Errorf(codes.PermissionDenied, "%s is answered only on a trusted xDS port (no Authorizer): ask the admin API (relayctl)", typeURL)
+// debugCaller decides what a debug stream may see, by its port:
+//
+//   - the plaintext port, if trusted (Authorizer AllowAll, as istiod's
+//     15010), answers everything; with an Authorizer a stream proves only
+//     that it may have its own node's config, not every node's;
+//   - the TLS port answers a stream that proved an identity (istioctl
+//     sends its service-account token) as the admin API would
+//     (identityCaller): everything for Config.AdminIdentities, the
+//     identity's own namespace for any other;
+//   - the peer port serves the tier's relays, which ask no debug types.
+//
+// Anything else is PermissionDenied, saying what would be answered.
+func (s *stream) debugCaller(typeURL string) (AdminCaller, error) {
+	switch s.port {
+	case portPlain:
+		if _, trusted := s.r.cfg.Authorizer.(AllowAll); trusted {
+			return AdminCaller{Admin: true}, nil
+		}
+		return AdminCaller{}, status.Errorf(codes.PermissionDenied,
+			"%s is not answered on this plaintext port (it has an Authorizer): ask over the TLS port with a service-account token, or ask the admin API (relayctl)", typeURL)
+	case portTLS:
+		if s.identity != nil {
+			return s.r.identityCaller(*s.identity), nil
+		}
+		return AdminCaller{}, status.Errorf(codes.PermissionDenied,
+			"%s on the TLS port is answered only for a stream that proved an identity, and this relay authenticates no one there (--xds-auth none): ask the admin API (relayctl)", typeURL)
 	}
+	return AdminCaller{}, status.Errorf(codes.PermissionDenied, "%s is not answered on the peer port: it serves the tier's relays only", typeURL)
+}
+
+// debugResources answers a debug type URL for the tier, as much of it as
+// the stream's caller may see: syncz lists the Envoys of the keys it sees;
+// config_dump refuses a node whose id names another namespace
+// (PermissionDenied, whether or not it exists) and answers a node whose
+// key the caller does not see as one the tier does not hold (nothing, as
+// istiod answers for a node not connected to it).
+func (s *stream) debugResources(typeURL string, names []string) ([]*anypb.Any, error) {
+	c, err := s.debugCaller(typeURL)
+	if err != nil {
+		return nil, err
+	}
+	r, ctx := s.r, s.ctx
 	if typeURL == typeDebugSyncz {
-		return r.syncz(r.TierLedger(ctx, ledger.Scope{}))
+		return r.syncz(r.TierLedger(ctx, ledger.Scope{}), c)
 	}
 	if len(names) != 1 {
 		return nil, status.Errorf(codes.InvalidArgument, "%s wants one resource name, the node id; got %d", typeURL, len(names))
 	}
+	if !c.MayAskNode(names[0]) {
+		return nil, status.Errorf(codes.PermissionDenied, "%s: %s may ask only for nodes of its own namespace", typeURL, c)
+	}
 	d, _, err := r.TierConfigDump(ctx, &inspectpb.ConfigDumpRequest{Node: names[0]})
+	if err == nil && !c.SeesKey(d.GetKey()) {
+		// Its id names no namespace, or the caller's, but its key is
+		// another's: as if it were not there.
+		err = ErrNotHeld
+	}
 	if errors.Is(err, ErrNotHeld) {
 		// As istiod: no such connection here is an empty answer.
 		r.log.Debug("config dump: node not on the tier", "node", names[0])
@@ -108,13 +148,14 @@ func (r *Relay) debugResources(ctx context.Context, p port, typeURL string, name
 	return dump.GetConfigs(), nil
 }
 
-// syncz lists the tier's connected Envoys as istiod's syncz does: a CSDS
-// ClientConfig each, with the status of each type istiod reports (types it
-// never subscribed to are NOT_SENT; a NACK is ERROR).
-func (r *Relay) syncz(tl TierLedger) ([]*anypb.Any, error) {
+// syncz lists the tier's connected Envoys of the keys c sees as istiod's
+// syncz does: a CSDS ClientConfig each, with the status of each type
+// istiod reports (types it never subscribed to are NOT_SENT; a NACK is
+// ERROR).
+func (r *Relay) syncz(tl TierLedger, c AdminCaller) ([]*anypb.Any, error) {
 	var out []*anypb.Any
 	for _, e := range tl.Envoys() {
-		if !e.State.Connected() {
+		if !e.State.Connected() || !c.SeesKey(e.Key) {
 			continue
 		}
 		cc := &statusv3.ClientConfig{Node: &core.Node{Id: e.State.Node}}

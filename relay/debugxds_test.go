@@ -2,16 +2,24 @@ package relay
 
 import (
 	"context"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
+	cluster "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	statusv3 "github.com/envoyproxy/go-control-plane/envoy/service/status/v3"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/auth"
+	"github.com/meshrelay/meshrelay/relay/auth/authtest"
 )
 
 // allowEveryone authorizes every stream, as AllowAll does, but is an
@@ -78,4 +86,158 @@ func TestDebugTypes(t *testing.T) {
 	if _, err := ads2.Recv(); status.Code(err) != codes.PermissionDenied {
 		t.Fatalf("syncz with an Authorizer: %v, want PermissionDenied", err)
 	}
+}
+
+// debugAsk asks one debug question over a SotW stream of conn, with token
+// if set, and returns the answer or the stream's error.
+func debugAsk(t *testing.T, conn *grpc.ClientConn, token string, req *discovery.DiscoveryRequest) (*discovery.DiscoveryResponse, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if token != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
+	}
+	ads, err := discovery.NewAggregatedDiscoveryServiceClient(conn).StreamAggregatedResources(ctx)
+	if err != nil {
+		return nil, err
+	}
+	req.Node = &core.Node{Id: "debug~0.0.0.0~istioctl~.svc.cluster.local"}
+	if err := ads.Send(req); err != nil {
+		_ = err // the refusal comes back on Recv
+	}
+	return ads.Recv()
+}
+
+// synczNodes returns the node ids a syncz answer lists, sorted.
+func synczNodes(t *testing.T, resp *discovery.DiscoveryResponse) []string {
+	t.Helper()
+	var ids []string
+	for _, a := range resp.GetResources() {
+		var cc statusv3.ClientConfig
+		if err := a.UnmarshalTo(&cc); err != nil {
+			t.Fatalf("syncz resource: %v", err)
+		}
+		ids = append(ids, cc.GetNode().GetId())
+	}
+	slices.Sort(ids)
+	return ids
+}
+
+// dumpClusters returns the names of the dynamic clusters of a config_dump
+// answer, sorted.
+func dumpClusters(t *testing.T, resp *discovery.DiscoveryResponse) []string {
+	t.Helper()
+	var names []string
+	for _, a := range resp.GetResources() {
+		var cd adminv3.ClustersConfigDump
+		if a.MessageIs(&cd) {
+			if err := a.UnmarshalTo(&cd); err != nil {
+				t.Fatal(err)
+			}
+			for _, c := range cd.GetDynamicActiveClusters() {
+				var cl cluster.Cluster
+				if err := c.GetCluster().UnmarshalTo(&cl); err != nil {
+					t.Fatal(err)
+				}
+				names = append(names, cl.GetName())
+			}
+		}
+	}
+	slices.Sort(names)
+	return names
+}
+
+// TestDebugTypesOnTLSPort: istioctl's debug questions over the TLS port,
+// proven by a JWT or a SPIFFE certificate. An admin identity is answered
+// for the tier; another identity for its own namespace: syncz lists its
+// namespace's Envoys alone, a config dump of one of them is answered, one
+// of another namespace is PermissionDenied (whatever exists), one of its
+// namespace not on the tier is an empty answer (as istiod's), and so is one
+// whose id names no namespace but whose key is another's. A stream
+// that proves nothing is refused on admission; a TLS port that
+// authenticates no one answers no debug question.
+func TestDebugTypesOnTLSPort(t *testing.T) {
+	e := newSecureEnv(t, auth.ModeAny, func(c *Config) { c.AdminIdentities = []string{adminID} })
+	// The last names its namespace in its metadata alone: its id names
+	// none.
+	anon := saNode("ns2", "app", 3)
+	anon.Id = "sidecar~10.0.0.4~app-3~local"
+	envoys := []*core.Node{saNode("ns1", "app", 1), saNode("ns1", "app", 2), saNode("ns2", "app", 1), anon}
+	for _, n := range envoys {
+		tok := e.issuer.Sign(t, authtest.Token{Namespace: auth.ConfigNamespace(n), ServiceAccount: "app"})
+		if _, err := firstAnswer(t, e.dial(t, creds{token: tok}), tok, n); err != nil {
+			t.Fatalf("Envoy %s: %v", n.GetId(), err)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for len(e.r.TierLedger(ctx, ledger.Scope{}).Envoys()) != len(envoys) {
+		if ctx.Err() != nil {
+			t.Fatal("the ledger never listed the Envoys")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	ns1 := []string{envoys[0].GetId(), envoys[1].GetId()}
+	all := append(slices.Clone(ns1), envoys[2].GetId(), anon.GetId())
+	adminTok := e.issuer.Sign(t, authtest.Token{Namespace: "istio-system", ServiceAccount: "istioctl"})
+	ns1Tok := e.issuer.Sign(t, authtest.Token{Namespace: "ns1", ServiceAccount: "viewer"})
+	adminCert := e.mesh.Workload(t, "cluster.local", "istio-system", "istioctl")
+	ns2Cert := e.mesh.Workload(t, "cluster.local", "ns2", "ops")
+	syncz := &discovery.DiscoveryRequest{TypeUrl: typeDebugSyncz}
+	dump := func(id string) *discovery.DiscoveryRequest {
+		return &discovery.DiscoveryRequest{TypeUrl: typeDebugConfigDump, ResourceNames: []string{id}}
+	}
+	clusters := []string{"c0", "c1", "c2"}
+	for _, tc := range []struct {
+		name     string
+		creds    creds
+		req      *discovery.DiscoveryRequest
+		code     codes.Code
+		nodes    []string // syncz: the node ids listed
+		clusters []string // config_dump: the clusters dumped
+	}{
+		{"admin JWT, syncz", creds{token: adminTok}, syncz, codes.OK, all, nil},
+		{"admin certificate, syncz", creds{cert: adminCert}, syncz, codes.OK, all, nil},
+		{"ns1 JWT, syncz", creds{token: ns1Tok}, syncz, codes.OK, ns1, nil},
+		{"ns2 certificate, syncz", creds{cert: ns2Cert}, syncz, codes.OK, []string{anon.GetId(), envoys[2].GetId()}, nil},
+		{"admin JWT, dump of ns2", creds{token: adminTok}, dump(envoys[2].GetId()), codes.OK, nil, clusters},
+		{"ns1 JWT, dump of ns1", creds{token: ns1Tok}, dump(envoys[1].GetId()), codes.OK, nil, clusters},
+		{"ns1 JWT, dump of ns2", creds{token: ns1Tok}, dump(envoys[2].GetId()), codes.PermissionDenied, nil, nil},
+		{"ns1 JWT, dump of ns2 not on the tier", creds{token: ns1Tok}, dump(saNode("ns2", "app", 9).GetId()), codes.PermissionDenied, nil, nil},
+		{"ns1 JWT, dump of ns1 not on the tier", creds{token: ns1Tok}, dump(saNode("ns1", "app", 9).GetId()), codes.OK, nil, nil},
+		{"ns2 certificate, dump of ns1", creds{cert: ns2Cert}, dump(envoys[0].GetId()), codes.PermissionDenied, nil, nil},
+		{"ns2 certificate, dump of ns2 by an id naming none", creds{cert: ns2Cert}, dump(anon.GetId()), codes.OK, nil, clusters},
+		{"ns1 JWT, dump of ns2 by an id naming none", creds{token: ns1Tok}, dump(anon.GetId()), codes.OK, nil, nil},
+		{"nothing, syncz", creds{}, syncz, codes.Unauthenticated, nil, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			resp, err := debugAsk(t, e.dial(t, tc.creds), tc.creds.token, tc.req)
+			if status.Code(err) != tc.code {
+				t.Fatalf("%s: %v, want %s", tc.req.GetTypeUrl(), err, tc.code)
+			}
+			if err != nil {
+				return
+			}
+			if tc.req.GetTypeUrl() == typeDebugSyncz {
+				if got, want := synczNodes(t, resp), slices.Sorted(slices.Values(tc.nodes)); !slices.Equal(got, want) {
+					t.Fatalf("syncz lists %q, want %q", got, want)
+				}
+				return
+			}
+			if got := dumpClusters(t, resp); !slices.Equal(got, tc.clusters) {
+				t.Fatalf("config_dump holds clusters %q, want %q", got, tc.clusters)
+			}
+		})
+	}
+	if n := len(e.r.Clients()); n != len(envoys) {
+		t.Fatalf("the relay lists %d clients, want %d: a debug stream joined a key", n, len(envoys))
+	}
+
+	t.Run("no authentication on the TLS port", func(t *testing.T) {
+		open := newSecureEnv(t, auth.ModeAny, func(c *Config) { c.Authenticator = nil })
+		_, err := debugAsk(t, open.dial(t, creds{}), "", syncz)
+		if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "proved an identity") {
+			t.Fatalf("syncz on a TLS port without authentication: %v, want PermissionDenied saying why", err)
+		}
+	})
 }

@@ -1,0 +1,308 @@
+package relay
+
+import (
+	"context"
+	"crypto/tls"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/emptypb"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/meshrelay/meshrelay/relay/auth"
+	"github.com/meshrelay/meshrelay/relay/auth/authtest"
+)
+
+// adminID is the admins' SPIFFE ID in these tests.
+const adminID = "spiffe://cluster.local/ns/istio-system/sa/istioctl"
+
+func TestKeyNamespace(t *testing.T) {
+	for _, tc := range []struct {
+		key, want string
+	}{
+		{string(IstioProfile{}.Key(saNode("ns1", "app", 0))), "ns1"},
+		{string(identityKey(IstioProfile{}.Key(node("ns2", "db", 3)), &auth.Identity{TrustDomain: "cluster.local", Namespace: "ns2", ServiceAccount: "db"})), "ns2"},
+		{string(PerNodeProfile{}.Key(node("ns3", "app", 1))), "ns3"},
+		{"router/istio-system/ingressgateway#0011", "istio-system"},
+		{"sidecar/ns1/#0011", "ns1"},
+		{"sidecar/ns1/app", "ns1"},
+		// Not a namespace: another shape, or not a Kubernetes name.
+		{"", ""},
+		{"#0011", ""},
+		{"sidecar/#0011", ""},
+		{"sidecar//app#0011", ""},
+		{"/ns1/app#0011", ""},
+		{"x/ns1/ns2/app#0011", ""},
+		{"sidecar/NS1/app#0011", ""},
+		{"sidecar/-ns1/app#0011", ""},
+		{"sidecar/" + strings.Repeat("n", 64) + "/app#0011", ""},
+		{"node/router~10.0.0.1~gw~.svc.cluster.local#0011", ""},
+		{"node/ns1/app#0011", ""},
+		{"node/not-istio#0011", ""},
+		{"node/sidecar~1.2.3.4~p.ns1~ns1.svc.cluster.local/x#0011", ""},
+	} {
+		if got := KeyNamespace(tc.key); got != tc.want {
+			t.Errorf("KeyNamespace(%q) = %q, want %q", tc.key, got, tc.want)
+		}
+	}
+}
+
+// FuzzKeyNamespace: whatever a node says of itself, if istiod reads a
+// namespace from it (the one the TLS port checks its identity against),
+// the namespace read from its istio-profile key is that one or none; the
+// namespace of its per-node key is its id's or none.
+func FuzzKeyNamespace(f *testing.F) {
+	f.Add("sidecar", "10.0.0.1", "app-0.ns1", "ns1.svc.cluster.local", "ns1", "app")
+	f.Add("node", "1.2.3.4", "p", "ns1.svc", "ns2", "a~b~c~d.evil")
+	f.Add("x/ns1", "::1", "p.ns2", "ns2.svc.cluster.local", "", "")
+	f.Add("router", "10.0.0.2", "gw", ".svc.cluster.local", "istio-system", "gw/x")
+	f.Add("0", "0", "0", "0", "", "")
+	f.Fuzz(func(t *testing.T, typ, ip, pod, domain, ns, workload string) {
+		n := &core.Node{Id: typ + "~" + ip + "~" + pod + "~" + domain, Metadata: &structpb.Struct{Fields: map[string]*structpb.Value{}}}
+		if ns != "" {
+			n.Metadata.Fields["NAMESPACE"] = structpb.NewStringValue(ns)
+		}
+		if workload != "" {
+			n.Metadata.Fields["WORKLOAD_NAME"] = structpb.NewStringValue(workload)
+		}
+		k := IstioProfile{}.Key(n)
+		if got, cn := KeyNamespace(string(k)), auth.ConfigNamespace(n); got != "" && cn != "" && got != cn {
+			t.Fatalf("KeyNamespace(%q) = %q; the node's config namespace is %q", k, got, cn)
+		}
+		id := &auth.Identity{TrustDomain: "cluster.local", Namespace: "x", ServiceAccount: "y"}
+		if got := KeyNamespace(string(identityKey(k, id))); got != KeyNamespace(string(k)) {
+			t.Fatalf("the identity changed the key's namespace: %q, was %q", got, KeyNamespace(string(k)))
+		}
+		pk := PerNodeProfile{}.Key(n)
+		idNS := auth.ConfigNamespace(&core.Node{Id: n.GetId()})
+		if got := KeyNamespace(string(pk)); got != "" && got != idNS {
+			t.Fatalf("KeyNamespace(%q) = %q; the node id's namespace is %q", pk, got, idNS)
+		}
+	})
+}
+
+func TestAdminCallerMayAsk(t *testing.T) {
+	scoped := AdminCaller{Namespace: "ns1", Identity: "spiffe://cluster.local/ns/ns1/sa/app"}
+	for _, tc := range []struct {
+		c       AdminCaller
+		key, id string
+		sees    bool
+		mayAsk  bool
+	}{
+		{AdminCaller{Admin: true}, "sidecar/ns2/app#1", node("ns2", "app", 0).GetId(), true, true},
+		{AdminCaller{Admin: true}, "node/weird#1", "weird", true, true},
+		{scoped, "sidecar/ns1/app#1", node("ns1", "app", 0).GetId(), true, true},
+		{scoped, "sidecar/ns2/app#1", node("ns2", "app", 0).GetId(), false, false},
+		// An id that names no namespace may be asked for; its key decides.
+		{scoped, "node/weird#1", "weird", false, true},
+		{AdminCaller{}, "sidecar/ns1/app#1", node("ns1", "app", 0).GetId(), false, false},
+	} {
+		if got := tc.c.SeesKey(tc.key); got != tc.sees {
+			t.Errorf("%v.SeesKey(%q) = %v, want %v", tc.c, tc.key, got, tc.sees)
+		}
+		if got := tc.c.MayAskNode(tc.id); got != tc.mayAsk {
+			t.Errorf("%v.MayAskNode(%q) = %v, want %v", tc.c, tc.id, got, tc.mayAsk)
+		}
+	}
+}
+
+// whoami is a service of the test's own on the admin listener: each call
+// (unary Who, server-streaming Watch) is answered with the AdminCaller its
+// context carries.
+var whoami = grpc.ServiceDesc{
+	ServiceName: "meshrelay.test.Whoami",
+	HandlerType: (*any)(nil),
+	Methods: []grpc.MethodDesc{{MethodName: "Who", Handler: func(_ any, ctx context.Context, dec func(any) error, icpt grpc.UnaryServerInterceptor) (any, error) {
+		in := new(emptypb.Empty)
+		if err := dec(in); err != nil {
+			return nil, err
+		}
+		h := func(ctx context.Context, _ any) (any, error) { return callerStruct(AdminCallerFrom(ctx)), nil }
+		if icpt == nil {
+			return h(ctx, in)
+		}
+		return icpt(ctx, in, &grpc.UnaryServerInfo{FullMethod: "/meshrelay.test.Whoami/Who"}, h)
+	}}},
+	Streams: []grpc.StreamDesc{{StreamName: "Watch", ServerStreams: true, Handler: func(_ any, ss grpc.ServerStream) error {
+		if err := ss.RecvMsg(new(emptypb.Empty)); err != nil {
+			return err
+		}
+		return ss.SendMsg(callerStruct(AdminCallerFrom(ss.Context())))
+	}}},
+}
+
+func callerStruct(c AdminCaller) *structpb.Struct {
+	return &structpb.Struct{Fields: map[string]*structpb.Value{
+		"admin": structpb.NewBoolValue(c.Admin), "namespace": structpb.NewStringValue(c.Namespace), "identity": structpb.NewStringValue(c.Identity)}}
+}
+
+func structCaller(s *structpb.Struct) AdminCaller {
+	f := s.GetFields()
+	return AdminCaller{Admin: f["admin"].GetBoolValue(), Namespace: f["namespace"].GetStringValue(), Identity: f["identity"].GetStringValue()}
+}
+
+// newAdminEnv is a secure relay (TLS xDS port, --xds-auth any) whose admin
+// listener serves the same TLS, asks for client certificates (the
+// authenticator verifies them), and has the admin token (unless "") and
+// the authenticator of the TLS port, with adminID as the admins.
+func newAdminEnv(t *testing.T, token string, mod func(*Config)) *secureEnv {
+	t.Helper()
+	return newSecureEnv(t, auth.ModeAny, func(c *Config) {
+		c.AdminListen, c.AdminTLS, c.AdminToken = "127.0.0.1:0", c.XDSTLS, token
+		c.AdminAuthenticator, c.AdminIdentities = c.Authenticator, []string{adminID}
+		c.AdminServices = func(s *grpc.Server) { s.RegisterService(&whoami, struct{}{}) }
+		if mod != nil {
+			mod(c)
+		}
+	})
+}
+
+// adminTLS is the client side of the admin listener's TLS, presenting
+// cert if set.
+func (e *secureEnv) adminTLS(cert *authtest.Issued) *tls.Config {
+	tc := &tls.Config{RootCAs: e.mesh.Pool(), ServerName: "meshrelay.istio-system.svc", MinVersion: tls.VersionTLS12}
+	if cert != nil {
+		tc.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return &cert.TLS, nil }
+	}
+	return tc
+}
+
+func (e *secureEnv) dialAdmin(t *testing.T, cert *authtest.Issued) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient(e.r.AdminAddr().String(), grpc.WithTransportCredentials(credentials.NewTLS(e.adminTLS(cert))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
+// whoIs asks Who and Watch with c and returns the caller each saw; both
+// must agree.
+func (e *secureEnv) whoIs(t *testing.T, c creds) (AdminCaller, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if c.token != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+c.token)
+	}
+	conn := e.dialAdmin(t, c.cert)
+	unary := new(structpb.Struct)
+	uerr := conn.Invoke(ctx, "/meshrelay.test.Whoami/Who", &emptypb.Empty{}, unary)
+	streamed := new(structpb.Struct)
+	st, serr := conn.NewStream(ctx, &whoami.Streams[0], "/meshrelay.test.Whoami/Watch")
+	if serr == nil {
+		if serr = st.SendMsg(&emptypb.Empty{}); serr == nil {
+			st.CloseSend()
+			serr = st.RecvMsg(streamed)
+		}
+	}
+	if status.Code(uerr) != status.Code(serr) || structCaller(unary) != structCaller(streamed) {
+		t.Fatalf("Who = %v, %v but Watch = %v, %v: the stream interceptor decides otherwise", structCaller(unary), uerr, structCaller(streamed), serr)
+	}
+	return structCaller(unary), uerr
+}
+
+// pprof returns the status of GET /debug/pprof/ with c, over HTTP/2.
+func (e *secureEnv) pprof(t *testing.T, c creds) int {
+	t.Helper()
+	hc := &http.Client{Transport: &http.Transport{TLSClientConfig: e.adminTLS(c.cert), ForceAttemptHTTP2: true}, Timeout: 10 * time.Second}
+	defer hc.CloseIdleConnections()
+	req, _ := http.NewRequest(http.MethodGet, "https://"+e.r.AdminAddr().String()+"/debug/pprof/", nil)
+	if c.token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.token)
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// TestAdminCallers: who each credential makes an admin call from, by the
+// admin listener's rules, on a unary and a streaming call alike, and what
+// pprof answers it. A refusal never repeats the token.
+func TestAdminCallers(t *testing.T) {
+	const static = "static-admin-token"
+	e := newAdminEnv(t, static, nil)
+	now := time.Now()
+	jwt := func(ns, sa string) string { return e.issuer.Sign(t, authtest.Token{Namespace: ns, ServiceAccount: sa}) }
+	foreign := authtest.NewCA(t, "another root")
+	for _, tc := range []struct {
+		name  string
+		creds creds
+		want  AdminCaller
+		code  codes.Code
+		pprof int
+	}{
+		{"static token", creds{token: static}, AdminCaller{Admin: true}, codes.OK, http.StatusOK},
+		{"admin JWT", creds{token: jwt("istio-system", "istioctl")}, AdminCaller{Admin: true, Identity: adminID}, codes.OK, http.StatusOK},
+		{"admin certificate", creds{cert: e.mesh.Workload(t, "cluster.local", "istio-system", "istioctl")}, AdminCaller{Admin: true, Identity: adminID}, codes.OK, http.StatusOK},
+		{"JWT of ns1", creds{token: jwt("ns1", "app")}, AdminCaller{Namespace: "ns1", Identity: "spiffe://cluster.local/ns/ns1/sa/app"}, codes.OK, http.StatusForbidden},
+		{"JWT of istio-system, not an admin", creds{token: jwt("istio-system", "other")}, AdminCaller{Namespace: "istio-system", Identity: "spiffe://cluster.local/ns/istio-system/sa/other"}, codes.OK, http.StatusForbidden},
+		{"certificate of ns2", creds{cert: e.mesh.Workload(t, "cluster.local", "ns2", "db")}, AdminCaller{Namespace: "ns2", Identity: "spiffe://cluster.local/ns/ns2/sa/db"}, codes.OK, http.StatusForbidden},
+		{"wrong static token", creds{token: static + "x"}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
+		{"expired admin JWT", creds{token: e.issuer.Sign(t, authtest.Token{Namespace: "istio-system", ServiceAccount: "istioctl", IssuedAt: now.Add(-3 * time.Hour), TTL: time.Hour})}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
+		{"admin JWT of another issuer", creds{token: e.issuer.Sign(t, authtest.Token{Namespace: "istio-system", ServiceAccount: "istioctl", Issuer: "https://evil.example"})}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
+		{"admin certificate of another root", creds{cert: foreign.Workload(t, "cluster.local", "istio-system", "istioctl")}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
+		{"nothing", creds{}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := e.whoIs(t, tc.creds)
+			if status.Code(err) != tc.code || got != tc.want {
+				t.Fatalf("caller = %+v, %v; want %+v, %s", got, err, tc.want, tc.code)
+			}
+			if tc.creds.token != "" && err != nil && strings.Contains(err.Error(), tc.creds.token) {
+				t.Fatalf("the refusal %q repeats the token", err)
+			}
+			if got := e.pprof(t, tc.creds); got != tc.pprof {
+				t.Errorf("GET /debug/pprof/: %d, want %d", got, tc.pprof)
+			}
+		})
+	}
+	t.Run("health needs nothing", func(t *testing.T) {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		h, err := healthpb.NewHealthClient(e.dialAdmin(t, nil)).Check(ctx, &healthpb.HealthCheckRequest{})
+		if err != nil || h.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+			t.Fatalf("health without credentials = %v, %v; want SERVING", h, err)
+		}
+	})
+}
+
+// TestAdminCallersWithoutAuthenticator: without an authenticator the
+// admin API is what it was: open to all as admins with no token, else the
+// token alone makes an admin and a JWT is refused.
+func TestAdminCallersWithoutAuthenticator(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		token string
+		creds creds
+		want  AdminCaller
+		code  codes.Code
+	}{
+		{"open, nothing", "", creds{}, AdminCaller{Admin: true}, codes.OK},
+		{"open, any bearer token", "", creds{token: "whatever"}, AdminCaller{Admin: true}, codes.OK},
+		{"token, the token", "tok", creds{token: "tok"}, AdminCaller{Admin: true}, codes.OK},
+		{"token, nothing", "tok", creds{}, AdminCaller{}, codes.Unauthenticated},
+		{"token, another bearer token", "tok", creds{token: "not-the-token"}, AdminCaller{}, codes.Unauthenticated},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newAdminEnv(t, tc.token, func(c *Config) { c.AdminAuthenticator = nil })
+			got, err := e.whoIs(t, tc.creds)
+			if status.Code(err) != tc.code || got != tc.want {
+				t.Fatalf("caller = %+v, %v; want %+v, %s", got, err, tc.want, tc.code)
+			}
+		})
+	}
+}
