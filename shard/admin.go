@@ -3,6 +3,7 @@ package shard
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"slices"
 	"strings"
@@ -25,6 +26,24 @@ import (
 // membership, and everything else comes from the ledgers of every relay,
 // gathered when asked (relay.TierLedger), within the relay's gather bound;
 // relays that did not answer are named in each answer's missing map.
+//
+// Every call is of a relay.AdminCaller (the admin listener decided it): an
+// admin sees the tier; a caller scoped to a namespace sees its Envoys,
+// keys and config alone (relay.AdminCaller.SeesKey), everywhere a key or
+// an Envoy is reported, and may mutate nothing:
+//
+//   - GetRing: every member (membership and gossiped counts are no
+//     namespace's);
+//   - ListShards, ListEnvoys, ListStragglers, GetConvergence, Wait and
+//     CheckDelivery: only its keys and their Envoys, counted as if they were
+//     the tier (Wait waits for its own Envoys' share);
+//   - GetShard, GetConfigDump and LocateEnvoy: a key, or a node whose id,
+//     of another namespace is PermissionDenied whether or not it exists,
+//     so the refusal tells nothing; a node whose id names none (or the
+//     caller's) but whose key is another namespace's is NotFound, as a node
+//     not on the tier. (istiod answers a debug config dump of a node it
+//     does not serve with nothing; the admin API says why instead.)
+//   - Drain: admins only, and only where AllowMutations lets them.
 type adminServer struct {
 	adminpb.UnimplementedAdminServer
 	n *Node
@@ -50,10 +69,111 @@ func (a adminServer) GetRing(context.Context, *adminpb.GetRingRequest) (*adminpb
 	return out, nil
 }
 
+// view is a tier's ledger as a caller sees it: every key and Envoy for an
+// admin, those of its namespace for a scoped caller, counted as if they
+// were the whole tier.
+type view struct {
+	relay.TierLedger
+	c relay.AdminCaller
+}
+
+// tierLedger gathers the tier's ledger for scope, as ctx's caller sees it.
+func (a adminServer) tierLedger(ctx context.Context, scope ledger.Scope) view {
+	return view{a.n.relay.TierLedger(ctx, scope), relay.AdminCallerFrom(ctx)}
+}
+
+// keys returns the keys the caller sees.
+func (v view) keys() []ledger.KeyReport {
+	keys := v.Keys()
+	if v.c.Admin {
+		return keys
+	}
+	return slices.DeleteFunc(keys, func(kr ledger.KeyReport) bool { return !v.c.SeesKey(kr.Key) })
+}
+
+// envoys returns the Envoys the caller sees, by key and node.
+func (v view) envoys() []ledger.EnvoyReport {
+	envoys := v.Envoys()
+	if v.c.Admin {
+		return envoys
+	}
+	return slices.DeleteFunc(envoys, func(e ledger.EnvoyReport) bool { return !v.c.SeesKey(e.Key) })
+}
+
+// stragglers returns the stragglers the caller sees (at most limit; 0
+// means all).
+func (v view) stragglers(limit int) []ledger.Straggler {
+	if v.c.Admin {
+		return v.Stragglers(limit)
+	}
+	out := slices.DeleteFunc(v.Stragglers(0), func(s ledger.Straggler) bool { return !v.c.SeesKey(s.Key) })
+	if limit > 0 && len(out) > limit {
+		out = out[:limit]
+	}
+	return out
+}
+
+// byKey returns the convergence of each key the caller sees.
+func (v view) byKey() map[string]ledger.Convergence {
+	by := v.ByKey()
+	if !v.c.Admin {
+		maps.DeleteFunc(by, func(k string, _ ledger.Convergence) bool { return !v.c.SeesKey(k) })
+	}
+	return by
+}
+
+// byRelay returns the convergence of the Envoys the caller sees, by relay:
+// each Envoy counted where the report places it, as Report.ByRelay does.
+func (v view) byRelay() map[string]ledger.Convergence {
+	if v.c.Admin {
+		return v.ByRelay()
+	}
+	out := map[string]ledger.Convergence{}
+	for _, e := range v.envoys() {
+		c := out[e.Relay]
+		c.Envoys++
+		if e.Behind == nil {
+			c.Current++
+		}
+		out[e.Relay] = c
+	}
+	return out
+}
+
+// convergence returns the convergence of the Envoys the caller sees.
+func (v view) convergence() ledger.Convergence {
+	if v.c.Admin {
+		return v.Convergence()
+	}
+	var sum ledger.Convergence
+	for _, c := range v.byKey() {
+		sum.Envoys += c.Envoys
+		sum.Current += c.Current
+	}
+	return sum
+}
+
+// mayAskKey refuses a key of another namespace, whether or not it exists.
+func mayAskKey(c relay.AdminCaller, key string) error {
+	if c.SeesKey(key) {
+		return nil
+	}
+	return status.Errorf(codes.PermissionDenied, "%s sees only the keys of its own namespace, not %q", c, key)
+}
+
+// mayAskNode refuses a node whose id names another namespace, whether or
+// not it exists.
+func mayAskNode(c relay.AdminCaller, node string) error {
+	if c.MayAskNode(node) {
+		return nil
+	}
+	return status.Errorf(codes.PermissionDenied, "%s sees only the Envoys of its own namespace, not %q", c, node)
+}
+
 func (a adminServer) ListShards(ctx context.Context, req *adminpb.ListShardsRequest) (*adminpb.ShardList, error) {
-	tl := a.n.relay.TierLedger(ctx, selectorScope(req.GetSelector()))
-	out := &adminpb.ShardList{Missing: missing(tl)}
-	for _, kr := range tl.Keys() {
+	v := a.tierLedger(ctx, selectorScope(req.GetSelector()))
+	out := &adminpb.ShardList{Missing: missing(v.TierLedger)}
+	for _, kr := range v.keys() {
 		out.Shards = append(out.Shards, a.shard(kr))
 	}
 	return out, nil
@@ -80,6 +200,9 @@ func (a adminServer) GetShard(ctx context.Context, req *adminpb.GetShardRequest)
 	}
 	if req.GetMaxNames() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "max_names must not be negative")
+	}
+	if err := mayAskKey(relay.AdminCallerFrom(ctx), req.GetKey()); err != nil {
+		return nil, err
 	}
 	var (
 		tl      relay.TierLedger
@@ -119,7 +242,20 @@ func (a adminServer) GetConfigDump(ctx context.Context, req *adminpb.ConfigDumpR
 	if (req.GetNode() == "") == (req.GetKey() == "") {
 		return nil, status.Error(codes.InvalidArgument, "one of node and key is required")
 	}
+	c := relay.AdminCallerFrom(ctx)
+	if req.GetKey() != "" {
+		if err := mayAskKey(c, req.GetKey()); err != nil {
+			return nil, err
+		}
+	} else if err := mayAskNode(c, req.GetNode()); err != nil {
+		return nil, err
+	}
 	d, miss, err := a.n.relay.TierConfigDump(ctx, &inspectpb.ConfigDumpRequest{Node: req.GetNode(), Key: req.GetKey(), Types: req.GetTypes()})
+	if err == nil && !c.SeesKey(d.GetKey()) {
+		// A node whose id names no namespace (or the caller's) but whose
+		// key is another namespace's: as if it were not on the tier.
+		d, err = nil, fmt.Errorf("node %q: %w", req.GetNode(), relay.ErrNotHeld)
+	}
 	switch {
 	case errors.Is(err, relay.ErrNotHeld) && len(miss) > 0:
 		return nil, status.Errorf(codes.Unavailable, "%v; relays that did not answer may hold it: %v", err, miss)
@@ -143,15 +279,15 @@ func (a adminServer) GetConfigDump(ctx context.Context, req *adminpb.ConfigDumpR
 }
 
 func (a adminServer) GetConvergence(ctx context.Context, req *adminpb.ConvergenceRequest) (*adminpb.Convergence, error) {
-	return convergence(a.n.relay.TierLedger(ctx, selectorScope(req.GetSelector()))), nil
+	return convergence(a.tierLedger(ctx, selectorScope(req.GetSelector()))), nil
 }
 
 func (a adminServer) ListStragglers(ctx context.Context, req *adminpb.StragglersRequest) (*adminpb.StragglerList, error) {
 	if req.GetLimit() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "limit must not be negative")
 	}
-	tl := a.n.relay.TierLedger(ctx, selectorScope(req.GetSelector()))
-	return &adminpb.StragglerList{Stragglers: stragglers(tl.Stragglers(int(req.GetLimit()))), Missing: missing(tl)}, nil
+	v := a.tierLedger(ctx, selectorScope(req.GetSelector()))
+	return &adminpb.StragglerList{Stragglers: stragglers(v.stragglers(int(req.GetLimit()))), Missing: missing(v.TierLedger)}, nil
 }
 
 func (a adminServer) CheckDelivery(ctx context.Context, req *adminpb.DeliveryRequest) (*adminpb.Delivery, error) {
@@ -166,6 +302,9 @@ func (a adminServer) CheckDelivery(ctx context.Context, req *adminpb.DeliveryReq
 	d, miss, err := a.n.relay.TierDelivery(ctx, selectorScope(req.GetSelector()), req.GetType(), req.GetName(), h)
 	if err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
+	}
+	if c := relay.AdminCallerFrom(ctx); !c.Admin {
+		d.Keys = slices.DeleteFunc(d.Keys, func(k ledger.DeliveryKey) bool { return !c.SeesKey(k.Key) })
 	}
 	envoys, delivered, known := d.Counts()
 	out := &adminpb.Delivery{Envoys: int64(envoys), Delivered: int64(delivered), Known: known, Done: d.Done(), MissingRelays: errorStrings(miss)}
@@ -191,9 +330,9 @@ func (a adminServer) Wait(req *adminpb.WaitRequest, stream adminpb.Admin_WaitSer
 	defer cancel()
 	var last ledger.Convergence
 	sent, serr := false, error(nil)
-	tl, err := a.n.relay.TierWait(ctx, selectorScope(req.GetSelector()), share, func(tl relay.TierLedger) {
-		if c := tl.Convergence(); serr == nil && (!sent || c != last) {
-			serr = stream.Send(convergence(tl))
+	v, err := a.wait(ctx, selectorScope(req.GetSelector()), share, func(v view) {
+		if c := v.convergence(); serr == nil && (!sent || c != last) {
+			serr = stream.Send(convergence(v))
 			last, sent = c, true
 		}
 	})
@@ -201,7 +340,7 @@ func (a adminServer) Wait(req *adminpb.WaitRequest, stream adminpb.Admin_WaitSer
 	case serr != nil:
 		return serr
 	case err == nil:
-		msg := convergence(tl)
+		msg := convergence(v)
 		msg.Reached = true
 		return stream.Send(msg)
 	case stream.Context().Err() != nil:
@@ -209,17 +348,53 @@ func (a adminServer) Wait(req *adminpb.WaitRequest, stream adminpb.Admin_WaitSer
 	}
 	// The timeout: a last word, with the stragglers, from the latest
 	// complete gather.
-	msg := convergence(tl)
-	msg.Stragglers = stragglers(tl.Stragglers(0))
+	msg := convergence(v)
+	msg.Stragglers = stragglers(v.stragglers(0))
 	if err := stream.Send(msg); err != nil {
 		return err
 	}
-	c := tl.Convergence()
+	c := v.convergence()
 	return status.Errorf(codes.DeadlineExceeded, "%d of %d Envoys on their key's current version after %v, want a share of %g",
 		c.Current, c.Envoys, timeout, share)
 }
 
+// wait is relay.TierWait for the Envoys ctx's caller sees, handing
+// progress each gather short of share. An admin's is TierWait itself. A
+// scoped caller's Envoys are some of the scope's, whose share says nothing
+// of theirs: TierWait is asked for a share of 1 (every Envoy of the scope
+// current, the caller's among them), and the first complete gather in
+// which the caller's Envoys reach share ends it early.
+func (a adminServer) wait(ctx context.Context, scope ledger.Scope, share float64, progress func(view)) (view, error) {
+	c := relay.AdminCallerFrom(ctx)
+	if c.Admin {
+		tl, err := a.n.relay.TierWait(ctx, scope, share, func(tl relay.TierLedger) { progress(view{tl, c}) })
+		return view{tl, c}, err
+	}
+	wctx, stop := context.WithCancel(ctx)
+	defer stop()
+	var reached *view
+	tl, err := a.n.relay.TierWait(wctx, scope, 1, func(tl relay.TierLedger) {
+		v := view{tl, c}
+		if len(tl.Missing) == 0 && v.convergence().Share() >= share {
+			reached = &v
+			stop()
+			return
+		}
+		progress(v)
+	})
+	switch {
+	case err == nil:
+		return view{tl, c}, nil
+	case reached != nil:
+		return *reached, nil
+	}
+	return view{tl, c}, err
+}
+
 func (a adminServer) Drain(ctx context.Context, req *adminpb.DrainRequest) (*adminpb.DrainResponse, error) {
+	if c := relay.AdminCallerFrom(ctx); !c.Admin {
+		return nil, status.Errorf(codes.PermissionDenied, "Drain is for admins: %s is not one", c)
+	}
 	if !a.n.cfg.AllowMutations {
 		return nil, status.Error(codes.PermissionDenied, "this relay's admin API is read-only: start it with --admin-allow-mutations to drain through it")
 	}
@@ -235,12 +410,12 @@ func counts(c ledger.Convergence) *adminpb.Counts {
 	return &adminpb.Counts{Envoys: int64(c.Envoys), Current: int64(c.Current), Share: c.Share()}
 }
 
-func convergence(tl relay.TierLedger) *adminpb.Convergence {
-	out := &adminpb.Convergence{Tier: counts(tl.Convergence()), ByKey: map[string]*adminpb.Counts{}, ByRelay: map[string]*adminpb.Counts{}, Missing: missing(tl)}
-	for k, c := range tl.ByKey() {
+func convergence(v view) *adminpb.Convergence {
+	out := &adminpb.Convergence{Tier: counts(v.convergence()), ByKey: map[string]*adminpb.Counts{}, ByRelay: map[string]*adminpb.Counts{}, Missing: missing(v.TierLedger)}
+	for k, c := range v.byKey() {
 		out.ByKey[k] = counts(c)
 	}
-	for r, c := range tl.ByRelay() {
+	for r, c := range v.byRelay() {
 		out.ByRelay[r] = counts(c)
 	}
 	return out
@@ -282,14 +457,17 @@ func (a adminServer) LocateEnvoy(ctx context.Context, req *adminpb.LocateEnvoyRe
 	if req.GetNode() == "" {
 		return nil, status.Error(codes.InvalidArgument, "node is required")
 	}
-	tl := a.n.relay.TierLedger(ctx, ledger.Scope{})
-	for _, e := range tl.Envoys() {
+	if err := mayAskNode(relay.AdminCallerFrom(ctx), req.GetNode()); err != nil {
+		return nil, err
+	}
+	v := a.tierLedger(ctx, ledger.Scope{})
+	for _, e := range v.envoys() {
 		if e.State.Node == req.GetNode() {
-			return envoyInfo(tl, e, a.keyViews(tl)), nil
+			return envoyInfo(v.TierLedger, e, a.keyViews(v.TierLedger)), nil
 		}
 	}
-	if len(tl.Missing) > 0 {
-		return nil, status.Errorf(codes.NotFound, "node %q: not on the relays that answered (%d did not)", req.GetNode(), len(tl.Missing))
+	if len(v.Missing) > 0 {
+		return nil, status.Errorf(codes.NotFound, "node %q: not on the relays that answered (%d did not)", req.GetNode(), len(v.Missing))
 	}
 	return nil, status.Errorf(codes.NotFound, "node %q: not on the tier", req.GetNode())
 }
@@ -298,10 +476,11 @@ func (a adminServer) ListEnvoys(ctx context.Context, req *adminpb.ListEnvoysRequ
 	if req.GetLimit() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "limit must not be negative")
 	}
-	tl := a.n.relay.TierLedger(ctx, selectorScope(req.GetSelector()))
+	v := a.tierLedger(ctx, selectorScope(req.GetSelector()))
+	tl := v.TierLedger
 	out := &adminpb.EnvoyList{Missing: missing(tl)}
 	var picked []ledger.EnvoyReport
-	for _, e := range tl.Envoys() {
+	for _, e := range v.envoys() {
 		switch {
 		case req.GetRelay() != "" && e.Relay != req.GetRelay():
 			continue
