@@ -56,7 +56,8 @@ func Unauthenticated(msg string) authenticationv1.TokenReviewStatus {
 // on anything a client must not send. Safe for concurrent use; it is
 // closed when the test ends.
 type KubeAPI struct {
-	t         testing.TB
+	t         testing.TB  // nil when made by StartKubeAPI
+	report    func(error) // StartKubeAPI's; nil: dropped
 	addr      string
 	clientset *kubernetes.Clientset
 
@@ -87,6 +88,37 @@ func NewKubeAPI(t testing.TB, verdict Verdict) *KubeAPI {
 	k.clientset = cs
 	t.Cleanup(k.Stop)
 	return k
+}
+
+// StartKubeAPI starts a KubeAPI outside a test (a benchmark's fake API
+// server, in a binary): what NewKubeAPI would fail the test for (a request
+// a client must not send, an address taken on Start) is handed to report
+// instead (nil: dropped), from the server's goroutines. The caller must
+// call Stop.
+func StartKubeAPI(verdict Verdict, report func(error)) (*KubeAPI, error) {
+	k := &KubeAPI{report: report}
+	k.SetVerdict(verdict)
+	k.srv = httptest.NewServer(http.HandlerFunc(k.serve))
+	k.addr = k.srv.Listener.Addr().String()
+	cs, err := kubernetes.NewForConfig(&rest.Config{Host: k.URL(), QPS: -1})
+	if err != nil {
+		k.Stop()
+		return nil, fmt.Errorf("kubeapi: clientset: %w", err)
+	}
+	k.clientset = cs
+	return k, nil
+}
+
+// errorf fails the test, or reports the error outside one.
+func (k *KubeAPI) errorf(format string, args ...any) {
+	if k.t != nil {
+		k.t.Helper()
+		k.t.Errorf(format, args...)
+		return
+	}
+	if k.report != nil {
+		k.report(fmt.Errorf(format, args...))
+	}
 }
 
 // URL is the server's base URL; it stays the same across Stop and Start.
@@ -149,7 +181,9 @@ func (k *KubeAPI) Stop() {
 // Start serves again, at the same address, after Stop. Call it from the
 // test's goroutine: it fails the test if the address is taken.
 func (k *KubeAPI) Start() {
-	k.t.Helper()
+	if k.t != nil {
+		k.t.Helper()
+	}
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if k.srv != nil {
@@ -157,6 +191,10 @@ func (k *KubeAPI) Start() {
 	}
 	l, err := net.Listen("tcp", k.addr)
 	if err != nil {
+		if k.t == nil {
+			k.errorf("kubeapi: listen again on %s: %v", k.addr, err)
+			return
+		}
 		k.t.Fatalf("kubeapi: listen again on %s: %v", k.addr, err)
 	}
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(k.serve))
@@ -175,7 +213,7 @@ func (k *KubeAPI) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if r.Method != http.MethodPost {
-		k.t.Errorf("kubeapi: %s %s, want POST", r.Method, r.URL.Path)
+		k.errorf("kubeapi: %s %s, want POST", r.Method, r.URL.Path)
 		writeStatus(w, http.StatusMethodNotAllowed, metav1.StatusReasonMethodNotAllowed, "the server does not allow this method on the requested resource")
 		return
 	}
@@ -191,7 +229,7 @@ func (k *KubeAPI) serve(w http.ResponseWriter, r *http.Request) {
 
 	review, err := decodeReview(r)
 	if err != nil {
-		k.t.Errorf("kubeapi: bad TokenReview request: %v", err)
+		k.errorf("kubeapi: bad TokenReview request: %v", err)
 		writeStatus(w, http.StatusBadRequest, metav1.StatusReasonBadRequest, err.Error())
 		return
 	}
@@ -217,7 +255,7 @@ func (k *KubeAPI) serve(w http.ResponseWriter, r *http.Request) {
 	review.TypeMeta = metav1.TypeMeta{APIVersion: authenticationv1.SchemeGroupVersion.String(), Kind: "TokenReview"}
 	body, err := json.Marshal(review)
 	if err != nil {
-		k.t.Errorf("kubeapi: encode TokenReview: %v", err)
+		k.errorf("kubeapi: encode TokenReview: %v", err)
 		writeStatus(w, http.StatusInternalServerError, metav1.StatusReasonInternalError, "encode")
 		return
 	}
