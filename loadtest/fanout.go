@@ -18,6 +18,9 @@ import (
 	"sync"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
@@ -67,6 +70,10 @@ type RelayChildConfig struct {
 	// endpoints: it persists its keys and starts warm from them, and it
 	// reports its address only once it is ready to serve (warm).
 	Etcd []string `json:"etcd,omitempty"`
+	// TLS, if set, makes the relay serve its TLS port alone, on
+	// XDSListen, authenticating every stream by its service-account token;
+	// the address the child reports is that port's.
+	TLS *RelayChildTLS `json:"tls,omitempty"`
 }
 
 // Args returns cfg as the flags of `loadtest relay-child`.
@@ -87,10 +94,16 @@ func (c RelayChildConfig) Args() []string {
 	if len(c.Etcd) > 0 {
 		args = append(args, "--etcd", strings.Join(c.Etcd, ","))
 	}
+	if c.TLS != nil {
+		args = append(args, c.TLS.args()...)
+	}
 	return args
 }
 
-// Commands a parent sends a relay child on its stdin.
+// Commands a parent sends a relay child on its stdin. "profile start"
+// profiles to RelayChildConfig.CPUProfile, and the "profile stop" after it
+// also writes the heap profile; "profile start PATH" profiles to PATH
+// alone.
 const (
 	childProfileStart = "profile start"
 	childProfileStop  = "profile stop"
@@ -98,7 +111,7 @@ const (
 
 // RunRelayChild is the main of a relay child process: it starts a relay for
 // cfg, prints "xds <addr>" on out once it listens, obeys the commands read
-// from in ("profile start", "profile stop"), and stops the relay when ctx
+// from in ("profile start [PATH]", "profile stop"), and stops the relay when ctx
 // ends (SIGTERM) or in reaches EOF (the parent is gone). Relay warnings go
 // to logw. It returns once the relay has stopped; a goroutine reading in may
 // remain until in is closed, so call it only as a process's main.
@@ -118,6 +131,12 @@ func RunRelayChild(ctx context.Context, cfg RelayChildConfig, in io.Reader, out,
 	// --start-rate, as it does to the upstream in direct mode, which has
 	// no admission limit either.
 	rcfg.AdmitRate = 0
+	if cfg.TLS != nil {
+		if err := cfg.TLS.Apply(ctx, &rcfg); err != nil {
+			return err
+		}
+		rcfg.XDSTLSListen, rcfg.XDSListen = rcfg.XDSListen, ""
+	}
 	var store *snapshot.Store
 	if len(cfg.Etcd) > 0 {
 		scfg := snapshot.DefaultConfig()
@@ -151,7 +170,11 @@ func RunRelayChild(ctx context.Context, cfg RelayChildConfig, in io.Reader, out,
 			time.Sleep(5 * time.Millisecond)
 		}
 	}
-	if _, err := fmt.Fprintf(out, "%s%s\n", readyPrefix, r.Addr()); err != nil {
+	addr := r.Addr()
+	if cfg.TLS != nil {
+		addr = r.TLSAddr()
+	}
+	if _, err := fmt.Fprintf(out, "%s%s\n", readyPrefix, addr); err != nil {
 		_ = r.Stop(context.Background())
 		return fmt.Errorf("loadtest: report address: %w", err)
 	}
@@ -170,6 +193,7 @@ func RunRelayChild(ctx context.Context, cfg RelayChildConfig, in io.Reader, out,
 		}
 	}()
 	var prof *os.File
+	heapOnStop := false // the profile was started without a path
 	stopProfile := func() {
 		if prof != nil {
 			pprof.StopCPUProfile()
@@ -188,9 +212,13 @@ loop:
 		case <-eof:
 			break loop
 		case c := <-cmds:
+			path, named := strings.CutPrefix(c, childProfileStart+" ")
+			if !named {
+				path = cfg.CPUProfile
+			}
 			switch {
-			case c == childProfileStart && cfg.CPUProfile != "" && prof == nil:
-				f, err := os.Create(cfg.CPUProfile)
+			case (c == childProfileStart || named) && path != "" && prof == nil:
+				f, err := os.Create(path)
 				if err != nil {
 					fmt.Fprintf(logw, "relay-child: cpuprofile: %v\n", err)
 					continue
@@ -200,10 +228,10 @@ loop:
 					fmt.Fprintf(logw, "relay-child: cpuprofile: %v\n", err)
 					continue
 				}
-				prof = f
+				prof, heapOnStop = f, !named
 			case c == childProfileStop:
 				stopProfile()
-				if cfg.HeapProfile != "" {
+				if heapOnStop && cfg.HeapProfile != "" {
 					if err := writeHeapProfile(cfg.HeapProfile); err != nil {
 						fmt.Fprintf(logw, "relay-child: heapprofile: %v\n", err)
 					}
@@ -322,6 +350,26 @@ type FanoutConfig struct {
 	// Targets are printed next to the results. Defaults as documented on
 	// FanoutTargets.
 	Targets FanoutTargets
+	// TLS says how relayed runs reach the relay: off (its plaintext port;
+	// the default), on (its TLS port: each Envoy on a TLS connection of
+	// its own, presenting the token of its namespace and service account,
+	// one token per key), or compare (each relayed run on plaintext, then
+	// on TLS). Direct runs are always plaintext (the synthetic upstream
+	// has no TLS port).
+	TLS TLSMode
+	// TLSVerifiers are the relay's token verifiers, one TLS run each.
+	// Default local.
+	TLSVerifiers []Verifier
+	// TokenReviewLatency is how long the fake Kubernetes API takes to
+	// answer a TokenReview (tokenreview verifier). Default 2ms.
+	TokenReviewLatency time.Duration
+	// AdmitStreams is the size of the connect storm (RunAdmission) every
+	// relayed run ends with when TLS is not off: new Envoys, each on a
+	// connection of its own, timed until each is admitted and answered.
+	// Default 1,000; 0: none.
+	AdmitStreams int
+	// AdmitConcurrency is how many of them connect at once. Default 32.
+	AdmitConcurrency int
 }
 
 // DefaultFanoutConfig is the scenario of issue 2: 1,000 services and 1,000
@@ -345,6 +393,12 @@ func DefaultFanoutConfig() FanoutConfig {
 		Settle:        2 * time.Second,
 		Seed:          1,
 		Targets:       FanoutTargets{ChangeP99: 300 * time.Millisecond, RelayPeakRSS: 1 << 30},
+		TLS:           TLSOff,
+		TLSVerifiers:  []Verifier{VerifierLocal},
+
+		TokenReviewLatency: 2 * time.Millisecond,
+		AdmitStreams:       1000,
+		AdmitConcurrency:   32,
 	}
 }
 
@@ -371,6 +425,15 @@ func (c *FanoutConfig) validate() error {
 	if c.Targets.RelayPeakRSS == 0 {
 		c.Targets.RelayPeakRSS = d.Targets.RelayPeakRSS
 	}
+	if c.TLS == "" {
+		c.TLS = TLSOff
+	}
+	if len(c.TLSVerifiers) == 0 {
+		c.TLSVerifiers = d.TLSVerifiers
+	}
+	if c.AdmitConcurrency == 0 {
+		c.AdmitConcurrency = d.AdmitConcurrency
+	}
 	var errs []error
 	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf("loadtest: "+format, args...)) }
 	if c.Envoys <= 0 || c.Keys <= 0 || c.Changes <= 0 {
@@ -378,6 +441,17 @@ func (c *FanoutConfig) validate() error {
 	}
 	if c.EnvoysPerConn < 0 || c.StartRate < 0 || c.ChangeGap < 0 || c.Settle < 0 || c.SyncTimeout < 0 || c.ChangeTimeout < 0 {
 		bad("fields EnvoysPerConn, StartRate, ChangeGap, Settle and the timeouts must not be negative")
+	}
+	if c.TokenReviewLatency < 0 || c.AdmitStreams < 0 || c.AdmitConcurrency < 0 {
+		bad("fields TokenReviewLatency, AdmitStreams and AdmitConcurrency must not be negative")
+	}
+	if _, err := ParseTLSMode(string(c.TLS)); err != nil {
+		errs = append(errs, err)
+	}
+	for _, v := range c.TLSVerifiers {
+		if _, err := ParseVerifier(string(v)); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	for _, m := range c.Modes {
 		if _, err := ParseFanoutMode(string(m)); err != nil {
@@ -398,6 +472,28 @@ func (c *FanoutConfig) validate() error {
 		bad("no endpoint backs a service every namespace sees (raise Endpoints or lower LocalFraction)")
 	}
 	return errors.Join(errs...)
+}
+
+// runTransport is how one run's Envoys reach the relay.
+type runTransport struct {
+	tls      bool
+	verifier Verifier
+}
+
+func (t runTransport) String() string { return transportName(t.tls, t.verifier) }
+
+// transports lists the relayed runs of one protocol, in order.
+func (c *FanoutConfig) transports() []runTransport {
+	var out []runTransport
+	if c.TLS != TLSOn {
+		out = append(out, runTransport{})
+	}
+	if c.TLS != TLSOff {
+		for _, v := range c.TLSVerifiers {
+			out = append(out, runTransport{tls: true, verifier: v})
+		}
+	}
+	return out
 }
 
 // movable lists the endpoints whose service every namespace sees: moving
@@ -445,6 +541,10 @@ type FanoutSummary struct {
 	ChangeGapMs   float64 `json:"change_gap_ms"`
 	TargetP99Ms   float64 `json:"target_change_p99_ms"`
 	TargetRSS     uint64  `json:"target_relay_peak_rss_bytes"`
+	// TLS is the --tls mode; TokenReviewLatencyMs the fake Kubernetes
+	// API's answer time (tokenreview runs).
+	TLS                  TLSMode `json:"tls"`
+	TokenReviewLatencyMs float64 `json:"tokenreview_latency_ms,omitempty"`
 }
 
 // LatencyMs is a latency distribution in milliseconds.
@@ -466,6 +566,9 @@ type FanoutRun struct {
 	Protocol         string     `json:"protocol"`
 	Mode             FanoutMode `json:"mode"`
 	UpstreamProtocol string     `json:"upstream_protocol,omitempty"`
+	// Transport is how the Envoys reached the relay: plaintext,
+	// tls-local or tls-tokenreview ("" direct).
+	Transport string `json:"transport,omitempty"`
 
 	// FleetStartS is how long StartFleet took (the paced ramp);
 	// InitialSyncS is from its call until every Envoy held its full config
@@ -502,6 +605,18 @@ type FanoutRun struct {
 	Violations       int      `json:"violations"`
 	ViolationSamples []string `json:"violation_samples,omitempty"`
 	Error            string   `json:"error,omitempty"`
+
+	// Refused counts Envoys whose last stream the relay refused
+	// (Unauthenticated, PermissionDenied) when the run ended.
+	Refused int `json:"envoys_refused,omitempty"`
+	// Tokens is the distinct service-account tokens the fleet presented
+	// (TLS runs); TokenReviews the reviews the fake Kubernetes API
+	// answered (tls-tokenreview runs).
+	Tokens       int `json:"tokens,omitempty"`
+	TokenReviews int `json:"token_reviews,omitempty"`
+	// Admission is the connect storm the run ended with (relayed runs,
+	// when TLS is not off).
+	Admission *AdmissionFigures `json:"admission,omitempty"`
 }
 
 // ProcFigures are a process's CPU time and memory over a run.
@@ -516,10 +631,11 @@ type ProcFigures struct {
 
 // Verdict is one target checked against one run.
 type Verdict struct {
-	Protocol string `json:"protocol"`
-	Target   string `json:"target"`
-	Measured string `json:"measured"`
-	Pass     bool   `json:"pass"`
+	Protocol  string `json:"protocol"`
+	Transport string `json:"transport,omitempty"`
+	Target    string `json:"target"`
+	Measured  string `json:"measured"`
+	Pass      bool   `json:"pass"`
 }
 
 // RunFanout runs, for each protocol, the same scenario in each mode, one
@@ -550,27 +666,48 @@ func RunFanout(ctx context.Context, cfg FanoutConfig, out io.Writer) (*FanoutRep
 			ChangeGapMs: float64(cfg.ChangeGap) / float64(time.Millisecond),
 			TargetP99Ms: float64(cfg.Targets.ChangeP99) / float64(time.Millisecond),
 			TargetRSS:   cfg.Targets.RelayPeakRSS,
+			TLS:         cfg.TLS,
 		},
+	}
+	var creds *MeshCredentials
+	if cfg.TLS != TLSOff && slices.Contains(cfg.Modes, Relayed) {
+		dir, err := os.MkdirTemp("", "loadtest-tls-")
+		if err != nil {
+			return nil, err
+		}
+		defer os.RemoveAll(dir)
+		if creds, err = NewMeshCredentials(dir); err != nil {
+			return nil, err
+		}
+		if slices.Contains(cfg.TLSVerifiers, VerifierTokenReview) {
+			rep.Scenario.TokenReviewLatencyMs = float64(cfg.TokenReviewLatency) / float64(time.Millisecond)
+		}
 	}
 	var errs []error
 	first := true
 	for _, p := range cfg.Protocols {
 		for _, m := range cfg.Modes {
-			if ctx.Err() != nil {
-				break
+			transports := []runTransport{{}}
+			if m == Relayed {
+				transports = cfg.transports()
 			}
-			if !first && !sleepCtx(ctx, cfg.Settle) {
-				break
+			for _, tr := range transports {
+				if ctx.Err() != nil {
+					break
+				}
+				if !first && !sleepCtx(ctx, cfg.Settle) {
+					break
+				}
+				first = false
+				run := runFanoutOnce(ctx, cfg, p, m, tr, creds, out)
+				rep.Runs = append(rep.Runs, run)
+				if run.Error != "" {
+					errs = append(errs, fmt.Errorf("%s %s: %s", p, runLabel(&run), run.Error))
+				}
+				// Let this run's memory go before the next one measures.
+				runtime.GC()
+				debug.FreeOSMemory()
 			}
-			first = false
-			run := runFanoutOnce(ctx, cfg, p, m, out)
-			rep.Runs = append(rep.Runs, run)
-			if run.Error != "" {
-				errs = append(errs, fmt.Errorf("%s %s: %s", p, m, run.Error))
-			}
-			// Let this run's memory go before the next one measures.
-			runtime.GC()
-			debug.FreeOSMemory()
 		}
 	}
 	rep.Verdicts = verdicts(cfg, rep.Runs)
@@ -607,11 +744,23 @@ func loadAvg() string {
 // stopTimeout bounds each Stop at the end of a run.
 const stopTimeout = 30 * time.Second
 
-// runFanoutOnce runs one protocol in one mode and stops everything it
-// started before it returns.
-func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode FanoutMode, out io.Writer) (run FanoutRun) {
+// runLabel names a run's column: its mode, and its transport if not
+// plaintext.
+func runLabel(r *FanoutRun) string {
+	if r.Transport == "" || r.Transport == "plaintext" {
+		return string(r.Mode)
+	}
+	return string(r.Mode) + " " + r.Transport
+}
+
+// runFanoutOnce runs one protocol in one mode over one transport and stops
+// everything it started before it returns.
+func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode FanoutMode, tr runTransport, creds *MeshCredentials, out io.Writer) (run FanoutRun) {
 	run = FanoutRun{Protocol: p.String(), Mode: mode}
-	tag := fmt.Sprintf("%s %s", p, mode)
+	if mode == Relayed {
+		run.Transport = tr.String()
+	}
+	tag := fmt.Sprintf("%s %s", p, runLabel(&run))
 	stopCtx := func() (context.Context, context.CancelFunc) {
 		return context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
 	}
@@ -644,14 +793,31 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 
 	target := up.Addr()
 	var child *Child
+	var kube *FakeKubeAPI
+	// profilePrefix names this run's relay profiles.
+	profilePrefix := fmt.Sprintf("%s-%s", cfg.RelayProfile, p)
+	if tr.tls {
+		profilePrefix += "-" + tr.String()
+	}
 	if mode == Relayed {
 		rc := RelayChildConfig{Upstream: up.Addr(), UpstreamProtocol: cfg.UpstreamProtocol}
 		if rc.UpstreamProtocol == "" {
 			rc.UpstreamProtocol = relay.Protocol(p.String())
 		}
 		if cfg.RelayProfile != "" {
-			rc.CPUProfile = fmt.Sprintf("%s-%s.cpu.pprof", cfg.RelayProfile, p)
-			rc.HeapProfile = fmt.Sprintf("%s-%s.heap.pprof", cfg.RelayProfile, p)
+			rc.CPUProfile = profilePrefix + ".cpu.pprof"
+			rc.HeapProfile = profilePrefix + ".heap.pprof"
+		}
+		if tr.tls {
+			reviewURL := ""
+			if tr.verifier == VerifierTokenReview {
+				if kube, err = creds.StartTokenReview(cfg.TokenReviewLatency); err != nil {
+					return fail(fmt.Errorf("start the fake Kubernetes API: %w", err))
+				}
+				defer kube.Stop()
+				reviewURL = kube.URL()
+			}
+			rc.TLS = creds.RelayTLS(tr.verifier, reviewURL)
 		}
 		run.UpstreamProtocol = string(rc.UpstreamProtocol)
 		child, err = cfg.StartRelay(ctx, rc)
@@ -670,14 +836,31 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 		fmt.Fprintf(out, "%s: relay pid %d at %s (upstream protocol %s)\n", tag, child.Pid(), target, rc.UpstreamProtocol)
 	}
 	procs := newProcMeter(self, child)
+	// profile has the relay child profile a phase of this run, if asked.
+	profile := func(phase string) (stop func()) {
+		if child == nil || cfg.RelayProfile == "" {
+			return func() {}
+		}
+		_ = child.Send(childProfileStart + " " + profilePrefix + "." + phase + ".cpu.pprof")
+		return func() { _ = child.Send(childProfileStop) }
+	}
 
 	fmt.Fprintf(out, "%s: starting %d Envoys at %s (%.0f/s, %d per connection)\n", tag, cfg.Envoys, target, cfg.StartRate, cfg.EnvoysPerConn)
-	start := time.Now()
-	fleet, err := StartFleet(ctx, FleetConfig{
+	fcfg := FleetConfig{
 		Scenario: cfg.Scenario, Envoys: cfg.Envoys, Keys: cfg.Keys, Protocol: p,
 		Target: target, EnvoysPerConn: cfg.EnvoysPerConn, StartRate: cfg.StartRate, Tracker: tracker,
-	})
+	}
+	var tlsConns *tlsTransport
+	if tr.tls {
+		tlsConns = newTLSTransport(creds, target, cfg.EnvoysPerConn, fcfg.MaxMsgSize)
+		defer tlsConns.Close() // after the fleet stopped
+		fcfg.Configure = tlsConns.configure
+	}
+	stopConnectProfile := profile("connect")
+	start := time.Now()
+	fleet, err := StartFleet(ctx, fcfg)
 	if err != nil {
+		stopConnectProfile()
 		return fail(fmt.Errorf("start fleet: %w", err))
 	}
 	defer func() {
@@ -686,10 +869,18 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 		fleet.Stop(sctx)
 	}()
 	run.FleetStartS = time.Since(start).Seconds()
+	if tlsConns != nil {
+		if err := tlsConns.Err(); err != nil {
+			stopConnectProfile()
+			return fail(err)
+		}
+		run.Tokens = creds.Tokens()
+	}
 
 	syncCtx, cancel := context.WithTimeout(ctx, cfg.SyncTimeout)
 	err = waitSyncedReporting(syncCtx, fleet, up, start, out, tag)
 	cancel()
+	stopConnectProfile()
 	run.InitialSyncS = time.Since(start).Seconds()
 	run.UpstreamStreams = up.Stats().OpenStreams
 	run.UpstreamBytesSync = up.Stats().BytesSent
@@ -736,6 +927,33 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 		return fail(err)
 	}
 	fmt.Fprintf(out, "%s: %d changes, %d timed out; change→all P99 %s\n", tag, cfg.Changes, timedOut, ms(complete.P99))
+
+	if mode == Relayed && cfg.TLS != TLSOff && cfg.AdmitStreams > 0 {
+		acfg := AdmissionConfig{
+			Target: target, Scenario: cfg.Scenario, Keys: cfg.Keys,
+			FirstPod: cfg.Envoys/cfg.Keys + 1, Names: firstClusters(up),
+			Streams: cfg.AdmitStreams, Concurrency: cfg.AdmitConcurrency, Stat: child.Stat,
+		}
+		if tr.tls {
+			acfg.Creds = creds
+		}
+		runtime.GC()
+		stopProfile := profile("admission")
+		a := RunAdmission(ctx, acfg)
+		stopProfile()
+		run.Admission = &a
+		fmt.Fprintf(out, "%s: connect storm: %d of %d streams admitted in %.2fs (%.0f/s, %d at once); relay CPU %.2fs (%.2fs per 1,000); dial → answer P50 %s P99 %s\n",
+			tag, a.Admitted, a.Streams, a.WallS, a.RatePerS, a.Concurrency, a.RelayCPUS, a.RelayCPUPer1000S, fmtMs(a.Latency.P50), fmtMs(a.Latency.P99))
+		if a.Err != "" {
+			return fail(fmt.Errorf("connect storm: %s", a.Err))
+		}
+	}
+	if kube != nil {
+		run.TokenReviews = kube.Requests()
+		if err := kube.Err(); err != nil {
+			return fail(err)
+		}
+	}
 	return run
 }
 
@@ -764,8 +982,13 @@ func startCPUProfile(prefix string, p envoy.Protocol, mode FanoutMode, out io.Wr
 }
 
 func (run *FanoutRun) recordFleet(f *Fleet) {
+	run.Reconnects, run.Refused = 0, 0
 	for _, e := range f.Envoys() {
-		run.Reconnects += e.Stats().Reconnects
+		st := e.Stats()
+		run.Reconnects += st.Reconnects
+		if c := status.Code(st.LastErr); !st.Connected && (c == codes.Unauthenticated || c == codes.PermissionDenied) {
+			run.Refused++
+		}
 	}
 	v := f.Violations()
 	run.Violations = len(v)
@@ -905,10 +1128,12 @@ func verdicts(cfg FanoutConfig, runs []FanoutRun) []Verdict {
 		if r.Mode != Relayed {
 			continue
 		}
+		first := len(out)
 		if !r.Synced {
-			out = append(out, Verdict{Protocol: r.Protocol, Target: "run completed", Measured: r.Error})
+			out = append(out, Verdict{Protocol: r.Protocol, Transport: r.Transport, Target: "run completed", Measured: r.Error})
 			continue
 		}
+
 		out = append(out, Verdict{
 			Protocol: r.Protocol,
 			Target:   fmt.Sprintf("P99 change→all %d Envoys ≤ %s", cfg.Envoys, cfg.Targets.ChangeP99),
@@ -937,6 +1162,9 @@ func verdicts(cfg FanoutConfig, runs []FanoutRun) []Verdict {
 			Measured: fmt.Sprintf("%d", r.Violations),
 			Pass:     r.Violations == 0,
 		})
+		for i := first; i < len(out); i++ {
+			out[i].Transport = r.Transport
+		}
 	}
 	return out
 }
@@ -956,33 +1184,76 @@ func PrintFanout(out io.Writer, rep *FanoutReport) {
 		}
 	}
 	for _, p := range protos {
+		// The columns: this protocol's runs in order; the ratios: relayed
+		// (plaintext, else the first) over direct, and each TLS run over
+		// the plaintext relayed one.
+		var cols []*FanoutRun
 		var direct, relayed *FanoutRun
 		for i := range rep.Runs {
-			if r := &rep.Runs[i]; r.Protocol == p {
-				if r.Mode == Direct {
-					direct = r
-				} else {
-					relayed = r
+			r := &rep.Runs[i]
+			if r.Protocol != p {
+				continue
+			}
+			cols = append(cols, r)
+			switch {
+			case r.Mode == Direct:
+				direct = r
+			case relayed == nil || (r.Transport == "plaintext" && relayed.Transport != "plaintext"):
+				relayed = r
+			}
+		}
+		type ratio struct {
+			name     string
+			num, den *FanoutRun
+		}
+		var ratios []ratio
+		if direct != nil && relayed != nil {
+			ratios = append(ratios, ratio{"rel/direct", relayed, direct})
+		}
+		anyTLS := false
+		for _, r := range cols {
+			if strings.HasPrefix(r.Transport, "tls") {
+				anyTLS = true
+				if relayed != nil && relayed.Transport == "plaintext" {
+					ratios = append(ratios, ratio{strings.TrimPrefix(r.Transport, "tls-") + "/plain", r, relayed})
 				}
 			}
 		}
 		fmt.Fprintf(out, "\n%s\n", strings.ToUpper(p))
-		row := func(label string, f func(*FanoutRun) string, ratio func(*FanoutRun) float64) {
-			cell := func(r *FanoutRun) string {
-				if r == nil {
-					return "-"
-				}
-				return f(r)
+		line := func(label string, cells, rats []string) {
+			fmt.Fprintf(out, "  %-40s", label)
+			for _, c := range cells {
+				fmt.Fprintf(out, " %24s", c)
 			}
-			rat := ""
-			if ratio != nil && direct != nil && relayed != nil {
-				if d := ratio(direct); d > 0 {
-					rat = fmt.Sprintf("%.3g×", ratio(relayed)/d)
-				}
+			for _, c := range rats {
+				fmt.Fprintf(out, " %16s", c)
 			}
-			fmt.Fprintf(out, "  %-40s %22s %22s %12s\n", label, cell(direct), cell(relayed), rat)
+			fmt.Fprintln(out)
 		}
-		fmt.Fprintf(out, "  %-40s %22s %22s %12s\n", "", "direct", "relayed", "rel/direct")
+		row := func(label string, f func(*FanoutRun) string, value func(*FanoutRun) float64) {
+			var cells, rats []string
+			for _, r := range cols {
+				cells = append(cells, f(r))
+			}
+			for _, q := range ratios {
+				cell := ""
+				if value != nil {
+					if d := value(q.den); d > 0 {
+						cell = fmt.Sprintf("%.3g×", value(q.num)/d)
+					}
+				}
+				rats = append(rats, cell)
+			}
+			line(label, cells, rats)
+		}
+		var heads, ratioHeads []string
+		for _, r := range cols {
+			heads = append(heads, runLabel(r))
+		}
+		for _, q := range ratios {
+			ratioHeads = append(ratioHeads, q.name)
+		}
+		line("", heads, ratioHeads)
 		sec := func(v float64) string { return fmt.Sprintf("%.2fs", v) }
 		row("fleet start (paced ramp)", func(r *FanoutRun) string { return sec(r.FleetStartS) }, nil)
 		row("initial sync (start → all synced)", func(r *FanoutRun) string {
@@ -1021,6 +1292,7 @@ func PrintFanout(out io.Writer, rep *FanoutReport) {
 			func(r *FanoutRun) float64 { return float64(r.EnvoyBytesSync) })
 		row("Envoys' bytes received: changes", func(r *FanoutRun) string { return fmtBytes(r.EnvoyBytesChanges) },
 			func(r *FanoutRun) float64 { return float64(r.EnvoyBytesChanges) })
+		relayOK := func(r *FanoutRun) bool { return r.Relay != nil && r.Relay.Err == "" }
 		relayCell := func(f func(*ProcFigures) string) func(*FanoutRun) string {
 			return func(r *FanoutRun) string {
 				if r.Relay == nil {
@@ -1035,6 +1307,14 @@ func PrintFanout(out io.Writer, rep *FanoutReport) {
 		row("relay process CPU: sync / changes", relayCell(func(p *ProcFigures) string {
 			return fmt.Sprintf("%.2fs / %.2fs", p.CPUSyncS, p.CPUChangesS)
 		}), nil)
+		row("relay CPU per 1,000 Envoys: sync", relayCell(func(p *ProcFigures) string {
+			return fmt.Sprintf("%.2fs", p.CPUSyncS/float64(max(sc.Envoys, 1))*1000)
+		}), func(r *FanoutRun) float64 {
+			if !relayOK(r) {
+				return 0
+			}
+			return r.Relay.CPUSyncS
+		})
 		row("relay process RSS: peak / end", relayCell(func(p *ProcFigures) string {
 			return fmtBytes(p.RSSPeak) + " / " + fmtBytes(p.RSSEnd)
 		}), nil)
@@ -1044,19 +1324,85 @@ func PrintFanout(out io.Writer, rep *FanoutReport) {
 		row("loadtest process RSS: peak", func(r *FanoutRun) string { return fmtBytes(r.Loadtest.RSSPeak) }, nil)
 		row("Envoy stream reconnects", func(r *FanoutRun) string { return fmt.Sprintf("%d", r.Reconnects) }, nil)
 		row("protocol violations", func(r *FanoutRun) string { return fmt.Sprintf("%d", r.Violations) }, nil)
-		for _, r := range []*FanoutRun{direct, relayed} {
-			if r != nil && r.Error != "" {
-				fmt.Fprintf(out, "  %s error: %s\n", r.Mode, r.Error)
-			}
-			if r != nil {
-				for _, v := range r.ViolationSamples {
-					fmt.Fprintf(out, "  %s violation: %s\n", r.Mode, v)
+		if anyTLS {
+			row("Envoys refused (at the end)", func(r *FanoutRun) string { return fmt.Sprintf("%d", r.Refused) }, nil)
+			row("tokens presented / token reviews", func(r *FanoutRun) string {
+				if !strings.HasPrefix(r.Transport, "tls") {
+					return "-"
 				}
+				return fmt.Sprintf("%d / %d", r.Tokens, r.TokenReviews)
+			}, nil)
+		}
+		storm := func(f func(*AdmissionFigures) string) func(*FanoutRun) string {
+			return func(r *FanoutRun) string {
+				if r.Admission == nil {
+					return "-"
+				}
+				return f(r.Admission)
+			}
+		}
+		stormValue := func(f func(*AdmissionFigures) float64) func(*FanoutRun) float64 {
+			return func(r *FanoutRun) float64 {
+				if r.Admission == nil {
+					return 0
+				}
+				return f(r.Admission)
+			}
+		}
+		if slices.ContainsFunc(cols, func(r *FanoutRun) bool { return r.Admission != nil }) {
+			row("connect storm: admitted / streams", storm(func(a *AdmissionFigures) string {
+				return fmt.Sprintf("%d / %d", a.Admitted, a.Streams)
+			}), nil)
+			row("connect storm: streams/s admitted", storm(func(a *AdmissionFigures) string {
+				return fmt.Sprintf("%.0f/s (%d at once)", a.RatePerS, a.Concurrency)
+			}), stormValue(func(a *AdmissionFigures) float64 { return a.RatePerS }))
+			row("connect storm: dial → answer P50", storm(func(a *AdmissionFigures) string { return fmtMs(a.Latency.P50) }),
+				stormValue(func(a *AdmissionFigures) float64 { return a.Latency.P50 }))
+			row("connect storm: dial → answer P99", storm(func(a *AdmissionFigures) string { return fmtMs(a.Latency.P99) }),
+				stormValue(func(a *AdmissionFigures) float64 { return a.Latency.P99 }))
+			row("connect storm: relay CPU per 1,000", storm(func(a *AdmissionFigures) string {
+				return fmt.Sprintf("%.3fs", a.RelayCPUPer1000S)
+			}), stormValue(func(a *AdmissionFigures) float64 { return a.RelayCPUPer1000S }))
+			if anyTLS && relayed != nil && relayed.Transport == "plaintext" && relayed.Admission != nil {
+				row("  TLS+JWT alone (this − plaintext's)", func(r *FanoutRun) string {
+					if r.Admission == nil || !strings.HasPrefix(r.Transport, "tls") {
+						return "-"
+					}
+					return fmt.Sprintf("%.3fs", r.Admission.RelayCPUPer1000S-relayed.Admission.RelayCPUPer1000S)
+				}, nil)
+			}
+			row("  relay CPU-bound rate, per core", storm(func(a *AdmissionFigures) string {
+				if a.RelayCPUPer1000S <= 0 {
+					return "-"
+				}
+				return fmt.Sprintf("%.0f/s", 1000/a.RelayCPUPer1000S)
+			}), nil)
+			row("connect storm: loadtest CPU per 1,000", storm(func(a *AdmissionFigures) string {
+				return fmt.Sprintf("%.3fs", a.LoadtestCPUS/float64(max(a.Admitted, 1))*1000)
+			}), stormValue(func(a *AdmissionFigures) float64 { return a.LoadtestCPUS / float64(max(a.Admitted, 1)) }))
+			for _, r := range cols {
+				if r.Admission != nil && len(r.Admission.Refused) > 0 {
+					fmt.Fprintf(out, "  %s connect storm refused: %v\n", runLabel(r), r.Admission.Refused)
+				}
+			}
+		}
+		for _, r := range cols {
+			if r.Error != "" {
+				fmt.Fprintf(out, "  %s error: %s\n", runLabel(r), r.Error)
+			}
+			for _, v := range r.ViolationSamples {
+				fmt.Fprintf(out, "  %s violation: %s\n", runLabel(r), v)
 			}
 		}
 	}
 	fmt.Fprintf(out, "\n  loadtest process = the synthetic upstream and every simulated Envoy (in both modes);\n")
 	fmt.Fprintf(out, "  relay process = the relay alone. Latencies run from the upstream publishing a change.\n")
+	if sc.TLS != "" && sc.TLS != TLSOff {
+		fmt.Fprintf(out, "  tls-*: each Envoy on a TLS connection of its own (full handshake, ECDSA P-256 certificate) with its\n")
+		fmt.Fprintf(out, "  service account's RS256 token, checked by the relay's local verifier or by TokenReview (a fake\n")
+		fmt.Fprintf(out, "  Kubernetes API in the loadtest process answering in %.1f ms, verdicts cached). Connect storm: new\n", sc.TokenReviewLatencyMs)
+		fmt.Fprintf(out, "  streams after the changes (keys warm), each asking for one cluster; its loadtest CPU is the client side.\n")
+	}
 	if len(rep.Verdicts) > 0 {
 		fmt.Fprintf(out, "\ntargets (relayed):\n")
 	}
@@ -1065,7 +1411,11 @@ func PrintFanout(out io.Writer, rep *FanoutReport) {
 		if v.Pass {
 			verdict = "PASS"
 		}
-		fmt.Fprintf(out, "  %s  %-5s %-36s measured %s\n", verdict, v.Protocol, v.Target, v.Measured)
+		run := v.Protocol
+		if v.Transport != "" && v.Transport != "plaintext" {
+			run += " " + v.Transport
+		}
+		fmt.Fprintf(out, "  %s  %-21s %-36s measured %s\n", verdict, run, v.Target, v.Measured)
 	}
 }
 

@@ -138,11 +138,24 @@ func fanout(ctx context.Context, args []string) error {
 	targetRSS := fs.Uint64("target-rss-mib", cfg.Targets.RelayPeakRSS>>20, "target: relay peak RSS, MiB")
 	fs.StringVar(&cfg.RelayProfile, "relay-profile", "", "write the relay child's CPU profile of the change phase and heap profile at its end to PREFIX-<protocol>.{cpu,heap}.pprof")
 	fs.StringVar(&cfg.CPUProfile, "cpuprofile", "", "write this process's CPU profile of each change phase to PREFIX-<protocol>-<mode>.cpu.pprof")
+	fs.Var(loadtest.TLSModeFlag{Mode: &cfg.TLS}, "tls", "relayed runs on the relay's TLS port, each Envoy with its service account's JWT: on (bare --tls), off, or compare (each relayed run plaintext, then TLS)")
+	verifiers := fs.String("tls-verifier", "local", "the relay's token verifiers, comma-separated, one TLS run each: local (signature check) or tokenreview (a fake Kubernetes API)")
+	fs.DurationVar(&cfg.TokenReviewLatency, "tokenreview-latency", cfg.TokenReviewLatency, "how long the fake Kubernetes API takes to answer a TokenReview")
+	fs.IntVar(&cfg.AdmitStreams, "admit-streams", cfg.AdmitStreams, "with --tls: new streams of the connect storm each relayed run ends with (0: none)")
+	fs.IntVar(&cfg.AdmitConcurrency, "admit-concurrency", cfg.AdmitConcurrency, "with --tls: connect storm streams connecting at once")
 	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	cfg.Targets.RelayPeakRSS = *targetRSS << 20
+	cfg.TLSVerifiers = nil
+	for _, v := range splitList(*verifiers) {
+		ver, err := loadtest.ParseVerifier(v)
+		if err != nil {
+			return fmt.Errorf("--tls-verifier: %w", err)
+		}
+		cfg.TLSVerifiers = append(cfg.TLSVerifiers, ver)
+	}
 	var err error
 	if cfg.Protocols, err = parseProtocols(*protocols); err != nil {
 		return err
@@ -375,6 +388,13 @@ func relayChild(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.CPUProfile, "cpuprofile", "", "CPU profile file, written between \"profile start\" and \"profile stop\" on stdin")
 	fs.StringVar(&cfg.HeapProfile, "heapprofile", "", "heap profile file, written on \"profile stop\" on stdin")
 	etcd := fs.String("etcd", "", "comma-separated etcd endpoints: persist snapshots and start warm from them")
+	var tc loadtest.RelayChildTLS
+	fs.StringVar(&tc.CertFile, "tls-cert", "", "serve only a TLS port (JWT auth) with this PEM certificate chain")
+	fs.StringVar(&tc.KeyFile, "tls-key", "", "PEM key of --tls-cert")
+	verifier := fs.String("tls-verifier", string(loadtest.VerifierLocal), "token verifier of the TLS port: local or tokenreview")
+	fs.StringVar(&tc.Issuer, "jwt-issuer", "", "token issuer, for --tls-verifier local")
+	fs.StringVar(&tc.JWKSFile, "jwks", "", "JSON Web Key Set file of the issuer, for --tls-verifier local")
+	fs.StringVar(&tc.TokenReviewURL, "tokenreview-url", "", "Kubernetes API base URL, for --tls-verifier tokenreview")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -384,6 +404,12 @@ func relayChild(ctx context.Context, args []string) error {
 	}
 	if *etcd != "" {
 		cfg.Etcd = strings.Split(*etcd, ",")
+	}
+	if tc.CertFile != "" || tc.KeyFile != "" {
+		if tc.Verifier, err = loadtest.ParseVerifier(*verifier); err != nil {
+			return err
+		}
+		cfg.TLS = &tc
 	}
 	return loadtest.RunRelayChild(ctx, cfg, os.Stdin, os.Stdout, os.Stderr)
 }
