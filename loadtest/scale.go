@@ -6,13 +6,16 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"os"
 	"runtime"
+	"slices"
 	"sync"
 	"time"
 
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/shard/shardtest"
 )
 
 // ScaleConfig configures RunScale: a tier scaled out by one relay, then in
@@ -41,6 +44,16 @@ type ScaleConfig struct {
 	// SyncTimeout and PhaseTimeout bound the initial sync and each phase.
 	// Defaults 10m and 3m.
 	SyncTimeout, PhaseTimeout time.Duration
+	// TLS makes every relay serve a TLS port too, authenticating streams
+	// with Verifier, and the Envoys connect through a Service in front of
+	// those ports, each with its service account's token: every stream a
+	// relay sheds is a new handshake and authentication. Default false.
+	TLS bool
+	// Verifier is the relays' token verifier with TLS. Default local.
+	Verifier Verifier
+	// TokenReviewLatency is the fake Kubernetes API's answer time
+	// (tokenreview). Default 2ms.
+	TokenReviewLatency time.Duration
 }
 
 // DefaultScaleConfig is what `loadtest scale` runs with no flags.
@@ -51,6 +64,7 @@ func DefaultScaleConfig() ScaleConfig {
 		Scenario: sc, Relays: 3, Envoys: 3000, Keys: 100, StartRate: 500, EnvoysPerConn: 3,
 		Changes: 10, ChangeGap: 500 * time.Millisecond, Tolerance: 0.2,
 		SyncTimeout: 10 * time.Minute, PhaseTimeout: 3 * time.Minute,
+		Verifier: VerifierLocal, TokenReviewLatency: 2 * time.Millisecond,
 	}
 }
 
@@ -64,6 +78,11 @@ type ScaleReport struct {
 	// Baseline is change → last Envoy's ACK before any scaling.
 	Baseline Latency      `json:"baseline_change_to_all"`
 	Phases   []ScalePhase `json:"phases"`
+	// Transport is plaintext, tls-local or tls-tokenreview; TokenReviews
+	// the reviews the fake Kubernetes API answered (every relay's cache
+	// misses).
+	Transport    string `json:"transport"`
+	TokenReviews int    `json:"token_reviews,omitempty"`
 }
 
 // ScaleSummary is the configuration a report was measured with.
@@ -137,12 +156,19 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 	if cfg.Relays < 2 || cfg.Envoys < 1 || cfg.Keys < 1 || cfg.Changes < 1 || cfg.Tolerance <= 0 {
 		return nil, errors.New("loadtest: scale needs at least 2 relays, 1 Envoy, 1 key, 1 change and a positive tolerance")
 	}
+	if cfg.Verifier == "" {
+		cfg.Verifier = VerifierLocal
+	}
+	if _, err := ParseVerifier(string(cfg.Verifier)); err != nil {
+		return nil, err
+	}
 	rep := &ScaleReport{
 		Date: time.Now().UTC().Format(time.RFC3339),
 		Machine: Machine{CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0),
 			GoVersion: runtime.Version(), OS: runtime.GOOS + "/" + runtime.GOARCH, LoadAvg: loadAvg()},
 		Config: ScaleSummary{Services: cfg.Scenario.Services, Endpoints: cfg.Scenario.Endpoints, Namespaces: cfg.Scenario.Namespaces,
 			Relays: cfg.Relays, Envoys: cfg.Envoys, Keys: cfg.Keys, Tolerance: cfg.Tolerance},
+		Transport: transportName(cfg.TLS, cfg.Verifier),
 	}
 	stopCtx := context.WithoutCancel(ctx)
 	s := &scaleRun{cfg: cfg, tracker: NewTracker(), bytes: make([]uint64, cfg.Envoys)}
@@ -160,27 +186,79 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 	defer up.Stop(stopCtx)
 	s.up = up
 
-	tier, err := StartTier(stopCtx, TierConfig{Relays: cfg.Relays, Upstream: up.Addr(), DrainPeriod: 5 * time.Second,
-		BalanceInterval: 2 * time.Second, ShedRate: 100})
+	tcfg := TierConfig{Relays: cfg.Relays, Upstream: up.Addr(), DrainPeriod: 5 * time.Second,
+		BalanceInterval: 2 * time.Second, ShedRate: 100}
+	var creds *MeshCredentials
+	var kube *FakeKubeAPI
+	var tlsErr error // of the relays' TLS set-up
+	if cfg.TLS {
+		dir, err := os.MkdirTemp("", "loadtest-tls-")
+		if err != nil {
+			return nil, err
+		}
+		defer os.RemoveAll(dir)
+		if creds, err = NewMeshCredentials(dir); err != nil {
+			return nil, err
+		}
+		reviewURL := ""
+		if cfg.Verifier == VerifierTokenReview {
+			if kube, err = creds.StartTokenReview(cfg.TokenReviewLatency); err != nil {
+				return nil, err
+			}
+			defer kube.Stop()
+			reviewURL = kube.URL()
+		}
+		tcfg.Relay = func(rc *relay.Config) {
+			rc.XDSTLSListen = "127.0.0.1:0"
+			if err := creds.RelayTLS(cfg.Verifier, reviewURL).Apply(stopCtx, rc); err != nil && tlsErr == nil {
+				tlsErr = err
+			}
+		}
+	}
+	tier, err := StartTier(stopCtx, tcfg)
 	if err != nil {
 		return nil, err
 	}
 	defer tier.Stop(stopCtx)
+	if tlsErr != nil {
+		return nil, tlsErr
+	}
 	s.tier = tier
 	if err := s.waitConverged(ctx); err != nil {
 		return nil, err
+	}
+	target := tier.Addr()
+	var tlsConns *tlsTransport
+	if cfg.TLS {
+		// A Service in front of the relays' TLS ports, as a cluster's
+		// in front of istiod's 15012.
+		svc, err := shardtest.NewService(func() []string {
+			var out []string
+			for _, r := range tier.Running() {
+				if rl := r.Node.Relay(); rl.Ready() && rl.TLSAddr() != nil {
+					out = append(out, rl.TLSAddr().String())
+				}
+			}
+			return out
+		})
+		if err != nil {
+			return nil, err
+		}
+		defer svc.Close()
+		target = svc.Addr()
+		tlsConns = newTLSTransport(creds, target, cfg.EnvoysPerConn, 0)
+		defer tlsConns.Close() // after the fleet stopped
 	}
 	for k := range cfg.Keys {
 		ns, wl := k%cfg.Scenario.Namespaces, k/cfg.Scenario.Namespaces
 		s.keys = append(s.keys, relay.IstioProfile{}.Key(cfg.Scenario.Node(ns, wl, 0)))
 	}
 
-	fmt.Fprintf(out, "scale: %d relays, %d Envoys over %d keys (%d services, %d endpoints), connecting at %.0f/s\n",
-		cfg.Relays, cfg.Envoys, cfg.Keys, cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.StartRate)
-	start := time.Now()
-	fleet, err := StartFleet(stopCtx, FleetConfig{
+	fmt.Fprintf(out, "scale: %d relays, %d Envoys over %d keys (%d services, %d endpoints), connecting at %.0f/s, %s\n",
+		cfg.Relays, cfg.Envoys, cfg.Keys, cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.StartRate, rep.Transport)
+	fcfg := FleetConfig{
 		Scenario: cfg.Scenario, Envoys: cfg.Envoys, Keys: cfg.Keys, Protocol: envoy.Delta,
-		Target: tier.Addr(), StartRate: cfg.StartRate, EnvoysPerConn: cfg.EnvoysPerConn, Tracker: s.tracker,
+		Target: target, StartRate: cfg.StartRate, EnvoysPerConn: cfg.EnvoysPerConn, Tracker: s.tracker,
 		OnEvent: func(i int, ev envoy.Event) {
 			if ev.Kind == envoy.Received {
 				s.mu.Lock()
@@ -188,11 +266,21 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 				s.mu.Unlock()
 			}
 		},
-	})
+	}
+	if tlsConns != nil {
+		fcfg.Configure = tlsConns.configure
+	}
+	start := time.Now()
+	fleet, err := StartFleet(stopCtx, fcfg)
 	if err != nil {
 		return nil, err
 	}
 	defer fleet.Stop(stopCtx)
+	if tlsConns != nil {
+		if err := tlsConns.Err(); err != nil {
+			return nil, err
+		}
+	}
 	s.fleet = fleet
 	sctx, cancel := context.WithTimeout(ctx, cfg.SyncTimeout)
 	err = fleet.WaitSynced(sctx, up)
@@ -202,6 +290,13 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 	}
 	rep.SyncS = time.Since(start).Seconds()
 	fmt.Fprintf(out, "scale: %d Envoys synced in %.1fs; upstream streams %d\n", cfg.Envoys, rep.SyncS, up.Stats().OpenStreams)
+	if cfg.TLS {
+		// A proven identity is part of the key (the relay's identityKey):
+		// read the keys the relays made.
+		if s.keys, err = s.servedKeys(); err != nil {
+			return nil, err
+		}
+	}
 	if _, err := s.waitRebalanced(ctx, time.Now()); err != nil {
 		return nil, err
 	}
@@ -219,8 +314,10 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 
 	// Scale out: one more relay, nothing changing upstream.
 	p, err := s.phase(ctx, fmt.Sprintf("add relay-%d", cfg.Relays), false, func() error {
-		_, err := tier.Add(stopCtx)
-		return err
+		if _, err := tier.Add(stopCtx); err != nil {
+			return err
+		}
+		return tlsErr
 	})
 	if err != nil {
 		return nil, err
@@ -237,6 +334,13 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 	}
 	rep.Phases = append(rep.Phases, p)
 	s.print(out, p)
+	if kube != nil {
+		rep.TokenReviews = kube.Requests()
+		fmt.Fprintf(out, "scale: %d token reviews for %d tokens over the whole run (each relay caches its verdicts)\n", rep.TokenReviews, creds.Tokens())
+		if err := kube.Err(); err != nil {
+			return rep, err
+		}
+	}
 	return rep, nil
 }
 
@@ -244,6 +348,24 @@ func (s *scaleRun) waitConverged(ctx context.Context) error {
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	return s.tier.WaitConverged(wctx)
+}
+
+// servedKeys returns the sorted keys of the Envoy streams the running
+// relays serve; there must be cfg.Keys.
+func (s *scaleRun) servedKeys() ([]relay.Key, error) {
+	var keys []relay.Key
+	for _, r := range s.tier.Running() {
+		for _, c := range r.Node.Relay().Clients() {
+			if c.PeerRelay == "" && !slices.Contains(keys, c.Key) {
+				keys = append(keys, c.Key)
+			}
+		}
+	}
+	slices.Sort(keys)
+	if len(keys) != s.cfg.Keys {
+		return nil, fmt.Errorf("loadtest: the relays serve %d keys, want %d", len(keys), s.cfg.Keys)
+	}
+	return keys, nil
 }
 
 // owners returns each key's owner, as the first running relay's ring has

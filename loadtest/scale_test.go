@@ -9,13 +9,21 @@ import (
 
 // TestScale runs the scale benchmark tiny: the tier rebalances after a
 // relay is added and after one is stopped, the upstream keeps one stream
-// per key, and no Envoy sees a protocol violation.
+// per key, and no Envoy sees a protocol violation; plaintext, and over the
+// relays' TLS ports (every moved stream a new handshake and token check).
 func TestScale(t *testing.T) {
+	for _, tls := range []bool{false, true} {
+		t.Run(transportName(tls, VerifierLocal), func(t *testing.T) { testScale(t, tls) })
+	}
+}
+
+func testScale(t *testing.T, tls bool) {
 	cfg := DefaultScaleConfig()
 	cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = 40, 40, 4
 	cfg.Envoys, cfg.Keys, cfg.Changes = 80, 8, 3
 	cfg.ChangeGap = 100 * time.Millisecond
 	cfg.PhaseTimeout = time.Minute
+	cfg.TLS = tls
 	// At a share of 20 the relays' own margin is √20 ≈ 5 streams (25 %):
 	// the 20 % bound of the issue is checked at a share of 30 in
 	// shard's TestScaleOutRebalances.
@@ -25,6 +33,9 @@ func TestScale(t *testing.T) {
 	t.Log(out.String())
 	if err != nil {
 		t.Fatalf("RunScale: %v", err)
+	}
+	if want := transportName(tls, VerifierLocal); rep.Transport != want {
+		t.Errorf("transport %q, want %q", rep.Transport, want)
 	}
 	if len(rep.Phases) != 2 {
 		t.Fatalf("%d phases, want 2", len(rep.Phases))

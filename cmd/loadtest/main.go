@@ -203,10 +203,18 @@ func scale(ctx context.Context, args []string) error {
 	fs.DurationVar(&cfg.ChangeGap, "change-gap", cfg.ChangeGap, "time between changes")
 	fs.Float64Var(&cfg.Tolerance, "tolerance", cfg.Tolerance, "how far from the fair share a relay may be to count as rebalanced (fraction)")
 	fs.DurationVar(&cfg.PhaseTimeout, "phase-timeout", cfg.PhaseTimeout, "bound on each scaling step")
+	fs.BoolVar(&cfg.TLS, "tls", false, "Envoys connect to the relays' TLS ports (through a Service), each with its service account's JWT")
+	verifier := fs.String("tls-verifier", string(cfg.Verifier), "the relays' token verifier with --tls: local or tokenreview (a fake Kubernetes API)")
+	fs.DurationVar(&cfg.TokenReviewLatency, "tokenreview-latency", cfg.TokenReviewLatency, "how long the fake Kubernetes API takes to answer a TokenReview")
 	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	v, err := loadtest.ParseVerifier(*verifier)
+	if err != nil {
+		return fmt.Errorf("--tls-verifier: %w", err)
+	}
+	cfg.Verifier = v
 	rep, err := loadtest.RunScale(ctx, cfg, os.Stdout)
 	if err != nil {
 		return err
