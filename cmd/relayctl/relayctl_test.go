@@ -3,11 +3,13 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -29,6 +31,9 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/auth"
+	"github.com/meshrelay/meshrelay/relay/auth/authtest"
+	"github.com/meshrelay/meshrelay/relay/tlsfiles"
 	"github.com/meshrelay/meshrelay/shard"
 	"github.com/meshrelay/meshrelay/shard/adminpb"
 	"github.com/meshrelay/meshrelay/shard/shardtest"
@@ -431,6 +436,183 @@ func TestFindMember(t *testing.T) {
 		m, err := findMember(ring, tc.name)
 		if m.GetName() != tc.want || (tc.err == "") != (err == nil) || err != nil && !strings.Contains(err.Error(), tc.err) {
 			t.Errorf("findMember(%q) = %q, %v; want %q, %q", tc.name, m.GetName(), err, tc.want, tc.err)
+		}
+	}
+}
+
+// TestTokenFileReadAtEachCall: --token-file's token is read at each call,
+// so a token kubelet rotated is the one sent; a file that is missing,
+// empty or far too large for a token fails the call, naming the file,
+// never its content.
+func TestTokenFileReadAtEachCall(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "token")
+	write := func(content string) {
+		// As kubelet's atomic writer: a new file swapped in.
+		tmp := filepath.Join(dir, "token.tmp")
+		if err := os.WriteFile(tmp, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, path); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f := tokenFile(path)
+	for _, tc := range []struct {
+		content, want, err string
+	}{
+		{"first-token\n", "Bearer first-token", ""},
+		{"  rotated-token  ", "Bearer rotated-token", ""},
+		{"\n", "", "is empty"},
+		{strings.Repeat("x", maxTokenFile+1), "", "not a token"},
+	} {
+		write(tc.content)
+		md, err := f.GetRequestMetadata(context.Background())
+		if got := md["authorization"]; got != tc.want || (err == nil) != (tc.err == "") || err != nil && !strings.Contains(err.Error(), tc.err) {
+			t.Errorf("with %q in the file: authorization %q, %v; want %q, %q", tc.content, got, err, tc.want, tc.err)
+		}
+		if err != nil && strings.Contains(err.Error(), "xxxx") {
+			t.Errorf("the error %q repeats the file's content", err)
+		}
+	}
+	os.Remove(path)
+	if _, err := f.GetRequestMetadata(context.Background()); err == nil || !strings.Contains(err.Error(), "--token-file") {
+		t.Errorf("with no file: %v, want an error naming --token-file", err)
+	}
+	if !f.RequireTransportSecurity() {
+		t.Error("a token file's token may cross the network in clear text")
+	}
+}
+
+// TestRelayctlTokenFileIdentities: relayctl with a service-account JWT in
+// --token-file against a tier whose admin API proves identities. The same
+// file, rewritten between commands as kubelet rotates it, makes relayctl
+// a caller of ns-1 (proxy-status lists exactly ns-1's Envoys; another
+// namespace's proxy config and a drain are refused), then an admin (every
+// Envoy); an expired token is refused without being repeated.
+func TestRelayctlTokenFileIdentities(t *testing.T) {
+	const adminID = "spiffe://cluster.local/ns/istio-system/sa/istioctl"
+	ctx := context.Background()
+	mesh, issuer := authtest.NewCA(t, "mesh root"), authtest.NewIssuer(t)
+	pair, err := tlsfiles.LoadKeyPair(mesh.Serving(t).Write(t, ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	caFile := mesh.WriteRoot(t)
+	roots, err := tlsfiles.LoadCAPool(caFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lcfg := auth.DefaultLocalConfig()
+	lcfg.Issuer, lcfg.Keys = issuer.URL, auth.KeysFromFile(issuer.WriteJWKS(t))
+	local, err := auth.NewLocal(ctx, lcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	authn, err := auth.NewAuthenticator(auth.ModeAny, &auth.CertVerifier{TrustDomain: "cluster.local", Roots: roots.Certificates}, local)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc := upstream.Scenario{Services: 3, Endpoints: 3, Namespaces: 3}
+	_, tier := startTier(t, sc, loadtest.TierConfig{Relays: 2,
+		Relay: func(c *relay.Config) {
+			c.AdminListen = "127.0.0.1:0"
+			c.AdminTLS = tlsfiles.ServerConfig(pair, roots, tls.VerifyClientCertIfGiven, "h2", "http/1.1")
+			c.AdminAuthenticator, c.AdminIdentities = authn, []string{adminID}
+		},
+		Node: func(c *shard.NodeConfig) { c.AllowMutations = true },
+	})
+	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: 6, Keys: 3, Protocol: envoy.Delta, Target: tier.Addr()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { fleet.Stop(context.Background()) })
+	var all, ns1 []string
+	for i, e := range fleet.Envoys() {
+		all = append(all, e.ID())
+		if i%3 == 1 {
+			ns1 = append(ns1, e.ID())
+		}
+	}
+	slices.Sort(all)
+	slices.Sort(ns1)
+	ns0Node := fleet.Envoys()[0].ID()
+
+	relays := tier.Running()
+	tokenPath := filepath.Join(t.TempDir(), "token")
+	useToken := func(tk authtest.Token) string {
+		tok := issuer.Sign(t, tk)
+		tmp := tokenPath + ".tmp"
+		if err := os.WriteFile(tmp, []byte(tok+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, tokenPath); err != nil {
+			t.Fatal(err)
+		}
+		return tok
+	}
+	relayctl := func(args ...string) (int, string, string) {
+		var out, errOut bytes.Buffer
+		base := []string{"--admin-address", relays[0].Node.Relay().AdminAddr().String(), "--ca-file", caFile, "--token-file", tokenPath}
+		code := run(append(base, args...), &out, &errOut)
+		return code, out.String(), errOut.String()
+	}
+	listed := func(t *testing.T) []string {
+		t.Helper()
+		code, out, errOut := relayctl("-o", "json", "proxy-status")
+		if code != 0 {
+			t.Fatalf("relayctl proxy-status: exit %d, %s", code, errOut)
+		}
+		var list adminpb.EnvoyList
+		if err := protojson.Unmarshal([]byte(out), &list); err != nil {
+			t.Fatalf("relayctl -o json proxy-status: %v\n%s", err, out)
+		}
+		var ids []string
+		for _, e := range list.GetEnvoys() {
+			ids = append(ids, e.GetNode())
+		}
+		slices.Sort(ids)
+		return ids
+	}
+
+	useToken(authtest.Token{Namespace: "istio-system", ServiceAccount: "istioctl"})
+	for deadline := time.Now().Add(30 * time.Second); !slicesEqual(listed(t), all); time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("proxy-status as the admin lists %q, want %q", listed(t), all)
+		}
+	}
+
+	t.Run("ns-1", func(t *testing.T) {
+		useToken(authtest.Token{Namespace: "ns-1", ServiceAccount: "wl-0"})
+		if got := listed(t); !slicesEqual(got, ns1) {
+			t.Errorf("proxy-status as ns-1 lists %q, want %q", got, ns1)
+		}
+		if code, _, errOut := relayctl("proxy-config", ns1[0]); code != 0 {
+			t.Errorf("proxy-config of an Envoy of ns-1 as ns-1: exit %d, %s", code, errOut)
+		}
+		if code, _, errOut := relayctl("proxy-config", ns0Node); code != 1 || !strings.Contains(errOut, "PermissionDenied") {
+			t.Errorf("proxy-config of an Envoy of ns-0 as ns-1: exit %d, %q; want 1, PermissionDenied", code, errOut)
+		}
+		if code, _, errOut := relayctl("drain", relays[1].ID); code != 1 || !strings.Contains(errOut, "PermissionDenied") {
+			t.Errorf("drain as ns-1 with mutations allowed: exit %d, %q; want 1, PermissionDenied", code, errOut)
+		}
+	})
+	t.Run("rotated to the admin's", func(t *testing.T) {
+		useToken(authtest.Token{Namespace: "istio-system", ServiceAccount: "istioctl"})
+		if got := listed(t); !slicesEqual(got, all) {
+			t.Errorf("proxy-status as the admin lists %q, want %q", got, all)
+		}
+	})
+	t.Run("expired", func(t *testing.T) {
+		tok := useToken(authtest.Token{Namespace: "istio-system", ServiceAccount: "istioctl", IssuedAt: time.Now().Add(-3 * time.Hour), TTL: time.Hour})
+		code, _, errOut := relayctl("proxy-status")
+		if code != 1 || !strings.Contains(errOut, "Unauthenticated") || strings.Contains(errOut, tok) {
+			t.Errorf("proxy-status with an expired token: exit %d, %q; want 1, Unauthenticated, without the token", code, errOut)
+		}
+	})
+	for _, r := range relays {
+		if !r.Node.Relay().Ready() {
+			t.Errorf("relay %s is not ready: a refused drain drained it", r.ID)
 		}
 	}
 }

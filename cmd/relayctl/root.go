@@ -73,7 +73,15 @@ func newRoot(o *options) *cobra.Command {
 		Use:   "relayctl",
 		Short: "Inspect a meshrelay tier through any relay's admin API",
 		Long: `relayctl asks one relay's admin API (meshrelay.admin.v1, on the relay's
---admin-listen port); any relay answers for the whole tier.`,
+--admin-listen port); any relay answers for the whole tier.
+
+Access: --token-file names a file holding the bearer token sent on every
+call, over TLS only: the relays' admin token, or a Kubernetes
+service-account token (a projected token such as istioctl's, read again at
+each call since kubelet rotates it). With a client certificate (--cert-file)
+a SPIFFE identity proves itself instead. An identity the relays list in
+--admin-identities is an admin; any other sees only its own namespace's
+Envoys, keys and config, and may not drain.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		PersistentPreRunE: func(*cobra.Command, []string) error {
@@ -95,7 +103,7 @@ func newRoot(o *options) *cobra.Command {
 	f.StringVar(&o.certFile, "cert-file", "", "PEM file of the client certificate, for relays that require mTLS")
 	f.StringVar(&o.keyFile, "key-file", "", "PEM file of the client certificate's key")
 	f.StringVar(&o.serverName, "server-name", "", "name the relays' certificates are checked against (default: the host dialled)")
-	f.StringVar(&o.tokenFile, "token-file", "", "file holding the admin API's bearer token (needs TLS)")
+	f.StringVar(&o.tokenFile, "token-file", "", "file holding the bearer token sent on every call: the admin token, or a service-account JWT (read again at each call: kubelet rotates it); needs TLS")
 	root.AddCommand(ringCmd(o), shardsCmd(o), shardCmd(o), proxyStatusCmd(o), proxyConfigCmd(o), convergenceCmd(o),
 		stragglersCmd(o), deliveryCmd(o), waitCmd(o), drainCmd(o))
 	return root
@@ -153,27 +161,55 @@ func (o *options) dialOptions() ([]grpc.DialOption, error) {
 	}
 	opts := []grpc.DialOption{grpc.WithTransportCredentials(credentials.NewTLS(tc))}
 	if o.tokenFile != "" {
-		b, err := os.ReadFile(o.tokenFile)
-		if err != nil {
-			return nil, fmt.Errorf("--token-file: %w", err)
+		// Read once now, so that a missing or empty file fails before any
+		// call, then again at each call.
+		if _, err := tokenFile(o.tokenFile).token(); err != nil {
+			return nil, err
 		}
-		token := strings.TrimSpace(string(b))
-		if token == "" {
-			return nil, fmt.Errorf("--token-file %s is empty", o.tokenFile)
-		}
-		opts = append(opts, grpc.WithPerRPCCredentials(bearer(token)))
+		opts = append(opts, grpc.WithPerRPCCredentials(tokenFile(o.tokenFile)))
 	}
 	return opts, nil
 }
 
-// bearer sends a token as "authorization: Bearer <token>", over TLS only.
-type bearer string
+// tokenFile sends the token the file holds as "authorization: Bearer
+// <token>", over TLS only. The file is read at each call: kubelet rewrites
+// a projected service-account token in place (an atomic swap) well before
+// it expires, and a long wait or drain outlives one.
+type tokenFile string
 
-func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	return map[string]string{"authorization": "Bearer " + string(b)}, nil
+// maxTokenFile bounds what is read of the file: Kubernetes tokens are 1–2
+// KiB, and the relays refuse an authorization header past 16 KiB.
+const maxTokenFile = 16 << 10
+
+func (f tokenFile) token() (string, error) {
+	fh, err := os.Open(string(f))
+	if err != nil {
+		return "", fmt.Errorf("--token-file: %w", err)
+	}
+	defer fh.Close()
+	b, err := io.ReadAll(io.LimitReader(fh, maxTokenFile+1))
+	if err != nil {
+		return "", fmt.Errorf("--token-file: %w", err)
+	}
+	tok := strings.TrimSpace(string(b))
+	switch {
+	case len(b) > maxTokenFile:
+		return "", fmt.Errorf("--token-file %s holds more than %d bytes: not a token", f, maxTokenFile)
+	case tok == "":
+		return "", fmt.Errorf("--token-file %s is empty", f)
+	}
+	return tok, nil
 }
 
-func (bearer) RequireTransportSecurity() bool { return true }
+func (f tokenFile) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	tok, err := f.token()
+	if err != nil {
+		return nil, err
+	}
+	return map[string]string{"authorization": "Bearer " + tok}, nil
+}
+
+func (tokenFile) RequireTransportSecurity() bool { return true }
 
 // call runs fn with a client and a context bounded by --timeout.
 func (o *options) call(ctx context.Context, fn func(context.Context, adminpb.AdminClient) error) error {
