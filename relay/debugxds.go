@@ -97,8 +97,11 @@ func (s *stream) debugCaller(typeURL string) (AdminCaller, error) {
 		return AdminCaller{}, status.Errorf(codes.PermissionDenied,
 			"%s is not answered on this plaintext port (it has an Authorizer): ask over the TLS port with a service-account token, or ask the admin API (relayctl)", typeURL)
 	case portTLS:
-		if s.identity != nil {
+		switch {
+		case s.identity != nil:
 			return s.r.identityCaller(*s.identity), nil
+		case s.peerRelay != nil:
+			return AdminCaller{}, status.Errorf(codes.PermissionDenied, "%s is not answered for the tier's relays", typeURL)
 		}
 		return AdminCaller{}, status.Errorf(codes.PermissionDenied,
 			"%s on the TLS port is answered only for a stream that proved an identity, and this relay authenticates no one there (--xds-auth none): ask the admin API (relayctl)", typeURL)

@@ -14,6 +14,7 @@ import (
 	statusv3 "github.com/envoyproxy/go-control-plane/envoy/service/status/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
@@ -240,4 +241,42 @@ func TestDebugTypesOnTLSPort(t *testing.T) {
 			t.Fatalf("syncz on a TLS port without authentication: %v, want PermissionDenied saying why", err)
 		}
 	})
+}
+
+// TestDebugTypesOnPeerPort: the peer port answers no debug question,
+// neither from a relay of the tier (proven by its certificate) nor from
+// a client that is none.
+func TestDebugTypesOnPeerPort(t *testing.T) {
+	up := newTestUpstream(t, "ns1")
+	seed(up, "ns1", 2)
+	ca := authtest.NewCA(t, "tier root")
+	server, client := peerTLS(t, ca, ca, tierID)
+	r := startRelay(t, up, func(c *Config) { c.PeerListen, c.PeerTLS = "127.0.0.1:0", server })
+	conn, err := grpc.NewClient(r.peerLis.Addr().String(), grpc.WithTransportCredentials(credentials.NewTLS(client)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	asRelay := metadata.Pairs(mdPeer, "relay-x", mdPeerKey, string(IstioProfile{}.Key(node("ns1", "app", 1))))
+	for _, tc := range []struct {
+		name string
+		md   metadata.MD
+		msg  string
+	}{
+		{"a relay of the tier", asRelay, "not answered on the peer port"},
+		{"not a relay", nil, "serves the tier's relays only"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(metadata.NewOutgoingContext(context.Background(), tc.md), 10*time.Second)
+			defer cancel()
+			ads, err := discovery.NewAggregatedDiscoveryServiceClient(conn).StreamAggregatedResources(ctx)
+			if err == nil {
+				ads.Send(&discovery.DiscoveryRequest{TypeUrl: typeDebugSyncz, Node: &core.Node{Id: "debug~0.0.0.0~istioctl~.svc.cluster.local"}})
+				_, err = ads.Recv()
+			}
+			if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), tc.msg) {
+				t.Fatalf("syncz on the peer port: %v, want PermissionDenied, %q", err, tc.msg)
+			}
+		})
+	}
 }
