@@ -302,7 +302,9 @@ func TestAdminScopes(t *testing.T) {
 		return conn
 	}
 	plain := dial(nil)
-	jwt := func(ns, sa string) string { return issuer.Sign(t, authtest.Token{Namespace: ns, ServiceAccount: sa, TTL: 10 * time.Minute}) }
+	jwt := func(ns, sa string) string {
+		return issuer.Sign(t, authtest.Token{Namespace: ns, ServiceAccount: sa, TTL: 10 * time.Minute})
+	}
 	callers := []scopeCaller{
 		{name: "static token", conn: plain, token: token},
 		{name: "admin JWT", conn: plain, token: jwt("istio-system", "istioctl")},
