@@ -13,6 +13,8 @@ import (
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/meshrelay/meshrelay/relay/auth"
 )
 
 // Key names an aggregation key: a class of proxies that receive identical
@@ -73,7 +75,7 @@ func perNodeKey(id string) Key {
 //
 //   - proxy type: the node id's first "~" part (sidecar, router, …);
 //   - namespace: metadata NAMESPACE, else the node id's DNS domain part
-//     ("<ns>.svc.cluster.local");
+//     ("<ns>.svc.cluster.local"), as istiod reads it (auth.ConfigNamespace);
 //   - workload: metadata WORKLOAD_NAME and the whole LABELS map except the
 //     labels that name a single pod (statefulset.kubernetes.io/pod-name,
 //     apps.kubernetes.io/pod-index);
@@ -113,10 +115,10 @@ func (p IstioProfile) Key(node *core.Node) Key {
 		return perNodeKey(id)
 	}
 	md := node.GetMetadata().GetFields()
-	ns := md["NAMESPACE"].GetStringValue()
-	if ns == "" {
-		ns, _, _ = strings.Cut(parts[3], ".")
-	}
+	// The namespace istiod configures the node for (auth.ConfigNamespace,
+	// whose rule the TLS port applies): a DNS domain without a dot names
+	// none, and the node gets a per-node key.
+	ns := auth.ConfigNamespace(node)
 	if ns == "" {
 		return perNodeKey(id)
 	}

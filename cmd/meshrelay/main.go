@@ -122,6 +122,13 @@ func serve(ctx context.Context, args []string) error {
 	if err := xdsTLS.apply(ctx, &cfg); err != nil {
 		return err
 	}
+	adminAuthn, err := xdsTLS.adminAuthenticator()
+	if err != nil {
+		return err
+	}
+	if err := admin.applyIdentities(&cfg, adminAuthn); err != nil {
+		return err
+	}
 	if err := peer.apply(&cfg, xdsTLS.trustDomain); err != nil {
 		return err
 	}
@@ -137,7 +144,7 @@ func serve(ctx context.Context, args []string) error {
 		return fmt.Errorf("--log-level: %w", err)
 	}
 	cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
-	if admin.allowMutations && cfg.AdminToken == "" && (cfg.AdminTLS == nil || cfg.AdminTLS.ClientAuth != tls.RequireAndVerifyClientCert) {
+	if admin.allowMutations && cfg.AdminToken == "" && cfg.AdminAuthenticator == nil && (cfg.AdminTLS == nil || cfg.AdminTLS.ClientAuth != tls.RequireAndVerifyClientCert) {
 		cfg.Logger.Warn("the admin API allows mutating calls (Drain) to anyone who reaches its port: set --admin-token-file or --admin-client-ca")
 	}
 	if cfg.Registerer == nil {

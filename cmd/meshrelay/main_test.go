@@ -60,6 +60,7 @@ func TestServeFlags(t *testing.T) {
 		{"relay identity with an empty token", []string{"--upstream", "x:1", "--upstream-auth", "relay-identity", "--upstream-token-file", "/dev/null"}, "is empty"},
 		{"upstream CA in plaintext", []string{"--upstream", "x:1", "--upstream-ca", "/dev/null"}, "need --upstream-auth forward or relay-identity"},
 		{"missing upstream CA", []string{"--upstream", "x:1", "--upstream-auth", "relay-identity", "--upstream-token-file", "/etc/hostname", "--upstream-ca", "/nonexistent/ca.pem"}, "--upstream-ca"},
+		{"admin identities without an authenticating xDS port", append(adminTLSArgs(t), "--upstream", "x:1", "--admin-identities", "spiffe://cluster.local/ns/istio-system/sa/istioctl"), "needs --xds-tls-cert"},
 		{"missing admin cert", []string{"--upstream", "x:1", "--admin-tls-cert", "/nonexistent/cert.pem", "--admin-tls-key", "/nonexistent/key.pem"}, "--admin-tls-cert"},
 	}
 	for _, tt := range tests {
@@ -196,4 +197,11 @@ func tlsArgs(t *testing.T) []string {
 	t.Helper()
 	cert, key := authtest.NewCA(t, "mesh root").Serving(t).Write(t, "")
 	return []string{"--xds-tls-cert", cert, "--xds-tls-key", key, "--xds-tls-listen", "127.0.0.1:0", "--admin-listen", ""}
+}
+
+// adminTLSArgs are the flags of an admin listener on TLS.
+func adminTLSArgs(t *testing.T) []string {
+	t.Helper()
+	cert, key := authtest.NewCA(t, "admin root").Serving(t).Write(t, "")
+	return []string{"--admin-tls-cert", cert, "--admin-tls-key", key, "--admin-listen", "127.0.0.1:0"}
 }

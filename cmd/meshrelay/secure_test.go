@@ -57,6 +57,8 @@ func TestServeSecure(t *testing.T) {
 	defer up.Stop(context.Background())
 
 	cert, key := mesh.Serving(t, "meshrelay.istio-system.svc").Write(t, "")
+	adminCert, adminKey := mesh.Serving(t).Write(t, "")
+	const istioctl = "spiffe://cluster.local/ns/istio-system/sa/istioctl"
 	xdsAddr, admin := freeAddr(t), freeAddr(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	errc := make(chan error, 1)
@@ -64,7 +66,8 @@ func TestServeSecure(t *testing.T) {
 		errc <- serve(ctx, []string{"--upstream", up.Addr(), "--upstream-ca", root, "--upstream-san", "istiod.istio-system.svc",
 			"--xds-tls-cert", cert, "--xds-tls-key", key, "--xds-tls-listen", xdsAddr,
 			"--xds-auth", "jwt", "--jwt-verifier", "local", "--jwt-issuer", issuer.URL, "--jwt-jwks-file", issuer.WriteJWKS(t),
-			"--gossip-listen", "", "--admin-listen", admin, "--log-level", "error"})
+			"--gossip-listen", "", "--admin-listen", admin, "--log-level", "error",
+			"--admin-tls-cert", adminCert, "--admin-tls-key", adminKey, "--admin-identities", istioctl})
 	}()
 	defer func() {
 		cancel()
@@ -117,15 +120,33 @@ func TestServeSecure(t *testing.T) {
 	if _, err := first(""); status.Code(err) != codes.Unauthenticated {
 		t.Fatalf("sidecar without a token: %v, want Unauthenticated", err)
 	}
-	health := get(t, "http://"+admin+"/healthz")
+	// The admin API proves its callers with the TLS port's verifiers: the
+	// admin identity reads pprof, a workload of a namespace may not.
+	hc := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: mesh.Pool(), MinVersion: tls.VersionTLS12}}}
+	for _, tc := range []struct {
+		ns, sa string
+		want   int
+	}{{"istio-system", "istioctl", http.StatusOK}, {ns, "app", http.StatusForbidden}} {
+		req, _ := http.NewRequest(http.MethodGet, "https://"+admin+"/debug/pprof/", nil)
+		req.Header.Set("Authorization", "Bearer "+issuer.Sign(t, authtest.Token{Namespace: tc.ns, ServiceAccount: tc.sa}))
+		resp, err := hc.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != tc.want {
+			t.Errorf("pprof as %s/%s: %s, want %d", tc.ns, tc.sa, resp.Status, tc.want)
+		}
+	}
+	health := get(t, hc, "https://"+admin+"/healthz")
 	if !strings.Contains(health, "xds tls: "+xdsAddr+", auth jwt") || strings.Contains(health, "plaintext") {
 		t.Fatalf("/healthz = %q, want the TLS port with jwt auth and no plaintext port", health)
 	}
 }
 
-func get(t *testing.T, url string) string {
+func get(t *testing.T, hc *http.Client, url string) string {
 	t.Helper()
-	resp, err := http.Get(url)
+	resp, err := hc.Get(url)
 	if err != nil {
 		t.Fatalf("GET %s: %v", url, err)
 	}

@@ -27,6 +27,10 @@ type xdsTLSFlags struct {
 	verifier                    string
 	issuer, jwksFile, jwksURL   string
 	audiences                   string
+
+	// The verifiers apply built, for the admin API (adminAuthenticator).
+	certs  *auth.CertVerifier
+	tokens auth.TokenVerifier
 }
 
 func (x *xdsTLSFlags) register(fs *flag.FlagSet, cfg *relay.Config) {
@@ -98,8 +102,25 @@ func (x *xdsTLSFlags) apply(ctx context.Context, cfg *relay.Config) error {
 			return err
 		}
 	}
+	x.certs, x.tokens = certs, tokens
 	cfg.Authenticator, err = auth.NewAuthenticator(mode, certs, tokens)
 	return err
+}
+
+// adminAuthenticator proves admin API callers with the verifiers the TLS
+// xDS port built: a SPIFFE client certificate or a service-account token,
+// whichever of them the port takes. Nil if it takes neither.
+func (x *xdsTLSFlags) adminAuthenticator() (relay.Authenticator, error) {
+	mode := auth.ModeAny
+	switch {
+	case x.certs == nil && x.tokens == nil:
+		return nil, nil
+	case x.certs == nil:
+		mode = auth.ModeJWT
+	case x.tokens == nil:
+		mode = auth.ModeMTLS
+	}
+	return auth.NewAuthenticator(mode, x.certs, x.tokens)
 }
 
 func (x *xdsTLSFlags) tokenVerifier(ctx context.Context) (auth.TokenVerifier, error) {
