@@ -187,7 +187,16 @@ func (p *CAPool) Certificates() []*x509.Certificate {
 // Status is KeyPair.Status for the CA file.
 func (p *CAPool) Status() (time.Time, error) { return p.w.status() }
 
-// ServerConfig returns a server TLS config (TLS 1.2 or later) that serves
+// modernSuites are the TLS 1.2 cipher suites served: forward secret and
+// AEAD only (no CBC, no RSA key exchange). TLS 1.3's are all of that kind.
+var modernSuites = []uint16{
+	tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256, tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+	tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384, tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+	tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256, tls.TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+}
+
+// ServerConfig returns a server TLS config (TLS 1.2 or later, modern
+// cipher suites) that serves
 // pair's current certificate and, if clientCAs is set, requires client
 // certificates chained to its current CAs (clientAuth says how: e.g.
 // tls.RequireAndVerifyClientCert, or tls.VerifyClientCertIfGiven), with
@@ -197,7 +206,7 @@ func ServerConfig(pair *KeyPair, clientCAs *CAPool, clientAuth tls.ClientAuthTyp
 	if len(protos) == 0 {
 		protos = []string{"h2"}
 	}
-	base := &tls.Config{MinVersion: tls.VersionTLS12, NextProtos: protos}
+	base := &tls.Config{MinVersion: tls.VersionTLS12, NextProtos: protos, CipherSuites: modernSuites}
 	base.GetConfigForClient = func(*tls.ClientHelloInfo) (*tls.Config, error) {
 		c := base.Clone()
 		c.GetConfigForClient = nil

@@ -210,3 +210,42 @@ func TestCAPoolFollowsRotation(t *testing.T) {
 		t.Error("a CA file without a certificate was taken")
 	}
 }
+
+// TestServerConfigModernOnly: TLS 1.0 and 1.1, and TLS 1.2 suites without
+// forward secrecy or AEAD, are refused; TLS 1.2 with an AEAD suite is
+// served.
+func TestServerConfigModernOnly(t *testing.T) {
+	dir := t.TempDir()
+	cf, kf := filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
+	c1, k1, _ := issue(t)
+	writeAtomically(t, cf, c1)
+	writeAtomically(t, kf, k1)
+	pair, err := LoadKeyPair(cf, kf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := ServerConfig(pair, nil, tls.NoClientCert)
+	for _, tc := range []struct {
+		name   string
+		client *tls.Config
+		ok     bool
+	}{
+		{"TLS 1.3", &tls.Config{MinVersion: tls.VersionTLS13}, true},
+		{"TLS 1.2 AES-GCM", &tls.Config{MaxVersion: tls.VersionTLS12, CipherSuites: []uint16{tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256}}, true},
+		{"TLS 1.2 CBC", &tls.Config{MaxVersion: tls.VersionTLS12, CipherSuites: []uint16{tls.TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA}}, false},
+		{"TLS 1.1", &tls.Config{MinVersion: tls.VersionTLS10, MaxVersion: tls.VersionTLS11}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, s := pipe(t)
+			defer c.Close()
+			defer s.Close()
+			done := make(chan error, 1)
+			go func() { done <- tls.Server(s, cfg).Handshake() }()
+			tc.client.InsecureSkipVerify = true
+			err := tls.Client(c, tc.client).Handshake()
+			if serr := <-done; (err == nil && serr == nil) != tc.ok {
+				t.Fatalf("handshake: client %v, server %v; want ok=%v", err, serr, tc.ok)
+			}
+		})
+	}
+}
