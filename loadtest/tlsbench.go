@@ -122,8 +122,8 @@ func ParseVerifier(s string) (Verifier, error) {
 	return "", fmt.Errorf("loadtest: unknown token verifier %q (want local or tokenreview)", s)
 }
 
-// Transport names how a run's Envoys reach the relay: "plaintext",
-// "tls-local" or "tls-tokenreview" ("" for direct runs).
+// transportName names how a run's Envoys reach the relay: "plaintext",
+// "tls-local" or "tls-tokenreview".
 func transportName(tls bool, v Verifier) string {
 	if !tls {
 		return "plaintext"
@@ -148,7 +148,6 @@ const (
 // projected tokens), and the files a relay reads them from. Tokens are
 // signed once per (namespace, service account). Safe for concurrent use.
 type MeshCredentials struct {
-	dir      string
 	pool     *x509.CertPool
 	certFile string
 	keyFile  string
@@ -165,7 +164,7 @@ type MeshCredentials struct {
 // must exist; the caller removes it).
 func NewMeshCredentials(dir string) (*MeshCredentials, error) {
 	m := &MeshCredentials{
-		dir: dir, issuer: authtest.DefaultIssuer,
+		issuer: authtest.DefaultIssuer,
 		tokens: map[[2]string]string{}, owners: map[string][2]string{},
 		certFile: filepath.Join(dir, "relay-cert.pem"), keyFile: filepath.Join(dir, "relay-key.pem"),
 		jwksFile: filepath.Join(dir, "jwks.json"),
