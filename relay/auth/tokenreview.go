@@ -212,15 +212,25 @@ func (t *TokenReview) VerifyToken(ctx context.Context, token string) (Identity, 
 	if len(token) > MaxTokenBytes {
 		return Identity{}, fail(BadToken, "token of %d bytes exceeds %d", len(token), MaxTokenBytes)
 	}
+	// A cached verdict first: it never outlives the token's exp, so a hit
+	// needs no parse (which would cost about what a local verification
+	// does).
+	now := t.cfg.Now()
+	key := tokenKey(sha256.Sum256([]byte(token)))
+	t.mu.Lock()
+	v := t.lookupLocked(key, now)
+	t.mu.Unlock()
+	if v != nil {
+		t.hits.Add(1)
+		return v.result()
+	}
 	exp, err := unverifiedExpiry(token)
 	if err != nil {
 		return Identity{}, err
 	}
-	now := t.cfg.Now()
 	if !exp.IsZero() && !now.Before(exp) {
 		return Identity{}, fail(Expired, "token expired at %s", exp.UTC().Format(time.RFC3339))
 	}
-	key := tokenKey(sha256.Sum256([]byte(token)))
 
 	t.mu.Lock()
 	if v := t.lookupLocked(key, now); v != nil {
