@@ -48,7 +48,7 @@ func TestServeFlags(t *testing.T) {
 		{"bad xds auth", append(tlsArgs(t), "--upstream", "x:1", "--xds-auth", "maybe"), `unknown mode "maybe"`},
 		{"mtls without client CA", append(tlsArgs(t), "--upstream", "x:1", "--xds-auth", "mtls"), "needs --xds-client-ca"},
 		{"tokenreview outside a cluster", append(tlsArgs(t), "--upstream", "x:1", "--xds-auth", "jwt"), "in-cluster config"},
-		{"local verifier without keys", append(tlsArgs(t), "--upstream", "x:1", "--xds-auth", "jwt", "--jwt-verifier", "local"), "needs --jwt-jwks-file or --jwt-jwks-url"},
+		{"local verifier, issuer unreachable", append(tlsArgs(t), "--upstream", "x:1", "--xds-auth", "jwt", "--jwt-verifier", "local", "--jwt-issuer", "http://127.0.0.1:1"), "fetch the issuer's keys"},
 		{"bad jwt verifier", append(tlsArgs(t), "--upstream", "x:1", "--xds-auth", "jwt", "--jwt-verifier", "trust-me"), `--jwt-verifier "trust-me"`},
 		{"tier over TLS only", append(tlsArgs(t), "--upstream", "x:1", "--xds-auth", "none", "--gossip-listen", "127.0.0.1:0"), "needs a port its relays dial"},
 		{"peer cert without CA", []string{"--upstream", "x:1", "--peer-listen", "127.0.0.1:0", "--peer-tls-cert", "/nonexistent/c.pem", "--peer-tls-key", "/nonexistent/k.pem"}, "go together"},

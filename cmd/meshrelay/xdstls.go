@@ -40,7 +40,7 @@ func (x *xdsTLSFlags) register(fs *flag.FlagSet, cfg *relay.Config) {
 	fs.StringVar(&x.clientCA, "xds-client-ca", "", "PEM mesh root: client certificates chained to it prove SPIFFE identities (needed by --xds-auth mtls and any)")
 	fs.StringVar(&x.authMode, "xds-auth", "", "how TLS streams prove who they are: none, jwt, mtls or any (default any with --xds-client-ca, else jwt)")
 	fs.StringVar(&x.trustDomain, "trust-domain", "cluster.local", "the mesh's SPIFFE trust domain")
-	fs.StringVar(&x.verifier, "jwt-verifier", "tokenreview", "how service-account tokens are verified: tokenreview (the Kubernetes API, in-cluster config, verdicts cached) or local (signature against --jwt-jwks-file or --jwt-jwks-url)")
+	fs.StringVar(&x.verifier, "jwt-verifier", "tokenreview", "how service-account tokens are verified: tokenreview (the Kubernetes API, in-cluster config, verdicts cached) or local (signature against --jwt-jwks-file, --jwt-jwks-url, or else the key set --jwt-issuer's OIDC discovery document names)")
 	fs.StringVar(&x.issuer, "jwt-issuer", "https://kubernetes.default.svc.cluster.local", "token issuer (the API server's --service-account-issuer), for --jwt-verifier local")
 	fs.StringVar(&x.jwksFile, "jwt-jwks-file", "", "JSON Web Key Set of the issuer (kubectl get --raw /openid/v1/jwks), for --jwt-verifier local")
 	fs.StringVar(&x.jwksURL, "jwt-jwks-url", "", "URL of the issuer's JSON Web Key Set (in a cluster: https://kubernetes.default.svc/openid/v1/jwks), for --jwt-verifier local")
@@ -161,7 +161,13 @@ func (x *xdsTLSFlags) tokenVerifier(ctx context.Context) (auth.TokenVerifier, er
 			}
 			lc.Keys = auth.KeysFromURL(x.jwksURL, client)
 		default:
-			return nil, errors.New("--jwt-verifier local needs --jwt-jwks-file or --jwt-jwks-url")
+			// The issuer's OIDC discovery document names its key set
+			// (the API server serves both).
+			client, err := inClusterHTTPClient()
+			if err != nil {
+				return nil, err
+			}
+			lc.Keys = auth.KeysFromDiscovery(x.issuer, client)
 		}
 		v, err := auth.NewLocal(ctx, lc)
 		if err != nil {

@@ -8,6 +8,8 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"errors"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -278,5 +280,34 @@ func TestCertVerifier(t *testing.T) {
 func TestReasonOfForeignError(t *testing.T) {
 	if got := ReasonOf(errors.New("connection refused")); got != ReviewFailed {
 		t.Fatalf("ReasonOf(plain error) = %s, want %s", got, ReviewFailed)
+	}
+}
+
+// The key set found through the issuer's discovery document, as the
+// Kubernetes API server serves it, verifies its tokens; a document naming
+// another issuer is refused.
+func TestKeysFromDiscovery(t *testing.T) {
+	is := authtest.NewIssuer(t)
+	var docIssuer string
+	mux := http.NewServeMux()
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	mux.HandleFunc("/.well-known/openid-configuration", func(w http.ResponseWriter, _ *http.Request) {
+		json.NewEncoder(w).Encode(map[string]any{"issuer": docIssuer, "jwks_uri": srv.URL + "/openid/v1/jwks"})
+	})
+	mux.HandleFunc("/openid/v1/jwks", func(w http.ResponseWriter, _ *http.Request) { json.NewEncoder(w).Encode(is.JWKS()) })
+	is.URL, docIssuer = srv.URL, srv.URL
+	cfg := DefaultLocalConfig()
+	cfg.Issuer, cfg.Keys = is.URL, KeysFromDiscovery(is.URL, srv.Client())
+	l, err := NewLocal(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.VerifyToken(context.Background(), is.Sign(t, authtest.Token{Namespace: "ns1", ServiceAccount: "app"})); err != nil {
+		t.Fatalf("token of the discovered keys: %v", err)
+	}
+	docIssuer = "https://elsewhere.example"
+	if _, err := KeysFromDiscovery(is.URL, srv.Client())(context.Background()); err == nil || !strings.Contains(err.Error(), "elsewhere") {
+		t.Fatalf("discovery document of another issuer: %v, want it refused", err)
 	}
 }

@@ -251,29 +251,38 @@ func KeysFromURL(url string, client *http.Client) func(context.Context) (jose.JS
 		client = http.DefaultClient
 	}
 	return func(ctx context.Context) (jose.JSONWebKeySet, error) {
-		ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		defer cancel()
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+		b, err := fetchJSON(ctx, client, url)
 		if err != nil {
 			return jose.JSONWebKeySet{}, err
-		}
-		resp, err := client.Do(req)
-		if err != nil {
-			return jose.JSONWebKeySet{}, err
-		}
-		defer resp.Body.Close()
-		if resp.StatusCode != http.StatusOK {
-			return jose.JSONWebKeySet{}, fmt.Errorf("GET %s: %s", url, resp.Status)
-		}
-		b, err := io.ReadAll(io.LimitReader(resp.Body, maxJWKSBytes+1))
-		if err != nil {
-			return jose.JSONWebKeySet{}, err
-		}
-		if len(b) > maxJWKSBytes {
-			return jose.JSONWebKeySet{}, fmt.Errorf("GET %s: key set over %d bytes", url, maxJWKSBytes)
 		}
 		return parseJWKS(b)
 	}
+}
+
+// fetchJSON GETs url (at most maxJWKSBytes, within 10 s).
+func fetchJSON(ctx context.Context, client *http.Client, url string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("GET %s: %s", url, resp.Status)
+	}
+	b, err := io.ReadAll(io.LimitReader(resp.Body, maxJWKSBytes+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(b) > maxJWKSBytes {
+		return nil, fmt.Errorf("GET %s: over %d bytes", url, maxJWKSBytes)
+	}
+	return b, nil
 }
 
 // parseJWKS decodes a key set, keeping only valid public signing keys.
@@ -289,4 +298,35 @@ func parseJWKS(b []byte) (jose.JSONWebKeySet, error) {
 		return set, errors.New("key set holds no public signing key")
 	}
 	return set, nil
+}
+
+// KeysFromDiscovery finds the issuer's key set through its OpenID Connect
+// discovery document (<issuer>/.well-known/openid-configuration, which
+// the Kubernetes API server serves), at every fetch: the document's issuer
+// must be issuer, and its jwks_uri is fetched as KeysFromURL does. nil
+// client: http.DefaultClient.
+func KeysFromDiscovery(issuer string, client *http.Client) func(context.Context) (jose.JSONWebKeySet, error) {
+	if client == nil {
+		client = http.DefaultClient
+	}
+	return func(ctx context.Context) (jose.JSONWebKeySet, error) {
+		doc, err := fetchJSON(ctx, client, strings.TrimSuffix(issuer, "/")+"/.well-known/openid-configuration")
+		if err != nil {
+			return jose.JSONWebKeySet{}, err
+		}
+		var d struct {
+			Issuer  string `json:"issuer"`
+			JWKSURI string `json:"jwks_uri"`
+		}
+		if err := json.Unmarshal(doc, &d); err != nil {
+			return jose.JSONWebKeySet{}, fmt.Errorf("discovery document: %w", err)
+		}
+		if d.Issuer != issuer {
+			return jose.JSONWebKeySet{}, fmt.Errorf("discovery document names issuer %q, want %q", d.Issuer, issuer)
+		}
+		if d.JWKSURI == "" {
+			return jose.JSONWebKeySet{}, errors.New("discovery document has no jwks_uri")
+		}
+		return KeysFromURL(d.JWKSURI, client)(ctx)
+	}
 }
