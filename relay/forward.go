@@ -91,8 +91,11 @@ func presentable(members []*stream, forward bool, now time.Time, refresh time.Du
 // closed, as balancing does): it reconnects, most likely elsewhere, with
 // the token istio-agent holds now. The key's stream, if it presented that
 // Envoy, has already moved to a member whose token lives longer. At most
-// ShedRate a second; istiod itself closes every connection after 30
-// minutes (its MaxServerConnectionAge), far more often than this.
+// ShedRate a second, and a stream only once it has been open half of
+// TokenRefreshBefore: one that came back with the same old token (kubelet
+// had not rotated it yet) is not sent round again at once. istiod itself
+// closes every connection after 30 minutes (its MaxServerConnectionAge),
+// far more often than this.
 func (r *Relay) refreshCredentials(ctx context.Context) {
 	every := max(r.cfg.TokenRefreshBefore/5, 100*time.Millisecond)
 	t := time.NewTicker(every)
@@ -110,7 +113,7 @@ func (r *Relay) refreshCredentials(ctx context.Context) {
 			if budget == 0 {
 				break
 			}
-			if s.cred != nil && !s.cred.usableAt(horizon) && r.moveAway(s, "token_expiry") {
+			if s.cred != nil && !s.cred.usableAt(horizon) && time.Since(s.opened) >= r.cfg.TokenRefreshBefore/2 && r.moveAway(s, "token_expiry") {
 				budget--
 			}
 		}

@@ -140,9 +140,10 @@ func waitOpenUpstreams(t *testing.T, up *testUpstream, n int) {
 // fresh token it is served again at once, and the upstream stream moves
 // to it when the old one can no longer be presented.
 func TestForwardAsksExpiringTokensToReconnect(t *testing.T) {
-	const refresh = 10 * time.Second
+	const refresh = 6 * time.Second
 	e, g := forwardEnv(t, refresh)
-	// Within half the refresh margin of its expiry after a second.
+	// Within half the refresh margin of its expiry after a second; moved
+	// once it has been open half the margin.
 	old, tokOld, closeOld := e.member(t, 1, refresh/2+time.Second)
 	defer closeOld()
 	waitPresented(t, g, tokOld, "the member's token is presented")

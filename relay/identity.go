@@ -30,7 +30,8 @@ func (r *Relay) authMode() string {
 
 // authenticate proves the identity of a new Envoy stream on the TLS port
 // (nil, nil elsewhere, or with no Authenticator). A refusal is
-// Unauthenticated and counted by reason; it is logged at most a few times
+// Unauthenticated (Unavailable when the verifier could not ask the
+// Kubernetes API) and counted by reason; it is logged at most a few times
 // a second, naming the peer's address, never the credential.
 func (r *Relay) authenticate(ctx context.Context, p port) (*auth.Identity, error) {
 	if r.cfg.Authenticator == nil || p != portTLS {
