@@ -102,13 +102,14 @@ func (s *stream) askTier(sub *typeSub) bool {
 	}
 	l := &claimLookup{done: make(chan struct{})}
 	k.claims[q], sub.lookup = l, l
-	s.r.wg.Add(1)
-	go func() {
-		defer s.r.wg.Done()
-		l.held, l.ok = s.r.askVersion(s.r.ctx, addrs, req, q.root)
+	ran := s.r.goRun(func(ctx context.Context) {
+		l.held, l.ok = s.r.askVersion(ctx, addrs, req, q.root)
 		close(l.done)
 		k.wakeStreams()
-	}()
+	})
+	if !ran {
+		close(l.done) // stopping: nothing learnt (ok false)
+	}
 	return true
 }
 

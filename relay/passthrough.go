@@ -102,7 +102,7 @@ func (s *stream) passthroughFor() *passthrough {
 	if s.pass != nil {
 		return s.pass
 	}
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithCancel(s.r.ctx)
 	p := &passthrough{
 		s:         s,
 		cancel:    cancel,
@@ -116,7 +116,9 @@ func (s *stream) passthroughFor() *passthrough {
 	}
 	s.pass = p
 	s.r.metrics.passthroughStreams.Inc()
-	go p.run(ctx)
+	if !s.r.goRun(func(context.Context) { p.run(ctx) }) {
+		close(p.done) // stopping: stop finds it ended
+	}
 	return p
 }
 

@@ -274,7 +274,7 @@ func (r *Relay) restoreKey(sk SavedKey, rs *restorer) int {
 	key := Key(sk.Key)
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.state != 1 || r.keys[key] != nil {
+	if r.state != lifeRunning || r.keys[key] != nil {
 		return 0
 	}
 	k := newKeyState(r, key)
@@ -288,11 +288,7 @@ func (r *Relay) restoreKey(sk SavedKey, rs *restorer) int {
 	u := newUpstream(k)
 	u.followRestored(rs)
 	u.seedRestored()
-	r.wg.Add(1)
-	go func() {
-		defer r.wg.Done()
-		u.run(r.ctx)
-	}()
+	r.goRun(u.run)
 	return len(types)
 }
 

@@ -101,9 +101,14 @@ type Relay struct {
 	peersMu sync.Mutex
 	peers   map[string]*grpc.ClientConn // relay-to-relay connections by xDS address
 
+	// runMu guards refuseWork: set as Stop begins, goRun starts nothing
+	// after it.
+	runMu      sync.Mutex
+	refuseWork bool
+
 	mu      sync.Mutex
 	keys    map[Key]*keyState
-	state   int // 0 new, 1 started, 2 stopped
+	state   lifecycle
 	serveWG sync.WaitGroup
 }
 
@@ -151,8 +156,8 @@ func New(cfg Config) (*Relay, error) {
 func (r *Relay) Start(ctx context.Context) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.state != 0 {
-		return errors.New("relay: Start called twice")
+	if r.state != lifeNew {
+		return fmt.Errorf("relay: Start called on a relay that is %s", r.state)
 	}
 	opts := append([]grpc.DialOption{
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
@@ -232,7 +237,7 @@ func (r *Relay) Start(ctx context.Context) error {
 			}
 		}()
 	}
-	r.state = 1
+	r.state = lifeRunning
 	attrs := []any{"upstream", r.cfg.Upstream, "upstream_protocol", r.cfg.UpstreamProtocol, "key_profile", r.cfg.KeyProfile.Name()}
 	if tlsLis != nil {
 		attrs = append(attrs, "xds_tls", tlsLis.Addr().String(), "xds_auth", r.authMode())
@@ -297,13 +302,20 @@ func (r *Relay) AdminAddr() net.Addr {
 // are cut.
 func (r *Relay) Stop(ctx context.Context) error {
 	r.mu.Lock()
-	if r.state != 1 {
-		r.state = 2
+	if r.state != lifeRunning {
+		if r.state == lifeNew {
+			r.state = lifeStopped
+		}
 		r.mu.Unlock()
 		return nil
 	}
-	r.state = 2
+	r.state = lifeStopping
 	r.mu.Unlock()
+	// No goroutine starts from now on (goRun refuses), so the wait below
+	// waits for a fixed set.
+	r.runMu.Lock()
+	r.refuseWork = true
+	r.runMu.Unlock()
 
 	close(r.stopping)
 	done := make(chan struct{})
@@ -338,16 +350,51 @@ func (r *Relay) Stop(ctx context.Context) error {
 	}
 	clear(r.peers)
 	r.peersMu.Unlock()
+	r.mu.Lock()
+	r.state = lifeStopped
+	r.mu.Unlock()
 	return errors.Join(errs...)
 }
 
-// goRun runs fn on a goroutine that Stop waits for.
-func (r *Relay) goRun(fn func(context.Context)) {
+// lifecycle is a Relay's state: new, running (Start), stopping (Stop has
+// begun), stopped (Stop returned, or Stop before Start).
+type lifecycle int
+
+const (
+	lifeNew lifecycle = iota
+	lifeRunning
+	lifeStopping
+	lifeStopped
+)
+
+func (l lifecycle) String() string {
+	switch l {
+	case lifeRunning:
+		return "running"
+	case lifeStopping:
+		return "stopping"
+	case lifeStopped:
+		return "stopped"
+	}
+	return "new"
+}
+
+// goRun runs fn on a goroutine that Stop waits for, with the relay's
+// context, and reports whether it did: once Stop has begun it refuses, so
+// that Stop's wait cannot be joined by a goroutine started behind it.
+// Every goroutine of the relay but the servers' is started here.
+func (r *Relay) goRun(fn func(context.Context)) bool {
+	r.runMu.Lock()
+	defer r.runMu.Unlock()
+	if r.refuseWork {
+		return false
+	}
 	r.wg.Add(1)
 	go func() {
 		defer r.wg.Done()
 		fn(r.ctx)
 	}()
+	return true
 }
 
 // acquireKey returns the key's state, creating it (and its upstream
@@ -359,12 +406,8 @@ func (r *Relay) acquireKey(key Key, s *stream) *keyState {
 	if k == nil {
 		k = newKeyState(r, key)
 		r.keys[key] = k
-		u := newUpstream(k)
-		r.wg.Add(1)
-		go func() {
-			defer r.wg.Done()
-			u.run(r.ctx)
-		}()
+		// Refused only while stopping: the stream ends then, unfed.
+		r.goRun(newUpstream(k).run)
 	}
 	k.join(s)
 	return k
