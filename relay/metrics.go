@@ -121,25 +121,22 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 			Name: "meshrelay_xds_auth_failures_total", Help: "Streams on the TLS xDS port refused for their credentials or identity: by reason (no_credentials, bad_token, expired, not_yet_valid, wrong_issuer, wrong_audience, untrusted_cert, no_spiffe_id, wrong_trust_domain, review_failed, review_denied, identity_mismatch, unproven_peer, throttled: a source address that kept failing, refused before verification).",
 		}, []string{"reason"}),
 	}
-	sources := prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "meshrelay_keys_by_source", Help: "Keys by where their config comes from: upstream (owned), peer (the owner), fallback (the upstream, the owner being unreachable).",
-	}, []string{"source"})
+	keys := keyCollector{
+		r:        r,
+		keys:     prometheus.NewDesc("meshrelay_keys", "Aggregation keys held.", nil, nil),
+		stale:    prometheus.NewDesc("meshrelay_stale_keys", "Keys served from a cache no live upstream stream has confirmed.", nil, nil),
+		bySource: prometheus.NewDesc("meshrelay_keys_by_source", "Keys by where their config comes from: upstream (owned), peer (the owner), fallback (the upstream, the owner being unreachable).", []string{"source"}, nil),
+	}
 	cs := []prometheus.Collector{
 		m.envoys, m.pushes, m.pushBytes, m.pushResources, m.pushACK, m.converged, m.nacks, m.streamErrors,
 		m.upstreamStreams, m.upstreamReconnects, m.restoredKeys, m.upstreamNACKs, m.passthrough, m.passthroughStreams,
-		m.refused, m.shed, m.peerFallbacks, m.silentConfirms, m.claims, m.peerStreams, m.peerClients, m.authFailures, sourceCollector{sources, r},
+		m.refused, m.shed, m.peerFallbacks, m.silentConfirms, m.claims, m.peerStreams, m.peerClients, m.authFailures, keys,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_cache_resources", Help: "Distinct resources held, shared by every key.",
 		}, func() float64 { return float64(r.store.len()) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_cache_dropped_bytes", Help: "Bytes of resources the views dropped lately, kept for clients that still hold them (KeepDroppedBytes).",
 		}, func() float64 { _, b := r.dropped.held(); return float64(b) }),
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name: "meshrelay_keys", Help: "Aggregation keys held.",
-		}, func() float64 { return float64(r.Stats().Keys) }),
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name: "meshrelay_stale_keys", Help: "Keys served from a cache no live upstream stream has confirmed.",
-		}, func() float64 { return float64(r.Stats().StaleKeys) }),
 	}
 	for _, c := range cs {
 		if err := reg.Register(c); err != nil {
@@ -228,20 +225,33 @@ func (l *latency) quantile(q float64) (time.Duration, uint64) {
 
 // sourceCollector reports meshrelay_keys_by_source from the keys at scrape
 // time.
-type sourceCollector struct {
-	vec *prometheus.GaugeVec
-	r   *Relay
+// keyCollector reports the keys held, the stale ones, and by source, in
+// one pass over the keys per scrape that takes no key's lock (each reads
+// atomics only).
+type keyCollector struct {
+	r                     *Relay
+	keys, stale, bySource *prometheus.Desc
 }
 
-func (c sourceCollector) Describe(ch chan<- *prometheus.Desc) { c.vec.Describe(ch) }
+func (c keyCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.keys
+	ch <- c.stale
+	ch <- c.bySource
+}
 
-func (c sourceCollector) Collect(ch chan<- prometheus.Metric) {
+func (c keyCollector) Collect(ch chan<- prometheus.Metric) {
+	keys := c.r.keysSnapshot()
 	counts := map[sourceKind]int{}
-	for _, k := range c.r.keysSnapshot() {
+	stale := 0
+	for _, k := range keys {
 		counts[sourceKind(k.source.Load())]++
+		if k.snap.Load().stale {
+			stale++
+		}
 	}
+	ch <- prometheus.MustNewConstMetric(c.keys, prometheus.GaugeValue, float64(len(keys)))
+	ch <- prometheus.MustNewConstMetric(c.stale, prometheus.GaugeValue, float64(stale))
 	for _, kind := range []sourceKind{sourceUpstream, sourcePeer, sourceFallback} {
-		c.vec.WithLabelValues(kind.String()).Set(float64(counts[kind]))
+		ch <- prometheus.MustNewConstMetric(c.bySource, prometheus.GaugeValue, float64(counts[kind]), kind.String())
 	}
-	c.vec.Collect(ch)
 }

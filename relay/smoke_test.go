@@ -61,6 +61,11 @@ func TestAdminEndpoints(t *testing.T) {
 		{"/metrics", `meshrelay_xds_clients{protocol="delta"} 1`},
 		{"/metrics", `meshrelay_upstream_streams 1`},
 		{"/metrics", `meshrelay_xds_pushes_total{type="cds"} 1`},
+		{"/metrics", "meshrelay_keys 1\n"},
+		{"/metrics", "meshrelay_stale_keys 0\n"},
+		{"/metrics", `meshrelay_keys_by_source{source="upstream"} 1`},
+		{"/metrics", `meshrelay_keys_by_source{source="peer"} 0`},
+		{"/healthz", "xds plaintext: "},
 		{"/debug/pprof/", "goroutine"},
 	} {
 		resp, err := http.Get(base + tc.path)
