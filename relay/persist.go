@@ -301,14 +301,7 @@ func (u *upstream) followRestored(rs *restorer) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.update(func(next *keySnap) {
-		for _, d := range []struct {
-			target  string
-			kind    refKind
-			sources []string
-		}{
-			{typeEndpoint, refEndpoints, []string{typeCluster}},
-			{typeRoute, refRoutes, []string{typeListener, typeScopedRoute}},
-		} {
+		for _, d := range fetchedTargets() {
 			var parts []map[string]int
 			sig := d.target
 			if ts := next.types[d.target]; ts != nil {

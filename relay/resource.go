@@ -203,14 +203,9 @@ func (s *store) decode(typeURL string, a *anypb.Any, wantName string) (*Resource
 	return s.intern(r), nil
 }
 
-// hasRefs reports whether resources of typeURL refer to others (see refsOf).
-func hasRefs(typeURL string) bool {
-	switch typeURL {
-	case typeCluster, typeListener, typeRoute, typeScopedRoute:
-		return true
-	}
-	return false
-}
+// hasRefs reports whether resources of typeURL refer to others (typeRefs;
+// refsOf reads them).
+func hasRefs(typeURL string) bool { return len(refsFrom(typeURL)) > 0 }
 
 // restore turns a persisted resource into a Resource. Only types that refer
 // to others are parsed (for their references); the others are taken as

@@ -3,7 +3,13 @@ package relay
 import (
 	"fmt"
 	"runtime"
+	"slices"
 	"testing"
+
+	listener "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+	route "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
+	tcpproxy "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/tcp_proxy/v3"
+	"google.golang.org/protobuf/proto"
 
 	"google.golang.org/protobuf/types/known/anypb"
 
@@ -41,4 +47,53 @@ func TestDroppedKeepsNewestWithinBudget(t *testing.T) {
 	if n, _ := none.held(); n != 0 {
 		t.Errorf("a zero budget kept %d", n)
 	}
+}
+
+// Every reference refsOf reads from a type is an edge of typeRefs, and
+// every edge of typeRefs is read from some resource: the table is the
+// whole graph.
+func TestTypeRefsAreTheGraph(t *testing.T) {
+	routeOnly := &route.ScopedRouteConfiguration{Name: "scope", RouteConfigurationName: "r80"}
+	seen := map[typeRef]bool{}
+	for _, m := range []proto.Message{mkCluster("c1"), mkListener("l80", "r80"), mkTCPListener("l9000", "c1"), mkRoute("r80", "c1"), routeOnly} {
+		typeURL := typeOfMessage(t, m)
+		r := refsOf(m)
+		for _, kind := range []refKind{refEndpoints, refRoutes, refClusters} {
+			if len(r.of(kind)) == 0 {
+				continue
+			}
+			i := slices.IndexFunc(typeRefs, func(e typeRef) bool { return e.from == typeURL && e.kind == kind })
+			if i < 0 {
+				t.Fatalf("%s refers by kind %d to %v, and typeRefs has no such edge", shortType(typeURL), kind, r.of(kind))
+			}
+			seen[typeRefs[i]] = true
+		}
+	}
+	for _, e := range typeRefs {
+		if !seen[e] {
+			t.Errorf("edge %s → %s of typeRefs is read from no resource", shortType(e.from), shortType(e.to))
+		}
+	}
+	if got := fetchedTargets(); len(got) != 2 || got[0].target != typeEndpoint || got[1].target != typeRoute ||
+		!slices.Equal(got[1].sources, []string{typeListener, typeScopedRoute}) {
+		t.Errorf("fetchedTargets() = %+v, want endpoints (from clusters) and routes (from listeners and scoped routes)", got)
+	}
+}
+
+func typeOfMessage(t *testing.T, m proto.Message) string {
+	t.Helper()
+	a, err := anypb.New(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a.GetTypeUrl()
+}
+
+// mkTCPListener is a listener whose tcp_proxy sends to cluster c.
+func mkTCPListener(name, c string) *listener.Listener {
+	tp, err := anypb.New(&tcpproxy.TcpProxy{StatPrefix: name, ClusterSpecifier: &tcpproxy.TcpProxy_Cluster{Cluster: c}})
+	if err != nil {
+		panic(err)
+	}
+	return &listener.Listener{Name: name, FilterChains: []*listener.FilterChain{{Filters: []*listener.Filter{{Name: "envoy.filters.network.tcp_proxy", ConfigType: &listener.Filter_TypedConfig{TypedConfig: tp}}}}}}
 }

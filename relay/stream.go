@@ -660,15 +660,16 @@ func (s *stream) allowedRemovals(p *plan) []string {
 // heldBy reports whether something the client holds refers to name of
 // typeURL, so removing it now would break make-before-break.
 func (s *stream) heldBy(typeURL, name string) bool {
-	switch typeURL {
-	case typeCluster:
-		return s.refers(typeListener, refClusters, name) || s.refers(typeRoute, refClusters, name) || s.undeclared(typeURL)
-	case typeEndpoint:
-		return s.refers(typeCluster, refEndpoints, name) || s.undeclared(typeURL)
-	case typeRoute:
-		return s.refers(typeListener, refRoutes, name) || s.refers(typeScopedRoute, refRoutes, name) || s.undeclared(typeURL)
+	in := refsTo(typeURL)
+	if len(in) == 0 {
+		return false
 	}
-	return false
+	for _, e := range in {
+		if s.refers(e.from, e.kind, name) {
+			return true
+		}
+	}
+	return s.undeclared(typeURL)
 }
 
 // deferDangling holds back, from a plan of listeners or route
@@ -869,23 +870,17 @@ func (s *stream) deferred(typeURL, name string) bool {
 // it ends early once they arrive.
 const declareGrace = time.Second
 
-// referringTypes lists the types whose resources may refer to one of typeURL.
-var referringTypes = map[string][]string{
-	typeCluster:  {typeListener, typeRoute},
-	typeEndpoint: {typeCluster},
-	typeRoute:    {typeListener},
-}
-
 // awaitingDeclarations reports whether removals of typeURL wait for the
-// client to declare a referring type: within declareGrace of a
-// stream's start, a type of referringTypes[typeURL] was not requested yet.
+// client to declare a referring type: within declareGrace of a stream's
+// start, a type that refers to typeURL and that clients declare
+// (typeRef.declared) was not requested yet.
 func (s *stream) awaitingDeclarations(typeURL string) (bool, time.Duration) {
 	left := declareGrace - time.Since(s.opened)
 	if left <= 0 {
 		return false, 0
 	}
-	for _, t := range referringTypes[typeURL] {
-		if s.subs[t] == nil {
+	for _, e := range refsTo(typeURL) {
+		if e.declared && s.subs[e.from] == nil {
 			return true, left
 		}
 	}

@@ -29,6 +29,57 @@ var pushOrder = []string{typeCluster, typeEndpoint, typeListener, typeScopedRout
 // referrers first (listeners, routes), then what they referred to.
 var removalOrder = []string{typeListener, typeScopedRoute, typeRoute, typeCluster, typeEndpoint, typeSecret, typeRuntime, typeExtension}
 
+// typeRef is one edge of the graph of which type refers to which: resources
+// of from name resources of to (kind says which of their references).
+// Everything that follows references reads this one table: hasRefs (which
+// types are parsed for references), stream.heldBy (what a removal would
+// break), stream.awaitingDeclarations (the referrers a client must declare
+// before a removal is sent), upstream.follow and followRestored (the
+// names fetched before any Envoy asks for them).
+type typeRef struct {
+	from, to string
+	kind     refKind
+	// fetched: the relay asks its source for the names as soon as a view
+	// of from refers to them, as Envoy would ask next (EDS for clusters,
+	// RDS for listeners).
+	fetched bool
+	// declared: a client that holds resources of to is expected to
+	// subscribe to from when its stream starts (Envoy's first requests),
+	// so removals of to wait a moment for it (declareGrace). Scoped
+	// routes are optional: most clients never ask for them.
+	declared bool
+}
+
+var typeRefs = []typeRef{
+	{from: typeCluster, to: typeEndpoint, kind: refEndpoints, fetched: true, declared: true}, // eds_cluster_config
+	{from: typeListener, to: typeRoute, kind: refRoutes, fetched: true, declared: true},      // rds route_config_name
+	{from: typeScopedRoute, to: typeRoute, kind: refRoutes, fetched: true},                   // scoped route_configuration_name
+	{from: typeListener, to: typeCluster, kind: refClusters, declared: true},                 // tcp_proxy and other filters' clusters
+	{from: typeRoute, to: typeCluster, kind: refClusters, declared: true},                    // route actions' clusters
+}
+
+// refsTo returns the edges into typeURL (who refers to its resources).
+func refsTo(typeURL string) []typeRef {
+	var out []typeRef
+	for _, e := range typeRefs {
+		if e.to == typeURL {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// refsFrom returns the edges out of typeURL (what its resources refer to).
+func refsFrom(typeURL string) []typeRef {
+	var out []typeRef
+	for _, e := range typeRefs {
+		if e.from == typeURL {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
 // cached reports whether the relay serves typeURL from its own cache.
 func cached(typeURL string) bool { return slices.Contains(pushOrder, typeURL) }
 
@@ -64,4 +115,30 @@ func shortType(typeURL string) string {
 		return "ecds"
 	}
 	return "other"
+}
+
+// fetchedTarget is a type whose names the relay fetches ahead (typeRef
+// fetched), with the types whose resources name them.
+type fetchedTarget struct {
+	target  string
+	kind    refKind
+	sources []string
+}
+
+// fetchedTargets groups the fetched edges of typeRefs by target, in the
+// table's order.
+func fetchedTargets() []fetchedTarget {
+	var out []fetchedTarget
+	for _, e := range typeRefs {
+		if !e.fetched {
+			continue
+		}
+		i := slices.IndexFunc(out, func(t fetchedTarget) bool { return t.target == e.to })
+		if i < 0 {
+			out = append(out, fetchedTarget{target: e.to, kind: e.kind})
+			i = len(out) - 1
+		}
+		out[i].sources = append(out[i].sources, e.from)
+	}
+	return out
 }

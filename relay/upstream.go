@@ -1010,16 +1010,18 @@ func withoutArrived(pending map[string]time.Time, upd []*Resource) map[string]ti
 // cur, marking the new ones pending in next. It reports whether the set of
 // derived names changed.
 func (u *upstream) follow(next *keySnap, typeURL string, old, cur ledger.Tree[*Resource]) bool {
-	var target string
-	var kind refKind
-	switch typeURL {
-	case typeCluster:
-		target, kind = typeEndpoint, refEndpoints
-	case typeListener, typeScopedRoute:
-		target, kind = typeRoute, refRoutes
-	default:
-		return false
+	changed := false
+	for _, e := range refsFrom(typeURL) {
+		if e.fetched && u.followEdge(next, e.to, e.kind, old, cur) {
+			changed = true
+		}
 	}
+	return changed
+}
+
+// followEdge is follow for one edge of typeRefs: the names of target that
+// the view's resources refer to by kind.
+func (u *upstream) followEdge(next *keySnap, target string, kind refKind, old, cur ledger.Tree[*Resource]) bool {
 	counts := u.derived[target]
 	if counts == nil {
 		counts = make(map[string]int)
