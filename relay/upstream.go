@@ -275,71 +275,13 @@ func (u *upstream) sleep(ctx context.Context, d time.Duration) bool {
 func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stream, src source) (got bool, err error) {
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	conn := u.r.upConn
-	u.delta = u.r.cfg.UpstreamProtocol == ProtocolDelta
-	if src.kind == sourcePeer {
-		if conn, err = u.r.peerConn(src.addr); err != nil {
-			return false, fmt.Errorf("owner %s: %w", src.addr, err)
-		}
-		sctx = u.r.peerContext(sctx, u.k.key)
-		if d := ledger.Stamp(u.k.demanded.Load()); d > u.demandSent {
-			sctx = metadata.AppendToOutgoingContext(sctx, mdPeerDemand, d.String())
-			u.demandSent = d
-		}
-		// Relays speak Delta to each other, and their versions are content
-		// hashes: declaring the views makes the owner send only what
-		// differs, so a switch of source re-sends nothing unchanged.
-		u.delta = true
-		u.declareViews()
+	send, recv, err := u.open(sctx, presenter, src)
+	if err != nil {
+		return false, err
 	}
-	if u.r.cfg.ForwardCredentials && presenter != nil {
-		// The member's own token: istiod checks it against the node this
-		// stream presents, which is that member's.
-		sctx = withCredential(sctx, presenter.cred)
-	}
-	client := discovery.NewAggregatedDiscoveryServiceClient(conn)
-	var (
-		send func(proto.Message) error
-		recv func() (proto.Message, error)
-	)
-	if u.delta {
-		cs, err := client.DeltaAggregatedResources(sctx)
-		if err != nil {
-			return false, fmt.Errorf("open delta stream: %w", err)
-		}
-		send = func(m proto.Message) error { return cs.Send(m.(*discovery.DeltaDiscoveryRequest)) }
-		recv = func() (proto.Message, error) { return cs.Recv() }
-	} else {
-		cs, err := client.StreamAggregatedResources(sctx)
-		if err != nil {
-			return false, fmt.Errorf("open sotw stream: %w", err)
-		}
-		send = func(m proto.Message) error { return cs.Send(m.(*discovery.DiscoveryRequest)) }
-		recv = func() (proto.Message, error) { return cs.Recv() }
-	}
-	if src.kind == sourcePeer {
-		u.r.metrics.peerStreams.Inc()
-		u.r.metrics.peerOpen.Add(1)
-		defer func() {
-			u.r.metrics.peerStreams.Dec()
-			u.r.metrics.peerOpen.Add(-1)
-		}()
-	} else {
-		u.r.metrics.upstreamStreams.Inc()
-		u.r.metrics.upstreamOpen.Add(1)
-		defer func() {
-			u.r.metrics.upstreamStreams.Dec()
-			u.r.metrics.upstreamOpen.Add(-1)
-		}()
-	}
-	u.presented, u.node, u.first = presenter, node, true
-	// Opened before anything is asked: every answer on this stream is at
-	// least as new as the upstream was now.
-	u.sessionAt, u.opened = u.r.clock.Now(), time.Now()
+	defer u.countStream(src)()
+	u.begin(node, presenter)
 	presentedNode := node
-	for _, ut := range u.types {
-		ut.asked, ut.nonce, ut.named = false, "", false // what it was asked is asked again
-	}
 	u.log("upstream stream open", "node", node.GetId(), "source", src.kind, "owner", src.addr)
 	// retry ticks while the key is in fallback (is the owner back?) or a
 	// switch of source waits for the new source to be reachable.
@@ -374,53 +316,8 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 		return true
 	}
 
-	// Requests go out on a goroutine of their own, from a mailbox: the
-	// session never blocks writing while responses wait to be read (with
-	// an upstream that stops reading while it writes, as go-control-plane
-	// does, that would deadlock once both flow-control windows are full).
-	out := newMailbox[proto.Message](maxQueuedRequests, 0, nil)
-	u.send = func(m proto.Message) error {
-		if !out.put(m) {
-			return fmt.Errorf("more than %d requests the upstream has not read", maxQueuedRequests)
-		}
-		return nil
-	}
-	msgs := make(chan proto.Message)
-	errc := make(chan error, 2)
-	var wg sync.WaitGroup
-	wg.Add(2)
-	go func() {
-		defer wg.Done()
-		for {
-			m, err := recv()
-			if err != nil {
-				errc <- err
-				return
-			}
-			select {
-			case msgs <- m:
-			case <-sctx.Done():
-				return
-			}
-		}
-	}()
-	go func() {
-		defer wg.Done()
-		for {
-			select {
-			case <-out.ready:
-				for _, m := range out.take() {
-					if err := send(m); err != nil {
-						errc <- err
-						return
-					}
-				}
-			case <-sctx.Done():
-				return
-			}
-		}
-	}()
-	defer func() { cancel(); wg.Wait() }()
+	msgs, errc, stopPumps := u.pump(sctx, send, recv)
+	defer func() { cancel(); stopPumps() }()
 
 	if err := u.resubscribe(); err != nil {
 		return false, err
@@ -550,6 +447,131 @@ func timerC(t *time.Timer) <-chan time.Time {
 		return nil
 	}
 	return t.C
+}
+
+// open opens the session's stream on its source: the upstream's
+// connection, or the owner's (with the peer metadata, the demand to pass
+// on, and the views declared, relays speaking Delta to each other), with
+// the presented member's token in forward mode.
+func (u *upstream) open(sctx context.Context, presenter *stream, src source) (send func(proto.Message) error, recv func() (proto.Message, error), err error) {
+	conn := u.r.upConn
+	u.delta = u.r.cfg.UpstreamProtocol == ProtocolDelta
+	if src.kind == sourcePeer {
+		if conn, err = u.r.peerConn(src.addr); err != nil {
+			return nil, nil, fmt.Errorf("owner %s: %w", src.addr, err)
+		}
+		sctx = u.r.peerContext(sctx, u.k.key)
+		if d := ledger.Stamp(u.k.demanded.Load()); d > u.demandSent {
+			sctx = metadata.AppendToOutgoingContext(sctx, mdPeerDemand, d.String())
+			u.demandSent = d
+		}
+		// Relays speak Delta to each other, and their versions are content
+		// hashes: declaring the views makes the owner send only what
+		// differs, so a switch of source re-sends nothing unchanged.
+		u.delta = true
+		u.declareViews()
+	}
+	if u.r.cfg.ForwardCredentials && presenter != nil {
+		// The member's own token: istiod checks it against the node this
+		// stream presents, which is that member's.
+		sctx = withCredential(sctx, presenter.cred)
+	}
+	client := discovery.NewAggregatedDiscoveryServiceClient(conn)
+	if u.delta {
+		cs, err := client.DeltaAggregatedResources(sctx)
+		if err != nil {
+			return nil, nil, fmt.Errorf("open delta stream: %w", err)
+		}
+		return func(m proto.Message) error { return cs.Send(m.(*discovery.DeltaDiscoveryRequest)) },
+			func() (proto.Message, error) { return cs.Recv() }, nil
+	}
+	cs, err := client.StreamAggregatedResources(sctx)
+	if err != nil {
+		return nil, nil, fmt.Errorf("open sotw stream: %w", err)
+	}
+	return func(m proto.Message) error { return cs.Send(m.(*discovery.DiscoveryRequest)) },
+		func() (proto.Message, error) { return cs.Recv() }, nil
+}
+
+// countStream counts the session's stream as open, by source, until the
+// returned func is called.
+func (u *upstream) countStream(src source) (uncount func()) {
+	if src.kind == sourcePeer {
+		u.r.metrics.peerStreams.Inc()
+		u.r.metrics.peerOpen.Add(1)
+		return func() {
+			u.r.metrics.peerStreams.Dec()
+			u.r.metrics.peerOpen.Add(-1)
+		}
+	}
+	u.r.metrics.upstreamStreams.Inc()
+	u.r.metrics.upstreamOpen.Add(1)
+	return func() {
+		u.r.metrics.upstreamStreams.Dec()
+		u.r.metrics.upstreamOpen.Add(-1)
+	}
+}
+
+// begin resets the per-stream state for a new session presenting node
+// (of presenter): its first request carries the node, every type is asked
+// again, and the session's Order starts now.
+func (u *upstream) begin(node *core.Node, presenter *stream) {
+	u.presented, u.node, u.first = presenter, node, true
+	// Opened before anything is asked: every answer on this stream is at
+	// least as new as the upstream was now.
+	u.sessionAt, u.opened = u.r.clock.Now(), time.Now()
+	for _, ut := range u.types {
+		ut.asked, ut.nonce, ut.named = false, "", false // what it was asked is asked again
+	}
+}
+
+// pump runs the session's two goroutines: one receives responses into
+// msgs; the other sends the requests u.send queues, from a mailbox, so
+// that the session never blocks writing while responses wait to be read
+// (with an upstream that stops reading while it writes, as go-control-plane
+// does, that would deadlock once both flow-control windows are full). A
+// failure of either arrives on errc. stop waits for both once sctx ended.
+func (u *upstream) pump(sctx context.Context, send func(proto.Message) error, recv func() (proto.Message, error)) (msgs <-chan proto.Message, errc <-chan error, stop func()) {
+	out := newMailbox[proto.Message](maxQueuedRequests, 0, nil)
+	u.send = func(m proto.Message) error {
+		if !out.put(m) {
+			return fmt.Errorf("more than %d requests the upstream has not read", maxQueuedRequests)
+		}
+		return nil
+	}
+	in := make(chan proto.Message)
+	errs := make(chan error, 2)
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			m, err := recv()
+			if err != nil {
+				errs <- err
+				return
+			}
+			select {
+			case in <- m:
+			case <-sctx.Done():
+				return
+			}
+		}
+	})
+	wg.Go(func() {
+		for {
+			select {
+			case <-out.ready:
+				for _, m := range out.take() {
+					if err := send(m); err != nil {
+						errs <- err
+						return
+					}
+				}
+			case <-sctx.Done():
+				return
+			}
+		}
+	})
+	return in, errs, wg.Wait
 }
 
 // renewAfter is how long an upstream or peer stream lives at least before
