@@ -511,8 +511,28 @@ func (s *stream) sync() error {
 	}
 	snap := s.key.snap.Load()
 	now := time.Now()
+	plans, synced := s.planTypes(snap, now)
+	if err := s.sendUpdates(plans); err != nil {
+		return err
+	}
+	if err := s.sendRemovals(plans); err != nil {
+		return err
+	}
+	for _, p := range append(synced, plans...) {
+		if p.done == p.want {
+			s.led.Synced(p.sub.typeURL, p.ts.view.Root(), now)
+		}
+	}
+	return nil
+}
+
+// planTypes decides, type by type in push order, what the stream sends
+// of the key's view snap: plans holds the types with something to send
+// (or an Order to pass on), synced those the client already holds. A type
+// whose view is not known yet, or whose claimed version the tier is
+// asked about, stops the walk: what comes later in push order waits.
+func (s *stream) planTypes(snap *keySnap, now time.Time) (plans, synced []*plan) {
 	wait := s.r.cfg.ResourceWaitTimeout
-	var plans, synced []*plan
 	for _, typeURL := range pushOrder {
 		sub := s.subs[typeURL]
 		ts := snap.types[typeURL]
@@ -566,17 +586,25 @@ func (s *stream) sync() error {
 			synced = append(synced, p)
 		}
 	}
+	return plans, synced
+}
+
+// sendUpdates sends each plan's updates in push order, each after the
+// plans before it went out (their clusters are held: deferDangling). A
+// plan with no update after it in this round also sends the removals
+// allowed now; the others' removals wait for sendRemovals, since an
+// update later in the round may release what they hold back.
+func (s *stream) sendUpdates(plans []*plan) error {
+	// laterUpdates[i]: a plan after i has updates (read before their own
+	// deferDangling, as they were planned).
+	laterUpdates := make([]bool, len(plans))
+	for i := len(plans) - 2; i >= 0; i-- {
+		laterUpdates[i] = laterUpdates[i+1] || len(plans[i+1].upd) > 0
+	}
 	for i, p := range plans {
-		// After the plans before it went out: their clusters are held.
 		s.deferDangling(p)
-		laterUpdates := false
-		for _, q := range plans[i+1:] {
-			laterUpdates = laterUpdates || len(q.upd) > 0
-		}
 		var removed []string
-		if !laterUpdates {
-			// What is still held back waits for the removal pass: an
-			// update later in this round may release it.
+		if !laterUpdates[i] {
 			removed = s.allowedRemovals(p)
 			p.gone = slices.DeleteFunc(p.gone, func(n string) bool { return slices.Contains(removed, n) })
 		}
@@ -586,6 +614,12 @@ func (s *stream) sync() error {
 			}
 		}
 	}
+	return nil
+}
+
+// sendRemovals sends, in removal order (referrers first), the removals
+// still waiting that are allowed now.
+func (s *stream) sendRemovals(plans []*plan) error {
 	for _, typeURL := range removalOrder {
 		for _, p := range plans {
 			if p.sub.typeURL != typeURL || len(p.gone) == 0 {
@@ -596,11 +630,6 @@ func (s *stream) sync() error {
 					return err
 				}
 			}
-		}
-	}
-	for _, p := range append(synced, plans...) {
-		if p.done == p.want {
-			s.led.Synced(p.sub.typeURL, p.ts.view.Root(), now)
 		}
 	}
 	return nil
