@@ -176,6 +176,39 @@ func (s *keySnap) typeOf(typeURL string) *typeSnap {
 	return &typeSnap{}
 }
 
+// markPending marks, in a snapshot being built (keyState.update), the
+// names of typeURL that its view does not hold and that are not pending
+// yet as pending since now: asked of the source, so that no stream reports
+// them missing before the source had a chance to send them. The pending
+// map is copied on write (older snapshots share it); nothing is stored if
+// no name is new.
+func (s *keySnap) markPending(typeURL string, names []string, now time.Time) {
+	var ts *typeSnap
+	var pending map[string]time.Time
+	for _, n := range names {
+		if ts == nil {
+			ts = s.typeOf(typeURL)
+		}
+		if _, ok := ts.view.Get(n); ok {
+			continue
+		}
+		if _, ok := ts.pending[n]; ok {
+			continue
+		}
+		if pending == nil {
+			pending = maps.Clone(ts.pending)
+			if pending == nil {
+				pending = make(map[string]time.Time, len(names))
+			}
+		}
+		pending[n] = now
+	}
+	if pending != nil {
+		ts.pending = pending
+		s.types[typeURL] = ts
+	}
+}
+
 // wakeStreams tells every member stream that the snapshot changed. It never
 // blocks: a stream that is busy (a slow reader) finds the latest state when
 // it comes back.
@@ -287,29 +320,7 @@ func (k *keyState) subscribe(typeURL string, wildcardBefore, wildcardAfter bool,
 	newNames := k.changeLocked(typeURL, false, false, added, removed)
 	if len(newNames) > 0 {
 		now := time.Now()
-		k.update(func(next *keySnap) {
-			ts := next.typeOf(typeURL)
-			var pending map[string]time.Time
-			for _, n := range newNames {
-				if _, ok := ts.view.Get(n); ok {
-					continue
-				}
-				if _, ok := ts.pending[n]; ok {
-					continue
-				}
-				if pending == nil {
-					pending = maps.Clone(ts.pending)
-					if pending == nil {
-						pending = make(map[string]time.Time, len(newNames))
-					}
-				}
-				pending[n] = now
-			}
-			if pending != nil {
-				ts.pending = pending
-				next.types[typeURL] = ts
-			}
-		})
+		k.update(func(next *keySnap) { next.markPending(typeURL, newNames, now) })
 	}
 	if wildcardBefore != wildcardAfter || len(newNames) > 0 || len(removed) > 0 {
 		wake(k.upWake)

@@ -336,20 +336,7 @@ func (u *upstream) followRestored(rs *restorer) {
 				}
 				rs.missing[sig] = missing
 			}
-			if len(missing) == 0 {
-				continue
-			}
-			ts := next.typeOf(d.target)
-			pending := maps.Clone(ts.pending)
-			if pending == nil {
-				pending = make(map[string]time.Time, len(missing))
-			}
-			now := time.Now()
-			for _, n := range missing {
-				pending[n] = now
-			}
-			ts.pending = pending
-			next.types[d.target] = ts
+			next.markPending(d.target, missing, time.Now())
 		}
 	})
 }

@@ -1070,23 +1070,7 @@ func (u *upstream) followEdge(next *keySnap, target string, kind refKind, old, c
 		}
 		return true
 	})
-	if len(added) > 0 {
-		ts := next.typeOf(target)
-		pending := maps.Clone(ts.pending)
-		if pending == nil {
-			pending = make(map[string]time.Time, len(added))
-		}
-		now := time.Now()
-		for _, n := range added {
-			if _, ok := ts.view.Get(n); !ok {
-				if _, ok := pending[n]; !ok {
-					pending[n] = now
-				}
-			}
-		}
-		ts.pending = pending
-		next.types[target] = ts
-	}
+	next.markPending(target, added, time.Now())
 	return changed
 }
 
