@@ -162,18 +162,42 @@ func (u *testUpstream) stop() {
 // restart serves the same caches on the same address again.
 func (u *testUpstream) restart() {
 	u.t.Helper()
+	u.mu.Lock()
+	addr := u.addr
+	u.mu.Unlock()
 	var lis net.Listener
 	var err error
-	for range 100 { // the port may take a moment to be free again
-		if lis, err = net.Listen("tcp", u.addr); err == nil {
+	for range 50 { // the port may take a moment to be free again
+		if lis, err = net.Listen("tcp", addr); err == nil {
 			break
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
 	if err != nil {
-		u.t.Fatalf("restart upstream on %s: %v", u.addr, err)
+		// Taken for good: by an outgoing connection of another test
+		// process that got it as its ephemeral port, or by a redial of
+		// the relay's that connected to itself (Linux's TCP simultaneous
+		// open). Relays started with startRelay follow the upstream
+		// wherever it listens (dialCurrent).
+		if lis, err = net.Listen("tcp", "127.0.0.1:0"); err != nil {
+			u.t.Fatalf("restart upstream: %v", err)
+		}
+		u.t.Logf("restart upstream: %s is taken; listening on %s", addr, lis.Addr())
+		u.mu.Lock()
+		u.addr = lis.Addr().String()
+		u.mu.Unlock()
 	}
 	u.serve(lis)
+}
+
+// dialCurrent dials the upstream where it listens now (restart may have
+// moved it), whatever address the relay names.
+func (u *testUpstream) dialCurrent(ctx context.Context, _ string) (net.Conn, error) {
+	u.mu.Lock()
+	addr := u.addr
+	u.mu.Unlock()
+	var d net.Dialer
+	return d.DialContext(ctx, "tcp", addr)
 }
 
 func (u *testUpstream) set(group, typeURL string, res ...types.Resource) {
@@ -221,7 +245,12 @@ func (u *testUpstream) nacksSeen() int {
 // startRelay starts a relay in front of up on loopback.
 func startRelay(t *testing.T, up *testUpstream, mod func(*Config)) *Relay {
 	t.Helper()
-	return startRelayTo(t, up.addr, mod)
+	return startRelayTo(t, up.addr, func(c *Config) {
+		c.UpstreamDialOptions = append(c.UpstreamDialOptions, grpc.WithContextDialer(up.dialCurrent))
+		if mod != nil {
+			mod(c)
+		}
+	})
 }
 
 // startRelayTo starts a relay on loopback in front of the upstream at addr
