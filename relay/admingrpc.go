@@ -221,15 +221,8 @@ func (r *Relay) adminCaller(ctx context.Context, method string) (AdminCaller, er
 	}
 	id, err := r.cfg.AdminAuthenticator.Authenticate(ctx)
 	if err != nil {
-		reason := auth.ReasonOf(err)
-		if r.authLogs.Allow() {
-			r.log.Warn("admin call refused: authentication failed", "method", method, "peer", peerAddr(ctx), "reason", reason, "err", err)
-		}
-		if reason == auth.ReviewFailed {
-			return AdminCaller{}, status.Errorf(codes.Unavailable, "admin API: authentication unavailable: %v", err)
-		}
-		return AdminCaller{}, status.Errorf(codes.Unauthenticated,
-			"the admin API wants the admin token, a service-account token (authorization: Bearer) or a SPIFFE client certificate: %v", err)
+		return AdminCaller{}, r.refuseAuth(ctx, "admin call "+method,
+			"the admin API wants the admin token, a service-account token (authorization: Bearer) or a SPIFFE client certificate", err)
 	}
 	return r.identityCaller(id), nil
 }

@@ -44,17 +44,25 @@ func (r *Relay) authenticate(ctx context.Context, p port) (*auth.Identity, error
 		if reason != auth.ReviewFailed {
 			r.failures.failed(sourceIP(ctx))
 		}
-		if r.authLogs.Allow() {
-			r.log.Warn("stream refused: authentication failed", "peer", peerAddr(ctx), "reason", reason, "err", err)
-		}
-		if reason == auth.ReviewFailed {
-			// The verifier could not reach what it asks (the Kubernetes
-			// API): the client is not at fault and should retry.
-			return nil, status.Errorf(codes.Unavailable, "authentication unavailable: %v", err)
-		}
-		return nil, status.Errorf(codes.Unauthenticated, "authentication failed: %v", err)
+		return nil, r.refuseAuth(ctx, "stream", "authentication failed", err)
 	}
 	return &id, nil
+}
+
+// refuseAuth logs a failed authentication of what (at most a few a
+// second, naming the peer's address, never the credential) and returns
+// its status: Unavailable when the verifier could not reach what it asks
+// (the Kubernetes API: the client is not at fault and should retry), else
+// Unauthenticated with msg.
+func (r *Relay) refuseAuth(ctx context.Context, what, msg string, err error) error {
+	reason := auth.ReasonOf(err)
+	if r.authLogs.Allow() {
+		r.log.Warn(what+" refused: authentication failed", "peer", peerAddr(ctx), "reason", reason, "err", err)
+	}
+	if reason == auth.ReviewFailed {
+		return status.Errorf(codes.Unavailable, "authentication unavailable: %v", err)
+	}
+	return status.Errorf(codes.Unauthenticated, "%s: %v", msg, err)
 }
 
 // checkIdentity applies istiod's rule to the node an authenticated stream

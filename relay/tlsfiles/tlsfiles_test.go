@@ -88,19 +88,27 @@ func writeAtomically(t *testing.T, path string, b []byte) {
 	}
 }
 
+// pairFiles writes a freshly issued certificate and key to files and
+// loads them: their paths, the certificate's PEM, and the pair.
+func pairFiles(t *testing.T) (certFile, keyFile string, certPEM []byte, pair *KeyPair) {
+	t.Helper()
+	dir := t.TempDir()
+	certFile, keyFile = filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
+	certPEM, keyPEM, _ := issue(t)
+	writeAtomically(t, certFile, certPEM)
+	writeAtomically(t, keyFile, keyPEM)
+	pair, err := LoadKeyPair(certFile, keyFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return certFile, keyFile, certPEM, pair
+}
+
 // TestKeyPairFollowsRotation: a handshake after the files changed gets
 // the new certificate; a pair that does not load keeps the last good one
 // in service and is reported.
 func TestKeyPairFollowsRotation(t *testing.T) {
-	dir := t.TempDir()
-	cf, kf := filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
-	c1, k1, _ := issue(t)
-	writeAtomically(t, cf, c1)
-	writeAtomically(t, kf, k1)
-	pair, err := LoadKeyPair(cf, kf)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cf, kf, c1, pair := pairFiles(t)
 	cfg := ServerConfig(pair, nil, tls.NoClientCert)
 	if !bytes.Equal(served(t, cfg), leaf(c1)) {
 		t.Fatal("did not serve the first certificate")
@@ -215,15 +223,7 @@ func TestCAPoolFollowsRotation(t *testing.T) {
 // forward secrecy or AEAD, are refused; TLS 1.2 with an AEAD suite is
 // served.
 func TestServerConfigModernOnly(t *testing.T) {
-	dir := t.TempDir()
-	cf, kf := filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
-	c1, k1, _ := issue(t)
-	writeAtomically(t, cf, c1)
-	writeAtomically(t, kf, k1)
-	pair, err := LoadKeyPair(cf, kf)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, _, _, pair := pairFiles(t)
 	cfg := ServerConfig(pair, nil, tls.NoClientCert)
 	for _, tc := range []struct {
 		name   string

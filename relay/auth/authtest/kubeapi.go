@@ -74,18 +74,10 @@ type KubeAPI struct {
 // is refused).
 func NewKubeAPI(t testing.TB, verdict Verdict) *KubeAPI {
 	t.Helper()
-	k := &KubeAPI{t: t}
-	k.SetVerdict(verdict)
-	k.srv = httptest.NewServer(http.HandlerFunc(k.serve))
-	k.addr = k.srv.Listener.Addr().String()
-	// QPS -1: no client-side rate limit (client-go's default of 5 a
-	// second would otherwise bound every test).
-	cs, err := kubernetes.NewForConfig(&rest.Config{Host: k.URL(), QPS: -1})
+	k, err := startKubeAPI(&KubeAPI{t: t}, verdict)
 	if err != nil {
-		k.Stop()
-		t.Fatalf("kubeapi: clientset: %v", err)
+		t.Fatal(err)
 	}
-	k.clientset = cs
 	t.Cleanup(k.Stop)
 	return k
 }
@@ -96,10 +88,16 @@ func NewKubeAPI(t testing.TB, verdict Verdict) *KubeAPI {
 // instead (nil: dropped), from the server's goroutines. The caller must
 // call Stop.
 func StartKubeAPI(verdict Verdict, report func(error)) (*KubeAPI, error) {
-	k := &KubeAPI{report: report}
+	return startKubeAPI(&KubeAPI{report: report}, verdict)
+}
+
+// startKubeAPI serves k and gives it a clientset pointed at it.
+func startKubeAPI(k *KubeAPI, verdict Verdict) (*KubeAPI, error) {
 	k.SetVerdict(verdict)
 	k.srv = httptest.NewServer(http.HandlerFunc(k.serve))
 	k.addr = k.srv.Listener.Addr().String()
+	// QPS -1: no client-side rate limit (client-go's default of 5 a
+	// second would otherwise bound every test).
 	cs, err := kubernetes.NewForConfig(&rest.Config{Host: k.URL(), QPS: -1})
 	if err != nil {
 		k.Stop()
