@@ -213,11 +213,11 @@ type bearerTransport struct {
 }
 
 func (b *bearerTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	tok, err := os.ReadFile(b.tokenFile)
+	tok, err := readToken(b.tokenFile)
 	if err != nil {
 		return nil, err
 	}
 	req = req.Clone(req.Context())
-	req.Header.Set("Authorization", "Bearer "+strings.TrimSpace(string(tok)))
+	req.Header.Set("Authorization", "Bearer "+tok)
 	return b.base.RoundTrip(req)
 }
