@@ -505,7 +505,7 @@ func (h *downHarness) checkOrder(o *outgoing) {
 	typ := shortType(o.typeURL)
 	snap := h.s.key.snap.Load()
 	for _, x := range o.upd {
-		for _, c := range x.refs.clusters {
+		for _, c := range x.Refs(refClusters) {
 			if h.wants(typeCluster, c) {
 				e, _ := snap.types[typeCluster].view.Get(c)
 				if have := h.model[typeCluster][c]; have.hash != e.Hash {
@@ -516,7 +516,7 @@ func (h *downHarness) checkOrder(o *outgoing) {
 		}
 		if o.typeURL == typeCluster {
 			if have, ok := h.model[typeCluster][x.Name]; ok && have.hash != x.Hash {
-				for _, e := range x.refs.endpoints {
+				for _, e := range x.Refs(refEndpoints) {
 					h.warming[e] = x.Name
 				}
 			}
@@ -552,7 +552,7 @@ func (h *downHarness) referredBy(typeURL, name string) string {
 	for _, ref := range referrers[typeURL] {
 		for _, n := range slices.Sorted(maps.Keys(h.model[ref.typeURL])) {
 			have := h.model[ref.typeURL][n]
-			if have.res == nil || !slices.Contains(have.res.refs.of(ref.kind), name) {
+			if have.res == nil || !slices.Contains(have.res.Refs(ref.kind), name) {
 				continue
 			}
 			if !h.delta && !fullStateSotW(ref.typeURL) {
@@ -1627,7 +1627,7 @@ func (h *upHarness) checkViews(when string) {
 		for _, typeURL := range sources {
 			if ts := snap.types[typeURL]; ts != nil {
 				for e := range ts.view.All() {
-					for _, n := range e.Value.refs.of(kind) {
+					for _, n := range e.Value.Refs(kind) {
 						want[n]++
 					}
 				}

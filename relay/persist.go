@@ -245,7 +245,7 @@ func (rs *restorer) refCounts(typ string, kind refKind, view ledger.Tree[*Resour
 	}
 	c := make(map[string]int)
 	for e := range view.All() {
-		for _, n := range e.Value.refs.of(kind) {
+		for _, n := range e.Value.Refs(kind) {
 			c[n]++
 		}
 	}

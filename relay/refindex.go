@@ -15,6 +15,9 @@ const (
 	refClusters
 )
 
+// Refs returns the names of kind the resource refers to.
+func (r *Resource) Refs(kind refKind) []string { return r.refs.of(kind) }
+
 func (r refs) of(kind refKind) []string {
 	switch kind {
 	case refEndpoints:

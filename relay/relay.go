@@ -121,7 +121,7 @@ func New(cfg Config) (*Relay, error) {
 		cfg:          cfg,
 		log:          cfg.Logger.With("relay", cfg.ID),
 		store:        newStore(),
-		dropped:      &dropped{budget: cfg.KeepDroppedBytes},
+		dropped:      newDropped(cfg.KeepDroppedBytes),
 		controlPlane: &core.ControlPlane{Identifier: cfg.ID},
 		stopping:     make(chan struct{}),
 		keys:         make(map[Key]*keyState),

@@ -119,6 +119,10 @@ type dropped struct {
 	budget int64
 }
 
+// newDropped returns a dropped that keeps up to budget bytes (none if
+// budget is not positive).
+func newDropped(budget int64) *dropped { return &dropped{budget: budget} }
+
 // keep adds rs, newest last, and lets the oldest go beyond the budget.
 func (d *dropped) keep(rs []*Resource) {
 	if d.budget <= 0 || len(rs) == 0 {

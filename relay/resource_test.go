@@ -21,7 +21,7 @@ import (
 // alive within its byte budget, and lets the oldest go.
 func TestDroppedKeepsNewestWithinBudget(t *testing.T) {
 	s := newStore()
-	d := &dropped{budget: 3 * 100}
+	d := newDropped(3 * 100)
 	var hashes []ledger.Hash
 	for i := range 5 {
 		body := make([]byte, 100)

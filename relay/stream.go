@@ -657,7 +657,7 @@ func (s *stream) forceEndpoints(cds *typeSub, upd []*Resource) {
 		if _, had := cds.known.Get(r.Name); !had {
 			continue
 		}
-		for _, e := range r.refs.endpoints {
+		for _, e := range r.Refs(refEndpoints) {
 			if _, ok := eds.known.Get(e); !ok {
 				continue
 			}
@@ -721,7 +721,7 @@ func (s *stream) deferDangling(p *plan) {
 	wait := s.r.cfg.ResourceWaitTimeout
 	kept := p.upd[:0]
 	for _, r := range p.upd {
-		missing := slices.ContainsFunc(r.refs.of(refClusters), func(c string) bool {
+		missing := slices.ContainsFunc(r.Refs(refClusters), func(c string) bool {
 			_, held := cds.known.Get(c)
 			return !held
 		})

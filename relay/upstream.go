@@ -1053,7 +1053,7 @@ func (u *upstream) followEdge(next *keySnap, target string, kind refKind, old, c
 	changed := false
 	ledger.Diff(old, cur, func(c ledger.Change[*Resource]) bool {
 		if c.Old != nil {
-			for _, n := range c.Old.Value.refs.of(kind) {
+			for _, n := range c.Old.Value.Refs(kind) {
 				if counts[n]--; counts[n] <= 0 {
 					delete(counts, n)
 					changed = true
@@ -1061,7 +1061,7 @@ func (u *upstream) followEdge(next *keySnap, target string, kind refKind, old, c
 			}
 		}
 		if c.New != nil {
-			for _, n := range c.New.Value.refs.of(kind) {
+			for _, n := range c.New.Value.Refs(kind) {
 				if counts[n]++; counts[n] == 1 {
 					added = append(added, n)
 					changed = true
