@@ -44,7 +44,7 @@ func openWith(conn *grpc.ClientConn, md metadata.MD, n any) (*discovery.DeltaDis
 	if err != nil {
 		return nil, err
 	}
-	req := &discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster}
+	req := &discovery.DeltaDiscoveryRequest{TypeUrl: TypeCluster}
 	if n != nil {
 		req.Node = saNode("ns1", "app", 1)
 	}

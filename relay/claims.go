@@ -85,7 +85,7 @@ func (s *stream) askTier(sub *typeSub) bool {
 	q := claimQuestion{typeURL: sub.typeURL, root: sub.claimed, wildcard: sub.wildcard}
 	req := &inspectpb.VersionRequest{Key: string(s.key.key), Type: sub.typeURL, Root: sub.claimed.String(), Wildcard: sub.wildcard}
 	if !sub.wildcard {
-		q.names = listDigest(sub.names)
+		q.names = ListDigest(sub.names)
 		req.Names = slices.Clone(sub.names) // read by the asking goroutine
 	}
 	k := s.key
@@ -130,7 +130,7 @@ func (r *Relay) askVersion(ctx context.Context, addrs []string, req *inspectpb.V
 		go func() {
 			t, err := r.askOne(ctx, addr, req, root)
 			if err != nil && status.Code(err) != codes.NotFound && ctx.Err() == nil {
-				r.log.Debug("claimed version: a relay's answer failed", "addr", addr, "key", req.GetKey(), "type", shortType(req.GetType()), "err", err)
+				r.log.Debug("claimed version: a relay's answer failed", "addr", addr, "key", req.GetKey(), "type", ShortType(req.GetType()), "err", err)
 			}
 			answers <- answer{t, err}
 		}()
@@ -175,7 +175,7 @@ var errBodyMissing = errors.New("neither relay holds the resource")
 // resource from its body, or from s if the answer left it out. An
 // answer that names a resource nobody has, carries a body that is not what
 // it says, or is not the version asked for is an error.
-func (s *store) versionTree(typeURL string, got *inspectpb.VersionContent, root ledger.Hash) (ledger.Tree[*Resource], error) {
+func (s *Store) versionTree(typeURL string, got *inspectpb.VersionContent, root ledger.Hash) (ledger.Tree[*Resource], error) {
 	b := ledger.Tree[*Resource]{}.Edit()
 	for _, e := range got.GetEntries() {
 		if len(e.GetHash()) != len(ledger.Hash{}) {
@@ -185,10 +185,10 @@ func (s *store) versionTree(typeURL string, got *inspectpb.VersionContent, root 
 		var res *Resource
 		if e.GetBody() != nil {
 			var err error
-			if res, err = s.decode(typeURL, e.GetBody(), e.GetName()); err != nil {
+			if res, err = s.Decode(typeURL, e.GetBody(), e.GetName()); err != nil {
 				return ledger.Tree[*Resource]{}, fmt.Errorf("relay %s: %w", got.GetRelay(), err)
 			}
-		} else if res = s.lookup(h); res == nil {
+		} else if res = s.Lookup(h); res == nil {
 			return ledger.Tree[*Resource]{}, fmt.Errorf("relay %s: resource %q: %w", got.GetRelay(), e.GetName(), errBodyMissing)
 		}
 		if res.Hash != h || res.Name != e.GetName() {
@@ -220,10 +220,10 @@ func (s inspectServer) GetVersion(ctx context.Context, req *inspectpb.VersionReq
 	if k == nil {
 		return nil, status.Errorf(codes.NotFound, "key %q: %v", req.GetKey(), ErrNotHeld)
 	}
-	sub := &typeSub{typeURL: req.GetType(), wildcard: req.GetWildcard(), names: newNameSet(req.GetNames())}
+	sub := &typeSub{typeURL: req.GetType(), wildcard: req.GetWildcard(), names: NewNameSet(req.GetNames())}
 	held, ok := k.versionHeld(sub, root)
 	if !ok {
-		return nil, status.Errorf(codes.NotFound, "key %q: version %s of %s not in history", req.GetKey(), root, shortType(req.GetType()))
+		return nil, status.Errorf(codes.NotFound, "key %q: version %s of %s not in history", req.GetKey(), root, ShortType(req.GetType()))
 	}
 	var view ledger.Tree[*Resource]
 	if ts := k.snap.Load().types[req.GetType()]; ts != nil {
@@ -235,7 +235,7 @@ func (s inspectServer) GetVersion(ctx context.Context, req *inspectpb.VersionReq
 		if cur, ok := view.Get(e.Name); req.GetBodies() || !ok || cur.Hash != e.Hash {
 			res := e.Value
 			if res == nil {
-				res = s.r.store.lookup(e.Hash)
+				res = s.r.store.Lookup(e.Hash)
 			}
 			if res != nil {
 				ve.Body = res.Body

@@ -250,16 +250,16 @@ func (c *rawClient) quiet(skip ...string) {
 	c.barrier++
 	name := fmt.Sprint("barrier-", c.barrier)
 	if c.delta {
-		c.subscribe(typeRuntime, name)
+		c.subscribe(TypeRuntime, name)
 	} else {
-		c.subscribe(typeRuntime, append(slices.Clone(c.subs[typeRuntime]), name)...)
+		c.subscribe(TypeRuntime, append(slices.Clone(c.subs[TypeRuntime]), name)...)
 	}
 	m := c.recv()
 	for slices.Contains(skip, typeOf(m)) {
 		m = c.recv() // allowed before the barrier, and left unanswered
 	}
-	if got := names(m); typeOf(m) != typeRuntime || !slices.Equal(got, []string{name}) {
-		c.t.Fatalf("got %s %v before the barrier %s: the relay sent what it should not have", shortType(typeOf(m)), got, name)
+	if got := names(m); typeOf(m) != TypeRuntime || !slices.Equal(got, []string{name}) {
+		c.t.Fatalf("got %s %v before the barrier %s: the relay sent what it should not have", ShortType(typeOf(m)), got, name)
 	}
 	c.ack(m)
 }

@@ -35,7 +35,7 @@ const (
 )
 
 // synczTypes are the types a syncz answer gives the status of, as istiod's.
-var synczTypes = []string{typeListener, typeRoute, typeEndpoint, typeCluster, typeExtension}
+var synczTypes = []string{TypeListener, TypeRoute, TypeEndpoint, TypeCluster, TypeExtension}
 
 // answerDebugSotW answers a SotW request for a debug type URL. A debug
 // client is not an Envoy: its stream joins no key. An ACK or a NACK of an

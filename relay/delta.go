@@ -47,7 +47,7 @@ func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 	if typeURL == "" {
 		return status.Error(codes.InvalidArgument, "type_url is required on an ADS stream")
 	}
-	if !cached(typeURL) {
+	if !Cached(typeURL) {
 		return s.passthroughDelta(req)
 	}
 	subscribe, unsubscribe := req.GetResourceNamesSubscribe(), req.GetResourceNamesUnsubscribe()
@@ -57,9 +57,9 @@ func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 
 	sub := s.subs[typeURL]
 	if sub == nil {
-		legacy := len(subscribe) == 0 && legacyWildcard(typeURL)
-		wildcard := (legacy || slices.Contains(subscribe, wildcardName)) && !slices.Contains(unsubscribe, wildcardName)
-		names := newNameSet(subscribe).with(nil, unsubscribe)
+		legacy := len(subscribe) == 0 && LegacyWildcard(typeURL)
+		wildcard := (legacy || slices.Contains(subscribe, WildcardName)) && !slices.Contains(unsubscribe, WildcardName)
+		names := NewNameSet(subscribe).With(nil, unsubscribe)
 		sub = s.newSub(typeURL, wildcard, legacy, names)
 		// A peer relay is answered on every type, even with nothing new:
 		// the answers tell it its source confirms its views.
@@ -86,16 +86,16 @@ func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 		return err
 	}
 	wildcard := sub.wildcard
-	if slices.Contains(subscribe, wildcardName) {
+	if slices.Contains(subscribe, WildcardName) {
 		wildcard = true
 	}
-	if slices.Contains(unsubscribe, wildcardName) {
+	if slices.Contains(unsubscribe, WildcardName) {
 		wildcard = false
 	}
-	add, drop := newNameSet(subscribe), newNameSet(unsubscribe)
+	add, drop := NewNameSet(subscribe), NewNameSet(unsubscribe)
 	// A name subscribed again is sent again even if the client declared it:
 	// the client may have forgotten it (Envoy #22418).
-	s.resubscribe(sub, wildcard, sub.names.with(add, drop), add)
+	s.resubscribe(sub, wildcard, sub.names.With(add, drop), add)
 	return nil
 }
 
@@ -116,7 +116,7 @@ func (s *stream) declared(sub *typeSub, versions map[string]string) (known ledge
 	}
 	b := ledger.Tree[*Resource]{}.Edit()
 	for name, v := range versions {
-		if !sub.wildcard && !sub.names.has(name) {
+		if !sub.wildcard && !sub.names.Has(name) {
 			continue
 		}
 		h, o, err := ParseVersion(v)
@@ -130,7 +130,7 @@ func (s *stream) declared(sub *typeSub, versions map[string]string) (known ledge
 		}
 		unordered = unordered || o.IsZero()
 		orders = orders.add(o)
-		b.Set(name, h, s.r.store.lookup(h))
+		b.Set(name, h, s.r.store.Lookup(h))
 	}
 	if s.peerRelay != nil {
 		for _, o := range orders {

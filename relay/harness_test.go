@@ -35,7 +35,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // typeNDS stands for the types the relay does not cache (Istio's NDS here).
 const typeNDS = "type.googleapis.com/istio.networking.nds.v1.NameTable"
 
-var upstreamTypes = append(slices.Clone(pushOrder), typeNDS)
+var upstreamTypes = append(slices.Clone(PushOrder), typeNDS)
 
 // testUpstream is a real go-control-plane ADS server on loopback: one
 // LinearCache per (namespace group, type), so different namespaces can see
@@ -402,13 +402,13 @@ func seed(up *testUpstream, g string, n int) {
 		cs = append(cs, mkCluster(name))
 		es = append(es, mkCLA(name, 8080))
 	}
-	up.set(g, typeCluster, cs...)
-	up.set(g, typeEndpoint, es...)
-	up.set(g, typeListener, mkListener("l80", "r80"))
-	up.set(g, typeRoute, mkRoute("r80", names...))
+	up.set(g, TypeCluster, cs...)
+	up.set(g, TypeEndpoint, es...)
+	up.set(g, TypeListener, mkListener("l80", "r80"))
+	up.set(g, TypeRoute, mkRoute("r80", names...))
 	var barriers []types.Resource
 	for i := 1; i <= 50; i++ {
 		barriers = append(barriers, &runtimev3.Runtime{Name: fmt.Sprint("barrier-", i), Layer: &structpb.Struct{}})
 	}
-	up.set(g, typeRuntime, barriers...)
+	up.set(g, TypeRuntime, barriers...)
 }

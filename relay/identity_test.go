@@ -153,7 +153,7 @@ func firstAnswer(t *testing.T, conn *grpc.ClientConn, token string, n *core.Node
 	if err != nil {
 		return nil, err
 	}
-	if err := st.Send(&discovery.DeltaDiscoveryRequest{Node: n, TypeUrl: typeCluster}); err != nil {
+	if err := st.Send(&discovery.DeltaDiscoveryRequest{Node: n, TypeUrl: TypeCluster}); err != nil {
 		// The refusal comes back on Recv.
 		_ = err
 	}
@@ -287,7 +287,7 @@ func TestTLSPortRefusesUnprovenPeers(t *testing.T) {
 	}
 	st, err := discovery.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(ctx)
 	if err == nil {
-		st.Send(&discovery.DeltaDiscoveryRequest{Node: saNode("ns2", "app", 1), TypeUrl: typeCluster})
+		st.Send(&discovery.DeltaDiscoveryRequest{Node: saNode("ns2", "app", 1), TypeUrl: TypeCluster})
 		_, err = st.Recv()
 	}
 	if status.Code(err) != codes.Unauthenticated {

@@ -90,12 +90,12 @@ func typesOf(snap *keySnap, wants map[string]typeWant) []string {
 		all[t] = true
 	}
 	return slices.SortedFunc(maps.Keys(all), func(a, b string) int {
-		ia, ib := slices.Index(pushOrder, a), slices.Index(pushOrder, b)
+		ia, ib := slices.Index(PushOrder, a), slices.Index(PushOrder, b)
 		if ia < 0 {
-			ia = len(pushOrder)
+			ia = len(PushOrder)
 		}
 		if ib < 0 {
-			ib = len(pushOrder)
+			ib = len(PushOrder)
 		}
 		return cmp.Or(cmp.Compare(ia, ib), cmp.Compare(a, b))
 	})
@@ -120,7 +120,7 @@ type dumpReq struct {
 // never sent it is included if the relay holds it.
 func (s *stream) sent(types []string) []dumpType {
 	var out []dumpType
-	for _, typeURL := range pushOrder {
+	for _, typeURL := range PushOrder {
 		sub := s.subs[typeURL]
 		if sub == nil || len(types) > 0 && !slices.Contains(types, typeURL) {
 			continue
@@ -128,7 +128,7 @@ func (s *stream) sent(types []string) []dumpType {
 		dt := dumpType{typeURL: typeURL, version: sub.known.Root().String()}
 		for e := range sub.known.All() {
 			if e.Value == nil {
-				e.Value = s.r.store.lookup(e.Hash)
+				e.Value = s.r.store.Lookup(e.Hash)
 			}
 			dt.entries = append(dt.entries, e)
 		}
@@ -189,7 +189,7 @@ func (r *Relay) ConfigDump(ctx context.Context, req *inspectpb.ConfigDumpRequest
 			return nil, fmt.Errorf("key %q: %w", req.GetKey(), ErrNotHeld)
 		}
 		snap := k.snap.Load()
-		for _, typeURL := range pushOrder {
+		for _, typeURL := range PushOrder {
 			ts := snap.types[typeURL]
 			if ts == nil || len(req.GetTypes()) > 0 && !slices.Contains(req.GetTypes(), typeURL) {
 				continue
@@ -224,51 +224,51 @@ func buildConfigDump(types []dumpType) (*adminv3.ConfigDump, error) {
 			}
 			b, err := redactAny(e.Value.Body)
 			if err != nil {
-				return nil, fmt.Errorf("config dump: %s %q: %w", shortType(t.typeURL), e.Name, err)
+				return nil, fmt.Errorf("config dump: %s %q: %w", ShortType(t.typeURL), e.Name, err)
 			}
 			bodies, names, versions = append(bodies, b), append(names, e.Name), append(versions, e.Hash.String())
 		}
 		var msg proto.Message
 		switch t.typeURL {
-		case typeCluster:
+		case TypeCluster:
 			d := &adminv3.ClustersConfigDump{VersionInfo: t.version}
 			for i, b := range bodies {
 				d.DynamicActiveClusters = append(d.DynamicActiveClusters, &adminv3.ClustersConfigDump_DynamicCluster{VersionInfo: versions[i], Cluster: b})
 			}
 			msg = d
-		case typeEndpoint:
+		case TypeEndpoint:
 			d := &adminv3.EndpointsConfigDump{}
 			for i, b := range bodies {
 				d.DynamicEndpointConfigs = append(d.DynamicEndpointConfigs, &adminv3.EndpointsConfigDump_DynamicEndpointConfig{VersionInfo: versions[i], EndpointConfig: b})
 			}
 			msg = d
-		case typeListener:
+		case TypeListener:
 			d := &adminv3.ListenersConfigDump{VersionInfo: t.version}
 			for i, b := range bodies {
 				d.DynamicListeners = append(d.DynamicListeners, &adminv3.ListenersConfigDump_DynamicListener{Name: names[i],
 					ActiveState: &adminv3.ListenersConfigDump_DynamicListenerState{VersionInfo: versions[i], Listener: b}})
 			}
 			msg = d
-		case typeScopedRoute:
+		case TypeScopedRoute:
 			d := &adminv3.ScopedRoutesConfigDump{}
 			for i, b := range bodies {
 				d.DynamicScopedRouteConfigs = append(d.DynamicScopedRouteConfigs, &adminv3.ScopedRoutesConfigDump_DynamicScopedRouteConfigs{
 					Name: names[i], VersionInfo: versions[i], ScopedRouteConfigs: []*anypb.Any{b}})
 			}
 			msg = d
-		case typeRoute:
+		case TypeRoute:
 			d := &adminv3.RoutesConfigDump{}
 			for i, b := range bodies {
 				d.DynamicRouteConfigs = append(d.DynamicRouteConfigs, &adminv3.RoutesConfigDump_DynamicRouteConfig{VersionInfo: versions[i], RouteConfig: b})
 			}
 			msg = d
-		case typeSecret:
+		case TypeSecret:
 			d := &adminv3.SecretsConfigDump{}
 			for i, b := range bodies {
 				d.DynamicActiveSecrets = append(d.DynamicActiveSecrets, &adminv3.SecretsConfigDump_DynamicSecret{Name: names[i], VersionInfo: versions[i], Secret: b})
 			}
 			msg = d
-		case typeExtension:
+		case TypeExtension:
 			d := &adminv3.EcdsConfigDump{}
 			for i, b := range bodies {
 				d.EcdsFilters = append(d.EcdsFilters, &adminv3.EcdsConfigDump_EcdsFilterConfig{VersionInfo: versions[i], EcdsFilter: b})

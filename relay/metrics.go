@@ -133,19 +133,19 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 		m.refused, m.shed, m.peerFallbacks, m.silentConfirms, m.claims, m.peerStreams, m.peerClients, m.authFailures, keys,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_cache_resources", Help: "Distinct resources held, shared by every key.",
-		}, func() float64 { return float64(r.store.len()) }),
+		}, func() float64 { return float64(r.store.Len()) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_cache_dropped_bytes", Help: "Bytes of resources the views dropped lately, kept for clients that still hold them (KeepDroppedBytes).",
-		}, func() float64 { _, b := r.dropped.held(); return float64(b) }),
+		}, func() float64 { _, b := r.dropped.Held(); return float64(b) }),
 	}
 	for _, c := range cs {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
 	}
-	m.byType = make(map[string]*typeMetrics, len(pushOrder)+1)
-	for _, typeURL := range append([]string{""}, pushOrder...) {
-		t := shortType(typeURL)
+	m.byType = make(map[string]*typeMetrics, len(PushOrder)+1)
+	for _, typeURL := range append([]string{""}, PushOrder...) {
+		t := ShortType(typeURL)
 		m.byType[typeURL] = &typeMetrics{
 			pushes:        m.pushes.WithLabelValues(t),
 			pushBytes:     m.pushBytes.WithLabelValues(t),

@@ -22,7 +22,7 @@ func viewOf(t *testing.T, r *Relay, typeURL string, res ...types.Resource) ledge
 		if err != nil {
 			t.Fatal(err)
 		}
-		x, err := r.store.decode(typeURL, a, "")
+		x, err := r.store.Decode(typeURL, a, "")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -53,25 +53,25 @@ func TestPushOrder(t *testing.T) {
 				if len(o.upd) == 0 && !o.full {
 					kind = "-"
 				}
-				if !delta && fullStateSotW(o.typeURL) && len(o.upd) == 0 {
+				if !delta && FullStateSotW(o.typeURL) && len(o.upd) == 0 {
 					kind = "-" // SotW removes by omission
 				}
-				sent = append(sent, kind+shortType(o.typeURL))
+				sent = append(sent, kind+ShortType(o.typeURL))
 				return nil
 			}
 			publish := func(cs, es, ls, rs []types.Resource) {
 				k.mu.Lock()
 				k.update(func(next *keySnap) {
-					for typeURL, res := range map[string][]types.Resource{typeCluster: cs, typeEndpoint: es, typeListener: ls, typeRoute: rs} {
+					for typeURL, res := range map[string][]types.Resource{TypeCluster: cs, TypeEndpoint: es, TypeListener: ls, TypeRoute: rs} {
 						next.types[typeURL] = &typeSnap{view: viewOf(t, r, typeURL, res...), ready: true, full: true}
 					}
 				})
 				k.mu.Unlock()
 			}
-			s.subs[typeRoute] = &typeSub{typeURL: typeRoute, names: newNameSet([]string{"r80"}), awaitFirst: true}
-			s.subs[typeListener] = &typeSub{typeURL: typeListener, wildcard: true, awaitFirst: true}
-			s.subs[typeEndpoint] = &typeSub{typeURL: typeEndpoint, names: newNameSet([]string{"c0", "c1"}), awaitFirst: true}
-			s.subs[typeCluster] = &typeSub{typeURL: typeCluster, wildcard: true, awaitFirst: true}
+			s.subs[TypeRoute] = &typeSub{typeURL: TypeRoute, names: NewNameSet([]string{"r80"}), awaitFirst: true}
+			s.subs[TypeListener] = &typeSub{typeURL: TypeListener, wildcard: true, awaitFirst: true}
+			s.subs[TypeEndpoint] = &typeSub{typeURL: TypeEndpoint, names: NewNameSet([]string{"c0", "c1"}), awaitFirst: true}
+			s.subs[TypeCluster] = &typeSub{typeURL: TypeCluster, wildcard: true, awaitFirst: true}
 
 			publish(
 				[]types.Resource{mkCluster("c0"), mkCluster("c1")},
@@ -104,7 +104,7 @@ func TestPushOrder(t *testing.T) {
 			if !slices.Equal(sent, want) {
 				t.Fatalf("second sync sent %v, want %v", sent, want)
 			}
-			if got := fmt.Sprint(s.subs[typeCluster].known.Len()); got != "1" {
+			if got := fmt.Sprint(s.subs[TypeCluster].known.Len()); got != "1" {
 				t.Fatalf("client holds %s clusters after the removal, want 1", got)
 			}
 		})
@@ -116,7 +116,7 @@ func TestPushOrder(t *testing.T) {
 // which the same content held by the relay shares.
 func TestRefIndexNotPoisoned(t *testing.T) {
 	r := newTestRelay(t)
-	held := viewOf(t, r, typeRoute, mkRoute("r80", "c0", "c1"))
+	held := viewOf(t, r, TypeRoute, mkRoute("r80", "c0", "c1"))
 	declared := ledger.Tree[*Resource]{}.Edit()
 	for e := range held.All() {
 		declared.Set(e.Name, e.Hash, nil) // as declared() builds it, content unknown
@@ -125,10 +125,10 @@ func TestRefIndexNotPoisoned(t *testing.T) {
 	if d.Root() != held.Root() {
 		t.Fatal("declared and held trees should share a root")
 	}
-	if got := r.refIndex.names(d, refClusters); len(got) != 0 {
+	if got := r.refIndex.Names(d, RefClusters); len(got) != 0 {
 		t.Fatalf("references of unknown content = %v, want none", got)
 	}
-	if got := r.refIndex.names(held, refClusters); len(got) != 2 {
+	if got := r.refIndex.Names(held, RefClusters); len(got) != 2 {
 		t.Fatalf("references of the held route = %v, want c0 and c1", got)
 	}
 }

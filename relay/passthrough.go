@@ -85,7 +85,7 @@ func (s *stream) passthroughDelta(req *discovery.DeltaDiscoveryRequest) error {
 		subs = make(map[string]bool)
 		p.deltaSubs[req.GetTypeUrl()] = subs
 		if len(req.GetResourceNamesSubscribe()) == 0 {
-			subs[wildcardName] = true // legacy wildcard
+			subs[WildcardName] = true // legacy wildcard
 		}
 	}
 	for _, n := range req.GetResourceNamesSubscribe() {

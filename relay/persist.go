@@ -164,7 +164,7 @@ func (rs *restorer) prebuild(saved []SavedKey) {
 			if len(st.Resources) > 0 {
 				id.first = &st.Resources[0]
 			}
-			if cached(st.Type) && !seen[id] {
+			if Cached(st.Type) && !seen[id] {
 				seen[id] = true
 				todo = append(todo, st)
 			}
@@ -208,7 +208,7 @@ func (rs *restorer) build(st SavedType) (ledger.Tree[*Resource], bool) {
 		res := rs.known(sr.Body)
 		if res == nil {
 			var err error
-			if res, err = rs.r.store.restore(st.Type, sr.Name, sr.Body); err != nil {
+			if res, err = rs.r.store.Restore(st.Type, sr.Name, sr.Body); err != nil {
 				return ledger.Tree[*Resource]{}, false
 			}
 			rs.remember(sr.Body, res)
@@ -238,7 +238,7 @@ func (rs *restorer) tree(st SavedType) (ledger.Tree[*Resource], bool) {
 
 // refCounts returns how many resources of view (of type typ) refer to each
 // name of kind.
-func (rs *restorer) refCounts(typ string, kind refKind, view ledger.Tree[*Resource]) map[string]int {
+func (rs *restorer) refCounts(typ string, kind RefKind, view ledger.Tree[*Resource]) map[string]int {
 	k := typeRoot{typ, view.Root()}
 	if c, ok := rs.refs[k]; ok {
 		return c
@@ -258,12 +258,12 @@ func (rs *restorer) refCounts(typ string, kind refKind, view ledger.Tree[*Resour
 func (r *Relay) restoreKey(sk SavedKey, rs *restorer) int {
 	types := make(map[string]*typeSnap, len(sk.Types))
 	for _, st := range sk.Types {
-		if !cached(st.Type) {
+		if !Cached(st.Type) {
 			continue
 		}
 		t, ok := rs.tree(st)
 		if !ok {
-			r.log.Warn("warm start: persisted view does not match its root; not restored", "key", sk.Key, "type", shortType(st.Type))
+			r.log.Warn("warm start: persisted view does not match its root; not restored", "key", sk.Key, "type", ShortType(st.Type))
 			continue
 		}
 		types[st.Type] = &typeSnap{view: t, ready: true, full: st.Full}
@@ -301,15 +301,15 @@ func (u *upstream) followRestored(rs *restorer) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.update(func(next *keySnap) {
-		for _, d := range fetchedTargets() {
+		for _, d := range FetchedTargets() {
 			var parts []map[string]int
-			sig := d.target
-			if ts := next.types[d.target]; ts != nil {
+			sig := d.Target
+			if ts := next.types[d.Target]; ts != nil {
 				sig += ts.view.Root().String()
 			}
-			for _, src := range d.sources {
+			for _, src := range d.Sources {
 				if ts := next.types[src]; ts != nil {
-					parts = append(parts, rs.refCounts(src, d.kind, ts.view))
+					parts = append(parts, rs.refCounts(src, d.Kind, ts.view))
 					sig += src + ts.view.Root().String()
 				}
 			}
@@ -322,11 +322,11 @@ func (u *upstream) followRestored(rs *restorer) {
 					counts[n] += c
 				}
 			}
-			u.derived[d.target] = counts
+			u.derived[d.Target] = counts
 			missing, ok := rs.missing[sig]
 			if !ok {
 				var view ledger.Tree[*Resource]
-				if ts := next.types[d.target]; ts != nil {
+				if ts := next.types[d.Target]; ts != nil {
 					view = ts.view
 				}
 				for n := range counts {
@@ -336,7 +336,7 @@ func (u *upstream) followRestored(rs *restorer) {
 				}
 				rs.missing[sig] = missing
 			}
-			next.markPending(d.target, missing, time.Now())
+			next.markPending(d.Target, missing, time.Now())
 		}
 	})
 }

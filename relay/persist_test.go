@@ -22,7 +22,7 @@ func (s *savedSnapshots) Load(context.Context) ([]SavedKey, error) { return s.ke
 // root.
 func savedClusters(t *testing.T, names ...string) SavedType {
 	t.Helper()
-	st := SavedType{Type: typeCluster, Full: true}
+	st := SavedType{Type: TypeCluster, Full: true}
 	b := ledger.Tree[struct{}]{}.Edit()
 	for _, n := range names {
 		body, err := proto.Marshal(&cluster.Cluster{Name: n})
@@ -30,7 +30,7 @@ func savedClusters(t *testing.T, names ...string) SavedType {
 			t.Fatal(err)
 		}
 		st.Resources = append(st.Resources, SavedResource{Name: n, Body: body})
-		b.Set(n, contentHash(typeCluster, body), struct{}{})
+		b.Set(n, ContentHash(TypeCluster, body), struct{}{})
 	}
 	st.Root = b.Tree().Root()
 	return st
@@ -65,8 +65,8 @@ func TestRestoreChecksRoots(t *testing.T) {
 	if k1 == nil || k2 == nil || k3 != nil {
 		t.Fatalf("restored k1 %v, k2 %v, k3 %v; want k1 and k2 only", k1 != nil, k2 != nil, k3 != nil)
 	}
-	v1 := k1.snap.Load().types[typeCluster].view
-	v2 := k2.snap.Load().types[typeCluster].view
+	v1 := k1.snap.Load().types[TypeCluster].view
+	v2 := k2.snap.Load().types[TypeCluster].view
 	if v1.Root() != good.Root || v1.Len() != 2 {
 		t.Errorf("k1's clusters: root %s, %d entries; want the persisted root and 2", v1.Root(), v1.Len())
 	}
@@ -78,7 +78,7 @@ func TestRestoreChecksRoots(t *testing.T) {
 	r.mu.Lock()
 	k0 := r.keys["k0"]
 	r.mu.Unlock()
-	if v0 := k0.snap.Load().types[typeCluster].view; !v0.Shares(v1) {
+	if v0 := k0.snap.Load().types[TypeCluster].view; !v0.Shares(v1) {
 		t.Errorf("k0 holds %d clusters, want the 2 its root commits to", v0.Len())
 	}
 	if !k1.snap.Load().stale {
@@ -98,7 +98,7 @@ func TestRestoredViewReplacesNothingDeclared(t *testing.T) {
 	key := string(IstioProfile{}.Key(n))
 	saved := savedClusters(t, "a", "b")
 	up := newTestUpstream(t, "ns1")
-	up.set("ns1", typeCluster, mkCluster("a"), mkCluster("c"))
+	up.set("ns1", TypeCluster, mkCluster("a"), mkCluster("c"))
 	up.stop() // the view stays the snapshot's
 	r := startRelay(t, up, func(c *Config) {
 		c.Snapshots = &savedSnapshots{keys: []SavedKey{{Key: key, Types: []SavedType{saved}}}}
@@ -107,20 +107,20 @@ func TestRestoredViewReplacesNothingDeclared(t *testing.T) {
 	waitFor(t, "the key restored", func() bool { return r.Stats().RestoredKeys == 1 })
 
 	fresh := newRawClient(t, dial(t, r.Addr().String()), true, n)
-	fresh.subscribe(typeCluster)
-	wantNames(t, fresh.recvDelta(typeCluster), "a", "b") // holds nothing: served
+	fresh.subscribe(TypeCluster)
+	wantNames(t, fresh.recvDelta(TypeCluster), "a", "b") // holds nothing: served
 
 	moved := newRawClient(t, dial(t, r.Addr().String()), true, node("ns1", "app", 1))
 	declared := map[string]string{ // plain content versions: no Order
-		"a": contentHash(typeCluster, mustAny(mkCluster("a")).GetValue()).String(),
-		"c": contentHash(typeCluster, mustAny(mkCluster("c")).GetValue()).String(),
+		"a": ContentHash(TypeCluster, mustAny(mkCluster("a")).GetValue()).String(),
+		"c": ContentHash(TypeCluster, mustAny(mkCluster("c")).GetValue()).String(),
 	}
-	moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeCluster, InitialResourceVersions: declared})
+	moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeCluster, InitialResourceVersions: declared})
 	// The upstream is down: the client is sent nothing (a barrier cannot
 	// pass either). Once it is back, the first response is the live view's,
 	// which is what the client holds.
 	up.restart()
-	m := moved.recvDelta(typeCluster)
+	m := moved.recvDelta(TypeCluster)
 	if len(m.GetResources()) != 0 || len(m.GetRemovedResources()) != 0 {
 		t.Fatalf("the client holding a and c got %v, removed %v; want nothing (the snapshot's b, or c removed, before the live view)", names(m), removedOf(m))
 	}

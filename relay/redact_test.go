@@ -89,7 +89,7 @@ func TestRedactDropsUnknownFields(t *testing.T) {
 	}
 	b = protowire.AppendTag(b, 999, protowire.BytesType)
 	b = protowire.AppendBytes(b, []byte("unknown-secret"))
-	out, err := redactAny(&anypb.Any{TypeUrl: typeSecret, Value: b})
+	out, err := redactAny(&anypb.Any{TypeUrl: TypeSecret, Value: b})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -121,13 +121,13 @@ func FuzzRedact(f *testing.F) {
 	c, _ := proto.Marshal(&cluster.Cluster{Name: "c", TransportSocket: &core.TransportSocket{ConfigType: &core.TransportSocket_TypedConfig{TypedConfig: ctx}}})
 	nested, _ := anypb.New(wrapperspb.String("v"))
 	deep, _ := proto.Marshal(&cluster.Cluster{Name: "d", TransportSocket: &core.TransportSocket{ConfigType: &core.TransportSocket_TypedConfig{TypedConfig: nested}}})
-	f.Add(typeSecret, secret)
-	f.Add(typeCluster, c)
-	f.Add(typeCluster, deep)
-	f.Add(typeCluster, []byte{0xff, 0x01})
+	f.Add(TypeSecret, secret)
+	f.Add(TypeCluster, c)
+	f.Add(TypeCluster, deep)
+	f.Add(TypeCluster, []byte{0xff, 0x01})
 	f.Fuzz(func(t *testing.T, typeURL string, value []byte) {
-		if typeURL != typeSecret && typeURL != typeCluster {
-			typeURL = typeCluster
+		if typeURL != TypeSecret && typeURL != TypeCluster {
+			typeURL = TypeCluster
 		}
 		out, err := redactAny(&anypb.Any{TypeUrl: typeURL, Value: value})
 		if err != nil {

@@ -6,47 +6,47 @@ import (
 	"github.com/meshrelay/meshrelay/ledger"
 )
 
-// refKind selects which references of a resource to follow.
-type refKind uint8
+// RefKind selects which references of a resource to follow.
+type RefKind uint8
 
 const (
-	refEndpoints refKind = iota
-	refRoutes
-	refClusters
+	RefEndpoints RefKind = iota
+	RefRoutes
+	RefClusters
 )
 
 // Refs returns the names of kind the resource refers to.
-func (r *Resource) Refs(kind refKind) []string { return r.refs.of(kind) }
+func (r *Resource) Refs(kind RefKind) []string { return r.refs.of(kind) }
 
-func (r refs) of(kind refKind) []string {
+func (r refs) of(kind RefKind) []string {
 	switch kind {
-	case refEndpoints:
+	case RefEndpoints:
 		return r.endpoints
-	case refRoutes:
+	case RefRoutes:
 		return r.routes
 	}
 	return r.clusters
 }
 
-// refIndex remembers, for a few recent trees, the set of names their
+// RefIndex remembers, for a few recent trees, the set of names their
 // resources refer to. Trees are content-addressed by their root, and the
 // streams of a key mostly hold the same trees, so one computation serves
 // them all. Safe for concurrent use.
-type refIndex struct {
+type RefIndex struct {
 	mu sync.Mutex
 	m  map[refIndexKey]map[string]struct{}
 }
 
 type refIndexKey struct {
 	root ledger.Hash
-	kind refKind
+	kind RefKind
 }
 
 // refIndexSize bounds the memo; it is cleared when full (the working set is
 // the few trees the streams hold now).
 const refIndexSize = 128
 
-func (x *refIndex) names(t ledger.Tree[*Resource], kind refKind) map[string]struct{} {
+func (x *RefIndex) Names(t ledger.Tree[*Resource], kind RefKind) map[string]struct{} {
 	k := refIndexKey{t.Root(), kind}
 	x.mu.Lock()
 	set, ok := x.m[k]

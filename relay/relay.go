@@ -57,9 +57,9 @@ import (
 type Relay struct {
 	cfg          Config
 	log          *slog.Logger
-	store        *store
-	dropped      *dropped
-	refIndex     refIndex
+	store        *Store
+	dropped      *Dropped
+	refIndex     RefIndex
 	metrics      *metrics
 	pushACK      latency
 	ledger       *ledger.Tracker
@@ -120,8 +120,8 @@ func New(cfg Config) (*Relay, error) {
 	r := &Relay{
 		cfg:          cfg,
 		log:          cfg.Logger.With("relay", cfg.ID),
-		store:        newStore(),
-		dropped:      newDropped(cfg.KeepDroppedBytes),
+		store:        NewStore(),
+		dropped:      NewDropped(cfg.KeepDroppedBytes),
 		controlPlane: &core.ControlPlane{Identifier: cfg.ID},
 		stopping:     make(chan struct{}),
 		keys:         make(map[Key]*keyState),
@@ -475,7 +475,7 @@ type Stats struct {
 // Stats returns the relay's current figures.
 func (r *Relay) Stats() Stats {
 	keys := r.keysSnapshot()
-	st := Stats{Keys: len(keys), Resources: r.store.len(), RestoredKeys: int(r.restored.Load())}
+	st := Stats{Keys: len(keys), Resources: r.store.Len(), RestoredKeys: int(r.restored.Load())}
 	for _, k := range keys {
 		k.mu.Lock()
 		st.Streams += len(k.members) - k.peers

@@ -51,8 +51,8 @@ type refs struct {
 // Size returns the size of the resource body in bytes.
 func (r *Resource) Size() int { return len(r.Body.GetValue()) }
 
-// contentHash is the content address of a serialized resource of typeURL.
-func contentHash(typeURL string, value []byte) ledger.Hash {
+// ContentHash is the content address of a serialized resource of typeURL.
+func ContentHash(typeURL string, value []byte) ledger.Hash {
 	d := sha256.New()
 	d.Write([]byte(typeURL))
 	d.Write([]byte{0})
@@ -62,27 +62,27 @@ func contentHash(typeURL string, value []byte) ledger.Hash {
 	return h
 }
 
-// store interns resources by content so that each distinct resource is held
+// Store interns resources by content so that each distinct resource is held
 // once, whatever the number of keys and streams that refer to it. Entries go
 // away by themselves once nothing refers to the resource: the map holds weak
 // pointers and a cleanup removes the entry.
 //
-// A store is safe for concurrent use.
-type store struct {
+// A Store is safe for concurrent use.
+type Store struct {
 	mu sync.Mutex
 	m  map[ledger.Hash]weak.Pointer[Resource]
 }
 
-func newStore() *store { return &store{m: make(map[ledger.Hash]weak.Pointer[Resource])} }
+func NewStore() *Store { return &Store{m: make(map[ledger.Hash]weak.Pointer[Resource])} }
 
-func (s *store) lookup(h ledger.Hash) *Resource {
+func (s *Store) Lookup(h ledger.Hash) *Resource {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.m[h].Value()
 }
 
-// intern returns the resource already held for r's content, or r.
-func (s *store) intern(r *Resource) *Resource {
+// Intern returns the resource already held for r's content, or r.
+func (s *Store) Intern(r *Resource) *Resource {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if have := s.m[r.Hash].Value(); have != nil {
@@ -93,7 +93,7 @@ func (s *store) intern(r *Resource) *Resource {
 	return r
 }
 
-func (s *store) forget(h ledger.Hash) {
+func (s *Store) forget(h ledger.Hash) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if wp, ok := s.m[h]; ok && wp.Value() == nil {
@@ -101,8 +101,8 @@ func (s *store) forget(h ledger.Hash) {
 	}
 }
 
-// dropped keeps alive, within a byte budget, the resources the relay's
-// views dropped most recently (removed, or replaced by new content): the
+// Dropped keeps alive, within a byte budget, the resources the relay's
+// views Dropped most recently (removed, or replaced by new content): the
 // store holds a resource only while something refers to it, and the key
 // histories keep names and hashes alone. An Envoy that moved here (or to a
 // relay that asks this one) and holds a version a few changes old still
@@ -110,8 +110,8 @@ func (s *store) forget(h ledger.Hash) {
 // still use until the routes change (make-before-break), so the relay
 // needs their bodies. The oldest go first once the budget is spent.
 //
-// A dropped is safe for concurrent use.
-type dropped struct {
+// A Dropped is safe for concurrent use.
+type Dropped struct {
 	mu     sync.Mutex
 	q      []*Resource // oldest first, from q[head]
 	head   int
@@ -119,12 +119,12 @@ type dropped struct {
 	budget int64
 }
 
-// newDropped returns a dropped that keeps up to budget bytes (none if
+// NewDropped returns a dropped that keeps up to budget bytes (none if
 // budget is not positive).
-func newDropped(budget int64) *dropped { return &dropped{budget: budget} }
+func NewDropped(budget int64) *Dropped { return &Dropped{budget: budget} }
 
-// keep adds rs, newest last, and lets the oldest go beyond the budget.
-func (d *dropped) keep(rs []*Resource) {
+// Keep adds rs, newest last, and lets the oldest go beyond the budget.
+func (d *Dropped) Keep(rs []*Resource) {
 	if d.budget <= 0 || len(rs) == 0 {
 		return
 	}
@@ -148,16 +148,16 @@ func (d *dropped) keep(rs []*Resource) {
 	}
 }
 
-// held returns how many resources and bytes d keeps alive.
-func (d *dropped) held() (n int, bytes int64) {
+// Held returns how many resources and bytes d keeps alive.
+func (d *Dropped) Held() (n int, bytes int64) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return len(d.q) - d.head, d.bytes
 }
 
-// len returns the number of distinct resources held (including some whose
+// Len returns the number of distinct resources held (including some whose
 // last reference has just gone and which the next GC will drop).
-func (s *store) len() int {
+func (s *Store) Len() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return len(s.m)
@@ -165,19 +165,19 @@ func (s *store) len() int {
 
 var errNoName = errors.New("relay: resource has no name")
 
-// decode turns a resource received from the upstream into a Resource. The
+// Decode turns a resource received from the upstream into a Resource. The
 // input is untrusted: a type mismatch, bytes that do not parse, or a missing
 // or (for Delta) mismatched name is an error and the caller NACKs. Content
 // the store already holds is not parsed again.
-func (s *store) decode(typeURL string, a *anypb.Any, wantName string) (*Resource, error) {
+func (s *Store) Decode(typeURL string, a *anypb.Any, wantName string) (*Resource, error) {
 	if a == nil {
 		return nil, errors.New("relay: empty resource")
 	}
 	if a.GetTypeUrl() != typeURL {
 		return nil, fmt.Errorf("relay: resource of type %s in a %s response", a.GetTypeUrl(), typeURL)
 	}
-	h := contentHash(typeURL, a.GetValue())
-	if r := s.lookup(h); r != nil {
+	h := ContentHash(typeURL, a.GetValue())
+	if r := s.Lookup(h); r != nil {
 		if wantName != "" && r.Name != wantName {
 			return nil, fmt.Errorf("relay: resource named %q carries %q", wantName, r.Name)
 		}
@@ -188,7 +188,7 @@ func (s *store) decode(typeURL string, a *anypb.Any, wantName string) (*Resource
 		return nil, err
 	}
 	if err := proto.Unmarshal(a.GetValue(), msg); err != nil {
-		return nil, fmt.Errorf("relay: decode %s: %w", shortType(typeURL), err)
+		return nil, fmt.Errorf("relay: decode %s: %w", ShortType(typeURL), err)
 	}
 	name := nameOf(msg)
 	if name == "" {
@@ -204,51 +204,51 @@ func (s *store) decode(typeURL string, a *anypb.Any, wantName string) (*Resource
 		Body: &anypb.Any{TypeUrl: typeURL, Value: a.GetValue()},
 		refs: refsOf(msg),
 	}
-	return s.intern(r), nil
+	return s.Intern(r), nil
 }
 
 // hasRefs reports whether resources of typeURL refer to others (typeRefs;
 // refsOf reads them).
-func hasRefs(typeURL string) bool { return len(refsFrom(typeURL)) > 0 }
+func hasRefs(typeURL string) bool { return len(RefsFrom(typeURL)) > 0 }
 
-// restore turns a persisted resource into a Resource. Only types that refer
+// Restore turns a persisted resource into a Resource. Only types that refer
 // to others are parsed (for their references); the others are taken as
 // named, since the caller checks every (name, content hash) against a
 // Merkle root the owner computed from what its upstream sent.
-func (s *store) restore(typeURL, name string, body []byte) (*Resource, error) {
+func (s *Store) Restore(typeURL, name string, body []byte) (*Resource, error) {
 	if hasRefs(typeURL) {
-		return s.decode(typeURL, &anypb.Any{TypeUrl: typeURL, Value: body}, name)
+		return s.Decode(typeURL, &anypb.Any{TypeUrl: typeURL, Value: body}, name)
 	}
 	if name == "" {
 		return nil, errNoName
 	}
-	h := contentHash(typeURL, body)
-	if r := s.lookup(h); r != nil {
+	h := ContentHash(typeURL, body)
+	if r := s.Lookup(h); r != nil {
 		if r.Name != name {
 			return nil, fmt.Errorf("relay: resource named %q carries %q", name, r.Name)
 		}
 		return r, nil
 	}
-	return s.intern(&Resource{Type: typeURL, Name: name, Hash: h, Body: &anypb.Any{TypeUrl: typeURL, Value: body}}), nil
+	return s.Intern(&Resource{Type: typeURL, Name: name, Hash: h, Body: &anypb.Any{TypeUrl: typeURL, Value: body}}), nil
 }
 
 func newMessage(typeURL string) (proto.Message, error) {
 	switch typeURL {
-	case typeCluster:
+	case TypeCluster:
 		return &cluster.Cluster{}, nil
-	case typeEndpoint:
+	case TypeEndpoint:
 		return &endpoint.ClusterLoadAssignment{}, nil
-	case typeListener:
+	case TypeListener:
 		return &listener.Listener{}, nil
-	case typeRoute:
+	case TypeRoute:
 		return &route.RouteConfiguration{}, nil
-	case typeScopedRoute:
+	case TypeScopedRoute:
 		return &route.ScopedRouteConfiguration{}, nil
-	case typeSecret:
+	case TypeSecret:
 		return &tls.Secret{}, nil
-	case typeRuntime:
+	case TypeRuntime:
 		return &runtimev3.Runtime{}, nil
-	case typeExtension:
+	case TypeExtension:
 		return &core.TypedExtensionConfig{}, nil
 	}
 	return nil, fmt.Errorf("relay: type %s is not cached", typeURL)

@@ -20,31 +20,31 @@ import (
 // while something refers to it; dropped keeps the newest dropped ones
 // alive within its byte budget, and lets the oldest go.
 func TestDroppedKeepsNewestWithinBudget(t *testing.T) {
-	s := newStore()
-	d := newDropped(3 * 100)
+	s := NewStore()
+	d := NewDropped(3 * 100)
 	var hashes []ledger.Hash
 	for i := range 5 {
 		body := make([]byte, 100)
 		copy(body, fmt.Sprint("resource ", i))
-		r := s.intern(&Resource{Type: typeCluster, Name: fmt.Sprint("c", i), Hash: contentHash(typeCluster, body),
-			Body: &anypb.Any{TypeUrl: typeCluster, Value: body}})
+		r := s.Intern(&Resource{Type: TypeCluster, Name: fmt.Sprint("c", i), Hash: ContentHash(TypeCluster, body),
+			Body: &anypb.Any{TypeUrl: TypeCluster, Value: body}})
 		hashes = append(hashes, r.Hash)
-		d.keep([]*Resource{r, nil}) // a nil (no body) is skipped
+		d.Keep([]*Resource{r, nil}) // a nil (no body) is skipped
 	}
-	if n, b := d.held(); n != 3 || b != 300 {
+	if n, b := d.Held(); n != 3 || b != 300 {
 		t.Fatalf("held %d resources, %d bytes; want 3, 300", n, b)
 	}
 	runtime.GC()
 	runtime.GC()
 	for i, h := range hashes {
-		if alive, want := s.lookup(h) != nil, i >= 2; alive != want {
+		if alive, want := s.Lookup(h) != nil, i >= 2; alive != want {
 			t.Errorf("resource %d alive = %v, want %v (the newest 3 kept, the others collected)", i, alive, want)
 		}
 	}
 	runtime.KeepAlive(d)
-	var none dropped // a zero budget keeps nothing
-	none.keep([]*Resource{{Body: &anypb.Any{Value: []byte("x")}}})
-	if n, _ := none.held(); n != 0 {
+	var none Dropped // a zero budget keeps nothing
+	none.Keep([]*Resource{{Body: &anypb.Any{Value: []byte("x")}}})
+	if n, _ := none.Held(); n != 0 {
 		t.Errorf("a zero budget kept %d", n)
 	}
 }
@@ -54,28 +54,28 @@ func TestDroppedKeepsNewestWithinBudget(t *testing.T) {
 // whole graph.
 func TestTypeRefsAreTheGraph(t *testing.T) {
 	routeOnly := &route.ScopedRouteConfiguration{Name: "scope", RouteConfigurationName: "r80"}
-	seen := map[typeRef]bool{}
+	seen := map[TypeRef]bool{}
 	for _, m := range []proto.Message{mkCluster("c1"), mkListener("l80", "r80"), mkTCPListener("l9000", "c1"), mkRoute("r80", "c1"), routeOnly} {
 		typeURL := typeOfMessage(t, m)
 		r := refsOf(m)
-		for _, kind := range []refKind{refEndpoints, refRoutes, refClusters} {
+		for _, kind := range []RefKind{RefEndpoints, RefRoutes, RefClusters} {
 			if len(r.of(kind)) == 0 {
 				continue
 			}
-			i := slices.IndexFunc(typeRefs, func(e typeRef) bool { return e.from == typeURL && e.kind == kind })
+			i := slices.IndexFunc(TypeRefs, func(e TypeRef) bool { return e.From == typeURL && e.Kind == kind })
 			if i < 0 {
-				t.Fatalf("%s refers by kind %d to %v, and typeRefs has no such edge", shortType(typeURL), kind, r.of(kind))
+				t.Fatalf("%s refers by kind %d to %v, and typeRefs has no such edge", ShortType(typeURL), kind, r.of(kind))
 			}
-			seen[typeRefs[i]] = true
+			seen[TypeRefs[i]] = true
 		}
 	}
-	for _, e := range typeRefs {
+	for _, e := range TypeRefs {
 		if !seen[e] {
-			t.Errorf("edge %s → %s of typeRefs is read from no resource", shortType(e.from), shortType(e.to))
+			t.Errorf("edge %s → %s of typeRefs is read from no resource", ShortType(e.From), ShortType(e.To))
 		}
 	}
-	if got := fetchedTargets(); len(got) != 2 || got[0].target != typeEndpoint || got[1].target != typeRoute ||
-		!slices.Equal(got[1].sources, []string{typeListener, typeScopedRoute}) {
+	if got := FetchedTargets(); len(got) != 2 || got[0].Target != TypeEndpoint || got[1].Target != TypeRoute ||
+		!slices.Equal(got[1].Sources, []string{TypeListener, TypeScopedRoute}) {
 		t.Errorf("fetchedTargets() = %+v, want endpoints (from clusters) and routes (from listeners and scoped routes)", got)
 	}
 }

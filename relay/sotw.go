@@ -68,14 +68,14 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 	if err := s.checkNames(typeURL, names.n); err != nil {
 		return err
 	}
-	decoded := func() (nameSet, error) {
+	decoded := func() (NameSet, error) {
 		list, err := names.decode()
 		if err != nil {
 			return nil, status.Error(codes.InvalidArgument, err.Error())
 		}
-		return newNameSet(list), nil
+		return NewNameSet(list), nil
 	}
-	if !cached(typeURL) {
+	if !Cached(typeURL) {
 		list, err := names.decode()
 		if err != nil {
 			return status.Error(codes.InvalidArgument, err.Error())
@@ -91,7 +91,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 		if err != nil {
 			return err
 		}
-		legacy := names.n == 0 && legacyWildcard(typeURL)
+		legacy := names.n == 0 && LegacyWildcard(typeURL)
 		sub = s.newSub(typeURL, explicit || legacy, legacy, set)
 		sub.listDigest = digest
 		if v := req.GetVersionInfo(); v != "" {
@@ -109,7 +109,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 	if req.GetResponseNonce() != sub.nonce {
 		// A SotW request is answered only if it refers to the latest
 		// response of its type (xDS protocol); older ones are stale.
-		s.log.Debug("stale nonce", "type", shortType(typeURL), "nonce", req.GetResponseNonce(), "want", sub.nonce)
+		s.log.Debug("stale nonce", "type", ShortType(typeURL), "nonce", req.GetResponseNonce(), "want", sub.nonce)
 		return nil
 	}
 	if sub.nonce != "" {

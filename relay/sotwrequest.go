@@ -35,9 +35,9 @@ type nameList struct {
 
 // namesOf wraps an already decoded list.
 func namesOf(list []string) nameList {
-	nl := nameList{n: len(list), digest: listDigest(list), list: list}
+	nl := nameList{n: len(list), digest: ListDigest(list), list: list}
 	for _, n := range list {
-		nl.star = nl.star || n == wildcardName
+		nl.star = nl.star || n == WildcardName
 	}
 	return nl
 }
@@ -84,7 +84,7 @@ func unmarshalSotWRequest(data mem.BufferSlice, into *sotwRequest) error {
 			start := int32(len(raw) - len(b) + n + (m - len(v)))
 			nl.spans = append(nl.spans, [2]int32{start, start + int32(len(v))})
 			nl.digest += maphash.Bytes(listSeed, v)
-			nl.star = nl.star || string(v) == wildcardName
+			nl.star = nl.star || string(v) == WildcardName
 		} else {
 			rest = append(rest, field...)
 		}

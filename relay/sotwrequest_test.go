@@ -16,9 +16,9 @@ import (
 // field, and its names digest is listDigest of the names.
 func FuzzSotWRequestDecode(f *testing.F) {
 	for _, r := range []*discovery.DiscoveryRequest{
-		{TypeUrl: typeCluster, Node: &core.Node{Id: "sidecar~10.0.0.1~a.ns~ns.svc.cluster.local"}},
-		{TypeUrl: typeEndpoint, ResourceNames: []string{"c0", "c1", "*"}, VersionInfo: "v", ResponseNonce: "3"},
-		{TypeUrl: typeListener, ErrorDetail: &rpcstatus.Status{Code: 3, Message: "bad"}, ResourceNames: []string{""}},
+		{TypeUrl: TypeCluster, Node: &core.Node{Id: "sidecar~10.0.0.1~a.ns~ns.svc.cluster.local"}},
+		{TypeUrl: TypeEndpoint, ResourceNames: []string{"c0", "c1", "*"}, VersionInfo: "v", ResponseNonce: "3"},
+		{TypeUrl: TypeListener, ErrorDetail: &rpcstatus.Status{Code: 3, Message: "bad"}, ResourceNames: []string{""}},
 	} {
 		b, err := proto.Marshal(r)
 		if err != nil {
@@ -51,8 +51,8 @@ func FuzzSotWRequestDecode(f *testing.F) {
 		if !slices.Equal(names, want.GetResourceNames()) && len(names)+len(want.GetResourceNames()) > 0 {
 			t.Fatalf("names = %q, want %q", names, want.GetResourceNames())
 		}
-		if got.names.digest != listDigest(want.GetResourceNames()) || got.names.n != len(names) ||
-			got.names.star != slices.Contains(names, wildcardName) {
+		if got.names.digest != ListDigest(want.GetResourceNames()) || got.names.n != len(names) ||
+			got.names.star != slices.Contains(names, WildcardName) {
 			t.Fatalf("digest/count/star disagree with the names %q", names)
 		}
 		want.ResourceNames = nil

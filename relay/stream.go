@@ -80,7 +80,7 @@ type typeSub struct {
 	// legacy is set while the subscription is wildcard only because the
 	// first request named nothing.
 	legacy bool
-	names  nameSet
+	names  NameSet
 	// listDigest is the digest of the latest SotW request's name list.
 	listDigest uint64
 
@@ -323,8 +323,8 @@ func (s *stream) checkNames(typeURL string, n int) error {
 }
 
 // newSub starts a subscription from a stream's first request for a type.
-func (s *stream) newSub(typeURL string, wildcard, legacy bool, names nameSet) *typeSub {
-	sub := &typeSub{typeURL: typeURL, wildcard: wildcard, legacy: legacy, names: names.interned(), awaitFirst: true}
+func (s *stream) newSub(typeURL string, wildcard, legacy bool, names NameSet) *typeSub {
+	sub := &typeSub{typeURL: typeURL, wildcard: wildcard, legacy: legacy, names: names.Interned(), awaitFirst: true}
 	s.subs[typeURL] = sub
 	s.dirty = true
 	s.key.subscribe(typeURL, false, wildcard, names, nil)
@@ -338,9 +338,9 @@ func (s *stream) newSub(typeURL string, wildcard, legacy bool, names nameSet) *t
 // (in Delta, every name subscribed again): they stay held, at unknown
 // content, so that if the key no longer has them the client still hears of
 // the removal.
-func (s *stream) resubscribe(sub *typeSub, wildcard bool, names nameSet, resend []string) {
-	names = names.interned()
-	added, removed := sub.names.diff(names)
+func (s *stream) resubscribe(sub *typeSub, wildcard bool, names NameSet, resend []string) {
+	names = names.Interned()
+	added, removed := sub.names.Diff(names)
 	if wildcard == sub.wildcard && len(added) == 0 && len(removed) == 0 && len(resend) == 0 {
 		return
 	}
@@ -358,7 +358,7 @@ func (s *stream) resubscribe(sub *typeSub, wildcard bool, names nameSet, resend 
 	}
 	if sub.wildcard && !wildcard {
 		for e := range sub.known.All() {
-			if !names.has(e.Name) {
+			if !names.Has(e.Name) {
 				kb.Delete(e.Name)
 			}
 		}
@@ -384,7 +384,7 @@ func (s *stream) ack(sub *typeSub, sent sentResponse, errorDetail string, latest
 			st.NACK = &NACK{Version: sent.version, Detail: errorDetail, At: now}
 		})
 		tm.nacks.Inc()
-		s.log.Warn("NACK", "type", shortType(sub.typeURL), "version", sent.version, "nonce", sent.nonce, "detail", errorDetail)
+		s.log.Warn("NACK", "type", ShortType(sub.typeURL), "version", sent.version, "nonce", sent.nonce, "detail", errorDetail)
 		return
 	}
 	s.updateStatus(sub.typeURL, func(st *TypeStatus) {
@@ -414,7 +414,7 @@ func (s *stream) noteRejected(sub *typeSub, sent sentResponse, nack bool) bool {
 	if len(sub.rejected) == 0 {
 		return false
 	}
-	if !s.delta && fullStateSotW(sub.typeURL) {
+	if !s.delta && FullStateSotW(sub.typeURL) {
 		clear(sub.rejected) // every response carries everything
 		return false
 	}
@@ -479,7 +479,7 @@ func (sub *typeSub) changes(view ledger.Tree[*Resource]) (upd []*Resource, gone 
 	}
 	ledger.Diff(sub.known, view, func(c ledger.Change[*Resource]) bool {
 		switch {
-		case c.New != nil && (sub.wildcard || sub.names.has(c.Name)):
+		case c.New != nil && (sub.wildcard || sub.names.Has(c.Name)):
 			upd = append(upd, c.New.Value)
 		case c.New == nil:
 			gone = append(gone, c.Name)
@@ -533,7 +533,7 @@ func (s *stream) sync() error {
 // asked about, stops the walk: what comes later in push order waits.
 func (s *stream) planTypes(snap *keySnap, now time.Time) (plans, synced []*plan) {
 	wait := s.r.cfg.ResourceWaitTimeout
-	for _, typeURL := range pushOrder {
+	for _, typeURL := range PushOrder {
 		sub := s.subs[typeURL]
 		ts := snap.types[typeURL]
 		if sub == nil {
@@ -575,7 +575,7 @@ func (s *stream) planTypes(snap *keySnap, now time.Time) (plans, synced []*plan)
 			sub.share(ts.view)
 		}
 		gone = slices.DeleteFunc(gone, func(n string) bool { return ts.isPending(n, now, wait) })
-		if typeURL == typeCluster {
+		if typeURL == TypeCluster {
 			s.forceEndpoints(sub, upd)
 		}
 		p := &plan{sub: sub, ts: ts, upd: upd, gone: gone, want: want}
@@ -620,7 +620,7 @@ func (s *stream) sendUpdates(plans []*plan) error {
 // sendRemovals sends, in removal order (referrers first), the removals
 // still waiting that are allowed now.
 func (s *stream) sendRemovals(plans []*plan) error {
-	for _, typeURL := range removalOrder {
+	for _, typeURL := range RemovalOrder {
 		for _, p := range plans {
 			if p.sub.typeURL != typeURL || len(p.gone) == 0 {
 				continue
@@ -648,7 +648,7 @@ func (s *stream) orderNews(sub *typeSub, ts *typeSnap, want int) bool {
 // that changed: Envoy warms an updated cluster only when its
 // ClusterLoadAssignment arrives, even if the endpoints did not change.
 func (s *stream) forceEndpoints(cds *typeSub, upd []*Resource) {
-	eds := s.subs[typeEndpoint]
+	eds := s.subs[TypeEndpoint]
 	if eds == nil {
 		return
 	}
@@ -657,7 +657,7 @@ func (s *stream) forceEndpoints(cds *typeSub, upd []*Resource) {
 		if _, had := cds.known.Get(r.Name); !had {
 			continue
 		}
-		for _, e := range r.Refs(refEndpoints) {
+		for _, e := range r.Refs(RefEndpoints) {
 			if _, ok := eds.known.Get(e); !ok {
 				continue
 			}
@@ -689,12 +689,12 @@ func (s *stream) allowedRemovals(p *plan) []string {
 // heldBy reports whether something the client holds refers to name of
 // typeURL, so removing it now would break make-before-break.
 func (s *stream) heldBy(typeURL, name string) bool {
-	in := refsTo(typeURL)
+	in := RefsTo(typeURL)
 	if len(in) == 0 {
 		return false
 	}
 	for _, e := range in {
-		if s.refers(e.from, e.kind, name) {
+		if s.refers(e.From, e.Kind, name) {
 			return true
 		}
 	}
@@ -710,10 +710,10 @@ func (s *stream) heldBy(typeURL, name string) bool {
 // name a cluster that never exists (Envoy answers 503 for it), and must
 // not be held forever for that.
 func (s *stream) deferDangling(p *plan) {
-	if p.sub.typeURL != typeRoute && p.sub.typeURL != typeListener {
+	if p.sub.typeURL != TypeRoute && p.sub.typeURL != TypeListener {
 		return
 	}
-	cds := s.subs[typeCluster]
+	cds := s.subs[TypeCluster]
 	if cds == nil || len(p.upd) == 0 {
 		return
 	}
@@ -721,7 +721,7 @@ func (s *stream) deferDangling(p *plan) {
 	wait := s.r.cfg.ResourceWaitTimeout
 	kept := p.upd[:0]
 	for _, r := range p.upd {
-		missing := slices.ContainsFunc(r.Refs(refClusters), func(c string) bool {
+		missing := slices.ContainsFunc(r.Refs(RefClusters), func(c string) bool {
 			_, held := cds.known.Get(c)
 			return !held
 		})
@@ -835,7 +835,7 @@ func (s *stream) heldVersion(sub *typeSub) (ledger.Tree[*Resource], bool) {
 		if e.Value != nil {
 			continue
 		}
-		r := s.r.store.lookup(e.Hash)
+		r := s.r.store.Lookup(e.Hash)
 		if r == nil {
 			return ledger.Tree[*Resource]{}, false
 		}
@@ -908,8 +908,8 @@ func (s *stream) awaitingDeclarations(typeURL string) (bool, time.Duration) {
 	if left <= 0 {
 		return false, 0
 	}
-	for _, e := range refsTo(typeURL) {
-		if e.declared && s.subs[e.from] == nil {
+	for _, e := range RefsTo(typeURL) {
+		if e.Declared && s.subs[e.From] == nil {
 			return true, left
 		}
 	}
@@ -927,7 +927,7 @@ func (s *stream) undeclared(typeURL string) bool {
 	return wait
 }
 
-func (s *stream) refers(typeURL string, kind refKind, name string) bool {
+func (s *stream) refers(typeURL string, kind RefKind, name string) bool {
 	sub := s.subs[typeURL]
 	if sub == nil {
 		return false
@@ -940,7 +940,7 @@ func (s *stream) refers(typeURL string, kind refKind, name string) bool {
 	if sub.known.Len() == 0 {
 		return false
 	}
-	if _, ok := s.r.refIndex.names(sub.known, kind)[name]; ok {
+	if _, ok := s.r.refIndex.Names(sub.known, kind)[name]; ok {
 		return true
 	}
 	// The client declared content this relay has never seen (it came
@@ -998,7 +998,7 @@ func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 	case s.delta:
 		out.view = p.ts.view.Root()
 		out.version = stampedVersion(out.view, out.order)
-	case fullStateSotW(sub.typeURL):
+	case FullStateSotW(sub.typeURL):
 		out.from = ledger.Hash{}
 		out.version = stampedVersion(sub.known.Root(), out.order)
 		out.full, out.held = true, sub.known
@@ -1027,7 +1027,7 @@ func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 	if err := s.send(out); err != nil {
 		return err
 	}
-	s.log.Debug("push", "type", shortType(sub.typeURL), "version", out.version, "nonce", out.nonce,
+	s.log.Debug("push", "type", ShortType(sub.typeURL), "version", out.version, "nonce", out.nonce,
 		"resources", len(upd), "removed", len(removed))
 	return nil
 }

@@ -10,135 +10,135 @@ import (
 // URL passes through to the upstream on the requesting stream's own upstream
 // stream (see passthrough.go).
 const (
-	typeCluster     = resource.ClusterType
-	typeEndpoint    = resource.EndpointType
-	typeListener    = resource.ListenerType
-	typeRoute       = resource.RouteType
-	typeScopedRoute = resource.ScopedRouteType
-	typeSecret      = resource.SecretType
-	typeRuntime     = resource.RuntimeType
-	typeExtension   = resource.ExtensionConfigType
+	TypeCluster     = resource.ClusterType
+	TypeEndpoint    = resource.EndpointType
+	TypeListener    = resource.ListenerType
+	TypeRoute       = resource.RouteType
+	TypeScopedRoute = resource.ScopedRouteType
+	TypeSecret      = resource.SecretType
+	TypeRuntime     = resource.RuntimeType
+	TypeExtension   = resource.ExtensionConfigType
 )
 
-// pushOrder is the order in which a stream sends updates of several types at
+// PushOrder is the order in which a stream sends updates of several types at
 // once: make-before-break, so that a cluster exists before its endpoints, and
 // both before a listener or route refers to them.
-var pushOrder = []string{typeCluster, typeEndpoint, typeListener, typeScopedRoute, typeRoute, typeSecret, typeRuntime, typeExtension}
+var PushOrder = []string{TypeCluster, TypeEndpoint, TypeListener, TypeScopedRoute, TypeRoute, TypeSecret, TypeRuntime, TypeExtension}
 
-// removalOrder is the order in which removals go out, after every update:
+// RemovalOrder is the order in which removals go out, after every update:
 // referrers first (listeners, routes), then what they referred to.
-var removalOrder = []string{typeListener, typeScopedRoute, typeRoute, typeCluster, typeEndpoint, typeSecret, typeRuntime, typeExtension}
+var RemovalOrder = []string{TypeListener, TypeScopedRoute, TypeRoute, TypeCluster, TypeEndpoint, TypeSecret, TypeRuntime, TypeExtension}
 
-// typeRef is one edge of the graph of which type refers to which: resources
+// TypeRef is one edge of the graph of which type refers to which: resources
 // of from name resources of to (kind says which of their references).
 // Everything that follows references reads this one table: hasRefs (which
 // types are parsed for references), stream.heldBy (what a removal would
 // break), stream.awaitingDeclarations (the referrers a client must declare
 // before a removal is sent), upstream.follow and followRestored (the
 // names fetched before any Envoy asks for them).
-type typeRef struct {
-	from, to string
-	kind     refKind
-	// fetched: the relay asks its source for the names as soon as a view
+type TypeRef struct {
+	From, To string
+	Kind     RefKind
+	// Fetched: the relay asks its source for the names as soon as a view
 	// of from refers to them, as Envoy would ask next (EDS for clusters,
 	// RDS for listeners).
-	fetched bool
-	// declared: a client that holds resources of to is expected to
+	Fetched bool
+	// Declared: a client that holds resources of to is expected to
 	// subscribe to from when its stream starts (Envoy's first requests),
 	// so removals of to wait a moment for it (declareGrace). Scoped
 	// routes are optional: most clients never ask for them.
-	declared bool
+	Declared bool
 }
 
-var typeRefs = []typeRef{
-	{from: typeCluster, to: typeEndpoint, kind: refEndpoints, fetched: true, declared: true}, // eds_cluster_config
-	{from: typeListener, to: typeRoute, kind: refRoutes, fetched: true, declared: true},      // rds route_config_name
-	{from: typeScopedRoute, to: typeRoute, kind: refRoutes, fetched: true},                   // scoped route_configuration_name
-	{from: typeListener, to: typeCluster, kind: refClusters, declared: true},                 // tcp_proxy and other filters' clusters
-	{from: typeRoute, to: typeCluster, kind: refClusters, declared: true},                    // route actions' clusters
+var TypeRefs = []TypeRef{
+	{From: TypeCluster, To: TypeEndpoint, Kind: RefEndpoints, Fetched: true, Declared: true}, // eds_cluster_config
+	{From: TypeListener, To: TypeRoute, Kind: RefRoutes, Fetched: true, Declared: true},      // rds route_config_name
+	{From: TypeScopedRoute, To: TypeRoute, Kind: RefRoutes, Fetched: true},                   // scoped route_configuration_name
+	{From: TypeListener, To: TypeCluster, Kind: RefClusters, Declared: true},                 // tcp_proxy and other filters' clusters
+	{From: TypeRoute, To: TypeCluster, Kind: RefClusters, Declared: true},                    // route actions' clusters
 }
 
-// refsTo returns the edges into typeURL (who refers to its resources).
-func refsTo(typeURL string) []typeRef {
-	var out []typeRef
-	for _, e := range typeRefs {
-		if e.to == typeURL {
+// RefsTo returns the edges into typeURL (who refers to its resources).
+func RefsTo(typeURL string) []TypeRef {
+	var out []TypeRef
+	for _, e := range TypeRefs {
+		if e.To == typeURL {
 			out = append(out, e)
 		}
 	}
 	return out
 }
 
-// refsFrom returns the edges out of typeURL (what its resources refer to).
-func refsFrom(typeURL string) []typeRef {
-	var out []typeRef
-	for _, e := range typeRefs {
-		if e.from == typeURL {
+// RefsFrom returns the edges out of typeURL (what its resources refer to).
+func RefsFrom(typeURL string) []TypeRef {
+	var out []TypeRef
+	for _, e := range TypeRefs {
+		if e.From == typeURL {
 			out = append(out, e)
 		}
 	}
 	return out
 }
 
-// cached reports whether the relay serves typeURL from its own cache.
-func cached(typeURL string) bool { return slices.Contains(pushOrder, typeURL) }
+// Cached reports whether the relay serves typeURL from its own cache.
+func Cached(typeURL string) bool { return slices.Contains(PushOrder, typeURL) }
 
-// fullStateSotW reports whether a SotW response of typeURL must carry every
+// FullStateSotW reports whether a SotW response of typeURL must carry every
 // subscribed resource (absence means removal). For every other type a SotW
 // response may carry only what changed, and a real istiod sends just that
 // (XDS-NOTES: "SotW EDS and RDS responses may carry only the resources that
 // changed").
-func fullStateSotW(typeURL string) bool { return typeURL == typeCluster || typeURL == typeListener }
+func FullStateSotW(typeURL string) bool { return typeURL == TypeCluster || typeURL == TypeListener }
 
-// legacyWildcard reports whether an empty first subscription to typeURL means
+// LegacyWildcard reports whether an empty first subscription to typeURL means
 // "everything" (the legacy wildcard of the xDS protocol).
-func legacyWildcard(typeURL string) bool { return typeURL == typeCluster || typeURL == typeListener }
+func LegacyWildcard(typeURL string) bool { return typeURL == TypeCluster || typeURL == TypeListener }
 
-// shortType names a type URL in logs and metrics labels.
-func shortType(typeURL string) string {
+// ShortType names a type URL in logs and metrics labels.
+func ShortType(typeURL string) string {
 	switch typeURL {
-	case typeCluster:
+	case TypeCluster:
 		return "cds"
-	case typeEndpoint:
+	case TypeEndpoint:
 		return "eds"
-	case typeListener:
+	case TypeListener:
 		return "lds"
-	case typeRoute:
+	case TypeRoute:
 		return "rds"
-	case typeScopedRoute:
+	case TypeScopedRoute:
 		return "srds"
-	case typeSecret:
+	case TypeSecret:
 		return "sds"
-	case typeRuntime:
+	case TypeRuntime:
 		return "rtds"
-	case typeExtension:
+	case TypeExtension:
 		return "ecds"
 	}
 	return "other"
 }
 
-// fetchedTarget is a type whose names the relay fetches ahead (typeRef
+// FetchedTarget is a type whose names the relay fetches ahead (typeRef
 // fetched), with the types whose resources name them.
-type fetchedTarget struct {
-	target  string
-	kind    refKind
-	sources []string
+type FetchedTarget struct {
+	Target  string
+	Kind    RefKind
+	Sources []string
 }
 
-// fetchedTargets groups the fetched edges of typeRefs by target, in the
+// FetchedTargets groups the fetched edges of typeRefs by target, in the
 // table's order.
-func fetchedTargets() []fetchedTarget {
-	var out []fetchedTarget
-	for _, e := range typeRefs {
-		if !e.fetched {
+func FetchedTargets() []FetchedTarget {
+	var out []FetchedTarget
+	for _, e := range TypeRefs {
+		if !e.Fetched {
 			continue
 		}
-		i := slices.IndexFunc(out, func(t fetchedTarget) bool { return t.target == e.to })
+		i := slices.IndexFunc(out, func(t FetchedTarget) bool { return t.Target == e.To })
 		if i < 0 {
-			out = append(out, fetchedTarget{target: e.to, kind: e.kind})
+			out = append(out, FetchedTarget{Target: e.To, Kind: e.Kind})
 			i = len(out) - 1
 		}
-		out[i].sources = append(out[i].sources, e.from)
+		out[i].Sources = append(out[i].Sources, e.From)
 	}
 	return out
 }

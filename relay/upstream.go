@@ -63,7 +63,7 @@ type upType struct {
 	// again on the new stream.
 	asked    bool
 	wildcard bool
-	names    nameSet
+	names    NameSet
 	nonce    string // the latest response's nonce on the current stream
 	named    bool   // SotW: the current stream has sent names for the type
 	// Kept across reconnects: the last ACKed SotW version, and the
@@ -671,7 +671,7 @@ func (u *upstream) resubscribe() error {
 			ut = &upType{}
 			u.types[typeURL] = ut
 		}
-		names := newNameSet(w.names)
+		names := NewNameSet(w.names)
 		if ut.asked && ut.wildcard == w.wildcard && slices.Equal(ut.names, names) {
 			continue
 		}
@@ -700,9 +700,9 @@ func (u *upstream) resubscribe() error {
 		}
 		ut.asked, ut.wildcard, ut.names = true, w.wildcard, names
 		if err := u.request(req); err != nil {
-			return fmt.Errorf("subscribe %s: %w", shortType(typeURL), err)
+			return fmt.Errorf("subscribe %s: %w", ShortType(typeURL), err)
 		}
-		u.log("upstream subscription", "type", shortType(typeURL), "wildcard", w.wildcard, "names", len(names))
+		u.log("upstream subscription", "type", ShortType(typeURL), "wildcard", w.wildcard, "names", len(names))
 	}
 	return nil
 }
@@ -722,14 +722,14 @@ func (u *upstream) notFull(typeURL string) {
 }
 
 // dropUnwanted removes from a view the names nobody asks for any more.
-func (u *upstream) dropUnwanted(typeURL string, names nameSet) {
+func (u *upstream) dropUnwanted(typeURL string, names NameSet) {
 	ts := u.k.snap.Load().types[typeURL]
 	if ts == nil {
 		return
 	}
 	var drop []string
 	for e := range ts.view.All() {
-		if !names.has(e.Name) {
+		if !names.Has(e.Name) {
 			drop = append(drop, e.Name)
 		}
 	}
@@ -748,14 +748,14 @@ func (u *upstream) dropUnwanted(typeURL string, names nameSet) {
 // sotwRequest builds a SotW request: version_info is the last ACKed version
 // (kept across reconnects), the nonce that of the latest response on this
 // stream.
-func (u *upstream) sotwRequest(typeURL string, ut *upType, wildcard bool, names nameSet, nack *rpcstatus.Status) *discovery.DiscoveryRequest {
+func (u *upstream) sotwRequest(typeURL string, ut *upType, wildcard bool, names NameSet, nack *rpcstatus.Status) *discovery.DiscoveryRequest {
 	var rn []string
 	switch {
 	case wildcard && len(names) == 0 && !ut.named:
 		// The legacy wildcard, the most widely understood form; it means
 		// wildcard only while the stream never named anything for the type.
 	case wildcard:
-		rn = append([]string{wildcardName}, names...)
+		rn = append([]string{WildcardName}, names...)
 	default:
 		rn = names
 	}
@@ -771,11 +771,11 @@ func (u *upstream) sotwRequest(typeURL string, ut *upType, wildcard bool, names 
 
 // deltaSubscribe builds a Delta request that moves the stream's subscription
 // to (wildcard, names); on a new stream it declares what the key holds.
-func (u *upstream) deltaSubscribe(typeURL string, ut *upType, wildcard bool, names nameSet) *discovery.DeltaDiscoveryRequest {
+func (u *upstream) deltaSubscribe(typeURL string, ut *upType, wildcard bool, names NameSet) *discovery.DeltaDiscoveryRequest {
 	req := &discovery.DeltaDiscoveryRequest{TypeUrl: typeURL}
 	if !ut.asked {
 		if wildcard && len(names) > 0 {
-			req.ResourceNamesSubscribe = append([]string{wildcardName}, names...)
+			req.ResourceNamesSubscribe = append([]string{WildcardName}, names...)
 		} else {
 			req.ResourceNamesSubscribe = names
 		}
@@ -799,12 +799,12 @@ func (u *upstream) deltaSubscribe(typeURL string, ut *upType, wildcard bool, nam
 		}
 		return req
 	}
-	added, removed := ut.names.diff(names)
+	added, removed := ut.names.Diff(names)
 	if wildcard && !ut.wildcard {
-		added = append(added, wildcardName)
+		added = append(added, WildcardName)
 	}
 	if !wildcard && ut.wildcard {
-		removed = append(removed, wildcardName)
+		removed = append(removed, WildcardName)
 	}
 	// Versions of names no longer wanted go with the names, in
 	// dropUnwanted; under a wildcard they are still wanted.
@@ -829,20 +829,20 @@ func (u *upstream) onSotW(resp *discovery.DiscoveryResponse) error {
 	if ut == nil || !ut.asked {
 		// Not asked for on this stream: an ACK would subscribe to it
 		// (an empty list is the legacy wildcard), so say nothing.
-		u.log("unsolicited upstream response", "type", shortType(typeURL))
+		u.log("unsolicited upstream response", "type", ShortType(typeURL))
 		return nil
 	}
 	ut.nonce = resp.GetNonce()
 	upd, err := u.decodeAll(typeURL, len(resp.GetResources()), func(i int) (*Resource, error) {
-		return u.r.store.decode(typeURL, resp.GetResources()[i], "")
+		return u.r.store.Decode(typeURL, resp.GetResources()[i], "")
 	})
 	if err != nil {
 		return u.nack(typeURL, ut, resp.GetVersionInfo(), resp.GetNonce(), err)
 	}
 	if !ut.wildcard {
-		upd = slices.DeleteFunc(upd, func(r *Resource) bool { return !ut.names.has(r.Name) })
+		upd = slices.DeleteFunc(upd, func(r *Resource) bool { return !ut.names.Has(r.Name) })
 	}
-	u.apply(typeURL, upd, nil, fullStateSotW(typeURL), true, u.arrived())
+	u.apply(typeURL, upd, nil, FullStateSotW(typeURL), true, u.arrived())
 	ut.acked = resp.GetVersionInfo()
 	return u.request(u.sotwRequest(typeURL, ut, ut.wildcard, ut.names, nil))
 }
@@ -858,12 +858,12 @@ func (u *upstream) onDelta(resp *discovery.DeltaDiscoveryResponse) error {
 		return r.GetResource() == nil // a TTL heartbeat: nothing changed
 	})
 	upd, err := u.decodeAll(typeURL, len(res), func(i int) (*Resource, error) {
-		return u.r.store.decode(typeURL, res[i].GetResource(), res[i].GetName())
+		return u.r.store.Decode(typeURL, res[i].GetResource(), res[i].GetName())
 	})
 	if err != nil {
 		return u.nack(typeURL, ut, "", resp.GetNonce(), err)
 	}
-	wanted := func(name string) bool { return ut.wildcard || ut.names.has(name) }
+	wanted := func(name string) bool { return ut.wildcard || ut.names.Has(name) }
 	if ut.versions == nil {
 		ut.versions = make(map[string]string)
 	}
@@ -906,8 +906,8 @@ func (u *upstream) decodeAll(typeURL string, n int, decode func(int) (*Resource,
 // good view, and the upstream hears why. Only the relay's own decoding ever
 // NACKs upstream: an Envoy's NACK stays with that Envoy.
 func (u *upstream) nack(typeURL string, ut *upType, version, nonce string, cause error) error {
-	u.r.metrics.upstreamNACKs.WithLabelValues(shortType(typeURL)).Inc()
-	u.r.log.Warn("upstream response refused", "key", u.k.key, "type", shortType(typeURL), "version", version, "err", cause)
+	u.r.metrics.upstreamNACKs.WithLabelValues(ShortType(typeURL)).Inc()
+	u.r.log.Warn("upstream response refused", "key", u.k.key, "type", ShortType(typeURL), "version", version, "err", cause)
 	detail := &rpcstatus.Status{Code: int32(codes.InvalidArgument), Message: cause.Error()}
 	if u.delta {
 		return u.request(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: nonce, ErrorDetail: detail})
@@ -994,7 +994,7 @@ func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace,
 		view, viewOrder = ts.view, ts.order
 	})
 	k.mu.Unlock()
-	k.r.dropped.keep(gone)
+	k.r.dropped.Keep(gone)
 	k.recordView(typeURL, view, received, viewOrder)
 	k.wakeStreams()
 	if derivedChanged {
@@ -1033,8 +1033,8 @@ func withoutArrived(pending map[string]time.Time, upd []*Resource) map[string]ti
 // derived names changed.
 func (u *upstream) follow(next *keySnap, typeURL string, old, cur ledger.Tree[*Resource]) bool {
 	changed := false
-	for _, e := range refsFrom(typeURL) {
-		if e.fetched && u.followEdge(next, e.to, e.kind, old, cur) {
+	for _, e := range RefsFrom(typeURL) {
+		if e.Fetched && u.followEdge(next, e.To, e.Kind, old, cur) {
 			changed = true
 		}
 	}
@@ -1043,7 +1043,7 @@ func (u *upstream) follow(next *keySnap, typeURL string, old, cur ledger.Tree[*R
 
 // followEdge is follow for one edge of typeRefs: the names of target that
 // the view's resources refer to by kind.
-func (u *upstream) followEdge(next *keySnap, target string, kind refKind, old, cur ledger.Tree[*Resource]) bool {
+func (u *upstream) followEdge(next *keySnap, target string, kind RefKind, old, cur ledger.Tree[*Resource]) bool {
 	counts := u.derived[target]
 	if counts == nil {
 		counts = make(map[string]int)
@@ -1130,7 +1130,7 @@ func (u *upstream) expirePending() {
 				c := *ts
 				c.pending = keep
 				next.types[typeURL] = &c
-				u.log("names never arrived", "type", shortType(typeURL))
+				u.log("names never arrived", "type", ShortType(typeURL))
 			}
 		}
 	})

@@ -126,7 +126,7 @@ func xdsClientSettled(r *Relay, nodeID string) bool {
 	if found != 1 {
 		return false
 	}
-	for _, typeURL := range []string{typeListener, typeRoute, typeCluster, typeEndpoint} {
+	for _, typeURL := range []string{TypeListener, TypeRoute, TypeCluster, TypeEndpoint} {
 		st, ok := types[typeURL]
 		if !ok || st.AckedVersion == "" || st.AckedVersion != st.SentVersion || st.NACK != nil {
 			return false
