@@ -11,6 +11,7 @@ import (
 	"time"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/meshrelay/meshrelay/relay/xds"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
@@ -44,7 +45,7 @@ func openWith(conn *grpc.ClientConn, md metadata.MD, n any) (*discovery.DeltaDis
 	if err != nil {
 		return nil, err
 	}
-	req := &discovery.DeltaDiscoveryRequest{TypeUrl: TypeCluster}
+	req := &discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster}
 	if n != nil {
 		req.Node = saNode("ns1", "app", 1)
 	}

@@ -8,6 +8,7 @@ import (
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
+	"github.com/meshrelay/meshrelay/relay/xds"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/wrapperspb"
@@ -24,7 +25,7 @@ func TestBadRequests(t *testing.T) {
 	}{
 		{"no node on the first request", func(c *rawClient) {
 			c.sent = true // suppress the node
-			c.subscribe(TypeCluster)
+			c.subscribe(xds.TypeCluster)
 		}, codes.InvalidArgument, "node"},
 		{"no type_url", func(c *rawClient) {
 			if c.delta {
@@ -38,7 +39,7 @@ func TestBadRequests(t *testing.T) {
 			for i := range names {
 				names[i] = fmt.Sprint("n", i)
 			}
-			c.subscribe(TypeEndpoint, names...)
+			c.subscribe(xds.TypeEndpoint, names...)
 		}, codes.InvalidArgument, "exceed the limit"},
 		{"too many declared versions", func(c *rawClient) {
 			v := map[string]string{}
@@ -46,9 +47,9 @@ func TestBadRequests(t *testing.T) {
 				v[fmt.Sprint("n", i)] = "x"
 			}
 			if c.delta {
-				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeCluster, InitialResourceVersions: v})
+				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, InitialResourceVersions: v})
 			} else {
-				c.subscribe(TypeEndpoint, make([]string, 101)...)
+				c.subscribe(xds.TypeEndpoint, make([]string, 101)...)
 			}
 		}, codes.InvalidArgument, "exceed the limit"},
 		{"oversized message", func(c *rawClient) {
@@ -56,7 +57,7 @@ func TestBadRequests(t *testing.T) {
 			for i := range 6000 {
 				names = append(names, fmt.Sprint(i, strings.Repeat("x", 1000)))
 			}
-			c.subscribe(TypeEndpoint, names...)
+			c.subscribe(xds.TypeEndpoint, names...)
 		}, codes.ResourceExhausted, ""},
 	}
 	for _, delta := range []bool{false, true} {
@@ -67,7 +68,7 @@ func TestBadRequests(t *testing.T) {
 					c.MaxMsgSize = 4 << 20
 				})
 				good := e.client(0)
-				good.subscribe(TypeCluster)
+				good.subscribe(xds.TypeCluster)
 				good.ack(good.recv())
 
 				bad := e.client(1)
@@ -76,7 +77,7 @@ func TestBadRequests(t *testing.T) {
 				if status.Code(err) != tc.code || !strings.Contains(err.Error(), tc.msg) {
 					t.Fatalf("stream error = %v, want %v containing %q", err, tc.code, tc.msg)
 				}
-				e.up.set("ns1", TypeCluster, mkCluster("c9"))
+				e.up.set("ns1", xds.TypeCluster, mkCluster("c9"))
 				if m := good.recv(); !strings.Contains(fmt.Sprint(names(m)), "c9") {
 					t.Fatalf("the good client got %v after another client's bad request, want c9", names(m))
 				}
@@ -90,7 +91,7 @@ func TestBadRequests(t *testing.T) {
 func TestGarbageVersionsAreResent(t *testing.T) {
 	e := newEnv(t, true, nil)
 	c := e.client(0)
-	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeCluster,
+	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster,
 		InitialResourceVersions: map[string]string{"c0": "not-a-version", "c1": strings.Repeat("z", 64), "gone": "1"}})
 	m := c.recv()
 	wantNames(t, m, "c0", "c1", "c2")
@@ -114,16 +115,16 @@ func TestMissingNames(t *testing.T) {
 		t.Run(protocolName(delta), func(t *testing.T) {
 			e := newEnv(t, delta, func(c *Config) { c.ResourceWaitTimeout = 100 * time.Millisecond })
 			c := e.client(0)
-			c.subscribe(TypeEndpoint, "c0", "no-such-cluster")
+			c.subscribe(xds.TypeEndpoint, "c0", "no-such-cluster")
 			wantNames(t, c.recv(), "c0")
 			c.quiet()
 			if !delta {
 				return
 			}
 			c2 := e.client(1)
-			c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeEndpoint, ResourceNamesSubscribe: []string{"gone-while-away"},
+			c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNamesSubscribe: []string{"gone-while-away"},
 				InitialResourceVersions: map[string]string{"gone-while-away": strings.Repeat("a", 64)}})
-			m := c2.recvSotWOrDelta(TypeEndpoint)
+			m := c2.recvSotWOrDelta(xds.TypeEndpoint)
 			if r := removedOf(m); len(r) != 1 || r[0] != "gone-while-away" {
 				t.Fatalf("removed = %v, want [gone-while-away] after the wait timeout", r)
 			}
@@ -138,15 +139,15 @@ func TestUpstreamGarbage(t *testing.T) {
 		t.Run(string(proto), func(t *testing.T) {
 			e := newEnv(t, true, func(c *Config) { c.UpstreamProtocol = proto })
 			c := e.client(0)
-			c.subscribe(TypeCluster)
+			c.subscribe(xds.TypeCluster)
 			c.ack(c.recv())
 			// Invalid UTF-8 in Cluster.name does not parse.
 			garbage := &wrapperspb.BytesValue{Value: []byte{0xff, 0xfe, 0xfd}}
-			e.up.set("ns1", TypeCluster, []types.Resource{garbage}...)
+			e.up.set("ns1", xds.TypeCluster, []types.Resource{garbage}...)
 			waitFor(t, "the relay NACKs upstream", func() bool { return e.up.nacksSeen() > 0 })
 			c.quiet()
-			e.up.del("ns1", TypeCluster, "")
-			e.up.set("ns1", TypeCluster, mkCluster("c7"))
+			e.up.del("ns1", xds.TypeCluster, "")
+			e.up.set("ns1", xds.TypeCluster, mkCluster("c7"))
 			m := c.recv()
 			wantNames(t, m, "c7")
 		})
@@ -158,22 +159,22 @@ func TestUpstreamGarbage(t *testing.T) {
 func TestNeverACKs(t *testing.T) {
 	e := newEnv(t, true, nil)
 	silent := e.client(0)
-	silent.subscribe(TypeEndpoint, "c0")
+	silent.subscribe(xds.TypeEndpoint, "c0")
 	silent.recv()
 	other := e.client(1)
-	other.subscribe(TypeEndpoint, "c0")
+	other.subscribe(xds.TypeEndpoint, "c0")
 	other.ack(other.recv())
 	for i := range 3 * maxInflight {
-		e.up.set("ns1", TypeEndpoint, mkCLA("c0", uint32(1000+i)))
+		e.up.set("ns1", xds.TypeEndpoint, mkCLA("c0", uint32(1000+i)))
 		silent.recv() // read, never answer
 		other.ack(other.recv())
 	}
 	other.quiet() // the relay has read every ACK
-	st := e.status(silent.node.GetId(), TypeEndpoint)
+	st := e.status(silent.node.GetId(), xds.TypeEndpoint)
 	if st.AckedVersion != "" || st.SentVersion == "" {
 		t.Fatalf("silent client status = %+v, want sent and never ACKed", st)
 	}
-	if st := e.status(other.node.GetId(), TypeEndpoint); st.AckedVersion != st.SentVersion {
+	if st := e.status(other.node.GetId(), xds.TypeEndpoint); st.AckedVersion != st.SentVersion {
 		t.Fatalf("other client status = %+v, want its latest version ACKed", st)
 	}
 }
@@ -197,23 +198,23 @@ func TestSlowReader(t *testing.T) {
 		return out
 	}
 	const updates = 60
-	e.up.set("ns1", TypeEndpoint, mkCLA("c0", ports(1500, 0)...)) // ≈ 30 KB
-	slow.subscribe(TypeEndpoint, "c0")
+	e.up.set("ns1", xds.TypeEndpoint, mkCLA("c0", ports(1500, 0)...)) // ≈ 30 KB
+	slow.subscribe(xds.TypeEndpoint, "c0")
 	slow.ack(slow.recv())
-	other.subscribe(TypeEndpoint, "c0")
+	other.subscribe(xds.TypeEndpoint, "c0")
 	other.ack(other.recv())
 
 	slow.pause()
 	for i := 1; i <= updates; i++ {
-		e.up.set("ns1", TypeEndpoint, mkCLA("c0", ports(1500, i)...))
-		m := other.recvSotWOrDelta(TypeEndpoint) // served throughout
+		e.up.set("ns1", xds.TypeEndpoint, mkCLA("c0", ports(1500, i)...))
+		m := other.recvSotWOrDelta(xds.TypeEndpoint) // served throughout
 		other.ack(m)
 	}
 	want := versionsOf(lastOf(t, other))
 	slow.resume()
 	got := 0
 	for {
-		m := slow.recvSotWOrDelta(TypeEndpoint)
+		m := slow.recvSotWOrDelta(xds.TypeEndpoint)
 		got++
 		if equalStrings(versionsOf(m), want) {
 			break

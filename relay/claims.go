@@ -14,6 +14,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // A SotW client says of each type only the version it holds (version_info,
@@ -31,7 +32,7 @@ import (
 // then closes done and wakes the key's streams.
 type claimLookup struct {
 	done chan struct{}
-	held ledger.Tree[*Resource]
+	held ledger.Tree[*xds.Resource]
 	ok   bool
 }
 
@@ -85,7 +86,7 @@ func (s *stream) askTier(sub *typeSub) bool {
 	q := claimQuestion{typeURL: sub.typeURL, root: sub.claimed, wildcard: sub.wildcard}
 	req := &inspectpb.VersionRequest{Key: string(s.key.key), Type: sub.typeURL, Root: sub.claimed.String(), Wildcard: sub.wildcard}
 	if !sub.wildcard {
-		q.names = ListDigest(sub.names)
+		q.names = listDigest(sub.names)
 		req.Names = slices.Clone(sub.names) // read by the asking goroutine
 	}
 	k := s.key
@@ -117,12 +118,12 @@ func (s *stream) askTier(sub *typeSub) bool {
 // of req held, and returns the first answer that proves to be it (every
 // body present and matching its hash, the tree's root root). It gives up
 // when every relay has answered otherwise, or after LedgerGatherTimeout.
-func (r *Relay) askVersion(ctx context.Context, addrs []string, req *inspectpb.VersionRequest, root ledger.Hash) (ledger.Tree[*Resource], bool) {
+func (r *Relay) askVersion(ctx context.Context, addrs []string, req *inspectpb.VersionRequest, root ledger.Hash) (ledger.Tree[*xds.Resource], bool) {
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.LedgerGatherTimeout)
 	defer cancel()
 	ctx = metadata.AppendToOutgoingContext(ctx, r.peerMetadata()...)
 	type answer struct {
-		t   ledger.Tree[*Resource]
+		t   ledger.Tree[*xds.Resource]
 		err error
 	}
 	answers := make(chan answer, len(addrs))
@@ -130,7 +131,7 @@ func (r *Relay) askVersion(ctx context.Context, addrs []string, req *inspectpb.V
 		go func() {
 			t, err := r.askOne(ctx, addr, req, root)
 			if err != nil && status.Code(err) != codes.NotFound && ctx.Err() == nil {
-				r.log.Debug("claimed version: a relay's answer failed", "addr", addr, "key", req.GetKey(), "type", ShortType(req.GetType()), "err", err)
+				r.log.Debug("claimed version: a relay's answer failed", "addr", addr, "key", req.GetKey(), "type", xds.ShortType(req.GetType()), "err", err)
 			}
 			answers <- answer{t, err}
 		}()
@@ -140,29 +141,29 @@ func (r *Relay) askVersion(ctx context.Context, addrs []string, req *inspectpb.V
 			return a.t, true
 		}
 	}
-	return ledger.Tree[*Resource]{}, false
+	return ledger.Tree[*xds.Resource]{}, false
 }
 
 // askOne asks one relay, and checks its answer.
-func (r *Relay) askOne(ctx context.Context, addr string, req *inspectpb.VersionRequest, root ledger.Hash) (ledger.Tree[*Resource], error) {
+func (r *Relay) askOne(ctx context.Context, addr string, req *inspectpb.VersionRequest, root ledger.Hash) (ledger.Tree[*xds.Resource], error) {
 	conn, err := r.peerConn(addr)
 	if err != nil {
-		return ledger.Tree[*Resource]{}, err
+		return ledger.Tree[*xds.Resource]{}, err
 	}
 	c := inspectpb.NewInspectClient(conn)
 	got, err := c.GetVersion(ctx, req, grpc.MaxCallRecvMsgSize(r.cfg.MaxMsgSize))
 	if err != nil {
-		return ledger.Tree[*Resource]{}, err
+		return ledger.Tree[*xds.Resource]{}, err
 	}
-	t, err := r.store.versionTree(req.GetType(), got, root)
+	t, err := versionTree(r.store, req.GetType(), got, root)
 	if errors.Is(err, errBodyMissing) && !req.GetBodies() {
 		// This relay's view is not the answering one's: ask for them all.
 		all := proto.CloneOf(req)
 		all.Bodies = true
 		if got, err = c.GetVersion(ctx, all, grpc.MaxCallRecvMsgSize(r.cfg.MaxMsgSize)); err != nil {
-			return ledger.Tree[*Resource]{}, err
+			return ledger.Tree[*xds.Resource]{}, err
 		}
-		t, err = r.store.versionTree(req.GetType(), got, root)
+		t, err = versionTree(r.store, req.GetType(), got, root)
 	}
 	return t, err
 }
@@ -175,30 +176,30 @@ var errBodyMissing = errors.New("neither relay holds the resource")
 // resource from its body, or from s if the answer left it out. An
 // answer that names a resource nobody has, carries a body that is not what
 // it says, or is not the version asked for is an error.
-func (s *Store) versionTree(typeURL string, got *inspectpb.VersionContent, root ledger.Hash) (ledger.Tree[*Resource], error) {
-	b := ledger.Tree[*Resource]{}.Edit()
+func versionTree(s *xds.Store, typeURL string, got *inspectpb.VersionContent, root ledger.Hash) (ledger.Tree[*xds.Resource], error) {
+	b := ledger.Tree[*xds.Resource]{}.Edit()
 	for _, e := range got.GetEntries() {
 		if len(e.GetHash()) != len(ledger.Hash{}) {
-			return ledger.Tree[*Resource]{}, fmt.Errorf("relay %s: resource %q has a hash of %d bytes", got.GetRelay(), e.GetName(), len(e.GetHash()))
+			return ledger.Tree[*xds.Resource]{}, fmt.Errorf("relay %s: resource %q has a hash of %d bytes", got.GetRelay(), e.GetName(), len(e.GetHash()))
 		}
 		h := ledger.Hash(e.GetHash())
-		var res *Resource
+		var res *xds.Resource
 		if e.GetBody() != nil {
 			var err error
 			if res, err = s.Decode(typeURL, e.GetBody(), e.GetName()); err != nil {
-				return ledger.Tree[*Resource]{}, fmt.Errorf("relay %s: %w", got.GetRelay(), err)
+				return ledger.Tree[*xds.Resource]{}, fmt.Errorf("relay %s: %w", got.GetRelay(), err)
 			}
 		} else if res = s.Lookup(h); res == nil {
-			return ledger.Tree[*Resource]{}, fmt.Errorf("relay %s: resource %q: %w", got.GetRelay(), e.GetName(), errBodyMissing)
+			return ledger.Tree[*xds.Resource]{}, fmt.Errorf("relay %s: resource %q: %w", got.GetRelay(), e.GetName(), errBodyMissing)
 		}
 		if res.Hash != h || res.Name != e.GetName() {
-			return ledger.Tree[*Resource]{}, fmt.Errorf("relay %s: resource %q is not the content it names", got.GetRelay(), e.GetName())
+			return ledger.Tree[*xds.Resource]{}, fmt.Errorf("relay %s: resource %q is not the content it names", got.GetRelay(), e.GetName())
 		}
 		b.Set(res.Name, res.Hash, res)
 	}
 	t := b.Tree()
 	if t.Root() != root {
-		return ledger.Tree[*Resource]{}, fmt.Errorf("relay %s answered version %s, not %s", got.GetRelay(), t.Root(), root)
+		return ledger.Tree[*xds.Resource]{}, fmt.Errorf("relay %s answered version %s, not %s", got.GetRelay(), t.Root(), root)
 	}
 	return t, nil
 }
@@ -220,12 +221,12 @@ func (s inspectServer) GetVersion(ctx context.Context, req *inspectpb.VersionReq
 	if k == nil {
 		return nil, status.Errorf(codes.NotFound, "key %q: %v", req.GetKey(), ErrNotHeld)
 	}
-	sub := &typeSub{typeURL: req.GetType(), wildcard: req.GetWildcard(), names: NewNameSet(req.GetNames())}
+	sub := &typeSub{typeURL: req.GetType(), wildcard: req.GetWildcard(), names: xds.NewNameSet(req.GetNames())}
 	held, ok := k.versionHeld(sub, root)
 	if !ok {
-		return nil, status.Errorf(codes.NotFound, "key %q: version %s of %s not in history", req.GetKey(), root, ShortType(req.GetType()))
+		return nil, status.Errorf(codes.NotFound, "key %q: version %s of %s not in history", req.GetKey(), root, xds.ShortType(req.GetType()))
 	}
-	var view ledger.Tree[*Resource]
+	var view ledger.Tree[*xds.Resource]
 	if ts := k.snap.Load().types[req.GetType()]; ts != nil {
 		view = ts.view
 	}

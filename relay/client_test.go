@@ -10,6 +10,8 @@ import (
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	"github.com/meshrelay/meshrelay/relay/xds"
 	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
@@ -226,12 +228,12 @@ func names(m proto.Message) []string {
 	switch r := m.(type) {
 	case *discovery.DiscoveryResponse:
 		for _, a := range r.GetResources() {
-			res, err := newMessage(a.GetTypeUrl())
-			if err != nil || a.UnmarshalTo(res) != nil {
+			res, err := a.UnmarshalNew()
+			if err != nil {
 				out = append(out, "?")
 				continue
 			}
-			out = append(out, nameOf(res))
+			out = append(out, cache.GetResourceName(res))
 		}
 	case *discovery.DeltaDiscoveryResponse:
 		for _, x := range r.GetResources() {
@@ -250,16 +252,16 @@ func (c *rawClient) quiet(skip ...string) {
 	c.barrier++
 	name := fmt.Sprint("barrier-", c.barrier)
 	if c.delta {
-		c.subscribe(TypeRuntime, name)
+		c.subscribe(xds.TypeRuntime, name)
 	} else {
-		c.subscribe(TypeRuntime, append(slices.Clone(c.subs[TypeRuntime]), name)...)
+		c.subscribe(xds.TypeRuntime, append(slices.Clone(c.subs[xds.TypeRuntime]), name)...)
 	}
 	m := c.recv()
 	for slices.Contains(skip, typeOf(m)) {
 		m = c.recv() // allowed before the barrier, and left unanswered
 	}
-	if got := names(m); typeOf(m) != TypeRuntime || !slices.Equal(got, []string{name}) {
-		c.t.Fatalf("got %s %v before the barrier %s: the relay sent what it should not have", ShortType(typeOf(m)), got, name)
+	if got := names(m); typeOf(m) != xds.TypeRuntime || !slices.Equal(got, []string{name}) {
+		c.t.Fatalf("got %s %v before the barrier %s: the relay sent what it should not have", xds.ShortType(typeOf(m)), got, name)
 	}
 	c.ack(m)
 }

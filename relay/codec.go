@@ -9,6 +9,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // The relay encodes its responses itself instead of building a
@@ -161,13 +162,13 @@ func encodeDelta(o *outgoing, controlPlane []byte) []byte {
 }
 
 // anySize is the encoded size of a resource's google.protobuf.Any.
-func anySize(r *Resource) int {
+func anySize(r *xds.Resource) int {
 	return protowire.SizeTag(fAnyTypeURL) + protowire.SizeBytes(len(r.Type)) +
 		protowire.SizeTag(fAnyValue) + protowire.SizeBytes(len(r.Body.GetValue()))
 }
 
 // appendAny appends r's body as a google.protobuf.Any in field num.
-func appendAny(b []byte, num protowire.Number, r *Resource) []byte {
+func appendAny(b []byte, num protowire.Number, r *xds.Resource) []byte {
 	b = protowire.AppendTag(b, num, protowire.BytesType)
 	b = protowire.AppendVarint(b, uint64(anySize(r)))
 	b = appendString(b, fAnyTypeURL, r.Type)

@@ -21,6 +21,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // env is one conformance case's world: a real go-control-plane upstream
@@ -79,15 +80,15 @@ func syncAll(c *rawClient) map[string]proto.Message {
 		c.subscribe(typeURL, names...)
 		m := c.recv()
 		if typeOf(m) != typeURL {
-			c.t.Fatalf("got %s, want %s", ShortType(typeOf(m)), ShortType(typeURL))
+			c.t.Fatalf("got %s, want %s", xds.ShortType(typeOf(m)), xds.ShortType(typeURL))
 		}
 		c.ack(m)
 		got[typeURL] = m
 	}
-	step(TypeCluster)
-	step(TypeEndpoint, "c0", "c1", "c2")
-	step(TypeListener)
-	step(TypeRoute, "r80")
+	step(xds.TypeCluster)
+	step(xds.TypeEndpoint, "c0", "c1", "c2")
+	step(xds.TypeListener)
+	step(xds.TypeRoute, "r80")
 	return got
 }
 
@@ -96,7 +97,7 @@ func sorted(s []string) []string { return slices.Sorted(slices.Values(s)) }
 func wantNames(t *testing.T, m proto.Message, want ...string) {
 	t.Helper()
 	if got := sorted(names(m)); !slices.Equal(got, sorted(want)) {
-		t.Fatalf("%s resources = %v, want %v", ShortType(typeOf(m)), got, sorted(want))
+		t.Fatalf("%s resources = %v, want %v", xds.ShortType(typeOf(m)), got, sorted(want))
 	}
 }
 
@@ -166,15 +167,15 @@ func TestConformance(t *testing.T) {
 	}{
 		{"wildcard and named subscriptions, changed mid-stream", func(t *testing.T, e *env) {
 			c := e.client(0)
-			c.subscribe(TypeCluster)
+			c.subscribe(xds.TypeCluster)
 			m := c.recv()
 			wantNames(t, m, "c0", "c1", "c2")
 			c.ack(m)
-			c.subscribe(TypeEndpoint, "c0")
+			c.subscribe(xds.TypeEndpoint, "c0")
 			m = c.recv()
 			wantNames(t, m, "c0")
 			c.ack(m)
-			c.subscribe(TypeEndpoint, "c0", "c1") // Delta: subscribes c0 again, so it is re-sent
+			c.subscribe(xds.TypeEndpoint, "c0", "c1") // Delta: subscribes c0 again, so it is re-sent
 			m = c.recv()
 			if e.delta {
 				wantNames(t, m, "c0", "c1")
@@ -184,31 +185,31 @@ func TestConformance(t *testing.T) {
 			c.ack(m)
 			// Unsubscribe c0: its changes no longer reach the client.
 			if e.delta {
-				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeEndpoint, ResourceNamesUnsubscribe: []string{"c0"}})
+				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNamesUnsubscribe: []string{"c0"}})
 			} else {
-				c.subscribe(TypeEndpoint, "c1")
+				c.subscribe(xds.TypeEndpoint, "c1")
 			}
 			c.quiet() // the relay has read the unsubscription
-			e.up.set("ns1", TypeEndpoint, mkCLA("c0", 9090))
+			e.up.set("ns1", xds.TypeEndpoint, mkCLA("c0", 9090))
 			c.quiet()
-			e.up.set("ns1", TypeEndpoint, mkCLA("c1", 9090))
+			e.up.set("ns1", xds.TypeEndpoint, mkCLA("c1", 9090))
 			m = c.recv()
 			wantNames(t, m, "c1")
 		}},
 		{"unsubscribe then subscribe again is re-sent (go-control-plane #431, #608)", func(t *testing.T, e *env) {
 			c := e.client(0)
-			c.subscribe(TypeEndpoint, "c0", "c1")
+			c.subscribe(xds.TypeEndpoint, "c0", "c1")
 			c.ack(c.recv())
 			if e.delta {
-				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeEndpoint, ResourceNamesUnsubscribe: []string{"c1"}})
+				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNamesUnsubscribe: []string{"c1"}})
 			} else {
-				c.subscribe(TypeEndpoint, "c0")
+				c.subscribe(xds.TypeEndpoint, "c0")
 			}
 			c.quiet()
-			c.subscribe(TypeEndpoint, "c0", "c1")
+			c.subscribe(xds.TypeEndpoint, "c0", "c1")
 			if e.delta {
 				// Both named again; c1 comes once the relay has it again.
-				c.recvAll(TypeEndpoint, "c0", "c1")
+				c.recvAll(xds.TypeEndpoint, "c0", "c1")
 			} else {
 				wantNames(t, c.recv(), "c1")
 			}
@@ -216,9 +217,9 @@ func TestConformance(t *testing.T) {
 		{"cluster removed and re-added gets its endpoints again (go-control-plane #583)", func(t *testing.T, e *env) {
 			c := e.client(0)
 			syncAll(c)
-			e.up.set("ns1", TypeRoute, mkRoute("r80", "c0", "c1"))
+			e.up.set("ns1", xds.TypeRoute, mkRoute("r80", "c0", "c1"))
 			c.ack(c.recv()) // RDS without c2
-			e.up.del("ns1", TypeCluster, "c2")
+			e.up.del("ns1", xds.TypeCluster, "c2")
 			m := c.recv()
 			if e.delta {
 				if got := removedOf(m); !slices.Equal(got, []string{"c2"}) {
@@ -229,12 +230,12 @@ func TestConformance(t *testing.T) {
 			}
 			c.ack(m)
 			if e.delta {
-				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeEndpoint, ResourceNamesUnsubscribe: []string{"c2"}})
+				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNamesUnsubscribe: []string{"c2"}})
 			} else {
-				c.subscribe(TypeEndpoint, "c0", "c1")
+				c.subscribe(xds.TypeEndpoint, "c0", "c1")
 			}
 			c.quiet()
-			e.up.set("ns1", TypeCluster, mkCluster("c2"))
+			e.up.set("ns1", xds.TypeCluster, mkCluster("c2"))
 			m = c.recv()
 			if e.delta {
 				wantNames(t, m, "c2")
@@ -242,17 +243,17 @@ func TestConformance(t *testing.T) {
 				wantNames(t, m, "c0", "c1", "c2")
 			}
 			c.ack(m)
-			c.subscribe(TypeEndpoint, "c0", "c1", "c2")
+			c.subscribe(xds.TypeEndpoint, "c0", "c1", "c2")
 			if e.delta {
-				c.recvAll(TypeEndpoint, "c0", "c1", "c2") // all named again
+				c.recvAll(xds.TypeEndpoint, "c0", "c1", "c2") // all named again
 			} else {
-				c.recvAll(TypeEndpoint, "c2")
+				c.recvAll(xds.TypeEndpoint, "c2")
 			}
 		}},
 		{"updated cluster gets its endpoints again, after it", func(t *testing.T, e *env) {
 			c := e.client(0)
 			syncAll(c)
-			e.up.set("ns1", TypeCluster, mkCluster("c1", "changed"))
+			e.up.set("ns1", xds.TypeCluster, mkCluster("c1", "changed"))
 			m := c.recv()
 			if e.delta {
 				wantNames(t, m, "c1")
@@ -260,22 +261,22 @@ func TestConformance(t *testing.T) {
 				wantNames(t, m, "c0", "c1", "c2")
 			}
 			c.ack(m)
-			m = c.recvSotWOrDelta(TypeEndpoint)
+			m = c.recvSotWOrDelta(xds.TypeEndpoint)
 			wantNames(t, m, "c1")
 		}},
 		{"stale nonce", func(t *testing.T, e *env) {
 			c := e.client(0)
-			c.subscribe(TypeEndpoint, "c0")
+			c.subscribe(xds.TypeEndpoint, "c0")
 			m := c.recv()
 			c.ack(m)
 			if e.delta {
 				// Delta: subscription changes count whatever the nonce.
-				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeEndpoint, ResponseNonce: "no-such-nonce", ResourceNamesSubscribe: []string{"c2"}})
+				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResponseNonce: "no-such-nonce", ResourceNamesSubscribe: []string{"c2"}})
 				wantNames(t, c.recv(), "c2")
 				return
 			}
 			// SotW: a request with a stale nonce is not answered.
-			c.send(&discovery.DiscoveryRequest{TypeUrl: TypeEndpoint, ResourceNames: []string{"c0", "c2"}, ResponseNonce: "no-such-nonce"})
+			c.send(&discovery.DiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNames: []string{"c0", "c2"}, ResponseNonce: "no-such-nonce"})
 			c.quiet()
 		}},
 		{"nonces unique and control plane named", func(t *testing.T, e *env) {
@@ -295,18 +296,18 @@ func TestConformance(t *testing.T) {
 		}},
 		{"NACK recorded, parked until content changes, never forwarded", func(t *testing.T, e *env) {
 			c := e.client(0)
-			c.subscribe(TypeCluster)
+			c.subscribe(xds.TypeCluster)
 			m := c.recv()
 			c.nack(m, "")
 			c.quiet() // not re-sent
-			st := e.status(c.node.GetId(), TypeCluster)
+			st := e.status(c.node.GetId(), xds.TypeCluster)
 			if st.NACK == nil || st.NACK.Detail != "rejected by test" {
 				t.Fatalf("status NACK = %+v, want the test's rejection", st.NACK)
 			}
 			if n := e.up.nacksSeen(); n != 0 {
 				t.Fatalf("upstream saw %d NACKs, want 0: a client's NACK must not reach the shared stream", n)
 			}
-			e.up.set("ns1", TypeCluster, mkCluster("c0", "fixed"))
+			e.up.set("ns1", xds.TypeCluster, mkCluster("c0", "fixed"))
 			m = c.recv()
 			if e.delta {
 				wantNames(t, m, "c0")
@@ -315,43 +316,43 @@ func TestConformance(t *testing.T) {
 			}
 			c.ack(m)
 			c.quiet()
-			if st := e.status(c.node.GetId(), TypeCluster); st.NACK != nil || st.AckedVersion == "" {
+			if st := e.status(c.node.GetId(), xds.TypeCluster); st.NACK != nil || st.AckedVersion == "" {
 				t.Fatalf("status after ACK = %+v, want ACKed and no NACK", st)
 			}
 		}},
 		{"ledger: a NACKed change keeps the client behind until it is sent again", func(t *testing.T, e *env) {
 			c := e.client(0)
-			c.subscribe(TypeCluster)
+			c.subscribe(xds.TypeCluster)
 			c.ack(c.recv())
 			e.waitLedger(t, "the first ACK", ledger.Convergence{Envoys: 1, Current: 1}, "")
-			e.up.set("ns1", TypeCluster, mkCluster("c0", "v2"))
+			e.up.set("ns1", xds.TypeCluster, mkCluster("c0", "v2"))
 			c.nack(c.recv(), "")
 			e.waitLedger(t, "the NACK", ledger.Convergence{Envoys: 1}, ledger.NACKed)
 			// A response that carries other names only: an ACK of it does
 			// not mean the client holds c0 at v2. (A SotW CDS response
 			// carries everything, c0 included: the ACK clears the NACK.)
-			e.up.set("ns1", TypeCluster, mkCluster("c3"))
+			e.up.set("ns1", xds.TypeCluster, mkCluster("c3"))
 			m := c.recv()
 			c.ack(m)
-			e.waitAcked(t, c.node.GetId(), TypeCluster, versionOf(m))
+			e.waitAcked(t, c.node.GetId(), xds.TypeCluster, versionOf(m))
 			if !e.delta {
 				e.waitLedger(t, "a SotW full-state ACK", ledger.Convergence{Envoys: 1, Current: 1}, "")
 				return
 			}
 			e.waitLedger(t, "an ACK of another name", ledger.Convergence{Envoys: 1}, ledger.NACKed)
-			e.up.set("ns1", TypeCluster, mkCluster("c0", "v3"))
+			e.up.set("ns1", xds.TypeCluster, mkCluster("c0", "v3"))
 			c.ack(c.recv())
 			e.waitLedger(t, "c0 sent again and ACKed", ledger.Convergence{Envoys: 1, Current: 1}, "")
 		}},
 		{"node from the first request is kept", func(t *testing.T, e *env) {
 			c := e.client(0)
-			c.subscribe(TypeCluster)
+			c.subscribe(xds.TypeCluster)
 			c.ack(c.recv())
 			// A later request naming another namespace's node changes nothing.
 			if e.delta {
-				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeEndpoint, ResourceNamesSubscribe: []string{"c0"}, Node: node("ns2", "other", 9)})
+				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNamesSubscribe: []string{"c0"}, Node: node("ns2", "other", 9)})
 			} else {
-				c.send(&discovery.DiscoveryRequest{TypeUrl: TypeEndpoint, ResourceNames: []string{"c0"}, Node: node("ns2", "other", 9)})
+				c.send(&discovery.DiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNames: []string{"c0"}, Node: node("ns2", "other", 9)})
 			}
 			c.ack(c.recv())
 			clients := e.r.Clients()
@@ -367,10 +368,10 @@ func TestConformance(t *testing.T) {
 			c1 := e.client(0)
 			c2 := newRawClient(t, dial(t, r2.Addr().String()), e.delta, node("ns1", "app", 1))
 			a, b := syncAll(c1), syncAll(c2)
-			for _, typeURL := range []string{TypeCluster, TypeEndpoint, TypeListener, TypeRoute} {
+			for _, typeURL := range []string{xds.TypeCluster, xds.TypeEndpoint, xds.TypeListener, xds.TypeRoute} {
 				va, vb := contentVersions(t, versionsOf(a[typeURL])), contentVersions(t, versionsOf(b[typeURL]))
 				if !slices.Equal(va, vb) || len(va) == 0 {
-					t.Fatalf("%s versions differ between relays: %v vs %v", ShortType(typeURL), va, vb)
+					t.Fatalf("%s versions differ between relays: %v vs %v", xds.ShortType(typeURL), va, vb)
 				}
 			}
 		}},
@@ -380,17 +381,17 @@ func TestConformance(t *testing.T) {
 			c.close()
 			c2 := e.client(0)
 			if e.delta {
-				for _, typeURL := range []string{TypeCluster, TypeEndpoint} {
+				for _, typeURL := range []string{xds.TypeCluster, xds.TypeEndpoint} {
 					d := got[typeURL].(*discovery.DeltaDiscoveryResponse)
 					c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResourceNamesSubscribe: subscriptionOf(typeURL), InitialResourceVersions: versionMap(d)})
 				}
 				m := c2.recv() // a wildcard subscription is always answered, here empty
-				if typeOf(m) != TypeCluster || len(names(m)) != 0 || len(removedOf(m)) != 0 {
+				if typeOf(m) != xds.TypeCluster || len(names(m)) != 0 || len(removedOf(m)) != 0 {
 					t.Fatalf("CDS after reconnect: %v removed %v, want an empty answer", names(m), removedOf(m))
 				}
 				c2.ack(m)
 			} else {
-				for _, typeURL := range []string{TypeCluster, TypeEndpoint} {
+				for _, typeURL := range []string{xds.TypeCluster, xds.TypeEndpoint} {
 					s := got[typeURL].(*discovery.DiscoveryResponse)
 					c2.send(&discovery.DiscoveryRequest{TypeUrl: typeURL, ResourceNames: subscriptionOf(typeURL), VersionInfo: s.GetVersionInfo()})
 					c2.subs[typeURL] = subscriptionOf(typeURL)
@@ -402,15 +403,15 @@ func TestConformance(t *testing.T) {
 			c := e.client(0)
 			got := syncAll(c)
 			c.close()
-			e.up.set("ns1", TypeRoute, mkRoute("r80", "c0", "c1"))
-			e.up.del("ns1", TypeCluster, "c2")
+			e.up.set("ns1", xds.TypeRoute, mkRoute("r80", "c0", "c1"))
+			e.up.del("ns1", xds.TypeCluster, "c2")
 			// A second client keeps the key alive and sees the change land.
 			w := e.client(5)
 			syncAllExpect(w, "c0", "c1")
 			c2 := e.client(0)
 			if e.delta {
-				d := got[TypeCluster].(*discovery.DeltaDiscoveryResponse)
-				c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeCluster, InitialResourceVersions: versionMap(d)})
+				d := got[xds.TypeCluster].(*discovery.DeltaDiscoveryResponse)
+				c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, InitialResourceVersions: versionMap(d)})
 				m := c2.recv()
 				if len(removedOf(m)) == 0 && len(names(m)) == 0 {
 					// "You are current", with the removal held until the
@@ -423,8 +424,8 @@ func TestConformance(t *testing.T) {
 					t.Fatalf("CDS after reconnect: resources %v removed %v, want removed [c2] only", names(m), r)
 				}
 			} else {
-				s := got[TypeCluster].(*discovery.DiscoveryResponse)
-				c2.send(&discovery.DiscoveryRequest{TypeUrl: TypeCluster, VersionInfo: s.GetVersionInfo()})
+				s := got[xds.TypeCluster].(*discovery.DiscoveryResponse)
+				c2.send(&discovery.DiscoveryRequest{TypeUrl: xds.TypeCluster, VersionInfo: s.GetVersionInfo()})
 				m := c2.recv()
 				if slices.Contains(names(m), "c2") {
 					// c2 still held: the client had a second to declare
@@ -468,7 +469,7 @@ func TestConformance(t *testing.T) {
 			// holds, and wins.
 			e.wall.advance(2 * time.Second)
 			if e.delta {
-				e.up.set("ns1", TypeCluster, mkCluster("c1", "v2"))
+				e.up.set("ns1", xds.TypeCluster, mkCluster("c1", "v2"))
 				m := c.recv()
 				wantNames(t, m, "c0", "c1", "c2")
 				if v := orderOf(t, versionMap(m.(*discovery.DeltaDiscoveryResponse))["c1"]); !v.Covers(orderOf(t, ahead)) {
@@ -476,7 +477,7 @@ func TestConformance(t *testing.T) {
 				}
 				return
 			}
-			e.up.set("ns1", TypeEndpoint, mkCLA("c0", 9090))
+			e.up.set("ns1", xds.TypeEndpoint, mkCLA("c0", 9090))
 			m := c.recv()
 			wantNames(t, m, "c0", "c1")
 			if v := orderOf(t, versionOf(m)); !v.Covers(orderOf(t, ahead)) {
@@ -496,7 +497,7 @@ func TestConformance(t *testing.T) {
 				o.At++ // later on the same stream
 				return stampedVersion(h, o)
 			}
-			for _, typeURL := range []string{TypeCluster, TypeEndpoint} {
+			for _, typeURL := range []string{xds.TypeCluster, xds.TypeEndpoint} {
 				if e.delta {
 					declared := versionMap(got[typeURL].(*discovery.DeltaDiscoveryResponse))
 					for n, v := range declared {
@@ -510,7 +511,7 @@ func TestConformance(t *testing.T) {
 			}
 			if e.delta {
 				m := c2.recv() // a wildcard subscription is always answered, here empty
-				if typeOf(m) != TypeCluster || len(names(m)) != 0 || len(removedOf(m)) != 0 {
+				if typeOf(m) != xds.TypeCluster || len(names(m)) != 0 || len(removedOf(m)) != 0 {
 					t.Fatalf("CDS after reconnect: %v removed %v, want an empty answer", names(m), removedOf(m))
 				}
 				c2.ack(m)
@@ -522,26 +523,26 @@ func TestConformance(t *testing.T) {
 				t.Skip("Delta only: SotW clients declare no per-resource versions")
 			}
 			c := e.client(0)
-			c.subscribe(TypeEndpoint, "c0", "c1")
+			c.subscribe(xds.TypeEndpoint, "c0", "c1")
 			d := c.recv().(*discovery.DeltaDiscoveryResponse)
 			c.ack(d)
 			c.close()
 			c2 := e.client(0)
-			c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeEndpoint, ResourceNamesSubscribe: []string{"c0", "c1"}, InitialResourceVersions: versionMap(d)})
-			c2.quiet()                       // declared and current: nothing
-			c2.subscribe(TypeEndpoint, "c1") // the client forgot c1 and asks again
+			c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNamesSubscribe: []string{"c0", "c1"}, InitialResourceVersions: versionMap(d)})
+			c2.quiet()                           // declared and current: nothing
+			c2.subscribe(xds.TypeEndpoint, "c1") // the client forgot c1 and asks again
 			wantNames(t, c2.recv(), "c1")
 		}},
 		{"unknown types pass through, per stream", func(t *testing.T, e *env) {
 			_, before := e.up.streams()
 			for i := range 2 {
 				c := e.client(10 + i)
-				c.subscribe(TypeCluster)
+				c.subscribe(xds.TypeCluster)
 				c.ack(c.recv())
 				c.subscribe(typeNDS)
 				m := c.recv()
 				if typeOf(m) != typeNDS || len(resourcesOf(m)) != 1 {
-					t.Fatalf("client %d: got %s with %d resources, want one NDS resource", i, ShortType(typeOf(m)), len(resourcesOf(m)))
+					t.Fatalf("client %d: got %s with %d resources, want one NDS resource", i, xds.ShortType(typeOf(m)), len(resourcesOf(m)))
 				}
 				c.ack(m)
 				c.quiet()
@@ -556,17 +557,17 @@ func TestConformance(t *testing.T) {
 			c := e.client(0)
 			syncAll(c)
 			// The upstream removes the cluster first, the route later.
-			e.up.del("ns1", TypeCluster, "c2")
+			e.up.del("ns1", xds.TypeCluster, "c2")
 			c.quiet() // held: route r80 still routes to c2
-			e.up.set("ns1", TypeRoute, mkRoute("r80", "c0", "c1"))
+			e.up.set("ns1", xds.TypeRoute, mkRoute("r80", "c0", "c1"))
 			m := c.recv()
-			if typeOf(m) != TypeRoute {
-				t.Fatalf("got %s first, want the route update before the cluster removal", ShortType(typeOf(m)))
+			if typeOf(m) != xds.TypeRoute {
+				t.Fatalf("got %s first, want the route update before the cluster removal", xds.ShortType(typeOf(m)))
 			}
 			c.ack(m)
 			m = c.recv()
-			if typeOf(m) != TypeCluster {
-				t.Fatalf("got %s, want the held cluster removal", ShortType(typeOf(m)))
+			if typeOf(m) != xds.TypeCluster {
+				t.Fatalf("got %s, want the held cluster removal", xds.ShortType(typeOf(m)))
 			}
 			if e.delta {
 				if r := removedOf(m); !slices.Equal(r, []string{"c2"}) {
@@ -579,7 +580,7 @@ func TestConformance(t *testing.T) {
 		{"authorizer refuses before anything is served", func(t *testing.T, e *env) {
 			r := startRelay(t, e.up, func(c *Config) { c.Authorizer = denyNamespace("ns1") })
 			c := newRawClient(t, dial(t, r.Addr().String()), e.delta, node("ns1", "app", 0))
-			c.subscribe(TypeCluster)
+			c.subscribe(xds.TypeCluster)
 			if err := c.streamErr(); status.Code(err) != codes.PermissionDenied {
 				t.Fatalf("stream error = %v, want PermissionDenied", err)
 			}
@@ -592,9 +593,9 @@ func TestConformance(t *testing.T) {
 				c.Metadata = &core.Metadata{FilterMetadata: map[string]*structpb.Struct{"pad": {Fields: map[string]*structpb.Value{"v": structpb.NewStringValue(big)}}}}
 				cs = append(cs, c)
 			}
-			e.up.set("ns2", TypeCluster, cs...)
+			e.up.set("ns2", xds.TypeCluster, cs...)
 			c := newRawClient(t, e.conn, e.delta, node("ns2", "app", 0))
-			c.subscribe(TypeCluster)
+			c.subscribe(xds.TypeCluster)
 			m := c.recv()
 			if n := len(names(m)); n != 1503 {
 				t.Fatalf("CDS resources = %d, want 1503", n)
@@ -625,7 +626,7 @@ func (c *rawClient) recvAll(typeURL string, want ...string) {
 		m := c.recvSotWOrDelta(typeURL)
 		for _, n := range names(m) {
 			if !slices.Contains(want, n) {
-				c.t.Fatalf("got %s %s, want only %v", ShortType(typeURL), n, want)
+				c.t.Fatalf("got %s %s, want only %v", xds.ShortType(typeURL), n, want)
 			}
 			delete(missing, n)
 		}
@@ -638,7 +639,7 @@ func (c *rawClient) recvSotWOrDelta(typeURL string) proto.Message {
 	c.t.Helper()
 	m := c.recv()
 	if typeOf(m) != typeURL {
-		c.t.Fatalf("got %s, want %s", ShortType(typeOf(m)), ShortType(typeURL))
+		c.t.Fatalf("got %s, want %s", xds.ShortType(typeOf(m)), xds.ShortType(typeURL))
 	}
 	return m
 }
@@ -647,7 +648,7 @@ func (c *rawClient) recvSotWOrDelta(typeURL string) proto.Message {
 // clusters (updates may still be on their way to the relay).
 func syncAllExpect(c *rawClient, clusters ...string) {
 	c.t.Helper()
-	c.subscribe(TypeCluster)
+	c.subscribe(xds.TypeCluster)
 	held := map[string]bool{}
 	for range 10 {
 		m := c.recv()
@@ -669,7 +670,7 @@ func syncAllExpect(c *rawClient, clusters ...string) {
 }
 
 func subscriptionOf(typeURL string) []string {
-	if typeURL == TypeEndpoint {
+	if typeURL == xds.TypeEndpoint {
 		return []string{"c0", "c1", "c2"}
 	}
 	return nil
@@ -735,7 +736,7 @@ func (e *env) moved(t *testing.T, content string, order func(ledger.Order) ledge
 	t.Helper()
 	c := e.client(0)
 	if e.delta {
-		c.subscribe(TypeCluster)
+		c.subscribe(xds.TypeCluster)
 		d := c.recv().(*discovery.DeltaDiscoveryResponse)
 		c.ack(d)
 		c.close()
@@ -743,17 +744,17 @@ func (e *env) moved(t *testing.T, content string, order func(ledger.Order) ledge
 		declared["c0"] = stampedVersion(ledger.HashBytes([]byte(content)), order(orderOf(t, declared["c0"])))
 		delete(declared, "c2")
 		c = e.client(0)
-		c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeCluster, InitialResourceVersions: declared})
+		c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, InitialResourceVersions: declared})
 		return c, declared["c0"]
 	}
-	c.subscribe(TypeEndpoint, "c0", "c1")
+	c.subscribe(xds.TypeEndpoint, "c0", "c1")
 	m := c.recv()
 	c.ack(m)
 	c.close()
 	claim := stampedVersion(ledger.HashBytes([]byte(content)), order(orderOf(t, versionOf(m))))
 	c = e.client(0)
-	c.send(&discovery.DiscoveryRequest{TypeUrl: TypeEndpoint, ResourceNames: []string{"c0", "c1"}, VersionInfo: claim})
-	c.subs[TypeEndpoint] = []string{"c0", "c1"}
+	c.send(&discovery.DiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNames: []string{"c0", "c1"}, VersionInfo: claim})
+	c.subs[xds.TypeEndpoint] = []string{"c0", "c1"}
 	return c, claim
 }
 

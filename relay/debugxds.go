@@ -18,6 +18,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // istiod answers two debug type URLs on its ADS port, and istioctl asks
@@ -35,7 +36,7 @@ const (
 )
 
 // synczTypes are the types a syncz answer gives the status of, as istiod's.
-var synczTypes = []string{TypeListener, TypeRoute, TypeEndpoint, TypeCluster, TypeExtension}
+var synczTypes = []string{xds.TypeListener, xds.TypeRoute, xds.TypeEndpoint, xds.TypeCluster, xds.TypeExtension}
 
 // answerDebugSotW answers a SotW request for a debug type URL. A debug
 // client is not an Envoy: its stream joins no key. An ACK or a NACK of an

@@ -9,6 +9,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // serveDelta serves one Delta (incremental) ADS stream that came in on
@@ -47,7 +48,7 @@ func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 	if typeURL == "" {
 		return status.Error(codes.InvalidArgument, "type_url is required on an ADS stream")
 	}
-	if !Cached(typeURL) {
+	if !xds.Cached(typeURL) {
 		return s.passthroughDelta(req)
 	}
 	subscribe, unsubscribe := req.GetResourceNamesSubscribe(), req.GetResourceNamesUnsubscribe()
@@ -57,9 +58,9 @@ func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 
 	sub := s.subs[typeURL]
 	if sub == nil {
-		legacy := len(subscribe) == 0 && LegacyWildcard(typeURL)
-		wildcard := (legacy || slices.Contains(subscribe, WildcardName)) && !slices.Contains(unsubscribe, WildcardName)
-		names := NewNameSet(subscribe).With(nil, unsubscribe)
+		legacy := len(subscribe) == 0 && xds.LegacyWildcard(typeURL)
+		wildcard := (legacy || slices.Contains(subscribe, xds.WildcardName)) && !slices.Contains(unsubscribe, xds.WildcardName)
+		names := xds.NewNameSet(subscribe).With(nil, unsubscribe)
 		sub = s.newSub(typeURL, wildcard, legacy, names)
 		// A peer relay is answered on every type, even with nothing new:
 		// the answers tell it its source confirms its views.
@@ -86,13 +87,13 @@ func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 		return err
 	}
 	wildcard := sub.wildcard
-	if slices.Contains(subscribe, WildcardName) {
+	if slices.Contains(subscribe, xds.WildcardName) {
 		wildcard = true
 	}
-	if slices.Contains(unsubscribe, WildcardName) {
+	if slices.Contains(unsubscribe, xds.WildcardName) {
 		wildcard = false
 	}
-	add, drop := NewNameSet(subscribe), NewNameSet(unsubscribe)
+	add, drop := xds.NewNameSet(subscribe), xds.NewNameSet(unsubscribe)
 	// A name subscribed again is sent again even if the client declared it:
 	// the client may have forgotten it (Envoy #22418).
 	s.resubscribe(sub, wildcard, sub.names.With(add, drop), add)
@@ -110,11 +111,11 @@ var unknownContent = ledger.Hash{}
 // resource is sent again if it exists, and removed if not. Another relay's
 // Orders move this relay's clock (ledger.Clock); an Envoy's are its own
 // word and move nothing.
-func (s *stream) declared(sub *typeSub, versions map[string]string) (known ledger.Tree[*Resource], orders orderSet, unordered bool) {
+func (s *stream) declared(sub *typeSub, versions map[string]string) (known ledger.Tree[*xds.Resource], orders orderSet, unordered bool) {
 	if len(versions) == 0 {
-		return ledger.Tree[*Resource]{}, nil, false
+		return ledger.Tree[*xds.Resource]{}, nil, false
 	}
-	b := ledger.Tree[*Resource]{}.Edit()
+	b := ledger.Tree[*xds.Resource]{}.Edit()
 	for name, v := range versions {
 		if !sub.wildcard && !sub.names.Has(name) {
 			continue

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshrelay/meshrelay/relay/xds"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -44,8 +45,8 @@ func (e *secureEnv) member(t *testing.T, i int, ttl time.Duration) (*rawClient, 
 	tok := e.issuer.Sign(t, authtest.Token{Namespace: "ns1", ServiceAccount: "app", TTL: ttl})
 	conn := e.dial(t, creds{token: tok, perRPC: true})
 	c := newRawClient(t, conn, true, saNode("ns1", "app", i))
-	c.subscribe(TypeCluster, "*")
-	if got := names(c.recvDelta(TypeCluster)); len(got) != 3 {
+	c.subscribe(xds.TypeCluster, "*")
+	if got := names(c.recvDelta(xds.TypeCluster)); len(got) != 3 {
 		t.Fatalf("member %d: clusters %v, want the 3 of ns1", i, got)
 	}
 	c.quiet()
@@ -92,8 +93,8 @@ func TestForwardPresentsAMembersToken(t *testing.T) {
 	// Nothing reached the remaining member in between: its next response
 	// is the barrier's, then exactly the change made now.
 	b.quiet()
-	e.up.set("ns1", TypeCluster, mkCluster("c0"), mkCluster("c1"), mkCluster("c2"), mkCluster("c-new"))
-	if got := names(b.recvDelta(TypeCluster)); !slices.Equal(got, []string{"c-new"}) {
+	e.up.set("ns1", xds.TypeCluster, mkCluster("c0"), mkCluster("c1"), mkCluster("c2"), mkCluster("c-new"))
+	if got := names(b.recvDelta(xds.TypeCluster)); !slices.Equal(got, []string{"c-new"}) {
 		t.Fatalf("after the re-home the member got %v, want only the new cluster", got)
 	}
 	b.ack(b.last)

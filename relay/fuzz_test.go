@@ -18,6 +18,7 @@ import (
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	runtimev3 "github.com/envoyproxy/go-control-plane/envoy/service/runtime/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
 	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -29,6 +30,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // The relay decodes three kinds of untrusted input: requests from Envoys
@@ -86,7 +88,7 @@ func appendChunk(tb testing.TB, b []byte, ctl byte, m proto.Message) []byte {
 
 // fuzzTypes are the type URLs a request's control byte can set: every
 // cached type and Istio's NDS, which passes through.
-var fuzzTypes = append(slices.Clone(PushOrder), typeNDS)
+var fuzzTypes = append(slices.Clone(xds.PushOrder), typeNDS)
 
 // typeOfCtl returns the type URL bits 3-6 of ctl set, or "".
 func typeOfCtl(ctl byte) string {
@@ -139,41 +141,41 @@ func anys(ms ...proto.Message) []*anypb.Any {
 var fuzzViews = sync.OnceValue(func() []map[string][]*anypb.Any {
 	return []map[string][]*anypb.Any{
 		{ // 0: two services behind one listener
-			TypeCluster:  anys(mkCluster("c0"), mkCluster("c1")),
-			TypeEndpoint: anys(mkCLA("c0", 8080), mkCLA("c1", 8080)),
-			TypeListener: anys(mkListener("l80", "r80")),
-			TypeRoute:    anys(mkRoute("r80", "c0", "c1")),
+			xds.TypeCluster:  anys(mkCluster("c0"), mkCluster("c1")),
+			xds.TypeEndpoint: anys(mkCLA("c0", 8080), mkCLA("c1", 8080)),
+			xds.TypeListener: anys(mkListener("l80", "r80")),
+			xds.TypeRoute:    anys(mkRoute("r80", "c0", "c1")),
 		},
 		{ // 1: c0 changed, c1 gone, c2 and a second listener added
-			TypeCluster:  anys(mkCluster("c0", "changed"), mkCluster("c2")),
-			TypeEndpoint: anys(mkCLA("c0", 9090), mkCLA("c2", 8080)),
-			TypeListener: anys(mkListener("l80", "r80"), mkListener("l81", "r81")),
-			TypeRoute:    anys(mkRoute("r80", "c0"), mkRoute("r81", "c2")),
-			TypeRuntime:  anys(&runtimev3.Runtime{Name: "rt0", Layer: &structpb.Struct{}}),
+			xds.TypeCluster:  anys(mkCluster("c0", "changed"), mkCluster("c2")),
+			xds.TypeEndpoint: anys(mkCLA("c0", 9090), mkCLA("c2", 8080)),
+			xds.TypeListener: anys(mkListener("l80", "r80"), mkListener("l81", "r81")),
+			xds.TypeRoute:    anys(mkRoute("r80", "c0"), mkRoute("r81", "c2")),
+			xds.TypeRuntime:  anys(&runtimev3.Runtime{Name: "rt0", Layer: &structpb.Struct{}}),
 		},
 		{ // 2: shrunk to one cluster; endpoints and listeners emptied
-			TypeCluster:  anys(mkCluster("c0")),
-			TypeEndpoint: nil,
-			TypeListener: nil,
-			TypeRoute:    anys(mkRoute("r80", "c0")),
+			xds.TypeCluster:  anys(mkCluster("c0")),
+			xds.TypeEndpoint: nil,
+			xds.TypeListener: nil,
+			xds.TypeRoute:    anys(mkRoute("r80", "c0")),
 		},
 		{ // 3: c2 removed while route r81 still uses it; c0 changed, its endpoints not
-			TypeCluster:  anys(mkCluster("c0", "changed again")),
-			TypeEndpoint: anys(mkCLA("c0", 9090)),
-			TypeListener: anys(mkListener("l80", "r80"), mkListener("l81", "r81")),
-			TypeRoute:    anys(mkRoute("r80", "c0"), mkRoute("r81", "c2")),
+			xds.TypeCluster:  anys(mkCluster("c0", "changed again")),
+			xds.TypeEndpoint: anys(mkCLA("c0", 9090)),
+			xds.TypeListener: anys(mkListener("l80", "r80"), mkListener("l81", "r81")),
+			xds.TypeRoute:    anys(mkRoute("r80", "c0"), mkRoute("r81", "c2")),
 		},
 		{ // 4: c1 changed while its endpoints are gone
-			TypeCluster:  anys(mkCluster("c0"), mkCluster("c1", "changed")),
-			TypeEndpoint: anys(mkCLA("c0", 8080)),
-			TypeListener: anys(mkListener("l80", "r80")),
-			TypeRoute:    anys(mkRoute("r80", "c0", "c1")),
+			xds.TypeCluster:  anys(mkCluster("c0"), mkCluster("c1", "changed")),
+			xds.TypeEndpoint: anys(mkCLA("c0", 8080)),
+			xds.TypeListener: anys(mkListener("l80", "r80")),
+			xds.TypeRoute:    anys(mkRoute("r80", "c0", "c1")),
 		},
 		{ // 5: as 3, c0 changed back
-			TypeCluster:  anys(mkCluster("c0")),
-			TypeEndpoint: anys(mkCLA("c0", 9090)),
-			TypeListener: anys(mkListener("l80", "r80"), mkListener("l81", "r81")),
-			TypeRoute:    anys(mkRoute("r80", "c0"), mkRoute("r81", "c2")),
+			xds.TypeCluster:  anys(mkCluster("c0")),
+			xds.TypeEndpoint: anys(mkCLA("c0", 9090)),
+			xds.TypeListener: anys(mkListener("l80", "r80"), mkListener("l81", "r81")),
+			xds.TypeRoute:    anys(mkRoute("r80", "c0"), mkRoute("r81", "c2")),
 		},
 	}
 })
@@ -214,10 +216,10 @@ type downHarness struct {
 	s     *stream
 	delta bool
 
-	views  map[int]map[string]ledger.Tree[*Resource] // fuzzViews decoded into r's store
-	nonces map[string]bool                           // every nonce sent on the stream
-	last   map[string]*outgoing                      // the latest response, by type
-	acked  map[string]string                         // seeds: the latest version ACKed, by type
+	views  map[int]map[string]ledger.Tree[*xds.Resource] // fuzzViews decoded into r's store
+	nonces map[string]bool                               // every nonce sent on the stream
+	last   map[string]*outgoing                          // the latest response, by type
+	acked  map[string]string                             // seeds: the latest version ACKed, by type
 	// model is what the client holds, by type and name, as the responses
 	// and its own requests say (a NACKed response counts as held, as the
 	// relay assumes); unknown marks SotW types whose first request claimed
@@ -249,7 +251,7 @@ func newDownHarness(t testing.TB, conn *grpc.ClientConn, delta bool) *downHarnes
 	r.cancel() // see downHarness
 	h := &downHarness{
 		t: t, r: r, delta: delta,
-		views:   make(map[int]map[string]ledger.Tree[*Resource]),
+		views:   make(map[int]map[string]ledger.Tree[*xds.Resource]),
 		nonces:  make(map[string]bool),
 		last:    make(map[string]*outgoing),
 		acked:   make(map[string]string),
@@ -268,13 +270,13 @@ func newDownHarness(t testing.TB, conn *grpc.ClientConn, delta bool) *downHarnes
 
 // view returns generation gen of fuzzViews, decoded into the relay's store
 // the way the upstream client does.
-func (h *downHarness) view(gen int) map[string]ledger.Tree[*Resource] {
+func (h *downHarness) view(gen int) map[string]ledger.Tree[*xds.Resource] {
 	if v, ok := h.views[gen]; ok {
 		return v
 	}
-	v := make(map[string]ledger.Tree[*Resource])
+	v := make(map[string]ledger.Tree[*xds.Resource])
 	for typeURL, as := range fuzzViews()[gen] {
-		b := ledger.Tree[*Resource]{}.Edit()
+		b := ledger.Tree[*xds.Resource]{}.Edit()
 		for _, a := range as {
 			x, err := h.r.store.Decode(typeURL, a, "")
 			if err != nil {
@@ -363,7 +365,7 @@ func (h *downHarness) step(ctl byte, msg []byte) bool {
 // the relay never issued).
 type heldRes struct {
 	hash ledger.Hash
-	res  *Resource
+	res  *xds.Resource
 }
 
 // clientRequested updates the model of what the client holds after one of
@@ -426,7 +428,7 @@ func (h *downHarness) checkConverged() {
 		if ts == nil || !ts.ready || h.unknown[typeURL] || (sub.wildcard && !ts.full) {
 			continue // the client waits
 		}
-		typ := ShortType(typeURL)
+		typ := xds.ShortType(typeURL)
 		held := h.model[typeURL]
 		for e := range ts.view.All() {
 			if !sub.wildcard && !sub.names.Has(e.Name) {
@@ -436,7 +438,7 @@ func (h *downHarness) checkConverged() {
 				h.fatalf("%s: the key has %q at %.8s, the client holds it: %v at %.8s, and nothing was sent", typ, e.Name, e.Hash, ok, have.hash)
 			}
 		}
-		if !h.delta && !FullStateSotW(typeURL) {
+		if !h.delta && !xds.FullStateSotW(typeURL) {
 			continue
 		}
 		for _, n := range slices.Sorted(maps.Keys(held)) {
@@ -462,7 +464,7 @@ func (h *downHarness) sync() {
 		h.fatalf("sync: %v", err)
 	}
 	for _, e := range slices.Sorted(maps.Keys(h.warming)) {
-		if h.wants(TypeEndpoint, e) {
+		if h.wants(xds.TypeEndpoint, e) {
 			h.fatalf("cds: cluster %q changed but its endpoints %q did not follow in the same sync: Envoy keeps the cluster warming", h.warming[e], e)
 		}
 	}
@@ -489,11 +491,11 @@ func (h *downHarness) wants(typeURL, name string) bool {
 // resources, and how: what a removal must wait for.
 var referrers = map[string][]struct {
 	typeURL string
-	kind    RefKind
+	kind    xds.RefKind
 }{
-	TypeCluster:  {{TypeListener, RefClusters}, {TypeRoute, RefClusters}},
-	TypeEndpoint: {{TypeCluster, RefEndpoints}},
-	TypeRoute:    {{TypeListener, RefRoutes}, {TypeScopedRoute, RefRoutes}},
+	xds.TypeCluster:  {{xds.TypeListener, xds.RefClusters}, {xds.TypeRoute, xds.RefClusters}},
+	xds.TypeEndpoint: {{xds.TypeCluster, xds.RefEndpoints}},
+	xds.TypeRoute:    {{xds.TypeListener, xds.RefRoutes}, {xds.TypeScopedRoute, xds.RefRoutes}},
 }
 
 // checkOrder checks a response against what the client holds before it:
@@ -502,26 +504,26 @@ var referrers = map[string][]struct {
 // the client holds refers to it, and a changed cluster's endpoints are
 // noted, to follow.
 func (h *downHarness) checkOrder(o *outgoing) {
-	typ := ShortType(o.typeURL)
+	typ := xds.ShortType(o.typeURL)
 	snap := h.s.key.snap.Load()
 	for _, x := range o.upd {
-		for _, c := range x.Refs(RefClusters) {
-			if h.wants(TypeCluster, c) {
-				e, _ := snap.types[TypeCluster].view.Get(c)
-				if have := h.model[TypeCluster][c]; have.hash != e.Hash {
+		for _, c := range x.Refs(xds.RefClusters) {
+			if h.wants(xds.TypeCluster, c) {
+				e, _ := snap.types[xds.TypeCluster].view.Get(c)
+				if have := h.model[xds.TypeCluster][c]; have.hash != e.Hash {
 					h.fatalf("%s response (nonce %s) sends %q, which uses cluster %q, before that cluster (the client holds it at %.8s, the key at %.8s)",
 						typ, o.nonce, x.Name, c, have.hash, e.Hash)
 				}
 			}
 		}
-		if o.typeURL == TypeCluster {
-			if have, ok := h.model[TypeCluster][x.Name]; ok && have.hash != x.Hash {
-				for _, e := range x.Refs(RefEndpoints) {
+		if o.typeURL == xds.TypeCluster {
+			if have, ok := h.model[xds.TypeCluster][x.Name]; ok && have.hash != x.Hash {
+				for _, e := range x.Refs(xds.RefEndpoints) {
 					h.warming[e] = x.Name
 				}
 			}
 		}
-		if o.typeURL == TypeEndpoint {
+		if o.typeURL == xds.TypeEndpoint {
 			delete(h.warming, x.Name)
 		}
 	}
@@ -530,7 +532,7 @@ func (h *downHarness) checkOrder(o *outgoing) {
 		// SotW removes by omission from a full state, and only there.
 		removed = nil
 		for n := range h.model[o.typeURL] {
-			if o.fullSotW() != nil && !slices.ContainsFunc(o.fullSotW(), func(x *Resource) bool { return x.Name == n }) {
+			if o.fullSotW() != nil && !slices.ContainsFunc(o.fullSotW(), func(x *xds.Resource) bool { return x.Name == n }) {
 				removed = append(removed, n)
 			}
 		}
@@ -555,14 +557,14 @@ func (h *downHarness) referredBy(typeURL, name string) string {
 			if have.res == nil || !slices.Contains(have.res.Refs(ref.kind), name) {
 				continue
 			}
-			if !h.delta && !FullStateSotW(ref.typeURL) {
+			if !h.delta && !xds.FullStateSotW(ref.typeURL) {
 				if ts := snap.types[ref.typeURL]; ts == nil {
 					continue
 				} else if _, ok := ts.view.Get(n); !ok {
 					continue
 				}
 			}
-			return ShortType(ref.typeURL) + " " + strconv.Quote(n)
+			return xds.ShortType(ref.typeURL) + " " + strconv.Quote(n)
 		}
 	}
 	return ""
@@ -579,7 +581,7 @@ func (h *downHarness) fatalf(format string, args ...any) {
 
 // checkResponse is the stream's send: it checks one outgoing response.
 func (h *downHarness) checkResponse(o *outgoing) error {
-	typ := ShortType(o.typeURL)
+	typ := xds.ShortType(o.typeURL)
 	sub := h.s.subs[o.typeURL]
 	if sub == nil {
 		h.fatalf("response of %s (%s), a type the stream never subscribed to", typ, o.typeURL)
@@ -597,7 +599,7 @@ func (h *downHarness) checkResponse(o *outgoing) error {
 	if ts := h.s.key.snap.Load().types[o.typeURL]; sub.wildcard && (ts == nil || !ts.full) {
 		h.fatalf("%s response (nonce %s) to a wildcard subscription from a view that is not the full set", typ, o.nonce)
 	}
-	checkRes := func(what string, x *Resource) {
+	checkRes := func(what string, x *xds.Resource) {
 		if x == nil || x.Body == nil {
 			h.fatalf("%s response (nonce %s): nil resource in %s", typ, o.nonce, what)
 		}
@@ -631,12 +633,12 @@ func (h *downHarness) checkResponse(o *outgoing) error {
 		if o.fullSotW() != nil {
 			h.fatalf("delta %s response (nonce %s) carries a SotW full state", typ, o.nonce)
 		}
-	case FullStateSotW(o.typeURL):
+	case xds.FullStateSotW(o.typeURL):
 		if o.fullSotW() == nil {
 			h.fatalf("SotW %s response (nonce %s) without its full state", typ, o.nonce)
 		}
 		full := make(map[string]bool, len(o.fullSotW()))
-		b := ledger.Tree[*Resource]{}.Edit()
+		b := ledger.Tree[*xds.Resource]{}.Edit()
 		for _, x := range o.fullSotW() {
 			checkRes("the full state", x)
 			if full[x.Name] {
@@ -689,14 +691,14 @@ func (h *downHarness) checkState(when string) {
 	h.t.Helper()
 	for typeURL, sub := range h.s.subs {
 		if sub.legacy && !sub.wildcard {
-			h.fatalf("%s: %s subscription is legacy wildcard but not wildcard", when, ShortType(typeURL))
+			h.fatalf("%s: %s subscription is legacy wildcard but not wildcard", when, xds.ShortType(typeURL))
 		}
 		if sub.wildcard {
 			continue
 		}
 		for e := range sub.known.All() {
 			if !sub.names.Has(e.Name) {
-				h.fatalf("%s: %s: the stream holds %q but subscribes only to %v", when, ShortType(typeURL), e.Name, sub.names)
+				h.fatalf("%s: %s: the stream holds %q but subscribes only to %v", when, xds.ShortType(typeURL), e.Name, sub.names)
 			}
 		}
 	}
@@ -711,15 +713,15 @@ func (h *downHarness) checkState(when string) {
 	for _, typeURL := range slices.Sorted(maps.Keys(k.want)) {
 		w := k.want[typeURL]
 		if w.wildcard < 0 {
-			h.fatalf("%s: key wants %s with a wildcard count of %d", when, ShortType(typeURL), w.wildcard)
+			h.fatalf("%s: key wants %s with a wildcard count of %d", when, xds.ShortType(typeURL), w.wildcard)
 		}
 		for n, c := range w.names {
 			if c <= 0 {
-				h.fatalf("%s: key wants %s %q with a count of %d", when, ShortType(typeURL), n, c)
+				h.fatalf("%s: key wants %s %q with a count of %d", when, xds.ShortType(typeURL), n, c)
 			}
 		}
 		if h.s.subs[typeURL] == nil {
-			h.fatalf("%s: key wants %s (wildcard %d, names %v) that the stream never subscribed to", when, ShortType(typeURL), w.wildcard, w.names)
+			h.fatalf("%s: key wants %s (wildcard %d, names %v) that the stream never subscribed to", when, xds.ShortType(typeURL), w.wildcard, w.names)
 		}
 	}
 	for typeURL, sub := range h.s.subs {
@@ -735,7 +737,7 @@ func (h *downHarness) checkState(when string) {
 		counts := slices.Collect(maps.Values(w.names))
 		if w.wildcard != wantWildcard || !slices.Equal(got, []string(sub.names)) || slices.ContainsFunc(counts, func(c int) bool { return c != 1 }) {
 			h.fatalf("%s: key wants %s {wildcard %d, names %v}, want {wildcard %d, names %v each counted once} (the stream's subscription)",
-				when, ShortType(typeURL), w.wildcard, w.names, wantWildcard, sub.names)
+				when, xds.ShortType(typeURL), w.wildcard, w.names, wantWildcard, sub.names)
 		}
 	}
 }
@@ -782,7 +784,7 @@ func (h *downHarness) finish() {
 		h.t.Fatalf("after close the key still has %d members", len(k.members))
 	}
 	for typeURL, w := range k.want {
-		h.t.Fatalf("after close the key still wants %s {wildcard %d, names %v}: the stream's counts were not released", ShortType(typeURL), w.wildcard, w.names)
+		h.t.Fatalf("after close the key still wants %s {wildcard %d, names %v}: the stream's counts were not released", xds.ShortType(typeURL), w.wildcard, w.names)
 	}
 }
 
@@ -905,71 +907,71 @@ func sotwSeeds() [][]downStep {
 		// alone (its endpoints must follow) and one goes while a route
 		// still uses it.
 		{
-			plain(0, &discovery.DiscoveryRequest{TypeUrl: TypeCluster, Node: istioNode}),
-			sotwAck(0, TypeCluster),
-			plain(0, sotwReq(TypeEndpoint, eds...)),
-			sotwAck(0, TypeEndpoint, eds...),
-			plain(0, sotwReq(TypeListener)),
-			sotwAck(0, TypeListener),
-			plain(0, sotwReq(TypeRoute, "r80")),
-			sotwAck(1, TypeRoute, "r80"),
-			sotwAck(fuzzKeep, TypeCluster),
-			sotwAck(fuzzKeep, TypeEndpoint, "c0", "c2"),
-			sotwAck(fuzzKeep, TypeListener),
-			sotwAck(fuzzKeep, TypeRoute, "r80", "r81"),
-			sotwAck(3, TypeCluster),
-			sotwAck(fuzzKeep, TypeEndpoint, "c0", "c2"),
-			sotwAck(2, TypeCluster),
+			plain(0, &discovery.DiscoveryRequest{TypeUrl: xds.TypeCluster, Node: istioNode}),
+			sotwAck(0, xds.TypeCluster),
+			plain(0, sotwReq(xds.TypeEndpoint, eds...)),
+			sotwAck(0, xds.TypeEndpoint, eds...),
+			plain(0, sotwReq(xds.TypeListener)),
+			sotwAck(0, xds.TypeListener),
+			plain(0, sotwReq(xds.TypeRoute, "r80")),
+			sotwAck(1, xds.TypeRoute, "r80"),
+			sotwAck(fuzzKeep, xds.TypeCluster),
+			sotwAck(fuzzKeep, xds.TypeEndpoint, "c0", "c2"),
+			sotwAck(fuzzKeep, xds.TypeListener),
+			sotwAck(fuzzKeep, xds.TypeRoute, "r80", "r81"),
+			sotwAck(3, xds.TypeCluster),
+			sotwAck(fuzzKeep, xds.TypeEndpoint, "c0", "c2"),
+			sotwAck(2, xds.TypeCluster),
 		},
 		// A NACK with error_detail, then an ACK of the next version.
 		{
-			plain(0, sotwFirst(TypeCluster)),
-			sotwNack(fuzzKeep, TypeCluster, "cluster c1: invalid outlier detection"),
-			sotwNack(1, TypeCluster, "cluster c1: invalid outlier detection"),
-			sotwAck(fuzzKeep, TypeCluster),
+			plain(0, sotwFirst(xds.TypeCluster)),
+			sotwNack(fuzzKeep, xds.TypeCluster, "cluster c1: invalid outlier detection"),
+			sotwNack(1, xds.TypeCluster, "cluster c1: invalid outlier detection"),
+			sotwAck(fuzzKeep, xds.TypeCluster),
 		},
 		// A reconnecting Envoy claims the current CDS version (it is
 		// current: nothing to send), and a garbage EDS version.
 		{
 			{0, func(h *downHarness) proto.Message {
-				r := sotwFirst(TypeCluster)
-				r.VersionInfo = h.view(0)[TypeCluster].Root().String()
+				r := sotwFirst(xds.TypeCluster)
+				r.VersionInfo = h.view(0)[xds.TypeCluster].Root().String()
 				return r
 			}},
-			plain(0, &discovery.DiscoveryRequest{TypeUrl: TypeEndpoint, VersionInfo: "v17", ResourceNames: eds}),
-			sotwAck(1, TypeCluster),
+			plain(0, &discovery.DiscoveryRequest{TypeUrl: xds.TypeEndpoint, VersionInfo: "v17", ResourceNames: eds}),
+			sotwAck(1, xds.TypeCluster),
 		},
 		// Explicit wildcard with a name, then names only, then wildcard.
 		{
-			plain(0, sotwFirst(TypeCluster, "*", "c9")),
-			sotwAck(fuzzKeep, TypeCluster, "c0"),
-			sotwAck(1, TypeCluster, "*"),
-			sotwAck(2, TypeCluster, "c0", "c2"),
+			plain(0, sotwFirst(xds.TypeCluster, "*", "c9")),
+			sotwAck(fuzzKeep, xds.TypeCluster, "c0"),
+			sotwAck(1, xds.TypeCluster, "*"),
+			sotwAck(2, xds.TypeCluster, "c0", "c2"),
 		},
 		// A stale nonce is ignored.
 		{
-			plain(0, sotwFirst(TypeCluster)),
-			plain(1, &discovery.DiscoveryRequest{TypeUrl: TypeCluster, ResponseNonce: "999"}),
-			sotwAck(fuzzKeep, TypeCluster),
+			plain(0, sotwFirst(xds.TypeCluster)),
+			plain(1, &discovery.DiscoveryRequest{TypeUrl: xds.TypeCluster, ResponseNonce: "999"}),
+			sotwAck(fuzzKeep, xds.TypeCluster),
 		},
 		// EDS subscribe, unsubscribe one name, then everything.
 		{
-			plain(0, sotwFirst(TypeEndpoint, eds...)),
-			sotwAck(0, TypeEndpoint, "c0"),
-			sotwAck(0, TypeEndpoint),
-			sotwAck(1, TypeEndpoint, "c2", "c9"),
+			plain(0, sotwFirst(xds.TypeEndpoint, eds...)),
+			sotwAck(0, xds.TypeEndpoint, "c0"),
+			sotwAck(0, xds.TypeEndpoint),
+			sotwAck(1, xds.TypeEndpoint, "c2", "c9"),
 		},
 		// Istio's NDS passes through on the same stream.
 		{
 			plain(fuzzKeep, ndsReq),
-			plain(0, sotwReq(TypeCluster)),
+			plain(0, sotwReq(xds.TypeCluster)),
 			plain(0, &discovery.DiscoveryRequest{TypeUrl: typeNDS, ResponseNonce: "1"}),
-			sotwAck(1, TypeCluster),
+			sotwAck(1, xds.TypeCluster),
 		},
 		// Refused: no node on the first request; no type URL; too many names.
-		{plain(0, sotwReq(TypeCluster))},
+		{plain(0, sotwReq(xds.TypeCluster))},
 		{plain(0, &discovery.DiscoveryRequest{Node: fuzzNode})},
-		{plain(0, sotwFirst(TypeEndpoint, strings.Split("a b c d e f g h i j k l m n o p q", " ")...))},
+		{plain(0, sotwFirst(xds.TypeEndpoint, strings.Split("a b c d e f g h i j k l m n o p q", " ")...))},
 	}
 }
 
@@ -978,81 +980,81 @@ func deltaSeeds() [][]downStep {
 	return [][]downStep{
 		// An Envoy starting, then following a change.
 		{
-			plain(0, &discovery.DeltaDiscoveryRequest{TypeUrl: TypeCluster, Node: istioNode}),
-			deltaAck(0, TypeCluster, "", none, none),
-			plain(0, deltaReq(TypeEndpoint, []string{"c0", "c1"}, none)),
-			deltaAck(0, TypeEndpoint, "", none, none),
-			plain(0, deltaReq(TypeListener, none, none)),
-			deltaAck(0, TypeListener, "", none, none),
-			plain(0, deltaReq(TypeRoute, []string{"r80"}, none)),
-			deltaAck(1, TypeRoute, "", none, none),
-			deltaAck(fuzzKeep, TypeCluster, "", none, none),
-			deltaAck(fuzzKeep, TypeEndpoint, "", []string{"c2"}, []string{"c1"}),
-			deltaAck(fuzzKeep, TypeListener, "", none, none),
-			deltaAck(fuzzKeep, TypeRoute, "", []string{"r81"}, none),
-			deltaAck(3, TypeCluster, "", none, none),
-			deltaAck(fuzzKeep, TypeEndpoint, "", none, none),
-			deltaAck(2, TypeCluster, "", none, none),
+			plain(0, &discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, Node: istioNode}),
+			deltaAck(0, xds.TypeCluster, "", none, none),
+			plain(0, deltaReq(xds.TypeEndpoint, []string{"c0", "c1"}, none)),
+			deltaAck(0, xds.TypeEndpoint, "", none, none),
+			plain(0, deltaReq(xds.TypeListener, none, none)),
+			deltaAck(0, xds.TypeListener, "", none, none),
+			plain(0, deltaReq(xds.TypeRoute, []string{"r80"}, none)),
+			deltaAck(1, xds.TypeRoute, "", none, none),
+			deltaAck(fuzzKeep, xds.TypeCluster, "", none, none),
+			deltaAck(fuzzKeep, xds.TypeEndpoint, "", []string{"c2"}, []string{"c1"}),
+			deltaAck(fuzzKeep, xds.TypeListener, "", none, none),
+			deltaAck(fuzzKeep, xds.TypeRoute, "", []string{"r81"}, none),
+			deltaAck(3, xds.TypeCluster, "", none, none),
+			deltaAck(fuzzKeep, xds.TypeEndpoint, "", none, none),
+			deltaAck(2, xds.TypeCluster, "", none, none),
 		},
 		// A reconnect declaring initial_resource_versions: current
 		// versions, garbage, a well-formed version of nothing, and a name
 		// it does not subscribe to.
 		{
 			{0, func(h *downHarness) proto.Message {
-				r := deltaFirst(TypeCluster)
-				r.InitialResourceVersions = declaredOf(h, 0, TypeCluster)
+				r := deltaFirst(xds.TypeCluster)
+				r.InitialResourceVersions = declaredOf(h, 0, xds.TypeCluster)
 				r.InitialResourceVersions["c1"] = "garbage"
 				r.InitialResourceVersions["c7"] = strings.Repeat("0", 64)
 				return r
 			}},
 			{0, func(h *downHarness) proto.Message {
-				r := deltaReq(TypeEndpoint, []string{"c0", "c1"}, nil)
-				r.InitialResourceVersions = declaredOf(h, 0, TypeEndpoint)
+				r := deltaReq(xds.TypeEndpoint, []string{"c0", "c1"}, nil)
+				r.InitialResourceVersions = declaredOf(h, 0, xds.TypeEndpoint)
 				r.InitialResourceVersions["c1"] = ""
-				r.InitialResourceVersions["c5"] = declaredOf(h, 1, TypeEndpoint)["c2"]
+				r.InitialResourceVersions["c5"] = declaredOf(h, 1, xds.TypeEndpoint)["c2"]
 				return r
 			}},
-			deltaAck(1, TypeCluster, "", none, none),
-			deltaAck(fuzzKeep, TypeEndpoint, "", none, none),
+			deltaAck(1, xds.TypeCluster, "", none, none),
+			deltaAck(fuzzKeep, xds.TypeEndpoint, "", none, none),
 		},
 		// A NACK with error_detail, then the next version is ACKed.
 		{
-			plain(0, deltaFirst(TypeCluster)),
-			deltaAck(1, TypeCluster, "cluster c1: invalid outlier detection", none, none),
-			deltaAck(fuzzKeep, TypeCluster, "", none, none),
+			plain(0, deltaFirst(xds.TypeCluster)),
+			deltaAck(1, xds.TypeCluster, "cluster c1: invalid outlier detection", none, none),
+			deltaAck(fuzzKeep, xds.TypeCluster, "", none, none),
 		},
 		// Wildcard on and off; a name both subscribed and unsubscribed.
 		{
-			plain(0, deltaFirst(TypeCluster, "*", "c0")),
-			deltaAck(fuzzKeep, TypeCluster, "", none, []string{"*"}),
-			deltaAck(1, TypeCluster, "", []string{"*", "c1"}, []string{"c0", "c1"}),
-			deltaAck(fuzzKeep, TypeCluster, "", []string{"c2"}, []string{"*"}),
-			deltaAck(2, TypeCluster, "", none, none),
+			plain(0, deltaFirst(xds.TypeCluster, "*", "c0")),
+			deltaAck(fuzzKeep, xds.TypeCluster, "", none, []string{"*"}),
+			deltaAck(1, xds.TypeCluster, "", []string{"*", "c1"}, []string{"c0", "c1"}),
+			deltaAck(fuzzKeep, xds.TypeCluster, "", []string{"c2"}, []string{"*"}),
+			deltaAck(2, xds.TypeCluster, "", none, none),
 		},
 		// A name subscribed again is sent again (Envoy #22418).
 		{
-			plain(0, deltaFirst(TypeEndpoint, "c0")),
-			deltaAck(fuzzKeep, TypeEndpoint, "", []string{"c0"}, none),
-			deltaAck(fuzzKeep, TypeEndpoint, "", none, none),
+			plain(0, deltaFirst(xds.TypeEndpoint, "c0")),
+			deltaAck(fuzzKeep, xds.TypeEndpoint, "", []string{"c0"}, none),
+			deltaAck(fuzzKeep, xds.TypeEndpoint, "", none, none),
 		},
 		// A cluster removed and added back (go-control-plane #583).
 		{
-			plain(0, deltaFirst(TypeCluster)),
-			plain(0, deltaReq(TypeEndpoint, []string{"c0", "c1"}, none)),
-			deltaAck(2, TypeCluster, "", none, none),
-			deltaAck(0, TypeEndpoint, "", none, none),
-			deltaAck(fuzzKeep, TypeCluster, "", none, none),
+			plain(0, deltaFirst(xds.TypeCluster)),
+			plain(0, deltaReq(xds.TypeEndpoint, []string{"c0", "c1"}, none)),
+			deltaAck(2, xds.TypeCluster, "", none, none),
+			deltaAck(0, xds.TypeEndpoint, "", none, none),
+			deltaAck(fuzzKeep, xds.TypeCluster, "", none, none),
 		},
 		// Istio's NDS passes through.
 		{
 			plain(fuzzKeep, &discovery.DeltaDiscoveryRequest{TypeUrl: typeNDS, Node: fuzzNode}),
-			plain(0, deltaReq(TypeCluster, none, none)),
+			plain(0, deltaReq(xds.TypeCluster, none, none)),
 			plain(fuzzKeep, &discovery.DeltaDiscoveryRequest{TypeUrl: typeNDS, ResponseNonce: "1"}),
 		},
 		// Refused: no node; no type URL; too many names.
-		{plain(0, deltaReq(TypeCluster, none, none))},
+		{plain(0, deltaReq(xds.TypeCluster, none, none))},
 		{plain(0, &discovery.DeltaDiscoveryRequest{Node: fuzzNode})},
-		{plain(0, deltaFirst(TypeEndpoint, strings.Split("a b c d e f g h i j k l m n o p q", " ")...))},
+		{plain(0, deltaFirst(xds.TypeEndpoint, strings.Split("a b c d e f g h i j k l m n o p q", " ")...))},
 	}
 }
 
@@ -1092,20 +1094,20 @@ func FuzzDecode(f *testing.F) {
 		f.Add(typeIdx, name, b)
 	}
 	idx := func(typeURL string) uint8 { return uint8(slices.Index(fuzzTypes, typeURL)) }
-	add(idx(TypeCluster), "", mkCluster("c0"))
-	add(idx(TypeCluster), "c0", mkCluster("c0"))
-	add(idx(TypeCluster), "c1", mkCluster("c0")) // mismatched name
-	add(idx(TypeEndpoint), "c0", mkCLA("c0", 8080, 9090))
-	add(idx(TypeListener), "", mkListener("l80", "r80"))
-	add(idx(TypeRoute), "r80", mkRoute("r80", "c0", "c1"))
-	add(idx(TypeRuntime), "", &runtimev3.Runtime{Name: "rt0", Layer: &structpb.Struct{}})
-	add(idx(TypeCluster), "", &core.Node{Id: "not a cluster"})
-	add(idx(TypeEndpoint), "", mkCluster("c0")) // a cluster's bytes read as a CLA
-	add(idx(typeNDS), "", mkCluster("c0"))      // not a cached type
-	add(128+idx(TypeCluster), "", mkCluster("c0"))
-	f.Add(idx(TypeCluster), "", []byte{})
-	f.Add(idx(TypeRoute), "", []byte{0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f}) // truncated
-	f.Add(idx(TypeListener), "x", []byte("\xff\xfe garbage"))
+	add(idx(xds.TypeCluster), "", mkCluster("c0"))
+	add(idx(xds.TypeCluster), "c0", mkCluster("c0"))
+	add(idx(xds.TypeCluster), "c1", mkCluster("c0")) // mismatched name
+	add(idx(xds.TypeEndpoint), "c0", mkCLA("c0", 8080, 9090))
+	add(idx(xds.TypeListener), "", mkListener("l80", "r80"))
+	add(idx(xds.TypeRoute), "r80", mkRoute("r80", "c0", "c1"))
+	add(idx(xds.TypeRuntime), "", &runtimev3.Runtime{Name: "rt0", Layer: &structpb.Struct{}})
+	add(idx(xds.TypeCluster), "", &core.Node{Id: "not a cluster"})
+	add(idx(xds.TypeEndpoint), "", mkCluster("c0")) // a cluster's bytes read as a CLA
+	add(idx(typeNDS), "", mkCluster("c0"))          // not a cached type
+	add(128+idx(xds.TypeCluster), "", mkCluster("c0"))
+	f.Add(idx(xds.TypeCluster), "", []byte{})
+	f.Add(idx(xds.TypeRoute), "", []byte{0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f}) // truncated
+	f.Add(idx(xds.TypeListener), "x", []byte("\xff\xfe garbage"))
 
 	f.Fuzz(func(t *testing.T, typeIdx uint8, name string, value []byte) {
 		typeURL := fuzzTypes[int(typeIdx%128)%len(fuzzTypes)]
@@ -1113,43 +1115,43 @@ func FuzzDecode(f *testing.F) {
 		if typeIdx >= 128 {
 			anyType = fuzzTypes[(int(typeIdx%128)+1)%len(fuzzTypes)]
 		}
-		s := NewStore()
+		s := xds.NewStore()
 		x, err := s.Decode(typeURL, &anypb.Any{TypeUrl: anyType, Value: value}, name)
 		if err != nil {
 			if x != nil {
-				t.Fatalf("decode(%s, %q) = %v, %v: a resource with an error", ShortType(typeURL), name, x, err)
+				t.Fatalf("decode(%s, %q) = %v, %v: a resource with an error", xds.ShortType(typeURL), name, x, err)
 			}
 			if _, err2 := s.Decode(typeURL, &anypb.Any{TypeUrl: anyType, Value: value}, name); err2 == nil {
-				t.Fatalf("decode(%s, %q) failed (%v), then succeeded", ShortType(typeURL), name, err)
+				t.Fatalf("decode(%s, %q) failed (%v), then succeeded", xds.ShortType(typeURL), name, err)
 			}
 			return
 		}
 		if anyType != typeURL {
-			t.Fatalf("decode(%s) accepted an Any of type %s", ShortType(typeURL), anyType)
+			t.Fatalf("decode(%s) accepted an Any of type %s", xds.ShortType(typeURL), anyType)
 		}
 		if x.Name == "" {
-			t.Fatalf("decode(%s, %q) = a resource without a name", ShortType(typeURL), name)
+			t.Fatalf("decode(%s, %q) = a resource without a name", xds.ShortType(typeURL), name)
 		}
 		if name != "" && x.Name != name {
-			t.Fatalf("decode(%s, %q) = resource named %q", ShortType(typeURL), name, x.Name)
+			t.Fatalf("decode(%s, %q) = resource named %q", xds.ShortType(typeURL), name, x.Name)
 		}
-		if want := ContentHash(typeURL, value); x.Hash != want {
-			t.Fatalf("decode(%s, %q).Hash = %s, want %s", ShortType(typeURL), name, x.Hash, want)
+		if want := xds.ContentHash(typeURL, value); x.Hash != want {
+			t.Fatalf("decode(%s, %q).Hash = %s, want %s", xds.ShortType(typeURL), name, x.Hash, want)
 		}
 		if x.Type != typeURL || x.Body.GetTypeUrl() != typeURL || !bytes.Equal(x.Body.GetValue(), value) {
 			t.Fatalf("decode(%s, %q) = resource of type %s, body %s (%d bytes), want the input (%d bytes)",
-				ShortType(typeURL), name, x.Type, x.Body.GetTypeUrl(), len(x.Body.GetValue()), len(value))
+				xds.ShortType(typeURL), name, x.Type, x.Body.GetTypeUrl(), len(x.Body.GetValue()), len(value))
 		}
 		// The same content, in other bytes and with or without a name,
 		// is the same *Resource (interning); another name is refused.
 		for _, want := range []string{"", x.Name} {
 			y, err := s.Decode(typeURL, &anypb.Any{TypeUrl: typeURL, Value: bytes.Clone(value)}, want)
 			if err != nil || y != x {
-				t.Fatalf("decode(%s, %q) again = %p, %v, want %p (interned)", ShortType(typeURL), want, y, err, x)
+				t.Fatalf("decode(%s, %q) again = %p, %v, want %p (interned)", xds.ShortType(typeURL), want, y, err, x)
 			}
 		}
 		if y, err := s.Decode(typeURL, &anypb.Any{TypeUrl: typeURL, Value: value}, x.Name+"~other"); err == nil {
-			t.Fatalf("decode(%s, %q) of a resource named %q = %p, want an error", ShortType(typeURL), x.Name+"~other", x.Name, y)
+			t.Fatalf("decode(%s, %q) of a resource named %q = %p, want an error", xds.ShortType(typeURL), x.Name+"~other", x.Name, y)
 		}
 		if y := s.Lookup(x.Hash); y != x {
 			t.Fatalf("lookup(%s) = %p, want %p", x.Hash, y, x)
@@ -1178,7 +1180,7 @@ type upHarness struct {
 	named     map[string]bool
 	deltaSubs map[string]map[string]bool
 	subs      map[string]bool // the member's EDS and RDS names, "type|name"
-	oracle    *Store          // decodes responses independently of the relay's store
+	oracle    *xds.Store      // decodes responses independently of the relay's store
 	// streamStart is the index in reqs of a new stream's first request
 	// (-1: the harness's first stream, checked on its own).
 	streamStart int
@@ -1186,7 +1188,7 @@ type upHarness struct {
 
 // The member's subscriptions when the fuzzers start: CDS and LDS wildcard,
 // EDS c0 and c1, RDS r80; the ops of upOp change them.
-var upInitial = map[string][]string{TypeEndpoint: {"c0", "c1"}, TypeRoute: {"r80"}}
+var upInitial = map[string][]string{xds.TypeEndpoint: {"c0", "c1"}, xds.TypeRoute: {"r80"}}
 
 func newUpHarness(t testing.TB, delta bool) *upHarness {
 	t.Helper()
@@ -1201,7 +1203,7 @@ func newUpHarness(t testing.TB, delta bool) *upHarness {
 		t.Fatalf("New: %v", err)
 	}
 	h := &upHarness{
-		t: t, r: r, delta: delta, oracle: NewStore(),
+		t: t, r: r, delta: delta, oracle: xds.NewStore(),
 		acked: map[string]string{}, names: map[string][]string{}, named: map[string]bool{},
 		deltaSubs: map[string]map[string]bool{}, subs: map[string]bool{}, streamStart: -1,
 	}
@@ -1211,8 +1213,8 @@ func newUpHarness(t testing.TB, delta bool) *upHarness {
 	m := r.newStream(context.Background(), false, portPlain)
 	m.node = fuzzNode
 	h.k.join(m)
-	h.k.subscribe(TypeCluster, false, true, nil, nil)
-	h.k.subscribe(TypeListener, false, true, nil, nil)
+	h.k.subscribe(xds.TypeCluster, false, true, nil, nil)
+	h.k.subscribe(xds.TypeListener, false, true, nil, nil)
 	h.subs["cds|*"] = true
 	for typeURL, names := range upInitial {
 		h.k.subscribe(typeURL, false, false, names, nil)
@@ -1232,8 +1234,8 @@ func newUpHarness(t testing.TB, delta bool) *upHarness {
 			if subs == nil {
 				subs = map[string]bool{}
 				h.deltaSubs[r.GetTypeUrl()] = subs
-				if len(r.GetResourceNamesSubscribe()) == 0 && LegacyWildcard(r.GetTypeUrl()) {
-					subs[WildcardName] = true
+				if len(r.GetResourceNamesSubscribe()) == 0 && xds.LegacyWildcard(r.GetTypeUrl()) {
+					subs[xds.WildcardName] = true
 				}
 			}
 			for _, n := range r.GetResourceNamesSubscribe() {
@@ -1291,18 +1293,18 @@ func (h *upHarness) upOp(ctl byte) {
 	switch ctl % 8 {
 	case 4:
 		if h.subs["cds|*"] {
-			h.k.subscribe(TypeCluster, true, false, []string{"c0"}, nil)
+			h.k.subscribe(xds.TypeCluster, true, false, []string{"c0"}, nil)
 		} else {
-			h.k.subscribe(TypeCluster, false, true, nil, []string{"c0"})
+			h.k.subscribe(xds.TypeCluster, false, true, nil, []string{"c0"})
 		}
 		h.subs["cds|*"] = !h.subs["cds|*"]
 		return
 	case 1:
-		typeURL, name = TypeEndpoint, "c2"
+		typeURL, name = xds.TypeEndpoint, "c2"
 	case 2:
-		typeURL, name = TypeEndpoint, "c1"
+		typeURL, name = xds.TypeEndpoint, "c1"
 	case 3:
-		typeURL, name = TypeRoute, "r81"
+		typeURL, name = xds.TypeRoute, "r81"
 	default:
 		return
 	}
@@ -1394,23 +1396,23 @@ func (h *upHarness) checkSubscriptions(when string) {
 		if !ut.asked {
 			continue
 		}
-		typ := ShortType(typeURL)
+		typ := xds.ShortType(typeURL)
 		w := want[typeURL]
-		if ut.wildcard != w.wildcard || !slices.Equal(ut.names, NewNameSet(w.names)) {
-			t.Fatalf("%s: %s asked {wildcard %v, names %v}, want {wildcard %v, names %v}", when, typ, ut.wildcard, ut.names, w.wildcard, NewNameSet(w.names))
+		if ut.wildcard != w.wildcard || !slices.Equal(ut.names, xds.NewNameSet(w.names)) {
+			t.Fatalf("%s: %s asked {wildcard %v, names %v}, want {wildcard %v, names %v}", when, typ, ut.wildcard, ut.names, w.wildcard, xds.NewNameSet(w.names))
 		}
 		var names []string
 		var wildcard bool
 		if h.delta {
-			wildcard = h.deltaSubs[typeURL][WildcardName]
+			wildcard = h.deltaSubs[typeURL][xds.WildcardName]
 			names = slices.Collect(maps.Keys(h.deltaSubs[typeURL]))
 		} else {
 			names = h.names[typeURL]
-			wildcard = slices.Contains(names, WildcardName) || (len(names) == 0 && LegacyWildcard(typeURL) && !h.named[typeURL])
+			wildcard = slices.Contains(names, xds.WildcardName) || (len(names) == 0 && xds.LegacyWildcard(typeURL) && !h.named[typeURL])
 		}
-		if wildcard != ut.wildcard || !slices.Equal(NewNameSet(names), ut.names) {
+		if wildcard != ut.wildcard || !slices.Equal(xds.NewNameSet(names), ut.names) {
 			t.Fatalf("%s: the requests sent subscribe %s to {wildcard %v, names %v}, want {wildcard %v, names %v}",
-				when, typ, wildcard, NewNameSet(names), ut.wildcard, ut.names)
+				when, typ, wildcard, xds.NewNameSet(names), ut.wildcard, ut.names)
 		}
 	}
 }
@@ -1418,7 +1420,7 @@ func (h *upHarness) checkSubscriptions(when string) {
 // decoded is the oracle's reading of a response.
 type decoded struct {
 	nack    bool
-	res     []*Resource
+	res     []*xds.Resource
 	removed []string
 }
 
@@ -1473,7 +1475,7 @@ func (h *upHarness) response(msg []byte) {
 		}
 		m, typeURL, nonce, version = resp, resp.GetTypeUrl(), resp.GetNonce(), resp.GetVersionInfo()
 	}
-	typ := ShortType(typeURL)
+	typ := xds.ShortType(typeURL)
 	want := h.decodeResponse(m)
 	before := h.k.snap.Load()
 	names := h.names[typeURL]
@@ -1546,10 +1548,10 @@ func (h *upHarness) checkApplied(typeURL string, d decoded) {
 	if !ut.asked {
 		return
 	}
-	typ := ShortType(typeURL)
+	typ := xds.ShortType(typeURL)
 	view := h.k.snap.Load().types[typeURL].view
 	wanted := func(name string) bool { return ut.wildcard || ut.names.Has(name) }
-	removed := NewNameSet(d.removed)
+	removed := xds.NewNameSet(d.removed)
 	sent := map[string]bool{}
 	for _, x := range d.res {
 		if !wanted(x.Name) {
@@ -1571,7 +1573,7 @@ func (h *upHarness) checkApplied(typeURL string, d decoded) {
 			t.Fatalf("%s: ACKed the removal of %q, but the view holds it", typ, n)
 		}
 	}
-	if !h.delta && FullStateSotW(typeURL) {
+	if !h.delta && xds.FullStateSotW(typeURL) {
 		for e := range view.All() {
 			if !sent[e.Name] {
 				t.Fatalf("%s: ACKed a full state without %q, but the view holds it", typ, e.Name)
@@ -1588,7 +1590,7 @@ func (h *upHarness) checkViews(when string) {
 	t.Helper()
 	snap := h.k.snap.Load()
 	for typeURL, ts := range snap.types {
-		typ := ShortType(typeURL)
+		typ := xds.ShortType(typeURL)
 		ut := h.u.types[typeURL]
 		for e := range ts.view.All() {
 			x := e.Value
@@ -1596,9 +1598,9 @@ func (h *upHarness) checkViews(when string) {
 				t.Fatalf("%s: %s view holds %q without a resource", when, typ, e.Name)
 			}
 			if x.Name != e.Name || x.Hash != e.Hash || x.Type != typeURL || x.Body.GetTypeUrl() != typeURL ||
-				ContentHash(typeURL, x.Body.GetValue()) != e.Hash {
+				xds.ContentHash(typeURL, x.Body.GetValue()) != e.Hash {
 				t.Fatalf("%s: %s view holds %q at %s, but the resource is %q of type %s at %s (content %s)",
-					when, typ, e.Name, e.Hash, x.Name, x.Type, x.Hash, ContentHash(typeURL, x.Body.GetValue()))
+					when, typ, e.Name, e.Hash, x.Name, x.Type, x.Hash, xds.ContentHash(typeURL, x.Body.GetValue()))
 			}
 			if ut == nil || !ut.asked {
 				t.Fatalf("%s: %s view holds %q, but the type was never asked for", when, typ, e.Name)
@@ -1618,10 +1620,10 @@ func (h *upHarness) checkViews(when string) {
 			}
 		}
 	}
-	for target, sources := range map[string][]string{TypeEndpoint: {TypeCluster}, TypeRoute: {TypeListener, TypeScopedRoute}} {
-		kind := RefEndpoints
-		if target == TypeRoute {
-			kind = RefRoutes
+	for target, sources := range map[string][]string{xds.TypeEndpoint: {xds.TypeCluster}, xds.TypeRoute: {xds.TypeListener, xds.TypeScopedRoute}} {
+		kind := xds.RefEndpoints
+		if target == xds.TypeRoute {
+			kind = xds.RefRoutes
 		}
 		want := map[string]int{}
 		for _, typeURL := range sources {
@@ -1634,7 +1636,7 @@ func (h *upHarness) checkViews(when string) {
 			}
 		}
 		if got := h.u.derived[target]; !maps.Equal(got, want) {
-			t.Fatalf("%s: derived %s names %v, want %v (what the views point at)", when, ShortType(target), got, want)
+			t.Fatalf("%s: derived %s names %v, want %v (what the views point at)", when, xds.ShortType(target), got, want)
 		}
 	}
 }
@@ -1646,7 +1648,7 @@ func sotwResp(typeURL, version, nonce string, ms ...proto.Message) *discovery.Di
 func deltaResp(typeURL, nonce string, removed []string, ms ...proto.Message) *discovery.DeltaDiscoveryResponse {
 	r := &discovery.DeltaDiscoveryResponse{TypeUrl: typeURL, Nonce: nonce, RemovedResources: removed, SystemVersionInfo: "sys-" + nonce}
 	for _, m := range ms {
-		n := nameOf(m)
+		n := cache.GetResourceName(m)
 		r.Resources = append(r.Resources, &discovery.Resource{Name: n, Version: "v-" + nonce + "-" + n, Resource: mustAny(m)})
 	}
 	return r
@@ -1674,7 +1676,7 @@ func upSeed(tb testing.TB, delta bool, chunks ...upChunk) []byte {
 // input's first byte is even, Delta if odd) to one key's upstream client and
 // checks every answer and the key's views.
 func FuzzUpstreamResponses(f *testing.F) {
-	garbage := &anypb.Any{TypeUrl: TypeCluster, Value: []byte("\x0a\xff\xff garbage")}
+	garbage := &anypb.Any{TypeUrl: xds.TypeCluster, Value: []byte("\x0a\xff\xff garbage")}
 	named := func(name string, m proto.Message) *discovery.Resource {
 		return &discovery.Resource{Name: name, Version: "v1", Resource: mustAny(m)}
 	}
@@ -1682,54 +1684,54 @@ func FuzzUpstreamResponses(f *testing.F) {
 	// a later, partial EDS response), listener and route, then a cluster
 	// goes.
 	f.Add(upSeed(f, false,
-		upChunk{0, sotwResp(TypeCluster, "v1", "n1", mkCluster("c0"), mkCluster("c1"), mkCluster("c2"))},
-		upChunk{0, sotwResp(TypeEndpoint, "v1", "n2", mkCLA("c0", 8080), mkCLA("c1", 8080))},
-		upChunk{1, sotwResp(TypeEndpoint, "v2", "n3", mkCLA("c2", 8080))},
-		upChunk{0, sotwResp(TypeListener, "v1", "n4", mkListener("l80", "r80"))},
-		upChunk{0, sotwResp(TypeRoute, "v1", "n5", mkRoute("r80", "c0", "c1", "c2"))},
-		upChunk{2, sotwResp(TypeCluster, "v2", "n6", mkCluster("c0"), mkCluster("c2"))},
-		upChunk{0, sotwResp(TypeEndpoint, "v3", "n7", mkCLA("c0", 9090))},
+		upChunk{0, sotwResp(xds.TypeCluster, "v1", "n1", mkCluster("c0"), mkCluster("c1"), mkCluster("c2"))},
+		upChunk{0, sotwResp(xds.TypeEndpoint, "v1", "n2", mkCLA("c0", 8080), mkCLA("c1", 8080))},
+		upChunk{1, sotwResp(xds.TypeEndpoint, "v2", "n3", mkCLA("c2", 8080))},
+		upChunk{0, sotwResp(xds.TypeListener, "v1", "n4", mkListener("l80", "r80"))},
+		upChunk{0, sotwResp(xds.TypeRoute, "v1", "n5", mkRoute("r80", "c0", "c1", "c2"))},
+		upChunk{2, sotwResp(xds.TypeCluster, "v2", "n6", mkCluster("c0"), mkCluster("c2"))},
+		upChunk{0, sotwResp(xds.TypeEndpoint, "v3", "n7", mkCLA("c0", 9090))},
 	))
 	// SotW: responses the relay must NACK, each followed by a good one.
-	badCDS := sotwResp(TypeCluster, "v2", "n2", mkCluster("c0"))
+	badCDS := sotwResp(xds.TypeCluster, "v2", "n2", mkCluster("c0"))
 	badCDS.Resources = append(badCDS.Resources, garbage)
 	f.Add(upSeed(f, false,
-		upChunk{0, sotwResp(TypeCluster, "v1", "n1", mkCluster("c0"))},
+		upChunk{0, sotwResp(xds.TypeCluster, "v1", "n1", mkCluster("c0"))},
 		upChunk{0, badCDS},
-		upChunk{0, sotwResp(TypeCluster, "v3", "n3", mkCluster("c0"), mkCluster("c0"))}, // a name twice
-		upChunk{0, sotwResp(TypeCluster, "v4", "n4", &core.Node{Id: "x"})},              // no name
-		upChunk{0, sotwResp(TypeEndpoint, "v1", "n5", mkCluster("c0"))},                 // type mismatch
-		upChunk{0, sotwResp(TypeCluster, "v5", "n6", mkCluster("c0"), mkCluster("c1"))},
+		upChunk{0, sotwResp(xds.TypeCluster, "v3", "n3", mkCluster("c0"), mkCluster("c0"))}, // a name twice
+		upChunk{0, sotwResp(xds.TypeCluster, "v4", "n4", &core.Node{Id: "x"})},              // no name
+		upChunk{0, sotwResp(xds.TypeEndpoint, "v1", "n5", mkCluster("c0"))},                 // type mismatch
+		upChunk{0, sotwResp(xds.TypeCluster, "v5", "n6", mkCluster("c0"), mkCluster("c1"))},
 	))
 	// SotW: unsolicited and unknown types, names nobody asked for.
 	f.Add(upSeed(f, false,
-		upChunk{0, sotwResp(TypeScopedRoute, "v1", "n1")},
+		upChunk{0, sotwResp(xds.TypeScopedRoute, "v1", "n1")},
 		upChunk{0, sotwResp(typeNDS, "v1", "n2", &structpb.Struct{})},
 		upChunk{0, sotwResp("", "", "")},
-		upChunk{0, sotwResp(TypeEndpoint, "v1", "n3", mkCLA("c9", 8080), mkCLA("c0", 1))},
-		upChunk{3, sotwResp(TypeRoute, "v1", "n4", mkRoute("r81", "c0"), mkRoute("r99"))},
+		upChunk{0, sotwResp(xds.TypeEndpoint, "v1", "n3", mkCLA("c9", 8080), mkCLA("c0", 1))},
+		upChunk{3, sotwResp(xds.TypeRoute, "v1", "n4", mkRoute("r81", "c0"), mkRoute("r99"))},
 	))
 	// Delta: CDS, then EDS with an update and a removal.
 	f.Add(upSeed(f, true,
-		upChunk{0, deltaResp(TypeCluster, "n1", nil, mkCluster("c0"), mkCluster("c1"), mkCluster("c2"))},
-		upChunk{1, deltaResp(TypeEndpoint, "n2", nil, mkCLA("c0", 8080), mkCLA("c1", 8080), mkCLA("c2", 8080))},
-		upChunk{0, deltaResp(TypeEndpoint, "n3", []string{"c1"}, mkCLA("c0", 9090))},
-		upChunk{0, deltaResp(TypeCluster, "n4", []string{"c1"})},
-		upChunk{0, deltaResp(TypeListener, "n5", nil, mkListener("l80", "r80"))},
-		upChunk{3, deltaResp(TypeRoute, "n6", nil, mkRoute("r80", "c0"))},
+		upChunk{0, deltaResp(xds.TypeCluster, "n1", nil, mkCluster("c0"), mkCluster("c1"), mkCluster("c2"))},
+		upChunk{1, deltaResp(xds.TypeEndpoint, "n2", nil, mkCLA("c0", 8080), mkCLA("c1", 8080), mkCLA("c2", 8080))},
+		upChunk{0, deltaResp(xds.TypeEndpoint, "n3", []string{"c1"}, mkCLA("c0", 9090))},
+		upChunk{0, deltaResp(xds.TypeCluster, "n4", []string{"c1"})},
+		upChunk{0, deltaResp(xds.TypeListener, "n5", nil, mkListener("l80", "r80"))},
+		upChunk{3, deltaResp(xds.TypeRoute, "n6", nil, mkRoute("r80", "c0"))},
 	))
 	// Delta: a name that does not match its resource, a TTL heartbeat, an
 	// update and a removal of one name, a removal of something unknown.
-	mismatch := deltaResp(TypeCluster, "n2", nil)
+	mismatch := deltaResp(xds.TypeCluster, "n2", nil)
 	mismatch.Resources = []*discovery.Resource{named("c1", mkCluster("c0"))}
-	heartbeat := deltaResp(TypeCluster, "n3", nil)
+	heartbeat := deltaResp(xds.TypeCluster, "n3", nil)
 	heartbeat.Resources = []*discovery.Resource{{Name: "c0", Version: "v1"}}
 	f.Add(upSeed(f, true,
-		upChunk{0, deltaResp(TypeCluster, "n1", nil, mkCluster("c0"))},
+		upChunk{0, deltaResp(xds.TypeCluster, "n1", nil, mkCluster("c0"))},
 		upChunk{0, mismatch},
 		upChunk{0, heartbeat},
-		upChunk{2, deltaResp(TypeEndpoint, "n4", []string{"c0"}, mkCLA("c0", 1))},
-		upChunk{0, deltaResp(TypeEndpoint, "n5", []string{"c7"})},
+		upChunk{2, deltaResp(xds.TypeEndpoint, "n4", []string{"c0"}, mkCLA("c0", 1))},
+		upChunk{0, deltaResp(xds.TypeEndpoint, "n5", []string{"c7"})},
 		upChunk{0, deltaResp(typeNDS, "n6", nil, &structpb.Struct{})},
 	))
 
@@ -1844,15 +1846,15 @@ func FuzzParseVersion(f *testing.F) {
 // GetVersion (claims.go) for the version of c0 and c1: an answer is taken
 // only if it is that version, and every resource in it has its body.
 func FuzzVersionAnswer(f *testing.F) {
-	s := NewStore()
-	held, err := s.Decode(TypeCluster, mustAny(mkCluster("c0")), "c0") // the asker holds c0
+	s := xds.NewStore()
+	held, err := s.Decode(xds.TypeCluster, mustAny(mkCluster("c0")), "c0") // the asker holds c0
 	if err != nil {
 		f.Fatal(err)
 	}
 	c1 := mustAny(mkCluster("c1"))
-	b := ledger.Tree[*Resource]{}.Edit()
+	b := ledger.Tree[*xds.Resource]{}.Edit()
 	b.Set("c0", held.Hash, held)
-	b.Set("c1", ContentHash(TypeCluster, c1.GetValue()), nil)
+	b.Set("c1", xds.ContentHash(xds.TypeCluster, c1.GetValue()), nil)
 	root := b.Tree().Root()
 	add := func(m *inspectpb.VersionContent) {
 		raw, err := proto.Marshal(m)
@@ -1861,7 +1863,7 @@ func FuzzVersionAnswer(f *testing.F) {
 		}
 		f.Add(raw)
 	}
-	c1Hash := ContentHash(TypeCluster, c1.GetValue())
+	c1Hash := xds.ContentHash(xds.TypeCluster, c1.GetValue())
 	add(&inspectpb.VersionContent{Relay: "r", Entries: []*inspectpb.VersionEntry{
 		{Name: "c0", Hash: held.Hash[:]}, {Name: "c1", Hash: c1Hash[:], Body: c1}}})
 	add(&inspectpb.VersionContent{Relay: "r", Entries: []*inspectpb.VersionEntry{ // c1 without its body
@@ -1876,7 +1878,7 @@ func FuzzVersionAnswer(f *testing.F) {
 		if proto.Unmarshal(raw, &got) != nil {
 			return
 		}
-		tree, err := s.versionTree(TypeCluster, &got, root)
+		tree, err := versionTree(s, xds.TypeCluster, &got, root)
 		if err != nil {
 			return
 		}

@@ -21,6 +21,7 @@ import (
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/v3"
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
+	"github.com/meshrelay/meshrelay/relay/xds"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -35,7 +36,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // typeNDS stands for the types the relay does not cache (Istio's NDS here).
 const typeNDS = "type.googleapis.com/istio.networking.nds.v1.NameTable"
 
-var upstreamTypes = append(slices.Clone(PushOrder), typeNDS)
+var upstreamTypes = append(slices.Clone(xds.PushOrder), typeNDS)
 
 // testUpstream is a real go-control-plane ADS server on loopback: one
 // LinearCache per (namespace group, type), so different namespaces can see
@@ -402,13 +403,13 @@ func seed(up *testUpstream, g string, n int) {
 		cs = append(cs, mkCluster(name))
 		es = append(es, mkCLA(name, 8080))
 	}
-	up.set(g, TypeCluster, cs...)
-	up.set(g, TypeEndpoint, es...)
-	up.set(g, TypeListener, mkListener("l80", "r80"))
-	up.set(g, TypeRoute, mkRoute("r80", names...))
+	up.set(g, xds.TypeCluster, cs...)
+	up.set(g, xds.TypeEndpoint, es...)
+	up.set(g, xds.TypeListener, mkListener("l80", "r80"))
+	up.set(g, xds.TypeRoute, mkRoute("r80", names...))
 	var barriers []types.Resource
 	for i := 1; i <= 50; i++ {
 		barriers = append(barriers, &runtimev3.Runtime{Name: fmt.Sprint("barrier-", i), Layer: &structpb.Struct{}})
 	}
-	up.set(g, TypeRuntime, barriers...)
+	up.set(g, xds.TypeRuntime, barriers...)
 }

@@ -14,6 +14,7 @@ import (
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	jose "github.com/go-jose/go-jose/v4"
+	"github.com/meshrelay/meshrelay/relay/xds"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -153,7 +154,7 @@ func firstAnswer(t *testing.T, conn *grpc.ClientConn, token string, n *core.Node
 	if err != nil {
 		return nil, err
 	}
-	if err := st.Send(&discovery.DeltaDiscoveryRequest{Node: n, TypeUrl: TypeCluster}); err != nil {
+	if err := st.Send(&discovery.DeltaDiscoveryRequest{Node: n, TypeUrl: xds.TypeCluster}); err != nil {
 		// The refusal comes back on Recv.
 		_ = err
 	}
@@ -287,7 +288,7 @@ func TestTLSPortRefusesUnprovenPeers(t *testing.T) {
 	}
 	st, err := discovery.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(ctx)
 	if err == nil {
-		st.Send(&discovery.DeltaDiscoveryRequest{Node: saNode("ns2", "app", 1), TypeUrl: TypeCluster})
+		st.Send(&discovery.DeltaDiscoveryRequest{Node: saNode("ns2", "app", 1), TypeUrl: xds.TypeCluster})
 		_, err = st.Recv()
 	}
 	if status.Code(err) != codes.Unauthenticated {

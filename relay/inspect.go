@@ -17,6 +17,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // What one relay holds of a key or a node, for the tier's admin API: any
@@ -90,12 +91,12 @@ func typesOf(snap *keySnap, wants map[string]typeWant) []string {
 		all[t] = true
 	}
 	return slices.SortedFunc(maps.Keys(all), func(a, b string) int {
-		ia, ib := slices.Index(PushOrder, a), slices.Index(PushOrder, b)
+		ia, ib := slices.Index(xds.PushOrder, a), slices.Index(xds.PushOrder, b)
 		if ia < 0 {
-			ia = len(PushOrder)
+			ia = len(xds.PushOrder)
 		}
 		if ib < 0 {
-			ib = len(PushOrder)
+			ib = len(xds.PushOrder)
 		}
 		return cmp.Or(cmp.Compare(ia, ib), cmp.Compare(a, b))
 	})
@@ -106,7 +107,7 @@ func typesOf(snap *keySnap, wants map[string]typeWant) []string {
 type dumpType struct {
 	typeURL string
 	version string
-	entries []ledger.Entry[*Resource]
+	entries []ledger.Entry[*xds.Resource]
 }
 
 // dumpReq asks a stream's goroutine, which owns its state, what it sent.
@@ -120,7 +121,7 @@ type dumpReq struct {
 // never sent it is included if the relay holds it.
 func (s *stream) sent(types []string) []dumpType {
 	var out []dumpType
-	for _, typeURL := range PushOrder {
+	for _, typeURL := range xds.PushOrder {
 		sub := s.subs[typeURL]
 		if sub == nil || len(types) > 0 && !slices.Contains(types, typeURL) {
 			continue
@@ -189,7 +190,7 @@ func (r *Relay) ConfigDump(ctx context.Context, req *inspectpb.ConfigDumpRequest
 			return nil, fmt.Errorf("key %q: %w", req.GetKey(), ErrNotHeld)
 		}
 		snap := k.snap.Load()
-		for _, typeURL := range PushOrder {
+		for _, typeURL := range xds.PushOrder {
 			ts := snap.types[typeURL]
 			if ts == nil || len(req.GetTypes()) > 0 && !slices.Contains(req.GetTypes(), typeURL) {
 				continue
@@ -224,51 +225,51 @@ func buildConfigDump(types []dumpType) (*adminv3.ConfigDump, error) {
 			}
 			b, err := redactAny(e.Value.Body)
 			if err != nil {
-				return nil, fmt.Errorf("config dump: %s %q: %w", ShortType(t.typeURL), e.Name, err)
+				return nil, fmt.Errorf("config dump: %s %q: %w", xds.ShortType(t.typeURL), e.Name, err)
 			}
 			bodies, names, versions = append(bodies, b), append(names, e.Name), append(versions, e.Hash.String())
 		}
 		var msg proto.Message
 		switch t.typeURL {
-		case TypeCluster:
+		case xds.TypeCluster:
 			d := &adminv3.ClustersConfigDump{VersionInfo: t.version}
 			for i, b := range bodies {
 				d.DynamicActiveClusters = append(d.DynamicActiveClusters, &adminv3.ClustersConfigDump_DynamicCluster{VersionInfo: versions[i], Cluster: b})
 			}
 			msg = d
-		case TypeEndpoint:
+		case xds.TypeEndpoint:
 			d := &adminv3.EndpointsConfigDump{}
 			for i, b := range bodies {
 				d.DynamicEndpointConfigs = append(d.DynamicEndpointConfigs, &adminv3.EndpointsConfigDump_DynamicEndpointConfig{VersionInfo: versions[i], EndpointConfig: b})
 			}
 			msg = d
-		case TypeListener:
+		case xds.TypeListener:
 			d := &adminv3.ListenersConfigDump{VersionInfo: t.version}
 			for i, b := range bodies {
 				d.DynamicListeners = append(d.DynamicListeners, &adminv3.ListenersConfigDump_DynamicListener{Name: names[i],
 					ActiveState: &adminv3.ListenersConfigDump_DynamicListenerState{VersionInfo: versions[i], Listener: b}})
 			}
 			msg = d
-		case TypeScopedRoute:
+		case xds.TypeScopedRoute:
 			d := &adminv3.ScopedRoutesConfigDump{}
 			for i, b := range bodies {
 				d.DynamicScopedRouteConfigs = append(d.DynamicScopedRouteConfigs, &adminv3.ScopedRoutesConfigDump_DynamicScopedRouteConfigs{
 					Name: names[i], VersionInfo: versions[i], ScopedRouteConfigs: []*anypb.Any{b}})
 			}
 			msg = d
-		case TypeRoute:
+		case xds.TypeRoute:
 			d := &adminv3.RoutesConfigDump{}
 			for i, b := range bodies {
 				d.DynamicRouteConfigs = append(d.DynamicRouteConfigs, &adminv3.RoutesConfigDump_DynamicRouteConfig{VersionInfo: versions[i], RouteConfig: b})
 			}
 			msg = d
-		case TypeSecret:
+		case xds.TypeSecret:
 			d := &adminv3.SecretsConfigDump{}
 			for i, b := range bodies {
 				d.DynamicActiveSecrets = append(d.DynamicActiveSecrets, &adminv3.SecretsConfigDump_DynamicSecret{Name: names[i], VersionInfo: versions[i], Secret: b})
 			}
 			msg = d
-		case TypeExtension:
+		case xds.TypeExtension:
 			d := &adminv3.EcdsConfigDump{}
 			for i, b := range bodies {
 				d.EcdsFilters = append(d.EcdsFilters, &adminv3.EcdsConfigDump_EcdsFilterConfig{VersionInfo: versions[i], EcdsFilter: b})

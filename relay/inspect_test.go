@@ -17,6 +17,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // nameOfAny is the name of the resource a holds.
@@ -35,14 +36,14 @@ func nameOfAny(t *testing.T, a *anypb.Any) string {
 // Secret's private key redacted.
 func TestInspect(t *testing.T) {
 	e := newEnv(t, true, nil)
-	e.up.set("ns1", TypeSecret, &tlsv3.Secret{Name: "default", Type: &tlsv3.Secret_TlsCertificate{TlsCertificate: &tlsv3.TlsCertificate{
+	e.up.set("ns1", xds.TypeSecret, &tlsv3.Secret{Name: "default", Type: &tlsv3.Secret_TlsCertificate{TlsCertificate: &tlsv3.TlsCertificate{
 		CertificateChain: inline(certChain), PrivateKey: inline(privateKey)}}})
 	c := e.client(0)
 	got := syncAll(c)
-	c.subscribe(TypeSecret, "default")
+	c.subscribe(xds.TypeSecret, "default")
 	sds := c.recv()
 	c.ack(sds)
-	got[TypeSecret] = sds
+	got[xds.TypeSecret] = sds
 	held := map[string]string{} // type|name → content version the client holds
 	for typeURL, m := range got {
 		for _, r := range m.(*discovery.DeltaDiscoveryResponse).GetResources() {
@@ -68,7 +69,7 @@ func TestInspect(t *testing.T) {
 		byType := map[string]*inspectpb.TypeDetail{}
 		var order []string
 		for _, td := range d.GetTypes() {
-			byType[td.GetType()], order = td, append(order, ShortType(td.GetType()))
+			byType[td.GetType()], order = td, append(order, xds.ShortType(td.GetType()))
 		}
 		if want := []string{"cds", "eds", "lds", "rds", "sds"}; !slices.Equal(order, want) {
 			t.Fatalf("KeyDetail types %v, want %v (push order)", order, want)
@@ -81,13 +82,13 @@ func TestInspect(t *testing.T) {
 				bytes += en.Value.Size()
 			}
 			if td.GetResources() != int64(view.Len()) || td.GetBytes() != int64(bytes) || td.GetVersion() != view.Root().String() || !td.GetReady() {
-				t.Errorf("%s: %v; want %d resources, %d bytes, version %s, ready", ShortType(typeURL), td, view.Len(), bytes, view.Root())
+				t.Errorf("%s: %v; want %d resources, %d bytes, version %s, ready", xds.ShortType(typeURL), td, view.Len(), bytes, view.Root())
 			}
 		}
-		if cds := byType[TypeCluster]; !cds.GetWildcard() {
+		if cds := byType[xds.TypeCluster]; !cds.GetWildcard() {
 			t.Errorf("cds: %v, want wildcard", cds)
 		}
-		if eds := byType[TypeEndpoint]; eds.GetWildcard() || eds.GetNamesTotal() != 3 || !slices.Equal(eds.GetNames(), []string{"c0", "c1"}) {
+		if eds := byType[xds.TypeEndpoint]; eds.GetWildcard() || eds.GetNamesTotal() != 3 || !slices.Equal(eds.GetNames(), []string{"c0", "c1"}) {
 			t.Errorf("eds: %v, want 3 names subscribed, the first 2 listed", eds)
 		}
 		if _, err := e.r.KeyDetail("no-such-key", 0); !errors.Is(err, ErrNotHeld) {
@@ -118,23 +119,23 @@ func TestInspect(t *testing.T) {
 			switch m := m.(type) {
 			case *adminv3.ClustersConfigDump:
 				for _, c := range m.GetDynamicActiveClusters() {
-					versions[TypeCluster+"|"+nameOfAny(t, c.GetCluster())] = c.GetVersionInfo()
+					versions[xds.TypeCluster+"|"+nameOfAny(t, c.GetCluster())] = c.GetVersionInfo()
 				}
 			case *adminv3.EndpointsConfigDump:
 				for _, c := range m.GetDynamicEndpointConfigs() {
-					versions[TypeEndpoint+"|"+nameOfAny(t, c.GetEndpointConfig())] = c.GetVersionInfo()
+					versions[xds.TypeEndpoint+"|"+nameOfAny(t, c.GetEndpointConfig())] = c.GetVersionInfo()
 				}
 			case *adminv3.ListenersConfigDump:
 				for _, l := range m.GetDynamicListeners() {
-					versions[TypeListener+"|"+l.GetName()] = l.GetActiveState().GetVersionInfo()
+					versions[xds.TypeListener+"|"+l.GetName()] = l.GetActiveState().GetVersionInfo()
 				}
 			case *adminv3.RoutesConfigDump:
 				for _, r := range m.GetDynamicRouteConfigs() {
-					versions[TypeRoute+"|"+nameOfAny(t, r.GetRouteConfig())] = r.GetVersionInfo()
+					versions[xds.TypeRoute+"|"+nameOfAny(t, r.GetRouteConfig())] = r.GetVersionInfo()
 				}
 			case *adminv3.SecretsConfigDump:
 				for _, s := range m.GetDynamicActiveSecrets() {
-					versions[TypeSecret+"|"+s.GetName()] = s.GetVersionInfo()
+					versions[xds.TypeSecret+"|"+s.GetName()] = s.GetVersionInfo()
 				}
 			default:
 				t.Fatalf("unexpected section %T", m)
@@ -150,7 +151,7 @@ func TestInspect(t *testing.T) {
 		if strings.Contains(js, "secret-key-bytes") || !strings.Contains(js, redacted) || !strings.Contains(js, "public-cert") {
 			t.Errorf("the dump does not redact the private key, or lost the certificate:\n%s", js)
 		}
-		only, _ := dumpOf(t, &inspectpb.ConfigDumpRequest{Node: node("ns1", "app", 0).GetId(), Types: []string{TypeCluster}})
+		only, _ := dumpOf(t, &inspectpb.ConfigDumpRequest{Node: node("ns1", "app", 0).GetId(), Types: []string{xds.TypeCluster}})
 		if len(only) != 3 {
 			t.Errorf("dump of CDS only = %v, want the 3 clusters", only)
 		}

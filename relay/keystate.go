@@ -10,6 +10,7 @@ import (
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // keyState is what the relay holds for one aggregation key: the views the
@@ -41,7 +42,7 @@ type keyState struct {
 	// hist is the ledger history of each type's view. Only the key's
 	// upstream goroutine (or the restore before it starts) records.
 	histMu sync.Mutex
-	hist   map[string]*ledger.History[*Resource]
+	hist   map[string]*ledger.History[*xds.Resource]
 
 	// claims are the key's lookups of SotW clients' claimed versions in
 	// the tier (claims.go).
@@ -74,7 +75,7 @@ type keySnap struct {
 
 // typeSnap is the published state of one type of a key. It is immutable.
 type typeSnap struct {
-	view ledger.Tree[*Resource]
+	view ledger.Tree[*xds.Resource]
 	// order says how new the view is (ledger.Order): set by the key's
 	// source when the view arrived, taken from the owner by a relay that
 	// subscribes to it; zero for a view restored from a snapshot. A client
@@ -99,7 +100,7 @@ func newKeyState(r *Relay, key Key) *keyState {
 		r:      r,
 		upWake: make(chan struct{}, 1),
 		want:   make(map[string]*typeWant),
-		hist:   make(map[string]*ledger.History[*Resource]),
+		hist:   make(map[string]*ledger.History[*xds.Resource]),
 	}
 	k.snap.Store(&keySnap{types: map[string]*typeSnap{}})
 	return k
@@ -107,12 +108,12 @@ func newKeyState(r *Relay, key Key) *keyState {
 
 // recordView enters typeURL's view, received from the key's source at at
 // with Order order, into the key's ledger history.
-func (k *keyState) recordView(typeURL string, view ledger.Tree[*Resource], at time.Time, order ledger.Order) {
+func (k *keyState) recordView(typeURL string, view ledger.Tree[*xds.Resource], at time.Time, order ledger.Order) {
 	k.histMu.Lock()
 	h := k.hist[typeURL]
 	if h == nil {
 		var err error
-		if h, err = ledger.NewHistory[*Resource](k.r.cfg.History); err != nil {
+		if h, err = ledger.NewHistory[*xds.Resource](k.r.cfg.History); err != nil {
 			panic(err) // Config.validate checked it
 		}
 		k.hist[typeURL] = h
@@ -131,20 +132,20 @@ const maxClaimVersions = 32
 // the version root of the type: a version the key's history kept (the whole
 // view, or sub's part of one of its last maxClaimVersions). The values of
 // entries rebuilt from the history are nil.
-func (k *keyState) versionHeld(sub *typeSub, root ledger.Hash) (ledger.Tree[*Resource], bool) {
+func (k *keyState) versionHeld(sub *typeSub, root ledger.Hash) (ledger.Tree[*xds.Resource], bool) {
 	k.histMu.Lock()
 	h := k.hist[sub.typeURL]
 	k.histMu.Unlock()
 	if h == nil {
-		return ledger.Tree[*Resource]{}, false
+		return ledger.Tree[*xds.Resource]{}, false
 	}
 	if sub.wildcard {
 		t, err := h.TreeAt(root) // any kept version of the whole view
 		return t, err == nil
 	}
-	var held ledger.Tree[*Resource]
+	var held ledger.Tree[*xds.Resource]
 	found := false
-	h.Back(maxClaimVersions, func(_ ledger.Version, t ledger.Tree[*Resource]) bool {
+	h.Back(maxClaimVersions, func(_ ledger.Version, t ledger.Tree[*xds.Resource]) bool {
 		held = sub.target(t)
 		found = held.Root() == root
 		return !found

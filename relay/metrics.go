@@ -5,6 +5,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/meshrelay/meshrelay/relay/xds"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -143,9 +144,9 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 			return nil, err
 		}
 	}
-	m.byType = make(map[string]*typeMetrics, len(PushOrder)+1)
-	for _, typeURL := range append([]string{""}, PushOrder...) {
-		t := ShortType(typeURL)
+	m.byType = make(map[string]*typeMetrics, len(xds.PushOrder)+1)
+	for _, typeURL := range append([]string{""}, xds.PushOrder...) {
+		t := xds.ShortType(typeURL)
 		m.byType[typeURL] = &typeMetrics{
 			pushes:        m.pushes.WithLabelValues(t),
 			pushBytes:     m.pushBytes.WithLabelValues(t),

@@ -10,13 +10,14 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // viewOf builds a view from resources, decoded and interned as the upstream
 // client does.
-func viewOf(t *testing.T, r *Relay, typeURL string, res ...types.Resource) ledger.Tree[*Resource] {
+func viewOf(t *testing.T, r *Relay, typeURL string, res ...types.Resource) ledger.Tree[*xds.Resource] {
 	t.Helper()
-	b := ledger.Tree[*Resource]{}.Edit()
+	b := ledger.Tree[*xds.Resource]{}.Edit()
 	for _, m := range res {
 		a, err := anypb.New(m)
 		if err != nil {
@@ -53,25 +54,25 @@ func TestPushOrder(t *testing.T) {
 				if len(o.upd) == 0 && !o.full {
 					kind = "-"
 				}
-				if !delta && FullStateSotW(o.typeURL) && len(o.upd) == 0 {
+				if !delta && xds.FullStateSotW(o.typeURL) && len(o.upd) == 0 {
 					kind = "-" // SotW removes by omission
 				}
-				sent = append(sent, kind+ShortType(o.typeURL))
+				sent = append(sent, kind+xds.ShortType(o.typeURL))
 				return nil
 			}
 			publish := func(cs, es, ls, rs []types.Resource) {
 				k.mu.Lock()
 				k.update(func(next *keySnap) {
-					for typeURL, res := range map[string][]types.Resource{TypeCluster: cs, TypeEndpoint: es, TypeListener: ls, TypeRoute: rs} {
+					for typeURL, res := range map[string][]types.Resource{xds.TypeCluster: cs, xds.TypeEndpoint: es, xds.TypeListener: ls, xds.TypeRoute: rs} {
 						next.types[typeURL] = &typeSnap{view: viewOf(t, r, typeURL, res...), ready: true, full: true}
 					}
 				})
 				k.mu.Unlock()
 			}
-			s.subs[TypeRoute] = &typeSub{typeURL: TypeRoute, names: NewNameSet([]string{"r80"}), awaitFirst: true}
-			s.subs[TypeListener] = &typeSub{typeURL: TypeListener, wildcard: true, awaitFirst: true}
-			s.subs[TypeEndpoint] = &typeSub{typeURL: TypeEndpoint, names: NewNameSet([]string{"c0", "c1"}), awaitFirst: true}
-			s.subs[TypeCluster] = &typeSub{typeURL: TypeCluster, wildcard: true, awaitFirst: true}
+			s.subs[xds.TypeRoute] = &typeSub{typeURL: xds.TypeRoute, names: xds.NewNameSet([]string{"r80"}), awaitFirst: true}
+			s.subs[xds.TypeListener] = &typeSub{typeURL: xds.TypeListener, wildcard: true, awaitFirst: true}
+			s.subs[xds.TypeEndpoint] = &typeSub{typeURL: xds.TypeEndpoint, names: xds.NewNameSet([]string{"c0", "c1"}), awaitFirst: true}
+			s.subs[xds.TypeCluster] = &typeSub{typeURL: xds.TypeCluster, wildcard: true, awaitFirst: true}
 
 			publish(
 				[]types.Resource{mkCluster("c0"), mkCluster("c1")},
@@ -104,7 +105,7 @@ func TestPushOrder(t *testing.T) {
 			if !slices.Equal(sent, want) {
 				t.Fatalf("second sync sent %v, want %v", sent, want)
 			}
-			if got := fmt.Sprint(s.subs[TypeCluster].known.Len()); got != "1" {
+			if got := fmt.Sprint(s.subs[xds.TypeCluster].known.Len()); got != "1" {
 				t.Fatalf("client holds %s clusters after the removal, want 1", got)
 			}
 		})
@@ -116,8 +117,8 @@ func TestPushOrder(t *testing.T) {
 // which the same content held by the relay shares.
 func TestRefIndexNotPoisoned(t *testing.T) {
 	r := newTestRelay(t)
-	held := viewOf(t, r, TypeRoute, mkRoute("r80", "c0", "c1"))
-	declared := ledger.Tree[*Resource]{}.Edit()
+	held := viewOf(t, r, xds.TypeRoute, mkRoute("r80", "c0", "c1"))
+	declared := ledger.Tree[*xds.Resource]{}.Edit()
 	for e := range held.All() {
 		declared.Set(e.Name, e.Hash, nil) // as declared() builds it, content unknown
 	}
@@ -125,10 +126,10 @@ func TestRefIndexNotPoisoned(t *testing.T) {
 	if d.Root() != held.Root() {
 		t.Fatal("declared and held trees should share a root")
 	}
-	if got := r.refIndex.Names(d, RefClusters); len(got) != 0 {
+	if got := r.refIndex.Names(d, xds.RefClusters); len(got) != 0 {
 		t.Fatalf("references of unknown content = %v, want none", got)
 	}
-	if got := r.refIndex.Names(held, RefClusters); len(got) != 2 {
+	if got := r.refIndex.Names(held, xds.RefClusters); len(got) != 2 {
 		t.Fatalf("references of the held route = %v, want c0 and c1", got)
 	}
 }

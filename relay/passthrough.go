@@ -7,6 +7,7 @@ import (
 	"sync"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/meshrelay/meshrelay/relay/xds"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -85,7 +86,7 @@ func (s *stream) passthroughDelta(req *discovery.DeltaDiscoveryRequest) error {
 		subs = make(map[string]bool)
 		p.deltaSubs[req.GetTypeUrl()] = subs
 		if len(req.GetResourceNamesSubscribe()) == 0 {
-			subs[WildcardName] = true // legacy wildcard
+			subs[xds.WildcardName] = true // legacy wildcard
 		}
 	}
 	for _, n := range req.GetResourceNamesSubscribe() {

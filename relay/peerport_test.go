@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/meshrelay/meshrelay/relay/xds"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
@@ -51,7 +52,7 @@ func peerCalls(t *testing.T, r *Relay, conn *grpc.ClientConn) map[string]error {
 	sctx := metadata.AppendToOutgoingContext(ctx, mdPeerKey, string(IstioProfile{}.Key(node("ns1", "app", 1))))
 	st, err := discovery.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(sctx)
 	if err == nil {
-		st.Send(&discovery.DeltaDiscoveryRequest{Node: node("ns1", "app", 1), TypeUrl: TypeCluster})
+		st.Send(&discovery.DeltaDiscoveryRequest{Node: node("ns1", "app", 1), TypeUrl: xds.TypeCluster})
 		_, err = st.Recv()
 	}
 	out["subscribe"] = err
@@ -111,7 +112,7 @@ func TestPeerPortMTLS(t *testing.T) {
 	// An Envoy on the peer port, even with the tier's certificate.
 	st, err := discovery.NewAggregatedDiscoveryServiceClient(dialWith(peerAddr, good)).DeltaAggregatedResources(context.Background())
 	if err == nil {
-		st.Send(&discovery.DeltaDiscoveryRequest{Node: node("ns1", "app", 1), TypeUrl: TypeCluster})
+		st.Send(&discovery.DeltaDiscoveryRequest{Node: node("ns1", "app", 1), TypeUrl: xds.TypeCluster})
 		_, err = st.Recv()
 	}
 	if status.Code(err) != codes.PermissionDenied {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // Snapshots keeps the views a relay learned from its sources where a relay
@@ -23,46 +24,12 @@ type Snapshots interface {
 	// key and writes them when it can. term grows each time the relay's
 	// idea of who owns which key changes: a store whose write for key was
 	// fenced off by another owner writes again only for a later term.
-	Save(key string, term uint64, views []View)
+	Save(key string, term uint64, views []xds.View)
 	// Load returns every persisted key. The relay checks each type's
 	// resources against its root before serving them: damage to the store
 	// costs a warm type, not a wrong one. (Whoever can write the store at
 	// will can also write consistent roots: protect etcd itself.)
-	Load(ctx context.Context) ([]SavedKey, error)
-}
-
-// View is a key's view of one type, as Save hands it over. Tree and its
-// resources are immutable: the store may keep them.
-type View struct {
-	Type string
-	// Full is set when the view is everything the source has of the type
-	// (it answered a wildcard subscription), not just the names asked for.
-	Full bool
-	Tree ledger.Tree[*Resource]
-}
-
-// SavedKey is what Load found of one key.
-type SavedKey struct {
-	Key   string
-	Types []SavedType
-}
-
-// SavedType is a persisted view: Root is the Merkle root the resources must
-// hash to. A restored view is unordered (the zero ledger.Order): it covers
-// only clients that hold nothing or unordered versions, so it is never sent
-// over what a client or another relay holds, however old, until a live
-// source has answered.
-type SavedType struct {
-	Type      string
-	Full      bool
-	Root      ledger.Hash
-	Resources []SavedResource
-}
-
-// SavedResource is a persisted resource: its name and serialized body.
-type SavedResource struct {
-	Name string
-	Body []byte
+	Load(ctx context.Context) ([]xds.SavedKey, error)
 }
 
 // snapshotLoadTimeout bounds the warm start's read of the store: past it the
@@ -104,7 +71,7 @@ func (r *Relay) loadSnapshots(ctx context.Context) {
 // once, and the relay holds it once.
 type restorer struct {
 	r     *Relay
-	trees map[typeRoot]*ledger.Tree[*Resource] // views that checked out
+	trees map[typeRoot]*ledger.Tree[*xds.Resource] // views that checked out
 	// refs and missing cache what followRestored derives from a view (the
 	// names it refers to) and from a pair of views (the names referred to
 	// that the other lacks), for the keys that share them.
@@ -115,10 +82,10 @@ type restorer struct {
 	// hands every key that holds a resource the same bytes, so a resource
 	// held by 100 keys is hashed and looked up once.
 	bodiesMu sync.Mutex
-	bodies   map[*byte]*Resource
+	bodies   map[*byte]*xds.Resource
 }
 
-func (rs *restorer) known(body []byte) *Resource {
+func (rs *restorer) known(body []byte) *xds.Resource {
 	if len(body) == 0 {
 		return nil
 	}
@@ -127,7 +94,7 @@ func (rs *restorer) known(body []byte) *Resource {
 	return rs.bodies[&body[0]]
 }
 
-func (rs *restorer) remember(body []byte, r *Resource) {
+func (rs *restorer) remember(body []byte, r *xds.Resource) {
 	if len(body) == 0 {
 		return
 	}
@@ -139,10 +106,10 @@ func (rs *restorer) remember(body []byte, r *Resource) {
 func newRestorer(r *Relay) *restorer {
 	return &restorer{
 		r:       r,
-		trees:   make(map[typeRoot]*ledger.Tree[*Resource]),
+		trees:   make(map[typeRoot]*ledger.Tree[*xds.Resource]),
 		refs:    make(map[typeRoot]map[string]int),
 		missing: make(map[string][]string),
-		bodies:  make(map[*byte]*Resource),
+		bodies:  make(map[*byte]*xds.Resource),
 	}
 }
 
@@ -150,13 +117,13 @@ func newRestorer(r *Relay) *restorer {
 // goroutines as there are processors: decoding the resources (to find what
 // they refer to) is most of a warm start's work. A view that does not
 // check out does not spoil another that claims the same root and does.
-func (rs *restorer) prebuild(saved []SavedKey) {
+func (rs *restorer) prebuild(saved []xds.SavedKey) {
 	type listID struct {
 		k     typeRoot
-		first *SavedResource
+		first *xds.SavedResource
 		n     int
 	}
-	var todo []SavedType
+	var todo []xds.SavedType
 	seen := make(map[listID]bool)
 	for _, sk := range saved {
 		for _, st := range sk.Types {
@@ -164,7 +131,7 @@ func (rs *restorer) prebuild(saved []SavedKey) {
 			if len(st.Resources) > 0 {
 				id.first = &st.Resources[0]
 			}
-			if Cached(st.Type) && !seen[id] {
+			if xds.Cached(st.Type) && !seen[id] {
 				seen[id] = true
 				todo = append(todo, st)
 			}
@@ -172,10 +139,10 @@ func (rs *restorer) prebuild(saved []SavedKey) {
 	}
 	type built struct {
 		k  typeRoot
-		t  ledger.Tree[*Resource]
+		t  ledger.Tree[*xds.Resource]
 		ok bool
 	}
-	work := make(chan SavedType)
+	work := make(chan xds.SavedType)
 	out := make(chan built)
 	workers := min(runtime.GOMAXPROCS(0), max(len(todo), 1))
 	for range workers {
@@ -202,19 +169,19 @@ func (rs *restorer) prebuild(saved []SavedKey) {
 
 // build decodes st's resources into a tree and checks it against st.Root.
 // It is safe for concurrent use (the relay's store is).
-func (rs *restorer) build(st SavedType) (ledger.Tree[*Resource], bool) {
-	b := ledger.Tree[*Resource]{}.Edit()
+func (rs *restorer) build(st xds.SavedType) (ledger.Tree[*xds.Resource], bool) {
+	b := ledger.Tree[*xds.Resource]{}.Edit()
 	for _, sr := range st.Resources {
 		res := rs.known(sr.Body)
 		if res == nil {
 			var err error
 			if res, err = rs.r.store.Restore(st.Type, sr.Name, sr.Body); err != nil {
-				return ledger.Tree[*Resource]{}, false
+				return ledger.Tree[*xds.Resource]{}, false
 			}
 			rs.remember(sr.Body, res)
 		}
 		if res.Name != sr.Name || res.Type != st.Type {
-			return ledger.Tree[*Resource]{}, false
+			return ledger.Tree[*xds.Resource]{}, false
 		}
 		b.Set(res.Name, res.Hash, res)
 	}
@@ -229,16 +196,16 @@ type typeRoot struct {
 
 // tree returns the checked view of st's root (prebuild built them all):
 // the content its root commits to.
-func (rs *restorer) tree(st SavedType) (ledger.Tree[*Resource], bool) {
+func (rs *restorer) tree(st xds.SavedType) (ledger.Tree[*xds.Resource], bool) {
 	if t := rs.trees[typeRoot{st.Type, st.Root}]; t != nil {
 		return *t, true
 	}
-	return ledger.Tree[*Resource]{}, false
+	return ledger.Tree[*xds.Resource]{}, false
 }
 
 // refCounts returns how many resources of view (of type typ) refer to each
 // name of kind.
-func (rs *restorer) refCounts(typ string, kind RefKind, view ledger.Tree[*Resource]) map[string]int {
+func (rs *restorer) refCounts(typ string, kind xds.RefKind, view ledger.Tree[*xds.Resource]) map[string]int {
 	k := typeRoot{typ, view.Root()}
 	if c, ok := rs.refs[k]; ok {
 		return c
@@ -255,15 +222,15 @@ func (rs *restorer) refCounts(typ string, kind RefKind, view ledger.Tree[*Resour
 
 // restoreKey installs a persisted key, stale, if no stream created it
 // first, and returns the number of types restored.
-func (r *Relay) restoreKey(sk SavedKey, rs *restorer) int {
+func (r *Relay) restoreKey(sk xds.SavedKey, rs *restorer) int {
 	types := make(map[string]*typeSnap, len(sk.Types))
 	for _, st := range sk.Types {
-		if !Cached(st.Type) {
+		if !xds.Cached(st.Type) {
 			continue
 		}
 		t, ok := rs.tree(st)
 		if !ok {
-			r.log.Warn("warm start: persisted view does not match its root; not restored", "key", sk.Key, "type", ShortType(st.Type))
+			r.log.Warn("warm start: persisted view does not match its root; not restored", "key", sk.Key, "type", xds.ShortType(st.Type))
 			continue
 		}
 		types[st.Type] = &typeSnap{view: t, ready: true, full: st.Full}
@@ -301,7 +268,7 @@ func (u *upstream) followRestored(rs *restorer) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.update(func(next *keySnap) {
-		for _, d := range FetchedTargets() {
+		for _, d := range xds.FetchedTargets() {
 			var parts []map[string]int
 			sig := d.Target
 			if ts := next.types[d.Target]; ts != nil {
@@ -325,7 +292,7 @@ func (u *upstream) followRestored(rs *restorer) {
 			u.derived[d.Target] = counts
 			missing, ok := rs.missing[sig]
 			if !ok {
-				var view ledger.Tree[*Resource]
+				var view ledger.Tree[*xds.Resource]
 				if ts := next.types[d.Target]; ts != nil {
 					view = ts.view
 				}
@@ -372,10 +339,10 @@ func (u *upstream) persist() {
 	if snap.stale {
 		return
 	}
-	views := make([]View, 0, len(snap.types))
+	views := make([]xds.View, 0, len(snap.types))
 	for t, ts := range snap.types {
 		if ts.ready {
-			views = append(views, View{Type: t, Full: ts.full, Tree: ts.view})
+			views = append(views, xds.View{Type: t, Full: ts.full, Tree: ts.view})
 		}
 	}
 	snaps.Save(string(u.k.key), u.r.ownersTerm.Load(), views)

@@ -10,27 +10,28 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // savedSnapshots is a Snapshots that loads fixed keys and records saves.
-type savedSnapshots struct{ keys []SavedKey }
+type savedSnapshots struct{ keys []xds.SavedKey }
 
-func (s *savedSnapshots) Save(string, uint64, []View)              { /* not what these tests look at */ }
-func (s *savedSnapshots) Load(context.Context) ([]SavedKey, error) { return s.keys, nil }
+func (s *savedSnapshots) Save(string, uint64, []xds.View)              { /* not what these tests look at */ }
+func (s *savedSnapshots) Load(context.Context) ([]xds.SavedKey, error) { return s.keys, nil }
 
 // savedClusters returns a persisted cluster view of names, with its true
 // root.
-func savedClusters(t *testing.T, names ...string) SavedType {
+func savedClusters(t *testing.T, names ...string) xds.SavedType {
 	t.Helper()
-	st := SavedType{Type: TypeCluster, Full: true}
+	st := xds.SavedType{Type: xds.TypeCluster, Full: true}
 	b := ledger.Tree[struct{}]{}.Edit()
 	for _, n := range names {
 		body, err := proto.Marshal(&cluster.Cluster{Name: n})
 		if err != nil {
 			t.Fatal(err)
 		}
-		st.Resources = append(st.Resources, SavedResource{Name: n, Body: body})
-		b.Set(n, ContentHash(TypeCluster, body), struct{}{})
+		st.Resources = append(st.Resources, xds.SavedResource{Name: n, Body: body})
+		b.Set(n, xds.ContentHash(xds.TypeCluster, body), struct{}{})
 	}
 	st.Root = b.Tree().Root()
 	return st
@@ -44,11 +45,11 @@ func TestRestoreChecksRoots(t *testing.T) {
 	forged.Root = good.Root // the record claims a root its content does not have
 	forgedOnly := savedClusters(t, "x")
 	forgedOnly.Root = ledger.HashBytes([]byte("forged"))
-	snaps := &savedSnapshots{keys: []SavedKey{
-		{Key: "k0", Types: []SavedType{forged}}, // first: it must not spoil k1's
-		{Key: "k1", Types: []SavedType{good}},
-		{Key: "k2", Types: []SavedType{good}},
-		{Key: "k3", Types: []SavedType{forgedOnly}},
+	snaps := &savedSnapshots{keys: []xds.SavedKey{
+		{Key: "k0", Types: []xds.SavedType{forged}}, // first: it must not spoil k1's
+		{Key: "k1", Types: []xds.SavedType{good}},
+		{Key: "k2", Types: []xds.SavedType{good}},
+		{Key: "k3", Types: []xds.SavedType{forgedOnly}},
 	}}
 	up := newTestUpstream(t, "ns1")
 	r := startRelay(t, up, func(c *Config) { c.Snapshots = snaps })
@@ -65,8 +66,8 @@ func TestRestoreChecksRoots(t *testing.T) {
 	if k1 == nil || k2 == nil || k3 != nil {
 		t.Fatalf("restored k1 %v, k2 %v, k3 %v; want k1 and k2 only", k1 != nil, k2 != nil, k3 != nil)
 	}
-	v1 := k1.snap.Load().types[TypeCluster].view
-	v2 := k2.snap.Load().types[TypeCluster].view
+	v1 := k1.snap.Load().types[xds.TypeCluster].view
+	v2 := k2.snap.Load().types[xds.TypeCluster].view
 	if v1.Root() != good.Root || v1.Len() != 2 {
 		t.Errorf("k1's clusters: root %s, %d entries; want the persisted root and 2", v1.Root(), v1.Len())
 	}
@@ -78,7 +79,7 @@ func TestRestoreChecksRoots(t *testing.T) {
 	r.mu.Lock()
 	k0 := r.keys["k0"]
 	r.mu.Unlock()
-	if v0 := k0.snap.Load().types[TypeCluster].view; !v0.Shares(v1) {
+	if v0 := k0.snap.Load().types[xds.TypeCluster].view; !v0.Shares(v1) {
 		t.Errorf("k0 holds %d clusters, want the 2 its root commits to", v0.Len())
 	}
 	if !k1.snap.Load().stale {
@@ -98,29 +99,29 @@ func TestRestoredViewReplacesNothingDeclared(t *testing.T) {
 	key := string(IstioProfile{}.Key(n))
 	saved := savedClusters(t, "a", "b")
 	up := newTestUpstream(t, "ns1")
-	up.set("ns1", TypeCluster, mkCluster("a"), mkCluster("c"))
+	up.set("ns1", xds.TypeCluster, mkCluster("a"), mkCluster("c"))
 	up.stop() // the view stays the snapshot's
 	r := startRelay(t, up, func(c *Config) {
-		c.Snapshots = &savedSnapshots{keys: []SavedKey{{Key: key, Types: []SavedType{saved}}}}
+		c.Snapshots = &savedSnapshots{keys: []xds.SavedKey{{Key: key, Types: []xds.SavedType{saved}}}}
 		c.BackoffInitial, c.BackoffMax = 50*time.Millisecond, 200*time.Millisecond // back at once
 	})
 	waitFor(t, "the key restored", func() bool { return r.Stats().RestoredKeys == 1 })
 
 	fresh := newRawClient(t, dial(t, r.Addr().String()), true, n)
-	fresh.subscribe(TypeCluster)
-	wantNames(t, fresh.recvDelta(TypeCluster), "a", "b") // holds nothing: served
+	fresh.subscribe(xds.TypeCluster)
+	wantNames(t, fresh.recvDelta(xds.TypeCluster), "a", "b") // holds nothing: served
 
 	moved := newRawClient(t, dial(t, r.Addr().String()), true, node("ns1", "app", 1))
 	declared := map[string]string{ // plain content versions: no Order
-		"a": ContentHash(TypeCluster, mustAny(mkCluster("a")).GetValue()).String(),
-		"c": ContentHash(TypeCluster, mustAny(mkCluster("c")).GetValue()).String(),
+		"a": xds.ContentHash(xds.TypeCluster, mustAny(mkCluster("a")).GetValue()).String(),
+		"c": xds.ContentHash(xds.TypeCluster, mustAny(mkCluster("c")).GetValue()).String(),
 	}
-	moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeCluster, InitialResourceVersions: declared})
+	moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, InitialResourceVersions: declared})
 	// The upstream is down: the client is sent nothing (a barrier cannot
 	// pass either). Once it is back, the first response is the live view's,
 	// which is what the client holds.
 	up.restart()
-	m := moved.recvDelta(TypeCluster)
+	m := moved.recvDelta(xds.TypeCluster)
 	if len(m.GetResources()) != 0 || len(m.GetRemovedResources()) != 0 {
 		t.Fatalf("the client holding a and c got %v, removed %v; want nothing (the snapshot's b, or c removed, before the live view)", names(m), removedOf(m))
 	}

@@ -8,6 +8,7 @@ import (
 	cluster "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
+	"github.com/meshrelay/meshrelay/relay/xds"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
@@ -89,7 +90,7 @@ func TestRedactDropsUnknownFields(t *testing.T) {
 	}
 	b = protowire.AppendTag(b, 999, protowire.BytesType)
 	b = protowire.AppendBytes(b, []byte("unknown-secret"))
-	out, err := redactAny(&anypb.Any{TypeUrl: TypeSecret, Value: b})
+	out, err := redactAny(&anypb.Any{TypeUrl: xds.TypeSecret, Value: b})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -121,13 +122,13 @@ func FuzzRedact(f *testing.F) {
 	c, _ := proto.Marshal(&cluster.Cluster{Name: "c", TransportSocket: &core.TransportSocket{ConfigType: &core.TransportSocket_TypedConfig{TypedConfig: ctx}}})
 	nested, _ := anypb.New(wrapperspb.String("v"))
 	deep, _ := proto.Marshal(&cluster.Cluster{Name: "d", TransportSocket: &core.TransportSocket{ConfigType: &core.TransportSocket_TypedConfig{TypedConfig: nested}}})
-	f.Add(TypeSecret, secret)
-	f.Add(TypeCluster, c)
-	f.Add(TypeCluster, deep)
-	f.Add(TypeCluster, []byte{0xff, 0x01})
+	f.Add(xds.TypeSecret, secret)
+	f.Add(xds.TypeCluster, c)
+	f.Add(xds.TypeCluster, deep)
+	f.Add(xds.TypeCluster, []byte{0xff, 0x01})
 	f.Fuzz(func(t *testing.T, typeURL string, value []byte) {
-		if typeURL != TypeSecret && typeURL != TypeCluster {
-			typeURL = TypeCluster
+		if typeURL != xds.TypeSecret && typeURL != xds.TypeCluster {
+			typeURL = xds.TypeCluster
 		}
 		out, err := redactAny(&anypb.Any{TypeUrl: typeURL, Value: value})
 		if err != nil {

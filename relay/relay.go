@@ -50,6 +50,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // Relay is one meshrelay process's xDS relay. Create it with New, then Start;
@@ -57,9 +58,9 @@ import (
 type Relay struct {
 	cfg          Config
 	log          *slog.Logger
-	store        *Store
-	dropped      *Dropped
-	refIndex     RefIndex
+	store        *xds.Store
+	dropped      *xds.Dropped
+	refIndex     xds.RefIndex
 	metrics      *metrics
 	pushACK      latency
 	ledger       *ledger.Tracker
@@ -120,8 +121,8 @@ func New(cfg Config) (*Relay, error) {
 	r := &Relay{
 		cfg:          cfg,
 		log:          cfg.Logger.With("relay", cfg.ID),
-		store:        NewStore(),
-		dropped:      NewDropped(cfg.KeepDroppedBytes),
+		store:        xds.NewStore(),
+		dropped:      xds.NewDropped(cfg.KeepDroppedBytes),
 		controlPlane: &core.ControlPlane{Identifier: cfg.ID},
 		stopping:     make(chan struct{}),
 		keys:         make(map[Key]*keyState),

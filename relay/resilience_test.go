@@ -8,6 +8,7 @@ import (
 	"time"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/meshrelay/meshrelay/relay/xds"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -34,20 +35,20 @@ func syncFull(c *rawClient, eds []string) (map[string][]proto.Message, int) {
 		got[typeURL] = append(got[typeURL], m)
 		size += proto.Size(m)
 	}
-	c.subscribe(TypeCluster)
-	take(TypeCluster)
-	c.subscribe(TypeEndpoint, eds...)
+	c.subscribe(xds.TypeCluster)
+	take(xds.TypeCluster)
+	c.subscribe(xds.TypeEndpoint, eds...)
 	seen := map[string]bool{}
 	for len(seen) < len(eds) {
-		take(TypeEndpoint)
-		for _, n := range names(got[TypeEndpoint][len(got[TypeEndpoint])-1]) {
+		take(xds.TypeEndpoint)
+		for _, n := range names(got[xds.TypeEndpoint][len(got[xds.TypeEndpoint])-1]) {
 			seen[n] = true
 		}
 	}
-	c.subscribe(TypeListener)
-	take(TypeListener)
-	c.subscribe(TypeRoute, "r80")
-	take(TypeRoute)
+	c.subscribe(xds.TypeListener)
+	take(xds.TypeListener)
+	c.subscribe(xds.TypeRoute, "r80")
+	take(xds.TypeRoute)
 	return got, size
 }
 
@@ -85,12 +86,12 @@ func TestReconnectToFreshRelay(t *testing.T) {
 			c2 := newRawClient(t, dial(t, r2.Addr().String()), delta, node("ns1", "app", 0))
 			resent := 0
 			if delta {
-				for _, typeURL := range []string{TypeCluster, TypeEndpoint, TypeListener, TypeRoute} {
+				for _, typeURL := range []string{xds.TypeCluster, xds.TypeEndpoint, xds.TypeListener, xds.TypeRoute} {
 					var sub []string
 					switch typeURL {
-					case TypeEndpoint:
+					case xds.TypeEndpoint:
 						sub = eds
-					case TypeRoute:
+					case xds.TypeRoute:
 						sub = []string{"r80"}
 					}
 					c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResourceNamesSubscribe: sub, InitialResourceVersions: declaredVersions(held[typeURL])})
@@ -99,13 +100,13 @@ func TestReconnectToFreshRelay(t *testing.T) {
 				for range 2 {
 					m := c2.recv()
 					if len(names(m)) != 0 || len(removedOf(m)) != 0 {
-						t.Fatalf("%s after reconnect carried %d resources and %d removals, want none", ShortType(typeOf(m)), len(names(m)), len(removedOf(m)))
+						t.Fatalf("%s after reconnect carried %d resources and %d removals, want none", xds.ShortType(typeOf(m)), len(names(m)), len(removedOf(m)))
 					}
 					resent += proto.Size(m)
 					c2.ack(m)
 				}
 			} else {
-				for _, typeURL := range []string{TypeCluster, TypeEndpoint, TypeListener, TypeRoute} {
+				for _, typeURL := range []string{xds.TypeCluster, xds.TypeEndpoint, xds.TypeListener, xds.TypeRoute} {
 					last := held[typeURL][len(held[typeURL])-1].(*discovery.DiscoveryResponse)
 					sub := c.subs[typeURL]
 					c2.subs[typeURL] = sub
@@ -143,15 +144,15 @@ func TestUpstreamRestart(t *testing.T) {
 			// A new Envoy of the same key is served from the cache.
 			fresh := newRawClient(t, conn, delta, node("ns1", "app", 1))
 			got, _ := syncFull(fresh, eds)
-			if n := len(names(got[TypeCluster][0])); n != 20 {
+			if n := len(names(got[xds.TypeCluster][0])); n != 20 {
 				t.Fatalf("new Envoy got %d clusters from the cache, want 20", n)
 			}
 
 			// Content changes while the relay cannot see it.
-			up.set("ns1", TypeEndpoint, mkCLA("c3", 7777))
+			up.set("ns1", xds.TypeEndpoint, mkCLA("c3", 7777))
 			up.restart()
 			for _, c := range []*rawClient{old, fresh} {
-				m := c.recvSotWOrDelta(TypeEndpoint)
+				m := c.recvSotWOrDelta(xds.TypeEndpoint)
 				wantNames(t, m, "c3")
 				if len(removedOf(m)) != 0 {
 					t.Fatalf("removals %v reached an Envoy across the upstream restart", removedOf(m))
@@ -185,8 +186,8 @@ func TestRehome(t *testing.T) {
 	waitFor(t, "re-homed to the live member", func() bool { return lastUpstreamNode(up) == b.node.GetId() })
 	waitFor(t, "one upstream stream", func() bool { open, _ := up.streams(); return open == 1 })
 	// b still gets updates through the new stream.
-	up.set("ns1", TypeEndpoint, mkCLA("c1", 4242))
-	wantNames(t, b.recvSotWOrDelta(TypeEndpoint), "c1")
+	up.set("ns1", xds.TypeEndpoint, mkCLA("c1", 4242))
+	wantNames(t, b.recvSotWOrDelta(xds.TypeEndpoint), "c1")
 }
 
 // lastUpstreamNode returns the node of the latest first request the
@@ -223,10 +224,10 @@ func TestWildcardAfterNamed(t *testing.T) {
 		t.Run(protocolName(delta), func(t *testing.T) {
 			e := newEnv(t, delta, nil)
 			named := e.client(0)
-			named.subscribe(TypeCluster, "c0")
+			named.subscribe(xds.TypeCluster, "c0")
 			wantNames(t, named.recv(), "c0")
 			all := e.client(1)
-			all.subscribe(TypeCluster)
+			all.subscribe(xds.TypeCluster)
 			wantNames(t, all.recv(), "c0", "c1", "c2")
 		})
 	}
@@ -250,7 +251,7 @@ func TestReconnectDeclaresState(t *testing.T) {
 			beforeSotW, beforeDelta := len(up.sotwReqs), len(up.deltaReq)
 			var acked string
 			for _, q := range up.sotwReqs {
-				if q.GetTypeUrl() == TypeCluster && q.GetVersionInfo() != "" {
+				if q.GetTypeUrl() == xds.TypeCluster && q.GetVersionInfo() != "" {
 					acked = q.GetVersionInfo()
 				}
 			}
@@ -266,7 +267,7 @@ func TestReconnectDeclaresState(t *testing.T) {
 			defer up.mu.Unlock()
 			if delta {
 				for _, q := range up.deltaReq[beforeDelta:] {
-					if q.GetTypeUrl() == TypeCluster && q.GetResponseNonce() == "" {
+					if q.GetTypeUrl() == xds.TypeCluster && q.GetResponseNonce() == "" {
 						if len(q.GetInitialResourceVersions()) != 5 {
 							t.Fatalf("CDS on the new stream declares %d resources, want 5", len(q.GetInitialResourceVersions()))
 						}
@@ -276,7 +277,7 @@ func TestReconnectDeclaresState(t *testing.T) {
 				t.Fatal("no first CDS request on the new stream")
 			}
 			for _, q := range up.sotwReqs[beforeSotW:] {
-				if q.GetTypeUrl() == TypeCluster {
+				if q.GetTypeUrl() == xds.TypeCluster {
 					if q.GetResponseNonce() != "" || q.GetVersionInfo() != acked || acked == "" {
 						t.Fatalf("CDS on the new stream: version %q nonce %q, want version %q and no nonce", q.GetVersionInfo(), q.GetResponseNonce(), acked)
 					}
@@ -337,7 +338,7 @@ func TestUpstreamDownIsNotHammered(t *testing.T) {
 	conn := dial(t, r.Addr().String())
 	for i := range 20 {
 		c := newRawClient(t, conn, true, node(fmt.Sprint("ns", i%4), "app", i))
-		c.subscribe(TypeCluster)
+		c.subscribe(xds.TypeCluster)
 	}
 	time.Sleep(2 * time.Second) // the window in which attempts are counted
 	// 4 keys, each backing off from 50 ms to 400 ms over 2 s: about 10
@@ -389,24 +390,24 @@ func TestCacheSharesResources(t *testing.T) {
 func TestWildcardLeavesAndReturns(t *testing.T) {
 	e := newEnv(t, true, nil)
 	named := e.client(0)
-	named.subscribe(TypeCluster, "c0")
+	named.subscribe(xds.TypeCluster, "c0")
 	wantNames(t, named.recv(), "c0")
 	all := e.client(1)
-	all.subscribe(TypeCluster)
+	all.subscribe(xds.TypeCluster)
 	d := all.recv().(*discovery.DeltaDiscoveryResponse)
 	wantNames(t, d, "c0", "c1", "c2")
 	all.close()
 	waitFor(t, "the key's view to shrink to c0", func() bool {
 		for _, k := range e.r.keysSnapshot() {
-			if ts := k.snap.Load().types[TypeCluster]; ts != nil && ts.view.Len() == 1 {
+			if ts := k.snap.Load().types[xds.TypeCluster]; ts != nil && ts.view.Len() == 1 {
 				return true
 			}
 		}
 		return false
 	})
 	back := e.client(1)
-	back.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeCluster, InitialResourceVersions: versionMap(d)})
-	m := back.recvSotWOrDelta(TypeCluster)
+	back.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, InitialResourceVersions: versionMap(d)})
+	m := back.recvSotWOrDelta(xds.TypeCluster)
 	if r := removedOf(m); len(r) != 0 {
 		t.Fatalf("a returning wildcard client was told %v were removed; they exist", r)
 	}
@@ -417,8 +418,8 @@ func TestWildcardLeavesAndReturns(t *testing.T) {
 func TestDeltaFirstRequestUnsubscribes(t *testing.T) {
 	e := newEnv(t, true, nil)
 	c := e.client(0)
-	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeCluster,
-		ResourceNamesSubscribe: []string{WildcardName, "c0"}, ResourceNamesUnsubscribe: []string{WildcardName}})
+	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster,
+		ResourceNamesSubscribe: []string{xds.WildcardName, "c0"}, ResourceNamesUnsubscribe: []string{xds.WildcardName}})
 	wantNames(t, c.recv(), "c0")
 	c.quiet()
 }
@@ -435,7 +436,7 @@ func TestPassthroughReplay(t *testing.T) {
 			c.subscribe(typeNDS)
 			c.nack(c.recv(), "")
 			if delta {
-				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeNDS, ResourceNamesUnsubscribe: []string{WildcardName}})
+				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeNDS, ResourceNamesUnsubscribe: []string{xds.WildcardName}})
 			}
 			c.quiet(typeNDS) // the upstream may answer the NACK; leave it so
 			// The client's last request is forwarded asynchronously: count

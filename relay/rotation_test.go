@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
+	"github.com/meshrelay/meshrelay/relay/xds"
 
 	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/auth/authtest"
@@ -104,8 +105,8 @@ func TestCertificateRotationOnEveryListener(t *testing.T) {
 	for i := range envoys {
 		tok := e.issuer.Sign(t, authtest.Token{Namespace: "ns1", ServiceAccount: "app"})
 		c := newRawClient(t, e.dial(t, creds{token: tok, perRPC: true}), true, saNode("ns1", "app", i))
-		c.subscribe(TypeCluster, "*")
-		c.ack(c.recvDelta(TypeCluster))
+		c.subscribe(xds.TypeCluster, "*")
+		c.ack(c.recvDelta(xds.TypeCluster))
 		clients = append(clients, c)
 	}
 	// Changes flow while the files rotate, each listener twice.
@@ -115,7 +116,7 @@ func TestCertificateRotationOnEveryListener(t *testing.T) {
 		cs := []types.Resource{mkCluster("c0"), mkCluster("c1"), mkCluster("c2")}
 		for i := range changes {
 			cs = append(cs, mkCluster(fmt.Sprint("rot-", i)))
-			e.up.set("ns1", TypeCluster, cs...)
+			e.up.set("ns1", xds.TypeCluster, cs...)
 			time.Sleep(5 * time.Millisecond)
 		}
 	}()
@@ -131,7 +132,7 @@ func TestCertificateRotationOnEveryListener(t *testing.T) {
 	last := fmt.Sprint("rot-", changes-1)
 	for _, c := range clients {
 		for got := false; !got; {
-			m := c.recvDelta(TypeCluster) // fails the test if the stream ended
+			m := c.recvDelta(xds.TypeCluster) // fails the test if the stream ended
 			got = slices.Contains(names(m), last)
 			c.ack(m)
 		}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/meshrelay/meshrelay/relay/xds"
 	"google.golang.org/grpc/codes"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	reflectionpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
@@ -23,13 +24,13 @@ func TestSmoke(t *testing.T) {
 			seed(up, "ns1", 3)
 			r := startRelay(t, up, nil)
 			c := newRawClient(t, dial(t, r.Addr().String()), delta, node("ns1", "app", 0))
-			c.subscribe(TypeCluster)
+			c.subscribe(xds.TypeCluster)
 			m := c.recv()
 			if got := names(m); len(got) != 3 {
 				t.Fatalf("CDS names = %v, want 3", got)
 			}
 			c.ack(m)
-			c.subscribe(TypeEndpoint, "c0", "c1")
+			c.subscribe(xds.TypeEndpoint, "c0", "c1")
 			m = c.recv()
 			got := names(m)
 			slices.Sort(got)
@@ -50,7 +51,7 @@ func TestAdminEndpoints(t *testing.T) {
 	seed(up, "ns1", 1)
 	r := startRelay(t, up, func(c *Config) { c.AdminListen = "127.0.0.1:0" })
 	c := newRawClient(t, dial(t, r.Addr().String()), true, node("ns1", "app", 0))
-	c.subscribe(TypeCluster)
+	c.subscribe(xds.TypeCluster)
 	c.ack(c.recv())
 	c.quiet()
 	base := "http://" + r.AdminAddr().String()

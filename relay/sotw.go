@@ -7,6 +7,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // serveSotW serves one SotW ADS stream that came in on port p.
@@ -68,14 +69,14 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 	if err := s.checkNames(typeURL, names.n); err != nil {
 		return err
 	}
-	decoded := func() (NameSet, error) {
+	decoded := func() (xds.NameSet, error) {
 		list, err := names.decode()
 		if err != nil {
 			return nil, status.Error(codes.InvalidArgument, err.Error())
 		}
-		return NewNameSet(list), nil
+		return xds.NewNameSet(list), nil
 	}
-	if !Cached(typeURL) {
+	if !xds.Cached(typeURL) {
 		list, err := names.decode()
 		if err != nil {
 			return status.Error(codes.InvalidArgument, err.Error())
@@ -91,7 +92,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 		if err != nil {
 			return err
 		}
-		legacy := names.n == 0 && LegacyWildcard(typeURL)
+		legacy := names.n == 0 && xds.LegacyWildcard(typeURL)
 		sub = s.newSub(typeURL, explicit || legacy, legacy, set)
 		sub.listDigest = digest
 		if v := req.GetVersionInfo(); v != "" {
@@ -109,7 +110,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 	if req.GetResponseNonce() != sub.nonce {
 		// A SotW request is answered only if it refers to the latest
 		// response of its type (xDS protocol); older ones are stale.
-		s.log.Debug("stale nonce", "type", ShortType(typeURL), "nonce", req.GetResponseNonce(), "want", sub.nonce)
+		s.log.Debug("stale nonce", "type", xds.ShortType(typeURL), "nonce", req.GetResponseNonce(), "want", sub.nonce)
 		return nil
 	}
 	if sub.nonce != "" {

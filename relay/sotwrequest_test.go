@@ -6,6 +6,7 @@ import (
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/meshrelay/meshrelay/relay/xds"
 	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/proto"
@@ -16,9 +17,9 @@ import (
 // field, and its names digest is listDigest of the names.
 func FuzzSotWRequestDecode(f *testing.F) {
 	for _, r := range []*discovery.DiscoveryRequest{
-		{TypeUrl: TypeCluster, Node: &core.Node{Id: "sidecar~10.0.0.1~a.ns~ns.svc.cluster.local"}},
-		{TypeUrl: TypeEndpoint, ResourceNames: []string{"c0", "c1", "*"}, VersionInfo: "v", ResponseNonce: "3"},
-		{TypeUrl: TypeListener, ErrorDetail: &rpcstatus.Status{Code: 3, Message: "bad"}, ResourceNames: []string{""}},
+		{TypeUrl: xds.TypeCluster, Node: &core.Node{Id: "sidecar~10.0.0.1~a.ns~ns.svc.cluster.local"}},
+		{TypeUrl: xds.TypeEndpoint, ResourceNames: []string{"c0", "c1", "*"}, VersionInfo: "v", ResponseNonce: "3"},
+		{TypeUrl: xds.TypeListener, ErrorDetail: &rpcstatus.Status{Code: 3, Message: "bad"}, ResourceNames: []string{""}},
 	} {
 		b, err := proto.Marshal(r)
 		if err != nil {
@@ -51,8 +52,8 @@ func FuzzSotWRequestDecode(f *testing.F) {
 		if !slices.Equal(names, want.GetResourceNames()) && len(names)+len(want.GetResourceNames()) > 0 {
 			t.Fatalf("names = %q, want %q", names, want.GetResourceNames())
 		}
-		if got.names.digest != ListDigest(want.GetResourceNames()) || got.names.n != len(names) ||
-			got.names.star != slices.Contains(names, WildcardName) {
+		if got.names.digest != listDigest(want.GetResourceNames()) || got.names.n != len(names) ||
+			got.names.star != slices.Contains(names, xds.WildcardName) {
 			t.Fatalf("digest/count/star disagree with the names %q", names)
 		}
 		want.ResourceNames = nil

@@ -18,6 +18,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/auth"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // stream is one downstream ADS stream, SotW or Delta. All of its state is
@@ -80,7 +81,7 @@ type typeSub struct {
 	// legacy is set while the subscription is wildcard only because the
 	// first request named nothing.
 	legacy bool
-	names  NameSet
+	names  xds.NameSet
 	// listDigest is the digest of the latest SotW request's name list.
 	listDigest uint64
 
@@ -88,7 +89,7 @@ type typeSub struct {
 	// was sent (ACKed or not: a NACKed version is not sent again until the
 	// content changes) or declared it had. For a non-wildcard subscription
 	// it only ever holds subscribed names.
-	known ledger.Tree[*Resource]
+	known ledger.Tree[*xds.Resource]
 
 	// awaitFirst is set until the client got its first answer: it must get
 	// one once the type is ready, even an empty one.
@@ -139,7 +140,7 @@ type sentResponse struct {
 	at             time.Time
 	// from and to are what the client held before and after it: what the
 	// response changed, which is what a NACK of it rejects.
-	from, to ledger.Tree[*Resource]
+	from, to ledger.Tree[*xds.Resource]
 }
 
 // maxInflight bounds the Delta responses remembered for ACK matching; a
@@ -166,11 +167,11 @@ type NACK struct {
 // fullSotW lists what a SotW full-state response carries (nil for other
 // responses). It is built only when the body is encoded, once per content,
 // not once per stream.
-func (o *outgoing) fullSotW() []*Resource {
+func (o *outgoing) fullSotW() []*xds.Resource {
 	if !o.full {
 		return nil
 	}
-	out := make([]*Resource, 0, o.held.Len())
+	out := make([]*xds.Resource, 0, o.held.Len())
 	for e := range o.held.All() {
 		if e.Value == nil {
 			// Content the relay knows only by hash (resolveClaim takes a
@@ -189,12 +190,12 @@ type outgoing struct {
 	// this response (SotW version_info), or of the key's view (Delta
 	// system_version_info).
 	version string
-	upd     []*Resource
+	upd     []*xds.Resource
 	removed []string
 	// full is set for a SotW full-state type: the response carries
 	// everything the client holds (held), not just upd.
 	full  bool
-	held  ledger.Tree[*Resource]
+	held  ledger.Tree[*xds.Resource]
 	nonce string
 	// The Merkle roots that determine the response's bytes: what the
 	// client held before (zero for a SotW full-state response, which does
@@ -323,7 +324,7 @@ func (s *stream) checkNames(typeURL string, n int) error {
 }
 
 // newSub starts a subscription from a stream's first request for a type.
-func (s *stream) newSub(typeURL string, wildcard, legacy bool, names NameSet) *typeSub {
+func (s *stream) newSub(typeURL string, wildcard, legacy bool, names xds.NameSet) *typeSub {
 	sub := &typeSub{typeURL: typeURL, wildcard: wildcard, legacy: legacy, names: names.Interned(), awaitFirst: true}
 	s.subs[typeURL] = sub
 	s.dirty = true
@@ -338,7 +339,7 @@ func (s *stream) newSub(typeURL string, wildcard, legacy bool, names NameSet) *t
 // (in Delta, every name subscribed again): they stay held, at unknown
 // content, so that if the key no longer has them the client still hears of
 // the removal.
-func (s *stream) resubscribe(sub *typeSub, wildcard bool, names NameSet, resend []string) {
+func (s *stream) resubscribe(sub *typeSub, wildcard bool, names xds.NameSet, resend []string) {
 	names = names.Interned()
 	added, removed := sub.names.Diff(names)
 	if wildcard == sub.wildcard && len(added) == 0 && len(removed) == 0 && len(resend) == 0 {
@@ -384,7 +385,7 @@ func (s *stream) ack(sub *typeSub, sent sentResponse, errorDetail string, latest
 			st.NACK = &NACK{Version: sent.version, Detail: errorDetail, At: now}
 		})
 		tm.nacks.Inc()
-		s.log.Warn("NACK", "type", ShortType(sub.typeURL), "version", sent.version, "nonce", sent.nonce, "detail", errorDetail)
+		s.log.Warn("NACK", "type", xds.ShortType(sub.typeURL), "version", sent.version, "nonce", sent.nonce, "detail", errorDetail)
 		return
 	}
 	s.updateStatus(sub.typeURL, func(st *TypeStatus) {
@@ -405,7 +406,7 @@ func (s *stream) noteRejected(sub *typeSub, sent sentResponse, nack bool) bool {
 		if sub.rejected == nil {
 			sub.rejected = make(map[string]struct{})
 		}
-		ledger.Diff(sent.from, sent.to, func(c ledger.Change[*Resource]) bool {
+		ledger.Diff(sent.from, sent.to, func(c ledger.Change[*xds.Resource]) bool {
 			sub.rejected[c.Name] = struct{}{}
 			return true
 		})
@@ -414,11 +415,11 @@ func (s *stream) noteRejected(sub *typeSub, sent sentResponse, nack bool) bool {
 	if len(sub.rejected) == 0 {
 		return false
 	}
-	if !s.delta && FullStateSotW(sub.typeURL) {
+	if !s.delta && xds.FullStateSotW(sub.typeURL) {
 		clear(sub.rejected) // every response carries everything
 		return false
 	}
-	var view ledger.Tree[*Resource]
+	var view ledger.Tree[*xds.Resource]
 	if ts := s.key.snap.Load().types[sub.typeURL]; ts != nil {
 		view = ts.view
 	}
@@ -436,18 +437,18 @@ func (s *stream) noteRejected(sub *typeSub, sent sentResponse, nack bool) bool {
 // share makes the client's known tree the view itself when they hold the
 // same content, so that streams in sync share one tree instead of each
 // keeping its own copies of the paths it was sent.
-func (sub *typeSub) share(view ledger.Tree[*Resource]) {
+func (sub *typeSub) share(view ledger.Tree[*xds.Resource]) {
 	if sub.known.Root() == view.Root() {
 		sub.known = view
 	}
 }
 
 // target returns what a client subscribed as sub should hold of view.
-func (sub *typeSub) target(view ledger.Tree[*Resource]) ledger.Tree[*Resource] {
+func (sub *typeSub) target(view ledger.Tree[*xds.Resource]) ledger.Tree[*xds.Resource] {
 	if sub.wildcard {
 		return view
 	}
-	b := ledger.Tree[*Resource]{}.Edit()
+	b := ledger.Tree[*xds.Resource]{}.Edit()
 	for _, n := range sub.names {
 		if e, ok := view.Get(n); ok {
 			b.Set(n, e.Hash, e.Value)
@@ -462,7 +463,7 @@ func (sub *typeSub) target(view ledger.Tree[*Resource]) ledger.Tree[*Resource] {
 
 // changes returns what the client lacks or holds at another hash (upd), and
 // the names it holds that the view does not have (gone).
-func (sub *typeSub) changes(view ledger.Tree[*Resource]) (upd []*Resource, gone []string) {
+func (sub *typeSub) changes(view ledger.Tree[*xds.Resource]) (upd []*xds.Resource, gone []string) {
 	if !sub.wildcard && len(sub.names)*4 < view.Len() {
 		// A small subscription to a large view: look each name up.
 		for _, n := range sub.names {
@@ -477,7 +478,7 @@ func (sub *typeSub) changes(view ledger.Tree[*Resource]) (upd []*Resource, gone 
 		}
 		return upd, gone
 	}
-	ledger.Diff(sub.known, view, func(c ledger.Change[*Resource]) bool {
+	ledger.Diff(sub.known, view, func(c ledger.Change[*xds.Resource]) bool {
 		switch {
 		case c.New != nil && (sub.wildcard || sub.names.Has(c.Name)):
 			upd = append(upd, c.New.Value)
@@ -493,7 +494,7 @@ func (sub *typeSub) changes(view ledger.Tree[*Resource]) (upd []*Resource, gone 
 type plan struct {
 	sub  *typeSub
 	ts   *typeSnap
-	upd  []*Resource
+	upd  []*xds.Resource
 	gone []string // removal candidates, not yet checked for references
 	// want counts the updates and removals the client needs to hold all
 	// it should of the view, done those sent (or applied) this round:
@@ -533,7 +534,7 @@ func (s *stream) sync() error {
 // asked about, stops the walk: what comes later in push order waits.
 func (s *stream) planTypes(snap *keySnap, now time.Time) (plans, synced []*plan) {
 	wait := s.r.cfg.ResourceWaitTimeout
-	for _, typeURL := range PushOrder {
+	for _, typeURL := range xds.PushOrder {
 		sub := s.subs[typeURL]
 		ts := snap.types[typeURL]
 		if sub == nil {
@@ -575,7 +576,7 @@ func (s *stream) planTypes(snap *keySnap, now time.Time) (plans, synced []*plan)
 			sub.share(ts.view)
 		}
 		gone = slices.DeleteFunc(gone, func(n string) bool { return ts.isPending(n, now, wait) })
-		if typeURL == TypeCluster {
+		if typeURL == xds.TypeCluster {
 			s.forceEndpoints(sub, upd)
 		}
 		p := &plan{sub: sub, ts: ts, upd: upd, gone: gone, want: want}
@@ -620,7 +621,7 @@ func (s *stream) sendUpdates(plans []*plan) error {
 // sendRemovals sends, in removal order (referrers first), the removals
 // still waiting that are allowed now.
 func (s *stream) sendRemovals(plans []*plan) error {
-	for _, typeURL := range RemovalOrder {
+	for _, typeURL := range xds.RemovalOrder {
 		for _, p := range plans {
 			if p.sub.typeURL != typeURL || len(p.gone) == 0 {
 				continue
@@ -647,17 +648,17 @@ func (s *stream) orderNews(sub *typeSub, ts *typeSnap, want int) bool {
 // forceEndpoints makes the stream send again the endpoints of every cluster
 // that changed: Envoy warms an updated cluster only when its
 // ClusterLoadAssignment arrives, even if the endpoints did not change.
-func (s *stream) forceEndpoints(cds *typeSub, upd []*Resource) {
-	eds := s.subs[TypeEndpoint]
+func (s *stream) forceEndpoints(cds *typeSub, upd []*xds.Resource) {
+	eds := s.subs[xds.TypeEndpoint]
 	if eds == nil {
 		return
 	}
-	var kb *ledger.Builder[*Resource]
+	var kb *ledger.Builder[*xds.Resource]
 	for _, r := range upd {
 		if _, had := cds.known.Get(r.Name); !had {
 			continue
 		}
-		for _, e := range r.Refs(RefEndpoints) {
+		for _, e := range r.Refs(xds.RefEndpoints) {
 			if _, ok := eds.known.Get(e); !ok {
 				continue
 			}
@@ -689,7 +690,7 @@ func (s *stream) allowedRemovals(p *plan) []string {
 // heldBy reports whether something the client holds refers to name of
 // typeURL, so removing it now would break make-before-break.
 func (s *stream) heldBy(typeURL, name string) bool {
-	in := RefsTo(typeURL)
+	in := xds.RefsTo(typeURL)
 	if len(in) == 0 {
 		return false
 	}
@@ -710,10 +711,10 @@ func (s *stream) heldBy(typeURL, name string) bool {
 // name a cluster that never exists (Envoy answers 503 for it), and must
 // not be held forever for that.
 func (s *stream) deferDangling(p *plan) {
-	if p.sub.typeURL != TypeRoute && p.sub.typeURL != TypeListener {
+	if p.sub.typeURL != xds.TypeRoute && p.sub.typeURL != xds.TypeListener {
 		return
 	}
-	cds := s.subs[TypeCluster]
+	cds := s.subs[xds.TypeCluster]
 	if cds == nil || len(p.upd) == 0 {
 		return
 	}
@@ -721,7 +722,7 @@ func (s *stream) deferDangling(p *plan) {
 	wait := s.r.cfg.ResourceWaitTimeout
 	kept := p.upd[:0]
 	for _, r := range p.upd {
-		missing := slices.ContainsFunc(r.Refs(RefClusters), func(c string) bool {
+		missing := slices.ContainsFunc(r.Refs(xds.RefClusters), func(c string) bool {
 			_, held := cds.known.Get(c)
 			return !held
 		})
@@ -825,7 +826,7 @@ func (s *stream) resolveClaim(sub *typeSub, ts *typeSnap) {
 // sub holds at its claimed version. The history keeps names and hashes;
 // the bodies must still be in the store (a full-state response carries
 // every resource the client holds), or the claim stays unresolved.
-func (s *stream) heldVersion(sub *typeSub) (ledger.Tree[*Resource], bool) {
+func (s *stream) heldVersion(sub *typeSub) (ledger.Tree[*xds.Resource], bool) {
 	t, ok := s.key.versionHeld(sub, sub.claimed)
 	if !ok {
 		return t, false
@@ -837,7 +838,7 @@ func (s *stream) heldVersion(sub *typeSub) (ledger.Tree[*Resource], bool) {
 		}
 		r := s.r.store.Lookup(e.Hash)
 		if r == nil {
-			return ledger.Tree[*Resource]{}, false
+			return ledger.Tree[*xds.Resource]{}, false
 		}
 		b.Set(e.Name, e.Hash, r)
 	}
@@ -852,12 +853,12 @@ func (s *stream) heldVersion(sub *typeSub) (ledger.Tree[*Resource], bool) {
 // one its newer version removed, and a SotW client said only a root), and
 // neither does a view restored from a snapshot (unordered, and as old as
 // the snapshot: the client may have held the name, newer, before).
-func (s *stream) lacking(sub *typeSub, ts *typeSnap) []*Resource {
+func (s *stream) lacking(sub *typeSub, ts *typeSnap) []*xds.Resource {
 	if !s.delta || sub.wildcard || ts.order.IsZero() {
 		return nil
 	}
 	view := ts.view
-	var out []*Resource
+	var out []*xds.Resource
 	for _, n := range sub.names {
 		if _, held := sub.known.Get(n); held {
 			continue
@@ -908,7 +909,7 @@ func (s *stream) awaitingDeclarations(typeURL string) (bool, time.Duration) {
 	if left <= 0 {
 		return false, 0
 	}
-	for _, e := range RefsTo(typeURL) {
+	for _, e := range xds.RefsTo(typeURL) {
 		if e.Declared && s.subs[e.From] == nil {
 			return true, left
 		}
@@ -927,7 +928,7 @@ func (s *stream) undeclared(typeURL string) bool {
 	return wait
 }
 
-func (s *stream) refers(typeURL string, kind RefKind, name string) bool {
+func (s *stream) refers(typeURL string, kind xds.RefKind, name string) bool {
 	sub := s.subs[typeURL]
 	if sub == nil {
 		return false
@@ -953,7 +954,7 @@ func (s *stream) refers(typeURL string, kind RefKind, name string) bool {
 // client's declaration the relay could not resolve, which lasts until the
 // sync that replaces it). It walks the tree, stopping at the first one:
 // once per removal candidate, and removals are few.
-func opaque(t ledger.Tree[*Resource]) bool {
+func opaque(t ledger.Tree[*xds.Resource]) bool {
 	for e := range t.All() {
 		if e.Value == nil {
 			return true
@@ -964,7 +965,7 @@ func opaque(t ledger.Tree[*Resource]) bool {
 
 // emit applies upd and removed to the client's known state and sends the
 // response that carries them.
-func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
+func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 	sub := p.sub
 	p.done += len(upd) + len(removed)
 	fromTree := sub.known
@@ -998,7 +999,7 @@ func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 	case s.delta:
 		out.view = p.ts.view.Root()
 		out.version = stampedVersion(out.view, out.order)
-	case FullStateSotW(sub.typeURL):
+	case xds.FullStateSotW(sub.typeURL):
 		out.from = ledger.Hash{}
 		out.version = stampedVersion(sub.known.Root(), out.order)
 		out.full, out.held = true, sub.known
@@ -1027,7 +1028,7 @@ func (s *stream) emit(p *plan, upd []*Resource, removed []string) error {
 	if err := s.send(out); err != nil {
 		return err
 	}
-	s.log.Debug("push", "type", ShortType(sub.typeURL), "version", out.version, "nonce", out.nonce,
+	s.log.Debug("push", "type", xds.ShortType(sub.typeURL), "version", out.version, "nonce", out.nonce,
 		"resources", len(upd), "removed", len(removed))
 	return nil
 }

@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // fakeOwners is an Owners whose answer the test sets.
@@ -89,7 +90,7 @@ func firstResponseErr(t *testing.T, conn grpc.ClientConnInterface, n *core.Node)
 	}
 	// A stream the server already ended fails Send with io.EOF; Recv
 	// then returns the status it ended with.
-	_ = s.Send(&discovery.DeltaDiscoveryRequest{Node: n, TypeUrl: TypeCluster})
+	_ = s.Send(&discovery.DeltaDiscoveryRequest{Node: n, TypeUrl: xds.TypeCluster})
 	_, err = s.Recv()
 	return err
 }
@@ -125,8 +126,8 @@ func TestPeerStreams(t *testing.T) {
 	}
 	// A proven peer's stream is attached under the key it names.
 	pc := newRawClient(t, mdConn{conn, []string{mdPeer, "relay-b", mdPeerKey, key, mdPeerAuth, peerToken(secret, "relay-b")}}, true, n)
-	pc.subscribe(TypeCluster)
-	pc.recvDelta(TypeCluster)
+	pc.subscribe(xds.TypeCluster)
+	pc.recvDelta(xds.TypeCluster)
 	// (The table's streams end asynchronously.)
 	waitFor(t, "one peer stream of the named key", func() bool {
 		cs := r.Clients()
@@ -190,8 +191,8 @@ func TestDrain(t *testing.T) {
 	seed(up, "ns0", 1)
 	r := startRelay(t, up, nil)
 	c := newRawClient(t, dial(t, r.Addr().String()), true, node("ns0", "app", 1))
-	c.subscribe(TypeCluster)
-	c.recvDelta(TypeCluster)
+	c.subscribe(xds.TypeCluster)
+	c.recvDelta(xds.TypeCluster)
 	r.MarkNotReady()
 	if r.Ready() {
 		t.Error("Ready after MarkNotReady")
@@ -225,10 +226,10 @@ func TestSourceFollowsOwners(t *testing.T) {
 	r := startRelay(t, up, func(c *Config) { c.ID = "other"; c.Owners = owners })
 
 	c := newRawClient(t, dial(t, r.Addr().String()), true, node("ns0", "app", 1))
-	c.subscribe(TypeCluster)
-	c.ack(c.recvDelta(TypeCluster))
-	c.subscribe(TypeEndpoint, "c0", "c1", "c2")
-	c.ack(c.recvDelta(TypeEndpoint))
+	c.subscribe(xds.TypeCluster)
+	c.ack(c.recvDelta(xds.TypeCluster))
+	c.subscribe(xds.TypeEndpoint, "c0", "c1", "c2")
+	c.ack(c.recvDelta(xds.TypeEndpoint))
 	if got := r.Stats().UpstreamStreams; got != 1 {
 		t.Fatalf("owning the key, the relay holds %d upstream streams, want 1", got)
 	}
@@ -240,8 +241,8 @@ func TestSourceFollowsOwners(t *testing.T) {
 			owner.Stats().PeerClients == 1 && owner.Stats().UpstreamStreams == 1
 	})
 	c.quiet() // the switch re-sent nothing
-	up.set("ns0", TypeEndpoint, mkCLA("c1", 9090))
-	if m := c.recvDelta(TypeEndpoint); len(m.GetResources()) != 1 || m.GetResources()[0].GetName() != "c1" {
+	up.set("ns0", xds.TypeEndpoint, mkCLA("c1", 9090))
+	if m := c.recvDelta(xds.TypeEndpoint); len(m.GetResources()) != 1 || m.GetResources()[0].GetName() != "c1" {
 		t.Fatalf("change through the owner: got %v, want c1", names(m))
 	}
 
@@ -251,8 +252,8 @@ func TestSourceFollowsOwners(t *testing.T) {
 		return r.Stats().UpstreamStreams == 1 && testutil.ToFloat64(r.metrics.peerFallbacks) >= 1
 	})
 	c.quiet()
-	up.set("ns0", TypeEndpoint, mkCLA("c2", 9090))
-	if m := c.recvDelta(TypeEndpoint); len(m.GetResources()) != 1 || m.GetResources()[0].GetName() != "c2" {
+	up.set("ns0", xds.TypeEndpoint, mkCLA("c2", 9090))
+	if m := c.recvDelta(xds.TypeEndpoint); len(m.GetResources()) != 1 || m.GetResources()[0].GetName() != "c2" {
 		t.Fatalf("change in fallback: got %v, want c2", names(m))
 	}
 	if got := sourceKind(r.keysSnapshot()[0].source.Load()); got != sourceFallback {
@@ -295,25 +296,25 @@ func TestReconnectHoldsRemovalsForDeclaredRoutes(t *testing.T) {
 	c := e.client(0)
 	got := syncAll(c)
 	c.close()
-	e.up.set("ns1", TypeRoute, mkRoute("r80", "c0", "c1"))
-	e.up.del("ns1", TypeCluster, "c2")
+	e.up.set("ns1", xds.TypeRoute, mkRoute("r80", "c0", "c1"))
+	e.up.del("ns1", xds.TypeCluster, "c2")
 	w := e.client(5) // keeps the key alive and sees the change land
 	syncAllExpect(w, "c0", "c1")
 
 	c2 := e.client(0)
 	// CDS first, and its answer read before the other types are declared:
 	// the slowest a client may be.
-	d := got[TypeCluster].(*discovery.DeltaDiscoveryResponse)
-	c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeCluster, InitialResourceVersions: versionMap(d)})
-	if m := c2.recvDelta(TypeCluster); slices.Contains(removedOf(m), "c2") {
+	d := got[xds.TypeCluster].(*discovery.DeltaDiscoveryResponse)
+	c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, InitialResourceVersions: versionMap(d)})
+	if m := c2.recvDelta(xds.TypeCluster); slices.Contains(removedOf(m), "c2") {
 		t.Fatal("c2 removed in the first CDS response, before the client could declare the route r80 that uses it")
 	} else {
 		c2.ack(m)
 	}
-	for _, typeURL := range []string{TypeEndpoint, TypeListener, TypeRoute} {
+	for _, typeURL := range []string{xds.TypeEndpoint, xds.TypeListener, xds.TypeRoute} {
 		d := got[typeURL].(*discovery.DeltaDiscoveryResponse)
 		req := &discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, InitialResourceVersions: versionMap(d)}
-		if typeURL == TypeEndpoint || typeURL == TypeRoute {
+		if typeURL == xds.TypeEndpoint || typeURL == xds.TypeRoute {
 			req.ResourceNamesSubscribe = slices.Collect(maps.Keys(versionMap(d)))
 		}
 		c2.send(req)
@@ -323,11 +324,11 @@ func TestReconnectHoldsRemovalsForDeclaredRoutes(t *testing.T) {
 		m := c2.recv()
 		c2.ack(m)
 		switch typeOf(m) {
-		case TypeRoute:
+		case xds.TypeRoute:
 			if slices.Contains(names(m), "r80") {
 				routeUpdated = true
 			}
-		case TypeCluster:
+		case xds.TypeCluster:
 			if slices.Contains(removedOf(m), "c2") && !routeUpdated {
 				t.Fatal("c2 removed while the client's route r80 still used it")
 			}
@@ -356,29 +357,29 @@ func TestNewerDeclaredContentKeptWhileUpstreamDown(t *testing.T) {
 	e := newEnv(t, true, nil)
 	w := e.client(5) // makes the key ready
 	syncAllExpect(w, "c0", "c1", "c2")
-	w.subscribe(TypeEndpoint, "c0", "c1", "c2")
-	w.ack(w.recvDelta(TypeEndpoint))
+	w.subscribe(xds.TypeEndpoint, "c0", "c1", "c2")
+	w.ack(w.recvDelta(xds.TypeEndpoint))
 	e.up.stop()
 	waitFor(t, "the key to go stale", func() bool { return e.r.Stats().StaleKeys == 1 })
 
-	ahead, err := NewStore().Decode(TypeEndpoint, mustAny(mkCLA("c0", 9090)), "")
+	ahead, err := xds.NewStore().Decode(xds.TypeEndpoint, mustAny(mkCLA("c0", 9090)), "")
 	if err != nil {
 		t.Fatal(err)
 	}
 	later := e.wall.orderIn(time.Second) // from a stream opened later, on a relay further on
 	c := e.client(0)
-	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeEndpoint, ResourceNamesSubscribe: []string{"c0", "c1"},
+	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNamesSubscribe: []string{"c0", "c1"},
 		InitialResourceVersions: map[string]string{"c0": stampedVersion(ahead.Hash, later)}})
-	if m := c.recvDelta(TypeEndpoint); !slices.Equal(names(m), []string{"c1"}) {
+	if m := c.recvDelta(xds.TypeEndpoint); !slices.Equal(names(m), []string{"c1"}) {
 		t.Fatalf("EDS response carries %v, want only c1 (c0 was declared newer)", names(m))
 	} else {
 		c.ack(m)
 	}
-	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeCluster, ResourceNamesSubscribe: []string{"*"},
+	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, ResourceNamesSubscribe: []string{"*"},
 		InitialResourceVersions: map[string]string{"c0": "1", "gone": stampedVersion(ahead.Hash, later)}})
 	select {
 	case m := <-c.msgs:
-		t.Fatalf("CDS declared newer than the view: got %s %v removed %v, want nothing", ShortType(typeOf(m)), names(m), removedOf(m))
+		t.Fatalf("CDS declared newer than the view: got %s %v removed %v, want nothing", xds.ShortType(typeOf(m)), names(m), removedOf(m))
 	case <-time.After(500 * time.Millisecond):
 	}
 
@@ -388,7 +389,7 @@ func TestNewerDeclaredContentKeptWhileUpstreamDown(t *testing.T) {
 	for !gotC0 || !goneRemoved {
 		m := c.recv()
 		c.ack(m)
-		gotC0 = gotC0 || (typeOf(m) == TypeEndpoint && slices.Contains(names(m), "c0"))
+		gotC0 = gotC0 || (typeOf(m) == xds.TypeEndpoint && slices.Contains(names(m), "c0"))
 		goneRemoved = goneRemoved || slices.Contains(removedOf(m), "gone")
 	}
 }
@@ -406,21 +407,21 @@ func TestSotWNewerClaimKeptWhileUpstreamDown(t *testing.T) {
 	waitFor(t, "the key to go stale", func() bool { return e.r.Stats().StaleKeys == 1 })
 
 	moved := e.client(0) // it holds CDS of a later version from another relay
-	moved.send(&discovery.DiscoveryRequest{TypeUrl: TypeCluster,
+	moved.send(&discovery.DiscoveryRequest{TypeUrl: xds.TypeCluster,
 		VersionInfo: stampedVersion(ledger.HashBytes([]byte("elsewhere")), e.wall.orderIn(time.Second))})
 	fresh := e.client(1) // it holds nothing
-	fresh.send(&discovery.DiscoveryRequest{TypeUrl: TypeCluster})
-	if m := fresh.recvSotW(TypeCluster); len(m.GetResources()) != 3 {
+	fresh.send(&discovery.DiscoveryRequest{TypeUrl: xds.TypeCluster})
+	if m := fresh.recvSotW(xds.TypeCluster); len(m.GetResources()) != 3 {
 		t.Fatalf("a new client of a stale key got %d clusters, want the 3 of the cached view", len(m.GetResources()))
 	}
 	select {
 	case m := <-moved.msgs:
-		t.Fatalf("a client that holds a newer version got %s %v", ShortType(typeOf(m)), names(m))
+		t.Fatalf("a client that holds a newer version got %s %v", xds.ShortType(typeOf(m)), names(m))
 	case <-time.After(500 * time.Millisecond):
 	}
 	e.wall.advance(2 * time.Second)
 	e.up.restart()
-	if m := moved.recvSotW(TypeCluster); len(m.GetResources()) != 3 {
+	if m := moved.recvSotW(xds.TypeCluster); len(m.GetResources()) != 3 {
 		t.Fatalf("after the source returned: %d clusters, want the full state of 3", len(m.GetResources()))
 	}
 }
@@ -444,16 +445,16 @@ func TestMovedEnvoyReleasedByRenewal(t *testing.T) {
 			}
 			// c stays: the key's upstream stream presents it throughout.
 			c := newRawClient(t, dial(t, addr), true, node("ns0", "app", 1))
-			c.subscribe(TypeCluster)
-			d := c.recvDelta(TypeCluster)
+			c.subscribe(xds.TypeCluster)
+			d := c.recvDelta(xds.TypeCluster)
 			c.ack(d)
 			_, before := up.streams()
 			declared := versionMap(d)
 			now := ledger.StampAt(time.Now())
 			declared["c0"] = stampedVersion(ledger.HashBytes([]byte("newer")), ledger.Order{Session: now, At: now})
 			moved := newRawClient(t, dial(t, addr), true, node("ns0", "app", 2))
-			moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeCluster, InitialResourceVersions: declared})
-			m := moved.recvDelta(TypeCluster)
+			moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, InitialResourceVersions: declared})
+			m := moved.recvDelta(xds.TypeCluster)
 			wantNames(t, m, "c0") // the view's c0, from the new stream
 			if o := orderOf(t, versionMap(m)["c0"]); o.Session < now {
 				t.Fatalf("answered at %v, from a stream opened before the Envoy's version arrived (%v)", o, now)
@@ -475,7 +476,7 @@ func TestMovedEnvoyReleasedByRenewal(t *testing.T) {
 func TestPeerTakesOrderOnlyFromCompleteResponses(t *testing.T) {
 	up := newTestUpstream(t, "ns0")
 	seed(up, "ns0", 3)
-	up.set("ns0", TypeEndpoint, mkCLA("c9", 1))
+	up.set("ns0", xds.TypeEndpoint, mkCLA("c9", 1))
 	secret := []byte("s")
 	owner := startRelay(t, up, func(c *Config) { c.ID = "owner"; c.PeerSecret = secret })
 	owners := newFakeOwners("127.0.0.1:1", false) // unreachable: "other" falls back
@@ -484,10 +485,10 @@ func TestPeerTakesOrderOnlyFromCompleteResponses(t *testing.T) {
 	other := startRelay(t, up2, func(c *Config) { c.ID = "other"; c.Owners = owners; c.PeerSecret = secret })
 	eds := []string{"c0", "c1", "c2", "c9"}
 	sync := func(c *rawClient, names ...string) map[string]string {
-		c.subscribe(TypeCluster)
-		c.ack(c.recvDelta(TypeCluster))
-		c.subscribe(TypeEndpoint, names...)
-		m := c.recvDelta(TypeEndpoint)
+		c.subscribe(xds.TypeCluster)
+		c.ack(c.recvDelta(xds.TypeCluster))
+		c.subscribe(xds.TypeEndpoint, names...)
+		m := c.recvDelta(xds.TypeEndpoint)
 		c.ack(m)
 		return versionMap(m)
 	}
@@ -504,21 +505,21 @@ func TestPeerTakesOrderOnlyFromCompleteResponses(t *testing.T) {
 	_, opened := up.streams()
 	presenter.close()
 	waitFor(t, "the owner re-homed", func() bool { _, o := up.streams(); return o > opened })
-	up.set("ns0", TypeEndpoint, mkCLA("c1", 9091))
-	up2.set("ns0", TypeEndpoint, mkCLA("c1", 9091))
-	m := atOwner.recvDelta(TypeEndpoint)
+	up.set("ns0", xds.TypeEndpoint, mkCLA("c1", 9091))
+	up2.set("ns0", xds.TypeEndpoint, mkCLA("c1", 9091))
+	m := atOwner.recvDelta(xds.TypeEndpoint)
 	maps.Copy(held, versionMap(m))
 	atOwner.ack(m)
-	atOther.ack(atOther.recvDelta(TypeEndpoint))
-	up.set("ns0", TypeEndpoint, mkCLA("c1", 9092))
-	m = atOwner.recvDelta(TypeEndpoint)
+	atOther.ack(atOther.recvDelta(xds.TypeEndpoint))
+	up.set("ns0", xds.TypeEndpoint, mkCLA("c1", 9092))
+	m = atOwner.recvDelta(xds.TypeEndpoint)
 	maps.Copy(held, versionMap(m))
 	atOwner.ack(m)
 	owners.set(owner.Addr().String(), false)
 	waitFor(t, "the other relay back on its owner", func() bool { return other.Stats().PeerStreams == 1 })
-	atOther.subscribe(TypeEndpoint, "c9") // sent to the peer while it is held
+	atOther.subscribe(xds.TypeEndpoint, "c9") // sent to the peer while it is held
 	waitFor(t, "c9 at the other relay", func() bool {
-		_, ok := other.keysSnapshot()[0].snap.Load().types[TypeEndpoint].view.Get("c9")
+		_, ok := other.keysSnapshot()[0].snap.Load().types[xds.TypeEndpoint].view.Get("c9")
 		return ok
 	})
 	// The Envoy that holds c1 at 9092 moves to the other relay: it holds
@@ -526,7 +527,7 @@ func TestPeerTakesOrderOnlyFromCompleteResponses(t *testing.T) {
 	// other relay's older c1.
 	atOwner.close()
 	moved := newRawClient(t, dial(t, other.Addr().String()), true, node("ns0", "app", 1))
-	moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeEndpoint, ResourceNamesSubscribe: eds, InitialResourceVersions: held})
+	moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNamesSubscribe: eds, InitialResourceVersions: held})
 	moved.quiet() // c1 at 9091 would arrive before the barrier
 }
 
@@ -539,21 +540,21 @@ func TestPeerTakesOrderOnlyFromCompleteResponses(t *testing.T) {
 func TestSotWClaimWithoutBodies(t *testing.T) {
 	e := newEnv(t, false, nil)
 	k := newKeyState(e.r, "sidecar/ns9/claims")
-	gone := &Resource{Type: TypeCluster, Name: "c9", Hash: ledger.HashBytes([]byte("a body no longer held"))}
-	b := ledger.Tree[*Resource]{}.Edit()
+	gone := &xds.Resource{Type: xds.TypeCluster, Name: "c9", Hash: ledger.HashBytes([]byte("a body no longer held"))}
+	b := ledger.Tree[*xds.Resource]{}.Edit()
 	b.Set(gone.Name, gone.Hash, gone)
 	claimed := b.Tree()
-	k.recordView(TypeCluster, claimed, time.Now(), ledger.Order{})
+	k.recordView(xds.TypeCluster, claimed, time.Now(), ledger.Order{})
 	b = claimed.Edit()
 	b.Delete(gone.Name)
-	k.recordView(TypeCluster, b.Tree(), time.Now(), ledger.Order{}) // the claim is history now
-	if _, ok := k.versionHeld(&typeSub{typeURL: TypeCluster, wildcard: true}, claimed.Root()); !ok {
+	k.recordView(xds.TypeCluster, b.Tree(), time.Now(), ledger.Order{}) // the claim is history now
+	if _, ok := k.versionHeld(&typeSub{typeURL: xds.TypeCluster, wildcard: true}, claimed.Root()); !ok {
 		t.Fatal("the key's history lost the claimed version")
 	}
 	s := e.r.newStream(context.Background(), false, portPlain)
 	s.key = k
-	sub := &typeSub{typeURL: TypeCluster, wildcard: true, claimed: claimed.Root()}
-	s.resolveClaim(sub, k.snap.Load().typeOf(TypeCluster))
+	sub := &typeSub{typeURL: xds.TypeCluster, wildcard: true, claimed: claimed.Root()}
+	s.resolveClaim(sub, k.snap.Load().typeOf(xds.TypeCluster))
 	if sub.claimKnown {
 		t.Fatalf("a claim whose bodies are gone was taken: the client holds %d resources (one without a body: %v)", sub.known.Len(), opaque(sub.known))
 	}
@@ -573,10 +574,10 @@ func TestSotWClaimResolvedByTier(t *testing.T) {
 	owner := startRelay(t, up, func(c *Config) { c.ID = "owner"; c.PeerSecret = secret })
 	stays := newRawClient(t, dial(t, owner.Addr().String()), false, node("ns0", "app", 0))
 	held := syncAll(stays)
-	up.set("ns0", TypeRoute, mkRoute("r80", "c0", "c1"))
-	stays.ack(stays.recvSotW(TypeRoute))
-	up.del("ns0", TypeCluster, "c2")
-	m := stays.recvSotW(TypeCluster)
+	up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1"))
+	stays.ack(stays.recvSotW(xds.TypeRoute))
+	up.del("ns0", xds.TypeCluster, "c2")
+	m := stays.recvSotW(xds.TypeCluster)
 	wantNames(t, m, "c0", "c1")
 	stays.ack(m)
 	stays.close()
@@ -589,12 +590,12 @@ func TestSotWClaimResolvedByTier(t *testing.T) {
 	owners := newFakeOwners(owner.Addr().String(), false)
 	other := startRelay(t, up, func(c *Config) { c.ID = "other"; c.Owners = owners; c.Peers = owners; c.PeerSecret = secret })
 	moved := newRawClient(t, dial(t, other.Addr().String()), false, node("ns0", "app", 1))
-	for _, typeURL := range []string{TypeCluster, TypeEndpoint, TypeListener, TypeRoute} {
+	for _, typeURL := range []string{xds.TypeCluster, xds.TypeEndpoint, xds.TypeListener, xds.TypeRoute} {
 		req := &discovery.DiscoveryRequest{TypeUrl: typeURL, VersionInfo: versionOf(held[typeURL])}
 		switch typeURL {
-		case TypeEndpoint:
+		case xds.TypeEndpoint:
 			req.ResourceNames = []string{"c0", "c1", "c2"}
-		case TypeRoute:
+		case xds.TypeRoute:
 			req.ResourceNames = []string{"r80"}
 		}
 		moved.subs[typeURL] = req.ResourceNames
@@ -605,9 +606,9 @@ func TestSotWClaimResolvedByTier(t *testing.T) {
 		m := moved.recv()
 		moved.ack(m)
 		switch typeOf(m) {
-		case TypeRoute:
+		case xds.TypeRoute:
 			routeUpdated = true
-		case TypeCluster:
+		case xds.TypeCluster:
 			if slices.Contains(names(m), "c2") {
 				continue
 			}
@@ -630,19 +631,19 @@ func TestSotWClaimResolvedByTier(t *testing.T) {
 func TestUnorderedDeclarationKeptWhileStale(t *testing.T) {
 	e := newEnv(t, true, nil)
 	w := e.client(5) // makes the key ready
-	w.subscribe(TypeCluster)
-	staleSession := orderOf(t, versionOf(w.recvDelta(TypeCluster))).Session
+	w.subscribe(xds.TypeCluster)
+	staleSession := orderOf(t, versionOf(w.recvDelta(xds.TypeCluster))).Session
 	e.up.stop()
 	waitFor(t, "the key to go stale", func() bool { return e.r.Stats().StaleKeys == 1 })
 
 	newer := mustAny(mkCluster("c0", "newer"))
 	c := e.client(0)
-	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeCluster, ResourceNamesSubscribe: []string{"*"},
-		InitialResourceVersions: map[string]string{"c0": ContentHash(TypeCluster, newer.GetValue()).String()}})
+	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, ResourceNamesSubscribe: []string{"*"},
+		InitialResourceVersions: map[string]string{"c0": xds.ContentHash(xds.TypeCluster, newer.GetValue()).String()}})
 	// Nothing while the source is down; then the live view, which is
 	// newer than anything, replaces it.
 	e.up.restart()
-	m := c.recvDelta(TypeCluster)
+	m := c.recvDelta(xds.TypeCluster)
 	if orderOf(t, versionOf(m)).Session == staleSession {
 		t.Fatalf("got %v removed %v from the stale view, over content declared without an Order", names(m), removedOf(m))
 	}

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // upstream feeds one key's views from the upstream control plane over one
@@ -63,7 +64,7 @@ type upType struct {
 	// again on the new stream.
 	asked    bool
 	wildcard bool
-	names    NameSet
+	names    xds.NameSet
 	nonce    string // the latest response's nonce on the current stream
 	named    bool   // SotW: the current stream has sent names for the type
 	// Kept across reconnects: the last ACKed SotW version, and the
@@ -73,7 +74,7 @@ type upType struct {
 	versions map[string]string
 	// declare, until the type is first asked for, is a restored view to
 	// declare as its versions (see seedRestored).
-	declare ledger.Tree[*Resource]
+	declare ledger.Tree[*xds.Resource]
 }
 
 var (
@@ -671,7 +672,7 @@ func (u *upstream) resubscribe() error {
 			ut = &upType{}
 			u.types[typeURL] = ut
 		}
-		names := NewNameSet(w.names)
+		names := xds.NewNameSet(w.names)
 		if ut.asked && ut.wildcard == w.wildcard && slices.Equal(ut.names, names) {
 			continue
 		}
@@ -700,9 +701,9 @@ func (u *upstream) resubscribe() error {
 		}
 		ut.asked, ut.wildcard, ut.names = true, w.wildcard, names
 		if err := u.request(req); err != nil {
-			return fmt.Errorf("subscribe %s: %w", ShortType(typeURL), err)
+			return fmt.Errorf("subscribe %s: %w", xds.ShortType(typeURL), err)
 		}
-		u.log("upstream subscription", "type", ShortType(typeURL), "wildcard", w.wildcard, "names", len(names))
+		u.log("upstream subscription", "type", xds.ShortType(typeURL), "wildcard", w.wildcard, "names", len(names))
 	}
 	return nil
 }
@@ -722,7 +723,7 @@ func (u *upstream) notFull(typeURL string) {
 }
 
 // dropUnwanted removes from a view the names nobody asks for any more.
-func (u *upstream) dropUnwanted(typeURL string, names NameSet) {
+func (u *upstream) dropUnwanted(typeURL string, names xds.NameSet) {
 	ts := u.k.snap.Load().types[typeURL]
 	if ts == nil {
 		return
@@ -748,14 +749,14 @@ func (u *upstream) dropUnwanted(typeURL string, names NameSet) {
 // sotwRequest builds a SotW request: version_info is the last ACKed version
 // (kept across reconnects), the nonce that of the latest response on this
 // stream.
-func (u *upstream) sotwRequest(typeURL string, ut *upType, wildcard bool, names NameSet, nack *rpcstatus.Status) *discovery.DiscoveryRequest {
+func (u *upstream) sotwRequest(typeURL string, ut *upType, wildcard bool, names xds.NameSet, nack *rpcstatus.Status) *discovery.DiscoveryRequest {
 	var rn []string
 	switch {
 	case wildcard && len(names) == 0 && !ut.named:
 		// The legacy wildcard, the most widely understood form; it means
 		// wildcard only while the stream never named anything for the type.
 	case wildcard:
-		rn = append([]string{WildcardName}, names...)
+		rn = append([]string{xds.WildcardName}, names...)
 	default:
 		rn = names
 	}
@@ -771,11 +772,11 @@ func (u *upstream) sotwRequest(typeURL string, ut *upType, wildcard bool, names 
 
 // deltaSubscribe builds a Delta request that moves the stream's subscription
 // to (wildcard, names); on a new stream it declares what the key holds.
-func (u *upstream) deltaSubscribe(typeURL string, ut *upType, wildcard bool, names NameSet) *discovery.DeltaDiscoveryRequest {
+func (u *upstream) deltaSubscribe(typeURL string, ut *upType, wildcard bool, names xds.NameSet) *discovery.DeltaDiscoveryRequest {
 	req := &discovery.DeltaDiscoveryRequest{TypeUrl: typeURL}
 	if !ut.asked {
 		if wildcard && len(names) > 0 {
-			req.ResourceNamesSubscribe = append([]string{WildcardName}, names...)
+			req.ResourceNamesSubscribe = append([]string{xds.WildcardName}, names...)
 		} else {
 			req.ResourceNamesSubscribe = names
 		}
@@ -785,7 +786,7 @@ func (u *upstream) deltaSubscribe(typeURL string, ut *upType, wildcard bool, nam
 				ut.versions[e.Name] = e.Hash.String()
 			}
 		}
-		ut.declare = ledger.Tree[*Resource]{}
+		ut.declare = ledger.Tree[*xds.Resource]{}
 		if len(ut.versions) > 0 {
 			req.InitialResourceVersions = maps.Clone(ut.versions)
 			if sourceKind(u.k.source.Load()) != sourcePeer {
@@ -801,10 +802,10 @@ func (u *upstream) deltaSubscribe(typeURL string, ut *upType, wildcard bool, nam
 	}
 	added, removed := ut.names.Diff(names)
 	if wildcard && !ut.wildcard {
-		added = append(added, WildcardName)
+		added = append(added, xds.WildcardName)
 	}
 	if !wildcard && ut.wildcard {
-		removed = append(removed, WildcardName)
+		removed = append(removed, xds.WildcardName)
 	}
 	// Versions of names no longer wanted go with the names, in
 	// dropUnwanted; under a wildcard they are still wanted.
@@ -829,20 +830,20 @@ func (u *upstream) onSotW(resp *discovery.DiscoveryResponse) error {
 	if ut == nil || !ut.asked {
 		// Not asked for on this stream: an ACK would subscribe to it
 		// (an empty list is the legacy wildcard), so say nothing.
-		u.log("unsolicited upstream response", "type", ShortType(typeURL))
+		u.log("unsolicited upstream response", "type", xds.ShortType(typeURL))
 		return nil
 	}
 	ut.nonce = resp.GetNonce()
-	upd, err := u.decodeAll(typeURL, len(resp.GetResources()), func(i int) (*Resource, error) {
+	upd, err := u.decodeAll(typeURL, len(resp.GetResources()), func(i int) (*xds.Resource, error) {
 		return u.r.store.Decode(typeURL, resp.GetResources()[i], "")
 	})
 	if err != nil {
 		return u.nack(typeURL, ut, resp.GetVersionInfo(), resp.GetNonce(), err)
 	}
 	if !ut.wildcard {
-		upd = slices.DeleteFunc(upd, func(r *Resource) bool { return !ut.names.Has(r.Name) })
+		upd = slices.DeleteFunc(upd, func(r *xds.Resource) bool { return !ut.names.Has(r.Name) })
 	}
-	u.apply(typeURL, upd, nil, FullStateSotW(typeURL), true, u.arrived())
+	u.apply(typeURL, upd, nil, xds.FullStateSotW(typeURL), true, u.arrived())
 	ut.acked = resp.GetVersionInfo()
 	return u.request(u.sotwRequest(typeURL, ut, ut.wildcard, ut.names, nil))
 }
@@ -857,7 +858,7 @@ func (u *upstream) onDelta(resp *discovery.DeltaDiscoveryResponse) error {
 	res := slices.DeleteFunc(slices.Clone(resp.GetResources()), func(r *discovery.Resource) bool {
 		return r.GetResource() == nil // a TTL heartbeat: nothing changed
 	})
-	upd, err := u.decodeAll(typeURL, len(res), func(i int) (*Resource, error) {
+	upd, err := u.decodeAll(typeURL, len(res), func(i int) (*xds.Resource, error) {
 		return u.r.store.Decode(typeURL, res[i].GetResource(), res[i].GetName())
 	})
 	if err != nil {
@@ -885,8 +886,8 @@ func (u *upstream) onDelta(resp *discovery.DeltaDiscoveryResponse) error {
 
 // decodeAll decodes n resources, refusing the whole response if any fails
 // or a name repeats.
-func (u *upstream) decodeAll(typeURL string, n int, decode func(int) (*Resource, error)) ([]*Resource, error) {
-	out := make([]*Resource, 0, n)
+func (u *upstream) decodeAll(typeURL string, n int, decode func(int) (*xds.Resource, error)) ([]*xds.Resource, error) {
+	out := make([]*xds.Resource, 0, n)
 	seen := make(map[string]struct{}, n)
 	for i := range n {
 		r, err := decode(i)
@@ -906,8 +907,8 @@ func (u *upstream) decodeAll(typeURL string, n int, decode func(int) (*Resource,
 // good view, and the upstream hears why. Only the relay's own decoding ever
 // NACKs upstream: an Envoy's NACK stays with that Envoy.
 func (u *upstream) nack(typeURL string, ut *upType, version, nonce string, cause error) error {
-	u.r.metrics.upstreamNACKs.WithLabelValues(ShortType(typeURL)).Inc()
-	u.r.log.Warn("upstream response refused", "key", u.k.key, "type", ShortType(typeURL), "version", version, "err", cause)
+	u.r.metrics.upstreamNACKs.WithLabelValues(xds.ShortType(typeURL)).Inc()
+	u.r.log.Warn("upstream response refused", "key", u.k.key, "type", xds.ShortType(typeURL), "version", version, "err", cause)
 	detail := &rpcstatus.Status{Code: int32(codes.InvalidArgument), Message: cause.Error()}
 	if u.delta {
 		return u.request(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: nonce, ErrorDetail: detail})
@@ -943,14 +944,14 @@ func (u *upstream) orderOf(resp *discovery.DeltaDiscoveryResponse) ledger.Order 
 // from the key's source (fromSource) has order and marks the type ready;
 // otherwise (the relay itself dropped names nobody asks for) the view keeps
 // its Order.
-func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace, fromSource bool, order ledger.Order) {
+func (u *upstream) apply(typeURL string, upd []*xds.Resource, del []string, replace, fromSource bool, order ledger.Order) {
 	k := u.k
 	received := time.Now()
 	k.mu.Lock()
 	var derivedChanged bool
-	var view ledger.Tree[*Resource]
+	var view ledger.Tree[*xds.Resource]
 	var viewOrder ledger.Order
-	var gone []*Resource // what the view dropped, kept a while (Relay.dropped)
+	var gone []*xds.Resource // what the view dropped, kept a while (Relay.dropped)
 	k.update(func(next *keySnap) {
 		ts := next.typeOf(typeURL)
 		old := ts.view
@@ -1008,7 +1009,7 @@ func (u *upstream) apply(typeURL string, upd []*Resource, del []string, replace,
 
 // withoutArrived returns pending minus the names in upd (a new map if it
 // changes).
-func withoutArrived(pending map[string]time.Time, upd []*Resource) map[string]time.Time {
+func withoutArrived(pending map[string]time.Time, upd []*xds.Resource) map[string]time.Time {
 	if len(pending) == 0 {
 		return pending
 	}
@@ -1031,9 +1032,9 @@ func withoutArrived(pending map[string]time.Time, upd []*Resource) map[string]ti
 // follow updates the derived names after typeURL's view went from old to
 // cur, marking the new ones pending in next. It reports whether the set of
 // derived names changed.
-func (u *upstream) follow(next *keySnap, typeURL string, old, cur ledger.Tree[*Resource]) bool {
+func (u *upstream) follow(next *keySnap, typeURL string, old, cur ledger.Tree[*xds.Resource]) bool {
 	changed := false
-	for _, e := range RefsFrom(typeURL) {
+	for _, e := range xds.RefsFrom(typeURL) {
 		if e.Fetched && u.followEdge(next, e.To, e.Kind, old, cur) {
 			changed = true
 		}
@@ -1043,7 +1044,7 @@ func (u *upstream) follow(next *keySnap, typeURL string, old, cur ledger.Tree[*R
 
 // followEdge is follow for one edge of typeRefs: the names of target that
 // the view's resources refer to by kind.
-func (u *upstream) followEdge(next *keySnap, target string, kind RefKind, old, cur ledger.Tree[*Resource]) bool {
+func (u *upstream) followEdge(next *keySnap, target string, kind xds.RefKind, old, cur ledger.Tree[*xds.Resource]) bool {
 	counts := u.derived[target]
 	if counts == nil {
 		counts = make(map[string]int)
@@ -1051,7 +1052,7 @@ func (u *upstream) followEdge(next *keySnap, target string, kind RefKind, old, c
 	}
 	var added []string
 	changed := false
-	ledger.Diff(old, cur, func(c ledger.Change[*Resource]) bool {
+	ledger.Diff(old, cur, func(c ledger.Change[*xds.Resource]) bool {
 		if c.Old != nil {
 			for _, n := range c.Old.Value.Refs(kind) {
 				if counts[n]--; counts[n] <= 0 {
@@ -1130,7 +1131,7 @@ func (u *upstream) expirePending() {
 				c := *ts
 				c.pending = keep
 				next.types[typeURL] = &c
-				u.log("names never arrived", "type", ShortType(typeURL))
+				u.log("names never arrived", "type", xds.ShortType(typeURL))
 			}
 		}
 	})

@@ -13,9 +13,10 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/peer"
-	"google.golang.org/grpc/xds" // registers the xds:/// resolver and the xDS balancers
+	grpcxds "google.golang.org/grpc/xds" // registers the xds:/// resolver and the xDS balancers
 
 	synth "github.com/meshrelay/meshrelay/loadtest/upstream" // the name upstream is taken in package relay
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // e2eTimeout bounds every wait of the end-to-end test.
@@ -126,7 +127,7 @@ func xdsClientSettled(r *Relay, nodeID string) bool {
 	if found != 1 {
 		return false
 	}
-	for _, typeURL := range []string{TypeListener, TypeRoute, TypeCluster, TypeEndpoint} {
+	for _, typeURL := range []string{xds.TypeListener, xds.TypeRoute, xds.TypeCluster, xds.TypeEndpoint} {
 		st, ok := types[typeURL]
 		if !ok || st.AckedVersion == "" || st.AckedVersion != st.SentVersion || st.NACK != nil {
 			return false
@@ -243,7 +244,7 @@ func dialXDS(t *testing.T, relayAddr, nodeID, namespace, target string) *grpc.Cl
 	if err != nil {
 		t.Fatal(err)
 	}
-	builder, err := xds.NewXDSResolverWithConfigForTesting(bootstrap)
+	builder, err := grpcxds.NewXDSResolverWithConfigForTesting(bootstrap)
 	if err != nil {
 		t.Fatalf("NewXDSResolverWithConfigForTesting: %v", err)
 	}

@@ -17,7 +17,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/meshrelay/meshrelay/ledger"
-	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // loadProbeTimeout bounds Load's first request.
@@ -298,7 +298,7 @@ type typeRoot struct {
 // Load implements relay.Snapshots: every key's views, with the resources
 // they refer to. A type whose chunks or resources are missing or damaged
 // is left out; roots are the relay's to check.
-func (s *Store) Load(ctx context.Context) ([]relay.SavedKey, error) {
+func (s *Store) Load(ctx context.Context) ([]xds.SavedKey, error) {
 	start := time.Now()
 	// One revision for every read; the indexes and the resources (most of
 	// the bytes) are read at once. The first read is bounded tightly: the
@@ -324,25 +324,25 @@ func (s *Store) Load(ctx context.Context) ([]relay.SavedKey, error) {
 		return nil, err
 	}
 	views := ix.views
-	var out []relay.SavedKey
+	var out []xds.SavedKey
 	// Keys with the same view share one list of resources (they are read,
 	// never changed).
-	lists := make(map[*view][]relay.SavedResource)
+	lists := make(map[*view][]xds.SavedResource)
 	for _, key := range slices.Sorted(maps.Keys(views)) {
-		sk := relay.SavedKey{Key: key}
+		sk := xds.SavedKey{Key: key}
 		for _, t := range slices.Sorted(maps.Keys(views[key])) {
 			v := views[key][t]
-			st := relay.SavedType{Type: t, Full: v.full, Root: v.root}
+			st := xds.SavedType{Type: t, Full: v.full, Root: v.root}
 			list, complete := lists[v]
 			if !complete {
-				list, complete = make([]relay.SavedResource, 0, len(v.entries)), true
+				list, complete = make([]xds.SavedResource, 0, len(v.entries)), true
 				for name, h := range v.entries {
 					b, ok := bodies[h]
 					if !ok || b.typ != t {
 						complete = false
 						break
 					}
-					list = append(list, relay.SavedResource{Name: name, Body: b.body})
+					list = append(list, xds.SavedResource{Name: name, Body: b.body})
 				}
 				if complete {
 					lists[v] = list

@@ -24,6 +24,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // Config configures a Store. Start from DefaultConfig.
@@ -205,7 +206,7 @@ type Store struct {
 // job is the latest unsaved views of a key.
 type job struct {
 	term  uint64
-	views []relay.View
+	views []xds.View
 	since time.Time // when the oldest change in it was handed over
 }
 
@@ -215,9 +216,9 @@ type keyRec struct {
 	deposed     bool
 	deposedTerm uint64
 	needBase    bool
-	persisted   map[string]relay.View // what etcd holds now, by type
-	logCount    int                   // batch records since the base
-	logBytes    int                   // their bytes (this key's share)
+	persisted   map[string]xds.View // what etcd holds now, by type
+	logCount    int                 // batch records since the base
+	logBytes    int                 // their bytes (this key's share)
 	baseBytes   int
 }
 
@@ -336,7 +337,7 @@ func (s *Store) flushPending(ctx context.Context) {
 func (s *Store) SetGCLeader(fn func() bool) { s.cfg.GCLeader = fn }
 
 // Save implements relay.Snapshots. It never blocks on etcd.
-func (s *Store) Save(key string, term uint64, views []relay.View) {
+func (s *Store) Save(key string, term uint64, views []xds.View) {
 	now := time.Now()
 	s.mu.Lock()
 	if j := s.jobs[key]; j != nil {
@@ -482,8 +483,8 @@ func (s *Store) addKnown(hs ...ledger.Hash) {
 }
 
 // persistable drops what is never written: Secrets without a seal key.
-func (s *Store) persistable(views []relay.View) map[string]relay.View {
-	out := make(map[string]relay.View, len(views))
+func (s *Store) persistable(views []xds.View) map[string]xds.View {
+	out := make(map[string]xds.View, len(views))
 	for _, v := range views {
 		if v.Type == secretType && s.sealer == nil {
 			continue
@@ -499,7 +500,7 @@ type pend struct {
 	id      keyID
 	rec     *keyRec
 	j       *job
-	views   map[string]relay.View
+	views   map[string]xds.View
 	changes []logType
 	size    int  // bytes of changes
 	base    bool // write a new base, not a change record
@@ -520,7 +521,7 @@ func (s *Store) flush(ctx context.Context, jobs map[string]*job) map[string]erro
 		return failed
 	}
 	var bases, logs []*pend
-	fresh := make(map[ledger.Hash]*relay.Resource)
+	fresh := make(map[ledger.Hash]*xds.Resource)
 	for _, key := range slices.Sorted(maps.Keys(jobs)) {
 		j := jobs[key]
 		p, err := s.prepare(ctx, key, j, fresh)
@@ -571,10 +572,10 @@ func (s *Store) flush(ctx context.Context, jobs map[string]*job) map[string]erro
 
 // prepare claims key if it must, and works out what changed since the last
 // write. It returns nil if there is nothing to write.
-func (s *Store) prepare(ctx context.Context, key string, j *job, fresh map[ledger.Hash]*relay.Resource) (*pend, error) {
+func (s *Store) prepare(ctx context.Context, key string, j *job, fresh map[ledger.Hash]*xds.Resource) (*pend, error) {
 	rec := s.keys[key]
 	if rec == nil {
-		rec = &keyRec{persisted: map[string]relay.View{}}
+		rec = &keyRec{persisted: map[string]xds.View{}}
 		s.keys[key] = rec
 	}
 	if rec.deposed && j.term <= rec.deposedTerm {
@@ -597,7 +598,7 @@ func (s *Store) prepare(ctx context.Context, key string, j *job, fresh map[ledge
 		old, had := rec.persisted[t]
 		lt := logType{Type: t, Full: v.Full, Root: v.Tree.Root()}
 		differs := false
-		ledger.Diff(old.Tree, v.Tree, func(c ledger.Change[*relay.Resource]) bool {
+		ledger.Diff(old.Tree, v.Tree, func(c ledger.Change[*xds.Resource]) bool {
 			differs = true
 			if c.New != nil && fresh[c.New.Hash] == nil && !s.isKnown(c.New.Hash) {
 				fresh[c.New.Hash] = c.New.Value
@@ -851,7 +852,7 @@ func (s *Store) writeBase(ctx context.Context, p *pend) (bool, error) {
 // chunks: a chunk ends after a name whose hash is 0 modulo chunkEntries
 // (or at chunkBytes), so an edit changes only the chunk it falls in and
 // views that share most entries share most chunks.
-func chunksOf(t ledger.Tree[*relay.Resource]) [][]entry {
+func chunksOf(t ledger.Tree[*xds.Resource]) [][]entry {
 	es := make([]entry, 0, t.Len())
 	for e := range t.All() {
 		es = append(es, entry{Name: e.Name, Hash: e.Hash})
@@ -873,7 +874,7 @@ func chunksOf(t ledger.Tree[*relay.Resource]) [][]entry {
 
 // putResources writes resources etcd does not hold yet, in transactions
 // within etcd's limits; a resource over partSize goes in parts first.
-func (s *Store) putResources(ctx context.Context, rs map[ledger.Hash]*relay.Resource) error {
+func (s *Store) putResources(ctx context.Context, rs map[ledger.Hash]*xds.Resource) error {
 	var ops []clientv3.Op
 	var hs []ledger.Hash
 	for _, r := range rs { // one per content: prepare gathered them by hash

@@ -17,7 +17,7 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshrelay/meshrelay/ledger"
-	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 const (
@@ -69,18 +69,18 @@ func storeFor(t *testing.T, endpoints []string, member string, adjust func(*Conf
 }
 
 // res makes a resource whose hash is its content's, as the relay's are.
-func res(typeURL, name string, body []byte) *relay.Resource {
+func res(typeURL, name string, body []byte) *xds.Resource {
 	b := append([]byte(typeURL+"\x00"+name+"\x00"), body...)
-	return &relay.Resource{Type: typeURL, Name: name, Hash: ledger.HashBytes(b), Body: &anypb.Any{TypeUrl: typeURL, Value: b}}
+	return &xds.Resource{Type: typeURL, Name: name, Hash: ledger.HashBytes(b), Body: &anypb.Any{TypeUrl: typeURL, Value: b}}
 }
 
 // viewOf builds a View from resources.
-func viewOf(typeURL string, full bool, rs ...*relay.Resource) relay.View {
-	b := ledger.Tree[*relay.Resource]{}.Edit()
+func viewOf(typeURL string, full bool, rs ...*xds.Resource) xds.View {
+	b := ledger.Tree[*xds.Resource]{}.Edit()
 	for _, r := range rs {
 		b.Set(r.Name, r.Hash, r)
 	}
-	return relay.View{Type: typeURL, Full: full, Tree: b.Tree()}
+	return xds.View{Type: typeURL, Full: full, Tree: b.Tree()}
 }
 
 // waitWritten waits until s has nothing pending or being written.
@@ -119,7 +119,7 @@ func loaded(t *testing.T, endpoints []string, adjust func(*Config)) map[string]m
 	return out
 }
 
-func want(views ...relay.View) map[string]map[string][]byte {
+func want(views ...xds.View) map[string]map[string][]byte {
 	out := map[string]map[string][]byte{}
 	for _, v := range views {
 		m := map[string][]byte{}
@@ -156,8 +156,8 @@ func TestRoundTripWithLargeResourceAndSharedContent(t *testing.T) {
 	s := storeFor(t, e.Endpoints(), "a", nil)
 	shared := res(typeCluster, "shared", []byte("cluster body"))
 	big := res(typeRoute, "big", randomBytes(5<<20)) // a 5 MB RouteConfiguration is real
-	k1 := []relay.View{viewOf(typeCluster, true, shared, res(typeCluster, "only-1", []byte("x"))), viewOf(typeRoute, false, big)}
-	k2 := []relay.View{viewOf(typeCluster, true, shared)}
+	k1 := []xds.View{viewOf(typeCluster, true, shared, res(typeCluster, "only-1", []byte("x"))), viewOf(typeRoute, false, big)}
+	k2 := []xds.View{viewOf(typeCluster, true, shared)}
 	s.Save("key-1", 0, k1)
 	s.Save("key/2 with odd characters", 0, k2)
 	waitWritten(t, s)
@@ -179,11 +179,11 @@ func TestRoundTripWithLargeResourceAndSharedContent(t *testing.T) {
 func TestChangesAppendSmallRecordsThenCompact(t *testing.T) {
 	e := etcdFor(t)
 	s := storeFor(t, e.Endpoints(), "a", func(c *Config) { c.CompactAfter = 5 })
-	var eps []*relay.Resource
+	var eps []*xds.Resource
 	for i := range 2000 {
 		eps = append(eps, res(typeEndpoint, fmt.Sprintf("outbound|80||svc-%d.ns-1.svc.cluster.local", i), []byte(fmt.Sprintf("endpoints of %d v0", i))))
 	}
-	s.Save("k", 0, []relay.View{viewOf(typeEndpoint, false, eps...)})
+	s.Save("k", 0, []xds.View{viewOf(typeEndpoint, false, eps...)})
 	waitWritten(t, s)
 	if got := testutil.ToFloat64(s.m.bases); got != 1 {
 		t.Fatalf("bases after the first write = %v, want 1", got)
@@ -191,7 +191,7 @@ func TestChangesAppendSmallRecordsThenCompact(t *testing.T) {
 	for i := range 7 {
 		before := testutil.ToFloat64(s.m.bytes)
 		eps[i] = res(typeEndpoint, eps[i].Name, []byte(fmt.Sprintf("endpoints of %d v1", i)))
-		s.Save("k", 0, []relay.View{viewOf(typeEndpoint, false, eps...)})
+		s.Save("k", 0, []xds.View{viewOf(typeEndpoint, false, eps...)})
 		waitWritten(t, s)
 		written := testutil.ToFloat64(s.m.bytes) - before
 		base := testutil.ToFloat64(s.m.bases)
@@ -227,7 +227,7 @@ func TestChangesAppendSmallRecordsThenCompact(t *testing.T) {
 	sameContent(t, "after collection", loaded(t, e.Endpoints(), nil)["k"], want(viewOf(typeEndpoint, false, eps...)))
 
 	// Removing a type drops it.
-	s.Save("k", 0, []relay.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("c")))})
+	s.Save("k", 0, []xds.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("c")))})
 	waitWritten(t, s)
 	if got := loaded(t, e.Endpoints(), nil)["k"]; got[typeEndpoint] != nil || got[typeCluster] == nil {
 		t.Errorf("after the type change: loaded types %v, want only clusters", slices.Sorted(maps.Keys(got)))
@@ -238,9 +238,9 @@ func TestDeposedOwnerCannotOverwrite(t *testing.T) {
 	e := etcdFor(t)
 	a := storeFor(t, e.Endpoints(), "relay-a", nil)
 	b := storeFor(t, e.Endpoints(), "relay-b", nil)
-	va := []relay.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("from a")))}
-	vb := []relay.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("from b")))}
-	va2 := []relay.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("from a, later")))}
+	va := []xds.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("from a")))}
+	vb := []xds.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("from b")))}
+	va2 := []xds.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("from a, later")))}
 
 	a.Save("k", 7, va)
 	waitWritten(t, a)
@@ -276,10 +276,10 @@ func TestCollectRemovesOnlyUnreferenced(t *testing.T) {
 	r1 := res(typeCluster, "r1", []byte("one"))
 	r2 := res(typeCluster, "r2", []byte("two"))
 	r3 := res(typeCluster, "r3", []byte("three"))
-	s.Save("k1", 0, []relay.View{viewOf(typeCluster, true, r1, r2)})
-	s.Save("k2", 0, []relay.View{viewOf(typeCluster, true, r2, r3)})
+	s.Save("k1", 0, []xds.View{viewOf(typeCluster, true, r1, r2)})
+	s.Save("k2", 0, []xds.View{viewOf(typeCluster, true, r2, r3)})
 	waitWritten(t, s)
-	s.Save("k1", 0, []relay.View{viewOf(typeCluster, true, r2)}) // r1 unreferenced now
+	s.Save("k1", 0, []xds.View{viewOf(typeCluster, true, r2)}) // r1 unreferenced now
 	waitWritten(t, s)
 
 	exists := func(h ledger.Hash) bool {
@@ -300,7 +300,7 @@ func TestCollectRemovesOnlyUnreferenced(t *testing.T) {
 	if exists(r1.Hash) {
 		t.Errorf("r1 (unreferenced) survived two passes")
 	}
-	for _, r := range []*relay.Resource{r2, r3} {
+	for _, r := range []*xds.Resource{r2, r3} {
 		if !exists(r.Hash) {
 			t.Errorf("%s (referenced) was deleted", r.Name)
 		}
@@ -313,16 +313,16 @@ func TestCollectRemovesOnlyUnreferenced(t *testing.T) {
 	sameContent(t, "k2", got["k2"], want(viewOf(typeCluster, true, r2, r3)))
 
 	// An object referenced again between passes is kept.
-	s.Save("k1", 0, []relay.View{viewOf(typeCluster, true, r2, r3)}) // drops nothing new
+	s.Save("k1", 0, []xds.View{viewOf(typeCluster, true, r2, r3)}) // drops nothing new
 	waitWritten(t, s)
 	r4 := res(typeCluster, "r4", []byte("four"))
-	s.Save("k2", 0, []relay.View{viewOf(typeCluster, true, r4)}) // r3 still referenced by k1
+	s.Save("k2", 0, []xds.View{viewOf(typeCluster, true, r4)}) // r3 still referenced by k1
 	waitWritten(t, s)
 	s.Collect(t.Context())
-	s.Save("k2", 0, []relay.View{viewOf(typeCluster, true, r4, r1)}) // r1 back
+	s.Save("k2", 0, []xds.View{viewOf(typeCluster, true, r4, r1)}) // r1 back
 	waitWritten(t, s)
 	s.Collect(t.Context())
-	for _, r := range []*relay.Resource{r1, r2, r3, r4} {
+	for _, r := range []*xds.Resource{r1, r2, r3, r4} {
 		if !exists(r.Hash) {
 			t.Errorf("%s (referenced) was deleted", r.Name)
 		}
@@ -334,7 +334,7 @@ func TestSecretsNeverStoredInClear(t *testing.T) {
 	privateKey := []byte("-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\n-----END PRIVATE KEY-----")
 	secret := res(typeSecret, "kubernetes://ingress-cert", privateKey)
 	cluster := res(typeCluster, "c", []byte("c"))
-	views := []relay.View{viewOf(typeSecret, false, secret), viewOf(typeCluster, true, cluster)}
+	views := []xds.View{viewOf(typeSecret, false, secret), viewOf(typeCluster, true, cluster)}
 
 	// everything returns every value stored under the tier's prefix.
 	everything := func(t *testing.T, s *Store) []byte {
@@ -386,10 +386,10 @@ func TestDamagedRecordsAreLeftOut(t *testing.T) {
 	s := storeFor(t, e.Endpoints(), "a", nil)
 	c1 := res(typeCluster, "c1", []byte("one"))
 	ep := res(typeEndpoint, "e", []byte("endpoints"))
-	s.Save("k", 0, []relay.View{viewOf(typeCluster, true, c1), viewOf(typeEndpoint, false, ep)})
+	s.Save("k", 0, []xds.View{viewOf(typeCluster, true, c1), viewOf(typeEndpoint, false, ep)})
 	waitWritten(t, s)
 	c2 := res(typeCluster, "c2", []byte("two"))
-	s.Save("k", 0, []relay.View{viewOf(typeCluster, true, c1, c2), viewOf(typeEndpoint, false, ep)})
+	s.Save("k", 0, []xds.View{viewOf(typeCluster, true, c1, c2), viewOf(typeEndpoint, false, ep)})
 	waitWritten(t, s)
 
 	// Drop the resource of c2: the cluster type no longer adds up, the
@@ -439,16 +439,16 @@ func TestEtcdDownSaveDoesNotBlockAndCatchesUp(t *testing.T) {
 	endpoints := e.Endpoints()
 	addr := strings.TrimPrefix(endpoints[0], "http://")
 	s := storeFor(t, endpoints, "a", func(c *Config) { c.RequestTimeout = 300 * time.Millisecond })
-	v1 := []relay.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("v1")))}
+	v1 := []xds.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("v1")))}
 	s.Save("k", 0, v1)
 	waitWritten(t, s)
 	e.Close()
 
-	v2 := []relay.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("v2")))}
+	v2 := []xds.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("v2")))}
 	done := make(chan struct{})
 	go func() {
 		for i := range 100 { // churn while etcd is down
-			s.Save("k", 0, []relay.View{viewOf(typeCluster, true, res(typeCluster, "c", fmt.Appendf(nil, "churn %d", i)))})
+			s.Save("k", 0, []xds.View{viewOf(typeCluster, true, res(typeCluster, "c", fmt.Appendf(nil, "churn %d", i)))})
 		}
 		s.Save("k", 0, v2)
 		close(done)
@@ -483,9 +483,9 @@ func TestCollectionDoesNotStrandAWriter(t *testing.T) {
 	gc := storeFor(t, e.Endpoints(), "collector", nil)
 	a := res(typeCluster, "c", []byte("version A"))
 	b := res(typeCluster, "c", []byte("version B"))
-	w.Save("k", 0, []relay.View{viewOf(typeCluster, true, a)})
+	w.Save("k", 0, []xds.View{viewOf(typeCluster, true, a)})
 	waitWritten(t, w)
-	w.Save("k", 0, []relay.View{viewOf(typeCluster, true, b)})
+	w.Save("k", 0, []xds.View{viewOf(typeCluster, true, b)})
 	waitWritten(t, w)
 	for range 2 {
 		if _, err := gc.Collect(t.Context()); err != nil {
@@ -499,7 +499,7 @@ func TestCollectionDoesNotStrandAWriter(t *testing.T) {
 	if resp.Count != 0 {
 		t.Fatal("version A survived two passes unreferenced: the test proves nothing")
 	}
-	w.Save("k", 0, []relay.View{viewOf(typeCluster, true, a)}) // back to A
+	w.Save("k", 0, []xds.View{viewOf(typeCluster, true, a)}) // back to A
 	waitWritten(t, w)
 	sameContent(t, "after A came back", loaded(t, e.Endpoints(), nil)["k"], want(viewOf(typeCluster, true, a)))
 }
@@ -510,10 +510,10 @@ func TestLargeFlushStaysWithinEtcdLimits(t *testing.T) {
 	e := etcdFor(t)
 	s := storeFor(t, e.Endpoints(), "a", func(c *Config) { c.FlushInterval = 300 * time.Millisecond })
 	const keys, entries, changed = 8, 6000, 2500
-	views := func(version string) map[string][]relay.View {
-		out := map[string][]relay.View{}
+	views := func(version string) map[string][]xds.View {
+		out := map[string][]xds.View{}
 		for k := range keys {
-			var rs []*relay.Resource
+			var rs []*xds.Resource
 			for i := range entries {
 				v := "v1"
 				if i < changed {
@@ -521,7 +521,7 @@ func TestLargeFlushStaysWithinEtcdLimits(t *testing.T) {
 				}
 				rs = append(rs, res(typeEndpoint, fmt.Sprintf("outbound|80||service-%05d.namespace-%d.svc.cluster.local", i, k), []byte(v)))
 			}
-			out[fmt.Sprint("key-", k)] = []relay.View{viewOf(typeEndpoint, false, rs...)}
+			out[fmt.Sprint("key-", k)] = []xds.View{viewOf(typeEndpoint, false, rs...)}
 		}
 		return out
 	}

@@ -1,7 +1,6 @@
-package relay
+package xds
 
 import (
-	"hash/maphash"
 	"slices"
 	"strings"
 	"unique"
@@ -79,18 +78,4 @@ func (s NameSet) Interned() NameSet {
 		s[i] = unique.Make(n).Value()
 	}
 	return s
-}
-
-var listSeed = maphash.MakeSeed()
-
-// ListDigest is an order-independent digest of a list of names and its
-// length. A SotW client repeats its whole subscription in every request,
-// ACKs included; comparing digests tells, without sorting thousands of
-// names, that nothing changed.
-func ListDigest(names []string) uint64 {
-	sum := uint64(len(names))
-	for _, n := range names {
-		sum += maphash.String(listSeed, n)
-	}
-	return sum
 }

@@ -1,4 +1,4 @@
-package relay
+package xds
 
 import (
 	"fmt"
@@ -6,11 +6,12 @@ import (
 	"slices"
 	"testing"
 
+	cluster "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	listener "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	route "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
+	hcm "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	tcpproxy "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/tcp_proxy/v3"
 	"google.golang.org/protobuf/proto"
-
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshrelay/meshrelay/ledger"
@@ -55,7 +56,12 @@ func TestDroppedKeepsNewestWithinBudget(t *testing.T) {
 func TestTypeRefsAreTheGraph(t *testing.T) {
 	routeOnly := &route.ScopedRouteConfiguration{Name: "scope", RouteConfigurationName: "r80"}
 	seen := map[TypeRef]bool{}
-	for _, m := range []proto.Message{mkCluster("c1"), mkListener("l80", "r80"), mkTCPListener("l9000", "c1"), mkRoute("r80", "c1"), routeOnly} {
+	eds := &cluster.Cluster{Name: "c1", ClusterDiscoveryType: &cluster.Cluster_Type{Type: cluster.Cluster_EDS}}
+	rds := &listener.Listener{Name: "l80", FilterChains: []*listener.FilterChain{{Filters: []*listener.Filter{filter(&hcm.HttpConnectionManager{
+		RouteSpecifier: &hcm.HttpConnectionManager_Rds{Rds: &hcm.Rds{RouteConfigName: "r80"}}})}}}}
+	rc := &route.RouteConfiguration{Name: "r80", VirtualHosts: []*route.VirtualHost{{Name: "c1", Routes: []*route.Route{{
+		Action: &route.Route_Route{Route: &route.RouteAction{ClusterSpecifier: &route.RouteAction_Cluster{Cluster: "c1"}}}}}}}}
+	for _, m := range []proto.Message{eds, rds, mkTCPListener("l9000", "c1"), rc, routeOnly} {
 		typeURL := typeOfMessage(t, m)
 		r := refsOf(m)
 		for _, kind := range []RefKind{RefEndpoints, RefRoutes, RefClusters} {
@@ -91,9 +97,15 @@ func typeOfMessage(t *testing.T, m proto.Message) string {
 
 // mkTCPListener is a listener whose tcp_proxy sends to cluster c.
 func mkTCPListener(name, c string) *listener.Listener {
-	tp, err := anypb.New(&tcpproxy.TcpProxy{StatPrefix: name, ClusterSpecifier: &tcpproxy.TcpProxy_Cluster{Cluster: c}})
+	return &listener.Listener{Name: name, FilterChains: []*listener.FilterChain{{Filters: []*listener.Filter{
+		filter(&tcpproxy.TcpProxy{StatPrefix: name, ClusterSpecifier: &tcpproxy.TcpProxy_Cluster{Cluster: c}})}}}}
+}
+
+// filter is a network filter of config m.
+func filter(m proto.Message) *listener.Filter {
+	a, err := anypb.New(m)
 	if err != nil {
 		panic(err)
 	}
-	return &listener.Listener{Name: name, FilterChains: []*listener.FilterChain{{Filters: []*listener.Filter{{Name: "envoy.filters.network.tcp_proxy", ConfigType: &listener.Filter_TypedConfig{TypedConfig: tp}}}}}}
+	return &listener.Filter{Name: string(m.ProtoReflect().Descriptor().FullName()), ConfigType: &listener.Filter_TypedConfig{TypedConfig: a}}
 }

@@ -1,0 +1,37 @@
+package xds
+
+import "github.com/meshrelay/meshrelay/ledger"
+
+// View is a key's view of one type, as Save hands it over. Tree and its
+// resources are immutable: the store may keep them.
+type View struct {
+	Type string
+	// Full is set when the view is everything the source has of the type
+	// (it answered a wildcard subscription), not just the names asked for.
+	Full bool
+	Tree ledger.Tree[*Resource]
+}
+
+// SavedKey is what Load found of one key.
+type SavedKey struct {
+	Key   string
+	Types []SavedType
+}
+
+// SavedType is a persisted view: Root is the Merkle root the resources must
+// hash to. A restored view is unordered (the zero ledger.Order): it covers
+// only clients that hold nothing or unordered versions, so it is never sent
+// over what a client or another relay holds, however old, until a live
+// source has answered.
+type SavedType struct {
+	Type      string
+	Full      bool
+	Root      ledger.Hash
+	Resources []SavedResource
+}
+
+// SavedResource is a persisted resource: its name and serialized body.
+type SavedResource struct {
+	Name string
+	Body []byte
+}
