@@ -903,7 +903,7 @@ const declareGrace = time.Second
 // awaitingDeclarations reports whether removals of typeURL wait for the
 // client to declare a referring type: within declareGrace of a stream's
 // start, a type that refers to typeURL and that clients declare
-// (typeRef.declared) was not requested yet.
+// (xds.TypeRef.Declared) was not requested yet.
 func (s *stream) awaitingDeclarations(typeURL string) (bool, time.Duration) {
 	left := declareGrace - time.Since(s.opened)
 	if left <= 0 {

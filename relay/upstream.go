@@ -1042,7 +1042,7 @@ func (u *upstream) follow(next *keySnap, typeURL string, old, cur ledger.Tree[*x
 	return changed
 }
 
-// followEdge is follow for one edge of typeRefs: the names of target that
+// followEdge is follow for one edge of xds.TypeRefs: the names of target that
 // the view's resources refer to by kind.
 func (u *upstream) followEdge(next *keySnap, target string, kind xds.RefKind, old, cur ledger.Tree[*xds.Resource]) bool {
 	counts := u.derived[target]

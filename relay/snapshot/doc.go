@@ -1,5 +1,6 @@
 // Package snapshot persists the relay's key snapshots in etcd so that a
-// relay starts warm: Store implements relay.Snapshots, and Embedded runs an
+// relay starts warm: Store implements relay.Snapshots (of the views in
+// relay/xds, so this package does not import the relay), and Embedded runs an
 // in-process etcd for a single machine and for tests. The etcd client and
 // server are used here and nowhere else.
 //

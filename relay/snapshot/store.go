@@ -23,7 +23,6 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/meshrelay/meshrelay/ledger"
-	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -221,8 +220,6 @@ type keyRec struct {
 	logBytes    int                 // their bytes (this key's share)
 	baseBytes   int
 }
-
-var _ relay.Snapshots = (*Store)(nil)
 
 // New validates cfg and connects to etcd (lazily: an unreachable etcd is
 // not an error here; writes retry).

@@ -17,8 +17,12 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
+
+// Store is what a relay persists its views to.
+var _ relay.Snapshots = (*Store)(nil)
 
 const (
 	typeCluster  = "type.googleapis.com/envoy.config.cluster.v3.Cluster"

@@ -207,7 +207,7 @@ func (s *Store) Decode(typeURL string, a *anypb.Any, wantName string) (*Resource
 	return s.Intern(r), nil
 }
 
-// hasRefs reports whether resources of typeURL refer to others (typeRefs;
+// hasRefs reports whether resources of typeURL refer to others (TypeRefs;
 // refsOf reads them).
 func hasRefs(typeURL string) bool { return len(RefsFrom(typeURL)) > 0 }
 

@@ -50,8 +50,8 @@ func TestDroppedKeepsNewestWithinBudget(t *testing.T) {
 	}
 }
 
-// Every reference refsOf reads from a type is an edge of typeRefs, and
-// every edge of typeRefs is read from some resource: the table is the
+// Every reference refsOf reads from a type is an edge of TypeRefs, and
+// every edge of TypeRefs is read from some resource: the table is the
 // whole graph.
 func TestTypeRefsAreTheGraph(t *testing.T) {
 	routeOnly := &route.ScopedRouteConfiguration{Name: "scope", RouteConfigurationName: "r80"}
@@ -70,14 +70,14 @@ func TestTypeRefsAreTheGraph(t *testing.T) {
 			}
 			i := slices.IndexFunc(TypeRefs, func(e TypeRef) bool { return e.From == typeURL && e.Kind == kind })
 			if i < 0 {
-				t.Fatalf("%s refers by kind %d to %v, and typeRefs has no such edge", ShortType(typeURL), kind, r.of(kind))
+				t.Fatalf("%s refers by kind %d to %v, and TypeRefs has no such edge", ShortType(typeURL), kind, r.of(kind))
 			}
 			seen[TypeRefs[i]] = true
 		}
 	}
 	for _, e := range TypeRefs {
 		if !seen[e] {
-			t.Errorf("edge %s → %s of typeRefs is read from no resource", ShortType(e.From), ShortType(e.To))
+			t.Errorf("edge %s → %s of TypeRefs is read from no resource", ShortType(e.From), ShortType(e.To))
 		}
 	}
 	if got := FetchedTargets(); len(got) != 2 || got[0].Target != TypeEndpoint || got[1].Target != TypeRoute ||

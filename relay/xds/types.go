@@ -8,7 +8,7 @@ import (
 
 // Type URLs the relay caches, aggregates and serves itself. Every other type
 // URL passes through to the upstream on the requesting stream's own upstream
-// stream (see passthrough.go).
+// stream (see the relay's passthrough.go).
 const (
 	TypeCluster     = resource.ClusterType
 	TypeEndpoint    = resource.EndpointType
@@ -30,22 +30,22 @@ var PushOrder = []string{TypeCluster, TypeEndpoint, TypeListener, TypeScopedRout
 var RemovalOrder = []string{TypeListener, TypeScopedRoute, TypeRoute, TypeCluster, TypeEndpoint, TypeSecret, TypeRuntime, TypeExtension}
 
 // TypeRef is one edge of the graph of which type refers to which: resources
-// of from name resources of to (kind says which of their references).
+// of From name resources of To (Kind says which of their references).
 // Everything that follows references reads this one table: hasRefs (which
-// types are parsed for references), stream.heldBy (what a removal would
-// break), stream.awaitingDeclarations (the referrers a client must declare
-// before a removal is sent), upstream.follow and followRestored (the
-// names fetched before any Envoy asks for them).
+// types are parsed for references) and, in the relay, stream.heldBy (what a
+// removal would break), stream.awaitingDeclarations (the referrers a
+// client must declare before a removal is sent), upstream.follow and
+// followRestored (the names fetched before any Envoy asks for them).
 type TypeRef struct {
 	From, To string
 	Kind     RefKind
 	// Fetched: the relay asks its source for the names as soon as a view
-	// of from refers to them, as Envoy would ask next (EDS for clusters,
+	// of From refers to them, as Envoy would ask next (EDS for clusters,
 	// RDS for listeners).
 	Fetched bool
-	// Declared: a client that holds resources of to is expected to
-	// subscribe to from when its stream starts (Envoy's first requests),
-	// so removals of to wait a moment for it (declareGrace). Scoped
+	// Declared: a client that holds resources of To is expected to
+	// subscribe to From when its stream starts (Envoy's first requests),
+	// so removals of To wait a moment for it (the relay's declareGrace). Scoped
 	// routes are optional: most clients never ask for them.
 	Declared bool
 }
@@ -117,7 +117,7 @@ func ShortType(typeURL string) string {
 	return "other"
 }
 
-// FetchedTarget is a type whose names the relay fetches ahead (typeRef
+// FetchedTarget is a type whose names the relay fetches ahead (TypeRef
 // fetched), with the types whose resources name them.
 type FetchedTarget struct {
 	Target  string
@@ -125,7 +125,7 @@ type FetchedTarget struct {
 	Sources []string
 }
 
-// FetchedTargets groups the fetched edges of typeRefs by target, in the
+// FetchedTargets groups the fetched edges of TypeRefs by target, in the
 // table's order.
 func FetchedTargets() []FetchedTarget {
 	var out []FetchedTarget
