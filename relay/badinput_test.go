@@ -8,10 +8,11 @@ import (
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
-	"github.com/meshrelay/meshrelay/relay/xds"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // TestBadRequests: each malformed request ends its own stream with a clear

@@ -7,11 +7,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/meshrelay/meshrelay/relay/xds"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/meshrelay/meshrelay/relay/xds"
 
 	synth "github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay/auth"

@@ -5,8 +5,9 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/meshrelay/meshrelay/relay/xds"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // metrics are the relay's Prometheus metrics, named after istiod's pilot_*

@@ -7,11 +7,12 @@ import (
 	"sync"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	"github.com/meshrelay/meshrelay/relay/xds"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // passthrough carries one downstream stream's requests for types the relay

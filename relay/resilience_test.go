@@ -8,8 +8,9 @@ import (
 	"time"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	"github.com/meshrelay/meshrelay/relay/xds"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // seedN fills group g with n services and returns the EDS names.

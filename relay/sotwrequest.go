@@ -7,10 +7,11 @@ import (
 	"unicode/utf8"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	"github.com/meshrelay/meshrelay/relay/xds"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // sotwRequest is a SotW DiscoveryRequest as the relay reads it off the

@@ -6,10 +6,11 @@ import (
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	"github.com/meshrelay/meshrelay/relay/xds"
 	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // FuzzSotWRequestDecode checks the relay's lazy SotW request decoder against
