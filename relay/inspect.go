@@ -223,7 +223,7 @@ func buildConfigDump(types []dumpType) (*adminv3.ConfigDump, error) {
 			if e.Value == nil {
 				continue // declared by the client, not held here
 			}
-			b, err := redactAny(e.Value.Body)
+			b, err := Any(e.Value.Body)
 			if err != nil {
 				return nil, fmt.Errorf("config dump: %s %q: %w", xds.ShortType(t.typeURL), e.Name, err)
 			}

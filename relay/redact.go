@@ -15,7 +15,7 @@ import (
 // redacted replaces what a config dump must not show.
 const redacted = "[redacted]"
 
-// redactAny returns a copy of a resource with every field Envoy marks
+// Any returns a copy of a resource with every field Envoy marks
 // sensitive (udpa.annotations.sensitive: private keys, passwords, session
 // ticket keys, generic secrets) replaced by "[redacted]", as Envoy's own
 // /config_dump does: a string or bytes field is replaced, a number, bool
@@ -23,7 +23,7 @@ const redacted = "[redacted]"
 // fields are unpacked and redacted too, and fields unknown to this binary
 // dropped. A resource whose type this binary does not know, or that
 // does not decode, cannot be checked and is refused.
-func redactAny(a *anypb.Any) (*anypb.Any, error) {
+func Any(a *anypb.Any) (*anypb.Any, error) {
 	m, err := a.UnmarshalNew()
 	if err != nil {
 		return nil, fmt.Errorf("redact %s: %w", a.GetTypeUrl(), err)

@@ -56,7 +56,7 @@ func TestRedact(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			in := mustAny(tc.in)
 			before := proto.Clone(in)
-			out, err := redactAny(in)
+			out, err := Any(in)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -91,7 +91,7 @@ func TestRedactDropsUnknownFields(t *testing.T) {
 	}
 	b = protowire.AppendTag(b, 999, protowire.BytesType)
 	b = protowire.AppendBytes(b, []byte("unknown-secret"))
-	out, err := redactAny(&anypb.Any{TypeUrl: xds.TypeSecret, Value: b})
+	out, err := Any(&anypb.Any{TypeUrl: xds.TypeSecret, Value: b})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -131,11 +131,11 @@ func FuzzRedact(f *testing.F) {
 		if typeURL != xds.TypeSecret && typeURL != xds.TypeCluster {
 			typeURL = xds.TypeCluster
 		}
-		out, err := redactAny(&anypb.Any{TypeUrl: typeURL, Value: value})
+		out, err := Any(&anypb.Any{TypeUrl: typeURL, Value: value})
 		if err != nil {
 			return
 		}
-		again, err := redactAny(out)
+		again, err := Any(out)
 		if err != nil {
 			t.Fatalf("redacting a redacted resource failed: %v", err)
 		}
