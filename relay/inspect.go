@@ -17,6 +17,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/redact"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -223,7 +224,7 @@ func buildConfigDump(types []dumpType) (*adminv3.ConfigDump, error) {
 			if e.Value == nil {
 				continue // declared by the client, not held here
 			}
-			b, err := Any(e.Value.Body)
+			b, err := redact.Any(e.Value.Body)
 			if err != nil {
 				return nil, fmt.Errorf("config dump: %s %q: %w", xds.ShortType(t.typeURL), e.Name, err)
 			}

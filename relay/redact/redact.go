@@ -1,4 +1,8 @@
-package relay
+// Package redact hides what a config dump must not show: every field Envoy
+// marks sensitive, wherever in a resource it is, as Envoy's own
+// /config_dump does. The relay's config dumps (the admin API's
+// GetConfigDump, istiod's debug answers) pass every resource through Any.
+package redact
 
 import (
 	"fmt"

@@ -1,4 +1,4 @@
-package relay
+package redact
 
 import (
 	"bytes"
@@ -24,6 +24,14 @@ const (
 
 func inline(s string) *core.DataSource {
 	return &core.DataSource{Specifier: &core.DataSource_InlineString{InlineString: s}}
+}
+
+func mustAny(m proto.Message) *anypb.Any {
+	a, err := anypb.New(m)
+	if err != nil {
+		panic(err)
+	}
+	return a
 }
 
 // TestRedact: what Envoy marks sensitive is "[redacted]" wherever it is
