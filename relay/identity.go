@@ -3,7 +3,6 @@ package relay
 import (
 	"context"
 	"net/netip"
-	"strings"
 	"sync"
 	"time"
 
@@ -81,21 +80,6 @@ func (s *stream) checkIdentity(node *core.Node) error {
 		return status.Errorf(codes.PermissionDenied, "authorization failed: %v", err)
 	}
 	return nil
-}
-
-// identityKey makes an authenticated stream's identity part of its key:
-// nodes that look alike but are proven by different service accounts
-// (istiod's rule lets a node without SERVICE_ACCOUNT through for any) must
-// not share an upstream stream, nor each other's config.
-func identityKey(k Key, id *auth.Identity) Key {
-	if id == nil {
-		return k
-	}
-	prefix, sum := string(k), ""
-	if i := strings.LastIndexByte(prefix, '#'); i >= 0 {
-		prefix, sum = prefix[:i], prefix[i+1:]
-	}
-	return Key(prefix + "#" + digest(sum+"\x00"+id.SPIFFEID()))
 }
 
 func peerAddr(ctx context.Context) string {

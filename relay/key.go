@@ -210,3 +210,70 @@ func digest(s string) string {
 	h := sha256.Sum256([]byte(s))
 	return hex.EncodeToString(h[:8])
 }
+
+// identityKey makes an authenticated stream's identity part of its key:
+// nodes that look alike but are proven by different service accounts
+// (istiod's rule lets a node without SERVICE_ACCOUNT through for any) must
+// not share an upstream stream, nor each other's config.
+func identityKey(k Key, id *auth.Identity) Key {
+	if id == nil {
+		return k
+	}
+	prefix, sum := string(k), ""
+	if i := strings.LastIndexByte(prefix, '#'); i >= 0 {
+		prefix, sum = prefix[:i], prefix[i+1:]
+	}
+	return Key(prefix + "#" + digest(sum+"\x00"+id.SPIFFEID()))
+}
+
+// KeyNamespace returns the namespace of a key's Envoys, read from the key
+// the relay derived from their nodes (the ledger records an Envoy's node
+// id and key, not its metadata):
+//
+//   - an istio-profile key, "<type>/<namespace>/<workload>#<hash>", names
+//     the namespace the profile read from its nodes (metadata NAMESPACE,
+//     else the id's domain): for a node istiod reads a namespace from
+//     (auth.ConfigNamespace), that one, which the TLS port checked the
+//     stream's identity against;
+//   - a per-node key, "node/<id>#<hash>", names its node id's namespace
+//     (the id's DNS domain, "sidecar~ip~pod.ns~ns.svc.cluster.local");
+//   - anything else, or a name that is not a Kubernetes namespace name,
+//     names none: "", which only admins see.
+//
+// A workload can make its own Envoys look like another namespace's (a
+// crafted node on the plaintext port, a per-node key whose id and
+// metadata disagree), never another workload's look like its own.
+func KeyNamespace(key string) string {
+	prefix := key
+	if i := strings.LastIndexByte(prefix, '#'); i >= 0 {
+		prefix = prefix[:i]
+	}
+	var ns string
+	if id, ok := strings.CutPrefix(prefix, "node/"); ok {
+		// Istio's ids hold no "/": one that does is an istio-profile key
+		// of a node that calls itself of type "node", which names none.
+		if !strings.Contains(id, "/") {
+			ns = auth.ConfigNamespace(&core.Node{Id: id})
+		}
+	} else if parts := strings.Split(prefix, "/"); len(parts) == 3 && parts[0] != "" {
+		ns = parts[1]
+	}
+	if !isNamespaceName(ns) {
+		return ""
+	}
+	return ns
+}
+
+// isNamespaceName reports whether s is a Kubernetes namespace name (an
+// RFC 1123 label).
+func isNamespaceName(s string) bool {
+	if s == "" || len(s) > 63 || s[0] == '-' || s[len(s)-1] == '-' {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-') {
+			return false
+		}
+	}
+	return true
+}
