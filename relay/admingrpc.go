@@ -89,7 +89,7 @@ func (c AdminCaller) String() string {
 // config: an admin sees every key, another caller the keys of its
 // namespace (KeyNamespace).
 func (c AdminCaller) SeesKey(key string) bool {
-	return c.Admin || c.Namespace != "" && KeyNamespace(key) == c.Namespace
+	return c.Admin || c.Namespace != "" && Namespace(key) == c.Namespace
 }
 
 // MayAskNode reports whether the caller may ask for the node named id:

@@ -29,9 +29,9 @@ func TestKeyNamespace(t *testing.T) {
 	for _, tc := range []struct {
 		key, want string
 	}{
-		{string(IstioProfile{}.Key(saNode("ns1", "app", 0))), "ns1"},
-		{string(identityKey(IstioProfile{}.Key(node("ns2", "db", 3)), &auth.Identity{TrustDomain: "cluster.local", Namespace: "ns2", ServiceAccount: "db"})), "ns2"},
-		{string(PerNodeProfile{}.Key(node("ns3", "app", 1))), "ns3"},
+		{string(Istio{}.Key(saNode("ns1", "app", 0))), "ns1"},
+		{string(WithIdentity(Istio{}.Key(node("ns2", "db", 3)), &auth.Identity{TrustDomain: "cluster.local", Namespace: "ns2", ServiceAccount: "db"})), "ns2"},
+		{string(PerNode{}.Key(node("ns3", "app", 1))), "ns3"},
 		{"router/istio-system/ingressgateway#0011", "istio-system"},
 		{"sidecar/ns1/#0011", "ns1"},
 		{"sidecar/ns1/app", "ns1"},
@@ -50,7 +50,7 @@ func TestKeyNamespace(t *testing.T) {
 		{"node/not-istio#0011", ""},
 		{"node/sidecar~1.2.3.4~p.ns1~ns1.svc.cluster.local/x#0011", ""},
 	} {
-		if got := KeyNamespace(tc.key); got != tc.want {
+		if got := Namespace(tc.key); got != tc.want {
 			t.Errorf("KeyNamespace(%q) = %q, want %q", tc.key, got, tc.want)
 		}
 	}
@@ -74,17 +74,17 @@ func FuzzKeyNamespace(f *testing.F) {
 		if workload != "" {
 			n.Metadata.Fields["WORKLOAD_NAME"] = structpb.NewStringValue(workload)
 		}
-		k := IstioProfile{}.Key(n)
-		if got, cn := KeyNamespace(string(k)), auth.ConfigNamespace(n); got != "" && cn != "" && got != cn {
+		k := Istio{}.Key(n)
+		if got, cn := Namespace(string(k)), auth.ConfigNamespace(n); got != "" && cn != "" && got != cn {
 			t.Fatalf("KeyNamespace(%q) = %q; the node's config namespace is %q", k, got, cn)
 		}
 		id := &auth.Identity{TrustDomain: "cluster.local", Namespace: "x", ServiceAccount: "y"}
-		if got := KeyNamespace(string(identityKey(k, id))); got != KeyNamespace(string(k)) {
-			t.Fatalf("the identity changed the key's namespace: %q, was %q", got, KeyNamespace(string(k)))
+		if got := Namespace(string(WithIdentity(k, id))); got != Namespace(string(k)) {
+			t.Fatalf("the identity changed the key's namespace: %q, was %q", got, Namespace(string(k)))
 		}
-		pk := PerNodeProfile{}.Key(n)
+		pk := PerNode{}.Key(n)
 		idNS := auth.ConfigNamespace(&core.Node{Id: n.GetId()})
-		if got := KeyNamespace(string(pk)); got != "" && got != idNS {
+		if got := Namespace(string(pk)); got != "" && got != idNS {
 			t.Fatalf("KeyNamespace(%q) = %q; the node id's namespace is %q", pk, got, idNS)
 		}
 	})

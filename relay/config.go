@@ -132,7 +132,7 @@ type Config struct {
 	TokenRefreshBefore time.Duration
 
 	// KeyProfile derives aggregation keys. Default IstioProfile{}.
-	KeyProfile KeyProfile
+	KeyProfile Profile
 	// Authorizer checks every stream first. Default AllowAll{}.
 	Authorizer Authorizer
 
@@ -303,7 +303,7 @@ func DefaultConfig() Config {
 		HandshakeTimeout:    10 * time.Second,
 		TokenRefreshBefore:  5 * time.Minute,
 		UpstreamProtocol:    ProtocolDelta,
-		KeyProfile:          IstioProfile{},
+		KeyProfile:          Istio{},
 		Authorizer:          AllowAll{},
 		MaxMsgSize:          256 << 20,
 		MaxSubscribedNames:  1_000_000,

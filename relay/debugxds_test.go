@@ -257,7 +257,7 @@ func TestDebugTypesOnPeerPort(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	asRelay := metadata.Pairs(mdPeer, "relay-x", mdPeerKey, string(IstioProfile{}.Key(node("ns1", "app", 1))))
+	asRelay := metadata.Pairs(mdPeer, "relay-x", mdPeerKey, string(Istio{}.Key(node("ns1", "app", 1))))
 	for _, tc := range []struct {
 		name string
 		md   metadata.MD

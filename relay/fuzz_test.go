@@ -1778,10 +1778,10 @@ func FuzzKeyProfile(f *testing.F) {
 	add(&core.Node{Id: "sidecar~10.0.0.1~pod~"})
 	add(&core.Node{})
 
-	profiles := []KeyProfile{
-		IstioProfile{},
-		IstioProfile{ExtraMetadata: []string{"PROXY_CONFIG", "DNS_CAPTURE"}},
-		PerNodeProfile{},
+	profiles := []Profile{
+		Istio{},
+		Istio{ExtraMetadata: []string{"PROXY_CONFIG", "DNS_CAPTURE"}},
+		PerNode{},
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		n := new(core.Node)
@@ -1811,7 +1811,7 @@ func FuzzKeyProfile(f *testing.F) {
 				}
 			}
 		}
-		reordered := IstioProfile{ExtraMetadata: []string{"DNS_CAPTURE", "PROXY_CONFIG"}}
+		reordered := Istio{ExtraMetadata: []string{"DNS_CAPTURE", "PROXY_CONFIG"}}
 		if got, want := reordered.Key(n), profiles[1].Key(n); got != want {
 			t.Fatalf("Key(%s) with ExtraMetadata reordered = %q, want %q", n.GetId(), got, want)
 		}

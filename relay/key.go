@@ -23,9 +23,9 @@ import (
 // node. The readable prefix is for operators; the hash suffix is the identity.
 type Key string
 
-// KeyProfile derives a node's aggregation key. Implementations must be safe
+// Profile derives a node's aggregation key. Implementations must be safe
 // for concurrent use and deterministic.
-type KeyProfile interface {
+type Profile interface {
 	// Key returns the key of node. It must not fail for a node the relay can
 	// serve; profiles fall back to a per-node key when a field they need is
 	// missing.
@@ -40,35 +40,35 @@ const (
 	ProfilePerNode = "per-node"
 )
 
-// ParseKeyProfile returns the profile a --key-profile flag names. extraMeta
+// ParseProfile returns the profile a --key-profile flag names. extraMeta
 // adds node metadata fields to the istio profile (see IstioProfile).
-func ParseKeyProfile(name string, extraMeta []string) (KeyProfile, error) {
+func ParseProfile(name string, extraMeta []string) (Profile, error) {
 	switch name {
 	case ProfileIstio, "":
-		return IstioProfile{ExtraMetadata: extraMeta}, nil
+		return Istio{ExtraMetadata: extraMeta}, nil
 	case ProfilePerNode:
 		if len(extraMeta) > 0 {
 			return nil, errors.New("relay: extra key metadata needs the istio profile")
 		}
-		return PerNodeProfile{}, nil
+		return PerNode{}, nil
 	}
 	return nil, fmt.Errorf("relay: unknown key profile %q (want %s or %s)", name, ProfileIstio, ProfilePerNode)
 }
 
-// PerNodeProfile keys every node by its id: no aggregation, always correct.
-type PerNodeProfile struct{}
+// PerNode keys every node by its id: no aggregation, always correct.
+type PerNode struct{}
 
 // Name implements KeyProfile.
-func (PerNodeProfile) Name() string { return ProfilePerNode }
+func (PerNode) Name() string { return ProfilePerNode }
 
 // Key implements KeyProfile.
-func (PerNodeProfile) Key(node *core.Node) Key { return perNodeKey(node.GetId()) }
+func (PerNode) Key(node *core.Node) Key { return perNodeKey(node.GetId()) }
 
 func perNodeKey(id string) Key {
 	return Key("node/" + id + "#" + digest(id))
 }
 
-// IstioProfile keys a node by the fields that change what istiod generates
+// Istio keys a node by the fields that change what istiod generates
 // for it. Pods of one workload (same namespace, labels, service account, …;
 // different names and IPs) get byte-identical CDS/EDS/LDS/RDS from istiod, so
 // they share a key. The fields, exactly:
@@ -92,13 +92,13 @@ func perNodeKey(id string) Key {
 // Not included: the pod name and IPs. A pod whose IP backs a Service can get
 // inbound config that depends on that IP; the divergence check in DESIGN.md
 // exists for that case, and ProfilePerNode is always available.
-type IstioProfile struct {
+type Istio struct {
 	// ExtraMetadata lists further node metadata fields to include.
 	ExtraMetadata []string
 }
 
 // Name implements KeyProfile.
-func (IstioProfile) Name() string { return ProfileIstio }
+func (Istio) Name() string { return ProfileIstio }
 
 var istioMetadataFields = []string{
 	"ISTIO_VERSION", "CLUSTER_ID", "NETWORK", "MESH_ID", "SERVICE_ACCOUNT",
@@ -108,7 +108,7 @@ var istioMetadataFields = []string{
 var perPodLabels = []string{"statefulset.kubernetes.io/pod-name", "apps.kubernetes.io/pod-index"}
 
 // Key implements KeyProfile.
-func (p IstioProfile) Key(node *core.Node) Key {
+func (p Istio) Key(node *core.Node) Key {
 	id := node.GetId()
 	parts := strings.Split(id, "~")
 	if len(parts) != 4 || parts[0] == "" {
@@ -211,11 +211,11 @@ func digest(s string) string {
 	return hex.EncodeToString(h[:8])
 }
 
-// identityKey makes an authenticated stream's identity part of its key:
+// WithIdentity makes an authenticated stream's identity part of its key:
 // nodes that look alike but are proven by different service accounts
 // (istiod's rule lets a node without SERVICE_ACCOUNT through for any) must
 // not share an upstream stream, nor each other's config.
-func identityKey(k Key, id *auth.Identity) Key {
+func WithIdentity(k Key, id *auth.Identity) Key {
 	if id == nil {
 		return k
 	}
@@ -226,7 +226,7 @@ func identityKey(k Key, id *auth.Identity) Key {
 	return Key(prefix + "#" + digest(sum+"\x00"+id.SPIFFEID()))
 }
 
-// KeyNamespace returns the namespace of a key's Envoys, read from the key
+// Namespace returns the namespace of a key's Envoys, read from the key
 // the relay derived from their nodes (the ledger records an Envoy's node
 // id and key, not its metadata):
 //
@@ -243,7 +243,7 @@ func identityKey(k Key, id *auth.Identity) Key {
 // A workload can make its own Envoys look like another namespace's (a
 // crafted node on the plaintext port, a per-node key whose id and
 // metadata disagree), never another workload's look like its own.
-func KeyNamespace(key string) string {
+func Namespace(key string) string {
 	prefix := key
 	if i := strings.LastIndexByte(prefix, '#'); i >= 0 {
 		prefix = prefix[:i]

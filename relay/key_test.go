@@ -131,7 +131,7 @@ func podIP(ip string) func(*istioPod) { return func(p *istioPod) { p.ip = ip } }
 // differs between them that does not change istiod's output.
 func TestIstioKeySameWorkload(t *testing.T) {
 	base := reviewsPod()
-	want := IstioProfile{}.Key(base.node())
+	want := Istio{}.Key(base.node())
 	otherAgent := base.node()
 	otherAgent.Cluster, otherAgent.UserAgentName = "reviews-v1.ns1", "envoy"
 	cases := []struct {
@@ -155,7 +155,7 @@ func TestIstioKeySameWorkload(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := (IstioProfile{}).Key(tc.node); got != want {
+			if got := (Istio{}).Key(tc.node); got != want {
 				t.Errorf("Key(%s) = %q, want %q (the base pod's)", tc.node.GetId(), got, want)
 			}
 		})
@@ -165,36 +165,36 @@ func TestIstioKeySameWorkload(t *testing.T) {
 // TestIstioKeyFields: every field IstioProfile documents changes the key.
 func TestIstioKeyFields(t *testing.T) {
 	base := reviewsPod()
-	extra := IstioProfile{ExtraMetadata: []string{"DNS_CAPTURE", "PROXY_CONFIG"}}
+	extra := Istio{ExtraMetadata: []string{"DNS_CAPTURE", "PROXY_CONFIG"}}
 	cases := []struct {
 		name    string
-		profile IstioProfile
+		profile Istio
 		pod     istioPod
 	}{
-		{"proxy type", IstioProfile{}, base.with(func(p *istioPod) { p.proxyType = "router" })},
-		{"namespace in metadata", IstioProfile{}, base.with(podMeta("NAMESPACE", "ns2"))},
-		{"namespace in the node id", IstioProfile{}, base.with(podMeta("NAMESPACE", nil), func(p *istioPod) { p.idNS = "ns3" })},
-		{"WORKLOAD_NAME", IstioProfile{}, base.with(podMeta("WORKLOAD_NAME", "reviews-v2"))},
-		{"no WORKLOAD_NAME", IstioProfile{}, base.with(podMeta("WORKLOAD_NAME", nil))},
-		{"a label's value", IstioProfile{}, base.with(podLabel("version", "v2"))},
-		{"a label added", IstioProfile{}, base.with(podLabel("sidecar.istio.io/inject", "true"))},
-		{"a label removed", IstioProfile{}, base.with(podLabel("pod-template-hash", nil))},
-		{"no LABELS", IstioProfile{}, base.with(func(p *istioPod) { p.labels = nil })},
-		{"ISTIO_VERSION", IstioProfile{}, base.with(podMeta("ISTIO_VERSION", "1.29.0"))},
-		{"CLUSTER_ID", IstioProfile{}, base.with(podMeta("CLUSTER_ID", "east"))},
-		{"NETWORK", IstioProfile{}, base.with(podMeta("NETWORK", "net2"))},
-		{"MESH_ID", IstioProfile{}, base.with(podMeta("MESH_ID", "mesh2"))},
-		{"SERVICE_ACCOUNT", IstioProfile{}, base.with(podMeta("SERVICE_ACCOUNT", "bookinfo-ratings"))},
-		{"INTERCEPTION_MODE", IstioProfile{}, base.with(podMeta("INTERCEPTION_MODE", "TPROXY"))},
-		{"GENERATOR", IstioProfile{}, base.with(podMeta("GENERATOR", "grpc"))},
-		{"ENABLE_HBONE", IstioProfile{}, base.with(podMeta("ENABLE_HBONE", "true"))},
-		{"REQUESTED_NETWORK_VIEW", IstioProfile{}, base.with(podMeta("REQUESTED_NETWORK_VIEW", "net1,net2"))},
-		{"locality region", IstioProfile{}, base.with(func(p *istioPod) { p.locality.Region = "europe-west1" })},
-		{"locality zone", IstioProfile{}, base.with(func(p *istioPod) { p.locality.Zone = "us-east1-c" })},
-		{"locality sub-zone", IstioProfile{}, base.with(func(p *istioPod) { p.locality.SubZone = "rack7" })},
-		{"no locality", IstioProfile{}, base.with(func(p *istioPod) { p.locality = nil })},
-		{"IP family v6", IstioProfile{}, base.with(podIP("fd00::1"), podMeta("INSTANCE_IPS", "fd00::1"))},
-		{"IP family dual", IstioProfile{}, base.with(podMeta("INSTANCE_IPS", "10.0.0.1,fd00::1"))},
+		{"proxy type", Istio{}, base.with(func(p *istioPod) { p.proxyType = "router" })},
+		{"namespace in metadata", Istio{}, base.with(podMeta("NAMESPACE", "ns2"))},
+		{"namespace in the node id", Istio{}, base.with(podMeta("NAMESPACE", nil), func(p *istioPod) { p.idNS = "ns3" })},
+		{"WORKLOAD_NAME", Istio{}, base.with(podMeta("WORKLOAD_NAME", "reviews-v2"))},
+		{"no WORKLOAD_NAME", Istio{}, base.with(podMeta("WORKLOAD_NAME", nil))},
+		{"a label's value", Istio{}, base.with(podLabel("version", "v2"))},
+		{"a label added", Istio{}, base.with(podLabel("sidecar.istio.io/inject", "true"))},
+		{"a label removed", Istio{}, base.with(podLabel("pod-template-hash", nil))},
+		{"no LABELS", Istio{}, base.with(func(p *istioPod) { p.labels = nil })},
+		{"ISTIO_VERSION", Istio{}, base.with(podMeta("ISTIO_VERSION", "1.29.0"))},
+		{"CLUSTER_ID", Istio{}, base.with(podMeta("CLUSTER_ID", "east"))},
+		{"NETWORK", Istio{}, base.with(podMeta("NETWORK", "net2"))},
+		{"MESH_ID", Istio{}, base.with(podMeta("MESH_ID", "mesh2"))},
+		{"SERVICE_ACCOUNT", Istio{}, base.with(podMeta("SERVICE_ACCOUNT", "bookinfo-ratings"))},
+		{"INTERCEPTION_MODE", Istio{}, base.with(podMeta("INTERCEPTION_MODE", "TPROXY"))},
+		{"GENERATOR", Istio{}, base.with(podMeta("GENERATOR", "grpc"))},
+		{"ENABLE_HBONE", Istio{}, base.with(podMeta("ENABLE_HBONE", "true"))},
+		{"REQUESTED_NETWORK_VIEW", Istio{}, base.with(podMeta("REQUESTED_NETWORK_VIEW", "net1,net2"))},
+		{"locality region", Istio{}, base.with(func(p *istioPod) { p.locality.Region = "europe-west1" })},
+		{"locality zone", Istio{}, base.with(func(p *istioPod) { p.locality.Zone = "us-east1-c" })},
+		{"locality sub-zone", Istio{}, base.with(func(p *istioPod) { p.locality.SubZone = "rack7" })},
+		{"no locality", Istio{}, base.with(func(p *istioPod) { p.locality = nil })},
+		{"IP family v6", Istio{}, base.with(podIP("fd00::1"), podMeta("INSTANCE_IPS", "fd00::1"))},
+		{"IP family dual", Istio{}, base.with(podMeta("INSTANCE_IPS", "10.0.0.1,fd00::1"))},
 		{"extra metadata string", extra, base.with(podMeta("DNS_CAPTURE", "true"))},
 		{"extra metadata struct", extra, base.with(podMeta("PROXY_CONFIG", map[string]any{"concurrency": 2.0}))},
 		{"extra metadata struct field", extra, base.with(podMeta("PROXY_CONFIG", map[string]any{"concurrency": 4.0}))},
@@ -202,7 +202,7 @@ func TestIstioKeyFields(t *testing.T) {
 	// Every case differs from the base pod, and from every other case: no
 	// two fields collapse into one.
 	seen := map[Key]string{}
-	for _, p := range []IstioProfile{{}, extra} {
+	for _, p := range []Istio{{}, extra} {
 		seen[p.Key(base.node())] = "the base pod"
 	}
 	for _, tc := range cases {
@@ -225,11 +225,11 @@ func TestIstioKeyFields(t *testing.T) {
 func TestIstioKeyExtraMetadata(t *testing.T) {
 	a := reviewsPod().with(podMeta("DNS_CAPTURE", "true")).node()
 	b := reviewsPod().with(podMeta("DNS_CAPTURE", "false")).node()
-	if ka, kb := (IstioProfile{}).Key(a), (IstioProfile{}).Key(b); ka != kb {
+	if ka, kb := (Istio{}).Key(a), (Istio{}).Key(b); ka != kb {
 		t.Errorf("Key(%s) = %q and %q for two DNS_CAPTURE values, want one key: the default profile does not read it", a.GetId(), ka, kb)
 	}
-	p1 := IstioProfile{ExtraMetadata: []string{"DNS_CAPTURE", "PROXY_CONFIG"}}
-	p2 := IstioProfile{ExtraMetadata: []string{"PROXY_CONFIG", "DNS_CAPTURE"}}
+	p1 := Istio{ExtraMetadata: []string{"DNS_CAPTURE", "PROXY_CONFIG"}}
+	p2 := Istio{ExtraMetadata: []string{"PROXY_CONFIG", "DNS_CAPTURE"}}
 	if k1, k2 := p1.Key(a), p2.Key(a); k1 != k2 {
 		t.Errorf("Key(%s) = %q with ExtraMetadata %q, %q with %q; want one key", a.GetId(), k1, p1.ExtraMetadata, k2, p2.ExtraMetadata)
 	}
@@ -268,14 +268,14 @@ func TestIstioKeyIPFamilies(t *testing.T) {
 	}
 	keys := map[Key]string{}
 	for _, f := range families {
-		want := IstioProfile{}.Key(f.pods[0].node())
+		want := Istio{}.Key(f.pods[0].node())
 		if other, dup := keys[want]; dup {
 			t.Errorf("the %s key %q is also the %s key", f.family, want, other)
 		}
 		keys[want] = f.family
 		for _, p := range f.pods[1:] {
 			n := p.node()
-			if got := (IstioProfile{}).Key(n); got != want {
+			if got := (Istio{}).Key(n); got != want {
 				t.Errorf("Key(%s) with INSTANCE_IPS %q = %q, want %q (the %s key)", n.GetId(), p.meta["INSTANCE_IPS"], got, want, f.family)
 			}
 		}
@@ -299,14 +299,14 @@ func TestIstioKeyPerNode(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			want := PerNodeProfile{}.Key(tc.node)
-			if got := (IstioProfile{}).Key(tc.node); got != want {
+			want := PerNode{}.Key(tc.node)
+			if got := (Istio{}).Key(tc.node); got != want {
 				t.Errorf("Key(%s) = %q, want %q (per node)", tc.node.GetId(), got, want)
 			}
 		})
 	}
 	a, b := &core.Node{Id: "envoy-front-1"}, &core.Node{Id: "envoy-front-2"}
-	if ka, kb := (IstioProfile{}).Key(a), (IstioProfile{}).Key(b); ka == kb {
+	if ka, kb := (Istio{}).Key(a), (Istio{}).Key(b); ka == kb {
 		t.Errorf("Key(%s) = Key(%s) = %q, want two keys", a.GetId(), b.GetId(), ka)
 	}
 }
@@ -329,7 +329,7 @@ func TestIstioKeyForm(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			n := tc.pod.node()
-			got := IstioProfile{}.Key(n)
+			got := Istio{}.Key(n)
 			if !keyForm.MatchString(string(got)) || !strings.HasPrefix(string(got), tc.want+"#") {
 				t.Errorf("Key(%s) = %q, want %q followed by '#' and 16 hex digits", n.GetId(), got, tc.want)
 			}
@@ -356,7 +356,7 @@ func TestKeyDeterminism(t *testing.T) {
 		Metadata: &structpb.Struct{Fields: fields},
 		Locality: &core.Locality{Region: "us-east1", Zone: "us-east1-b"},
 	}
-	profiles := []KeyProfile{IstioProfile{}, IstioProfile{ExtraMetadata: []string{"LABELS", "NAME"}}, PerNodeProfile{}}
+	profiles := []Profile{Istio{}, Istio{ExtraMetadata: []string{"LABELS", "NAME"}}, PerNode{}}
 	for _, profile := range profiles {
 		want := profile.Key(built)
 		for i := range 3 {
@@ -373,11 +373,11 @@ func TestKeyDeterminism(t *testing.T) {
 func TestPerNodeKey(t *testing.T) {
 	a := reviewsPod().node()
 	b := reviewsPod().with(func(p *istioPod) { p.name, p.ip = "reviews-v1-7f9c-xyz12", "10.0.3.77" }).node()
-	ka, kb := PerNodeProfile{}.Key(a), PerNodeProfile{}.Key(b)
+	ka, kb := PerNode{}.Key(a), PerNode{}.Key(b)
 	if ka == kb {
 		t.Errorf("Key(%s) = Key(%s) = %q, want a key per node", a.GetId(), b.GetId(), ka)
 	}
-	if got := (PerNodeProfile{}).Key(reviewsPod().node()); got != ka {
+	if got := (PerNode{}).Key(reviewsPod().node()); got != ka {
 		t.Errorf("Key(%s) = %q, want %q (the same node)", a.GetId(), got, ka)
 	}
 	if want := "node/" + a.GetId() + "#"; !strings.HasPrefix(string(ka), want) {
@@ -389,13 +389,13 @@ func TestParseKeyProfile(t *testing.T) {
 	cases := []struct {
 		name    string
 		extra   []string
-		want    KeyProfile
+		want    Profile
 		wantErr []string // what the error must mention; nil: no error
 	}{
-		{"istio", nil, IstioProfile{}, nil},
-		{"", nil, IstioProfile{}, nil},
-		{"istio", []string{"DNS_CAPTURE"}, IstioProfile{ExtraMetadata: []string{"DNS_CAPTURE"}}, nil},
-		{"per-node", nil, PerNodeProfile{}, nil},
+		{"istio", nil, Istio{}, nil},
+		{"", nil, Istio{}, nil},
+		{"istio", []string{"DNS_CAPTURE"}, Istio{ExtraMetadata: []string{"DNS_CAPTURE"}}, nil},
+		{"per-node", nil, PerNode{}, nil},
 		{"per-node", []string{"DNS_CAPTURE"}, nil, []string{"istio"}},
 		{"Istio", nil, nil, []string{`"Istio"`, "istio", "per-node"}},
 		{"pernode", nil, nil, []string{`"pernode"`, "istio", "per-node"}},
@@ -403,7 +403,7 @@ func TestParseKeyProfile(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(fmt.Sprintf("%q/%s", tc.name, strings.Join(tc.extra, ",")), func(t *testing.T) {
-			got, err := ParseKeyProfile(tc.name, tc.extra)
+			got, err := ParseProfile(tc.name, tc.extra)
 			if tc.wantErr != nil {
 				if err == nil {
 					t.Fatalf("ParseKeyProfile(%q, %q) = %#v, want an error", tc.name, tc.extra, got)

@@ -96,7 +96,7 @@ func TestRestoreChecksRoots(t *testing.T) {
 // content, generation 1 after 41, which the peer passed on to its Envoys.
 func TestRestoredViewReplacesNothingDeclared(t *testing.T) {
 	n := node("ns1", "app", 0)
-	key := string(IstioProfile{}.Key(n))
+	key := string(Istio{}.Key(n))
 	saved := savedClusters(t, "a", "b")
 	up := newTestUpstream(t, "ns1")
 	up.set("ns1", xds.TypeCluster, mkCluster("a"), mkCluster("c"))

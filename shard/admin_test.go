@@ -347,7 +347,7 @@ func TestAdminScopes(t *testing.T) {
 	}
 	keyOf := map[string]string{} // by namespace
 	for _, s := range shards.GetShards() {
-		keyOf[relay.KeyNamespace(s.GetKey())] = s.GetKey()
+		keyOf[relay.Namespace(s.GetKey())] = s.GetKey()
 	}
 	if len(keyOf) != 3 || len(shards.GetShards()) != 3 {
 		t.Fatalf("shards %v: want one key in each of the three namespaces", shards)

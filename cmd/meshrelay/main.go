@@ -113,7 +113,7 @@ func serve(ctx context.Context, args []string) error {
 	if *keyMeta != "" {
 		extra = strings.Split(*keyMeta, ",")
 	}
-	if cfg.KeyProfile, err = relay.ParseKeyProfile(*profile, extra); err != nil {
+	if cfg.KeyProfile, err = relay.ParseProfile(*profile, extra); err != nil {
 		return err
 	}
 	if err := admin.apply(&cfg); err != nil {
