@@ -15,6 +15,7 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/shard/shardtest"
 )
 
@@ -142,7 +143,7 @@ type scaleRun struct {
 	tier    *Tier
 	fleet   *Fleet
 	tracker *Tracker
-	keys    []relay.Key
+	keys    []aggkey.Key
 
 	mu    sync.Mutex
 	bytes []uint64 // received, per Envoy
@@ -251,7 +252,7 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 	}
 	for k := range cfg.Keys {
 		ns, wl := k%cfg.Scenario.Namespaces, k/cfg.Scenario.Namespaces
-		s.keys = append(s.keys, relay.Istio{}.Key(cfg.Scenario.Node(ns, wl, 0)))
+		s.keys = append(s.keys, aggkey.Istio{}.Key(cfg.Scenario.Node(ns, wl, 0)))
 	}
 
 	fmt.Fprintf(out, "scale: %d relays, %d Envoys over %d keys (%d services, %d endpoints), connecting at %.0f/s, %s\n",
@@ -352,8 +353,8 @@ func (s *scaleRun) waitConverged(ctx context.Context) error {
 
 // servedKeys returns the sorted keys of the Envoy streams the running
 // relays serve; there must be cfg.Keys.
-func (s *scaleRun) servedKeys() ([]relay.Key, error) {
-	var keys []relay.Key
+func (s *scaleRun) servedKeys() ([]aggkey.Key, error) {
+	var keys []aggkey.Key
 	for _, r := range s.tier.Running() {
 		for _, c := range r.Node.Relay().Clients() {
 			if c.PeerRelay == "" && !slices.Contains(keys, c.Key) {

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/reflection"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
 )
 
@@ -89,7 +90,7 @@ func (c AdminCaller) String() string {
 // config: an admin sees every key, another caller the keys of its
 // namespace (KeyNamespace).
 func (c AdminCaller) SeesKey(key string) bool {
-	return c.Admin || c.Namespace != "" && Namespace(key) == c.Namespace
+	return c.Admin || c.Namespace != "" && aggkey.Namespace(key) == c.Namespace
 }
 
 // MayAskNode reports whether the caller may ask for the node named id:

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -216,7 +217,7 @@ func (s inspectServer) GetVersion(ctx context.Context, req *inspectpb.VersionReq
 		return nil, status.Errorf(codes.InvalidArgument, "root: %v", err)
 	}
 	s.r.mu.Lock()
-	k := s.r.keys[Key(req.GetKey())]
+	k := s.r.keys[aggkey.Key(req.GetKey())]
 	s.r.mu.Unlock()
 	if k == nil {
 		return nil, status.Errorf(codes.NotFound, "key %q: %v", req.GetKey(), ErrNotHeld)

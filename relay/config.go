@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
 )
 
@@ -132,7 +133,7 @@ type Config struct {
 	TokenRefreshBefore time.Duration
 
 	// KeyProfile derives aggregation keys. Default IstioProfile{}.
-	KeyProfile Profile
+	KeyProfile aggkey.Profile
 	// Authorizer checks every stream first. Default AllowAll{}.
 	Authorizer Authorizer
 
@@ -303,7 +304,7 @@ func DefaultConfig() Config {
 		HandshakeTimeout:    10 * time.Second,
 		TokenRefreshBefore:  5 * time.Minute,
 		UpstreamProtocol:    ProtocolDelta,
-		KeyProfile:          Istio{},
+		KeyProfile:          aggkey.Istio{},
 		Authorizer:          AllowAll{},
 		MaxMsgSize:          256 << 20,
 		MaxSubscribedNames:  1_000_000,

@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/auth/authtest"
 )
@@ -257,7 +258,7 @@ func TestDebugTypesOnPeerPort(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	asRelay := metadata.Pairs(mdPeer, "relay-x", mdPeerKey, string(Istio{}.Key(node("ns1", "app", 1))))
+	asRelay := metadata.Pairs(mdPeer, "relay-x", mdPeerKey, string(aggkey.Istio{}.Key(node("ns1", "app", 1))))
 	for _, tc := range []struct {
 		name string
 		md   metadata.MD

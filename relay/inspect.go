@@ -16,6 +16,7 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
 	"github.com/meshrelay/meshrelay/relay/redact"
 	"github.com/meshrelay/meshrelay/relay/xds"
@@ -39,7 +40,7 @@ func (r *Relay) KeyDetail(key string, maxNames int) (*inspectpb.KeyDetail, error
 		maxNames = defaultMaxNames
 	}
 	r.mu.Lock()
-	k := r.keys[Key(key)]
+	k := r.keys[aggkey.Key(key)]
 	r.mu.Unlock()
 	if k == nil {
 		return nil, fmt.Errorf("key %q: %w", key, ErrNotHeld)
@@ -141,10 +142,10 @@ func (s *stream) sent(types []string) []dumpType {
 
 // streamOf returns the Envoy stream of node and its key (nil if none is
 // attached here; the latest to attach if several are).
-func (r *Relay) streamOf(node string) (*stream, Key) {
+func (r *Relay) streamOf(node string) (*stream, aggkey.Key) {
 	var (
 		found *stream
-		key   Key
+		key   aggkey.Key
 	)
 	for _, k := range r.keysSnapshot() {
 		k.mu.Lock()
@@ -185,7 +186,7 @@ func (r *Relay) ConfigDump(ctx context.Context, req *inspectpb.ConfigDumpRequest
 		types = <-q.reply
 	case req.GetKey() != "":
 		r.mu.Lock()
-		k := r.keys[Key(req.GetKey())]
+		k := r.keys[aggkey.Key(req.GetKey())]
 		r.mu.Unlock()
 		if k == nil {
 			return nil, fmt.Errorf("key %q: %w", req.GetKey(), ErrNotHeld)

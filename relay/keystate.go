@@ -10,6 +10,7 @@ import (
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -21,7 +22,7 @@ import (
 // subscriptions) take mu and publish a new immutable keySnap; streams read
 // the latest keySnap without locking.
 type keyState struct {
-	key Key
+	key aggkey.Key
 	r   *Relay
 
 	snap atomic.Pointer[keySnap]
@@ -94,7 +95,7 @@ type typeSnap struct {
 	pending map[string]time.Time
 }
 
-func newKeyState(r *Relay, key Key) *keyState {
+func newKeyState(r *Relay, key aggkey.Key) *keyState {
 	k := &keyState{
 		key:    key,
 		r:      r,

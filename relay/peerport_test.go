@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/xds"
 
 	"github.com/meshrelay/meshrelay/ledger/ledgerpb"
@@ -50,7 +51,7 @@ func peerCalls(t *testing.T, r *Relay, conn *grpc.ClientConn) map[string]error {
 	t.Helper()
 	ctx := metadata.AppendToOutgoingContext(context.Background(), mdPeer, "relay-x", mdPeerAuth, peerToken(r.cfg.PeerSecret, "relay-x"))
 	out := map[string]error{}
-	sctx := metadata.AppendToOutgoingContext(ctx, mdPeerKey, string(Istio{}.Key(node("ns1", "app", 1))))
+	sctx := metadata.AppendToOutgoingContext(ctx, mdPeerKey, string(aggkey.Istio{}.Key(node("ns1", "app", 1))))
 	st, err := discovery.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(sctx)
 	if err == nil {
 		st.Send(&discovery.DeltaDiscoveryRequest{Node: node("ns1", "app", 1), TypeUrl: xds.TypeCluster})

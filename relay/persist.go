@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -238,7 +239,7 @@ func (r *Relay) restoreKey(sk xds.SavedKey, rs *restorer) int {
 	if len(types) == 0 {
 		return 0
 	}
-	key := Key(sk.Key)
+	key := aggkey.Key(sk.Key)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.state != lifeRunning || r.keys[key] != nil {

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -96,7 +97,7 @@ func TestRestoreChecksRoots(t *testing.T) {
 // content, generation 1 after 41, which the peer passed on to its Envoys.
 func TestRestoredViewReplacesNothingDeclared(t *testing.T) {
 	n := node("ns1", "app", 0)
-	key := string(Istio{}.Key(n))
+	key := string(aggkey.Istio{}.Key(n))
 	saved := savedClusters(t, "a", "b")
 	up := newTestUpstream(t, "ns1")
 	up.set("ns1", xds.TypeCluster, mkCluster("a"), mkCluster("c"))

@@ -50,6 +50,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -108,7 +109,7 @@ type Relay struct {
 	refuseWork bool
 
 	mu      sync.Mutex
-	keys    map[Key]*keyState
+	keys    map[aggkey.Key]*keyState
 	state   lifecycle
 	serveWG sync.WaitGroup
 }
@@ -125,7 +126,7 @@ func New(cfg Config) (*Relay, error) {
 		dropped:      xds.NewDropped(cfg.KeepDroppedBytes),
 		controlPlane: &core.ControlPlane{Identifier: cfg.ID},
 		stopping:     make(chan struct{}),
-		keys:         make(map[Key]*keyState),
+		keys:         make(map[aggkey.Key]*keyState),
 		warm:         make(chan struct{}),
 		loaded:       make(chan struct{}),
 		peers:        make(map[string]*grpc.ClientConn),
@@ -400,7 +401,7 @@ func (r *Relay) goRun(fn func(context.Context)) bool {
 
 // acquireKey returns the key's state, creating it (and its upstream
 // goroutine) if needed, with s joined as a member.
-func (r *Relay) acquireKey(key Key, s *stream) *keyState {
+func (r *Relay) acquireKey(key aggkey.Key, s *stream) *keyState {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	k := r.keys[key]
@@ -498,7 +499,7 @@ func (r *Relay) Stats() Stats {
 // ClientStatus is what the relay knows of one connected stream.
 type ClientStatus struct {
 	NodeID   string
-	Key      Key
+	Key      aggkey.Key
 	Protocol Protocol
 	Peer     string
 	// PeerRelay is the ID of the relay on the other end, for a stream of

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -261,7 +262,7 @@ func (s *stream) attach(node *core.Node) error {
 		return status.Errorf(codes.PermissionDenied, "node %q: %v", node.GetId(), err)
 	}
 	// The key is derived only now, from a node its identity may present.
-	key := WithIdentity(s.r.cfg.KeyProfile.Key(node), s.identity)
+	key := aggkey.WithIdentity(s.r.cfg.KeyProfile.Key(node), s.identity)
 	s.log = s.log.With("node", node.GetId(), "key", key)
 	s.key = s.r.acquireKey(key, s)
 	s.led = s.r.ledger.Connect(node.GetId(), string(key), time.Now())

@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 )
 
 // Owners says which relay of the tier owns each aggregation key: the one
@@ -72,7 +73,7 @@ func peerToken(secret []byte, id string) string {
 // peerIdentity is what a stream's metadata proves about a calling relay.
 type peerIdentity struct {
 	id  string
-	key Key
+	key aggkey.Key
 	// demand is mdPeerDemand's Stamp (zero if none).
 	demand ledger.Stamp
 }
@@ -93,7 +94,7 @@ func (r *Relay) identifyPeer(ctx context.Context, p port) (*peerIdentity, error)
 	if err := r.provePeer(md, p, ids[0], "relay-to-relay stream"); err != nil {
 		return nil, err
 	}
-	pi := &peerIdentity{id: ids[0], key: Key(keys[0])}
+	pi := &peerIdentity{id: ids[0], key: aggkey.Key(keys[0])}
 	if d := md.Get(mdPeerDemand); len(d) == 1 {
 		s, err := ledger.ParseStamp(d[0])
 		if err != nil {
@@ -138,7 +139,7 @@ func (r *Relay) peerMetadata() []string {
 }
 
 // peerContext adds the metadata of a stream this relay opens to a peer.
-func (r *Relay) peerContext(ctx context.Context, key Key) context.Context {
+func (r *Relay) peerContext(ctx context.Context, key aggkey.Key) context.Context {
 	return metadata.AppendToOutgoingContext(ctx, append(r.peerMetadata(), mdPeerKey, string(key))...)
 }
 

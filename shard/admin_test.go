@@ -27,6 +27,7 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/auth/authtest"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
@@ -347,7 +348,7 @@ func TestAdminScopes(t *testing.T) {
 	}
 	keyOf := map[string]string{} // by namespace
 	for _, s := range shards.GetShards() {
-		keyOf[relay.Namespace(s.GetKey())] = s.GetKey()
+		keyOf[aggkey.Namespace(s.GetKey())] = s.GetKey()
 	}
 	if len(keyOf) != 3 || len(shards.GetShards()) != 3 {
 		t.Fatalf("shards %v: want one key in each of the three namespaces", shards)

@@ -23,7 +23,9 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/relay"
+
 	// Every Envoy and Istio type, for config dumps and reflection.
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	_ "github.com/meshrelay/meshrelay/relay/xdstypes"
 	"github.com/meshrelay/meshrelay/shard"
 )
@@ -70,7 +72,7 @@ func serve(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.XDSListen, "xds-listen", cfg.XDSListen, "address of the plaintext ADS server (istiod's 15010): it authenticates no one; with --xds-tls-cert, off unless set")
 	fs.StringVar(&cfg.Upstream, "upstream", "", "gRPC target of the upstream control plane (istiod), e.g. istiod.istio-system.svc:15010 (required)")
 	upProto := fs.String("upstream-protocol", string(cfg.UpstreamProtocol), "ADS variant spoken to the upstream: sotw or delta")
-	profile := fs.String("key-profile", relay.ProfileIstio, "aggregation key profile: istio or per-node")
+	profile := fs.String("key-profile", aggkey.ProfileIstio, "aggregation key profile: istio or per-node")
 	keyMeta := fs.String("key-metadata", "", "comma-separated extra node metadata fields for the istio key profile")
 	fs.StringVar(&cfg.AdminListen, "admin-listen", ":15014", "address of the admin server: HTTP (/healthz, /readyz, /metrics, /debug/pprof) and gRPC (health, reflection) on one port; empty: none")
 	fs.StringVar(&cfg.ID, "id", cfg.ID, "relay name, sent as control_plane.identifier")
@@ -113,7 +115,7 @@ func serve(ctx context.Context, args []string) error {
 	if *keyMeta != "" {
 		extra = strings.Split(*keyMeta, ",")
 	}
-	if cfg.KeyProfile, err = relay.ParseProfile(*profile, extra); err != nil {
+	if cfg.KeyProfile, err = aggkey.ParseProfile(*profile, extra); err != nil {
 		return err
 	}
 	if err := admin.apply(&cfg); err != nil {

@@ -1,4 +1,11 @@
-package relay
+// Package aggkey derives aggregation keys: the class of proxies a node
+// belongs to, which receive identical configuration from the upstream, so
+// that one upstream stream serves them all. A Profile maps a node to its
+// Key (Istio reads the node fields that change istiod's output; PerNode
+// never aggregates); WithIdentity mixes a stream's proven identity into
+// it; Namespace reads back the namespace a key's Envoys are of, which
+// scopes what an admin caller of that namespace is shown.
+package aggkey
 
 import (
 	"crypto/sha256"
