@@ -185,7 +185,7 @@ var fuzzViews = sync.OnceValue(func() []map[string][]*anypb.Any {
 const fuzzKeep = 7
 
 // closedConn is an upstream connection that is already closed. The relay's
-// upstream goroutines need a *grpc.ClientConn (a nil one panics); on this
+// feeds need a *grpc.ClientConn (a nil one panics); on this
 // one they run their real code and fail at once, with nothing on the
 // network and no gRPC goroutines running behind the fuzzer's back (they
 // would make coverage flaky).
@@ -204,7 +204,7 @@ func closedConn(tb testing.TB) *grpc.ClientConn {
 // after every request, and a fake send checks every response.
 //
 // The stream attaches through its real first request (attach: Authorizer,
-// KeyProfile, acquireKey, join), which starts the key's upstream goroutine
+// KeyProfile, acquireKey, join), which starts the key's feed
 // on r.ctx. That goroutine owns the upstream stream and would race the
 // harness for the key's views, so r.ctx is set up as Start does but
 // cancelled at once: the goroutine starts, sees the context done and exits,
@@ -1163,12 +1163,12 @@ func FuzzDecode(f *testing.F) {
 
 // upHarness drives one key's upstream client in-process: responses go to
 // handle, a fake send records the requests, and a member's subscription
-// changes drive resubscribe as the upstream goroutine's loop would.
+// changes drive resubscribe as the feed's loop would.
 type upHarness struct {
 	t     testing.TB
 	r     *Relay
 	k     *keyState
-	u     *upstream
+	u     *feed
 	delta bool
 	reqs  []proto.Message
 	acked map[string]string // SotW: the latest version ACKed, by type (the model)
@@ -1223,7 +1223,7 @@ func newUpHarness(t testing.TB, delta bool) *upHarness {
 			h.subs[typeURL+"|"+n] = true
 		}
 	}
-	h.u = newUpstream(h.k)
+	h.u = newFeed(h.k)
 	h.u.send = func(m proto.Message) error {
 		h.reqs = append(h.reqs, proto.Clone(m))
 		switch r := m.(type) {

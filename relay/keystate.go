@@ -18,7 +18,7 @@ import (
 // upstream sent, who subscribes to what, the member streams, and the upstream
 // stream that feeds them.
 //
-// Writers (the key's upstream goroutine, and streams changing their
+// Writers (the key's feed, and streams changing their
 // subscriptions) take mu and publish a new immutable keySnap; streams read
 // the latest keySnap without locking.
 type keyState struct {
@@ -27,11 +27,11 @@ type keyState struct {
 
 	snap atomic.Pointer[keySnap]
 
-	// upWake wakes the upstream goroutine: subscriptions or members changed.
+	// upWake wakes the key's feed: subscriptions or members changed.
 	upWake chan struct{}
 
 	// source is where the key's config comes from now (a sourceKind), for
-	// metrics and the admin surface; the upstream goroutine sets it.
+	// metrics and the admin surface; the feed sets it.
 	source atomic.Int32
 
 	// demanded is the latest arrival (a ledger.Stamp) of a version some
@@ -41,7 +41,7 @@ type keyState struct {
 	demanded atomic.Uint64
 
 	// hist is the ledger history of each type's view. Only the key's
-	// upstream goroutine (or the restore before it starts) records.
+	// feed (or the restore before it starts) records.
 	histMu sync.Mutex
 	hist   map[string]*ledger.History[*xds.Resource]
 

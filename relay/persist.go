@@ -253,7 +253,7 @@ func (r *Relay) restoreKey(sk xds.SavedKey, rs *restorer) int {
 	}
 	r.ledger.SetSource(sk.Key, ledger.SourceUpstream, true)
 	r.keys[key] = k
-	u := newUpstream(k)
+	u := newFeed(k)
 	u.followRestored(rs)
 	u.seedRestored()
 	r.goRun(u.run)
@@ -264,7 +264,7 @@ func (r *Relay) restoreKey(sk xds.SavedKey, rs *restorer) int {
 // (endpoints of clusters, routes of listeners), as apply does for views
 // that arrive: the upstream asks for them, and those missing are pending.
 // What it derives from a view is computed once for the keys that share it.
-func (u *upstream) followRestored(rs *restorer) {
+func (u *feed) followRestored(rs *restorer) {
 	k := u.k
 	k.mu.Lock()
 	defer k.mu.Unlock()
@@ -316,17 +316,17 @@ func (u *upstream) followRestored(rs *restorer) {
 // which a stream that declared nothing would never hear of. The versions
 // are built when the type is first asked for (a restored key no Envoy asks
 // for costs nothing).
-func (u *upstream) seedRestored() {
+func (u *feed) seedRestored() {
 	for t, ts := range u.k.snap.Load().types {
-		u.types[t] = &upType{declare: ts.view}
+		u.types[t] = &feedType{declare: ts.view}
 	}
 }
 
 // persist hands the key's views to Snapshots if this relay owns the key,
 // holds its upstream stream, and a live stream confirmed the views. The
-// upstream goroutine calls it after every change from the upstream and
+// feed calls it after every change from the upstream and
 // when the views are confirmed.
-func (u *upstream) persist() {
+func (u *feed) persist() {
 	snaps := u.r.cfg.Snapshots
 	if snaps == nil || sourceKind(u.k.source.Load()) != sourceUpstream {
 		return

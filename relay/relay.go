@@ -85,7 +85,7 @@ type Relay struct {
 	adminGRPC *grpc.Server
 	adminLis  net.Listener
 
-	ctx      context.Context // upstream goroutines' context
+	ctx      context.Context // feeds' context
 	cancel   context.CancelFunc
 	stopping chan struct{} // closed by Stop: streams end
 	wg       sync.WaitGroup
@@ -409,7 +409,7 @@ func (r *Relay) acquireKey(key aggkey.Key, s *stream) *keyState {
 		k = newKeyState(r, key)
 		r.keys[key] = k
 		// Refused only while stopping: the stream ends then, unfed.
-		r.goRun(newUpstream(k).run)
+		r.goRun(newFeed(k).run)
 	}
 	k.join(s)
 	return k
@@ -423,7 +423,7 @@ func (r *Relay) keysSnapshot() []*keyState {
 }
 
 // dropIfIdle forgets k if it still has no members, and reports whether it
-// did. The key's upstream goroutine calls it when its idle timer fires.
+// did. The key's feed calls it when its idle timer fires.
 func (r *Relay) dropIfIdle(k *keyState) bool {
 	dropped := func() bool {
 		r.mu.Lock()

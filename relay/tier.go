@@ -187,7 +187,7 @@ func (r *Relay) peerReady(addr string) bool {
 	return true
 }
 
-// watchOwners wakes every key's upstream goroutine when owners may have
+// watchOwners wakes every key's feed when owners may have
 // moved, so that each checks its source.
 func (r *Relay) watchOwners(ctx context.Context) {
 	for {

@@ -34,7 +34,7 @@ var RemovalOrder = []string{TypeListener, TypeScopedRoute, TypeRoute, TypeCluste
 // Everything that follows references reads this one table: hasRefs (which
 // types are parsed for references) and, in the relay, stream.heldBy (what a
 // removal would break), stream.awaitingDeclarations (the referrers a
-// client must declare before a removal is sent), upstream.follow and
+// client must declare before a removal is sent), feed.follow and
 // followRestored (the names fetched before any Envoy asks for them).
 type TypeRef struct {
 	From, To string

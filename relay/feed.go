@@ -20,15 +20,17 @@ import (
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
-// upstream feeds one key's views from the upstream control plane over one
-// ADS stream (SotW or Delta), presenting a live member's node. It runs on one
-// goroutine, which alone writes the key's views.
-type upstream struct {
+// feed feeds one key's views from its source over one ADS stream (SotW or
+// Delta), presenting a live member's node: the upstream control plane when
+// this relay owns the key (or cannot reach its owner), else the owner
+// relay. It runs on one goroutine, the key's feed, which alone writes the
+// key's views.
+type feed struct {
 	k   *keyState
 	r   *Relay
 	log func(msg string, args ...any)
 
-	types map[string]*upType
+	types map[string]*feedType
 	// derived counts, per type, the names the key's other views point at:
 	// EDS names from clusters, RDS names from listeners and scoped routes.
 	// They are fetched before any Envoy asks, as Envoy would ask next.
@@ -58,8 +60,8 @@ type upstream struct {
 	renewing bool
 }
 
-// upType is the upstream state of one type.
-type upType struct {
+// feedType is the feed's state of one type.
+type feedType struct {
 	// What was asked for; asked is reset on reconnect, so that it is asked
 	// again on the new stream.
 	asked    bool
@@ -130,7 +132,7 @@ const (
 // choose returns the key's source now: the upstream if the relay owns the
 // key or other relays subscribe to it here; else the owner, unless the owner
 // was unreachable and still is.
-func (u *upstream) choose() source {
+func (u *feed) choose() source {
 	owners := u.r.cfg.Owners
 	if owners == nil || u.k.servesPeers() {
 		return source{kind: sourceUpstream}
@@ -153,7 +155,7 @@ func (u *upstream) choose() source {
 // fallBack notes that the owner at addr failed the key: until it can be
 // reached again, the key is fed by the upstream directly. If the ring moved
 // the key meanwhile, the next choice follows the ring instead.
-func (u *upstream) fallBack(addr string, err error) {
+func (u *feed) fallBack(addr string, err error) {
 	if now, self := u.r.cfg.Owners.Owner(string(u.k.key)); self || now != addr {
 		return
 	}
@@ -162,11 +164,11 @@ func (u *upstream) fallBack(addr string, err error) {
 	u.r.log.Warn("owner unreachable: subscribing to the upstream directly", "key", u.k.key, "owner", addr, "err", err)
 }
 
-func newUpstream(k *keyState) *upstream {
-	return &upstream{
+func newFeed(k *keyState) *feed {
+	return &feed{
 		k:       k,
 		r:       k.r,
-		types:   make(map[string]*upType),
+		types:   make(map[string]*feedType),
 		derived: make(map[string]map[string]int),
 		delta:   k.r.cfg.UpstreamProtocol == ProtocolDelta,
 		log: func(msg string, args ...any) {
@@ -177,7 +179,7 @@ func newUpstream(k *keyState) *upstream {
 
 // run keeps an upstream stream open for the key until ctx ends or the key
 // has had no members for KeyIdleTimeout.
-func (u *upstream) run(ctx context.Context) {
+func (u *feed) run(ctx context.Context) {
 	defer u.stopTimers()
 	bo := u.r.newBackoff()
 	for ctx.Err() == nil {
@@ -221,7 +223,7 @@ func (u *upstream) run(ctx context.Context) {
 	}
 }
 
-func (u *upstream) presentedNode() *core.Node {
+func (u *feed) presentedNode() *core.Node {
 	if u.presented == nil {
 		return nil
 	}
@@ -230,7 +232,7 @@ func (u *upstream) presentedNode() *core.Node {
 
 // waitForMember waits until the key has a member, or gives up when it stays
 // idle.
-func (u *upstream) waitForMember(ctx context.Context) bool {
+func (u *feed) waitForMember(ctx context.Context) bool {
 	for {
 		if _, _, n := u.k.presenter(); n > 0 {
 			return true
@@ -251,7 +253,7 @@ func (u *upstream) waitForMember(ctx context.Context) bool {
 
 // sleep waits d, or less if the key is dropped or ctx ends. It reports
 // whether to go on.
-func (u *upstream) sleep(ctx context.Context, d time.Duration) bool {
+func (u *feed) sleep(ctx context.Context, d time.Duration) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	for {
@@ -273,7 +275,7 @@ func (u *upstream) sleep(ctx context.Context, d time.Duration) bool {
 
 // session runs one upstream stream. got reports whether any response
 // arrived.
-func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stream, src source) (got bool, err error) {
+func (u *feed) session(ctx context.Context, node *core.Node, presenter *stream, src source) (got bool, err error) {
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	send, recv, err := u.open(sctx, presenter, src)
@@ -424,7 +426,7 @@ func (u *upstream) session(ctx context.Context, node *core.Node, presenter *stre
 // refreshTimer fires TokenRefreshBefore ahead of the expiry of the token
 // the stream presents (forward mode): then a member whose token lives
 // longer takes over. Nil if there is nothing to refresh.
-func (u *upstream) refreshTimer(presenter *stream) *time.Timer {
+func (u *feed) refreshTimer(presenter *stream) *time.Timer {
 	if !u.r.cfg.ForwardCredentials || presenter == nil || presenter.cred == nil || presenter.cred.expires.IsZero() {
 		return nil
 	}
@@ -434,7 +436,7 @@ func (u *upstream) refreshTimer(presenter *stream) *time.Timer {
 // tokenExpiring reports whether, in forward mode, the presented token is
 // within TokenRefreshBefore of its expiry while next's lives past it: the
 // stream should move to next before istiod would refuse a reconnect.
-func (u *upstream) tokenExpiring(next *stream) bool {
+func (u *feed) tokenExpiring(next *stream) bool {
 	if !u.r.cfg.ForwardCredentials || u.presented == nil {
 		return false
 	}
@@ -454,7 +456,7 @@ func timerC(t *time.Timer) <-chan time.Time {
 // connection, or the owner's (with the peer metadata, the demand to pass
 // on, and the views declared, relays speaking Delta to each other), with
 // the presented member's token in forward mode.
-func (u *upstream) open(sctx context.Context, presenter *stream, src source) (send func(proto.Message) error, recv func() (proto.Message, error), err error) {
+func (u *feed) open(sctx context.Context, presenter *stream, src source) (send func(proto.Message) error, recv func() (proto.Message, error), err error) {
 	conn := u.r.upConn
 	u.delta = u.r.cfg.UpstreamProtocol == ProtocolDelta
 	if src.kind == sourcePeer {
@@ -496,7 +498,7 @@ func (u *upstream) open(sctx context.Context, presenter *stream, src source) (se
 
 // countStream counts the session's stream as open, by source, until the
 // returned func is called.
-func (u *upstream) countStream(src source) (uncount func()) {
+func (u *feed) countStream(src source) (uncount func()) {
 	if src.kind == sourcePeer {
 		u.r.metrics.peerStreams.Inc()
 		u.r.metrics.peerOpen.Add(1)
@@ -516,7 +518,7 @@ func (u *upstream) countStream(src source) (uncount func()) {
 // begin resets the per-stream state for a new session presenting node
 // (of presenter): its first request carries the node, every type is asked
 // again, and the session's Order starts now.
-func (u *upstream) begin(node *core.Node, presenter *stream) {
+func (u *feed) begin(node *core.Node, presenter *stream) {
 	u.presented, u.node, u.first = presenter, node, true
 	// Opened before anything is asked: every answer on this stream is at
 	// least as new as the upstream was now.
@@ -532,7 +534,7 @@ func (u *upstream) begin(node *core.Node, presenter *stream) {
 // (with an upstream that stops reading while it writes, as go-control-plane
 // does, that would deadlock once both flow-control windows are full). A
 // failure of either arrives on errc. stop waits for both once sctx ended.
-func (u *upstream) pump(sctx context.Context, send func(proto.Message) error, recv func() (proto.Message, error)) (msgs <-chan proto.Message, errc <-chan error, stop func()) {
+func (u *feed) pump(sctx context.Context, send func(proto.Message) error, recv func() (proto.Message, error)) (msgs <-chan proto.Message, errc <-chan error, stop func()) {
 	out := newMailbox[proto.Message](maxQueuedRequests, 0, nil)
 	u.send = func(m proto.Message) error {
 		if !out.put(m) {
@@ -583,7 +585,7 @@ const renewAfter = time.Second
 // renewal reports whether to end the session for a new one that covers what
 // clients demanded (keyState.demand): at once (now), or after wait. A relay
 // that subscribes to the owner renews its stream to pass the demand on.
-func (u *upstream) renewal(src source) (wait time.Duration, now bool) {
+func (u *feed) renewal(src source) (wait time.Duration, now bool) {
 	d := ledger.Stamp(u.k.demanded.Load())
 	switch {
 	case src.kind == sourcePeer && d <= u.demandSent:
@@ -601,7 +603,7 @@ func (u *upstream) renewal(src source) (wait time.Duration, now bool) {
 // declareViews sets, for every type, the versions a new Delta stream
 // declares to what the key's views hold: the relay's content hashes and
 // the views' Orders, which a peer relay recognises and orders.
-func (u *upstream) declareViews() {
+func (u *feed) declareViews() {
 	snap := u.k.snap.Load()
 	for typeURL, ut := range u.types {
 		ts := snap.types[typeURL]
@@ -617,7 +619,7 @@ func (u *upstream) declareViews() {
 
 // request sends m on the current stream; the stream's first request carries
 // the node.
-func (u *upstream) request(m proto.Message) error {
+func (u *feed) request(m proto.Message) error {
 	if u.first {
 		u.first = false
 		switch r := m.(type) {
@@ -632,7 +634,7 @@ func (u *upstream) request(m proto.Message) error {
 
 // desired computes what to ask the upstream for, by type: what the member
 // streams subscribe to, plus the names the key's views point at.
-func (u *upstream) desired() map[string]subscription {
+func (u *feed) desired() map[string]subscription {
 	want := u.k.wanted()
 	for typeURL, names := range u.derived {
 		if len(names) == 0 {
@@ -648,7 +650,7 @@ func (u *upstream) desired() map[string]subscription {
 // resubscribe sends a request for every type whose subscription differs from
 // what the current stream was asked, and drops from the views the names no
 // longer wanted.
-func (u *upstream) resubscribe() error {
+func (u *feed) resubscribe() error {
 	want := u.desired()
 	if _, _, n := u.k.presenter(); n == 0 {
 		// Nobody is connected: keep asking for what the last members asked
@@ -669,7 +671,7 @@ func (u *upstream) resubscribe() error {
 		w := want[typeURL]
 		ut := u.types[typeURL]
 		if ut == nil {
-			ut = &upType{}
+			ut = &feedType{}
 			u.types[typeURL] = ut
 		}
 		names := xds.NewNameSet(w.names)
@@ -710,7 +712,7 @@ func (u *upstream) resubscribe() error {
 
 // notFull marks typeURL's view as holding only named resources: wildcard
 // clients wait until the upstream answers a wildcard subscription again.
-func (u *upstream) notFull(typeURL string) {
+func (u *feed) notFull(typeURL string) {
 	u.k.mu.Lock()
 	defer u.k.mu.Unlock()
 	if ts := u.k.snap.Load().types[typeURL]; ts != nil && ts.full {
@@ -723,7 +725,7 @@ func (u *upstream) notFull(typeURL string) {
 }
 
 // dropUnwanted removes from a view the names nobody asks for any more.
-func (u *upstream) dropUnwanted(typeURL string, names xds.NameSet) {
+func (u *feed) dropUnwanted(typeURL string, names xds.NameSet) {
 	ts := u.k.snap.Load().types[typeURL]
 	if ts == nil {
 		return
@@ -749,7 +751,7 @@ func (u *upstream) dropUnwanted(typeURL string, names xds.NameSet) {
 // sotwRequest builds a SotW request: version_info is the last ACKed version
 // (kept across reconnects), the nonce that of the latest response on this
 // stream.
-func (u *upstream) sotwRequest(typeURL string, ut *upType, wildcard bool, names xds.NameSet, nack *rpcstatus.Status) *discovery.DiscoveryRequest {
+func (u *feed) sotwRequest(typeURL string, ut *feedType, wildcard bool, names xds.NameSet, nack *rpcstatus.Status) *discovery.DiscoveryRequest {
 	var rn []string
 	switch {
 	case wildcard && len(names) == 0 && !ut.named:
@@ -772,7 +774,7 @@ func (u *upstream) sotwRequest(typeURL string, ut *upType, wildcard bool, names 
 
 // deltaSubscribe builds a Delta request that moves the stream's subscription
 // to (wildcard, names); on a new stream it declares what the key holds.
-func (u *upstream) deltaSubscribe(typeURL string, ut *upType, wildcard bool, names xds.NameSet) *discovery.DeltaDiscoveryRequest {
+func (u *feed) deltaSubscribe(typeURL string, ut *feedType, wildcard bool, names xds.NameSet) *discovery.DeltaDiscoveryRequest {
 	req := &discovery.DeltaDiscoveryRequest{TypeUrl: typeURL}
 	if !ut.asked {
 		if wildcard && len(names) > 0 {
@@ -814,7 +816,7 @@ func (u *upstream) deltaSubscribe(typeURL string, ut *upType, wildcard bool, nam
 }
 
 // handle processes one upstream response.
-func (u *upstream) handle(m proto.Message) error {
+func (u *feed) handle(m proto.Message) error {
 	switch resp := m.(type) {
 	case *discovery.DiscoveryResponse:
 		return u.onSotW(resp)
@@ -824,7 +826,7 @@ func (u *upstream) handle(m proto.Message) error {
 	return nil
 }
 
-func (u *upstream) onSotW(resp *discovery.DiscoveryResponse) error {
+func (u *feed) onSotW(resp *discovery.DiscoveryResponse) error {
 	typeURL := resp.GetTypeUrl()
 	ut := u.types[typeURL]
 	if ut == nil || !ut.asked {
@@ -848,11 +850,11 @@ func (u *upstream) onSotW(resp *discovery.DiscoveryResponse) error {
 	return u.request(u.sotwRequest(typeURL, ut, ut.wildcard, ut.names, nil))
 }
 
-func (u *upstream) onDelta(resp *discovery.DeltaDiscoveryResponse) error {
+func (u *feed) onDelta(resp *discovery.DeltaDiscoveryResponse) error {
 	typeURL := resp.GetTypeUrl()
 	ut := u.types[typeURL]
 	if ut == nil {
-		ut = &upType{}
+		ut = &feedType{}
 		u.types[typeURL] = ut
 	}
 	res := slices.DeleteFunc(slices.Clone(resp.GetResources()), func(r *discovery.Resource) bool {
@@ -886,7 +888,7 @@ func (u *upstream) onDelta(resp *discovery.DeltaDiscoveryResponse) error {
 
 // decodeAll decodes n resources, refusing the whole response if any fails
 // or a name repeats.
-func (u *upstream) decodeAll(typeURL string, n int, decode func(int) (*xds.Resource, error)) ([]*xds.Resource, error) {
+func (u *feed) decodeAll(typeURL string, n int, decode func(int) (*xds.Resource, error)) ([]*xds.Resource, error) {
 	out := make([]*xds.Resource, 0, n)
 	seen := make(map[string]struct{}, n)
 	for i := range n {
@@ -906,7 +908,7 @@ func (u *upstream) decodeAll(typeURL string, n int, decode func(int) (*xds.Resou
 // nack refuses a response the relay could not decode: the key keeps its last
 // good view, and the upstream hears why. Only the relay's own decoding ever
 // NACKs upstream: an Envoy's NACK stays with that Envoy.
-func (u *upstream) nack(typeURL string, ut *upType, version, nonce string, cause error) error {
+func (u *feed) nack(typeURL string, ut *feedType, version, nonce string, cause error) error {
 	u.r.metrics.upstreamNACKs.WithLabelValues(xds.ShortType(typeURL)).Inc()
 	u.r.log.Warn("upstream response refused", "key", u.k.key, "type", xds.ShortType(typeURL), "version", version, "err", cause)
 	detail := &rpcstatus.Status{Code: int32(codes.InvalidArgument), Message: cause.Error()}
@@ -918,13 +920,13 @@ func (u *upstream) nack(typeURL string, ut *upType, version, nonce string, cause
 
 // arrived returns the Order of a view the upstream just sent on the current
 // stream.
-func (u *upstream) arrived() ledger.Order {
+func (u *feed) arrived() ledger.Order {
 	return ledger.Order{Session: u.sessionAt, At: u.r.clock.Now()}
 }
 
 // orderOf returns the Order of a Delta response: the owner's, carried in its
 // system_version_info, from a peer relay; arrived, from the upstream.
-func (u *upstream) orderOf(resp *discovery.DeltaDiscoveryResponse) ledger.Order {
+func (u *feed) orderOf(resp *discovery.DeltaDiscoveryResponse) ledger.Order {
 	if sourceKind(u.k.source.Load()) != sourcePeer {
 		return u.arrived()
 	}
@@ -944,7 +946,7 @@ func (u *upstream) orderOf(resp *discovery.DeltaDiscoveryResponse) ledger.Order 
 // from the key's source (fromSource) has order and marks the type ready;
 // otherwise (the relay itself dropped names nobody asks for) the view keeps
 // its Order.
-func (u *upstream) apply(typeURL string, upd []*xds.Resource, del []string, replace, fromSource bool, order ledger.Order) {
+func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace, fromSource bool, order ledger.Order) {
 	k := u.k
 	received := time.Now()
 	k.mu.Lock()
@@ -1032,7 +1034,7 @@ func withoutArrived(pending map[string]time.Time, upd []*xds.Resource) map[strin
 // follow updates the derived names after typeURL's view went from old to
 // cur, marking the new ones pending in next. It reports whether the set of
 // derived names changed.
-func (u *upstream) follow(next *keySnap, typeURL string, old, cur ledger.Tree[*xds.Resource]) bool {
+func (u *feed) follow(next *keySnap, typeURL string, old, cur ledger.Tree[*xds.Resource]) bool {
 	changed := false
 	for _, e := range xds.RefsFrom(typeURL) {
 		if e.Fetched && u.followEdge(next, e.To, e.Kind, old, cur) {
@@ -1044,7 +1046,7 @@ func (u *upstream) follow(next *keySnap, typeURL string, old, cur ledger.Tree[*x
 
 // followEdge is follow for one edge of xds.TypeRefs: the names of target that
 // the view's resources refer to by kind.
-func (u *upstream) followEdge(next *keySnap, target string, kind xds.RefKind, old, cur ledger.Tree[*xds.Resource]) bool {
+func (u *feed) followEdge(next *keySnap, target string, kind xds.RefKind, old, cur ledger.Tree[*xds.Resource]) bool {
 	counts := u.derived[target]
 	if counts == nil {
 		counts = make(map[string]int)
@@ -1076,7 +1078,7 @@ func (u *upstream) followEdge(next *keySnap, target string, kind xds.RefKind, ol
 }
 
 // armExpiry sets the timer for the earliest pending name to expire.
-func (u *upstream) armExpiry() {
+func (u *feed) armExpiry() {
 	var earliest time.Time
 	for _, ts := range u.k.snap.Load().types {
 		for _, at := range ts.pending {
@@ -1099,7 +1101,7 @@ func (u *upstream) armExpiry() {
 	}
 }
 
-func (u *upstream) expiryC() <-chan time.Time {
+func (u *feed) expiryC() <-chan time.Time {
 	if u.expiry == nil {
 		return nil
 	}
@@ -1108,7 +1110,7 @@ func (u *upstream) expiryC() <-chan time.Time {
 
 // expirePending forgets names that never arrived: from now on streams may
 // tell clients they do not exist.
-func (u *upstream) expirePending() {
+func (u *feed) expirePending() {
 	now := time.Now()
 	wait := u.r.cfg.ResourceWaitTimeout
 	k := u.k
@@ -1142,7 +1144,7 @@ func (u *upstream) expirePending() {
 
 // checkIdle starts the idle timer when the key has no members and stops it
 // when it has.
-func (u *upstream) checkIdle() {
+func (u *feed) checkIdle() {
 	_, _, n := u.k.presenter()
 	switch {
 	case n == 0 && u.idle == nil:
@@ -1153,14 +1155,14 @@ func (u *upstream) checkIdle() {
 	}
 }
 
-func (u *upstream) idleC() <-chan time.Time {
+func (u *feed) idleC() <-chan time.Time {
 	if u.idle == nil {
 		return nil
 	}
 	return u.idle.C
 }
 
-func (u *upstream) stopTimers() {
+func (u *feed) stopTimers() {
 	if u.idle != nil {
 		u.idle.Stop()
 	}
@@ -1178,7 +1180,7 @@ const probeVersion = "meshrelay-probe"
 const confirmAfter = 2 * time.Second
 
 // allAnswered reports whether every type asked on the stream was answered.
-func (u *upstream) allAnswered(answered map[string]bool) bool {
+func (u *feed) allAnswered(answered map[string]bool) bool {
 	for typeURL, ut := range u.types {
 		if ut.asked && !answered[typeURL] {
 			return false
@@ -1200,7 +1202,7 @@ func responseType(m proto.Message) string {
 // setStale marks the key's views as confirmed by a live source or not (for
 // operators, for persistence, and for clients that declared content without
 // an Order, which only a live view replaces: they are woken).
-func (u *upstream) setStale(stale bool) {
+func (u *feed) setStale(stale bool) {
 	k := u.k
 	k.mu.Lock()
 	cur := k.snap.Load()
@@ -1225,7 +1227,7 @@ func (u *upstream) setStale(stale bool) {
 }
 
 // reportSource tells the ledger where the key's views come from now.
-func (u *upstream) reportSource() {
+func (u *feed) reportSource() {
 	k := u.k
 	src := ledger.SourcePeer
 	switch sourceKind(k.source.Load()) {
