@@ -450,7 +450,11 @@ func TestMovedEnvoyReleasedByRenewal(t *testing.T) {
 			c.ack(d)
 			_, before := up.streams()
 			declared := versionMap(d)
-			now := ledger.StampAt(time.Now())
+			// A version from a stream opened a millisecond after anything
+			// the key's view carries: the key's own stream cannot cover it
+			// (taken from the wall clock, it could share the view's
+			// millisecond, and be covered, on a fast machine).
+			now := ledger.StampAt(orderOf(t, declared["c0"]).At.Time().Add(time.Millisecond))
 			declared["c0"] = stampedVersion(ledger.HashBytes([]byte("newer")), ledger.Order{Session: now, At: now})
 			moved := newRawClient(t, dial(t, addr), true, node("ns0", "app", 2))
 			moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, InitialResourceVersions: declared})
