@@ -109,6 +109,23 @@ func (c *bodyCache) get(k bodyKey, encode func() []byte) []byte {
 	return b
 }
 
+// sotw returns o as a SotW DiscoveryResponse: its body from the cache (or
+// encoded once, with the relay's control_plane), its nonce its own.
+func (c *bodyCache) sotw(o *outgoing, controlPlane []byte) *wireMessage {
+	body := c.get(bodyKey{typeURL: o.typeURL, from: o.from, to: o.to, order: o.order}, func() []byte {
+		return encodeSotW(o, controlPlane)
+	})
+	return &wireMessage{body: body, tail: nonceField(fSotWNonce, o.nonce)}
+}
+
+// delta returns o as a DeltaDiscoveryResponse, as sotw does.
+func (c *bodyCache) delta(o *outgoing, controlPlane []byte) *wireMessage {
+	body := c.get(bodyKey{delta: true, typeURL: o.typeURL, from: o.from, to: o.to, view: o.view, order: o.order}, func() []byte {
+		return encodeDelta(o, controlPlane)
+	})
+	return &wireMessage{body: body, tail: nonceField(fDeltaNonce, o.nonce)}
+}
+
 // encodeSotW encodes a DiscoveryResponse without its nonce.
 func encodeSotW(o *outgoing, controlPlane []byte) []byte {
 	res := o.fullSotW()

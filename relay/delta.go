@@ -23,10 +23,7 @@ func (r *Relay) serveDelta(ds discovery.AggregatedDiscoveryService_DeltaAggregat
 	s := r.newStream(ds.Context(), true, p)
 	s.peerRelay, s.identity, s.cred = who.relay, who.identity, who.cred
 	s.send = func(o *outgoing) error {
-		body := r.bodies.get(bodyKey{delta: true, typeURL: o.typeURL, from: o.from, to: o.to, view: o.view, order: o.order}, func() []byte {
-			return encodeDelta(o, r.controlPlaneWire)
-		})
-		w := &wireMessage{body: body, tail: nonceField(fDeltaNonce, o.nonce)}
+		w := r.bodies.delta(o, r.controlPlaneWire)
 		r.metrics.sent(o.typeURL, len(o.upd), len(o.removed), w.size())
 		return ds.SendMsg(w)
 	}

@@ -20,10 +20,7 @@ func (r *Relay) serveSotW(ss discovery.AggregatedDiscoveryService_StreamAggregat
 	s := r.newStream(ss.Context(), false, p)
 	s.peerRelay, s.identity, s.cred = who.relay, who.identity, who.cred
 	s.send = func(o *outgoing) error {
-		body := r.bodies.get(bodyKey{typeURL: o.typeURL, from: o.from, to: o.to, order: o.order}, func() []byte {
-			return encodeSotW(o, r.controlPlaneWire)
-		})
-		w := &wireMessage{body: body, tail: nonceField(fSotWNonce, o.nonce)}
+		w := r.bodies.sotw(o, r.controlPlaneWire)
 		n := len(o.upd)
 		if o.full {
 			n = o.held.Len()
@@ -36,7 +33,7 @@ func (r *Relay) serveSotW(ss discovery.AggregatedDiscoveryService_StreamAggregat
 		r := new(sotwRequest)
 		return r, ss.RecvMsg(r)
 	}
-	size := func(r *sotwRequest) int { return len(r.names.raw) }
+	size := func(r *sotwRequest) int { return r.names.size() }
 	return serve(s, recv, size, func(r *sotwRequest) error { return s.handleSotW(r.req, &r.names) })
 }
 
@@ -66,7 +63,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 	if typeURL == "" {
 		return status.Error(codes.InvalidArgument, "type_url is required on an ADS stream")
 	}
-	if err := s.checkNames(typeURL, names.n); err != nil {
+	if err := s.checkNames(typeURL, names.len()); err != nil {
 		return err
 	}
 	decoded := func() (xds.NameSet, error) {
@@ -84,7 +81,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 		req.ResourceNames = list
 		return s.passthroughSotW(req)
 	}
-	explicit, digest := names.star, names.digest
+	explicit, digest := names.wildcard(), names.digest()
 
 	sub := s.subs[typeURL]
 	if sub == nil {
@@ -92,7 +89,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 		if err != nil {
 			return err
 		}
-		legacy := names.n == 0 && xds.LegacyWildcard(typeURL)
+		legacy := names.len() == 0 && xds.LegacyWildcard(typeURL)
 		sub = s.newSub(typeURL, explicit || legacy, legacy, set)
 		sub.listDigest = digest
 		if v := req.GetVersionInfo(); v != "" {
@@ -116,7 +113,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 	if sub.nonce != "" {
 		s.ack(sub, sub.sent, nackDetail(req.GetErrorDetail()), true)
 	}
-	wildcard := explicit || (sub.legacy && names.n == 0)
+	wildcard := explicit || (sub.legacy && names.len() == 0)
 	if digest == sub.listDigest && wildcard == sub.wildcard {
 		return nil // the same subscription again: an ACK or a NACK
 	}

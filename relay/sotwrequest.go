@@ -27,19 +27,31 @@ type sotwRequest struct {
 
 // nameList is a request's resource_names, decoded on demand.
 type nameList struct {
-	n      int
-	star   bool   // one of them is "*"
-	digest uint64 // listDigest of the names
-	raw    []byte // the request's bytes; names are at spans
-	spans  [][2]int32
-	list   []string // set when the names are already strings
+	count   int
+	hasStar bool   // one of them is "*"
+	sum     uint64 // listDigest of the names
+	raw     []byte // the request's bytes; names are at spans
+	spans   [][2]int32
+	list    []string // set when the names are already strings
 }
+
+// len is the number of names.
+func (nl *nameList) len() int { return nl.count }
+
+// wildcard reports whether one of the names is "*".
+func (nl *nameList) wildcard() bool { return nl.hasStar }
+
+// digest is the order-independent digest of the names (listDigest).
+func (nl *nameList) digest() uint64 { return nl.sum }
+
+// size is the size of the request the names came in.
+func (nl *nameList) size() int { return len(nl.raw) }
 
 // namesOf wraps an already decoded list.
 func namesOf(list []string) nameList {
-	nl := nameList{n: len(list), digest: listDigest(list), list: list}
+	nl := nameList{count: len(list), sum: listDigest(list), list: list}
 	for _, n := range list {
-		nl.star = nl.star || n == xds.WildcardName
+		nl.hasStar = nl.hasStar || n == xds.WildcardName
 	}
 	return nl
 }
@@ -48,7 +60,7 @@ var errBadName = errors.New("relay: resource name is not valid UTF-8")
 
 // decode returns the names as strings.
 func (nl *nameList) decode() ([]string, error) {
-	if nl.list != nil || nl.n == 0 {
+	if nl.list != nil || nl.count == 0 {
 		return nl.list, nil
 	}
 	out := make([]string, len(nl.spans))
@@ -85,15 +97,15 @@ func unmarshalSotWRequest(data mem.BufferSlice, into *sotwRequest) error {
 			v, _ := protowire.ConsumeBytes(b[n:])
 			start := int32(len(raw) - len(b) + n + (m - len(v)))
 			nl.spans = append(nl.spans, [2]int32{start, start + int32(len(v))})
-			nl.digest += maphash.Bytes(listSeed, v)
-			nl.star = nl.star || string(v) == xds.WildcardName
+			nl.sum += maphash.Bytes(listSeed, v)
+			nl.hasStar = nl.hasStar || string(v) == xds.WildcardName
 		} else {
 			rest = append(rest, field...)
 		}
 		b = b[n+m:]
 	}
-	nl.n = len(nl.spans)
-	nl.digest += uint64(nl.n)
+	nl.count = len(nl.spans)
+	nl.sum += uint64(nl.count)
 	into.req = new(discovery.DiscoveryRequest)
 	if err := proto.Unmarshal(rest, into.req); err != nil {
 		return fmt.Errorf("relay: bad request: %w", err)

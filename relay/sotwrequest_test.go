@@ -53,8 +53,8 @@ func FuzzSotWRequestDecode(f *testing.F) {
 		if !slices.Equal(names, want.GetResourceNames()) && len(names)+len(want.GetResourceNames()) > 0 {
 			t.Fatalf("names = %q, want %q", names, want.GetResourceNames())
 		}
-		if got.names.digest != listDigest(want.GetResourceNames()) || got.names.n != len(names) ||
-			got.names.star != slices.Contains(names, xds.WildcardName) {
+		if got.names.sum != listDigest(want.GetResourceNames()) || got.names.count != len(names) ||
+			got.names.hasStar != slices.Contains(names, xds.WildcardName) {
 			t.Fatalf("digest/count/star disagree with the names %q", names)
 		}
 		want.ResourceNames = nil
