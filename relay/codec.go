@@ -6,7 +6,6 @@ import (
 	"google.golang.org/grpc/encoding"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/encoding/protowire"
-	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/xds"
@@ -20,6 +19,47 @@ import (
 // adds its nonce (protobuf lets a field come last). A thousand Envoys
 // catching up on a 1 MB CDS share one 1 MB buffer instead of holding a
 // thousand copies while their sends wait on flow control.
+
+// outgoing is a response about to be sent, in protocol-neutral form.
+type outgoing struct {
+	typeURL string
+	// version is the Merkle root of what the client holds once it applies
+	// this response (SotW version_info), or of the key's view (Delta
+	// system_version_info).
+	version string
+	upd     []*xds.Resource
+	removed []string
+	// full is set for a SotW full-state type: the response carries
+	// everything the client holds (held), not just upd.
+	full  bool
+	held  ledger.Tree[*xds.Resource]
+	nonce string
+	// The Merkle roots that determine the response's bytes: what the
+	// client held before (zero for a SotW full-state response, which does
+	// not depend on it) and after, and the key's view (Delta); and the
+	// view's Order, which every version in it carries.
+	from, to, view ledger.Hash
+	order          ledger.Order
+}
+
+// fullSotW lists what a SotW full-state response carries (nil for other
+// responses). It is built only when the body is encoded, once per content,
+// not once per stream.
+func (o *outgoing) fullSotW() []*xds.Resource {
+	if !o.full {
+		return nil
+	}
+	out := make([]*xds.Resource, 0, o.held.Len())
+	for e := range o.held.All() {
+		if e.Value == nil {
+			// Content the relay knows only by hash (resolveClaim takes a
+			// claim only with every body): never held in a full state.
+			continue
+		}
+		out = append(out, e.Value)
+	}
+	return out
+}
 
 // wireMessage is a response already encoded: a shared body and the stream's
 // own tail (the nonce field).
@@ -205,12 +245,4 @@ func appendString(b []byte, num protowire.Number, s string) []byte {
 // nonceField encodes a response's nonce, the part each stream adds.
 func nonceField(num protowire.Number, nonce string) []byte {
 	return appendString(make([]byte, 0, len(nonce)+2), num, nonce)
-}
-
-func mustMarshal(m proto.Message) []byte {
-	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(m)
-	if err != nil {
-		panic(err) // only called on messages built by the relay itself
-	}
-	return b
 }

@@ -165,47 +165,6 @@ type NACK struct {
 	At      time.Time
 }
 
-// fullSotW lists what a SotW full-state response carries (nil for other
-// responses). It is built only when the body is encoded, once per content,
-// not once per stream.
-func (o *outgoing) fullSotW() []*xds.Resource {
-	if !o.full {
-		return nil
-	}
-	out := make([]*xds.Resource, 0, o.held.Len())
-	for e := range o.held.All() {
-		if e.Value == nil {
-			// Content the relay knows only by hash (resolveClaim takes a
-			// claim only with every body): never held in a full state.
-			continue
-		}
-		out = append(out, e.Value)
-	}
-	return out
-}
-
-// outgoing is a response about to be sent, in protocol-neutral form.
-type outgoing struct {
-	typeURL string
-	// version is the Merkle root of what the client holds once it applies
-	// this response (SotW version_info), or of the key's view (Delta
-	// system_version_info).
-	version string
-	upd     []*xds.Resource
-	removed []string
-	// full is set for a SotW full-state type: the response carries
-	// everything the client holds (held), not just upd.
-	full  bool
-	held  ledger.Tree[*xds.Resource]
-	nonce string
-	// The Merkle roots that determine the response's bytes: what the
-	// client held before (zero for a SotW full-state response, which does
-	// not depend on it) and after, and the key's view (Delta); and the
-	// view's Order, which every version in it carries.
-	from, to, view ledger.Hash
-	order          ledger.Order
-}
-
 func (r *Relay) newStream(ctx context.Context, delta bool, p port) *stream {
 	s := &stream{
 		r:     r,
