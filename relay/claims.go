@@ -38,7 +38,7 @@ type claimLookup struct {
 }
 
 // claimQuestion identifies a lookup: a version of a type, for a
-// subscription to every resource or to the names whose listDigest is names.
+// subscription to every resource or to the names whose ListDigest is names.
 type claimQuestion struct {
 	typeURL  string
 	root     ledger.Hash
@@ -87,7 +87,7 @@ func (s *stream) askTier(sub *typeSub) bool {
 	q := claimQuestion{typeURL: sub.typeURL, root: sub.claimed, wildcard: sub.wildcard}
 	req := &inspectpb.VersionRequest{Key: string(s.key.key), Type: sub.typeURL, Root: sub.claimed.String(), Wildcard: sub.wildcard}
 	if !sub.wildcard {
-		q.names = listDigest(sub.names)
+		q.names = ListDigest(sub.names)
 		req.Names = slices.Clone(sub.names) // read by the asking goroutine
 	}
 	k := s.key

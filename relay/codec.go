@@ -20,37 +20,37 @@ import (
 // catching up on a 1 MB CDS share one 1 MB buffer instead of holding a
 // thousand copies while their sends wait on flow control.
 
-// outgoing is a response about to be sent, in protocol-neutral form.
-type outgoing struct {
-	typeURL string
-	// version is the Merkle root of what the client holds once it applies
+// Response is a response about to be sent, in protocol-neutral form.
+type Response struct {
+	TypeURL string
+	// Version is the Merkle root of what the client holds once it applies
 	// this response (SotW version_info), or of the key's view (Delta
 	// system_version_info).
-	version string
-	upd     []*xds.Resource
-	removed []string
-	// full is set for a SotW full-state type: the response carries
-	// everything the client holds (held), not just upd.
-	full  bool
-	held  ledger.Tree[*xds.Resource]
-	nonce string
+	Version string
+	Updated     []*xds.Resource
+	Removed []string
+	// Full is set for a SotW full-state type: the response carries
+	// everything the client holds (Held), not just Updated.
+	Full  bool
+	Held  ledger.Tree[*xds.Resource]
+	Nonce string
 	// The Merkle roots that determine the response's bytes: what the
 	// client held before (zero for a SotW full-state response, which does
 	// not depend on it) and after, and the key's view (Delta); and the
 	// view's Order, which every version in it carries.
-	from, to, view ledger.Hash
-	order          ledger.Order
+	From, To, View ledger.Hash
+	Order          ledger.Order
 }
 
-// fullSotW lists what a SotW full-state response carries (nil for other
+// FullSotW lists what a SotW full-state response carries (nil for other
 // responses). It is built only when the body is encoded, once per content,
 // not once per stream.
-func (o *outgoing) fullSotW() []*xds.Resource {
-	if !o.full {
+func (o *Response) FullSotW() []*xds.Resource {
+	if !o.Full {
 		return nil
 	}
-	out := make([]*xds.Resource, 0, o.held.Len())
-	for e := range o.held.All() {
+	out := make([]*xds.Resource, 0, o.Held.Len())
+	for e := range o.Held.All() {
 		if e.Value == nil {
 			// Content the relay knows only by hash (resolveClaim takes a
 			// claim only with every body): never held in a full state.
@@ -61,24 +61,24 @@ func (o *outgoing) fullSotW() []*xds.Resource {
 	return out
 }
 
-// wireMessage is a response already encoded: a shared body and the stream's
+// Message is a response already encoded: a shared body and the stream's
 // own tail (the nonce field).
-type wireMessage struct {
+type Message struct {
 	body []byte // shared: never modified
 	tail []byte
 }
 
-func (w *wireMessage) size() int { return len(w.body) + len(w.tail) }
+func (w *Message) Size() int { return len(w.body) + len(w.tail) }
 
-// codec is the relay server's gRPC codec: wireMessages go out as they are,
+// Codec is the relay server's gRPC codec: Messages go out as they are,
 // everything else (requests in, passthrough responses out) through the
 // standard proto codec.
-type codec struct{ proto encoding.CodecV2 }
+type Codec struct{ proto encoding.CodecV2 }
 
-func newCodec() codec { return codec{proto: encoding.GetCodecV2("proto")} }
+func NewCodec() Codec { return Codec{proto: encoding.GetCodecV2("proto")} }
 
-func (c codec) Marshal(v any) (mem.BufferSlice, error) {
-	if w, ok := v.(*wireMessage); ok {
+func (c Codec) Marshal(v any) (mem.BufferSlice, error) {
+	if w, ok := v.(*Message); ok {
 		// SliceBuffers are not pooled: gRPC's Free leaves the shared body
 		// alone.
 		return mem.BufferSlice{mem.SliceBuffer(w.body), mem.SliceBuffer(w.tail)}, nil
@@ -86,14 +86,14 @@ func (c codec) Marshal(v any) (mem.BufferSlice, error) {
 	return c.proto.Marshal(v)
 }
 
-func (c codec) Unmarshal(data mem.BufferSlice, v any) error {
-	if r, ok := v.(*sotwRequest); ok {
+func (c Codec) Unmarshal(data mem.BufferSlice, v any) error {
+	if r, ok := v.(*SotWRequest); ok {
 		return unmarshalSotWRequest(data, r)
 	}
 	return c.proto.Unmarshal(data, v)
 }
 
-func (codec) Name() string { return "proto" }
+func (Codec) Name() string { return "proto" }
 
 // Field numbers of envoy.service.discovery.v3 messages.
 const (
@@ -116,9 +116,9 @@ type bodyKey struct {
 	order    ledger.Order
 }
 
-// bodyCache keeps recent bodies, bounded in bytes; bodies still on their way
+// Bodies keeps recent bodies, bounded in bytes; bodies still on their way
 // to clients stay alive through those messages. Safe for concurrent use.
-type bodyCache struct {
+type Bodies struct {
 	mu    sync.Mutex
 	m     map[bodyKey][]byte
 	bytes int
@@ -128,7 +128,7 @@ type bodyCache struct {
 // is the few updates in flight).
 const bodyCacheBytes = 256 << 20
 
-func (c *bodyCache) get(k bodyKey, encode func() []byte) []byte {
+func (c *Bodies) get(k bodyKey, encode func() []byte) []byte {
 	c.mu.Lock()
 	b, ok := c.m[k]
 	c.mu.Unlock()
@@ -149,58 +149,58 @@ func (c *bodyCache) get(k bodyKey, encode func() []byte) []byte {
 	return b
 }
 
-// sotw returns o as a SotW DiscoveryResponse: its body from the cache (or
+// SotW returns o as a SotW DiscoveryResponse: its body from the cache (or
 // encoded once, with the relay's control_plane), its nonce its own.
-func (c *bodyCache) sotw(o *outgoing, controlPlane []byte) *wireMessage {
-	body := c.get(bodyKey{typeURL: o.typeURL, from: o.from, to: o.to, order: o.order}, func() []byte {
+func (c *Bodies) SotW(o *Response, controlPlane []byte) *Message {
+	body := c.get(bodyKey{typeURL: o.TypeURL, from: o.From, to: o.To, order: o.Order}, func() []byte {
 		return encodeSotW(o, controlPlane)
 	})
-	return &wireMessage{body: body, tail: nonceField(fSotWNonce, o.nonce)}
+	return &Message{body: body, tail: nonceField(fSotWNonce, o.Nonce)}
 }
 
-// delta returns o as a DeltaDiscoveryResponse, as sotw does.
-func (c *bodyCache) delta(o *outgoing, controlPlane []byte) *wireMessage {
-	body := c.get(bodyKey{delta: true, typeURL: o.typeURL, from: o.from, to: o.to, view: o.view, order: o.order}, func() []byte {
+// Delta returns o as a DeltaDiscoveryResponse, as SotW does.
+func (c *Bodies) Delta(o *Response, controlPlane []byte) *Message {
+	body := c.get(bodyKey{delta: true, typeURL: o.TypeURL, from: o.From, to: o.To, view: o.View, order: o.Order}, func() []byte {
 		return encodeDelta(o, controlPlane)
 	})
-	return &wireMessage{body: body, tail: nonceField(fDeltaNonce, o.nonce)}
+	return &Message{body: body, tail: nonceField(fDeltaNonce, o.Nonce)}
 }
 
 // encodeSotW encodes a DiscoveryResponse without its nonce.
-func encodeSotW(o *outgoing, controlPlane []byte) []byte {
-	res := o.fullSotW()
+func encodeSotW(o *Response, controlPlane []byte) []byte {
+	res := o.FullSotW()
 	if res == nil {
-		res = o.upd
+		res = o.Updated
 	}
-	n := len(o.version) + len(o.typeURL) + len(controlPlane) + 16
+	n := len(o.Version) + len(o.TypeURL) + len(controlPlane) + 16
 	for _, r := range res {
 		n += len(r.Type) + len(r.Body.GetValue()) + 16
 	}
 	b := make([]byte, 0, n)
-	b = appendString(b, fSotWVersion, o.version)
+	b = appendString(b, fSotWVersion, o.Version)
 	for _, r := range res {
 		b = appendAny(b, fSotWResources, r)
 	}
-	b = appendString(b, fSotWTypeURL, o.typeURL)
+	b = appendString(b, fSotWTypeURL, o.TypeURL)
 	b = protowire.AppendTag(b, fSotWControlPlane, protowire.BytesType)
 	return protowire.AppendBytes(b, controlPlane)
 }
 
 // encodeDelta encodes a DeltaDiscoveryResponse without its nonce.
-func encodeDelta(o *outgoing, controlPlane []byte) []byte {
-	n := len(o.version) + len(o.typeURL) + len(controlPlane) + 16
-	for _, r := range o.upd {
+func encodeDelta(o *Response, controlPlane []byte) []byte {
+	n := len(o.Version) + len(o.TypeURL) + len(controlPlane) + 16
+	for _, r := range o.Updated {
 		n += len(r.Name) + len(r.Type) + len(r.Body.GetValue()) + 2*len(r.Hash) + 48
 	}
-	for _, name := range o.removed {
+	for _, name := range o.Removed {
 		n += len(name) + 4
 	}
 	b := make([]byte, 0, n)
-	b = appendString(b, fDeltaVersion, o.version)
-	for _, r := range o.upd {
+	b = appendString(b, fDeltaVersion, o.Version)
+	for _, r := range o.Updated {
 		// envoy.service.discovery.v3.Resource: name, version, resource.
 		b = protowire.AppendTag(b, fDeltaResources, protowire.BytesType)
-		version := stampedVersion(r.Hash, o.order)
+		version := Version(r.Hash, o.Order)
 		anyLen := anySize(r)
 		size := protowire.SizeTag(fResourceName) + protowire.SizeBytes(len(r.Name)) +
 			protowire.SizeTag(fResourceVersion) + protowire.SizeBytes(len(version)) +
@@ -210,8 +210,8 @@ func encodeDelta(o *outgoing, controlPlane []byte) []byte {
 		b = appendString(b, fResourceVersion, version)
 		b = appendAny(b, fResourceBody, r)
 	}
-	b = appendString(b, fDeltaTypeURL, o.typeURL)
-	for _, name := range o.removed {
+	b = appendString(b, fDeltaTypeURL, o.TypeURL)
+	for _, name := range o.Removed {
 		b = appendString(b, fDeltaRemoved, name)
 	}
 	b = protowire.AppendTag(b, fDeltaCP, protowire.BytesType)

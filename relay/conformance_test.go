@@ -495,7 +495,7 @@ func TestConformance(t *testing.T) {
 					t.Fatal(err)
 				}
 				o.At++ // later on the same stream
-				return stampedVersion(h, o)
+				return Version(h, o)
 			}
 			for _, typeURL := range []string{xds.TypeCluster, xds.TypeEndpoint} {
 				if e.delta {
@@ -741,7 +741,7 @@ func (e *env) moved(t *testing.T, content string, order func(ledger.Order) ledge
 		c.ack(d)
 		c.close()
 		declared := versionMap(d)
-		declared["c0"] = stampedVersion(ledger.HashBytes([]byte(content)), order(orderOf(t, declared["c0"])))
+		declared["c0"] = Version(ledger.HashBytes([]byte(content)), order(orderOf(t, declared["c0"])))
 		delete(declared, "c2")
 		c = e.client(0)
 		c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, InitialResourceVersions: declared})
@@ -751,7 +751,7 @@ func (e *env) moved(t *testing.T, content string, order func(ledger.Order) ledge
 	m := c.recv()
 	c.ack(m)
 	c.close()
-	claim := stampedVersion(ledger.HashBytes([]byte(content)), order(orderOf(t, versionOf(m))))
+	claim := Version(ledger.HashBytes([]byte(content)), order(orderOf(t, versionOf(m))))
 	c = e.client(0)
 	c.send(&discovery.DiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNames: []string{"c0", "c1"}, VersionInfo: claim})
 	c.subs[xds.TypeEndpoint] = []string{"c0", "c1"}

@@ -22,9 +22,9 @@ func (r *Relay) serveDelta(ds discovery.AggregatedDiscoveryService_DeltaAggregat
 	}
 	s := r.newStream(ds.Context(), true, p)
 	s.peerRelay, s.identity, s.cred = who.relay, who.identity, who.cred
-	s.send = func(o *outgoing) error {
-		w := r.bodies.delta(o, r.controlPlaneWire)
-		r.metrics.sent(o.typeURL, len(o.upd), len(o.removed), w.size())
+	s.send = func(o *Response) error {
+		w := r.bodies.Delta(o, r.controlPlaneWire)
+		r.metrics.sent(o.TypeURL, len(o.Updated), len(o.Removed), w.Size())
 		return ds.SendMsg(w)
 	}
 	s.sendRaw = func(m proto.Message) error { return ds.Send(m.(*discovery.DeltaDiscoveryResponse)) }

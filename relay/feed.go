@@ -612,7 +612,7 @@ func (u *feed) declareViews() {
 			continue
 		}
 		for e := range ts.view.All() {
-			ut.versions[e.Name] = stampedVersion(e.Hash, ts.order)
+			ut.versions[e.Name] = Version(e.Hash, ts.order)
 		}
 	}
 }

@@ -219,7 +219,7 @@ type downHarness struct {
 
 	views  map[int]map[string]ledger.Tree[*xds.Resource] // fuzzViews decoded into r's store
 	nonces map[string]bool                               // every nonce sent on the stream
-	last   map[string]*outgoing                          // the latest response, by type
+	last   map[string]*Response                          // the latest response, by type
 	acked  map[string]string                             // seeds: the latest version ACKed, by type
 	// model is what the client holds, by type and name, as the responses
 	// and its own requests say (a NACKed response counts as held, as the
@@ -254,7 +254,7 @@ func newDownHarness(t testing.TB, conn *grpc.ClientConn, delta bool) *downHarnes
 		t: t, r: r, delta: delta,
 		views:   make(map[int]map[string]ledger.Tree[*xds.Resource]),
 		nonces:  make(map[string]bool),
-		last:    make(map[string]*outgoing),
+		last:    make(map[string]*Response),
 		acked:   make(map[string]string),
 		model:   make(map[string]map[string]heldRes),
 		unknown: make(map[string]bool),
@@ -504,44 +504,44 @@ var referrers = map[string][]struct {
 // before the routes that use them), a Delta removal waits until nothing
 // the client holds refers to it, and a changed cluster's endpoints are
 // noted, to follow.
-func (h *downHarness) checkOrder(o *outgoing) {
-	typ := xds.ShortType(o.typeURL)
+func (h *downHarness) checkOrder(o *Response) {
+	typ := xds.ShortType(o.TypeURL)
 	snap := h.s.key.snap.Load()
-	for _, x := range o.upd {
+	for _, x := range o.Updated {
 		for _, c := range x.Refs(xds.RefClusters) {
 			if h.wants(xds.TypeCluster, c) {
 				e, _ := snap.types[xds.TypeCluster].view.Get(c)
 				if have := h.model[xds.TypeCluster][c]; have.hash != e.Hash {
 					h.fatalf("%s response (nonce %s) sends %q, which uses cluster %q, before that cluster (the client holds it at %.8s, the key at %.8s)",
-						typ, o.nonce, x.Name, c, have.hash, e.Hash)
+						typ, o.Nonce, x.Name, c, have.hash, e.Hash)
 				}
 			}
 		}
-		if o.typeURL == xds.TypeCluster {
+		if o.TypeURL == xds.TypeCluster {
 			if have, ok := h.model[xds.TypeCluster][x.Name]; ok && have.hash != x.Hash {
 				for _, e := range x.Refs(xds.RefEndpoints) {
 					h.warming[e] = x.Name
 				}
 			}
 		}
-		if o.typeURL == xds.TypeEndpoint {
+		if o.TypeURL == xds.TypeEndpoint {
 			delete(h.warming, x.Name)
 		}
 	}
-	removed := o.removed
+	removed := o.Removed
 	if !h.delta {
 		// SotW removes by omission from a full state, and only there.
 		removed = nil
-		for n := range h.model[o.typeURL] {
-			if o.fullSotW() != nil && !slices.ContainsFunc(o.fullSotW(), func(x *xds.Resource) bool { return x.Name == n }) {
+		for n := range h.model[o.TypeURL] {
+			if o.FullSotW() != nil && !slices.ContainsFunc(o.FullSotW(), func(x *xds.Resource) bool { return x.Name == n }) {
 				removed = append(removed, n)
 			}
 		}
 		slices.Sort(removed)
 	}
 	for _, n := range removed {
-		if by := h.referredBy(o.typeURL, n); by != "" {
-			h.fatalf("%s response (nonce %s) removes %q while the client holds %s, which refers to it (make-before-break)", typ, o.nonce, n, by)
+		if by := h.referredBy(o.TypeURL, n); by != "" {
+			h.fatalf("%s response (nonce %s) removes %q while the client holds %s, which refers to it (make-before-break)", typ, o.Nonce, n, by)
 		}
 	}
 }
@@ -581,108 +581,108 @@ func (h *downHarness) fatalf(format string, args ...any) {
 }
 
 // checkResponse is the stream's send: it checks one outgoing response.
-func (h *downHarness) checkResponse(o *outgoing) error {
-	typ := xds.ShortType(o.typeURL)
-	sub := h.s.subs[o.typeURL]
+func (h *downHarness) checkResponse(o *Response) error {
+	typ := xds.ShortType(o.TypeURL)
+	sub := h.s.subs[o.TypeURL]
 	if sub == nil {
-		h.fatalf("response of %s (%s), a type the stream never subscribed to", typ, o.typeURL)
+		h.fatalf("response of %s (%s), a type the stream never subscribed to", typ, o.TypeURL)
 	}
-	if o.nonce == "" {
+	if o.Nonce == "" {
 		h.fatalf("%s response without a nonce", typ)
 	}
-	if h.nonces[o.nonce] {
-		h.fatalf("%s response reuses nonce %q on the stream", typ, o.nonce)
+	if h.nonces[o.Nonce] {
+		h.fatalf("%s response reuses nonce %q on the stream", typ, o.Nonce)
 	}
-	h.nonces[o.nonce] = true
-	if o.version == "" {
-		h.fatalf("%s response (nonce %s) without a version", typ, o.nonce)
+	h.nonces[o.Nonce] = true
+	if o.Version == "" {
+		h.fatalf("%s response (nonce %s) without a version", typ, o.Nonce)
 	}
-	if ts := h.s.key.snap.Load().types[o.typeURL]; sub.wildcard && (ts == nil || !ts.full) {
-		h.fatalf("%s response (nonce %s) to a wildcard subscription from a view that is not the full set", typ, o.nonce)
+	if ts := h.s.key.snap.Load().types[o.TypeURL]; sub.wildcard && (ts == nil || !ts.full) {
+		h.fatalf("%s response (nonce %s) to a wildcard subscription from a view that is not the full set", typ, o.Nonce)
 	}
 	checkRes := func(what string, x *xds.Resource) {
 		if x == nil || x.Body == nil {
-			h.fatalf("%s response (nonce %s): nil resource in %s", typ, o.nonce, what)
+			h.fatalf("%s response (nonce %s): nil resource in %s", typ, o.Nonce, what)
 		}
-		if x.Type != o.typeURL || x.Body.GetTypeUrl() != o.typeURL {
-			h.fatalf("%s response (nonce %s): %s holds %q of type %s", typ, o.nonce, what, x.Name, x.Type)
+		if x.Type != o.TypeURL || x.Body.GetTypeUrl() != o.TypeURL {
+			h.fatalf("%s response (nonce %s): %s holds %q of type %s", typ, o.Nonce, what, x.Name, x.Type)
 		}
 		if !sub.wildcard && !sub.names.Has(x.Name) {
-			h.fatalf("%s response (nonce %s): %s holds %q, but the stream subscribes only to %v", typ, o.nonce, what, x.Name, sub.names)
+			h.fatalf("%s response (nonce %s): %s holds %q, but the stream subscribes only to %v", typ, o.Nonce, what, x.Name, sub.names)
 		}
 	}
-	upd := make(map[string]bool, len(o.upd))
-	for _, x := range o.upd {
+	upd := make(map[string]bool, len(o.Updated))
+	for _, x := range o.Updated {
 		checkRes("the updates", x)
 		if upd[x.Name] {
-			h.fatalf("%s response (nonce %s) updates %q twice", typ, o.nonce, x.Name)
+			h.fatalf("%s response (nonce %s) updates %q twice", typ, o.Nonce, x.Name)
 		}
 		upd[x.Name] = true
 	}
 	switch {
 	case h.delta:
-		removed := make(map[string]bool, len(o.removed))
-		for _, n := range o.removed {
+		removed := make(map[string]bool, len(o.Removed))
+		for _, n := range o.Removed {
 			if upd[n] {
-				h.fatalf("delta %s response (nonce %s) both updates and removes %q", typ, o.nonce, n)
+				h.fatalf("delta %s response (nonce %s) both updates and removes %q", typ, o.Nonce, n)
 			}
 			if removed[n] {
-				h.fatalf("delta %s response (nonce %s) removes %q twice", typ, o.nonce, n)
+				h.fatalf("delta %s response (nonce %s) removes %q twice", typ, o.Nonce, n)
 			}
 			removed[n] = true
 		}
-		if o.fullSotW() != nil {
-			h.fatalf("delta %s response (nonce %s) carries a SotW full state", typ, o.nonce)
+		if o.FullSotW() != nil {
+			h.fatalf("delta %s response (nonce %s) carries a SotW full state", typ, o.Nonce)
 		}
-	case xds.FullStateSotW(o.typeURL):
-		if o.fullSotW() == nil {
-			h.fatalf("SotW %s response (nonce %s) without its full state", typ, o.nonce)
+	case xds.FullStateSotW(o.TypeURL):
+		if o.FullSotW() == nil {
+			h.fatalf("SotW %s response (nonce %s) without its full state", typ, o.Nonce)
 		}
-		full := make(map[string]bool, len(o.fullSotW()))
+		full := make(map[string]bool, len(o.FullSotW()))
 		b := ledger.Tree[*xds.Resource]{}.Edit()
-		for _, x := range o.fullSotW() {
+		for _, x := range o.FullSotW() {
 			checkRes("the full state", x)
 			if full[x.Name] {
-				h.fatalf("SotW %s response (nonce %s) holds %q twice", typ, o.nonce, x.Name)
+				h.fatalf("SotW %s response (nonce %s) holds %q twice", typ, o.Nonce, x.Name)
 			}
 			full[x.Name] = true
 			b.Set(x.Name, x.Hash, x)
 		}
 		for n := range upd {
 			if !full[n] {
-				h.fatalf("SotW %s response (nonce %s) updates %q but leaves it out of the full state", typ, o.nonce, n)
+				h.fatalf("SotW %s response (nonce %s) updates %q but leaves it out of the full state", typ, o.Nonce, n)
 			}
 		}
-		if root := stampedVersion(b.Tree().Root(), o.order); o.version != root {
-			h.fatalf("SotW %s response (nonce %s) has version %s, want the root of its resources %s", typ, o.nonce, o.version, root)
+		if root := Version(b.Tree().Root(), o.Order); o.Version != root {
+			h.fatalf("SotW %s response (nonce %s) has version %s, want the root of its resources %s", typ, o.Nonce, o.Version, root)
 		}
 	default:
-		if o.fullSotW() != nil {
-			h.fatalf("SotW %s response (nonce %s) carries a full state for an incremental type", typ, o.nonce)
+		if o.FullSotW() != nil {
+			h.fatalf("SotW %s response (nonce %s) carries a full state for an incremental type", typ, o.Nonce)
 		}
 	}
 	h.checkOrder(o)
-	held := h.model[o.typeURL]
+	held := h.model[o.TypeURL]
 	if held == nil {
 		held = make(map[string]heldRes)
-		h.model[o.typeURL] = held
+		h.model[o.TypeURL] = held
 	}
-	if o.fullSotW() != nil {
+	if o.FullSotW() != nil {
 		clear(held)
-		for _, x := range o.fullSotW() {
+		for _, x := range o.FullSotW() {
 			held[x.Name] = heldRes{x.Hash, x}
 		}
-		delete(h.unknown, o.typeURL) // a full state: known again
+		delete(h.unknown, o.TypeURL) // a full state: known again
 	}
-	for _, x := range o.upd {
+	for _, x := range o.Updated {
 		held[x.Name] = heldRes{x.Hash, x}
 	}
 	if h.delta {
-		for _, n := range o.removed {
+		for _, n := range o.Removed {
 			delete(held, n)
 		}
 	}
-	h.last[o.typeURL] = o
+	h.last[o.TypeURL] = o
 	return nil
 }
 
@@ -841,8 +841,8 @@ func sotwAck(gen byte, typeURL string, names ...string) downStep {
 	return downStep{gen, func(h *downHarness) proto.Message {
 		r := sotwReq(typeURL, names...)
 		if o := h.last[typeURL]; o != nil {
-			r.VersionInfo, r.ResponseNonce = o.version, o.nonce
-			h.acked[typeURL] = o.version
+			r.VersionInfo, r.ResponseNonce = o.Version, o.Nonce
+			h.acked[typeURL] = o.Version
 		}
 		return r
 	}}
@@ -856,7 +856,7 @@ func sotwNack(gen byte, typeURL, detail string, names ...string) downStep {
 		r.VersionInfo = h.acked[typeURL]
 		r.ErrorDetail = &rpcstatus.Status{Code: int32(codes.InvalidArgument), Message: detail}
 		if o := h.last[typeURL]; o != nil {
-			r.ResponseNonce = o.nonce
+			r.ResponseNonce = o.Nonce
 		}
 		return r
 	}}
@@ -878,7 +878,7 @@ func deltaAck(gen byte, typeURL, detail string, subscribe, unsubscribe []string)
 	return downStep{gen, func(h *downHarness) proto.Message {
 		r := deltaReq(typeURL, subscribe, unsubscribe)
 		if o := h.last[typeURL]; o != nil {
-			r.ResponseNonce = o.nonce
+			r.ResponseNonce = o.Nonce
 		}
 		if detail != "" {
 			r.ErrorDetail = &rpcstatus.Status{Code: int32(codes.InvalidArgument), Message: detail}
@@ -1758,7 +1758,7 @@ func FuzzUpstreamResponses(f *testing.F) {
 func FuzzParseVersion(f *testing.F) {
 	h := ledger.HashBytes([]byte("c0"))
 	s := ledger.StampAt(time.UnixMilli(1764574155123))
-	for _, v := range []string{h.String(), stampedVersion(h, ledger.Order{}), stampedVersion(h, ledger.Order{Session: s, At: s + 2}), h.String() + "@", "@1.0/1.0", "x@1.0/1.0", h.String() + "@1.2/1.3", h.String() + "@2.0/1.0"} {
+	for _, v := range []string{h.String(), Version(h, ledger.Order{}), Version(h, ledger.Order{Session: s, At: s + 2}), h.String() + "@", "@1.0/1.0", "x@1.0/1.0", h.String() + "@1.2/1.3", h.String() + "@2.0/1.0"} {
 		f.Add(v)
 	}
 	f.Fuzz(func(t *testing.T, v string) {
@@ -1769,7 +1769,7 @@ func FuzzParseVersion(f *testing.F) {
 		if !strings.Contains(v, "@") && !o.IsZero() {
 			t.Fatalf("ParseVersion(%q) = %s, %v; want no order on a bare hash", v, hash, o)
 		}
-		again := stampedVersion(hash, o)
+		again := Version(hash, o)
 		if h2, o2, err := ParseVersion(again); err != nil || h2 != hash || o2 != o {
 			t.Fatalf("ParseVersion(%q) = %s, %v, rendered %q, which parses as %s, %v, %v", v, hash, o, again, h2, o2, err)
 		}

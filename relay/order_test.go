@@ -49,15 +49,15 @@ func TestPushOrder(t *testing.T) {
 			s := r.newStream(context.Background(), delta, portPlain)
 			s.key = k
 			var sent []string
-			s.send = func(o *outgoing) error {
+			s.send = func(o *Response) error {
 				kind := "+"
-				if len(o.upd) == 0 && !o.full {
+				if len(o.Updated) == 0 && !o.Full {
 					kind = "-"
 				}
-				if !delta && xds.FullStateSotW(o.typeURL) && len(o.upd) == 0 {
+				if !delta && xds.FullStateSotW(o.TypeURL) && len(o.Updated) == 0 {
 					kind = "-" // SotW removes by omission
 				}
-				sent = append(sent, kind+xds.ShortType(o.typeURL))
+				sent = append(sent, kind+xds.ShortType(o.TypeURL))
 				return nil
 			}
 			publish := func(cs, es, ls, rs []types.Resource) {

@@ -86,7 +86,7 @@ func (r *Relay) hasPeerPort() bool { return r.cfg.PeerListen != "" || r.cfg.Peer
 // and inspect exchanges) on lis, as port p, until Stop.
 func (r *Relay) serveXDS(lis net.Listener, p port, opts ...grpc.ServerOption) {
 	srv := grpc.NewServer(append([]grpc.ServerOption{
-		grpc.ForceServerCodecV2(newCodec()),
+		grpc.ForceServerCodecV2(NewCodec()),
 		// Stop returns only once every handler has: no stream attaches a
 		// key (and starts its goroutine) behind Stop's back.
 		grpc.WaitForHandlers(true),

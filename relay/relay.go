@@ -70,7 +70,7 @@ type Relay struct {
 	// controlPlaneWire is controlPlane encoded, for responses the relay
 	// encodes itself; bodies caches those responses' shared bytes.
 	controlPlaneWire []byte
-	bodies           bodyCache
+	bodies           Bodies
 	streamID         atomic.Uint64
 	// clock orders the views of the keys this relay is the source of, and
 	// observes the Orders of views it gets from the tier (ledger.Order).

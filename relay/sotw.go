@@ -19,36 +19,36 @@ func (r *Relay) serveSotW(ss discovery.AggregatedDiscoveryService_StreamAggregat
 	}
 	s := r.newStream(ss.Context(), false, p)
 	s.peerRelay, s.identity, s.cred = who.relay, who.identity, who.cred
-	s.send = func(o *outgoing) error {
-		w := r.bodies.sotw(o, r.controlPlaneWire)
-		n := len(o.upd)
-		if o.full {
-			n = o.held.Len()
+	s.send = func(o *Response) error {
+		w := r.bodies.SotW(o, r.controlPlaneWire)
+		n := len(o.Updated)
+		if o.Full {
+			n = o.Held.Len()
 		}
-		r.metrics.sent(o.typeURL, n, 0, w.size())
+		r.metrics.sent(o.TypeURL, n, 0, w.Size())
 		return ss.SendMsg(w)
 	}
 	s.sendRaw = func(m proto.Message) error { return ss.Send(m.(*discovery.DiscoveryResponse)) }
-	recv := func() (*sotwRequest, error) {
-		r := new(sotwRequest)
+	recv := func() (*SotWRequest, error) {
+		r := new(SotWRequest)
 		return r, ss.RecvMsg(r)
 	}
-	size := func(r *sotwRequest) int { return r.names.size() }
-	return serve(s, recv, size, func(r *sotwRequest) error { return s.handleSotW(r.req, &r.names) })
+	size := func(r *SotWRequest) int { return r.Names.Size() }
+	return serve(s, recv, size, func(r *SotWRequest) error { return s.handleSotW(r.Req, &r.Names) })
 }
 
 // onSotW handles one SotW request.
 func (s *stream) onSotW(req *discovery.DiscoveryRequest) error {
-	nl := namesOf(req.GetResourceNames())
+	nl := NamesOf(req.GetResourceNames())
 	return s.handleSotW(req, &nl)
 }
 
 // handleSotW handles one SotW request whose resource_names are in names
 // (req.ResourceNames is not read): they are decoded only if the stream's
 // subscription changed.
-func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) error {
+func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *NameList) error {
 	if s.key == nil && isDebugType(req.GetTypeUrl()) {
-		list, err := names.decode()
+		list, err := names.Decode()
 		if err != nil {
 			return status.Error(codes.InvalidArgument, err.Error())
 		}
@@ -63,25 +63,25 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 	if typeURL == "" {
 		return status.Error(codes.InvalidArgument, "type_url is required on an ADS stream")
 	}
-	if err := s.checkNames(typeURL, names.len()); err != nil {
+	if err := s.checkNames(typeURL, names.Len()); err != nil {
 		return err
 	}
 	decoded := func() (xds.NameSet, error) {
-		list, err := names.decode()
+		list, err := names.Decode()
 		if err != nil {
 			return nil, status.Error(codes.InvalidArgument, err.Error())
 		}
 		return xds.NewNameSet(list), nil
 	}
 	if !xds.Cached(typeURL) {
-		list, err := names.decode()
+		list, err := names.Decode()
 		if err != nil {
 			return status.Error(codes.InvalidArgument, err.Error())
 		}
 		req.ResourceNames = list
 		return s.passthroughSotW(req)
 	}
-	explicit, digest := names.wildcard(), names.digest()
+	explicit, digest := names.Wildcard(), names.Digest()
 
 	sub := s.subs[typeURL]
 	if sub == nil {
@@ -89,7 +89,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 		if err != nil {
 			return err
 		}
-		legacy := names.len() == 0 && xds.LegacyWildcard(typeURL)
+		legacy := names.Len() == 0 && xds.LegacyWildcard(typeURL)
 		sub = s.newSub(typeURL, explicit || legacy, legacy, set)
 		sub.listDigest = digest
 		if v := req.GetVersionInfo(); v != "" {
@@ -113,7 +113,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *nameList) er
 	if sub.nonce != "" {
 		s.ack(sub, sub.sent, nackDetail(req.GetErrorDetail()), true)
 	}
-	wildcard := explicit || (sub.legacy && names.len() == 0)
+	wildcard := explicit || (sub.legacy && names.Len() == 0)
 	if digest == sub.listDigest && wildcard == sub.wildcard {
 		return nil // the same subscription again: an ACK or a NACK
 	}

@@ -14,42 +14,42 @@ import (
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
-// sotwRequest is a SotW DiscoveryRequest as the relay reads it off the
+// SotWRequest is a SotW DiscoveryRequest as the relay reads it off the
 // wire. A SotW Envoy repeats its whole subscription in every request, ACKs
 // included: at 5,000 Envoys with a thousand EDS names each, decoding those
 // names into strings (and collecting them) was most of the relay's CPU. So
-// the names stay raw; their digest (listDigest) tells whether the
+// the names stay raw; their digest (ListDigest) tells whether the
 // subscription changed, and only then are they decoded.
-type sotwRequest struct {
-	req   *discovery.DiscoveryRequest // every field but resource_names
-	names nameList
+type SotWRequest struct {
+	Req   *discovery.DiscoveryRequest // every field but resource_names
+	Names NameList
 }
 
-// nameList is a request's resource_names, decoded on demand.
-type nameList struct {
+// NameList is a request's resource_names, decoded on demand.
+type NameList struct {
 	count   int
 	hasStar bool   // one of them is "*"
-	sum     uint64 // listDigest of the names
+	sum     uint64 // ListDigest of the names
 	raw     []byte // the request's bytes; names are at spans
 	spans   [][2]int32
 	list    []string // set when the names are already strings
 }
 
-// len is the number of names.
-func (nl *nameList) len() int { return nl.count }
+// Len is the number of names.
+func (nl *NameList) Len() int { return nl.count }
 
-// wildcard reports whether one of the names is "*".
-func (nl *nameList) wildcard() bool { return nl.hasStar }
+// Wildcard reports whether one of the names is "*".
+func (nl *NameList) Wildcard() bool { return nl.hasStar }
 
-// digest is the order-independent digest of the names (listDigest).
-func (nl *nameList) digest() uint64 { return nl.sum }
+// Digest is the order-independent digest of the names (ListDigest).
+func (nl *NameList) Digest() uint64 { return nl.sum }
 
-// size is the size of the request the names came in.
-func (nl *nameList) size() int { return len(nl.raw) }
+// Size is the size of the request the names came in.
+func (nl *NameList) Size() int { return len(nl.raw) }
 
-// namesOf wraps an already decoded list.
-func namesOf(list []string) nameList {
-	nl := nameList{count: len(list), sum: listDigest(list), list: list}
+// NamesOf wraps an already decoded list.
+func NamesOf(list []string) NameList {
+	nl := NameList{count: len(list), sum: ListDigest(list), list: list}
 	for _, n := range list {
 		nl.hasStar = nl.hasStar || n == xds.WildcardName
 	}
@@ -58,8 +58,8 @@ func namesOf(list []string) nameList {
 
 var errBadName = errors.New("relay: resource name is not valid UTF-8")
 
-// decode returns the names as strings.
-func (nl *nameList) decode() ([]string, error) {
+// Decode returns the names as strings.
+func (nl *NameList) Decode() ([]string, error) {
 	if nl.list != nil || nl.count == 0 {
 		return nl.list, nil
 	}
@@ -79,10 +79,10 @@ func (nl *nameList) decode() ([]string, error) {
 const resourceNamesField = 3
 
 // unmarshalSotWRequest reads a DiscoveryRequest, keeping resource_names raw.
-func unmarshalSotWRequest(data mem.BufferSlice, into *sotwRequest) error {
+func unmarshalSotWRequest(data mem.BufferSlice, into *SotWRequest) error {
 	raw := data.Materialize() // a copy: data is freed when we return
 	var rest []byte           // the other fields, for proto.Unmarshal
-	nl := nameList{raw: raw}
+	nl := NameList{raw: raw}
 	for b := raw; len(b) > 0; {
 		num, typ, n := protowire.ConsumeTag(b)
 		if n < 0 {
@@ -106,21 +106,21 @@ func unmarshalSotWRequest(data mem.BufferSlice, into *sotwRequest) error {
 	}
 	nl.count = len(nl.spans)
 	nl.sum += uint64(nl.count)
-	into.req = new(discovery.DiscoveryRequest)
-	if err := proto.Unmarshal(rest, into.req); err != nil {
+	into.Req = new(discovery.DiscoveryRequest)
+	if err := proto.Unmarshal(rest, into.Req); err != nil {
 		return fmt.Errorf("relay: bad request: %w", err)
 	}
-	into.names = nl
+	into.Names = nl
 	return nil
 }
 
 var listSeed = maphash.MakeSeed()
 
-// listDigest is an order-independent digest of a list of names and its
+// ListDigest is an order-independent digest of a list of names and its
 // length. A SotW client repeats its whole subscription in every request,
 // ACKs included; comparing digests tells, without sorting thousands of
 // names, that nothing changed.
-func listDigest(names []string) uint64 {
+func ListDigest(names []string) uint64 {
 	sum := uint64(len(names))
 	for _, n := range names {
 		sum += maphash.String(listSeed, n)

@@ -15,7 +15,7 @@ import (
 
 // FuzzSotWRequestDecode checks the relay's lazy SotW request decoder against
 // the standard one on arbitrary bytes: it never panics, agrees on every
-// field, and its names digest is listDigest of the names.
+// field, and its names digest is ListDigest of the names.
 func FuzzSotWRequestDecode(f *testing.F) {
 	for _, r := range []*discovery.DiscoveryRequest{
 		{TypeUrl: xds.TypeCluster, Node: &core.Node{Id: "sidecar~10.0.0.1~a.ns~ns.svc.cluster.local"}},
@@ -30,7 +30,7 @@ func FuzzSotWRequestDecode(f *testing.F) {
 	}
 	f.Add([]byte{0x1a, 0x02, 0xff, 0xfe}) // a name that is not UTF-8
 	f.Fuzz(func(t *testing.T, b []byte) {
-		var got sotwRequest
+		var got SotWRequest
 		err := unmarshalSotWRequest(mem.BufferSlice{mem.SliceBuffer(b)}, &got)
 		var want discovery.DiscoveryRequest
 		wantErr := proto.Unmarshal(b, &want)
@@ -40,7 +40,7 @@ func FuzzSotWRequestDecode(f *testing.F) {
 			}
 			return
 		}
-		names, nameErr := got.names.decode()
+		names, nameErr := got.Names.Decode()
 		if wantErr != nil {
 			if nameErr == nil {
 				t.Fatalf("relay decoder accepts what proto refuses (%v)", wantErr)
@@ -53,13 +53,13 @@ func FuzzSotWRequestDecode(f *testing.F) {
 		if !slices.Equal(names, want.GetResourceNames()) && len(names)+len(want.GetResourceNames()) > 0 {
 			t.Fatalf("names = %q, want %q", names, want.GetResourceNames())
 		}
-		if got.names.sum != listDigest(want.GetResourceNames()) || got.names.count != len(names) ||
-			got.names.hasStar != slices.Contains(names, xds.WildcardName) {
+		if got.Names.sum != ListDigest(want.GetResourceNames()) || got.Names.count != len(names) ||
+			got.Names.hasStar != slices.Contains(names, xds.WildcardName) {
 			t.Fatalf("digest/count/star disagree with the names %q", names)
 		}
 		want.ResourceNames = nil
-		if !proto.Equal(got.req, &want) {
-			t.Fatalf("other fields = %v, want %v", got.req, &want)
+		if !proto.Equal(got.Req, &want) {
+			t.Fatalf("other fields = %v, want %v", got.Req, &want)
 		}
 	})
 }

@@ -70,7 +70,7 @@ type stream struct {
 
 	// send writes one response of a cached type, sendRaw a passthrough
 	// answer; both are the protocol's own.
-	send    func(*outgoing) error
+	send    func(*Response) error
 	sendRaw func(proto.Message) error
 }
 
@@ -737,7 +737,7 @@ func (s *stream) reconnected(sub *typeSub, ts *typeSnap, stale bool) bool {
 	if current && !sub.claimed.IsZero() {
 		// A SotW client that reported what the view holds is current:
 		// nothing to send.
-		version := stampedVersion(sub.claimed, ts.order)
+		version := Version(sub.claimed, ts.order)
 		sub.known, sub.awaitFirst = t, false
 		s.updateStatus(sub.typeURL, func(st *TypeStatus) {
 			st.SentVersion, st.AckedVersion = version, version
@@ -942,7 +942,7 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 	first := sub.awaitFirst
 	sub.awaitFirst = false
 
-	out := &outgoing{typeURL: sub.typeURL, upd: upd, removed: removed, from: from, to: sub.known.Root(), order: p.ts.order}
+	out := &Response{TypeURL: sub.typeURL, Updated: upd, Removed: removed, From: from, To: sub.known.Root(), Order: p.ts.order}
 	if s.peerRelay != nil {
 		// A peer relay takes the response's Order for its whole view of
 		// the type, and serves its own clients by it: only a response
@@ -951,44 +951,44 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 		// leaves something out, held back, pending or deferred, carries
 		// none, and the peer's view is unordered until the next.
 		if p.done != p.want {
-			out.order = ledger.Order{}
+			out.Order = ledger.Order{}
 		}
-		sub.sentOrder = out.order
+		sub.sentOrder = out.Order
 	}
 	switch {
 	case s.delta:
-		out.view = p.ts.view.Root()
-		out.version = stampedVersion(out.view, out.order)
+		out.View = p.ts.view.Root()
+		out.Version = Version(out.View, out.Order)
 	case xds.FullStateSotW(sub.typeURL):
-		out.from = ledger.Hash{}
-		out.version = stampedVersion(sub.known.Root(), out.order)
-		out.full, out.held = true, sub.known
+		out.From = ledger.Hash{}
+		out.Version = Version(sub.known.Root(), out.Order)
+		out.Full, out.Held = true, sub.known
 	default:
 		// SotW cannot say "removed" for these types: a removal only
 		// updates what the relay knows the client holds.
 		if len(upd) == 0 && !first {
 			return nil
 		}
-		out.version = stampedVersion(sub.known.Root(), out.order)
+		out.Version = Version(sub.known.Root(), out.Order)
 	}
-	out.nonce = s.nextNonce()
+	out.Nonce = s.nextNonce()
 	now := time.Now()
-	sent := sentResponse{nonce: out.nonce, version: out.version, at: now, from: fromTree, to: sub.known}
+	sent := sentResponse{nonce: out.Nonce, version: out.Version, at: now, from: fromTree, to: sub.known}
 	if s.delta {
 		sub.inflight = append(sub.inflight, sent)
 		if len(sub.inflight) > maxInflight {
 			sub.inflight = sub.inflight[len(sub.inflight)-maxInflight:]
 		}
 	} else {
-		sub.nonce = out.nonce
+		sub.nonce = out.Nonce
 	}
 	sub.sent = sent
-	s.updateStatus(sub.typeURL, func(st *TypeStatus) { st.SentVersion, st.SentAt = out.version, now })
+	s.updateStatus(sub.typeURL, func(st *TypeStatus) { st.SentVersion, st.SentAt = out.Version, now })
 	s.led.Sent(sub.typeURL, now)
 	if err := s.send(out); err != nil {
 		return err
 	}
-	s.log.Debug("push", "type", xds.ShortType(sub.typeURL), "version", out.version, "nonce", out.nonce,
+	s.log.Debug("push", "type", xds.ShortType(sub.typeURL), "version", out.Version, "nonce", out.Nonce,
 		"resources", len(upd), "removed", len(removed))
 	return nil
 }

@@ -13,9 +13,9 @@ import (
 // client holds, the Order how new it is (ledger.Order), and both come back
 // when the client reconnects, to this relay or another.
 
-// stampedVersion renders the wire version of content h sent from a view of
+// Version renders the wire version of content h sent from a view of
 // Order o.
-func stampedVersion(h ledger.Hash, o ledger.Order) string {
+func Version(h ledger.Hash, o ledger.Order) string {
 	return h.String() + "@" + o.String()
 }
 
