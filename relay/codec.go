@@ -27,7 +27,7 @@ type Response struct {
 	// this response (SotW version_info), or of the key's view (Delta
 	// system_version_info).
 	Version string
-	Updated     []*xds.Resource
+	Updated []*xds.Resource
 	Removed []string
 	// Full is set for a SotW full-state type: the response carries
 	// everything the client holds (Held), not just Updated.
