@@ -15,6 +15,7 @@ import (
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -87,7 +88,7 @@ func (s *stream) askTier(sub *typeSub) bool {
 	q := claimQuestion{typeURL: sub.typeURL, root: sub.claimed, wildcard: sub.wildcard}
 	req := &inspectpb.VersionRequest{Key: string(s.key.key), Type: sub.typeURL, Root: sub.claimed.String(), Wildcard: sub.wildcard}
 	if !sub.wildcard {
-		q.names = ListDigest(sub.names)
+		q.names = wire.ListDigest(sub.names)
 		req.Names = slices.Clone(sub.names) // read by the asking goroutine
 	}
 	k := s.key

@@ -21,6 +21,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -490,12 +491,12 @@ func TestConformance(t *testing.T) {
 			c.close()
 			c2 := e.client(0)
 			later := func(v string) string {
-				h, o, err := ParseVersion(v)
+				h, o, err := wire.ParseVersion(v)
 				if err != nil {
 					t.Fatal(err)
 				}
 				o.At++ // later on the same stream
-				return Version(h, o)
+				return wire.Version(h, o)
 			}
 			for _, typeURL := range []string{xds.TypeCluster, xds.TypeEndpoint} {
 				if e.delta {
@@ -704,7 +705,7 @@ func contentVersions(t *testing.T, vs []string) []string {
 		if n, rest, ok := strings.Cut(v, "="); ok {
 			prefix, version = n+"=", rest
 		}
-		h, _, err := ParseVersion(version)
+		h, _, err := wire.ParseVersion(version)
 		if err != nil {
 			t.Fatalf("version %q: %v", v, err)
 		}
@@ -741,7 +742,7 @@ func (e *env) moved(t *testing.T, content string, order func(ledger.Order) ledge
 		c.ack(d)
 		c.close()
 		declared := versionMap(d)
-		declared["c0"] = Version(ledger.HashBytes([]byte(content)), order(orderOf(t, declared["c0"])))
+		declared["c0"] = wire.Version(ledger.HashBytes([]byte(content)), order(orderOf(t, declared["c0"])))
 		delete(declared, "c2")
 		c = e.client(0)
 		c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, InitialResourceVersions: declared})
@@ -751,7 +752,7 @@ func (e *env) moved(t *testing.T, content string, order func(ledger.Order) ledge
 	m := c.recv()
 	c.ack(m)
 	c.close()
-	claim := Version(ledger.HashBytes([]byte(content)), order(orderOf(t, versionOf(m))))
+	claim := wire.Version(ledger.HashBytes([]byte(content)), order(orderOf(t, versionOf(m))))
 	c = e.client(0)
 	c.send(&discovery.DiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNames: []string{"c0", "c1"}, VersionInfo: claim})
 	c.subs[xds.TypeEndpoint] = []string{"c0", "c1"}
@@ -761,7 +762,7 @@ func (e *env) moved(t *testing.T, content string, order func(ledger.Order) ledge
 // orderOf returns the Order of a wire version.
 func orderOf(t *testing.T, v string) ledger.Order {
 	t.Helper()
-	_, o, err := ParseVersion(v)
+	_, o, err := wire.ParseVersion(v)
 	if err != nil || o.IsZero() {
 		t.Fatalf("version %q has no order (%v)", v, err)
 	}

@@ -9,6 +9,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -22,7 +23,7 @@ func (r *Relay) serveDelta(ds discovery.AggregatedDiscoveryService_DeltaAggregat
 	}
 	s := r.newStream(ds.Context(), true, p)
 	s.peerRelay, s.identity, s.cred = who.relay, who.identity, who.cred
-	s.send = func(o *Response) error {
+	s.send = func(o *wire.Response) error {
 		w := r.bodies.Delta(o, r.controlPlaneWire)
 		r.metrics.sent(o.TypeURL, len(o.Updated), len(o.Removed), w.Size())
 		return ds.SendMsg(w)
@@ -117,7 +118,7 @@ func (s *stream) declared(sub *typeSub, versions map[string]string) (known ledge
 		if !sub.wildcard && !sub.names.Has(name) {
 			continue
 		}
-		h, o, err := ParseVersion(v)
+		h, o, err := wire.ParseVersion(v)
 		if err != nil {
 			b.Set(name, unknownContent, nil)
 			unordered = true

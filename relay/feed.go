@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -612,7 +613,7 @@ func (u *feed) declareViews() {
 			continue
 		}
 		for e := range ts.view.All() {
-			ut.versions[e.Name] = Version(e.Hash, ts.order)
+			ut.versions[e.Name] = wire.Version(e.Hash, ts.order)
 		}
 	}
 }
@@ -930,7 +931,7 @@ func (u *feed) orderOf(resp *discovery.DeltaDiscoveryResponse) ledger.Order {
 	if sourceKind(u.k.source.Load()) != sourcePeer {
 		return u.arrived()
 	}
-	_, o, err := ParseVersion(resp.GetSystemVersionInfo())
+	_, o, err := wire.ParseVersion(resp.GetSystemVersionInfo())
 	if err != nil || o.IsZero() {
 		// An owner whose view is unordered (restored from a snapshot),
 		// or of a release before Orders: the view covers only what

@@ -30,6 +30,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -219,7 +220,7 @@ type downHarness struct {
 
 	views  map[int]map[string]ledger.Tree[*xds.Resource] // fuzzViews decoded into r's store
 	nonces map[string]bool                               // every nonce sent on the stream
-	last   map[string]*Response                          // the latest response, by type
+	last   map[string]*wire.Response                     // the latest response, by type
 	acked  map[string]string                             // seeds: the latest version ACKed, by type
 	// model is what the client holds, by type and name, as the responses
 	// and its own requests say (a NACKed response counts as held, as the
@@ -254,7 +255,7 @@ func newDownHarness(t testing.TB, conn *grpc.ClientConn, delta bool) *downHarnes
 		t: t, r: r, delta: delta,
 		views:   make(map[int]map[string]ledger.Tree[*xds.Resource]),
 		nonces:  make(map[string]bool),
-		last:    make(map[string]*Response),
+		last:    make(map[string]*wire.Response),
 		acked:   make(map[string]string),
 		model:   make(map[string]map[string]heldRes),
 		unknown: make(map[string]bool),
@@ -382,7 +383,7 @@ func (h *downHarness) clientRequested(typeURL, claimed string, declared map[stri
 		held = make(map[string]heldRes)
 		h.model[typeURL] = held
 		for n, v := range declared {
-			if hash, _, err := ParseVersion(v); err == nil {
+			if hash, _, err := wire.ParseVersion(v); err == nil {
 				held[n] = heldRes{hash, h.r.store.Lookup(hash)}
 			} else {
 				held[n] = heldRes{}
@@ -504,7 +505,7 @@ var referrers = map[string][]struct {
 // before the routes that use them), a Delta removal waits until nothing
 // the client holds refers to it, and a changed cluster's endpoints are
 // noted, to follow.
-func (h *downHarness) checkOrder(o *Response) {
+func (h *downHarness) checkOrder(o *wire.Response) {
 	typ := xds.ShortType(o.TypeURL)
 	snap := h.s.key.snap.Load()
 	for _, x := range o.Updated {
@@ -581,7 +582,7 @@ func (h *downHarness) fatalf(format string, args ...any) {
 }
 
 // checkResponse is the stream's send: it checks one outgoing response.
-func (h *downHarness) checkResponse(o *Response) error {
+func (h *downHarness) checkResponse(o *wire.Response) error {
 	typ := xds.ShortType(o.TypeURL)
 	sub := h.s.subs[o.TypeURL]
 	if sub == nil {
@@ -653,7 +654,7 @@ func (h *downHarness) checkResponse(o *Response) error {
 				h.fatalf("SotW %s response (nonce %s) updates %q but leaves it out of the full state", typ, o.Nonce, n)
 			}
 		}
-		if root := Version(b.Tree().Root(), o.Order); o.Version != root {
+		if root := wire.Version(b.Tree().Root(), o.Order); o.Version != root {
 			h.fatalf("SotW %s response (nonce %s) has version %s, want the root of its resources %s", typ, o.Nonce, o.Version, root)
 		}
 	default:
@@ -1758,19 +1759,19 @@ func FuzzUpstreamResponses(f *testing.F) {
 func FuzzParseVersion(f *testing.F) {
 	h := ledger.HashBytes([]byte("c0"))
 	s := ledger.StampAt(time.UnixMilli(1764574155123))
-	for _, v := range []string{h.String(), Version(h, ledger.Order{}), Version(h, ledger.Order{Session: s, At: s + 2}), h.String() + "@", "@1.0/1.0", "x@1.0/1.0", h.String() + "@1.2/1.3", h.String() + "@2.0/1.0"} {
+	for _, v := range []string{h.String(), wire.Version(h, ledger.Order{}), wire.Version(h, ledger.Order{Session: s, At: s + 2}), h.String() + "@", "@1.0/1.0", "x@1.0/1.0", h.String() + "@1.2/1.3", h.String() + "@2.0/1.0"} {
 		f.Add(v)
 	}
 	f.Fuzz(func(t *testing.T, v string) {
-		hash, o, err := ParseVersion(v)
+		hash, o, err := wire.ParseVersion(v)
 		if err != nil {
 			return
 		}
 		if !strings.Contains(v, "@") && !o.IsZero() {
 			t.Fatalf("ParseVersion(%q) = %s, %v; want no order on a bare hash", v, hash, o)
 		}
-		again := Version(hash, o)
-		if h2, o2, err := ParseVersion(again); err != nil || h2 != hash || o2 != o {
+		again := wire.Version(hash, o)
+		if h2, o2, err := wire.ParseVersion(again); err != nil || h2 != hash || o2 != o {
 			t.Fatalf("ParseVersion(%q) = %s, %v, rendered %q, which parses as %s, %v, %v", v, hash, o, again, h2, o2, err)
 		}
 	})

@@ -18,6 +18,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -57,7 +58,7 @@ func TestInspect(t *testing.T) {
 	held := map[string]string{} // type|name → content version the client holds
 	for typeURL, m := range got {
 		for _, r := range m.(*discovery.DeltaDiscoveryResponse).GetResources() {
-			h, _, err := ParseVersion(r.GetVersion())
+			h, _, err := wire.ParseVersion(r.GetVersion())
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -49,7 +50,7 @@ func TestPushOrder(t *testing.T) {
 			s := r.newStream(context.Background(), delta, portPlain)
 			s.key = k
 			var sent []string
-			s.send = func(o *Response) error {
+			s.send = func(o *wire.Response) error {
 				kind := "+"
 				if len(o.Updated) == 0 && !o.Full {
 					kind = "-"

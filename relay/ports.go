@@ -14,6 +14,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger/ledgerpb"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/wire"
 )
 
 // port names the listener a stream or call came in on: what it may ask
@@ -86,7 +87,7 @@ func (r *Relay) hasPeerPort() bool { return r.cfg.PeerListen != "" || r.cfg.Peer
 // and inspect exchanges) on lis, as port p, until Stop.
 func (r *Relay) serveXDS(lis net.Listener, p port, opts ...grpc.ServerOption) {
 	srv := grpc.NewServer(append([]grpc.ServerOption{
-		grpc.ForceServerCodecV2(NewCodec()),
+		grpc.ForceServerCodecV2(wire.NewCodec()),
 		// Stop returns only once every handler has: no stream attaches a
 		// key (and starts its goroutine) behind Stop's back.
 		grpc.WaitForHandlers(true),

@@ -52,6 +52,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -70,7 +71,7 @@ type Relay struct {
 	// controlPlaneWire is controlPlane encoded, for responses the relay
 	// encodes itself; bodies caches those responses' shared bytes.
 	controlPlaneWire []byte
-	bodies           Bodies
+	bodies           wire.Bodies
 	streamID         atomic.Uint64
 	// clock orders the views of the keys this relay is the source of, and
 	// observes the Orders of views it gets from the tier (ledger.Order).

@@ -7,6 +7,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -19,7 +20,7 @@ func (r *Relay) serveSotW(ss discovery.AggregatedDiscoveryService_StreamAggregat
 	}
 	s := r.newStream(ss.Context(), false, p)
 	s.peerRelay, s.identity, s.cred = who.relay, who.identity, who.cred
-	s.send = func(o *Response) error {
+	s.send = func(o *wire.Response) error {
 		w := r.bodies.SotW(o, r.controlPlaneWire)
 		n := len(o.Updated)
 		if o.Full {
@@ -29,24 +30,24 @@ func (r *Relay) serveSotW(ss discovery.AggregatedDiscoveryService_StreamAggregat
 		return ss.SendMsg(w)
 	}
 	s.sendRaw = func(m proto.Message) error { return ss.Send(m.(*discovery.DiscoveryResponse)) }
-	recv := func() (*SotWRequest, error) {
-		r := new(SotWRequest)
+	recv := func() (*wire.SotWRequest, error) {
+		r := new(wire.SotWRequest)
 		return r, ss.RecvMsg(r)
 	}
-	size := func(r *SotWRequest) int { return r.Names.Size() }
-	return serve(s, recv, size, func(r *SotWRequest) error { return s.handleSotW(r.Req, &r.Names) })
+	size := func(r *wire.SotWRequest) int { return r.Names.Size() }
+	return serve(s, recv, size, func(r *wire.SotWRequest) error { return s.handleSotW(r.Req, &r.Names) })
 }
 
 // onSotW handles one SotW request.
 func (s *stream) onSotW(req *discovery.DiscoveryRequest) error {
-	nl := NamesOf(req.GetResourceNames())
+	nl := wire.NamesOf(req.GetResourceNames())
 	return s.handleSotW(req, &nl)
 }
 
 // handleSotW handles one SotW request whose resource_names are in names
 // (req.ResourceNames is not read): they are decoded only if the stream's
 // subscription changed.
-func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *NameList) error {
+func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *wire.NameList) error {
 	if s.key == nil && isDebugType(req.GetTypeUrl()) {
 		list, err := names.Decode()
 		if err != nil {
@@ -97,7 +98,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *NameList) er
 			// stream: settled against the view in sync. A version that is
 			// not the relay's stands for nothing held (the view is sent).
 			var o ledger.Order
-			sub.claimed, o, _ = ParseVersion(v)
+			sub.claimed, o, _ = wire.ParseVersion(v)
 			o = s.r.plausible(o)
 			sub.orders = sub.orders.add(o)
 			sub.declared, sub.unordered = !sub.claimed.IsZero(), o.IsZero()

@@ -19,6 +19,7 @@ import (
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
+	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -70,7 +71,7 @@ type stream struct {
 
 	// send writes one response of a cached type, sendRaw a passthrough
 	// answer; both are the protocol's own.
-	send    func(*Response) error
+	send    func(*wire.Response) error
 	sendRaw func(proto.Message) error
 }
 
@@ -737,7 +738,7 @@ func (s *stream) reconnected(sub *typeSub, ts *typeSnap, stale bool) bool {
 	if current && !sub.claimed.IsZero() {
 		// A SotW client that reported what the view holds is current:
 		// nothing to send.
-		version := Version(sub.claimed, ts.order)
+		version := wire.Version(sub.claimed, ts.order)
 		sub.known, sub.awaitFirst = t, false
 		s.updateStatus(sub.typeURL, func(st *TypeStatus) {
 			st.SentVersion, st.AckedVersion = version, version
@@ -942,7 +943,7 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 	first := sub.awaitFirst
 	sub.awaitFirst = false
 
-	out := &Response{TypeURL: sub.typeURL, Updated: upd, Removed: removed, From: from, To: sub.known.Root(), Order: p.ts.order}
+	out := &wire.Response{TypeURL: sub.typeURL, Updated: upd, Removed: removed, From: from, To: sub.known.Root(), Order: p.ts.order}
 	if s.peerRelay != nil {
 		// A peer relay takes the response's Order for its whole view of
 		// the type, and serves its own clients by it: only a response
@@ -958,10 +959,10 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 	switch {
 	case s.delta:
 		out.View = p.ts.view.Root()
-		out.Version = Version(out.View, out.Order)
+		out.Version = wire.Version(out.View, out.Order)
 	case xds.FullStateSotW(sub.typeURL):
 		out.From = ledger.Hash{}
-		out.Version = Version(sub.known.Root(), out.Order)
+		out.Version = wire.Version(sub.known.Root(), out.Order)
 		out.Full, out.Held = true, sub.known
 	default:
 		// SotW cannot say "removed" for these types: a removal only
@@ -969,7 +970,7 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 		if len(upd) == 0 && !first {
 			return nil
 		}
-		out.Version = Version(sub.known.Root(), out.Order)
+		out.Version = wire.Version(sub.known.Root(), out.Order)
 	}
 	out.Nonce = s.nextNonce()
 	now := time.Now()

@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -369,14 +370,14 @@ func TestNewerDeclaredContentKeptWhileUpstreamDown(t *testing.T) {
 	later := e.wall.orderIn(time.Second) // from a stream opened later, on a relay further on
 	c := e.client(0)
 	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNamesSubscribe: []string{"c0", "c1"},
-		InitialResourceVersions: map[string]string{"c0": Version(ahead.Hash, later)}})
+		InitialResourceVersions: map[string]string{"c0": wire.Version(ahead.Hash, later)}})
 	if m := c.recvDelta(xds.TypeEndpoint); !slices.Equal(names(m), []string{"c1"}) {
 		t.Fatalf("EDS response carries %v, want only c1 (c0 was declared newer)", names(m))
 	} else {
 		c.ack(m)
 	}
 	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, ResourceNamesSubscribe: []string{"*"},
-		InitialResourceVersions: map[string]string{"c0": "1", "gone": Version(ahead.Hash, later)}})
+		InitialResourceVersions: map[string]string{"c0": "1", "gone": wire.Version(ahead.Hash, later)}})
 	select {
 	case m := <-c.msgs:
 		t.Fatalf("CDS declared newer than the view: got %s %v removed %v, want nothing", xds.ShortType(typeOf(m)), names(m), removedOf(m))
@@ -408,7 +409,7 @@ func TestSotWNewerClaimKeptWhileUpstreamDown(t *testing.T) {
 
 	moved := e.client(0) // it holds CDS of a later version from another relay
 	moved.send(&discovery.DiscoveryRequest{TypeUrl: xds.TypeCluster,
-		VersionInfo: Version(ledger.HashBytes([]byte("elsewhere")), e.wall.orderIn(time.Second))})
+		VersionInfo: wire.Version(ledger.HashBytes([]byte("elsewhere")), e.wall.orderIn(time.Second))})
 	fresh := e.client(1) // it holds nothing
 	fresh.send(&discovery.DiscoveryRequest{TypeUrl: xds.TypeCluster})
 	if m := fresh.recvSotW(xds.TypeCluster); len(m.GetResources()) != 3 {
@@ -455,7 +456,7 @@ func TestMovedEnvoyReleasedByRenewal(t *testing.T) {
 			// (taken from the wall clock, it could share the view's
 			// millisecond, and be covered, on a fast machine).
 			now := ledger.StampAt(orderOf(t, declared["c0"]).At.Time().Add(time.Millisecond))
-			declared["c0"] = Version(ledger.HashBytes([]byte("newer")), ledger.Order{Session: now, At: now})
+			declared["c0"] = wire.Version(ledger.HashBytes([]byte("newer")), ledger.Order{Session: now, At: now})
 			moved := newRawClient(t, dial(t, addr), true, node("ns0", "app", 2))
 			moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, InitialResourceVersions: declared})
 			m := moved.recvDelta(xds.TypeCluster)

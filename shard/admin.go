@@ -18,6 +18,7 @@ import (
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/shard/adminpb"
 )
 
@@ -292,7 +293,7 @@ func (a adminServer) ListStragglers(ctx context.Context, req *adminpb.Stragglers
 
 func (a adminServer) CheckDelivery(ctx context.Context, req *adminpb.DeliveryRequest) (*adminpb.Delivery, error) {
 	// A content hash, or a resource's version as an Envoy shows it.
-	h, _, err := relay.ParseVersion(req.GetHash())
+	h, _, err := wire.ParseVersion(req.GetHash())
 	if err != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "hash: %v", err)
 	}

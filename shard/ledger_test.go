@@ -30,6 +30,7 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/shard/adminpb"
 )
 
@@ -111,7 +112,7 @@ func TestLedgerQueries(t *testing.T) {
 		if !ok {
 			return false, "not held"
 		}
-		h, _, err := relay.ParseVersion(held.Version)
+		h, _, err := wire.ParseVersion(held.Version)
 		if err != nil {
 			return false, err.Error()
 		}

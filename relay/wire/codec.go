@@ -1,4 +1,17 @@
-package relay
+// Package wire is the relay's xDS on the wire: the gRPC Codec, responses
+// encoded once per content (Bodies), SotW requests read without decoding
+// their names (SotWRequest), and the version form every relay puts on the
+// wire (Version, ParseVersion).
+//
+// The relay encodes its responses itself instead of building a
+// DiscoveryResponse per stream for gRPC to marshal. A response's bytes are a
+// function of what the client held before and holds after (both Merkle
+// roots), so every stream of a key that gets the same update gets the same
+// bytes: they are encoded once, kept in a small cache, and each stream only
+// adds its nonce (protobuf lets a field come last). A thousand Envoys
+// catching up on a 1 MB CDS share one 1 MB buffer instead of holding a
+// thousand copies while their sends wait on flow control.
+package wire
 
 import (
 	"sync"
@@ -10,15 +23,6 @@ import (
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
-
-// The relay encodes its responses itself instead of building a
-// DiscoveryResponse per stream for gRPC to marshal. A response's bytes are a
-// function of what the client held before and holds after (both Merkle
-// roots), so every stream of a key that gets the same update gets the same
-// bytes: they are encoded once, kept in a small cache, and each stream only
-// adds its nonce (protobuf lets a field come last). A thousand Envoys
-// catching up on a 1 MB CDS share one 1 MB buffer instead of holding a
-// thousand copies while their sends wait on flow control.
 
 // Response is a response about to be sent, in protocol-neutral form.
 type Response struct {
