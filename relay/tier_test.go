@@ -12,6 +12,7 @@ import (
 	"time"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	endpoint "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc"
@@ -510,16 +511,29 @@ func TestPeerTakesOrderOnlyFromCompleteResponses(t *testing.T) {
 	_, opened := up.streams()
 	presenter.close()
 	waitFor(t, "the owner re-homed", func() bool { _, o := up.streams(); return o > opened })
+	// recvC1 takes atOwner's endpoint updates, ACKing them and noting
+	// what it holds, until c1 arrives on port: under load, responses of
+	// the re-homed stream may come first.
+	recvC1 := func(port uint32) {
+		for {
+			m := atOwner.recvDelta(xds.TypeEndpoint)
+			maps.Copy(held, versionMap(m))
+			atOwner.ack(m)
+			for _, r := range m.GetResources() {
+				var cla endpoint.ClusterLoadAssignment
+				if r.GetName() == "c1" && r.GetResource().UnmarshalTo(&cla) == nil &&
+					cla.GetEndpoints()[0].GetLbEndpoints()[0].GetEndpoint().GetAddress().GetSocketAddress().GetPortValue() == port {
+					return
+				}
+			}
+		}
+	}
 	up.set("ns0", xds.TypeEndpoint, mkCLA("c1", 9091))
 	up2.set("ns0", xds.TypeEndpoint, mkCLA("c1", 9091))
-	m := atOwner.recvDelta(xds.TypeEndpoint)
-	maps.Copy(held, versionMap(m))
-	atOwner.ack(m)
+	recvC1(9091)
 	atOther.ack(atOther.recvDelta(xds.TypeEndpoint))
 	up.set("ns0", xds.TypeEndpoint, mkCLA("c1", 9092))
-	m = atOwner.recvDelta(xds.TypeEndpoint)
-	maps.Copy(held, versionMap(m))
-	atOwner.ack(m)
+	recvC1(9092)
 	owners.set(owner.Addr().String(), false)
 	waitFor(t, "the other relay back on its owner", func() bool { return other.Stats().PeerStreams == 1 })
 	atOther.subscribe(xds.TypeEndpoint, "c9") // sent to the peer while it is held
