@@ -54,7 +54,7 @@ const maxClaimLookups = 64
 
 // claimPending reports whether sub's claimed version is being looked up in
 // the tier, and applies the answer once it came.
-func (s *stream) claimPending(sub *typeSub, ts *typeSnap) bool {
+func (s *stream) claimPending(sub *typeSub, ts *typeView) bool {
 	s.resolveClaim(sub, ts)
 	l := sub.lookup
 	if l == nil {
@@ -229,7 +229,7 @@ func (s inspectServer) GetVersion(ctx context.Context, req *inspectpb.VersionReq
 		return nil, status.Errorf(codes.NotFound, "key %q: version %s of %s not in history", req.GetKey(), root, xds.ShortType(req.GetType()))
 	}
 	var view ledger.Tree[*xds.Resource]
-	if ts := k.snap.Load().types[req.GetType()]; ts != nil {
+	if ts := k.views.Load().types[req.GetType()]; ts != nil {
 		view = ts.view
 	}
 	out := &inspectpb.VersionContent{Relay: s.r.cfg.ID}

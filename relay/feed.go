@@ -605,7 +605,7 @@ func (u *feed) renewal(src source) (wait time.Duration, now bool) {
 // declares to what the key's views hold: the relay's content hashes and
 // the views' Orders, which a peer relay recognises and orders.
 func (u *feed) declareViews() {
-	snap := u.k.snap.Load()
+	snap := u.k.views.Load()
 	for typeURL, ut := range u.types {
 		ts := snap.types[typeURL]
 		ut.versions = make(map[string]string)
@@ -716,8 +716,8 @@ func (u *feed) resubscribe() error {
 func (u *feed) notFull(typeURL string) {
 	u.k.mu.Lock()
 	defer u.k.mu.Unlock()
-	if ts := u.k.snap.Load().types[typeURL]; ts != nil && ts.full {
-		u.k.update(func(next *keySnap) {
+	if ts := u.k.views.Load().types[typeURL]; ts != nil && ts.full {
+		u.k.update(func(next *keyViews) {
 			c := next.typeOf(typeURL)
 			c.full = false
 			next.types[typeURL] = c
@@ -727,7 +727,7 @@ func (u *feed) notFull(typeURL string) {
 
 // dropUnwanted removes from a view the names nobody asks for any more.
 func (u *feed) dropUnwanted(typeURL string, names xds.NameSet) {
-	ts := u.k.snap.Load().types[typeURL]
+	ts := u.k.views.Load().types[typeURL]
 	if ts == nil {
 		return
 	}
@@ -955,7 +955,7 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 	var view ledger.Tree[*xds.Resource]
 	var viewOrder ledger.Order
 	var gone []*xds.Resource // what the view dropped, kept a while (Relay.dropped)
-	k.update(func(next *keySnap) {
+	k.update(func(next *keyViews) {
 		ts := next.typeOf(typeURL)
 		old := ts.view
 		b := old.Edit()
@@ -1035,7 +1035,7 @@ func withoutArrived(pending map[string]time.Time, upd []*xds.Resource) map[strin
 // follow updates the derived names after typeURL's view went from old to
 // cur, marking the new ones pending in next. It reports whether the set of
 // derived names changed.
-func (u *feed) follow(next *keySnap, typeURL string, old, cur ledger.Tree[*xds.Resource]) bool {
+func (u *feed) follow(next *keyViews, typeURL string, old, cur ledger.Tree[*xds.Resource]) bool {
 	changed := false
 	for _, e := range xds.RefsFrom(typeURL) {
 		if e.Fetched && u.followEdge(next, e.To, e.Kind, old, cur) {
@@ -1047,7 +1047,7 @@ func (u *feed) follow(next *keySnap, typeURL string, old, cur ledger.Tree[*xds.R
 
 // followEdge is follow for one edge of xds.TypeRefs: the names of target that
 // the view's resources refer to by kind.
-func (u *feed) followEdge(next *keySnap, target string, kind xds.RefKind, old, cur ledger.Tree[*xds.Resource]) bool {
+func (u *feed) followEdge(next *keyViews, target string, kind xds.RefKind, old, cur ledger.Tree[*xds.Resource]) bool {
 	counts := u.derived[target]
 	if counts == nil {
 		counts = make(map[string]int)
@@ -1081,7 +1081,7 @@ func (u *feed) followEdge(next *keySnap, target string, kind xds.RefKind, old, c
 // armExpiry sets the timer for the earliest pending name to expire.
 func (u *feed) armExpiry() {
 	var earliest time.Time
-	for _, ts := range u.k.snap.Load().types {
+	for _, ts := range u.k.views.Load().types {
 		for _, at := range ts.pending {
 			if earliest.IsZero() || at.Before(earliest) {
 				earliest = at
@@ -1116,7 +1116,7 @@ func (u *feed) expirePending() {
 	wait := u.r.cfg.ResourceWaitTimeout
 	k := u.k
 	k.mu.Lock()
-	k.update(func(next *keySnap) {
+	k.update(func(next *keyViews) {
 		for typeURL, ts := range next.types {
 			var keep map[string]time.Time
 			changed := false
@@ -1206,10 +1206,10 @@ func responseType(m proto.Message) string {
 func (u *feed) setStale(stale bool) {
 	k := u.k
 	k.mu.Lock()
-	cur := k.snap.Load()
+	cur := k.views.Load()
 	changed := cur.stale != stale || (!stale && cur.restored)
 	if changed {
-		k.update(func(next *keySnap) {
+		k.update(func(next *keyViews) {
 			next.stale = stale
 			if !stale {
 				next.restored = false // a live source confirmed the views
@@ -1237,5 +1237,5 @@ func (u *feed) reportSource() {
 	case sourceFallback:
 		src = ledger.SourceFallback
 	}
-	k.r.ledger.SetSource(string(k.key), src, k.snap.Load().stale)
+	k.r.ledger.SetSource(string(k.key), src, k.views.Load().stale)
 }

@@ -304,7 +304,7 @@ func (h *downHarness) publish(ctl byte) {
 	}
 	views := h.view(gen)
 	k.mu.Lock()
-	k.update(func(next *keySnap) {
+	k.update(func(next *keyViews) {
 		for typeURL, view := range views {
 			ts := next.typeOf(typeURL)
 			ts.view, ts.ready, ts.full = view, true, ctl&0x80 == 0
@@ -422,7 +422,7 @@ func (h *downHarness) checkConverged() {
 			break
 		}
 	}
-	snap := h.s.key.snap.Load()
+	snap := h.s.key.views.Load()
 	now := time.Now()
 	for _, typeURL := range slices.Sorted(maps.Keys(h.s.subs)) {
 		sub := h.s.subs[typeURL]
@@ -481,7 +481,7 @@ func (h *downHarness) wants(typeURL, name string) bool {
 	if sub == nil || h.unknown[typeURL] || (!sub.wildcard && !sub.names.Has(name)) {
 		return false
 	}
-	ts := h.s.key.snap.Load().types[typeURL]
+	ts := h.s.key.views.Load().types[typeURL]
 	if ts == nil || !ts.ready || (sub.wildcard && !ts.full) {
 		return false
 	}
@@ -507,7 +507,7 @@ var referrers = map[string][]struct {
 // noted, to follow.
 func (h *downHarness) checkOrder(o *wire.Response) {
 	typ := xds.ShortType(o.TypeURL)
-	snap := h.s.key.snap.Load()
+	snap := h.s.key.views.Load()
 	for _, x := range o.Updated {
 		for _, c := range x.Refs(xds.RefClusters) {
 			if h.wants(xds.TypeCluster, c) {
@@ -552,7 +552,7 @@ func (h *downHarness) checkOrder(o *wire.Response) {
 // resource is gone, but drops it with what referred to it: such a resource
 // counts only while the key still has it.
 func (h *downHarness) referredBy(typeURL, name string) string {
-	snap := h.s.key.snap.Load()
+	snap := h.s.key.views.Load()
 	for _, ref := range referrers[typeURL] {
 		for _, n := range slices.Sorted(maps.Keys(h.model[ref.typeURL])) {
 			have := h.model[ref.typeURL][n]
@@ -598,7 +598,7 @@ func (h *downHarness) checkResponse(o *wire.Response) error {
 	if o.Version == "" {
 		h.fatalf("%s response (nonce %s) without a version", typ, o.Nonce)
 	}
-	if ts := h.s.key.snap.Load().types[o.TypeURL]; sub.wildcard && (ts == nil || !ts.full) {
+	if ts := h.s.key.views.Load().types[o.TypeURL]; sub.wildcard && (ts == nil || !ts.full) {
 		h.fatalf("%s response (nonce %s) to a wildcard subscription from a view that is not the full set", typ, o.Nonce)
 	}
 	checkRes := func(what string, x *xds.Resource) {
@@ -762,7 +762,7 @@ func (h *downHarness) finish() {
 	h.t.Helper()
 	if k := h.s.key; k != nil && !h.ended {
 		k.mu.Lock()
-		k.update(func(next *keySnap) {
+		k.update(func(next *keyViews) {
 			for typeURL, ts := range next.types {
 				if len(ts.pending) > 0 {
 					c := *ts
@@ -1479,7 +1479,7 @@ func (h *upHarness) response(msg []byte) {
 	}
 	typ := xds.ShortType(typeURL)
 	want := h.decodeResponse(m)
-	before := h.k.snap.Load()
+	before := h.k.views.Load()
 	names := h.names[typeURL]
 	n := len(h.reqs)
 	asked := h.u.types[typeURL] != nil && h.u.types[typeURL].asked
@@ -1489,7 +1489,7 @@ func (h *upHarness) response(msg []byte) {
 	if !h.delta && !asked {
 		// SotW: a response for a type never asked for is not answered (an
 		// ACK would subscribe to it) and changes nothing.
-		if got := len(h.reqs) - n; got != 0 || h.k.snap.Load() != before {
+		if got := len(h.reqs) - n; got != 0 || h.k.views.Load() != before {
 			t.Fatalf("unsolicited %s response got %d requests back or changed the views", typ, got)
 		}
 		return
@@ -1532,7 +1532,7 @@ func (h *upHarness) response(msg []byte) {
 		t.Fatalf("%s response (nonce %q): NACK = %v, want %v (%d resources decode)", typ, nonce, detail != nil, want.nack, len(want.res))
 	}
 	if detail != nil {
-		if h.k.snap.Load() != before {
+		if h.k.views.Load() != before {
 			t.Fatalf("%s response (nonce %q) was NACKed but the key's views changed", typ, nonce)
 		}
 	} else {
@@ -1551,7 +1551,7 @@ func (h *upHarness) checkApplied(typeURL string, d decoded) {
 		return
 	}
 	typ := xds.ShortType(typeURL)
-	view := h.k.snap.Load().types[typeURL].view
+	view := h.k.views.Load().types[typeURL].view
 	wanted := func(name string) bool { return ut.wildcard || ut.names.Has(name) }
 	removed := xds.NewNameSet(d.removed)
 	sent := map[string]bool{}
@@ -1590,7 +1590,7 @@ func (h *upHarness) checkApplied(typeURL string, d decoded) {
 func (h *upHarness) checkViews(when string) {
 	t := h.t
 	t.Helper()
-	snap := h.k.snap.Load()
+	snap := h.k.views.Load()
 	for typeURL, ts := range snap.types {
 		typ := xds.ShortType(typeURL)
 		ut := h.u.types[typeURL]

@@ -246,7 +246,7 @@ func TestTLSPortSpoofedNodeCreatesNoKey(t *testing.T) {
 			t.Fatalf("spoof %d: %v, want PermissionDenied", i, err)
 		}
 	}
-	for _, k := range e.r.keysSnapshot() {
+	for _, k := range e.r.heldKeys() {
 		if strings.Contains(string(k.key), "/ns2/") {
 			t.Fatalf("key %s exists after spoofed streams only", k.key)
 		}
@@ -272,7 +272,7 @@ func TestIdentityIsPartOfTheKey(t *testing.T) {
 			t.Fatalf("%s: %v", sa, err)
 		}
 	}
-	if n := len(e.r.keysSnapshot()); n != 2 {
+	if n := len(e.r.heldKeys()); n != 2 {
 		t.Fatalf("keys = %d, want 2: one per proven service account", n)
 	}
 }

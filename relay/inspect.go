@@ -45,7 +45,7 @@ func (r *Relay) KeyDetail(key string, maxNames int) (*inspectpb.KeyDetail, error
 	if k == nil {
 		return nil, fmt.Errorf("key %q: %w", key, ErrNotHeld)
 	}
-	snap := k.snap.Load()
+	snap := k.views.Load()
 	out := &inspectpb.KeyDetail{Relay: r.cfg.ID, Key: key, Source: sourceKind(k.source.Load()).String(),
 		Stale: snap.stale, Restored: snap.restored}
 	k.mu.Lock()
@@ -84,7 +84,7 @@ func (r *Relay) KeyDetail(key string, maxNames int) (*inspectpb.KeyDetail, error
 
 // typesOf lists the types a key has a view of or a subscription to, in
 // push order, then the rest by type URL.
-func typesOf(snap *keySnap, wants map[string]typeWant) []string {
+func typesOf(snap *keyViews, wants map[string]typeWant) []string {
 	all := map[string]bool{}
 	for t := range snap.types {
 		all[t] = true
@@ -147,7 +147,7 @@ func (r *Relay) streamOf(node string) (*stream, aggkey.Key) {
 		found *stream
 		key   aggkey.Key
 	)
-	for _, k := range r.keysSnapshot() {
+	for _, k := range r.heldKeys() {
 		k.mu.Lock()
 		for _, s := range k.members {
 			// s.node is set before the stream joins a key's members.
@@ -191,7 +191,7 @@ func (r *Relay) ConfigDump(ctx context.Context, req *inspectpb.ConfigDumpRequest
 		if k == nil {
 			return nil, fmt.Errorf("key %q: %w", req.GetKey(), ErrNotHeld)
 		}
-		snap := k.snap.Load()
+		snap := k.views.Load()
 		for _, typeURL := range xds.PushOrder {
 			ts := snap.types[typeURL]
 			if ts == nil || len(req.GetTypes()) > 0 && !slices.Contains(req.GetTypes(), typeURL) {

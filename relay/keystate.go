@@ -19,13 +19,13 @@ import (
 // stream that feeds them.
 //
 // Writers (the key's feed, and streams changing their
-// subscriptions) take mu and publish a new immutable keySnap; streams read
-// the latest keySnap without locking.
+// subscriptions) take mu and publish new immutable keyViews; streams read
+// the latest keyViews without locking.
 type keyState struct {
 	key aggkey.Key
 	r   *Relay
 
-	snap atomic.Pointer[keySnap]
+	views atomic.Pointer[keyViews]
 
 	// upWake wakes the key's feed: subscriptions or members changed.
 	upWake chan struct{}
@@ -62,9 +62,9 @@ type typeWant struct {
 	names    map[string]int // explicitly subscribed names, with their subscriber count
 }
 
-// keySnap is the published state of a key. It is immutable.
-type keySnap struct {
-	types map[string]*typeSnap
+// keyViews is the published state of a key. It is immutable.
+type keyViews struct {
+	types map[string]*typeView
 	// stale is set while the views come from a cache that no live upstream
 	// stream has confirmed (the upstream is unreachable).
 	stale bool
@@ -74,8 +74,8 @@ type keySnap struct {
 	restored bool
 }
 
-// typeSnap is the published state of one type of a key. It is immutable.
-type typeSnap struct {
+// typeView is the published state of one type of a key. It is immutable.
+type typeView struct {
 	view ledger.Tree[*xds.Resource]
 	// order says how new the view is (ledger.Order): set by the key's
 	// source when the view arrived, taken from the owner by a relay that
@@ -103,7 +103,7 @@ func newKeyState(r *Relay, key aggkey.Key) *keyState {
 		want:   make(map[string]*typeWant),
 		hist:   make(map[string]*ledger.History[*xds.Resource]),
 	}
-	k.snap.Store(&keySnap{types: map[string]*typeSnap{}})
+	k.views.Store(&keyViews{types: map[string]*typeView{}})
 	return k
 }
 
@@ -154,38 +154,38 @@ func (k *keyState) versionHeld(sub *typeSub, root ledger.Hash) (ledger.Tree[*xds
 	return held, found
 }
 
-func (t *typeSnap) isPending(name string, now time.Time, wait time.Duration) bool {
+func (t *typeView) isPending(name string, now time.Time, wait time.Duration) bool {
 	at, ok := t.pending[name]
 	return ok && now.Sub(at) < wait
 }
 
-// update publishes a new keySnap built by fn from a copy of the current one.
-// fn may replace entries of types, never modify a typeSnap in place. The
+// update publishes new keyViews built by fn from a copy of the current ones.
+// fn may replace entries of types, never modify a typeView in place. The
 // caller holds k.mu.
-func (k *keyState) update(fn func(next *keySnap)) {
-	cur := k.snap.Load()
-	next := &keySnap{types: maps.Clone(cur.types), stale: cur.stale, restored: cur.restored}
+func (k *keyState) update(fn func(next *keyViews)) {
+	cur := k.views.Load()
+	next := &keyViews{types: maps.Clone(cur.types), stale: cur.stale, restored: cur.restored}
 	fn(next)
-	k.snap.Store(next)
+	k.views.Store(next)
 }
 
-// typeOf returns a copy of the typeSnap for typeURL, for modification.
-func (s *keySnap) typeOf(typeURL string) *typeSnap {
+// typeOf returns a copy of the typeView for typeURL, for modification.
+func (s *keyViews) typeOf(typeURL string) *typeView {
 	if t := s.types[typeURL]; t != nil {
 		c := *t
 		return &c
 	}
-	return &typeSnap{}
+	return &typeView{}
 }
 
-// markPending marks, in a snapshot being built (keyState.update), the
+// markPending marks, in views being built (keyState.update), the
 // names of typeURL that its view does not hold and that are not pending
 // yet as pending since now: asked of the source, so that no stream reports
 // them missing before the source had a chance to send them. The pending
-// map is copied on write (older snapshots share it); nothing is stored if
+// map is copied on write (older views share it); nothing is stored if
 // no name is new.
-func (s *keySnap) markPending(typeURL string, names []string, now time.Time) {
-	var ts *typeSnap
+func (s *keyViews) markPending(typeURL string, names []string, now time.Time) {
+	var ts *typeView
 	var pending map[string]time.Time
 	for _, n := range names {
 		if ts == nil {
@@ -211,7 +211,7 @@ func (s *keySnap) markPending(typeURL string, names []string, now time.Time) {
 	}
 }
 
-// wakeStreams tells every member stream that the snapshot changed. It never
+// wakeStreams tells every member stream that the views changed. It never
 // blocks: a stream that is busy (a slow reader) finds the latest state when
 // it comes back.
 func (k *keyState) wakeStreams() {
@@ -322,7 +322,7 @@ func (k *keyState) subscribe(typeURL string, wildcardBefore, wildcardAfter bool,
 	newNames := k.changeLocked(typeURL, false, false, added, removed)
 	if len(newNames) > 0 {
 		now := time.Now()
-		k.update(func(next *keySnap) { next.markPending(typeURL, newNames, now) })
+		k.update(func(next *keyViews) { next.markPending(typeURL, newNames, now) })
 	}
 	if wildcardBefore != wildcardAfter || len(newNames) > 0 || len(removed) > 0 {
 		wake(k.upWake)

@@ -242,12 +242,12 @@ func (c keyCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c keyCollector) Collect(ch chan<- prometheus.Metric) {
-	keys := c.r.keysSnapshot()
+	keys := c.r.heldKeys()
 	counts := map[sourceKind]int{}
 	stale := 0
 	for _, k := range keys {
 		counts[sourceKind(k.source.Load())]++
-		if k.snap.Load().stale {
+		if k.views.Load().stale {
 			stale++
 		}
 	}

@@ -63,9 +63,9 @@ func TestPushOrder(t *testing.T) {
 			}
 			publish := func(cs, es, ls, rs []types.Resource) {
 				k.mu.Lock()
-				k.update(func(next *keySnap) {
+				k.update(func(next *keyViews) {
 					for typeURL, res := range map[string][]types.Resource{xds.TypeCluster: cs, xds.TypeEndpoint: es, xds.TypeListener: ls, xds.TypeRoute: rs} {
-						next.types[typeURL] = &typeSnap{view: viewOf(t, r, typeURL, res...), ready: true, full: true}
+						next.types[typeURL] = &typeView{view: viewOf(t, r, typeURL, res...), ready: true, full: true}
 					}
 				})
 				k.mu.Unlock()

@@ -224,7 +224,7 @@ func (rs *restorer) refCounts(typ string, kind xds.RefKind, view ledger.Tree[*xd
 // restoreKey installs a persisted key, stale, if no stream created it
 // first, and returns the number of types restored.
 func (r *Relay) restoreKey(sk xds.SavedKey, rs *restorer) int {
-	types := make(map[string]*typeSnap, len(sk.Types))
+	types := make(map[string]*typeView, len(sk.Types))
 	for _, st := range sk.Types {
 		if !xds.Cached(st.Type) {
 			continue
@@ -234,7 +234,7 @@ func (r *Relay) restoreKey(sk xds.SavedKey, rs *restorer) int {
 			r.log.Warn("warm start: persisted view does not match its root; not restored", "key", sk.Key, "type", xds.ShortType(st.Type))
 			continue
 		}
-		types[st.Type] = &typeSnap{view: t, ready: true, full: st.Full}
+		types[st.Type] = &typeView{view: t, ready: true, full: st.Full}
 	}
 	if len(types) == 0 {
 		return 0
@@ -246,7 +246,7 @@ func (r *Relay) restoreKey(sk xds.SavedKey, rs *restorer) int {
 		return 0
 	}
 	k := newKeyState(r, key)
-	k.snap.Store(&keySnap{types: types, stale: true, restored: true})
+	k.views.Store(&keyViews{types: types, stale: true, restored: true})
 	now := time.Now()
 	for typeURL, ts := range types {
 		k.recordView(typeURL, ts.view, now, ledger.Order{})
@@ -268,7 +268,7 @@ func (u *feed) followRestored(rs *restorer) {
 	k := u.k
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	k.update(func(next *keySnap) {
+	k.update(func(next *keyViews) {
 		for _, d := range xds.FetchedTargets() {
 			var parts []map[string]int
 			sig := d.Target
@@ -317,7 +317,7 @@ func (u *feed) followRestored(rs *restorer) {
 // are built when the type is first asked for (a restored key no Envoy asks
 // for costs nothing).
 func (u *feed) seedRestored() {
-	for t, ts := range u.k.snap.Load().types {
+	for t, ts := range u.k.views.Load().types {
 		u.types[t] = &feedType{declare: ts.view}
 	}
 }
@@ -336,7 +336,7 @@ func (u *feed) persist() {
 			return
 		}
 	}
-	snap := u.k.snap.Load()
+	snap := u.k.views.Load()
 	if snap.stale {
 		return
 	}

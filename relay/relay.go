@@ -417,8 +417,8 @@ func (r *Relay) acquireKey(key aggkey.Key, s *stream) *keyState {
 	return k
 }
 
-// keysSnapshot returns the keys held now.
-func (r *Relay) keysSnapshot() []*keyState {
+// heldKeys returns the keys held now.
+func (r *Relay) heldKeys() []*keyState {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return slices.Collect(maps.Values(r.keys))
@@ -478,14 +478,14 @@ type Stats struct {
 
 // Stats returns the relay's current figures.
 func (r *Relay) Stats() Stats {
-	keys := r.keysSnapshot()
+	keys := r.heldKeys()
 	st := Stats{Keys: len(keys), Resources: r.store.Len(), RestoredKeys: int(r.restored.Load())}
 	for _, k := range keys {
 		k.mu.Lock()
 		st.Streams += len(k.members) - k.peers
 		st.PeerClients += k.peers
 		k.mu.Unlock()
-		if k.snap.Load().stale {
+		if k.views.Load().stale {
 			st.StaleKeys++
 		}
 	}
@@ -513,7 +513,7 @@ type ClientStatus struct {
 
 // Clients returns the status of every stream attached to a key.
 func (r *Relay) Clients() []ClientStatus {
-	keys := r.keysSnapshot()
+	keys := r.heldKeys()
 	var out []ClientStatus
 	for _, k := range keys {
 		k.mu.Lock()

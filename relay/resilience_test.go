@@ -399,8 +399,8 @@ func TestWildcardLeavesAndReturns(t *testing.T) {
 	wantNames(t, d, "c0", "c1", "c2")
 	all.close()
 	waitFor(t, "the key's view to shrink to c0", func() bool {
-		for _, k := range e.r.keysSnapshot() {
-			if ts := k.snap.Load().types[xds.TypeCluster]; ts != nil && ts.view.Len() == 1 {
+		for _, k := range e.r.heldKeys() {
+			if ts := k.views.Load().types[xds.TypeCluster]; ts != nil && ts.view.Len() == 1 {
 				return true
 			}
 		}

@@ -190,7 +190,7 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 			return status.Error(codes.Unavailable, "relay is shutting down")
 		}
 		// A plain ACK changes nothing to send: only subscription changes
-		// and new snapshots need a sync.
+		// and new views need a sync.
 		if s.dirty {
 			s.dirty = false
 			if err := s.sync(); err != nil {

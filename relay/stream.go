@@ -62,7 +62,7 @@ type stream struct {
 	// configuration was first held back for a cluster the client lacked.
 	dangling map[string]time.Time
 	pass     *passthrough
-	// dirty is set when a subscription changed or the key's snapshot did:
+	// dirty is set when a subscription changed or the key's views did:
 	// the stream must sync.
 	dirty bool
 
@@ -381,7 +381,7 @@ func (s *stream) noteRejected(sub *typeSub, sent sentResponse, nack bool) bool {
 		return false
 	}
 	var view ledger.Tree[*xds.Resource]
-	if ts := s.key.snap.Load().types[sub.typeURL]; ts != nil {
+	if ts := s.key.views.Load().types[sub.typeURL]; ts != nil {
 		view = ts.view
 	}
 	for n := range sub.rejected {
@@ -454,7 +454,7 @@ func (sub *typeSub) changes(view ledger.Tree[*xds.Resource]) (upd []*xds.Resourc
 // plan is what one sync round will send for one type.
 type plan struct {
 	sub  *typeSub
-	ts   *typeSnap
+	ts   *typeView
 	upd  []*xds.Resource
 	gone []string // removal candidates, not yet checked for references
 	// want counts the updates and removals the client needs to hold all
@@ -464,14 +464,14 @@ type plan struct {
 	want, done int
 }
 
-// sync brings the client up to the key's latest snapshot: updates in push
+// sync brings the client up to the key's latest views: updates in push
 // order (CDS, EDS, LDS, RDS, …), then removals in reverse dependency order,
 // each removal held while something the client holds still refers to it.
 func (s *stream) sync() error {
 	if s.key == nil {
 		return nil
 	}
-	snap := s.key.snap.Load()
+	snap := s.key.views.Load()
 	now := time.Now()
 	plans, synced := s.planTypes(snap, now)
 	if err := s.sendUpdates(plans); err != nil {
@@ -493,7 +493,7 @@ func (s *stream) sync() error {
 // (or an Order to pass on), synced those the client already holds. A type
 // whose view is not known yet, or whose claimed version the tier is
 // asked about, stops the walk: what comes later in push order waits.
-func (s *stream) planTypes(snap *keySnap, now time.Time) (plans, synced []*plan) {
+func (s *stream) planTypes(snap *keyViews, now time.Time) (plans, synced []*plan) {
 	wait := s.r.cfg.ResourceWaitTimeout
 	for _, typeURL := range xds.PushOrder {
 		sub := s.subs[typeURL]
@@ -602,7 +602,7 @@ func (s *stream) sendRemovals(plans []*plan) error {
 // same: the owner renewed its upstream stream, or the upstream confirmed
 // the same content, and the peer's own clients wait for a view that
 // covers what they hold.
-func (s *stream) orderNews(sub *typeSub, ts *typeSnap, want int) bool {
+func (s *stream) orderNews(sub *typeSub, ts *typeView, want int) bool {
 	return s.peerRelay != nil && s.delta && want == 0 && ts.order != sub.sentOrder && !sub.awaitFirst
 }
 
@@ -720,7 +720,7 @@ func (s *stream) deferDangling(p *plan) {
 // old to ever cover what the client holds, the key's source is asked for a
 // new one (keyState.demand). Once settled, the view is the truth for the
 // client.
-func (s *stream) reconnected(sub *typeSub, ts *typeSnap, stale bool) bool {
+func (s *stream) reconnected(sub *typeSub, ts *typeView, stale bool) bool {
 	t := sub.target(ts.view)
 	held := sub.known.Root()
 	if !sub.claimed.IsZero() {
@@ -753,7 +753,7 @@ func (s *stream) reconnected(sub *typeSub, ts *typeSnap, stale bool) bool {
 // older than anything; so may the part of what the client holds that came
 // without one, unless the view is live (its source's stream is up: it is
 // the upstream's state of a moment ago).
-func (sub *typeSub) coveredBy(ts *typeSnap, stale bool) bool {
+func (sub *typeSub) coveredBy(ts *typeView, stale bool) bool {
 	return !ts.order.IsZero() && sub.orders.coveredBy(ts.order) && !(sub.unordered && stale)
 }
 
@@ -765,7 +765,7 @@ func (sub *typeSub) coveredBy(ts *typeSnap, stale bool) bool {
 // it). A claim of the view's content needs nothing; one the history lacks
 // is asked of the tier (askTier, claims.go). A claim nobody knows stays a
 // root: what the client holds of the type may refer to anything.
-func (s *stream) resolveClaim(sub *typeSub, ts *typeSnap) {
+func (s *stream) resolveClaim(sub *typeSub, ts *typeView) {
 	if sub.claimed.IsZero() || sub.claimTried {
 		return
 	}
@@ -814,7 +814,7 @@ func (s *stream) heldVersion(sub *typeSub) (ledger.Tree[*xds.Resource], bool) {
 // one its newer version removed, and a SotW client said only a root), and
 // neither does a view restored from a snapshot (unordered, and as old as
 // the snapshot: the client may have held the name, newer, before).
-func (s *stream) lacking(sub *typeSub, ts *typeSnap) []*xds.Resource {
+func (s *stream) lacking(sub *typeSub, ts *typeView) []*xds.Resource {
 	if !s.delta || sub.wildcard || ts.order.IsZero() {
 		return nil
 	}
@@ -839,7 +839,7 @@ func (s *stream) heldByOrder(typeURL string) bool {
 	if sub == nil || s.key == nil || !sub.declared {
 		return false
 	}
-	snap := s.key.snap.Load()
+	snap := s.key.views.Load()
 	ts := snap.types[typeURL]
 	return ts != nil && !sub.coveredBy(ts, snap.stale)
 }

@@ -197,7 +197,7 @@ func (r *Relay) watchOwners(ctx context.Context) {
 		case <-r.cfg.Owners.Changed():
 		}
 		r.ownersTerm.Add(1)
-		for _, k := range r.keysSnapshot() {
+		for _, k := range r.heldKeys() {
 			wake(k.upWake)
 		}
 	}
@@ -290,7 +290,7 @@ func (r *Relay) pruneConns(ctx context.Context) {
 
 // streams returns the attached streams, Envoys' and other relays' apart.
 func (r *Relay) streams() (envoys, peers []*stream) {
-	for _, k := range r.keysSnapshot() {
+	for _, k := range r.heldKeys() {
 		k.mu.Lock()
 		for _, s := range k.members {
 			if s.peerRelay == nil {

@@ -258,7 +258,7 @@ func TestSourceFollowsOwners(t *testing.T) {
 	if m := c.recvDelta(xds.TypeEndpoint); len(m.GetResources()) != 1 || m.GetResources()[0].GetName() != "c2" {
 		t.Fatalf("change in fallback: got %v, want c2", names(m))
 	}
-	if got := sourceKind(r.keysSnapshot()[0].source.Load()); got != sourceFallback {
+	if got := sourceKind(r.heldKeys()[0].source.Load()); got != sourceFallback {
 		t.Errorf("key source = %v, want fallback", got)
 	}
 }
@@ -538,7 +538,7 @@ func TestPeerTakesOrderOnlyFromCompleteResponses(t *testing.T) {
 	waitFor(t, "the other relay back on its owner", func() bool { return other.Stats().PeerStreams == 1 })
 	atOther.subscribe(xds.TypeEndpoint, "c9") // sent to the peer while it is held
 	waitFor(t, "c9 at the other relay", func() bool {
-		_, ok := other.keysSnapshot()[0].snap.Load().types[xds.TypeEndpoint].view.Get("c9")
+		_, ok := other.heldKeys()[0].views.Load().types[xds.TypeEndpoint].view.Get("c9")
 		return ok
 	})
 	// The Envoy that holds c1 at 9092 moves to the other relay: it holds
@@ -573,7 +573,7 @@ func TestSotWClaimWithoutBodies(t *testing.T) {
 	s := e.r.newStream(context.Background(), false, portPlain)
 	s.key = k
 	sub := &typeSub{typeURL: xds.TypeCluster, wildcard: true, claimed: claimed.Root()}
-	s.resolveClaim(sub, k.snap.Load().typeOf(xds.TypeCluster))
+	s.resolveClaim(sub, k.views.Load().typeOf(xds.TypeCluster))
 	if sub.claimKnown {
 		t.Fatalf("a claim whose bodies are gone was taken: the client holds %d resources (one without a body: %v)", sub.known.Len(), opaque(sub.known))
 	}
