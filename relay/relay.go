@@ -1,7 +1,7 @@
 // Package relay is meshrelay's xDS data path: the downstream ADS server
 // (SotW and Delta) that Envoys connect to, the upstream ADS client that
-// subscribes to istiod once per aggregation key, the content-addressed
-// resource cache between them, and the aggregation keys themselves.
+// subscribes to istiod once per aggregation key, and the content-addressed
+// resource cache between them.
 //
 // A Relay serves every Envoy from its cache. For each aggregation key (a
 // class of proxies that get identical config) it holds one upstream stream,
@@ -18,6 +18,43 @@
 // place to pass unknown types through per stream, which is most of what a
 // relay must get right. go-control-plane provides the protos, the resource
 // type URLs, and (in loadtest) the upstream.
+//
+// # Layout
+//
+// The parts that stand alone are packages below this one; each imports
+// only those listed after it, and none imports relay:
+//
+//	relay/snapshot   views persisted in etcd for a warm start (implements Snapshots)
+//	relay/wire       the bytes on the wire: the gRPC codec, responses encoded once
+//	                 per content, SotW requests read lazily, the version form
+//	relay/aggkey     aggregation keys: profiles, a stream's identity mixed in, a
+//	                 key's namespace
+//	relay/auth       who a stream is: SPIFFE certificates, Kubernetes JWTs,
+//	                 istiod's identity rule (relay/auth/authtest for tests)
+//	relay/xds        the xDS vocabulary: type URLs and the type graph, resources
+//	                 and their store, name sets, the persisted form of views
+//	relay/redact     what a config dump must not show
+//	relay/tlsfiles   certificates and keys read again when rotated
+//	relay/inspectpb  what one relay tells another of a key, a node, a version
+//	relay/xdstypes   every Envoy and Istio type, linked into the binary alone
+//
+// This package holds what is still one piece, by file:
+//
+//   - the Relay, its Config, lifecycle and metrics: relay.go, config.go,
+//     metrics.go; its ports and who may use them: ports.go, identity.go,
+//     admission.go, forward.go (credentials passed upstream);
+//   - the downstream server: stream.go (one ADS stream, the order of what
+//     it sends), sotw.go, delta.go, passthrough.go (types the relay does
+//     not cache), versions.go (whether a view covers what a client holds);
+//   - a key: keystate.go (its views, subscriptions and members),
+//     mailbox.go, and its feed: feed.go (the one stream to the key's
+//     source, istiod or the owner relay), persist.go (saving views, and the
+//     warm start that restores them);
+//   - the tier: tier.go (owners, balancing, moving streams away),
+//     claims.go (versions a SotW Envoy claims, looked up across relays),
+//     ledger.go (ledger queries gathered from every relay);
+//   - inspection: inspect.go (key details, config dumps), debugxds.go
+//     (istiod's debug types), admingrpc.go (the admin listener's callers).
 package relay
 
 import (
