@@ -144,7 +144,7 @@ func (u *feed) choose() source {
 		return source{kind: sourceUpstream}
 	}
 	if addr == u.fallbackFor {
-		if !u.r.peerReady(addr) {
+		if !u.r.pool.ready(addr) {
 			return source{kind: sourceFallback, addr: addr}
 		}
 		u.fallbackFor = ""
@@ -306,7 +306,7 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter *stream, 
 			switchSince = time.Time{}
 			return false
 		}
-		if next.kind == sourcePeer && !u.r.peerReady(next.addr) {
+		if next.kind == sourcePeer && !u.r.pool.ready(next.addr) {
 			if switchSince.IsZero() {
 				switchSince = time.Now()
 			}
@@ -461,7 +461,7 @@ func (u *feed) open(sctx context.Context, presenter *stream, src source) (send f
 	conn := u.r.upConn
 	u.delta = u.r.cfg.UpstreamProtocol == ProtocolDelta
 	if src.kind == sourcePeer {
-		if conn, err = u.r.peerConn(src.addr); err != nil {
+		if conn, err = u.r.pool.conn(src.addr); err != nil {
 			return nil, nil, fmt.Errorf("owner %s: %w", src.addr, err)
 		}
 		sctx = u.r.peerContext(sctx, u.k.key)

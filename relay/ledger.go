@@ -3,7 +3,6 @@ package relay
 import (
 	"context"
 	"slices"
-	"sync"
 	"time"
 
 	"google.golang.org/grpc"
@@ -171,37 +170,10 @@ func gather[T any](ctx context.Context, r *Relay, call func(context.Context, *gr
 	if r.cfg.Peers == nil {
 		return nil, nil
 	}
-	addrs := r.cfg.Peers.PeerAddrs()
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.LedgerGatherTimeout)
 	defer cancel()
 	ctx = metadata.AppendToOutgoingContext(ctx, r.peerMetadata()...)
-	var (
-		mu      sync.Mutex
-		wg      sync.WaitGroup
-		out     []T
-		missing map[string]error
-	)
-	for _, addr := range addrs {
-		wg.Go(func() {
-			var v T
-			conn, err := r.peerConn(addr)
-			if err == nil {
-				v, err = call(ctx, conn)
-			}
-			mu.Lock()
-			defer mu.Unlock()
-			if err != nil {
-				if missing == nil {
-					missing = make(map[string]error)
-				}
-				missing[addr] = err
-				return
-			}
-			out = append(out, v)
-		})
-	}
-	wg.Wait()
-	return out, missing
+	return gatherFrom(ctx, r.pool, r.cfg.Peers.PeerAddrs(), call)
 }
 
 // ledgerServer serves this relay's ledger to the tier's other relays.

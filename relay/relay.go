@@ -139,8 +139,7 @@ type Relay struct {
 	authLogs   *rate.Limiter // bounds authentication warnings
 	failures   *failureGate  // bounds verifications of failing sources
 
-	peersMu sync.Mutex
-	peers   map[string]*grpc.ClientConn // relay-to-relay connections by xDS address
+	pool *peerPool // relay-to-relay connections
 
 	// runMu guards refuseWork: set as Stop begins, goRun starts nothing
 	// after it.
@@ -168,7 +167,7 @@ func New(cfg Config) (*Relay, error) {
 		keys:         make(map[aggkey.Key]*keyState),
 		warm:         make(chan struct{}),
 		loaded:       make(chan struct{}),
-		peers:        make(map[string]*grpc.ClientConn),
+		pool:         newPeerPool(cfg.MaxMsgSize, cfg.PeerDialOptions...),
 		clock:        ledger.NewClock(cfg.wall),
 		authLogs:     newAuthLogLimiter(),
 		failures:     newFailureGate(),
@@ -385,12 +384,7 @@ func (r *Relay) Stop(ctx context.Context) error {
 	}
 	r.serveWG.Wait()
 	errs := []error{err, r.upConn.Close()}
-	r.peersMu.Lock()
-	for _, c := range r.peers {
-		errs = append(errs, c.Close())
-	}
-	clear(r.peers)
-	r.peersMu.Unlock()
+	errs = append(errs, r.pool.close())
 	r.mu.Lock()
 	r.state = lifeStopped
 	r.mu.Unlock()

@@ -11,12 +11,7 @@ import (
 	"sync"
 	"time"
 
-	"google.golang.org/grpc"
-	grpcbackoff "google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/connectivity"
-	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
@@ -141,50 +136,6 @@ func (r *Relay) peerMetadata() []string {
 // peerContext adds the metadata of a stream this relay opens to a peer.
 func (r *Relay) peerContext(ctx context.Context, key aggkey.Key) context.Context {
 	return metadata.AppendToOutgoingContext(ctx, append(r.peerMetadata(), mdPeerKey, string(key))...)
-}
-
-// peerConn returns the connection to the relay at addr, dialling it on
-// first use. Connections live until Stop.
-func (r *Relay) peerConn(addr string) (*grpc.ClientConn, error) {
-	r.peersMu.Lock()
-	defer r.peersMu.Unlock()
-	if c := r.peers[addr]; c != nil {
-		return c, nil
-	}
-	opts := append([]grpc.DialOption{
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(r.cfg.MaxMsgSize), grpc.MaxCallSendMsgSize(r.cfg.MaxMsgSize)),
-		// A partitioned owner must be noticed in seconds, not minutes:
-		// its keys fall back to the upstream meanwhile. (The server side
-		// permits pings every 10 s.)
-		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
-		// And found again in seconds once reachable (gRPC's default
-		// reconnect backoff grows to two minutes).
-		grpc.WithConnectParams(grpc.ConnectParams{
-			Backoff:           grpcbackoff.Config{BaseDelay: 250 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 3 * time.Second},
-			MinConnectTimeout: 5 * time.Second,
-		}),
-	}, r.cfg.PeerDialOptions...)
-	c, err := grpc.NewClient(addr, opts...)
-	if err != nil {
-		return nil, err
-	}
-	r.peers[addr] = c
-	return c, nil
-}
-
-// peerReady reports whether the connection to the relay at addr is up, and
-// nudges it to reconnect if it is not.
-func (r *Relay) peerReady(addr string) bool {
-	c, err := r.peerConn(addr)
-	if err != nil {
-		return false
-	}
-	if s := c.GetState(); s != connectivity.Ready {
-		c.Connect()
-		return false
-	}
-	return true
 }
 
 // watchOwners wakes every key's feed when owners may have

@@ -1,0 +1,118 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	grpcbackoff "google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/connectivity"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/keepalive"
+)
+
+// peerPool holds the connections to the tier's other relays, by xDS
+// address, each dialled on first use and kept until close. Safe for
+// concurrent use.
+type peerPool struct {
+	mu    sync.Mutex
+	conns map[string]*grpc.ClientConn
+	opts  []grpc.DialOption
+}
+
+// newPeerPool returns a pool whose connections carry messages of up to
+// maxMsgSize bytes; extra dial options (transport credentials among them)
+// come after the pool's own, so they win.
+func newPeerPool(maxMsgSize int, extra ...grpc.DialOption) *peerPool {
+	opts := append([]grpc.DialOption{
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMsgSize), grpc.MaxCallSendMsgSize(maxMsgSize)),
+		// A partitioned owner must be noticed in seconds, not minutes:
+		// its keys fall back to the upstream meanwhile. (The server side
+		// permits pings every 10 s.)
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
+		// And found again in seconds once reachable (gRPC's default
+		// reconnect backoff grows to two minutes).
+		grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff:           grpcbackoff.Config{BaseDelay: 250 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 3 * time.Second},
+			MinConnectTimeout: 5 * time.Second,
+		}),
+	}, extra...)
+	return &peerPool{conns: make(map[string]*grpc.ClientConn), opts: opts}
+}
+
+// conn returns the connection to the relay at addr, dialling it on first
+// use.
+func (p *peerPool) conn(addr string) (*grpc.ClientConn, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if c := p.conns[addr]; c != nil {
+		return c, nil
+	}
+	c, err := grpc.NewClient(addr, p.opts...)
+	if err != nil {
+		return nil, err
+	}
+	p.conns[addr] = c
+	return c, nil
+}
+
+// ready reports whether the connection to the relay at addr is up, and
+// nudges it to reconnect if it is not.
+func (p *peerPool) ready(addr string) bool {
+	c, err := p.conn(addr)
+	if err != nil {
+		return false
+	}
+	if s := c.GetState(); s != connectivity.Ready {
+		c.Connect()
+		return false
+	}
+	return true
+}
+
+// close closes every connection.
+func (p *peerPool) close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var errs []error
+	for _, c := range p.conns {
+		errs = append(errs, c.Close())
+	}
+	clear(p.conns)
+	return errors.Join(errs...)
+}
+
+// gatherFrom calls every relay at addrs at once and returns the answers,
+// and the errors of those that failed, by address.
+func gatherFrom[T any](ctx context.Context, p *peerPool, addrs []string, call func(context.Context, *grpc.ClientConn) (T, error)) ([]T, map[string]error) {
+	var (
+		mu      sync.Mutex
+		wg      sync.WaitGroup
+		out     []T
+		missing map[string]error
+	)
+	for _, addr := range addrs {
+		wg.Go(func() {
+			var v T
+			conn, err := p.conn(addr)
+			if err == nil {
+				v, err = call(ctx, conn)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				if missing == nil {
+					missing = make(map[string]error)
+				}
+				missing[addr] = err
+				return
+			}
+			out = append(out, v)
+		})
+	}
+	wg.Wait()
+	return out, missing
+}
