@@ -3,8 +3,6 @@ package relay
 import (
 	"context"
 	"crypto/hmac"
-	"crypto/sha256"
-	"encoding/hex"
 	"math"
 	"math/rand/v2"
 	"net"
@@ -40,30 +38,8 @@ type Tier interface {
 	FairShare(conns int) (share, least int, ok bool)
 }
 
-// Relay-to-relay streams carry these gRPC metadata keys: the calling
-// relay's ID, the aggregation key it subscribes for (so both ends agree on
-// it whatever the profile), a proof that it holds the tier's peer secret,
-// and, if a client of the calling relay holds a version the key's views do
-// not cover, when that version arrived (a ledger.Stamp: the owner opens an
-// upstream stream after it; keyState.demand).
-const (
-	mdPeer       = "x-meshrelay-peer"
-	mdPeerKey    = "x-meshrelay-key"
-	mdPeerAuth   = "x-meshrelay-peer-auth"
-	mdPeerDemand = "x-meshrelay-demand"
-)
-
 // maxKeyLen bounds a key named by a peer.
 const maxKeyLen = 1024
-
-// peerToken proves a relay named id holds secret. Over plaintext it is
-// replayable by whoever can read the traffic, so it is as strong as the
-// transport (mTLS between relays makes it a second factor).
-func peerToken(secret []byte, id string) string {
-	m := hmac.New(sha256.New, secret)
-	m.Write([]byte("meshrelay-peer\x00" + id))
-	return hex.EncodeToString(m.Sum(nil))
-}
 
 // peerIdentity is what a stream's metadata proves about a calling relay.
 type peerIdentity struct {
