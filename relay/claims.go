@@ -148,7 +148,7 @@ func (r *Relay) askVersion(ctx context.Context, addrs []string, req *inspectpb.V
 
 // askOne asks one relay, and checks its answer.
 func (r *Relay) askOne(ctx context.Context, addr string, req *inspectpb.VersionRequest, root ledger.Hash) (ledger.Tree[*xds.Resource], error) {
-	conn, err := r.pool.conn(addr)
+	conn, err := r.pool.Conn(addr)
 	if err != nil {
 		return ledger.Tree[*xds.Resource]{}, err
 	}

@@ -258,7 +258,7 @@ func TestDebugTypesOnPeerPort(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	asRelay := metadata.Pairs(mdPeer, "relay-x", mdPeerKey, string(aggkey.Istio{}.Key(node("ns1", "app", 1))))
+	asRelay := metadata.Pairs(MDRelay, "relay-x", MDKey, string(aggkey.Istio{}.Key(node("ns1", "app", 1))))
 	for _, tc := range []struct {
 		name string
 		md   metadata.MD

@@ -144,7 +144,7 @@ func (u *feed) choose() source {
 		return source{kind: sourceUpstream}
 	}
 	if addr == u.fallbackFor {
-		if !u.r.pool.ready(addr) {
+		if !u.r.pool.Ready(addr) {
 			return source{kind: sourceFallback, addr: addr}
 		}
 		u.fallbackFor = ""
@@ -306,7 +306,7 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter *stream, 
 			switchSince = time.Time{}
 			return false
 		}
-		if next.kind == sourcePeer && !u.r.pool.ready(next.addr) {
+		if next.kind == sourcePeer && !u.r.pool.Ready(next.addr) {
 			if switchSince.IsZero() {
 				switchSince = time.Now()
 			}
@@ -461,12 +461,12 @@ func (u *feed) open(sctx context.Context, presenter *stream, src source) (send f
 	conn := u.r.upConn
 	u.delta = u.r.cfg.UpstreamProtocol == ProtocolDelta
 	if src.kind == sourcePeer {
-		if conn, err = u.r.pool.conn(src.addr); err != nil {
+		if conn, err = u.r.pool.Conn(src.addr); err != nil {
 			return nil, nil, fmt.Errorf("owner %s: %w", src.addr, err)
 		}
 		sctx = u.r.peerContext(sctx, u.k.key)
 		if d := ledger.Stamp(u.k.demanded.Load()); d > u.demandSent {
-			sctx = metadata.AppendToOutgoingContext(sctx, mdPeerDemand, d.String())
+			sctx = metadata.AppendToOutgoingContext(sctx, MDDemand, d.String())
 			u.demandSent = d
 		}
 		// Relays speak Delta to each other, and their versions are content

@@ -23,34 +23,34 @@ import (
 // not cover, when that version arrived (a ledger.Stamp: the owner opens an
 // upstream stream after it; keyState.demand).
 const (
-	mdPeer       = "x-meshrelay-peer"
-	mdPeerKey    = "x-meshrelay-key"
-	mdPeerAuth   = "x-meshrelay-peer-auth"
-	mdPeerDemand = "x-meshrelay-demand"
+	MDRelay       = "x-meshrelay-peer"
+	MDKey    = "x-meshrelay-key"
+	MDAuth   = "x-meshrelay-peer-auth"
+	MDDemand = "x-meshrelay-demand"
 )
 
-// peerToken proves a relay named id holds secret. Over plaintext it is
+// Token proves a relay named id holds secret. Over plaintext it is
 // replayable by whoever can read the traffic, so it is as strong as the
 // transport (mTLS between relays makes it a second factor).
-func peerToken(secret []byte, id string) string {
+func Token(secret []byte, id string) string {
 	m := hmac.New(sha256.New, secret)
 	m.Write([]byte("meshrelay-peer\x00" + id))
 	return hex.EncodeToString(m.Sum(nil))
 }
 
-// peerPool holds the connections to the tier's other relays, by xDS
+// Pool holds the connections to the tier's other relays, by xDS
 // address, each dialled on first use and kept until close. Safe for
 // concurrent use.
-type peerPool struct {
+type Pool struct {
 	mu    sync.Mutex
 	conns map[string]*grpc.ClientConn
 	opts  []grpc.DialOption
 }
 
-// newPeerPool returns a pool whose connections carry messages of up to
+// NewPool returns a pool whose connections carry messages of up to
 // maxMsgSize bytes; extra dial options (transport credentials among them)
 // come after the pool's own, so they win.
-func newPeerPool(maxMsgSize int, extra ...grpc.DialOption) *peerPool {
+func NewPool(maxMsgSize int, extra ...grpc.DialOption) *Pool {
 	opts := append([]grpc.DialOption{
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMsgSize), grpc.MaxCallSendMsgSize(maxMsgSize)),
@@ -65,12 +65,12 @@ func newPeerPool(maxMsgSize int, extra ...grpc.DialOption) *peerPool {
 			MinConnectTimeout: 5 * time.Second,
 		}),
 	}, extra...)
-	return &peerPool{conns: make(map[string]*grpc.ClientConn), opts: opts}
+	return &Pool{conns: make(map[string]*grpc.ClientConn), opts: opts}
 }
 
-// conn returns the connection to the relay at addr, dialling it on first
+// Conn returns the connection to the relay at addr, dialling it on first
 // use.
-func (p *peerPool) conn(addr string) (*grpc.ClientConn, error) {
+func (p *Pool) Conn(addr string) (*grpc.ClientConn, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if c := p.conns[addr]; c != nil {
@@ -84,10 +84,10 @@ func (p *peerPool) conn(addr string) (*grpc.ClientConn, error) {
 	return c, nil
 }
 
-// ready reports whether the connection to the relay at addr is up, and
+// Ready reports whether the connection to the relay at addr is up, and
 // nudges it to reconnect if it is not.
-func (p *peerPool) ready(addr string) bool {
-	c, err := p.conn(addr)
+func (p *Pool) Ready(addr string) bool {
+	c, err := p.Conn(addr)
 	if err != nil {
 		return false
 	}
@@ -98,8 +98,8 @@ func (p *peerPool) ready(addr string) bool {
 	return true
 }
 
-// close closes every connection.
-func (p *peerPool) close() error {
+// Close closes every connection.
+func (p *Pool) Close() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var errs []error
@@ -110,9 +110,9 @@ func (p *peerPool) close() error {
 	return errors.Join(errs...)
 }
 
-// gatherFrom calls every relay at addrs at once and returns the answers,
+// Gather calls every relay at addrs at once and returns the answers,
 // and the errors of those that failed, by address.
-func gatherFrom[T any](ctx context.Context, p *peerPool, addrs []string, call func(context.Context, *grpc.ClientConn) (T, error)) ([]T, map[string]error) {
+func Gather[T any](ctx context.Context, p *Pool, addrs []string, call func(context.Context, *grpc.ClientConn) (T, error)) ([]T, map[string]error) {
 	var (
 		mu      sync.Mutex
 		wg      sync.WaitGroup
@@ -122,7 +122,7 @@ func gatherFrom[T any](ctx context.Context, p *peerPool, addrs []string, call fu
 	for _, addr := range addrs {
 		wg.Go(func() {
 			var v T
-			conn, err := p.conn(addr)
+			conn, err := p.Conn(addr)
 			if err == nil {
 				v, err = call(ctx, conn)
 			}

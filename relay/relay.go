@@ -139,7 +139,7 @@ type Relay struct {
 	authLogs   *rate.Limiter // bounds authentication warnings
 	failures   *failureGate  // bounds verifications of failing sources
 
-	pool *peerPool // relay-to-relay connections
+	pool *Pool // relay-to-relay connections
 
 	// runMu guards refuseWork: set as Stop begins, goRun starts nothing
 	// after it.
@@ -167,7 +167,7 @@ func New(cfg Config) (*Relay, error) {
 		keys:         make(map[aggkey.Key]*keyState),
 		warm:         make(chan struct{}),
 		loaded:       make(chan struct{}),
-		pool:         newPeerPool(cfg.MaxMsgSize, cfg.PeerDialOptions...),
+		pool:         NewPool(cfg.MaxMsgSize, cfg.PeerDialOptions...),
 		clock:        ledger.NewClock(cfg.wall),
 		authLogs:     newAuthLogLimiter(),
 		failures:     newFailureGate(),
@@ -384,7 +384,7 @@ func (r *Relay) Stop(ctx context.Context) error {
 	}
 	r.serveWG.Wait()
 	errs := []error{err, r.upConn.Close()}
-	errs = append(errs, r.pool.close())
+	errs = append(errs, r.pool.Close())
 	r.mu.Lock()
 	r.state = lifeStopped
 	r.mu.Unlock()
