@@ -22,6 +22,7 @@ import (
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/auth/authtest"
+	"github.com/meshrelay/meshrelay/relay/peers"
 )
 
 // allowEveryone authorizes every stream, as AllowAll does, but is an
@@ -258,7 +259,7 @@ func TestDebugTypesOnPeerPort(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	asRelay := metadata.Pairs(MDRelay, "relay-x", MDKey, string(aggkey.Istio{}.Key(node("ns1", "app", 1))))
+	asRelay := metadata.Pairs(peers.MDRelay, "relay-x", peers.MDKey, string(aggkey.Istio{}.Key(node("ns1", "app", 1))))
 	for _, tc := range []struct {
 		name string
 		md   metadata.MD

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -466,7 +467,7 @@ func (u *feed) open(sctx context.Context, presenter *stream, src source) (send f
 		}
 		sctx = u.r.peerContext(sctx, u.k.key)
 		if d := ledger.Stamp(u.k.demanded.Load()); d > u.demandSent {
-			sctx = metadata.AppendToOutgoingContext(sctx, MDDemand, d.String())
+			sctx = metadata.AppendToOutgoingContext(sctx, peers.MDDemand, d.String())
 			u.demandSent = d
 		}
 		// Relays speak Delta to each other, and their versions are content

@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/xds"
 
 	"github.com/meshrelay/meshrelay/relay/auth"
@@ -282,7 +283,7 @@ func TestIdentityIsPartOfTheKey(t *testing.T) {
 func TestTLSPortRefusesUnprovenPeers(t *testing.T) {
 	e := newSecureEnv(t, auth.ModeJWT, nil)
 	conn := e.dial(t, creds{})
-	ctx := metadata.AppendToOutgoingContext(context.Background(), MDRelay, "relay-x", MDKey, "sidecar/ns2/app#x")
+	ctx := metadata.AppendToOutgoingContext(context.Background(), peers.MDRelay, "relay-x", peers.MDKey, "sidecar/ns2/app#x")
 	_, err := firstAnswer(t, conn, "", saNode("ns2", "app", 1))
 	if status.Code(err) != codes.Unauthenticated {
 		t.Fatalf("plain stream: %v, want Unauthenticated", err)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/ledger/ledgerpb"
+	"github.com/meshrelay/meshrelay/relay/peers"
 )
 
 // Tier-wide ledger answers are gathered from every relay when asked
@@ -173,7 +174,7 @@ func gather[T any](ctx context.Context, r *Relay, call func(context.Context, *gr
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.LedgerGatherTimeout)
 	defer cancel()
 	ctx = metadata.AppendToOutgoingContext(ctx, r.peerMetadata()...)
-	return Gather(ctx, r.pool, r.cfg.Peers.PeerAddrs(), call)
+	return peers.Gather(ctx, r.pool, r.cfg.Peers.PeerAddrs(), call)
 }
 
 // ledgerServer serves this relay's ledger to the tier's other relays.
@@ -188,7 +189,7 @@ type ledgerServer struct {
 // errors and logs.
 func (r *Relay) checkPeerCall(ctx context.Context, p port, service string) error {
 	md, _ := metadata.FromIncomingContext(ctx)
-	ids := md.Get(MDRelay)
+	ids := md.Get(peers.MDRelay)
 	if len(ids) != 1 || ids[0] == "" {
 		return status.Errorf(codes.PermissionDenied, "the %s exchange is for the relays of the tier", service)
 	}

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/xds"
 
 	"github.com/meshrelay/meshrelay/ledger/ledgerpb"
@@ -49,9 +50,9 @@ func peerTLS(t *testing.T, ca *authtest.CA, root *authtest.CA, id string) (serve
 // the tier with the peer secret, on conn, and returns their errors.
 func peerCalls(t *testing.T, r *Relay, conn *grpc.ClientConn) map[string]error {
 	t.Helper()
-	ctx := metadata.AppendToOutgoingContext(context.Background(), MDRelay, "relay-x", MDAuth, Token(r.cfg.PeerSecret, "relay-x"))
+	ctx := metadata.AppendToOutgoingContext(context.Background(), peers.MDRelay, "relay-x", peers.MDAuth, peers.Token(r.cfg.PeerSecret, "relay-x"))
 	out := map[string]error{}
-	sctx := metadata.AppendToOutgoingContext(ctx, MDKey, string(aggkey.Istio{}.Key(node("ns1", "app", 1))))
+	sctx := metadata.AppendToOutgoingContext(ctx, peers.MDKey, string(aggkey.Istio{}.Key(node("ns1", "app", 1))))
 	st, err := discovery.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(sctx)
 	if err == nil {
 		st.Send(&discovery.DeltaDiscoveryRequest{Node: node("ns1", "app", 1), TypeUrl: xds.TypeCluster})

@@ -29,6 +29,8 @@
 //	                 per content, SotW requests read lazily, the version form
 //	relay/aggkey     aggregation keys: profiles, a stream's identity mixed in, a
 //	                 key's namespace
+//	relay/peers      talking to the other relays: the metadata and proof of
+//	                 relay-to-relay streams, the connection pool, Gather
 //	relay/auth       who a stream is: SPIFFE certificates, Kubernetes JWTs,
 //	                 istiod's identity rule (relay/auth/authtest for tests)
 //	relay/xds        the xDS vocabulary: type URLs and the type graph, resources
@@ -50,7 +52,8 @@
 //     mailbox.go, and its feed: feed.go (the one stream to the key's
 //     source, istiod or the owner relay), persist.go (saving views, and the
 //     warm start that restores them);
-//   - the tier: tier.go (owners, balancing, moving streams away),
+//   - the tier: tier.go (owners, who a calling relay is, balancing, moving
+//     streams away),
 //     claims.go (versions a SotW Envoy claims, looked up across relays),
 //     ledger.go (ledger queries gathered from every relay);
 //   - inspection: inspect.go (key details, config dumps), debugxds.go
@@ -89,6 +92,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -139,7 +143,7 @@ type Relay struct {
 	authLogs   *rate.Limiter // bounds authentication warnings
 	failures   *failureGate  // bounds verifications of failing sources
 
-	pool *Pool // relay-to-relay connections
+	pool *peers.Pool // relay-to-relay connections
 
 	// runMu guards refuseWork: set as Stop begins, goRun starts nothing
 	// after it.
@@ -167,7 +171,7 @@ func New(cfg Config) (*Relay, error) {
 		keys:         make(map[aggkey.Key]*keyState),
 		warm:         make(chan struct{}),
 		loaded:       make(chan struct{}),
-		pool:         NewPool(cfg.MaxMsgSize, cfg.PeerDialOptions...),
+		pool:         peers.NewPool(cfg.MaxMsgSize, cfg.PeerDialOptions...),
 		clock:        ledger.NewClock(cfg.wall),
 		authLogs:     newAuthLogLimiter(),
 		failures:     newFailureGate(),

@@ -15,6 +15,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/peers"
 )
 
 // Owners says which relay of the tier owns each aggregation key: the one
@@ -54,11 +55,11 @@ type peerIdentity struct {
 // prove itself.
 func (r *Relay) identifyPeer(ctx context.Context, p port) (*peerIdentity, error) {
 	md, _ := metadata.FromIncomingContext(ctx)
-	ids := md.Get(MDRelay)
+	ids := md.Get(peers.MDRelay)
 	if len(ids) == 0 {
 		return nil, nil
 	}
-	keys := md.Get(MDKey)
+	keys := md.Get(peers.MDKey)
 	if len(ids) != 1 || len(keys) != 1 || ids[0] == "" || keys[0] == "" || len(keys[0]) > maxKeyLen {
 		return nil, status.Error(codes.InvalidArgument, "relay-to-relay stream: want exactly one peer id and one key")
 	}
@@ -66,10 +67,10 @@ func (r *Relay) identifyPeer(ctx context.Context, p port) (*peerIdentity, error)
 		return nil, err
 	}
 	pi := &peerIdentity{id: ids[0], key: aggkey.Key(keys[0])}
-	if d := md.Get(MDDemand); len(d) == 1 {
+	if d := md.Get(peers.MDDemand); len(d) == 1 {
 		s, err := ledger.ParseStamp(d[0])
 		if err != nil {
-			return nil, status.Errorf(codes.InvalidArgument, "relay-to-relay stream: %s: %v", MDDemand, err)
+			return nil, status.Errorf(codes.InvalidArgument, "relay-to-relay stream: %s: %v", peers.MDDemand, err)
 		}
 		pi.demand = s
 	}
@@ -91,8 +92,8 @@ func (r *Relay) provePeer(md metadata.MD, p port, id, what string) error {
 	case len(r.cfg.PeerSecret) == 0:
 		return nil
 	}
-	tokens := md.Get(MDAuth)
-	if len(tokens) != 1 || !hmac.Equal([]byte(tokens[0]), []byte(Token(r.cfg.PeerSecret, id))) {
+	tokens := md.Get(peers.MDAuth)
+	if len(tokens) != 1 || !hmac.Equal([]byte(tokens[0]), []byte(peers.Token(r.cfg.PeerSecret, id))) {
 		r.log.Warn(what+" refused: bad proof", "peer_relay", id)
 		return status.Errorf(codes.Unauthenticated, "%s: bad peer proof", what)
 	}
@@ -102,16 +103,16 @@ func (r *Relay) provePeer(md metadata.MD, p port, id, what string) error {
 // peerMetadata is the metadata that proves a call or stream comes from this
 // relay.
 func (r *Relay) peerMetadata() []string {
-	kv := []string{MDRelay, r.cfg.ID}
+	kv := []string{peers.MDRelay, r.cfg.ID}
 	if len(r.cfg.PeerSecret) > 0 {
-		kv = append(kv, MDAuth, Token(r.cfg.PeerSecret, r.cfg.ID))
+		kv = append(kv, peers.MDAuth, peers.Token(r.cfg.PeerSecret, r.cfg.ID))
 	}
 	return kv
 }
 
 // peerContext adds the metadata of a stream this relay opens to a peer.
 func (r *Relay) peerContext(ctx context.Context, key aggkey.Key) context.Context {
-	return metadata.AppendToOutgoingContext(ctx, append(r.peerMetadata(), MDKey, string(key))...)
+	return metadata.AppendToOutgoingContext(ctx, append(r.peerMetadata(), peers.MDKey, string(key))...)
 }
 
 // watchOwners wakes every key's feed when owners may have

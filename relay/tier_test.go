@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -114,10 +115,10 @@ func TestPeerStreams(t *testing.T) {
 		want codes.Code
 	}{
 		{"envoy", nil, codes.PermissionDenied},
-		{"peer with a bad proof", []string{MDRelay, "relay-b", MDKey, key, MDAuth, "00"}, codes.Unauthenticated},
-		{"peer proving another name", []string{MDRelay, "relay-b", MDKey, key, MDAuth, Token(secret, "relay-c")}, codes.Unauthenticated},
-		{"peer without a key", []string{MDRelay, "relay-b", MDAuth, Token(secret, "relay-b")}, codes.InvalidArgument},
-		{"peer", []string{MDRelay, "relay-b", MDKey, key, MDAuth, Token(secret, "relay-b")}, codes.OK},
+		{"peer with a bad proof", []string{peers.MDRelay, "relay-b", peers.MDKey, key, peers.MDAuth, "00"}, codes.Unauthenticated},
+		{"peer proving another name", []string{peers.MDRelay, "relay-b", peers.MDKey, key, peers.MDAuth, peers.Token(secret, "relay-c")}, codes.Unauthenticated},
+		{"peer without a key", []string{peers.MDRelay, "relay-b", peers.MDAuth, peers.Token(secret, "relay-b")}, codes.InvalidArgument},
+		{"peer", []string{peers.MDRelay, "relay-b", peers.MDKey, key, peers.MDAuth, peers.Token(secret, "relay-b")}, codes.OK},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := firstResponseErr(t, mdConn{conn, tc.kv}, n)
@@ -127,7 +128,7 @@ func TestPeerStreams(t *testing.T) {
 		})
 	}
 	// A proven peer's stream is attached under the key it names.
-	pc := newRawClient(t, mdConn{conn, []string{MDRelay, "relay-b", MDKey, key, MDAuth, Token(secret, "relay-b")}}, true, n)
+	pc := newRawClient(t, mdConn{conn, []string{peers.MDRelay, "relay-b", peers.MDKey, key, peers.MDAuth, peers.Token(secret, "relay-b")}}, true, n)
 	pc.subscribe(xds.TypeCluster)
 	pc.recvDelta(xds.TypeCluster)
 	// (The table's streams end asynchronously.)
@@ -150,7 +151,7 @@ func TestAdmission(t *testing.T) {
 		t.Fatalf("second stream past the bucket ended with %v, want ResourceExhausted", err)
 	}
 	// Peers are not counted against Envoys' admission.
-	peer := mdConn{conn, []string{MDRelay, "relay-b", MDKey, "k"}}
+	peer := mdConn{conn, []string{peers.MDRelay, "relay-b", peers.MDKey, "k"}}
 	if err := firstResponseErr(t, peer, node("ns0", "app", 3)); err != nil {
 		t.Fatalf("peer stream past the bucket: %v", err)
 	}
@@ -267,14 +268,14 @@ func TestSourceFollowsOwners(t *testing.T) {
 // panics, and accepts a peer only with the proof of the name it claims.
 func FuzzIdentifyPeer(f *testing.F) {
 	secret := []byte("s")
-	f.Add("relay-a", "key", Token(secret, "relay-a"), true)
+	f.Add("relay-a", "key", peers.Token(secret, "relay-a"), true)
 	f.Add("relay-a", "", "", false)
 	f.Add("", "k", "x", true)
 	f.Fuzz(func(t *testing.T, id, key, token string, withToken bool) {
 		r := &Relay{cfg: Config{PeerSecret: secret}, log: DefaultConfig().Logger}
-		md := metadata.Pairs(MDRelay, id, MDKey, key)
+		md := metadata.Pairs(peers.MDRelay, id, peers.MDKey, key)
 		if withToken {
-			md.Append(MDAuth, token)
+			md.Append(peers.MDAuth, token)
 		}
 		pi, err := r.identifyPeer(metadata.NewIncomingContext(context.Background(), md), portPlain)
 		if err != nil {
@@ -283,7 +284,7 @@ func FuzzIdentifyPeer(f *testing.F) {
 		if pi == nil || pi.id != id || string(pi.key) != key || key == "" || len(key) > maxKeyLen {
 			t.Fatalf("identifyPeer(%q, %q) = %+v", id, key, pi)
 		}
-		if !withToken || token != Token(secret, id) {
+		if !withToken || token != peers.Token(secret, id) {
 			t.Fatalf("identifyPeer accepted %q with proof %q", id, token)
 		}
 	})

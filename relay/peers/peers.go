@@ -1,4 +1,9 @@
-package relay
+// Package peers is how a relay talks to the other relays of its tier: the
+// metadata every relay-to-relay stream and call carries (who calls, for
+// which key, with what proof), the connections to them (Pool), and one
+// call to all of them at once (Gather). Which relays there are, and what a
+// proof must show on which port, are the relay's.
+package peers
 
 import (
 	"context"
@@ -21,9 +26,9 @@ import (
 // it whatever the profile), a proof that it holds the tier's peer secret,
 // and, if a client of the calling relay holds a version the key's views do
 // not cover, when that version arrived (a ledger.Stamp: the owner opens an
-// upstream stream after it; keyState.demand).
+// upstream stream after it: the relay's keyState.demand).
 const (
-	MDRelay       = "x-meshrelay-peer"
+	MDRelay  = "x-meshrelay-peer"
 	MDKey    = "x-meshrelay-key"
 	MDAuth   = "x-meshrelay-peer-auth"
 	MDDemand = "x-meshrelay-demand"
@@ -39,7 +44,7 @@ func Token(secret []byte, id string) string {
 }
 
 // Pool holds the connections to the tier's other relays, by xDS
-// address, each dialled on first use and kept until close. Safe for
+// address, each dialled on first use and kept until Close. Safe for
 // concurrent use.
 type Pool struct {
 	mu    sync.Mutex
