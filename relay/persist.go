@@ -51,7 +51,7 @@ func (r *Relay) loadSnapshots(ctx context.Context) {
 		return
 	}
 	keys, types := 0, 0
-	rs := newRestorer(r)
+	rs := newRestorer(r.store)
 	rs.prebuild(saved)
 	for _, sk := range saved {
 		if n := r.restoreKey(sk, rs); n > 0 {
@@ -71,7 +71,7 @@ func (r *Relay) loadSnapshots(ctx context.Context) {
 // view (most keys of a namespace) share one tree: it is built and checked
 // once, and the relay holds it once.
 type restorer struct {
-	r     *Relay
+	store *xds.Store
 	trees map[typeRoot]*ledger.Tree[*xds.Resource] // views that checked out
 	// refs and missing cache what followRestored derives from a view (the
 	// names it refers to) and from a pair of views (the names referred to
@@ -104,9 +104,9 @@ func (rs *restorer) remember(body []byte, r *xds.Resource) {
 	rs.bodies[&body[0]] = r
 }
 
-func newRestorer(r *Relay) *restorer {
+func newRestorer(store *xds.Store) *restorer {
 	return &restorer{
-		r:       r,
+		store:   store,
 		trees:   make(map[typeRoot]*ledger.Tree[*xds.Resource]),
 		refs:    make(map[typeRoot]map[string]int),
 		missing: make(map[string][]string),
@@ -169,14 +169,14 @@ func (rs *restorer) prebuild(saved []xds.SavedKey) {
 }
 
 // build decodes st's resources into a tree and checks it against st.Root.
-// It is safe for concurrent use (the relay's store is).
+// It is safe for concurrent use (the store is).
 func (rs *restorer) build(st xds.SavedType) (ledger.Tree[*xds.Resource], bool) {
 	b := ledger.Tree[*xds.Resource]{}.Edit()
 	for _, sr := range st.Resources {
 		res := rs.known(sr.Body)
 		if res == nil {
 			var err error
-			if res, err = rs.r.store.Restore(st.Type, sr.Name, sr.Body); err != nil {
+			if res, err = rs.store.Restore(st.Type, sr.Name, sr.Body); err != nil {
 				return ledger.Tree[*xds.Resource]{}, false
 			}
 			rs.remember(sr.Body, res)
@@ -219,6 +219,17 @@ func (rs *restorer) refCounts(typ string, kind xds.RefKind, view ledger.Tree[*xd
 	}
 	rs.refs[k] = c
 	return c
+}
+
+// missingOf returns what compute finds missing for the pair of views sig
+// names, computing it once for the keys that share them.
+func (rs *restorer) missingOf(sig string, compute func() []string) []string {
+	if m, ok := rs.missing[sig]; ok {
+		return m
+	}
+	m := compute()
+	rs.missing[sig] = m
+	return m
 }
 
 // restoreKey installs a persisted key, stale, if no stream created it
@@ -291,8 +302,7 @@ func (u *feed) followRestored(rs *restorer) {
 				}
 			}
 			u.derived[d.Target] = counts
-			missing, ok := rs.missing[sig]
-			if !ok {
+			missing := rs.missingOf(sig, func() (missing []string) {
 				var view ledger.Tree[*xds.Resource]
 				if ts := next.types[d.Target]; ts != nil {
 					view = ts.view
@@ -302,8 +312,8 @@ func (u *feed) followRestored(rs *restorer) {
 						missing = append(missing, n)
 					}
 				}
-				rs.missing[sig] = missing
-			}
+				return missing
+			})
 			next.markPending(d.Target, missing, time.Now())
 		}
 	})
