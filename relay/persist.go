@@ -49,8 +49,8 @@ func (r *Relay) loadSnapshots(ctx context.Context) {
 		return
 	}
 	keys, types := 0, 0
-	rs := newRestorer(r.store)
-	rs.prebuild(saved)
+	rs := NewRestorer(r.store)
+	rs.Prebuild(saved)
 	for _, sk := range saved {
 		if n := r.restoreKey(sk, rs); n > 0 {
 			keys++
@@ -67,13 +67,13 @@ func (r *Relay) loadSnapshots(ctx context.Context) {
 
 // restoreKey installs a persisted key, stale, if no stream created it
 // first, and returns the number of types restored.
-func (r *Relay) restoreKey(sk xds.SavedKey, rs *restorer) int {
+func (r *Relay) restoreKey(sk xds.SavedKey, rs *Restorer) int {
 	types := make(map[string]*typeView, len(sk.Types))
 	for _, st := range sk.Types {
 		if !xds.Cached(st.Type) {
 			continue
 		}
-		t, ok := rs.tree(st)
+		t, ok := rs.Tree(st)
 		if !ok {
 			r.log.Warn("warm start: persisted view does not match its root; not restored", "key", sk.Key, "type", xds.ShortType(st.Type))
 			continue
@@ -108,7 +108,7 @@ func (r *Relay) restoreKey(sk xds.SavedKey, rs *restorer) int {
 // (endpoints of clusters, routes of listeners), as apply does for views
 // that arrive: the upstream asks for them, and those missing are pending.
 // What it derives from a view is computed once for the keys that share it.
-func (u *feed) followRestored(rs *restorer) {
+func (u *feed) followRestored(rs *Restorer) {
 	k := u.k
 	k.mu.Lock()
 	defer k.mu.Unlock()
@@ -121,7 +121,7 @@ func (u *feed) followRestored(rs *restorer) {
 			}
 			for _, src := range d.Sources {
 				if ts := next.types[src]; ts != nil {
-					parts = append(parts, rs.refCounts(src, d.Kind, ts.view))
+					parts = append(parts, rs.RefCounts(src, d.Kind, ts.view))
 					sig += src + ts.view.Root().String()
 				}
 			}
@@ -135,7 +135,7 @@ func (u *feed) followRestored(rs *restorer) {
 				}
 			}
 			u.derived[d.Target] = counts
-			missing := rs.missingOf(sig, func() (missing []string) {
+			missing := rs.MissingOf(sig, func() (missing []string) {
 				var view ledger.Tree[*xds.Resource]
 				if ts := next.types[d.Target]; ts != nil {
 					view = ts.view

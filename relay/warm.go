@@ -8,10 +8,10 @@ import (
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
-// restorer builds the views of restored keys. Keys that persisted the same
+// Restorer builds the views of restored keys. Keys that persisted the same
 // view (most keys of a namespace) share one tree: it is built and checked
 // once, and the relay holds it once.
-type restorer struct {
+type Restorer struct {
 	store *xds.Store
 	trees map[typeRoot]*ledger.Tree[*xds.Resource] // views that checked out
 	// refs and missing cache what followRestored derives from a view (the
@@ -27,7 +27,7 @@ type restorer struct {
 	bodies   map[*byte]*xds.Resource
 }
 
-func (rs *restorer) known(body []byte) *xds.Resource {
+func (rs *Restorer) known(body []byte) *xds.Resource {
 	if len(body) == 0 {
 		return nil
 	}
@@ -36,7 +36,7 @@ func (rs *restorer) known(body []byte) *xds.Resource {
 	return rs.bodies[&body[0]]
 }
 
-func (rs *restorer) remember(body []byte, r *xds.Resource) {
+func (rs *Restorer) remember(body []byte, r *xds.Resource) {
 	if len(body) == 0 {
 		return
 	}
@@ -45,8 +45,8 @@ func (rs *restorer) remember(body []byte, r *xds.Resource) {
 	rs.bodies[&body[0]] = r
 }
 
-func newRestorer(store *xds.Store) *restorer {
-	return &restorer{
+func NewRestorer(store *xds.Store) *Restorer {
+	return &Restorer{
 		store:   store,
 		trees:   make(map[typeRoot]*ledger.Tree[*xds.Resource]),
 		refs:    make(map[typeRoot]map[string]int),
@@ -55,11 +55,11 @@ func newRestorer(store *xds.Store) *restorer {
 	}
 }
 
-// prebuild builds and checks every distinct view of saved, on as many
+// Prebuild builds and checks every distinct view of saved, on as many
 // goroutines as there are processors: decoding the resources (to find what
 // they refer to) is most of a warm start's work. A view that does not
 // check out does not spoil another that claims the same root and does.
-func (rs *restorer) prebuild(saved []xds.SavedKey) {
+func (rs *Restorer) Prebuild(saved []xds.SavedKey) {
 	type listID struct {
 		k     typeRoot
 		first *xds.SavedResource
@@ -111,7 +111,7 @@ func (rs *restorer) prebuild(saved []xds.SavedKey) {
 
 // build decodes st's resources into a tree and checks it against st.Root.
 // It is safe for concurrent use (the store is).
-func (rs *restorer) build(st xds.SavedType) (ledger.Tree[*xds.Resource], bool) {
+func (rs *Restorer) build(st xds.SavedType) (ledger.Tree[*xds.Resource], bool) {
 	b := ledger.Tree[*xds.Resource]{}.Edit()
 	for _, sr := range st.Resources {
 		res := rs.known(sr.Body)
@@ -136,18 +136,18 @@ type typeRoot struct {
 	root ledger.Hash
 }
 
-// tree returns the checked view of st's root (prebuild built them all):
+// Tree returns the checked view of st's root (Prebuild built them all):
 // the content its root commits to.
-func (rs *restorer) tree(st xds.SavedType) (ledger.Tree[*xds.Resource], bool) {
+func (rs *Restorer) Tree(st xds.SavedType) (ledger.Tree[*xds.Resource], bool) {
 	if t := rs.trees[typeRoot{st.Type, st.Root}]; t != nil {
 		return *t, true
 	}
 	return ledger.Tree[*xds.Resource]{}, false
 }
 
-// refCounts returns how many resources of view (of type typ) refer to each
+// RefCounts returns how many resources of view (of type typ) refer to each
 // name of kind.
-func (rs *restorer) refCounts(typ string, kind xds.RefKind, view ledger.Tree[*xds.Resource]) map[string]int {
+func (rs *Restorer) RefCounts(typ string, kind xds.RefKind, view ledger.Tree[*xds.Resource]) map[string]int {
 	k := typeRoot{typ, view.Root()}
 	if c, ok := rs.refs[k]; ok {
 		return c
@@ -162,9 +162,9 @@ func (rs *restorer) refCounts(typ string, kind xds.RefKind, view ledger.Tree[*xd
 	return c
 }
 
-// missingOf returns what compute finds missing for the pair of views sig
+// MissingOf returns what compute finds missing for the pair of views sig
 // names, computing it once for the keys that share them.
-func (rs *restorer) missingOf(sig string, compute func() []string) []string {
+func (rs *Restorer) MissingOf(sig string, compute func() []string) []string {
 	if m, ok := rs.missing[sig]; ok {
 		return m
 	}
