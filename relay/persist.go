@@ -8,6 +8,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/warm"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -49,7 +50,7 @@ func (r *Relay) loadSnapshots(ctx context.Context) {
 		return
 	}
 	keys, types := 0, 0
-	rs := NewRestorer(r.store)
+	rs := warm.NewRestorer(r.store)
 	rs.Prebuild(saved)
 	for _, sk := range saved {
 		if n := r.restoreKey(sk, rs); n > 0 {
@@ -67,7 +68,7 @@ func (r *Relay) loadSnapshots(ctx context.Context) {
 
 // restoreKey installs a persisted key, stale, if no stream created it
 // first, and returns the number of types restored.
-func (r *Relay) restoreKey(sk xds.SavedKey, rs *Restorer) int {
+func (r *Relay) restoreKey(sk xds.SavedKey, rs *warm.Restorer) int {
 	types := make(map[string]*typeView, len(sk.Types))
 	for _, st := range sk.Types {
 		if !xds.Cached(st.Type) {
@@ -108,7 +109,7 @@ func (r *Relay) restoreKey(sk xds.SavedKey, rs *Restorer) int {
 // (endpoints of clusters, routes of listeners), as apply does for views
 // that arrive: the upstream asks for them, and those missing are pending.
 // What it derives from a view is computed once for the keys that share it.
-func (u *feed) followRestored(rs *Restorer) {
+func (u *feed) followRestored(rs *warm.Restorer) {
 	k := u.k
 	k.mu.Lock()
 	defer k.mu.Unlock()

@@ -25,6 +25,7 @@
 // only those listed after it, and none imports relay:
 //
 //	relay/snapshot   views persisted in etcd for a warm start (implements Snapshots)
+//	relay/warm       persisted views rebuilt, checked and shared, for a warm start
 //	relay/wire       the bytes on the wire: the gRPC codec, responses encoded once
 //	                 per content, SotW requests read lazily, the version form
 //	relay/aggkey     aggregation keys: profiles, a stream's identity mixed in, a
@@ -50,11 +51,11 @@
 //     not cache), versions.go (whether a view covers what a client holds);
 //   - a key: keystate.go (its views, subscriptions and members),
 //     mailbox.go, and its feed: feed.go (the one stream to the key's
-//     source, istiod or the owner relay), persist.go (saving views, and the
-//     warm start that restores them);
+//     source, istiod or the owner relay), persist.go (saving views, and
+//     installing the keys a warm start restores);
 //   - the tier: tier.go (owners, who a calling relay is, balancing, moving
-//     streams away),
-//     claims.go (versions a SotW Envoy claims, looked up across relays),
+//     streams away), claims.go (versions a SotW Envoy claims, looked up
+//     across relays),
 //     ledger.go (ledger queries gathered from every relay);
 //   - inspection: inspect.go (key details, config dumps), debugxds.go
 //     (istiod's debug types), admingrpc.go (the admin listener's callers).

@@ -1,4 +1,9 @@
-package relay
+// Package warm rebuilds what a relay persisted (relay/snapshot) into views
+// it can serve, for a warm start: every distinct view built and checked
+// against its Merkle root once, on every processor, and shared by the keys
+// that persisted it, as are what the relay derives from them. Installing
+// the restored keys is the relay's.
+package warm
 
 import (
 	"runtime"
@@ -14,9 +19,9 @@ import (
 type Restorer struct {
 	store *xds.Store
 	trees map[typeRoot]*ledger.Tree[*xds.Resource] // views that checked out
-	// refs and missing cache what followRestored derives from a view (the
-	// names it refers to) and from a pair of views (the names referred to
-	// that the other lacks), for the keys that share them.
+	// refs and missing cache what the relay's followRestored derives from
+	// a view (the names it refers to) and from a pair of views (the names
+	// referred to that the other lacks), for the keys that share them.
 	refs    map[typeRoot]map[string]int
 	missing map[string][]string
 
