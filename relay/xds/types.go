@@ -22,11 +22,12 @@ const (
 
 // PushOrder is the order in which a stream sends updates of several types at
 // once: make-before-break, so that a cluster exists before its endpoints, and
-// both before a listener or route refers to them.
+// both before a listener or route refers to them. Read it, never modify it.
 var PushOrder = []string{TypeCluster, TypeEndpoint, TypeListener, TypeScopedRoute, TypeRoute, TypeSecret, TypeRuntime, TypeExtension}
 
 // RemovalOrder is the order in which removals go out, after every update:
-// referrers first (listeners, routes), then what they referred to.
+// referrers first (listeners, routes), then what they referred to. Read
+// it, never modify it.
 var RemovalOrder = []string{TypeListener, TypeScopedRoute, TypeRoute, TypeCluster, TypeEndpoint, TypeSecret, TypeRuntime, TypeExtension}
 
 // TypeRef is one edge of the graph of which type refers to which: resources
@@ -50,6 +51,8 @@ type TypeRef struct {
 	Declared bool
 }
 
+// TypeRefs is the graph, one edge per way a type's resources name
+// another's. Read it, never modify it.
 var TypeRefs = []TypeRef{
 	{From: TypeCluster, To: TypeEndpoint, Kind: RefEndpoints, Fetched: true, Declared: true}, // eds_cluster_config
 	{From: TypeListener, To: TypeRoute, Kind: RefRoutes, Fetched: true, Declared: true},      // rds route_config_name
