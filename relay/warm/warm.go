@@ -50,6 +50,7 @@ func (rs *Restorer) remember(body []byte, r *xds.Resource) {
 	rs.bodies[&body[0]] = r
 }
 
+// NewRestorer returns a Restorer that keeps what it decodes in store.
 func NewRestorer(store *xds.Store) *Restorer {
 	return &Restorer{
 		store:   store,
