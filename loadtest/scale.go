@@ -292,7 +292,7 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 	rep.SyncS = time.Since(start).Seconds()
 	fmt.Fprintf(out, "scale: %d Envoys synced in %.1fs; upstream streams %d\n", cfg.Envoys, rep.SyncS, up.Stats().OpenStreams)
 	if cfg.TLS {
-		// A proven identity is part of the key (the relay's identityKey):
+		// A proven identity is part of the key (aggkey.WithIdentity):
 		// read the keys the relays made.
 		if s.keys, err = s.servedKeys(); err != nil {
 			return nil, err

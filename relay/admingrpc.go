@@ -88,7 +88,7 @@ func (c AdminCaller) String() string {
 
 // SeesKey reports whether the caller may see key, its Envoys and its
 // config: an admin sees every key, another caller the keys of its
-// namespace (KeyNamespace).
+// namespace (aggkey.Namespace).
 func (c AdminCaller) SeesKey(key string) bool {
 	return c.Admin || c.Namespace != "" && aggkey.Namespace(key) == c.Namespace
 }

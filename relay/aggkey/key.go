@@ -41,14 +41,14 @@ type Profile interface {
 	Name() string
 }
 
-// Key profile names accepted by ParseKeyProfile.
+// Key profile names accepted by ParseProfile.
 const (
 	ProfileIstio   = "istio"
 	ProfilePerNode = "per-node"
 )
 
 // ParseProfile returns the profile a --key-profile flag names. extraMeta
-// adds node metadata fields to the istio profile (see IstioProfile).
+// adds node metadata fields to the istio profile (see Istio).
 func ParseProfile(name string, extraMeta []string) (Profile, error) {
 	switch name {
 	case ProfileIstio, "":
@@ -65,10 +65,10 @@ func ParseProfile(name string, extraMeta []string) (Profile, error) {
 // PerNode keys every node by its id: no aggregation, always correct.
 type PerNode struct{}
 
-// Name implements KeyProfile.
+// Name implements Profile.
 func (PerNode) Name() string { return ProfilePerNode }
 
-// Key implements KeyProfile.
+// Key implements Profile.
 func (PerNode) Key(node *core.Node) Key { return perNodeKey(node.GetId()) }
 
 func perNodeKey(id string) Key {
@@ -104,7 +104,7 @@ type Istio struct {
 	ExtraMetadata []string
 }
 
-// Name implements KeyProfile.
+// Name implements Profile.
 func (Istio) Name() string { return ProfileIstio }
 
 var istioMetadataFields = []string{
@@ -114,7 +114,7 @@ var istioMetadataFields = []string{
 
 var perPodLabels = []string{"statefulset.kubernetes.io/pod-name", "apps.kubernetes.io/pod-index"}
 
-// Key implements KeyProfile.
+// Key implements Profile.
 func (p Istio) Key(node *core.Node) Key {
 	id := node.GetId()
 	parts := strings.Split(id, "~")

@@ -162,7 +162,7 @@ func TestIstioKeySameWorkload(t *testing.T) {
 	}
 }
 
-// TestIstioKeyFields: every field IstioProfile documents changes the key.
+// TestIstioKeyFields: every field Istio documents changes the key.
 func TestIstioKeyFields(t *testing.T) {
 	base := reviewsPod()
 	extra := Istio{ExtraMetadata: []string{"DNS_CAPTURE", "PROXY_CONFIG"}}
@@ -406,23 +406,23 @@ func TestParseKeyProfile(t *testing.T) {
 			got, err := ParseProfile(tc.name, tc.extra)
 			if tc.wantErr != nil {
 				if err == nil {
-					t.Fatalf("ParseKeyProfile(%q, %q) = %#v, want an error", tc.name, tc.extra, got)
+					t.Fatalf("ParseProfile(%q, %q) = %#v, want an error", tc.name, tc.extra, got)
 				}
 				for _, part := range tc.wantErr {
 					if !strings.HasPrefix(err.Error(), "relay: ") || !strings.Contains(err.Error(), part) {
-						t.Errorf("ParseKeyProfile(%q, %q) error = %q, want \"relay: …\" mentioning %s", tc.name, tc.extra, err, part)
+						t.Errorf("ParseProfile(%q, %q) error = %q, want \"relay: …\" mentioning %s", tc.name, tc.extra, err, part)
 					}
 				}
 				return
 			}
 			if err != nil {
-				t.Fatalf("ParseKeyProfile(%q, %q) error = %v", tc.name, tc.extra, err)
+				t.Fatalf("ParseProfile(%q, %q) error = %v", tc.name, tc.extra, err)
 			}
 			if !reflect.DeepEqual(got, tc.want) {
-				t.Errorf("ParseKeyProfile(%q, %q) = %#v, want %#v", tc.name, tc.extra, got, tc.want)
+				t.Errorf("ParseProfile(%q, %q) = %#v, want %#v", tc.name, tc.extra, got, tc.want)
 			}
 			if got.Name() != tc.want.Name() {
-				t.Errorf("ParseKeyProfile(%q, %q).Name() = %q, want %q", tc.name, tc.extra, got.Name(), tc.want.Name())
+				t.Errorf("ParseProfile(%q, %q).Name() = %q, want %q", tc.name, tc.extra, got.Name(), tc.want.Name())
 			}
 		})
 	}

@@ -63,7 +63,7 @@ func TestKeyNamespace(t *testing.T) {
 		{"node/sidecar~1.2.3.4~p.ns1~ns1.svc.cluster.local/x#0011", ""},
 	} {
 		if got := Namespace(tc.key); got != tc.want {
-			t.Errorf("KeyNamespace(%q) = %q, want %q", tc.key, got, tc.want)
+			t.Errorf("Namespace(%q) = %q, want %q", tc.key, got, tc.want)
 		}
 	}
 }
@@ -88,7 +88,7 @@ func FuzzKeyNamespace(f *testing.F) {
 		}
 		k := Istio{}.Key(n)
 		if got, cn := Namespace(string(k)), auth.ConfigNamespace(n); got != "" && cn != "" && got != cn {
-			t.Fatalf("KeyNamespace(%q) = %q; the node's config namespace is %q", k, got, cn)
+			t.Fatalf("Namespace(%q) = %q; the node's config namespace is %q", k, got, cn)
 		}
 		id := &auth.Identity{TrustDomain: "cluster.local", Namespace: "x", ServiceAccount: "y"}
 		if got := Namespace(string(WithIdentity(k, id))); got != Namespace(string(k)) {
@@ -97,7 +97,7 @@ func FuzzKeyNamespace(f *testing.F) {
 		pk := PerNode{}.Key(n)
 		idNS := auth.ConfigNamespace(&core.Node{Id: n.GetId()})
 		if got := Namespace(string(pk)); got != "" && got != idNS {
-			t.Fatalf("KeyNamespace(%q) = %q; the node id's namespace is %q", pk, got, idNS)
+			t.Fatalf("Namespace(%q) = %q; the node id's namespace is %q", pk, got, idNS)
 		}
 	})
 }
