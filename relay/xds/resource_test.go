@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	cluster "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	endpoint "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
 	listener "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	route "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	hcm "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
@@ -56,12 +58,7 @@ func TestDroppedKeepsNewestWithinBudget(t *testing.T) {
 func TestTypeRefsAreTheGraph(t *testing.T) {
 	routeOnly := &route.ScopedRouteConfiguration{Name: "scope", RouteConfigurationName: "r80"}
 	seen := map[TypeRef]bool{}
-	eds := &cluster.Cluster{Name: "c1", ClusterDiscoveryType: &cluster.Cluster_Type{Type: cluster.Cluster_EDS}}
-	rds := &listener.Listener{Name: "l80", FilterChains: []*listener.FilterChain{{Filters: []*listener.Filter{filter(&hcm.HttpConnectionManager{
-		RouteSpecifier: &hcm.HttpConnectionManager_Rds{Rds: &hcm.Rds{RouteConfigName: "r80"}}})}}}}
-	rc := &route.RouteConfiguration{Name: "r80", VirtualHosts: []*route.VirtualHost{{Name: "c1", Routes: []*route.Route{{
-		Action: &route.Route_Route{Route: &route.RouteAction{ClusterSpecifier: &route.RouteAction_Cluster{Cluster: "c1"}}}}}}}}
-	for _, m := range []proto.Message{eds, rds, mkTCPListener("l9000", "c1"), rc, routeOnly} {
+	for _, m := range []proto.Message{mkCluster("c1"), mkListener("l80", "r80"), mkTCPListener("l9000", "c1"), mkRoute("r80", "c1"), routeOnly} {
 		typeURL := typeOfMessage(t, m)
 		r := refsOf(m)
 		for _, kind := range []RefKind{RefEndpoints, RefRoutes, RefClusters} {
@@ -93,6 +90,39 @@ func typeOfMessage(t *testing.T, m proto.Message) string {
 		t.Fatal(err)
 	}
 	return a.GetTypeUrl()
+}
+
+// mkCluster is an EDS cluster (its endpoints are ClusterLoadAssignment name).
+func mkCluster(name string) *cluster.Cluster {
+	return &cluster.Cluster{Name: name, ClusterDiscoveryType: &cluster.Cluster_Type{Type: cluster.Cluster_EDS}}
+}
+
+// mkCLA is the endpoints of cluster name, one on each port.
+func mkCLA(name string, ports ...uint32) *endpoint.ClusterLoadAssignment {
+	var lbs []*endpoint.LbEndpoint
+	for _, p := range ports {
+		lbs = append(lbs, &endpoint.LbEndpoint{HostIdentifier: &endpoint.LbEndpoint_Endpoint{Endpoint: &endpoint.Endpoint{
+			Address: &core.Address{Address: &core.Address_SocketAddress{SocketAddress: &core.SocketAddress{
+				Address: "10.1.0.1", PortSpecifier: &core.SocketAddress_PortValue{PortValue: p}}}}}}})
+	}
+	return &endpoint.ClusterLoadAssignment{ClusterName: name, Endpoints: []*endpoint.LocalityLbEndpoints{{LbEndpoints: lbs}}}
+}
+
+// mkListener is a listener whose HTTP connection manager takes its routes
+// from RDS routeName.
+func mkListener(name, routeName string) *listener.Listener {
+	return &listener.Listener{Name: name, FilterChains: []*listener.FilterChain{{Filters: []*listener.Filter{filter(&hcm.HttpConnectionManager{
+		RouteSpecifier: &hcm.HttpConnectionManager_Rds{Rds: &hcm.Rds{RouteConfigName: routeName}}})}}}}
+}
+
+// mkRoute is a route configuration with a virtual host for each cluster.
+func mkRoute(name string, clusters ...string) *route.RouteConfiguration {
+	rc := &route.RouteConfiguration{Name: name}
+	for _, c := range clusters {
+		rc.VirtualHosts = append(rc.VirtualHosts, &route.VirtualHost{Name: c, Domains: []string{c}, Routes: []*route.Route{{
+			Action: &route.Route_Route{Route: &route.RouteAction{ClusterSpecifier: &route.RouteAction_Cluster{Cluster: c}}}}}})
+	}
+	return rc
 }
 
 // mkTCPListener is a listener whose tcp_proxy sends to cluster c.
