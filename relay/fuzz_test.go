@@ -1,13 +1,11 @@
 package relay
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"iter"
 	"maps"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -36,8 +34,8 @@ import (
 
 // The relay decodes three kinds of untrusted input: requests from Envoys
 // (FuzzSotWRequests, FuzzDeltaRequests), responses from the upstream
-// (FuzzDecode, FuzzUpstreamResponses), and nodes (relay/aggkey's
-// FuzzKeyProfile and FuzzKeyNamespace). Each
+// (FuzzUpstreamResponses, and relay/xds's FuzzDecode of each resource),
+// and nodes (relay/aggkey's FuzzKeyProfile and FuzzKeyNamespace). Each
 // fuzzer drives the relay's own logic in-process, without the network, and
 // checks the protocol's invariants as it goes. Plain `go test` runs only the
 // seed corpus: f.Add, and testdata/fuzz/<FuzzName>/, which keeps the inputs
@@ -1083,84 +1081,6 @@ func FuzzSotWRequests(f *testing.F) { fuzzDownstream(f, false, sotwSeeds()) }
 
 // FuzzDeltaRequests is FuzzSotWRequests for Delta streams.
 func FuzzDeltaRequests(f *testing.F) { fuzzDownstream(f, true, deltaSeeds()) }
-
-// FuzzDecode decodes arbitrary bytes as a resource of a type picked by
-// typeIdx (below 128: the Any carries the same type URL; from 128 on:
-// another one), with an expected name as Delta gives one.
-func FuzzDecode(f *testing.F) {
-	add := func(typeIdx uint8, name string, m proto.Message) {
-		b, err := proto.Marshal(m)
-		if err != nil {
-			f.Fatal(err)
-		}
-		f.Add(typeIdx, name, b)
-	}
-	idx := func(typeURL string) uint8 { return uint8(slices.Index(fuzzTypes, typeURL)) }
-	add(idx(xds.TypeCluster), "", mkCluster("c0"))
-	add(idx(xds.TypeCluster), "c0", mkCluster("c0"))
-	add(idx(xds.TypeCluster), "c1", mkCluster("c0")) // mismatched name
-	add(idx(xds.TypeEndpoint), "c0", mkCLA("c0", 8080, 9090))
-	add(idx(xds.TypeListener), "", mkListener("l80", "r80"))
-	add(idx(xds.TypeRoute), "r80", mkRoute("r80", "c0", "c1"))
-	add(idx(xds.TypeRuntime), "", &runtimev3.Runtime{Name: "rt0", Layer: &structpb.Struct{}})
-	add(idx(xds.TypeCluster), "", &core.Node{Id: "not a cluster"})
-	add(idx(xds.TypeEndpoint), "", mkCluster("c0")) // a cluster's bytes read as a CLA
-	add(idx(typeNDS), "", mkCluster("c0"))          // not a cached type
-	add(128+idx(xds.TypeCluster), "", mkCluster("c0"))
-	f.Add(idx(xds.TypeCluster), "", []byte{})
-	f.Add(idx(xds.TypeRoute), "", []byte{0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f}) // truncated
-	f.Add(idx(xds.TypeListener), "x", []byte("\xff\xfe garbage"))
-
-	f.Fuzz(func(t *testing.T, typeIdx uint8, name string, value []byte) {
-		typeURL := fuzzTypes[int(typeIdx%128)%len(fuzzTypes)]
-		anyType := typeURL
-		if typeIdx >= 128 {
-			anyType = fuzzTypes[(int(typeIdx%128)+1)%len(fuzzTypes)]
-		}
-		s := xds.NewStore()
-		x, err := s.Decode(typeURL, &anypb.Any{TypeUrl: anyType, Value: value}, name)
-		if err != nil {
-			if x != nil {
-				t.Fatalf("decode(%s, %q) = %v, %v: a resource with an error", xds.ShortType(typeURL), name, x, err)
-			}
-			if _, err2 := s.Decode(typeURL, &anypb.Any{TypeUrl: anyType, Value: value}, name); err2 == nil {
-				t.Fatalf("decode(%s, %q) failed (%v), then succeeded", xds.ShortType(typeURL), name, err)
-			}
-			return
-		}
-		if anyType != typeURL {
-			t.Fatalf("decode(%s) accepted an Any of type %s", xds.ShortType(typeURL), anyType)
-		}
-		if x.Name == "" {
-			t.Fatalf("decode(%s, %q) = a resource without a name", xds.ShortType(typeURL), name)
-		}
-		if name != "" && x.Name != name {
-			t.Fatalf("decode(%s, %q) = resource named %q", xds.ShortType(typeURL), name, x.Name)
-		}
-		if want := xds.ContentHash(typeURL, value); x.Hash != want {
-			t.Fatalf("decode(%s, %q).Hash = %s, want %s", xds.ShortType(typeURL), name, x.Hash, want)
-		}
-		if x.Type != typeURL || x.Body.GetTypeUrl() != typeURL || !bytes.Equal(x.Body.GetValue(), value) {
-			t.Fatalf("decode(%s, %q) = resource of type %s, body %s (%d bytes), want the input (%d bytes)",
-				xds.ShortType(typeURL), name, x.Type, x.Body.GetTypeUrl(), len(x.Body.GetValue()), len(value))
-		}
-		// The same content, in other bytes and with or without a name,
-		// is the same *Resource (interning); another name is refused.
-		for _, want := range []string{"", x.Name} {
-			y, err := s.Decode(typeURL, &anypb.Any{TypeUrl: typeURL, Value: bytes.Clone(value)}, want)
-			if err != nil || y != x {
-				t.Fatalf("decode(%s, %q) again = %p, %v, want %p (interned)", xds.ShortType(typeURL), want, y, err, x)
-			}
-		}
-		if y, err := s.Decode(typeURL, &anypb.Any{TypeUrl: typeURL, Value: value}, x.Name+"~other"); err == nil {
-			t.Fatalf("decode(%s, %q) of a resource named %q = %p, want an error", xds.ShortType(typeURL), x.Name+"~other", x.Name, y)
-		}
-		if y := s.Lookup(x.Hash); y != x {
-			t.Fatalf("lookup(%s) = %p, want %p", x.Hash, y, x)
-		}
-		runtime.KeepAlive(x)
-	})
-}
 
 // upHarness drives one key's upstream client in-process: responses go to
 // handle, a fake send records the requests, and a member's subscription
