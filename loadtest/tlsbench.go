@@ -2,19 +2,11 @@ package loadtest
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/rsa"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/json"
-	"encoding/pem"
 	"errors"
 	"flag"
 	"fmt"
-	"math/big"
 	"net"
 	"os"
 	"path/filepath"
@@ -26,8 +18,6 @@ import (
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	jose "github.com/go-jose/go-jose/v4"
-	"github.com/go-jose/go-jose/v4/jwt"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
@@ -141,19 +131,19 @@ const (
 	tokenTTL = 12 * time.Hour
 )
 
-// MeshCredentials are a throwaway mesh for the TLS benchmarks, made without
-// a testing.TB: a root CA (ECDSA P-256), the relay's serving certificate
-// for relayServerName, 127.0.0.1 and localhost, a service-account token
-// issuer (RS256 with a 2048-bit key, as the Kubernetes API server signs
-// projected tokens), and the files a relay reads them from. Tokens are
-// signed once per (namespace, service account). Safe for concurrent use.
+// MeshCredentials are a throwaway mesh for the TLS benchmarks, made
+// without a testing.TB from relay/auth/authtest's CA and Issuer: a root
+// CA, the relay's serving certificate for relayServerName, 127.0.0.1 and
+// localhost, a service-account token issuer (RS256, as the Kubernetes API
+// server signs projected tokens), and the files a relay reads them from.
+// Tokens are signed once per (namespace, service account). Safe for
+// concurrent use.
 type MeshCredentials struct {
 	pool     *x509.CertPool
 	certFile string
 	keyFile  string
 	jwksFile string
-	issuer   string
-	signer   jose.Signer
+	issuer   *authtest.Issuer
 
 	mu     sync.Mutex
 	tokens map[[2]string]string // (namespace, service account) → token
@@ -163,77 +153,32 @@ type MeshCredentials struct {
 // NewMeshCredentials makes a mesh and writes its files into dir (which
 // must exist; the caller removes it).
 func NewMeshCredentials(dir string) (*MeshCredentials, error) {
+	ca, err := authtest.MakeCA("loadtest mesh root")
+	if err != nil {
+		return nil, err
+	}
+	serving, err := ca.Make(authtest.Leaf{DNSNames: []string{relayServerName, "localhost"}, IPs: []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback}})
+	if err != nil {
+		return nil, err
+	}
+	issuer, err := authtest.MakeIssuer()
+	if err != nil {
+		return nil, err
+	}
 	m := &MeshCredentials{
-		issuer: authtest.DefaultIssuer,
+		pool: ca.Pool(), issuer: issuer,
 		tokens: map[[2]string]string{}, owners: map[string][2]string{},
 		certFile: filepath.Join(dir, "relay-cert.pem"), keyFile: filepath.Join(dir, "relay-key.pem"),
 		jwksFile: filepath.Join(dir, "jwks.json"),
 	}
-	now := time.Now()
-	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return nil, err
-	}
-	caTmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "loadtest mesh root"},
-		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(48 * time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign | x509.KeyUsageCRLSign,
-	}
-	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
-	if err != nil {
-		return nil, err
-	}
-	ca, err := x509.ParseCertificate(caDER)
-	if err != nil {
-		return nil, err
-	}
-	m.pool = x509.NewCertPool()
-	m.pool.AddCert(ca)
-
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return nil, err
-	}
-	leaf := &x509.Certificate{
-		SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: relayServerName},
-		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(48 * time.Hour),
-		KeyUsage:    x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		DNSNames:    []string{relayServerName, "localhost"},
-		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, leaf, ca, &key.PublicKey, caKey)
-	if err != nil {
-		return nil, err
-	}
-	keyDER, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		return nil, err
-	}
 	// The chain, as istiod's serving certificate files hold it.
-	chain := append(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER})...)
-	if err := os.WriteFile(m.certFile, chain, 0o600); err != nil {
+	if err := os.WriteFile(m.certFile, append(slices.Clone(serving.CertPEM), ca.RootPEM()...), 0o600); err != nil {
 		return nil, err
 	}
-	if err := os.WriteFile(m.keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600); err != nil {
+	if err := os.WriteFile(m.keyFile, serving.KeyPEM, 0o600); err != nil {
 		return nil, err
 	}
-
-	rsaKey, err := rsa.GenerateKey(rand.Reader, 2048)
-	if err != nil {
-		return nil, err
-	}
-	const kid = "loadtest-key-1"
-	if m.signer, err = jose.NewSigner(jose.SigningKey{Algorithm: jose.RS256, Key: jose.JSONWebKey{Key: rsaKey, KeyID: kid}},
-		(&jose.SignerOptions{}).WithType("JWT")); err != nil {
-		return nil, err
-	}
-	jwks, err := json.Marshal(jose.JSONWebKeySet{Keys: []jose.JSONWebKey{{Key: &rsaKey.PublicKey, KeyID: kid, Algorithm: string(jose.RS256), Use: "sig"}}})
-	if err != nil {
-		return nil, err
-	}
-	if err := os.WriteFile(m.jwksFile, jwks, 0o600); err != nil {
+	if err := issuer.WriteJWKSFile(m.jwksFile); err != nil {
 		return nil, err
 	}
 	return m, nil
@@ -247,15 +192,7 @@ func (m *MeshCredentials) Token(ns, sa string) (string, error) {
 	if tok, ok := m.tokens[[2]string{ns, sa}]; ok {
 		return tok, nil
 	}
-	now := time.Now()
-	tok, err := jwt.Signed(m.signer).Claims(map[string]any{
-		"iss": m.issuer, "sub": "system:serviceaccount:" + ns + ":" + sa, "aud": []string{tokenAudience},
-		"iat": now.Unix(), "nbf": now.Unix(), "exp": now.Add(tokenTTL).Unix(),
-		"kubernetes.io": map[string]any{
-			"namespace":      ns,
-			"serviceaccount": map[string]any{"name": sa, "uid": "00000000-0000-0000-0000-000000000001"},
-		},
-	}).Serialize()
+	tok, err := m.issuer.Make(authtest.Token{Namespace: ns, ServiceAccount: sa, Audiences: []string{tokenAudience}, TTL: tokenTTL})
 	if err != nil {
 		return "", fmt.Errorf("loadtest: sign the token of %s/%s: %w", ns, sa, err)
 	}
@@ -288,7 +225,7 @@ func (m *MeshCredentials) ClientTLS() *tls.Config {
 // RelayTLS returns the TLS settings of a relay child checking tokens with
 // v (reviewURL: the Kubernetes API for VerifierTokenReview).
 func (m *MeshCredentials) RelayTLS(v Verifier, reviewURL string) *RelayChildTLS {
-	return &RelayChildTLS{CertFile: m.certFile, KeyFile: m.keyFile, Verifier: v, Issuer: m.issuer, JWKSFile: m.jwksFile, TokenReviewURL: reviewURL}
+	return &RelayChildTLS{CertFile: m.certFile, KeyFile: m.keyFile, Verifier: v, Issuer: m.issuer.URL, JWKSFile: m.jwksFile, TokenReviewURL: reviewURL}
 }
 
 // StartTokenReview starts a fake Kubernetes API (authtest.KubeAPI) that

@@ -29,7 +29,19 @@ type CA struct {
 // NewCA returns a CA valid for a day.
 func NewCA(t testing.TB, name string) *CA {
 	t.Helper()
-	key := newKey(t)
+	ca, err := MakeCA(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ca
+}
+
+// MakeCA is NewCA for a caller that is not a test (a benchmark run).
+func MakeCA(name string) (*CA, error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, err
+	}
 	tmpl := &x509.Certificate{
 		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: name},
 		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
@@ -37,15 +49,15 @@ func NewCA(t testing.TB, name string) *CA {
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	cert, err := x509.ParseCertificate(der)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	ca := &CA{Cert: cert, key: key}
 	ca.next.Store(1)
-	return ca
+	return ca, nil
 }
 
 // Pool returns a pool of the CA alone.
@@ -84,7 +96,19 @@ type Leaf struct {
 // Issue signs leaf, for client and server use.
 func (ca *CA) Issue(t testing.TB, leaf Leaf) *Issued {
 	t.Helper()
-	key := newKey(t)
+	is, err := ca.Make(leaf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return is
+}
+
+// Make is Issue for a caller that is not a test.
+func (ca *CA) Make(leaf Leaf) (*Issued, error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, err
+	}
 	if leaf.NotBefore.IsZero() {
 		leaf.NotBefore = time.Now().Add(-time.Hour)
 	}
@@ -101,26 +125,26 @@ func (ca *CA) Issue(t testing.TB, leaf Leaf) *Issued {
 	for _, u := range leaf.URIs {
 		pu, err := url.Parse(u)
 		if err != nil {
-			t.Fatal(err)
+			return nil, err
 		}
 		tmpl.URIs = append(tmpl.URIs, pu)
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, &key.PublicKey, ca.key)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	keyDER, err := x509.MarshalECPrivateKey(key)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	is := &Issued{
 		CertPEM: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
 		KeyPEM:  pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}),
 	}
 	if is.TLS, err = tls.X509KeyPair(is.CertPEM, is.KeyPEM); err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
-	return is
+	return is, nil
 }
 
 // Workload issues a workload certificate for spiffe://<td>/ns/<ns>/sa/<sa>.
@@ -171,13 +195,4 @@ func (is *Issued) Write(t testing.TB, dir string) (certFile, keyFile string) {
 func (is *Issued) Leaf() *x509.Certificate {
 	c, _ := x509.ParseCertificate(is.TLS.Certificate[0])
 	return c
-}
-
-func newKey(t testing.TB) *ecdsa.PrivateKey {
-	t.Helper()
-	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return k
 }

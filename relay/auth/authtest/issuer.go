@@ -36,11 +36,20 @@ type Issuer struct {
 // NewIssuer returns an Issuer with a fresh 2048-bit RSA key.
 func NewIssuer(t testing.TB) *Issuer {
 	t.Helper()
-	k, err := rsa.GenerateKey(rand.Reader, 2048)
+	is, err := MakeIssuer()
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &Issuer{URL: DefaultIssuer, KeyID: "test-key-1", key: k}
+	return is
+}
+
+// MakeIssuer is NewIssuer for a caller that is not a test.
+func MakeIssuer() (*Issuer, error) {
+	k, err := rsa.GenerateKey(rand.Reader, 2048)
+	if err != nil {
+		return nil, err
+	}
+	return &Issuer{URL: DefaultIssuer, KeyID: "test-key-1", key: k}, nil
 }
 
 // Token is what a token says; zero fields get Issuer's defaults.
@@ -61,21 +70,34 @@ type Token struct {
 // Sign returns the signed, compact-serialised token.
 func (is *Issuer) Sign(t testing.TB, tok Token) string {
 	t.Helper()
-	return is.SignWith(t, jose.SigningKey{Algorithm: jose.RS256, Key: jose.JSONWebKey{Key: is.key, KeyID: is.KeyID}}, tok)
+	s, err := is.Make(tok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// Make is Sign for a caller that is not a test.
+func (is *Issuer) Make(tok Token) (string, error) {
+	return is.sign(jose.SigningKey{Algorithm: jose.RS256, Key: jose.JSONWebKey{Key: is.key, KeyID: is.KeyID}}, tok)
 }
 
 // SignWith signs tok with another key or algorithm (forgeries).
 func (is *Issuer) SignWith(t testing.TB, key jose.SigningKey, tok Token) string {
 	t.Helper()
-	sig, err := jose.NewSigner(key, (&jose.SignerOptions{}).WithType("JWT"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := jwt.Signed(sig).Claims(is.claims(tok)).Serialize()
+	s, err := is.sign(key, tok)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return s
+}
+
+func (is *Issuer) sign(key jose.SigningKey, tok Token) (string, error) {
+	sig, err := jose.NewSigner(key, (&jose.SignerOptions{}).WithType("JWT"))
+	if err != nil {
+		return "", err
+	}
+	return jwt.Signed(sig).Claims(is.claims(tok)).Serialize()
 }
 
 // claims returns the claims Sign puts in tok, as a JSON object.
@@ -127,15 +149,20 @@ func (is *Issuer) PublicKeyBytes() []byte {
 // returns its path.
 func (is *Issuer) WriteJWKS(t testing.TB) string {
 	t.Helper()
-	b, err := json.Marshal(is.JWKS())
-	if err != nil {
-		t.Fatal(err)
-	}
 	p := filepath.Join(t.TempDir(), "jwks.json")
-	if err := os.WriteFile(p, b, 0o600); err != nil {
+	if err := is.WriteJWKSFile(p); err != nil {
 		t.Fatal(err)
 	}
 	return p
+}
+
+// WriteJWKSFile writes the key set to path.
+func (is *Issuer) WriteJWKSFile(path string) error {
+	b, err := json.Marshal(is.JWKS())
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(path, b, 0o600)
 }
 
 // WriteToken writes a token to a file (istio-agent's
