@@ -8,6 +8,7 @@ import (
 	"flag"
 	"fmt"
 	"net/http"
+	"net/url"
 	"os"
 	"strings"
 
@@ -155,7 +156,7 @@ func (x *xdsTLSFlags) tokenVerifier(ctx context.Context) (auth.TokenVerifier, er
 		case x.jwksFile != "":
 			lc.Keys = auth.KeysFromFile(x.jwksFile)
 		case x.jwksURL != "":
-			client, err := inClusterHTTPClient()
+			client, err := inClusterHTTPClient(x.jwksURL)
 			if err != nil {
 				return nil, err
 			}
@@ -163,7 +164,7 @@ func (x *xdsTLSFlags) tokenVerifier(ctx context.Context) (auth.TokenVerifier, er
 		default:
 			// The issuer's OIDC discovery document names its key set
 			// (the API server serves both).
-			client, err := inClusterHTTPClient()
+			client, err := inClusterHTTPClient(x.issuer)
 			if err != nil {
 				return nil, err
 			}
@@ -184,11 +185,15 @@ const (
 	saTokenFile = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 )
 
-// inClusterHTTPClient is an HTTP client for the API server's JWKS: it
-// trusts the cluster CA and sends the pod's token (the endpoint needs the
-// service-account-issuer-discovery role), when run in a pod; else the
-// default client.
-func inClusterHTTPClient() (*http.Client, error) {
+// inClusterHTTPClient is an HTTP client for the API server's JWKS, at
+// the host of the configured URL: when run in a pod, it trusts the cluster
+// CA there and sends the pod's token (the endpoint needs the
+// service-account-issuer-discovery role); else the default client.
+func inClusterHTTPClient(configured string) (*http.Client, error) {
+	u, err := url.Parse(configured)
+	if err != nil {
+		return nil, err
+	}
 	ca, err := os.ReadFile(saCAFile)
 	if errors.Is(err, os.ErrNotExist) {
 		return http.DefaultClient, nil
@@ -201,23 +206,33 @@ func inClusterHTTPClient() (*http.Client, error) {
 		return nil, fmt.Errorf("%s: no PEM certificate", saCAFile)
 	}
 	return &http.Client{Transport: &bearerTransport{
-		base:      &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}},
+		host:      u.Host,
+		cluster:   &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}},
+		other:     http.DefaultTransport,
 		tokenFile: saTokenFile,
 	}}, nil
 }
 
-// bearerTransport reads the token file at each request (kubelet rotates it).
+// bearerTransport sends the pod's token, read at each request (kubelet
+// rotates it), only over HTTPS to host, through cluster; any other request
+// (plain HTTP, a key set or a redirect elsewhere) goes through other
+// without it, so the token never leaves in clear text or to another party.
 type bearerTransport struct {
-	base      http.RoundTripper
+	host      string
+	cluster   http.RoundTripper
+	other     http.RoundTripper
 	tokenFile string
 }
 
 func (b *bearerTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if req.URL.Scheme != "https" || req.URL.Host != b.host {
+		return b.other.RoundTrip(req)
+	}
 	tok, err := readToken(b.tokenFile)
 	if err != nil {
 		return nil, err
 	}
 	req = req.Clone(req.Context())
 	req.Header.Set("Authorization", "Bearer "+tok)
-	return b.base.RoundTrip(req)
+	return b.cluster.RoundTrip(req)
 }
