@@ -196,7 +196,8 @@ func (r *Relay) tokenMatches(header string) bool {
 
 // adminAuthHTTP lets through only admins (adminCaller, from the request's
 // Authorization header and client certificate): 401 for a request that
-// proves nothing, 403 for a caller scoped to a namespace.
+// proves nothing, 403 for a caller scoped to a namespace, 503 while the
+// verifier cannot decide.
 func (r *Relay) adminAuthHTTP(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		ctx := metadata.NewIncomingContext(req.Context(), metadata.MD{"authorization": req.Header.Values("Authorization")})
@@ -206,6 +207,11 @@ func (r *Relay) adminAuthHTTP(h http.Handler) http.Handler {
 		}
 		c, err := r.adminCaller(peer.NewContext(ctx, p), req.URL.Path)
 		switch {
+		case status.Code(err) == codes.Unavailable:
+			// The verifier could not decide (the Kubernetes API is down):
+			// not the caller's fault, as on the gRPC admin calls.
+			http.Error(w, "the admin caller could not be verified now; try again", http.StatusServiceUnavailable)
+			return
 		case err != nil:
 			w.Header().Set("WWW-Authenticate", "Bearer")
 			http.Error(w, "this endpoint wants an admin: the admin bearer token, or an admin identity's token or certificate", http.StatusUnauthorized)
