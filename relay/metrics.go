@@ -225,8 +225,6 @@ func (l *latency) quantile(q float64) (time.Duration, uint64) {
 	return 0, total
 }
 
-// sourceCollector reports meshrelay_keys_by_source from the keys at scrape
-// time.
 // keyCollector reports the keys held, the stale ones, and by source, in
 // one pass over the keys per scrape that takes no key's lock (each reads
 // atomics only).

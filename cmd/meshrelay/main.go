@@ -23,11 +23,11 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/shard"
 
 	// Every Envoy and Istio type, for config dumps and reflection.
-	"github.com/meshrelay/meshrelay/relay/aggkey"
 	_ "github.com/meshrelay/meshrelay/relay/xdstypes"
-	"github.com/meshrelay/meshrelay/shard"
 )
 
 const usage = `meshrelay: a sharded xDS relay tier between istiod and Envoys.
