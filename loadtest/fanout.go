@@ -874,7 +874,7 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 			stopConnectProfile()
 			return fail(err)
 		}
-		run.Tokens = creds.Tokens()
+		run.Tokens = tlsConns.Tokens()
 	}
 
 	syncCtx, cancel := context.WithTimeout(ctx, cfg.SyncTimeout)

@@ -244,7 +244,7 @@ func (t *Tier) Start(ctx context.Context, i int) error {
 		stc.Endpoints, stc.Logger = t.cfg.Etcd, t.cfg.Logger
 		stc.Member = fmt.Sprintf("%s-%d", id, time.Now().UnixNano())
 		if store, err = snapshot.New(stc); err != nil {
-			lis.Close()
+			closeListeners(rc)
 			return err
 		}
 	}
@@ -254,7 +254,7 @@ func (t *Tier) Start(ctx context.Context, i int) error {
 	}
 	node, err := shard.NewNode(nc)
 	if err != nil {
-		lis.Close()
+		closeListeners(rc)
 		if store != nil {
 			store.Stop(ctx)
 		}
@@ -267,6 +267,15 @@ func (t *Tier) Start(ctx context.Context, i int) error {
 	t.slots[i] = &TierRelay{Index: i, ID: id, Node: node, Gossip: tr.Addr(), Running: true}
 	t.mu.Unlock()
 	return nil
+}
+
+// closeListeners closes the listeners a relay that did not start was given.
+func closeListeners(rc relay.Config) {
+	for _, l := range []net.Listener{rc.Listener, rc.TLSListener, rc.PeerListener} {
+		if l != nil {
+			l.Close()
+		}
+	}
 }
 
 // StopRelay stops slot i: gracefully (leave, drain) or as a crash.

@@ -355,9 +355,10 @@ type tlsTransport struct {
 	// token picks an Envoy's token (nil: its node's own).
 	token func(node *core.Node) (string, error)
 
-	mu    sync.Mutex
-	conns []*grpc.ClientConn
-	err   error
+	mu     sync.Mutex
+	conns  []*grpc.ClientConn
+	tokens map[string]bool // the distinct tokens this fleet presents
+	err    error
 }
 
 func newTLSTransport(creds *MeshCredentials, target string, perConn, maxMsg int) *tlsTransport {
@@ -367,7 +368,7 @@ func newTLSTransport(creds *MeshCredentials, target string, perConn, maxMsg int)
 	if maxMsg <= 0 {
 		maxMsg = 256 << 20
 	}
-	return &tlsTransport{creds: creds, target: target, perConn: perConn, maxMsg: maxMsg, token: creds.nodeToken}
+	return &tlsTransport{creds: creds, target: target, perConn: perConn, maxMsg: maxMsg, token: creds.nodeToken, tokens: map[string]bool{}}
 }
 
 // configure is FleetConfig.Configure; StartFleet calls it in order of i.
@@ -392,8 +393,16 @@ func (t *tlsTransport) configure(i int, c *envoy.Config) {
 		t.err = err
 		return
 	}
+	t.tokens[tok] = true
 	c.Conn = t.conns[len(t.conns)-1]
 	c.Metadata = metadata.Pairs("authorization", "Bearer "+tok)
+}
+
+// Tokens is how many distinct tokens the fleet's Envoys present.
+func (t *tlsTransport) Tokens() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.tokens)
 }
 
 // Err is the first error configure met (the fleet must then be stopped:
