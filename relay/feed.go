@@ -236,7 +236,7 @@ func (u *feed) presentedNode() *core.Node {
 // idle.
 func (u *feed) waitForMember(ctx context.Context) bool {
 	for {
-		if _, _, n := u.k.presenter(); n > 0 {
+		if u.k.memberCount() > 0 {
 			return true
 		}
 		u.checkIdle()
@@ -654,7 +654,7 @@ func (u *feed) desired() map[string]subscription {
 // longer wanted.
 func (u *feed) resubscribe() error {
 	want := u.desired()
-	if _, _, n := u.k.presenter(); n == 0 {
+	if u.k.memberCount() == 0 {
 		// Nobody is connected: keep asking for what the last members asked
 		// for, so that they find the key warm if they come back.
 		want = make(map[string]subscription, len(u.types))
@@ -1147,7 +1147,7 @@ func (u *feed) expirePending() {
 // checkIdle starts the idle timer when the key has no members and stops it
 // when it has.
 func (u *feed) checkIdle() {
-	_, _, n := u.k.presenter()
+	n := u.k.memberCount()
 	switch {
 	case n == 0 && u.idle == nil:
 		u.idle = time.NewTimer(u.r.cfg.KeyIdleTimeout)

@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"net"
 	"net/netip"
 	"sync"
 	"time"
@@ -150,6 +151,9 @@ func sourceIP(ctx context.Context) netip.Addr {
 	p, ok := peer.FromContext(ctx)
 	if !ok || p.Addr == nil {
 		return netip.Addr{}
+	}
+	if a, ok := p.Addr.(*net.TCPAddr); ok {
+		return a.AddrPort().Addr().Unmap()
 	}
 	ap, err := netip.ParseAddrPort(p.Addr.String())
 	if err != nil {

@@ -302,6 +302,13 @@ func (k *keyState) presenter() (*core.Node, *stream, int) {
 	return s.node, s, len(k.members)
 }
 
+// memberCount returns the number of members.
+func (k *keyState) memberCount() int {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return len(k.members)
+}
+
 // isMember reports whether s is still a member.
 func (k *keyState) isMember(s *stream) bool {
 	k.mu.Lock()
