@@ -5,7 +5,6 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"os"
 	"strings"
 
 	"github.com/meshrelay/meshrelay/relay"
@@ -69,12 +68,8 @@ func (a *adminFlags) apply(cfg *relay.Config) error {
 	tc := tlsfiles.ServerConfig(pair, cas, tls.RequireAndVerifyClientCert, "h2", "http/1.1")
 	cfg.AdminTLS = tc
 	if a.tokenFile != "" {
-		b, err := os.ReadFile(a.tokenFile)
-		if err != nil {
-			return fmt.Errorf("--admin-token-file: %w", err)
-		}
-		if cfg.AdminToken = strings.TrimSpace(string(b)); cfg.AdminToken == "" {
-			return fmt.Errorf("--admin-token-file %s is empty", a.tokenFile)
+		if cfg.AdminToken, err = (auth.TokenFile{Path: a.tokenFile, Flag: "--admin-token-file"}).Token(); err != nil {
+			return err
 		}
 	}
 	return nil

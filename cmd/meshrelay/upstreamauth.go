@@ -1,20 +1,19 @@
 package main
 
 import (
-	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
 	"flag"
 	"fmt"
 	"net"
-	"os"
 	"strings"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/tlsfiles"
 )
 
@@ -70,10 +69,11 @@ func (u *upstreamAuthFlags) apply(cfg *relay.Config, tlsPort bool) error {
 		if u.tokenFile == "" {
 			return errors.New("--upstream-auth relay-identity needs --upstream-token-file")
 		}
-		if _, err := readToken(u.tokenFile); err != nil {
-			return fmt.Errorf("--upstream-token-file: %w", err)
+		tf := auth.TokenFile{Path: u.tokenFile, Flag: "--upstream-token-file"}
+		if _, err := tf.Token(); err != nil {
+			return err
 		}
-		cfg.UpstreamDialOptions = append(cfg.UpstreamDialOptions, grpc.WithPerRPCCredentials(tokenFile(u.tokenFile)))
+		cfg.UpstreamDialOptions = append(cfg.UpstreamDialOptions, grpc.WithPerRPCCredentials(tf))
 	default:
 		return fmt.Errorf("--upstream-auth %q: want plaintext, forward or relay-identity", mode)
 	}
@@ -111,32 +111,6 @@ func verifyServer(cs tls.ConnectionState, roots *tlsfiles.CAPool, name string) e
 	opts := x509VerifyOptions(roots, name, cs)
 	_, err := cs.PeerCertificates[0].Verify(opts)
 	return err
-}
-
-// tokenFile sends the file's token as "authorization: Bearer" on every
-// stream, reading it each time (kubelet rotates projected tokens).
-type tokenFile string
-
-func (f tokenFile) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	tok, err := readToken(string(f))
-	if err != nil {
-		return nil, err
-	}
-	return map[string]string{"authorization": "Bearer " + tok}, nil
-}
-
-func (tokenFile) RequireTransportSecurity() bool { return true }
-
-func readToken(path string) (string, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return "", err
-	}
-	tok := strings.TrimSpace(string(b))
-	if tok == "" {
-		return "", fmt.Errorf("%s is empty", path)
-	}
-	return tok, nil
 }
 
 func x509VerifyOptions(roots *tlsfiles.CAPool, name string, cs tls.ConnectionState) x509.VerifyOptions {

@@ -228,7 +228,7 @@ func (b *bearerTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if req.URL.Scheme != "https" || req.URL.Host != b.host {
 		return b.other.RoundTrip(req)
 	}
-	tok, err := readToken(b.tokenFile)
+	tok, err := auth.TokenFile{Path: b.tokenFile, Flag: "the pod's service-account token"}.Token()
 	if err != nil {
 		return nil, err
 	}

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -17,6 +16,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/shard/adminpb"
 )
 
@@ -163,53 +163,14 @@ func (o *options) dialOptions() ([]grpc.DialOption, error) {
 	if o.tokenFile != "" {
 		// Read once now, so that a missing or empty file fails before any
 		// call, then again at each call.
-		if _, err := tokenFile(o.tokenFile).token(); err != nil {
+		tf := auth.TokenFile{Path: o.tokenFile, Flag: "--token-file"}
+		if _, err := tf.Token(); err != nil {
 			return nil, err
 		}
-		opts = append(opts, grpc.WithPerRPCCredentials(tokenFile(o.tokenFile)))
+		opts = append(opts, grpc.WithPerRPCCredentials(tf))
 	}
 	return opts, nil
 }
-
-// tokenFile sends the token the file holds as "authorization: Bearer
-// <token>", over TLS only. The file is read at each call: kubelet rewrites
-// a projected service-account token in place (an atomic swap) well before
-// it expires, and a long wait or drain outlives one.
-type tokenFile string
-
-// maxTokenFile bounds what is read of the file: Kubernetes tokens are 1–2
-// KiB, and the relays refuse an authorization header past 16 KiB.
-const maxTokenFile = 16 << 10
-
-func (f tokenFile) token() (string, error) {
-	fh, err := os.Open(string(f))
-	if err != nil {
-		return "", fmt.Errorf("--token-file: %w", err)
-	}
-	defer fh.Close()
-	b, err := io.ReadAll(io.LimitReader(fh, maxTokenFile+1))
-	if err != nil {
-		return "", fmt.Errorf("--token-file: %w", err)
-	}
-	tok := strings.TrimSpace(string(b))
-	switch {
-	case len(b) > maxTokenFile:
-		return "", fmt.Errorf("--token-file %s holds more than %d bytes: not a token", f, maxTokenFile)
-	case tok == "":
-		return "", fmt.Errorf("--token-file %s is empty", f)
-	}
-	return tok, nil
-}
-
-func (f tokenFile) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	tok, err := f.token()
-	if err != nil {
-		return nil, err
-	}
-	return map[string]string{"authorization": "Bearer " + tok}, nil
-}
-
-func (tokenFile) RequireTransportSecurity() bool { return true }
 
 // call runs fn with a client and a context bounded by --timeout.
 func (o *options) call(ctx context.Context, fn func(context.Context, adminpb.AdminClient) error) error {
