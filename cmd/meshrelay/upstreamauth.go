@@ -91,8 +91,7 @@ func (u *upstreamAuthFlags) apply(cfg *relay.Config, tlsPort bool) error {
 			return fmt.Errorf("--upstream-ca: %w", err)
 		}
 		// The root is read again when it rotates; each handshake verifies
-		// against the current one.
-		tc.RootCAs = roots.Pool()
+		// against the current one (Go's own check would use a fixed pool).
 		tc.InsecureSkipVerify = true //nolint:gosec // verified in VerifyConnection against the current roots
 		tc.VerifyConnection = func(cs tls.ConnectionState) error {
 			return verifyServer(cs, roots, tc.ServerName)
@@ -108,15 +107,10 @@ func verifyServer(cs tls.ConnectionState, roots *tlsfiles.CAPool, name string) e
 	if len(cs.PeerCertificates) == 0 {
 		return errors.New("upstream presented no certificate")
 	}
-	opts := x509VerifyOptions(roots, name, cs)
-	_, err := cs.PeerCertificates[0].Verify(opts)
-	return err
-}
-
-func x509VerifyOptions(roots *tlsfiles.CAPool, name string, cs tls.ConnectionState) x509.VerifyOptions {
 	inter := x509.NewCertPool()
 	for _, c := range cs.PeerCertificates[1:] {
 		inter.AddCert(c)
 	}
-	return x509.VerifyOptions{Roots: roots.Pool(), Intermediates: inter, DNSName: name}
+	_, err := cs.PeerCertificates[0].Verify(x509.VerifyOptions{Roots: roots.Pool(), Intermediates: inter, DNSName: name})
+	return err
 }
