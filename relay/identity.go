@@ -130,13 +130,15 @@ func (g *failureGate) failed(ip netip.Addr) {
 	if l == nil {
 		if len(g.by) >= maxFailingSources {
 			// Forget the sources that stopped failing (full buckets);
-			// if all still fail, forget them all: the bound holds.
+			// if that frees less than half, forget them all: the bound
+			// holds, and a flood from many addresses scans the map once
+			// per maxFailingSources/2 new ones, not at each.
 			for a, old := range g.by {
 				if old.Tokens() >= failBurst {
 					delete(g.by, a)
 				}
 			}
-			if len(g.by) >= maxFailingSources {
+			if len(g.by) > maxFailingSources/2 {
 				clear(g.by)
 			}
 		}
