@@ -16,7 +16,6 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
-	"github.com/meshrelay/meshrelay/shard/shardtest"
 )
 
 // ScaleConfig configures RunScale: a tier scaled out by one relay, then in
@@ -231,22 +230,8 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 	target := tier.Addr()
 	var tlsConns *tlsTransport
 	if cfg.TLS {
-		// A Service in front of the relays' TLS ports, as a cluster's
-		// in front of istiod's 15012.
-		svc, err := shardtest.NewService(func() []string {
-			var out []string
-			for _, r := range tier.Running() {
-				if rl := r.Node.Relay(); rl.Ready() && rl.TLSAddr() != nil {
-					out = append(out, rl.TLSAddr().String())
-				}
-			}
-			return out
-		})
-		if err != nil {
-			return nil, err
-		}
-		defer svc.Close()
-		target = svc.Addr()
+		// The tier's Service fronts the relays' TLS ports (readyAddrs),
+		// as a cluster's does istiod's 15012.
 		tlsConns = newTLSTransport(creds, target, cfg.EnvoysPerConn, 0)
 		defer tlsConns.Close() // after the fleet stopped
 	}
