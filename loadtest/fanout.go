@@ -230,8 +230,12 @@ loop:
 				}
 				prof, heapOnStop = f, !named
 			case c == childProfileStop:
+				// A heap profile ends only the CPU profile it was started
+				// with: a stop with none running writes nothing.
+				heap := heapOnStop && prof != nil
 				stopProfile()
-				if heapOnStop && cfg.HeapProfile != "" {
+				heapOnStop = false
+				if heap && cfg.HeapProfile != "" {
 					if err := writeHeapProfile(cfg.HeapProfile); err != nil {
 						fmt.Fprintf(logw, "relay-child: heapprofile: %v\n", err)
 					}
