@@ -171,17 +171,16 @@ func (l trackedListener) Accept() (net.Conn, error) {
 	return c, nil
 }
 
-// close closes the connection from addr, if it is still known.
-func (t *connTracker) close(addr string) bool {
+// take forgets the connection from addr and returns it (nil if none).
+func (t *connTracker) take(addr string) net.Conn {
 	t.mu.Lock()
+	defer t.mu.Unlock()
 	c, ok := t.conns[addr]
-	delete(t.conns, addr)
-	t.mu.Unlock()
 	if !ok {
-		return false
+		return nil
 	}
-	c.Close()
-	return true
+	delete(t.conns, addr)
+	return c.Conn
 }
 
 // prune forgets the connections accepted more than grace ago that no
@@ -239,11 +238,15 @@ func (r *Relay) streams() (envoys, peers []*stream) {
 // treats both alike: the stream fails with UNAVAILABLE, it reconnects with
 // backoff, and keeps its config meanwhile.
 func (r *Relay) moveAway(s *stream, why string) bool {
-	if s.peer == "" || !r.tracker.close(s.peer) {
+	c := r.tracker.take(s.peer)
+	if c == nil {
 		return false
 	}
+	// Counted before the close: whoever sees the client go (the client
+	// itself, a test) finds it counted.
 	r.metrics.shed.WithLabelValues(why).Inc()
 	s.log.Debug("moved client away", "why", why)
+	c.Close()
 	return true
 }
 
