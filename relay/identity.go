@@ -111,12 +111,15 @@ const (
 
 func newFailureGate() *failureGate { return &failureGate{by: make(map[netip.Addr]*rate.Limiter)} }
 
-// allows reports whether a stream from ip may be verified.
+// allows reports whether a stream from ip may be verified. For a source
+// that failed recently it takes the verification's token now, so that
+// concurrent streams of a flood cannot all pass before the first of them
+// fails; a source that never failed is not counted.
 func (g *failureGate) allows(ip netip.Addr) bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	l := g.by[ip]
-	return l == nil || l.Tokens() >= 1
+	return l == nil || l.Allow()
 }
 
 // failed counts a failed authentication from ip.
@@ -144,8 +147,8 @@ func (g *failureGate) failed(ip netip.Addr) {
 		}
 		l = rate.NewLimiter(rate.Every(failInterval), failBurst)
 		g.by[ip] = l
+		l.Allow() // this failure; a known source paid in allows
 	}
-	l.Allow()
 }
 
 // sourceIP is the address a stream comes from (invalid if unknown).
