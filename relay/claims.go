@@ -223,8 +223,7 @@ func (s inspectServer) GetVersion(ctx context.Context, req *inspectpb.VersionReq
 	if k == nil {
 		return nil, status.Errorf(codes.NotFound, "key %q: %v", req.GetKey(), ErrNotHeld)
 	}
-	sub := &typeSub{typeURL: req.GetType(), wildcard: req.GetWildcard(), names: xds.NewNameSet(req.GetNames())}
-	held, ok := k.versionHeld(sub, root)
+	held, ok := k.versionHeld(req.GetType(), req.GetWildcard(), xds.NewNameSet(req.GetNames()), root)
 	if !ok {
 		return nil, status.Errorf(codes.NotFound, "key %q: version %s of %s not in history", req.GetKey(), root, xds.ShortType(req.GetType()))
 	}

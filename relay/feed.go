@@ -42,7 +42,7 @@ type feed struct {
 	// and the key is fed by the upstream directly.
 	fallbackFor string
 
-	presented *stream                   // whose node the current stream presents
+	presented member                    // whose node the current stream presents
 	idle      *time.Timer               // running while the key has no members
 	expiry    *time.Timer               // next expiry of a pending name
 	send      func(proto.Message) error // queues a request on the current stream
@@ -185,9 +185,10 @@ func (u *feed) run(ctx context.Context) {
 	defer u.stopTimers()
 	bo := u.r.newBackoff()
 	for ctx.Err() == nil {
-		node, presenter, _ := u.k.presenter()
+		presenter, _ := u.k.presenter()
+		node := memberNode(presenter)
 		if node == nil {
-			node = u.presentedNode()
+			node = memberNode(u.presented)
 		}
 		if node == nil {
 			// No member ever presented a node: wait for one.
@@ -225,11 +226,13 @@ func (u *feed) run(ctx context.Context) {
 	}
 }
 
-func (u *feed) presentedNode() *core.Node {
-	if u.presented == nil {
+// memberNode returns m's node, nil for no member.
+func memberNode(m member) *core.Node {
+	if m == nil {
 		return nil
 	}
-	return u.presented.node
+	node, _ := m.presents()
+	return node
 }
 
 // waitForMember waits until the key has a member, or gives up when it stays
@@ -277,7 +280,7 @@ func (u *feed) sleep(ctx context.Context, d time.Duration) bool {
 
 // session runs one upstream stream. got reports whether any response
 // arrived.
-func (u *feed) session(ctx context.Context, node *core.Node, presenter *stream, src source) (got bool, err error) {
+func (u *feed) session(ctx context.Context, node *core.Node, presenter member, src source) (got bool, err error) {
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	send, recv, err := u.open(sctx, presenter, src)
@@ -396,9 +399,9 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter *stream, 
 			if renew() {
 				return got, errRenew
 			}
-			_, first, n := u.k.presenter()
+			first, n := u.k.presenter()
 			if n > 0 && first != u.presented && (!u.k.isMember(u.presented) || u.tokenExpiring(first)) {
-				u.log("re-homing upstream stream", "from", presentedNode.GetId(), "to", first.node.GetId())
+				u.log("re-homing upstream stream", "from", presentedNode.GetId(), "to", memberNode(first).GetId())
 				return got, errRehome
 			}
 			u.checkIdle()
@@ -415,8 +418,8 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter *stream, 
 			u.expirePending()
 		case <-timerC(refresh):
 			refresh = nil
-			if _, first, n := u.k.presenter(); n > 0 && first != u.presented && u.tokenExpiring(first) {
-				u.log("re-homing upstream stream: its token expires", "from", presentedNode.GetId(), "to", first.node.GetId())
+			if first, n := u.k.presenter(); n > 0 && first != u.presented && u.tokenExpiring(first) {
+				u.log("re-homing upstream stream: its token expires", "from", presentedNode.GetId(), "to", memberNode(first).GetId())
 				return got, errRehome
 			}
 		case <-ctx.Done():
@@ -428,22 +431,28 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter *stream, 
 // refreshTimer fires TokenRefreshBefore ahead of the expiry of the token
 // the stream presents (forward mode): then a member whose token lives
 // longer takes over. Nil if there is nothing to refresh.
-func (u *feed) refreshTimer(presenter *stream) *time.Timer {
-	if !u.r.cfg.ForwardCredentials || presenter == nil || presenter.cred == nil || presenter.cred.expires.IsZero() {
+func (u *feed) refreshTimer(presenter member) *time.Timer {
+	if !u.r.cfg.ForwardCredentials || presenter == nil {
 		return nil
 	}
-	return time.NewTimer(time.Until(presenter.cred.expires.Add(-u.r.cfg.TokenRefreshBefore)))
+	_, cred := presenter.presents()
+	if cred == nil || cred.expires.IsZero() {
+		return nil
+	}
+	return time.NewTimer(time.Until(cred.expires.Add(-u.r.cfg.TokenRefreshBefore)))
 }
 
 // tokenExpiring reports whether, in forward mode, the presented token is
 // within TokenRefreshBefore of its expiry while next's lives past it: the
 // stream should move to next before istiod would refuse a reconnect.
-func (u *feed) tokenExpiring(next *stream) bool {
+func (u *feed) tokenExpiring(next member) bool {
 	if !u.r.cfg.ForwardCredentials || u.presented == nil {
 		return false
 	}
 	horizon := time.Now().Add(u.r.cfg.TokenRefreshBefore)
-	return !u.presented.cred.usableAt(horizon) && next.cred.usableAt(horizon)
+	_, cur := u.presented.presents()
+	_, nextCred := next.presents()
+	return !cur.usableAt(horizon) && nextCred.usableAt(horizon)
 }
 
 // timerC is t's channel, or nil (never ready) for a nil timer.
@@ -458,7 +467,7 @@ func timerC(t *time.Timer) <-chan time.Time {
 // connection, or the owner's (with the peer metadata, the demand to pass
 // on, and the views declared, relays speaking Delta to each other), with
 // the presented member's token in forward mode.
-func (u *feed) open(sctx context.Context, presenter *stream, src source) (send func(proto.Message) error, recv func() (proto.Message, error), err error) {
+func (u *feed) open(sctx context.Context, presenter member, src source) (send func(proto.Message) error, recv func() (proto.Message, error), err error) {
 	conn := u.r.upConn
 	u.delta = u.r.cfg.UpstreamProtocol == ProtocolDelta
 	if src.kind == sourcePeer {
@@ -479,7 +488,8 @@ func (u *feed) open(sctx context.Context, presenter *stream, src source) (send f
 	if u.r.cfg.ForwardCredentials && presenter != nil {
 		// The member's own token: istiod checks it against the node this
 		// stream presents, which is that member's.
-		sctx = withCredential(sctx, presenter.cred)
+		_, cred := presenter.presents()
+		sctx = withCredential(sctx, cred)
 	}
 	client := discovery.NewAggregatedDiscoveryServiceClient(conn)
 	if u.delta {
@@ -520,7 +530,7 @@ func (u *feed) countStream(src source) (uncount func()) {
 // begin resets the per-stream state for a new session presenting node
 // (of presenter): its first request carries the node, every type is asked
 // again, and the session's Order starts now.
-func (u *feed) begin(node *core.Node, presenter *stream) {
+func (u *feed) begin(node *core.Node, presenter member) {
 	u.presented, u.node, u.first = presenter, node, true
 	// Opened before anything is asked: every answer on this stream is at
 	// least as new as the upstream was now.

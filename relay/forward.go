@@ -61,20 +61,21 @@ func withCredential(ctx context.Context, c *credential) context.Context {
 // key's upstream stream presents: the first to join, but in forward mode
 // the first whose token lives past refresh from now, else the first whose
 // token is still valid, else the first. members is in join order.
-func presentable(members []*stream, forward bool, now time.Time, refresh time.Duration) *stream {
+func presentable(members []member, forward bool, now time.Time, refresh time.Duration) member {
 	if len(members) == 0 {
 		return nil
 	}
 	if !forward {
 		return members[0]
 	}
-	var valid *stream
-	for _, s := range members {
+	var valid member
+	for _, m := range members {
+		_, cred := m.presents()
 		switch {
-		case s.cred.usableAt(now.Add(refresh)):
-			return s
-		case valid == nil && s.cred.usableAt(now):
-			valid = s
+		case cred.usableAt(now.Add(refresh)):
+			return m
+		case valid == nil && cred.usableAt(now):
+			valid = m
 		}
 	}
 	if valid != nil {

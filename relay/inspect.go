@@ -49,9 +49,9 @@ func (r *Relay) KeyDetail(key string, maxNames int) (*inspectpb.KeyDetail, error
 	out := &inspectpb.KeyDetail{Relay: r.cfg.ID, Key: key, Source: sourceKind(k.source.Load()).String(),
 		Stale: snap.stale, Restored: snap.restored}
 	k.mu.Lock()
-	for _, s := range k.members {
-		if s.peerRelay != nil {
-			out.Peers = append(out.Peers, s.peerRelay.id)
+	for _, m := range k.members {
+		if id := m.peerRelayID(); id != "" {
+			out.Peers = append(out.Peers, id)
 		} else {
 			out.Envoys++
 		}
@@ -147,15 +147,11 @@ func (r *Relay) streamOf(node string) (*stream, aggkey.Key) {
 		found *stream
 		key   aggkey.Key
 	)
-	for _, k := range r.heldKeys() {
-		k.mu.Lock()
-		for _, s := range k.members {
-			// s.node is set before the stream joins a key's members.
-			if s.peerRelay == nil && s.node.GetId() == node && (found == nil || s.id > found.id) {
-				found, key = s, k.key
-			}
+	for s, k := range r.attachedStreams() {
+		// s.node is set before the stream is attached.
+		if s.peerRelay == nil && s.node.GetId() == node && (found == nil || s.id > found.id) {
+			found, key = s, k.key
 		}
-		k.mu.Unlock()
 	}
 	return found, key
 }

@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"iter"
 	"maps"
 	"slices"
 	"sync"
@@ -15,8 +16,8 @@ import (
 )
 
 // keyState is what the relay holds for one aggregation key: the views the
-// upstream sent, who subscribes to what, the member streams, and the upstream
-// stream that feeds them.
+// upstream sent, who subscribes to what, the members (the streams joined to
+// it), and the upstream stream that feeds them.
 //
 // Writers (the key's feed, and streams changing their
 // subscriptions) take mu and publish new immutable keyViews; streams read
@@ -51,9 +52,23 @@ type keyState struct {
 	claims   map[claimQuestion]*claimLookup
 
 	mu      sync.Mutex
-	members []*stream // in join order; the first one's node is presented upstream
-	peers   int       // members that are other relays subscribing to this key
+	members []member // in join order; the first one's node is presented upstream
+	peers   int      // members that are other relays subscribing to this key
 	want    map[string]*typeWant
+}
+
+// member is what a key knows of a stream joined to it (stream.go): what its
+// upstream stream presents when the member is the one presented, whether it
+// is another relay, and how to tell it the views changed.
+type member interface {
+	// presents returns the member's node and, in forward mode, its token
+	// (nil if none).
+	presents() (*core.Node, *credential)
+	// peerRelayID is the ID of the relay on the other end, "" for an Envoy.
+	peerRelayID() string
+	// viewsChanged wakes the member to look at the latest views. It never
+	// blocks.
+	viewsChanged()
 }
 
 // typeWant is the union of the member streams' subscriptions to one type.
@@ -129,29 +144,46 @@ func (k *keyState) recordView(typeURL string, view ledger.Tree[*xds.Resource], a
 // subscription to some of a type's names: each costs a subset tree.
 const maxClaimVersions = 32
 
-// versionHeld returns what a client subscribed as sub holds if it holds
-// the version root of the type: a version the key's history kept (the whole
-// view, or sub's part of one of its last maxClaimVersions). The values of
-// entries rebuilt from the history are nil.
-func (k *keyState) versionHeld(sub *typeSub, root ledger.Hash) (ledger.Tree[*xds.Resource], bool) {
+// versionHeld returns what a client subscribed to typeURL (to everything if
+// wildcard, else to names) holds if it holds the version root of the type:
+// a version the key's history kept (the whole view, or the names' part of
+// one of its last maxClaimVersions). The values of entries rebuilt from the
+// history are nil.
+func (k *keyState) versionHeld(typeURL string, wildcard bool, names xds.NameSet, root ledger.Hash) (ledger.Tree[*xds.Resource], bool) {
 	k.histMu.Lock()
-	h := k.hist[sub.typeURL]
+	h := k.hist[typeURL]
 	k.histMu.Unlock()
 	if h == nil {
 		return ledger.Tree[*xds.Resource]{}, false
 	}
-	if sub.wildcard {
+	if wildcard {
 		t, err := h.TreeAt(root) // any kept version of the whole view
 		return t, err == nil
 	}
 	var held ledger.Tree[*xds.Resource]
 	found := false
 	h.Back(maxClaimVersions, func(_ ledger.Version, t ledger.Tree[*xds.Resource]) bool {
-		held = sub.target(t)
+		held = partOf(t, names)
 		found = held.Root() == root
 		return !found
 	})
 	return held, found
+}
+
+// partOf returns the entries of view named in names: the view itself if
+// that is all of it.
+func partOf(view ledger.Tree[*xds.Resource], names xds.NameSet) ledger.Tree[*xds.Resource] {
+	b := ledger.Tree[*xds.Resource]{}.Edit()
+	for _, n := range names {
+		if e, ok := view.Get(n); ok {
+			b.Set(n, e.Hash, e.Value)
+		}
+	}
+	t := b.Tree()
+	if t.Root() == view.Root() {
+		return view // share the view's nodes
+	}
+	return t
 }
 
 func (t *typeView) isPending(name string, now time.Time, wait time.Duration) bool {
@@ -217,8 +249,8 @@ func (s *keyViews) markPending(typeURL string, names []string, now time.Time) {
 func (k *keyState) wakeStreams() {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	for _, s := range k.members {
-		wake(s.wake)
+	for _, m := range k.members {
+		m.viewsChanged()
 	}
 }
 
@@ -254,11 +286,11 @@ func wake(ch chan struct{}) {
 	}
 }
 
-// join adds s as a member.
-func (k *keyState) join(s *stream) {
+// join adds m as a member.
+func (k *keyState) join(m member) {
 	k.mu.Lock()
-	k.members = append(k.members, s)
-	if s.peerRelay != nil {
+	k.members = append(k.members, m)
+	if m.peerRelayID() != "" {
 		k.peers++
 	}
 	k.mu.Unlock()
@@ -275,15 +307,15 @@ func (k *keyState) servesPeers() bool {
 	return k.peers > 0
 }
 
-// leave removes s and its subscriptions.
-func (k *keyState) leave(s *stream) {
+// leave removes m, and the subscriptions it held, subs, by type URL.
+func (k *keyState) leave(m member, subs iter.Seq2[string, subscription]) {
 	k.mu.Lock()
 	n := len(k.members)
-	k.members = slices.DeleteFunc(k.members, func(m *stream) bool { return m == s })
-	if s.peerRelay != nil && len(k.members) < n {
+	k.members = slices.DeleteFunc(k.members, func(o member) bool { return o == m })
+	if m.peerRelayID() != "" && len(k.members) < n {
 		k.peers--
 	}
-	for typeURL, sub := range s.subs {
+	for typeURL, sub := range subs {
 		k.changeLocked(typeURL, sub.wildcard, false, nil, sub.names)
 	}
 	k.mu.Unlock()
@@ -292,14 +324,13 @@ func (k *keyState) leave(s *stream) {
 
 // presenter returns the member whose node the upstream stream presents, and
 // the number of members.
-func (k *keyState) presenter() (*core.Node, *stream, int) {
+func (k *keyState) presenter() (member, int) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if len(k.members) == 0 {
-		return nil, nil, 0
+		return nil, 0
 	}
-	s := presentable(k.members, k.r.cfg.ForwardCredentials, time.Now(), k.r.cfg.TokenRefreshBefore)
-	return s.node, s, len(k.members)
+	return presentable(k.members, k.r.cfg.ForwardCredentials, time.Now(), k.r.cfg.TokenRefreshBefore), len(k.members)
 }
 
 // memberCount returns the number of members.
@@ -309,11 +340,11 @@ func (k *keyState) memberCount() int {
 	return len(k.members)
 }
 
-// isMember reports whether s is still a member.
-func (k *keyState) isMember(s *stream) bool {
+// isMember reports whether m is still a member.
+func (k *keyState) isMember(m member) bool {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	return slices.Contains(k.members, s)
+	return slices.Contains(k.members, m)
 }
 
 // subscribe records a stream's subscription change to typeURL: wildcard

@@ -151,10 +151,13 @@ type Relay struct {
 	runMu      sync.Mutex
 	refuseWork bool
 
-	mu      sync.Mutex
-	keys    map[aggkey.Key]*keyState
-	state   lifecycle
-	serveWG sync.WaitGroup
+	mu   sync.Mutex
+	keys map[aggkey.Key]*keyState
+	// attached holds the streams joined to a key, with the key: each is
+	// a member of it from acquireKey to releaseKey.
+	attached map[*stream]*keyState
+	state    lifecycle
+	serveWG  sync.WaitGroup
 }
 
 // New validates cfg and builds a Relay. Nothing runs until Start.
@@ -170,6 +173,7 @@ func New(cfg Config) (*Relay, error) {
 		controlPlane: &core.ControlPlane{Identifier: cfg.ID},
 		stopping:     make(chan struct{}),
 		keys:         make(map[aggkey.Key]*keyState),
+		attached:     make(map[*stream]*keyState),
 		warm:         make(chan struct{}),
 		loaded:       make(chan struct{}),
 		pool:         peers.NewPool(cfg.MaxMsgSize, cfg.PeerDialOptions...),
@@ -450,7 +454,23 @@ func (r *Relay) acquireKey(key aggkey.Key, s *stream) *keyState {
 		r.goRun(newFeed(k).run)
 	}
 	k.join(s)
+	r.attached[s] = k
 	return k
+}
+
+// releaseKey takes s, which acquireKey joined to s.key, out of its key.
+func (r *Relay) releaseKey(s *stream) {
+	r.mu.Lock()
+	delete(r.attached, s)
+	r.mu.Unlock()
+	s.key.leave(s, s.subscriptions())
+}
+
+// attachedStreams returns the streams joined to a key now, with the key.
+func (r *Relay) attachedStreams() map[*stream]*keyState {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return maps.Clone(r.attached)
 }
 
 // heldKeys returns the keys held now.
@@ -549,25 +569,16 @@ type ClientStatus struct {
 
 // Clients returns the status of every stream attached to a key.
 func (r *Relay) Clients() []ClientStatus {
-	keys := r.heldKeys()
 	var out []ClientStatus
-	for _, k := range keys {
-		k.mu.Lock()
-		members := slices.Clone(k.members)
-		k.mu.Unlock()
-		for _, s := range members {
-			cs := ClientStatus{NodeID: s.node.GetId(), Key: k.key, Protocol: ProtocolSotW, Peer: s.peer}
-			if s.peerRelay != nil {
-				cs.PeerRelay = s.peerRelay.id
-			}
-			if s.delta {
-				cs.Protocol = ProtocolDelta
-			}
-			s.statusMu.Lock()
-			cs.Types = maps.Clone(s.status)
-			s.statusMu.Unlock()
-			out = append(out, cs)
+	for s, k := range r.attachedStreams() {
+		cs := ClientStatus{NodeID: s.node.GetId(), Key: k.key, Protocol: ProtocolSotW, Peer: s.peer, PeerRelay: s.peerRelayID()}
+		if s.delta {
+			cs.Protocol = ProtocolDelta
 		}
+		s.statusMu.Lock()
+		cs.Types = maps.Clone(s.status)
+		s.statusMu.Unlock()
+		out = append(out, cs)
 	}
 	slices.SortFunc(out, func(a, b ClientStatus) int { return strings.Compare(a.NodeID, b.NodeID) })
 	return out

@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"fmt"
+	"iter"
 	"log/slog"
 	"slices"
 	"strconv"
@@ -239,13 +240,37 @@ func (s *stream) close() {
 	}
 	if s.key != nil {
 		s.led.Disconnect(time.Now())
-		s.key.leave(s)
+		s.r.releaseKey(s)
 		if s.peerRelay != nil {
 			s.r.metrics.peerClients.Dec()
 		} else {
 			s.r.metrics.envoys.WithLabelValues(protocolName(s.delta)).Dec()
 		}
 		s.log.Debug("stream closed")
+	}
+}
+
+// presents, peerRelayID and viewsChanged make a stream a member of its key.
+
+func (s *stream) presents() (*core.Node, *credential) { return s.node, s.cred }
+
+func (s *stream) peerRelayID() string {
+	if s.peerRelay == nil {
+		return ""
+	}
+	return s.peerRelay.id
+}
+
+func (s *stream) viewsChanged() { wake(s.wake) }
+
+// subscriptions yields what the stream subscribes to, by type URL.
+func (s *stream) subscriptions() iter.Seq2[string, subscription] {
+	return func(yield func(string, subscription) bool) {
+		for typeURL, sub := range s.subs {
+			if !yield(typeURL, subscription{wildcard: sub.wildcard, names: sub.names}) {
+				return
+			}
+		}
 	}
 }
 
@@ -409,17 +434,7 @@ func (sub *typeSub) target(view ledger.Tree[*xds.Resource]) ledger.Tree[*xds.Res
 	if sub.wildcard {
 		return view
 	}
-	b := ledger.Tree[*xds.Resource]{}.Edit()
-	for _, n := range sub.names {
-		if e, ok := view.Get(n); ok {
-			b.Set(n, e.Hash, e.Value)
-		}
-	}
-	t := b.Tree()
-	if t.Root() == view.Root() {
-		return view // share the view's nodes
-	}
-	return t
+	return partOf(view, sub.names)
 }
 
 // changes returns what the client lacks or holds at another hash (upd), and
@@ -788,7 +803,7 @@ func (s *stream) resolveClaim(sub *typeSub, ts *typeView) {
 // the bodies must still be in the store (a full-state response carries
 // every resource the client holds), or the claim stays unresolved.
 func (s *stream) heldVersion(sub *typeSub) (ledger.Tree[*xds.Resource], bool) {
-	t, ok := s.key.versionHeld(sub, sub.claimed)
+	t, ok := s.key.versionHeld(sub.typeURL, sub.wildcard, sub.names, sub.claimed)
 	if !ok {
 		return t, false
 	}

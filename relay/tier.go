@@ -217,16 +217,12 @@ func (r *Relay) pruneConns(ctx context.Context) {
 
 // streams returns the attached streams, Envoys' and other relays' apart.
 func (r *Relay) streams() (envoys, peers []*stream) {
-	for _, k := range r.heldKeys() {
-		k.mu.Lock()
-		for _, s := range k.members {
-			if s.peerRelay == nil {
-				envoys = append(envoys, s)
-			} else {
-				peers = append(peers, s)
-			}
+	for s := range r.attachedStreams() {
+		if s.peerRelay == nil {
+			envoys = append(envoys, s)
+		} else {
+			peers = append(peers, s)
 		}
-		k.mu.Unlock()
 	}
 	return envoys, peers
 }

@@ -568,7 +568,7 @@ func TestSotWClaimWithoutBodies(t *testing.T) {
 	b = claimed.Edit()
 	b.Delete(gone.Name)
 	k.recordView(xds.TypeCluster, b.Tree(), time.Now(), ledger.Order{}) // the claim is history now
-	if _, ok := k.versionHeld(&typeSub{typeURL: xds.TypeCluster, wildcard: true}, claimed.Root()); !ok {
+	if _, ok := k.versionHeld(xds.TypeCluster, true, nil, claimed.Root()); !ok {
 		t.Fatal("the key's history lost the claimed version")
 	}
 	s := e.r.newStream(context.Background(), false, portPlain)
