@@ -1017,7 +1017,7 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 	}
 	u.armExpiry()
 	if fromSource {
-		u.persist()
+		u.r.persist(u.k)
 	}
 }
 
@@ -1234,7 +1234,7 @@ func (u *feed) setStale(stale bool) {
 		k.wakeStreams()
 	}
 	if changed && !stale {
-		u.persist()
+		u.r.persist(u.k)
 	}
 }
 

@@ -84,24 +84,19 @@ func (r *Relay) restoreKey(sk xds.SavedKey, rs *warm.Restorer) int {
 	if len(types) == 0 {
 		return 0
 	}
-	key := aggkey.Key(sk.Key)
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.state != lifeRunning || r.keys[key] != nil {
+	installed := r.installKey(aggkey.Key(sk.Key), func(k *keyState, u *feed) {
+		k.views.Store(&keyViews{types: types, stale: true, restored: true})
+		now := time.Now()
+		for typeURL, ts := range types {
+			k.recordView(typeURL, ts.view, now, ledger.Order{})
+		}
+		r.ledger.SetSource(sk.Key, ledger.SourceUpstream, true)
+		u.followRestored(rs)
+		u.seedRestored()
+	})
+	if !installed {
 		return 0
 	}
-	k := newKeyState(r, key)
-	k.views.Store(&keyViews{types: types, stale: true, restored: true})
-	now := time.Now()
-	for typeURL, ts := range types {
-		k.recordView(typeURL, ts.view, now, ledger.Order{})
-	}
-	r.ledger.SetSource(sk.Key, ledger.SourceUpstream, true)
-	r.keys[key] = k
-	u := newFeed(k)
-	u.followRestored(rs)
-	u.seedRestored()
-	r.goRun(u.run)
 	return len(types)
 }
 
@@ -166,21 +161,21 @@ func (u *feed) seedRestored() {
 	}
 }
 
-// persist hands the key's views to Snapshots if this relay owns the key,
-// holds its upstream stream, and a live stream confirmed the views. The
-// feed calls it after every change from the upstream and
-// when the views are confirmed.
-func (u *feed) persist() {
-	snaps := u.r.cfg.Snapshots
-	if snaps == nil || sourceKind(u.k.source.Load()) != sourceUpstream {
+// persist hands k's views to Snapshots if this relay owns the key, holds
+// its upstream stream, and a live stream confirmed the views. The key's feed
+// calls it after every change from the upstream and when the views are
+// confirmed.
+func (r *Relay) persist(k *keyState) {
+	snaps := r.cfg.Snapshots
+	if snaps == nil || sourceKind(k.source.Load()) != sourceUpstream {
 		return
 	}
-	if o := u.r.cfg.Owners; o != nil {
-		if _, self := o.Owner(string(u.k.key)); !self {
+	if o := r.cfg.Owners; o != nil {
+		if _, self := o.Owner(string(k.key)); !self {
 			return
 		}
 	}
-	snap := u.k.views.Load()
+	snap := k.views.Load()
 	if snap.stale {
 		return
 	}
@@ -190,5 +185,5 @@ func (u *feed) persist() {
 			views = append(views, xds.View{Type: t, Full: ts.full, Tree: ts.view})
 		}
 	}
-	snaps.Save(string(u.k.key), u.r.ownersTerm.Load(), views)
+	snaps.Save(string(k.key), r.ownersTerm.Load(), views)
 }

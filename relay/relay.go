@@ -448,13 +448,37 @@ func (r *Relay) acquireKey(key aggkey.Key, s *stream) *keyState {
 	defer r.mu.Unlock()
 	k := r.keys[key]
 	if k == nil {
-		k = newKeyState(r, key)
-		r.keys[key] = k
-		// Refused only while stopping: the stream ends then, unfed.
-		r.goRun(newFeed(k).run)
+		k = r.startKeyLocked(key, nil)
 	}
 	k.join(s)
 	r.attached[s] = k
+	return k
+}
+
+// installKey creates key's state and starts its feed, with init run on
+// both first, unless the key is held already or the relay is not running,
+// and reports whether it did. The warm start installs restored keys so.
+func (r *Relay) installKey(key aggkey.Key, init func(*keyState, *feed)) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.state != lifeRunning || r.keys[key] != nil {
+		return false
+	}
+	r.startKeyLocked(key, init)
+	return true
+}
+
+// startKeyLocked creates key's state and starts its feed, with init (if
+// not nil) run on both first. The caller holds r.mu.
+func (r *Relay) startKeyLocked(key aggkey.Key, init func(*keyState, *feed)) *keyState {
+	k := newKeyState(r, key)
+	u := newFeed(k)
+	if init != nil {
+		init(k, u)
+	}
+	r.keys[key] = k
+	// Refused only while stopping: the key's streams end then, unfed.
+	r.goRun(u.run)
 	return k
 }
 
