@@ -49,14 +49,14 @@
 //   - the downstream server: stream.go (one ADS stream, the order of what
 //     it sends), sotw.go, delta.go, passthrough.go (types the relay does
 //     not cache), versions.go (whether a view covers what a client holds);
-//   - a key: keystate.go (its views, subscriptions and members),
+//   - a key: keystate.go (its views, subscriptions and members: the
+//     streams joined to it, which it knows only as its member interface),
 //     mailbox.go, and its feed: feed.go (the one stream to the key's
 //     source, istiod or the owner relay), persist.go (saving views, and
-//     installing the keys a warm start restores);
+//     the restore a warm start installs keys with);
 //   - the tier: tier.go (owners, who a calling relay is, balancing, moving
 //     streams away), claims.go (versions a SotW Envoy claims, looked up
-//     across relays),
-//     ledger.go (ledger queries gathered from every relay);
+//     across relays), ledger.go (ledger queries gathered from every relay);
 //   - inspection: inspect.go (key details, config dumps), debugxds.go
 //     (istiod's debug types), admingrpc.go (the admin listener's callers).
 package relay
