@@ -319,6 +319,26 @@ func (sh *shared) portListener(port uint32, mk marker) (*listenerv3.Listener, er
 	}, nil
 }
 
+// httpListener builds listener name, bound to at: an HTTP connection
+// manager using RDS route routeName.
+func (sh *shared) httpListener(name string, at hostPort, routeName string, mk marker) (*listenerv3.Listener, error) {
+	hcm, err := anypb.New(sh.hcm(name, routeName))
+	if err != nil {
+		return nil, fmt.Errorf("upstream: marshal listener %s: %w", name, err)
+	}
+	return &listenerv3.Listener{
+		Name:    name,
+		Address: socketAddress(at.host, at.port),
+		FilterChains: []*listenerv3.FilterChain{{
+			Filters: []*listenerv3.Filter{{
+				Name:       wellknown.HTTPConnectionManager,
+				ConfigType: &listenerv3.Filter_TypedConfig{TypedConfig: hcm},
+			}},
+		}},
+		Metadata: mk.meta,
+	}, nil
+}
+
 // apiListener builds the API listener grpc-go's xds:/// resolver asks for:
 // named exactly target, api_listener an HttpConnectionManager using RDS.
 func (sh *shared) apiListener(target, routeName string, mk marker) (*listenerv3.Listener, error) {

@@ -51,6 +51,30 @@ type Scenario struct {
 	// GRPCServices are proxyless gRPC services that every group also gets, in
 	// the shape grpc-go's xds:/// resolver accepts.
 	GRPCServices []GRPCService
+	// HTTPServices are services a real Envoy carries traffic to, that every
+	// group also gets: the test sends requests to Listen, Envoy routes
+	// them to Backends.
+	HTTPServices []HTTPService
+}
+
+// HTTPService is a service reached through a real Envoy's listener: the
+// upstream serves a Listener "http-<Name>" bound to Listen, a
+// RouteConfiguration "route-http-<Name>" sending every request to the
+// cluster "cluster-http-<Name>", and its ClusterLoadAssignment holding
+// Backends. Every address is on loopback in tests.
+type HTTPService struct {
+	// Name names the service's resources.
+	Name string
+	// Listen is the "ip:port" Envoy's listener binds.
+	Listen string
+	// Backends are the "ip:port" of the servers behind the service.
+	Backends []string
+}
+
+// HTTPNames returns the listener, route and cluster (and
+// ClusterLoadAssignment) names of HTTP service name.
+func HTTPNames(name string) (listener, route, cluster string) {
+	return "http-" + name, "route-http-" + name, "cluster-http-" + name
 }
 
 // GRPCService is a proxyless gRPC target: the upstream serves an API listener
@@ -122,7 +146,42 @@ func (s Scenario) validate() error {
 			return fmt.Errorf("upstream: field Scenario.GRPCServices: backend of %q: want host:port, got %q", g.Name, g.Backend)
 		}
 	}
+	for _, h := range s.HTTPServices {
+		if h.Name == "" || strings.ContainsAny(h.Name, "/ ") {
+			return fmt.Errorf("upstream: field Scenario.HTTPServices: invalid name %q", h.Name)
+		}
+		if seenName[h.Name] {
+			return fmt.Errorf("upstream: field Scenario.HTTPServices: duplicate name %q", h.Name)
+		}
+		seenName[h.Name] = true
+		if _, err := parseHostPort(h.Listen); err != nil {
+			return fmt.Errorf("upstream: field Scenario.HTTPServices: listen of %q: %w", h.Name, err)
+		}
+		for _, b := range h.Backends {
+			if _, err := parseHostPort(b); err != nil {
+				return fmt.Errorf("upstream: field Scenario.HTTPServices: backend of %q: %w", h.Name, err)
+			}
+		}
+	}
 	return nil
+}
+
+// hostPort is a parsed "ip:port".
+type hostPort struct {
+	host string
+	port uint32
+}
+
+func parseHostPort(s string) (hostPort, error) {
+	host, port, err := net.SplitHostPort(s)
+	if err != nil {
+		return hostPort{}, err
+	}
+	n, err := strconv.ParseUint(port, 10, 16)
+	if err != nil || n == 0 || host == "" {
+		return hostPort{}, fmt.Errorf("want host:port, got %q", s)
+	}
+	return hostPort{host, uint32(n)}, nil
 }
 
 // NamespaceName returns the name of namespace ns: "ns-<ns>".

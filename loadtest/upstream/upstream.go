@@ -93,6 +93,7 @@ func (c Config) withDefaults() Config {
 	c.Scenario = c.Scenario.withDefaults()
 	c.Scenario.Ports = slices.Clone(c.Scenario.Ports)
 	c.Scenario.GRPCServices = slices.Clone(c.Scenario.GRPCServices)
+	c.Scenario.HTTPServices = slices.Clone(c.Scenario.HTTPServices)
 	if c.Listen == "" {
 		c.Listen = "127.0.0.1:0"
 	}
@@ -340,6 +341,24 @@ func (u *Upstream) build(mk marker) error {
 		common[tEDS][cluster] = u.sh.cla(cluster, []*endpointv3.LbEndpoint{
 			u.sh.lbEndpoint(host, uint32(port), mk),
 		}, mk)
+	}
+
+	for _, h := range sc.HTTPServices {
+		listener, route, cluster := HTTPNames(h.Name)
+		at, _ := parseHostPort(h.Listen) // validated
+		l, err := u.sh.httpListener(listener, at, route, mk)
+		if err != nil {
+			return err
+		}
+		lds[listener] = l
+		common[tRDS][route] = u.sh.grpcRouteConfig(route, "*", cluster, mk)
+		common[tCDS][cluster] = u.sh.grpcCluster(cluster, mk)
+		lbs := make([]*endpointv3.LbEndpoint, len(h.Backends))
+		for i, b := range h.Backends {
+			hp, _ := parseHostPort(b) // validated
+			lbs[i] = u.sh.lbEndpoint(hp.host, hp.port, mk)
+		}
+		common[tEDS][cluster] = u.sh.cla(cluster, lbs, mk)
 	}
 
 	perGroup := make([][numTypes]map[string]types.Resource, len(u.groups))

@@ -89,6 +89,19 @@ func TestNewValidates(t *testing.T) {
 		{"grpc duplicate", func(c *upstream.Config) {
 			c.Scenario.GRPCServices = []upstream.GRPCService{{Name: "a", Backend: "h:1"}, {Name: "a", Backend: "h:2"}}
 		}, "upstream: field Scenario.GRPCServices"},
+		{"http without name", func(c *upstream.Config) {
+			c.Scenario.HTTPServices = []upstream.HTTPService{{Listen: "127.0.0.1:1"}}
+		}, "upstream: field Scenario.HTTPServices"},
+		{"http bad listen", func(c *upstream.Config) {
+			c.Scenario.HTTPServices = []upstream.HTTPService{{Name: "web", Listen: "127.0.0.1"}}
+		}, "upstream: field Scenario.HTTPServices"},
+		{"http bad backend", func(c *upstream.Config) {
+			c.Scenario.HTTPServices = []upstream.HTTPService{{Name: "web", Listen: "127.0.0.1:1", Backends: []string{"127.0.0.1:0"}}}
+		}, "upstream: field Scenario.HTTPServices"},
+		{"http name of a grpc service", func(c *upstream.Config) {
+			c.Scenario.GRPCServices = []upstream.GRPCService{{Name: "a", Backend: "h:1"}}
+			c.Scenario.HTTPServices = []upstream.HTTPService{{Name: "a", Listen: "127.0.0.1:1"}}
+		}, "upstream: field Scenario.HTTPServices"},
 		{"bad listen", func(c *upstream.Config) { c.Listen = "nope" }, "upstream: field Listen"},
 		{"negative max msg size", func(c *upstream.Config) { c.MaxMsgSize = -1 }, "upstream: field MaxMsgSize"},
 	}
