@@ -1,0 +1,256 @@
+package loadtest
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
+	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/loadtest/realenvoy"
+	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/relay/inspectpb"
+)
+
+// The real-Envoy tests: a real Envoy 1.40 (loadtest/realenvoy) bootstraps
+// to a 3-relay tier's Service, the synthetic upstream behind it, and the
+// test sends HTTP requests through the Envoy's listener to backends it runs
+// on loopback.
+
+// protocols are the ADS protocols every real-Envoy test runs with.
+var protocols = []struct {
+	name  string
+	delta bool
+}{{"sotw", false}, {"delta", true}}
+
+// realEnvoyWorld is an upstream with an HTTP service "web" and a tier in
+// front of it.
+type realEnvoyWorld struct {
+	sc     upstream.Scenario
+	up     *upstream.Upstream
+	tier   *Tier
+	listen string // web's listener on the Envoys
+}
+
+func startRealEnvoyWorld(t *testing.T, ctx context.Context, backends ...string) *realEnvoyWorld {
+	t.Helper()
+	w := &realEnvoyWorld{listen: freeLoopbackAddr(t)}
+	w.sc = upstream.Scenario{Services: 6, Endpoints: 6, Namespaces: 2, LocalFraction: 0.3,
+		HTTPServices: []upstream.HTTPService{{Name: "web", Listen: w.listen, Backends: backends}}}
+	ucfg := upstream.DefaultConfig()
+	ucfg.Scenario = w.sc
+	up, err := upstream.New(ucfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := up.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { up.Stop(context.Background()) })
+	w.up = up
+	tier, err := StartConvergedTier(ctx, TierConfig{Relays: 3, Upstream: up.Addr()}, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tier.Stop(context.Background()) })
+	w.tier = tier
+	return w
+}
+
+// startEnvoy starts a real Envoy for pod (ns, 0, pod) on the tier's
+// Service, stopped at cleanup.
+func (w *realEnvoyWorld) startEnvoy(t *testing.T, ctx context.Context, bin string, delta bool, ns, pod int) *realenvoy.Envoy {
+	t.Helper()
+	e, err := realenvoy.Start(ctx, realenvoy.Config{Binary: bin, XDS: w.tier.Addr(), Delta: delta, Node: w.sc.Node(ns, 0, pod), Dir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("envoy log: %s", e.LogTail(30))
+		}
+		e.Stop()
+	})
+	return e
+}
+
+// TestRealEnvoyFullSync: a real Envoy bootstraps to the tier and ends with
+// exactly the upstream's config for its namespace, resource by resource,
+// which is also what the tier says it sent that node (relayctl
+// proxy-config's answer); a request through its listener reaches the
+// backend.
+func TestRealEnvoyFullSync(t *testing.T) {
+	bin := realenvoy.Binary(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	w := startRealEnvoyWorld(t, ctx, httpBackend(t, "backend-a"))
+	for i, p := range protocols {
+		t.Run(p.name, func(t *testing.T) {
+			node := w.sc.Node(i, 0, 0) // one namespace per protocol: two keys
+			e := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
+			want := w.up.Snapshot(w.sc.Group(node))
+			got := waitEnvoyHolds(t, ctx, e, want)
+
+			// The tier's own account of what it sent the node.
+			dump, _, err := w.tier.Running()[0].Node.Relay().TierConfigDump(ctx, &inspectpb.ConfigDumpRequest{Node: node.GetId()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			cd := &adminv3.ConfigDump{}
+			if err := dump.GetConfigDump().UnmarshalTo(cd); err != nil {
+				t.Fatal(err)
+			}
+			sent, err := realenvoy.Dynamic(cd)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for typeURL, res := range got {
+				if len(sent[typeURL]) != len(res) {
+					t.Errorf("%s: the tier says it sent %d, envoy holds %d", typeURL, len(sent[typeURL]), len(res))
+				}
+				for name, r := range res {
+					if s, ok := sent[typeURL][name]; !ok || !sameResource(s.Message, r.Message) {
+						t.Errorf("%s %s: envoy holds what the tier says it did not send", typeURL, name)
+					}
+				}
+			}
+			if body, err := getThrough(ctx, w.listen); err != nil || body != "backend-a" {
+				t.Errorf("GET through envoy: %q, %v; want backend-a", body, err)
+			}
+		})
+	}
+}
+
+// waitEnvoyHolds waits until e's dynamic config is want exactly (every type
+// of want, each resource proto-equal), and returns it.
+func waitEnvoyHolds(t *testing.T, ctx context.Context, e *realenvoy.Envoy, want map[string]map[string]proto.Message) map[string]map[string]realenvoy.Resource {
+	t.Helper()
+	var diff string
+	for {
+		dump, err := e.ConfigDump(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := realenvoy.Dynamic(dump)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if diff = configDiff(got, want); diff == "" {
+			return got
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("envoy never held the upstream's config: %s", diff)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// configDiff describes how got differs from want ("" if it does not).
+func configDiff(got map[string]map[string]realenvoy.Resource, want map[string]map[string]proto.Message) string {
+	var d []string
+	for typeURL, res := range want {
+		for name, m := range res {
+			g, ok := got[typeURL][name]
+			switch {
+			case !ok:
+				d = append(d, "lacks "+typeURL+" "+name)
+			case !sameResource(g.Message, m):
+				d = append(d, "differs "+typeURL+" "+name)
+			}
+		}
+		for name := range got[typeURL] {
+			if _, ok := res[name]; !ok {
+				d = append(d, "extra "+typeURL+" "+name)
+			}
+		}
+	}
+	if len(d) > 5 {
+		d = append(d[:5], fmt.Sprintf("and %d more", len(d)-5))
+	}
+	return strings.Join(d, "; ")
+}
+
+// sameResource reports whether a and b are the same resource as Envoy
+// uses it. Envoy's config dump rebuilds a ClusterLoadAssignment from the
+// hosts it made of it: locality metadata is gone, the default policy and
+// an empty health check config are filled in. Those are left out of the
+// comparison; everything else, the endpoints' own metadata included, must
+// be equal.
+func sameResource(a, b proto.Message) bool {
+	return proto.Equal(asEnvoyUses(a), asEnvoyUses(b))
+}
+
+func asEnvoyUses(m proto.Message) proto.Message {
+	cla, ok := m.(*endpointv3.ClusterLoadAssignment)
+	if !ok {
+		return m
+	}
+	cla = proto.Clone(cla).(*endpointv3.ClusterLoadAssignment)
+	cla.Policy = nil
+	for _, loc := range cla.GetEndpoints() {
+		loc.Metadata = nil
+		for _, lb := range loc.GetLbEndpoints() {
+			if ep := lb.GetEndpoint(); ep != nil && proto.Size(ep.GetHealthCheckConfig()) == 0 {
+				ep.HealthCheckConfig = nil
+			}
+		}
+	}
+	return cla
+}
+
+// httpBackend serves name as the body of every request on loopback, until
+// the test ends.
+func httpBackend(t *testing.T, name string) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { io.WriteString(w, name) })}
+	go srv.Serve(lis)
+	t.Cleanup(func() { srv.Close() })
+	return lis.Addr().String()
+}
+
+// freeLoopbackAddr returns a loopback address no one listens on now.
+func freeLoopbackAddr(t *testing.T) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lis.Close()
+	return lis.Addr().String()
+}
+
+// getThrough sends one GET to addr (an Envoy listener) and returns the body,
+// or an error for anything but a 200.
+func getThrough(ctx context.Context, addr string) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/", nil)
+	if err != nil {
+		return "", err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return "", err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return string(b), fmt.Errorf("status %d", resp.StatusCode)
+	}
+	return string(b), nil
+}
