@@ -578,6 +578,32 @@ func TestConformance(t *testing.T) {
 				wantNames(t, m, "c0", "c1")
 			}
 		}},
+		{"a route to a new cluster waits for the cluster's endpoints (Envoy warms it until they arrive)", func(t *testing.T, e *env) {
+			c := e.client(0)
+			syncAll(c)
+			// The upstream sends the route first, then the cluster, then
+			// its endpoints.
+			e.up.set("ns1", xds.TypeRoute, mkRoute("r80", "c0", "c1", "c2", "c3"))
+			e.up.set("ns1", xds.TypeCluster, mkCluster("c3"))
+			e.up.set("ns1", xds.TypeEndpoint, mkCLA("c3", 9093))
+			m := c.recv()
+			if typeOf(m) != xds.TypeCluster {
+				t.Fatalf("got %s first, want the new cluster", xds.ShortType(typeOf(m)))
+			}
+			c.ack(m)
+			// The client holds c3, warming: a route to it now would fail.
+			c.quiet()
+			c.subscribe(xds.TypeEndpoint, "c0", "c1", "c2", "c3")
+			m = c.recv()
+			if typeOf(m) != xds.TypeEndpoint || !slices.Contains(names(m), "c3") {
+				t.Fatalf("got %s %v, want c3's endpoints before the route", xds.ShortType(typeOf(m)), names(m))
+			}
+			c.ack(m)
+			m = c.recv()
+			if typeOf(m) != xds.TypeRoute {
+				t.Fatalf("got %s, want the route once c3 is warm", xds.ShortType(typeOf(m)))
+			}
+		}},
 		{"authorizer refuses before anything is served", func(t *testing.T, e *env) {
 			r := startRelay(t, e.up, func(c *Config) { c.Authorizer = denyNamespace("ns1") })
 			c := newRawClient(t, dial(t, r.Addr().String()), e.delta, node("ns1", "app", 0))

@@ -678,14 +678,42 @@ func (s *stream) heldBy(typeURL, name string) bool {
 	return s.undeclared(typeURL)
 }
 
+// clusterUsable reports whether the client can send traffic to cluster c
+// of its subscription cds: it holds c and, for a cluster that takes its
+// endpoints from EDS, c's ClusterLoadAssignment. Envoy keeps a new cluster
+// warming until its assignment arrives, and a route to a warming cluster
+// fails (no_cluster, 503); an updated cluster is replaced only once warm,
+// so one held before (its assignment held, at any content) is usable. A
+// cluster the client declared on reconnect is usable as it was.
+func (s *stream) clusterUsable(cds *typeSub, c string) bool {
+	e, held := cds.known.Get(c)
+	if !held {
+		return false
+	}
+	if e.Value == nil {
+		return true
+	}
+	eds := s.subs[xds.TypeEndpoint]
+	for _, n := range e.Value.Refs(xds.RefEndpoints) {
+		if eds == nil {
+			return false
+		}
+		if _, ok := eds.known.Get(n); !ok {
+			return false
+		}
+	}
+	return true
+}
+
 // deferDangling holds back, from a plan of listeners or route
-// configurations, those that use a cluster the client does not hold yet:
-// make-before-break across types. The clusters of this sync went out
-// first (CDS precedes LDS and RDS); a cluster the key's view lacks is on
-// its way from the source (which may answer types out of order), so the
-// resource waits for it, for ResourceWaitTimeout at most: a route may
-// name a cluster that never exists (Envoy answers 503 for it), and must
-// not be held forever for that.
+// configurations, those that use a cluster the client cannot use yet
+// (clusterUsable): make-before-break across types. The clusters of this
+// sync went out first (CDS precedes EDS, LDS and RDS); a cluster the key's
+// view lacks is on its way from the source (which may answer types out of
+// order), and the endpoints of a new cluster come once the client asks
+// for them, so the resource waits, for ResourceWaitTimeout at most: a
+// route may name a cluster that never exists (Envoy answers 503 for it),
+// and must not be held forever for that.
 func (s *stream) deferDangling(p *plan) {
 	if p.sub.typeURL != xds.TypeRoute && p.sub.typeURL != xds.TypeListener {
 		return
@@ -699,8 +727,7 @@ func (s *stream) deferDangling(p *plan) {
 	kept := p.upd[:0]
 	for _, r := range p.upd {
 		missing := slices.ContainsFunc(r.Refs(xds.RefClusters), func(c string) bool {
-			_, held := cds.known.Get(c)
-			return !held
+			return !s.clusterUsable(cds, c)
 		})
 		if !missing && len(s.dangling) == 0 {
 			kept = append(kept, r) // the common case: no key built, nothing to forget
