@@ -100,7 +100,9 @@ const (
 	// RuleGeneration: a resource older (lower generation) than one seen.
 	RuleGeneration Rule = "generation"
 	// RuleOrdering: make-before-break broken: a route or listener naming a
-	// cluster not held, or a cluster removed while still referenced.
+	// cluster not held or still warming (an EDS cluster whose
+	// ClusterLoadAssignment has not arrived), or a cluster removed while
+	// still referenced.
 	RuleOrdering Rule = "ordering"
 	// RuleMalformed: a resource that does not decode or has no name.
 	RuleMalformed Rule = "malformed"

@@ -212,6 +212,26 @@ func TestViolations(t *testing.T) {
 			f.await(RouteType)
 			f.send(RouteType, "3", msgs{routeConfig("r", "a", "missing")})
 		}},
+		{name: "route uses a warming cluster", want: RuleOrdering, script: func(f *fakeStream) {
+			// An EDS cluster warms until its assignment arrives: a route to
+			// it before that fails in Envoy (no_cluster).
+			f.await(ClusterType)
+			f.send(ClusterType, "1", msgs{edsCluster("a")})
+			f.await(ListenerType)
+			f.send(ListenerType, "2", msgs{rdsListener("l", "r")})
+			f.await(RouteType)
+			f.send(RouteType, "3", msgs{routeConfig("r", "a")})
+		}},
+		{name: "route after its cluster warmed", script: func(f *fakeStream) {
+			f.await(ClusterType)
+			f.send(ClusterType, "1", msgs{edsCluster("a")})
+			f.await(EndpointType)
+			f.send(EndpointType, "2", msgs{loadAssignment("a", 80)})
+			f.await(ListenerType)
+			f.send(ListenerType, "3", msgs{rdsListener("l", "r")})
+			f.await(RouteType)
+			f.send(RouteType, "4", msgs{routeConfig("r", "a")})
+		}, acks: 4},
 		{name: "tcp listener before its cluster", want: RuleOrdering, script: func(f *fakeStream) {
 			f.await(ClusterType)
 			f.send(ClusterType, "1", msgs{staticCluster("a")})

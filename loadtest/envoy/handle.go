@@ -256,11 +256,16 @@ func (e *Envoy) checkLocked(r *response) *typeState {
 }
 
 // checkUsesLocked: every cluster a route configuration or listener uses must
-// be held before it arrives (make-before-break).
+// be held, and warm, before it arrives (make-before-break). As in Envoy, a
+// cluster that takes its endpoints from EDS is warming until its
+// ClusterLoadAssignment is held: a route to it fails (no_cluster).
 func (e *Envoy) checkUsesLocked(ts *typeState, r *response) {
-	var clusters map[name]entry
+	var clusters, endpoints map[name]entry
 	if cds := e.types[ClusterType]; cds != nil {
 		clusters = cds.held
+	}
+	if eds := e.types[EndpointType]; eds != nil {
+		endpoints = eds.held
 	}
 	what := "route configuration"
 	if ts.kind == kindListener {
@@ -268,10 +273,18 @@ func (e *Envoy) checkUsesLocked(ts *typeState, r *response) {
 	}
 	for _, d := range r.res {
 		for _, c := range d.uses {
-			if _, ok := clusters[unique.Make(c)]; !ok {
+			held, ok := clusters[unique.Make(c)]
+			if !ok {
 				e.violateLocked(RuleOrdering, r.typeURL, r.nonce,
 					fmt.Sprintf("%s %q uses cluster %q, which is not held", what, d.name, c))
+				continue
 			}
+			eachRef(held.Value().refs, func(dep bool, cla string) {
+				if _, warm := endpoints[unique.Make(cla)]; dep && !warm {
+					e.violateLocked(RuleOrdering, r.typeURL, r.nonce,
+						fmt.Sprintf("%s %q uses cluster %q, which is warming (no ClusterLoadAssignment %q yet)", what, d.name, c, cla))
+				}
+			})
 		}
 	}
 }
