@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -126,6 +127,121 @@ func TestRealEnvoyFullSync(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestRealEnvoyChangesUnderTraffic: under a steady stream of requests
+// through a real Envoy, an endpoint move, and a route change to a cluster
+// added for it (the old one removed after), each take effect with no
+// request failing: make-before-break as a real Envoy sees it.
+func TestRealEnvoyChangesUnderTraffic(t *testing.T) {
+	bin := realenvoy.Binary(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	a, b, c := httpBackend(t, "backend-a"), httpBackend(t, "backend-b"), httpBackend(t, "backend-c")
+	w := startRealEnvoyWorld(t, ctx, a)
+	for i, p := range protocols {
+		t.Run(p.name, func(t *testing.T) {
+			if _, err := w.up.SetHTTPBackends("web", []string{a}); err != nil {
+				t.Fatal(err)
+			}
+			node := w.sc.Node(i, 0, 0)
+			e := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
+			waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
+			load := startLoad(ctx, w.listen)
+
+			if _, err := w.up.SetHTTPBackends("web", []string{b}); err != nil {
+				t.Fatal(err)
+			}
+			waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
+			load.waitFor(t, ctx, "backend-b")
+
+			if _, err := w.up.SwitchHTTPCluster("web", []string{c}); err != nil {
+				t.Fatal(err)
+			}
+			waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
+			load.waitFor(t, ctx, "backend-c")
+
+			sent, failed := load.stop()
+			t.Logf("%d requests, %d failed", sent, len(failed))
+			if len(failed) > 0 {
+				t.Errorf("%d of %d requests failed during the changes: %s", len(failed), sent, strings.Join(failed, "; "))
+				if st, err := e.Stats(ctx); err == nil {
+					for k, v := range st {
+						if v != "0" && (strings.Contains(k, "no_cluster") || strings.Contains(k, "none_healthy") || strings.Contains(k, "no_route") || strings.Contains(k, "rq_503") || strings.Contains(k, "rq_5xx") || strings.Contains(k, "downstream_rq_5xx")) {
+							t.Logf("stat %s: %s", k, v)
+						}
+					}
+				}
+			}
+		})
+	}
+}
+
+// load sends GETs through an Envoy listener one after another until stop,
+// at most maxLoadRequests, and records the failures.
+type load struct {
+	cancel context.CancelFunc
+	done   chan struct{}
+
+	mu     sync.Mutex
+	sent   int
+	failed []string
+	last   string // the body of the latest answer
+}
+
+const maxLoadRequests = 200_000
+
+func startLoad(ctx context.Context, addr string) *load {
+	ctx, cancel := context.WithCancel(ctx)
+	l := &load{cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(l.done)
+		for n := 0; n < maxLoadRequests && ctx.Err() == nil; n++ {
+			body, err := getThrough(ctx, addr)
+			if ctx.Err() != nil {
+				return // stopped mid-request: not the Envoy's failure
+			}
+			l.mu.Lock()
+			l.sent++
+			if err != nil {
+				l.failed = append(l.failed, fmt.Sprintf("%v after %q (%q)", err, l.last, body))
+			} else {
+				l.last = body
+			}
+			l.mu.Unlock()
+		}
+	}()
+	return l
+}
+
+// waitFor waits until the latest answer came from backend.
+func (l *load) waitFor(t *testing.T, ctx context.Context, backend string) {
+	t.Helper()
+	for {
+		l.mu.Lock()
+		last := l.last
+		l.mu.Unlock()
+		if last == backend {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("requests never reached %s (latest answer from %q)", backend, last)
+		case <-l.done:
+			t.Fatalf("the load ended before requests reached %s", backend)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// stop ends the load and returns how many requests were sent and the
+// failures.
+func (l *load) stop() (int, []string) {
+	l.cancel()
+	<-l.done
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.sent, l.failed
 }
 
 // waitEnvoyHolds waits until e's dynamic config is want exactly (every type

@@ -216,6 +216,7 @@ type Upstream struct {
 	services  []*service
 	workloads []*workload
 	byPort    map[uint32][]int // live service indices per port, ascending
+	http      map[string]*httpService
 	nextAddr  uint64
 	gen       uint64
 
@@ -245,6 +246,7 @@ func New(cfg Config) (*Upstream, error) {
 		sh:      sh,
 		groupIx: make(map[string]int, sc.Namespaces+1),
 		byPort:  make(map[uint32][]int, len(sc.Ports)),
+		http:    make(map[string]*httpService, len(sc.HTTPServices)),
 		gen:     1,
 	}
 	for j := 0; j < sc.Namespaces; j++ {
@@ -353,12 +355,12 @@ func (u *Upstream) build(mk marker) error {
 		lds[listener] = l
 		common[tRDS][route] = u.sh.grpcRouteConfig(route, "*", cluster, mk)
 		common[tCDS][cluster] = u.sh.grpcCluster(cluster, mk)
-		lbs := make([]*endpointv3.LbEndpoint, len(h.Backends))
-		for i, b := range h.Backends {
-			hp, _ := parseHostPort(b) // validated
-			lbs[i] = u.sh.lbEndpoint(hp.host, hp.port, mk)
+		lbs, err := u.httpBackends(h.Name, h.Backends, mk)
+		if err != nil {
+			return err
 		}
 		common[tEDS][cluster] = u.sh.cla(cluster, lbs, mk)
+		u.http[h.Name] = &httpService{cluster: cluster}
 	}
 
 	perGroup := make([][numTypes]map[string]types.Resource, len(u.groups))
