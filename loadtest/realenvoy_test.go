@@ -12,9 +12,13 @@ import (
 	"time"
 
 	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
+	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
+	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/loadtest/realenvoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
@@ -89,11 +93,13 @@ func (w *realEnvoyWorld) startEnvoy(t *testing.T, ctx context.Context, bin strin
 // backend.
 func TestRealEnvoyFullSync(t *testing.T) {
 	bin := realenvoy.Binary(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	w := startRealEnvoyWorld(t, ctx, httpBackend(t, "backend-a"))
 	for i, p := range protocols {
 		t.Run(p.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(ctx, time.Minute)
+			defer cancel()
 			node := w.sc.Node(i, 0, 0) // one namespace per protocol: two keys
 			e := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
 			want := w.up.Snapshot(w.sc.Group(node))
@@ -135,12 +141,14 @@ func TestRealEnvoyFullSync(t *testing.T) {
 // request failing: make-before-break as a real Envoy sees it.
 func TestRealEnvoyChangesUnderTraffic(t *testing.T) {
 	bin := realenvoy.Binary(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	a, b, c := httpBackend(t, "backend-a"), httpBackend(t, "backend-b"), httpBackend(t, "backend-c")
 	w := startRealEnvoyWorld(t, ctx, a)
 	for i, p := range protocols {
 		t.Run(p.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(ctx, time.Minute)
+			defer cancel()
 			if _, err := w.up.SetHTTPBackends("web", []string{a}); err != nil {
 				t.Fatal(err)
 			}
@@ -174,6 +182,91 @@ func TestRealEnvoyChangesUnderTraffic(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestRealEnvoyNACK: a cluster Envoy 1.40 rejects (ORIGINAL_DST with
+// ROUND_ROBIN, an invalid combination) reaches one namespace's Envoy,
+// which NACKs it with Envoy's own error_detail; the tier's ledger (what
+// relayctl proxy-status shows) has that Envoy NACKED with the error's
+// fingerprint, the Envoy of another namespace is unaffected, and the fixed
+// cluster is ACKed.
+func TestRealEnvoyNACK(t *testing.T) {
+	bin := realenvoy.Binary(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	w := startRealEnvoyWorld(t, ctx, httpBackend(t, "backend-a"))
+	for i, p := range protocols {
+		t.Run(p.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(ctx, time.Minute)
+			defer cancel()
+			bad, other := w.sc.Node(0, 0, i), w.sc.Node(1, 0, i)
+			eBad := w.startEnvoy(t, ctx, bin, p.delta, 0, i)
+			eOther := w.startEnvoy(t, ctx, bin, p.delta, 1, i)
+			waitEnvoyHolds(t, ctx, eBad, w.up.Snapshot(w.sc.Group(bad)))
+			waitEnvoyHolds(t, ctx, eOther, w.up.Snapshot(w.sc.Group(other)))
+
+			name := "original-dst-" + p.name
+			c := &clusterv3.Cluster{
+				Name:                 name,
+				ClusterDiscoveryType: &clusterv3.Cluster_Type{Type: clusterv3.Cluster_ORIGINAL_DST},
+				LbPolicy:             clusterv3.Cluster_ROUND_ROBIN,
+				ConnectTimeout:       durationpb.New(time.Second),
+			}
+			if _, err := w.up.PublishCluster(w.sc.Group(bad), c); err != nil {
+				t.Fatal(err)
+			}
+			nack := waitLedger(t, ctx, w.tier, bad.GetId(), resource.ClusterType, ledger.StatusNACKed)
+			if !strings.Contains(nack.NACK.Detail, "ORIGINAL_DST") {
+				t.Errorf("NACK detail %q is not Envoy's complaint about ORIGINAL_DST", nack.NACK.Detail)
+			}
+			if nack.NACK.Fingerprint == "" {
+				t.Error("NACK without a fingerprint")
+			}
+			st, err := eBad.Stats(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st["cluster_manager.cds.update_rejected"] == "0" || st["cluster_manager.cds.update_rejected"] == "" {
+				t.Errorf("envoy's cds.update_rejected = %q, want it counted", st["cluster_manager.cds.update_rejected"])
+			}
+			waitLedger(t, ctx, w.tier, other.GetId(), resource.ClusterType, ledger.StatusSynced)
+			waitEnvoyHolds(t, ctx, eOther, w.up.Snapshot(w.sc.Group(other)))
+
+			c.LbPolicy = clusterv3.Cluster_CLUSTER_PROVIDED
+			if _, err := w.up.PublishCluster(w.sc.Group(bad), c); err != nil {
+				t.Fatal(err)
+			}
+			waitLedger(t, ctx, w.tier, bad.GetId(), resource.ClusterType, ledger.StatusSynced)
+			waitEnvoyHolds(t, ctx, eBad, w.up.Snapshot(w.sc.Group(bad)))
+		})
+	}
+}
+
+// waitLedger waits until the tier's ledger has node's typeURL in status,
+// and returns that type's state.
+func waitLedger(t *testing.T, ctx context.Context, tier *Tier, node, typeURL string, status ledger.SyncStatus) ledger.EnvoyType {
+	t.Helper()
+	var last ledger.SyncStatus
+	for {
+		rep := tier.Running()[0].Node.Relay().TierLedger(ctx, ledger.Scope{})
+		for _, e := range rep.Envoys() {
+			if e.State.Node != node || !e.State.Connected() {
+				continue
+			}
+			for _, et := range e.State.Types {
+				if et.Type == typeURL {
+					if last = rep.Status(e, et); last == status {
+						return et
+					}
+				}
+			}
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("%s's %s never %s in the tier's ledger (last %q)", node, typeURL, status, last)
+		case <-time.After(50 * time.Millisecond):
+		}
 	}
 }
 

@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
+	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
@@ -77,8 +78,8 @@ type Resource struct {
 
 // Dynamic returns the dynamic resources of dump Envoy is using, by type URL
 // and name: active clusters, the active state of listeners, route
-// configurations and endpoint assignments. Static and warming ones are
-// left out.
+// configurations and the endpoint assignments of EDS clusters. Static and
+// warming ones are left out.
 func Dynamic(dump *adminv3.ConfigDump) (map[string]map[string]Resource, error) {
 	out := map[string]map[string]Resource{
 		resource.ClusterType: {}, resource.ListenerType: {}, resource.RouteType: {}, resource.EndpointType: {},
@@ -126,6 +127,25 @@ func Dynamic(dump *adminv3.ConfigDump) (map[string]map[string]Resource, error) {
 					return nil, err
 				}
 			}
+		}
+	}
+	// include_eds dumps the endpoints of every cluster; only those an EDS
+	// cluster takes from EDS came over xDS.
+	eds := make(map[string]bool)
+	for _, r := range out[resource.ClusterType] {
+		c, ok := r.Message.(*clusterv3.Cluster)
+		if !ok || c.GetType() != clusterv3.Cluster_EDS {
+			continue
+		}
+		name := c.GetEdsClusterConfig().GetServiceName()
+		if name == "" {
+			name = c.GetName()
+		}
+		eds[name] = true
+	}
+	for name := range out[resource.EndpointType] {
+		if !eds[name] {
+			delete(out[resource.EndpointType], name)
 		}
 	}
 	return out, nil

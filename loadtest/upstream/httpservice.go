@@ -4,12 +4,13 @@ import (
 	"fmt"
 	"strconv"
 
+	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 )
 
-// The mutations of HTTP services (Scenario.HTTPServices), which real-Envoy
-// tests make under traffic.
+// The mutations real-Envoy tests make: of HTTP services
+// (Scenario.HTTPServices), under traffic, and of clusters Envoy may reject.
 
 // httpService is the state of an HTTP service. Guarded by Upstream.mu.
 type httpService struct {
@@ -88,4 +89,20 @@ func (u *Upstream) SwitchHTTPCluster(name string, backends []string) ([]Change, 
 	}
 	hs.cluster = next
 	return out, nil
+}
+
+// PublishCluster publishes c, as given, to group alone: for tests of what
+// a real Envoy accepts and rejects (e.g. an invalid field combination
+// Envoy NACKs, then the same cluster fixed).
+func (u *Upstream) PublishCluster(group string, c *clusterv3.Cluster) (Change, error) {
+	gi, ok := u.groupIx[group]
+	if !ok {
+		return Change{}, fmt.Errorf("upstream: no group %q", group)
+	}
+	if c.GetName() == "" {
+		return Change{}, fmt.Errorf("upstream: publish cluster: no name")
+	}
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.publish(tCDS, []int{gi}, c.GetName(), c, u.nextMarker())
 }
