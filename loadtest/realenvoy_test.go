@@ -21,6 +21,7 @@ import (
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/loadtest/realenvoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
 )
 
@@ -241,6 +242,97 @@ func TestRealEnvoyNACK(t *testing.T) {
 			waitEnvoyHolds(t, ctx, eBad, w.up.Snapshot(w.sc.Group(bad)))
 		})
 	}
+}
+
+// TestRealEnvoyFailover: under traffic, the owner of a real Envoy's key is
+// killed, then the relay the Envoy is connected to: the Envoy reconnects
+// through the Service, no request fails, it ends on the current config
+// (a change made after both kills reaches it), and its
+// control_plane.identifier names the relay it is on now.
+func TestRealEnvoyFailover(t *testing.T) {
+	bin := realenvoy.Binary(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	a, b := httpBackend(t, "backend-a"), httpBackend(t, "backend-b")
+	for i, p := range protocols {
+		t.Run(p.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(ctx, time.Minute)
+			defer cancel()
+			w := startRealEnvoyWorld(t, ctx, a) // a tier of its own: this one loses two relays
+			node := w.sc.Node(i, 0, 0)
+			e := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
+			waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
+			load := startLoad(ctx, w.listen)
+			load.waitFor(t, ctx, "backend-a")
+
+			on, key := waitConnected(t, ctx, w.tier, node.GetId(), -1)
+			owner := ownerOf(t, w.tier, string(key))
+			t.Logf("envoy on relay-%d, key %s owned by relay-%d", on, key, owner)
+			if err := w.tier.StopRelay(ctx, owner, false); err != nil {
+				t.Fatal(err)
+			}
+			if on == owner {
+				on, _ = waitConnected(t, ctx, w.tier, node.GetId(), owner)
+			}
+			if err := w.tier.StopRelay(ctx, on, false); err != nil {
+				t.Fatal(err)
+			}
+			now, _ := waitConnected(t, ctx, w.tier, node.GetId(), on)
+
+			if _, err := w.up.SetHTTPBackends("web", []string{b}); err != nil {
+				t.Fatal(err)
+			}
+			waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
+			load.waitFor(t, ctx, "backend-b")
+			sent, failed := load.stop()
+			t.Logf("%d requests, %d failed; envoy ends on relay-%d", sent, len(failed), now)
+			if len(failed) > 0 {
+				t.Errorf("%d of %d requests failed through the failovers: %s", len(failed), sent, strings.Join(failed, "; "))
+			}
+			st, err := e.Stats(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if id := st["control_plane.identifier"]; id != w.tier.Relay(now).ID {
+				t.Errorf("envoy's control_plane.identifier = %q, want %q", id, w.tier.Relay(now).ID)
+			}
+		})
+	}
+}
+
+// waitConnected waits until node's stream is attached to a running relay
+// other than not (-1: any), and returns its index and the node's key.
+func waitConnected(t *testing.T, ctx context.Context, tier *Tier, node string, not int) (int, aggkey.Key) {
+	t.Helper()
+	for {
+		for _, tr := range tier.Running() {
+			if tr.Index == not {
+				continue
+			}
+			for _, c := range tr.Node.Relay().Clients() {
+				if c.NodeID == node && c.PeerRelay == "" {
+					return tr.Index, c.Key
+				}
+			}
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("%s never attached to a relay other than %d", node, not)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// ownerOf returns the index of the running relay that owns key.
+func ownerOf(t *testing.T, tier *Tier, key string) int {
+	t.Helper()
+	for _, tr := range tier.Running() {
+		if _, self := tr.Node.Ring().Owner(key); self {
+			return tr.Index
+		}
+	}
+	t.Fatalf("no running relay owns %s", key)
+	return -1
 }
 
 // waitLedger waits until the tier's ledger has node's typeURL in status,
