@@ -23,6 +23,7 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/snapshot"
 )
 
 // The real-Envoy tests: a real Envoy 1.40 (loadtest/realenvoy) bootstraps
@@ -47,6 +48,13 @@ type realEnvoyWorld struct {
 
 func startRealEnvoyWorld(t *testing.T, ctx context.Context, backends ...string) *realEnvoyWorld {
 	t.Helper()
+	return startRealEnvoyWorldWith(t, ctx, TierConfig{}, backends...)
+}
+
+// startRealEnvoyWorldWith is startRealEnvoyWorld with the tier's
+// configuration tc (its Upstream and Relays are set here).
+func startRealEnvoyWorldWith(t *testing.T, ctx context.Context, tc TierConfig, backends ...string) *realEnvoyWorld {
+	t.Helper()
 	w := &realEnvoyWorld{listen: freeLoopbackAddr(t)}
 	w.sc = upstream.Scenario{Services: 6, Endpoints: 6, Namespaces: 2, LocalFraction: 0.3,
 		HTTPServices: []upstream.HTTPService{{Name: "web", Listen: w.listen, Backends: backends}}}
@@ -61,7 +69,8 @@ func startRealEnvoyWorld(t *testing.T, ctx context.Context, backends ...string) 
 	}
 	t.Cleanup(func() { up.Stop(context.Background()) })
 	w.up = up
-	tier, err := StartConvergedTier(ctx, TierConfig{Relays: 3, Upstream: up.Addr()}, 30*time.Second)
+	tc.Relays, tc.Upstream = 3, up.Addr()
+	tier, err := StartConvergedTier(ctx, tc, 30*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -295,6 +304,63 @@ func TestRealEnvoyFailover(t *testing.T) {
 			}
 			if id := st["control_plane.identifier"]; id != w.tier.Relay(now).ID {
 				t.Errorf("envoy's control_plane.identifier = %q, want %q", id, w.tier.Relay(now).ID)
+			}
+		})
+	}
+}
+
+// TestRealEnvoyWarmRestart: a tier restarted from etcd while the upstream
+// is down serves a newly started real Envoy its full config (it can only
+// have come from etcd), and traffic through it reaches the backend.
+func TestRealEnvoyWarmRestart(t *testing.T) {
+	bin := realenvoy.Binary(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	etcd, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer etcd.Close()
+	a := httpBackend(t, "backend-a")
+	for i, p := range protocols {
+		t.Run(p.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(ctx, time.Minute)
+			defer cancel()
+			w := startRealEnvoyWorldWith(t, ctx, TierConfig{Etcd: etcd.Endpoints()}, a)
+			node := w.sc.Node(i, 0, 0)
+			first := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
+			want := w.up.Snapshot(w.sc.Group(node))
+			waitEnvoyHolds(t, ctx, first, want)
+			first.Stop()
+
+			// Every relay stops gracefully (writing what its store holds),
+			// then the upstream goes away for good.
+			var wg sync.WaitGroup
+			for _, tr := range w.tier.Running() {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					if err := w.tier.StopRelay(ctx, tr.Index, true); err != nil {
+						t.Errorf("stop relay-%d: %v", tr.Index, err)
+					}
+				}()
+			}
+			wg.Wait()
+			w.tier.Stop(ctx)
+			if err := w.up.Stop(ctx); err != nil {
+				t.Fatal(err)
+			}
+
+			tier, err := StartConvergedTier(ctx, TierConfig{Relays: 3, Upstream: w.up.Addr(), Etcd: etcd.Endpoints()}, 30*time.Second)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tier.Stop(context.Background())
+			w.tier = tier
+			second := w.startEnvoy(t, ctx, bin, p.delta, i, 1) // another pod of the same workload: the same key
+			waitEnvoyHolds(t, ctx, second, want)
+			if body, err := getThrough(ctx, w.listen); err != nil || body != "backend-a" {
+				t.Errorf("GET through the warm-started envoy: %q, %v; want backend-a", body, err)
 			}
 		})
 	}
