@@ -52,7 +52,7 @@ func startRealEnvoyWorld(t *testing.T, ctx context.Context, backends ...string) 
 }
 
 // startRealEnvoyWorldWith is startRealEnvoyWorld with the tier's
-// configuration tc (its Upstream and Relays are set here).
+// configuration tc (its Upstream is set here; Relays defaults to 3).
 func startRealEnvoyWorldWith(t *testing.T, ctx context.Context, tc TierConfig, backends ...string) *realEnvoyWorld {
 	t.Helper()
 	w := &realEnvoyWorld{listen: freeLoopbackAddr(t)}
@@ -69,7 +69,10 @@ func startRealEnvoyWorldWith(t *testing.T, ctx context.Context, tc TierConfig, b
 	}
 	t.Cleanup(func() { up.Stop(context.Background()) })
 	w.up = up
-	tc.Relays, tc.Upstream = 3, up.Addr()
+	if tc.Relays == 0 {
+		tc.Relays = 3
+	}
+	tc.Upstream = up.Addr()
 	tier, err := StartConvergedTier(ctx, tc, 30*time.Second)
 	if err != nil {
 		t.Fatal(err)
@@ -364,6 +367,94 @@ func TestRealEnvoyWarmRestart(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestRealEnvoyReconnectSendsNothingUnchanged: a real Envoy reconnects
+// to its relay after the relay restarted, declaring what it holds (Delta
+// initial_resource_versions, SotW version_info); nothing changed upstream,
+// so the restarted relay sends it no resource again. Its counters (the
+// relay has no other client) show it: no resource or removal sent, and
+// for Delta only the empty answers to the wildcard types, which name the
+// relay to the Envoy (control_plane.identifier); SotW gets nothing at all,
+// since a SotW answer would carry every resource of the type again.
+func TestRealEnvoyReconnectSendsNothingUnchanged(t *testing.T) {
+	bin := realenvoy.Binary(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	a := httpBackend(t, "backend-a")
+	for i, p := range protocols {
+		t.Run(p.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(ctx, time.Minute)
+			defer cancel()
+			w := startRealEnvoyWorldWith(t, ctx, TierConfig{Relays: 1}, a)
+			node := w.sc.Node(i, 0, 0)
+			e := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
+			waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
+			full := pushCounters(t, w.tier.Relay(0))
+
+			if err := w.tier.StopRelay(ctx, 0, false); err != nil {
+				t.Fatal(err)
+			}
+			if err := w.tier.Start(ctx, 0); err != nil {
+				t.Fatal(err)
+			}
+			waitConnected(t, ctx, w.tier, node.GetId(), -1)
+			for _, typeURL := range []string{resource.ClusterType, resource.EndpointType, resource.ListenerType, resource.RouteType} {
+				waitLedger(t, ctx, w.tier, node.GetId(), typeURL, ledger.StatusSynced)
+			}
+			again := pushCounters(t, w.tier.Relay(0))
+			t.Logf("full sync: %+v; after the relay restarted: %+v", full, again)
+			if again.resources != 0 {
+				t.Errorf("the restarted relay sent %d resources or removals to an Envoy that held everything", again.resources)
+			}
+			want := 0
+			if p.delta {
+				want = 2 // CDS and LDS, empty
+			}
+			if again.responses != want {
+				t.Errorf("the restarted relay sent %d responses (%d bytes), want %d", again.responses, again.bytes, want)
+			}
+			waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
+			if p.delta {
+				st, err := e.Stats(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if id := st["control_plane.identifier"]; id != w.tier.Relay(0).ID {
+					t.Errorf("control_plane.identifier = %q, want %q", id, w.tier.Relay(0).ID)
+				}
+			}
+		})
+	}
+}
+
+// pushes are a relay's counters of what it sent downstream.
+type pushes struct{ responses, resources, bytes int }
+
+func pushCounters(t *testing.T, tr *TierRelay) pushes {
+	t.Helper()
+	mfs, err := tr.Node.Relay().Gatherer().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var p pushes
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			v := int(m.GetCounter().GetValue())
+			switch mf.GetName() {
+			case "meshrelay_xds_pushes_total":
+				p.responses += v
+			case "meshrelay_xds_push_resources_total":
+				p.resources += v
+			case "meshrelay_xds_push_bytes_total":
+				p.bytes += v
+			}
+		}
+	}
+	if st := tr.Node.Relay().Stats(); int(st.BytesSent) != p.bytes {
+		t.Fatalf("the relay's sent-bytes counter says %d, its metrics %d", st.BytesSent, p.bytes)
+	}
+	return p
 }
 
 // waitConnected waits until node's stream is attached to a running relay
