@@ -52,19 +52,8 @@ func TestXDSClientOverTLSThroughTier(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	mesh, issuer := authtest.NewCA(t, "mesh root"), authtest.NewIssuer(t)
-	root := mesh.WriteRoot(t)
-	roots, err := tlsfiles.LoadCAPool(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	lcfg := auth.DefaultLocalConfig()
-	lcfg.Issuer, lcfg.Keys = issuer.URL, auth.KeysFromFile(issuer.WriteJWKS(t))
-	verifier, err := auth.NewLocal(ctx, lcfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-
+	m := newTestMesh(t, ctx)
+	mesh, issuer, root, verifier := m.ca, m.issuer, m.root, m.verifier
 	backend := healthBackend(t, "greeter")
 	guard := &upstream.Guard{Tokens: verifier}
 	ucfg := upstream.DefaultConfig()
@@ -84,28 +73,9 @@ func TestXDSClientOverTLSThroughTier(t *testing.T) {
 	}
 	defer up.Stop(context.Background())
 
-	pair, err := tlsfiles.LoadKeyPair(mesh.Serving(t, "meshrelay.istio-system.svc").Write(t, ""))
-	if err != nil {
-		t.Fatal(err)
-	}
-	tierPair, err := tlsfiles.LoadKeyPair(mesh.Workload(t, "cluster.local", "istio-system", "meshrelay").Write(t, ""))
-	if err != nil {
-		t.Fatal(err)
-	}
-	peerServer, peerClient, err := auth.PeerTLS(tierPair, roots, "spiffe://cluster.local/ns/istio-system/sa/meshrelay")
-	if err != nil {
-		t.Fatal(err)
-	}
-	authn, err := auth.NewAuthenticator(auth.ModeJWT, nil, verifier)
-	if err != nil {
-		t.Fatal(err)
-	}
 	tier, err := StartConvergedTier(ctx, TierConfig{
 		Relays: 3, Upstream: up.Addr(),
-		Secure: &TierSecurity{
-			XDSTLS: tlsfiles.ServerConfig(pair, roots, tls.RequestClientCert), Authenticator: authn,
-			PeerServer: peerServer, PeerClient: peerClient, Forward: true,
-		},
+		Secure: m.security(true),
 		Relay: func(c *relay.Config) {
 			c.UpstreamDialOptions = append(c.UpstreamDialOptions, grpc.WithTransportCredentials(credentials.NewTLS(
 				&tls.Config{RootCAs: mesh.Pool(), ServerName: "istiod.istio-system.svc", MinVersion: tls.VersionTLS12})))
@@ -157,6 +127,61 @@ func TestXDSClientOverTLSThroughTier(t *testing.T) {
 	}
 	if refused := guard.Refused(); len(refused) > 0 {
 		t.Fatalf("the upstream refused streams: %v", refused)
+	}
+}
+
+// testMesh is a mesh's credentials for a secure tier: a root CA, a
+// service-account token issuer, and a local verifier of its tokens.
+type testMesh struct {
+	ca       *authtest.CA
+	root     string // the root's PEM file
+	issuer   *authtest.Issuer
+	verifier *auth.Local
+	t        *testing.T
+}
+
+func newTestMesh(t *testing.T, ctx context.Context) *testMesh {
+	t.Helper()
+	m := &testMesh{ca: authtest.NewCA(t, "mesh root"), issuer: authtest.NewIssuer(t), t: t}
+	m.root = m.ca.WriteRoot(t)
+	lcfg := auth.DefaultLocalConfig()
+	lcfg.Issuer, lcfg.Keys = m.issuer.URL, auth.KeysFromFile(m.issuer.WriteJWKS(t))
+	var err error
+	if m.verifier, err = auth.NewLocal(ctx, lcfg); err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// security is a tier that is an Istio drop-in: Envoys on a TLS port
+// (certificate for relayServerName) verified by JWT, relays on an mTLS
+// peer port; forward passes each Envoy's token upstream.
+func (m *testMesh) security(forward bool) *TierSecurity {
+	t := m.t
+	t.Helper()
+	roots, err := tlsfiles.LoadCAPool(m.root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pair, err := tlsfiles.LoadKeyPair(m.ca.Serving(t, relayServerName).Write(t, ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tierPair, err := tlsfiles.LoadKeyPair(m.ca.Workload(t, "cluster.local", "istio-system", "meshrelay").Write(t, ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	peerServer, peerClient, err := auth.PeerTLS(tierPair, roots, "spiffe://cluster.local/ns/istio-system/sa/meshrelay")
+	if err != nil {
+		t.Fatal(err)
+	}
+	authn, err := auth.NewAuthenticator(auth.ModeJWT, nil, m.verifier)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &TierSecurity{
+		XDSTLS: tlsfiles.ServerConfig(pair, roots, tls.RequestClientCert), Authenticator: authn,
+		PeerServer: peerServer, PeerClient: peerClient, Forward: forward,
 	}
 }
 
