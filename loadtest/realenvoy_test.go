@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -15,13 +16,15 @@ import (
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
-	"google.golang.org/protobuf/types/known/durationpb"
+	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/loadtest/realenvoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/auth/authtest"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
 	"github.com/meshrelay/meshrelay/relay/snapshot"
 )
@@ -143,6 +146,80 @@ func TestRealEnvoyFullSync(t *testing.T) {
 			}
 			if body, err := getThrough(ctx, w.listen); err != nil || body != "backend-a" {
 				t.Errorf("GET through envoy: %q, %v; want backend-a", body, err)
+			}
+		})
+	}
+}
+
+// TestRealEnvoyOverTLSWithJWT: real Envoys dial a secure tier as
+// istio-agent has them dial istiod's 15012: TLS checked against the mesh
+// root and the relays' Service name, their service-account token as
+// "authorization: Bearer" on the stream. The Envoy whose token is of its
+// own namespace and service account syncs fully; one presenting another
+// namespace's token is refused before anything is served.
+func TestRealEnvoyOverTLSWithJWT(t *testing.T) {
+	bin := realenvoy.Binary(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	m := newTestMesh(t, ctx)
+	w := startRealEnvoyWorldWith(t, ctx, TierConfig{Secure: m.security(false)}, httpBackend(t, "backend-a"))
+	for i, p := range protocols {
+		t.Run(p.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(ctx, time.Minute)
+			defer cancel()
+			node := w.sc.Node(i, 0, 0)
+			ns := upstream.NamespaceName(i)
+			sa := node.GetMetadata().GetFields()["SERVICE_ACCOUNT"].GetStringValue()
+			start := func(pod int, tokenNS string) *realenvoy.Envoy {
+				e, err := realenvoy.Start(ctx, realenvoy.Config{
+					Binary: bin, XDS: w.tier.Addr(), Delta: p.delta, Node: w.sc.Node(i, 0, pod), Dir: t.TempDir(),
+					TLS: &realenvoy.TLS{CAFile: m.root, ServerName: relayServerName,
+						Token: m.issuer.Sign(t, authtest.Token{Namespace: tokenNS, ServiceAccount: sa})},
+				})
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(e.Stop)
+				return e
+			}
+			mismatchesBefore := tierCounter(t, w.tier, "meshrelay_xds_auth_failures_total", "identity_mismatch")
+			intruder := start(1, "ns-other")
+			good := start(0, ns)
+			waitEnvoyHolds(t, ctx, good, w.up.Snapshot(w.sc.Group(node)))
+			if body, err := getThrough(ctx, w.listen); err != nil || body != "backend-a" {
+				t.Errorf("GET through the TLS envoy: %q, %v; want backend-a", body, err)
+			}
+
+			// The intruder is refused for the mismatch of its node and its
+			// token, holds nothing, and no relay lists it.
+			for mismatches := 0; mismatches <= mismatchesBefore; {
+				mismatches = tierCounter(t, w.tier, "meshrelay_xds_auth_failures_total", "identity_mismatch")
+				select {
+				case <-ctx.Done():
+					t.Fatal("the Envoy with another namespace's token was never refused for it")
+				case <-time.After(20 * time.Millisecond):
+				}
+			}
+			dump, err := intruder.ConfigDump(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			held, err := realenvoy.Dynamic(dump)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for typeURL, res := range held {
+				if len(res) > 0 {
+					t.Errorf("an Envoy with another namespace's token holds %d of %s", len(res), typeURL)
+				}
+			}
+			intruderID := w.sc.Node(i, 0, 1).GetId()
+			for _, tr := range w.tier.Running() {
+				for _, c := range tr.Node.Relay().Clients() {
+					if c.NodeID == intruderID {
+						t.Errorf("%s serves the Envoy with another namespace's token", tr.ID)
+					}
+				}
 			}
 		})
 	}
@@ -428,28 +505,47 @@ func TestRealEnvoyReconnectSendsNothingUnchanged(t *testing.T) {
 	}
 }
 
-// pushes are a relay's counters of what it sent downstream.
-type pushes struct{ responses, resources, bytes int }
-
-func pushCounters(t *testing.T, tr *TierRelay) pushes {
+// counterOf returns the value of counter name of tr's metrics, summed over
+// the series with a label of value label ("" for all).
+func counterOf(t *testing.T, tr *TierRelay, name, label string) int {
 	t.Helper()
 	mfs, err := tr.Node.Relay().Gatherer().Gather()
 	if err != nil {
 		t.Fatal(err)
 	}
-	var p pushes
+	n := 0
 	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
 		for _, m := range mf.GetMetric() {
-			v := int(m.GetCounter().GetValue())
-			switch mf.GetName() {
-			case "meshrelay_xds_pushes_total":
-				p.responses += v
-			case "meshrelay_xds_push_resources_total":
-				p.resources += v
-			case "meshrelay_xds_push_bytes_total":
-				p.bytes += v
+			if label == "" || slices.ContainsFunc(m.GetLabel(), func(l *dto.LabelPair) bool { return l.GetValue() == label }) {
+				n += int(m.GetCounter().GetValue())
 			}
 		}
+	}
+	return n
+}
+
+// tierCounter is counterOf summed over the tier's running relays.
+func tierCounter(t *testing.T, tier *Tier, name, label string) int {
+	t.Helper()
+	n := 0
+	for _, tr := range tier.Running() {
+		n += counterOf(t, tr, name, label)
+	}
+	return n
+}
+
+// pushes are a relay's counters of what it sent downstream.
+type pushes struct{ responses, resources, bytes int }
+
+func pushCounters(t *testing.T, tr *TierRelay) pushes {
+	t.Helper()
+	p := pushes{
+		responses: counterOf(t, tr, "meshrelay_xds_pushes_total", ""),
+		resources: counterOf(t, tr, "meshrelay_xds_push_resources_total", ""),
+		bytes:     counterOf(t, tr, "meshrelay_xds_push_bytes_total", ""),
 	}
 	if st := tr.Node.Relay().Stats(); int(st.BytesSent) != p.bytes {
 		t.Fatalf("the relay's sent-bytes counter says %d, its metrics %d", st.BytesSent, p.bytes)
