@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
+	"regexp"
 	"strings"
 
 	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
@@ -178,6 +180,34 @@ func (e *Envoy) Stats(ctx context.Context) (map[string]string, error) {
 		}
 	}
 	return out, sc.Err()
+}
+
+// Stat returns the value of the stat named name (as /stats prints it),
+// and whether Envoy has it. Envoy matches the name against every stat it
+// has, on its main thread, the one that applies config: with a few
+// hundred clusters that is milliseconds, so a tight poll delays what it
+// measures. Gauge is cheaper.
+func (e *Envoy) Stat(ctx context.Context, name string) (string, bool, error) {
+	return e.stat(ctx, name, "")
+}
+
+// Gauge is Stat for a gauge (update_time, connected_state, …): Envoy
+// matches it against its gauges only.
+func (e *Envoy) Gauge(ctx context.Context, name string) (string, bool, error) {
+	return e.stat(ctx, name, "&type=Gauges")
+}
+
+func (e *Envoy) stat(ctx context.Context, name, query string) (string, bool, error) {
+	body, err := e.Get(ctx, "/stats?filter="+url.QueryEscape("^"+regexp.QuoteMeta(name)+"$")+query)
+	if err != nil {
+		return "", false, err
+	}
+	for _, line := range strings.Split(string(body), "\n") {
+		if n, v, ok := strings.Cut(line, ": "); ok && n == name {
+			return strings.Trim(v, `"`), true, nil
+		}
+	}
+	return "", false, nil
 }
 
 // Clusters returns /clusters?format=json, parsed.

