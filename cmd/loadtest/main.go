@@ -14,12 +14,14 @@ import (
 	"os/signal"
 	"runtime/pprof"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
 	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/realenvoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
 )
@@ -143,9 +145,13 @@ func fanout(ctx context.Context, args []string) error {
 	fs.DurationVar(&cfg.TokenReviewLatency, "tokenreview-latency", cfg.TokenReviewLatency, "how long the fake Kubernetes API takes to answer a TokenReview")
 	fs.IntVar(&cfg.AdmitStreams, "admit-streams", cfg.AdmitStreams, "with --tls: new streams of the connect storm each relayed run ends with (0: none)")
 	fs.IntVar(&cfg.AdmitConcurrency, "admit-concurrency", cfg.AdmitConcurrency, "with --tls: connect storm streams connecting at once")
+	realEnvoys := fs.Int("real-envoys", 0, fmt.Sprintf("run real Envoys instead (at most %d), beside a simulated fleet of the same size; the scenario flags default to a smaller one then", loadtest.MaxRealEnvoys))
 	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if *realEnvoys > 0 {
+		return realFanout(ctx, fs, *realEnvoys, *protocols, *modes, *jsonOut)
 	}
 	cfg.Targets.RelayPeakRSS = *targetRSS << 20
 	cfg.TLSVerifiers = nil
@@ -184,6 +190,76 @@ func fanout(ctx context.Context, args []string) error {
 	rep, err := loadtest.RunFanout(ctx, cfg, os.Stdout)
 	if rep != nil { // what was measured, even if the run failed later
 		err = errors.Join(err, writeJSON(*jsonOut, rep))
+	}
+	return err
+}
+
+// realFanout runs fanout with n real Envoys: the flags given on the
+// command line override DefaultRealFanoutConfig's.
+func realFanout(ctx context.Context, fs *flag.FlagSet, n int, protocols, modes, jsonOut string) error {
+	cfg := loadtest.DefaultRealFanoutConfig()
+	cfg.Envoys = n
+	var err error
+	fs.Visit(func(f *flag.Flag) {
+		var v int
+		switch f.Name {
+		case "services", "endpoints", "namespaces", "keys", "changes":
+			v, err = strconv.Atoi(f.Value.String())
+		}
+		switch f.Name {
+		case "services":
+			cfg.Scenario.Services = v
+		case "endpoints":
+			cfg.Scenario.Endpoints = v
+		case "namespaces":
+			cfg.Scenario.Namespaces = v
+		case "keys":
+			cfg.Keys = v
+		case "changes":
+			cfg.Changes = v
+		case "local-fraction":
+			cfg.Scenario.LocalFraction, err = strconv.ParseFloat(f.Value.String(), 64)
+		case "seed":
+			cfg.Seed, err = strconv.ParseInt(f.Value.String(), 10, 64)
+		case "sync-timeout":
+			cfg.SyncTimeout, err = time.ParseDuration(f.Value.String())
+		case "change-timeout":
+			cfg.ChangeTimeout, err = time.ParseDuration(f.Value.String())
+		case "change-gap":
+			cfg.ChangeGap, err = time.ParseDuration(f.Value.String())
+		case "settle":
+			cfg.Settle, err = time.ParseDuration(f.Value.String())
+		case "real-envoys", "protocols", "modes", "json":
+		default:
+			err = errors.Join(err, fmt.Errorf("--%s does not apply to --real-envoys", f.Name))
+		}
+	})
+	if err != nil {
+		return err
+	}
+	cfg.Keys = min(cfg.Keys, n)
+	if cfg.Protocols, err = parseProtocols(protocols); err != nil {
+		return err
+	}
+	cfg.Modes = nil
+	for _, m := range splitList(modes) {
+		mode, err := loadtest.ParseFanoutMode(m)
+		if err != nil {
+			return fmt.Errorf("--modes: %w", err)
+		}
+		cfg.Modes = append(cfg.Modes, mode)
+	}
+	if cfg.Binary, err = realenvoy.Find(ctx); err != nil {
+		return err
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return fmt.Errorf("find own executable for the relay child: %w", err)
+	}
+	cfg.StartRelay = loadtest.ExecRelay(exe, os.Stderr, "relay-child")
+	rep, err := loadtest.RunRealFanout(ctx, cfg, os.Stdout)
+	if rep != nil {
+		err = errors.Join(err, writeJSON(jsonOut, rep))
 	}
 	return err
 }
