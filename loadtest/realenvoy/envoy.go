@@ -24,9 +24,13 @@ import (
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
+	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+	routerv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/router/v3"
+	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
 	httpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
 	matcherv3 "github.com/envoyproxy/go-control-plane/envoy/type/matcher/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/wellknown"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -45,10 +49,23 @@ type Config struct {
 	// TLS, if set, dials the ADS server with TLS (and a bearer token), as
 	// istio-agent does; nil is plaintext.
 	TLS *TLS
+	// Ingress, if set, is a listener of the Envoy's own.
+	Ingress *Ingress
 	// Dir holds the bootstrap and the log (a test's t.TempDir()). Required.
 	Dir string
 	// LogLevel is Envoy's log level. Default "warning".
 	LogLevel string
+}
+
+// Ingress is a listener in the Envoy's bootstrap that sends every request
+// by route configuration Route, fetched over ADS (RDS): requests reach
+// this Envoy on Listen whatever listeners xDS gives it (those of several
+// Envoys of one key are the same, and would bind the same port).
+type Ingress struct {
+	// Listen is the "ip:port" it binds.
+	Listen string
+	// Route names the RouteConfiguration.
+	Route string
 }
 
 // TLS is how the Envoy dials a TLS xDS port.
@@ -258,12 +275,20 @@ func bootstrap(cfg Config) (*bootstrapv3.Bootstrap, error) {
 		ConfigSourceSpecifier: &core.ConfigSource_Ads{Ads: &core.AggregatedConfigSource{}},
 		ResourceApiVersion:    core.ApiVersion_V3,
 	}
+	static := &bootstrapv3.Bootstrap_StaticResources{Clusters: []*clusterv3.Cluster{xds}}
+	if in := cfg.Ingress; in != nil {
+		l, err := ingressListener(in, ads)
+		if err != nil {
+			return nil, err
+		}
+		static.Listeners = []*listenerv3.Listener{l}
+	}
 	return &bootstrapv3.Bootstrap{
 		Node: cfg.Node,
 		Admin: &bootstrapv3.Admin{
 			Address: socketAddress("127.0.0.1", 0),
 		},
-		StaticResources: &bootstrapv3.Bootstrap_StaticResources{Clusters: []*clusterv3.Cluster{xds}},
+		StaticResources: static,
 		DynamicResources: &bootstrapv3.Bootstrap_DynamicResources{
 			AdsConfig: &core.ApiConfigSource{
 				ApiType:                   apiType,
@@ -274,6 +299,41 @@ func bootstrap(cfg Config) (*bootstrapv3.Bootstrap, error) {
 			CdsConfig: ads,
 			LdsConfig: ads,
 		},
+	}, nil
+}
+
+// ingressListener builds in's listener: an HTTP connection manager whose
+// routes come from RDS over ADS.
+func ingressListener(in *Ingress, ads *core.ConfigSource) (*listenerv3.Listener, error) {
+	host, portStr, err := splitHostPort(in.Listen)
+	if err != nil {
+		return nil, fmt.Errorf("realenvoy: Config.Ingress.Listen: %w", err)
+	}
+	if in.Route == "" {
+		return nil, errors.New("realenvoy: Config.Ingress.Route is required")
+	}
+	port, _ := strconv.ParseUint(portStr, 10, 16)
+	router, err := anypb.New(&routerv3.Router{})
+	if err != nil {
+		return nil, err
+	}
+	hcm, err := anypb.New(&hcmv3.HttpConnectionManager{
+		StatPrefix: "ingress",
+		RouteSpecifier: &hcmv3.HttpConnectionManager_Rds{Rds: &hcmv3.Rds{
+			ConfigSource: ads, RouteConfigName: in.Route,
+		}},
+		HttpFilters: []*hcmv3.HttpFilter{{Name: wellknown.Router, ConfigType: &hcmv3.HttpFilter_TypedConfig{TypedConfig: router}}},
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &listenerv3.Listener{
+		Name:    "ingress",
+		Address: socketAddress(host, uint32(port)),
+		FilterChains: []*listenerv3.FilterChain{{Filters: []*listenerv3.Filter{{
+			Name:       wellknown.HTTPConnectionManager,
+			ConfigType: &listenerv3.Filter_TypedConfig{TypedConfig: hcm},
+		}}}},
 	}, nil
 }
 

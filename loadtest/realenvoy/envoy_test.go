@@ -3,6 +3,9 @@ package realenvoy
 import (
 	"context"
 	"errors"
+	"io"
+	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"syscall"
@@ -31,7 +34,9 @@ func TestEnvoyStartsSyncsAndStops(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
-			sc := upstream.Scenario{Services: 4, Endpoints: 4, Namespaces: 1}
+			backend := httpBackend(t)
+			sc := upstream.Scenario{Services: 4, Endpoints: 4, Namespaces: 1,
+				HTTPServices: []upstream.HTTPService{{Name: "web", Backends: []string{backend}}}}
 			up, err := upstream.New(upstream.Config{Scenario: sc})
 			if err != nil {
 				t.Fatal(err)
@@ -41,7 +46,10 @@ func TestEnvoyStartsSyncsAndStops(t *testing.T) {
 			}
 			defer up.Stop(ctx)
 			node := sc.Node(0, 0, 0)
-			e, err := Start(ctx, Config{Binary: bin, XDS: up.Addr(), Delta: delta, Node: node, Dir: t.TempDir()})
+			_, route, _ := upstream.HTTPNames("web")
+			ingress := freeAddr(t)
+			e, err := Start(ctx, Config{Binary: bin, XDS: up.Addr(), Delta: delta, Node: node, Dir: t.TempDir(),
+				Ingress: &Ingress{Listen: ingress, Route: route}})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -92,6 +100,17 @@ func TestEnvoyStartsSyncsAndStops(t *testing.T) {
 				t.Errorf("/clusters: %d statuses, %v; want at least %d", len(cl.GetClusterStatuses()), err, len(want[resource.ClusterType]))
 			}
 
+			// The ingress listener routes by the route the upstream serves.
+			resp, err := http.Get("http://" + ingress + "/")
+			if err != nil {
+				t.Fatalf("GET through the ingress: %v", err)
+			}
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK || string(body) != "backend" {
+				t.Errorf("GET through the ingress: %d %q, want 200 backend", resp.StatusCode, body)
+			}
+
 			e.Stop()
 			if err := syscall.Kill(pid, 0); !errors.Is(err, syscall.ESRCH) {
 				t.Errorf("envoy pid %d still there after Stop: %v", pid, err)
@@ -101,6 +120,28 @@ func TestEnvoyStartsSyncsAndStops(t *testing.T) {
 			}
 		})
 	}
+}
+
+func httpBackend(t *testing.T) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { io.WriteString(w, "backend") })}
+	go srv.Serve(lis)
+	t.Cleanup(func() { srv.Close() })
+	return lis.Addr().String()
+}
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lis.Close()
+	return lis.Addr().String()
 }
 
 // TestFindRefusesWhatIsNotEnvoy: an explicit MESHRELAY_ENVOY that is not

@@ -65,7 +65,8 @@ type Scenario struct {
 type HTTPService struct {
 	// Name names the service's resources.
 	Name string
-	// Listen is the "ip:port" Envoy's listener binds.
+	// Listen is the "ip:port" Envoy's listener binds; "" serves no
+	// listener (Envoys that have one of their own use the route).
 	Listen string
 	// Backends are the "ip:port" of the servers behind the service.
 	Backends []string
@@ -154,7 +155,7 @@ func (s Scenario) validate() error {
 			return fmt.Errorf("upstream: field Scenario.HTTPServices: duplicate name %q", h.Name)
 		}
 		seenName[h.Name] = true
-		if _, err := parseHostPort(h.Listen); err != nil {
+		if _, err := parseHostPort(h.Listen); h.Listen != "" && err != nil {
 			return fmt.Errorf("upstream: field Scenario.HTTPServices: listen of %q: %w", h.Name, err)
 		}
 		for _, b := range h.Backends {

@@ -347,12 +347,14 @@ func (u *Upstream) build(mk marker) error {
 
 	for _, h := range sc.HTTPServices {
 		listener, route, cluster := HTTPNames(h.Name)
-		at, _ := parseHostPort(h.Listen) // validated
-		l, err := u.sh.httpListener(listener, at, route, mk)
-		if err != nil {
-			return err
+		if h.Listen != "" {
+			at, _ := parseHostPort(h.Listen) // validated
+			l, err := u.sh.httpListener(listener, at, route, mk)
+			if err != nil {
+				return err
+			}
+			lds[listener] = l
 		}
-		lds[listener] = l
 		common[tRDS][route] = u.sh.grpcRouteConfig(route, "*", cluster, mk)
 		common[tCDS][cluster] = u.sh.grpcCluster(cluster, mk)
 		lbs, err := u.httpBackends(h.Name, h.Backends, mk)
