@@ -531,6 +531,12 @@ type Machine struct {
 	LoadAvg    string `json:"loadavg_at_start"`
 }
 
+// thisMachine describes the machine a report is measured on, now.
+func thisMachine() Machine {
+	return Machine{CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0), GoVersion: runtime.Version(),
+		OS: runtime.GOOS + "/" + runtime.GOARCH, LoadAvg: loadAvg()}
+}
+
 // FanoutSummary is the configuration a report was measured with.
 type FanoutSummary struct {
 	Services      int     `json:"services"`
@@ -656,12 +662,8 @@ func RunFanout(ctx context.Context, cfg FanoutConfig, out io.Writer) (*FanoutRep
 		return nil, err
 	}
 	rep := &FanoutReport{
-		Date: time.Now().UTC().Format(time.RFC3339),
-		Machine: Machine{
-			CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0),
-			GoVersion: runtime.Version(), OS: runtime.GOOS + "/" + runtime.GOARCH,
-			LoadAvg: loadAvg(),
-		},
+		Date:    time.Now().UTC().Format(time.RFC3339),
+		Machine: thisMachine(),
 		Scenario: FanoutSummary{
 			Services: cfg.Scenario.Services, Endpoints: cfg.Scenario.Endpoints,
 			Namespaces: cfg.Scenario.Namespaces, LocalFraction: cfg.Scenario.LocalFraction,

@@ -267,8 +267,7 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 	}
 	rep := &LedgerReport{
 		Date: time.Now().UTC().Format(time.RFC3339), Config: cfg,
-		Machine: Machine{CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0), GoVersion: runtime.Version(),
-			OS: runtime.GOOS + "/" + runtime.GOARCH, LoadAvg: loadAvg()},
+		Machine: thisMachine(),
 	}
 	keys := ledgerKeys(cfg.Keys)
 	fmt.Fprintf(out, "building %d resources and %d versions…\n", cfg.Resources, cfg.Versions)

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"runtime"
 	"time"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -63,8 +62,7 @@ func RunProxyStatus(ctx context.Context, cfg ProxyStatusConfig, out io.Writer) (
 		return nil, errors.New("loadtest: proxystatus wants Relays ≥ 1, Envoys ≥ 100, Keys and Queries ≥ 1")
 	}
 	rep := &ProxyStatusReport{Date: time.Now().UTC().Format(time.RFC3339), Config: cfg,
-		Machine: Machine{CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0), GoVersion: runtime.Version(),
-			OS: runtime.GOOS + "/" + runtime.GOARCH, LoadAvg: loadAvg()}}
+		Machine: thisMachine()}
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario = upstream.Scenario{Services: 10, Endpoints: 10, Namespaces: 1}
 	up, err := upstream.New(ucfg)

@@ -7,7 +7,6 @@ import (
 	"io"
 	"math/rand/v2"
 	"os"
-	"runtime"
 	"slices"
 	"strconv"
 	"sync"
@@ -167,10 +166,9 @@ func RunRealFanout(ctx context.Context, cfg RealFanoutConfig, out io.Writer) (*R
 	}
 	version, _ := realenvoyVersion(ctx, cfg.Binary)
 	rep := &RealFanoutReport{
-		Date: time.Now().UTC().Format(time.RFC3339),
-		Machine: Machine{CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0),
-			GoVersion: runtime.Version(), OS: runtime.GOOS + "/" + runtime.GOARCH, LoadAvg: loadAvg()},
-		Envoy: version,
+		Date:    time.Now().UTC().Format(time.RFC3339),
+		Machine: thisMachine(),
+		Envoy:   version,
 		Scenario: FanoutSummary{Services: cfg.Scenario.Services, Endpoints: cfg.Scenario.Endpoints,
 			Namespaces: cfg.Scenario.Namespaces, LocalFraction: cfg.Scenario.LocalFraction,
 			Envoys: cfg.Envoys, Keys: cfg.Keys, Changes: cfg.Changes, EnvoysPerConn: 1,

@@ -7,7 +7,6 @@ import (
 	"io"
 	"math"
 	"os"
-	"runtime"
 	"slices"
 	"sync"
 	"time"
@@ -163,9 +162,8 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 		return nil, err
 	}
 	rep := &ScaleReport{
-		Date: time.Now().UTC().Format(time.RFC3339),
-		Machine: Machine{CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0),
-			GoVersion: runtime.Version(), OS: runtime.GOOS + "/" + runtime.GOARCH, LoadAvg: loadAvg()},
+		Date:    time.Now().UTC().Format(time.RFC3339),
+		Machine: thisMachine(),
 		Config: ScaleSummary{Services: cfg.Scenario.Services, Endpoints: cfg.Scenario.Endpoints, Namespaces: cfg.Scenario.Namespaces,
 			Relays: cfg.Relays, Envoys: cfg.Envoys, Keys: cfg.Keys, Tolerance: cfg.Tolerance},
 		Transport: transportName(cfg.TLS, cfg.Verifier),
