@@ -301,7 +301,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 		for _, e := range fleet.Envoys() {
 			e.Subscribe(resource.RouteType, []string{route})
 		}
-		if realEnvoys, err = startDemoEnvoys(stopCtx, cfg.EnvoyBinary, cfg.RealEnvoys, cfg.Envoys, cfg.Keys, sc, cfg.Protocol, tier.Addr(), backend); err != nil {
+		if realEnvoys, err = startDemoEnvoys(ctx, cfg.EnvoyBinary, cfg.RealEnvoys, cfg.Envoys, cfg.Keys, sc, cfg.Protocol, tier.Addr(), backend); err != nil {
 			return fmt.Errorf("loadtest: real Envoys: %w", err)
 		}
 		defer realEnvoys.stop()
@@ -521,8 +521,12 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 				fmt.Fprintf(out, " (settled %s after the end)", d.Round(100*time.Millisecond))
 			}
 			fmt.Fprintln(out)
+			if realEnvoys != nil {
+				realEnvoys.waitReady(30 * time.Second)
+			}
 			demoLedgerWait(out, tier)
 			if realEnvoys != nil {
+				realEnvoys.final(out, tier)
 				realEnvoys.summary(out)
 			}
 			if v := fleet.Violations(); len(v) > 0 {

@@ -73,8 +73,9 @@ func TestParseSchedule(t *testing.T) {
 }
 
 // TestDemoRealEnvoys: the demo with two real Envoys beside the simulated
-// ones ends showing each on a relay and a key, SYNCED, and answering the
-// requests sent through its own listener.
+// ones ends (once they have their config and the ledger has every Envoy
+// current) showing each on a relay and a key, SYNCED, and answering a
+// request sent through its own listener.
 func TestDemoRealEnvoys(t *testing.T) {
 	cfg := DefaultDemoConfig()
 	cfg.EnvoyBinary = realenvoy.Binary(t)
@@ -85,7 +86,11 @@ func TestDemoRealEnvoys(t *testing.T) {
 		t.Fatalf("RunDemo: %v\n%s", err, out.String())
 	}
 	t.Log(out.String())
-	lines := strings.Split(out.String(), "\n")
+	_, end, found := strings.Cut(out.String(), "real Envoys at the end:")
+	if !found {
+		t.Fatal("no final word on the real Envoys")
+	}
+	lines := strings.Split(end, "\n")
 	for j := range cfg.RealEnvoys {
 		prefix := fmt.Sprintf("real envoy-%d ", j)
 		var last string

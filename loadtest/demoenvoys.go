@@ -204,6 +204,37 @@ func (d *demoEnvoys) print(out io.Writer, tier *Tier) {
 	}
 }
 
+// waitReady waits, at most bound, until every Envoy has its first config
+// (/ready LIVE).
+func (d *demoEnvoys) waitReady(bound time.Duration) {
+	ctx, cancel := context.WithTimeout(context.Background(), bound)
+	defer cancel()
+	for _, de := range d.envoys {
+		for ready := false; !ready; {
+			ready, _ = de.e.Ready(ctx)
+			if !ready && !sleepCtx(ctx, 100*time.Millisecond) {
+				return
+			}
+		}
+	}
+}
+
+// final writes each Envoy's line once more, from the tier's ledger asked
+// now and a request sent now.
+func (d *demoEnvoys) final(out io.Writer, tier *Tier) {
+	if running := tier.Running(); len(running) > 0 {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		d.observe(running[0].Node.Relay().TierLedger(ctx, ledger.Scope{}).Report)
+		cancel()
+	}
+	client := &http.Client{Timeout: 5 * time.Second}
+	for _, de := range d.envoys {
+		de.last.Store(get(context.Background(), client, de.listen))
+	}
+	fmt.Fprintln(out, "real Envoys at the end:")
+	d.print(out, tier)
+}
+
 // summary says how the requests went.
 func (d *demoEnvoys) summary(out io.Writer) {
 	var ok, sent int64
@@ -219,9 +250,11 @@ func (d *demoEnvoys) stop() {
 		d.cancel()
 	}
 	d.wg.Wait()
-	for _, de := range d.envoys {
-		de.e.Stop()
+	es := make([]*realenvoy.Envoy, len(d.envoys))
+	for i, de := range d.envoys {
+		es[i] = de.e
 	}
+	realenvoy.StopAll(es)
 	if d.backend != nil {
 		d.backend.Close()
 	}

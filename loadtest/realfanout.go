@@ -35,7 +35,8 @@ import (
 // report says how far the simulated Envoy's timing is from a real one's.
 
 // MaxRealEnvoys bounds RealFanoutConfig.Envoys: each real Envoy is a
-// process of 30-50 MB, and 2 cores run about a hundred of them.
+// process of about 84 MiB with the default scenario, and 2 cores run about
+// a hundred of them.
 const MaxRealEnvoys = 100
 
 // RealFanoutConfig configures RunRealFanout. Start from
@@ -265,11 +266,7 @@ func runRealFanoutOnce(ctx context.Context, cfg RealFanoutConfig, p envoy.Protoc
 	fmt.Fprintf(out, "%s: starting them at %s\n", tag, target)
 	start := time.Now()
 	envoys := make([]*realenvoy.Envoy, 0, cfg.Envoys)
-	defer func() {
-		for _, e := range envoys {
-			e.Stop()
-		}
-	}()
+	defer func() { realenvoy.StopAll(envoys) }()
 	groups := make([]string, cfg.Envoys)
 	for i := range cfg.Envoys {
 		key := i % cfg.Keys

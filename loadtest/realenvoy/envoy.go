@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -154,6 +155,8 @@ func Start(ctx context.Context, cfg Config) (*Envoy, error) {
 		close(e.exited)
 	}()
 	// The admin address file appears once the admin listener is bound.
+	wait := time.NewTimer(adminWait)
+	defer wait.Stop()
 	for {
 		if b, err := os.ReadFile(adminPath); err == nil && len(bytes.TrimSpace(b)) > 0 {
 			e.admin = string(bytes.TrimSpace(b))
@@ -161,7 +164,12 @@ func Start(ctx context.Context, cfg Config) (*Envoy, error) {
 		}
 		select {
 		case <-e.exited:
-			return nil, fmt.Errorf("realenvoy: envoy exited before its admin listener was up: %v: %s %s", e.waitErr, bytes.TrimSpace(stderr.Bytes()), e.LogTail(10))
+			// Envoy prints a bootstrap it refuses, token included.
+			why := e.redact(fmt.Sprintf("%v: %s %s", e.waitErr, bytes.TrimSpace(stderr.Bytes()), e.LogTail(10)))
+			return nil, fmt.Errorf("realenvoy: envoy exited before its admin listener was up: %s", why)
+		case <-wait.C:
+			e.Stop()
+			return nil, fmt.Errorf("realenvoy: envoy's admin listener not up after %v: %s", adminWait, e.redact(e.LogTail(10)))
 		case <-ctx.Done():
 			e.Stop()
 			return nil, fmt.Errorf("realenvoy: waiting for envoy's admin listener: %w", ctx.Err())
@@ -169,6 +177,17 @@ func Start(ctx context.Context, cfg Config) (*Envoy, error) {
 		}
 	}
 	return e, nil
+}
+
+// adminWait bounds Start's wait for the admin listener, whatever ctx says.
+const adminWait = 30 * time.Second
+
+// redact replaces the bearer token, if any, in text with a placeholder.
+func (e *Envoy) redact(text string) string {
+	if t := e.cfg.TLS; t != nil && t.Token != "" {
+		return strings.ReplaceAll(text, t.Token, "[token]")
+	}
+	return text
 }
 
 // Pid is the Envoy process's id.
@@ -199,13 +218,28 @@ func (e *Envoy) Stop() {
 	})
 }
 
-// LogTail returns the last n lines of Envoy's log.
+// StopAll stops every Envoy of es at once (Stop waits up to five seconds
+// for each).
+func StopAll(es []*Envoy) {
+	var wg sync.WaitGroup
+	for _, e := range es {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			e.Stop()
+		}()
+	}
+	wg.Wait()
+}
+
+// LogTail returns the last n lines of Envoy's log, the bearer token, if
+// any, replaced.
 func (e *Envoy) LogTail(n int) string {
 	b, err := os.ReadFile(e.logPath)
 	if err != nil {
 		return ""
 	}
-	return lastLines(b, n)
+	return e.redact(lastLines(b, n))
 }
 
 // bootstrap builds cfg's bootstrap: the node, an admin listener on an
