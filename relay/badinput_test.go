@@ -133,6 +133,26 @@ func TestMissingNames(t *testing.T) {
 	}
 }
 
+// TestRouteToMissingClusterReleased: a route naming a cluster that never
+// exists is held back (make-before-break) only for ResourceWaitTimeout:
+// then it is sent (Envoy answers 503 for that cluster), woken by the
+// stream's own timer, since nothing else happens on the stream.
+func TestRouteToMissingClusterReleased(t *testing.T) {
+	for _, delta := range []bool{false, true} {
+		t.Run(protocolName(delta), func(t *testing.T) {
+			e := newEnv(t, delta, func(c *Config) { c.ResourceWaitTimeout = 200 * time.Millisecond })
+			c := e.client(0)
+			syncAll(c)
+			e.up.set("ns1", xds.TypeRoute, mkRoute("r80", "c0", "c1", "c2", "ghost"))
+			m := c.recv()
+			if typeOf(m) != xds.TypeRoute {
+				t.Fatalf("got %s, want the route once its wait ended", xds.ShortType(typeOf(m)))
+			}
+			wantNames(t, m, "r80")
+		})
+	}
+}
+
 // TestUpstreamGarbage: a resource that does not decode makes the relay NACK
 // upstream and keep its last good view; Envoys see nothing of it.
 func TestUpstreamGarbage(t *testing.T) {

@@ -60,8 +60,12 @@ type stream struct {
 	opened     time.Time
 	graceArmed bool
 	// dangling holds, by "type|name", when a listener or route
-	// configuration was first held back for a cluster the client lacked.
-	dangling map[string]time.Time
+	// configuration was first held back for a cluster the client lacked;
+	// danglingTimer wakes the stream when the earliest of them is due
+	// (danglingDue), one timer for all.
+	dangling      map[string]time.Time
+	danglingTimer *time.Timer
+	danglingDue   time.Time
 	pass     *passthrough
 	// dirty is set when a subscription changed or the key's views did:
 	// the stream must sync.
@@ -237,6 +241,9 @@ func (s *stream) attach(node *core.Node) error {
 func (s *stream) close() {
 	if s.pass != nil {
 		s.pass.stop()
+	}
+	if s.danglingTimer != nil {
+		s.danglingTimer.Stop()
 	}
 	if s.key != nil {
 		s.led.Disconnect(time.Now())
@@ -684,13 +691,16 @@ func (s *stream) heldBy(typeURL, name string) bool {
 // warming until its assignment arrives, and a route to a warming cluster
 // fails (no_cluster, 503); an updated cluster is replaced only once warm,
 // so one held before (its assignment held, at any content) is usable. A
-// cluster the client declared on reconnect is usable as it was.
+// cluster the client declared on reconnect is usable as it was. Another
+// relay is no Envoy: it holds its own Envoys' routes until they can use
+// them, and gets everything else at once, so that its views keep up with
+// this one's.
 func (s *stream) clusterUsable(cds *typeSub, c string) bool {
 	e, held := cds.known.Get(c)
 	if !held {
 		return false
 	}
-	if e.Value == nil {
+	if e.Value == nil || s.peerRelay != nil {
 		return true
 	}
 	eds := s.subs[xds.TypeEndpoint]
@@ -741,9 +751,9 @@ func (s *stream) deferDangling(p *plan) {
 					s.dangling = make(map[string]time.Time)
 				}
 				s.dangling[key], since = now, now
-				time.AfterFunc(wait, func() { wake(s.wake) })
 			}
 			if now.Sub(since) < wait {
+				s.wakeAt(since.Add(wait))
 				continue
 			}
 		}
@@ -751,6 +761,22 @@ func (s *stream) deferDangling(p *plan) {
 		kept = append(kept, r)
 	}
 	p.upd = kept
+}
+
+// wakeAt has the stream woken at due at the latest (a held resource's
+// deadline): one timer for all of them, moved earlier if need be; each
+// sync that still holds one calls it again, so the timer is armed while
+// anything is held. A wake for a hold that cleared meanwhile costs a sync
+// with nothing to do. The stream's goroutine calls it.
+func (s *stream) wakeAt(due time.Time) {
+	if s.danglingTimer != nil && !s.danglingDue.After(due) && time.Now().Before(s.danglingDue) {
+		return // it fires first; the sync it causes arms it again for the rest
+	}
+	if s.danglingTimer != nil {
+		s.danglingTimer.Stop()
+	}
+	s.danglingDue = due
+	s.danglingTimer = time.AfterFunc(time.Until(due), func() { wake(s.wake) })
 }
 
 // reconnected settles what a reconnecting client declared it holds of
