@@ -62,6 +62,7 @@
 package relay
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -593,9 +594,14 @@ type ClientStatus struct {
 
 // Clients returns the status of every stream attached to a key.
 func (r *Relay) Clients() []ClientStatus {
-	var out []ClientStatus
-	for s, k := range r.attachedStreams() {
-		cs := ClientStatus{NodeID: s.node.GetId(), Key: k.key, Protocol: ProtocolSotW, Peer: s.peer, PeerRelay: s.peerRelayID()}
+	attached := r.attachedStreams()
+	// By node, and streams of one node in the order they came.
+	streams := slices.SortedFunc(maps.Keys(attached), func(a, b *stream) int {
+		return cmp.Or(strings.Compare(a.node.GetId(), b.node.GetId()), cmp.Compare(a.id, b.id))
+	})
+	out := make([]ClientStatus, 0, len(streams))
+	for _, s := range streams {
+		cs := ClientStatus{NodeID: s.node.GetId(), Key: attached[s].key, Protocol: ProtocolSotW, Peer: s.peer, PeerRelay: s.peerRelayID()}
 		if s.delta {
 			cs.Protocol = ProtocolDelta
 		}
@@ -604,7 +610,6 @@ func (r *Relay) Clients() []ClientStatus {
 		s.statusMu.Unlock()
 		out = append(out, cs)
 	}
-	slices.SortFunc(out, func(a, b ClientStatus) int { return strings.Compare(a.NodeID, b.NodeID) })
 	return out
 }
 
