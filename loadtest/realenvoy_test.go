@@ -229,7 +229,12 @@ func TestRealEnvoyOverTLSWithJWT(t *testing.T) {
 // TestRealEnvoyChangesUnderTraffic: under a steady stream of requests
 // through a real Envoy, an endpoint move, and a route change to a cluster
 // added for it (the old one removed after), each take effect with no
-// request failing: make-before-break as a real Envoy sees it.
+// request failing: make-before-break as a real Envoy sees it. A request
+// that fails must fall in the window where the order is wrong, which the
+// requests one after another fill but cannot be sure to hit; the
+// deterministic guards of the order are the conformance case ("a route to
+// a new cluster waits for the cluster's endpoints") and the simulated
+// Envoy's ordering rule.
 func TestRealEnvoyChangesUnderTraffic(t *testing.T) {
 	bin := realenvoy.Binary(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
@@ -246,7 +251,7 @@ func TestRealEnvoyChangesUnderTraffic(t *testing.T) {
 			node := w.sc.Node(i, 0, 0)
 			e := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
 			waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
-			load := startLoad(ctx, w.listen)
+			load := startLoad(t, ctx, w.listen)
 
 			if _, err := w.up.SetHTTPBackends("web", []string{b}); err != nil {
 				t.Fatal(err)
@@ -352,7 +357,7 @@ func TestRealEnvoyFailover(t *testing.T) {
 			node := w.sc.Node(i, 0, 0)
 			e := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
 			waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
-			load := startLoad(ctx, w.listen)
+			load := startLoad(t, ctx, w.listen)
 			load.waitFor(t, ctx, "backend-a")
 
 			on, key := waitConnected(t, ctx, w.tier, node.GetId(), -1)
@@ -650,6 +655,7 @@ func waitLedger(t *testing.T, ctx context.Context, tier *Tier, node, typeURL str
 type load struct {
 	cancel context.CancelFunc
 	done   chan struct{}
+	once   sync.Once
 
 	mu     sync.Mutex
 	sent   int
@@ -659,9 +665,10 @@ type load struct {
 
 const maxLoadRequests = 200_000
 
-func startLoad(ctx context.Context, addr string) *load {
+func startLoad(t *testing.T, ctx context.Context, addr string) *load {
 	ctx, cancel := context.WithCancel(ctx)
 	l := &load{cancel: cancel, done: make(chan struct{})}
+	t.Cleanup(func() { l.stop() }) // also when the test fails before its own stop
 	go func() {
 		defer close(l.done)
 		for n := 0; n < maxLoadRequests && ctx.Err() == nil; n++ {
@@ -705,7 +712,7 @@ func (l *load) waitFor(t *testing.T, ctx context.Context, backend string) {
 // stop ends the load and returns how many requests were sent and the
 // failures.
 func (l *load) stop() (int, []string) {
-	l.cancel()
+	l.once.Do(l.cancel)
 	<-l.done
 	l.mu.Lock()
 	defer l.mu.Unlock()
