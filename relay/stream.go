@@ -66,7 +66,7 @@ type stream struct {
 	dangling      map[string]time.Time
 	danglingTimer *time.Timer
 	danglingDue   time.Time
-	pass     *passthrough
+	pass          *passthrough
 	// dirty is set when a subscription changed or the key's views did:
 	// the stream must sync.
 	dirty bool
