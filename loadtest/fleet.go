@@ -225,8 +225,9 @@ func (f *Fleet) Synced(up *upstream.Upstream) int {
 	return n
 }
 
-// WaitSynced waits until every Envoy holds its group's full config, or ctx
-// ends. It checks every 200 ms, and checks an Envoy no more once it has
+// WaitSynced waits until every Envoy holds its group's clusters and
+// endpoints (as Synced counts them; listeners and routes may still be on
+// their way), or ctx ends. It checks every 200 ms, and checks an Envoy no more once it has
 // been seen synced (call it when the upstream is not changing).
 func (f *Fleet) WaitSynced(ctx context.Context, up *upstream.Upstream) error {
 	t := time.NewTicker(200 * time.Millisecond)

@@ -498,6 +498,12 @@ func TestRealEnvoyReconnectSendsNothingUnchanged(t *testing.T) {
 					e = w.startEnvoy(t, ctx, bin, p.delta, i, 0)
 					waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
 				}
+				// Synced as the relay sees it too (the fleet's own check
+				// passes on what it has subscribed to so far), so that no
+				// response of the first sync is still to come.
+				for _, typeURL := range []string{resource.ClusterType, resource.EndpointType, resource.ListenerType, resource.RouteType} {
+					waitLedger(t, ctx, w.tier, node.GetId(), typeURL, ledger.StatusSynced)
+				}
 				full := pushCounters(t, w.tier.Relay(0))
 
 				if err := w.tier.StopRelay(ctx, 0, false); err != nil {
