@@ -16,7 +16,7 @@ import (
 
 // viewOf builds a view from resources, decoded and interned as the upstream
 // client does.
-func viewOf(t *testing.T, r *Relay, typeURL string, res ...types.Resource) ledger.Tree[*xds.Resource] {
+func viewOf(t testing.TB, r *Relay, typeURL string, res ...types.Resource) ledger.Tree[*xds.Resource] {
 	t.Helper()
 	b := ledger.Tree[*xds.Resource]{}.Edit()
 	for _, m := range res {
