@@ -18,6 +18,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/KimMachineGun/automemlimit/memlimit"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/meshrelay/meshrelay/loadtest"
@@ -103,6 +104,7 @@ func serve(ctx context.Context, args []string) error {
 	fs.Float64Var(&ring.Load, "ring-load", ring.Load, "bounded-load factor of the ring (1 to 10)")
 	drain := fs.Duration("drain-period", 10*time.Second, "on SIGTERM (or an admin Drain), how long the closing of streams is spread over after leaving the ring")
 	advertiseAdmin := fs.String("advertise-admin", "", "host:port relayctl dials for this relay's admin API (default: $POD_IP with the --admin-listen port)")
+	memRatio := fs.Float64("memory-limit-ratio", 0.9, "set GOMEMLIMIT to this fraction of the container's memory limit (cgroup), unless GOMEMLIMIT is set; 0: leave the Go runtime's default")
 	var etcd etcdFlags
 	etcd.register(fs)
 	if err := fs.Parse(args); err != nil {
@@ -147,6 +149,9 @@ func serve(ctx context.Context, args []string) error {
 		return fmt.Errorf("--log-level: %w", err)
 	}
 	cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+	if err := setMemoryLimit(*memRatio, memlimit.FromCgroup, cfg.Logger); err != nil {
+		return err
+	}
 	if admin.allowMutations && cfg.AdminToken == "" && cfg.AdminAuthenticator == nil && (cfg.AdminTLS == nil || cfg.AdminTLS.ClientAuth != tls.RequireAndVerifyClientCert) {
 		cfg.Logger.Warn("the admin API allows mutating calls (Drain) to anyone who reaches its port: set --admin-token-file or --admin-client-ca")
 	}
