@@ -130,31 +130,29 @@ func (s Scenario) validate() error {
 		}
 		seenPort[p] = true
 	}
-	seenName := make(map[string]bool, len(s.GRPCServices))
+	seenName := make(map[string]bool, len(s.GRPCServices)+len(s.HTTPServices))
+	name := func(field, n string) error {
+		switch {
+		case n == "" || strings.ContainsAny(n, "/ "):
+			return fmt.Errorf("upstream: field Scenario.%s: invalid name %q", field, n)
+		case seenName[n]:
+			return fmt.Errorf("upstream: field Scenario.%s: duplicate name %q", field, n)
+		}
+		seenName[n] = true
+		return nil
+	}
 	for _, g := range s.GRPCServices {
-		if g.Name == "" || strings.ContainsAny(g.Name, "/ ") {
-			return fmt.Errorf("upstream: field Scenario.GRPCServices: invalid name %q", g.Name)
+		if err := name("GRPCServices", g.Name); err != nil {
+			return err
 		}
-		if seenName[g.Name] {
-			return fmt.Errorf("upstream: field Scenario.GRPCServices: duplicate name %q", g.Name)
-		}
-		seenName[g.Name] = true
-		host, port, err := net.SplitHostPort(g.Backend)
-		if err != nil {
+		if _, err := parseHostPort(g.Backend); err != nil {
 			return fmt.Errorf("upstream: field Scenario.GRPCServices: backend of %q: %w", g.Name, err)
-		}
-		if n, err := strconv.ParseUint(port, 10, 16); err != nil || n == 0 || host == "" {
-			return fmt.Errorf("upstream: field Scenario.GRPCServices: backend of %q: want host:port, got %q", g.Name, g.Backend)
 		}
 	}
 	for _, h := range s.HTTPServices {
-		if h.Name == "" || strings.ContainsAny(h.Name, "/ ") {
-			return fmt.Errorf("upstream: field Scenario.HTTPServices: invalid name %q", h.Name)
+		if err := name("HTTPServices", h.Name); err != nil {
+			return err
 		}
-		if seenName[h.Name] {
-			return fmt.Errorf("upstream: field Scenario.HTTPServices: duplicate name %q", h.Name)
-		}
-		seenName[h.Name] = true
 		if _, err := parseHostPort(h.Listen); h.Listen != "" && err != nil {
 			return fmt.Errorf("upstream: field Scenario.HTTPServices: listen of %q: %w", h.Name, err)
 		}

@@ -335,13 +335,12 @@ func (u *Upstream) build(mk marker) error {
 		if err != nil {
 			return err
 		}
-		host, portStr, _ := net.SplitHostPort(g.Backend) // validated
-		port, _ := strconv.ParseUint(portStr, 10, 16)
+		backend, _ := parseHostPort(g.Backend) // validated
 		lds[g.Name] = l
 		common[tRDS][route] = u.sh.grpcRouteConfig(route, g.Name, cluster, mk)
 		common[tCDS][cluster] = u.sh.grpcCluster(cluster, mk)
 		common[tEDS][cluster] = u.sh.cla(cluster, []*endpointv3.LbEndpoint{
-			u.sh.lbEndpoint(host, uint32(port), mk),
+			u.sh.lbEndpoint(backend.host, backend.port, mk),
 		}, mk)
 	}
 
