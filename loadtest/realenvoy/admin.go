@@ -1,7 +1,6 @@
 package realenvoy
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"fmt"
@@ -10,6 +9,7 @@ import (
 	"net/url"
 	"regexp"
 	"strings"
+	"time"
 
 	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
@@ -58,17 +58,38 @@ func (e *Envoy) Ready(ctx context.Context) (bool, error) {
 	return code == http.StatusOK && strings.TrimSpace(string(body)) == "LIVE", nil
 }
 
+// WaitReady waits until Ready says LIVE, or ctx ends.
+func (e *Envoy) WaitReady(ctx context.Context) error {
+	t := time.NewTicker(50 * time.Millisecond)
+	defer t.Stop()
+	for {
+		if ready, _ := e.Ready(ctx); ready {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("realenvoy: envoy not LIVE: %w", ctx.Err())
+		case <-t.C:
+		}
+	}
+}
+
 // ConfigDump returns /config_dump?include_eds, parsed.
 func (e *Envoy) ConfigDump(ctx context.Context) (*adminv3.ConfigDump, error) {
-	body, err := e.Get(ctx, "/config_dump?include_eds")
-	if err != nil {
-		return nil, err
-	}
 	out := &adminv3.ConfigDump{}
-	if err := (protojson.UnmarshalOptions{DiscardUnknown: true}).Unmarshal(body, out); err != nil {
-		return nil, fmt.Errorf("realenvoy: config dump: %w", err)
+	return out, e.getJSON(ctx, "/config_dump?include_eds", out)
+}
+
+// getJSON reads the admin path's JSON into out.
+func (e *Envoy) getJSON(ctx context.Context, path string, out proto.Message) error {
+	body, err := e.Get(ctx, path)
+	if err != nil {
+		return err
 	}
-	return out, nil
+	if err := (protojson.UnmarshalOptions{DiscardUnknown: true}).Unmarshal(body, out); err != nil {
+		return fmt.Errorf("realenvoy: GET %s: %w", path, err)
+	}
+	return nil
 }
 
 // Resource is one dynamic resource of a config dump, with the version_info
@@ -170,16 +191,18 @@ func (e *Envoy) Stats(ctx context.Context) (map[string]string, error) {
 	if err != nil {
 		return nil, err
 	}
+	return parseStats(body), nil
+}
+
+// parseStats reads /stats's text: a "name: value" line per stat.
+func parseStats(body []byte) map[string]string {
 	out := make(map[string]string)
-	sc := bufio.NewScanner(bytes.NewReader(body))
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		name, value, ok := strings.Cut(sc.Text(), ": ")
-		if ok {
+	for line := range strings.Lines(string(body)) {
+		if name, value, ok := strings.Cut(strings.TrimRight(line, "\n"), ": "); ok {
 			out[name] = strings.Trim(value, `"`)
 		}
 	}
-	return out, sc.Err()
+	return out
 }
 
 // Stat returns the value of the stat named name (as /stats prints it),
@@ -202,23 +225,12 @@ func (e *Envoy) stat(ctx context.Context, name, query string) (string, bool, err
 	if err != nil {
 		return "", false, err
 	}
-	for _, line := range strings.Split(string(body), "\n") {
-		if n, v, ok := strings.Cut(line, ": "); ok && n == name {
-			return strings.Trim(v, `"`), true, nil
-		}
-	}
-	return "", false, nil
+	v, ok := parseStats(body)[name]
+	return v, ok, nil
 }
 
 // Clusters returns /clusters?format=json, parsed.
 func (e *Envoy) Clusters(ctx context.Context) (*adminv3.Clusters, error) {
-	body, err := e.Get(ctx, "/clusters?format=json")
-	if err != nil {
-		return nil, err
-	}
 	out := &adminv3.Clusters{}
-	if err := (protojson.UnmarshalOptions{DiscardUnknown: true}).Unmarshal(body, out); err != nil {
-		return nil, fmt.Errorf("realenvoy: clusters: %w", err)
-	}
-	return out, nil
+	return out, e.getJSON(ctx, "/clusters?format=json", out)
 }
