@@ -73,9 +73,7 @@ func startDemoEnvoys(ctx context.Context, bin string, n, sims, keys int, sc upst
 	}
 	_, route, _ := upstream.HTTPNames(demoService)
 	for j := range n {
-		key := j % keys
-		ns, workload := key%sc.Namespaces, key/sc.Namespaces
-		node := sc.Node(ns, workload, sims/keys+1+j/keys)
+		node := keyNode(sc, j%keys, sims/keys+1+j/keys)
 		lis, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			d.stop()
@@ -114,11 +112,8 @@ func (d *demoEnvoys) run(ctx context.Context, interval time.Duration) {
 			// Requests start once the Envoy has its first config (its
 			// /ready says LIVE): until then its listener has no route.
 			de.last.Store("(waiting for its first config)")
-			for ready := false; !ready; {
-				ready, _ = de.e.Ready(ctx)
-				if !ready && !sleepCtx(ctx, 100*time.Millisecond) {
-					return
-				}
+			if de.e.WaitReady(ctx) != nil {
+				return
 			}
 			t := time.NewTicker(interval)
 			defer t.Stop()
@@ -128,8 +123,9 @@ func (d *demoEnvoys) run(ctx context.Context, interval time.Duration) {
 					return
 				case <-t.C:
 				}
-				de.last.Store(get(ctx, client, de.listen))
-				if strings.HasPrefix(de.last.Load().(string), "200") {
+				got := get(ctx, client, de.listen)
+				de.last.Store(got)
+				if strings.HasPrefix(got, "200") {
 					de.ok.Add(1)
 				}
 				de.sent.Add(1)
@@ -210,11 +206,8 @@ func (d *demoEnvoys) waitReady(bound time.Duration) {
 	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	defer cancel()
 	for _, de := range d.envoys {
-		for ready := false; !ready; {
-			ready, _ = de.e.Ready(ctx)
-			if !ready && !sleepCtx(ctx, 100*time.Millisecond) {
-				return
-			}
+		if de.e.WaitReady(ctx) != nil {
+			return
 		}
 	}
 }

@@ -19,6 +19,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/proto"
 
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 )
@@ -64,6 +66,13 @@ type Fleet struct {
 	bytes  atomic.Uint64
 }
 
+// keyNode returns pod pod of aggregation key key, as every fleet of the
+// load tests spreads Envoys over keys: key k is workload k/Namespaces of
+// namespace k%Namespaces (one key per workload under the istio profile).
+func keyNode(sc upstream.Scenario, key, pod int) *core.Node {
+	return sc.Node(key%sc.Namespaces, key/sc.Namespaces, pod)
+}
+
 // StartFleet connects cfg.Envoys simulated Envoys to cfg.Target. It returns
 // once every Envoy has started (not synced: see WaitSynced).
 func StartFleet(ctx context.Context, cfg FleetConfig) (*Fleet, error) {
@@ -106,9 +115,7 @@ func StartFleet(ctx context.Context, cfg FleetConfig) (*Fleet, error) {
 			}
 			f.conns = append(f.conns, conn)
 		}
-		key := i % cfg.Keys
-		ns, workload := key%cfg.Scenario.Namespaces, key/cfg.Scenario.Namespaces
-		node := cfg.Scenario.Node(ns, workload, i/cfg.Keys)
+		node := keyNode(cfg.Scenario, i%cfg.Keys, i/cfg.Keys)
 		ec := envoy.DefaultConfig()
 		ec.Node = node
 		ec.Protocol = cfg.Protocol

@@ -142,10 +142,8 @@ type RealFanoutRun struct {
 	// Envoys' ACKs (relayed runs).
 	Acked    *LatencyMs `json:"acked_ms,omitempty"`
 	AckedAll *LatencyMs `json:"acked_all_ms,omitempty"`
-	// Relay is the relay child's CPU and memory (relayed runs);
-	// RelayCPUPerChangeMs its CPU over the changes, per change.
-	Relay               *ProcFigures `json:"relay,omitempty"`
-	RelayCPUPerChangeMs float64      `json:"relay_cpu_per_change_ms,omitempty"`
+	// Relay is the relay child's CPU and memory (relayed runs).
+	Relay *ProcFigures `json:"relay,omitempty"`
 	// The Envoys' own figures: CPU of all of them over the changes, and
 	// RSS at the end, mean and largest.
 	EnvoysCPUChangesS float64 `json:"envoys_cpu_changes_s"`
@@ -165,7 +163,7 @@ func RunRealFanout(ctx context.Context, cfg RealFanoutConfig, out io.Writer) (*R
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	version, _ := realenvoyVersion(ctx, cfg.Binary)
+	version, _ := realenvoy.VersionOf(ctx, cfg.Binary)
 	rep := &RealFanoutReport{
 		Date:    time.Now().UTC().Format(time.RFC3339),
 		Machine: thisMachine(),
@@ -210,12 +208,6 @@ func RunRealFanout(ctx context.Context, cfg RealFanoutConfig, out io.Writer) (*R
 		errs = append(errs, ctx.Err())
 	}
 	return rep, errors.Join(errs...)
-}
-
-func realenvoyVersion(ctx context.Context, bin string) (string, error) {
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	return realenvoy.VersionOf(ctx, bin)
 }
 
 func runRealFanoutOnce(ctx context.Context, cfg RealFanoutConfig, p envoy.Protocol, mode FanoutMode, out io.Writer) (run RealFanoutRun) {
@@ -269,9 +261,7 @@ func runRealFanoutOnce(ctx context.Context, cfg RealFanoutConfig, p envoy.Protoc
 	defer func() { realenvoy.StopAll(envoys) }()
 	groups := make([]string, cfg.Envoys)
 	for i := range cfg.Envoys {
-		key := i % cfg.Keys
-		ns, workload := key%cfg.Scenario.Namespaces, key/cfg.Scenario.Namespaces
-		node := cfg.Scenario.Node(ns, workload, i/cfg.Keys)
+		node := keyNode(cfg.Scenario, i%cfg.Keys, i/cfg.Keys) // as the fleet spreads its Envoys
 		edir := fmt.Sprintf("%s/envoy-%d", dir, i)
 		if err := os.Mkdir(edir, 0o700); err != nil {
 			return fail(err)
@@ -344,7 +334,6 @@ func runRealFanoutOnce(ctx context.Context, cfg RealFanoutConfig, p envoy.Protoc
 		a, aa := latencyMs(summarize(acked)), latencyMs(summarize(ackedAll))
 		run.Acked, run.AckedAll = &a, &aa
 		run.Relay = &ProcFigures{CPUChangesS: (relayAfter.CPU - relayBefore.CPU).Seconds(), RSSEnd: relayAfter.RSS, RSSPeak: relayAfter.PeakRSS}
-		run.RelayCPUPerChangeMs = float64((relayAfter.CPU - relayBefore.CPU).Milliseconds()) / float64(cfg.Changes)
 	}
 	run.EnvoysCPUChangesS = (envoysAfter.CPU - envoysBefore.CPU).Seconds()
 	for _, e := range envoys {
@@ -509,12 +498,8 @@ func PrintRealFanout(out io.Writer, rep *RealFanoutReport) {
 			fmt.Fprintf(w, "%s\t%s\treal\tfailed: %s\n", r.Protocol, r.Mode, r.Error)
 			continue
 		}
-		cpu := "-"
-		if r.Relay != nil {
-			cpu = fmt.Sprintf("%.1f ms", r.RelayCPUPerChangeMs)
-		}
 		fmt.Fprintf(w, "%s\t%s\treal\t%.1fs\t%d\t%s\t%s\t%s\t%s\tEnvoy applied\t%s\t%.2fs\t%s / %s\n", r.Protocol, r.Mode, r.InitialSyncS, r.UpstreamStreams,
-			fmtMs(r.AppliedAll.P50), fmtMs(r.AppliedAll.P99), fmtMs(r.Applied.P50), fmtMs(r.Applied.P99), cpu, r.EnvoysCPUChangesS,
+			fmtMs(r.AppliedAll.P50), fmtMs(r.AppliedAll.P99), fmtMs(r.Applied.P50), fmtMs(r.Applied.P99), relayCPUPerChange(r.Relay, r.ChangesDone), r.EnvoysCPUChangesS,
 			fmtBytes(r.EnvoyRSSMean), fmtBytes(r.EnvoyRSSMax))
 		if r.AckedAll != nil {
 			fmt.Fprintf(w, "\t\t\t\t\t%s\t%s\t%s\t%s\trelay ledger ACK\t\t\t\n", fmtMs(r.AckedAll.P50), fmtMs(r.AckedAll.P99), fmtMs(r.Acked.P50), fmtMs(r.Acked.P99))
@@ -525,12 +510,17 @@ func PrintRealFanout(out io.Writer, rep *RealFanoutReport) {
 			fmt.Fprintf(w, "%s\t%s\tsimulated\tfailed: %s\n", r.Protocol, r.Mode, r.Error)
 			continue
 		}
-		cpu := "-"
-		if r.Relay != nil && r.ChangesDone > 0 {
-			cpu = fmt.Sprintf("%.1f ms", 1000*r.Relay.CPUChangesS/float64(r.ChangesDone))
-		}
 		fmt.Fprintf(w, "%s\t%s\tsimulated\t%.1fs\t%d\t%s\t%s\t%s\t%s\tsim ACK\t%s\t\t\n", r.Protocol, r.Mode, r.InitialSyncS, r.UpstreamStreams,
-			fmtMs(r.Complete.P50), fmtMs(r.Complete.P99), fmtMs(r.ACK.P50), fmtMs(r.ACK.P99), cpu)
+			fmtMs(r.Complete.P50), fmtMs(r.Complete.P99), fmtMs(r.ACK.P50), fmtMs(r.ACK.P99), relayCPUPerChange(r.Relay, r.ChangesDone))
 	}
 	w.Flush()
+}
+
+// relayCPUPerChange is the relay's CPU over the changes, per change ("-"
+// without a relay).
+func relayCPUPerChange(relay *ProcFigures, changes int) string {
+	if relay == nil || changes == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.1f ms", 1000*relay.CPUChangesS/float64(changes))
 }

@@ -234,8 +234,7 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 		defer tlsConns.Close() // after the fleet stopped
 	}
 	for k := range cfg.Keys {
-		ns, wl := k%cfg.Scenario.Namespaces, k/cfg.Scenario.Namespaces
-		s.keys = append(s.keys, aggkey.Istio{}.Key(cfg.Scenario.Node(ns, wl, 0)))
+		s.keys = append(s.keys, aggkey.Istio{}.Key(keyNode(cfg.Scenario, k, 0)))
 	}
 
 	fmt.Fprintf(out, "scale: %d relays, %d Envoys over %d keys (%d services, %d endpoints), connecting at %.0f/s, %s\n",

@@ -514,9 +514,7 @@ func RunAdmission(ctx context.Context, cfg AdmissionConfig) AdmissionFigures {
 		}
 	}()
 	one := func(j int) result {
-		k := j % cfg.Keys
-		ns, wl := k%cfg.Scenario.Namespaces, k/cfg.Scenario.Namespaces
-		node := cfg.Scenario.Node(ns, wl, cfg.FirstPod+j/cfg.Keys)
+		node := keyNode(cfg.Scenario, j%cfg.Keys, cfg.FirstPod+j/cfg.Keys)
 		start := time.Now()
 		conn, err := grpc.NewClient(cfg.Target, creds)
 		if err != nil {
