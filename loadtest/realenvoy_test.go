@@ -35,11 +35,26 @@ import (
 // test sends HTTP requests through the Envoy's listener to backends it runs
 // on loopback.
 
-// protocols are the ADS protocols every real-Envoy test runs with.
-var protocols = []struct {
+// protocol is an ADS protocol the real-Envoy tests run with.
+type protocol struct {
 	name  string
 	delta bool
-}{{"sotw", false}, {"delta", true}}
+}
+
+// protocols are the ADS protocols every real-Envoy test runs with.
+var protocols = []protocol{{"sotw", false}, {"delta", true}}
+
+// eachProtocol runs fn as a subtest per protocol (i is its index: each
+// takes a namespace of its own), with at most a minute of ctx each.
+func eachProtocol(t *testing.T, ctx context.Context, fn func(t *testing.T, ctx context.Context, i int, p protocol)) {
+	for i, p := range protocols {
+		t.Run(p.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(ctx, time.Minute)
+			defer cancel()
+			fn(t, ctx, i, p)
+		})
+	}
+}
 
 // realEnvoyWorld is an upstream with an HTTP service "web" and a tier in
 // front of it.
@@ -113,43 +128,39 @@ func TestRealEnvoyFullSync(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	w := startRealEnvoyWorld(t, ctx, httpBackend(t, "backend-a"))
-	for i, p := range protocols {
-		t.Run(p.name, func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(ctx, time.Minute)
-			defer cancel()
-			node := w.sc.Node(i, 0, 0) // one namespace per protocol: two keys
-			e := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
-			want := w.up.Snapshot(w.sc.Group(node))
-			got := waitEnvoyHolds(t, ctx, e, want)
+	eachProtocol(t, ctx, func(t *testing.T, ctx context.Context, i int, p protocol) {
+		node := w.sc.Node(i, 0, 0) // one namespace per protocol: two keys
+		e := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
+		want := w.up.Snapshot(w.sc.Group(node))
+		got := waitEnvoyHolds(t, ctx, e, want)
 
-			// The tier's own account of what it sent the node.
-			dump, _, err := w.tier.Running()[0].Node.Relay().TierConfigDump(ctx, &inspectpb.ConfigDumpRequest{Node: node.GetId()})
-			if err != nil {
-				t.Fatal(err)
+		// The tier's own account of what it sent the node.
+		dump, _, err := w.tier.Running()[0].Node.Relay().TierConfigDump(ctx, &inspectpb.ConfigDumpRequest{Node: node.GetId()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cd := &adminv3.ConfigDump{}
+		if err := dump.GetConfigDump().UnmarshalTo(cd); err != nil {
+			t.Fatal(err)
+		}
+		sent, err := realenvoy.Dynamic(cd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for typeURL, res := range got {
+			if len(sent[typeURL]) != len(res) {
+				t.Errorf("%s: the tier says it sent %d, envoy holds %d", typeURL, len(sent[typeURL]), len(res))
 			}
-			cd := &adminv3.ConfigDump{}
-			if err := dump.GetConfigDump().UnmarshalTo(cd); err != nil {
-				t.Fatal(err)
-			}
-			sent, err := realenvoy.Dynamic(cd)
-			if err != nil {
-				t.Fatal(err)
-			}
-			for typeURL, res := range got {
-				if len(sent[typeURL]) != len(res) {
-					t.Errorf("%s: the tier says it sent %d, envoy holds %d", typeURL, len(sent[typeURL]), len(res))
+			for name, r := range res {
+				if s, ok := sent[typeURL][name]; !ok || !sameResource(s.Message, r.Message) {
+					t.Errorf("%s %s: envoy holds what the tier says it did not send", typeURL, name)
 				}
-				for name, r := range res {
-					if s, ok := sent[typeURL][name]; !ok || !sameResource(s.Message, r.Message) {
-						t.Errorf("%s %s: envoy holds what the tier says it did not send", typeURL, name)
-					}
-				}
 			}
-			if body, err := getThrough(ctx, w.listen); err != nil || body != "backend-a" {
-				t.Errorf("GET through envoy: %q, %v; want backend-a", body, err)
-			}
-		})
-	}
+		}
+		if body, err := getThrough(ctx, w.listen); err != nil || body != "backend-a" {
+			t.Errorf("GET through envoy: %q, %v; want backend-a", body, err)
+		}
+	})
 }
 
 // TestRealEnvoyOverTLSWithJWT: real Envoys dial a secure tier as
@@ -164,66 +175,62 @@ func TestRealEnvoyOverTLSWithJWT(t *testing.T) {
 	defer cancel()
 	m := newTestMesh(t, ctx)
 	w := startRealEnvoyWorldWith(t, ctx, TierConfig{Secure: m.security(false)}, httpBackend(t, "backend-a"))
-	for i, p := range protocols {
-		t.Run(p.name, func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(ctx, time.Minute)
-			defer cancel()
-			node := w.sc.Node(i, 0, 0)
-			ns := upstream.NamespaceName(i)
-			sa := node.GetMetadata().GetFields()["SERVICE_ACCOUNT"].GetStringValue()
-			start := func(pod int, tokenNS string) *realenvoy.Envoy {
-				e, err := realenvoy.Start(ctx, realenvoy.Config{
-					Binary: bin, XDS: w.tier.Addr(), Delta: p.delta, Node: w.sc.Node(i, 0, pod), Dir: t.TempDir(),
-					TLS: &realenvoy.TLS{CAFile: m.root, ServerName: relayServerName,
-						Token: m.issuer.Sign(t, authtest.Token{Namespace: tokenNS, ServiceAccount: sa})},
-				})
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(e.Stop)
-				return e
+	eachProtocol(t, ctx, func(t *testing.T, ctx context.Context, i int, p protocol) {
+		node := w.sc.Node(i, 0, 0)
+		ns := upstream.NamespaceName(i)
+		sa := node.GetMetadata().GetFields()["SERVICE_ACCOUNT"].GetStringValue()
+		start := func(pod int, tokenNS string) *realenvoy.Envoy {
+			e, err := realenvoy.Start(ctx, realenvoy.Config{
+				Binary: bin, XDS: w.tier.Addr(), Delta: p.delta, Node: w.sc.Node(i, 0, pod), Dir: t.TempDir(),
+				TLS: &realenvoy.TLS{CAFile: m.root, ServerName: relayServerName,
+					Token: m.issuer.Sign(t, authtest.Token{Namespace: tokenNS, ServiceAccount: sa})},
+			})
+			if err != nil {
+				t.Fatal(err)
 			}
-			mismatchesBefore := tierCounter(t, w.tier, "meshrelay_xds_auth_failures_total", "identity_mismatch")
-			intruder := start(1, "ns-other")
-			good := start(0, ns)
-			waitEnvoyHolds(t, ctx, good, w.up.Snapshot(w.sc.Group(node)))
-			if body, err := getThrough(ctx, w.listen); err != nil || body != "backend-a" {
-				t.Errorf("GET through the TLS envoy: %q, %v; want backend-a", body, err)
-			}
+			t.Cleanup(e.Stop)
+			return e
+		}
+		mismatchesBefore := tierCounter(t, w.tier, "meshrelay_xds_auth_failures_total", "identity_mismatch")
+		intruder := start(1, "ns-other")
+		good := start(0, ns)
+		waitEnvoyHolds(t, ctx, good, w.up.Snapshot(w.sc.Group(node)))
+		if body, err := getThrough(ctx, w.listen); err != nil || body != "backend-a" {
+			t.Errorf("GET through the TLS envoy: %q, %v; want backend-a", body, err)
+		}
 
-			// The intruder is refused for the mismatch of its node and its
-			// token, holds nothing, and no relay lists it.
-			for mismatches := 0; mismatches <= mismatchesBefore; {
-				mismatches = tierCounter(t, w.tier, "meshrelay_xds_auth_failures_total", "identity_mismatch")
-				select {
-				case <-ctx.Done():
-					t.Fatal("the Envoy with another namespace's token was never refused for it")
-				case <-time.After(20 * time.Millisecond):
+		// The intruder is refused for the mismatch of its node and its
+		// token, holds nothing, and no relay lists it.
+		for mismatches := 0; mismatches <= mismatchesBefore; {
+			mismatches = tierCounter(t, w.tier, "meshrelay_xds_auth_failures_total", "identity_mismatch")
+			select {
+			case <-ctx.Done():
+				t.Fatal("the Envoy with another namespace's token was never refused for it")
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+		dump, err := intruder.ConfigDump(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held, err := realenvoy.Dynamic(dump)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for typeURL, res := range held {
+			if len(res) > 0 {
+				t.Errorf("an Envoy with another namespace's token holds %d of %s", len(res), typeURL)
+			}
+		}
+		intruderID := w.sc.Node(i, 0, 1).GetId()
+		for _, tr := range w.tier.Running() {
+			for _, c := range tr.Node.Relay().Clients() {
+				if c.NodeID == intruderID {
+					t.Errorf("%s serves the Envoy with another namespace's token", tr.ID)
 				}
 			}
-			dump, err := intruder.ConfigDump(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			held, err := realenvoy.Dynamic(dump)
-			if err != nil {
-				t.Fatal(err)
-			}
-			for typeURL, res := range held {
-				if len(res) > 0 {
-					t.Errorf("an Envoy with another namespace's token holds %d of %s", len(res), typeURL)
-				}
-			}
-			intruderID := w.sc.Node(i, 0, 1).GetId()
-			for _, tr := range w.tier.Running() {
-				for _, c := range tr.Node.Relay().Clients() {
-					if c.NodeID == intruderID {
-						t.Errorf("%s serves the Envoy with another namespace's token", tr.ID)
-					}
-				}
-			}
-		})
-	}
+		}
+	})
 }
 
 // TestRealEnvoyChangesUnderTraffic: under a steady stream of requests
@@ -241,44 +248,40 @@ func TestRealEnvoyChangesUnderTraffic(t *testing.T) {
 	defer cancel()
 	a, b, c := httpBackend(t, "backend-a"), httpBackend(t, "backend-b"), httpBackend(t, "backend-c")
 	w := startRealEnvoyWorld(t, ctx, a)
-	for i, p := range protocols {
-		t.Run(p.name, func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(ctx, time.Minute)
-			defer cancel()
-			if _, err := w.up.SetHTTPBackends("web", []string{a}); err != nil {
-				t.Fatal(err)
-			}
-			node := w.sc.Node(i, 0, 0)
-			e := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
-			waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
-			load := startLoad(t, ctx, w.listen)
+	eachProtocol(t, ctx, func(t *testing.T, ctx context.Context, i int, p protocol) {
+		if _, err := w.up.SetHTTPBackends("web", []string{a}); err != nil {
+			t.Fatal(err)
+		}
+		node := w.sc.Node(i, 0, 0)
+		e := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
+		waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
+		load := startLoad(t, ctx, w.listen)
 
-			if _, err := w.up.SetHTTPBackends("web", []string{b}); err != nil {
-				t.Fatal(err)
-			}
-			waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
-			load.waitFor(t, ctx, "backend-b")
+		if _, err := w.up.SetHTTPBackends("web", []string{b}); err != nil {
+			t.Fatal(err)
+		}
+		waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
+		load.waitFor(t, ctx, "backend-b")
 
-			if _, err := w.up.SwitchHTTPCluster("web", []string{c}); err != nil {
-				t.Fatal(err)
-			}
-			waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
-			load.waitFor(t, ctx, "backend-c")
+		if _, err := w.up.SwitchHTTPCluster("web", []string{c}); err != nil {
+			t.Fatal(err)
+		}
+		waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
+		load.waitFor(t, ctx, "backend-c")
 
-			sent, failed := load.stop()
-			t.Logf("%d requests, %d failed", sent, len(failed))
-			if len(failed) > 0 {
-				t.Errorf("%d of %d requests failed during the changes: %s", len(failed), sent, strings.Join(failed, "; "))
-				if st, err := e.Stats(ctx); err == nil {
-					for k, v := range st {
-						if v != "0" && (strings.Contains(k, "no_cluster") || strings.Contains(k, "none_healthy") || strings.Contains(k, "no_route") || strings.Contains(k, "rq_503") || strings.Contains(k, "rq_5xx") || strings.Contains(k, "downstream_rq_5xx")) {
-							t.Logf("stat %s: %s", k, v)
-						}
+		sent, failed := load.stop()
+		t.Logf("%d requests, %d failed", sent, len(failed))
+		if len(failed) > 0 {
+			t.Errorf("%d of %d requests failed during the changes: %s", len(failed), sent, strings.Join(failed, "; "))
+			if st, err := e.Stats(ctx); err == nil {
+				for k, v := range st {
+					if v != "0" && (strings.Contains(k, "no_cluster") || strings.Contains(k, "none_healthy") || strings.Contains(k, "no_route") || strings.Contains(k, "rq_503") || strings.Contains(k, "rq_5xx") || strings.Contains(k, "downstream_rq_5xx")) {
+						t.Logf("stat %s: %s", k, v)
 					}
 				}
 			}
-		})
-	}
+		}
+	})
 }
 
 // TestRealEnvoyNACK: a cluster Envoy 1.40 rejects (ORIGINAL_DST with
@@ -292,51 +295,47 @@ func TestRealEnvoyNACK(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	w := startRealEnvoyWorld(t, ctx, httpBackend(t, "backend-a"))
-	for i, p := range protocols {
-		t.Run(p.name, func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(ctx, time.Minute)
-			defer cancel()
-			bad, other := w.sc.Node(0, 0, i), w.sc.Node(1, 0, i)
-			eBad := w.startEnvoy(t, ctx, bin, p.delta, 0, i)
-			eOther := w.startEnvoy(t, ctx, bin, p.delta, 1, i)
-			waitEnvoyHolds(t, ctx, eBad, w.up.Snapshot(w.sc.Group(bad)))
-			waitEnvoyHolds(t, ctx, eOther, w.up.Snapshot(w.sc.Group(other)))
+	eachProtocol(t, ctx, func(t *testing.T, ctx context.Context, i int, p protocol) {
+		bad, other := w.sc.Node(0, 0, i), w.sc.Node(1, 0, i)
+		eBad := w.startEnvoy(t, ctx, bin, p.delta, 0, i)
+		eOther := w.startEnvoy(t, ctx, bin, p.delta, 1, i)
+		waitEnvoyHolds(t, ctx, eBad, w.up.Snapshot(w.sc.Group(bad)))
+		waitEnvoyHolds(t, ctx, eOther, w.up.Snapshot(w.sc.Group(other)))
 
-			name := "original-dst-" + p.name
-			c := &clusterv3.Cluster{
-				Name:                 name,
-				ClusterDiscoveryType: &clusterv3.Cluster_Type{Type: clusterv3.Cluster_ORIGINAL_DST},
-				LbPolicy:             clusterv3.Cluster_ROUND_ROBIN,
-				ConnectTimeout:       durationpb.New(time.Second),
-			}
-			if _, err := w.up.PublishCluster(w.sc.Group(bad), c); err != nil {
-				t.Fatal(err)
-			}
-			nack := waitLedger(t, ctx, w.tier, bad.GetId(), resource.ClusterType, ledger.StatusNACKed)
-			if !strings.Contains(nack.NACK.Detail, "ORIGINAL_DST") {
-				t.Errorf("NACK detail %q is not Envoy's complaint about ORIGINAL_DST", nack.NACK.Detail)
-			}
-			if nack.NACK.Fingerprint == "" {
-				t.Error("NACK without a fingerprint")
-			}
-			st, err := eBad.Stats(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if st["cluster_manager.cds.update_rejected"] == "0" || st["cluster_manager.cds.update_rejected"] == "" {
-				t.Errorf("envoy's cds.update_rejected = %q, want it counted", st["cluster_manager.cds.update_rejected"])
-			}
-			waitLedger(t, ctx, w.tier, other.GetId(), resource.ClusterType, ledger.StatusSynced)
-			waitEnvoyHolds(t, ctx, eOther, w.up.Snapshot(w.sc.Group(other)))
+		name := "original-dst-" + p.name
+		c := &clusterv3.Cluster{
+			Name:                 name,
+			ClusterDiscoveryType: &clusterv3.Cluster_Type{Type: clusterv3.Cluster_ORIGINAL_DST},
+			LbPolicy:             clusterv3.Cluster_ROUND_ROBIN,
+			ConnectTimeout:       durationpb.New(time.Second),
+		}
+		if _, err := w.up.PublishCluster(w.sc.Group(bad), c); err != nil {
+			t.Fatal(err)
+		}
+		nack := waitLedger(t, ctx, w.tier, bad.GetId(), resource.ClusterType, ledger.StatusNACKed)
+		if !strings.Contains(nack.NACK.Detail, "ORIGINAL_DST") {
+			t.Errorf("NACK detail %q is not Envoy's complaint about ORIGINAL_DST", nack.NACK.Detail)
+		}
+		if nack.NACK.Fingerprint == "" {
+			t.Error("NACK without a fingerprint")
+		}
+		st, err := eBad.Stats(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st["cluster_manager.cds.update_rejected"] == "0" || st["cluster_manager.cds.update_rejected"] == "" {
+			t.Errorf("envoy's cds.update_rejected = %q, want it counted", st["cluster_manager.cds.update_rejected"])
+		}
+		waitLedger(t, ctx, w.tier, other.GetId(), resource.ClusterType, ledger.StatusSynced)
+		waitEnvoyHolds(t, ctx, eOther, w.up.Snapshot(w.sc.Group(other)))
 
-			c.LbPolicy = clusterv3.Cluster_CLUSTER_PROVIDED
-			if _, err := w.up.PublishCluster(w.sc.Group(bad), c); err != nil {
-				t.Fatal(err)
-			}
-			waitLedger(t, ctx, w.tier, bad.GetId(), resource.ClusterType, ledger.StatusSynced)
-			waitEnvoyHolds(t, ctx, eBad, w.up.Snapshot(w.sc.Group(bad)))
-		})
-	}
+		c.LbPolicy = clusterv3.Cluster_CLUSTER_PROVIDED
+		if _, err := w.up.PublishCluster(w.sc.Group(bad), c); err != nil {
+			t.Fatal(err)
+		}
+		waitLedger(t, ctx, w.tier, bad.GetId(), resource.ClusterType, ledger.StatusSynced)
+		waitEnvoyHolds(t, ctx, eBad, w.up.Snapshot(w.sc.Group(bad)))
+	})
 }
 
 // TestRealEnvoyFailover: under traffic, the owner of a real Envoy's key is
@@ -349,50 +348,46 @@ func TestRealEnvoyFailover(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	a, b := httpBackend(t, "backend-a"), httpBackend(t, "backend-b")
-	for i, p := range protocols {
-		t.Run(p.name, func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(ctx, time.Minute)
-			defer cancel()
-			w := startRealEnvoyWorld(t, ctx, a) // a tier of its own: this one loses two relays
-			node := w.sc.Node(i, 0, 0)
-			e := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
-			waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
-			load := startLoad(t, ctx, w.listen)
-			load.waitFor(t, ctx, "backend-a")
+	eachProtocol(t, ctx, func(t *testing.T, ctx context.Context, i int, p protocol) {
+		w := startRealEnvoyWorld(t, ctx, a) // a tier of its own: this one loses two relays
+		node := w.sc.Node(i, 0, 0)
+		e := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
+		waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
+		load := startLoad(t, ctx, w.listen)
+		load.waitFor(t, ctx, "backend-a")
 
-			on, key := waitConnected(t, ctx, w.tier, node.GetId(), -1)
-			owner := ownerOf(t, w.tier, string(key))
-			t.Logf("envoy on relay-%d, key %s owned by relay-%d", on, key, owner)
-			if err := w.tier.StopRelay(ctx, owner, false); err != nil {
-				t.Fatal(err)
-			}
-			if on == owner {
-				on, _ = waitConnected(t, ctx, w.tier, node.GetId(), owner)
-			}
-			if err := w.tier.StopRelay(ctx, on, false); err != nil {
-				t.Fatal(err)
-			}
-			now, _ := waitConnected(t, ctx, w.tier, node.GetId(), on)
+		on, key := waitConnected(t, ctx, w.tier, node.GetId(), -1)
+		owner := ownerOf(t, w.tier, string(key))
+		t.Logf("envoy on relay-%d, key %s owned by relay-%d", on, key, owner)
+		if err := w.tier.StopRelay(ctx, owner, false); err != nil {
+			t.Fatal(err)
+		}
+		if on == owner {
+			on, _ = waitConnected(t, ctx, w.tier, node.GetId(), owner)
+		}
+		if err := w.tier.StopRelay(ctx, on, false); err != nil {
+			t.Fatal(err)
+		}
+		now, _ := waitConnected(t, ctx, w.tier, node.GetId(), on)
 
-			if _, err := w.up.SetHTTPBackends("web", []string{b}); err != nil {
-				t.Fatal(err)
-			}
-			waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
-			load.waitFor(t, ctx, "backend-b")
-			sent, failed := load.stop()
-			t.Logf("%d requests, %d failed; envoy ends on relay-%d", sent, len(failed), now)
-			if len(failed) > 0 {
-				t.Errorf("%d of %d requests failed through the failovers: %s", len(failed), sent, strings.Join(failed, "; "))
-			}
-			st, err := e.Stats(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if id := st["control_plane.identifier"]; id != w.tier.Relay(now).ID {
-				t.Errorf("envoy's control_plane.identifier = %q, want %q", id, w.tier.Relay(now).ID)
-			}
-		})
-	}
+		if _, err := w.up.SetHTTPBackends("web", []string{b}); err != nil {
+			t.Fatal(err)
+		}
+		waitEnvoyHolds(t, ctx, e, w.up.Snapshot(w.sc.Group(node)))
+		load.waitFor(t, ctx, "backend-b")
+		sent, failed := load.stop()
+		t.Logf("%d requests, %d failed; envoy ends on relay-%d", sent, len(failed), now)
+		if len(failed) > 0 {
+			t.Errorf("%d of %d requests failed through the failovers: %s", len(failed), sent, strings.Join(failed, "; "))
+		}
+		st, err := e.Stats(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if id := st["control_plane.identifier"]; id != w.tier.Relay(now).ID {
+			t.Errorf("envoy's control_plane.identifier = %q, want %q", id, w.tier.Relay(now).ID)
+		}
+	})
 }
 
 // TestRealEnvoyWarmRestart: a tier restarted from etcd while the upstream
@@ -408,48 +403,44 @@ func TestRealEnvoyWarmRestart(t *testing.T) {
 	}
 	defer etcd.Close()
 	a := httpBackend(t, "backend-a")
-	for i, p := range protocols {
-		t.Run(p.name, func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(ctx, time.Minute)
-			defer cancel()
-			w := startRealEnvoyWorldWith(t, ctx, TierConfig{Etcd: etcd.Endpoints()}, a)
-			node := w.sc.Node(i, 0, 0)
-			first := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
-			want := w.up.Snapshot(w.sc.Group(node))
-			waitEnvoyHolds(t, ctx, first, want)
-			first.Stop()
+	eachProtocol(t, ctx, func(t *testing.T, ctx context.Context, i int, p protocol) {
+		w := startRealEnvoyWorldWith(t, ctx, TierConfig{Etcd: etcd.Endpoints()}, a)
+		node := w.sc.Node(i, 0, 0)
+		first := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
+		want := w.up.Snapshot(w.sc.Group(node))
+		waitEnvoyHolds(t, ctx, first, want)
+		first.Stop()
 
-			// Every relay stops gracefully (writing what its store holds),
-			// then the upstream goes away for good.
-			var wg sync.WaitGroup
-			for _, tr := range w.tier.Running() {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					if err := w.tier.StopRelay(ctx, tr.Index, true); err != nil {
-						t.Errorf("stop relay-%d: %v", tr.Index, err)
-					}
-				}()
-			}
-			wg.Wait()
-			w.tier.Stop(ctx)
-			if err := w.up.Stop(ctx); err != nil {
-				t.Fatal(err)
-			}
+		// Every relay stops gracefully (writing what its store holds),
+		// then the upstream goes away for good.
+		var wg sync.WaitGroup
+		for _, tr := range w.tier.Running() {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if err := w.tier.StopRelay(ctx, tr.Index, true); err != nil {
+					t.Errorf("stop relay-%d: %v", tr.Index, err)
+				}
+			}()
+		}
+		wg.Wait()
+		w.tier.Stop(ctx)
+		if err := w.up.Stop(ctx); err != nil {
+			t.Fatal(err)
+		}
 
-			tier, err := StartConvergedTier(ctx, TierConfig{Relays: 3, Upstream: w.up.Addr(), Etcd: etcd.Endpoints()}, 30*time.Second)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer tier.Stop(context.Background())
-			w.tier = tier
-			second := w.startEnvoy(t, ctx, bin, p.delta, i, 1) // another pod of the same workload: the same key
-			waitEnvoyHolds(t, ctx, second, want)
-			if body, err := getThrough(ctx, w.listen); err != nil || body != "backend-a" {
-				t.Errorf("GET through the warm-started envoy: %q, %v; want backend-a", body, err)
-			}
-		})
-	}
+		tier, err := StartConvergedTier(ctx, TierConfig{Relays: 3, Upstream: w.up.Addr(), Etcd: etcd.Endpoints()}, 30*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tier.Stop(context.Background())
+		w.tier = tier
+		second := w.startEnvoy(t, ctx, bin, p.delta, i, 1) // another pod of the same workload: the same key
+		waitEnvoyHolds(t, ctx, second, want)
+		if body, err := getThrough(ctx, w.listen); err != nil || body != "backend-a" {
+			t.Errorf("GET through the warm-started envoy: %q, %v; want backend-a", body, err)
+		}
+	})
 }
 
 // TestRealEnvoyReconnectSendsNothingUnchanged: a real Envoy reconnects
