@@ -58,10 +58,15 @@ func (AllowAll) Authorize(context.Context, *core.Node) error { return nil }
 // ctx), before anything is read from it. *auth.Authenticator is the one
 // the serve command wires. Errors should be *auth.Error (their Reason
 // labels meshrelay_xds_auth_failures_total); their text reaches the
-// client, so it must not hold the credential. Implementations must be safe
-// for concurrent use.
+// client, so it must not hold the credential. Token returns the bearer
+// token of a stream that proves the identity Authenticate gave it, with
+// its expiry (zero if unknown), or ok false: in forward mode it is what the
+// key's upstream stream presents for the stream's workload, whether the
+// workload was proven by that token or by a certificate beside it.
+// Implementations must be safe for concurrent use.
 type Authenticator interface {
 	Authenticate(ctx context.Context) (auth.Identity, error)
+	Token(ctx context.Context, id auth.Identity) (token string, expires time.Time, ok bool)
 }
 
 var _ Authenticator = (*auth.Authenticator)(nil)
@@ -117,7 +122,8 @@ type Config struct {
 	// whose node it presents (--upstream-auth forward): members of a key
 	// share namespace and service account, so istiod's own identity check
 	// passes unchanged. The token is one the Authenticator verified on the
-	// TLS port (members proven by certificate alone have none to give),
+	// TLS port (Authenticator.Token: members that send a certificate
+	// alone have none to give, and are presented only when no member has),
 	// or, on a stream from another relay, the one that relay presents;
 	// tokens stay in memory, are never logged and never persisted. The
 	// upstream stream moves to another member's node and token when its

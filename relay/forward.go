@@ -29,24 +29,30 @@ func (c *credential) usableAt(t time.Time) bool {
 }
 
 // forwardable returns the credential of a new stream to keep, in forward
-// mode: an Envoy's token the TLS port verified (id proven by a JWT), or the
-// token another relay presents on its stream to a key this relay owns
-// (the peer port proved that relay; it verified the token). Nil otherwise.
+// mode: the token an Envoy brought to the TLS port, if it proves the
+// stream's identity (Authenticator.Token: the token that proved it, or one
+// beside the certificate that did), or the token another relay presents on
+// its stream to a key this relay owns (the peer port proved that relay; it
+// verified the token). Nil otherwise.
 func (r *Relay) forwardable(ctx context.Context, peer bool, id *auth.Identity) *credential {
-	if !r.cfg.ForwardCredentials || (!peer && (id == nil || id.Method != auth.MethodJWT)) {
+	if !r.cfg.ForwardCredentials {
 		return nil
 	}
-	tok, err := auth.BearerToken(ctx)
-	if err != nil || tok == "" {
+	if peer {
+		tok, err := auth.BearerToken(ctx)
+		if err != nil || tok == "" {
+			return nil
+		}
+		return &credential{token: tok, expires: auth.UnverifiedExpiry(tok)}
+	}
+	if id == nil || r.cfg.Authenticator == nil {
 		return nil
 	}
-	c := &credential{token: tok}
-	if id != nil {
-		c.expires = id.Expires
-	} else {
-		c.expires = auth.UnverifiedExpiry(tok)
+	tok, expires, ok := r.cfg.Authenticator.Token(ctx, *id)
+	if !ok {
+		return nil
 	}
-	return c
+	return &credential{token: tok, expires: expires}
 }
 
 // withCredential adds c to an outgoing stream's metadata (nothing if nil).

@@ -25,6 +25,12 @@ func tokenHash(tok string) [32]byte { return sha256.Sum256([]byte(tok)) }
 // enforces istiod's identity rule.
 func forwardEnv(t *testing.T, refresh time.Duration) (*secureEnv, *synth.Guard) {
 	t.Helper()
+	return forwardEnvMode(t, auth.ModeJWT, refresh)
+}
+
+// forwardEnvMode is forwardEnv with the TLS port's --xds-auth mode.
+func forwardEnvMode(t *testing.T, mode auth.Mode, refresh time.Duration) (*secureEnv, *synth.Guard) {
+	t.Helper()
 	issuer := authtest.NewIssuer(t)
 	lcfg := auth.DefaultLocalConfig()
 	lcfg.Issuer, lcfg.Keys = issuer.URL, auth.KeysFromFile(issuer.WriteJWKS(t))
@@ -33,7 +39,7 @@ func forwardEnv(t *testing.T, refresh time.Duration) (*secureEnv, *synth.Guard) 
 		t.Fatal(err)
 	}
 	g := &synth.Guard{Tokens: v}
-	e := newSecureEnvWith(t, auth.ModeJWT, issuer, []grpc.ServerOption{grpc.ChainStreamInterceptor(g.Interceptor)}, func(c *Config) {
+	e := newSecureEnvWith(t, mode, issuer, []grpc.ServerOption{grpc.ChainStreamInterceptor(g.Interceptor)}, func(c *Config) {
 		c.ForwardCredentials = true
 		c.TokenRefreshBefore = refresh
 	})
@@ -99,6 +105,35 @@ func TestForwardPresentsAMembersToken(t *testing.T) {
 		t.Fatalf("after the re-home the member got %v, want only the new cluster", got)
 	}
 	b.ack(b.last)
+	if refused := g.Refused(); len(refused) > 0 {
+		t.Fatalf("the upstream refused streams: %v", refused)
+	}
+}
+
+// A workload proven by its certificate forwards the token it sends beside
+// it (istio-agent on a VM with a provisioned certificate sends both): the
+// key's upstream stream presents that token, and not the node of a member
+// that sent a certificate alone, which has nothing istiod would take.
+func TestForwardTokenBesideACertificate(t *testing.T) {
+	e, g := forwardEnvMode(t, auth.ModeAny, time.Minute)
+	cert := e.mesh.Workload(t, "cluster.local", "ns1", "app")
+	tok := e.issuer.Sign(t, authtest.Token{Namespace: "ns1", ServiceAccount: "app", TTL: time.Hour})
+	both := newRawClient(t, e.dial(t, creds{cert: cert, token: tok, perRPC: true}), true, saNode("ns1", "app", 1))
+	both.subscribe(xds.TypeCluster, "*")
+	if got := names(both.recvDelta(xds.TypeCluster)); len(got) != 3 {
+		t.Fatalf("clusters %v, want the 3 of ns1", got)
+	}
+	certOnly := newRawClient(t, e.dial(t, creds{cert: cert}), true, saNode("ns1", "app", 2))
+	certOnly.subscribe(xds.TypeCluster, "*")
+	if got := names(certOnly.recvDelta(xds.TypeCluster)); len(got) != 3 {
+		t.Fatalf("certificate-only member: clusters %v, want the 3 of ns1", got)
+	}
+	seen := waitPresented(t, g, tok, "the upstream admits a stream with the token sent beside the certificate")
+	for _, s := range seen {
+		if s.Node != both.node.GetId() {
+			t.Fatalf("upstream streams %+v: one presents %s, want only %s", seen, s.Node, both.node.GetId())
+		}
+	}
 	if refused := g.Refused(); len(refused) > 0 {
 		t.Fatalf("the upstream refused streams: %v", refused)
 	}

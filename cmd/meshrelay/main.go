@@ -137,7 +137,7 @@ func serve(ctx context.Context, args []string) error {
 	if err := peer.apply(&cfg, xdsTLS.trustDomain); err != nil {
 		return err
 	}
-	if err := upAuth.apply(&cfg, xdsTLS.enabled()); err != nil {
+	if err := upAuth.apply(&cfg, xdsTLS.tokens != nil); err != nil {
 		return err
 	}
 	if xdsTLS.enabled() && !flagSet(fs, "xds-listen") {

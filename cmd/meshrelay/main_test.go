@@ -56,6 +56,7 @@ func TestServeFlags(t *testing.T) {
 		{"peer identity without TLS", []string{"--upstream", "x:1", "--peer-identity", "spiffe://cluster.local/ns/x/sa/y"}, "needs --peer-tls-cert"},
 		{"bad upstream auth", []string{"--upstream", "x:1", "--upstream-auth", "sudo"}, `--upstream-auth "sudo"`},
 		{"forward without a TLS port", []string{"--upstream", "x:1", "--upstream-auth", "forward"}, "needs --xds-tls-cert"},
+		{"forward without tokens to forward", append(tlsArgs(t), "--upstream", "x:1", "--xds-auth", "mtls", "--xds-client-ca", authtest.NewCA(t, "mesh root").WriteRoot(t), "--upstream-auth", "forward"), "use relay-identity"},
 		{"relay identity without a token", []string{"--upstream", "x:1", "--upstream-auth", "relay-identity"}, "needs --upstream-token-file"},
 		{"relay identity with an empty token", []string{"--upstream", "x:1", "--upstream-auth", "relay-identity", "--upstream-token-file", "/dev/null"}, "is empty"},
 		{"upstream CA in plaintext", []string{"--upstream", "x:1", "--upstream-ca", "/dev/null"}, "need --upstream-auth forward or relay-identity"},

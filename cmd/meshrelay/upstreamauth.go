@@ -34,20 +34,23 @@ const (
 )
 
 func (u *upstreamAuthFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&u.mode, "upstream-auth", "", "how streams to istiod are authenticated: plaintext (istiod's 15010, no credentials), forward (TLS to 15012, each key's stream presenting one of its Envoys' own token), or relay-identity (TLS, the relay's own --upstream-token-file, for an istiod with XDS_AUTH=false). Default: forward when the TLS xDS port authenticates, else plaintext")
+	fs.StringVar(&u.mode, "upstream-auth", "", "how streams to istiod are authenticated: plaintext (istiod's 15010, no credentials), forward (TLS to 15012, each key's stream presenting one of its Envoys' own token), or relay-identity (TLS, the relay's own --upstream-token-file, for an istiod with XDS_AUTH=false). Default: forward when the TLS xDS port verifies tokens (--xds-auth jwt or any), else plaintext")
 	fs.StringVar(&u.caFile, "upstream-ca", "", "PEM CAs istiod's serving certificate chains to (the mesh root); default: the system's roots")
 	fs.StringVar(&u.san, "upstream-san", "", "name istiod's certificate must carry (ISTIOD_SAN); default: the host of --upstream")
 	fs.StringVar(&u.tokenFile, "upstream-token-file", "", "for relay-identity: file holding the relay's token (a projected service-account token), read again at every stream")
 }
 
-// apply sets the upstream's transport and credentials in cfg. tlsPort says
-// whether the relay has a TLS xDS port: forward is the default when it
-// authenticates (the tokens it verifies are what forward presents).
-func (u *upstreamAuthFlags) apply(cfg *relay.Config, tlsPort bool) error {
+// apply sets the upstream's transport and credentials in cfg. tokens says
+// whether the relay's TLS xDS port verifies service-account tokens
+// (--xds-auth jwt or any): forward presents those tokens, so it is the
+// default then, and is refused without them (with --xds-auth mtls no
+// Envoy's token is verified, and a key's stream would have none to
+// present: istiod would refuse it at every retry).
+func (u *upstreamAuthFlags) apply(cfg *relay.Config, tokens bool) error {
 	mode := u.mode
 	if mode == "" {
 		mode = upstreamPlaintext
-		if tlsPort && cfg.Authenticator != nil {
+		if tokens {
 			mode = upstreamForward
 		}
 	}
@@ -58,8 +61,8 @@ func (u *upstreamAuthFlags) apply(cfg *relay.Config, tlsPort bool) error {
 		}
 		return nil
 	case upstreamForward:
-		if cfg.Authenticator == nil {
-			return errors.New("--upstream-auth forward presents the tokens Envoys bring to the TLS port: it needs --xds-tls-cert and --xds-auth jwt or any")
+		if !tokens {
+			return errors.New("--upstream-auth forward presents the tokens Envoys bring to the TLS port: it needs --xds-tls-cert and --xds-auth jwt or any (with --xds-auth mtls, use relay-identity)")
 		}
 		if u.tokenFile != "" {
 			return errors.New("--upstream-token-file is for --upstream-auth relay-identity")

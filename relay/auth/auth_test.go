@@ -311,3 +311,50 @@ func TestKeysFromDiscovery(t *testing.T) {
 		t.Fatalf("discovery document of another issuer: %v, want it refused", err)
 	}
 }
+
+// Token gives a forwarding relay the token of a stream when it proves the
+// stream's identity: the token that proved it, or, beside a certificate
+// that proved it, a token of the same workload (verified); nothing else.
+func TestAuthenticatorToken(t *testing.T) {
+	mesh, is := authtest.NewCA(t, "mesh root"), authtest.NewIssuer(t)
+	now := time.Now()
+	certs := &CertVerifier{TrustDomain: "cluster.local", Roots: func() []*x509.Certificate { return []*x509.Certificate{mesh.Cert} }}
+	local := newLocal(t, is, now)
+	app := is.Sign(t, authtest.Token{Namespace: "ns1", ServiceAccount: "app", IssuedAt: now.Add(-time.Minute), TTL: time.Hour})
+	db := is.Sign(t, authtest.Token{Namespace: "ns1", ServiceAccount: "db", IssuedAt: now.Add(-time.Minute), TTL: time.Hour})
+	byCert := Identity{TrustDomain: "cluster.local", Namespace: "ns1", ServiceAccount: "app", Method: MethodMTLS, Expires: now.Add(24 * time.Hour)}
+	exp := now.Add(-time.Minute).Add(time.Hour).Truncate(time.Second) // app's exp
+	byToken := Identity{TrustDomain: "cluster.local", Namespace: "ns1", ServiceAccount: "app", Method: MethodJWT, Expires: exp}
+	for _, tc := range []struct {
+		name  string
+		mode  Mode
+		id    Identity
+		token string // sent as authorization: Bearer
+		want  string // the token Token gives, "" for none
+	}{
+		{"the token that proved the stream", ModeAny, byToken, app, app},
+		{"a certificate and the same workload's token", ModeAny, byCert, app, app},
+		{"a certificate and another workload's token", ModeAny, byCert, db, ""},
+		{"a certificate and a forged token", ModeAny, byCert, unsigned(t, map[string]any{"sub": "system:serviceaccount:ns1:app"}), ""},
+		{"a certificate alone", ModeAny, byCert, "", ""},
+		{"mtls mode verifies no token", ModeMTLS, byCert, app, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, err := NewAuthenticator(tc.mode, certs, local)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx := context.Background()
+			if tc.token != "" {
+				ctx = metadata.NewIncomingContext(ctx, metadata.MD{"authorization": {"Bearer " + tc.token}})
+			}
+			tok, expires, ok := a.Token(ctx, tc.id)
+			if ok != (tc.want != "") || tok != tc.want {
+				t.Fatalf("Token = %q, %v, want %q", tok, ok, tc.want)
+			}
+			if got := expires; ok && !got.Equal(exp) {
+				t.Fatalf("Token expires %v, want the token's exp %v", got, exp)
+			}
+		})
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/x509"
 	"fmt"
+	"time"
 
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/peer"
@@ -96,6 +97,33 @@ func (a *Authenticator) Authenticate(ctx context.Context) (Identity, error) {
 		return Identity{}, fail(NoCredentials, "no authorization: Bearer token")
 	}
 	return Identity{}, fail(NoCredentials, "neither a client certificate nor an authorization: Bearer token")
+}
+
+// Token returns the bearer token ctx's stream carries when it proves id's
+// namespace and service account, and when the token expires (zero if it
+// does not say): what a relay in forward mode presents upstream for the
+// stream's workload. A token that proved id itself is not verified again;
+// beside a certificate that proved id, the token is verified as
+// Authenticate verifies one (istio-agent on a VM sends both). ok is false
+// when the stream has no token, the mode takes none, or the token does not
+// prove id: the stream is still admitted by its certificate, it just has
+// nothing to forward.
+func (a *Authenticator) Token(ctx context.Context, id Identity) (token string, expires time.Time, ok bool) {
+	if a.tokens == nil || a.mode == ModeMTLS {
+		return "", time.Time{}, false
+	}
+	tok, err := BearerToken(ctx)
+	if err != nil || tok == "" {
+		return "", time.Time{}, false
+	}
+	if id.Method == MethodJWT {
+		return tok, id.Expires, true
+	}
+	tid, err := a.tokens.VerifyToken(ctx, tok)
+	if err != nil || tid.Namespace != id.Namespace || tid.ServiceAccount != id.ServiceAccount || tid.TrustDomain != id.TrustDomain {
+		return "", time.Time{}, false
+	}
+	return tok, tid.Expires, true
 }
 
 func peerCertificates(ctx context.Context) []*x509.Certificate {
