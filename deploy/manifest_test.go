@@ -153,6 +153,26 @@ func TestManifests(t *testing.T) {
 	if flags["xds-listen"] != "" {
 		t.Errorf("--xds-listen=%s: the manifest opens no plaintext port", flags["xds-listen"])
 	}
+	// The admin API hands out every namespace's config: on TLS, with its
+	// callers proven, and its probes speaking TLS.
+	if flags["admin-tls-cert"] == "" || flags["admin-identities"]+flags["admin-token-file"]+flags["admin-client-ca"] == "" {
+		t.Errorf("the admin listener is not guarded: want --admin-tls-cert and one of --admin-identities, --admin-token-file, --admin-client-ca")
+	}
+	for name, p := range map[string]*corev1.Probe{"readiness": c.ReadinessProbe, "liveness": c.LivenessProbe} {
+		if p == nil || p.HTTPGet == nil || p.HTTPGet.Scheme != corev1.URISchemeHTTPS {
+			t.Errorf("%s probe %+v: want an HTTPS GET (the admin listener serves TLS)", name, p)
+		}
+	}
+	accounts := map[string]bool{}
+	for _, o := range objs["ServiceAccount"] {
+		sa := o.(*corev1.ServiceAccount)
+		accounts["spiffe://cluster.local/ns/"+sa.Namespace+"/sa/"+sa.Name] = true
+	}
+	for id := range strings.SplitSeq(flags["admin-identities"], ",") {
+		if id != "" && !accounts[id] {
+			t.Errorf("--admin-identities names %s, a ServiceAccount the manifests do not make", id)
+		}
+	}
 	var svcPorts []int32
 	for _, o := range objs["Service"] {
 		for _, p := range o.(*corev1.Service).Spec.Ports {

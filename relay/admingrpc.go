@@ -30,8 +30,14 @@ import (
 //
 // Who may do what (every gRPC call but health checks, and pprof):
 //
-//   - with neither Config.AdminToken nor Config.AdminAuthenticator, every
-//     caller is an admin (the port is guarded by AdminTLS and the network);
+//   - with neither Config.AdminToken nor Config.AdminAuthenticator, a
+//     caller whose client certificate the TLS handshake verified (AdminTLS
+//     with client CAs) is an admin; any other caller is an admin only if
+//     the relay's xDS port does not authenticate (Config.Authenticator
+//     nil: a plaintext or development set-up, guarded by the network),
+//     and Unauthenticated if it does: a relay that keeps each namespace's
+//     config from the others on its xDS port does not hand all of it out
+//     on an unguarded admin port;
 //   - a call carrying AdminToken as "authorization: Bearer" is an admin;
 //   - else, with an AdminAuthenticator, the call proves an identity (a
 //     service-account JWT, or a SPIFFE client certificate): one in
@@ -155,6 +161,9 @@ func (s callerStream) Context() context.Context { return s.ctx }
 // the credential; they are logged at most a few times a second.
 func (r *Relay) adminCaller(ctx context.Context, method string) (AdminCaller, error) {
 	if r.cfg.AdminToken == "" && r.cfg.AdminAuthenticator == nil {
+		if r.cfg.Authenticator != nil && !handshakeVerified(ctx) {
+			return AdminCaller{}, status.Error(codes.Unauthenticated, "the admin API is closed: this relay authenticates its xDS port, and its admin listener has no --admin-identities, --admin-token-file or --admin-client-ca to prove callers with")
+		}
 		return AdminCaller{Admin: true}, nil
 	}
 	if r.cfg.AdminToken != "" {
@@ -174,6 +183,17 @@ func (r *Relay) adminCaller(ctx context.Context, method string) (AdminCaller, er
 			"the admin API wants the admin token, a service-account token (authorization: Bearer) or a SPIFFE client certificate", err)
 	}
 	return r.identityCaller(id), nil
+}
+
+// handshakeVerified reports whether ctx's caller presented a client
+// certificate its TLS handshake verified (AdminTLS with client CAs).
+func handshakeVerified(ctx context.Context) bool {
+	p, ok := peer.FromContext(ctx)
+	if !ok {
+		return false
+	}
+	ti, ok := p.AuthInfo.(credentials.TLSInfo)
+	return ok && len(ti.State.VerifiedChains) > 0
 }
 
 // identityCaller is what a proven identity may do, on the admin API and

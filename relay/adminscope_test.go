@@ -214,28 +214,63 @@ func TestAdminCallers(t *testing.T) {
 	})
 }
 
-// TestAdminCallersWithoutAuthenticator: without an authenticator the
-// admin API is what it was: open to all as admins with no token, else the
-// token alone makes an admin and a JWT is refused.
+// TestAdminCallersWithoutAuthenticator: without an admin authenticator
+// the token alone makes an admin and a JWT is refused; with no token
+// either, a relay whose xDS port authenticates answers only callers whose
+// client certificate the admin handshake verified (its admin API would
+// otherwise hand every namespace's config to anyone), and one whose xDS
+// port does not (plaintext, development) answers everyone as an admin.
 func TestAdminCallersWithoutAuthenticator(t *testing.T) {
 	for _, tc := range []struct {
-		name  string
-		token string
-		creds creds
-		want  AdminCaller
-		code  codes.Code
+		name      string
+		token     string
+		xdsAuth   bool // the xDS port authenticates
+		mtlsAdmin bool // the admin listener requires and verifies client certificates
+		creds     creds
+		want      AdminCaller
+		code      codes.Code
+		pprof     int
 	}{
-		{"open, nothing", "", creds{}, AdminCaller{Admin: true}, codes.OK},
-		{"open, any bearer token", "", creds{token: "whatever"}, AdminCaller{Admin: true}, codes.OK},
-		{"token, the token", "tok", creds{token: "tok"}, AdminCaller{Admin: true}, codes.OK},
-		{"token, nothing", "tok", creds{}, AdminCaller{}, codes.Unauthenticated},
-		{"token, another bearer token", "tok", creds{token: "not-the-token"}, AdminCaller{}, codes.Unauthenticated},
+		{"open, plaintext relay, nothing", "", false, false, creds{}, AdminCaller{Admin: true}, codes.OK, http.StatusOK},
+		{"open, plaintext relay, any bearer token", "", false, false, creds{token: "whatever"}, AdminCaller{Admin: true}, codes.OK, http.StatusOK},
+		{"open, authenticating relay, nothing", "", true, false, creds{}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
+		{"open, authenticating relay, any bearer token", "", true, false, creds{token: "whatever"}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
+		{"mTLS admin, authenticating relay, verified certificate", "", true, true, creds{cert: nil}, AdminCaller{Admin: true}, codes.OK, http.StatusOK},
+		{"token, the token", "tok", true, false, creds{token: "tok"}, AdminCaller{Admin: true}, codes.OK, http.StatusOK},
+		{"token, nothing", "tok", true, false, creds{}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
+		{"token, another bearer token", "tok", true, false, creds{token: "not-the-token"}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			e := newAdminEnv(t, tc.token, func(c *Config) { c.AdminAuthenticator = nil })
-			got, err := e.whoIs(t, tc.creds)
+			e := newAdminEnv(t, tc.token, func(c *Config) {
+				c.AdminAuthenticator = nil
+				if !tc.xdsAuth {
+					c.Authenticator = nil
+				}
+				if tc.mtlsAdmin {
+					// As --admin-client-ca alone configures it: the
+					// handshake requires and verifies client certificates.
+					x := c.XDSTLS
+					c.AdminTLS = &tls.Config{GetConfigForClient: func(h *tls.ClientHelloInfo) (*tls.Config, error) {
+						cc, err := x.GetConfigForClient(h)
+						if err != nil {
+							return nil, err
+						}
+						cc = cc.Clone()
+						cc.ClientAuth = tls.RequireAndVerifyClientCert
+						return cc, nil
+					}}
+				}
+			})
+			c := tc.creds
+			if tc.mtlsAdmin {
+				c.cert = e.mesh.Workload(t, "cluster.local", "ops", "oncall")
+			}
+			got, err := e.whoIs(t, c)
 			if status.Code(err) != tc.code || got != tc.want {
 				t.Fatalf("caller = %+v, %v; want %+v, %s", got, err, tc.want, tc.code)
+			}
+			if got := e.pprof(t, c); got != tc.pprof {
+				t.Errorf("GET /debug/pprof/: %d, want %d", got, tc.pprof)
 			}
 		})
 	}

@@ -308,10 +308,42 @@ func (r *Relay) Start(ctx context.Context) error {
 	default:
 		r.log.Warn("relay-to-relay traffic not authenticated (no peer certificate, no peer secret): any stream may claim to be a relay")
 	}
-	if lis != nil && tlsLis != nil {
+	switch {
+	case lis != nil && tlsLis != nil:
 		r.log.Warn("PLAINTEXT xDS port open beside the TLS one: it authenticates no one and serves every namespace's config to whoever reaches it", "xds_plaintext", lis.Addr().String())
+	case lis != nil:
+		r.log.Warn("PLAINTEXT xDS port open: it authenticates no one and serves every namespace's config to whoever reaches it (istiod's 15010); sidecars of a default Istio mesh want the TLS port", "xds_plaintext", lis.Addr().String())
 	}
+	r.logAdminGuard(r.adminLis)
 	return nil
+}
+
+// logAdminGuard says at start who the admin API answers, when that is
+// not what an operator would assume: everyone (a warning, unless the
+// listener is on loopback), or no one but health checks.
+func (r *Relay) logAdminGuard(lis net.Listener) {
+	if lis == nil || r.cfg.AdminToken != "" || r.cfg.AdminAuthenticator != nil {
+		return
+	}
+	verifiesClients := r.cfg.AdminTLS != nil && r.cfg.AdminTLS.GetConfigForClient != nil
+	if verifiesClients {
+		if c, err := r.cfg.AdminTLS.GetConfigForClient(&tls.ClientHelloInfo{}); err == nil && c != nil {
+			verifiesClients = c.ClientAuth == tls.RequireAndVerifyClientCert
+		}
+	}
+	switch {
+	case verifiesClients:
+	case r.cfg.Authenticator != nil:
+		r.log.Info("admin API closed but for health checks and /metrics: no --admin-identities, --admin-token-file or --admin-client-ca to prove its callers with", "admin", lis.Addr().String())
+	case !isLoopback(lis.Addr()):
+		r.log.Warn("admin API open to anyone who reaches its port: config dumps of every namespace and pprof; set --admin-tls-cert with --admin-identities, --admin-token-file or --admin-client-ca", "admin", lis.Addr().String())
+	}
+}
+
+// isLoopback reports whether a listener's address is on loopback only.
+func isLoopback(a net.Addr) bool {
+	ta, ok := a.(*net.TCPAddr)
+	return ok && ta.IP.IsLoopback()
 }
 
 // Addr returns the address the plaintext xDS server listens on (after

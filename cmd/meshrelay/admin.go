@@ -23,7 +23,7 @@ type adminFlags struct {
 func (a *adminFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&a.certFile, "admin-tls-cert", "", "PEM certificate the admin listener serves TLS with (with --admin-tls-key); default: cleartext")
 	fs.StringVar(&a.keyFile, "admin-tls-key", "", "PEM key of --admin-tls-cert")
-	fs.StringVar(&a.clientCA, "admin-client-ca", "", "PEM CAs whose client certificates the admin listener requires (mTLS); needs --admin-tls-cert")
+	fs.StringVar(&a.clientCA, "admin-client-ca", "", "PEM CAs whose client certificates the admin listener requires (mTLS; with --admin-identities: verifies when given, so a caller may prove itself with a token instead); needs --admin-tls-cert")
 	fs.StringVar(&a.tokenFile, "admin-token-file", "", "file holding a bearer token every admin gRPC call but health, and pprof, must carry; needs --admin-tls-cert")
 	fs.StringVar(&a.identities, "admin-identities", "", "comma-separated SPIFFE IDs of admins, e.g. spiffe://cluster.local/ns/istio-system/sa/istioctl. "+
 		"With them the admin API also takes callers that prove an identity with the TLS xDS port's verifiers (a service-account token, or a SPIFFE client certificate when --admin-client-ca is the mesh root): "+
@@ -65,7 +65,14 @@ func (a *adminFlags) apply(cfg *relay.Config) error {
 			return fmt.Errorf("--admin-client-ca: %w", err)
 		}
 	}
-	tc := tlsfiles.ServerConfig(pair, cas, tls.RequireAndVerifyClientCert, "h2", "http/1.1")
+	// With admin identities a caller may prove itself with a token alone
+	// (istioctl, relayctl --token-file): client certificates are verified
+	// when given, not required.
+	clientAuth := tls.RequireAndVerifyClientCert
+	if len(ids) > 0 {
+		clientAuth = tls.VerifyClientCertIfGiven
+	}
+	tc := tlsfiles.ServerConfig(pair, cas, clientAuth, "h2", "http/1.1")
 	cfg.AdminTLS = tc
 	if a.tokenFile != "" {
 		if cfg.AdminToken, err = (auth.TokenFile{Path: a.tokenFile, Flag: "--admin-token-file"}).Token(); err != nil {

@@ -5,7 +5,6 @@ package main
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"flag"
 	"fmt"
@@ -152,7 +151,7 @@ func serve(ctx context.Context, args []string) error {
 	if err := setMemoryLimit(*memRatio, memlimit.FromCgroup, cfg.Logger); err != nil {
 		return err
 	}
-	if admin.allowMutations && cfg.AdminToken == "" && cfg.AdminAuthenticator == nil && (cfg.AdminTLS == nil || cfg.AdminTLS.ClientAuth != tls.RequireAndVerifyClientCert) {
+	if admin.allowMutations && cfg.AdminToken == "" && cfg.AdminAuthenticator == nil && cfg.Authenticator == nil && admin.clientCA == "" {
 		cfg.Logger.Warn("the admin API allows mutating calls (Drain) to anyone who reaches its port: set --admin-token-file or --admin-client-ca")
 	}
 	if cfg.Registerer == nil {
