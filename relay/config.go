@@ -128,9 +128,15 @@ type Config struct {
 	// tokens stay in memory, are never logged and never persisted. The
 	// upstream stream moves to another member's node and token when its
 	// member leaves, or TokenRefreshBefore ahead of its token's expiry if
-	// another member's token lives longer. Needs an Authenticator and, in
-	// a tier, PeerTLS (tokens cross between relays). UpstreamDialOptions
-	// should carry TLS. Default false.
+	// another member's token lives longer. The move is make-before-break
+	// for Envoys, not for istiod: the key's views stay and keep being
+	// served, and the new stream declares what they hold, so nothing is
+	// sent again; the old stream closes as the new one opens (one stream
+	// per key, as istiod counts). A token the upstream refuses
+	// (Unauthenticated, PermissionDenied: revoked, its pod deleted) is not
+	// presented again: the next stream presents another member's. Needs
+	// an Authenticator and, in a tier, PeerTLS (tokens cross between
+	// relays). UpstreamDialOptions should carry TLS. Default false.
 	ForwardCredentials bool
 	// TokenRefreshBefore: see ForwardCredentials. Also, an Envoy whose
 	// token comes within half of it of its expiry is asked to reconnect

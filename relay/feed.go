@@ -202,6 +202,9 @@ func (u *feed) run(ctx context.Context) {
 		u.reportSource()
 		got, err := u.session(ctx, node, presenter, src)
 		u.renewing = errors.Is(err, errRenew)
+		if u.r.cfg.ForwardCredentials && src.kind != sourcePeer && noteRefused(presenter, err) {
+			u.r.log.Warn("upstream refused the token a key's stream presented: presenting another member's next", "key", u.k.key, "node", node.GetId(), "err", err)
+		}
 		if errors.Is(err, errIdle) || ctx.Err() != nil {
 			return
 		}

@@ -3,9 +3,12 @@ package relay
 import (
 	"context"
 	"log/slog"
+	"sync/atomic"
 	"time"
 
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/relay/auth"
 )
@@ -16,6 +19,10 @@ import (
 type credential struct {
 	token   string
 	expires time.Time // zero: unknown
+	// refused is set once the upstream refused a stream presenting the
+	// token (Unauthenticated or PermissionDenied: revoked, or bound to a
+	// pod that is gone): it is not presented again.
+	refused atomic.Bool
 }
 
 func (c *credential) String() string { return "[token]" }
@@ -25,7 +32,28 @@ func (c *credential) LogValue() slog.Value { return slog.StringValue("[token]") 
 
 // usableAt reports whether c may still be presented at t.
 func (c *credential) usableAt(t time.Time) bool {
-	return c != nil && (c.expires.IsZero() || t.Before(c.expires))
+	return c != nil && !c.refused.Load() && (c.expires.IsZero() || t.Before(c.expires))
+}
+
+// noteRefused marks the credential m presents as refused when err is the
+// upstream refusing the stream's credentials: the key's next stream then
+// presents another member (presentable), instead of retrying a token
+// istiod will not take.
+func noteRefused(m member, err error) bool {
+	if m == nil {
+		return false
+	}
+	switch status.Code(err) {
+	case codes.Unauthenticated, codes.PermissionDenied:
+	default:
+		return false
+	}
+	_, c := m.presents()
+	if c == nil {
+		return false
+	}
+	c.refused.Store(true)
+	return true
 }
 
 // forwardable returns the credential of a new stream to keep, in forward

@@ -3,7 +3,9 @@ package relay
 import (
 	"context"
 	"crypto/sha256"
+	"errors"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -25,11 +27,12 @@ func tokenHash(tok string) [32]byte { return sha256.Sum256([]byte(tok)) }
 // enforces istiod's identity rule.
 func forwardEnv(t *testing.T, refresh time.Duration) (*secureEnv, *synth.Guard) {
 	t.Helper()
-	return forwardEnvMode(t, auth.ModeJWT, refresh)
+	return forwardEnvMode(t, auth.ModeJWT, refresh, nil)
 }
 
-// forwardEnvMode is forwardEnv with the TLS port's --xds-auth mode.
-func forwardEnvMode(t *testing.T, mode auth.Mode, refresh time.Duration) (*secureEnv, *synth.Guard) {
+// forwardEnvMode is forwardEnv with the TLS port's --xds-auth mode, and
+// the upstream's token verifier wrapped by upstreamTokens if set.
+func forwardEnvMode(t *testing.T, mode auth.Mode, refresh time.Duration, upstreamTokens func(auth.TokenVerifier) auth.TokenVerifier) (*secureEnv, *synth.Guard) {
 	t.Helper()
 	issuer := authtest.NewIssuer(t)
 	lcfg := auth.DefaultLocalConfig()
@@ -39,6 +42,9 @@ func forwardEnvMode(t *testing.T, mode auth.Mode, refresh time.Duration) (*secur
 		t.Fatal(err)
 	}
 	g := &synth.Guard{Tokens: v}
+	if upstreamTokens != nil {
+		g.Tokens = upstreamTokens(v)
+	}
 	e := newSecureEnvWith(t, mode, issuer, []grpc.ServerOption{grpc.ChainStreamInterceptor(g.Interceptor)}, func(c *Config) {
 		c.ForwardCredentials = true
 		c.TokenRefreshBefore = refresh
@@ -115,7 +121,7 @@ func TestForwardPresentsAMembersToken(t *testing.T) {
 // key's upstream stream presents that token, and not the node of a member
 // that sent a certificate alone, which has nothing istiod would take.
 func TestForwardTokenBesideACertificate(t *testing.T) {
-	e, g := forwardEnvMode(t, auth.ModeAny, time.Minute)
+	e, g := forwardEnvMode(t, auth.ModeAny, time.Minute, nil)
 	cert := e.mesh.Workload(t, "cluster.local", "ns1", "app")
 	tok := e.issuer.Sign(t, authtest.Token{Namespace: "ns1", ServiceAccount: "app", TTL: time.Hour})
 	both := newRawClient(t, e.dial(t, creds{cert: cert, token: tok, perRPC: true}), true, saNode("ns1", "app", 1))
@@ -136,6 +142,73 @@ func TestForwardTokenBesideACertificate(t *testing.T) {
 	}
 	if refused := g.Refused(); len(refused) > 0 {
 		t.Fatalf("the upstream refused streams: %v", refused)
+	}
+}
+
+// revoked is the upstream's verifier, refusing some tokens the relay's
+// verifier takes (a token bound to a pod that was deleted: the TokenReview
+// istiod asks fails before the token's exp). Safe for concurrent use.
+type revoked struct {
+	auth.TokenVerifier
+	mu      sync.Mutex
+	tokens  map[[32]byte]bool
+	refused int
+}
+
+func (r *revoked) revoke(tok string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.tokens[tokenHash(tok)] = true
+}
+
+func (r *revoked) VerifyToken(ctx context.Context, tok string) (auth.Identity, error) {
+	r.mu.Lock()
+	bad := r.tokens[tokenHash(tok)]
+	if bad {
+		r.refused++
+	}
+	r.mu.Unlock()
+	if bad {
+		return auth.Identity{}, errors.New("token revoked")
+	}
+	return r.TokenVerifier.VerifyToken(ctx, tok)
+}
+
+// A token the upstream refuses is not presented again: the key's next
+// stream presents another member's token at once, rather than retrying the
+// refused one with every backoff.
+func TestForwardSkipsATokenTheUpstreamRefused(t *testing.T) {
+	up := &revoked{tokens: map[[32]byte]bool{}}
+	e, g := forwardEnvMode(t, auth.ModeJWT, time.Minute, func(v auth.TokenVerifier) auth.TokenVerifier {
+		up.TokenVerifier = v
+		return up
+	})
+	// The first member's token is good when it connects: the key's stream
+	// presents it. Then its pod is deleted upstream (the token revoked)
+	// and a second member joins; the key's stream breaks and must not
+	// come back with the revoked token.
+	a, tokA, closeA := e.member(t, 1, time.Hour)
+	defer closeA()
+	waitPresented(t, g, tokA, "the first member's token is presented")
+	up.revoke(tokA)
+	b, tokB, closeB := e.member(t, 2, time.Hour)
+	defer closeB()
+	// The upstream restarts: the stream must be opened again, with whose
+	// token?
+	e.up.stop()
+	e.up.restart()
+	seen := waitPresented(t, g, tokB, "the stream presents the second member's token")
+	if last := seen[len(seen)-1]; last.Node != b.node.GetId() {
+		t.Fatalf("stream presents %s, want %s", last.Node, b.node.GetId())
+	}
+	up.mu.Lock()
+	refused := up.refused
+	up.mu.Unlock()
+	if refused > 1 {
+		t.Fatalf("the upstream refused the revoked token %d times, want at most once", refused)
+	}
+	for _, c := range []*rawClient{a, b} {
+		c.quiet()
 	}
 }
 
