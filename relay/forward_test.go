@@ -55,15 +55,62 @@ func forwardEnvMode(t *testing.T, mode auth.Mode, refresh time.Duration, upstrea
 // member connects one Envoy of ns1/app over TLS with its own token.
 func (e *secureEnv) member(t *testing.T, i int, ttl time.Duration) (*rawClient, string, func()) {
 	t.Helper()
-	tok := e.issuer.Sign(t, authtest.Token{Namespace: "ns1", ServiceAccount: "app", TTL: ttl})
+	return e.memberOf(t, "ns1", i, ttl)
+}
+
+// memberOf connects one Envoy of ns/app over TLS with its own token.
+func (e *secureEnv) memberOf(t *testing.T, ns string, i int, ttl time.Duration) (*rawClient, string, func()) {
+	t.Helper()
+	tok := e.issuer.Sign(t, authtest.Token{Namespace: ns, ServiceAccount: "app", TTL: ttl})
 	conn := e.dial(t, creds{token: tok, perRPC: true})
-	c := newRawClient(t, conn, true, saNode("ns1", "app", i))
+	c := newRawClient(t, conn, true, saNode(ns, "app", i))
 	c.subscribe(xds.TypeCluster, "*")
 	if got := names(c.recvDelta(xds.TypeCluster)); len(got) != 3 {
-		t.Fatalf("member %d: clusters %v, want the 3 of ns1", i, got)
+		t.Fatalf("member %d of %s: clusters %v, want the 3 of %s", i, ns, got, ns)
 	}
 	c.quiet()
 	return c, tok, func() { c.close(); conn.Close() }
+}
+
+// Several keys: the upstream sees exactly one stream per key, each
+// presenting the node of one of that key's members and that member's own
+// token, which the upstream verified; none presents another key's.
+func TestForwardOneStreamPerKeyEachWithItsMembersToken(t *testing.T) {
+	e, g := forwardEnv(t, time.Minute)
+	type member struct{ node, ns string }
+	byToken := map[[32]byte]member{}
+	for _, ns := range []string{"ns1", "ns2"} {
+		for i := range 3 {
+			c, tok, closeC := e.memberOf(t, ns, i, time.Hour)
+			defer closeC()
+			byToken[tokenHash(tok)] = member{c.node.GetId(), ns}
+		}
+	}
+	if n := len(e.r.heldKeys()); n != 2 {
+		t.Fatalf("keys = %d, want 2 (one per namespace)", n)
+	}
+	waitOpenUpstreams(t, e.up, 2)
+	seen := g.Admitted()
+	if len(seen) != 2 {
+		t.Fatalf("upstream admitted %d streams %+v, want 2: one per key", len(seen), seen)
+	}
+	keys := map[string]bool{}
+	for _, s := range seen {
+		m, ok := byToken[s.Token]
+		if !ok {
+			t.Fatalf("an upstream stream presents a token no member brought (%x)", s.Token)
+		}
+		if s.Node != m.node {
+			t.Fatalf("an upstream stream presents node %s with the token of %s", s.Node, m.node)
+		}
+		keys[m.ns] = true
+	}
+	if len(keys) != 2 {
+		t.Fatalf("upstream streams present members of %v, want one of each namespace", keys)
+	}
+	if refused := g.Refused(); len(refused) > 0 {
+		t.Fatalf("the upstream refused streams: %v", refused)
+	}
 }
 
 // waitPresented waits until the upstream's latest admitted stream presents

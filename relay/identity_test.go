@@ -260,6 +260,30 @@ func TestTLSPortSpoofedNodeCreatesNoKey(t *testing.T) {
 	if _, err := firstAnswer(t, e.dial(t, creds{token: ns2Tok}), ns2Tok, saNode("ns2", "app", 3)); err != nil {
 		t.Fatalf("genuine ns2 stream: %v", err)
 	}
+	ns2Key := func() *keyState {
+		for _, k := range e.r.heldKeys() {
+			if strings.Contains(string(k.key), "/ns2/") {
+				return k
+			}
+		}
+		t.Fatal("no key of ns2 after the genuine stream")
+		return nil
+	}
+	k := ns2Key()
+	_, openedBefore := e.up.streams()
+	// Now that the key of ns2 exists, a spoofed stream does not join it.
+	for i, n := range []*core.Node{saNode("ns2", "app", 4), saNode("ns2", "app", 3)} {
+		_, err := firstAnswer(t, e.dial(t, creds{token: ns1Tok}), ns1Tok, n)
+		if status.Code(err) != codes.PermissionDenied {
+			t.Fatalf("spoof %d of an existing key: %v, want PermissionDenied", i, err)
+		}
+	}
+	if got := ns2Key(); got != k || k.memberCount() != 1 {
+		t.Fatalf("the key of ns2 has %d members after spoofed streams, want its 1 genuine one", k.memberCount())
+	}
+	if _, opened := e.up.streams(); opened != openedBefore {
+		t.Fatalf("upstream streams opened went from %d to %d on spoofed streams", openedBefore, opened)
+	}
 }
 
 // Two workloads whose nodes look alike (no SERVICE_ACCOUNT in the
