@@ -1,16 +1,25 @@
 package relay
 
 import (
+	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"math/big"
 	"net"
 	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
 
+	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/xds"
 
 	"github.com/meshrelay/meshrelay/relay/auth"
@@ -59,10 +68,49 @@ func serialAt(t *testing.T, addr string, tc *tls.Config) *big.Int {
 	return c.ConnectionState().PeerCertificates[0].SerialNumber
 }
 
+// onceDialer dials addr over TLS once: a second dial (the connection was
+// dropped and gRPC would make another) fails.
+type onceDialer struct {
+	addr  string
+	tc    *tls.Config
+	dials atomic.Int32
+}
+
+func (d *onceDialer) dial(ctx context.Context, _ string) (net.Conn, error) {
+	if d.dials.Add(1) > 1 {
+		return nil, errors.New("dialled again: the first connection was dropped")
+	}
+	return (&tls.Dialer{Config: d.tc}).DialContext(ctx, "tcp", d.addr)
+}
+
+// conn is a gRPC connection over the dialer's one TLS connection.
+func (d *onceDialer) conn(t *testing.T) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient("passthrough:///"+d.addr, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithContextDialer(d.dial))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
+// withMD is a connection that adds md to every stream it opens.
+type withMD struct {
+	grpc.ClientConnInterface
+	md metadata.MD
+}
+
+func (c withMD) NewStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+	return c.ClientConnInterface.NewStream(metadata.NewOutgoingContext(ctx, c.md), desc, method, opts...)
+}
+
 // Certificates rotate on all three listeners (the TLS xDS port, the peer
-// port, the admin port) while config flows to Envoys over TLS: no stream
-// is dropped (every Envoy gets every change, on its first stream), and
-// every handshake after a rotation gets the new certificate.
+// port, the admin port) while config flows to Envoys over TLS and to
+// another relay over the peer port, and an admin client holds a
+// connection: no stream is dropped (every Envoy and the relay get every
+// change, on their first stream; the admin client's connection is the one
+// it made before the rotations), and every handshake after a rotation gets
+// the new certificate.
 func TestCertificateRotationOnEveryListener(t *testing.T) {
 	const envoys, changes = 20, 30
 	e := newSecureEnv(t, auth.ModeJWT, nil)
@@ -110,6 +158,26 @@ func TestCertificateRotationOnEveryListener(t *testing.T) {
 		c.ack(c.recvDelta(xds.TypeCluster))
 		clients = append(clients, c)
 	}
+	// Another relay of the tier subscribes to the key over the peer port,
+	// and an admin client connects, both before the rotations.
+	peerConn := &onceDialer{addr: r.PeerAddr().String(), tc: peerDial}
+	peerMD := metadata.Pairs(peers.MDRelay, "relay-x", peers.MDKey, string(aggkey.Istio{}.Key(node("ns1", "app", 1))))
+	peerStream := newRawClient(t, withMD{peerConn.conn(t), peerMD}, true, saNode("ns1", "app", 99))
+	peerStream.subscribe(xds.TypeCluster, "*")
+	peerStream.ack(peerStream.recvDelta(xds.TypeCluster))
+	adminConn := &onceDialer{addr: r.AdminAddr().String(), tc: adminClient.Clone()}
+	adminConn.tc.NextProtos = []string{"h2"}
+	admin := healthpb.NewHealthClient(adminConn.conn(t))
+	healthy := func(when string) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if h, err := admin.Check(ctx, &healthpb.HealthCheckRequest{}); err != nil || h.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+			t.Fatalf("admin health check %s: %v, %v", when, h, err)
+		}
+	}
+	healthy("before the rotations")
+
 	// Changes flow while the files rotate, each listener twice.
 	done := make(chan struct{})
 	go func() {
@@ -131,14 +199,20 @@ func TestCertificateRotationOnEveryListener(t *testing.T) {
 	}
 	<-done
 	last := fmt.Sprint("rot-", changes-1)
-	for _, c := range clients {
+	for _, c := range append(clients, peerStream) {
 		for got := false; !got; {
 			m := c.recvDelta(xds.TypeCluster) // fails the test if the stream ended
 			got = slices.Contains(names(m), last)
 			c.ack(m)
 		}
 	}
-	if st := r.Stats(); st.Streams != envoys {
-		t.Fatalf("relay holds %d Envoy streams after the rotations, want the %d it started with", st.Streams, envoys)
+	if st := r.Stats(); st.Streams != envoys || st.PeerClients != 1 {
+		t.Fatalf("relay holds %d Envoy and %d relay streams after the rotations, want the %d and 1 it started with", st.Streams, st.PeerClients, envoys)
+	}
+	healthy("after the rotations")
+	for name, d := range map[string]*onceDialer{"peer": peerConn, "admin": adminConn} {
+		if n := d.dials.Load(); n != 1 {
+			t.Fatalf("the %s client dialled %d times: its connection was dropped", name, n)
+		}
 	}
 }
