@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"io"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -65,6 +66,10 @@ func TestTLSPortBadInput(t *testing.T) {
 			t.Fatalf("good client: %v", err)
 		}
 	}
+	// A good client's stream, open before the bad input and through it.
+	longLived := newRawClient(t, e.dial(t, creds{token: good, perRPC: true}), true, saNode("ns1", "app", 2))
+	longLived.subscribe(xds.TypeCluster, "*")
+	longLived.ack(longLived.recvDelta(xds.TypeCluster))
 	conn := e.dial(t, creds{})
 	three, many := metadata.MD{}, metadata.MD{}
 	for range 3 {
@@ -108,6 +113,12 @@ func TestTLSPortBadInput(t *testing.T) {
 			t.Fatalf("the silent connection was not closed by the relay: %v", err)
 		}
 	})
+
+	// The stream opened before it all is still served: a change reaches it.
+	e.up.set("ns1", xds.TypeCluster, mkCluster("c0"), mkCluster("c1"), mkCluster("c2"), mkCluster("after-bad-input"))
+	if got := names(longLived.recvDelta(xds.TypeCluster)); !slices.Equal(got, []string{"after-bad-input"}) {
+		t.Fatalf("the long-lived stream got %v after the bad input, want the new cluster", got)
+	}
 }
 
 // A flood of failing authentications from one address costs a bounded
