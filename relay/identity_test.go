@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/meshrelay/meshrelay/relay/peers"
@@ -207,32 +208,73 @@ func TestTLSPortIdentityTable(t *testing.T) {
 		{"certificate of another trust domain", creds{cert: e.mesh.Workload(t, "evil.domain", "ns1", "app")}, ns1, codes.Unauthenticated, "wrong_trust_domain"},
 		{"no credentials", creds{}, ns1, codes.Unauthenticated, "no_credentials"},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			before := authFailures(e.r, tc.reason)
-			resp, err := firstAnswer(t, e.dial(t, tc.creds), tc.creds.token, tc.node)
-			if tc.want == codes.OK {
-				if err != nil {
-					t.Fatalf("stream: %v, want a response", err)
+		for _, delta := range []bool{true, false} {
+			t.Run(tc.name+"/"+protocolName(delta), func(t *testing.T) {
+				before := authFailures(e.r, tc.reason)
+				var resp interface{ GetResources() []*anypb.Any }
+				var err error
+				if delta {
+					var r *discovery.DeltaDiscoveryResponse
+					r, err = firstAnswer(t, e.dial(t, tc.creds), tc.creds.token, tc.node)
+					resp = deltaResources{r}
+				} else {
+					var r *discovery.DiscoveryResponse
+					r, err = firstAnswerSotW(t, e.dial(t, tc.creds), tc.creds.token, tc.node)
+					resp = r
 				}
-				if len(resp.GetResources()) == 0 {
-					t.Fatalf("response %v: want the namespace's clusters", resp)
+				if tc.want == codes.OK {
+					if err != nil {
+						t.Fatalf("stream: %v, want a response", err)
+					}
+					if len(resp.GetResources()) == 0 {
+						t.Fatalf("response %v: want the namespace's clusters", resp)
+					}
+					return
 				}
-				return
-			}
-			if resp != nil {
-				t.Fatalf("stream answered %v, want nothing served", resp)
-			}
-			if got := status.Code(err); got != tc.want {
-				t.Fatalf("stream: %v (%s), want %s", err, got, tc.want)
-			}
-			if tc.creds.token != "" && strings.Contains(err.Error(), tc.creds.token) {
-				t.Fatalf("the error %q repeats the token", err)
-			}
-			if got := authFailures(e.r, tc.reason); got != before+1 {
-				t.Fatalf("auth failures{reason=%q} = %v, want %v", tc.reason, got, before+1)
-			}
-		})
+				if err == nil || len(resp.GetResources()) > 0 {
+					t.Fatalf("stream answered %v, want nothing served", resp)
+				}
+				if got := status.Code(err); got != tc.want {
+					t.Fatalf("stream: %v (%s), want %s", err, got, tc.want)
+				}
+				if tc.creds.token != "" && strings.Contains(err.Error(), tc.creds.token) {
+					t.Fatalf("the error %q repeats the token", err)
+				}
+				if got := authFailures(e.r, tc.reason); got != before+1 {
+					t.Fatalf("auth failures{reason=%q} = %v, want %v", tc.reason, got, before+1)
+				}
+			})
+		}
 	}
+}
+
+// deltaResources reads a Delta response's resources as Anys (nil-safe).
+type deltaResources struct {
+	r *discovery.DeltaDiscoveryResponse
+}
+
+func (d deltaResources) GetResources() []*anypb.Any {
+	var out []*anypb.Any
+	for _, r := range d.r.GetResources() {
+		out = append(out, r.GetResource())
+	}
+	return out
+}
+
+// firstAnswerSotW is firstAnswer over SotW.
+func firstAnswerSotW(t *testing.T, conn *grpc.ClientConn, token string, n *core.Node) (*discovery.DiscoveryResponse, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	t.Cleanup(cancel)
+	if token != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
+	}
+	st, err := discovery.NewAggregatedDiscoveryServiceClient(conn).StreamAggregatedResources(ctx)
+	if err != nil {
+		return nil, err
+	}
+	_ = st.Send(&discovery.DiscoveryRequest{Node: n, TypeUrl: xds.TypeCluster}) // a refusal comes back on Recv
+	return st.Recv()
 }
 
 // A client proven as namespace ns1 presenting a node of ns2 is refused,
