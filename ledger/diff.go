@@ -39,28 +39,33 @@ func diffNodes[V any](a, b *node[V], depth int, fn func(Change[V]) bool) bool {
 	}
 	// At least one side is a branch: compare child by child, seeing a leaf
 	// as a branch with that leaf as its only child.
-	at := children(a, depth)
-	bt := children(b, depth)
+	an, bn := leafNibble(a, depth), leafNibble(b, depth)
 	for i := range 16 {
-		if !diffNodes(at(i), bt(i), depth+1, fn) {
+		if !diffNodes(childAt(a, an, i), childAt(b, bn, i), depth+1, fn) {
 			return false
 		}
 	}
 	return true
 }
 
-// children returns a function giving n's child at each nibble, where a leaf
-// at depth counts as a branch holding only itself.
-func children[V any](n *node[V], depth int) func(int) *node[V] {
+// leafNibble is, for a leaf, the nibble of its path at depth (where it sits
+// when seen as a branch holding only itself); -1 for a branch.
+func leafNibble[V any](n *node[V], depth int) int {
 	if !n.isLeaf() {
-		return n.child
+		return -1
 	}
 	p := pathOf(n.name)
-	at := nibble(&p, depth)
-	return func(i int) *node[V] {
-		if i == at {
-			return n
-		}
-		return nil
+	return nibble(&p, depth)
+}
+
+// childAt returns n's child at nibble i, a leaf (leafNibble at, not -1)
+// counting as a branch holding only itself.
+func childAt[V any](n *node[V], at, i int) *node[V] {
+	switch {
+	case at < 0:
+		return n.child(i)
+	case i == at:
+		return n
 	}
+	return nil
 }
