@@ -35,7 +35,10 @@ func (r *Relay) serveSotW(ss discovery.AggregatedDiscoveryService_StreamAggregat
 		return r, ss.RecvMsg(r)
 	}
 	size := func(r *wire.SotWRequest) int { return r.Names.Size() }
-	return serve(s, recv, size, func(r *wire.SotWRequest) error { return s.handleSotW(r.Req, &r.Names) })
+	return serve(s, recv, size, func(r *wire.SotWRequest) error {
+		defer r.Release() // the names are decoded, if at all, by now
+		return s.handleSotW(r.Req, &r.Names)
+	})
 }
 
 // onSotW handles one SotW request.
@@ -82,7 +85,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *wire.NameLis
 		req.ResourceNames = list
 		return s.passthroughSotW(req)
 	}
-	explicit, digest := names.Wildcard(), names.Digest()
+	explicit := names.Wildcard()
 
 	sub := s.subs[typeURL]
 	if sub == nil {
@@ -92,7 +95,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *wire.NameLis
 		}
 		legacy := names.Len() == 0 && xds.LegacyWildcard(typeURL)
 		sub = s.newSub(typeURL, explicit || legacy, legacy, set)
-		sub.listDigest = digest
+		sub.listID = names.ID()
 		if v := req.GetVersionInfo(); v != "" {
 			// What the client holds, from another relay or an earlier
 			// stream: settled against the view in sync. A version that is
@@ -115,14 +118,14 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *wire.NameLis
 		s.ack(sub, sub.sent, nackDetail(req.GetErrorDetail()), true)
 	}
 	wildcard := explicit || (sub.legacy && names.Len() == 0)
-	if digest == sub.listDigest && wildcard == sub.wildcard {
+	if wildcard == sub.wildcard && names.Same(&sub.listID) {
 		return nil // the same subscription again: an ACK or a NACK
 	}
 	set, err := decoded()
 	if err != nil {
 		return err
 	}
-	sub.listDigest = digest
+	sub.listID = names.ID()
 	s.resubscribe(sub, wildcard, set, nil)
 	return nil
 }

@@ -89,8 +89,8 @@ type typeSub struct {
 	// first request named nothing.
 	legacy bool
 	names  xds.NameSet
-	// listDigest is the digest of the latest SotW request's name list.
-	listDigest uint64
+	// listID identifies the latest SotW request's name list.
+	listID wire.ListID
 
 	// known is what the client holds, as far as the relay knows: what it
 	// was sent (ACKed or not: a NACKed version is not sent again until the
