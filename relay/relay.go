@@ -115,6 +115,7 @@ type Relay struct {
 	// encodes itself; bodies caches those responses' shared bytes.
 	controlPlaneWire []byte
 	bodies           wire.Bodies
+	versions         wire.Versions // every version string rendered once
 	streamID         atomic.Uint64
 	// clock orders the views of the keys this relay is the source of, and
 	// observes the Orders of views it gets from the tier (ledger.Order).
@@ -638,7 +639,10 @@ func (r *Relay) Clients() []ClientStatus {
 			cs.Protocol = ProtocolDelta
 		}
 		s.statusMu.Lock()
-		cs.Types = maps.Clone(s.status)
+		cs.Types = make(map[string]TypeStatus, len(s.status))
+		for typeURL, st := range s.status {
+			cs.Types[typeURL] = *st
+		}
 		s.statusMu.Unlock()
 		out = append(out, cs)
 	}

@@ -64,6 +64,7 @@ type stream struct {
 	// danglingTimer wakes the stream when the earliest of them is due
 	// (danglingDue), one timer for all.
 	dangling      map[string]time.Time
+	plans         planScratch // sync's
 	danglingTimer *time.Timer
 	danglingDue   time.Time
 	pass          *passthrough
@@ -72,7 +73,7 @@ type stream struct {
 	dirty bool
 
 	statusMu sync.Mutex
-	status   map[string]TypeStatus // by type URL; read by Relay.Clients
+	status   map[string]*TypeStatus // by type URL; read by Relay.Clients
 
 	// send writes one response of a cached type, sendRaw a passthrough
 	// answer; both are the protocol's own.
@@ -184,7 +185,7 @@ func (r *Relay) newStream(ctx context.Context, delta bool, p port) *stream {
 
 		opened: time.Now(),
 
-		status: make(map[string]TypeStatus),
+		status: make(map[string]*TypeStatus),
 	}
 	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
 		s.peer = p.Addr.String()
@@ -286,8 +287,11 @@ func (s *stream) updateStatus(typeURL string, fn func(*TypeStatus)) {
 	s.statusMu.Lock()
 	defer s.statusMu.Unlock()
 	st := s.status[typeURL]
-	fn(&st)
-	s.status[typeURL] = st
+	if st == nil {
+		st = new(TypeStatus)
+		s.status[typeURL] = st
+	}
+	fn(st)
 }
 
 // settled reports whether the client answered (ACK or NACK) the latest
@@ -445,8 +449,11 @@ func (sub *typeSub) target(view ledger.Tree[*xds.Resource]) ledger.Tree[*xds.Res
 }
 
 // changes returns what the client lacks or holds at another hash (upd), and
-// the names it holds that the view does not have (gone).
-func (sub *typeSub) changes(view ledger.Tree[*xds.Resource]) (upd []*xds.Resource, gone []string) {
+// the names it holds that the view does not have (gone). whole reports
+// that upd and gone are every difference between what the client holds
+// and the whole view: applied, they leave the client holding the view
+// itself (a wildcard subscription, or one that names all the view has).
+func (sub *typeSub) changes(view ledger.Tree[*xds.Resource]) (upd []*xds.Resource, gone []string, whole bool) {
 	if !sub.wildcard && len(sub.names)*4 < view.Len() {
 		// A small subscription to a large view: look each name up.
 		for _, n := range sub.names {
@@ -459,18 +466,21 @@ func (sub *typeSub) changes(view ledger.Tree[*xds.Resource]) (upd []*xds.Resourc
 				gone = append(gone, n)
 			}
 		}
-		return upd, gone
+		return upd, gone, false
 	}
+	whole = true
 	ledger.Diff(sub.known, view, func(c ledger.Change[*xds.Resource]) bool {
 		switch {
 		case c.New != nil && (sub.wildcard || sub.names.Has(c.Name)):
 			upd = append(upd, c.New.Value)
-		case c.New == nil:
+		case c.New != nil:
+			whole = false // the view has what the client does not ask for
+		default:
 			gone = append(gone, c.Name)
 		}
 		return true
 	})
-	return upd, gone
+	return upd, gone, whole
 }
 
 // plan is what one sync round will send for one type.
@@ -484,6 +494,11 @@ type plan struct {
 	// when they match, the client is in sync with the view once it applies
 	// them.
 	want, done int
+	// whole: upd and gone are every difference between what the client
+	// holds and the view itself (typeSub.changes), so once done reaches
+	// want the client holds the view: its known tree becomes the view's,
+	// without building a copy of it.
+	whole bool
 }
 
 // sync brings the client up to the key's latest views: updates in push
@@ -502,12 +517,40 @@ func (s *stream) sync() error {
 	if err := s.sendRemovals(plans); err != nil {
 		return err
 	}
-	for _, p := range append(synced, plans...) {
-		if p.done == p.want {
-			s.led.Synced(p.sub.typeURL, p.ts.view.Root(), now)
+	for _, ps := range [2][]*plan{synced, plans} {
+		for _, p := range ps {
+			if p.done == p.want {
+				s.led.Synced(p.sub.typeURL, p.ts.view.Root(), now)
+			}
 		}
 	}
 	return nil
+}
+
+// planScratch is a stream's scratch for the plans of one sync: at most one a
+// type, reused from sync to sync (a plan does not outlive its sync), so
+// that a push allocates none.
+type planScratch struct {
+	buf            []plan
+	planned, equal []*plan
+}
+
+// add returns a new plan p in the scratch.
+func (ps *planScratch) add(p plan) *plan {
+	if len(ps.buf) == cap(ps.buf) {
+		return &p // more types than PushOrder lists: not reached
+	}
+	ps.buf = append(ps.buf, p)
+	return &ps.buf[len(ps.buf)-1]
+}
+
+// reset empties the scratch for a new sync.
+func (ps *planScratch) reset() {
+	if ps.buf == nil {
+		ps.buf = make([]plan, 0, len(xds.PushOrder))
+	}
+	clear(ps.buf[:cap(ps.buf)]) // no plan keeps the last sync's resources alive
+	ps.buf, ps.planned, ps.equal = ps.buf[:0], ps.planned[:0], ps.equal[:0]
 }
 
 // planTypes decides, type by type in push order, what the stream sends
@@ -516,6 +559,9 @@ func (s *stream) sync() error {
 // whose view is not known yet, or whose claimed version the tier is
 // asked about, stops the walk: what comes later in push order waits.
 func (s *stream) planTypes(snap *keyViews, now time.Time) (plans, synced []*plan) {
+	s.plans.reset()
+	defer func() { s.plans.planned, s.plans.equal = plans, synced }()
+	plans, synced = s.plans.planned, s.plans.equal
 	wait := s.r.cfg.ResourceWaitTimeout
 	for _, typeURL := range xds.PushOrder {
 		sub := s.subs[typeURL]
@@ -548,12 +594,12 @@ func (s *stream) planTypes(snap *keyViews, now time.Time) (plans, synced []*plan
 				// (deferDangling) and what it refers to is not removed
 				// (heldBy).
 				if upd := s.lacking(sub, ts); len(upd) > 0 {
-					plans = append(plans, &plan{sub: sub, ts: ts, upd: upd, want: len(upd) + 1})
+					plans = append(plans, s.plans.add(plan{sub: sub, ts: ts, upd: upd, want: len(upd) + 1}))
 				}
 				continue
 			}
 		}
-		upd, gone := sub.changes(ts.view)
+		upd, gone, whole := sub.changes(ts.view)
 		want := len(upd) + len(gone)
 		if want == 0 {
 			sub.share(ts.view)
@@ -562,7 +608,7 @@ func (s *stream) planTypes(snap *keyViews, now time.Time) (plans, synced []*plan
 		if typeURL == xds.TypeCluster {
 			s.forceEndpoints(sub, upd)
 		}
-		p := &plan{sub: sub, ts: ts, upd: upd, gone: gone, want: want}
+		p := s.plans.add(plan{sub: sub, ts: ts, upd: upd, gone: gone, want: want, whole: whole})
 		switch {
 		case len(upd) > 0 || len(gone) > 0 || sub.awaitFirst || s.orderNews(sub, ts, want):
 			plans = append(plans, p)
@@ -999,15 +1045,30 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 	p.done += len(upd) + len(removed)
 	fromTree := sub.known
 	from := fromTree.Root()
-	kb := sub.known.Edit()
-	for _, r := range upd {
-		kb.Set(r.Name, r.Hash, r)
+	apply := func() ledger.Tree[*xds.Resource] {
+		kb := sub.known.Edit()
+		for _, r := range upd {
+			kb.Set(r.Name, r.Hash, r)
+		}
+		for _, n := range removed {
+			kb.Delete(n)
+		}
+		return kb.Tree()
 	}
-	for _, n := range removed {
-		kb.Delete(n)
+	if p.whole && p.done == p.want {
+		// Every difference is sent: the client holds the view (most
+		// pushes: one change, to streams in sync), which every such
+		// stream of the key then shares, with no copy built.
+		if checkWhole {
+			if got := apply().Root(); got != p.ts.view.Root() {
+				panic(fmt.Sprintf("relay: a whole plan of %s leaves the client at %s, not the view's %s", sub.typeURL, got, p.ts.view.Root()))
+			}
+		}
+		sub.known = p.ts.view
+	} else {
+		sub.known = apply()
+		sub.share(p.ts.view)
 	}
-	sub.known = kb.Tree()
-	sub.share(p.ts.view)
 	first := sub.awaitFirst
 	sub.awaitFirst = false
 
@@ -1027,10 +1088,10 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 	switch {
 	case s.delta:
 		out.View = p.ts.view.Root()
-		out.Version = wire.Version(out.View, out.Order)
+		out.Version = s.r.versions.Of(out.View, out.Order)
 	case xds.FullStateSotW(sub.typeURL):
 		out.From = ledger.Hash{}
-		out.Version = wire.Version(sub.known.Root(), out.Order)
+		out.Version = s.r.versions.Of(sub.known.Root(), out.Order)
 		out.Full, out.Held = true, sub.known
 	default:
 		// SotW cannot say "removed" for these types: a removal only
@@ -1038,7 +1099,7 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 		if len(upd) == 0 && !first {
 			return nil
 		}
-		out.Version = wire.Version(sub.known.Root(), out.Order)
+		out.Version = s.r.versions.Of(sub.known.Root(), out.Order)
 	}
 	out.Nonce = s.nextNonce()
 	now := time.Now()
@@ -1057,10 +1118,17 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 	if err := s.send(out); err != nil {
 		return err
 	}
-	s.log.Debug("push", "type", xds.ShortType(sub.typeURL), "version", out.Version, "nonce", out.Nonce,
-		"resources", len(upd), "removed", len(removed))
+	if s.log.Enabled(s.ctx, slog.LevelDebug) {
+		s.log.Debug("push", "type", xds.ShortType(sub.typeURL), "version", out.Version, "nonce", out.Nonce,
+			"resources", len(upd), "removed", len(removed))
+	}
 	return nil
 }
+
+// checkWhole makes emit check what plan.whole lets it skip: that the
+// client's known tree, built, would be the view. The package's tests set
+// it (whole_test.go).
+var checkWhole bool
 
 // nackDetail renders a NACK's error_detail; "" means the request is an ACK.
 func nackDetail(st *rpcstatus.Status) string {

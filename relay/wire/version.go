@@ -2,6 +2,7 @@ package wire
 
 import (
 	"strings"
+	"sync"
 
 	"github.com/meshrelay/meshrelay/ledger"
 )
@@ -39,4 +40,41 @@ func ParseVersion(v string) (ledger.Hash, ledger.Order, error) {
 		return ledger.Hash{}, ledger.Order{}, err
 	}
 	return h, o, nil
+}
+
+// Versions renders versions (Version) once per distinct content and Order:
+// every stream of a key sent the same view puts the same string on the
+// wire and keeps it in its status, so they share one. Bounded: cleared
+// when full (the working set is the few views in flight). Safe for
+// concurrent use; the zero value is ready.
+type Versions struct {
+	mu sync.Mutex
+	m  map[versionKey]string
+}
+
+type versionKey struct {
+	h ledger.Hash
+	o ledger.Order
+}
+
+// maxVersions bounds a Versions cache.
+const maxVersions = 4096
+
+// Of returns Version(h, o).
+func (v *Versions) Of(h ledger.Hash, o ledger.Order) string {
+	k := versionKey{h, o}
+	v.mu.Lock()
+	s, ok := v.m[k]
+	v.mu.Unlock()
+	if ok {
+		return s
+	}
+	s = Version(h, o)
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.m == nil || len(v.m) >= maxVersions {
+		v.m = make(map[versionKey]string)
+	}
+	v.m[k] = s
+	return s
 }
