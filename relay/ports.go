@@ -94,6 +94,14 @@ func (r *Relay) serveXDS(lis net.Listener, p port, opts ...grpc.ServerOption) {
 		// Thousands of mostly idle Envoy connections: give each
 		// connection's write buffer back between writes.
 		grpc.SharedWriteBuffer(true),
+		// Fixed receive windows: gRPC's default estimates bandwidth by
+		// pinging a client whenever data comes in, which an ACK does: two
+		// reads more per Envoy per push, for a few hundred bytes. A window
+		// of 1 MiB takes a large Delta reconnect (its
+		// initial_resource_versions) at LAN speed, and bounds what one
+		// connection can make the relay buffer.
+		grpc.InitialWindowSize(1 << 20),
+		grpc.InitialConnWindowSize(1 << 20),
 		grpc.MaxRecvMsgSize(r.cfg.MaxMsgSize),
 		grpc.MaxSendMsgSize(r.cfg.MaxMsgSize),
 		// A stream's metadata is a token and a few short values: refuse
