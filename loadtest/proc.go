@@ -133,6 +133,17 @@ type ChildConfig struct {
 	// User, if set, runs the child as another user (the parent must be
 	// root; Linux only).
 	User *ChildUser
+	// CPUs, if set, pins the child to these CPUs from its first
+	// instruction: it and every thread it makes may run only there
+	// (sched_setaffinity, Linux only).
+	CPUs CPUSet
+	// ExtraFiles are given to the child as file descriptors 3, 4, …;
+	// StartChild closes the parent's copies once the child has started
+	// (or failed to), so that the child's exit closes the other end.
+	ExtraFiles []*os.File
+	// NoListen says the child listens nowhere: its ready line is
+	// "xds -", and StartChild does not dial it.
+	NoListen bool
 }
 
 // ChildUser is the user and group a child runs as.
@@ -161,8 +172,12 @@ func serveChild(ctx context.Context, addr string, in io.Reader, out io.Writer, f
 }
 
 // readyPrefix starts the line a child prints on stdout once it listens:
-// "xds <host:port>".
+// "xds <host:port>" ("xds -" for a child that listens nowhere).
 const readyPrefix = "xds "
+
+// maxChildLine bounds a line a child prints on stdout; a longer one ends
+// the reading (and the child, blocked on a full pipe, is stopped by Stop).
+const maxChildLine = 16 << 20
 
 // Child is a server running in a process of its own, started by StartChild.
 // Its methods are safe for concurrent use. Whoever starts it must call Stop.
@@ -213,9 +228,13 @@ func StartChild(ctx context.Context, cfg ChildConfig) (*Child, error) {
 	cmd.Dir = cfg.Dir
 	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
 	cmd.WaitDelay = 5 * time.Second
-	err = cmd.Start()
+	cmd.ExtraFiles = cfg.ExtraFiles
+	err = startPinned(cfg.CPUs, cmd.Start)
 	inR.Close() // the child holds its own copies
 	outW.Close()
+	for _, f := range cfg.ExtraFiles {
+		f.Close()
+	}
 	if err != nil {
 		inW.Close()
 		outR.Close()
@@ -236,6 +255,7 @@ func StartChild(ctx context.Context, cfg ChildConfig) (*Child, error) {
 		defer close(c.outEnd)
 		defer outR.Close()
 		sc := bufio.NewScanner(outR)
+		sc.Buffer(make([]byte, 0, 64<<10), maxChildLine)
 		for sc.Scan() {
 			if addr, ok := strings.CutPrefix(sc.Text(), readyPrefix); ok && cfg.Addr == "" {
 				select {
@@ -261,6 +281,9 @@ func StartChild(ctx context.Context, cfg ChildConfig) (*Child, error) {
 	}
 	select {
 	case c.addr = <-ready:
+		if cfg.NoListen {
+			return c, nil
+		}
 	case <-c.exited:
 		return fail(fmt.Errorf("loadtest: child %s exited before it was ready: %v", cfg.Path, c.exitErr()))
 	case <-timer.C:
