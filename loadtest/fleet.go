@@ -16,7 +16,9 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -200,6 +202,60 @@ func (f *Fleet) Connected() int {
 		}
 	}
 	return n
+}
+
+// FleetFigures are a fleet's counters at one moment.
+type FleetFigures struct {
+	Envoys int `json:"envoys"`
+	// Connected counts the Envoys with a stream open.
+	Connected int `json:"connected"`
+	// BytesReceived is the size of every response the fleet received.
+	BytesReceived uint64 `json:"bytes_received"`
+	// Reconnects counts streams reopened.
+	Reconnects uint64 `json:"reconnects"`
+	// Refused counts Envoys whose last stream the server refused
+	// (Unauthenticated, PermissionDenied).
+	Refused int `json:"refused"`
+	// Violations counts the protocol violations recorded; a few of them
+	// are in ViolationSamples.
+	Violations       int      `json:"violations"`
+	ViolationSamples []string `json:"violation_samples,omitempty"`
+	// Tokens is the distinct tokens a TLS fleet presented (a fleet child's).
+	Tokens int `json:"tokens,omitempty"`
+}
+
+// maxViolationSamples bounds FleetFigures.ViolationSamples.
+const maxViolationSamples = 5
+
+// Figures returns the fleet's counters now, with at most samples
+// violations spelt out.
+func (f *Fleet) Figures(samples int) FleetFigures {
+	fig := FleetFigures{Envoys: len(f.envoys), BytesReceived: f.BytesReceived()}
+	for _, e := range f.envoys {
+		st := e.Stats()
+		fig.Reconnects += st.Reconnects
+		if st.Connected {
+			fig.Connected++
+		} else if c := status.Code(st.LastErr); c == codes.Unauthenticated || c == codes.PermissionDenied {
+			fig.Refused++
+		}
+	}
+	v := f.Violations()
+	fig.Violations = len(v)
+	for _, e := range v[:min(len(v), samples)] {
+		fig.ViolationSamples = append(fig.ViolationSamples, e.Error())
+	}
+	return fig
+}
+
+// Counters returns each Envoy's bytes received and streams reopened.
+func (f *Fleet) Counters() EnvoyCounters {
+	c := EnvoyCounters{Bytes: make([]uint64, len(f.envoys)), Reconnects: make([]uint64, len(f.envoys))}
+	for i, e := range f.envoys {
+		st := e.Stats()
+		c.Bytes[i], c.Reconnects[i] = st.BytesReceived, st.Reconnects
+	}
+	return c
 }
 
 // Violations returns every protocol violation any Envoy recorded.

@@ -139,7 +139,9 @@ const (
 // Tokens are signed once per (namespace, service account). Safe for
 // concurrent use.
 type MeshCredentials struct {
+	dir      string
 	pool     *x509.CertPool
+	rootPEM  []byte
 	certFile string
 	keyFile  string
 	jwksFile string
@@ -166,7 +168,7 @@ func NewMeshCredentials(dir string) (*MeshCredentials, error) {
 		return nil, err
 	}
 	m := &MeshCredentials{
-		pool: ca.Pool(), issuer: issuer,
+		dir: dir, pool: ca.Pool(), rootPEM: ca.RootPEM(), issuer: issuer,
 		tokens: map[[2]string]string{}, owners: map[string][2]string{},
 		certFile: filepath.Join(dir, "relay-cert.pem"), keyFile: filepath.Join(dir, "relay-key.pem"),
 		jwksFile: filepath.Join(dir, "jwks.json"),
@@ -204,8 +206,7 @@ func (m *MeshCredentials) Token(ns, sa string) (string, error) {
 // nodeToken is the token of node's namespace and service account (its
 // NAMESPACE and SERVICE_ACCOUNT metadata), the one istiod's rule accepts.
 func (m *MeshCredentials) nodeToken(node *core.Node) (string, error) {
-	f := node.GetMetadata().GetFields()
-	return m.Token(f["NAMESPACE"].GetStringValue(), f["SERVICE_ACCOUNT"].GetStringValue())
+	return m.Token(nodeAccount(node))
 }
 
 // Tokens returns how many distinct tokens were signed.
@@ -218,9 +219,7 @@ func (m *MeshCredentials) Tokens() int {
 // ClientTLS is what a simulated Envoy dials the relay's TLS port with: the
 // mesh root, the relay's name, no session cache (every connection is a
 // full handshake, as a new pod's is).
-func (m *MeshCredentials) ClientTLS() *tls.Config {
-	return &tls.Config{RootCAs: m.pool, ServerName: relayServerName, MinVersion: tls.VersionTLS12}
-}
+func (m *MeshCredentials) ClientTLS() *tls.Config { return meshClientTLS(m.pool) }
 
 // RelayTLS returns the TLS settings of a relay child checking tokens with
 // v (reviewURL: the Kubernetes API for VerifierTokenReview).
@@ -348,7 +347,7 @@ func (c *RelayChildTLS) Apply(ctx context.Context, rc *relay.Config) error {
 // (FleetConfig.Configure), one TLS connection per EnvoysPerConn Envoys.
 // Close its connections after the fleet stopped.
 type tlsTransport struct {
-	creds   *MeshCredentials
+	client  *tls.Config
 	target  string
 	perConn int
 	maxMsg  int
@@ -362,13 +361,19 @@ type tlsTransport struct {
 }
 
 func newTLSTransport(creds *MeshCredentials, target string, perConn, maxMsg int) *tlsTransport {
+	return newTLSTransportWith(creds.ClientTLS(), creds.nodeToken, target, perConn, maxMsg)
+}
+
+// newTLSTransportWith dials with client and presents the token token picks
+// for each Envoy's node.
+func newTLSTransportWith(client *tls.Config, token func(*core.Node) (string, error), target string, perConn, maxMsg int) *tlsTransport {
 	if perConn <= 0 {
 		perConn = 1
 	}
 	if maxMsg <= 0 {
 		maxMsg = 256 << 20
 	}
-	return &tlsTransport{creds: creds, target: target, perConn: perConn, maxMsg: maxMsg, token: creds.nodeToken, tokens: map[string]bool{}}
+	return &tlsTransport{client: client, target: target, perConn: perConn, maxMsg: maxMsg, token: token, tokens: map[string]bool{}}
 }
 
 // configure is FleetConfig.Configure; StartFleet calls it in order of i.
@@ -380,7 +385,7 @@ func (t *tlsTransport) configure(i int, c *envoy.Config) {
 	}
 	if i%t.perConn == 0 || len(t.conns) == 0 {
 		conn, err := grpc.NewClient(t.target,
-			grpc.WithTransportCredentials(credentials.NewTLS(t.creds.ClientTLS())),
+			grpc.WithTransportCredentials(credentials.NewTLS(t.client.Clone())),
 			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(t.maxMsg)))
 		if err != nil {
 			t.err = fmt.Errorf("loadtest: dial %s: %w", t.target, err)

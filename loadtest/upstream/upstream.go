@@ -464,6 +464,15 @@ func (u *Upstream) Snapshot(group string) map[string]map[string]proto.Message {
 	return out
 }
 
+// Generation returns the generation of the latest mutation: every
+// resource served now carries it or an older one, and every later change
+// a larger one. Safe for concurrent use.
+func (u *Upstream) Generation() uint64 {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.gen
+}
+
 func (u *Upstream) groupNames(groups []int) []string {
 	out := make([]string, len(groups))
 	for i, gi := range groups {
