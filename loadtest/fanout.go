@@ -18,9 +18,6 @@ import (
 	"sync"
 	"time"
 
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
-
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
@@ -74,6 +71,9 @@ type RelayChildConfig struct {
 	// XDSListen, authenticating every stream by its service-account token;
 	// the address the child reports is that port's.
 	TLS *RelayChildTLS `json:"tls,omitempty"`
+	// CPUs, if set, pins the child to these CPUs (ChildConfig.CPUs). It
+	// is how the parent starts the child, not an argument the child reads.
+	CPUs CPUSet `json:"-"`
 }
 
 // Args returns cfg as the flags of `loadtest relay-child`.
@@ -275,6 +275,7 @@ func ExecRelay(path string, stderr io.Writer, args ...string) StartRelayFunc {
 			Path:   path,
 			Args:   append(append([]string(nil), args...), cfg.Args()...),
 			Stderr: stderr,
+			CPUs:   cfg.CPUs,
 			// A relay with snapshots reports ready once it restored them.
 			ReadyTimeout: 5 * time.Minute,
 		})
@@ -343,6 +344,19 @@ type FanoutConfig struct {
 	Seed int64
 	// StartRelay starts the relay child. Required if Modes has Relayed.
 	StartRelay StartRelayFunc
+	// FleetCommand, if set, runs each run's fleet in a child process of
+	// its own (StartFleetProcess), so that the Envoys' CPU is neither the
+	// relay's nor this process's and can be pinned apart; nil runs the
+	// fleet in this process. cmd/loadtest sets it unless
+	// --fleet-process=false.
+	FleetCommand FleetCommand
+	// FleetStderr receives the fleet child's stderr. Nil: discarded.
+	FleetStderr io.Writer
+	// RelayCPUs and FleetCPUs, if set, pin the relay child and the fleet
+	// child to these CPUs from their start (Linux); this process, with
+	// the synthetic upstream and the Tracker, is not pinned. FleetCPUs
+	// needs FleetCommand. Default: not pinned.
+	RelayCPUs, FleetCPUs CPUSet
 	// RelayProfile, if set, is a path prefix: each relayed run's child
 	// writes a CPU profile of its change phase to
 	// <prefix>-<protocol>.cpu.pprof and a heap profile at its end to
@@ -470,6 +484,14 @@ func (c *FanoutConfig) validate() error {
 			errs = append(errs, err)
 		}
 	}
+	if len(c.FleetCPUs) > 0 && c.FleetCommand == nil {
+		bad("field FleetCPUs needs a fleet in a child process (FleetCommand)")
+	}
+	for _, err := range []error{CheckCPUs("field RelayCPUs", c.RelayCPUs), CheckCPUs("field FleetCPUs", c.FleetCPUs)} {
+		if err != nil {
+			bad("%w", err)
+		}
+	}
 	if c.Scenario.Namespaces <= 0 || c.Scenario.Services <= 0 {
 		bad("the scenario needs services and namespaces")
 	} else if len(movable(c.Scenario)) == 0 {
@@ -518,8 +540,38 @@ type FanoutReport struct {
 	Date     string        `json:"date"`
 	Machine  Machine       `json:"machine"`
 	Scenario FanoutSummary `json:"scenario"`
+	Pinning  Pinning       `json:"pinning"`
 	Runs     []FanoutRun   `json:"runs"`
 	Verdicts []Verdict     `json:"verdicts"`
+}
+
+// Pinning says where a benchmark's processes ran. Each run's
+// ProcFigures.CPUs says what the kernel reported of each child.
+type Pinning struct {
+	// FleetProcess: the simulated Envoys ran in a child process of their
+	// own; false: in the loadtest process.
+	FleetProcess bool `json:"fleet_process"`
+	// RelayCPUs and FleetCPUs are the CPU lists asked for ("": not
+	// pinned); LoadtestCPUs are the CPUs the loadtest process itself may
+	// use (it is never pinned).
+	RelayCPUs    string `json:"relay_cpus,omitempty"`
+	FleetCPUs    string `json:"fleet_cpus,omitempty"`
+	LoadtestCPUs string `json:"loadtest_cpus,omitempty"`
+}
+
+func (p Pinning) String() string {
+	cpus := func(s string) string {
+		if s == "" {
+			return "not pinned"
+		}
+		return "CPUs " + s
+	}
+	where := "in the loadtest process"
+	if p.FleetProcess {
+		where = "in a child process, " + cpus(p.FleetCPUs)
+	}
+	return fmt.Sprintf("relay child %s; fleet %s; loadtest process (upstream, tracker) not pinned (CPUs %s)",
+		cpus(p.RelayCPUs), where, p.LoadtestCPUs)
 }
 
 // Machine describes where a report was measured.
@@ -603,10 +655,23 @@ type FanoutRun struct {
 	EnvoyBytesSync       uint64 `json:"envoy_bytes_sync"`
 	EnvoyBytesChanges    uint64 `json:"envoy_bytes_changes"`
 
-	// Loadtest is this process: the upstream and every Envoy.
+	// Loadtest is this process: the upstream, the Tracker and, unless
+	// the fleet runs in a child (Fleet), every Envoy.
 	Loadtest ProcFigures `json:"loadtest_process"`
 	// Relay is the relay child process (relayed mode only).
 	Relay *ProcFigures `json:"relay_process,omitempty"`
+	// Fleet is the fleet child process, when the fleet runs in one.
+	Fleet *ProcFigures `json:"fleet_process,omitempty"`
+
+	// RelayCPUPerChangeEnvoyUs is the relay's CPU over the changes per
+	// change made per Envoy, in µs; RelayCPUPerMBSyncMs and
+	// RelayCPUPerMBChangesMs its CPU per MB (10^6 bytes) the Envoys
+	// received, in ms, over the sync and over the changes. They compare
+	// runs of different sizes, and on machines of different loads better
+	// than latencies do. Relayed runs only.
+	RelayCPUPerChangeEnvoyUs float64 `json:"relay_cpu_per_change_per_envoy_us,omitempty"`
+	RelayCPUPerMBSyncMs      float64 `json:"relay_cpu_ms_per_mb_sync,omitempty"`
+	RelayCPUPerMBChangesMs   float64 `json:"relay_cpu_ms_per_mb_changes,omitempty"`
 
 	// Reconnects counts Envoy streams reopened (the relay or upstream
 	// closed them, e.g. on a keepalive timeout when CPU is short).
@@ -635,8 +700,21 @@ type ProcFigures struct {
 	CPUChangesS float64 `json:"cpu_changes_s"`
 	RSSEnd      uint64  `json:"rss_end_bytes"`
 	RSSPeak     uint64  `json:"rss_peak_bytes"`
-	CPUProfile  string  `json:"cpuprofile,omitempty"`
-	Err         string  `json:"error,omitempty"`
+	// Pid is a child's process id; CPUs the CPUs it may run on, as the
+	// kernel reported them of every one of its threads once it started.
+	Pid        int    `json:"pid,omitempty"`
+	CPUs       string `json:"cpus,omitempty"`
+	CPUProfile string `json:"cpuprofile,omitempty"`
+	Err        string `json:"error,omitempty"`
+}
+
+// childCPUs reads what ProcFigures.CPUs says of pid, or why it could not.
+func childCPUs(pid int) string {
+	s, err := ProcessCPUs(pid)
+	if err != nil {
+		return "unknown: " + err.Error()
+	}
+	return s.String()
 }
 
 // Verdict is one target checked against one run.
@@ -674,6 +752,13 @@ func RunFanout(ctx context.Context, cfg FanoutConfig, out io.Writer) (*FanoutRep
 			TargetRSS:   cfg.Targets.RelayPeakRSS,
 			TLS:         cfg.TLS,
 		},
+		Pinning: Pinning{
+			FleetProcess: cfg.FleetCommand != nil,
+			RelayCPUs:    cfg.RelayCPUs.String(), FleetCPUs: cfg.FleetCPUs.String(),
+		},
+	}
+	if all, err := AllowedCPUs(); err == nil {
+		rep.Pinning.LoadtestCPUs = all.String()
 	}
 	var creds *MeshCredentials
 	if cfg.TLS != TLSOff && slices.Contains(cfg.Modes, Relayed) {
@@ -806,7 +891,7 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 		profilePrefix += "-" + tr.String()
 	}
 	if mode == Relayed {
-		rc := RelayChildConfig{Upstream: up.Addr(), UpstreamProtocol: cfg.UpstreamProtocol}
+		rc := RelayChildConfig{Upstream: up.Addr(), UpstreamProtocol: cfg.UpstreamProtocol, CPUs: cfg.RelayCPUs}
 		if rc.UpstreamProtocol == "" {
 			rc.UpstreamProtocol = relay.Protocol(p.String())
 		}
@@ -838,10 +923,14 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 			}
 		}()
 		target = child.Addr()
-		run.Relay = &ProcFigures{CPUProfile: rc.CPUProfile}
-		fmt.Fprintf(out, "%s: relay pid %d at %s (upstream protocol %s)\n", tag, child.Pid(), target, rc.UpstreamProtocol)
+		run.Relay = &ProcFigures{CPUProfile: rc.CPUProfile, Pid: child.Pid(), CPUs: childCPUs(child.Pid())}
+		fmt.Fprintf(out, "%s: relay pid %d at %s (upstream protocol %s), CPUs %s\n", tag, child.Pid(), target, rc.UpstreamProtocol, run.Relay.CPUs)
 	}
-	procs := newProcMeter(self, child)
+	procs := &procMeter{}
+	procs.add(func() (ProcStat, error) { return ReadProcStat(self) }, &run.Loadtest)
+	if child != nil {
+		procs.add(child.Stat, run.Relay)
+	}
 	// profile has the relay child profile a phase of this run, if asked.
 	profile := func(phase string) (stop func()) {
 		if child == nil || cfg.RelayProfile == "" {
@@ -852,35 +941,38 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 	}
 
 	fmt.Fprintf(out, "%s: starting %d Envoys at %s (%.0f/s, %d per connection)\n", tag, cfg.Envoys, target, cfg.StartRate, cfg.EnvoysPerConn)
-	fcfg := FleetConfig{
-		Scenario: cfg.Scenario, Envoys: cfg.Envoys, Keys: cfg.Keys, Protocol: p,
-		Target: target, EnvoysPerConn: cfg.EnvoysPerConn, StartRate: cfg.StartRate, Tracker: tracker,
-	}
-	var tlsConns *tlsTransport
-	if tr.tls {
-		tlsConns = newTLSTransport(creds, target, cfg.EnvoysPerConn, fcfg.MaxMsgSize)
-		defer tlsConns.Close() // after the fleet stopped
-		fcfg.Configure = tlsConns.configure
-	}
 	stopConnectProfile := profile("connect")
-	start := time.Now()
-	fleet, err := StartFleet(ctx, fcfg)
+	spec := fleetSpec{
+		fleet: FleetChildConfig{
+			Scenario: cfg.Scenario, Envoys: cfg.Envoys, Keys: cfg.Keys, Protocol: p.String(),
+			Target: target, EnvoysPerConn: cfg.EnvoysPerConn, StartRate: cfg.StartRate,
+		},
+		command: cfg.FleetCommand, cpus: cfg.FleetCPUs, stderr: cfg.FleetStderr, tracker: tracker,
+		started: func(fp *FleetProcess) {
+			run.Fleet = &ProcFigures{Pid: fp.Pid(), CPUs: childCPUs(fp.Pid())}
+			procs.add(fp.Stat, run.Fleet)
+		},
+	}
+	if tr.tls {
+		spec.creds = creds
+	}
+	fleet, start, err := startBenchFleet(ctx, spec)
+	if fleet != nil {
+		defer func() {
+			sctx, cancel := stopCtx()
+			defer cancel()
+			if err := fleet.Stop(sctx); err != nil {
+				fmt.Fprintf(out, "%s: stop fleet: %v\n", tag, err)
+			}
+		}()
+	}
 	if err != nil {
 		stopConnectProfile()
 		return fail(fmt.Errorf("start fleet: %w", err))
 	}
-	defer func() {
-		sctx, cancel := stopCtx()
-		defer cancel()
-		fleet.Stop(sctx)
-	}()
 	run.FleetStartS = time.Since(start).Seconds()
-	if tlsConns != nil {
-		if err := tlsConns.Err(); err != nil {
-			stopConnectProfile()
-			return fail(err)
-		}
-		run.Tokens = tlsConns.Tokens()
+	if run.Fleet != nil {
+		fmt.Fprintf(out, "%s: fleet pid %d, CPUs %s\n", tag, fleet.(*FleetProcess).Pid(), run.Fleet.CPUs)
 	}
 
 	syncCtx, cancel := context.WithTimeout(ctx, cfg.SyncTimeout)
@@ -890,12 +982,16 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 	run.InitialSyncS = time.Since(start).Seconds()
 	run.UpstreamStreams = up.Stats().OpenStreams
 	run.UpstreamBytesSync = up.Stats().BytesSent
-	run.EnvoyBytesSync = fleet.BytesReceived()
-	procs.mark(&run, phaseSync)
+	fig, figErr := fleet.Figures(ctx)
+	run.EnvoyBytesSync = fig.BytesReceived
+	procs.mark(phaseSync)
+	if err == nil {
+		err = figErr
+	}
 	if err != nil {
 		run.UpstreamStreamsEnd = run.UpstreamStreams
-		run.recordFleet(fleet)
-		procs.mark(&run, phaseEnd)
+		run.recordFleet(fig)
+		procs.mark(phaseEnd)
 		return fail(fmt.Errorf("initial sync: %w", err))
 	}
 	run.Synced = true
@@ -908,27 +1004,44 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 		return fail(ctx.Err())
 	}
 	tracker.Reset()
-	upBytes, envoyBytes := up.Stats().BytesSent, fleet.BytesReceived()
-	procs.mark(&run, phaseChangesStart)
+	// From here a fleet child streams every ACK that can time a change.
+	if err := fleet.Track(ctx, up.Generation()); err != nil {
+		return fail(err)
+	}
+	if fig, err = fleet.Figures(ctx); err != nil {
+		return fail(err)
+	}
+	upBytes, envoyBytes := up.Stats().BytesSent, fig.BytesReceived
+	procs.mark(phaseChangesStart)
 	if child != nil && cfg.RelayProfile != "" {
 		_ = child.Send(childProfileStart)
 	}
 	stopProfile := startCPUProfile(cfg.CPUProfile, p, mode, out)
+	stopFleetProfile := profileFleet(ctx, fleet, cfg.CPUProfile, p, mode, out)
 
 	err = moveEndpoints(ctx, cfg, up, tracker, out, tag, &run)
 
+	stopFleetProfile()
 	stopProfile()
-	procs.mark(&run, phaseEnd) // before the child writes its profiles
+	procs.mark(phaseEnd) // before the child writes its profiles
 	if child != nil && cfg.RelayProfile != "" {
 		_ = child.Send(childProfileStop)
 	}
 	run.UpstreamBytesChanges = up.Stats().BytesSent - upBytes
-	run.EnvoyBytesChanges = fleet.BytesReceived() - envoyBytes
+	fig, figErr = fleet.Figures(ctx)
+	run.EnvoyBytesChanges = fig.BytesReceived - envoyBytes
 	run.UpstreamStreamsEnd = up.Stats().OpenStreams
 	perEnvoy, complete, timedOut := tracker.Results()
 	run.ACK, run.Complete = latencyMs(perEnvoy), latencyMs(complete)
 	run.ChangesTimedOut = timedOut
-	run.recordFleet(fleet)
+	run.recordFleet(fig)
+	run.relayCPUPer(cfg.Envoys)
+	if fp, ok := fleet.(*FleetProcess); ok && err == nil {
+		err = fp.Err()
+	}
+	if err == nil {
+		err = figErr
+	}
 	if err != nil {
 		return fail(err)
 	}
@@ -987,25 +1100,54 @@ func startCPUProfile(prefix string, p envoy.Protocol, mode FanoutMode, out io.Wr
 	}
 }
 
-func (run *FanoutRun) recordFleet(f *Fleet) {
-	run.Reconnects, run.Refused = 0, 0
-	for _, e := range f.Envoys() {
-		st := e.Stats()
-		run.Reconnects += st.Reconnects
-		if c := status.Code(st.LastErr); !st.Connected && (c == codes.Unauthenticated || c == codes.PermissionDenied) {
-			run.Refused++
-		}
+func (run *FanoutRun) recordFleet(fig FleetFigures) {
+	run.Reconnects, run.Refused = fig.Reconnects, fig.Refused
+	run.Violations, run.ViolationSamples = fig.Violations, fig.ViolationSamples
+	if fig.Tokens > 0 {
+		run.Tokens = fig.Tokens
 	}
-	v := f.Violations()
-	run.Violations = len(v)
-	for _, e := range v[:min(len(v), 5)] {
-		run.ViolationSamples = append(run.ViolationSamples, e.Error())
+}
+
+// relayCPUPer derives the relay's CPU per change per Envoy and per MB
+// sent from the figures of a relayed run.
+func (run *FanoutRun) relayCPUPer(envoys int) {
+	r := run.Relay
+	if r == nil || r.Err != "" {
+		return
+	}
+	if changes := run.ChangesDone + run.ChangesTimedOut; changes > 0 && envoys > 0 {
+		run.RelayCPUPerChangeEnvoyUs = r.CPUChangesS / float64(changes) / float64(envoys) * 1e6
+	}
+	if run.EnvoyBytesSync > 0 {
+		run.RelayCPUPerMBSyncMs = r.CPUSyncS * 1e3 / (float64(run.EnvoyBytesSync) / 1e6)
+	}
+	if run.EnvoyBytesChanges > 0 {
+		run.RelayCPUPerMBChangesMs = r.CPUChangesS * 1e3 / (float64(run.EnvoyBytesChanges) / 1e6)
+	}
+}
+
+// profileFleet has a fleet child profile the change phase into
+// <prefix>-<p>-<mode>-fleet.cpu.pprof until the returned func is called; a
+// no-op without a prefix or a child.
+func profileFleet(ctx context.Context, f benchFleet, prefix string, p envoy.Protocol, mode FanoutMode, out io.Writer) func() {
+	fp, ok := f.(*FleetProcess)
+	if !ok || prefix == "" {
+		return func() {}
+	}
+	if err := fp.Profile(ctx, fmt.Sprintf("%s-%s-%s-fleet.cpu.pprof", prefix, p, mode)); err != nil {
+		fmt.Fprintf(out, "cpuprofile: %v\n", err)
+		return func() {}
+	}
+	return func() {
+		if err := fp.StopProfile(ctx); err != nil {
+			fmt.Fprintf(out, "cpuprofile: %v\n", err)
+		}
 	}
 }
 
 // waitSyncedReporting waits for the fleet to sync, printing progress every
 // 10 s.
-func waitSyncedReporting(ctx context.Context, f *Fleet, up *upstream.Upstream, start time.Time, out io.Writer, tag string) error {
+func waitSyncedReporting(ctx context.Context, f benchFleet, up *upstream.Upstream, start time.Time, out io.Writer, tag string) error {
 	done := make(chan struct{})
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -1018,8 +1160,12 @@ func waitSyncedReporting(ctx context.Context, f *Fleet, up *upstream.Upstream, s
 			case <-done:
 				return
 			case <-t.C:
+				fig, err := f.Figures(ctx)
+				if err != nil {
+					continue
+				}
 				fmt.Fprintf(out, "%s: %s: %d Envoys connected, upstream streams %d, waiting for sync\n",
-					tag, time.Since(start).Round(time.Second), f.Connected(), up.Stats().OpenStreams)
+					tag, time.Since(start).Round(time.Second), fig.Connected, up.Stats().OpenStreams)
 			}
 		}
 	}()
@@ -1070,54 +1216,44 @@ const (
 	phaseEnd
 )
 
-// procMeter reads the CPU and memory of this process and the relay child at
-// phase boundaries.
-type procMeter struct {
-	self       int
-	child      *Child
-	selfStart  ProcStat
-	childStart ProcStat
-	selfLast   ProcStat
-	childLast  ProcStat
-	selfErr    error
-	childErr   error
+// procMeter reads the CPU and memory of the processes of a run (this one,
+// the relay child, the fleet child) at phase boundaries.
+type procMeter struct{ procs []*meteredProc }
+
+type meteredProc struct {
+	stat func() (ProcStat, error)
+	fig  *ProcFigures
+	last ProcStat
+	err  error
 }
 
-func newProcMeter(self int, child *Child) *procMeter {
-	m := &procMeter{self: self, child: child}
-	m.selfStart, m.selfErr = ReadProcStat(self)
-	m.selfLast = m.selfStart
-	if child != nil {
-		m.childStart, m.childErr = child.Stat()
-		m.childLast = m.childStart
-	}
-	return m
+// add starts metering a process: its CPU time from now goes into fig.
+func (m *procMeter) add(stat func() (ProcStat, error), fig *ProcFigures) {
+	p := &meteredProc{stat: stat, fig: fig}
+	p.last, p.err = stat()
+	m.procs = append(m.procs, p)
 }
 
-func (m *procMeter) mark(run *FanoutRun, ph phase) {
-	read := func(pid func() (ProcStat, error), prev ProcStat, fig *ProcFigures, errp *error) ProcStat {
-		if *errp != nil {
-			fig.Err = (*errp).Error()
-			return prev
+func (m *procMeter) mark(ph phase) {
+	for _, p := range m.procs {
+		if p.err != nil {
+			p.fig.Err = p.err.Error()
+			continue
 		}
-		st, err := pid()
+		st, err := p.stat()
 		if err != nil {
-			*errp = err
-			fig.Err = err.Error()
-			return prev
+			p.err = err
+			p.fig.Err = err.Error()
+			continue
 		}
 		switch ph {
 		case phaseSync:
-			fig.CPUSyncS = (st.CPU - prev.CPU).Seconds()
+			p.fig.CPUSyncS = (st.CPU - p.last.CPU).Seconds()
 		case phaseEnd:
-			fig.CPUChangesS = (st.CPU - prev.CPU).Seconds()
+			p.fig.CPUChangesS = (st.CPU - p.last.CPU).Seconds()
 		}
-		fig.RSSEnd, fig.RSSPeak = st.RSS, st.PeakRSS
-		return st
-	}
-	m.selfLast = read(func() (ProcStat, error) { return ReadProcStat(m.self) }, m.selfLast, &run.Loadtest, &m.selfErr)
-	if m.child != nil && run.Relay != nil {
-		m.childLast = read(m.child.Stat, m.childLast, run.Relay, &m.childErr)
+		p.fig.RSSEnd, p.fig.RSSPeak = st.RSS, st.PeakRSS
+		p.last = st
 	}
 }
 
@@ -1183,6 +1319,7 @@ func PrintFanout(out io.Writer, rep *FanoutReport) {
 		sc.Envoys, sc.Keys, sc.Services, sc.Endpoints, sc.Namespaces, 100*sc.LocalFraction, sc.Changes)
 	fmt.Fprintf(out, "machine: %d CPUs, GOMAXPROCS %d, %s, %s, load average at start %s; %s\n",
 		rep.Machine.CPUs, rep.Machine.GOMAXPROCS, rep.Machine.GoVersion, rep.Machine.OS, rep.Machine.LoadAvg, rep.Date)
+	fmt.Fprintf(out, "pinning: %s\n", rep.Pinning)
 	var protos []string
 	for _, r := range rep.Runs {
 		if !slices.Contains(protos, r.Protocol) {
@@ -1284,6 +1421,17 @@ func PrintFanout(out io.Writer, rep *FanoutReport) {
 		}
 		lat("change → each Envoy's ACK", func(r *FanoutRun) LatencyMs { return r.ACK })
 		lat("change → last Envoy's ACK", func(r *FanoutRun) LatencyMs { return r.Complete })
+		relayPer := func(v func(*FanoutRun) float64, format string) func(*FanoutRun) string {
+			return func(r *FanoutRun) string {
+				if r.Relay == nil || r.Relay.Err != "" || v(r) == 0 {
+					return "-"
+				}
+				return fmt.Sprintf(format, v(r))
+			}
+		}
+		row("relay CPU per change per Envoy", relayPer(func(r *FanoutRun) float64 { return r.RelayCPUPerChangeEnvoyUs }, "%.1fµs"), nil)
+		row("relay CPU per MB sent: sync", relayPer(func(r *FanoutRun) float64 { return r.RelayCPUPerMBSyncMs }, "%.1fms/MB"), nil)
+		row("relay CPU per MB sent: changes", relayPer(func(r *FanoutRun) float64 { return r.RelayCPUPerMBChangesMs }, "%.1fms/MB"), nil)
 		row("changes reached all / timed out", func(r *FanoutRun) string {
 			return fmt.Sprintf("%d / %d", r.ChangesDone, r.ChangesTimedOut)
 		}, nil)
@@ -1324,10 +1472,45 @@ func PrintFanout(out io.Writer, rep *FanoutReport) {
 		row("relay process RSS: peak / end", relayCell(func(p *ProcFigures) string {
 			return fmtBytes(p.RSSPeak) + " / " + fmtBytes(p.RSSEnd)
 		}), nil)
+		if slices.ContainsFunc(cols, func(r *FanoutRun) bool { return r.Fleet != nil }) {
+			fleetCell := func(f func(*ProcFigures) string) func(*FanoutRun) string {
+				return func(r *FanoutRun) string {
+					switch {
+					case r.Fleet == nil:
+						return "-"
+					case r.Fleet.Err != "":
+						return "error"
+					}
+					return f(r.Fleet)
+				}
+			}
+			row("fleet process CPU: sync / changes", fleetCell(func(p *ProcFigures) string {
+				return fmt.Sprintf("%.2fs / %.2fs", p.CPUSyncS, p.CPUChangesS)
+			}), func(r *FanoutRun) float64 {
+				if r.Fleet == nil {
+					return 0
+				}
+				return r.Fleet.CPUSyncS + r.Fleet.CPUChangesS
+			})
+			row("fleet process RSS: peak / end", fleetCell(func(p *ProcFigures) string {
+				return fmtBytes(p.RSSPeak) + " / " + fmtBytes(p.RSSEnd)
+			}), nil)
+		}
 		row("loadtest process CPU: sync / changes", func(r *FanoutRun) string {
 			return fmt.Sprintf("%.2fs / %.2fs", r.Loadtest.CPUSyncS, r.Loadtest.CPUChangesS)
 		}, func(r *FanoutRun) float64 { return r.Loadtest.CPUSyncS + r.Loadtest.CPUChangesS })
 		row("loadtest process RSS: peak", func(r *FanoutRun) string { return fmtBytes(r.Loadtest.RSSPeak) }, nil)
+		if slices.ContainsFunc(cols, func(r *FanoutRun) bool { return r.Relay != nil || r.Fleet != nil }) {
+			row("CPUs: relay / fleet", func(r *FanoutRun) string {
+				cpus := func(p *ProcFigures) string {
+					if p == nil {
+						return "-"
+					}
+					return p.CPUs
+				}
+				return cpus(r.Relay) + " / " + cpus(r.Fleet)
+			}, nil)
+		}
 		row("Envoy stream reconnects", func(r *FanoutRun) string { return fmt.Sprintf("%d", r.Reconnects) }, nil)
 		row("protocol violations", func(r *FanoutRun) string { return fmt.Sprintf("%d", r.Violations) }, nil)
 		if anyTLS {
@@ -1401,8 +1584,13 @@ func PrintFanout(out io.Writer, rep *FanoutReport) {
 			}
 		}
 	}
-	fmt.Fprintf(out, "\n  loadtest process = the synthetic upstream and every simulated Envoy (in both modes);\n")
+	if rep.Pinning.FleetProcess {
+		fmt.Fprintf(out, "\n  loadtest process = the synthetic upstream and the tracker; fleet process = every simulated Envoy;\n")
+	} else {
+		fmt.Fprintf(out, "\n  loadtest process = the synthetic upstream and every simulated Envoy (in both modes);\n")
+	}
 	fmt.Fprintf(out, "  relay process = the relay alone. Latencies run from the upstream publishing a change.\n")
+	fmt.Fprintf(out, "  Relay CPU per change per Envoy = its CPU over the changes / changes / Envoys; per MB = per 10^6 bytes the Envoys received.\n")
 	if sc.TLS != "" && sc.TLS != TLSOff {
 		fmt.Fprintf(out, "  tls-*: each Envoy on a TLS connection of its own (full handshake, ECDSA P-256 certificate) with its\n")
 		fmt.Fprintf(out, "  service account's RS256 token, checked by the relay's local verifier or by TokenReview (a fake\n")

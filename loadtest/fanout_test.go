@@ -52,6 +52,7 @@ func testStartRelay(t *testing.T) StartRelayFunc {
 			Args:   []string{"-test.run=^TestRelayChildProcess$"},
 			Env:    []string{relayChildEnv + "=" + string(b)},
 			Stderr: os.Stderr,
+			CPUs:   cfg.CPUs,
 		})
 	}
 }
@@ -240,5 +241,95 @@ func TestReadProcStatSelf(t *testing.T) {
 	}
 	if st.RSS == 0 || st.PeakRSS < st.RSS {
 		t.Errorf("ReadProcStat(self) = %+v, want RSS > 0 and PeakRSS >= RSS", st)
+	}
+}
+
+// TestFanoutFleetProcess runs the benchmark tiny with the fleet in a child
+// process, the relay pinned to one CPU and the fleet to another (on a
+// machine with two), and checks that every Envoy synced, that every
+// change reached every Envoy through this process's Tracker (the child
+// streams the ACKs), that no protocol rule broke, that each child ran
+// only on its CPU, and that no child is left.
+func TestFanoutFleetProcess(t *testing.T) {
+	requireLinux(t)
+	noChildLeft(t)
+	relayCPUs, fleetCPUs, pinned := twoCPUs(t)
+	cfg := DefaultFanoutConfig()
+	cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = 30, 30, 3
+	cfg.Envoys, cfg.Keys, cfg.Changes = 30, 3, 3
+	cfg.Protocols = []envoy.Protocol{envoy.Delta}
+	cfg.StartRate = 0
+	cfg.Settle, cfg.ChangeGap = 100*time.Millisecond, 10*time.Millisecond
+	cfg.SyncTimeout, cfg.ChangeTimeout = 30*time.Second, 20*time.Second
+	cfg.FleetCommand, cfg.FleetStderr = testFleetCommand, os.Stderr
+	cfg.RelayCPUs, cfg.FleetCPUs = relayCPUs, fleetCPUs
+	// The relay's mask, read with another reader than the run's own.
+	var relayCPUsSeen []string
+	start := testStartRelay(t)
+	cfg.StartRelay = func(ctx context.Context, rc RelayChildConfig) (*Child, error) {
+		c, err := start(ctx, rc)
+		if err == nil {
+			s, err := ProcessCPUs(c.Pid())
+			relayCPUsSeen = append(relayCPUsSeen, fmt.Sprintf("%s (%v)", s, err))
+		}
+		return c, err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var out bytes.Buffer
+	rep, err := RunFanout(ctx, cfg, &out)
+	t.Log(out.String())
+	if err != nil {
+		t.Fatalf("RunFanout: %v", err)
+	}
+	if len(rep.Runs) != 2 {
+		t.Fatalf("len(Runs) = %d, want 2 (direct, relayed)", len(rep.Runs))
+	}
+	if !rep.Pinning.FleetProcess || rep.Pinning.RelayCPUs != relayCPUs.String() || rep.Pinning.FleetCPUs != fleetCPUs.String() {
+		t.Errorf("Pinning = %+v, want a fleet process, relay on %q, fleet on %q", rep.Pinning, relayCPUs, fleetCPUs)
+	}
+	for _, r := range rep.Runs {
+		if !r.Synced || r.ChangesDone != cfg.Changes || r.ChangesTimedOut != 0 {
+			t.Errorf("%s: synced %v, changes done %d, timed out %d, want true, %d, 0", r.Mode, r.Synced, r.ChangesDone, r.ChangesTimedOut, cfg.Changes)
+		}
+		if r.ACK.N != cfg.Changes*cfg.Envoys || r.Complete.N != cfg.Changes {
+			t.Errorf("%s: %d (change, Envoy) ACKs and %d completions timed, want %d and %d", r.Mode, r.ACK.N, r.Complete.N, cfg.Changes*cfg.Envoys, cfg.Changes)
+		}
+		if r.Violations != 0 {
+			t.Errorf("%s: %d protocol violations: %v", r.Mode, r.Violations, r.ViolationSamples)
+		}
+		if r.EnvoyBytesSync == 0 || r.EnvoyBytesChanges == 0 {
+			t.Errorf("%s: Envoys' bytes %d (sync), %d (changes), want both > 0", r.Mode, r.EnvoyBytesSync, r.EnvoyBytesChanges)
+		}
+		switch {
+		case r.Fleet == nil:
+			t.Errorf("%s: no fleet process figures", r.Mode)
+		case r.Fleet.Err != "" || r.Fleet.RSSPeak == 0 || r.Fleet.CPUSyncS+r.Fleet.CPUChangesS <= 0:
+			t.Errorf("%s: fleet figures %+v, want RSS > 0, CPU > 0 and no error", r.Mode, *r.Fleet)
+		case pinned && r.Fleet.CPUs != fleetCPUs.String():
+			t.Errorf("%s: fleet child ran on CPUs %q, want %q", r.Mode, r.Fleet.CPUs, fleetCPUs)
+		}
+		if r.Mode == Relayed {
+			switch {
+			case r.Relay == nil:
+				t.Errorf("relayed: no relay figures")
+			case pinned && r.Relay.CPUs != relayCPUs.String():
+				t.Errorf("relayed: relay child ran on CPUs %q, want %q", r.Relay.CPUs, relayCPUs)
+			}
+			if r.RelayCPUPerMBSyncMs <= 0 {
+				t.Errorf("relayed: relay CPU per MB sent in the sync = %v, want > 0", r.RelayCPUPerMBSyncMs)
+			}
+		}
+		for _, p := range []*ProcFigures{r.Relay, r.Fleet} {
+			if p == nil || p.Pid == 0 {
+				continue
+			}
+			if _, err := os.Stat(fmt.Sprintf("/proc/%d", p.Pid)); err == nil {
+				t.Errorf("%s: child %d still exists after RunFanout", r.Mode, p.Pid)
+			}
+		}
+	}
+	if want := []string{relayCPUs.String() + " (<nil>)"}; pinned && (len(relayCPUsSeen) != 1 || relayCPUsSeen[0] != want[0]) {
+		t.Errorf("relay child's CPUs read after its start: %q, want %q", relayCPUsSeen, want)
 	}
 }

@@ -88,6 +88,8 @@ func main() {
 		err = findEnvoy(ctx)
 	case "relay-child": // hidden: the relay process fanout starts
 		err = relayChild(ctx, os.Args[2:])
+	case "fleet-child": // hidden: the simulated Envoys' process fanout and scale start
+		err = fleetChild(ctx, os.Args[2:])
 	case "ledger-child": // hidden: a relay of the ledger benchmark's tier
 		var pc loadtest.LedgerPeerConfig
 		fs := flag.NewFlagSet("ledger-child", flag.ContinueOnError)
@@ -148,6 +150,9 @@ func fanout(ctx context.Context, args []string) error {
 	fs.DurationVar(&cfg.TokenReviewLatency, "tokenreview-latency", cfg.TokenReviewLatency, "how long the fake Kubernetes API takes to answer a TokenReview")
 	fs.IntVar(&cfg.AdmitStreams, "admit-streams", cfg.AdmitStreams, "with --tls: new streams of the connect storm each relayed run ends with (0: none)")
 	fs.IntVar(&cfg.AdmitConcurrency, "admit-concurrency", cfg.AdmitConcurrency, "with --tls: connect storm streams connecting at once")
+	fleetProcess := fs.Bool("fleet-process", true, "run the simulated Envoys in a child process of their own (false: in this process, with the upstream)")
+	fs.Var(loadtest.CPUSetFlag{CPUs: &cfg.RelayCPUs}, "relay-cpus", "pin the relay child to these CPUs, e.g. 0 or 0-1,3 (default: not pinned)")
+	fs.Var(loadtest.CPUSetFlag{CPUs: &cfg.FleetCPUs}, "fleet-cpus", "pin the fleet child to these CPUs (needs --fleet-process; default: not pinned)")
 	realEnvoys := fs.Int("real-envoys", 0, fmt.Sprintf("run real Envoys instead (at most %d), beside a simulated fleet of the same size; the scenario flags default to a smaller one then", loadtest.MaxRealEnvoys))
 	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
 	if err := fs.Parse(args); err != nil {
@@ -158,6 +163,15 @@ func fanout(ctx context.Context, args []string) error {
 	}
 	if *realEnvoys > 0 {
 		return realFanout(ctx, fs, *realEnvoys, *protocols, *modes, *jsonOut)
+	}
+	if err := loadtest.CheckCPUs("--relay-cpus", cfg.RelayCPUs); err != nil {
+		return err
+	}
+	if err := loadtest.CheckCPUs("--fleet-cpus", cfg.FleetCPUs); err != nil {
+		return err
+	}
+	if len(cfg.FleetCPUs) > 0 && !*fleetProcess {
+		return errors.New("--fleet-cpus needs --fleet-process (the fleet shares this process with the upstream otherwise)")
 	}
 	cfg.Targets.RelayPeakRSS = *targetRSS << 20
 	cfg.TLSVerifiers = nil
@@ -192,6 +206,9 @@ func fanout(ctx context.Context, args []string) error {
 		return fmt.Errorf("find own executable for the relay child: %w", err)
 	}
 	cfg.StartRelay = loadtest.ExecRelay(exe, os.Stderr, "relay-child")
+	if *fleetProcess {
+		cfg.FleetCommand, cfg.FleetStderr = loadtest.ExecFleet(exe, "fleet-child"), os.Stderr
+	}
 
 	rep, err := loadtest.RunFanout(ctx, cfg, os.Stdout)
 	if rep != nil { // what was measured, even if the run failed later
@@ -521,6 +538,24 @@ func relayChild(ctx context.Context, args []string) error {
 		cfg.TLS = &tc
 	}
 	return loadtest.RunRelayChild(ctx, cfg, os.Stdin, os.Stdout, os.Stderr)
+}
+
+// fleetChild is the main of `loadtest fleet-child --config JSON`: the
+// simulated Envoys of fanout or scale, driven by the parent over stdin and
+// stdout, their ACKs streamed to it on file descriptor 3.
+func fleetChild(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("fleet-child", flag.ContinueOnError)
+	raw := fs.String("config", "", "FleetChildConfig, JSON")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	var cfg loadtest.FleetChildConfig
+	if err := json.Unmarshal([]byte(*raw), &cfg); err != nil {
+		return fmt.Errorf("--config: %w", err)
+	}
+	obs := os.NewFile(3, "observations") // ChildConfig.ExtraFiles[0]
+	defer obs.Close()
+	return loadtest.RunFleetChild(ctx, cfg, os.Stdin, os.Stdout, obs)
 }
 
 func chaos(ctx context.Context, args []string) error {
