@@ -8,7 +8,6 @@ import (
 	"math"
 	"os"
 	"slices"
-	"sync"
 	"time"
 
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
@@ -53,6 +52,17 @@ type ScaleConfig struct {
 	// TokenReviewLatency is the fake Kubernetes API's answer time
 	// (tokenreview). Default 2ms.
 	TokenReviewLatency time.Duration
+	// FleetCommand, if set, runs the fleet in a child process of its own
+	// (as FanoutConfig.FleetCommand), its stderr to FleetStderr; nil runs
+	// it in this process, beside the tier. cmd/loadtest sets it unless
+	// --fleet-process=false.
+	FleetCommand FleetCommand
+	FleetStderr  io.Writer
+	// TierCPUs, if set, pins this process (the tier of relays, the
+	// synthetic upstream and the Tracker) to these CPUs for the run
+	// (PinProcess; its CPUs are restored after). FleetCPUs pins the fleet
+	// child (needs FleetCommand). Default: not pinned.
+	TierCPUs, FleetCPUs CPUSet
 }
 
 // DefaultScaleConfig is what `loadtest scale` runs with no flags.
@@ -82,6 +92,31 @@ type ScaleReport struct {
 	// misses).
 	Transport    string `json:"transport"`
 	TokenReviews int    `json:"token_reviews,omitempty"`
+	// Pinning says where the tier and the fleet ran.
+	Pinning ScalePinning `json:"pinning"`
+	// Tier and Fleet are this process's and the fleet child's CPU and
+	// memory: CPUSyncS over the initial sync, CPUChangesS over the
+	// baseline changes. Fleet is nil with the fleet in this process.
+	Tier  ProcFigures  `json:"tier_process"`
+	Fleet *ProcFigures `json:"fleet_process,omitempty"`
+	// TierCPUPerChangeEnvoyUs is this process's CPU over the baseline
+	// changes per change per Envoy, in µs, and TierCPUPerMBMs per MB
+	// (10^6 bytes) the Envoys received meanwhile, in ms: the relays' cost,
+	// with the upstream's and the Tracker's (and, with the fleet in this
+	// process, the Envoys').
+	EnvoyBytesBaseline      uint64  `json:"envoy_bytes_baseline"`
+	TierCPUPerChangeEnvoyUs float64 `json:"tier_cpu_per_change_per_envoy_us"`
+	TierCPUPerMBMs          float64 `json:"tier_cpu_ms_per_mb_baseline"`
+}
+
+// ScalePinning says where a scale run's processes ran.
+type ScalePinning struct {
+	// FleetProcess: the simulated Envoys ran in a child process.
+	FleetProcess bool `json:"fleet_process"`
+	// TierCPUs and FleetCPUs are what the kernel reported of this
+	// process's and the fleet child's threads once pinned ("" not pinned).
+	TierCPUs  string `json:"tier_cpus,omitempty"`
+	FleetCPUs string `json:"fleet_cpus,omitempty"`
 }
 
 // ScaleSummary is the configuration a report was measured with.
@@ -139,12 +174,10 @@ type scaleRun struct {
 	cfg     ScaleConfig
 	up      *upstream.Upstream
 	tier    *Tier
-	fleet   *Fleet
+	fleet   benchFleet
+	groups  []string // each Envoy's upstream group
 	tracker *Tracker
 	keys    []aggkey.Key
-
-	mu    sync.Mutex
-	bytes []uint64 // received, per Envoy
 }
 
 // RunScale measures a tier scaling out and in: cfg.Relays relays, a fleet
@@ -161,15 +194,41 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 	if _, err := ParseVerifier(string(cfg.Verifier)); err != nil {
 		return nil, err
 	}
+	if len(cfg.FleetCPUs) > 0 && cfg.FleetCommand == nil {
+		return nil, errors.New("loadtest: field FleetCPUs needs a fleet in a child process (FleetCommand)")
+	}
+	for _, err := range []error{CheckCPUs("field TierCPUs", cfg.TierCPUs), CheckCPUs("field FleetCPUs", cfg.FleetCPUs)} {
+		if err != nil {
+			return nil, fmt.Errorf("loadtest: %w", err)
+		}
+	}
 	rep := &ScaleReport{
 		Date:    time.Now().UTC().Format(time.RFC3339),
 		Machine: thisMachine(),
 		Config: ScaleSummary{Services: cfg.Scenario.Services, Endpoints: cfg.Scenario.Endpoints, Namespaces: cfg.Scenario.Namespaces,
 			Relays: cfg.Relays, Envoys: cfg.Envoys, Keys: cfg.Keys, Tolerance: cfg.Tolerance},
 		Transport: transportName(cfg.TLS, cfg.Verifier),
+		Pinning:   ScalePinning{FleetProcess: cfg.FleetCommand != nil},
 	}
 	stopCtx := context.WithoutCancel(ctx)
-	s := &scaleRun{cfg: cfg, tracker: NewTracker(), bytes: make([]uint64, cfg.Envoys)}
+	if len(cfg.TierCPUs) > 0 {
+		all, err := AllowedCPUs()
+		if err != nil {
+			return nil, err
+		}
+		if err := PinProcess(cfg.TierCPUs); err != nil {
+			return nil, err
+		}
+		defer func() { _ = PinProcess(all) }()
+		rep.Pinning.TierCPUs = childCPUs(os.Getpid())
+		fmt.Fprintf(out, "scale: this process (the tier, the upstream) pinned to CPUs %s\n", rep.Pinning.TierCPUs)
+	}
+	s := &scaleRun{cfg: cfg, tracker: NewTracker()}
+	for i := range cfg.Envoys {
+		s.groups = append(s.groups, cfg.Scenario.Group(keyNode(cfg.Scenario, i%cfg.Keys, i/cfg.Keys)))
+	}
+	procs := &procMeter{}
+	procs.add(func() (ProcStat, error) { return ReadProcStat(os.Getpid()) }, &rep.Tier)
 
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario = cfg.Scenario
@@ -226,43 +285,34 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 		return nil, err
 	}
 	target := tier.Addr()
-	var tlsConns *tlsTransport
-	if cfg.TLS {
-		// The tier's Service fronts the relays' TLS ports (readyAddrs),
-		// as a cluster's does istiod's 15012.
-		tlsConns = newTLSTransport(creds, target, cfg.EnvoysPerConn, 0)
-		defer tlsConns.Close() // after the fleet stopped
-	}
 	for k := range cfg.Keys {
 		s.keys = append(s.keys, aggkey.Istio{}.Key(keyNode(cfg.Scenario, k, 0)))
 	}
 
 	fmt.Fprintf(out, "scale: %d relays, %d Envoys over %d keys (%d services, %d endpoints), connecting at %.0f/s, %s\n",
 		cfg.Relays, cfg.Envoys, cfg.Keys, cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.StartRate, rep.Transport)
-	fcfg := FleetConfig{
-		Scenario: cfg.Scenario, Envoys: cfg.Envoys, Keys: cfg.Keys, Protocol: envoy.Delta,
-		Target: target, StartRate: cfg.StartRate, EnvoysPerConn: cfg.EnvoysPerConn, Tracker: s.tracker,
-		OnEvent: func(i int, ev envoy.Event) {
-			if ev.Kind == envoy.Received {
-				s.mu.Lock()
-				s.bytes[i] += uint64(ev.Bytes)
-				s.mu.Unlock()
-			}
+	spec := fleetSpec{
+		// With TLS the tier's Service fronts the relays' TLS ports
+		// (readyAddrs), as a cluster's does istiod's 15012.
+		fleet: FleetChildConfig{
+			Scenario: cfg.Scenario, Envoys: cfg.Envoys, Keys: cfg.Keys, Protocol: envoy.Delta.String(),
+			Target: target, StartRate: cfg.StartRate, EnvoysPerConn: cfg.EnvoysPerConn,
+		},
+		creds:   creds,
+		command: cfg.FleetCommand, cpus: cfg.FleetCPUs, stderr: cfg.FleetStderr, tracker: s.tracker,
+		started: func(fp *FleetProcess) {
+			rep.Fleet = &ProcFigures{Pid: fp.Pid(), CPUs: childCPUs(fp.Pid())}
+			rep.Pinning.FleetCPUs = rep.Fleet.CPUs
+			procs.add(fp.Stat, rep.Fleet)
+			fmt.Fprintf(out, "scale: fleet pid %d, CPUs %s\n", fp.Pid(), rep.Fleet.CPUs)
 		},
 	}
-	if tlsConns != nil {
-		fcfg.Configure = tlsConns.configure
+	fleet, start, err := startBenchFleet(stopCtx, spec)
+	if fleet != nil {
+		defer fleet.Stop(stopCtx)
 	}
-	start := time.Now()
-	fleet, err := StartFleet(stopCtx, fcfg)
 	if err != nil {
 		return nil, err
-	}
-	defer fleet.Stop(stopCtx)
-	if tlsConns != nil {
-		if err := tlsConns.Err(); err != nil {
-			return nil, err
-		}
 	}
 	s.fleet = fleet
 	sctx, cancel := context.WithTimeout(ctx, cfg.SyncTimeout)
@@ -272,6 +322,7 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 		return nil, fmt.Errorf("loadtest: initial sync: %w", err)
 	}
 	rep.SyncS = time.Since(start).Seconds()
+	procs.mark(phaseSync)
 	fmt.Fprintf(out, "scale: %d Envoys synced in %.1fs; upstream streams %d\n", cfg.Envoys, rep.SyncS, up.Stats().OpenStreams)
 	if cfg.TLS {
 		// A proven identity is part of the key (aggkey.WithIdentity):
@@ -287,13 +338,39 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 		return nil, err
 	}
 
-	// The baseline: changes with the tier settled.
+	// The baseline: changes with the tier settled. From here a fleet
+	// child streams every ACK that can time a change.
 	s.tracker.Reset()
+	if err := fleet.Track(ctx, up.Generation()); err != nil {
+		return nil, err
+	}
+	fig, err := fleet.Figures(ctx)
+	if err != nil {
+		return nil, err
+	}
+	bytesBefore := fig.BytesReceived
+	procs.mark(phaseChangesStart)
 	if err := s.changes(ctx, 0); err != nil {
 		return nil, err
 	}
+	procs.mark(phaseEnd)
+	if fig, err = fleet.Figures(ctx); err != nil {
+		return nil, err
+	}
+	rep.EnvoyBytesBaseline = fig.BytesReceived - bytesBefore
+	if rep.Tier.Err == "" {
+		rep.TierCPUPerChangeEnvoyUs = rep.Tier.CPUChangesS / float64(cfg.Changes) / float64(cfg.Envoys) * 1e6
+		if rep.EnvoyBytesBaseline > 0 {
+			rep.TierCPUPerMBMs = rep.Tier.CPUChangesS * 1e3 / (float64(rep.EnvoyBytesBaseline) / 1e6)
+		}
+	}
 	_, rep.Baseline, _ = s.tracker.Results()
-	fmt.Fprintf(out, "scale: baseline change → all Envoys P99 %s (%d changes)\n", ms(rep.Baseline.P99), rep.Baseline.N)
+	fmt.Fprintf(out, "scale: baseline change → all Envoys P99 %s (%d changes); this process's CPU %.2fs: %.1fµs per change per Envoy, %.1fms per MB sent\n",
+		ms(rep.Baseline.P99), rep.Baseline.N, rep.Tier.CPUChangesS, rep.TierCPUPerChangeEnvoyUs, rep.TierCPUPerMBMs)
+	if rep.Fleet != nil {
+		fmt.Fprintf(out, "scale: fleet process CPU %.2fs over the sync, %.2fs over the baseline changes; RSS peak %s\n",
+			rep.Fleet.CPUSyncS, rep.Fleet.CPUChangesS, fmtBytes(rep.Fleet.RSSPeak))
+	}
 
 	// Scale out: one more relay, nothing changing upstream.
 	p, err := s.phase(ctx, fmt.Sprintf("add relay-%d", cfg.Relays), false, func() error {
@@ -363,22 +440,29 @@ func (s *scaleRun) owners() []string {
 	return out
 }
 
-func (s *scaleRun) snapshot() (bytes []uint64, reconnects []uint64) {
-	s.mu.Lock()
-	bytes = append([]uint64(nil), s.bytes...)
-	s.mu.Unlock()
-	for _, e := range s.fleet.Envoys() {
-		reconnects = append(reconnects, e.Stats().Reconnects)
-	}
-	return bytes, reconnects
+func (s *scaleRun) snapshot(ctx context.Context) (bytes []uint64, reconnects []uint64, err error) {
+	c, err := s.fleet.Counters(ctx)
+	return c.Bytes, c.Reconnects, err
+}
+
+// violations counts the fleet's protocol violations.
+func (s *scaleRun) violations(ctx context.Context) (int, error) {
+	fig, err := s.fleet.Figures(ctx)
+	return fig.Violations, err
 }
 
 // phase runs one scaling step and measures it.
 func (s *scaleRun) phase(ctx context.Context, name string, withChanges bool, step func() error) (ScalePhase, error) {
 	p := ScalePhase{Name: name, RelaysBefore: len(s.tier.Running()), UpstreamBefore: s.up.Stats().OpenStreams}
 	ownersBefore := s.owners()
-	bytesBefore, reconnBefore := s.snapshot()
-	violationsBefore := len(s.fleet.Violations())
+	bytesBefore, reconnBefore, err := s.snapshot(ctx)
+	if err != nil {
+		return p, err
+	}
+	violationsBefore, err := s.violations(ctx)
+	if err != nil {
+		return p, err
+	}
 	s.tracker.Reset()
 
 	start := time.Now()
@@ -419,8 +503,11 @@ func (s *scaleRun) phase(ctx context.Context, name string, withChanges bool, ste
 	}
 	p.KeysMovedFrac = float64(p.KeysMoved) / float64(len(s.keys))
 	p.IdealFrac = 1 / float64(max(p.RelaysBefore, p.RelaysAfter))
-	bytesAfter, reconnAfter := s.snapshot()
-	groups := s.fleet.Groups()
+	bytesAfter, reconnAfter, err := s.snapshot(ctx)
+	if err != nil {
+		return p, err
+	}
+	groups := s.groups
 	stay := map[string][2]uint64{} // group → bytes received by Envoys that did not move, and their count
 	for i := range reconnAfter {
 		if reconnAfter[i] == reconnBefore[i] {
@@ -450,14 +537,15 @@ func (s *scaleRun) phase(ctx context.Context, name string, withChanges bool, ste
 	for _, r := range s.tier.Running() {
 		p.StreamsPerRelay = append(p.StreamsPerRelay, r.Node.Relay().Stats().Streams)
 	}
-	p.Violations = len(s.fleet.Violations()) - violationsBefore
-	return p, nil
+	violationsAfter, err := s.violations(ctx)
+	p.Violations = violationsAfter - violationsBefore
+	return p, err
 }
 
 // rebalanced reports whether every running relay holds within Tolerance of
 // the fair share, every Envoy is connected, and the upstream holds one
 // stream per key.
-func (s *scaleRun) rebalanced() bool {
+func (s *scaleRun) rebalanced(ctx context.Context) (bool, error) {
 	running := s.tier.Running()
 	fair := float64(s.cfg.Envoys) / float64(len(running))
 	total := 0
@@ -465,18 +553,28 @@ func (s *scaleRun) rebalanced() bool {
 		n := r.Node.Relay().Stats().Streams
 		total += n
 		if math.Abs(float64(n)-fair) > s.cfg.Tolerance*fair {
-			return false
+			return false, nil
 		}
 	}
-	return total == s.cfg.Envoys && s.fleet.Connected() == s.cfg.Envoys &&
-		s.up.Stats().OpenStreams == int64(len(s.keys))
+	if total != s.cfg.Envoys || s.up.Stats().OpenStreams != int64(len(s.keys)) {
+		return false, nil
+	}
+	fig, err := s.fleet.Figures(ctx)
+	return fig.Connected == s.cfg.Envoys, err
 }
 
 // waitRebalanced waits until rebalanced and returns the time since start,
 // or -1 if PhaseTimeout passed first.
 func (s *scaleRun) waitRebalanced(ctx context.Context, start time.Time) (time.Duration, error) {
 	deadline := time.Now().Add(s.cfg.PhaseTimeout)
-	for !s.rebalanced() {
+	for {
+		ok, err := s.rebalanced(ctx)
+		if err != nil {
+			return 0, err
+		}
+		if ok {
+			break
+		}
 		if time.Now().After(deadline) {
 			return -1, nil
 		}
@@ -493,26 +591,25 @@ func (s *scaleRun) waitRebalanced(ctx context.Context, start time.Time) (time.Du
 // goes on past "within tolerance", down to the share plus a small margin),
 // or PhaseTimeout passes.
 func (s *scaleRun) waitQuiet(ctx context.Context) error {
-	total := func() (n uint64) {
-		_, r := s.snapshot()
-		for _, x := range r {
-			n += x
-		}
-		return n
+	total := func() (uint64, error) {
+		fig, err := s.fleet.Figures(ctx)
+		return fig.Reconnects, err
 	}
 	deadline := time.Now().Add(s.cfg.PhaseTimeout)
-	last, since := total(), time.Now()
-	for time.Since(since) < 3*time.Second && time.Now().Before(deadline) {
+	last, err := total()
+	since := time.Now()
+	for err == nil && time.Since(since) < 3*time.Second && time.Now().Before(deadline) {
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-time.After(200 * time.Millisecond):
 		}
-		if n := total(); n != last {
+		var n uint64
+		if n, err = total(); n != last {
 			last, since = n, time.Now()
 		}
 	}
-	return nil
+	return err
 }
 
 // changes moves n endpoints, ChangeGap apart (n = 0: cfg.Changes, each

@@ -3,6 +3,7 @@ package loadtest
 import (
 	"bytes"
 	"context"
+	"os"
 	"testing"
 	"time"
 )
@@ -13,11 +14,23 @@ import (
 // relays' TLS ports (every moved stream a new handshake and token check).
 func TestScale(t *testing.T) {
 	for _, tls := range []bool{false, true} {
-		t.Run(transportName(tls, VerifierLocal), func(t *testing.T) { testScale(t, tls) })
+		t.Run(transportName(tls, VerifierLocal), func(t *testing.T) { testScale(t, tls, nil) })
 	}
+	// The fleet in a child process, pinned apart from this process (the
+	// tier) on a machine with two CPUs.
+	t.Run("plaintext-fleet-process", func(t *testing.T) {
+		requireLinux(t)
+		noChildLeft(t)
+		testScale(t, false, func(cfg *ScaleConfig) {
+			cfg.FleetCommand, cfg.FleetStderr = testFleetCommand, os.Stderr
+			if tier, fleet, ok := twoCPUs(t); ok {
+				cfg.TierCPUs, cfg.FleetCPUs = tier, fleet
+			}
+		})
+	})
 }
 
-func testScale(t *testing.T, tls bool) {
+func testScale(t *testing.T, tls bool, adjust func(*ScaleConfig)) {
 	cfg := DefaultScaleConfig()
 	cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = 40, 40, 4
 	cfg.Envoys, cfg.Keys, cfg.Changes = 80, 8, 3
@@ -28,11 +41,25 @@ func testScale(t *testing.T, tls bool) {
 	// the 20 % bound of the issue is checked at a share of 30 in
 	// shard's TestScaleOutRebalances.
 	cfg.Tolerance = 0.3
+	if adjust != nil {
+		adjust(&cfg)
+	}
+	allowed, _ := AllowedCPUs()
 	var out bytes.Buffer
 	rep, err := RunScale(context.Background(), cfg, &out)
 	t.Log(out.String())
 	if err != nil {
 		t.Fatalf("RunScale: %v", err)
+	}
+	if now, _ := AllowedCPUs(); !now.Equal(allowed) {
+		t.Errorf("this process may use CPUs %s after RunScale, want %s as before", now, allowed)
+	}
+	if rep.Pinning.TierCPUs != cfg.TierCPUs.String() || (len(cfg.FleetCPUs) > 0 && rep.Pinning.FleetCPUs != cfg.FleetCPUs.String()) {
+		t.Errorf("pinning %+v, want tier on %q, fleet on %q", rep.Pinning, cfg.TierCPUs, cfg.FleetCPUs)
+	}
+	if (rep.Fleet != nil) != (cfg.FleetCommand != nil) || rep.Baseline.N != cfg.Changes || rep.EnvoyBytesBaseline == 0 {
+		t.Errorf("fleet process figures %v with a fleet command %v, %d baseline changes timed, %d bytes: want figures iff a child, %d changes, bytes",
+			rep.Fleet, cfg.FleetCommand != nil, rep.Baseline.N, rep.EnvoyBytesBaseline, cfg.Changes)
 	}
 	if want := transportName(tls, VerifierLocal); rep.Transport != want {
 		t.Errorf("transport %q, want %q", rep.Transport, want)

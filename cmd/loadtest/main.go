@@ -324,6 +324,9 @@ func scale(ctx context.Context, args []string) error {
 	fs.BoolVar(&cfg.TLS, "tls", false, "Envoys connect to the relays' TLS ports (through a Service), each with its service account's JWT")
 	verifier := fs.String("tls-verifier", string(cfg.Verifier), "the relays' token verifier with --tls: local or tokenreview (a fake Kubernetes API)")
 	fs.DurationVar(&cfg.TokenReviewLatency, "tokenreview-latency", cfg.TokenReviewLatency, "how long the fake Kubernetes API takes to answer a TokenReview")
+	fleetProcess := fs.Bool("fleet-process", true, "run the simulated Envoys in a child process of their own (false: in this process, with the tier)")
+	fs.Var(loadtest.CPUSetFlag{CPUs: &cfg.TierCPUs}, "relay-cpus", "pin this process (the tier of relays, the upstream) to these CPUs, e.g. 0 or 0-1,3 (default: not pinned)")
+	fs.Var(loadtest.CPUSetFlag{CPUs: &cfg.FleetCPUs}, "fleet-cpus", "pin the fleet child to these CPUs (needs --fleet-process; default: not pinned)")
 	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -333,6 +336,22 @@ func scale(ctx context.Context, args []string) error {
 		return fmt.Errorf("--tls-verifier: %w", err)
 	}
 	cfg.Verifier = v
+	if err := loadtest.CheckCPUs("--relay-cpus", cfg.TierCPUs); err != nil {
+		return err
+	}
+	if err := loadtest.CheckCPUs("--fleet-cpus", cfg.FleetCPUs); err != nil {
+		return err
+	}
+	if len(cfg.FleetCPUs) > 0 && !*fleetProcess {
+		return errors.New("--fleet-cpus needs --fleet-process (the fleet shares this process with the tier otherwise)")
+	}
+	if *fleetProcess {
+		exe, err := os.Executable()
+		if err != nil {
+			return fmt.Errorf("find own executable for the fleet child: %w", err)
+		}
+		cfg.FleetCommand, cfg.FleetStderr = loadtest.ExecFleet(exe, "fleet-child"), os.Stderr
+	}
 	rep, err := loadtest.RunScale(ctx, cfg, os.Stdout)
 	if err != nil {
 		return err
