@@ -117,6 +117,16 @@ type Config struct {
 	// UpstreamProtocol is the ADS variant spoken to the upstream. Default
 	// delta. Envoys may use either variant whatever this is.
 	UpstreamProtocol Protocol
+	// UpstreamSyncs bounds the keys whose stream to their source (the
+	// upstream, or the key's owner) is open and has not answered every
+	// type yet; a key waits for one of them to finish before it opens its
+	// stream. A first answer is the key's whole config (16 MB of clusters
+	// at 30,000 services), held while it is decoded: a relay starting cold
+	// with a hundred keys, or a tier whose istiod restarted, would
+	// otherwise receive and hold them all at once, and istiod compute them
+	// all at once. A stream holds its slot 30 s at most. Default 16; 0: no
+	// bound.
+	UpstreamSyncs int
 	// ForwardCredentials makes each key's upstream stream present, as
 	// "authorization: Bearer", the service-account token of the member
 	// whose node it presents (--upstream-auth forward): members of a key
@@ -316,6 +326,7 @@ func DefaultConfig() Config {
 		HandshakeTimeout:    10 * time.Second,
 		TokenRefreshBefore:  5 * time.Minute,
 		UpstreamProtocol:    ProtocolDelta,
+		UpstreamSyncs:       16,
 		KeyProfile:          aggkey.Istio{},
 		Authorizer:          AllowAll{},
 		MaxMsgSize:          256 << 20,
@@ -395,6 +406,9 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.AdmitRate < 0 || cfg.AdmitRate > 0 && cfg.AdmitBurst < 1 {
 		bad("AdmitRate", "must be 0 (no limit), or positive with AdmitBurst at least 1")
+	}
+	if cfg.UpstreamSyncs < 0 {
+		bad("UpstreamSyncs", "must be 0 (no bound) or positive")
 	}
 	if cfg.Tier != nil && (cfg.BalanceInterval <= 0 || cfg.ShedRate <= 0) {
 		bad("BalanceInterval", "and ShedRate must be positive with a Tier")

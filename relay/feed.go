@@ -286,6 +286,15 @@ func (u *feed) sleep(ctx context.Context, d time.Duration) bool {
 func (u *feed) session(ctx context.Context, node *core.Node, presenter member, src source) (got bool, err error) {
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	// A slot of the relay's first answers (Config.UpstreamSyncs), held
+	// until the stream answered every type or for syncSlotHold at most.
+	release, ok := u.r.syncs.acquire(ctx)
+	if !ok {
+		return false, ctx.Err()
+	}
+	defer release()
+	slotHeld := time.NewTimer(syncSlotHold)
+	defer slotHeld.Stop()
 	send, recv, err := u.open(sctx, presenter, src)
 	if err != nil {
 		return false, err
@@ -376,6 +385,7 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 			if !confirmed && u.allAnswered(answered) {
 				u.setStale(false)
 				confirmed, confirm = true, nil
+				release()
 			}
 		case <-confirm:
 			confirm = nil
@@ -383,7 +393,10 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 				u.r.metrics.silentConfirms.Inc()
 				u.setStale(false)
 				confirmed = true
+				release()
 			}
+		case <-slotHeld.C:
+			release() // a source slow to answer does not hold up the others' keys
 		case err := <-errc:
 			return got, err
 		case <-retry:
@@ -999,7 +1012,7 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 			}
 			b.Delete(n)
 		}
-		ts.view = b.Tree()
+		ts.view = u.r.views.Intern(b.Tree())
 		if fromSource {
 			ts.ready, ts.order = true, order
 		}
@@ -1193,6 +1206,40 @@ const probeVersion = "meshrelay-probe"
 // confirmAfter is how long a SotW upstream or a peer relay may stay silent
 // on a new stream before its silence confirms the views.
 const confirmAfter = 2 * time.Second
+
+// syncSlotHold bounds how long a stream holds a slot of the relay's first
+// answers (syncSlots) without having answered every type.
+const syncSlotHold = 30 * time.Second
+
+// syncSlots bounds the streams to keys' sources that are open and have not
+// answered every type yet (Config.UpstreamSyncs): a stream's first answers
+// carry its key's whole config, decoded as they arrive, and a relay that
+// starts cold, or a tier whose istiod restarted, would otherwise receive
+// every key's at once and hold them all at once. Nil: no bound. Safe for
+// concurrent use.
+type syncSlots chan struct{}
+
+func newSyncSlots(n int) syncSlots {
+	if n <= 0 {
+		return nil
+	}
+	return make(syncSlots, n)
+}
+
+// acquire takes a slot, waiting for one until ctx ends (ok false). release
+// gives it back; calling it again does nothing.
+func (s syncSlots) acquire(ctx context.Context) (release func(), ok bool) {
+	if s == nil {
+		return func() {}, true
+	}
+	select {
+	case s <- struct{}{}:
+	case <-ctx.Done():
+		return nil, false
+	}
+	var once sync.Once
+	return func() { once.Do(func() { <-s }) }, true
+}
 
 // allAnswered reports whether every type asked on the stream was answered.
 func (u *feed) allAnswered(answered map[string]bool) bool {

@@ -79,7 +79,7 @@ func (r *Relay) restoreKey(sk xds.SavedKey, rs *warm.Restorer) int {
 			r.log.Warn("warm start: persisted view does not match its root; not restored", "key", sk.Key, "type", xds.ShortType(st.Type))
 			continue
 		}
-		types[st.Type] = &typeView{view: t, ready: true, full: st.Full}
+		types[st.Type] = &typeView{view: r.views.Intern(t), ready: true, full: st.Full}
 	}
 	if len(types) == 0 {
 		return 0

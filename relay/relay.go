@@ -102,10 +102,14 @@ import (
 // Relay is one meshrelay process's xDS relay. Create it with New, then Start;
 // Stop it when done. Its methods are safe for concurrent use.
 type Relay struct {
-	cfg          Config
-	log          *slog.Logger
-	store        *xds.Store
-	dropped      *xds.Dropped
+	cfg     Config
+	log     *slog.Logger
+	store   *xds.Store
+	dropped *xds.Dropped
+	// views shares the keys' views of equal content: the keys of a
+	// namespace, each fed by a stream of its own, hold one tree (issue 17).
+	views        ledger.Interner[*xds.Resource]
+	syncs        syncSlots // first answers of keys' sources in flight (Config.UpstreamSyncs)
 	refIndex     xds.RefIndex
 	metrics      *metrics
 	pushACK      latency
@@ -182,6 +186,7 @@ func New(cfg Config) (*Relay, error) {
 		clock:        ledger.NewClock(cfg.wall),
 		authLogs:     newAuthLogLimiter(),
 		failures:     newFailureGate(),
+		syncs:        newSyncSlots(cfg.UpstreamSyncs),
 	}
 	if cfg.AdmitRate > 0 {
 		r.admission = rate.NewLimiter(rate.Limit(cfg.AdmitRate), cfg.AdmitBurst)

@@ -1,0 +1,103 @@
+package relay
+
+import (
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+
+	"github.com/meshrelay/meshrelay/relay/xds"
+)
+
+// firstAnswers is an upstream's stream interceptor that holds back each
+// stream's first response for a while and counts the streams open and not
+// answered yet, and the most there were at once.
+type firstAnswers struct {
+	delay time.Duration
+	mu    sync.Mutex
+	now   int
+	most  int
+}
+
+func (f *firstAnswers) intercept(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+	f.mu.Lock()
+	f.now++
+	f.most = max(f.most, f.now)
+	f.mu.Unlock()
+	w := &firstAnswerStream{ServerStream: ss, f: f}
+	defer w.answered()
+	return handler(srv, w)
+}
+
+func (f *firstAnswers) max() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.most
+}
+
+type firstAnswerStream struct {
+	grpc.ServerStream
+	f    *firstAnswers
+	once sync.Once
+}
+
+func (s *firstAnswerStream) answered() {
+	s.once.Do(func() {
+		s.f.mu.Lock()
+		s.f.now--
+		s.f.mu.Unlock()
+	})
+}
+
+func (s *firstAnswerStream) SendMsg(m any) error {
+	s.once.Do(func() {
+		time.Sleep(s.f.delay) // the upstream computing a key's whole config
+		s.f.mu.Lock()
+		s.f.now--
+		s.f.mu.Unlock()
+	})
+	return s.ServerStream.SendMsg(m)
+}
+
+// A relay opens the streams of many new keys at once, but has at most
+// UpstreamSyncs of them waiting for their first answers: every key is
+// served, and the upstream never computes more first answers at once.
+func TestUpstreamSyncsBoundFirstAnswers(t *testing.T) {
+	const keys = 6
+	for _, tc := range []struct {
+		syncs int
+	}{{2}, {0}} {
+		t.Run(fmt.Sprint("UpstreamSyncs=", tc.syncs), func(t *testing.T) {
+			fa := &firstAnswers{delay: 200 * time.Millisecond}
+			up := newTestUpstreamWith(t, []grpc.ServerOption{grpc.ChainStreamInterceptor(fa.intercept)}, "ns1")
+			seed(up, "ns1", 3)
+			r := startRelay(t, up, func(c *Config) { c.UpstreamSyncs = tc.syncs })
+			conn := dial(t, r.Addr().String())
+			var clients []*rawClient
+			for i := range keys {
+				c := newRawClient(t, conn, true, node("ns1", fmt.Sprint("wl", i), i))
+				c.subscribe(xds.TypeCluster, "*")
+				clients = append(clients, c)
+			}
+			for i, c := range clients {
+				if got := names(c.recvDelta(xds.TypeCluster)); len(got) != 3 {
+					t.Fatalf("key %d: clusters %v, want 3", i, got)
+				}
+			}
+			if n := len(r.heldKeys()); n != keys {
+				t.Fatalf("keys = %d, want %d", n, keys)
+			}
+			most := fa.max()
+			if tc.syncs > 0 && most > tc.syncs {
+				t.Fatalf("the upstream had %d streams waiting for their first answer at once, want at most %d", most, tc.syncs)
+			}
+			if tc.syncs == 0 && most <= 2 {
+				// Unbounded, the keys' streams open together (a check
+				// that this test can see the difference).
+				t.Fatalf("unbounded: at most %d first answers at once, want several", most)
+			}
+		})
+	}
+}
