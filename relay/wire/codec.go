@@ -15,6 +15,7 @@ package wire
 
 import (
 	"sync"
+	"time"
 
 	"google.golang.org/grpc/encoding"
 	"google.golang.org/grpc/mem"
@@ -65,14 +66,15 @@ func (o *Response) FullSotW() []*xds.Resource {
 	return out
 }
 
-// Message is a response already encoded: a shared body and the stream's
-// own tail (the nonce field).
+// Message is a response already encoded: a shared body between a head and
+// a tail of the stream's own (a SotW version_info, the nonce).
 type Message struct {
+	head []byte
 	body []byte // shared: never modified
 	tail []byte
 }
 
-func (w *Message) Size() int { return len(w.body) + len(w.tail) }
+func (w *Message) Size() int { return len(w.head) + len(w.body) + len(w.tail) }
 
 // Codec is the relay server's gRPC codec: Messages go out as they are,
 // everything else (requests in, passthrough responses out) through the
@@ -85,7 +87,10 @@ func (c Codec) Marshal(v any) (mem.BufferSlice, error) {
 	if w, ok := v.(*Message); ok {
 		// SliceBuffers are not pooled: gRPC's Free leaves the shared body
 		// alone.
-		return mem.BufferSlice{mem.SliceBuffer(w.body), mem.SliceBuffer(w.tail)}, nil
+		if len(w.head) == 0 {
+			return mem.BufferSlice{mem.SliceBuffer(w.body), mem.SliceBuffer(w.tail)}, nil
+		}
+		return mem.BufferSlice{mem.SliceBuffer(w.head), mem.SliceBuffer(w.body), mem.SliceBuffer(w.tail)}, nil
 	}
 	return c.proto.Marshal(v)
 }
@@ -111,7 +116,10 @@ const (
 // Merkle roots that determine it. A SotW full-state body is determined by
 // what the client holds after (to); a SotW partial or a Delta body by what it
 // held before and after (the difference), Delta's also by the view's root
-// (its system_version_info). Every version in it carries the view's Order.
+// (its system_version_info). Every version in a Delta body carries the
+// view's Order; a SotW body has none (its one version, which does, is the
+// message's head), so the keys that hold the same content, each with views
+// of its own Order, share one SotW body.
 type bodyKey struct {
 	delta    bool
 	typeURL  string
@@ -120,46 +128,129 @@ type bodyKey struct {
 	order    ledger.Order
 }
 
-// Bodies keeps recent bodies, bounded in bytes; bodies still on their way
-// to clients stay alive through those messages. Safe for concurrent use.
+// Bodies keeps recent bodies, bounded in bytes and in age: a body is
+// encoded once however many streams want it at once (the others wait for
+// it), and let go once unused for bodyAge to 2·bodyAge; bodies still on
+// their way to clients stay alive through those messages. Safe for
+// concurrent use; the zero value is ready.
 type Bodies struct {
-	mu    sync.Mutex
-	m     map[bodyKey][]byte
-	bytes int
+	mu        sync.Mutex
+	cur, old  map[bodyKey]*bodyEntry
+	bytes     int // of the encoded entries of cur and old
+	rotatedAt time.Time
+	now       func() time.Time // nil: time.Now (tests set it)
 }
 
-// bodyCacheBytes bounds the cache; it is cleared when full (the working set
-// is the few updates in flight).
-const bodyCacheBytes = 256 << 20
+type bodyEntry struct {
+	done chan struct{} // closed once b is set
+	b    []byte
+}
+
+const (
+	// bodyCacheBytes bounds the cache; past it the older bodies go, then
+	// all (the working set is the few updates in flight).
+	bodyCacheBytes = 256 << 20
+	// bodyAge: a body unused for this long is let go at the next
+	// rotation, one unused for twice as long is gone.
+	bodyAge = 30 * time.Second
+)
 
 func (c *Bodies) get(k bodyKey, encode func() []byte) []byte {
 	c.mu.Lock()
-	b, ok := c.m[k]
-	c.mu.Unlock()
-	if ok {
-		return b
+	c.rotate()
+	e, ok := c.cur[k]
+	if !ok {
+		if e, ok = c.old[k]; ok {
+			c.cur[k] = e // used again: kept another period
+			delete(c.old, k)
+		}
 	}
-	b = encode()
+	if ok {
+		c.mu.Unlock()
+		<-e.done
+		return e.b
+	}
+	e = &bodyEntry{done: make(chan struct{})}
+	c.cur[k] = e
+	c.mu.Unlock()
+	e.b = encode()
+	close(e.done)
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.m == nil || c.bytes+len(b) > bodyCacheBytes {
-		c.m, c.bytes = make(map[bodyKey][]byte), 0
+	if c.cur[k] != e && c.old[k] != e {
+		return e.b // let go meanwhile: its waiters have it all the same
 	}
-	if have, ok := c.m[k]; ok {
-		return have
+	c.bytes += len(e.b)
+	if c.bytes > bodyCacheBytes {
+		c.old, c.bytes = nil, c.sizeOf(c.cur)
 	}
-	c.m[k] = b
-	c.bytes += len(b)
-	return b
+	if c.bytes > bodyCacheBytes {
+		c.cur, c.bytes = make(map[bodyKey]*bodyEntry), 0
+	}
+	return e.b
 }
 
-// SotW returns o as a SotW DiscoveryResponse: its body from the cache (or
-// encoded once, with the relay's control_plane), its nonce its own.
+// rotate starts a new period if the current one is over: what was not
+// used in the last one goes. The caller holds c.mu.
+func (c *Bodies) rotate() {
+	now := time.Now
+	if c.now != nil {
+		now = c.now
+	}
+	t := now()
+	if c.cur == nil {
+		c.cur, c.rotatedAt = make(map[bodyKey]*bodyEntry), t
+		return
+	}
+	if t.Sub(c.rotatedAt) < bodyAge {
+		return
+	}
+	c.old, c.cur, c.rotatedAt = c.cur, make(map[bodyKey]*bodyEntry), t
+	c.bytes = c.sizeOf(c.old)
+}
+
+// sizeOf counts the encoded bodies of m. The caller holds c.mu.
+func (c *Bodies) sizeOf(m map[bodyKey]*bodyEntry) int {
+	n := 0
+	for _, e := range m {
+		select {
+		case <-e.done:
+			n += len(e.b)
+		default: // still encoding: counted when done
+		}
+	}
+	return n
+}
+
+// waiting reports whether k is being encoded now (1) or not (0); for tests.
+func (c *Bodies) waiting(k bodyKey) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if e, ok := c.cur[k]; ok {
+		select {
+		case <-e.done:
+		default:
+			return 1
+		}
+	}
+	return 0
+}
+
+// Len returns the number of bodies kept, and their bytes.
+func (c *Bodies) Len() (n, bytes int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.cur) + len(c.old), c.bytes
+}
+
+// SotW returns o as a SotW DiscoveryResponse: its body (resources,
+// type_url, control_plane) from the cache, or encoded once, and its
+// version_info and nonce its own.
 func (c *Bodies) SotW(o *Response, controlPlane []byte) *Message {
-	body := c.get(bodyKey{typeURL: o.TypeURL, from: o.From, to: o.To, order: o.Order}, func() []byte {
+	body := c.get(bodyKey{typeURL: o.TypeURL, from: o.From, to: o.To}, func() []byte {
 		return encodeSotW(o, controlPlane)
 	})
-	return &Message{body: body, tail: nonceField(fSotWNonce, o.Nonce)}
+	return &Message{head: appendString(nil, fSotWVersion, o.Version), body: body, tail: nonceField(fSotWNonce, o.Nonce)}
 }
 
 // Delta returns o as a DeltaDiscoveryResponse, as SotW does.
@@ -170,18 +261,18 @@ func (c *Bodies) Delta(o *Response, controlPlane []byte) *Message {
 	return &Message{body: body, tail: nonceField(fDeltaNonce, o.Nonce)}
 }
 
-// encodeSotW encodes a DiscoveryResponse without its nonce.
+// encodeSotW encodes a DiscoveryResponse without its version_info and
+// nonce.
 func encodeSotW(o *Response, controlPlane []byte) []byte {
 	res := o.FullSotW()
 	if res == nil {
 		res = o.Updated
 	}
-	n := len(o.Version) + len(o.TypeURL) + len(controlPlane) + 16
+	n := len(o.TypeURL) + len(controlPlane) + 16
 	for _, r := range res {
 		n += len(r.Type) + len(r.Body.GetValue()) + 16
 	}
 	b := make([]byte, 0, n)
-	b = appendString(b, fSotWVersion, o.Version)
 	for _, r := range res {
 		b = appendAny(b, fSotWResources, r)
 	}

@@ -1,0 +1,153 @@
+package wire
+
+import (
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	cluster "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/xds"
+)
+
+// decodeMessage marshals m as the relay's server does and decodes it as a
+// client would.
+func decodeMessage[M proto.Message](t *testing.T, m *Message, into M) M {
+	t.Helper()
+	data, err := NewCodec().Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := proto.Unmarshal(data.Materialize(), into); err != nil {
+		t.Fatalf("a client cannot decode the message: %v", err)
+	}
+	return into
+}
+
+func resources(t *testing.T, names ...string) (ledger.Tree[*xds.Resource], []*xds.Resource) {
+	t.Helper()
+	store := xds.NewStore()
+	b := ledger.Tree[*xds.Resource]{}.Edit()
+	var out []*xds.Resource
+	for _, n := range names {
+		a, err := anypb.New(&cluster.Cluster{Name: n})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := store.Decode(xds.TypeCluster, a, "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.Set(r.Name, r.Hash, r)
+		out = append(out, r)
+	}
+	return b.Tree(), out
+}
+
+// A SotW response decodes as the DiscoveryResponse it stands for; two
+// keys' responses of the same content and different Orders share one body
+// and differ in their version_info alone.
+func TestSotWResponses(t *testing.T) {
+	var bodies Bodies
+	cp, err := proto.Marshal(&core.ControlPlane{Identifier: "relay-1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	held, _ := resources(t, "c0", "c1")
+	o1 := ledger.Order{Session: 1 << 20, At: 2 << 20}
+	o2 := ledger.Order{Session: 3 << 20, At: 4 << 20}
+	r1 := &Response{TypeURL: xds.TypeCluster, Full: true, Held: held, To: held.Root(), Order: o1, Version: Version(held.Root(), o1), Nonce: "7"}
+	r2 := &Response{TypeURL: xds.TypeCluster, Full: true, Held: held, To: held.Root(), Order: o2, Version: Version(held.Root(), o2), Nonce: "9"}
+	m1, m2 := bodies.SotW(r1, cp), bodies.SotW(r2, cp)
+	if &m1.body[0] != &m2.body[0] {
+		t.Fatal("two keys' responses of the same content do not share a body")
+	}
+	for _, tc := range []struct {
+		m    *Message
+		r    *Response
+		want string
+	}{{m1, r1, "7"}, {m2, r2, "9"}} {
+		got := decodeMessage(t, tc.m, &discovery.DiscoveryResponse{})
+		if got.GetVersionInfo() != tc.r.Version || got.GetNonce() != tc.want || got.GetTypeUrl() != xds.TypeCluster ||
+			got.GetControlPlane().GetIdentifier() != "relay-1" || len(got.GetResources()) != 2 {
+			t.Fatalf("decoded %v, want version %s, nonce %s, 2 clusters, the relay's control plane", got, tc.r.Version, tc.want)
+		}
+		if tc.m.Size() != proto.Size(got) {
+			t.Fatalf("Size() = %d, want the encoded %d", tc.m.Size(), proto.Size(got))
+		}
+	}
+}
+
+// A Delta response decodes as the DeltaDiscoveryResponse it stands for,
+// every resource's version carrying the view's Order.
+func TestDeltaResponse(t *testing.T) {
+	var bodies Bodies
+	view, upd := resources(t, "c0", "c1")
+	o := ledger.Order{Session: 1 << 20, At: 2 << 20}
+	r := &Response{TypeURL: xds.TypeCluster, Updated: upd, Removed: []string{"gone"}, To: view.Root(), View: view.Root(), Order: o, Version: Version(view.Root(), o), Nonce: "3"}
+	got := decodeMessage(t, bodies.Delta(r, nil), &discovery.DeltaDiscoveryResponse{})
+	if got.GetSystemVersionInfo() != r.Version || got.GetNonce() != "3" || len(got.GetResources()) != 2 || len(got.GetRemovedResources()) != 1 {
+		t.Fatalf("decoded %v", got)
+	}
+	for i, res := range got.GetResources() {
+		if res.GetName() != upd[i].Name || res.GetVersion() != Version(upd[i].Hash, o) {
+			t.Fatalf("resource %d: %s at %s, want %s at %s", i, res.GetName(), res.GetVersion(), upd[i].Name, Version(upd[i].Hash, o))
+		}
+	}
+}
+
+// A body wanted by many streams at once is encoded once; one not used for
+// two periods is let go, one used again is kept.
+func TestBodiesOnceAndAging(t *testing.T) {
+	now := time.Unix(1_000, 0)
+	c := &Bodies{now: func() time.Time { return now }}
+	k := func(i byte) bodyKey { return bodyKey{typeURL: xds.TypeCluster, to: ledger.Hash{i}} }
+	var encodes atomic.Int32
+	release := make(chan struct{})
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	stop := sync.OnceFunc(func() { close(release) })
+	defer stop() // also when the test fails first
+	for range 10 {
+		wg.Go(func() {
+			b := c.get(k(1), func() []byte { encodes.Add(1); <-release; return []byte("body-1") })
+			if string(b) != "body-1" {
+				t.Errorf("get = %q, want body-1", b)
+			}
+		})
+	}
+	for deadline := time.Now().Add(10 * time.Second); c.waiting(k(1)) == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) { // until the first has started encoding
+			t.Fatal("no stream started encoding the body")
+		}
+	}
+	stop()
+	wg.Wait()
+	if n := encodes.Load(); n != 1 {
+		t.Fatalf("the body was encoded %d times for 10 streams at once, want 1", n)
+	}
+	enc := func(s string) func() []byte { return func() []byte { encodes.Add(1); return []byte(s) } }
+	now = now.Add(bodyAge + time.Second)
+	c.get(k(2), enc("body-2")) // a new period: body-1 is old, body-2 current
+	now = now.Add(bodyAge + time.Second)
+	c.get(k(1), enc("again")) // body-1 is gone: encoded again
+	if n, bytes := c.Len(); n != 2 || bytes != len("body-2")+len("again") {
+		t.Fatalf("Len = %d bodies, %d bytes; want body-2 (old) and body-1 again (current)", n, bytes)
+	}
+	now = now.Add(bodyAge + time.Second)
+	c.get(k(1), enc("x")) // used again: kept
+	now = now.Add(bodyAge + time.Second)
+	c.get(k(3), enc("body-3"))
+	if n, _ := c.Len(); n != 2 {
+		t.Fatalf("Len = %d, want body-1 (used a period ago) and body-3; body-2 unused for two periods is gone", n)
+	}
+	if got := encodes.Load(); got != 4 {
+		t.Fatalf("encodes = %d, want 4 (body-1, body-2, body-1 again, body-3)", got)
+	}
+}
