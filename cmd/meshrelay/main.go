@@ -73,6 +73,7 @@ func serve(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.XDSListen, "xds-listen", cfg.XDSListen, "address of the plaintext ADS server (istiod's 15010): it authenticates no one; with --xds-tls-cert, off unless set")
 	fs.StringVar(&cfg.Upstream, "upstream", "", "gRPC target of the upstream control plane (istiod), e.g. istiod.istio-system.svc:15010 (required)")
 	upProto := fs.String("upstream-protocol", string(cfg.UpstreamProtocol), "ADS variant spoken to the upstream: sotw or delta")
+	fs.IntVar(&cfg.UpstreamSyncs, "upstream-syncs", cfg.UpstreamSyncs, "keys whose stream to istiod (or to the key's owner) may be waiting for its first full answer at once; others wait their turn, so a cold start does not hold every key's whole config at once. 0: no bound")
 	profile := fs.String("key-profile", aggkey.ProfileIstio, "aggregation key profile: istio or per-node")
 	keyMeta := fs.String("key-metadata", "", "comma-separated extra node metadata fields for the istio key profile")
 	fs.StringVar(&cfg.AdminListen, "admin-listen", ":15014", "address of the admin server: HTTP (/healthz, /readyz, /metrics, /debug/pprof) and gRPC (health, reflection) on one port; empty: none")
