@@ -314,11 +314,16 @@ func (r *Relay) Start(ctx context.Context) error {
 	default:
 		r.log.Warn("relay-to-relay traffic not authenticated (no peer certificate, no peer secret): any stream may claim to be a relay")
 	}
-	switch {
-	case lis != nil && tlsLis != nil:
-		r.log.Warn("PLAINTEXT xDS port open beside the TLS one: it authenticates no one and serves every namespace's config to whoever reaches it", "xds_plaintext", lis.Addr().String())
-	case lis != nil:
-		r.log.Warn("PLAINTEXT xDS port open: it authenticates no one and serves every namespace's config to whoever reaches it (istiod's 15010); sidecars of a default Istio mesh want the TLS port", "xds_plaintext", lis.Addr().String())
+	if lis != nil {
+		msg := "PLAINTEXT xDS port open: it authenticates no one and serves every namespace's config to whoever reaches it (istiod's 15010); sidecars of a default Istio mesh want the TLS port"
+		if tlsLis != nil {
+			msg = "PLAINTEXT xDS port open beside the TLS one: it authenticates no one and serves every namespace's config to whoever reaches it"
+		}
+		level := slog.LevelWarn
+		if isLoopback(lis.Addr()) {
+			level, msg = slog.LevelInfo, msg+" (on loopback only: this host's processes)"
+		}
+		r.log.Log(context.Background(), level, msg, "xds_plaintext", lis.Addr().String())
 	}
 	r.logAdminGuard(r.adminLis)
 	return nil

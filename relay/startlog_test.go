@@ -35,6 +35,15 @@ func (l *logBuffer) logger() *slog.Logger {
 	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelInfo}))
 }
 
+func listenLoopback(t *testing.T) net.Listener {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return lis
+}
+
 // elsewhere is a listener that says it listens on a pod address, not
 // loopback (it does listen on loopback: nothing leaves the machine).
 type elsewhere struct{ net.Listener }
@@ -46,13 +55,7 @@ func (elsewhere) Addr() net.Addr { return &net.TCPAddr{IP: net.IPv4(10, 0, 0, 7)
 // and that an admin API with nothing to prove its callers is closed on a
 // relay whose xDS port authenticates.
 func TestStartSaysWhatIsOpen(t *testing.T) {
-	adminElsewhere := func(t *testing.T) net.Listener {
-		lis, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		return elsewhere{lis}
-	}
+	adminElsewhere := func(t *testing.T) net.Listener { return elsewhere{listenLoopback(t)} }
 	for _, tc := range []struct {
 		name   string
 		start  func(t *testing.T, logs *logBuffer) *Relay
@@ -61,17 +64,19 @@ func TestStartSaysWhatIsOpen(t *testing.T) {
 	}{
 		{"plaintext relay", func(t *testing.T, logs *logBuffer) *Relay {
 			up := newTestUpstream(t, "ns1")
-			return startRelay(t, up, func(c *Config) { c.Logger = logs.logger(); c.AdminListener = adminElsewhere(t) })
-		}, []string{`level=WARN msg="PLAINTEXT xDS port open: it authenticates no one`, `level=WARN msg="admin API open to anyone`}, []string{"admin API closed"}},
-		{"plaintext relay, admin on loopback", func(t *testing.T, logs *logBuffer) *Relay {
+			return startRelay(t, up, func(c *Config) {
+				c.Logger, c.Listener, c.AdminListener = logs.logger(), elsewhere{listenLoopback(t)}, elsewhere{listenLoopback(t)}
+			})
+		}, []string{`level=WARN msg="PLAINTEXT xDS port open: it authenticates no one`, `level=WARN msg="admin API open to anyone`}, []string{"admin API closed", "loopback only"}},
+		{"plaintext relay on loopback", func(t *testing.T, logs *logBuffer) *Relay {
 			up := newTestUpstream(t, "ns1")
 			return startRelay(t, up, func(c *Config) { c.Logger = logs.logger(); c.AdminListen = "127.0.0.1:0" })
-		}, []string{`level=WARN msg="PLAINTEXT xDS port open: it authenticates no one`}, []string{"admin API open", "admin API closed"}},
+		}, []string{`level=INFO msg="PLAINTEXT xDS port open: it authenticates no one`, "(on loopback only"}, []string{"admin API open", "admin API closed", "level=WARN"}},
 		{"TLS relay", func(t *testing.T, logs *logBuffer) *Relay {
 			return newSecureEnv(t, auth.ModeAny, func(c *Config) { c.Logger = logs.logger(); c.AdminListener = adminElsewhere(t) }).r
 		}, []string{`level=INFO msg="admin API closed but for health checks and /metrics`}, []string{"PLAINTEXT", "admin API open"}},
 		{"TLS relay with a plaintext port", func(t *testing.T, logs *logBuffer) *Relay {
-			return newSecureEnv(t, auth.ModeAny, func(c *Config) { c.Logger = logs.logger(); c.XDSListen = "127.0.0.1:0" }).r
+			return newSecureEnv(t, auth.ModeAny, func(c *Config) { c.Logger = logs.logger(); c.Listener = elsewhere{listenLoopback(t)} }).r
 		}, []string{`level=WARN msg="PLAINTEXT xDS port open beside the TLS one`}, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
