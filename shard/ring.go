@@ -377,6 +377,15 @@ func (r *Ring) gossipConns(ctx context.Context) {
 		if n == sent {
 			continue
 		}
+		r.mu.RLock()
+		left := r.left
+		r.mu.RUnlock()
+		if left {
+			// A relay that left gossips nothing more: memberlist forgets
+			// its own node a while after, and UpdateNode would
+			// dereference it.
+			return
+		}
 		wire, err := meta{V: metaVersion, XDS: r.cfg.XDSAddr, Admin: r.cfg.AdminAddr, Conns: int(n)}.encode()
 		if err != nil {
 			continue // cannot happen: the address fitted in New, and a count is short
@@ -384,12 +393,24 @@ func (r *Ring) gossipConns(ctx context.Context) {
 		r.metaMu.Lock()
 		r.metaWire = wire
 		r.metaMu.Unlock()
-		if err := r.ml.UpdateNode(r.cfg.MetaInterval); err != nil {
+		if err := r.updateNode(); err != nil {
 			r.log.Debug("gossip connection count", "err", err)
 			continue
 		}
 		sent = n
 	}
+}
+
+// updateNode gossips this relay's metadata again. memberlist panics if it
+// no longer knows its own node (it left a Leave ago: a Leave racing the
+// check above); that is an error here, not a crash.
+func (r *Ring) updateNode() (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("memberlist: %v", p)
+		}
+	}()
+	return r.ml.UpdateNode(r.cfg.MetaInterval)
 }
 
 // rejoin resolves Config.Join every RejoinInterval and joins every address
