@@ -18,11 +18,14 @@
 // applies responses and sends every request, and the receiver, which only
 // calls Recv) and one while it waits to reconnect; gRPC adds its own per
 // stream. Held resources are interned (package unique) as (version, body,
-// references) triples, so many simulated Envoys holding the same
+// hash, references) tuples, so many simulated Envoys holding the same
 // configuration share its bytes and each pays a map slot per resource:
 // BenchmarkEnvoyMemory measures about 130 KB per idle Envoy holding 1,000
-// clusters and their 1,000 load assignments. It is meant for tests, demos and
-// load tests with thousands of instances in one process.
+// clusters and their 1,000 load assignments. Versions differ between
+// aggregation keys behind a relay (they carry each key's Order), so Envoys
+// of different keys share nothing; Config.Light drops the bodies for
+// fleets at Istio scale. It is meant for tests, demos and load tests with
+// thousands of instances in one process.
 package envoy
 
 import (
@@ -130,6 +133,16 @@ type Config struct {
 	// 128 MiB (Envoy accepts large responses; gRPC's own default is 4 MiB).
 	// Zero is invalid.
 	MaxRecvMsgSize int
+	// Light, if set, keeps of each held resource only what the Envoy's own
+	// checks read: its name, version, content hash (Held.Hash), generation,
+	// and the names it refers to (a cluster's EDS service name, a
+	// listener's route configurations and clusters, a route
+	// configuration's clusters). Its body is dropped once the response is
+	// applied, so Held.Resource is nil. Every protocol check works as
+	// without it; what it saves is memory: a fleet of thousands at Istio
+	// scale (30,000 clusters and their load assignments each) fits on one
+	// machine. Default false: bodies are kept.
+	Light bool
 	// Logger receives connection and violation logs. Default: discard.
 	Logger *slog.Logger
 }
@@ -151,8 +164,12 @@ type Held struct {
 	// Version is the resource's version: the response's version_info in
 	// SotW, the resource's own version in Delta.
 	Version string
-	// Resource is a copy of the resource as received.
+	// Resource is a copy of the resource as received; nil with
+	// Config.Light.
 	Resource *anypb.Any
+	// Hash is the xxhash64 of the resource's bytes (its anypb.Any value),
+	// in both modes: equal hashes, equal content.
+	Hash uint64
 	// Generation is what Config.Generation returned for it (0 if unset).
 	Generation uint64
 }

@@ -292,28 +292,43 @@ func TestViolations(t *testing.T) {
 			if tt.only != nil && !contains(tt.only, p) {
 				continue
 			}
-			t.Run(tt.name+"/"+p.String(), func(t *testing.T) {
-				t.Parallel()
-				ads := &fakeADS{t: t, script: tt.script}
-				conn := startFake(t, ads)
-				e := newTestEnvoy(t, conn, p, func(c *Config) { c.Generation = generationOf })
-				if tt.want == "" {
-					waitFor(t, e, "ACKs", func(v View) bool { return v.Stats().ACKs >= tt.acks })
-					noViolations(t, e)
-					if got := e.ControlPlane(); got != "fake-cp" {
-						t.Errorf("ControlPlane() = %q, want %q", got, "fake-cp")
-					}
-					checkNodeOnlyFirst(t, ads)
-					return
+			// Light mode drops bodies, not checks: every rule is caught
+			// the same.
+			for _, light := range []bool{false, true} {
+				name := tt.name + "/" + p.String()
+				if light {
+					name += "/light"
 				}
-				waitFor(t, e, "a "+string(tt.want)+" violation", func(v View) bool {
-					return hasRule(v.e.Violations(), tt.want)
+				t.Run(name, func(t *testing.T) {
+					t.Parallel()
+					testViolation(t, tt.script, tt.want, tt.acks, p, light)
 				})
-				for _, err := range e.Violations() {
-					t.Logf("recorded: %v", err)
-				}
-			})
+			}
 		}
+	}
+}
+
+// testViolation runs one case of TestViolations: script on a fake
+// upstream, then either want recorded or, with want "", acks ACKs and no
+// violation.
+func testViolation(t *testing.T, script func(*fakeStream), want Rule, acks uint64, p Protocol, light bool) {
+	ads := &fakeADS{t: t, script: script}
+	conn := startFake(t, ads)
+	e := newTestEnvoy(t, conn, p, func(c *Config) { c.Generation, c.Light = generationOf, light })
+	if want == "" {
+		waitFor(t, e, "ACKs", func(v View) bool { return v.Stats().ACKs >= acks })
+		noViolations(t, e)
+		if got := e.ControlPlane(); got != "fake-cp" {
+			t.Errorf("ControlPlane() = %q, want %q", got, "fake-cp")
+		}
+		checkNodeOnlyFirst(t, ads)
+		return
+	}
+	waitFor(t, e, "a "+string(want)+" violation", func(v View) bool {
+		return hasRule(v.e.Violations(), want)
+	})
+	for _, err := range e.Violations() {
+		t.Logf("recorded: %v", err)
 	}
 }
 

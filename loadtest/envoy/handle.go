@@ -316,7 +316,11 @@ func (e *Envoy) applyLocked(ts *typeState, r *response) []removal {
 				continue // not subscribed (recorded by checkLocked): Envoy ignores it
 			}
 		}
-		v := heldValue{version: r.version, body: bytesView(d.body.GetValue()), refs: encodeRefs(d.deps, d.uses)}
+		body := d.body.GetValue()
+		v := heldValue{version: r.version, hash: contentHash(body), refs: encodeRefs(d.deps, d.uses)}
+		if !ts.light {
+			v.body = bytesView(body)
+		}
 		if r.delta {
 			v.version = d.version
 		}

@@ -5,6 +5,7 @@ import (
 	"sort"
 	"unique"
 
+	"github.com/cespare/xxhash/v2"
 	"google.golang.org/protobuf/types/known/anypb"
 )
 
@@ -60,14 +61,15 @@ func (k kind) requestOrder() int {
 // (absent means removed). SotW EDS and RDS responses may carry only changes.
 func (k kind) fullState() bool { return k == kindCluster || k == kindListener }
 
-// entry is one held resource: an interned (version, body, references)
-// triple, so that Envoys holding the same resource share it and each pays
-// only a map slot.
+// entry is one held resource: an interned (version, body, hash,
+// references) tuple, so that Envoys holding the same resource share it and
+// each pays only a map slot.
 type entry = unique.Handle[heldValue]
 
 type heldValue struct {
 	version string
-	body    string // the marshalled resource (anypb.Any value)
+	body    string // the marshalled resource (anypb.Any value); "" in light mode
+	hash    uint64 // contentHash of the body, kept in both modes
 	// refs encodes the names this resource makes the Envoy subscribe to (a
 	// cluster's EDS service name, a listener's route_config_names) and the
 	// clusters it uses directly (routes; listeners' tcp_proxy and inline
@@ -77,12 +79,16 @@ type heldValue struct {
 
 func (ts *typeState) export(n name, en entry) Held {
 	v := en.Value()
-	return Held{
-		Version:    v.version,
-		Resource:   &anypb.Any{TypeUrl: ts.url, Value: []byte(v.body)},
-		Generation: ts.heldGen[n],
+	h := Held{Version: v.version, Hash: v.hash, Generation: ts.heldGen[n]}
+	if !ts.light {
+		h.Resource = &anypb.Any{TypeUrl: ts.url, Value: []byte(v.body)}
 	}
+	return h
 }
+
+// contentHash is Held.Hash of a resource's bytes: xxhash64, fast enough
+// to run over every byte a fleet receives.
+func contentHash(b []byte) uint64 { return xxhash.Sum64(b) }
 
 // encodeRefs encodes deps then uses, each a uvarint count followed by
 // uvarint-length-prefixed names.
@@ -134,6 +140,7 @@ func uvarint(s string) (uint64, string) {
 type typeState struct {
 	url      string
 	kind     kind
+	light    bool // Config.Light: held bodies are dropped
 	wildcard bool
 	// subs is the current subscription (derived from CDS/LDS, plus user).
 	// It is also what the server was last told, since the stream goroutine
@@ -169,10 +176,11 @@ func (e *Envoy) typeLocked(typeURL string) *typeState {
 		return ts
 	}
 	ts := &typeState{
-		url:  typeURL,
-		kind: kindOf(typeURL),
-		subs: make(map[name]struct{}),
-		held: make(map[name]entry),
+		url:   typeURL,
+		kind:  kindOf(typeURL),
+		light: e.cfg.Light,
+		subs:  make(map[name]struct{}),
+		held:  make(map[name]entry),
 	}
 	e.types[typeURL] = ts
 	e.order = append(e.order, ts)
