@@ -267,7 +267,12 @@ func (c *rawClient) quiet(skip ...string) {
 	c.ack(m)
 }
 
-func typeOf(m proto.Message) string { return responseType(m) }
+func typeOf(m proto.Message) string {
+	if r, ok := m.(interface{ GetTypeUrl() string }); ok {
+		return r.GetTypeUrl()
+	}
+	return ""
+}
 
 func lastOf(t *testing.T, c *rawClient) proto.Message {
 	t.Helper()

@@ -8,10 +8,12 @@ import (
 	"slices"
 	"sync"
 	"time"
+	"unique"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
@@ -483,7 +485,7 @@ func timerC(t *time.Timer) <-chan time.Time {
 // connection, or the owner's (with the peer metadata, the demand to pass
 // on, and the views declared, relays speaking Delta to each other), with
 // the presented member's token in forward mode.
-func (u *feed) open(sctx context.Context, presenter member, src source) (send func(proto.Message) error, recv func() (proto.Message, error), err error) {
+func (u *feed) open(sctx context.Context, presenter member, src source) (send func(proto.Message) error, recv func() (response, error), err error) {
 	conn := u.r.upConn
 	u.delta = u.r.cfg.UpstreamProtocol == ProtocolDelta
 	if src.kind == sourcePeer {
@@ -507,21 +509,37 @@ func (u *feed) open(sctx context.Context, presenter member, src source) (send fu
 		_, cred := presenter.presents()
 		sctx = withCredential(sctx, cred)
 	}
+	// Responses are read lazily (wire.DeltaIn, wire.SotWIn): a resource's
+	// bytes are parsed, and copied, only if the relay lacks the content.
 	client := discovery.NewAggregatedDiscoveryServiceClient(conn)
+	codec := grpc.ForceCodecV2(wire.NewCodec())
 	if u.delta {
-		cs, err := client.DeltaAggregatedResources(sctx)
+		cs, err := client.DeltaAggregatedResources(sctx, codec)
 		if err != nil {
 			return nil, nil, fmt.Errorf("open delta stream: %w", err)
 		}
 		return func(m proto.Message) error { return cs.Send(m.(*discovery.DeltaDiscoveryRequest)) },
-			func() (proto.Message, error) { return cs.Recv() }, nil
+			func() (response, error) {
+				r := new(wire.DeltaIn)
+				return r, cs.RecvMsg(r)
+			}, nil
 	}
-	cs, err := client.StreamAggregatedResources(sctx)
+	cs, err := client.StreamAggregatedResources(sctx, codec)
 	if err != nil {
 		return nil, nil, fmt.Errorf("open sotw stream: %w", err)
 	}
 	return func(m proto.Message) error { return cs.Send(m.(*discovery.DiscoveryRequest)) },
-		func() (proto.Message, error) { return cs.Recv() }, nil
+		func() (response, error) {
+			r := new(wire.SotWIn)
+			return r, cs.RecvMsg(r)
+		}, nil
+}
+
+// response is a source's response as the feed reads it: *wire.DeltaIn or
+// *wire.SotWIn, released once handled.
+type response interface {
+	GetTypeUrl() string
+	Release()
 }
 
 // countStream counts the session's stream as open, by source, until the
@@ -562,7 +580,7 @@ func (u *feed) begin(node *core.Node, presenter member) {
 // (with an upstream that stops reading while it writes, as go-control-plane
 // does, that would deadlock once both flow-control windows are full). A
 // failure of either arrives on errc. stop waits for both once sctx ended.
-func (u *feed) pump(sctx context.Context, send func(proto.Message) error, recv func() (proto.Message, error)) (msgs <-chan proto.Message, errc <-chan error, stop func()) {
+func (u *feed) pump(sctx context.Context, send func(proto.Message) error, recv func() (response, error)) (msgs <-chan response, errc <-chan error, stop func()) {
 	out := newMailbox[proto.Message](maxQueuedRequests, 0, nil)
 	u.send = func(m proto.Message) error {
 		if !out.put(m) {
@@ -570,7 +588,7 @@ func (u *feed) pump(sctx context.Context, send func(proto.Message) error, recv f
 		}
 		return nil
 	}
-	in := make(chan proto.Message)
+	in := make(chan response)
 	errs := make(chan error, 2)
 	var wg sync.WaitGroup
 	wg.Go(func() {
@@ -844,17 +862,18 @@ func (u *feed) deltaSubscribe(typeURL string, ut *feedType, wildcard bool, names
 }
 
 // handle processes one upstream response.
-func (u *feed) handle(m proto.Message) error {
+func (u *feed) handle(m response) error {
+	defer m.Release() // every resource is decoded or copied by now
 	switch resp := m.(type) {
-	case *discovery.DiscoveryResponse:
+	case *wire.SotWIn:
 		return u.onSotW(resp)
-	case *discovery.DeltaDiscoveryResponse:
+	case *wire.DeltaIn:
 		return u.onDelta(resp)
 	}
 	return nil
 }
 
-func (u *feed) onSotW(resp *discovery.DiscoveryResponse) error {
+func (u *feed) onSotW(resp *wire.SotWIn) error {
 	typeURL := resp.GetTypeUrl()
 	ut := u.types[typeURL]
 	if ut == nil || !ut.asked {
@@ -864,8 +883,8 @@ func (u *feed) onSotW(resp *discovery.DiscoveryResponse) error {
 		return nil
 	}
 	ut.nonce = resp.GetNonce()
-	upd, err := u.decodeAll(typeURL, len(resp.GetResources()), func(i int) (*xds.Resource, error) {
-		return u.r.store.Decode(typeURL, resp.GetResources()[i], "")
+	upd, err := u.decodeAll(typeURL, len(resp.Resources), func(i int) (*xds.Resource, error) {
+		return u.r.store.Decode(typeURL, resp.Resources[i], "")
 	})
 	if err != nil {
 		return u.nack(typeURL, ut, resp.GetVersionInfo(), resp.GetNonce(), err)
@@ -878,18 +897,18 @@ func (u *feed) onSotW(resp *discovery.DiscoveryResponse) error {
 	return u.request(u.sotwRequest(typeURL, ut, ut.wildcard, ut.names, nil))
 }
 
-func (u *feed) onDelta(resp *discovery.DeltaDiscoveryResponse) error {
+func (u *feed) onDelta(resp *wire.DeltaIn) error {
 	typeURL := resp.GetTypeUrl()
 	ut := u.types[typeURL]
 	if ut == nil {
 		ut = &feedType{}
 		u.types[typeURL] = ut
 	}
-	res := slices.DeleteFunc(slices.Clone(resp.GetResources()), func(r *discovery.Resource) bool {
-		return r.GetResource() == nil // a TTL heartbeat: nothing changed
+	res := slices.DeleteFunc(resp.Resources, func(r wire.ResourceIn) bool {
+		return r.Body == nil // a TTL heartbeat: nothing changed
 	})
 	upd, err := u.decodeAll(typeURL, len(res), func(i int) (*xds.Resource, error) {
-		return u.r.store.Decode(typeURL, res[i].GetResource(), res[i].GetName())
+		return u.r.store.Decode(typeURL, res[i].Body, res[i].Name)
 	})
 	if err != nil {
 		return u.nack(typeURL, ut, "", resp.GetNonce(), err)
@@ -902,7 +921,8 @@ func (u *feed) onDelta(resp *discovery.DeltaDiscoveryResponse) error {
 	for i, r := range upd {
 		if wanted(r.Name) {
 			kept = append(kept, r)
-			ut.versions[r.Name] = res[i].GetVersion()
+			// The keys of a namespace hold the same versions: one string.
+			ut.versions[r.Name] = unique.Make(res[i].Version).Value()
 		}
 	}
 	for _, n := range resp.GetRemovedResources() {
@@ -954,7 +974,7 @@ func (u *feed) arrived() ledger.Order {
 
 // orderOf returns the Order of a Delta response: the owner's, carried in its
 // system_version_info, from a peer relay; arrived, from the upstream.
-func (u *feed) orderOf(resp *discovery.DeltaDiscoveryResponse) ledger.Order {
+func (u *feed) orderOf(resp *wire.DeltaIn) ledger.Order {
 	if sourceKind(u.k.source.Load()) != sourcePeer {
 		return u.arrived()
 	}
@@ -1251,15 +1271,7 @@ func (u *feed) allAnswered(answered map[string]bool) bool {
 	return true
 }
 
-func responseType(m proto.Message) string {
-	switch r := m.(type) {
-	case *discovery.DiscoveryResponse:
-		return r.GetTypeUrl()
-	case *discovery.DeltaDiscoveryResponse:
-		return r.GetTypeUrl()
-	}
-	return ""
-}
+func responseType(m response) string { return m.GetTypeUrl() }
 
 // setStale marks the key's views as confirmed by a live source or not (for
 // operators, for persistence, and for clients that declared content without

@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
@@ -1403,7 +1404,15 @@ func (h *upHarness) response(msg []byte) {
 	names := h.names[typeURL]
 	n := len(h.reqs)
 	asked := h.u.types[typeURL] != nil && h.u.types[typeURL].asked
-	if err := h.u.handle(m); err != nil {
+	// The feed reads it as its stream does (wire.Codec's lazy reader).
+	var in response = new(wire.SotWIn)
+	if h.delta {
+		in = new(wire.DeltaIn)
+	}
+	if err := wire.NewCodec().Unmarshal(mem.BufferSlice{mem.SliceBuffer(msg)}, in); err != nil {
+		t.Fatalf("the feed's reader refuses what proto reads (%v): %v", m, err)
+	}
+	if err := h.u.handle(in); err != nil {
 		t.Fatalf("handle %v: %v", m, err)
 	}
 	if !h.delta && !asked {

@@ -76,9 +76,10 @@ type Message struct {
 
 func (w *Message) Size() int { return len(w.head) + len(w.body) + len(w.tail) }
 
-// Codec is the relay server's gRPC codec: Messages go out as they are,
-// everything else (requests in, passthrough responses out) through the
-// standard proto codec.
+// Codec is the relay's gRPC codec, on its server and on its streams to
+// keys' sources: Messages go out as they are, SotW requests and the
+// sources' responses (DeltaIn, SotWIn) come in read lazily, and
+// everything else through the standard proto codec.
 type Codec struct{ proto encoding.CodecV2 }
 
 func NewCodec() Codec { return Codec{proto: encoding.GetCodecV2("proto")} }
@@ -96,8 +97,13 @@ func (c Codec) Marshal(v any) (mem.BufferSlice, error) {
 }
 
 func (c Codec) Unmarshal(data mem.BufferSlice, v any) error {
-	if r, ok := v.(*SotWRequest); ok {
-		return unmarshalSotWRequest(data, r)
+	switch m := v.(type) {
+	case *SotWRequest:
+		return unmarshalSotWRequest(data, m)
+	case *DeltaIn:
+		return unmarshalDeltaIn(data, m)
+	case *SotWIn:
+		return unmarshalSotWIn(data, m)
 	}
 	return c.proto.Unmarshal(data, v)
 }

@@ -1,6 +1,7 @@
 package xds
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"errors"
 	"fmt"
@@ -165,12 +166,21 @@ func (s *Store) Len() int {
 
 var errNoName = errors.New("relay: resource has no name")
 
+// Any is a google.protobuf.Any: *anypb.Any, or one read lazily off the
+// wire (its value may alias a buffer the caller frees later).
+type Any interface {
+	GetTypeUrl() string
+	GetValue() []byte
+}
+
 // Decode turns a resource received from the upstream into a Resource. The
 // input is untrusted: a type mismatch, bytes that do not parse, or a missing
 // or (for Delta) mismatched name is an error and the caller NACKs. Content
-// the store already holds is not parsed again.
-func (s *Store) Decode(typeURL string, a *anypb.Any, wantName string) (*Resource, error) {
-	if a == nil {
+// the store already holds is not parsed again, nor copied: the value is
+// copied only into a new Resource, so it may alias a buffer the caller
+// frees once Decode returns.
+func (s *Store) Decode(typeURL string, a Any, wantName string) (*Resource, error) {
+	if a == nil || a.GetTypeUrl() == "" && a.GetValue() == nil {
 		return nil, errors.New("relay: empty resource")
 	}
 	if a.GetTypeUrl() != typeURL {
@@ -201,7 +211,7 @@ func (s *Store) Decode(typeURL string, a *anypb.Any, wantName string) (*Resource
 		Type: typeURL,
 		Name: name,
 		Hash: h,
-		Body: &anypb.Any{TypeUrl: typeURL, Value: a.GetValue()},
+		Body: &anypb.Any{TypeUrl: typeURL, Value: bytes.Clone(a.GetValue())},
 		refs: refsOf(msg),
 	}
 	return s.Intern(r), nil
