@@ -75,9 +75,13 @@ type feedType struct {
 	named    bool   // SotW: the current stream has sent names for the type
 	// Kept across reconnects: the last ACKed SotW version, and the
 	// upstream's Delta version of each resource (for
-	// initial_resource_versions).
-	acked    string
-	versions map[string]string
+	// initial_resource_versions), set (versionsSet) once anything was
+	// declared or received. The versions are a persistent tree shared by
+	// content (Relay.versionTrees): the keys of a namespace get the same
+	// versions for the same resources, and hold them once.
+	acked       string
+	versions    ledger.Tree[string]
+	versionsSet bool
 	// declare, until the type is first asked for, is a restored view to
 	// declare as its versions (see seedRestored).
 	declare ledger.Tree[*xds.Resource]
@@ -653,15 +657,25 @@ func (u *feed) declareViews() {
 	snap := u.k.views.Load()
 	for typeURL, ut := range u.types {
 		ts := snap.types[typeURL]
-		ut.versions = make(map[string]string)
-		if ts == nil {
-			continue
+		b := ledger.Tree[string]{}.Edit()
+		if ts != nil {
+			for e := range ts.view.All() {
+				v := wire.Version(e.Hash, ts.order)
+				b.Set(e.Name, versionHash(v), v)
+			}
 		}
-		for e := range ts.view.All() {
-			ut.versions[e.Name] = wire.Version(e.Hash, ts.order)
-		}
+		u.setVersions(ut, b)
 	}
 }
+
+// setVersions makes b the versions of ut, shared with the keys that hold
+// the same (Relay.versionTrees).
+func (u *feed) setVersions(ut *feedType, b *ledger.Builder[string]) {
+	ut.versions, ut.versionsSet = u.r.versionTrees.Intern(b.Tree()), true
+}
+
+// versionHash is a version's leaf hash in a versions tree.
+func versionHash(v string) ledger.Hash { return ledger.HashBytes([]byte(v)) }
 
 // request sends m on the current stream; the stream's first request carries
 // the node.
@@ -787,10 +801,12 @@ func (u *feed) dropUnwanted(typeURL string, names xds.NameSet) {
 	}
 	// The upstream must not be told on a reconnect that the key still
 	// holds what it dropped.
-	if ut := u.types[typeURL]; ut != nil {
+	if ut := u.types[typeURL]; ut != nil && len(drop) > 0 {
+		b := ut.versions.Edit()
 		for _, n := range drop {
-			delete(ut.versions, n)
+			b.Delete(n)
 		}
+		u.setVersions(ut, b)
 	}
 }
 
@@ -828,15 +844,20 @@ func (u *feed) deltaSubscribe(typeURL string, ut *feedType, wildcard bool, names
 		} else {
 			req.ResourceNamesSubscribe = names
 		}
-		if ut.versions == nil && ut.declare.Len() > 0 {
-			ut.versions = make(map[string]string, ut.declare.Len())
+		if !ut.versionsSet && ut.declare.Len() > 0 {
+			b := ledger.Tree[string]{}.Edit()
 			for e := range ut.declare.All() {
-				ut.versions[e.Name] = e.Hash.String()
+				v := e.Hash.String()
+				b.Set(e.Name, versionHash(v), v)
 			}
+			u.setVersions(ut, b)
 		}
 		ut.declare = ledger.Tree[*xds.Resource]{}
-		if len(ut.versions) > 0 {
-			req.InitialResourceVersions = maps.Clone(ut.versions)
+		if ut.versions.Len() > 0 {
+			req.InitialResourceVersions = make(map[string]string, ut.versions.Len())
+			for e := range ut.versions.All() {
+				req.InitialResourceVersions[e.Name] = e.Value
+			}
 			if sourceKind(u.k.source.Load()) != sourcePeer {
 				// Probe: one resource declared at a version no server has,
 				// so that the upstream answers the type even when nothing
@@ -914,20 +935,19 @@ func (u *feed) onDelta(resp *wire.DeltaIn) error {
 		return u.nack(typeURL, ut, "", resp.GetNonce(), err)
 	}
 	wanted := func(name string) bool { return ut.wildcard || ut.names.Has(name) }
-	if ut.versions == nil {
-		ut.versions = make(map[string]string)
-	}
+	vb := ut.versions.Edit()
 	kept := upd[:0]
 	for i, r := range upd {
 		if wanted(r.Name) {
 			kept = append(kept, r)
-			// The keys of a namespace hold the same versions: one string.
-			ut.versions[r.Name] = unique.Make(res[i].Version).Value()
+			v := unique.Make(res[i].Version).Value() // one string for every key
+			vb.Set(r.Name, versionHash(v), v)
 		}
 	}
 	for _, n := range resp.GetRemovedResources() {
-		delete(ut.versions, n)
+		vb.Delete(n)
 	}
+	u.setVersions(ut, vb)
 	if ut.asked {
 		u.apply(typeURL, kept, resp.GetRemovedResources(), false, true, u.orderOf(resp))
 	}
@@ -1063,18 +1083,29 @@ func withoutArrived(pending map[string]time.Time, upd []*xds.Resource) map[strin
 	if len(pending) == 0 {
 		return pending
 	}
-	var out map[string]time.Time
+	arrived := 0
 	for _, r := range upd {
-		if _, ok := pending[r.Name]; !ok {
-			continue
+		if _, ok := pending[r.Name]; ok {
+			arrived++
 		}
-		if out == nil {
-			out = maps.Clone(pending)
-		}
-		delete(out, r.Name)
 	}
-	if out == nil {
+	switch arrived {
+	case 0:
 		return pending
+	case len(pending):
+		return nil // the common case: a key's first answer brings every name it waited for
+	}
+	// Copied at the size it keeps, not cloned and emptied: a key waits for
+	// thousands of endpoints at start.
+	gone := make(map[string]struct{}, arrived)
+	for _, r := range upd {
+		gone[r.Name] = struct{}{}
+	}
+	out := make(map[string]time.Time, len(pending)-arrived)
+	for n, at := range pending {
+		if _, ok := gone[n]; !ok {
+			out[n] = at
+		}
 	}
 	return out
 }

@@ -1546,7 +1546,11 @@ func (h *upHarness) checkViews(when string) {
 				names = append(names, e.Name)
 			}
 			slices.Sort(names)
-			if got := slices.Sorted(maps.Keys(ut.versions)); !slices.Equal(got, names) {
+			var got []string
+			for e := range ut.versions.All() {
+				got = append(got, e.Name)
+			}
+			if slices.Sort(got); !slices.Equal(got, names) {
 				t.Fatalf("%s: %s: the versions kept for initial_resource_versions are of %q, but the view holds %q", when, typ, got, names)
 			}
 		}

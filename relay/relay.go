@@ -109,7 +109,8 @@ type Relay struct {
 	// views shares the keys' views of equal content: the keys of a
 	// namespace, each fed by a stream of its own, hold one tree (issue 17).
 	views        ledger.Interner[*xds.Resource]
-	syncs        syncSlots // first answers of keys' sources in flight (Config.UpstreamSyncs)
+	versionTrees ledger.Interner[string] // the upstream's Delta versions, per key and type, shared by content
+	syncs        syncSlots               // first answers of keys' sources in flight (Config.UpstreamSyncs)
 	refIndex     xds.RefIndex
 	metrics      *metrics
 	pushACK      latency
