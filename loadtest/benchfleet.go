@@ -87,8 +87,9 @@ func startBenchFleet(ctx context.Context, spec fleetSpec) (benchFleet, time.Time
 			return nil, time.Now(), err
 		}
 		fcfg := FleetConfig{
-			Scenario: fc.Scenario, Envoys: fc.Envoys, Keys: fc.Keys, Protocol: p, Target: fc.Target,
+			Scenario: fc.Scenario, Envoys: fc.Envoys, Keys: fc.Keys, Protocol: p, Target: fc.Target, Targets: fc.Targets,
 			EnvoysPerConn: fc.EnvoysPerConn, StartRate: fc.StartRate, MaxMsgSize: fc.MaxMsgSize, Tracker: spec.tracker,
+			Light: fc.Light, MaxSyncing: fc.MaxSyncing,
 		}
 		var lf localFleet
 		if spec.creds != nil {

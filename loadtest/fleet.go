@@ -41,6 +41,18 @@ type FleetConfig struct {
 	Protocol envoy.Protocol
 	// Target is the gRPC address they connect to (a relay or the upstream).
 	Target string
+	// Targets, if set, replaces Target: Envoy i connects to Targets[i %
+	// len(Targets)], as a Service spreading connections over the relays
+	// of a tier would (without a proxy in the way of their bytes).
+	Targets []string
+	// Light makes every Envoy keep no resource bodies (envoy.Config.Light).
+	Light bool
+	// MaxSyncing, if positive, bounds the Envoys that have started but not
+	// yet applied their first clusters and endpoints: StartFleet waits
+	// before starting more (with StartRate still the upper bound), so that
+	// an initial sync at Istio scale does not have thousands of full
+	// responses in flight at once. Default 0: no bound.
+	MaxSyncing int
 	// EnvoysPerConn is how many Envoys share one gRPC connection. Real
 	// Envoys each have their own; sharing saves file descriptors and
 	// goroutines when simulating thousands. Default 1.
@@ -63,9 +75,12 @@ type FleetConfig struct {
 type Fleet struct {
 	cfg    FleetConfig
 	envoys []*envoy.Envoy
-	groups []string // each Envoy's upstream group
-	conns  []*grpc.ClientConn
-	bytes  atomic.Uint64
+	// firstSyncing is the first Envoy that may still be waiting for its
+	// first clusters and endpoints (MaxSyncing).
+	firstSyncing int
+	groups       []string // each Envoy's upstream group
+	conns        []*grpc.ClientConn
+	bytes        atomic.Uint64
 }
 
 // keyNode returns pod pod of aggregation key key, as every fleet of the
@@ -91,37 +106,53 @@ func StartFleet(ctx context.Context, cfg FleetConfig) (*Fleet, error) {
 		cfg.MaxMsgSize = 256 << 20
 	}
 	switch {
-	case cfg.Envoys < 0 || cfg.Keys < 0 || cfg.EnvoysPerConn < 0:
-		return nil, errors.New("loadtest: Envoys, Keys and EnvoysPerConn must not be negative")
-	case cfg.Target == "":
-		return nil, errors.New("loadtest: field Target is empty")
+	case cfg.Envoys < 0 || cfg.Keys < 0 || cfg.EnvoysPerConn < 0 || cfg.MaxSyncing < 0:
+		return nil, errors.New("loadtest: Envoys, Keys, EnvoysPerConn and MaxSyncing must not be negative")
+	case cfg.Target == "" && len(cfg.Targets) == 0:
+		return nil, errors.New("loadtest: fields Target and Targets are empty")
+	case cfg.Target != "" && len(cfg.Targets) > 0:
+		return nil, errors.New("loadtest: fields Target and Targets are both set")
 	case cfg.Scenario.Namespaces <= 0:
 		return nil, errors.New("loadtest: the scenario has no namespaces")
 	}
+	targets := cfg.Targets
+	if len(targets) == 0 {
+		targets = []string{cfg.Target}
+	}
 	f := &Fleet{cfg: cfg}
-	var conn *grpc.ClientConn
+	// conn[t] is the connection the next Envoys of targets[t] share;
+	// used[t] how many share it.
+	conn := make([]*grpc.ClientConn, len(targets))
+	used := make([]int, len(targets))
 	var pace *time.Ticker
 	if cfg.StartRate > 0 {
 		pace = time.NewTicker(time.Duration(float64(time.Second) / cfg.StartRate))
 		defer pace.Stop()
 	}
 	for i := range cfg.Envoys {
-		if i%cfg.EnvoysPerConn == 0 {
-			var err error
-			conn, err = grpc.NewClient(cfg.Target,
+		if err := f.waitSyncing(ctx, cfg.MaxSyncing); err != nil {
+			f.Stop(context.Background())
+			return nil, err
+		}
+		t := i % len(targets)
+		if used[t]%cfg.EnvoysPerConn == 0 {
+			c, err := grpc.NewClient(targets[t],
 				grpc.WithTransportCredentials(insecure.NewCredentials()),
 				grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(cfg.MaxMsgSize)))
 			if err != nil {
 				f.Stop(ctx)
-				return nil, fmt.Errorf("loadtest: dial %s: %w", cfg.Target, err)
+				return nil, fmt.Errorf("loadtest: dial %s: %w", targets[t], err)
 			}
-			f.conns = append(f.conns, conn)
+			conn[t] = c
+			f.conns = append(f.conns, c)
 		}
+		used[t]++
 		node := keyNode(cfg.Scenario, i%cfg.Keys, i/cfg.Keys)
 		ec := envoy.DefaultConfig()
 		ec.Node = node
 		ec.Protocol = cfg.Protocol
-		ec.Conn = conn
+		ec.Conn = conn[t]
+		ec.Light = cfg.Light
 		ec.Generation = upstream.Generation
 		ec.MaxRecvMsgSize = cfg.MaxMsgSize
 		// A relay pushes without waiting for ACKs, so a response may cross
@@ -166,6 +197,35 @@ func StartFleet(ctx context.Context, cfg FleetConfig) (*Fleet, error) {
 		}
 	}
 	return f, nil
+}
+
+// waitSyncing waits, if limit is positive, until fewer than limit
+// started Envoys are still waiting for their first clusters and
+// endpoints.
+func (f *Fleet) waitSyncing(ctx context.Context, limit int) error {
+	if limit <= 0 {
+		return nil
+	}
+	applied := func(e *envoy.Envoy) bool {
+		return e.Version(envoy.ClusterType) != "" && e.Version(envoy.EndpointType) != ""
+	}
+	for {
+		for f.firstSyncing < len(f.envoys) && applied(f.envoys[f.firstSyncing]) {
+			f.firstSyncing++ // never looked at again
+		}
+		syncing := 0
+		for _, e := range f.envoys[f.firstSyncing:] {
+			if !applied(e) {
+				syncing++
+			}
+		}
+		if syncing < limit {
+			return nil
+		}
+		if !sleepCtx(ctx, 20*time.Millisecond) {
+			return ctx.Err()
+		}
+	}
 }
 
 // Stop stops every Envoy and closes the connections.

@@ -11,6 +11,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
 	"runtime/pprof"
 	"strconv"
 	"strings"
@@ -39,8 +40,13 @@ type FleetChildConfig struct {
 	MaxMsgSize    int     `json:"max_msg_size,omitempty"`
 	// Protocol is the Envoys' ADS variant: "delta" or "sotw".
 	Protocol string `json:"protocol"`
-	// Target is the gRPC address the Envoys connect to. Required.
-	Target string `json:"target"`
+	// Target is the gRPC address the Envoys connect to; Targets, if set,
+	// replaces it (FleetConfig's). One of them is required.
+	Target  string   `json:"target,omitempty"`
+	Targets []string `json:"targets,omitempty"`
+	// Light and MaxSyncing are FleetConfig's.
+	Light      bool `json:"light,omitempty"`
+	MaxSyncing int  `json:"max_syncing,omitempty"`
 	// TLS, if set, has every Envoy dial Target with TLS and present its
 	// node's service-account token.
 	TLS *FleetChildTLS `json:"tls,omitempty"`
@@ -59,8 +65,11 @@ type FleetChildTLS struct {
 
 // validate checks c and returns its protocol.
 func (c FleetChildConfig) validate() (envoy.Protocol, error) {
-	if c.Envoys <= 0 || c.Keys <= 0 || c.Target == "" || c.Scenario.Namespaces <= 0 {
-		return 0, errors.New("loadtest: fleet child: fields Envoys, Keys, Target and the scenario's namespaces are required")
+	if c.Envoys <= 0 || c.Keys <= 0 || (c.Target == "") == (len(c.Targets) == 0) || c.Scenario.Namespaces <= 0 {
+		return 0, errors.New("loadtest: fleet child: fields Envoys, Keys, Target or Targets, and the scenario's namespaces are required")
+	}
+	if c.TLS != nil && len(c.Targets) > 0 {
+		return 0, errors.New("loadtest: fleet child: TLS needs one Target, not Targets")
 	}
 	switch c.Protocol {
 	case envoy.Delta.String():
@@ -79,8 +88,9 @@ func (c FleetChildConfig) fleetConfig() (FleetConfig, *tlsTransport, error) {
 		return FleetConfig{}, nil, err
 	}
 	fc := FleetConfig{
-		Scenario: c.Scenario, Envoys: c.Envoys, Keys: c.Keys, Protocol: p, Target: c.Target,
+		Scenario: c.Scenario, Envoys: c.Envoys, Keys: c.Keys, Protocol: p, Target: c.Target, Targets: c.Targets,
 		EnvoysPerConn: c.EnvoysPerConn, StartRate: c.StartRate, MaxMsgSize: c.MaxMsgSize,
+		Light: c.Light, MaxSyncing: c.MaxSyncing,
 	}
 	if c.TLS == nil {
 		return fc, nil, nil
@@ -143,6 +153,9 @@ const (
 	fleetStats = "stats"
 	// fleetPerEnvoy answers EnvoyCounters, as JSON.
 	fleetPerEnvoy = "per-envoy"
+	// fleetHeap collects garbage and answers the bytes of live heap
+	// (runtime.MemStats.HeapAlloc): what the Envoys hold.
+	fleetHeap = "heap"
 	// fleetProfile starts a CPU profile to the file named; fleetProfileStop
 	// ends it.
 	fleetProfile     = "profile"
@@ -278,6 +291,11 @@ func (c *fleetChild) do(ctx context.Context, cmd, arg string) (string, error) {
 	case fleetPerEnvoy:
 		b, err := json.Marshal(c.fleet.Counters())
 		return string(b), err
+	case fleetHeap:
+		runtime.GC()
+		var ms runtime.MemStats
+		runtime.ReadMemStats(&ms)
+		return strconv.FormatUint(ms.HeapAlloc, 10), nil
 	case fleetProfile:
 		if c.prof != nil {
 			return "", errors.New("a profile is running")
@@ -557,6 +575,16 @@ func (fp *FleetProcess) Counters(ctx context.Context) (EnvoyCounters, error) {
 		err = fmt.Errorf("loadtest: fleet child: counters of %d and %d Envoys, want %d", len(c.Bytes), len(c.Reconnects), fp.cfg.Fleet.Envoys)
 	}
 	return c, err
+}
+
+// Heap collects the child's garbage and returns its live heap, in bytes:
+// what its Envoys hold (and the Go runtime's own).
+func (fp *FleetProcess) Heap(ctx context.Context) (uint64, error) {
+	res, err := fp.request(ctx, fleetHeap, "")
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseUint(res, 10, 64)
 }
 
 // Profile has the child write a CPU profile to path until StopProfile.
