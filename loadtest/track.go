@@ -32,6 +32,10 @@ type Tracker struct {
 	perEnvoy []time.Duration // one per (change, Envoy) ACK
 	complete []time.Duration // one per change: until its last Envoy ACKed
 	timedOut int
+	// tracked and deliveries count the changes tracked and the (change,
+	// Envoy) pairs they must reach.
+	tracked, deliveries int
+	limit               int // of perEnvoy and complete (KeepSamples)
 }
 
 type earlyACK struct {
@@ -56,7 +60,7 @@ type tracked struct {
 
 // NewTracker returns an empty Tracker.
 func NewTracker() *Tracker {
-	return &Tracker{groups: map[string][]int{}, pending: map[string][]*tracked{}, known: map[trackKey]*tracked{}, early: map[string][]earlyACK{}}
+	return &Tracker{groups: map[string][]int{}, pending: map[string][]*tracked{}, known: map[trackKey]*tracked{}, early: map[string][]earlyACK{}, limit: maxSamples}
 }
 
 func (t *Tracker) addEnvoy(idx int, group string) {
@@ -95,6 +99,8 @@ func (t *Tracker) Track(c upstream.Change) <-chan struct{} {
 			tr.remaining++
 		}
 	}
+	t.tracked++
+	t.deliveries += tr.remaining
 	if tr.remaining == 0 {
 		close(tr.done)
 		return tr.done
@@ -134,9 +140,9 @@ func (t *Tracker) count(tr *tracked, idx int, gen uint64, at time.Time) {
 	}
 	tr.seen[w] |= b
 	tr.remaining--
-	t.perEnvoy = appendBounded(t.perEnvoy, at.Sub(tr.at))
+	t.perEnvoy = appendBounded(t.perEnvoy, at.Sub(tr.at), t.limit)
 	if tr.remaining == 0 {
-		t.complete = appendBounded(t.complete, at.Sub(tr.at))
+		t.complete = appendBounded(t.complete, at.Sub(tr.at), t.limit)
 		close(tr.done)
 	}
 }
@@ -212,12 +218,21 @@ func (t *Tracker) observe(idx int, ev envoy.Event) {
 // maxRemembered bounds the changes Track remembers for idempotence.
 const maxRemembered = 1 << 14
 
-// maxSamples bounds the latencies a Tracker keeps; past it the older half is
-// dropped, so a long demo's memory stays flat.
+// maxSamples bounds the latencies a Tracker keeps by default; past it the
+// older half is dropped, so a long demo's memory stays flat.
 const maxSamples = 1 << 20
 
-func appendBounded(s []time.Duration, d time.Duration) []time.Duration {
-	if len(s) >= maxSamples {
+// KeepSamples sets how many latencies of each kind t keeps (default
+// 1<<20, 8 MiB): a benchmark that must summarise every one sets it above
+// what it will record.
+func (t *Tracker) KeepSamples(n int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.limit = max(n, 1)
+}
+
+func appendBounded(s []time.Duration, d time.Duration, limit int) []time.Duration {
+	if len(s) >= limit {
 		s = append(s[:0], s[len(s)/2:]...)
 	}
 	return append(s, d)
@@ -248,9 +263,22 @@ func (t *Tracker) Results() (perEnvoy, complete Latency, timedOut int) {
 	return summarize(t.perEnvoy), summarize(t.complete), t.timedOut
 }
 
-// Reset drops the recorded latencies (not the pending changes).
+// Reset drops the recorded latencies and counts (not the pending
+// changes).
 func (t *Tracker) Reset() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	t.perEnvoy, t.complete, t.timedOut = nil, nil, 0
+	t.perEnvoy, t.complete, t.timedOut, t.tracked, t.deliveries = nil, nil, 0, 0, 0
+}
+
+// Counts returns, since the last Reset, the changes tracked, the (change,
+// Envoy) pairs they must reach, and the changes still pending (neither
+// complete nor given up on).
+func (t *Tracker) Counts() (tracked, deliveries, pending int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, trs := range t.pending {
+		pending += len(trs)
+	}
+	return t.tracked, t.deliveries, pending
 }
