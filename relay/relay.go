@@ -110,6 +110,7 @@ type Relay struct {
 	// namespace, each fed by a stream of its own, hold one tree (issue 17).
 	views        ledger.Interner[*xds.Resource]
 	versionTrees ledger.Interner[string] // the upstream's Delta versions, per key and type, shared by content
+	nameSets     xds.NameSets            // the streams' subscriptions, shared by content
 	syncs        syncSlots               // first answers of keys' sources in flight (Config.UpstreamSyncs)
 	refIndex     xds.RefIndex
 	metrics      *metrics

@@ -322,7 +322,7 @@ func (s *stream) checkNames(typeURL string, n int) error {
 
 // newSub starts a subscription from a stream's first request for a type.
 func (s *stream) newSub(typeURL string, wildcard, legacy bool, names xds.NameSet) *typeSub {
-	sub := &typeSub{typeURL: typeURL, wildcard: wildcard, legacy: legacy, names: names.Interned(), awaitFirst: true}
+	sub := &typeSub{typeURL: typeURL, wildcard: wildcard, legacy: legacy, names: s.r.nameSets.Intern(names), awaitFirst: true}
 	s.subs[typeURL] = sub
 	s.dirty = true
 	s.key.subscribe(typeURL, false, wildcard, names, nil)
@@ -337,7 +337,7 @@ func (s *stream) newSub(typeURL string, wildcard, legacy bool, names xds.NameSet
 // content, so that if the key no longer has them the client still hears of
 // the removal.
 func (s *stream) resubscribe(sub *typeSub, wildcard bool, names xds.NameSet, resend []string) {
-	names = names.Interned()
+	names = s.r.nameSets.Intern(names) // the key's streams that ask alike share one set
 	added, removed := sub.names.Diff(names)
 	if wildcard == sub.wildcard && len(added) == 0 && len(removed) == 0 && len(resend) == 0 {
 		return

@@ -1,9 +1,14 @@
 package xds
 
 import (
+	"hash/maphash"
+	"runtime"
 	"slices"
 	"strings"
+	"sync"
 	"unique"
+	"unsafe"
+	"weak"
 )
 
 // WildcardName is the explicit wildcard subscription of the xDS protocol.
@@ -78,4 +83,84 @@ func (s NameSet) Interned() NameSet {
 		s[i] = unique.Make(n).Value()
 	}
 	return s
+}
+
+// NameSets shares equal name sets: the Envoys of a key subscribe to the
+// same thousand EDS names, and each stream held its own copy (16 bytes a
+// name). Intern returns the set held for s's content if some holder still
+// holds it, else s, which it holds from then on. Sets are held weakly:
+// one nobody holds is collected, and its entry with it. Interned sets are
+// shared: nobody may change one. Safe for concurrent use; the zero value
+// is ready.
+type NameSets struct {
+	mu sync.Mutex
+	m  map[uint64][]internedSet // by setDigest
+}
+
+type internedSet struct {
+	first weak.Pointer[string] // the set's backing array, by its first name
+	n     int
+}
+
+// Intern returns the held set equal to s, or s (its names made canonical
+// strings, NameSet.Interned), now held.
+func (ns *NameSets) Intern(s NameSet) NameSet {
+	if len(s) == 0 {
+		return s
+	}
+	d := setDigest(s)
+	ns.mu.Lock()
+	defer ns.mu.Unlock()
+	for _, e := range ns.m[d] {
+		if p := e.first.Value(); p != nil {
+			if held := NameSet(unsafe.Slice(p, e.n)); slices.Equal(held, s) {
+				return held
+			}
+		}
+	}
+	s = s.Interned()
+	if ns.m == nil {
+		ns.m = make(map[uint64][]internedSet)
+	}
+	wp := weak.Make(&s[0])
+	ns.m[d] = append(ns.m[d], internedSet{first: wp, n: len(s)})
+	runtime.AddCleanup(&s[0], func(d uint64) {
+		ns.mu.Lock()
+		defer ns.mu.Unlock()
+		es := slices.DeleteFunc(ns.m[d], func(e internedSet) bool { return e.first == wp })
+		if len(es) == 0 {
+			delete(ns.m, d)
+		} else {
+			ns.m[d] = es
+		}
+	}, d)
+	return s
+}
+
+// Len returns the number of distinct sets held.
+func (ns *NameSets) Len() int {
+	ns.mu.Lock()
+	defer ns.mu.Unlock()
+	n := 0
+	for _, es := range ns.m {
+		for _, e := range es {
+			if e.first.Value() != nil {
+				n++
+			}
+		}
+	}
+	return n
+}
+
+var setSeed = maphash.MakeSeed()
+
+// setDigest hashes a sorted set.
+func setDigest(s NameSet) uint64 {
+	var h maphash.Hash
+	h.SetSeed(setSeed)
+	for _, n := range s {
+		h.WriteString(n)
+		h.WriteByte(0)
+	}
+	return h.Sum64()
 }
