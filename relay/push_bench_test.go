@@ -81,16 +81,21 @@ func newPushBench(b *testing.B, delta bool) *pushBench {
 	pb.k = newKeyState(r, "bench")
 	pb.publish(b, xds.TypeCluster, cs...)
 	pb.publish(b, xds.TypeEndpoint, es...)
+	codec := wire.NewCodec()
 	for i := range benchStreams {
 		s := r.newStream(context.Background(), delta, portPlain)
 		i := i
 		s.send = func(o *wire.Response) error {
-			var size int
+			// The message as the server hands it to gRPC (wire.Codec).
+			m := r.bodies.SotW
 			if delta {
-				size = r.bodies.Delta(o, r.controlPlaneWire).Size()
-			} else {
-				size = r.bodies.SotW(o, r.controlPlaneWire).Size()
+				m = r.bodies.Delta
 			}
+			msg := m(o, r.controlPlaneWire)
+			if _, err := codec.Marshal(msg); err != nil {
+				return err
+			}
+			size := msg.Size()
 			if pb.counted {
 				pb.bytes += size
 			}

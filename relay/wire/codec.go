@@ -14,6 +14,7 @@
 package wire
 
 import (
+	"encoding/binary"
 	"sync"
 	"time"
 
@@ -66,15 +67,21 @@ func (o *Response) FullSotW() []*xds.Resource {
 	return out
 }
 
-// Message is a response already encoded: a shared body between a head and
-// a tail of the stream's own (a SotW version_info, the nonce).
+// Message is a response already encoded: the stream's own fields (its
+// nonce, and a SotW version_info), then the shared body (protobuf takes
+// fields in any order). The body is never copied nor boxed per stream: it
+// is the cached entry's, already a mem.Buffer, so a message costs three
+// small allocations whatever its size (TestMessageAllocations).
 type Message struct {
-	head []byte
-	body []byte // shared: never modified
-	tail []byte
+	parts [2]mem.Buffer // own fields, body
+	size  int
 }
 
-func (w *Message) Size() int { return len(w.head) + len(w.body) + len(w.tail) }
+func newMessage(own []byte, body *bodyEntry) *Message {
+	return &Message{parts: [2]mem.Buffer{mem.SliceBuffer(own), body.buf}, size: len(own) + len(body.b)}
+}
+
+func (w *Message) Size() int { return w.size }
 
 // Codec is the relay's gRPC codec, on its server and on its streams to
 // keys' sources: Messages go out as they are, SotW requests and the
@@ -88,10 +95,7 @@ func (c Codec) Marshal(v any) (mem.BufferSlice, error) {
 	if w, ok := v.(*Message); ok {
 		// SliceBuffers are not pooled: gRPC's Free leaves the shared body
 		// alone.
-		if len(w.head) == 0 {
-			return mem.BufferSlice{mem.SliceBuffer(w.body), mem.SliceBuffer(w.tail)}, nil
-		}
-		return mem.BufferSlice{mem.SliceBuffer(w.head), mem.SliceBuffer(w.body), mem.SliceBuffer(w.tail)}, nil
+		return w.parts[:], nil
 	}
 	return c.proto.Marshal(v)
 }
@@ -148,8 +152,9 @@ type Bodies struct {
 }
 
 type bodyEntry struct {
-	done chan struct{} // closed once b is set
+	done chan struct{} // closed once b and buf are set
 	b    []byte
+	buf  mem.Buffer // b, as the message's part
 }
 
 const (
@@ -161,7 +166,7 @@ const (
 	bodyAge = 30 * time.Second
 )
 
-func (c *Bodies) get(k bodyKey, encode func() []byte) []byte {
+func (c *Bodies) get(k bodyKey, encode func() []byte) *bodyEntry {
 	c.mu.Lock()
 	c.rotate()
 	e, ok := c.cur[k]
@@ -174,17 +179,18 @@ func (c *Bodies) get(k bodyKey, encode func() []byte) []byte {
 	if ok {
 		c.mu.Unlock()
 		<-e.done
-		return e.b
+		return e
 	}
 	e = &bodyEntry{done: make(chan struct{})}
 	c.cur[k] = e
 	c.mu.Unlock()
 	e.b = encode()
+	e.buf = mem.SliceBuffer(e.b)
 	close(e.done)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.cur[k] != e && c.old[k] != e {
-		return e.b // let go meanwhile: its waiters have it all the same
+		return e // let go meanwhile: its waiters have it all the same
 	}
 	c.bytes += len(e.b)
 	if c.bytes > bodyCacheBytes {
@@ -193,7 +199,7 @@ func (c *Bodies) get(k bodyKey, encode func() []byte) []byte {
 	if c.bytes > bodyCacheBytes {
 		c.cur, c.bytes = make(map[bodyKey]*bodyEntry), 0
 	}
-	return e.b
+	return e
 }
 
 // rotate starts a new period if the current one is over: what was not
@@ -256,7 +262,9 @@ func (c *Bodies) SotW(o *Response, controlPlane []byte) *Message {
 	body := c.get(bodyKey{typeURL: o.TypeURL, from: o.From, to: o.To}, func() []byte {
 		return encodeSotW(o, controlPlane)
 	})
-	return &Message{head: appendString(nil, fSotWVersion, o.Version), body: body, tail: nonceField(fSotWNonce, o.Nonce)}
+	own := make([]byte, 0, len(o.Version)+len(o.Nonce)+2*binary.MaxVarintLen32)
+	own = appendString(own, fSotWVersion, o.Version)
+	return newMessage(appendString(own, fSotWNonce, o.Nonce), body)
 }
 
 // Delta returns o as a DeltaDiscoveryResponse, as SotW does.
@@ -264,7 +272,7 @@ func (c *Bodies) Delta(o *Response, controlPlane []byte) *Message {
 	body := c.get(bodyKey{delta: true, typeURL: o.TypeURL, from: o.From, to: o.To, view: o.View, order: o.Order}, func() []byte {
 		return encodeDelta(o, controlPlane)
 	})
-	return &Message{body: body, tail: nonceField(fDeltaNonce, o.Nonce)}
+	return newMessage(nonceField(fDeltaNonce, o.Nonce), body)
 }
 
 // encodeSotW encodes a DiscoveryResponse without its version_info and
