@@ -71,10 +71,17 @@ type RelayChildConfig struct {
 	// XDSListen, authenticating every stream by its service-account token;
 	// the address the child reports is that port's.
 	TLS *RelayChildTLS `json:"tls,omitempty"`
+	// MemoryLimit, if set, is the memory limit of the container the
+	// child runs as if in, in bytes: GOMEMLIMIT becomes 0.9 of it, as
+	// `meshrelay serve` sets it from its cgroup (--memory-limit-ratio).
+	MemoryLimit int64 `json:"memory_limit,omitempty"`
 	// CPUs, if set, pins the child to these CPUs (ChildConfig.CPUs). It
 	// is how the parent starts the child, not an argument the child reads.
 	CPUs CPUSet `json:"-"`
 }
+
+// childMemoryLimitRatio is meshrelay serve's default --memory-limit-ratio.
+const childMemoryLimitRatio = 0.9
 
 // Args returns cfg as the flags of `loadtest relay-child`.
 func (c RelayChildConfig) Args() []string {
@@ -97,6 +104,9 @@ func (c RelayChildConfig) Args() []string {
 	if c.TLS != nil {
 		args = append(args, c.TLS.args()...)
 	}
+	if c.MemoryLimit > 0 {
+		args = append(args, "--memory-limit", strconv.FormatInt(c.MemoryLimit, 10))
+	}
 	return args
 }
 
@@ -116,6 +126,9 @@ const (
 // to logw. It returns once the relay has stopped; a goroutine reading in may
 // remain until in is closed, so call it only as a process's main.
 func RunRelayChild(ctx context.Context, cfg RelayChildConfig, in io.Reader, out, logw io.Writer) error {
+	if cfg.MemoryLimit > 0 {
+		debug.SetMemoryLimit(int64(childMemoryLimitRatio * float64(cfg.MemoryLimit)))
+	}
 	rcfg := relay.DefaultConfig()
 	rcfg.ID = "meshrelay-loadtest"
 	rcfg.Upstream = cfg.Upstream

@@ -43,6 +43,10 @@ type WarmStartConfig struct {
 	// start's time to ready and RSS are measured: the probes could not tell
 	// what the earlier run's changes left.
 	WarmOnly bool
+	// RelayMemoryLimit, if set, runs the relay as in a container of this
+	// memory limit, in bytes (RelayChildConfig.MemoryLimit). Default 0:
+	// no limit, the Go runtime's default.
+	RelayMemoryLimit int64
 	// StartRelay starts the relay child. Required.
 	StartRelay StartRelayFunc
 	// StartEtcd, if set, runs etcd in a process of its own (as in
@@ -64,6 +68,9 @@ type WarmStartTargets struct {
 	// BytesPerChange bounds the bytes written to etcd for one endpoint
 	// change. Default 4 KiB.
 	BytesPerChange int64
+	// PeakRSS bounds the relay's peak resident set, cold and warm (issue
+	// 17). Default 1.5 GiB.
+	PeakRSS uint64 `json:"peak_rss"`
 }
 
 // DefaultWarmStartConfig returns the benchmark at Ctrip's scale.
@@ -73,7 +80,7 @@ func DefaultWarmStartConfig() WarmStartConfig {
 	return WarmStartConfig{
 		Scenario: sc, Keys: 100, EnvoysPerConn: 10, Changes: 10,
 		Quiet: 2 * time.Second, SyncTimeout: 10 * time.Minute,
-		Targets: WarmStartTargets{WarmStart: 5 * time.Second, BytesPerChange: 4 << 10},
+		Targets: WarmStartTargets{WarmStart: 5 * time.Second, BytesPerChange: 4 << 10, PeakRSS: 3 << 29},
 	}
 }
 
@@ -98,6 +105,9 @@ type WarmStartReport struct {
 	Services int    `json:"services"`
 	Entries  int    `json:"endpoints"`
 	Keys     int    `json:"keys"`
+	// RelayMemoryLimit is the container memory limit the relay ran as if
+	// in (bytes; 0: none).
+	RelayMemoryLimit int64 `json:"relay_memory_limit"`
 
 	Cold WarmStartPhase `json:"cold"`
 	// Warm is a start from etcd with the upstream down: everything served
@@ -147,7 +157,7 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 	rep := &WarmStartReport{
 		Date:     time.Now().UTC().Format(time.RFC3339),
 		Machine:  fmt.Sprintf("%d CPUs, %s, %s/%s, load average at start %s", runtime.NumCPU(), runtime.Version(), runtime.GOOS, runtime.GOARCH, loadAvg()),
-		Services: cfg.Scenario.Services, Entries: cfg.Scenario.Endpoints, Keys: cfg.Keys,
+		Services: cfg.Scenario.Services, Entries: cfg.Scenario.Endpoints, Keys: cfg.Keys, RelayMemoryLimit: cfg.RelayMemoryLimit,
 		Targets: cfg.Targets,
 	}
 	dir := cfg.EtcdDir
@@ -191,7 +201,7 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 		return nil, err
 	}
 	defer up.Stop(context.WithoutCancel(ctx))
-	rc := RelayChildConfig{Upstream: up.Addr(), Etcd: endpoints}
+	rc := RelayChildConfig{Upstream: up.Addr(), Etcd: endpoints, MemoryLimit: cfg.RelayMemoryLimit}
 	if cfg.WarmOnly {
 		if err := up.Stop(ctx); err != nil {
 			return rep, err
@@ -353,7 +363,11 @@ func PrintWarmStart(w io.Writer, r *WarmStartReport) {
 	fmt.Fprintf(w, "  %-52s %14s %14s\n", "", "cold", "warm")
 	fmt.Fprintf(w, "  %-52s %13.2fs %13.2fs\n", "process start → ready to serve", r.Cold.ReadyS, r.Warm.ReadyS)
 	fmt.Fprintf(w, "  %-52s %13.2fs %13.2fs\n", "process start → every key's config at an Envoy", r.Cold.ServedS, r.Warm.ServedS)
-	fmt.Fprintf(w, "  %-52s %14s %14s\n", "relay peak RSS", fmtBytes(r.Cold.PeakRSS), fmtBytes(r.Warm.PeakRSS))
+	rssRow := "relay peak RSS"
+	if r.RelayMemoryLimit > 0 {
+		rssRow += fmt.Sprintf(" (as in a %s container)", fmtBytes(uint64(r.RelayMemoryLimit)))
+	}
+	fmt.Fprintf(w, "  %-52s %14s %14s\n", rssRow, fmtBytes(r.Cold.PeakRSS), fmtBytes(r.Warm.PeakRSS))
 	fmt.Fprintf(w, "  %-52s %13.1fs %13.1fs\n", "relay CPU until served", r.Cold.CPUS, r.Warm.CPUS)
 	fmt.Fprintf(w, "\n  etcd after the cold start: %d keys, %s of keys and values (db file %s); %s written to get there\n",
 		r.StoredKeys, fmtBytes(uint64(r.StoredBytes)), fmtBytes(uint64(r.EtcdDBSize)), fmtBytes(uint64(r.SyncWrittenBytes)))
@@ -375,6 +389,17 @@ func PrintWarmStart(w io.Writer, r *WarmStartReport) {
 	if r.Targets.BytesPerChange > 0 && len(r.ChangeBytes) > 0 {
 		fmt.Fprintf(w, "  %s  one endpoint change writes ≤ %d bytes     measured %.0f (max %d)\n",
 			judge(r.BytesPerChange <= float64(r.Targets.BytesPerChange)), r.Targets.BytesPerChange, r.BytesPerChange, slices.Max(r.ChangeBytes))
+	}
+	if r.Targets.PeakRSS > 0 {
+		for _, ph := range []struct {
+			name string
+			p    WarmStartPhase
+		}{{"cold", r.Cold}, {"warm", r.Warm}} {
+			if ph.p.PeakRSS > 0 {
+				fmt.Fprintf(w, "  %s  relay peak RSS ≤ %s, %s                 measured %s\n",
+					judge(ph.p.PeakRSS <= r.Targets.PeakRSS), fmtBytes(r.Targets.PeakRSS), ph.name, fmtBytes(ph.p.PeakRSS))
+			}
+		}
 	}
 }
 

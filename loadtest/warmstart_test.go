@@ -2,6 +2,7 @@ package loadtest
 
 import (
 	"bytes"
+	"strings"
 	"testing"
 	"time"
 )
@@ -19,6 +20,7 @@ func TestWarmStart(t *testing.T) {
 	cfg.Quiet, cfg.SyncTimeout = 1500*time.Millisecond, time.Minute
 	cfg.EtcdDir = t.TempDir()
 	cfg.StartRelay = testStartRelay(t)
+	cfg.RelayMemoryLimit = 4 << 30 // as in a 4 GiB container: GOMEMLIMIT 3.6 GiB
 	var out bytes.Buffer
 	rep, err := RunWarmStart(t.Context(), cfg, &out)
 	if err != nil {
@@ -40,5 +42,11 @@ func TestWarmStart(t *testing.T) {
 	}
 	if rep.Warm.PeakRSS == 0 {
 		t.Error("the warm relay's RSS was not measured")
+	}
+	var table bytes.Buffer
+	PrintWarmStart(&table, rep)
+	if rep.RelayMemoryLimit != 4<<30 || !strings.Contains(table.String(), "relay peak RSS (as in a 4.00 GiB container)") ||
+		!strings.Contains(table.String(), "relay peak RSS ≤ 1.50 GiB, cold") {
+		t.Errorf("the report does not say the relay's memory limit and the RSS target:\n%s", table.String())
 	}
 }

@@ -19,6 +19,8 @@ import (
 	"syscall"
 	"time"
 
+	"k8s.io/apimachinery/pkg/api/resource"
+
 	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/realenvoy"
@@ -472,9 +474,17 @@ func warmstart(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.EtcdDir, "etcd-dir", "", "data directory of the embedded etcd (default: a temporary one, removed at the end)")
 	fs.BoolVar(&cfg.WarmOnly, "warm-only", false, "only time a warm start from the snapshots an earlier run left in --etcd-dir")
 	fs.DurationVar(&cfg.SyncTimeout, "sync-timeout", cfg.SyncTimeout, "bound on each start")
+	memLimit := fs.String("relay-memory-limit", "", `run the relay as in a container with this memory limit, a Kubernetes quantity ("1536Mi", "1.5Gi"): GOMEMLIMIT 0.9 of it, as meshrelay serve sets it from its cgroup (default: no limit)`)
 	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if *memLimit != "" {
+		q, err := resource.ParseQuantity(*memLimit)
+		if err != nil || q.Value() <= 0 {
+			return fmt.Errorf("--relay-memory-limit %q: want a positive Kubernetes quantity such as 1536Mi (%v)", *memLimit, err)
+		}
+		cfg.RelayMemoryLimit = q.Value()
 	}
 	exe, err := os.Executable()
 	if err != nil {
@@ -552,6 +562,7 @@ func relayChild(ctx context.Context, args []string) error {
 	fs.StringVar(&tc.Issuer, "jwt-issuer", "", "token issuer, for --tls-verifier local")
 	fs.StringVar(&tc.JWKSFile, "jwks", "", "JSON Web Key Set file of the issuer, for --tls-verifier local")
 	fs.StringVar(&tc.TokenReviewURL, "tokenreview-url", "", "Kubernetes API base URL, for --tls-verifier tokenreview")
+	fs.Int64Var(&cfg.MemoryLimit, "memory-limit", 0, "bytes: run as in a container of this memory limit (GOMEMLIMIT 0.9 of it, as meshrelay serve sets it)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
