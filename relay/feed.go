@@ -800,14 +800,25 @@ func (u *feed) dropUnwanted(typeURL string, names xds.NameSet) {
 		u.apply(typeURL, nil, drop, false, false, ledger.Order{})
 	}
 	// The upstream must not be told on a reconnect that the key still
-	// holds what it dropped.
-	if ut := u.types[typeURL]; ut != nil && len(drop) > 0 {
-		b := ut.versions.Edit()
+	// holds what it dropped: nor, before anything was declared, that a
+	// restored view holds it (the rest of that view is still declared).
+	ut := u.types[typeURL]
+	if ut == nil || len(drop) == 0 {
+		return
+	}
+	if !ut.versionsSet {
+		b := ut.declare.Edit()
 		for _, n := range drop {
 			b.Delete(n)
 		}
-		u.setVersions(ut, b)
+		ut.declare = b.Tree()
+		return
 	}
+	b := ut.versions.Edit()
+	for _, n := range drop {
+		b.Delete(n)
+	}
+	u.setVersions(ut, b)
 }
 
 // sotwRequest builds a SotW request: version_info is the last ACKed version
