@@ -45,7 +45,9 @@ type FleetConfig struct {
 	// len(Targets)], as a Service spreading connections over the relays
 	// of a tier would (without a proxy in the way of their bytes).
 	Targets []string
-	// Light makes every Envoy keep no resource bodies (envoy.Config.Light).
+	// Light makes every Envoy keep no resource bodies (envoy.Config.Light),
+	// and decode each resource content once for the whole fleet
+	// (envoy.DecodeCache).
 	Light bool
 	// MaxSyncing, if positive, bounds the Envoys that have started but not
 	// yet applied their first clusters and endpoints: StartFleet waits
@@ -120,6 +122,10 @@ func StartFleet(ctx context.Context, cfg FleetConfig) (*Fleet, error) {
 		targets = []string{cfg.Target}
 	}
 	f := &Fleet{cfg: cfg}
+	var decoded *envoy.DecodeCache
+	if cfg.Light {
+		decoded = envoy.NewDecodeCache()
+	}
 	// conn[t] is the connection the next Envoys of targets[t] share;
 	// used[t] how many share it.
 	conn := make([]*grpc.ClientConn, len(targets))
@@ -152,7 +158,7 @@ func StartFleet(ctx context.Context, cfg FleetConfig) (*Fleet, error) {
 		ec.Node = node
 		ec.Protocol = cfg.Protocol
 		ec.Conn = conn[t]
-		ec.Light = cfg.Light
+		ec.Light, ec.DecodeCache = cfg.Light, decoded
 		ec.Generation = upstream.Generation
 		ec.MaxRecvMsgSize = cfg.MaxMsgSize
 		// A relay pushes without waiting for ACKs, so a response may cross

@@ -143,6 +143,10 @@ type Config struct {
 	// scale (30,000 clusters and their load assignments each) fits on one
 	// machine. Default false: bodies are kept.
 	Light bool
+	// DecodeCache, if set, is shared by the Envoys of a fleet: each
+	// resource content is decoded once (see DecodeCache). They must have
+	// the same Generation. Default nil: every resource is decoded.
+	DecodeCache *DecodeCache
 	// Logger receives connection and violation logs. Default: discard.
 	Logger *slog.Logger
 }
@@ -367,7 +371,6 @@ func (e *Envoy) Forget(typeURL, resourceName string) {
 	if ts := e.types[typeURL]; ts != nil {
 		n := unique.Make(resourceName)
 		delete(ts.held, n)
-		delete(ts.heldGen, n)
 		e.notifyLocked()
 	}
 	e.mu.Unlock()
@@ -406,7 +409,7 @@ func (e *Envoy) Resources(typeURL string) map[string]Held {
 	}
 	out := make(map[string]Held, len(ts.held))
 	for n, en := range ts.held {
-		out[n.Value()] = ts.export(n, en)
+		out[n.Value()] = ts.export(en)
 	}
 	return out
 }
@@ -478,7 +481,7 @@ func (v View) Get(typeURL, resourceName string) (Held, bool) {
 	if !ok {
 		return Held{}, false
 	}
-	return ts.export(unique.Make(resourceName), en), true
+	return ts.export(en), true
 }
 
 // Len returns how many resources of typeURL are held.

@@ -314,7 +314,12 @@ func TestViolations(t *testing.T) {
 func testViolation(t *testing.T, script func(*fakeStream), want Rule, acks uint64, p Protocol, light bool) {
 	ads := &fakeADS{t: t, script: script}
 	conn := startFake(t, ads)
-	e := newTestEnvoy(t, conn, p, func(c *Config) { c.Generation, c.Light = generationOf, light })
+	e := newTestEnvoy(t, conn, p, func(c *Config) {
+		c.Generation, c.Light = generationOf, light
+		if light {
+			c.DecodeCache = NewDecodeCache()
+		}
+	})
 	if want == "" {
 		waitFor(t, e, "ACKs", func(v View) bool { return v.Stats().ACKs >= acks })
 		noViolations(t, e)

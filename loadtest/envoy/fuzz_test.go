@@ -1,6 +1,7 @@
 package envoy
 
 import (
+	"slices"
 	"testing"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -30,7 +31,17 @@ func FuzzDecode(f *testing.F) {
 	f.Fuzz(func(t *testing.T, k uint8, b []byte) {
 		kd := kind(k % 5)
 		a := &anypb.Any{TypeUrl: typeURLs[kd], Value: b}
-		d := decode(kd, a, decodeOptions{needName: true, generation: func(proto.Message) (uint64, bool) { return 1, true }})
+		opt := decodeOptions{needName: true, generation: func(proto.Message) (uint64, bool) { return 1, true }}
+		d := decode(kd, a, opt)
+		// Through a DecodeCache, twice (a miss, then a hit), the same.
+		opt.cache = NewDecodeCache()
+		for range 2 {
+			c := decode(kd, a, opt)
+			if c.name != d.name || !slices.Equal(c.deps, d.deps) || !slices.Equal(c.uses, d.uses) || c.gen != d.gen ||
+				c.hasGen != d.hasGen || (c.err == nil) != (d.err == nil) || c.body != a || !c.hashed || c.hash != contentHash(b) {
+				t.Fatalf("decode through a cache = %+v, without = %+v", c, d)
+			}
+		}
 		if d.err != nil {
 			return
 		}

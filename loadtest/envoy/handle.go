@@ -39,7 +39,7 @@ func (e *Envoy) handleSotw(resp *discovery.DiscoveryResponse, at time.Time) []ou
 		at:      at,
 	}
 	k := kindOf(r.typeURL)
-	opt := decodeOptions{needName: true, generation: e.cfg.Generation}
+	opt := decodeOptions{needName: true, generation: e.cfg.Generation, cache: e.cfg.DecodeCache}
 	for i, a := range resp.GetResources() {
 		inner, wrapName, wrapped, err := unwrapSotw(a)
 		switch {
@@ -72,7 +72,7 @@ func (e *Envoy) handleDelta(resp *discovery.DeltaDiscoveryResponse, at time.Time
 		at:      at,
 	}
 	k := kindOf(r.typeURL)
-	opt := decodeOptions{generation: e.cfg.Generation}
+	opt := decodeOptions{generation: e.cfg.Generation, cache: e.cfg.DecodeCache}
 	for i, x := range resp.GetResources() {
 		var d decoded
 		if x.GetResource() != nil {
@@ -317,20 +317,20 @@ func (e *Envoy) applyLocked(ts *typeState, r *response) []removal {
 			}
 		}
 		body := d.body.GetValue()
-		v := heldValue{version: r.version, hash: contentHash(body), refs: encodeRefs(d.deps, d.uses)}
+		if !d.hashed {
+			d.hash, d.refs = contentHash(body), encodeRefs(d.deps, d.uses)
+		}
+		v := heldValue{version: r.version, hash: d.hash, refs: d.refs}
 		if !ts.light {
 			v.body = bytesView(body)
 		}
 		if r.delta {
 			v.version = d.version
 		}
-		ts.held[h] = unique.Make(v)
 		if d.hasGen {
-			if ts.heldGen == nil {
-				ts.heldGen = make(map[name]uint64)
-			}
-			ts.heldGen[h] = d.gen
+			v.gen = d.gen
 		}
+		ts.held[h] = unique.Make(v)
 	}
 
 	var gone []string
@@ -340,7 +340,6 @@ func (e *Envoy) applyLocked(ts *typeState, r *response) []removal {
 			return
 		}
 		delete(ts.held, h)
-		delete(ts.heldGen, h)
 		gone = append(gone, h.Value())
 		if ts.kind == kindCluster {
 			if goneSet == nil {

@@ -9,10 +9,11 @@ import (
 	"time"
 )
 
-// TestLightHoldsWhatFullHolds runs a light Envoy beside a full one on the
-// same upstream through a sync, an endpoint change, a cluster removal and
-// a reconnect: both hold the same names, versions, hashes and generations
-// at every step, the light one no body, and neither records a violation.
+// TestLightHoldsWhatFullHolds runs a light Envoy (with a DecodeCache)
+// beside a full one on the same upstream through a sync, an endpoint
+// change, a cluster removal and a reconnect: both hold the same names,
+// versions, hashes and generations at every step, the light one no body,
+// and neither records a violation.
 // (TestViolations runs every protocol rule in light mode too.)
 func TestLightHoldsWhatFullHolds(t *testing.T) {
 	matrix(t, func(t *testing.T, p Protocol, kind string) {
@@ -22,7 +23,7 @@ func TestLightHoldsWhatFullHolds(t *testing.T) {
 		var mu sync.Mutex
 		declared := map[string][]string{}
 		light := newTestEnvoy(t, u.conn, p, func(c *Config) {
-			c.Generation, c.Light = generationOf, true
+			c.Generation, c.Light, c.DecodeCache = generationOf, true, NewDecodeCache()
 			c.OnEvent = func(ev Event) {
 				if ev.Kind == Declared {
 					mu.Lock()

@@ -3,6 +3,7 @@ package envoy
 import (
 	"errors"
 	"fmt"
+	"sync"
 
 	cluster "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	endpoint "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
@@ -28,17 +29,64 @@ type decoded struct {
 	name    string
 	version string     // Delta only
 	body    *anypb.Any // nil: a heartbeat (TTL refresh) without body
-	deps    []string   // names this resource subscribes to (EDS, RDS)
-	uses    []string   // clusters it uses directly
+	deps    []string   // names this resource subscribes to (EDS, RDS); shared, read only
+	uses    []string   // clusters it uses directly; shared, read only
 	gen     uint64
 	hasGen  bool
-	err     error // the resource does not decode: NACK it
+	err     error  // the resource does not decode: NACK it
+	hash    uint64 // contentHash of the body, if hashed
+	hashed  bool
+	refs    string // encodeRefs(deps, uses), if hashed (from a DecodeCache)
 }
 
 // decodeOptions says what decode must find out.
 type decodeOptions struct {
 	needName   bool // SotW: the name comes from the resource itself
 	generation func(proto.Message) (uint64, bool)
+	cache      *DecodeCache // nil: decode every resource
+}
+
+// DecodeCache remembers what decoding a resource found (its name, the
+// names it refers to, its generation, or its error), by the hash of its
+// bytes, so that the Envoys of a fleet that share it decode each content
+// once, whichever relay sent it under whatever version: at 30,000
+// clusters a thousand Envoys would otherwise decode 46 million resources
+// to sync. Every Envoy sharing one must have the same Config.Generation.
+// Safe for concurrent use; it holds at most maxDecoded entries (then it
+// starts afresh).
+type DecodeCache struct {
+	mu sync.Mutex
+	m  map[decodeKey]decoded
+}
+
+type decodeKey struct {
+	kind     kind
+	needName bool
+	size     int
+	hash     uint64
+}
+
+// maxDecoded bounds a DecodeCache.
+const maxDecoded = 1 << 20
+
+// NewDecodeCache returns an empty DecodeCache.
+func NewDecodeCache() *DecodeCache { return &DecodeCache{m: map[decodeKey]decoded{}} }
+
+func (c *DecodeCache) get(k decodeKey) (decoded, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	d, ok := c.m[k]
+	return d, ok
+}
+
+func (c *DecodeCache) put(k decodeKey, d decoded) {
+	d.body, d.version = nil, ""
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if len(c.m) >= maxDecoded {
+		clear(c.m)
+	}
+	c.m[k] = d
 }
 
 // unwrapSotw handles SotW resources wrapped in discovery.Resource (used for
@@ -55,8 +103,25 @@ func unwrapSotw(a *anypb.Any) (inner *anypb.Any, wrapName string, wrapped bool, 
 }
 
 // decode extracts the name, references and generation of one resource of
-// kind k. It never panics on bad input.
+// kind k, from opt.cache if it holds them. It never panics on bad input.
 func decode(k kind, a *anypb.Any, opt decodeOptions) decoded {
+	if opt.cache == nil {
+		return decodeBody(k, a, opt)
+	}
+	h := contentHash(a.GetValue())
+	key := decodeKey{kind: k, needName: opt.needName, size: len(a.GetValue()), hash: h}
+	d, ok := opt.cache.get(key)
+	if !ok {
+		d = decodeBody(k, a, opt)
+		d.refs = encodeRefs(d.deps, d.uses)
+		opt.cache.put(key, d)
+	}
+	d.body, d.hash, d.hashed = a, h, true
+	return d
+}
+
+// decodeBody is decode without a cache.
+func decodeBody(k kind, a *anypb.Any, opt decodeOptions) decoded {
 	var d decoded
 	d.body = a
 	var msg proto.Message

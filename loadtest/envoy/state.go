@@ -62,7 +62,7 @@ func (k kind) requestOrder() int {
 func (k kind) fullState() bool { return k == kindCluster || k == kindListener }
 
 // entry is one held resource: an interned (version, body, hash,
-// references) tuple, so that Envoys holding the same resource share it and
+// generation, references) tuple, so that Envoys holding the same resource share it and
 // each pays only a map slot.
 type entry = unique.Handle[heldValue]
 
@@ -70,6 +70,7 @@ type heldValue struct {
 	version string
 	body    string // the marshalled resource (anypb.Any value); "" in light mode
 	hash    uint64 // contentHash of the body, kept in both modes
+	gen     uint64 // what Config.Generation returned for it (0 if unset)
 	// refs encodes the names this resource makes the Envoy subscribe to (a
 	// cluster's EDS service name, a listener's route_config_names) and the
 	// clusters it uses directly (routes; listeners' tcp_proxy and inline
@@ -77,9 +78,9 @@ type heldValue struct {
 	refs string
 }
 
-func (ts *typeState) export(n name, en entry) Held {
+func (ts *typeState) export(en entry) Held {
 	v := en.Value()
-	h := Held{Version: v.version, Hash: v.hash, Generation: ts.heldGen[n]}
+	h := Held{Version: v.version, Hash: v.hash, Generation: v.gen}
 	if !ts.light {
 		h.Resource = &anypb.Any{TypeUrl: ts.url, Value: []byte(v.body)}
 	}
@@ -157,9 +158,9 @@ type typeState struct {
 	// sent, then how many more responses may still carry them.
 	linger map[name]int
 	held   map[name]entry
-	// gens is the highest generation seen per name, heldGen the generation
-	// of what is held (only with Config.Generation).
-	gens, heldGen map[name]uint64
+	// gens is the highest generation seen per name (only with
+	// Config.Generation); what is held has its own in its entry.
+	gens map[name]uint64
 	// acked is the version of the last ACKed response.
 	acked string
 
@@ -223,7 +224,6 @@ func (ts *typeState) unsubscribeLocked(n name, grace int) bool {
 	}
 	if _, ok := ts.held[n]; ok && !ts.wildcard {
 		delete(ts.held, n)
-		delete(ts.heldGen, n)
 		return true
 	}
 	return false

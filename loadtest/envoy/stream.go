@@ -307,9 +307,9 @@ func (e *Envoy) declaredLocked(ts *typeState) *Event {
 		return nil
 	}
 	ev := &Event{Kind: Declared, TypeURL: ts.url, Version: ts.acked}
-	for n := range ts.held {
+	for n, en := range ts.held {
 		ev.Names = append(ev.Names, n.Value())
-		ev.Generations = append(ev.Generations, ts.heldGen[n])
+		ev.Generations = append(ev.Generations, en.Value().gen)
 	}
 	return ev
 }
