@@ -81,6 +81,10 @@ type CtripConfig struct {
 	FleetStderr io.Writer
 	// Plot, if set, is where the PNG of latency over time is written.
 	Plot string
+	// CPUProfile, if set, is a prefix: the fleet child and every relay
+	// write CPU profiles of the initial sync and of the churn to
+	// PREFIX-<process>-<phase>.cpu.pprof.
+	CPUProfile string
 	// Interval is the time between progress lines. Default 10 s.
 	Interval time.Duration
 	// MinAvailable stops the run (with an error) when the machine's
@@ -368,6 +372,27 @@ func (r *ctripRun) phase(name string, at time.Time) {
 	r.rep.Phases = append(r.rep.Phases, Phase{Name: name, AtS: at.Sub(r.t0).Seconds()})
 }
 
+// profile has the fleet child and the relays profile phase, if asked,
+// until the returned func is called.
+func (r *ctripRun) profile(ctx context.Context, phase string) (stop func()) {
+	if r.cfg.CPUProfile == "" {
+		return func() {}
+	}
+	name := func(proc string) string { return fmt.Sprintf("%s-%s-%s.cpu.pprof", r.cfg.CPUProfile, proc, phase) }
+	for _, p := range r.relays {
+		_ = p.child.Send(childProfileStart + " " + name(p.cfg.ID))
+	}
+	fleet := r.fleet != nil && r.fleet.Profile(ctx, name("fleet")) == nil
+	return func() {
+		for _, p := range r.relays {
+			_ = p.child.Send(childProfileStop)
+		}
+		if fleet {
+			_ = r.fleet.StopProfile(ctx)
+		}
+	}
+}
+
 // stop stops what run started, the fleet first; safe on a half-started run.
 func (r *ctripRun) stop() {
 	sctx, cancel := context.WithTimeout(context.Background(), stopTimeout)
@@ -524,6 +549,8 @@ func (r *ctripRun) sync(ctx context.Context) error {
 	defer progress()
 	syncCtx, cancel := context.WithTimeout(ctx, cfg.SyncTimeout)
 	defer cancel()
+	stopProfile := r.profile(ctx, "sync")
+	defer stopProfile()
 	if err := fp.Start(syncCtx); err != nil {
 		return fmt.Errorf("start fleet: %w", err)
 	}
@@ -532,6 +559,7 @@ func (r *ctripRun) sync(ctx context.Context) error {
 		return fmt.Errorf("initial sync: %w", err)
 	}
 	synced := time.Now()
+	stopProfile()
 	progress()
 	rep.InitialSyncS, rep.Synced = synced.Sub(r.t0).Seconds(), true
 	r.phase("synced", synced)
@@ -588,6 +616,8 @@ func (r *ctripRun) churn(ctx context.Context) error {
 	r.phase("churn start", start)
 	r.logf("churn: %.1f WorkloadEntry changes a second for %v (%.0f%% add or remove a ServiceEntry)", cfg.ChurnRate, cfg.Duration, 100*cfg.AddRemoveFraction)
 
+	stopProfile := r.profile(ctx, "churn")
+	defer stopProfile()
 	churnCtx, stopChurn := context.WithCancel(ctx)
 	defer stopChurn()
 	churnErr := make(chan error, 1)
@@ -616,6 +646,7 @@ wait:
 		}
 	}
 	end := time.Now()
+	stopProfile()
 	stopProgress()
 	rep.ChurnS = end.Sub(start).Seconds()
 	r.phase("churn stop", end)

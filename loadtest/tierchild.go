@@ -12,6 +12,7 @@ import (
 	"net"
 	"os"
 	"runtime"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"sync"
@@ -61,6 +62,8 @@ const (
 	// stops it, and answers "ledger off <LedgerSamplerStats as JSON>".
 	tierLedgerOn  = "ledger on"
 	tierLedgerOff = "ledger off"
+	// childProfileStart PATH and childProfileStop (fanout's relay child's
+	// commands) write a CPU profile; they are not answered.
 )
 
 // Ledger sample lines: a key's view of a type became root
@@ -244,6 +247,15 @@ func RunTierRelayChild(ctx context.Context, cfg TierRelayChildConfig, in io.Read
 			}
 		}
 	}()
+	var prof *os.File
+	stopProfile := func() {
+		if prof != nil {
+			pprof.StopCPUProfile()
+			prof.Close()
+			prof = nil
+		}
+	}
+	defer stopProfile()
 	var sampler *ledgerSampler
 	defer func() {
 		if sampler != nil {
@@ -286,6 +298,22 @@ func RunTierRelayChild(ctx context.Context, cfg TierRelayChildConfig, in io.Read
 				sampler = startLedgerSampler(r.Ledger(), every, w)
 			}
 			err = w.print(tierLedgerOn)
+		case strings.HasPrefix(c, childProfileStart+" "):
+			// No answer: a profile is best effort, and says so on logw.
+			if prof == nil {
+				if prof, err = os.Create(strings.TrimPrefix(c, childProfileStart+" ")); err == nil {
+					if err = pprof.StartCPUProfile(prof); err != nil {
+						prof.Close()
+						prof = nil
+					}
+				}
+				if err != nil {
+					fmt.Fprintf(logw, "tier relay child %s: cpuprofile: %v\n", cfg.ID, err)
+					err = nil
+				}
+			}
+		case c == childProfileStop:
+			stopProfile()
 		case c == tierLedgerOff:
 			var st LedgerSamplerStats
 			if sampler != nil {

@@ -724,6 +724,7 @@ func ctrip(ctx context.Context, args []string) error {
 		fs.StringVar(&jsonOut, "json", "", "also write the report as JSON to this file, and the plot beside it (FILE without .json, plus .png)")
 		fs.StringVar(&plotOut, "plot", "", "write the PNG plot here (default: beside --json)")
 		fs.StringVar(&cpuProfile, "cpuprofile", "", "write a CPU profile of this process (the upstream, the tracker, the ledger samples) over the whole run to this file")
+		fs.StringVar(&cfg.CPUProfile, "child-cpuprofile", "", "have the fleet child and each relay write CPU profiles of the sync and of the churn to PREFIX-<process>-<phase>.cpu.pprof")
 		if err := fs.Parse(args); err != nil {
 			return err
 		}
