@@ -29,7 +29,7 @@ func (r *Relay) serveDelta(ds discovery.AggregatedDiscoveryService_DeltaAggregat
 		return ds.SendMsg(w)
 	}
 	s.sendRaw = func(m proto.Message) error { return ds.Send(m.(*discovery.DeltaDiscoveryResponse)) }
-	return serve(s, ds.Recv, func(r *discovery.DeltaDiscoveryRequest) int { return proto.Size(r) }, s.onDelta)
+	return serve(s, ds.Recv, func(r *discovery.DeltaDiscoveryRequest) int { return proto.Size(r) }, s.onDelta, nil)
 }
 
 // onDelta handles one Delta request.

@@ -299,8 +299,14 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 		return false, ctx.Err()
 	}
 	defer release()
+	// The slot goes back at the first of: every type answered; a pause of
+	// confirmAfter in the answers once some came (the first answers come
+	// as a burst); confirmAfter of silence from a source that may rightly
+	// say nothing (mayBeSilent); syncSlotHold.
 	slotHeld := time.NewTimer(syncSlotHold)
 	defer slotHeld.Stop()
+	slotQuiet := time.NewTimer(confirmAfter)
+	defer slotQuiet.Stop()
 	send, recv, err := u.open(sctx, presenter, src)
 	if err != nil {
 		return false, err
@@ -384,6 +390,7 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 		select {
 		case m := <-msgs:
 			got = true
+			slotQuiet.Reset(confirmAfter)
 			if err := u.handle(m); err != nil {
 				return got, err
 			}
@@ -399,7 +406,10 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 				u.r.metrics.silentConfirms.Inc()
 				u.setStale(false)
 				confirmed = true
-				release()
+			}
+		case <-slotQuiet.C:
+			if got || u.mayBeSilent(src) {
+				release() // the burst is over, or none is owed
 			}
 		case <-slotHeld.C:
 			release() // a source slow to answer does not hold up the others' keys
@@ -605,6 +615,7 @@ func (u *feed) pump(sctx context.Context, send func(proto.Message) error, recv f
 			select {
 			case in <- m:
 			case <-sctx.Done():
+				m.Release()
 				return
 			}
 		}
@@ -1268,6 +1279,23 @@ const probeVersion = "meshrelay-probe"
 // confirmAfter is how long a SotW upstream or a peer relay may stay silent
 // on a new stream before its silence confirms the views.
 const confirmAfter = 2 * time.Second
+
+// mayBeSilent reports whether the current stream's source may rightly
+// not answer at all: a SotW upstream told the version the relay holds of
+// every type it asked for (its answer would repeat it). An owner answers
+// its peers on every type, a Delta upstream is made to (deltaSubscribe's
+// probe), and an upstream that was told of no version owes a first answer.
+func (u *feed) mayBeSilent(src source) bool {
+	if src.kind == sourcePeer {
+		return false
+	}
+	for _, ut := range u.types {
+		if ut.asked && ut.acked == "" {
+			return false
+		}
+	}
+	return true
+}
 
 // syncSlotHold bounds how long a stream holds a slot of the relay's first
 // answers (syncSlots) without having answered every type.

@@ -40,7 +40,7 @@ func TestServeKeepsReading(t *testing.T) {
 		return 0, io.EOF
 	}
 	done := make(chan error, 1)
-	go func() { done <- serve(s, recv, nil, func(int) error { <-stuck; return nil }) }()
+	go func() { done <- serve(s, recv, nil, func(int) error { <-stuck; return nil }, nil) }()
 	waitFor(t, "100 requests read while the handler is stuck", func() bool { return read.Load() > 100 })
 	close(stuck)
 	cancel()
@@ -58,7 +58,7 @@ func TestServeFloodEndsStream(t *testing.T) {
 	var read atomic.Int32
 	recv := func() (int, error) { read.Add(1); return 1, nil } // an endless flood
 	done := make(chan error, 1)
-	go func() { done <- serve(s, recv, nil, func(int) error { <-stuck; return nil }) }()
+	go func() { done <- serve(s, recv, nil, func(int) error { <-stuck; return nil }, nil) }()
 	// A full mailbox (whatever the stuck handler took before), and the
 	// request that did not fit ended the reading.
 	waitFor(t, "the mailbox to overflow", func() bool { return read.Load() >= maxQueuedRequests+1 })
@@ -79,7 +79,7 @@ func TestServeByteBudget(t *testing.T) {
 	recv := func() (int, error) { read.Add(1); return 1, nil }
 	size := func(int) int { return 1 << 20 } // every request 1 MiB
 	done := make(chan error, 1)
-	go func() { done <- serve(s, recv, size, func(int) error { <-stuck; return nil }) }()
+	go func() { done <- serve(s, recv, size, func(int) error { <-stuck; return nil }, nil) }()
 	waitFor(t, "the byte budget to overflow", func() bool { return read.Load() > maxQueuedBytes>>20 })
 	close(stuck)
 	err := <-done

@@ -38,7 +38,7 @@ func (r *Relay) serveSotW(ss discovery.AggregatedDiscoveryService_StreamAggregat
 	return serve(s, recv, size, func(r *wire.SotWRequest) error {
 		defer r.Release() // the names are decoded, if at all, by now
 		return s.handleSotW(r.Req, &r.Names)
-	})
+	}, (*wire.SotWRequest).Release)
 }
 
 // onSotW handles one SotW request.
@@ -144,7 +144,7 @@ const maxQueuedBytes = 64 << 20
 // or a request is refused. Requests are read on a goroutine of their own
 // into a mailbox, so that the relay keeps reading a client while it is
 // blocked writing to it.
-func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, handle func(Req) error) (err error) {
+func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, handle func(Req) error, release func(Req)) (err error) {
 	defer s.close()
 	defer func() {
 		if err != nil {
@@ -154,6 +154,16 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 		}
 	}()
 	reqs := newMailbox(maxQueuedRequests, maxQueuedBytes, sizeOf)
+	if release == nil {
+		release = func(Req) {}
+	}
+	// Requests never handled give their buffers back (those the reader
+	// puts after this, as the stream ends, are left to the collector).
+	defer func() {
+		for _, req := range reqs.take() {
+			release(req)
+		}
+	}()
 	errc := make(chan error, 1)
 	go func() {
 		for {
@@ -163,6 +173,7 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 				return
 			}
 			if !reqs.put(req) {
+				release(req)
 				errc <- status.Errorf(codes.ResourceExhausted, "more than %d requests or %d MiB sent without reading the responses",
 					maxQueuedRequests, maxQueuedBytes>>20)
 				return
@@ -172,8 +183,12 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 	for {
 		select {
 		case <-reqs.ready:
-			for _, req := range reqs.take() {
+			batch := reqs.take()
+			for i, req := range batch {
 				if err := handle(req); err != nil {
+					for _, rest := range batch[i+1:] {
+						release(rest)
+					}
 					return err
 				}
 			}

@@ -63,17 +63,26 @@ func (s *firstAnswerStream) SendMsg(m any) error {
 
 // A relay opens the streams of many new keys at once, but has at most
 // UpstreamSyncs of them waiting for their first answers: every key is
-// served, and the upstream never computes more first answers at once.
+// served, and the upstream never computes more first answers at once. A
+// SotW upstream slower to answer than the relay waits before it takes
+// silence for "nothing changed" (confirmAfter) still holds its slot: it
+// was told of no version, so its answer is coming.
 func TestUpstreamSyncsBoundFirstAnswers(t *testing.T) {
-	const keys = 6
 	for _, tc := range []struct {
-		syncs int
-	}{{2}, {0}} {
-		t.Run(fmt.Sprint("UpstreamSyncs=", tc.syncs), func(t *testing.T) {
-			fa := &firstAnswers{delay: 200 * time.Millisecond}
+		syncs, keys int
+		upstream    Protocol
+		delay       time.Duration
+	}{
+		{2, 6, ProtocolDelta, 200 * time.Millisecond},
+		{0, 6, ProtocolDelta, 200 * time.Millisecond},
+		{1, 2, ProtocolSotW, confirmAfter + 300*time.Millisecond},
+	} {
+		keys := tc.keys
+		t.Run(fmt.Sprint(tc.upstream, "/UpstreamSyncs=", tc.syncs), func(t *testing.T) {
+			fa := &firstAnswers{delay: tc.delay}
 			up := newTestUpstreamWith(t, []grpc.ServerOption{grpc.ChainStreamInterceptor(fa.intercept)}, "ns1")
 			seed(up, "ns1", 3)
-			r := startRelay(t, up, func(c *Config) { c.UpstreamSyncs = tc.syncs })
+			r := startRelay(t, up, func(c *Config) { c.UpstreamSyncs, c.UpstreamProtocol = tc.syncs, tc.upstream })
 			conn := dial(t, r.Addr().String())
 			var clients []*rawClient
 			for i := range keys {

@@ -90,6 +90,9 @@ func (nl *NameList) Digest() uint64 {
 	if nl.summed {
 		return nl.sum
 	}
+	if nl.buf == nil && nl.count > 0 {
+		panic("relay/wire: a request's names read after its Release")
+	}
 	sum := uint64(nl.count)
 	if nl.buf != nil {
 		eachName(nl.buf.ReadOnlyData(), func(v []byte) { sum += maphash.Bytes(listSeed, v) })

@@ -93,6 +93,13 @@ func TestSotWRequestBuffers(t *testing.T) {
 		t.Fatal("Decode after Release succeeded, want an error")
 	}
 	r.Release() // twice is harmless
+	defer func() {
+		if recover() == nil {
+			t.Fatal("the digest of a released request's names was computed from nothing")
+		}
+	}()
+	r.Names.summed = false // as if never summed
+	r.Names.Digest()
 }
 
 // A list is the same as another when its names are: as sent again (the

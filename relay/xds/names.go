@@ -109,16 +109,15 @@ func (ns *NameSets) Intern(s NameSet) NameSet {
 		return s
 	}
 	d := setDigest(s)
+	if held, ok := ns.lookup(d, s); ok {
+		return held
+	}
+	s = s.Interned() // outside the lock: a string each
 	ns.mu.Lock()
 	defer ns.mu.Unlock()
-	for _, e := range ns.m[d] {
-		if p := e.first.Value(); p != nil {
-			if held := NameSet(unsafe.Slice(p, e.n)); slices.Equal(held, s) {
-				return held
-			}
-		}
+	if held, ok := ns.lookupLocked(d, s); ok {
+		return held // interned meanwhile
 	}
-	s = s.Interned()
 	if ns.m == nil {
 		ns.m = make(map[uint64][]internedSet)
 	}
@@ -135,6 +134,25 @@ func (ns *NameSets) Intern(s NameSet) NameSet {
 		}
 	}, d)
 	return s
+}
+
+func (ns *NameSets) lookup(d uint64, s NameSet) (NameSet, bool) {
+	ns.mu.Lock()
+	defer ns.mu.Unlock()
+	return ns.lookupLocked(d, s)
+}
+
+// lookupLocked finds the held set equal to s among those of digest d.
+// The caller holds ns.mu.
+func (ns *NameSets) lookupLocked(d uint64, s NameSet) (NameSet, bool) {
+	for _, e := range ns.m[d] {
+		if p := e.first.Value(); p != nil {
+			if held := NameSet(unsafe.Slice(p, e.n)); slices.Equal(held, s) {
+				return held, true
+			}
+		}
+	}
+	return nil, false
 }
 
 // Len returns the number of distinct sets held.
