@@ -110,6 +110,9 @@ func TestCtripQuick(t *testing.T) {
 		if p := r.Process; p.Err != "" || p.RSSPeak == 0 || p.RSSEnd == 0 || p.CPUSyncS+p.CPUChangesS <= 0 {
 			t.Errorf("%s: process figures %+v, want RSS, CPU and no error", r.ID, p)
 		}
+		if r.HeapSync == 0 || r.HeapEnd == 0 {
+			t.Errorf("%s: live heap %d after the sync, %d at the end; want both", r.ID, r.HeapSync, r.HeapEnd)
+		}
 		if r.SamplerPolls == 0 {
 			t.Errorf("%s: its ledger was never sampled", r.ID)
 		}

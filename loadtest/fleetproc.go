@@ -11,7 +11,6 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"runtime"
 	"runtime/pprof"
 	"strconv"
 	"strings"
@@ -153,8 +152,9 @@ const (
 	fleetStats = "stats"
 	// fleetPerEnvoy answers EnvoyCounters, as JSON.
 	fleetPerEnvoy = "per-envoy"
-	// fleetHeap collects garbage and answers the bytes of live heap
-	// (runtime.MemStats.HeapAlloc): what the Envoys hold.
+	// fleetHeap collects garbage (returning what it frees to the OS) and
+	// answers the bytes of live heap (runtime.MemStats.HeapAlloc): what
+	// the Envoys hold.
 	fleetHeap = "heap"
 	// fleetProfile starts a CPU profile to the file named; fleetProfileStop
 	// ends it.
@@ -292,10 +292,7 @@ func (c *fleetChild) do(ctx context.Context, cmd, arg string) (string, error) {
 		b, err := json.Marshal(c.fleet.Counters())
 		return string(b), err
 	case fleetHeap:
-		runtime.GC()
-		var ms runtime.MemStats
-		runtime.ReadMemStats(&ms)
-		return strconv.FormatUint(ms.HeapAlloc, 10), nil
+		return strconv.FormatUint(liveHeap(), 10), nil
 	case fleetProfile:
 		if c.prof != nil {
 			return "", errors.New("a profile is running")

@@ -12,6 +12,7 @@ import (
 	"net"
 	"os"
 	"runtime"
+	"runtime/debug"
 	"runtime/pprof"
 	"strconv"
 	"strings"
@@ -62,6 +63,10 @@ const (
 	// stops it, and answers "ledger off <LedgerSamplerStats as JSON>".
 	tierLedgerOn  = "ledger on"
 	tierLedgerOff = "ledger off"
+	// tierHeap collects garbage and answers "heap <bytes>", the live heap
+	// (runtime.MemStats.HeapAlloc): what the relay holds, where RSS also
+	// counts what the collector has not yet freed or returned.
+	tierHeap = "heap"
 	// childProfileStart PATH and childProfileStop (fanout's relay child's
 	// commands) write a CPU profile; they are not answered.
 )
@@ -298,6 +303,8 @@ func RunTierRelayChild(ctx context.Context, cfg TierRelayChildConfig, in io.Read
 				sampler = startLedgerSampler(r.Ledger(), every, w)
 			}
 			err = w.print(tierLedgerOn)
+		case c == tierHeap:
+			err = w.print(fmt.Sprintf("%s %d", tierHeap, liveHeap()))
 		case strings.HasPrefix(c, childProfileStart+" "):
 			// No answer: a profile is best effort, and says so on logw.
 			if prof == nil {
@@ -477,6 +484,15 @@ func (s *ledgerSampler) run(ctx context.Context) {
 		case <-t.C:
 		}
 	}
+}
+
+// liveHeap collects garbage, returns what is freed to the OS, and
+// returns the live heap in bytes.
+func liveHeap() uint64 {
+	debug.FreeOSMemory() // a collection, then the scavenger
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return ms.HeapAlloc
 }
 
 // threadCPU is the calling thread's user and system time.
