@@ -44,6 +44,7 @@ func writeCtripPlot(path string, rep *CtripReport, points []ctripPoint) error {
 		end = math.Max(end, ph.AtS)
 	}
 	p.X.Min, p.X.Max = 0, math.Ceil(end*1.02+1)
+	p.X.Tick.Marker = secondTicks{}
 	p.Y.Min, p.Y.Max = lo, hi
 
 	// The initial sync, shaded.
@@ -154,4 +155,27 @@ func writeCtripPlot(path string, rep *CtripReport, points []ctripPoint) error {
 		p.Add(lab)
 	}
 	return p.Save(10*vg.Inch, 4.5*vg.Inch, path)
+}
+
+// secondTicks marks whole seconds: a labelled tick every 10, 30, 60, 120
+// or 300 s (whichever gives at most 12), unlabelled ones between.
+type secondTicks struct{}
+
+func (secondTicks) Ticks(lo, hi float64) []plot.Tick {
+	step := 10.0
+	for _, s := range []float64{10, 30, 60, 120, 300, 600} {
+		step = s
+		if (hi-lo)/s <= 12 {
+			break
+		}
+	}
+	var out []plot.Tick
+	for t := math.Ceil(lo/(step/2)) * (step / 2); t <= hi; t += step / 2 {
+		label := ""
+		if math.Mod(t, step) == 0 {
+			label = fmt.Sprintf("%.0f", t)
+		}
+		out = append(out, plot.Tick{Value: t, Label: label})
+	}
+	return out
 }
