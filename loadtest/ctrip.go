@@ -188,26 +188,29 @@ type CtripReport struct {
 	FinalSynced bool            `json:"final_synced"`
 	Tier        TierConvergence `json:"tier_ledger_end"`
 
-	UpstreamStreams     int64         `json:"upstream_streams"`
-	UpstreamStreamsEnd  int64         `json:"upstream_streams_end"`
-	UpstreamBytesSync   uint64        `json:"upstream_bytes_sync"`
-	UpstreamBytesChurn  uint64        `json:"upstream_bytes_churn"`
-	EnvoyBytesSync      uint64        `json:"envoy_bytes_sync"`
-	EnvoyBytesChurn     uint64        `json:"envoy_bytes_churn"`
-	RelayCPUChurnS      float64       `json:"relay_cpu_churn_s"`
-	RelayCPUPerDelivery float64       `json:"relay_cpu_per_change_per_envoy_us"`
-	Relays              []CtripRelay  `json:"relays"`
-	Fleet               ProcFigures   `json:"fleet_process"`
-	FleetHeapAfterSync  uint64        `json:"fleet_heap_after_sync_bytes"`
-	FleetHeapPerEnvoy   uint64        `json:"fleet_heap_per_envoy_bytes"`
-	Loadtest            ProcFigures   `json:"loadtest_process"`
-	Reconnects          uint64        `json:"envoy_reconnects"`
-	Violations          int           `json:"violations"`
-	ViolationSamples    []string      `json:"violation_samples,omitempty"`
-	Verdicts            []Verdict     `json:"verdicts"`
-	Series              []CtripSecond `json:"series"`
-	Plot                string        `json:"plot,omitempty"`
-	Error               string        `json:"error,omitempty"`
+	UpstreamStreams     int64   `json:"upstream_streams"`
+	UpstreamStreamsEnd  int64   `json:"upstream_streams_end"`
+	UpstreamBytesSync   uint64  `json:"upstream_bytes_sync"`
+	UpstreamBytesChurn  uint64  `json:"upstream_bytes_churn"`
+	EnvoyBytesSync      uint64  `json:"envoy_bytes_sync"`
+	EnvoyBytesChurn     uint64  `json:"envoy_bytes_churn"`
+	RelayCPUChurnS      float64 `json:"relay_cpu_churn_s"`
+	RelayCPUPerDelivery float64 `json:"relay_cpu_per_change_per_envoy_us"`
+	// RelayCPUPerDeliveryOwn is the same less what sampling the ledgers
+	// cost: the relays' own work.
+	RelayCPUPerDeliveryOwn float64       `json:"relay_cpu_per_change_per_envoy_own_us"`
+	Relays                 []CtripRelay  `json:"relays"`
+	Fleet                  ProcFigures   `json:"fleet_process"`
+	FleetHeapAfterSync     uint64        `json:"fleet_heap_after_sync_bytes"`
+	FleetHeapPerEnvoy      uint64        `json:"fleet_heap_per_envoy_bytes"`
+	Loadtest               ProcFigures   `json:"loadtest_process"`
+	Reconnects             uint64        `json:"envoy_reconnects"`
+	Violations             int           `json:"violations"`
+	ViolationSamples       []string      `json:"violation_samples,omitempty"`
+	Verdicts               []Verdict     `json:"verdicts"`
+	Series                 []CtripSecond `json:"series"`
+	Plot                   string        `json:"plot,omitempty"`
+	Error                  string        `json:"error,omitempty"`
 }
 
 // CtripSummary is the configuration a report was measured with.
@@ -743,6 +746,7 @@ wait:
 	}
 	if deliveries > 0 {
 		rep.RelayCPUPerDelivery = rep.RelayCPUChurnS * 1e6 / float64(deliveries)
+		rep.RelayCPUPerDeliveryOwn = (rep.RelayCPUChurnS - rep.Ledger.SamplerCPUS) * 1e6 / float64(deliveries)
 	}
 	st := r.up.Stats()
 	rep.UpstreamBytesChurn, rep.UpstreamStreamsEnd = st.BytesSent-upBytes, st.OpenStreams
@@ -884,7 +888,8 @@ func PrintCtrip(w io.Writer, rep *CtripReport) {
 	for _, s := range rep.ViolationSamples {
 		fmt.Fprintf(w, "  violation: %s\n", s)
 	}
-	fmt.Fprintf(w, "relay CPU, churn        %.2fs in all: %.1fµs per change per Envoy\n", rep.RelayCPUChurnS, rep.RelayCPUPerDelivery)
+	fmt.Fprintf(w, "relay CPU, churn        %.2fs in all: %.1fµs per change per Envoy (%.1fµs less the ledger sampling's %.2fs)\n",
+		rep.RelayCPUChurnS, rep.RelayCPUPerDelivery, rep.RelayCPUPerDeliveryOwn, rep.Ledger.SamplerCPUS)
 	for _, cr := range rep.Relays {
 		p := cr.Process
 		fmt.Fprintf(w, "  %-8s Envoys %4d, owns %3d keys, %3d from peers; CPU sync %.1fs, churn %.1fs (%.1fµs per change per Envoy, sampler %.2fs); RSS peak %s, end %s; live heap after sync %s, end %s; CPUs %s\n",
