@@ -83,10 +83,18 @@ func TestLightHoldsWhatFullHolds(t *testing.T) {
 			})
 		}
 		same("reconnect")
-		mu.Lock()
-		defer mu.Unlock()
-		if got := slices.Sorted(slices.Values(declared[ClusterType])); !slices.Equal(got, []string{"c1"}) {
-			t.Errorf("light Envoy declared clusters %q on reconnect, want [c1]", got)
+		// The declaration goes out with the new stream's first request,
+		// which may follow its opening by a moment.
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+			mu.Lock()
+			got := slices.Sorted(slices.Values(declared[ClusterType]))
+			mu.Unlock()
+			if slices.Equal(got, []string{"c1"}) {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("light Envoy declared clusters %q on reconnect, want [c1]", got)
+			}
 		}
 	})
 }
