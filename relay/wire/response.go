@@ -133,12 +133,28 @@ func str(v []byte) (string, error) {
 	return string(v), nil
 }
 
-func unmarshalDeltaIn(data mem.BufferSlice, into *DeltaIn) error {
+// readMessage holds data in one buffer (gRPC's own, or a copy from its
+// pool when the message came in several) and walks its length-delimited
+// fields with fn (every field the relay reads is one). The buffer goes to
+// *keep, for the caller's Release, or back to the pool on an error.
+func readMessage(data mem.BufferSlice, keep *mem.Buffer, fn func(num protowire.Number, v []byte) error) error {
 	buf := data.MaterializeToBuffer(mem.DefaultBufferPool())
-	err := fields(buf.ReadOnlyData(), func(num protowire.Number, typ protowire.Type, v []byte) (err error) {
+	err := fields(buf.ReadOnlyData(), func(num protowire.Number, typ protowire.Type, v []byte) error {
 		if typ != protowire.BytesType {
 			return nil
 		}
+		return fn(num, v)
+	})
+	if err != nil {
+		buf.Free()
+		return fmt.Errorf("relay: bad response: %w", err)
+	}
+	*keep = buf
+	return nil
+}
+
+func unmarshalDeltaIn(data mem.BufferSlice, into *DeltaIn) error {
+	return readMessage(data, &into.buf, func(num protowire.Number, v []byte) (err error) {
 		switch num {
 		case fDeltaInVersion:
 			into.SystemVersionInfo, err = str(v)
@@ -159,12 +175,6 @@ func unmarshalDeltaIn(data mem.BufferSlice, into *DeltaIn) error {
 		}
 		return err
 	})
-	if err != nil {
-		buf.Free()
-		return fmt.Errorf("relay: bad response: %w", err)
-	}
-	into.buf = buf
-	return nil
 }
 
 func unmarshalResourceIn(b []byte) (r ResourceIn, err error) {
@@ -208,11 +218,7 @@ func unmarshalAnyIn(b []byte, have *AnyIn) (*AnyIn, error) {
 }
 
 func unmarshalSotWIn(data mem.BufferSlice, into *SotWIn) error {
-	buf := data.MaterializeToBuffer(mem.DefaultBufferPool())
-	err := fields(buf.ReadOnlyData(), func(num protowire.Number, typ protowire.Type, v []byte) (err error) {
-		if typ != protowire.BytesType {
-			return nil
-		}
+	return readMessage(data, &into.buf, func(num protowire.Number, v []byte) (err error) {
 		switch num {
 		case fSotWInVersion:
 			into.VersionInfo, err = str(v)
@@ -228,10 +234,4 @@ func unmarshalSotWIn(data mem.BufferSlice, into *SotWIn) error {
 		}
 		return err
 	})
-	if err != nil {
-		buf.Free()
-		return fmt.Errorf("relay: bad response: %w", err)
-	}
-	into.buf = buf
-	return nil
 }
