@@ -394,7 +394,7 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 			if err := u.handle(m); err != nil {
 				return got, err
 			}
-			answered[responseType(m)] = true
+			answered[m.GetTypeUrl()] = true
 			if !confirmed && u.allAnswered(answered) {
 				u.setStale(false)
 				confirmed, confirm = true, nil
@@ -668,14 +668,12 @@ func (u *feed) declareViews() {
 	snap := u.k.views.Load()
 	for typeURL, ut := range u.types {
 		ts := snap.types[typeURL]
-		b := ledger.Tree[string]{}.Edit()
+		var view ledger.Tree[*xds.Resource]
+		var order ledger.Order
 		if ts != nil {
-			for e := range ts.view.All() {
-				v := wire.Version(e.Hash, ts.order)
-				b.Set(e.Name, versionHash(v), v)
-			}
+			view, order = ts.view, ts.order
 		}
-		u.setVersions(ut, b)
+		u.setVersions(ut, versionTreeOf(view, func(h ledger.Hash) string { return wire.Version(h, order) }))
 	}
 }
 
@@ -683,6 +681,17 @@ func (u *feed) declareViews() {
 // the same (Relay.versionTrees).
 func (u *feed) setVersions(ut *feedType, b *ledger.Builder[string]) {
 	ut.versions, ut.versionsSet = u.r.versionTrees.Intern(b.Tree()), true
+}
+
+// versionTreeOf is a versions tree declaring each resource of view at the
+// version its content hash gives.
+func versionTreeOf(view ledger.Tree[*xds.Resource], version func(ledger.Hash) string) *ledger.Builder[string] {
+	b := ledger.Tree[string]{}.Edit()
+	for e := range view.All() {
+		v := version(e.Hash)
+		b.Set(e.Name, versionHash(v), v)
+	}
+	return b
 }
 
 // versionHash is a version's leaf hash in a versions tree.
@@ -867,12 +876,7 @@ func (u *feed) deltaSubscribe(typeURL string, ut *feedType, wildcard bool, names
 			req.ResourceNamesSubscribe = names
 		}
 		if !ut.versionsSet && ut.declare.Len() > 0 {
-			b := ledger.Tree[string]{}.Edit()
-			for e := range ut.declare.All() {
-				v := e.Hash.String()
-				b.Set(e.Name, versionHash(v), v)
-			}
-			u.setVersions(ut, b)
+			u.setVersions(ut, versionTreeOf(ut.declare, ledger.Hash.String))
 		}
 		ut.declare = ledger.Tree[*xds.Resource]{}
 		if ut.versions.Len() > 0 {
@@ -1340,8 +1344,6 @@ func (u *feed) allAnswered(answered map[string]bool) bool {
 	}
 	return true
 }
-
-func responseType(m response) string { return m.GetTypeUrl() }
 
 // setStale marks the key's views as confirmed by a live source or not (for
 // operators, for persistence, and for clients that declared content without

@@ -560,7 +560,6 @@ func (ps *planScratch) reset() {
 // asked about, stops the walk: what comes later in push order waits.
 func (s *stream) planTypes(snap *keyViews, now time.Time) (plans, synced []*plan) {
 	s.plans.reset()
-	defer func() { s.plans.planned, s.plans.equal = plans, synced }()
 	plans, synced = s.plans.planned, s.plans.equal
 	wait := s.r.cfg.ResourceWaitTimeout
 	for _, typeURL := range xds.PushOrder {
@@ -616,6 +615,7 @@ func (s *stream) planTypes(snap *keyViews, now time.Time) (plans, synced []*plan
 			synced = append(synced, p)
 		}
 	}
+	s.plans.planned, s.plans.equal = plans, synced // their arrays, for the next sync
 	return plans, synced
 }
 
