@@ -180,6 +180,12 @@ type Any interface {
 // copied only into a new Resource, so it may alias a buffer the caller
 // frees once Decode returns.
 func (s *Store) Decode(typeURL string, a Any, wantName string) (*Resource, error) {
+	return s.decode(typeURL, a, wantName, bytes.Clone)
+}
+
+// decode is Decode, keeping the value of new content as own makes it
+// (a copy, or the value itself when the caller owns it).
+func (s *Store) decode(typeURL string, a Any, wantName string, own func([]byte) []byte) (*Resource, error) {
 	if a == nil || a.GetTypeUrl() == "" && a.GetValue() == nil {
 		return nil, errors.New("relay: empty resource")
 	}
@@ -211,7 +217,7 @@ func (s *Store) Decode(typeURL string, a Any, wantName string) (*Resource, error
 		Type: typeURL,
 		Name: name,
 		Hash: h,
-		Body: &anypb.Any{TypeUrl: typeURL, Value: bytes.Clone(a.GetValue())},
+		Body: &anypb.Any{TypeUrl: typeURL, Value: own(a.GetValue())},
 		refs: refsOf(msg),
 	}
 	return s.Intern(r), nil
@@ -224,10 +230,11 @@ func hasRefs(typeURL string) bool { return len(RefsFrom(typeURL)) > 0 }
 // Restore turns a persisted resource into a Resource. Only types that refer
 // to others are parsed (for their references); the others are taken as
 // named, since the caller checks every (name, content hash) against a
-// Merkle root the owner computed from what its upstream sent.
+// Merkle root the owner computed from what its upstream sent. The body is
+// kept, not copied: the caller hands it over and must not change it.
 func (s *Store) Restore(typeURL, name string, body []byte) (*Resource, error) {
 	if hasRefs(typeURL) {
-		return s.Decode(typeURL, &anypb.Any{TypeUrl: typeURL, Value: body}, name)
+		return s.decode(typeURL, &anypb.Any{TypeUrl: typeURL, Value: body}, name, func(b []byte) []byte { return b })
 	}
 	if name == "" {
 		return nil, errNoName
