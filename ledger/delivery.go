@@ -124,7 +124,7 @@ func (t *Tracker) Delivery(scope Scope, typeURL, name string, hash Hash, now tim
 	if err != nil {
 		return nil, err
 	}
-	return Merge(t.Summary(scope, now)).Delivery(typeURL, name, hash, vs), nil
+	return Merge(t.Summary(scope, now, Brief)).Delivery(typeURL, name, hash, vs), nil
 }
 
 // Delivery answers for the report's Envoys (each counted once, where it is

@@ -19,6 +19,26 @@ type Summary struct {
 	Keys  []KeySummary // by Key
 }
 
+// Detail says how much a summary tells of the Envoys on their key's
+// current version (98% of them on a settled tier).
+type Detail int
+
+const (
+	// Full gives every Envoy's every type with its roots, times, pending
+	// response and NACK: what proxy-status's full view and istioctl's
+	// syncz show.
+	Full Detail = iota
+	// Brief gives an Envoy on its key's current version of every type it
+	// holds, with nothing pending and no NACK, as its node, connection
+	// time and types, each type's sent and ACKed root the key's current
+	// one and no times; the other Envoys in full. It answers convergence,
+	// stragglers and delivery as Full does, at a fraction of the cost of a
+	// tier-wide gather (except a stale-source straggler's Since, which is
+	// its connection time, not its last ACK). Envoys of one key may share
+	// their Types: read them, never change them.
+	Brief
+)
+
 // KeySummary is a relay's state of one key.
 type KeySummary struct {
 	Key   string
@@ -30,7 +50,7 @@ type KeySummary struct {
 	Source Source
 	Stale  bool
 	Types  []TypeVersion // by Type
-	Envoys []EnvoyState  // by Node
+	Envoys []EnvoyState  // in no order (a Report orders them)
 }
 
 // Source says where a relay gets a key's config from.

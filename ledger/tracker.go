@@ -525,7 +525,7 @@ func (t *Tracker) Wait(ctx context.Context, scope Scope, share float64) (Converg
 	for {
 		ch := t.watch()
 		now := time.Now()
-		s := t.Summary(scope, now)
+		s := t.Summary(scope, now, Brief)
 		c := s.Convergence()
 		if c.Share() >= share {
 			return c, nil, nil
@@ -551,16 +551,16 @@ func (t *Tracker) Wait(ctx context.Context, scope Scope, share float64) (Converg
 }
 
 // Summary returns the Tracker's state of the scope's keys and Envoys at
-// now: what every query is answered from, on one relay or, merged with
-// Merge, across the tier.
-func (t *Tracker) Summary(scope Scope, now time.Time) *Summary {
+// now, in detail d: what every query is answered from, on one relay or,
+// merged with Merge, across the tier.
+func (t *Tracker) Summary(scope Scope, now time.Time, d Detail) *Summary {
 	keys := t.keysIn(scope)
 	slices.SortFunc(keys, func(a, b *keyEntry) int { return strings.Compare(a.key, b.key) })
 	s := &Summary{Relay: t.cfg.Relay, At: now, Keys: make([]KeySummary, 0, len(keys))}
 	var forgotten []*Envoy
 	for _, k := range keys {
 		var ks KeySummary
-		ks, forgotten = k.summary(t.cfg.Relay, now, t.cfg.ForgetAfter, forgotten)
+		ks, forgotten = k.summary(t.cfg.Relay, now, t.cfg.ForgetAfter, d, forgotten)
 		s.Keys = append(s.Keys, ks)
 	}
 	t.forgetAll(forgotten)
@@ -616,7 +616,7 @@ func (t *Tracker) sweep(k *keyEntry, now time.Time) {
 
 // summary is the KeySummary of k; Envoys disconnected for longer than
 // forgetAfter are left out and appended to forgotten.
-func (k *keyEntry) summary(relay string, now time.Time, forgetAfter time.Duration, forgotten []*Envoy) (KeySummary, []*Envoy) {
+func (k *keyEntry) summary(relay string, now time.Time, forgetAfter time.Duration, d Detail, forgotten []*Envoy) (KeySummary, []*Envoy) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	ks := KeySummary{Key: k.key, Relay: relay, Source: k.source, Stale: k.stale, Types: make([]TypeVersion, 0, len(k.types)), Envoys: make([]EnvoyState, 0, len(k.envoys))}
@@ -625,13 +625,24 @@ func (k *keyEntry) summary(relay string, now time.Time, forgetAfter time.Duratio
 	}
 	slices.SortFunc(ks.Types, func(a, b TypeVersion) int { return strings.Compare(a.Type, b.Type) })
 	// One array for every Envoy's types: one allocation, not one each.
-	buf := make([]EnvoyType, 0, len(k.envoys)*max(1, len(k.types)))
+	var buf []EnvoyType
+	if d == Full {
+		buf = make([]EnvoyType, 0, len(k.envoys)*max(1, len(k.types)))
+	}
+	// brief holds, in Brief, the Types the Envoys that need no more share:
+	// one slice per set of types (nearly always one per key).
+	var brief [][]EnvoyType
 	for _, e := range k.envoys {
 		if !e.disconnectedAt.IsZero() && now.Sub(e.disconnectedAt) > forgetAfter {
 			forgotten = append(forgotten, e)
 			continue
 		}
 		es := EnvoyState{Node: e.node, ConnectedAt: e.connectedAt, DisconnectedAt: e.disconnectedAt}
+		if d == Brief && e.settledLocked() {
+			es.Types, brief = k.briefTypesLocked(e, brief)
+			ks.Envoys = append(ks.Envoys, es)
+			continue
+		}
 		first := len(buf)
 		for i := range e.types {
 			et := &e.types[i]
@@ -645,6 +656,46 @@ func (k *keyEntry) summary(relay string, now time.Time, forgetAfter time.Duratio
 		ks.Envoys = append(ks.Envoys, es)
 	}
 	return ks, forgotten
+}
+
+// settledLocked reports whether a Brief summary may give e in brief: it is
+// on its key's current version of every type it holds (e.current), and
+// was sent nothing since, nor NACKed. The caller holds e.k.mu.
+func (e *Envoy) settledLocked() bool {
+	if !e.current {
+		return false
+	}
+	for i := range e.types {
+		et := &e.types[i]
+		if et.pending || et.nack != nil || et.sentView != et.ackedView {
+			return false
+		}
+	}
+	return true
+}
+
+// briefTypesLocked returns the Types of the settled Envoy e in brief, out
+// of shared (the slices built so far for this summary, which it returns
+// with the one it built if none matched). The caller holds k.mu.
+func (k *keyEntry) briefTypesLocked(e *Envoy, shared [][]EnvoyType) ([]EnvoyType, [][]EnvoyType) {
+next:
+	for _, ts := range shared {
+		if len(ts) != len(e.types) {
+			continue
+		}
+		for i := range ts {
+			if ts[i].Type != e.types[i].typeURL {
+				continue next
+			}
+		}
+		return ts, shared
+	}
+	ts := make([]EnvoyType, len(e.types))
+	for i := range e.types {
+		root := k.types[e.types[i].typeURL].current.Root // e.current: every type is the key's
+		ts[i] = EnvoyType{Type: e.types[i].typeURL, Sent: root, Acked: root}
+	}
+	return ts, append(shared, ts)
 }
 
 // keysIn returns the entries of the scope's keys.
@@ -665,7 +716,7 @@ func (t *Tracker) keysIn(scope Scope) []*keyEntry {
 func (t *Tracker) NACKs() []NACKRow { return t.nacks.snapshot() }
 
 // Convergence returns the share of the scope's Envoys on their key's
-// current version on this relay. It is Summary(scope, now).Convergence()
+// current version on this relay. It is Summary(scope, now, Brief).Convergence()
 // without building the summary: the query an operator polls.
 func (t *Tracker) Convergence(scope Scope, now time.Time) Convergence {
 	keys := t.keysIn(scope)

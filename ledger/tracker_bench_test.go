@@ -87,7 +87,7 @@ func BenchmarkSummary10k(b *testing.B) {
 	tr, _, _ := benchTracker(b, 10_000, 100, 1000, 100)
 	now := time.Now()
 	for b.Loop() {
-		if c := tr.Summary(Scope{}, now).Convergence(); c.Envoys != 10_000 {
+		if c := tr.Summary(Scope{}, now, Full).Convergence(); c.Envoys != 10_000 {
 			b.Fatalf("Convergence = %+v", c)
 		}
 	}

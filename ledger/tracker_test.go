@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"maps"
 	"math/rand/v2"
+	"reflect"
 	"slices"
 	"sync"
 	"testing"
@@ -111,7 +112,7 @@ func TestTrackerAnswers(t *testing.T) {
 	if got, want := f.tr.Convergence(Scope{}, f.now), (Convergence{Envoys: 6, Current: 1}); got != want {
 		t.Fatalf("Convergence() = %+v, want %+v", got, want)
 	}
-	sum := f.tr.Summary(Scope{}, f.now)
+	sum := f.tr.Summary(Scope{}, f.now, Full)
 	if got := sum.Convergence(); got != (Convergence{Envoys: 6, Current: 1}) {
 		t.Fatalf("Summary().Convergence() = %+v", got)
 	}
@@ -188,7 +189,7 @@ func TestTrackerAnswers(t *testing.T) {
 
 	// Forgotten after ForgetAfter.
 	later := f.now.Add(DefaultTrackerConfig().ForgetAfter + time.Second)
-	if got := f.tr.Summary(Scope{}, later).Convergence(); got.Envoys != 5 {
+	if got := f.tr.Summary(Scope{}, later, Full).Convergence(); got.Envoys != 5 {
 		t.Fatalf("after ForgetAfter: %d Envoys, want 5", got.Envoys)
 	}
 }
@@ -240,7 +241,7 @@ func TestTierMerge(t *testing.T) {
 	m.Disconnect(peer.tick())
 	on(other, "m")
 
-	rep := Merge(owner.tr.Summary(Scope{}, owner.now), peer.tr.Summary(Scope{}, peer.now), other.tr.Summary(Scope{}, other.now))
+	rep := Merge(owner.tr.Summary(Scope{}, owner.now, Full), peer.tr.Summary(Scope{}, peer.now, Full), other.tr.Summary(Scope{}, other.now, Full))
 	if got := rep.Convergence(); got != (Convergence{Envoys: 4, Current: 3}) {
 		t.Fatalf("tier Convergence() = %+v, want 3 of 4", got)
 	}
@@ -255,7 +256,7 @@ func TestTierMerge(t *testing.T) {
 	// Ledger versions are content: the owner and the relay-2, holding the
 	// same views, agree; the lagging peer does not; an Envoy on the
 	// current version ACKed the key's ledger version.
-	ko, kp, kx := owner.tr.Summary(Scope{}, owner.now).Keys[0], peer.tr.Summary(Scope{}, peer.now).Keys[0], other.tr.Summary(Scope{}, other.now).Keys[0]
+	ko, kp, kx := owner.tr.Summary(Scope{}, owner.now, Full).Keys[0], peer.tr.Summary(Scope{}, peer.now, Full).Keys[0], other.tr.Summary(Scope{}, other.now, Full).Keys[0]
 	if ko.LedgerVersion() != kx.LedgerVersion() || ko.LedgerVersion() == kp.LedgerVersion() {
 		t.Fatalf("ledger versions: owner %v, relay-2 %v (want equal), peer %v (want different)", ko.LedgerVersion(), kx.LedgerVersion(), kp.LedgerVersion())
 	}
@@ -363,14 +364,14 @@ func TestConvergenceFastPathAgrees(t *testing.T) {
 			default:
 				f.nack(es[r.IntN(len(es))], types[r.IntN(2)], "bad")
 			}
-			if fast, slow := f.tr.Convergence(Scope{}, f.now), f.tr.Summary(Scope{}, f.now).Convergence(); fast != slow {
+			if fast, slow := f.tr.Convergence(Scope{}, f.now), f.tr.Summary(Scope{}, f.now, Full).Convergence(); fast != slow {
 				t.Fatalf("seed %d step %d: Convergence() = %+v, Summary().Convergence() = %+v", seed, step, fast, slow)
 			}
 		}
 		// NACK rows count exactly the Envoys that hold a NACK now.
 		holding := 0
 		for _, k := range keys {
-			for _, es := range f.tr.Summary(Scope{Key: k}, f.now).Keys {
+			for _, es := range f.tr.Summary(Scope{Key: k}, f.now, Full).Keys {
 				for _, e := range es.Envoys {
 					for _, et := range e.Types {
 						if et.NACK != nil {
@@ -386,6 +387,160 @@ func TestConvergenceFastPathAgrees(t *testing.T) {
 		}
 		if total != holding {
 			t.Fatalf("seed %d: NACK rows count %d Envoys, %d hold one", seed, total, holding)
+		}
+	}
+}
+
+// TestBriefAnswersAsFull: a tier's Brief summaries, merged, give the
+// answers its Full ones give (convergence by key and relay, stragglers,
+// every Envoy's status of every type, delivery), under random operations
+// on two relays that see the same nodes and now and then differ in
+// content; only a stale-source straggler's Since may differ. And Brief is
+// brief: the settled Envoys of a key share one Types slice with no times.
+func TestBriefAnswersAsFull(t *testing.T) {
+	keys := []string{"k0", "k1"}
+	types := []string{cds, eds}
+	briefed := 0
+	for seed := range uint64(20) {
+		r := rand.New(rand.NewPCG(seed, 23))
+		relays := []*fixture{newFixture(t, "a"), newFixture(t, "b")}
+		relays[0].tr.SetSource("k0", SourceUpstream, false)
+		relays[1].tr.SetSource("k1", SourceUpstream, false)
+		for _, f := range relays {
+			for _, k := range keys {
+				for _, ty := range types {
+					f.record(k, ty, map[string]string{"a": "0"})
+				}
+			}
+		}
+		var es []*Envoy
+		for step := range 300 {
+			f := relays[r.IntN(2)]
+			switch op := r.IntN(12); {
+			case op == 0 || len(es) == 0:
+				es = append(es, f.tr.Connect(fmt.Sprint("n", r.IntN(20)), keys[r.IntN(2)], f.tick()))
+			case op == 1:
+				// Mostly the same content on both relays, now and then
+				// not: the relay that lags serves stale-source stragglers.
+				k, ty, c := keys[r.IntN(2)], types[r.IntN(2)], fmt.Sprint(step)
+				for _, g := range relays {
+					if g == f || r.IntN(4) > 0 {
+						g.record(k, ty, map[string]string{"a": c})
+					}
+				}
+			case op == 2:
+				es[r.IntN(len(es))].Disconnect(f.tick())
+			case op < 7:
+				e := es[r.IntN(len(es))]
+				fe := relays[0]
+				if e.t == relays[1].tr {
+					fe = relays[1]
+				}
+				fe.sync(e, e.k.key, types[r.IntN(2)])
+			case op < 11:
+				e := es[r.IntN(len(es))]
+				e.Answered(types[r.IntN(2)], Answer{Version: "v", Latest: true, At: f.tick()})
+			default:
+				f.nack(es[r.IntN(len(es))], types[r.IntN(2)], "bad")
+			}
+			if step%5 != 0 {
+				continue
+			}
+			var full, brief []*Summary
+			for _, g := range relays {
+				full = append(full, g.tr.Summary(Scope{}, g.now, Full))
+				b := g.tr.Summary(Scope{}, g.now, Brief)
+				brief = append(brief, b)
+				briefed += countBrief(t, b)
+			}
+			checkSameAnswers(t, fmt.Sprintf("seed %d step %d", seed, step), Merge(full...), Merge(brief...), relays)
+		}
+	}
+	if briefed == 0 {
+		t.Fatal("no Brief summary gave an Envoy in brief")
+	}
+}
+
+// countBrief returns how many of s's Envoys are given in brief, checking
+// that those of one key and set of types share one Types slice.
+func countBrief(t *testing.T, s *Summary) int {
+	t.Helper()
+	n := 0
+	for _, ks := range s.Keys {
+		shared := map[string]*EnvoyType{}
+		for _, e := range ks.Envoys {
+			if len(e.Types) == 0 || !e.Types[0].SentAt.IsZero() || e.Types[0].Acked.IsZero() {
+				continue // in full: every type sent has its time
+			}
+			n++
+			id := fmt.Sprint(len(e.Types), e.Types[0].Type)
+			if p, ok := shared[id]; ok && p != &e.Types[0] {
+				t.Fatalf("key %s: Envoys in brief with the same types do not share them", ks.Key)
+			}
+			shared[id] = &e.Types[0]
+		}
+	}
+	return n
+}
+
+func checkSameAnswers(t *testing.T, at string, full, brief *Report, relays []*fixture) {
+	t.Helper()
+	if f, b := full.Convergence(), brief.Convergence(); f != b {
+		t.Fatalf("%s: Convergence: Full %+v, Brief %+v", at, f, b)
+	}
+	if f, b := full.ByKey(), brief.ByKey(); !maps.Equal(f, b) {
+		t.Fatalf("%s: ByKey: Full %v, Brief %v", at, f, b)
+	}
+	if f, b := full.ByRelay(), brief.ByRelay(); !maps.Equal(f, b) {
+		t.Fatalf("%s: ByRelay: Full %v, Brief %v", at, f, b)
+	}
+	fs, bs := full.Stragglers(0), brief.Stragglers(0)
+	if len(fs) != len(bs) {
+		t.Fatalf("%s: %d stragglers from Full, %d from Brief", at, len(fs), len(bs))
+	}
+	for i := range fs {
+		if fs[i].Reason == StaleSource {
+			fs[i].Since, bs[i].Since = time.Time{}, time.Time{}
+		}
+		if !reflect.DeepEqual(fs[i], bs[i]) {
+			t.Fatalf("%s: straggler from Full %+v, from Brief %+v", at, fs[i], bs[i])
+		}
+	}
+	fe, be := full.Envoys(), brief.Envoys()
+	if len(fe) != len(be) {
+		t.Fatalf("%s: %d Envoys from Full, %d from Brief", at, len(fe), len(be))
+	}
+	for i := range fe {
+		if fe[i].State.Node != be[i].State.Node || len(fe[i].State.Types) != len(be[i].State.Types) {
+			t.Fatalf("%s: Envoy %d: Full %+v, Brief %+v", at, i, fe[i].State, be[i].State)
+		}
+		for j, et := range fe[i].State.Types {
+			if f, b := full.Status(fe[i], et), brief.Status(be[i], be[i].State.Types[j]); f != b {
+				t.Fatalf("%s: %s's %s: Full %s, Brief %s", at, fe[i].State.Node, et.Type, f, b)
+			}
+		}
+	}
+	for _, ty := range []string{cds, eds} {
+		var vs []Verdicts
+		for _, g := range relays {
+			v, err := g.tr.Verdicts(Scope{}, ty, "a", h("0"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			vs = append(vs, v...)
+		}
+		f, b := full.Delivery(ty, "a", h("0"), vs), brief.Delivery(ty, "a", h("0"), vs)
+		for _, d := range []*Delivery{f, b} {
+			for _, k := range d.Keys {
+				for i := range k.Missing {
+					if k.Missing[i].Reason == StaleSource {
+						k.Missing[i].Since = time.Time{}
+					}
+				}
+			}
+		}
+		if !reflect.DeepEqual(f, b) {
+			t.Fatalf("%s: Delivery of %s: Full %+v, Brief %+v", at, ty, f, b)
 		}
 	}
 }

@@ -403,7 +403,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 				continue
 			}
 			qctx, cancel := context.WithTimeout(ctx, time.Second)
-			tl := running[0].Node.Relay().TierLedger(qctx, ledger.Scope{})
+			tl := running[0].Node.Relay().TierLedger(qctx, ledger.Scope{}, ledger.Brief)
 			cancel()
 			if c := tl.Convergence(); c.Envoys > 0 {
 				ledgerShare.Store(fmt.Sprintf("%.1f%%", 100*c.Share()))

@@ -217,7 +217,7 @@ func (d *demoEnvoys) waitReady(bound time.Duration) {
 func (d *demoEnvoys) final(out io.Writer, tier *Tier) {
 	if running := tier.Running(); len(running) > 0 {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		d.observe(running[0].Node.Relay().TierLedger(ctx, ledger.Scope{}).Report)
+		d.observe(running[0].Node.Relay().TierLedger(ctx, ledger.Scope{}, ledger.Brief).Report)
 		cancel()
 	}
 	client := &http.Client{Timeout: 5 * time.Second}

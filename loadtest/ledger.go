@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"runtime"
 	"slices"
 	"sync"
@@ -118,9 +119,18 @@ type LedgerReport struct {
 	// same from a full Summary (what a relay sends its peers).
 	Convergence Quantiles `json:"convergence"`
 	Summary     Quantiles `json:"summary"`
-	// Tier-wide, asked of one relay, gathered from all over loopback gRPC.
-	Tier         Quantiles `json:"tier"`
-	TierDelivery Quantiles `json:"tier_delivery"`
+	// Tier-wide, asked of one relay, gathered from all over loopback gRPC:
+	// convergence and stragglers in brief (ledger.Brief: what relayctl
+	// wait, convergence and shards ask), the same in full (every time of
+	// every Envoy's types: proxy-status's full view), and delivery of one
+	// resource. The CPU is every relay's, per query (this process's and,
+	// with PeersApart, the others').
+	Tier            Quantiles     `json:"tier"`
+	TierCPU         time.Duration `json:"tier_cpu"`
+	TierFull        Quantiles     `json:"tier_full"`
+	TierFullCPU     time.Duration `json:"tier_full_cpu"`
+	TierDelivery    Quantiles     `json:"tier_delivery"`
+	TierDeliveryCPU time.Duration `json:"tier_delivery_cpu"`
 	// LedgerBytes is the heap the ledger holds: histories (undo records and
 	// versions) and per-Envoy state, not the views it shares with the
 	// cache.
@@ -288,7 +298,7 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 	}
 	envoys := views.connect(tr, keys, 0, cfg.Envoys)
 	rep.LedgerBytes = heapInUse() - base
-	for _, ks := range tr.Summary(ledger.Scope{Key: keys[0]}, time.Now()).Keys {
+	for _, ks := range tr.Summary(ledger.Scope{Key: keys[0]}, time.Now(), ledger.Full).Keys {
 		for _, tv := range ks.Types {
 			if tv.Type == ledgerEDS {
 				rep.HistoryVersions = cfg.Keys * int(tv.Version.Seq)
@@ -330,8 +340,8 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 	fmt.Fprintf(out, "ACK bookkeeping: %.0f ns per ACK, %.0f ns per response (send, sync, ACK)\n", rep.ACKNanos, rep.ResponseNanos)
 
 	rep.Convergence = timeQuery(cfg.Queries, func() { tr.Convergence(ledger.Scope{}, time.Now()) })
-	rep.Summary = timeQuery(cfg.Queries/10+1, func() { tr.Summary(ledger.Scope{}, time.Now()).Convergence() })
-	rep.Stragglers = len(tr.Summary(ledger.Scope{}, time.Now()).Stragglers(0))
+	rep.Summary = timeQuery(cfg.Queries/10+1, func() { tr.Summary(ledger.Scope{}, time.Now(), ledger.Full).Convergence() })
+	rep.Stragglers = len(tr.Summary(ledger.Scope{}, time.Now(), ledger.Full).Stragglers(0))
 	fmt.Fprintf(out, "convergence in-process: P50 %v P99 %v (from a summary: P50 %v); %d stragglers\n",
 		rep.Convergence.P50, rep.Convergence.P99, rep.Summary.P50, rep.Stragglers)
 	runtime.KeepAlive(envoys)
@@ -340,6 +350,7 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 	// The tier: Relays real relays, the Envoys spread over them, each key's
 	// origin one of them. Relay 0 is asked.
 	peers := &staticPeers{}
+	var peerPids []int // the relays in processes of their own
 	asked, err := startLedgerRelay(ctx, 0, peers)
 	if err != nil {
 		return nil, err
@@ -361,6 +372,7 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 			}
 			defer c.Stop(context.Background())
 			addr = c.Addr()
+			peerPids = append(peerPids, c.Pid())
 		} else {
 			r, err := startLedgerRelay(ctx, i, nil)
 			if err != nil {
@@ -377,38 +389,72 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 		peers.mu.Unlock()
 	}
 	rep.PeersApart = cfg.StartPeer != nil
+	// cpu is the CPU every relay has used so far.
+	cpu := func() time.Duration {
+		var total time.Duration
+		for _, pid := range append([]int{os.Getpid()}, peerPids...) {
+			if st, err := ReadProcStat(pid); err == nil {
+				total += st.CPU
+			}
+		}
+		return total
+	}
 	// Relays keep their connections to each other: the first gathers dial
 	// them, and are not timed.
 	for range 3 {
-		asked.TierLedger(ctx, ledger.Scope{})
+		asked.TierLedger(ctx, ledger.Scope{}, ledger.Brief)
+		asked.TierLedger(ctx, ledger.Scope{}, ledger.Full)
 	}
 	var tierErr error
-	rep.Tier = timeQuery(cfg.Queries, func() {
-		tl := asked.TierLedger(ctx, ledger.Scope{})
-		if len(tl.Missing) > 0 && tierErr == nil {
-			tierErr = fmt.Errorf("tier query: relays missing: %v", tl.Missing)
-		}
-	})
+	timeTier := func(d ledger.Detail) (Quantiles, time.Duration) {
+		before := cpu()
+		q := timeQuery(cfg.Queries, func() {
+			tl := asked.TierLedger(ctx, ledger.Scope{}, d)
+			tl.Stragglers(0)
+			if len(tl.Missing) > 0 && tierErr == nil {
+				tierErr = fmt.Errorf("tier query: relays missing: %v", tl.Missing)
+			}
+		})
+		return q, (cpu() - before) / time.Duration(cfg.Queries)
+	}
+	rep.Tier, rep.TierCPU = timeTier(ledger.Brief)
+	rep.TierFull, rep.TierFullCPU = timeTier(ledger.Full)
 	if tierErr != nil {
 		return nil, tierErr
 	}
-	tl := asked.TierLedger(ctx, ledger.Scope{})
-	if len(tl.Missing) > 0 {
-		return nil, fmt.Errorf("loadtest: relays missing from the tier-wide answer: %v", tl.Missing)
+	// Brief and full answer alike.
+	type answer struct {
+		c          ledger.Convergence
+		stragglers int
 	}
-	rep.TierEnvoys, rep.TierStragglers = tl.Convergence().Envoys, len(tl.Stragglers(0))
-	fmt.Fprintf(out, "tier-wide across %d relays (the others %s): P50 %v P99 %v (%d Envoys, share %.3f)\n",
-		cfg.Relays, where, rep.Tier.P50, rep.Tier.P99, tl.Convergence().Envoys, tl.Convergence().Share())
+	var answers []answer
+	for _, d := range []ledger.Detail{ledger.Brief, ledger.Full} {
+		tl := asked.TierLedger(ctx, ledger.Scope{}, d)
+		if len(tl.Missing) > 0 {
+			return nil, fmt.Errorf("loadtest: relays missing from the tier-wide answer: %v", tl.Missing)
+		}
+		answers = append(answers, answer{tl.Convergence(), len(tl.Stragglers(0))})
+	}
+	if answers[0] != answers[1] {
+		return nil, fmt.Errorf("loadtest: the tier in brief counts %+v, in full %+v", answers[0], answers[1])
+	}
+	rep.TierEnvoys, rep.TierStragglers = answers[0].c.Envoys, answers[0].stragglers
+	fmt.Fprintf(out, "tier-wide across %d relays (the others %s), %d Envoys, %d stragglers:\n", cfg.Relays, where, rep.TierEnvoys, rep.TierStragglers)
+	fmt.Fprintf(out, "  in brief: P50 %v P99 %v, relays' CPU %v per query\n", rep.Tier.P50, rep.Tier.P99, rep.TierCPU)
+	fmt.Fprintf(out, "  in full:  P50 %v P99 %v, relays' CPU %v per query\n", rep.TierFull.P50, rep.TierFull.P99, rep.TierFullCPU)
 	movedHash, _ := views.eds[len(views.eds)-1].Get(views.moved)
-	rep.TierDelivery = timeQuery(cfg.Queries/4+1, func() {
+	before := cpu()
+	deliveries := cfg.Queries/4 + 1
+	rep.TierDelivery = timeQuery(deliveries, func() {
 		if _, _, err := asked.TierDelivery(ctx, ledger.Scope{}, ledgerEDS, views.moved, movedHash.Hash); err != nil && tierErr == nil {
 			tierErr = err
 		}
 	})
+	rep.TierDeliveryCPU = (cpu() - before) / time.Duration(deliveries)
 	if tierErr != nil {
 		return nil, tierErr
 	}
-	fmt.Fprintf(out, "tier-wide delivery of one endpoint: P50 %v P99 %v\n", rep.TierDelivery.P50, rep.TierDelivery.P99)
+	fmt.Fprintf(out, "tier-wide delivery of one endpoint: P50 %v P99 %v, relays' CPU %v per query\n", rep.TierDelivery.P50, rep.TierDelivery.P99, rep.TierDeliveryCPU)
 
 	rep.Targets = LedgerTargets{
 		ACK:         rep.ACKNanos <= 2000,

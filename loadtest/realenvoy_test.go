@@ -626,7 +626,7 @@ func waitLedger(t *testing.T, ctx context.Context, tier *Tier, node, typeURL str
 	t.Helper()
 	var last ledger.SyncStatus
 	for {
-		rep := tier.Running()[0].Node.Relay().TierLedger(ctx, ledger.Scope{})
+		rep := tier.Running()[0].Node.Relay().TierLedger(ctx, ledger.Scope{}, ledger.Full)
 		for _, e := range rep.Envoys() {
 			if e.State.Node != node || !e.State.Connected() {
 				continue

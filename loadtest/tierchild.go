@@ -286,7 +286,7 @@ func RunTierRelayChild(ctx context.Context, cfg TierRelayChildConfig, in io.Read
 			err = w.printJSON(tierStats, st)
 		case c == tierConvergence:
 			gctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-			tl := r.TierLedger(gctx, ledger.Scope{})
+			tl := r.TierLedger(gctx, ledger.Scope{}, ledger.Brief)
 			cancel()
 			conv := tl.Convergence()
 			tc := TierConvergence{Envoys: conv.Envoys, Current: conv.Current, Stragglers: len(tl.Stragglers(0)), Missing: len(tl.Missing)}
@@ -431,7 +431,7 @@ func (s *ledgerSampler) run(ctx context.Context) {
 	var buf strings.Builder
 	poll := func() {
 		buf.Reset()
-		sum := s.tr.Summary(ledger.Scope{}, time.Now())
+		sum := s.tr.Summary(ledger.Scope{}, time.Now(), ledger.Full) // every ACK time
 		st.Polls++
 		for _, ks := range sum.Keys {
 			origin := "0"

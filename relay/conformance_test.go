@@ -139,7 +139,7 @@ func (e *env) waitLedger(t *testing.T, when string, want ledger.Convergence, rea
 	var got ledger.Convergence
 	var ss []ledger.Straggler
 	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		sum := e.r.Ledger().Summary(ledger.Scope{}, time.Now())
+		sum := e.r.Ledger().Summary(ledger.Scope{}, time.Now(), ledger.Brief)
 		got, ss = sum.Convergence(), sum.Stragglers(0)
 		if got == want && (reason == "" && len(ss) == 0 || len(ss) == 1 && ss[0].Reason == reason) {
 			return

@@ -123,7 +123,7 @@ func (s *stream) debugResources(typeURL string, names []string) ([]*anypb.Any, e
 	}
 	r, ctx := s.r, s.ctx
 	if typeURL == typeDebugSyncz {
-		return r.syncz(r.TierLedger(ctx, ledger.Scope{}), c)
+		return r.syncz(r.TierLedger(ctx, ledger.Scope{}, ledger.Full), c)
 	}
 	if len(names) != 1 {
 		return nil, status.Errorf(codes.InvalidArgument, "%s wants one resource name, the node id; got %d", typeURL, len(names))

@@ -174,7 +174,7 @@ func TestDebugTypesOnTLSPort(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	for len(e.r.TierLedger(ctx, ledger.Scope{}).Envoys()) != len(envoys) {
+	for len(e.r.TierLedger(ctx, ledger.Scope{}, ledger.Full).Envoys()) != len(envoys) {
 		if ctx.Err() != nil {
 			t.Fatal("the ledger never listed the Envoys")
 		}

@@ -53,13 +53,16 @@ type TierLedger struct {
 	Missing map[string]error
 }
 
-// TierLedger gathers the ledgers of every relay of the tier for scope, and
-// merges them: convergence, stragglers and per-relay figures against each
-// key's reference version (its origin's). It waits at most
-// LedgerGatherTimeout for the other relays.
-func (r *Relay) TierLedger(ctx context.Context, scope ledger.Scope) TierLedger {
-	local := r.localSummary(scope)
-	req := &ledgerpb.SummaryRequest{Scope: ledgerpb.FromScope(scope)}
+// TierLedger gathers the ledgers of every relay of the tier for scope, in
+// detail d, and merges them: convergence, stragglers and per-relay figures
+// against each key's reference version (its origin's). It waits at most
+// LedgerGatherTimeout for the other relays. Brief is enough for every
+// answer but the times of each Envoy's types (proxy-status's full view,
+// syncz): it moves a fraction of the bytes and costs a fraction of the
+// CPU.
+func (r *Relay) TierLedger(ctx context.Context, scope ledger.Scope, d ledger.Detail) TierLedger {
+	local := r.localSummary(scope, d)
+	req := &ledgerpb.SummaryRequest{Scope: ledgerpb.FromScope(scope), Brief: d == ledger.Brief}
 	got, missing := gather(ctx, r, func(ctx context.Context, conn *grpc.ClientConn) (*ledger.Summary, error) {
 		p, err := ledgerpb.NewLedgerClient(conn).GetSummary(ctx, req, maxLedgerAnswer)
 		if err != nil {
@@ -90,8 +93,8 @@ func (r *Relay) TierDelivery(ctx context.Context, scope ledger.Scope, typeURL, n
 	if err != nil {
 		return nil, nil, err
 	}
-	local := r.localSummary(scope)
-	sreq := &ledgerpb.SummaryRequest{Scope: ledgerpb.FromScope(scope)}
+	local := r.localSummary(scope, ledger.Brief)
+	sreq := &ledgerpb.SummaryRequest{Scope: ledgerpb.FromScope(scope), Brief: true}
 	dreq := &ledgerpb.DeliveryRequest{Scope: sreq.Scope, Type: typeURL, Name: name, Hash: hash[:]}
 	got, missing := gather(ctx, r, func(ctx context.Context, conn *grpc.ClientConn) (answer, error) {
 		c := ledgerpb.NewLedgerClient(conn)
@@ -135,7 +138,7 @@ func (r *Relay) TierWait(ctx context.Context, scope ledger.Scope, share float64,
 		// short by ctx's deadline would name live relays missing (their
 		// side of the call may end first). The wait may overrun ctx by
 		// that much.
-		tl := r.TierLedger(context.WithoutCancel(ctx), scope)
+		tl := r.TierLedger(context.WithoutCancel(ctx), scope, ledger.Brief)
 		complete := len(tl.Missing) == 0
 		if complete && tl.Convergence().Share() >= share {
 			return tl, nil
@@ -159,9 +162,9 @@ func (r *Relay) TierWait(ctx context.Context, scope ledger.Scope, share float64,
 
 // localSummary builds this relay's summary while the other relays build
 // theirs.
-func (r *Relay) localSummary(scope ledger.Scope) <-chan *ledger.Summary {
+func (r *Relay) localSummary(scope ledger.Scope, d ledger.Detail) <-chan *ledger.Summary {
 	ch := make(chan *ledger.Summary, 1)
-	go func() { ch <- r.ledger.Summary(scope, time.Now()) }()
+	go func() { ch <- r.ledger.Summary(scope, time.Now(), d) }()
 	return ch
 }
 
@@ -203,7 +206,11 @@ func (s ledgerServer) GetSummary(ctx context.Context, req *ledgerpb.SummaryReque
 	if err := s.r.checkPeerCall(ctx, s.port, "ledger"); err != nil {
 		return nil, err
 	}
-	return ledgerpb.FromSummary(s.r.ledger.Summary(ledgerpb.ToScope(req.GetScope()), time.Now())), nil
+	d := ledger.Full
+	if req.GetBrief() {
+		d = ledger.Brief
+	}
+	return ledgerpb.FromSummary(s.r.ledger.Summary(ledgerpb.ToScope(req.GetScope()), time.Now(), d)), nil
 }
 
 func (s ledgerServer) CheckDelivery(ctx context.Context, req *ledgerpb.DeliveryRequest) (*ledgerpb.DeliveryVerdicts, error) {

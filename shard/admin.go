@@ -78,9 +78,10 @@ type view struct {
 	c relay.AdminCaller
 }
 
-// tierLedger gathers the tier's ledger for scope, as ctx's caller sees it.
-func (a adminServer) tierLedger(ctx context.Context, scope ledger.Scope) view {
-	return view{a.n.relay.TierLedger(ctx, scope), relay.AdminCallerFrom(ctx)}
+// tierLedger gathers the tier's ledger for scope in detail d, as ctx's
+// caller sees it.
+func (a adminServer) tierLedger(ctx context.Context, scope ledger.Scope, d ledger.Detail) view {
+	return view{a.n.relay.TierLedger(ctx, scope, d), relay.AdminCallerFrom(ctx)}
 }
 
 // keys returns the keys the caller sees.
@@ -172,7 +173,7 @@ func mayAskNode(c relay.AdminCaller, node string) error {
 }
 
 func (a adminServer) ListShards(ctx context.Context, req *adminpb.ListShardsRequest) (*adminpb.ShardList, error) {
-	v := a.tierLedger(ctx, selectorScope(req.GetSelector()))
+	v := a.tierLedger(ctx, selectorScope(req.GetSelector()), ledger.Brief)
 	out := &adminpb.ShardList{Missing: missing(v.TierLedger)}
 	for _, kr := range v.keys() {
 		out.Shards = append(out.Shards, a.shard(kr))
@@ -213,7 +214,7 @@ func (a adminServer) GetShard(ctx context.Context, req *adminpb.GetShardRequest)
 	)
 	go func() {
 		defer close(done)
-		tl = a.n.relay.TierLedger(ctx, ledger.Scope{Key: req.GetKey()})
+		tl = a.n.relay.TierLedger(ctx, ledger.Scope{Key: req.GetKey()}, ledger.Brief)
 	}()
 	details, miss = a.n.relay.TierKeyDetail(ctx, req.GetKey(), int(req.GetMaxNames()))
 	<-done
@@ -280,14 +281,16 @@ func (a adminServer) GetConfigDump(ctx context.Context, req *adminpb.ConfigDumpR
 }
 
 func (a adminServer) GetConvergence(ctx context.Context, req *adminpb.ConvergenceRequest) (*adminpb.Convergence, error) {
-	return convergence(a.tierLedger(ctx, selectorScope(req.GetSelector()))), nil
+	return convergence(a.tierLedger(ctx, selectorScope(req.GetSelector()), ledger.Brief)), nil
 }
 
 func (a adminServer) ListStragglers(ctx context.Context, req *adminpb.StragglersRequest) (*adminpb.StragglerList, error) {
 	if req.GetLimit() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "limit must not be negative")
 	}
-	v := a.tierLedger(ctx, selectorScope(req.GetSelector()))
+	// Full: a stale-source straggler's Since is its last ACK, which Brief
+	// does not carry.
+	v := a.tierLedger(ctx, selectorScope(req.GetSelector()), ledger.Full)
 	return &adminpb.StragglerList{Stragglers: stragglers(v.stragglers(int(req.GetLimit()))), Missing: missing(v.TierLedger)}, nil
 }
 
@@ -461,7 +464,7 @@ func (a adminServer) LocateEnvoy(ctx context.Context, req *adminpb.LocateEnvoyRe
 	if err := mayAskNode(relay.AdminCallerFrom(ctx), req.GetNode()); err != nil {
 		return nil, err
 	}
-	v := a.tierLedger(ctx, ledger.Scope{})
+	v := a.tierLedger(ctx, ledger.Scope{}, ledger.Full) // every time of its types
 	for _, e := range v.envoys() {
 		if e.State.Node == req.GetNode() {
 			return envoyInfo(v.TierLedger, e, a.keyViews(v.TierLedger)), nil
@@ -477,7 +480,12 @@ func (a adminServer) ListEnvoys(ctx context.Context, req *adminpb.ListEnvoysRequ
 	if req.GetLimit() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "limit must not be negative")
 	}
-	v := a.tierLedger(ctx, selectorScope(req.GetSelector()))
+	// The basic view is a status per type: Brief gives the same.
+	d := ledger.Full
+	if req.GetView() == adminpb.EnvoyView_ENVOY_VIEW_BASIC {
+		d = ledger.Brief
+	}
+	v := a.tierLedger(ctx, selectorScope(req.GetSelector()), d)
 	tl := v.TierLedger
 	out := &adminpb.EnvoyList{Missing: missing(tl)}
 	var picked []ledger.EnvoyReport

@@ -93,7 +93,7 @@ func TestLedgerQueries(t *testing.T) {
 
 	// Before the change: every Envoy but the silent ones is current.
 	waitLedger(t, "initial sync", func() (bool, string) {
-		tl := anyRelay(0).Node.Relay().TierLedger(ctx, ledger.Scope{})
+		tl := anyRelay(0).Node.Relay().TierLedger(ctx, ledger.Scope{}, ledger.Brief)
 		c := tl.Convergence()
 		return c == (ledger.Convergence{Envoys: envoys, Current: 9}) && len(tl.Missing) == 0,
 			fmt.Sprintf("%+v missing %v stragglers %+v silent %v", c, tl.Missing, tl.Stragglers(0), byRole["silent"])
@@ -121,7 +121,7 @@ func TestLedgerQueries(t *testing.T) {
 	})
 
 	waitLedger(t, "the change to settle", func() (bool, string) {
-		tl := anyRelay(1).Node.Relay().TierLedger(ctx, ledger.Scope{})
+		tl := anyRelay(1).Node.Relay().TierLedger(ctx, ledger.Scope{}, ledger.Brief)
 		reasons := map[string]ledger.Reason{}
 		for _, s := range tl.Stragglers(0) {
 			reasons[s.Node] = s.Reason
@@ -139,7 +139,7 @@ func TestLedgerQueries(t *testing.T) {
 	for _, n := range byRole["silent"] {
 		want[n] = string(ledger.NotACKed) + " " + cdsType
 	}
-	report := anyRelay(2).Node.Relay().TierLedger(ctx, ledger.Scope{})
+	report := anyRelay(2).Node.Relay().TierLedger(ctx, ledger.Scope{}, ledger.Full)
 	got := map[string]string{}
 	fingerprints := map[ledger.Fingerprint]int{}
 	for _, s := range report.Stragglers(0) {
@@ -230,7 +230,7 @@ func TestLedgerQueries(t *testing.T) {
 	}
 	// One key: its Envoys only.
 	key := report.Stragglers(0)[0].Key
-	if c := anyRelay(0).Node.Relay().TierLedger(ctx, ledger.Scope{Key: key}).Convergence(); c != (ledger.Convergence{Envoys: 4, Current: 2}) {
+	if c := anyRelay(0).Node.Relay().TierLedger(ctx, ledger.Scope{Key: key}, ledger.Brief).Convergence(); c != (ledger.Convergence{Envoys: 4, Current: 2}) {
 		t.Fatalf("TierLedger(key %s) = %+v, want 2 of 4", key, c)
 	}
 

@@ -64,13 +64,21 @@ func FromSummary(s *ledger.Summary) *Summary {
 }
 
 func fromKey(k *ledger.KeySummary) *KeySummary {
-	pk := &KeySummary{Key: k.Key, Source: string(k.Source), Stale: k.Stale, Types: make([]*TypeVersion, len(k.Types)),
-		EnvoyCount: uint32(len(k.Envoys))}
+	pk := &KeySummary{Key: k.Key, Source: string(k.Source), Stale: k.Stale, Types: make([]*TypeVersion, len(k.Types))}
 	for j, tv := range k.Types {
 		v := tv.Version
 		pk.Types[j] = &TypeVersion{Type: tv.Type, Version: &Version{Seq: v.Seq, Root: hashBytes(v.Root), Received: nanos(v.Received), Len: int64(v.Len)}}
 	}
 	typeIdx := map[string]uint64{}
+	typeIndex := func(typeURL string) uint64 {
+		ti, ok := typeIdx[typeURL]
+		if !ok {
+			ti = uint64(len(pk.TypeUrls))
+			pk.TypeUrls = append(pk.TypeUrls, typeURL)
+			typeIdx[typeURL] = ti
+		}
+		return ti
+	}
 	rootIdx := map[ledger.Hash]uint64{{}: 0}
 	root := func(h ledger.Hash) uint64 {
 		i, ok := rootIdx[h]
@@ -81,21 +89,48 @@ func fromKey(k *ledger.KeySummary) *KeySummary {
 		}
 		return i
 	}
+	// sets holds an Envoy of each type set given so far, by index.
+	var sets [][]ledger.EnvoyType
+	set := func(types []ledger.EnvoyType) uint64 {
+	next:
+		for i, ts := range sets {
+			if len(ts) != len(types) {
+				continue
+			}
+			for j := range ts {
+				if ts[j].Type != types[j].Type {
+					continue next
+				}
+			}
+			return uint64(i)
+		}
+		s := &TypeSet{Types: make([]uint32, len(types))}
+		for j, et := range types {
+			s.Types[j] = uint32(typeIndex(et.Type))
+		}
+		pk.TypeSets = append(pk.TypeSets, s)
+		sets = append(sets, types)
+		return uint64(len(sets) - 1)
+	}
 	b := make([]byte, 0, len(k.Envoys)*(64+len(k.Types)*16))
+	var brief []byte
 	for j := range k.Envoys {
 		e := &k.Envoys[j]
+		if inBrief(k, e) {
+			brief = binary.AppendUvarint(brief, uint64(len(e.Node)))
+			brief = append(brief, e.Node...)
+			brief = binary.AppendUvarint(brief, uint64(nanos(e.ConnectedAt)))
+			brief = binary.AppendUvarint(brief, set(e.Types))
+			pk.BriefCount++
+			continue
+		}
+		pk.EnvoyCount++
 		b = binary.AppendUvarint(b, uint64(len(e.Node)))
 		b = append(b, e.Node...)
 		b = binary.AppendUvarint(b, uint64(nanos(e.ConnectedAt)))
 		b = binary.AppendUvarint(b, uint64(nanos(e.DisconnectedAt)))
 		b = binary.AppendUvarint(b, uint64(len(e.Types)))
 		for _, et := range e.Types {
-			ti, ok := typeIdx[et.Type]
-			if !ok {
-				ti = uint64(len(pk.TypeUrls))
-				pk.TypeUrls = append(pk.TypeUrls, et.Type)
-				typeIdx[et.Type] = ti
-			}
 			var flags byte
 			if et.Pending {
 				flags |= flagPending
@@ -103,7 +138,7 @@ func fromKey(k *ledger.KeySummary) *KeySummary {
 			if et.NACK != nil {
 				flags |= flagNACK
 			}
-			b = binary.AppendUvarint(b, ti)
+			b = binary.AppendUvarint(b, typeIndex(et.Type))
 			b = append(b, flags)
 			b = binary.AppendUvarint(b, root(et.Sent))
 			b = binary.AppendUvarint(b, uint64(nanos(et.SentAt)))
@@ -115,8 +150,35 @@ func fromKey(k *ledger.KeySummary) *KeySummary {
 			}
 		}
 	}
-	pk.Envoys = b
+	pk.Envoys, pk.BriefEnvoys = b, brief
 	return pk
+}
+
+// inBrief reports whether e's record loses nothing in brief: connected,
+// sent and ACKed k's current root of every type it holds, at no time given
+// (as a ledger.Brief summary gives it), nothing pending and no NACK.
+func inBrief(k *ledger.KeySummary, e *ledger.EnvoyState) bool {
+	if !e.Connected() || len(e.Types) == 0 {
+		return false
+	}
+	for _, et := range e.Types {
+		if et.Pending || et.NACK != nil || !et.SentAt.IsZero() || !et.AckedAt.IsZero() || et.Sent != et.Acked || et.Acked.IsZero() {
+			return false
+		}
+		if cur, ok := currentRoot(k.Types, et.Type); !ok || cur != et.Acked {
+			return false
+		}
+	}
+	return true
+}
+
+func currentRoot(types []ledger.TypeVersion, typeURL string) (ledger.Hash, bool) {
+	for _, tv := range types {
+		if tv.Type == typeURL {
+			return tv.Version.Root, true
+		}
+	}
+	return ledger.Hash{}, false
 }
 
 const (
@@ -151,9 +213,9 @@ func ToSummary(p *Summary) (*ledger.Summary, error) {
 	return out, nil
 }
 
-// minEnvoyRecord and minTypeRecord are the fewest bytes an Envoy's record
-// and one of its types take.
-const minEnvoyRecord, minTypeRecord = 5, 6
+// minEnvoyRecord, minTypeRecord and minBriefRecord are the fewest bytes an
+// Envoy's record, one of its types and an Envoy's record in brief take.
+const minEnvoyRecord, minTypeRecord, minBriefRecord = 5, 6, 3
 
 func toKey(pk *KeySummary, relay string) (ledger.KeySummary, error) {
 	k := ledger.KeySummary{Key: pk.GetKey(), Relay: relay, Source: ledger.Source(pk.GetSource()), Stale: pk.GetStale(),
@@ -181,15 +243,18 @@ func toKey(pk *KeySummary, relay string) (ledger.KeySummary, error) {
 	for i, n := range pk.GetNacks() {
 		nacks[i] = toNACK(n)
 	}
-	data := pk.GetEnvoys()
-	n := int(pk.GetEnvoyCount())
-	if n > len(data)/minEnvoyRecord {
-		return k, fmt.Errorf("%w: %d Envoys in %d bytes", ErrBadMessage, n, len(data))
+	data, briefData := pk.GetEnvoys(), pk.GetBriefEnvoys()
+	n, nb := int(pk.GetEnvoyCount()), int(pk.GetBriefCount())
+	if n > len(data)/minEnvoyRecord || nb > len(briefData)/minBriefRecord {
+		return k, fmt.Errorf("%w: %d Envoys in %d bytes and %d in brief in %d", ErrBadMessage, n, len(data), nb, len(briefData))
+	}
+	k.Envoys = make([]ledger.EnvoyState, n+nb)
+	if err := decodeBrief(&k, pk, k.Envoys[n:]); err != nil {
+		return k, err
 	}
 	// Node names share one string: a record's name is a slice of it.
 	str := string(data)
 	d := decoder{b: data}
-	k.Envoys = make([]ledger.EnvoyState, n)
 	var types []ledger.EnvoyType
 	for j := range n {
 		e := &k.Envoys[j]
@@ -250,6 +315,61 @@ func toKey(pk *KeySummary, relay string) (ledger.KeySummary, error) {
 		return k, fmt.Errorf("%w: %d bytes after the last Envoy", ErrBadMessage, len(d.b))
 	}
 	return k, nil
+}
+
+// decodeBrief decodes the Envoys pk gives in brief into out (as many as
+// pk.BriefCount), those of one type set sharing their Types. k's Types
+// must be decoded: they hold the roots.
+func decodeBrief(k *ledger.KeySummary, pk *KeySummary, out []ledger.EnvoyState) error {
+	sets := make([][]ledger.EnvoyType, len(pk.GetTypeSets()))
+	for i, s := range pk.GetTypeSets() {
+		if len(s.GetTypes()) == 0 || len(s.GetTypes()) > len(pk.GetTypeUrls()) {
+			return fmt.Errorf("%w: a type set of %d types", ErrBadMessage, len(s.GetTypes()))
+		}
+		sets[i] = make([]ledger.EnvoyType, len(s.GetTypes()))
+		for j, ti := range s.GetTypes() {
+			if int(ti) >= len(pk.GetTypeUrls()) {
+				return fmt.Errorf("%w: bad type index in a type set", ErrBadMessage)
+			}
+			typeURL := pk.GetTypeUrls()[ti]
+			root, ok := currentRoot(k.Types, typeURL)
+			if !ok || root.IsZero() {
+				return fmt.Errorf("%w: a type set names %s, which the key has no version of", ErrBadMessage, typeURL)
+			}
+			sets[i][j] = ledger.EnvoyType{Type: typeURL, Sent: root, Acked: root}
+		}
+	}
+	data := pk.GetBriefEnvoys()
+	str := string(data)
+	d := decoder{b: data}
+	for j := range out {
+		e := &out[j]
+		l := d.uvarint()
+		if d.err == nil && l > uint64(len(d.b)) {
+			d.fail("a node name")
+		}
+		if d.err != nil {
+			return d.err
+		}
+		start := len(data) - len(d.b)
+		e.Node = str[start : start+int(l)]
+		d.b = d.b[l:]
+		e.ConnectedAt = fromNanos(int64(d.uvarint()))
+		if i := d.uvarint(); d.err == nil {
+			if i >= uint64(len(sets)) {
+				d.fail("type set index")
+			} else {
+				e.Types = sets[i]
+			}
+		}
+		if d.err != nil {
+			return d.err
+		}
+	}
+	if len(d.b) != 0 {
+		return fmt.Errorf("%w: %d bytes after the last Envoy in brief", ErrBadMessage, len(d.b))
+	}
+	return nil
 }
 
 // decoder reads a packed record; the first error sticks.

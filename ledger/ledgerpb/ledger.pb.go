@@ -80,8 +80,11 @@ func (x *Scope) GetKeyPrefix() string {
 }
 
 type SummaryRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Scope         *Scope                 `protobuf:"bytes,1,opt,name=scope,proto3" json:"scope,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Scope *Scope                 `protobuf:"bytes,1,opt,name=scope,proto3" json:"scope,omitempty"`
+	// Answer in brief (ledger.Brief): enough for convergence, stragglers and
+	// delivery. A relay that does not know the field answers in full.
+	Brief         bool `protobuf:"varint,2,opt,name=brief,proto3" json:"brief,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -121,6 +124,13 @@ func (x *SummaryRequest) GetScope() *Scope {
 		return x.Scope
 	}
 	return nil
+}
+
+func (x *SummaryRequest) GetBrief() bool {
+	if x != nil {
+		return x.Brief
+	}
+	return false
 }
 
 type Summary struct {
@@ -205,7 +215,16 @@ type KeySummary struct {
 	// root index, uvarint sent_at, uvarint acked root index, uvarint
 	// acked_at, and with a NACK, uvarint NACK index. Times are Unix
 	// nanoseconds (0: none).
-	Envoys        []byte `protobuf:"bytes,9,opt,name=envoys,proto3" json:"envoys,omitempty"`
+	Envoys []byte `protobuf:"bytes,9,opt,name=envoys,proto3" json:"envoys,omitempty"`
+	// The Envoys given in brief (ledger.Brief: on the key's current version
+	// of each type they hold, nothing pending, no NACK), packed: uvarint
+	// len(node), node, uvarint connected_at, uvarint type set index. Each
+	// type of the set was sent and ACKed at the key's current root of the
+	// type (types), at no time given. A relay that does not know these
+	// fields leaves those Envoys out: it undercounts, never misreads.
+	TypeSets      []*TypeSet `protobuf:"bytes,10,rep,name=type_sets,json=typeSets,proto3" json:"type_sets,omitempty"`
+	BriefCount    uint32     `protobuf:"varint,11,opt,name=brief_count,json=briefCount,proto3" json:"brief_count,omitempty"`
+	BriefEnvoys   []byte     `protobuf:"bytes,12,opt,name=brief_envoys,json=briefEnvoys,proto3" json:"brief_envoys,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -303,6 +322,73 @@ func (x *KeySummary) GetEnvoys() []byte {
 	return nil
 }
 
+func (x *KeySummary) GetTypeSets() []*TypeSet {
+	if x != nil {
+		return x.TypeSets
+	}
+	return nil
+}
+
+func (x *KeySummary) GetBriefCount() uint32 {
+	if x != nil {
+		return x.BriefCount
+	}
+	return 0
+}
+
+func (x *KeySummary) GetBriefEnvoys() []byte {
+	if x != nil {
+		return x.BriefEnvoys
+	}
+	return nil
+}
+
+// TypeSet is the types an Envoy holds, in push order: indexes of
+// type_urls.
+type TypeSet struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Types         []uint32               `protobuf:"varint,1,rep,packed,name=types,proto3" json:"types,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TypeSet) Reset() {
+	*x = TypeSet{}
+	mi := &file_ledger_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TypeSet) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TypeSet) ProtoMessage() {}
+
+func (x *TypeSet) ProtoReflect() protoreflect.Message {
+	mi := &file_ledger_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TypeSet.ProtoReflect.Descriptor instead.
+func (*TypeSet) Descriptor() ([]byte, []int) {
+	return file_ledger_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *TypeSet) GetTypes() []uint32 {
+	if x != nil {
+		return x.Types
+	}
+	return nil
+}
+
 type Version struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Seq           uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
@@ -315,7 +401,7 @@ type Version struct {
 
 func (x *Version) Reset() {
 	*x = Version{}
-	mi := &file_ledger_proto_msgTypes[4]
+	mi := &file_ledger_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -327,7 +413,7 @@ func (x *Version) String() string {
 func (*Version) ProtoMessage() {}
 
 func (x *Version) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[4]
+	mi := &file_ledger_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -340,7 +426,7 @@ func (x *Version) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Version.ProtoReflect.Descriptor instead.
 func (*Version) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{4}
+	return file_ledger_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Version) GetSeq() uint64 {
@@ -381,7 +467,7 @@ type TypeVersion struct {
 
 func (x *TypeVersion) Reset() {
 	*x = TypeVersion{}
-	mi := &file_ledger_proto_msgTypes[5]
+	mi := &file_ledger_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -393,7 +479,7 @@ func (x *TypeVersion) String() string {
 func (*TypeVersion) ProtoMessage() {}
 
 func (x *TypeVersion) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[5]
+	mi := &file_ledger_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -406,7 +492,7 @@ func (x *TypeVersion) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TypeVersion.ProtoReflect.Descriptor instead.
 func (*TypeVersion) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{5}
+	return file_ledger_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *TypeVersion) GetType() string {
@@ -435,7 +521,7 @@ type NACK struct {
 
 func (x *NACK) Reset() {
 	*x = NACK{}
-	mi := &file_ledger_proto_msgTypes[6]
+	mi := &file_ledger_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -447,7 +533,7 @@ func (x *NACK) String() string {
 func (*NACK) ProtoMessage() {}
 
 func (x *NACK) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[6]
+	mi := &file_ledger_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -460,7 +546,7 @@ func (x *NACK) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NACK.ProtoReflect.Descriptor instead.
 func (*NACK) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{6}
+	return file_ledger_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *NACK) GetFingerprint() string {
@@ -503,7 +589,7 @@ type DeliveryRequest struct {
 
 func (x *DeliveryRequest) Reset() {
 	*x = DeliveryRequest{}
-	mi := &file_ledger_proto_msgTypes[7]
+	mi := &file_ledger_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -515,7 +601,7 @@ func (x *DeliveryRequest) String() string {
 func (*DeliveryRequest) ProtoMessage() {}
 
 func (x *DeliveryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[7]
+	mi := &file_ledger_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -528,7 +614,7 @@ func (x *DeliveryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeliveryRequest.ProtoReflect.Descriptor instead.
 func (*DeliveryRequest) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{7}
+	return file_ledger_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *DeliveryRequest) GetScope() *Scope {
@@ -568,7 +654,7 @@ type DeliveryVerdicts struct {
 
 func (x *DeliveryVerdicts) Reset() {
 	*x = DeliveryVerdicts{}
-	mi := &file_ledger_proto_msgTypes[8]
+	mi := &file_ledger_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -580,7 +666,7 @@ func (x *DeliveryVerdicts) String() string {
 func (*DeliveryVerdicts) ProtoMessage() {}
 
 func (x *DeliveryVerdicts) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[8]
+	mi := &file_ledger_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -593,7 +679,7 @@ func (x *DeliveryVerdicts) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeliveryVerdicts.ProtoReflect.Descriptor instead.
 func (*DeliveryVerdicts) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{8}
+	return file_ledger_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *DeliveryVerdicts) GetKeys() []*KeyVerdicts {
@@ -617,7 +703,7 @@ type KeyVerdicts struct {
 
 func (x *KeyVerdicts) Reset() {
 	*x = KeyVerdicts{}
-	mi := &file_ledger_proto_msgTypes[9]
+	mi := &file_ledger_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -629,7 +715,7 @@ func (x *KeyVerdicts) String() string {
 func (*KeyVerdicts) ProtoMessage() {}
 
 func (x *KeyVerdicts) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[9]
+	mi := &file_ledger_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -642,7 +728,7 @@ func (x *KeyVerdicts) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyVerdicts.ProtoReflect.Descriptor instead.
 func (*KeyVerdicts) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{9}
+	return file_ledger_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *KeyVerdicts) GetKey() string {
@@ -688,13 +774,14 @@ const file_ledger_proto_rawDesc = "" +
 	"\x05Scope\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x1d\n" +
 	"\n" +
-	"key_prefix\x18\x02 \x01(\tR\tkeyPrefix\"B\n" +
+	"key_prefix\x18\x02 \x01(\tR\tkeyPrefix\"X\n" +
 	"\x0eSummaryRequest\x120\n" +
-	"\x05scope\x18\x01 \x01(\v2\x1a.meshrelay.ledger.v1.ScopeR\x05scope\"d\n" +
+	"\x05scope\x18\x01 \x01(\v2\x1a.meshrelay.ledger.v1.ScopeR\x05scope\x12\x14\n" +
+	"\x05brief\x18\x02 \x01(\bR\x05brief\"d\n" +
 	"\aSummary\x12\x14\n" +
 	"\x05relay\x18\x01 \x01(\tR\x05relay\x12\x0e\n" +
 	"\x02at\x18\x02 \x01(\x03R\x02at\x123\n" +
-	"\x04keys\x18\x03 \x03(\v2\x1f.meshrelay.ledger.v1.KeySummaryR\x04keys\"\xa1\x02\n" +
+	"\x04keys\x18\x03 \x03(\v2\x1f.meshrelay.ledger.v1.KeySummaryR\x04keys\"\xa0\x03\n" +
 	"\n" +
 	"KeySummary\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x16\n" +
@@ -706,7 +793,14 @@ const file_ledger_proto_rawDesc = "" +
 	"\x05nacks\x18\a \x03(\v2\x19.meshrelay.ledger.v1.NACKR\x05nacks\x12\x1f\n" +
 	"\venvoy_count\x18\b \x01(\rR\n" +
 	"envoyCount\x12\x16\n" +
-	"\x06envoys\x18\t \x01(\fR\x06envoys\"]\n" +
+	"\x06envoys\x18\t \x01(\fR\x06envoys\x129\n" +
+	"\ttype_sets\x18\n" +
+	" \x03(\v2\x1c.meshrelay.ledger.v1.TypeSetR\btypeSets\x12\x1f\n" +
+	"\vbrief_count\x18\v \x01(\rR\n" +
+	"briefCount\x12!\n" +
+	"\fbrief_envoys\x18\f \x01(\fR\vbriefEnvoys\"\x1f\n" +
+	"\aTypeSet\x12\x14\n" +
+	"\x05types\x18\x01 \x03(\rR\x05types\"]\n" +
 	"\aVersion\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x12\n" +
 	"\x04root\x18\x02 \x01(\fR\x04root\x12\x1a\n" +
@@ -752,36 +846,38 @@ func file_ledger_proto_rawDescGZIP() []byte {
 	return file_ledger_proto_rawDescData
 }
 
-var file_ledger_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
+var file_ledger_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
 var file_ledger_proto_goTypes = []any{
 	(*Scope)(nil),            // 0: meshrelay.ledger.v1.Scope
 	(*SummaryRequest)(nil),   // 1: meshrelay.ledger.v1.SummaryRequest
 	(*Summary)(nil),          // 2: meshrelay.ledger.v1.Summary
 	(*KeySummary)(nil),       // 3: meshrelay.ledger.v1.KeySummary
-	(*Version)(nil),          // 4: meshrelay.ledger.v1.Version
-	(*TypeVersion)(nil),      // 5: meshrelay.ledger.v1.TypeVersion
-	(*NACK)(nil),             // 6: meshrelay.ledger.v1.NACK
-	(*DeliveryRequest)(nil),  // 7: meshrelay.ledger.v1.DeliveryRequest
-	(*DeliveryVerdicts)(nil), // 8: meshrelay.ledger.v1.DeliveryVerdicts
-	(*KeyVerdicts)(nil),      // 9: meshrelay.ledger.v1.KeyVerdicts
+	(*TypeSet)(nil),          // 4: meshrelay.ledger.v1.TypeSet
+	(*Version)(nil),          // 5: meshrelay.ledger.v1.Version
+	(*TypeVersion)(nil),      // 6: meshrelay.ledger.v1.TypeVersion
+	(*NACK)(nil),             // 7: meshrelay.ledger.v1.NACK
+	(*DeliveryRequest)(nil),  // 8: meshrelay.ledger.v1.DeliveryRequest
+	(*DeliveryVerdicts)(nil), // 9: meshrelay.ledger.v1.DeliveryVerdicts
+	(*KeyVerdicts)(nil),      // 10: meshrelay.ledger.v1.KeyVerdicts
 }
 var file_ledger_proto_depIdxs = []int32{
-	0, // 0: meshrelay.ledger.v1.SummaryRequest.scope:type_name -> meshrelay.ledger.v1.Scope
-	3, // 1: meshrelay.ledger.v1.Summary.keys:type_name -> meshrelay.ledger.v1.KeySummary
-	5, // 2: meshrelay.ledger.v1.KeySummary.types:type_name -> meshrelay.ledger.v1.TypeVersion
-	6, // 3: meshrelay.ledger.v1.KeySummary.nacks:type_name -> meshrelay.ledger.v1.NACK
-	4, // 4: meshrelay.ledger.v1.TypeVersion.version:type_name -> meshrelay.ledger.v1.Version
-	0, // 5: meshrelay.ledger.v1.DeliveryRequest.scope:type_name -> meshrelay.ledger.v1.Scope
-	9, // 6: meshrelay.ledger.v1.DeliveryVerdicts.keys:type_name -> meshrelay.ledger.v1.KeyVerdicts
-	1, // 7: meshrelay.ledger.v1.Ledger.GetSummary:input_type -> meshrelay.ledger.v1.SummaryRequest
-	7, // 8: meshrelay.ledger.v1.Ledger.CheckDelivery:input_type -> meshrelay.ledger.v1.DeliveryRequest
-	2, // 9: meshrelay.ledger.v1.Ledger.GetSummary:output_type -> meshrelay.ledger.v1.Summary
-	8, // 10: meshrelay.ledger.v1.Ledger.CheckDelivery:output_type -> meshrelay.ledger.v1.DeliveryVerdicts
-	9, // [9:11] is the sub-list for method output_type
-	7, // [7:9] is the sub-list for method input_type
-	7, // [7:7] is the sub-list for extension type_name
-	7, // [7:7] is the sub-list for extension extendee
-	0, // [0:7] is the sub-list for field type_name
+	0,  // 0: meshrelay.ledger.v1.SummaryRequest.scope:type_name -> meshrelay.ledger.v1.Scope
+	3,  // 1: meshrelay.ledger.v1.Summary.keys:type_name -> meshrelay.ledger.v1.KeySummary
+	6,  // 2: meshrelay.ledger.v1.KeySummary.types:type_name -> meshrelay.ledger.v1.TypeVersion
+	7,  // 3: meshrelay.ledger.v1.KeySummary.nacks:type_name -> meshrelay.ledger.v1.NACK
+	4,  // 4: meshrelay.ledger.v1.KeySummary.type_sets:type_name -> meshrelay.ledger.v1.TypeSet
+	5,  // 5: meshrelay.ledger.v1.TypeVersion.version:type_name -> meshrelay.ledger.v1.Version
+	0,  // 6: meshrelay.ledger.v1.DeliveryRequest.scope:type_name -> meshrelay.ledger.v1.Scope
+	10, // 7: meshrelay.ledger.v1.DeliveryVerdicts.keys:type_name -> meshrelay.ledger.v1.KeyVerdicts
+	1,  // 8: meshrelay.ledger.v1.Ledger.GetSummary:input_type -> meshrelay.ledger.v1.SummaryRequest
+	8,  // 9: meshrelay.ledger.v1.Ledger.CheckDelivery:input_type -> meshrelay.ledger.v1.DeliveryRequest
+	2,  // 10: meshrelay.ledger.v1.Ledger.GetSummary:output_type -> meshrelay.ledger.v1.Summary
+	9,  // 11: meshrelay.ledger.v1.Ledger.CheckDelivery:output_type -> meshrelay.ledger.v1.DeliveryVerdicts
+	10, // [10:12] is the sub-list for method output_type
+	8,  // [8:10] is the sub-list for method input_type
+	8,  // [8:8] is the sub-list for extension type_name
+	8,  // [8:8] is the sub-list for extension extendee
+	0,  // [0:8] is the sub-list for field type_name
 }
 
 func init() { file_ledger_proto_init() }
@@ -795,7 +891,7 @@ func file_ledger_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ledger_proto_rawDesc), len(file_ledger_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   10,
+			NumMessages:   11,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
