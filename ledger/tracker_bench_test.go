@@ -82,14 +82,28 @@ func BenchmarkConvergence10k(b *testing.B) {
 }
 
 // BenchmarkSummary10k builds what a relay sends its peers for a tier-wide
-// query, and merges it.
+// query (in full and in brief), and merges it.
 func BenchmarkSummary10k(b *testing.B) {
 	tr, _, _ := benchTracker(b, 10_000, 100, 1000, 100)
 	now := time.Now()
-	for b.Loop() {
-		if c := tr.Summary(Scope{}, now, Full).Convergence(); c.Envoys != 10_000 {
-			b.Fatalf("Convergence = %+v", c)
-		}
+	for _, d := range []struct {
+		name   string
+		detail Detail
+	}{{"full", Full}, {"brief", Brief}} {
+		b.Run(d.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				tr.Summary(Scope{}, now, d.detail)
+			}
+		})
+		b.Run(d.name+"/merged", func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if c := tr.Summary(Scope{}, now, d.detail).Convergence(); c.Envoys != 10_000 {
+					b.Fatalf("Convergence = %+v", c)
+				}
+			}
+		})
 	}
 }
 

@@ -112,15 +112,34 @@ func fromKey(k *ledger.KeySummary) *KeySummary {
 		sets = append(sets, types)
 		return uint64(len(sets) - 1)
 	}
-	b := make([]byte, 0, len(k.Envoys)*(64+len(k.Types)*16))
-	var brief []byte
+	// Which Envoys go in brief, and the room each form needs. A Brief
+	// summary's settled Envoys of a type set share their Types: one with
+	// the last one's needs no check.
+	inBriefs := make([]bool, len(k.Envoys))
+	briefSize, fullSize := 0, 0
+	var lastTypes *ledger.EnvoyType
 	for j := range k.Envoys {
 		e := &k.Envoys[j]
-		if inBrief(k, e) {
+		if len(e.Types) > 0 && e.Connected() && (&e.Types[0] == lastTypes || inBrief(k, e)) {
+			inBriefs[j], lastTypes = true, &e.Types[0]
+			briefSize += len(e.Node) + 3 + binary.MaxVarintLen64
+		} else {
+			fullSize += len(e.Node) + 4 + 2*binary.MaxVarintLen64 + len(e.Types)*(4+4*binary.MaxVarintLen64)
+		}
+	}
+	brief, b := make([]byte, 0, briefSize), make([]byte, 0, fullSize)
+	lastTypes = nil
+	var lastSet uint64
+	for j := range k.Envoys {
+		e := &k.Envoys[j]
+		if inBriefs[j] {
+			if &e.Types[0] != lastTypes {
+				lastTypes, lastSet = &e.Types[0], set(e.Types)
+			}
 			brief = binary.AppendUvarint(brief, uint64(len(e.Node)))
 			brief = append(brief, e.Node...)
 			brief = binary.AppendUvarint(brief, uint64(nanos(e.ConnectedAt)))
-			brief = binary.AppendUvarint(brief, set(e.Types))
+			brief = binary.AppendUvarint(brief, lastSet)
 			pk.BriefCount++
 			continue
 		}

@@ -165,3 +165,58 @@ func describe(e ledger.EnvoyState) string {
 	}
 	return out
 }
+
+// BenchmarkWire is a relay's summary of 10,000 Envoys over 100 keys (two
+// types each, 1% not settled) on the wire: encoded and marshalled by the
+// relay asked, unmarshalled and decoded by the relay asking.
+func BenchmarkWire(b *testing.B) {
+	for _, d := range []struct {
+		name   string
+		detail ledger.Detail
+	}{{"full", ledger.Full}, {"brief", ledger.Brief}} {
+		s := benchSummary(10_000, 100, d.detail)
+		b.Run(d.name, func(b *testing.B) {
+			b.ReportAllocs()
+			var size int
+			for b.Loop() {
+				m, err := proto.Marshal(FromSummary(s))
+				if err != nil {
+					b.Fatal(err)
+				}
+				size = len(m)
+				var p Summary
+				if err := proto.Unmarshal(m, &p); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := ToSummary(&p); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(size), "bytes/summary")
+		})
+	}
+}
+
+// benchSummary is a summary as a Tracker gives it in detail d.
+func benchSummary(envoys, keys int, d ledger.Detail) *ledger.Summary {
+	at := time.Unix(1_700_000_000, 0)
+	cds, eds := "type.googleapis.com/envoy.config.cluster.v3.Cluster", "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+	s := &ledger.Summary{Relay: "relay-0", At: at}
+	for k := range keys {
+		rc, re := ledger.HashBytes(fmt.Appendf(nil, "c%d", k)), ledger.HashBytes(fmt.Appendf(nil, "e%d", k))
+		ks := ledger.KeySummary{Key: fmt.Sprint("key-", k), Relay: "relay-0", Source: ledger.SourceUpstream,
+			Types: []ledger.TypeVersion{{Type: cds, Version: ledger.Version{Seq: 1, Root: rc, Received: at}}, {Type: eds, Version: ledger.Version{Seq: 9, Root: re, Received: at}}}}
+		settled := []ledger.EnvoyType{{Type: cds, Sent: rc, Acked: rc}, {Type: eds, Sent: re, Acked: re}}
+		for i := k; i < envoys; i += keys {
+			e := ledger.EnvoyState{Node: fmt.Sprintf("sidecar~10.0.%d.%d~app-%d.ns-%d~ns-%d.svc.cluster.local", i/256, i%256, i, k, k), ConnectedAt: at}
+			if d == ledger.Brief && i%100 != 0 {
+				e.Types = settled
+			} else {
+				e.Types = []ledger.EnvoyType{{Type: cds, Sent: rc, SentAt: at, Acked: rc, AckedAt: at}, {Type: eds, Sent: re, SentAt: at, Acked: re, AckedAt: at}}
+			}
+			ks.Envoys = append(ks.Envoys, e)
+		}
+		s.Keys = append(s.Keys, ks)
+	}
+	return s
+}
