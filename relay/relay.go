@@ -297,6 +297,9 @@ func (r *Relay) Start(ctx context.Context) error {
 	}
 	r.state = lifeRunning
 	attrs := []any{"upstream", r.cfg.Upstream, "upstream_protocol", r.cfg.UpstreamProtocol, "key_profile", r.cfg.KeyProfile.Name()}
+	if rules, ok := r.cfg.KeyProfile.(fmt.Stringer); ok {
+		attrs = append(attrs, "key_rules", rules.String())
+	}
 	if tlsLis != nil {
 		attrs = append(attrs, "xds_tls", tlsLis.Addr().String(), "xds_auth", r.authMode())
 	}

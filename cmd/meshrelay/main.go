@@ -74,8 +74,10 @@ func serve(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.Upstream, "upstream", "", "gRPC target of the upstream control plane (istiod), e.g. istiod.istio-system.svc:15010 (required)")
 	upProto := fs.String("upstream-protocol", string(cfg.UpstreamProtocol), "ADS variant spoken to the upstream: sotw or delta")
 	fs.IntVar(&cfg.UpstreamSyncs, "upstream-syncs", cfg.UpstreamSyncs, "keys whose stream to istiod (or to the key's owner) may be waiting for its first full answer at once; others wait their turn, so a cold start does not hold every key's whole config at once. 0: no bound")
-	profile := fs.String("key-profile", aggkey.ProfileIstio, "aggregation key profile: istio or per-node")
+	profile := fs.String("key-profile", aggkey.ProfileIstio, "aggregation key profile: istio, fields (with --key-fields or --key-config) or per-node; every relay of a tier must use the same")
 	keyMeta := fs.String("key-metadata", "", "comma-separated extra node metadata fields for the istio key profile")
+	keyFields := fs.String("key-fields", "", "for --key-profile fields: the node fields every key is made of, comma-separated: id, id~REGEX, cluster, user_agent_name, user_agent_version, locality[.region|.zone|.sub_zone], namespace, metadata.PATH (e.g. cluster,metadata.LABELS.app)")
+	keyConfig := fs.String("key-config", "", "for --key-profile fields: a YAML file of rules, matched in order by node fields, each naming the fields of its keys (see the README)")
 	fs.StringVar(&cfg.AdminListen, "admin-listen", ":15014", "address of the admin server: HTTP (/healthz, /readyz, /metrics, /debug/pprof) and gRPC (health, reflection) on one port; empty: none")
 	fs.StringVar(&cfg.ID, "id", cfg.ID, "relay name, sent as control_plane.identifier")
 	fs.IntVar(&cfg.MaxMsgSize, "max-msg-size", cfg.MaxMsgSize, "largest gRPC message sent or received, in bytes")
@@ -118,7 +120,7 @@ func serve(ctx context.Context, args []string) error {
 	if *keyMeta != "" {
 		extra = strings.Split(*keyMeta, ",")
 	}
-	if cfg.KeyProfile, err = aggkey.ParseProfile(*profile, extra); err != nil {
+	if cfg.KeyProfile, err = keyProfile(*profile, extra, *keyFields, *keyConfig); err != nil {
 		return err
 	}
 	if err := admin.apply(&cfg); err != nil {
@@ -328,4 +330,29 @@ func flagSet(fs *flag.FlagSet, name string) bool {
 	set := false
 	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
 	return set
+}
+
+// keyProfile returns the aggregation key profile the key flags name.
+func keyProfile(name string, extraMeta []string, fields, configFile string) (aggkey.Profile, error) {
+	switch {
+	case fields != "" && configFile != "":
+		return nil, errors.New("--key-fields and --key-config: give one")
+	case (fields != "" || configFile != "") && name != aggkey.ProfileFields:
+		return nil, fmt.Errorf("--key-fields and --key-config are for --key-profile %s, not %q", aggkey.ProfileFields, name)
+	case name == aggkey.ProfileFields && len(extraMeta) > 0:
+		return nil, errors.New("--key-metadata is for the istio profile: with fields, list them in --key-fields or --key-config")
+	case fields != "":
+		return aggkey.ParseKeyFields(fields)
+	case configFile != "":
+		b, err := os.ReadFile(configFile)
+		if err != nil {
+			return nil, fmt.Errorf("--key-config: %w", err)
+		}
+		p, err := aggkey.ParseKeyConfig(b)
+		if err != nil {
+			return nil, fmt.Errorf("--key-config %s: %w", configFile, err)
+		}
+		return p, nil
+	}
+	return aggkey.ParseProfile(name, extraMeta)
 }

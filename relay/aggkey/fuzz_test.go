@@ -33,13 +33,28 @@ func FuzzKeyProfile(f *testing.F) {
 		"concurrency": structpb.NewNumberValue(2), "tracing": structpb.NewNullValue()}})
 	add(v6)
 	add(&core.Node{Id: "envoy-1", Cluster: "front"})
+	add(&core.Node{Id: "sidecar-7.bench", Cluster: "bench", UserAgentName: "envoy"})
 	add(&core.Node{Id: "sidecar~10.0.0.1~pod~"})
 	add(&core.Node{})
 
+	byFields, err := ParseKeyFields("cluster,id~^(.*)-[0-9]+$,metadata.LABELS[app.kubernetes.io/name],metadata.PROXY_CONFIG,namespace,locality")
+	if err != nil {
+		f.Fatal(err)
+	}
+	byRules, err := ParseKeyConfig([]byte(`rules:
+- {name: gateways, match: {id: "router~.*", metadata.LABELS.istio: ".+"}, key: [namespace, metadata.LABELS.app, locality.zone]}
+- {name: bench, match: {cluster: bench}, key: ["id~^(.*)-[0-9]+\\.bench$"]}
+- {name: rest, key: [user_agent_name, user_agent_version, id]}
+`))
+	if err != nil {
+		f.Fatal(err)
+	}
 	profiles := []Profile{
 		Istio{},
 		Istio{ExtraMetadata: []string{"PROXY_CONFIG", "DNS_CAPTURE"}},
 		PerNode{},
+		byFields,
+		byRules,
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		n := new(core.Node)

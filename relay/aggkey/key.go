@@ -1,8 +1,9 @@
 // Package aggkey derives aggregation keys: the class of proxies a node
 // belongs to, which receive identical configuration from the upstream, so
 // that one upstream stream serves them all. A Profile maps a node to its
-// Key (Istio reads the node fields that change istiod's output; PerNode
-// never aggregates); WithIdentity mixes a stream's proven identity into
+// Key (Istio reads the node fields that change istiod's output; Fields
+// reads the fields an operator's rules name; PerNode never aggregates);
+// WithIdentity mixes a stream's proven identity into
 // it; Namespace reads back the namespace a key's Envoys are of, which
 // scopes what an admin caller of that namespace is shown.
 package aggkey
@@ -58,8 +59,10 @@ func ParseProfile(name string, extraMeta []string) (Profile, error) {
 			return nil, errors.New("relay: extra key metadata needs the istio profile")
 		}
 		return PerNode{}, nil
+	case ProfileFields:
+		return nil, errors.New("relay: the fields profile keys by the fields a rule lists: give them with --key-fields or --key-config")
 	}
-	return nil, fmt.Errorf("relay: unknown key profile %q (want %s or %s)", name, ProfileIstio, ProfilePerNode)
+	return nil, fmt.Errorf("relay: unknown key profile %q (want %s, %s or %s)", name, ProfileIstio, ProfileFields, ProfilePerNode)
 }
 
 // PerNode keys every node by its id: no aggregation, always correct.
