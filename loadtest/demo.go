@@ -570,6 +570,7 @@ func demoLedgerWait(out io.Writer, tier *Tier) {
 	if err == nil {
 		fmt.Fprintf(out, "ledger (asked of %s): %d of %d Envoys ACKed their key's current version, tier-wide, %s after the churn stopped\n",
 			r.ID, c.Current, c.Envoys, time.Since(start).Round(time.Millisecond))
+		fmt.Fprintf(out, "aggregation: %s\n", aggregationOf(tl.Report))
 		return
 	}
 	fmt.Fprintf(out, "ledger (asked of %s): %d of %d Envoys on their key's current version after 10 s (%v); stragglers:\n", r.ID, c.Current, c.Envoys, err)
@@ -578,4 +579,21 @@ func demoLedgerWait(out io.Writer, tier *Tier) {
 			fmt.Fprintf(out, "  %s on %s: %s (%s)\n", s.Node, s.Relay, s.Reason, s.Type)
 		}
 	}
+}
+
+// aggregationOf says how a tier's keys aggregate its Envoys, as relayctl
+// shards does: Envoys per key, and the keys that serve one Envoy.
+func aggregationOf(rep *ledger.Report) string {
+	keys := rep.Keys()
+	if len(keys) == 0 {
+		return "no keys"
+	}
+	envoys, lone := 0, 0
+	for _, k := range keys {
+		envoys += k.Convergence.Envoys
+		if k.Convergence.Envoys == 1 {
+			lone++
+		}
+	}
+	return fmt.Sprintf("%d keys, %d Envoys: %.1f Envoys a key; %d keys serve one Envoy", len(keys), envoys, float64(envoys)/float64(len(keys)), lone)
 }

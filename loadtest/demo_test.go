@@ -49,6 +49,7 @@ func TestDemo(t *testing.T) {
 		"schedule: kill relay-1", "schedule: start relay-1",
 		"command: add a relay", "command: stop relay-7: no relay-7", `command "fly away"`,
 		"changes reached all their Envoys", "upstream streams at the end: 8 for 8 keys",
+		"aggregation: 8 keys, 40 Envoys: 5.0 Envoys a key; 0 keys serve one Envoy",
 	} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("demo output lacks %q", want)

@@ -207,6 +207,13 @@ type Config struct {
 	LedgerGatherTimeout time.Duration
 	// LedgerPollInterval is how often TierWait gathers. Default 100 ms.
 	LedgerPollInterval time.Duration
+	// AggregationWarnInterval is how often the relay checks whether most
+	// of its keys serve one Envoy each (at least MinLoneKeysToWarn of
+	// them), and warns if so: the key profile does not group this fleet's
+	// nodes, and every Envoy costs a source of its own. The first check is
+	// a minute after start, or sooner if the interval is shorter. Default
+	// 5 min; zero: never.
+	AggregationWarnInterval time.Duration
 	// Tier, if set, balances Envoy streams across the tier: above its fair
 	// share, the relay moves streams away (see BalanceInterval). Default
 	// nil: no balancing.
@@ -317,32 +324,33 @@ func DefaultConfig() Config {
 		host = "local"
 	}
 	return Config{
-		ID:                  "meshrelay-" + host,
-		History:             ledger.DefaultHistoryConfig(),
-		ForgetEnvoysAfter:   ledger.DefaultTrackerConfig().ForgetAfter,
-		LedgerGatherTimeout: time.Second,
-		LedgerPollInterval:  100 * time.Millisecond,
-		XDSListen:           ":15010",
-		XDSTLSListen:        ":15012",
-		HandshakeTimeout:    10 * time.Second,
-		TokenRefreshBefore:  5 * time.Minute,
-		UpstreamProtocol:    ProtocolDelta,
-		UpstreamSyncs:       4,
-		KeyProfile:          aggkey.Istio{},
-		Authorizer:          AllowAll{},
-		MaxMsgSize:          256 << 20,
-		MaxSubscribedNames:  1_000_000,
-		ResourceWaitTimeout: 15 * time.Second,
-		KeyIdleTimeout:      2 * time.Minute,
-		KeepDroppedBytes:    32 << 20,
-		BackoffInitial:      250 * time.Millisecond,
-		BackoffMax:          30 * time.Second,
-		AdmitRate:           100,
-		AdmitBurst:          200,
-		WarmWait:            2 * time.Second,
-		BalanceInterval:     5 * time.Second,
-		ShedRate:            20,
-		Logger:              slog.New(slog.NewTextHandler(io.Discard, nil)),
+		ID:                      "meshrelay-" + host,
+		History:                 ledger.DefaultHistoryConfig(),
+		ForgetEnvoysAfter:       ledger.DefaultTrackerConfig().ForgetAfter,
+		LedgerGatherTimeout:     time.Second,
+		LedgerPollInterval:      100 * time.Millisecond,
+		AggregationWarnInterval: 5 * time.Minute,
+		XDSListen:               ":15010",
+		XDSTLSListen:            ":15012",
+		HandshakeTimeout:        10 * time.Second,
+		TokenRefreshBefore:      5 * time.Minute,
+		UpstreamProtocol:        ProtocolDelta,
+		UpstreamSyncs:           4,
+		KeyProfile:              aggkey.Istio{},
+		Authorizer:              AllowAll{},
+		MaxMsgSize:              256 << 20,
+		MaxSubscribedNames:      1_000_000,
+		ResourceWaitTimeout:     15 * time.Second,
+		KeyIdleTimeout:          2 * time.Minute,
+		KeepDroppedBytes:        32 << 20,
+		BackoffInitial:          250 * time.Millisecond,
+		BackoffMax:              30 * time.Second,
+		AdmitRate:               100,
+		AdmitBurst:              200,
+		WarmWait:                2 * time.Second,
+		BalanceInterval:         5 * time.Second,
+		ShedRate:                20,
+		Logger:                  slog.New(slog.NewTextHandler(io.Discard, nil)),
 	}
 }
 
@@ -404,6 +412,9 @@ func (cfg *Config) validate() error {
 		if d <= 0 {
 			bad(name, "must be positive")
 		}
+	}
+	if cfg.AggregationWarnInterval < 0 {
+		bad("AggregationWarnInterval", "must not be negative")
 	}
 	if cfg.AdmitRate < 0 || cfg.AdmitRate > 0 && cfg.AdmitBurst < 1 {
 		bad("AdmitRate", "must be 0 (no limit), or positive with AdmitBurst at least 1")

@@ -51,11 +51,25 @@ type keyState struct {
 	claimsMu sync.Mutex
 	claims   map[claimQuestion]*claimLookup
 
+	// joined and joinedPeers mirror len(members) and peers, for metrics
+	// and reports that take no key's lock.
+	joined, joinedPeers atomic.Int32
+
 	mu      sync.Mutex
 	members []member // in join order; the first one's node is presented upstream
 	peers   int      // members that are other relays subscribing to this key
 	want    map[string]*typeWant
 }
+
+// aggregated reports whether more than one stream (Envoys, and relays the
+// key is served to) is joined to the key here: its one source serves them
+// all. A key whose Envoys spread over relays is aggregated at its owner
+// (the relays are members there), and may not be at the others.
+func (k *keyState) aggregated() bool { return k.joined.Load() > 1 }
+
+// lone reports whether the key serves exactly one Envoy here and no other
+// relay: it costs a source (an upstream or peer stream) of its own.
+func (k *keyState) lone() bool { return k.joined.Load() == 1 && k.joinedPeers.Load() == 0 }
 
 // member is what a key knows of a stream joined to it (stream.go): what its
 // upstream stream presents when the member is the one presented, whether it
@@ -293,6 +307,8 @@ func (k *keyState) join(m member) {
 	if m.peerRelayID() != "" {
 		k.peers++
 	}
+	k.joined.Store(int32(len(k.members)))
+	k.joinedPeers.Store(int32(k.peers))
 	k.mu.Unlock()
 	wake(k.upWake)
 }
@@ -315,6 +331,8 @@ func (k *keyState) leave(m member, subs iter.Seq2[string, subscription]) {
 	if m.peerRelayID() != "" && len(k.members) < n {
 		k.peers--
 	}
+	k.joined.Store(int32(len(k.members)))
+	k.joinedPeers.Store(int32(k.peers))
 	for typeURL, sub := range subs {
 		k.changeLocked(typeURL, sub.wildcard, false, nil, sub.names)
 	}

@@ -125,7 +125,7 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 	}
 	keys := keyCollector{
 		r:        r,
-		keys:     prometheus.NewDesc("meshrelay_keys", "Aggregation keys held.", nil, nil),
+		keys:     prometheus.NewDesc("meshrelay_keys", "Aggregation keys held, by whether more than one stream (Envoys, and relays served the key) is joined to the key here (aggregated) or at most one.", []string{"aggregated"}, nil),
 		stale:    prometheus.NewDesc("meshrelay_stale_keys", "Keys served from a cache no live upstream stream has confirmed.", nil, nil),
 		bySource: prometheus.NewDesc("meshrelay_keys_by_source", "Keys by where their config comes from: upstream (owned), peer (the owner), fallback (the upstream, the owner being unreachable).", []string{"source"}, nil),
 	}
@@ -242,14 +242,18 @@ func (c keyCollector) Describe(ch chan<- *prometheus.Desc) {
 func (c keyCollector) Collect(ch chan<- prometheus.Metric) {
 	keys := c.r.heldKeys()
 	counts := map[sourceKind]int{}
-	stale := 0
+	stale, aggregated := 0, 0
 	for _, k := range keys {
 		counts[sourceKind(k.source.Load())]++
 		if k.views.Load().stale {
 			stale++
 		}
+		if k.aggregated() {
+			aggregated++
+		}
 	}
-	ch <- prometheus.MustNewConstMetric(c.keys, prometheus.GaugeValue, float64(len(keys)))
+	ch <- prometheus.MustNewConstMetric(c.keys, prometheus.GaugeValue, float64(aggregated), "true")
+	ch <- prometheus.MustNewConstMetric(c.keys, prometheus.GaugeValue, float64(len(keys)-aggregated), "false")
 	ch <- prometheus.MustNewConstMetric(c.stale, prometheus.GaugeValue, float64(stale))
 	for _, kind := range []sourceKind{sourceUpstream, sourcePeer, sourceFallback} {
 		ch <- prometheus.MustNewConstMetric(c.bySource, prometheus.GaugeValue, float64(counts[kind]), kind.String())

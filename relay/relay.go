@@ -262,6 +262,9 @@ func (r *Relay) Start(ctx context.Context) error {
 	if r.cfg.ForwardCredentials {
 		r.goRun(r.refreshCredentials)
 	}
+	if r.cfg.AggregationWarnInterval > 0 {
+		r.goRun(r.warnUnaggregated)
+	}
 	if lis != nil {
 		r.serveXDS(lis, portPlain)
 	}

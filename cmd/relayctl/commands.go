@@ -85,10 +85,29 @@ func shardsCmd(o *options) *cobra.Command {
 				for _, sh := range list.GetShards() {
 					row(w, sh.GetKey(), sh.GetOwner(), short(sh.GetLedgerVersion()), sh.GetEnvoys(), sh.GetCurrent(), holders(sh))
 				}
+				fmt.Fprintln(w, aggregation(list.GetShards()))
 			})
 		})
 	}
 	return cmd
+}
+
+// aggregation sums up how the shards aggregate the tier's Envoys: Envoys
+// per key, and the keys that serve one Envoy (each costs istiod a stream
+// of its own).
+func aggregation(shards []*adminpb.Shard) string {
+	var envoys int64
+	lone := 0
+	for _, sh := range shards {
+		envoys += sh.GetEnvoys()
+		if sh.GetEnvoys() == 1 {
+			lone++
+		}
+	}
+	if len(shards) == 0 {
+		return "no keys"
+	}
+	return fmt.Sprintf("%d keys, %d Envoys: %.1f Envoys a key; %d keys serve one Envoy", len(shards), envoys, float64(envoys)/float64(len(shards)), lone)
 }
 
 // holders lists the relays holding a shard as relay:source, stale marked.

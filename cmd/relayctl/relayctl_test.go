@@ -273,8 +273,11 @@ func TestRelayctl(t *testing.T) {
 			t.Fatalf("relayctl shards: exit %d, stderr %q", code, errOut)
 		}
 		lines := strings.Split(strings.TrimSpace(out), "\n")
-		if len(lines) != 4 || strings.Join(strings.Fields(lines[0]), " ") != "KEY OWNER VERSION ENVOYS CURRENT HOLDERS" {
-			t.Fatalf("relayctl shards =\n%s\nwant a header and 3 rows", out)
+		if len(lines) != 5 || strings.Join(strings.Fields(lines[0]), " ") != "KEY OWNER VERSION ENVOYS CURRENT HOLDERS" {
+			t.Fatalf("relayctl shards =\n%s\nwant a header, 3 rows and a sum", out)
+		}
+		if want := "3 keys, 6 Envoys: 2.0 Envoys a key; 0 keys serve one Envoy"; lines[4] != want {
+			t.Errorf("relayctl shards sums up %q, want %q", lines[4], want)
 		}
 		for i, sh := range shards.GetShards() {
 			want := []string{sh.GetKey(), sh.GetOwner(), sh.GetLedgerVersion()[:12], fmt.Sprint(sh.GetEnvoys()), fmt.Sprint(sh.GetCurrent()), holders(sh)}
