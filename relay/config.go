@@ -128,6 +128,14 @@ type Config struct {
 	// were 600 MB of a cold relay's heap). A stream holds its slot 30 s at
 	// most. Default 4; 0: no bound.
 	UpstreamSyncs int
+	// UpstreamStreamRate bounds the streams this relay opens to the
+	// upstream per second (a token bucket holding one second's worth, at
+	// least one), whatever their key: a cold relay of a thousand per-node
+	// keys, or every key after istiod restarts, reaches istiod at this
+	// pace rather than as the storm the tier exists to spare it. Streams to
+	// keys' owners (other relays) are not counted. Default 50; 0: no
+	// bound.
+	UpstreamStreamRate float64
 	// ForwardCredentials makes each key's upstream stream present, as
 	// "authorization: Bearer", the service-account token of the member
 	// whose node it presents (--upstream-auth forward): members of a key
@@ -336,6 +344,7 @@ func DefaultConfig() Config {
 		TokenRefreshBefore:      5 * time.Minute,
 		UpstreamProtocol:        ProtocolDelta,
 		UpstreamSyncs:           4,
+		UpstreamStreamRate:      50,
 		KeyProfile:              aggkey.Istio{},
 		Authorizer:              AllowAll{},
 		MaxMsgSize:              256 << 20,
@@ -418,6 +427,9 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.AdmitRate < 0 || cfg.AdmitRate > 0 && cfg.AdmitBurst < 1 {
 		bad("AdmitRate", "must be 0 (no limit), or positive with AdmitBurst at least 1")
+	}
+	if cfg.UpstreamStreamRate < 0 {
+		bad("UpstreamStreamRate", "must be 0 (no bound) or positive")
 	}
 	if cfg.UpstreamSyncs < 0 {
 		bad("UpstreamSyncs", "must be 0 (no bound) or positive")

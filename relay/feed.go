@@ -292,6 +292,18 @@ func (u *feed) sleep(ctx context.Context, d time.Duration) bool {
 func (u *feed) session(ctx context.Context, node *core.Node, presenter member, src source) (got bool, err error) {
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	// The upstream's pace of new streams (Config.UpstreamStreamRate): taken
+	// before a slot, so that no slot waits on it.
+	if src.kind != sourcePeer && u.r.upstreamRate != nil && !u.r.upstreamRate.Allow() {
+		u.r.metrics.upstreamWaiting.Inc()
+		u.r.metrics.waitingOpen.Add(1)
+		err := u.r.upstreamRate.Wait(ctx)
+		u.r.metrics.waitingOpen.Add(-1)
+		u.r.metrics.upstreamWaiting.Dec()
+		if err != nil {
+			return false, ctx.Err()
+		}
+	}
 	// A slot of the relay's first answers (Config.UpstreamSyncs), held
 	// until the stream answered every type or for syncSlotHold at most.
 	release, ok := u.r.syncs.acquire(ctx)

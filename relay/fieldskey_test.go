@@ -119,3 +119,32 @@ func metricsOf(t *testing.T, r *Relay) string {
 	}
 	return string(b)
 }
+
+// Streams to the upstream open at Config.UpstreamStreamRate: at one per
+// ten seconds (a bucket of one), the first of three per-node keys opens
+// its stream and is served; the other two wait their turn, while the
+// first key's further Envoys are served by its one stream.
+func TestUpstreamStreamRate(t *testing.T) {
+	up := newTestUpstream(t)
+	eds := seedN(up, "default", 1)
+	r := startRelay(t, up, func(c *Config) {
+		c.KeyProfile, c.UpstreamStreamRate = aggkey.PerNode{}, 0.1
+	})
+	conn := dial(t, r.Addr().String())
+	first := newRawClient(t, conn, true, &core.Node{Id: "sidecar-0.bench"})
+	first.subscribe(xds.TypeEndpoint, eds...)
+	first.recvDelta(xds.TypeEndpoint)
+	for i := range 2 {
+		c := newRawClient(t, conn, true, &core.Node{Id: fmt.Sprintf("sidecar-%d.bench", i+1)})
+		c.subscribe(xds.TypeEndpoint, eds...)
+	}
+	again := newRawClient(t, conn, true, &core.Node{Id: "sidecar-0.bench"})
+	again.subscribe(xds.TypeEndpoint, eds...)
+	again.recvDelta(xds.TypeEndpoint) // same key: no new stream needed
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	waitCtx(ctx, t, "two keys waiting their turn", func() bool { return r.Stats().UpstreamWaiting == 2 })
+	if open, opened := up.streams(); open != 1 || opened != 1 {
+		t.Fatalf("upstream streams open %d, opened %d; want 1: the other keys wait their turn", open, opened)
+	}
+}

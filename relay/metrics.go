@@ -22,6 +22,7 @@ type metrics struct {
 	nacks              *prometheus.CounterVec
 	streamErrors       *prometheus.CounterVec
 	upstreamStreams    prometheus.Gauge
+	upstreamWaiting    prometheus.Gauge
 	upstreamReconnects prometheus.Counter
 	restoredKeys       prometheus.Counter
 	upstreamNACKs      *prometheus.CounterVec
@@ -43,6 +44,7 @@ type metrics struct {
 	bytesCount   atomic.Uint64
 	upstreamOpen atomic.Int64
 	peerOpen     atomic.Int64
+	waitingOpen  atomic.Int64
 }
 
 // convergenceBuckets follow istiod's pilot_proxy_convergence_time, from 1 ms
@@ -82,6 +84,9 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 		}, []string{"code"}),
 		upstreamStreams: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "meshrelay_upstream_streams", Help: "Open aggregated ADS streams to the upstream (one per key).",
+		}),
+		upstreamWaiting: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "meshrelay_upstream_streams_waiting", Help: "Keys whose stream to the upstream waits its turn (--upstream-stream-rate).",
 		}),
 		upstreamReconnects: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "meshrelay_upstream_reconnects_total", Help: "Upstream streams that failed and were retried.",
@@ -131,7 +136,7 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 	}
 	cs := []prometheus.Collector{
 		m.envoys, m.pushes, m.pushBytes, m.pushResources, m.pushACK, m.converged, m.nacks, m.streamErrors,
-		m.upstreamStreams, m.upstreamReconnects, m.restoredKeys, m.upstreamNACKs, m.passthrough, m.passthroughStreams,
+		m.upstreamStreams, m.upstreamWaiting, m.upstreamReconnects, m.restoredKeys, m.upstreamNACKs, m.passthrough, m.passthroughStreams,
 		m.refused, m.shed, m.peerFallbacks, m.silentConfirms, m.claims, m.peerStreams, m.peerClients, m.authFailures, keys,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_cache_resources", Help: "Distinct resources held, shared by every key.",

@@ -112,6 +112,7 @@ type Relay struct {
 	versionTrees ledger.Interner[string] // the upstream's Delta versions, per key and type, shared by content
 	nameSets     xds.NameSets            // the streams' subscriptions, shared by content
 	syncs        syncSlots               // first answers of keys' sources in flight (Config.UpstreamSyncs)
+	upstreamRate *rate.Limiter           // streams opened to the upstream (Config.UpstreamStreamRate); nil: no bound
 	refIndex     xds.RefIndex
 	metrics      *metrics
 	pushACK      latency
@@ -192,6 +193,9 @@ func New(cfg Config) (*Relay, error) {
 	}
 	if cfg.AdmitRate > 0 {
 		r.admission = rate.NewLimiter(rate.Limit(cfg.AdmitRate), cfg.AdmitBurst)
+	}
+	if cfg.UpstreamStreamRate > 0 {
+		r.upstreamRate = rate.NewLimiter(rate.Limit(cfg.UpstreamStreamRate), max(1, int(cfg.UpstreamStreamRate)))
 	}
 	m, err := newMetrics(cfg.Registerer, r)
 	if err != nil {
@@ -600,6 +604,7 @@ type Stats struct {
 	RestoredKeys    int    // keys restored from snapshots at start (warm start)
 	UpstreamStreams int    // upstream streams held (owned keys and fallbacks)
 	PeerStreams     int    // streams held to other relays, owners of keys
+	UpstreamWaiting int    // keys whose upstream stream waits its turn (Config.UpstreamStreamRate)
 	Resources       int    // distinct resources in the cache
 	Pushes          uint64 // responses sent downstream
 	BytesSent       uint64
@@ -627,6 +632,7 @@ func (r *Relay) Stats() Stats {
 	st.PushACKP99, _ = r.pushACK.quantile(0.99)
 	st.UpstreamStreams = int(r.metrics.upstreamOpen.Load())
 	st.PeerStreams = int(r.metrics.peerOpen.Load())
+	st.UpstreamWaiting = int(r.metrics.waitingOpen.Load())
 	return st
 }
 
