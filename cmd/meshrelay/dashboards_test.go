@@ -62,14 +62,13 @@ func TestDashboardMetricsExist(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer up.Stop(context.Background())
-	xds, admin := freeAddr(t), freeAddr(t)
+	xds, admin, gossip := freeAddr(t), freeAddr(t), freeAddr(t)
+	args := []string{"--id", "dash", "--upstream", up.Addr(), "--xds-listen", xds, "--admin-listen", admin,
+		"--gossip-listen", gossip, "--drain-period", "10ms", "--log-level", "error",
+		"--etcd", "embedded", "--etcd-data-dir", filepath.Join(t.TempDir(), "etcd"), "--etcd-listen", "127.0.0.1:0"}
 	ctx, cancel := context.WithCancel(context.Background())
 	errs := make(chan error, 1)
-	go func() {
-		errs <- serve(ctx, []string{"--id", "dash", "--upstream", up.Addr(), "--xds-listen", xds, "--admin-listen", admin,
-			"--gossip-listen", freeAddr(t), "--drain-period", "10ms", "--log-level", "error",
-			"--etcd", "embedded", "--etcd-data-dir", filepath.Join(t.TempDir(), "etcd"), "--etcd-listen", "127.0.0.1:0"})
-	}()
+	go func() { errs <- serve(ctx, args) }()
 	defer func() {
 		cancel()
 		if err := <-errs; err != nil {
