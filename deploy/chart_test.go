@@ -599,3 +599,36 @@ const rulesHeader = generatedBy + `#
 # the chart's PrometheusRule; deploy/ISTIO.md, "What to alert on", explains
 # them.
 `
+
+// TestChartRefuses: values.schema.json and the templates' checks turn
+// away values that would install a tier that cannot work.
+func TestChartRefuses(t *testing.T) {
+	c := loadChart(t)
+	tests := []struct {
+		name    string
+		values  map[string]any
+		wantErr string
+	}{
+		{"misspelt value", map[string]any{"replicaCout": 3}, "replicaCout"},
+		{"unknown upstream mode", map[string]any{"upstream": map[string]any{"auth": "sudo"}}, "auth"},
+		{"revision not a DNS label", map[string]any{"revision": "Canary_1"}, "revision"},
+		{"forward without a TLS port", map[string]any{"xds": map[string]any{"tls": map[string]any{"enabled": false}, "plaintext": map[string]any{"enabled": true}}, "admin": map[string]any{"tls": false}}, "needs xds.tls.enabled"},
+		{"forward with mtls only", map[string]any{"xds": map[string]any{"tls": map[string]any{"auth": "mtls"}}}, "use relay-identity"},
+		{"admin TLS without a certificate", map[string]any{"upstream": map[string]any{"auth": "plaintext"}, "xds": map[string]any{"tls": map[string]any{"enabled": false}, "plaintext": map[string]any{"enabled": true}}}, "admin.tls"},
+		{"no xDS port", map[string]any{"upstream": map[string]any{"auth": "plaintext"}, "admin": map[string]any{"tls": false}, "xds": map[string]any{"tls": map[string]any{"enabled": false}}}, "no xDS port"},
+		{"etcd user without a password", map[string]any{"etcd": map[string]any{"endpoints": []any{"https://etcd:2379"}, "auth": map[string]any{"user": "meshrelay"}}}, "passwordSecret"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			caps := chartutil.DefaultCapabilities.Copy()
+			caps.KubeVersion = kubeVersion
+			rv, err := chartutil.ToRenderValues(c, tt.values, chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsInstall: true}, caps)
+			if err == nil {
+				_, err = engine.Render(c, rv)
+			}
+			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Errorf("rendering with %v: error %v, want one containing %q", tt.values, err, tt.wantErr)
+			}
+		})
+	}
+}
