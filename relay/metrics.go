@@ -7,6 +7,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -150,9 +151,24 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 			return nil, err
 		}
 	}
+	// Every label value known in advance has its series from the start,
+	// at 0: increase() and rate() then see the first event too, and a
+	// dashboard or alert querying the family finds it on a quiet relay.
+	for _, reason := range []string{"rate", "cold"} {
+		m.refused.WithLabelValues(reason)
+	}
+	for _, reason := range []string{"rebalance", "drain", "token_expiry"} {
+		m.shed.WithLabelValues(reason)
+	}
+	for _, reason := range []auth.Reason{auth.NoCredentials, auth.BadToken, auth.Expired, auth.NotYetValid, auth.WrongIssuer,
+		auth.WrongAudience, auth.UntrustedCert, auth.NoSPIFFEID, auth.WrongTrustDomain, auth.ReviewFailed, auth.ReviewDenied,
+		auth.IdentityMismatch, "throttled", "unproven_peer"} {
+		m.authFailures.WithLabelValues(string(reason))
+	}
 	m.byType = make(map[string]*typeMetrics, len(xds.PushOrder)+1)
 	for _, typeURL := range append([]string{""}, xds.PushOrder...) {
 		t := xds.ShortType(typeURL)
+		m.upstreamNACKs.WithLabelValues(t)
 		m.byType[typeURL] = &typeMetrics{
 			pushes:        m.pushes.WithLabelValues(t),
 			pushBytes:     m.pushBytes.WithLabelValues(t),

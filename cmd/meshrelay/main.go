@@ -19,6 +19,7 @@ import (
 
 	"github.com/KimMachineGun/automemlimit/memlimit"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
@@ -160,6 +161,11 @@ func serve(ctx context.Context, args []string) error {
 	}
 	if cfg.Registerer == nil {
 		reg := prometheus.NewRegistry()
+		// The process's CPU, memory and file descriptors and the Go
+		// runtime's heap, GC and GOMEMLIMIT, as istiod exports them: the
+		// dashboard's resource panels read them. Registered here, by the
+		// binary, so relays sharing a test process do not each report it.
+		reg.MustRegister(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), collectors.NewGoCollector())
 		cfg.Registerer, cfg.Gatherer = reg, reg
 	}
 	store, closeEtcd, err := etcd.open(ctx, cfg.ID, ring.Cluster, cfg.Logger, cfg.Registerer)

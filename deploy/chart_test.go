@@ -1,0 +1,634 @@
+package deploy
+
+// The Helm chart is checked here with Helm's own Go packages (pinned in
+// go.mod), so `go test ./...` lints and renders it with no helm binary:
+// helm lint and helm template for the default values and each ci/*.yaml,
+// every rendered object decoded strictly with the Kubernetes API's (and
+// the Prometheus Operator's) Go types, the default render against a
+// golden file, and the plain manifests generated from the chart.
+
+import (
+	"bytes"
+	"encoding/base64"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+
+	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
+	"helm.sh/helm/v3/pkg/chart"
+	"helm.sh/helm/v3/pkg/chart/loader"
+	"helm.sh/helm/v3/pkg/chartutil"
+	"helm.sh/helm/v3/pkg/engine"
+	"helm.sh/helm/v3/pkg/lint"
+	"helm.sh/helm/v3/pkg/lint/support"
+	"helm.sh/helm/v3/pkg/releaseutil"
+	appsv1 "k8s.io/api/apps/v1"
+	autoscalingv2 "k8s.io/api/autoscaling/v2"
+	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"sigs.k8s.io/yaml"
+)
+
+var update = flag.Bool("update", false, "rewrite the files generated from the chart (testdata/chart-default.yaml, kubernetes/*.yaml, prometheus/meshrelay.rules.yml)")
+
+const (
+	chartDir    = "helm/meshrelay"
+	releaseName = "meshrelay"
+	namespace   = "istio-system"
+	regenerate  = "go test ./deploy -run TestChart -update"
+)
+
+// kubeVersion is the cluster the chart is rendered for: the oldest it
+// supports (preStop's sleep action).
+var kubeVersion = chartutil.KubeVersion{Version: "v1.30.0", Major: "1", Minor: "30"}
+
+// kinds maps each kind the chart may render to its apiVersion and a new
+// object of its Go type.
+var kinds = map[string]struct {
+	apiVersion string
+	new        func() any
+}{
+	"Deployment":              {"apps/v1", func() any { return &appsv1.Deployment{} }},
+	"StatefulSet":             {"apps/v1", func() any { return &appsv1.StatefulSet{} }},
+	"Service":                 {"v1", func() any { return &corev1.Service{} }},
+	"ServiceAccount":          {"v1", func() any { return &corev1.ServiceAccount{} }},
+	"Secret":                  {"v1", func() any { return &corev1.Secret{} }},
+	"ClusterRoleBinding":      {"rbac.authorization.k8s.io/v1", func() any { return &rbacv1.ClusterRoleBinding{} }},
+	"PodDisruptionBudget":     {"policy/v1", func() any { return &policyv1.PodDisruptionBudget{} }},
+	"HorizontalPodAutoscaler": {"autoscaling/v2", func() any { return &autoscalingv2.HorizontalPodAutoscaler{} }},
+	"NetworkPolicy":           {"networking.k8s.io/v1", func() any { return &networkingv1.NetworkPolicy{} }},
+	"ServiceMonitor":          {"monitoring.coreos.com/v1", func() any { return &monitoringv1.ServiceMonitor{} }},
+	"PrometheusRule":          {"monitoring.coreos.com/v1", func() any { return &monitoringv1.PrometheusRule{} }},
+	"Certificate":             {"cert-manager.io/v1", func() any { return &certificate{} }},
+}
+
+// rendered is one object of a render.
+type rendered struct {
+	source string // the template it came from
+	kind   string
+	name   string
+	doc    string // its YAML as rendered
+	hook   bool
+	obj    any // decoded into its Go type
+}
+
+// valueSet is a named set of values: the defaults, or a ci/*.yaml file.
+type valueSet struct {
+	name   string
+	values map[string]any
+}
+
+func valueSets(t *testing.T) []valueSet {
+	t.Helper()
+	sets := []valueSet{{"default", map[string]any{}}}
+	files, err := filepath.Glob(filepath.Join(chartDir, "ci", "*.yaml"))
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no ci/*.yaml value sets: %v", err)
+	}
+	for _, f := range files {
+		vals, err := chartutil.ReadValuesFile(f)
+		if err != nil {
+			t.Fatalf("%s: %v", f, err)
+		}
+		sets = append(sets, valueSet{strings.TrimSuffix(filepath.Base(f), ".yaml"), vals})
+	}
+	return sets
+}
+
+func loadChart(t *testing.T) *chart.Chart {
+	t.Helper()
+	c, err := loader.Load(chartDir)
+	if err != nil {
+		t.Fatalf("load %s: %v", chartDir, err)
+	}
+	return c
+}
+
+// render is helm template: the chart with vals, in namespace istio-system,
+// as an install, for a cluster with the Prometheus Operator's CRDs when
+// operator is set. Objects come in Helm's install order, hooks first.
+func render(t *testing.T, c *chart.Chart, vals map[string]any, operator bool) []rendered {
+	t.Helper()
+	caps := chartutil.DefaultCapabilities.Copy()
+	caps.KubeVersion = kubeVersion
+	if operator {
+		caps.APIVersions = append(slices.Clone(caps.APIVersions),
+			"monitoring.coreos.com/v1", "monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos.com/v1/PrometheusRule")
+	}
+	rv, err := chartutil.ToRenderValues(c, vals, chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsInstall: true, Revision: 1}, caps)
+	if err != nil {
+		t.Fatalf("values: %v", err)
+	}
+	files, err := engine.Render(c, rv)
+	if err != nil {
+		t.Fatalf("render: %v", err)
+	}
+	for name := range files {
+		if strings.HasSuffix(name, "NOTES.txt") {
+			if strings.TrimSpace(files[name]) == "" {
+				t.Errorf("%s renders empty", name)
+			}
+			delete(files, name)
+		}
+	}
+	hooks, manifests, err := releaseutil.SortManifests(files, caps.APIVersions, releaseutil.InstallOrder)
+	if err != nil {
+		t.Fatalf("sort: %v", err)
+	}
+	var out []rendered
+	for _, h := range hooks {
+		out = append(out, rendered{source: h.Path, kind: h.Kind, name: h.Name, doc: h.Manifest, hook: true})
+	}
+	for _, m := range manifests {
+		out = append(out, rendered{source: m.Name, kind: m.Head.Kind, name: m.Head.Metadata.Name, doc: m.Content})
+	}
+	for i := range out {
+		r := &out[i]
+		k, ok := kinds[r.kind]
+		if !ok {
+			t.Fatalf("%s: kind %q: add it to kinds in this test", r.source, r.kind)
+		}
+		var head struct {
+			APIVersion string `json:"apiVersion"`
+		}
+		if err := yaml.Unmarshal([]byte(r.doc), &head); err != nil || head.APIVersion != k.apiVersion {
+			t.Errorf("%s %s: apiVersion %q, want %q (%v)", r.kind, r.name, head.APIVersion, k.apiVersion, err)
+		}
+		r.obj = k.new()
+		if err := yaml.UnmarshalStrict([]byte(r.doc), r.obj); err != nil {
+			t.Errorf("%s %s (%s) does not decode strictly: %v", r.kind, r.name, r.source, err)
+		}
+	}
+	return out
+}
+
+// TestChartLint is helm lint for each value set: no warning or error.
+func TestChartLint(t *testing.T) {
+	for _, vs := range valueSets(t) {
+		t.Run(vs.name, func(t *testing.T) {
+			l := lint.AllWithKubeVersion(chartDir, vs.values, namespace, &kubeVersion)
+			for _, m := range l.Messages {
+				if m.Severity >= support.WarningSev {
+					t.Errorf("helm lint: %v", m)
+				}
+			}
+		})
+	}
+}
+
+// TestChartRenders is helm template for each value set, with and without
+// the Prometheus Operator: every object decodes strictly, and the
+// Deployment hangs together.
+func TestChartRenders(t *testing.T) {
+	c := loadChart(t)
+	flags := relayFlags(t)
+	for _, vs := range valueSets(t) {
+		for _, operator := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/operator=%t", vs.name, operator), func(t *testing.T) {
+				objs := render(t, c, vs.values, operator)
+				checkTier(t, objs, flags)
+				has := func(kind string) bool {
+					return slices.ContainsFunc(objs, func(r rendered) bool { return r.kind == kind })
+				}
+				if has("ServiceMonitor") != operator || has("PrometheusRule") != operator {
+					t.Errorf("ServiceMonitor %t, PrometheusRule %t: want them exactly when the Operator's CRDs are there (%t)", has("ServiceMonitor"), has("PrometheusRule"), operator)
+				}
+			})
+		}
+	}
+}
+
+// relayFlags are the flags `meshrelay serve` defines, read from its source
+// (package main cannot be imported).
+func relayFlags(t *testing.T) map[string]bool {
+	t.Helper()
+	files, err := filepath.Glob("../cmd/meshrelay/*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	re := regexp.MustCompile(`fs\.(?:String|Bool|Int|Float64|Duration)(?:Var)?\((?:&[\w.]+, )?"([a-z0-9-]+)"`)
+	flags := map[string]bool{}
+	for _, f := range files {
+		if strings.HasSuffix(f, "_test.go") {
+			continue
+		}
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range re.FindAllSubmatch(b, -1) {
+			flags[string(m[1])] = true
+		}
+	}
+	for _, f := range []string{"upstream", "xds-tls-cert", "drain-period", "etcd-endpoints", "peer-identity"} {
+		if !flags[f] {
+			t.Fatalf("reading the flags of cmd/meshrelay found no --%s: fix relayFlags", f)
+		}
+	}
+	return flags
+}
+
+// checkTier checks what must hold for any values: flags the relay has,
+// files mounted, ports opened, the drain inside the grace period, Services
+// and the PDB selecting the relays, generated keys well formed.
+func checkTier(t *testing.T, objs []rendered, relayFlags map[string]bool) {
+	t.Helper()
+	var dep *appsv1.Deployment
+	accounts := map[string]bool{}
+	for _, r := range objs {
+		switch o := r.obj.(type) {
+		case *appsv1.Deployment:
+			if dep != nil {
+				t.Fatalf("two Deployments")
+			}
+			dep = o
+		case *corev1.ServiceAccount:
+			accounts[o.Name] = true
+		case *corev1.Secret:
+			if r.hook {
+				checkGeneratedKey(t, o)
+			}
+		}
+	}
+	if dep == nil {
+		t.Fatal("no Deployment")
+	}
+	pod := dep.Spec.Template.Spec
+	if !accounts[pod.ServiceAccountName] {
+		t.Errorf("ServiceAccount %q is not in the chart", pod.ServiceAccountName)
+	}
+	c := pod.Containers[0]
+	if c.Args[0] != "serve" {
+		t.Errorf("args %q: want serve first", c.Args)
+	}
+	flags := map[string]string{}
+	for _, a := range c.Args[1:] {
+		k, v, _ := strings.Cut(strings.TrimPrefix(a, "--"), "=")
+		if !relayFlags[k] {
+			t.Errorf("%s: meshrelay serve has no such flag", a)
+		}
+		if _, dup := flags[k]; dup {
+			t.Errorf("--%s given twice", k)
+		}
+		flags[k] = v
+	}
+	mounts := map[string]string{}
+	for _, m := range c.VolumeMounts {
+		mounts[m.MountPath] = m.Name
+	}
+	volumes := map[string]bool{}
+	for _, v := range pod.Volumes {
+		volumes[v.Name] = true
+	}
+	for _, m := range c.VolumeMounts {
+		if !volumes[m.Name] {
+			t.Errorf("mount %s: no volume %s", m.MountPath, m.Name)
+		}
+	}
+	for k, v := range flags {
+		if strings.HasSuffix(k, "-file") || strings.HasSuffix(k, "-cert") || strings.HasSuffix(k, "-key") || strings.HasSuffix(k, "-ca") {
+			if dir := filepath.Dir(v); mounts[dir] == "" {
+				t.Errorf("--%s=%s: no volume mounted at %s", k, v, dir)
+			}
+		}
+	}
+	ports := map[int32]bool{}
+	for _, p := range c.Ports {
+		ports[p.ContainerPort] = true
+	}
+	for _, k := range []string{"xds-listen", "xds-tls-listen", "peer-listen", "admin-listen", "gossip-listen"} {
+		if v, ok := flags[k]; ok {
+			var port int32
+			if _, err := fmt.Sscanf(strings.TrimPrefix(v, ":"), "%d", &port); err != nil || !ports[port] {
+				t.Errorf("--%s=%s: not a container port", k, v)
+			}
+		}
+	}
+	wantScheme := corev1.URISchemeHTTP
+	if flags["admin-tls-cert"] != "" {
+		wantScheme = corev1.URISchemeHTTPS
+	}
+	for name, p := range map[string]*corev1.Probe{"readiness": c.ReadinessProbe, "liveness": c.LivenessProbe} {
+		if p == nil || p.HTTPGet == nil || p.HTTPGet.Scheme != wantScheme || p.HTTPGet.Port.IntVal != 15014 {
+			t.Errorf("%s probe %+v: want %s on the admin port", name, p, wantScheme)
+		}
+	}
+	if c.ReadinessProbe.HTTPGet.Path != "/readyz" || c.LivenessProbe.HTTPGet.Path != "/healthz" {
+		t.Errorf("probes on %s and %s, want /readyz and /healthz", c.ReadinessProbe.HTTPGet.Path, c.LivenessProbe.HTTPGet.Path)
+	}
+	// SIGTERM comes after preStop; the relay then drains over
+	// --drain-period and allows itself 15 s more to stop.
+	var drain, preStop int64
+	if _, err := fmt.Sscanf(flags["drain-period"], "%ds", &drain); err != nil {
+		t.Errorf("--drain-period=%s: %v", flags["drain-period"], err)
+	}
+	if c.Lifecycle != nil && c.Lifecycle.PreStop != nil && c.Lifecycle.PreStop.Sleep != nil {
+		preStop = c.Lifecycle.PreStop.Sleep.Seconds
+	}
+	if g := pod.TerminationGracePeriodSeconds; g == nil || *g <= preStop+drain+15 {
+		t.Errorf("terminationGracePeriodSeconds %v: want more than preStop %d + drain %d + 15", g, preStop, drain)
+	}
+	if _, ok := c.Resources.Limits[corev1.ResourceMemory]; ok && flags["memory-limit-ratio"] == "0" {
+		t.Errorf("a memory limit without GOMEMLIMIT from it (--memory-limit-ratio=0)")
+	}
+	sel := dep.Spec.Selector.MatchLabels
+	for k, v := range sel {
+		if dep.Spec.Template.Labels[k] != v {
+			t.Errorf("the pods lack selector label %s=%s", k, v)
+		}
+	}
+	var gossipSvc, xdsSvc bool
+	for _, r := range objs {
+		switch o := r.obj.(type) {
+		case *corev1.Service:
+			if o.Name == dep.Name+"-etcd" {
+				continue
+			}
+			if !equalLabels(o.Spec.Selector, sel) {
+				t.Errorf("Service %s selects %v, the relays are %v", o.Name, o.Spec.Selector, sel)
+			}
+			if o.Spec.ClusterIP == corev1.ClusterIPNone {
+				gossipSvc = o.Spec.PublishNotReadyAddresses && strings.HasPrefix(flags["join"], o.Name+"."+o.Namespace+".svc")
+			} else {
+				for _, p := range o.Spec.Ports {
+					xdsSvc = xdsSvc || (p.Port == 15012 || p.Port == 15010) && ports[p.TargetPort.IntVal]
+				}
+			}
+		case *policyv1.PodDisruptionBudget:
+			if !equalLabels(o.Spec.Selector.MatchLabels, sel) {
+				t.Errorf("PodDisruptionBudget selects %v, the relays are %v", o.Spec.Selector.MatchLabels, sel)
+			}
+		case *autoscalingv2.HorizontalPodAutoscaler:
+			if o.Spec.ScaleTargetRef.Name != dep.Name || dep.Spec.Replicas != nil {
+				t.Errorf("the autoscaler scales %s, and the Deployment sets replicas %v: want %s, unset", o.Spec.ScaleTargetRef.Name, dep.Spec.Replicas, dep.Name)
+			}
+		}
+	}
+	if !gossipSvc {
+		t.Errorf("no headless Service publishing not-ready relays under --join=%s", flags["join"])
+	}
+	if !xdsSvc {
+		t.Errorf("no Service sends an xDS port to the relays")
+	}
+}
+
+func equalLabels(a, b map[string]string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, v := range a {
+		if b[k] != v {
+			return false
+		}
+	}
+	return true
+}
+
+// checkGeneratedKey: a key the chart generates is what the relay reads,
+// base64 of 32 bytes.
+func checkGeneratedKey(t *testing.T, s *corev1.Secret) {
+	t.Helper()
+	raw, err := base64.StdEncoding.DecodeString(strings.TrimSpace(string(s.Data["key"])))
+	if err != nil || len(raw) != 32 {
+		t.Errorf("Secret %s: key %q is not base64 of 32 bytes (%d bytes, %v)", s.Name, s.Data["key"], len(raw), err)
+	}
+	if s.Annotations["helm.sh/hook"] != "pre-install" {
+		t.Errorf("Secret %s: generated outside a pre-install hook: an upgrade would change it", s.Name)
+	}
+}
+
+// TestChartRevisions: a revision's tier shares no object and no pod with
+// the default tier's, and gossips under another cluster name.
+func TestChartRevisions(t *testing.T) {
+	c := loadChart(t)
+	def := render(t, c, map[string]any{}, true)
+	canary := render(t, c, map[string]any{"revision": "canary"}, true)
+	names := map[string]bool{}
+	for _, r := range def {
+		names[r.kind+"/"+r.name] = true
+	}
+	for _, r := range canary {
+		if names[r.kind+"/"+r.name] {
+			t.Errorf("%s %s is in both tiers", r.kind, r.name)
+		}
+	}
+	dep := func(objs []rendered) *appsv1.Deployment {
+		for _, r := range objs {
+			if d, ok := r.obj.(*appsv1.Deployment); ok {
+				return d
+			}
+		}
+		t.Fatal("no Deployment")
+		return nil
+	}
+	a, b := dep(def), dep(canary)
+	if equalLabels(a.Spec.Selector.MatchLabels, b.Spec.Template.Labels) || equalLabels(b.Spec.Selector.MatchLabels, a.Spec.Template.Labels) {
+		t.Errorf("selectors %v and %v overlap", a.Spec.Selector.MatchLabels, b.Spec.Selector.MatchLabels)
+	}
+	for k, v := range a.Spec.Selector.MatchLabels {
+		if b.Spec.Template.Labels[k] == v {
+			t.Errorf("the canary's pods carry the default tier's selector label %s=%s", k, v)
+		}
+	}
+	if b.Spec.Template.Labels["istio.io/rev"] != "canary" || a.Spec.Template.Labels["istio.io/rev"] != "default" {
+		t.Errorf("istio.io/rev labels %q and %q, want default and canary", a.Spec.Template.Labels["istio.io/rev"], b.Spec.Template.Labels["istio.io/rev"])
+	}
+	cluster := func(d *appsv1.Deployment) string {
+		for _, a := range d.Spec.Template.Spec.Containers[0].Args {
+			if v, ok := strings.CutPrefix(a, "--cluster="); ok {
+				return v
+			}
+		}
+		return ""
+	}
+	if cluster(a) == cluster(b) {
+		t.Errorf("both tiers gossip as --cluster=%s: they would merge", cluster(a))
+	}
+}
+
+// TestChartGenerated: the golden default render, and the files generated
+// from the chart, are what the chart renders now.
+func TestChartGenerated(t *testing.T) {
+	c := loadChart(t)
+
+	// The default values, on a cluster with the Prometheus Operator.
+	def := render(t, c, map[string]any{}, true)
+	golden(t, "testdata/chart-default.yaml", helmTemplate(def))
+
+	// The alerting rules as a Prometheus rule file.
+	for _, r := range def {
+		if rule, ok := r.obj.(*monitoringv1.PrometheusRule); ok {
+			b, err := yaml.Marshal(rule.Spec)
+			if err != nil {
+				t.Fatal(err)
+			}
+			golden(t, "prometheus/meshrelay.rules.yml", append([]byte(rulesHeader), b...))
+		}
+	}
+
+	// The plain manifests: the chart with ci/plain.yaml, no Operator.
+	plainVals, err := chartutil.ReadValuesFile(filepath.Join(chartDir, "ci", "plain.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var tier, certs []rendered
+	for _, r := range render(t, c, plainVals, false) {
+		if r.hook {
+			t.Errorf("the plain manifest would hold hook %s %s: name an existing Secret in ci/plain.yaml", r.kind, r.name)
+		}
+		tier = append(tier, r)
+	}
+	plainVals["certManager"] = map[string]any{"enabled": true}
+	for _, r := range render(t, c, plainVals, false) {
+		if r.kind == "Certificate" {
+			certs = append(certs, r)
+		}
+	}
+	if len(certs) != 2 {
+		t.Fatalf("%d Certificates with certManager.enabled, want 2", len(certs))
+	}
+	golden(t, "kubernetes/meshrelay.yaml", plain(tierHeader, tier))
+	golden(t, "kubernetes/certificates.yaml", plain(certsHeader, certs))
+}
+
+// helmTemplate prints objects as helm template does; generated keys are
+// replaced by a placeholder (they are random).
+func helmTemplate(objs []rendered) []byte {
+	var b bytes.Buffer
+	for _, r := range objs {
+		doc := r.doc
+		if r.kind == "Secret" && r.hook {
+			doc = regexp.MustCompile(`(?m)^(  key: ).*$`).ReplaceAllString(doc, "${1}<generated: 32 random bytes, base64>")
+		}
+		fmt.Fprintf(&b, "---\n# Source: %s\n%s\n", r.source, strings.TrimSpace(doc))
+	}
+	return b.Bytes()
+}
+
+// plain joins objects into a manifest for kubectl apply.
+func plain(header string, objs []rendered) []byte {
+	docs := make([]string, len(objs))
+	for i, r := range objs {
+		docs[i] = strings.TrimSpace(r.doc)
+	}
+	return []byte(header + "\n" + strings.Join(docs, "\n---\n") + "\n")
+}
+
+// golden compares got with the file at path, or writes it with -update.
+func golden(t *testing.T, path string, got []byte) {
+	t.Helper()
+	if *update {
+		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(path, got, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	want, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("%v: generate it with %s", err, regenerate)
+	}
+	if !bytes.Equal(got, want) {
+		t.Errorf("deploy/%s differs from what the chart renders (first difference at line %d): if the chart is right, run %s and commit the result", path, firstDiff(got, want), regenerate)
+	}
+}
+
+func firstDiff(a, b []byte) int {
+	la, lb := strings.Split(string(a), "\n"), strings.Split(string(b), "\n")
+	for i := range min(len(la), len(lb)) {
+		if la[i] != lb[i] {
+			return i + 1
+		}
+	}
+	return min(len(la), len(lb)) + 1
+}
+
+const generatedBy = "# Generated from the Helm chart deploy/helm/meshrelay by\n#   " + regenerate + "\n# Do not edit: change the chart (or its ci/plain.yaml) and regenerate.\n"
+
+const tierHeader = generatedBy + `#
+# A tier of meshrelay relays as a drop-in for istiod's port 15012: sidecars
+# dial it with TLS and their service-account JWT, as they dial istiod; each
+# stream's identity must match its node (istiod's own rule), and each key's
+# stream to istiod presents one of its sidecars' own tokens (forward mode),
+# so istiod needs no change. Point istio-agent's discoveryAddress at
+# meshrelay.istio-system.svc:15012 (deploy/ISTIO.md).
+# The relays find each other through the meshrelay-gossip headless Service,
+# talk on an mTLS peer port (15011) with the tier's SPIFFE ID, and share key
+# ownership: istiod sees one stream per key across replicas.
+#
+# Before applying, create:
+# - the gossip key (encrypts gossip):
+#     kubectl -n istio-system create secret generic meshrelay-gossip \
+#       --from-literal=key=$(openssl rand -base64 32)
+# - the seal key (encrypts Secret resources in etcd):
+#     kubectl -n istio-system create secret generic meshrelay-seal \
+#       --from-literal=key="$(head -c32 /dev/urandom | base64)"
+# - the Secrets meshrelay-xds-tls (serving certificate for
+#   meshrelay.istio-system.svc, signed by the mesh CA) and meshrelay-peer-tls
+#   (the tier's certificate, URI SAN
+#   spiffe://cluster.local/ns/istio-system/sa/meshrelay): certificates.yaml
+#   makes both with cert-manager, or see deploy/README.md;
+# - an etcd cluster at meshrelay-etcd.istio-system.svc:2379 (or remove the
+#   --etcd-…, --snapshot-… flags and the seal-key volume to start cold).
+# The mesh root comes from the istio-ca-root-cert ConfigMap istiod writes
+# in every namespace. The Helm chart makes the keys itself.
+`
+
+const certsHeader = generatedBy + `#
+# The relays' certificates, by cert-manager (https://cert-manager.io), from
+# an Issuer of the mesh CA: sidecars check the relay's serving certificate
+# against the mesh root (or XDS_ROOT_CA), so it must chain to it. With
+# istio-csr or a plugged-in CA (cacerts) managed by cert-manager, name that
+# issuer (the chart's certManager.issuerRef); otherwise create the two
+# Secrets by hand (deploy/README.md). cert-manager renews them before they
+# expire; the relays pick the new files up at the next handshake, without
+# dropping a stream.
+`
+
+const rulesHeader = generatedBy + `#
+# meshrelay's alerts as a Prometheus rule file (rule_files:), the spec of
+# the chart's PrometheusRule; deploy/ISTIO.md, "What to alert on", explains
+# them.
+`
+
+// TestChartRefuses: values.schema.json and the templates' checks turn
+// away values that would install a tier that cannot work.
+func TestChartRefuses(t *testing.T) {
+	c := loadChart(t)
+	tests := []struct {
+		name    string
+		values  map[string]any
+		wantErr string
+	}{
+		{"misspelt value", map[string]any{"replicaCout": 3}, "replicaCout"},
+		{"unknown upstream mode", map[string]any{"upstream": map[string]any{"auth": "sudo"}}, "auth"},
+		{"revision not a DNS label", map[string]any{"revision": "Canary_1"}, "revision"},
+		{"forward without a TLS port", map[string]any{"xds": map[string]any{"tls": map[string]any{"enabled": false}, "plaintext": map[string]any{"enabled": true}}, "admin": map[string]any{"tls": false}}, "needs xds.tls.enabled"},
+		{"forward with mtls only", map[string]any{"xds": map[string]any{"tls": map[string]any{"auth": "mtls"}}}, "use relay-identity"},
+		{"admin TLS without a certificate", map[string]any{"upstream": map[string]any{"auth": "plaintext"}, "xds": map[string]any{"tls": map[string]any{"enabled": false}, "plaintext": map[string]any{"enabled": true}}}, "admin.tls"},
+		{"no xDS port", map[string]any{"upstream": map[string]any{"auth": "plaintext"}, "admin": map[string]any{"tls": false}, "xds": map[string]any{"tls": map[string]any{"enabled": false}}}, "no xDS port"},
+		{"etcd user without a password", map[string]any{"etcd": map[string]any{"endpoints": []any{"https://etcd:2379"}, "auth": map[string]any{"user": "meshrelay"}}}, "passwordSecret"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			caps := chartutil.DefaultCapabilities.Copy()
+			caps.KubeVersion = kubeVersion
+			rv, err := chartutil.ToRenderValues(c, tt.values, chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsInstall: true}, caps)
+			if err == nil {
+				_, err = engine.Render(c, rv)
+			}
+			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Errorf("rendering with %v: error %v, want one containing %q", tt.values, err, tt.wantErr)
+			}
+		})
+	}
+}

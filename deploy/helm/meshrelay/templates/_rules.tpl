@@ -1,0 +1,67 @@
+{{/* The alerting rules: a PrometheusRule's spec, and a Prometheus rule file as it is. */}}
+{{- define "meshrelay.rules" -}}
+{{- $r := .Values.monitoring.prometheusRule -}}
+groups:
+- name: meshrelay
+  rules:
+  - alert: MeshrelayUpstreamStreamsAboveKeys
+    # istiod should see one stream per key: more streams than owned keys
+    # means relays feed keys from istiod because they cannot reach the
+    # owner (fallback), or a stream leaked.
+    expr: sum by (namespace, job) (meshrelay_upstream_streams) > sum by (namespace, job) (meshrelay_keys_by_source{source="upstream"})
+    for: 10m
+    labels: {severity: warning}
+    annotations:
+      summary: More streams to istiod than keys owned in {{`{{ $labels.job }}`}}
+      description: The relays hold {{`{{ $value }}`}} streams to istiod, more than the keys they own (one each); check meshrelay_peer_fallbacks_total and the peer port between relays.
+  - alert: MeshrelayStaleKeys
+    # Keys served from a snapshot or cache that no live source has
+    # confirmed: istiod or the key's owner is not answering.
+    expr: max by (namespace, job, pod) (meshrelay_stale_keys) > 0
+    for: 10m
+    labels: {severity: warning}
+    annotations:
+      summary: '{{`{{ $labels.pod }}`}} serves {{`{{ $value }}`}} stale keys'
+      description: Keys have been served unconfirmed for 10 minutes; check the relay's upstream (meshrelay_upstream_reconnects_total) and istiod.
+  - alert: MeshrelaySnapshotBehind
+    # Snapshots in etcd lag the keys: a restart would start from old config.
+    expr: max by (namespace, job, pod) (meshrelay_snapshot_behind_seconds) > {{ $r.snapshotBehindSeconds }}
+    for: 5m
+    labels: {severity: warning}
+    annotations:
+      summary: '{{`{{ $labels.pod }}`}} has not persisted its keys for {{`{{ $value }}`}} s'
+      description: Snapshot writes to etcd are failing or slow (meshrelay_snapshot_writes_total by result, meshrelay_snapshot_write_lag_seconds).
+  - alert: MeshrelayEnvoyNACKs
+    # Envoys refuse config: a bad resource from istiod, or a mix of Envoy
+    # versions istiod does not expect.
+    expr: sum by (namespace, job, type) (rate(meshrelay_xds_nacks_total[5m])) > {{ $r.nackRate }}
+    for: 10m
+    labels: {severity: warning}
+    annotations:
+      summary: Envoys NACK {{`{{ $labels.type }}`}} at {{`{{ $value }}`}}/s
+      description: relayctl proxy-status lists the NACKing Envoys and their errors.
+  - alert: MeshrelayUpstreamNACKs
+    # The relay refused a response of istiod (and kept the last good).
+    expr: sum by (namespace, job, type) (increase(meshrelay_upstream_nacks_total[10m])) > 0
+    labels: {severity: warning}
+    annotations:
+      summary: Relays refused {{`{{ $labels.type }}`}} from istiod
+      description: The relays keep serving the last good config; the relay's log names the key and the error.
+  - alert: MeshrelayConvergenceSlow
+    # From a relay's receipt of a version to an Envoy's ACK of it.
+    expr: histogram_quantile(0.99, sum by (namespace, job, le) (rate(meshrelay_proxy_convergence_time_seconds_bucket[5m]))) > {{ $r.convergenceP99Seconds }}
+    for: 10m
+    labels: {severity: warning}
+    annotations:
+      summary: Push to ACK P99 is {{`{{ $value }}`}} s in {{`{{ $labels.job }}`}}
+      description: Envoys take long to ACK; check relay CPU, admission refusals and slow Envoys.
+  - alert: MeshrelayRingSplit
+    # A relay sees fewer members than the relays scraped: gossip is
+    # partitioned, and keys may have two owners.
+    expr: min by (namespace, job) (meshrelay_ring_members) < count by (namespace, job) (meshrelay_ring_members)
+    for: 5m
+    labels: {severity: warning}
+    annotations:
+      summary: The ring of {{`{{ $labels.job }}`}} is split
+      description: Check the gossip port (7946 TCP and UDP) between relays and the gossip key.
+{{- end -}}
