@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"strings"
 	"testing"
 	"time"
 
@@ -14,6 +13,7 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/snapshot"
 )
 
@@ -38,7 +38,7 @@ func persistedMatches(t *testing.T, endpoints []string, up *upstream.Upstream, k
 		return false, fmt.Sprintf("%d keys persisted, want %d", len(saved), keys)
 	}
 	for _, k := range saved {
-		group := strings.Split(k.Key, "/")[1] // sidecar/<namespace>/<workload>#…
+		group := aggkey.Namespace(k.Key) // the upstream serves each namespace its own
 		snap := up.Snapshot(group)
 		for _, st := range k.Types {
 			if len(st.Resources) != len(snap[st.Type]) {
