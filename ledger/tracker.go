@@ -92,7 +92,15 @@ type keyEntry struct {
 	// disconnected ones not forgotten yet.
 	connected, current int
 	gone               map[*Envoy]struct{}
+	// typeSets holds the sets of types the key's Envoys hold (each in
+	// push order, as Envoy.types), at most maxTypeSets: a Brief summary
+	// gives a settled Envoy by the index of its set (Envoy.typeSet).
+	typeSets [][]string
 }
+
+// maxTypeSets bounds keyEntry.typeSets; an Envoy of a set past it is given
+// in full.
+const maxTypeSets = 64
 
 type typeEntry struct {
 	views   Views
@@ -110,8 +118,14 @@ type Envoy struct {
 	// Guarded by k.mu. A forgotten handle (its node connected again, or it
 	// was disconnected past ForgetAfter) records nothing more. current is
 	// set while it is connected and on its key's current version.
-	forgotten      bool
-	current        bool
+	forgotten bool
+	current   bool
+	// settled is set while current and nothing is pending, NACKed, or sent
+	// but not ACKed; typeSet is the index of the Envoy's types in
+	// k.typeSets (-1: past maxTypeSets). Both are kept as the Envoy
+	// changes, so that a Brief summary reads them without walking types.
+	settled        bool
+	typeSet        int
 	connectedAt    time.Time
 	disconnectedAt time.Time   // zero while connected
 	types          []envoyType // in push order (TypeOrder), held in place: queries walk them
@@ -214,6 +228,7 @@ func (k *keyEntry) refreshAllLocked() {
 // The caller holds k.mu.
 func (k *keyEntry) refreshLocked(e *Envoy) {
 	cur := !e.forgotten && e.disconnectedAt.IsZero() && k.currentLocked(e)
+	e.settled = cur && e.quietLocked()
 	if cur != e.current {
 		e.current = cur
 		if cur {
@@ -265,7 +280,7 @@ func (t *Tracker) DropKey(key string) {
 // is the new stream from then on.
 func (t *Tracker) Connect(node, key string, at time.Time) *Envoy {
 	k := t.lockKey(key)
-	e := &Envoy{t: t, k: k, node: node, connectedAt: at}
+	e := &Envoy{t: t, k: k, node: node, connectedAt: at, typeSet: -1}
 	e.idx = len(k.envoys)
 	k.envoys = append(k.envoys, e)
 	k.connected++
@@ -468,6 +483,7 @@ func (e *Envoy) typeLocked(typeURL string) *envoyType {
 	}
 	i, _ := slices.BinarySearchFunc(e.types, typeURL, func(et envoyType, u string) int { return TypeOrder(et.typeURL, u) })
 	e.types = slices.Insert(e.types, i, envoyType{typeURL: typeURL})
+	e.typeSet = e.k.typeSetLocked(e)
 	return &e.types[i]
 }
 
@@ -629,17 +645,20 @@ func (k *keyEntry) summary(relay string, now time.Time, forgetAfter time.Duratio
 	if d == Full {
 		buf = make([]EnvoyType, 0, len(k.envoys)*max(1, len(k.types)))
 	}
-	// brief holds, in Brief, the Types the Envoys that need no more share:
-	// one slice per set of types (nearly always one per key).
+	// brief holds, in Brief, the Types the settled Envoys share: one slice
+	// per set of types (nearly always one per key), built when first met.
 	var brief [][]EnvoyType
+	if d == Brief {
+		brief = make([][]EnvoyType, len(k.typeSets))
+	}
 	for _, e := range k.envoys {
 		if !e.disconnectedAt.IsZero() && now.Sub(e.disconnectedAt) > forgetAfter {
 			forgotten = append(forgotten, e)
 			continue
 		}
 		es := EnvoyState{Node: e.node, ConnectedAt: e.connectedAt, DisconnectedAt: e.disconnectedAt}
-		if d == Brief && e.settledLocked() {
-			es.Types, brief = k.briefTypesLocked(e, brief)
+		if d == Brief && e.settled && e.typeSet >= 0 {
+			es.Types = k.briefTypes(e.typeSet, brief)
 			ks.Envoys = append(ks.Envoys, es)
 			continue
 		}
@@ -658,13 +677,10 @@ func (k *keyEntry) summary(relay string, now time.Time, forgetAfter time.Duratio
 	return ks, forgotten
 }
 
-// settledLocked reports whether a Brief summary may give e in brief: it is
-// on its key's current version of every type it holds (e.current), and
-// was sent nothing since, nor NACKed. The caller holds e.k.mu.
-func (e *Envoy) settledLocked() bool {
-	if !e.current {
-		return false
-	}
+// quietLocked reports whether e has nothing in flight: no response
+// pending, no NACK, nothing sent it has not ACKed. With e.current, a Brief
+// summary may give e in brief (e.settled). The caller holds e.k.mu.
+func (e *Envoy) quietLocked() bool {
 	for i := range e.types {
 		et := &e.types[i]
 		if et.pending || et.nack != nil || et.sentView != et.ackedView {
@@ -674,28 +690,46 @@ func (e *Envoy) settledLocked() bool {
 	return true
 }
 
-// briefTypesLocked returns the Types of the settled Envoy e in brief, out
-// of shared (the slices built so far for this summary, which it returns
-// with the one it built if none matched). The caller holds k.mu.
-func (k *keyEntry) briefTypesLocked(e *Envoy, shared [][]EnvoyType) ([]EnvoyType, [][]EnvoyType) {
+// briefTypes returns the Types of a settled Envoy of type set i, out of
+// shared (the slices built so far for this summary, by set), building it
+// from the key's current roots. The caller holds k.mu.
+func (k *keyEntry) briefTypes(i int, shared [][]EnvoyType) []EnvoyType {
+	if shared[i] == nil {
+		urls := k.typeSets[i]
+		ts := make([]EnvoyType, len(urls))
+		for j, u := range urls {
+			root := k.types[u].current.Root // settled: every type is the key's
+			ts[j] = EnvoyType{Type: u, Sent: root, Acked: root}
+		}
+		shared[i] = ts
+	}
+	return shared[i]
+}
+
+// typeSetLocked returns the index of e's types in k.typeSets, adding
+// them (-1 past maxTypeSets). The caller holds k.mu.
+func (k *keyEntry) typeSetLocked(e *Envoy) int {
 next:
-	for _, ts := range shared {
-		if len(ts) != len(e.types) {
+	for i, urls := range k.typeSets {
+		if len(urls) != len(e.types) {
 			continue
 		}
-		for i := range ts {
-			if ts[i].Type != e.types[i].typeURL {
+		for j := range urls {
+			if urls[j] != e.types[j].typeURL {
 				continue next
 			}
 		}
-		return ts, shared
+		return i
 	}
-	ts := make([]EnvoyType, len(e.types))
-	for i := range e.types {
-		root := k.types[e.types[i].typeURL].current.Root // e.current: every type is the key's
-		ts[i] = EnvoyType{Type: e.types[i].typeURL, Sent: root, Acked: root}
+	if len(k.typeSets) >= maxTypeSets {
+		return -1
 	}
-	return ts, append(shared, ts)
+	urls := make([]string, len(e.types))
+	for j := range e.types {
+		urls[j] = e.types[j].typeURL
+	}
+	k.typeSets = append(k.typeSets, urls)
+	return len(k.typeSets) - 1
 }
 
 // keysIn returns the entries of the scope's keys.
