@@ -21,6 +21,7 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/snapshot"
 )
 
@@ -75,6 +76,10 @@ type RelayChildConfig struct {
 	// child runs as if in, in bytes: GOMEMLIMIT becomes 0.9 of it, as
 	// `meshrelay serve` sets it from its cgroup (--memory-limit-ratio).
 	MemoryLimit int64 `json:"memory_limit,omitempty"`
+	// KeyProfile and KeyFields are the relay's --key-profile and
+	// --key-fields (default: the istio profile).
+	KeyProfile string `json:"key_profile,omitempty"`
+	KeyFields  string `json:"key_fields,omitempty"`
 	// CPUs, if set, pins the child to these CPUs (ChildConfig.CPUs). It
 	// is how the parent starts the child, not an argument the child reads.
 	CPUs CPUSet `json:"-"`
@@ -107,6 +112,12 @@ func (c RelayChildConfig) Args() []string {
 	if c.MemoryLimit > 0 {
 		args = append(args, "--memory-limit", strconv.FormatInt(c.MemoryLimit, 10))
 	}
+	if c.KeyProfile != "" {
+		args = append(args, "--key-profile", c.KeyProfile)
+	}
+	if c.KeyFields != "" {
+		args = append(args, "--key-fields", c.KeyFields)
+	}
 	return args
 }
 
@@ -138,6 +149,20 @@ func RunRelayChild(ctx context.Context, cfg RelayChildConfig, in io.Reader, out,
 	}
 	if cfg.UpstreamProtocol != "" {
 		rcfg.UpstreamProtocol = cfg.UpstreamProtocol
+	}
+	switch {
+	case cfg.KeyFields != "":
+		p, err := aggkey.ParseKeyFields(cfg.KeyFields)
+		if err != nil {
+			return err
+		}
+		rcfg.KeyProfile = p
+	case cfg.KeyProfile != "":
+		p, err := aggkey.ParseProfile(cfg.KeyProfile, nil)
+		if err != nil {
+			return err
+		}
+		rcfg.KeyProfile = p
 	}
 	rcfg.Logger = slog.New(slog.NewTextHandler(logw, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	// The benchmark times pushes, not admission: the fleet connects at

