@@ -436,8 +436,8 @@ func timeQuery(n int, fn func()) Quantiles {
 		fn()
 		ds[i] = time.Since(start)
 	}
-	slices.Sort(ds)
-	return Quantiles{P50: ds[n/2], P99: ds[min(n-1, n*99/100)]}
+	l := summarize(ds)
+	return Quantiles{P50: l.P50, P99: l.P99}
 }
 
 func heapInUse() int64 {
