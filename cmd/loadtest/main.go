@@ -474,6 +474,7 @@ func warmstart(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.EtcdDir, "etcd-dir", "", "data directory of the embedded etcd (default: a temporary one, removed at the end)")
 	fs.BoolVar(&cfg.WarmOnly, "warm-only", false, "only time a warm start from the snapshots an earlier run left in --etcd-dir")
 	fs.DurationVar(&cfg.SyncTimeout, "sync-timeout", cfg.SyncTimeout, "bound on each start")
+	fs.DurationVar(&cfg.Quiet, "quiet", cfg.Quiet, "how long etcd must see no write for the relay's persistence to count as caught up, after the cold start and after each change (longer than the store's 1s flush interval)")
 	memLimit := fs.String("relay-memory-limit", "", `run the relay as in a container with this memory limit, a Kubernetes quantity ("1536Mi", "1.5Gi"): GOMEMLIMIT 0.9 of it, as meshrelay serve sets it from its cgroup (default: no limit)`)
 	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
 	if err := fs.Parse(args); err != nil {
