@@ -845,8 +845,17 @@ func loadAvg() string {
 	return strings.Join(f[:min(3, len(f))], " ")
 }
 
-// stopTimeout bounds each Stop at the end of a run.
-const stopTimeout = 30 * time.Second
+// stopTimeout bounds each Stop at the end of a run: a child still there
+// then is killed. A variable so that a test of a hung child need not wait
+// this long.
+var stopTimeout = 30 * time.Second
+
+// stopContext is the context of a Stop at the end of a run: it outlives
+// ctx (an interrupted run still stops what it started, in order) and ends
+// stopTimeout from now.
+func stopContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
+}
 
 // runLabel names a run's column: its mode, and its transport if not
 // plaintext.
@@ -865,9 +874,6 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 		run.Transport = tr.String()
 	}
 	tag := fmt.Sprintf("%s %s", p, runLabel(&run))
-	stopCtx := func() (context.Context, context.CancelFunc) {
-		return context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
-	}
 	fail := func(err error) FanoutRun {
 		run.Error = err.Error()
 		fmt.Fprintf(out, "%s: %v\n", tag, err)
@@ -890,7 +896,7 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 		return fail(err)
 	}
 	defer func() {
-		sctx, cancel := stopCtx()
+		sctx, cancel := stopContext(ctx)
 		defer cancel()
 		_ = up.Stop(sctx)
 	}()
@@ -929,7 +935,7 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 			return fail(fmt.Errorf("start relay: %w", err))
 		}
 		defer func() {
-			sctx, cancel := stopCtx()
+			sctx, cancel := stopContext(ctx)
 			defer cancel()
 			if err := child.Stop(sctx); err != nil {
 				fmt.Fprintf(out, "%s: stop relay: %v\n", tag, err)
@@ -972,7 +978,7 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 	fleet, start, err := startBenchFleet(ctx, spec)
 	if fleet != nil {
 		defer func() {
-			sctx, cancel := stopCtx()
+			sctx, cancel := stopContext(ctx)
 			defer cancel()
 			if err := fleet.Stop(sctx); err != nil {
 				fmt.Fprintf(out, "%s: stop fleet: %v\n", tag, err)

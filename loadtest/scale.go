@@ -307,9 +307,15 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 			fmt.Fprintf(out, "scale: fleet pid %d, CPUs %s\n", fp.Pid(), rep.Fleet.CPUs)
 		},
 	}
-	fleet, start, err := startBenchFleet(stopCtx, spec)
+	// The fleet follows ctx (an interrupted start returns), and its stop
+	// is bounded: a fleet child that does not exit in time is killed.
+	fleet, start, err := startBenchFleet(ctx, spec)
 	if fleet != nil {
-		defer fleet.Stop(stopCtx)
+		defer func() {
+			sctx, cancel := stopContext(ctx)
+			defer cancel()
+			_ = fleet.Stop(sctx)
+		}()
 	}
 	if err != nil {
 		return nil, err
