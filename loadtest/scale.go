@@ -8,6 +8,7 @@ import (
 	"math"
 	"os"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
@@ -475,12 +476,20 @@ func (s *scaleRun) phase(ctx context.Context, name string, withChanges bool, ste
 	if err := step(); err != nil {
 		return p, err
 	}
+	// The changes made during the step end with the phase, whatever ends
+	// it: none is made once it has returned.
+	changesCtx, stopChanges := context.WithCancel(ctx)
 	changesDone := make(chan error, 1)
 	if withChanges {
-		go func() { changesDone <- s.changes(ctx, s.cfg.Changes) }()
+		go func() { changesDone <- s.changes(changesCtx, s.cfg.Changes) }()
 	} else {
 		changesDone <- nil
 	}
+	changesErr := sync.OnceValue(func() error { return <-changesDone })
+	defer func() {
+		stopChanges()
+		_ = changesErr()
+	}()
 	if err := s.waitConverged(ctx); err != nil {
 		return p, err
 	}
@@ -489,7 +498,7 @@ func (s *scaleRun) phase(ctx context.Context, name string, withChanges bool, ste
 		return p, err
 	}
 	p.Rebalanced, p.RebalancedS = d >= 0, d.Seconds()
-	if err := <-changesDone; err != nil {
+	if err := changesErr(); err != nil {
 		return p, err
 	}
 	if err := s.waitQuiet(ctx); err != nil {
