@@ -1,7 +1,6 @@
 package loadtest
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -192,28 +191,15 @@ func RunRelayChild(ctx context.Context, cfg RelayChildConfig, in io.Reader, out,
 		return fmt.Errorf("loadtest: report address: %w", err)
 	}
 
-	cmds := make(chan string)
-	eof := make(chan struct{})
-	go func() {
-		defer close(eof)
-		sc := bufio.NewScanner(in)
-		for sc.Scan() {
-			select {
-			case cmds <- strings.TrimSpace(sc.Text()):
-			case <-ctx.Done():
-				return
-			}
-		}
-	}()
-	var prof *os.File
-	heapOnStop := false // the profile was started without a path
+	cmds, eof := readCommands(ctx, in)
+	var stopProf func() error // of the CPU profile running, if one is
+	heapOnStop := false       // the profile was started without a path
 	stopProfile := func() {
-		if prof != nil {
-			pprof.StopCPUProfile()
-			if err := prof.Close(); err != nil {
+		if stopProf != nil {
+			if err := stopProf(); err != nil {
 				fmt.Fprintf(logw, "relay-child: cpuprofile: %v\n", err)
 			}
-			prof = nil
+			stopProf = nil
 		}
 	}
 	defer stopProfile()
@@ -230,22 +216,17 @@ loop:
 				path = cfg.CPUProfile
 			}
 			switch {
-			case (c == childProfileStart || named) && path != "" && prof == nil:
-				f, err := os.Create(path)
+			case (c == childProfileStart || named) && path != "" && stopProf == nil:
+				stop, err := startCPUProfileTo(path)
 				if err != nil {
 					fmt.Fprintf(logw, "relay-child: cpuprofile: %v\n", err)
 					continue
 				}
-				if err := pprof.StartCPUProfile(f); err != nil {
-					f.Close()
-					fmt.Fprintf(logw, "relay-child: cpuprofile: %v\n", err)
-					continue
-				}
-				prof, heapOnStop = f, !named
+				stopProf, heapOnStop = stop, !named
 			case c == childProfileStop:
 				// A heap profile ends only the CPU profile it was started
 				// with: a stop with none running writes nothing.
-				heap := heapOnStop && prof != nil
+				heap := heapOnStop && stopProf != nil
 				stopProfile()
 				heapOnStop = false
 				if heap && cfg.HeapProfile != "" {
@@ -1101,19 +1082,13 @@ func startCPUProfile(prefix string, p envoy.Protocol, mode FanoutMode, out io.Wr
 	if prefix == "" {
 		return func() {}
 	}
-	f, err := os.Create(fmt.Sprintf("%s-%s-%s.cpu.pprof", prefix, p, mode))
-	if err == nil {
-		if err = pprof.StartCPUProfile(f); err != nil {
-			f.Close()
-		}
-	}
+	stop, err := startCPUProfileTo(fmt.Sprintf("%s-%s-%s.cpu.pprof", prefix, p, mode))
 	if err != nil {
 		fmt.Fprintf(out, "cpuprofile: %v\n", err)
 		return func() {}
 	}
 	return func() {
-		pprof.StopCPUProfile()
-		if err := f.Close(); err != nil {
+		if err := stop(); err != nil {
 			fmt.Fprintf(out, "cpuprofile: %v\n", err)
 		}
 	}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
 	"runtime"
@@ -331,5 +332,34 @@ func TestFanoutFleetProcess(t *testing.T) {
 	}
 	if want := []string{relayCPUs.String() + " (<nil>)"}; pinned && (len(relayCPUsSeen) != 1 || relayCPUsSeen[0] != want[0]) {
 		t.Errorf("relay child's CPUs read after its start: %q, want %q", relayCPUsSeen, want)
+	}
+}
+
+// TestRelayChildProfiles drives RunRelayChild's profile commands: "profile
+// start" and "profile stop" write the configured CPU profile and then the
+// heap profile; "profile start PATH" profiles to PATH alone; EOF on its
+// stdin ends it.
+func TestRelayChildProfiles(t *testing.T) {
+	dir := t.TempDir()
+	cfg := RelayChildConfig{Upstream: "127.0.0.1:1", CPUProfile: dir + "/cpu.pprof", HeapProfile: dir + "/heap.pprof"}
+	inR, inW := io.Pipe()
+	done := make(chan error, 1)
+	go func() { done <- RunRelayChild(t.Context(), cfg, inR, io.Discard, io.Discard) }()
+	for _, c := range []string{childProfileStart, childProfileStop, childProfileStart + " " + dir + "/named.pprof", childProfileStop} {
+		if _, err := io.WriteString(inW, " "+c+" \n"); err != nil {
+			t.Fatalf("write %q: %v", c, err)
+		}
+	}
+	inW.Close()
+	if err := <-done; err != nil {
+		t.Fatalf("RunRelayChild: %v", err)
+	}
+	for _, name := range []string{"cpu.pprof", "heap.pprof", "named.pprof"} {
+		if st, err := os.Stat(dir + "/" + name); err != nil || st.Size() == 0 {
+			t.Errorf("profile %s: %v, want a profile written", name, err)
+		}
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 3 {
+		t.Errorf("%d files written, want 3 (no heap profile for the named CPU profile)", len(ents))
 	}
 }
