@@ -178,14 +178,8 @@ func fanout(ctx context.Context, args []string) error {
 	if *realEnvoys > 0 {
 		return realFanout(ctx, fs, *realEnvoys, *protocols, *modes, *jsonOut)
 	}
-	if err := loadtest.CheckCPUs("--relay-cpus", cfg.RelayCPUs); err != nil {
+	if err := checkPinning(cfg.RelayCPUs, cfg.FleetCPUs, *fleetProcess, "the upstream"); err != nil {
 		return err
-	}
-	if err := loadtest.CheckCPUs("--fleet-cpus", cfg.FleetCPUs); err != nil {
-		return err
-	}
-	if len(cfg.FleetCPUs) > 0 && !*fleetProcess {
-		return errors.New("--fleet-cpus needs --fleet-process (the fleet shares this process with the upstream otherwise)")
 	}
 	cfg.Targets.RelayPeakRSS = *targetRSS << 20
 	cfg.TLSVerifiers = nil
@@ -229,6 +223,22 @@ func fanout(ctx context.Context, args []string) error {
 		err = errors.Join(err, writeJSON(*jsonOut, rep))
 	}
 	return err
+}
+
+// checkPinning checks --relay-cpus and --fleet-cpus: CPUs this process
+// may use, and --fleet-cpus only with a fleet child (fleetProcess; the
+// fleet shares this process with what shared names otherwise).
+func checkPinning(relayCPUs, fleetCPUs loadtest.CPUSet, fleetProcess bool, shared string) error {
+	if err := loadtest.CheckCPUs("--relay-cpus", relayCPUs); err != nil {
+		return err
+	}
+	if err := loadtest.CheckCPUs("--fleet-cpus", fleetCPUs); err != nil {
+		return err
+	}
+	if len(fleetCPUs) > 0 && !fleetProcess {
+		return fmt.Errorf("--fleet-cpus needs --fleet-process (the fleet shares this process with %s otherwise)", shared)
+	}
+	return nil
 }
 
 // findEnvoy prints the path and version of the Envoy the tests use,
@@ -350,14 +360,8 @@ func scale(ctx context.Context, args []string) error {
 		return fmt.Errorf("--tls-verifier: %w", err)
 	}
 	cfg.Verifier = v
-	if err := loadtest.CheckCPUs("--relay-cpus", cfg.TierCPUs); err != nil {
+	if err := checkPinning(cfg.TierCPUs, cfg.FleetCPUs, *fleetProcess, "the tier"); err != nil {
 		return err
-	}
-	if err := loadtest.CheckCPUs("--fleet-cpus", cfg.FleetCPUs); err != nil {
-		return err
-	}
-	if len(cfg.FleetCPUs) > 0 && !*fleetProcess {
-		return errors.New("--fleet-cpus needs --fleet-process (the fleet shares this process with the tier otherwise)")
 	}
 	if *fleetProcess {
 		exe, err := os.Executable()
@@ -756,10 +760,7 @@ func ctrip(ctx context.Context, args []string) error {
 			return err
 		}
 	}
-	if err := loadtest.CheckCPUs("--relay-cpus", cfg.RelayCPUs); err != nil {
-		return err
-	}
-	if err := loadtest.CheckCPUs("--fleet-cpus", cfg.FleetCPUs); err != nil {
+	if err := checkPinning(cfg.RelayCPUs, cfg.FleetCPUs, true, ""); err != nil {
 		return err
 	}
 	cfg.Plot = plotOut

@@ -4,9 +4,12 @@ import (
 	"context"
 	"errors"
 	"flag"
+	"strings"
 	"testing"
 
 	"go.uber.org/goleak"
+
+	"github.com/meshrelay/meshrelay/loadtest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -47,5 +50,17 @@ func TestDocumentedFlags(t *testing.T) {
 				t.Errorf("%s %q --help = %v, want flag.ErrHelp", tc.name, tc.args, err)
 			}
 		})
+	}
+}
+
+// TestCheckPinning: --fleet-cpus needs a fleet child, and names what the
+// fleet would share this process with.
+func TestCheckPinning(t *testing.T) {
+	if err := checkPinning(nil, nil, false, "the tier"); err != nil {
+		t.Errorf("checkPinning(none, none, no fleet process) = %v, want nil", err)
+	}
+	err := checkPinning(nil, loadtest.CPUSet{0}, false, "the tier")
+	if err == nil || !strings.Contains(err.Error(), "with the tier otherwise") {
+		t.Errorf("checkPinning(none, 0, no fleet process) = %v, want an error naming the tier", err)
 	}
 }
