@@ -7,9 +7,8 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/signal"
 	"runtime"
-	"syscall"
+	"strings"
 	"testing"
 	"time"
 
@@ -23,22 +22,13 @@ import (
 const relayChildEnv = "MESHRELAY_RELAY_CHILD"
 
 func TestRelayChildProcess(t *testing.T) {
-	raw := os.Getenv(relayChildEnv)
-	if raw == "" {
-		t.Skip("helper process for relay children; runs only when started by a test")
-	}
-	var cfg RelayChildConfig
-	if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
-		fmt.Fprintf(os.Stderr, "relay child: %s: %v\n", relayChildEnv, err)
-		os.Exit(2)
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
-	defer stop()
-	if err := RunRelayChild(ctx, cfg, os.Stdin, os.Stdout, os.Stderr); err != nil {
-		fmt.Fprintf(os.Stderr, "relay child: %v\n", err)
-		os.Exit(1)
-	}
-	os.Exit(0)
+	runHelper(t, relayChildEnv, func(ctx context.Context, raw string) error {
+		var cfg RelayChildConfig
+		if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
+			return err
+		}
+		return RunRelayChild(ctx, cfg, os.Stdin, os.Stdout, os.Stderr)
+	})
 }
 
 // testStartRelay starts a relay child by re-executing the test binary.
@@ -58,6 +48,38 @@ func testStartRelay(t *testing.T) StartRelayFunc {
 	}
 }
 
+// tinyFanoutConfig is a fan-out of services services (one endpoint each)
+// in namespaces namespaces, envoys Envoys over keys keys, changes changes,
+// paced for a test: all connecting at once, short pauses, bounded waits.
+func tinyFanoutConfig(services, namespaces, envoys, keys, changes int) FanoutConfig {
+	cfg := DefaultFanoutConfig()
+	cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = services, services, namespaces
+	cfg.Envoys, cfg.Keys, cfg.Changes = envoys, keys, changes
+	cfg.StartRate = 0
+	cfg.Settle, cfg.ChangeGap = 100*time.Millisecond, 10*time.Millisecond
+	cfg.SyncTimeout, cfg.ChangeTimeout = 30*time.Second, 20*time.Second
+	return cfg
+}
+
+// runTinyFanout runs cfg within 2 minutes, logs what it printed, and
+// fails t unless it succeeded with one run for each of the comma-separated
+// runs.
+func runTinyFanout(t *testing.T, cfg FanoutConfig, runs string) *FanoutReport {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var out bytes.Buffer
+	rep, err := RunFanout(ctx, cfg, &out)
+	t.Log(out.String())
+	if err != nil {
+		t.Fatalf("RunFanout: %v", err)
+	}
+	if want := len(strings.Split(runs, ",")); len(rep.Runs) != want {
+		t.Fatalf("len(Runs) = %d, want %d (%s)", len(rep.Runs), want, runs)
+	}
+	return rep
+}
+
 func requireLinux(t *testing.T) {
 	t.Helper()
 	if runtime.GOOS != "linux" {
@@ -73,25 +95,10 @@ func TestFanout(t *testing.T) {
 	requireLinux(t)
 	for _, p := range []envoy.Protocol{envoy.Delta, envoy.SotW} {
 		t.Run(p.String(), func(t *testing.T) {
-			cfg := DefaultFanoutConfig()
-			cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = 30, 30, 3
-			cfg.Envoys, cfg.Keys, cfg.Changes = 30, 3, 3
+			cfg := tinyFanoutConfig(30, 3, 30, 3, 3)
 			cfg.Protocols = []envoy.Protocol{p}
-			cfg.StartRate = 0
-			cfg.Settle, cfg.ChangeGap = 100*time.Millisecond, 10*time.Millisecond
-			cfg.SyncTimeout, cfg.ChangeTimeout = 30*time.Second, 20*time.Second
 			cfg.StartRelay = testStartRelay(t)
-			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-			defer cancel()
-			var out bytes.Buffer
-			rep, err := RunFanout(ctx, cfg, &out)
-			t.Log(out.String())
-			if err != nil {
-				t.Fatalf("RunFanout: %v", err)
-			}
-			if len(rep.Runs) != 2 {
-				t.Fatalf("len(Runs) = %d, want 2 (direct, relayed)", len(rep.Runs))
-			}
+			rep := runTinyFanout(t, cfg, "direct, relayed")
 			for _, r := range rep.Runs {
 				wantStreams := int64(cfg.Envoys)
 				if r.Mode == Relayed {
@@ -255,13 +262,8 @@ func TestFanoutFleetProcess(t *testing.T) {
 	requireLinux(t)
 	noChildLeft(t)
 	relayCPUs, fleetCPUs, pinned := twoCPUs(t)
-	cfg := DefaultFanoutConfig()
-	cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = 30, 30, 3
-	cfg.Envoys, cfg.Keys, cfg.Changes = 30, 3, 3
+	cfg := tinyFanoutConfig(30, 3, 30, 3, 3)
 	cfg.Protocols = []envoy.Protocol{envoy.Delta}
-	cfg.StartRate = 0
-	cfg.Settle, cfg.ChangeGap = 100*time.Millisecond, 10*time.Millisecond
-	cfg.SyncTimeout, cfg.ChangeTimeout = 30*time.Second, 20*time.Second
 	cfg.FleetCommand, cfg.FleetStderr = testFleetCommand, os.Stderr
 	cfg.RelayCPUs, cfg.FleetCPUs = relayCPUs, fleetCPUs
 	// The relay's mask, read with another reader than the run's own.
@@ -275,17 +277,7 @@ func TestFanoutFleetProcess(t *testing.T) {
 		}
 		return c, err
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	var out bytes.Buffer
-	rep, err := RunFanout(ctx, cfg, &out)
-	t.Log(out.String())
-	if err != nil {
-		t.Fatalf("RunFanout: %v", err)
-	}
-	if len(rep.Runs) != 2 {
-		t.Fatalf("len(Runs) = %d, want 2 (direct, relayed)", len(rep.Runs))
-	}
+	rep := runTinyFanout(t, cfg, "direct, relayed")
 	if !rep.Pinning.FleetProcess || rep.Pinning.RelayCPUs != relayCPUs.String() || rep.Pinning.FleetCPUs != fleetCPUs.String() {
 		t.Errorf("Pinning = %+v, want a fleet process, relay on %q, fleet on %q", rep.Pinning, relayCPUs, fleetCPUs)
 	}

@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/signal"
-	"syscall"
 	"testing"
 )
 
@@ -16,22 +14,13 @@ const ledgerChildEnv = "MESHRELAY_LEDGER_CHILD"
 // TestLedgerChildProcess is the helper process of TestLedger: it runs one
 // relay of the tier from the LedgerPeerConfig (JSON) it holds.
 func TestLedgerChildProcess(t *testing.T) {
-	raw := os.Getenv(ledgerChildEnv)
-	if raw == "" {
-		t.Skip("helper process for ledger children; runs only when started by a test")
-	}
-	var cfg LedgerPeerConfig
-	if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
-		fmt.Fprintf(os.Stderr, "ledger child: %s: %v\n", ledgerChildEnv, err)
-		os.Exit(2)
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
-	defer stop()
-	if err := RunLedgerChild(ctx, cfg, os.Stdin, os.Stdout); err != nil {
-		fmt.Fprintf(os.Stderr, "ledger child: %v\n", err)
-		os.Exit(1)
-	}
-	os.Exit(0)
+	runHelper(t, ledgerChildEnv, func(ctx context.Context, raw string) error {
+		var cfg LedgerPeerConfig
+		if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
+			return err
+		}
+		return RunLedgerChild(ctx, cfg, os.Stdin, os.Stdout)
+	})
 }
 
 // TestLedger runs the ledger benchmark at a tiny scale, with the peers in
