@@ -359,7 +359,11 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 			if err != nil {
 				return nil, fmt.Errorf("loadtest: start relay-%d: %w", i, err)
 			}
-			defer c.Stop(context.Background())
+			defer func() {
+				sctx, cancel := stopContext(ctx)
+				defer cancel()
+				_ = c.Stop(sctx)
+			}()
 			addr = c.Addr()
 		} else {
 			r, err := startLedgerRelay(ctx, i, nil)

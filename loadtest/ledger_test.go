@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"testing"
+	"time"
 )
 
 const ledgerChildEnv = "MESHRELAY_LEDGER_CHILD"
@@ -58,4 +59,22 @@ func TestLedger(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestLedgerKillsAHungPeer runs the ledger benchmark with its peers apart,
+// each a hung child that ignores SIGTERM and its stdin's EOF: RunLedger
+// kills them once the stop's time is up, and waits for them, rather than
+// waiting for ever.
+func TestLedgerKillsAHungPeer(t *testing.T) {
+	requireLinux(t)
+	noChildLeft(t)
+	shortStopTimeout(t)
+	cfg := LedgerConfig{Relays: 2, Envoys: 100, Keys: 2, Resources: 10, Versions: 2, Queries: 1}
+	cfg.StartPeer = func(ctx context.Context, _ LedgerPeerConfig) (*Child, error) {
+		return startHungChild(ctx, RelayChildConfig{})
+	}
+	returnsWithin(t, time.Minute, "RunLedger", func() {
+		_, err := RunLedger(t.Context(), cfg, io.Discard)
+		t.Logf("RunLedger: %v", err)
+	})
 }
