@@ -80,6 +80,21 @@ func runTinyFanout(t *testing.T, cfg FanoutConfig, runs string) *FanoutReport {
 	return rep
 }
 
+// checkEveryChange fails t unless run r synced, timed every change of
+// cfg at every Envoy, and saw no protocol violation.
+func checkEveryChange(t *testing.T, cfg FanoutConfig, r FanoutRun) {
+	t.Helper()
+	if !r.Synced || r.ChangesDone != cfg.Changes || r.ChangesTimedOut != 0 {
+		t.Errorf("%s: synced %v, changes done %d, timed out %d, want true, %d, 0", r.Mode, r.Synced, r.ChangesDone, r.ChangesTimedOut, cfg.Changes)
+	}
+	if r.ACK.N != cfg.Changes*cfg.Envoys || r.Complete.N != cfg.Changes {
+		t.Errorf("%s: %d (change, Envoy) ACKs and %d completions timed, want %d and %d", r.Mode, r.ACK.N, r.Complete.N, cfg.Changes*cfg.Envoys, cfg.Changes)
+	}
+	if r.Violations != 0 {
+		t.Errorf("%s: %d protocol violations: %v", r.Mode, r.Violations, r.ViolationSamples)
+	}
+}
+
 func requireLinux(t *testing.T) {
 	t.Helper()
 	if runtime.GOOS != "linux" {
@@ -107,15 +122,7 @@ func TestFanout(t *testing.T) {
 				if r.UpstreamStreams != wantStreams || r.UpstreamStreamsEnd != wantStreams {
 					t.Errorf("%s: upstream streams = %d after sync, %d at end, want %d", r.Mode, r.UpstreamStreams, r.UpstreamStreamsEnd, wantStreams)
 				}
-				if !r.Synced || r.ChangesDone != cfg.Changes || r.ChangesTimedOut != 0 {
-					t.Errorf("%s: synced %v, changes done %d, timed out %d, want true, %d, 0", r.Mode, r.Synced, r.ChangesDone, r.ChangesTimedOut, cfg.Changes)
-				}
-				if r.ACK.N != cfg.Changes*cfg.Envoys || r.Complete.N != cfg.Changes {
-					t.Errorf("%s: %d (change, Envoy) ACKs and %d completions timed, want %d and %d", r.Mode, r.ACK.N, r.Complete.N, cfg.Changes*cfg.Envoys, cfg.Changes)
-				}
-				if r.Violations != 0 {
-					t.Errorf("%s: %d protocol violations: %v", r.Mode, r.Violations, r.ViolationSamples)
-				}
+				checkEveryChange(t, cfg, r)
 				if r.UpstreamBytesSync == 0 || r.EnvoyBytesSync == 0 || r.EnvoyBytesChanges == 0 {
 					t.Errorf("%s: bytes upstream %d, Envoys %d (sync), Envoys %d (changes): want all > 0", r.Mode, r.UpstreamBytesSync, r.EnvoyBytesSync, r.EnvoyBytesChanges)
 				}
@@ -282,15 +289,7 @@ func TestFanoutFleetProcess(t *testing.T) {
 		t.Errorf("Pinning = %+v, want a fleet process, relay on %q, fleet on %q", rep.Pinning, relayCPUs, fleetCPUs)
 	}
 	for _, r := range rep.Runs {
-		if !r.Synced || r.ChangesDone != cfg.Changes || r.ChangesTimedOut != 0 {
-			t.Errorf("%s: synced %v, changes done %d, timed out %d, want true, %d, 0", r.Mode, r.Synced, r.ChangesDone, r.ChangesTimedOut, cfg.Changes)
-		}
-		if r.ACK.N != cfg.Changes*cfg.Envoys || r.Complete.N != cfg.Changes {
-			t.Errorf("%s: %d (change, Envoy) ACKs and %d completions timed, want %d and %d", r.Mode, r.ACK.N, r.Complete.N, cfg.Changes*cfg.Envoys, cfg.Changes)
-		}
-		if r.Violations != 0 {
-			t.Errorf("%s: %d protocol violations: %v", r.Mode, r.Violations, r.ViolationSamples)
-		}
+		checkEveryChange(t, cfg, r)
 		if r.EnvoyBytesSync == 0 || r.EnvoyBytesChanges == 0 {
 			t.Errorf("%s: Envoys' bytes %d (sync), %d (changes), want both > 0", r.Mode, r.EnvoyBytesSync, r.EnvoyBytesChanges)
 		}
