@@ -217,7 +217,7 @@ loop:
 			}
 			switch {
 			case (c == childProfileStart || named) && path != "" && stopProf == nil:
-				stop, err := startCPUProfileTo(path)
+				stop, err := ProfileCPU(path)
 				if err != nil {
 					fmt.Fprintf(logw, "relay-child: cpuprofile: %v\n", err)
 					continue
@@ -1082,7 +1082,7 @@ func startCPUProfile(prefix string, p envoy.Protocol, mode FanoutMode, out io.Wr
 	if prefix == "" {
 		return func() {}
 	}
-	stop, err := startCPUProfileTo(fmt.Sprintf("%s-%s-%s.cpu.pprof", prefix, p, mode))
+	stop, err := ProfileCPU(fmt.Sprintf("%s-%s-%s.cpu.pprof", prefix, p, mode))
 	if err != nil {
 		fmt.Fprintf(out, "cpuprofile: %v\n", err)
 		return func() {}

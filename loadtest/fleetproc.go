@@ -297,7 +297,7 @@ func (c *fleetChild) do(ctx context.Context, cmd, arg string) (string, error) {
 		if c.stopProf != nil {
 			return "", errors.New("a profile is running")
 		}
-		stop, err := startCPUProfileTo(arg)
+		stop, err := ProfileCPU(arg)
 		if err != nil {
 			return "", err
 		}

@@ -193,9 +193,10 @@ func readCommands(ctx context.Context, in io.Reader) (cmds <-chan string, eof <-
 	return c, done
 }
 
-// startCPUProfileTo starts this process's CPU profile into a new file at
-// path; stop ends the profile and closes the file.
-func startCPUProfileTo(path string) (stop func() error, err error) {
+// ProfileCPU starts this process's CPU profile into a new file at path;
+// stop ends the profile and closes the file. One profile runs at a time
+// in a process (runtime/pprof).
+func ProfileCPU(path string) (stop func() error, err error) {
 	f, err := os.Create(path)
 	if err != nil {
 		return nil, err

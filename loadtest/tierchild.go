@@ -296,7 +296,7 @@ func RunTierRelayChild(ctx context.Context, cfg TierRelayChildConfig, in io.Read
 		case strings.HasPrefix(c, childProfileStart+" "):
 			// No answer: a profile is best effort, and says so on logw.
 			if stopProf == nil {
-				if stopProf, err = startCPUProfileTo(strings.TrimPrefix(c, childProfileStart+" ")); err != nil {
+				if stopProf, err = ProfileCPU(strings.TrimPrefix(c, childProfileStart+" ")); err != nil {
 					fmt.Fprintf(logw, "tier relay child %s: cpuprofile: %v\n", cfg.ID, err)
 					err = nil
 				}

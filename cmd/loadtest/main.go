@@ -12,7 +12,6 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -441,15 +440,15 @@ func startCPUProfile(path string) (stop func(), err error) {
 	if path == "" {
 		return func() {}, nil
 	}
-	f, err := os.Create(path)
+	stopProfile, err := loadtest.ProfileCPU(path)
 	if err != nil {
 		return nil, err
 	}
-	if err := pprof.StartCPUProfile(f); err != nil {
-		f.Close()
-		return nil, err
-	}
-	return func() { pprof.StopCPUProfile(); f.Close() }, nil
+	return func() {
+		if err := stopProfile(); err != nil {
+			fmt.Fprintln(os.Stderr, "loadtest: --cpuprofile:", err)
+		}
+	}, nil
 }
 
 // writeJSON writes v as indented JSON to path (--json), if path is set.
