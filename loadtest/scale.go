@@ -401,6 +401,13 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 	}
 	rep.Phases = append(rep.Phases, p)
 	s.print(out, p)
+	// A fleet child's ACKs reach the tracker over its observation stream:
+	// if the stream broke, the latencies during the moves missed some.
+	if fp, ok := fleet.(*FleetProcess); ok {
+		if err := fp.Err(); err != nil {
+			return rep, err
+		}
+	}
 	if kube != nil {
 		rep.TokenReviews = kube.Requests()
 		fmt.Fprintf(out, "scale: %d token reviews for %d tokens over the whole run (each relay caches its verdicts)\n", rep.TokenReviews, creds.Tokens())
