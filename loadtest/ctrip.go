@@ -1072,13 +1072,18 @@ func (p *tierRelayProc) ask(ctx context.Context, cmd, prefix string) (string, er
 	}
 }
 
-func (p *tierRelayProc) stats(ctx context.Context) (TierRelayStats, error) {
-	var st TierRelayStats
-	s, err := p.ask(ctx, tierStats, tierStats+" ")
+// askJSON sends cmd and decodes the JSON of its answer, "<cmd> <JSON>".
+func askJSON[T any](ctx context.Context, p *tierRelayProc, cmd string) (T, error) {
+	var v T
+	s, err := p.ask(ctx, cmd, cmd+" ")
 	if err == nil {
-		err = json.Unmarshal([]byte(s), &st)
+		err = json.Unmarshal([]byte(s), &v)
 	}
-	return st, err
+	return v, err
+}
+
+func (p *tierRelayProc) stats(ctx context.Context) (TierRelayStats, error) {
+	return askJSON[TierRelayStats](ctx, p, tierStats)
 }
 
 // heap returns the relay's live heap after a collection.
@@ -1091,12 +1096,7 @@ func (p *tierRelayProc) heap(ctx context.Context) (uint64, error) {
 }
 
 func (p *tierRelayProc) tier(ctx context.Context) (TierConvergence, error) {
-	var tc TierConvergence
-	s, err := p.ask(ctx, tierConvergence, tierConvergence+" ")
-	if err == nil {
-		err = json.Unmarshal([]byte(s), &tc)
-	}
-	return tc, err
+	return askJSON[TierConvergence](ctx, p, tierConvergence)
 }
 
 func (p *tierRelayProc) ledgerOn(ctx context.Context, every time.Duration) error {
@@ -1105,12 +1105,7 @@ func (p *tierRelayProc) ledgerOn(ctx context.Context, every time.Duration) error
 }
 
 func (p *tierRelayProc) ledgerOff(ctx context.Context) (LedgerSamplerStats, error) {
-	var st LedgerSamplerStats
-	s, err := p.ask(ctx, tierLedgerOff, tierLedgerOff+" ")
-	if err == nil {
-		err = json.Unmarshal([]byte(s), &st)
-	}
-	return st, err
+	return askJSON[LedgerSamplerStats](ctx, p, tierLedgerOff)
 }
 
 // ledgerSamples gathers the relays' ledger sample lines and joins them:

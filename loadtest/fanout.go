@@ -1,7 +1,6 @@
 package loadtest
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -217,28 +216,15 @@ func RunRelayChild(ctx context.Context, cfg RelayChildConfig, in io.Reader, out,
 		return fmt.Errorf("loadtest: report address: %w", err)
 	}
 
-	cmds := make(chan string)
-	eof := make(chan struct{})
-	go func() {
-		defer close(eof)
-		sc := bufio.NewScanner(in)
-		for sc.Scan() {
-			select {
-			case cmds <- strings.TrimSpace(sc.Text()):
-			case <-ctx.Done():
-				return
-			}
-		}
-	}()
-	var prof *os.File
-	heapOnStop := false // the profile was started without a path
+	cmds, eof := readCommands(ctx, in)
+	var stopProf func() error // of the CPU profile running, if one is
+	heapOnStop := false       // the profile was started without a path
 	stopProfile := func() {
-		if prof != nil {
-			pprof.StopCPUProfile()
-			if err := prof.Close(); err != nil {
+		if stopProf != nil {
+			if err := stopProf(); err != nil {
 				fmt.Fprintf(logw, "relay-child: cpuprofile: %v\n", err)
 			}
-			prof = nil
+			stopProf = nil
 		}
 	}
 	defer stopProfile()
@@ -255,22 +241,17 @@ loop:
 				path = cfg.CPUProfile
 			}
 			switch {
-			case (c == childProfileStart || named) && path != "" && prof == nil:
-				f, err := os.Create(path)
+			case (c == childProfileStart || named) && path != "" && stopProf == nil:
+				stop, err := ProfileCPU(path)
 				if err != nil {
 					fmt.Fprintf(logw, "relay-child: cpuprofile: %v\n", err)
 					continue
 				}
-				if err := pprof.StartCPUProfile(f); err != nil {
-					f.Close()
-					fmt.Fprintf(logw, "relay-child: cpuprofile: %v\n", err)
-					continue
-				}
-				prof, heapOnStop = f, !named
+				stopProf, heapOnStop = stop, !named
 			case c == childProfileStop:
 				// A heap profile ends only the CPU profile it was started
 				// with: a stop with none running writes nothing.
-				heap := heapOnStop && prof != nil
+				heap := heapOnStop && stopProf != nil
 				stopProfile()
 				heapOnStop = false
 				if heap && cfg.HeapProfile != "" {
@@ -870,8 +851,17 @@ func loadAvg() string {
 	return strings.Join(f[:min(3, len(f))], " ")
 }
 
-// stopTimeout bounds each Stop at the end of a run.
-const stopTimeout = 30 * time.Second
+// stopTimeout bounds each Stop at the end of a run: a child still there
+// then is killed. A variable so that a test of a hung child need not wait
+// this long.
+var stopTimeout = 30 * time.Second
+
+// stopContext is the context of a Stop at the end of a run: it outlives
+// ctx (an interrupted run still stops what it started, in order) and ends
+// stopTimeout from now.
+func stopContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
+}
 
 // runLabel names a run's column: its mode, and its transport if not
 // plaintext.
@@ -890,9 +880,6 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 		run.Transport = tr.String()
 	}
 	tag := fmt.Sprintf("%s %s", p, runLabel(&run))
-	stopCtx := func() (context.Context, context.CancelFunc) {
-		return context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
-	}
 	fail := func(err error) FanoutRun {
 		run.Error = err.Error()
 		fmt.Fprintf(out, "%s: %v\n", tag, err)
@@ -915,7 +902,7 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 		return fail(err)
 	}
 	defer func() {
-		sctx, cancel := stopCtx()
+		sctx, cancel := stopContext(ctx)
 		defer cancel()
 		_ = up.Stop(sctx)
 	}()
@@ -954,7 +941,7 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 			return fail(fmt.Errorf("start relay: %w", err))
 		}
 		defer func() {
-			sctx, cancel := stopCtx()
+			sctx, cancel := stopContext(ctx)
 			defer cancel()
 			if err := child.Stop(sctx); err != nil {
 				fmt.Fprintf(out, "%s: stop relay: %v\n", tag, err)
@@ -997,7 +984,7 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 	fleet, start, err := startBenchFleet(ctx, spec)
 	if fleet != nil {
 		defer func() {
-			sctx, cancel := stopCtx()
+			sctx, cancel := stopContext(ctx)
 			defer cancel()
 			if err := fleet.Stop(sctx); err != nil {
 				fmt.Fprintf(out, "%s: stop fleet: %v\n", tag, err)
@@ -1120,19 +1107,13 @@ func startCPUProfile(prefix string, p envoy.Protocol, mode FanoutMode, out io.Wr
 	if prefix == "" {
 		return func() {}
 	}
-	f, err := os.Create(fmt.Sprintf("%s-%s-%s.cpu.pprof", prefix, p, mode))
-	if err == nil {
-		if err = pprof.StartCPUProfile(f); err != nil {
-			f.Close()
-		}
-	}
+	stop, err := ProfileCPU(fmt.Sprintf("%s-%s-%s.cpu.pprof", prefix, p, mode))
 	if err != nil {
 		fmt.Fprintf(out, "cpuprofile: %v\n", err)
 		return func() {}
 	}
 	return func() {
-		pprof.StopCPUProfile()
-		if err := f.Close(); err != nil {
+		if err := stop(); err != nil {
 			fmt.Fprintf(out, "cpuprofile: %v\n", err)
 		}
 	}

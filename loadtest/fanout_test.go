@@ -5,10 +5,10 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
-	"os/signal"
 	"runtime"
-	"syscall"
+	"strings"
 	"testing"
 	"time"
 
@@ -22,22 +22,13 @@ import (
 const relayChildEnv = "MESHRELAY_RELAY_CHILD"
 
 func TestRelayChildProcess(t *testing.T) {
-	raw := os.Getenv(relayChildEnv)
-	if raw == "" {
-		t.Skip("helper process for relay children; runs only when started by a test")
-	}
-	var cfg RelayChildConfig
-	if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
-		fmt.Fprintf(os.Stderr, "relay child: %s: %v\n", relayChildEnv, err)
-		os.Exit(2)
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
-	defer stop()
-	if err := RunRelayChild(ctx, cfg, os.Stdin, os.Stdout, os.Stderr); err != nil {
-		fmt.Fprintf(os.Stderr, "relay child: %v\n", err)
-		os.Exit(1)
-	}
-	os.Exit(0)
+	runHelper(t, relayChildEnv, func(ctx context.Context, raw string) error {
+		var cfg RelayChildConfig
+		if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
+			return err
+		}
+		return RunRelayChild(ctx, cfg, os.Stdin, os.Stdout, os.Stderr)
+	})
 }
 
 // testStartRelay starts a relay child by re-executing the test binary.
@@ -57,6 +48,53 @@ func testStartRelay(t *testing.T) StartRelayFunc {
 	}
 }
 
+// tinyFanoutConfig is a fan-out of services services (one endpoint each)
+// in namespaces namespaces, envoys Envoys over keys keys, changes changes,
+// paced for a test: all connecting at once, short pauses, bounded waits.
+func tinyFanoutConfig(services, namespaces, envoys, keys, changes int) FanoutConfig {
+	cfg := DefaultFanoutConfig()
+	cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = services, services, namespaces
+	cfg.Envoys, cfg.Keys, cfg.Changes = envoys, keys, changes
+	cfg.StartRate = 0
+	cfg.Settle, cfg.ChangeGap = 100*time.Millisecond, 10*time.Millisecond
+	cfg.SyncTimeout, cfg.ChangeTimeout = 30*time.Second, 20*time.Second
+	return cfg
+}
+
+// runTinyFanout runs cfg within 2 minutes, logs what it printed, and
+// fails t unless it succeeded with one run for each of the comma-separated
+// runs.
+func runTinyFanout(t *testing.T, cfg FanoutConfig, runs string) *FanoutReport {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var out bytes.Buffer
+	rep, err := RunFanout(ctx, cfg, &out)
+	t.Log(out.String())
+	if err != nil {
+		t.Fatalf("RunFanout: %v", err)
+	}
+	if want := len(strings.Split(runs, ",")); len(rep.Runs) != want {
+		t.Fatalf("len(Runs) = %d, want %d (%s)", len(rep.Runs), want, runs)
+	}
+	return rep
+}
+
+// checkEveryChange fails t unless run r synced, timed every change of
+// cfg at every Envoy, and saw no protocol violation.
+func checkEveryChange(t *testing.T, cfg FanoutConfig, r FanoutRun) {
+	t.Helper()
+	if !r.Synced || r.ChangesDone != cfg.Changes || r.ChangesTimedOut != 0 {
+		t.Errorf("%s: synced %v, changes done %d, timed out %d, want true, %d, 0", r.Mode, r.Synced, r.ChangesDone, r.ChangesTimedOut, cfg.Changes)
+	}
+	if r.ACK.N != cfg.Changes*cfg.Envoys || r.Complete.N != cfg.Changes {
+		t.Errorf("%s: %d (change, Envoy) ACKs and %d completions timed, want %d and %d", r.Mode, r.ACK.N, r.Complete.N, cfg.Changes*cfg.Envoys, cfg.Changes)
+	}
+	if r.Violations != 0 {
+		t.Errorf("%s: %d protocol violations: %v", r.Mode, r.Violations, r.ViolationSamples)
+	}
+}
+
 func requireLinux(t *testing.T) {
 	t.Helper()
 	if runtime.GOOS != "linux" {
@@ -72,25 +110,10 @@ func TestFanout(t *testing.T) {
 	requireLinux(t)
 	for _, p := range []envoy.Protocol{envoy.Delta, envoy.SotW} {
 		t.Run(p.String(), func(t *testing.T) {
-			cfg := DefaultFanoutConfig()
-			cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = 30, 30, 3
-			cfg.Envoys, cfg.Keys, cfg.Changes = 30, 3, 3
+			cfg := tinyFanoutConfig(30, 3, 30, 3, 3)
 			cfg.Protocols = []envoy.Protocol{p}
-			cfg.StartRate = 0
-			cfg.Settle, cfg.ChangeGap = 100*time.Millisecond, 10*time.Millisecond
-			cfg.SyncTimeout, cfg.ChangeTimeout = 30*time.Second, 20*time.Second
 			cfg.StartRelay = testStartRelay(t)
-			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-			defer cancel()
-			var out bytes.Buffer
-			rep, err := RunFanout(ctx, cfg, &out)
-			t.Log(out.String())
-			if err != nil {
-				t.Fatalf("RunFanout: %v", err)
-			}
-			if len(rep.Runs) != 2 {
-				t.Fatalf("len(Runs) = %d, want 2 (direct, relayed)", len(rep.Runs))
-			}
+			rep := runTinyFanout(t, cfg, "direct, relayed")
 			for _, r := range rep.Runs {
 				wantStreams := int64(cfg.Envoys)
 				if r.Mode == Relayed {
@@ -99,15 +122,7 @@ func TestFanout(t *testing.T) {
 				if r.UpstreamStreams != wantStreams || r.UpstreamStreamsEnd != wantStreams {
 					t.Errorf("%s: upstream streams = %d after sync, %d at end, want %d", r.Mode, r.UpstreamStreams, r.UpstreamStreamsEnd, wantStreams)
 				}
-				if !r.Synced || r.ChangesDone != cfg.Changes || r.ChangesTimedOut != 0 {
-					t.Errorf("%s: synced %v, changes done %d, timed out %d, want true, %d, 0", r.Mode, r.Synced, r.ChangesDone, r.ChangesTimedOut, cfg.Changes)
-				}
-				if r.ACK.N != cfg.Changes*cfg.Envoys || r.Complete.N != cfg.Changes {
-					t.Errorf("%s: %d (change, Envoy) ACKs and %d completions timed, want %d and %d", r.Mode, r.ACK.N, r.Complete.N, cfg.Changes*cfg.Envoys, cfg.Changes)
-				}
-				if r.Violations != 0 {
-					t.Errorf("%s: %d protocol violations: %v", r.Mode, r.Violations, r.ViolationSamples)
-				}
+				checkEveryChange(t, cfg, r)
 				if r.UpstreamBytesSync == 0 || r.EnvoyBytesSync == 0 || r.EnvoyBytesChanges == 0 {
 					t.Errorf("%s: bytes upstream %d, Envoys %d (sync), Envoys %d (changes): want all > 0", r.Mode, r.UpstreamBytesSync, r.EnvoyBytesSync, r.EnvoyBytesChanges)
 				}
@@ -254,13 +269,8 @@ func TestFanoutFleetProcess(t *testing.T) {
 	requireLinux(t)
 	noChildLeft(t)
 	relayCPUs, fleetCPUs, pinned := twoCPUs(t)
-	cfg := DefaultFanoutConfig()
-	cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = 30, 30, 3
-	cfg.Envoys, cfg.Keys, cfg.Changes = 30, 3, 3
+	cfg := tinyFanoutConfig(30, 3, 30, 3, 3)
 	cfg.Protocols = []envoy.Protocol{envoy.Delta}
-	cfg.StartRate = 0
-	cfg.Settle, cfg.ChangeGap = 100*time.Millisecond, 10*time.Millisecond
-	cfg.SyncTimeout, cfg.ChangeTimeout = 30*time.Second, 20*time.Second
 	cfg.FleetCommand, cfg.FleetStderr = testFleetCommand, os.Stderr
 	cfg.RelayCPUs, cfg.FleetCPUs = relayCPUs, fleetCPUs
 	// The relay's mask, read with another reader than the run's own.
@@ -274,30 +284,12 @@ func TestFanoutFleetProcess(t *testing.T) {
 		}
 		return c, err
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	var out bytes.Buffer
-	rep, err := RunFanout(ctx, cfg, &out)
-	t.Log(out.String())
-	if err != nil {
-		t.Fatalf("RunFanout: %v", err)
-	}
-	if len(rep.Runs) != 2 {
-		t.Fatalf("len(Runs) = %d, want 2 (direct, relayed)", len(rep.Runs))
-	}
+	rep := runTinyFanout(t, cfg, "direct, relayed")
 	if !rep.Pinning.FleetProcess || rep.Pinning.RelayCPUs != relayCPUs.String() || rep.Pinning.FleetCPUs != fleetCPUs.String() {
 		t.Errorf("Pinning = %+v, want a fleet process, relay on %q, fleet on %q", rep.Pinning, relayCPUs, fleetCPUs)
 	}
 	for _, r := range rep.Runs {
-		if !r.Synced || r.ChangesDone != cfg.Changes || r.ChangesTimedOut != 0 {
-			t.Errorf("%s: synced %v, changes done %d, timed out %d, want true, %d, 0", r.Mode, r.Synced, r.ChangesDone, r.ChangesTimedOut, cfg.Changes)
-		}
-		if r.ACK.N != cfg.Changes*cfg.Envoys || r.Complete.N != cfg.Changes {
-			t.Errorf("%s: %d (change, Envoy) ACKs and %d completions timed, want %d and %d", r.Mode, r.ACK.N, r.Complete.N, cfg.Changes*cfg.Envoys, cfg.Changes)
-		}
-		if r.Violations != 0 {
-			t.Errorf("%s: %d protocol violations: %v", r.Mode, r.Violations, r.ViolationSamples)
-		}
+		checkEveryChange(t, cfg, r)
 		if r.EnvoyBytesSync == 0 || r.EnvoyBytesChanges == 0 {
 			t.Errorf("%s: Envoys' bytes %d (sync), %d (changes), want both > 0", r.Mode, r.EnvoyBytesSync, r.EnvoyBytesChanges)
 		}
@@ -331,5 +323,34 @@ func TestFanoutFleetProcess(t *testing.T) {
 	}
 	if want := []string{relayCPUs.String() + " (<nil>)"}; pinned && (len(relayCPUsSeen) != 1 || relayCPUsSeen[0] != want[0]) {
 		t.Errorf("relay child's CPUs read after its start: %q, want %q", relayCPUsSeen, want)
+	}
+}
+
+// TestRelayChildProfiles drives RunRelayChild's profile commands: "profile
+// start" and "profile stop" write the configured CPU profile and then the
+// heap profile; "profile start PATH" profiles to PATH alone; EOF on its
+// stdin ends it.
+func TestRelayChildProfiles(t *testing.T) {
+	dir := t.TempDir()
+	cfg := RelayChildConfig{Upstream: "127.0.0.1:1", CPUProfile: dir + "/cpu.pprof", HeapProfile: dir + "/heap.pprof"}
+	inR, inW := io.Pipe()
+	done := make(chan error, 1)
+	go func() { done <- RunRelayChild(t.Context(), cfg, inR, io.Discard, io.Discard) }()
+	for _, c := range []string{childProfileStart, childProfileStop, childProfileStart + " " + dir + "/named.pprof", childProfileStop} {
+		if _, err := io.WriteString(inW, " "+c+" \n"); err != nil {
+			t.Fatalf("write %q: %v", c, err)
+		}
+	}
+	inW.Close()
+	if err := <-done; err != nil {
+		t.Fatalf("RunRelayChild: %v", err)
+	}
+	for _, name := range []string{"cpu.pprof", "heap.pprof", "named.pprof"} {
+		if st, err := os.Stat(dir + "/" + name); err != nil || st.Size() == 0 {
+			t.Errorf("profile %s: %v, want a profile written", name, err)
+		}
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 3 {
+		t.Errorf("%d files written, want 3 (no heap profile for the named CPU profile)", len(ents))
 	}
 }

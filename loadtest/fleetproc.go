@@ -11,7 +11,6 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"runtime/pprof"
 	"strconv"
 	"strings"
 	"sync"
@@ -233,7 +232,8 @@ type fleetChild struct {
 	want   map[string]holdings
 	synced []bool
 	nSync  int
-	prof   *os.File
+	// stopProf ends the CPU profile running, if one is.
+	stopProf func() error
 }
 
 func (c *fleetChild) do(ctx context.Context, cmd, arg string) (string, error) {
@@ -294,18 +294,14 @@ func (c *fleetChild) do(ctx context.Context, cmd, arg string) (string, error) {
 	case fleetHeap:
 		return strconv.FormatUint(liveHeap(), 10), nil
 	case fleetProfile:
-		if c.prof != nil {
+		if c.stopProf != nil {
 			return "", errors.New("a profile is running")
 		}
-		f, err := os.Create(arg)
+		stop, err := ProfileCPU(arg)
 		if err != nil {
 			return "", err
 		}
-		if err := pprof.StartCPUProfile(f); err != nil {
-			f.Close()
-			return "", err
-		}
-		c.prof = f
+		c.stopProf = stop
 		return "", nil
 	case fleetProfileStop:
 		return "", c.stopProfile()
@@ -314,12 +310,11 @@ func (c *fleetChild) do(ctx context.Context, cmd, arg string) (string, error) {
 }
 
 func (c *fleetChild) stopProfile() error {
-	if c.prof == nil {
+	if c.stopProf == nil {
 		return nil
 	}
-	pprof.StopCPUProfile()
-	err := c.prof.Close()
-	c.prof = nil
+	err := c.stopProf()
+	c.stopProf = nil
 	return err
 }
 

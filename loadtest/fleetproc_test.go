@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	"os/signal"
 	"strconv"
 	"strings"
 	"syscall"
@@ -24,24 +23,15 @@ import (
 const fleetChildEnv = "MESHRELAY_FLEET_CHILD"
 
 func TestFleetChildProcess(t *testing.T) {
-	raw := os.Getenv(fleetChildEnv)
-	if raw == "" {
-		t.Skip("helper process for fleet children; runs only when started by a test")
-	}
-	var cfg FleetChildConfig
-	if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
-		fmt.Fprintf(os.Stderr, "fleet child: %s: %v\n", fleetChildEnv, err)
-		os.Exit(2)
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
-	defer stop()
-	obs := os.NewFile(3, "observations")
-	if err := RunFleetChild(ctx, cfg, os.Stdin, os.Stdout, obs); err != nil {
-		fmt.Fprintf(os.Stderr, "fleet child: %v\n", err)
-		os.Exit(1)
-	}
-	obs.Close()
-	os.Exit(0)
+	runHelper(t, fleetChildEnv, func(ctx context.Context, raw string) error {
+		var cfg FleetChildConfig
+		if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
+			return err
+		}
+		obs := os.NewFile(3, "observations")
+		defer obs.Close()
+		return RunFleetChild(ctx, cfg, os.Stdin, os.Stdout, obs)
+	})
 }
 
 // testFleetCommand runs a fleet child by re-executing the test binary.
@@ -51,6 +41,21 @@ func testFleetCommand(cfg FleetChildConfig) (string, []string, []string, error) 
 		return "", nil, nil, err
 	}
 	return os.Args[0], []string{"-test.run=^TestFleetChildProcess$"}, []string{fleetChildEnv + "=" + string(b)}, nil
+}
+
+// startTestUpstream starts a synthetic upstream of cfg, stopped when t
+// ends.
+func startTestUpstream(t *testing.T, ctx context.Context, cfg upstream.Config) *upstream.Upstream {
+	t.Helper()
+	up, err := upstream.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := up.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = up.Stop(context.Background()) })
+	return up
 }
 
 // twoCPUs returns two CPUs this process may use, or skips the pinning
@@ -140,14 +145,7 @@ func TestFleetProcess(t *testing.T) {
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario.Services, ucfg.Scenario.Endpoints, ucfg.Scenario.Namespaces = 20, 20, 2
 	ucfg.OnPublish = func(c upstream.Change) { tracker.Track(c) }
-	up, err := upstream.New(ucfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := up.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	defer up.Stop(context.Background())
+	up := startTestUpstream(t, ctx, ucfg)
 
 	const envoys = 12
 	fcfg := FleetProcessConfig{

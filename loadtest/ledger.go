@@ -370,7 +370,11 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 			if err != nil {
 				return nil, fmt.Errorf("loadtest: start relay-%d: %w", i, err)
 			}
-			defer c.Stop(context.Background())
+			defer func() {
+				sctx, cancel := stopContext(ctx)
+				defer cancel()
+				_ = c.Stop(sctx)
+			}()
 			addr = c.Addr()
 			peerPids = append(peerPids, c.Pid())
 		} else {
@@ -482,8 +486,8 @@ func timeQuery(n int, fn func()) Quantiles {
 		fn()
 		ds[i] = time.Since(start)
 	}
-	slices.Sort(ds)
-	return Quantiles{P50: ds[n/2], P99: ds[min(n-1, n*99/100)]}
+	l := summarize(ds)
+	return Quantiles{P50: l.P50, P99: l.P99}
 }
 
 func heapInUse() int64 {

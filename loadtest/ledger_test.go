@@ -6,9 +6,8 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/signal"
-	"syscall"
 	"testing"
+	"time"
 )
 
 const ledgerChildEnv = "MESHRELAY_LEDGER_CHILD"
@@ -16,22 +15,13 @@ const ledgerChildEnv = "MESHRELAY_LEDGER_CHILD"
 // TestLedgerChildProcess is the helper process of TestLedger: it runs one
 // relay of the tier from the LedgerPeerConfig (JSON) it holds.
 func TestLedgerChildProcess(t *testing.T) {
-	raw := os.Getenv(ledgerChildEnv)
-	if raw == "" {
-		t.Skip("helper process for ledger children; runs only when started by a test")
-	}
-	var cfg LedgerPeerConfig
-	if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
-		fmt.Fprintf(os.Stderr, "ledger child: %s: %v\n", ledgerChildEnv, err)
-		os.Exit(2)
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
-	defer stop()
-	if err := RunLedgerChild(ctx, cfg, os.Stdin, os.Stdout); err != nil {
-		fmt.Fprintf(os.Stderr, "ledger child: %v\n", err)
-		os.Exit(1)
-	}
-	os.Exit(0)
+	runHelper(t, ledgerChildEnv, func(ctx context.Context, raw string) error {
+		var cfg LedgerPeerConfig
+		if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
+			return err
+		}
+		return RunLedgerChild(ctx, cfg, os.Stdin, os.Stdout)
+	})
 }
 
 // TestLedger runs the ledger benchmark at a tiny scale, with the peers in
@@ -69,4 +59,22 @@ func TestLedger(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestLedgerKillsAHungPeer runs the ledger benchmark with its peers apart,
+// each a hung child that ignores SIGTERM and its stdin's EOF: RunLedger
+// kills them once the stop's time is up, and waits for them, rather than
+// waiting for ever.
+func TestLedgerKillsAHungPeer(t *testing.T) {
+	requireLinux(t)
+	noChildLeft(t)
+	shortStopTimeout(t)
+	cfg := LedgerConfig{Relays: 2, Envoys: 100, Keys: 2, Resources: 10, Versions: 2, Queries: 1}
+	cfg.StartPeer = func(ctx context.Context, _ LedgerPeerConfig) (*Child, error) {
+		return startHungChild(ctx, RelayChildConfig{})
+	}
+	returnsWithin(t, time.Minute, "RunLedger", func() {
+		_, err := RunLedger(t.Context(), cfg, io.Discard)
+		t.Logf("RunLedger: %v", err)
+	})
 }

@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"sync"
@@ -169,6 +170,45 @@ func serveChild(ctx context.Context, addr string, in io.Reader, out io.Writer, f
 		return err
 	}
 	return nil
+}
+
+// readCommands reads a child's commands from in, one a line, trimmed,
+// and hands each to cmds until in ends (then it closes eof) or ctx does.
+// The goroutine it starts may stay blocked reading in after ctx ends, so
+// call it only in a child process's main.
+func readCommands(ctx context.Context, in io.Reader) (cmds <-chan string, eof <-chan struct{}) {
+	c := make(chan string)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		sc := bufio.NewScanner(in)
+		for sc.Scan() {
+			select {
+			case c <- strings.TrimSpace(sc.Text()):
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	return c, done
+}
+
+// ProfileCPU starts this process's CPU profile into a new file at path;
+// stop ends the profile and closes the file. One profile runs at a time
+// in a process (runtime/pprof).
+func ProfileCPU(path string) (stop func() error, err error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() error {
+		pprof.StopCPUProfile()
+		return f.Close()
+	}, nil
 }
 
 // readyPrefix starts the line a child prints on stdout once it listens:

@@ -79,19 +79,11 @@ func startRealEnvoyWorldWith(t *testing.T, ctx context.Context, tc TierConfig, b
 		HTTPServices: []upstream.HTTPService{{Name: "web", Listen: w.listen, Backends: backends}}}
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario = w.sc
-	up, err := upstream.New(ucfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := up.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { up.Stop(context.Background()) })
-	w.up = up
+	w.up = startTestUpstream(t, ctx, ucfg)
 	if tc.Relays == 0 {
 		tc.Relays = 3
 	}
-	tc.Upstream = up.Addr()
+	tc.Upstream = w.up.Addr()
 	tier, err := StartConvergedTier(ctx, tc, 30*time.Second)
 	if err != nil {
 		t.Fatal(err)

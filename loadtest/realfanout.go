@@ -218,9 +218,6 @@ func runRealFanoutOnce(ctx context.Context, cfg RealFanoutConfig, p envoy.Protoc
 		fmt.Fprintf(out, "%s: %v\n", tag, err)
 		return run
 	}
-	stopCtx := func() (context.Context, context.CancelFunc) {
-		return context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
-	}
 	up, err := upstream.New(upstream.Config{Scenario: cfg.Scenario})
 	if err != nil {
 		return fail(err)
@@ -229,7 +226,7 @@ func runRealFanoutOnce(ctx context.Context, cfg RealFanoutConfig, p envoy.Protoc
 		return fail(err)
 	}
 	defer func() {
-		sctx, cancel := stopCtx()
+		sctx, cancel := stopContext(ctx)
 		defer cancel()
 		_ = up.Stop(sctx)
 	}()
@@ -241,7 +238,7 @@ func runRealFanoutOnce(ctx context.Context, cfg RealFanoutConfig, p envoy.Protoc
 			return fail(fmt.Errorf("start relay: %w", err))
 		}
 		defer func() {
-			sctx, cancel := stopCtx()
+			sctx, cancel := stopContext(ctx)
 			defer cancel()
 			if err := child.Stop(sctx); err != nil {
 				fmt.Fprintf(out, "%s: stop relay: %v\n", tag, err)

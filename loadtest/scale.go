@@ -8,6 +8,7 @@ import (
 	"math"
 	"os"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
@@ -307,9 +308,15 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 			fmt.Fprintf(out, "scale: fleet pid %d, CPUs %s\n", fp.Pid(), rep.Fleet.CPUs)
 		},
 	}
-	fleet, start, err := startBenchFleet(stopCtx, spec)
+	// The fleet follows ctx (an interrupted start returns), and its stop
+	// is bounded: a fleet child that does not exit in time is killed.
+	fleet, start, err := startBenchFleet(ctx, spec)
 	if fleet != nil {
-		defer fleet.Stop(stopCtx)
+		defer func() {
+			sctx, cancel := stopContext(ctx)
+			defer cancel()
+			_ = fleet.Stop(sctx)
+		}()
 	}
 	if err != nil {
 		return nil, err
@@ -394,6 +401,13 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 	}
 	rep.Phases = append(rep.Phases, p)
 	s.print(out, p)
+	// A fleet child's ACKs reach the tracker over its observation stream:
+	// if the stream broke, the latencies during the moves missed some.
+	if fp, ok := fleet.(*FleetProcess); ok {
+		if err := fp.Err(); err != nil {
+			return rep, err
+		}
+	}
 	if kube != nil {
 		rep.TokenReviews = kube.Requests()
 		fmt.Fprintf(out, "scale: %d token reviews for %d tokens over the whole run (each relay caches its verdicts)\n", rep.TokenReviews, creds.Tokens())
@@ -469,12 +483,20 @@ func (s *scaleRun) phase(ctx context.Context, name string, withChanges bool, ste
 	if err := step(); err != nil {
 		return p, err
 	}
+	// The changes made during the step end with the phase, whatever ends
+	// it: none is made once it has returned.
+	changesCtx, stopChanges := context.WithCancel(ctx)
 	changesDone := make(chan error, 1)
 	if withChanges {
-		go func() { changesDone <- s.changes(ctx, s.cfg.Changes) }()
+		go func() { changesDone <- s.changes(changesCtx, s.cfg.Changes) }()
 	} else {
 		changesDone <- nil
 	}
+	changesErr := sync.OnceValue(func() error { return <-changesDone })
+	defer func() {
+		stopChanges()
+		_ = changesErr()
+	}()
 	if err := s.waitConverged(ctx); err != nil {
 		return p, err
 	}
@@ -483,7 +505,7 @@ func (s *scaleRun) phase(ctx context.Context, name string, withChanges bool, ste
 		return p, err
 	}
 	p.Rebalanced, p.RebalancedS = d >= 0, d.Seconds()
-	if err := <-changesDone; err != nil {
+	if err := changesErr(); err != nil {
 		return p, err
 	}
 	if err := s.waitQuiet(ctx); err != nil {

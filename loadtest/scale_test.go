@@ -3,6 +3,7 @@ package loadtest
 import (
 	"bytes"
 	"context"
+	"io"
 	"os"
 	"testing"
 	"time"
@@ -86,4 +87,26 @@ func testScale(t *testing.T, tls bool, adjust func(*ScaleConfig)) {
 	if rep.Phases[0].RelaysAfter != 4 || rep.Phases[1].RelaysAfter != 3 {
 		t.Errorf("relays %d then %d, want 4 then 3", rep.Phases[0].RelaysAfter, rep.Phases[1].RelaysAfter)
 	}
+}
+
+// TestScaleInterruptedStopsAHungFleet interrupts the scale benchmark while
+// its fleet child, hung, never answers the start of its Envoys: RunScale
+// returns, and the child is killed and waited for.
+func TestScaleInterruptedStopsAHungFleet(t *testing.T) {
+	requireLinux(t)
+	noChildLeft(t)
+	cfg := DefaultScaleConfig()
+	cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = 10, 10, 2
+	cfg.Envoys, cfg.Keys, cfg.Changes = 4, 2, 1
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	cfg.FleetCommand = func(fc FleetChildConfig) (string, []string, []string, error) {
+		time.AfterFunc(time.Second, cancel) // once the child is starting: a Ctrl-C
+		return hungFleetCommand(fc)
+	}
+	returnsWithin(t, time.Minute, "RunScale", func() {
+		if _, err := RunScale(ctx, cfg, io.Discard); err == nil {
+			t.Error("RunScale = nil error, want the interruption")
+		}
+	})
 }

@@ -64,14 +64,7 @@ func TestXDSClientOverTLSThroughTier(t *testing.T) {
 		grpc.Creds(credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{mesh.Serving(t, "istiod.istio-system.svc").TLS}, MinVersion: tls.VersionTLS12})),
 		grpc.ChainStreamInterceptor(guard.Interceptor),
 	}
-	up, err := upstream.New(ucfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := up.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	defer up.Stop(context.Background())
+	up := startTestUpstream(t, ctx, ucfg)
 
 	tier, err := StartConvergedTier(ctx, TierConfig{
 		Relays: 3, Upstream: up.Addr(),

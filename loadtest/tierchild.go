@@ -13,7 +13,6 @@ import (
 	"os"
 	"runtime"
 	"runtime/debug"
-	"runtime/pprof"
 	"strconv"
 	"strings"
 	"sync"
@@ -239,25 +238,14 @@ func RunTierRelayChild(ctx context.Context, cfg TierRelayChildConfig, in io.Read
 		return fmt.Errorf("loadtest: report address: %w", err)
 	}
 
-	cmds := make(chan string)
-	eof := make(chan struct{})
-	go func() {
-		defer close(eof)
-		sc := bufio.NewScanner(in)
-		for sc.Scan() {
-			select {
-			case cmds <- strings.TrimSpace(sc.Text()):
-			case <-ctx.Done():
-				return
-			}
-		}
-	}()
-	var prof *os.File
+	cmds, eof := readCommands(ctx, in)
+	var stopProf func() error // of the CPU profile running, if one is
 	stopProfile := func() {
-		if prof != nil {
-			pprof.StopCPUProfile()
-			prof.Close()
-			prof = nil
+		if stopProf != nil {
+			if err := stopProf(); err != nil {
+				fmt.Fprintf(logw, "tier relay child %s: cpuprofile: %v\n", cfg.ID, err)
+			}
+			stopProf = nil
 		}
 	}
 	defer stopProfile()
@@ -307,14 +295,8 @@ func RunTierRelayChild(ctx context.Context, cfg TierRelayChildConfig, in io.Read
 			err = w.print(fmt.Sprintf("%s %d", tierHeap, liveHeap()))
 		case strings.HasPrefix(c, childProfileStart+" "):
 			// No answer: a profile is best effort, and says so on logw.
-			if prof == nil {
-				if prof, err = os.Create(strings.TrimPrefix(c, childProfileStart+" ")); err == nil {
-					if err = pprof.StartCPUProfile(prof); err != nil {
-						prof.Close()
-						prof = nil
-					}
-				}
-				if err != nil {
+			if stopProf == nil {
+				if stopProf, err = ProfileCPU(strings.TrimPrefix(c, childProfileStart+" ")); err != nil {
 					fmt.Fprintf(logw, "tier relay child %s: cpuprofile: %v\n", cfg.ID, err)
 					err = nil
 				}

@@ -1,7 +1,6 @@
 package loadtest
 
 import (
-	"bytes"
 	"context"
 	"flag"
 	"fmt"
@@ -26,29 +25,14 @@ import (
 // key, and the connect storm admits every stream.
 func TestFanoutTLS(t *testing.T) {
 	requireLinux(t)
-	cfg := DefaultFanoutConfig()
-	cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = 20, 20, 2
-	cfg.Envoys, cfg.Keys, cfg.Changes = 20, 4, 2
+	cfg := tinyFanoutConfig(20, 2, 20, 4, 2)
 	cfg.Protocols = []envoy.Protocol{envoy.Delta}
 	cfg.Modes = []FanoutMode{Relayed}
 	cfg.TLS = TLSOn
 	cfg.TLSVerifiers = []Verifier{VerifierLocal, VerifierTokenReview}
 	cfg.AdmitStreams, cfg.AdmitConcurrency = 20, 4
-	cfg.StartRate = 0
-	cfg.Settle, cfg.ChangeGap = 100*time.Millisecond, 10*time.Millisecond
-	cfg.SyncTimeout, cfg.ChangeTimeout = 30*time.Second, 20*time.Second
 	cfg.StartRelay = testStartRelay(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	var out bytes.Buffer
-	rep, err := RunFanout(ctx, cfg, &out)
-	t.Log(out.String())
-	if err != nil {
-		t.Fatalf("RunFanout: %v", err)
-	}
-	if len(rep.Runs) != 2 {
-		t.Fatalf("len(Runs) = %d, want 2 (tls-local, tls-tokenreview)", len(rep.Runs))
-	}
+	rep := runTinyFanout(t, cfg, "tls-local, tls-tokenreview")
 	for i, r := range rep.Runs {
 		if want := transportName(true, cfg.TLSVerifiers[i]); r.Transport != want {
 			t.Errorf("run %d: transport %q, want %q", i, r.Transport, want)
@@ -94,14 +78,7 @@ func TestTLSFleetWrongNamespaceRefused(t *testing.T) {
 			sc.Services, sc.Endpoints, sc.Namespaces = 10, 10, 2
 			ucfg := upstream.DefaultConfig()
 			ucfg.Scenario = sc
-			up, err := upstream.New(ucfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := up.Start(ctx); err != nil {
-				t.Fatal(err)
-			}
-			defer up.Stop(context.Background())
+			up := startTestUpstream(t, ctx, ucfg)
 			creds, err := NewMeshCredentials(t.TempDir())
 			if err != nil {
 				t.Fatal(err)

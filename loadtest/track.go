@@ -244,14 +244,19 @@ type Latency struct {
 	P50, P95, P99, Max time.Duration
 }
 
+// summarize sorts a copy of d and returns its percentiles by nearest rank:
+// the P-th percentile of n samples is the ceil(P·n/100)-th smallest, the
+// smallest sample with at least P % of the samples at or below it (P99 of
+// 100 samples is the 99th, not the largest).
 func summarize(d []time.Duration) Latency {
 	if len(d) == 0 {
 		return Latency{}
 	}
 	s := slices.Clone(d)
 	slices.Sort(s)
-	q := func(p float64) time.Duration { return s[min(len(s)-1, int(p*float64(len(s))))] }
-	return Latency{N: len(s), P50: q(0.50), P95: q(0.95), P99: q(0.99), Max: s[len(s)-1]}
+	n := len(s)
+	q := func(pct int) time.Duration { return s[max(1, (pct*n+99)/100)-1] }
+	return Latency{N: n, P50: q(50), P95: q(95), P99: q(99), Max: s[n-1]}
 }
 
 // Results returns the per-Envoy ACK latencies (each Envoy's ACK of each

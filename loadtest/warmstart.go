@@ -174,7 +174,7 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 		if err != nil {
 			return nil, fmt.Errorf("start etcd: %w", err)
 		}
-		defer child.Stop(context.WithoutCancel(ctx))
+		defer stopServing(ctx, child, nil)
 		endpoints = []string{"http://" + child.Addr()}
 	} else {
 		etcd, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: dir})
@@ -216,7 +216,7 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 			rep.Warm.PeakRSS, rep.Warm.CPUS = st.PeakRSS, st.CPU.Seconds()
 		}
 		fmt.Fprintf(out, "warm (upstream down): ready in %.2fs; relay peak RSS %s, CPU %.1fs\n", rep.Warm.ReadyS, fmtBytes(rep.Warm.PeakRSS), rep.Warm.CPUS)
-		return rep, child.Stop(context.WithoutCancel(ctx))
+		return rep, stopServing(ctx, child, nil)
 	}
 
 	fmt.Fprintf(out, "warmstart: %d services, %d endpoints, %d namespaces, %d keys\n", cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces, cfg.Keys)
@@ -225,12 +225,7 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 		return rep, err
 	}
 	// Whatever ends the run from here stops the cold relay and its probes.
-	stopCold := func() {
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
-		defer cancel()
-		fleet.Stop(sctx)
-		child.Stop(sctx)
-	}
+	stopCold := func() { _ = stopServing(ctx, child, fleet) }
 	defer func() {
 		if stopCold != nil {
 			stopCold()
@@ -295,10 +290,7 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 		rep.BytesPerChangeKey = float64(sumB) / float64(max(sumK, 1))
 		fmt.Fprintf(out, "changes: %d single endpoint changes wrote %.0f bytes each on average (%.0f per key that saw it)\n", n, rep.BytesPerChange, rep.BytesPerChangeKey)
 	}
-	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
-	fleet.Stop(sctx)
-	err = child.Stop(sctx)
-	cancel()
+	err = stopServing(ctx, child, fleet)
 	stopCold = nil
 	if err != nil {
 		return rep, fmt.Errorf("stop the cold relay: %w", err)
@@ -312,10 +304,7 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 		return rep, err
 	}
 	rep.Warm = phase
-	sctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
-	fleet.Stop(sctx)
-	err = child.Stop(sctx)
-	cancel()
+	err = stopServing(ctx, child, fleet)
 	PrintWarmStart(out, rep)
 	return rep, err
 }
@@ -333,7 +322,7 @@ func startAndServe(ctx context.Context, cfg WarmStartConfig, rc RelayChildConfig
 	ph.ReadyS = time.Since(start).Seconds()
 	fleet, err := StartFleet(ctx, FleetConfig{Scenario: cfg.Scenario, Envoys: cfg.Keys, Keys: cfg.Keys, Target: child.Addr(), EnvoysPerConn: cfg.EnvoysPerConn})
 	if err != nil {
-		child.Stop(context.WithoutCancel(ctx))
+		_ = stopServing(ctx, child, nil)
 		return nil, nil, ph, fmt.Errorf("%s: start probes: %w", tag, err)
 	}
 	sctx, cancel := context.WithTimeout(ctx, cfg.SyncTimeout)
@@ -344,17 +333,26 @@ func startAndServe(ctx context.Context, cfg WarmStartConfig, rc RelayChildConfig
 		ph.PeakRSS, ph.CPUS = st.PeakRSS, st.CPU.Seconds()
 	}
 	if err != nil {
-		fleet.Stop(context.WithoutCancel(ctx))
-		child.Stop(context.WithoutCancel(ctx))
+		_ = stopServing(ctx, child, fleet)
 		return nil, nil, ph, fmt.Errorf("%s: %w", tag, err)
 	}
 	if v := fleet.Violations(); len(v) > 0 {
-		fleet.Stop(context.WithoutCancel(ctx))
-		child.Stop(context.WithoutCancel(ctx))
+		_ = stopServing(ctx, child, fleet)
 		return nil, nil, ph, fmt.Errorf("%s: protocol violations: %v", tag, v[:min(len(v), 3)])
 	}
 	fmt.Fprintf(out, "%s: ready in %.2fs, every key served in %.2fs; relay peak RSS %s, CPU %.1fs\n", tag, ph.ReadyS, ph.ServedS, fmtBytes(ph.PeakRSS), ph.CPUS)
 	return child, fleet, ph, nil
+}
+
+// stopServing stops the probes (if any), then the child, and returns the
+// child's Stop: within stopTimeout, after which the child is killed.
+func stopServing(ctx context.Context, child *Child, probes *Fleet) error {
+	sctx, cancel := stopContext(ctx)
+	defer cancel()
+	if probes != nil {
+		probes.Stop(sctx)
+	}
+	return child.Stop(sctx)
 }
 
 // PrintWarmStart writes the report as a table with the targets judged.

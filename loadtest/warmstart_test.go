@@ -2,6 +2,7 @@ package loadtest
 
 import (
 	"bytes"
+	"io"
 	"strings"
 	"testing"
 	"time"
@@ -49,4 +50,22 @@ func TestWarmStart(t *testing.T) {
 		!strings.Contains(table.String(), "relay peak RSS ≤ 1.50 GiB, cold") {
 		t.Errorf("the report does not say the relay's memory limit and the RSS target:\n%s", table.String())
 	}
+}
+
+// TestWarmStartKillsAHungRelay runs a warm start whose relay child, hung,
+// ignores SIGTERM: RunWarmStart kills it once the stop's time is up, and
+// waits for it, rather than waiting for ever.
+func TestWarmStartKillsAHungRelay(t *testing.T) {
+	requireLinux(t)
+	noChildLeft(t)
+	shortStopTimeout(t)
+	cfg := DefaultWarmStartConfig()
+	cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = 10, 10, 2
+	cfg.Keys, cfg.WarmOnly, cfg.EtcdDir = 2, true, t.TempDir()
+	cfg.StartRelay = startHungChild
+	returnsWithin(t, time.Minute, "RunWarmStart", func() {
+		if _, err := RunWarmStart(t.Context(), cfg, io.Discard); err == nil {
+			t.Error("RunWarmStart = nil error, want the killed relay's")
+		}
+	})
 }

@@ -12,7 +12,6 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -181,14 +180,8 @@ func fanout(ctx context.Context, args []string) error {
 	if *realEnvoys > 0 {
 		return realFanout(ctx, fs, *realEnvoys, *protocols, *modes, *jsonOut)
 	}
-	if err := loadtest.CheckCPUs("--relay-cpus", cfg.RelayCPUs); err != nil {
+	if err := checkPinning(cfg.RelayCPUs, cfg.FleetCPUs, *fleetProcess, "the upstream"); err != nil {
 		return err
-	}
-	if err := loadtest.CheckCPUs("--fleet-cpus", cfg.FleetCPUs); err != nil {
-		return err
-	}
-	if len(cfg.FleetCPUs) > 0 && !*fleetProcess {
-		return errors.New("--fleet-cpus needs --fleet-process (the fleet shares this process with the upstream otherwise)")
 	}
 	cfg.Targets.RelayPeakRSS = *targetRSS << 20
 	cfg.TLSVerifiers = nil
@@ -232,6 +225,22 @@ func fanout(ctx context.Context, args []string) error {
 		err = errors.Join(err, writeJSON(*jsonOut, rep))
 	}
 	return err
+}
+
+// checkPinning checks --relay-cpus and --fleet-cpus: CPUs this process
+// may use, and --fleet-cpus only with a fleet child (fleetProcess; the
+// fleet shares this process with what shared names otherwise).
+func checkPinning(relayCPUs, fleetCPUs loadtest.CPUSet, fleetProcess bool, shared string) error {
+	if err := loadtest.CheckCPUs("--relay-cpus", relayCPUs); err != nil {
+		return err
+	}
+	if err := loadtest.CheckCPUs("--fleet-cpus", fleetCPUs); err != nil {
+		return err
+	}
+	if len(fleetCPUs) > 0 && !fleetProcess {
+		return fmt.Errorf("--fleet-cpus needs --fleet-process (the fleet shares this process with %s otherwise)", shared)
+	}
+	return nil
 }
 
 // findEnvoy prints the path and version of the Envoy the tests use,
@@ -353,14 +362,8 @@ func scale(ctx context.Context, args []string) error {
 		return fmt.Errorf("--tls-verifier: %w", err)
 	}
 	cfg.Verifier = v
-	if err := loadtest.CheckCPUs("--relay-cpus", cfg.TierCPUs); err != nil {
+	if err := checkPinning(cfg.TierCPUs, cfg.FleetCPUs, *fleetProcess, "the tier"); err != nil {
 		return err
-	}
-	if err := loadtest.CheckCPUs("--fleet-cpus", cfg.FleetCPUs); err != nil {
-		return err
-	}
-	if len(cfg.FleetCPUs) > 0 && !*fleetProcess {
-		return errors.New("--fleet-cpus needs --fleet-process (the fleet shares this process with the tier otherwise)")
 	}
 	if *fleetProcess {
 		exe, err := os.Executable()
@@ -440,15 +443,15 @@ func startCPUProfile(path string) (stop func(), err error) {
 	if path == "" {
 		return func() {}, nil
 	}
-	f, err := os.Create(path)
+	stopProfile, err := loadtest.ProfileCPU(path)
 	if err != nil {
 		return nil, err
 	}
-	if err := pprof.StartCPUProfile(f); err != nil {
-		f.Close()
-		return nil, err
-	}
-	return func() { pprof.StopCPUProfile(); f.Close() }, nil
+	return func() {
+		if err := stopProfile(); err != nil {
+			fmt.Fprintln(os.Stderr, "loadtest: --cpuprofile:", err)
+		}
+	}, nil
 }
 
 // writeJSON writes v as indented JSON to path (--json), if path is set.
@@ -477,6 +480,7 @@ func warmstart(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.EtcdDir, "etcd-dir", "", "data directory of the embedded etcd (default: a temporary one, removed at the end)")
 	fs.BoolVar(&cfg.WarmOnly, "warm-only", false, "only time a warm start from the snapshots an earlier run left in --etcd-dir")
 	fs.DurationVar(&cfg.SyncTimeout, "sync-timeout", cfg.SyncTimeout, "bound on each start")
+	fs.DurationVar(&cfg.Quiet, "quiet", cfg.Quiet, "how long etcd must see no write for the relay's persistence to count as caught up, after the cold start and after each change (longer than the store's 1s flush interval)")
 	memLimit := fs.String("relay-memory-limit", "", `run the relay as in a container with this memory limit, a Kubernetes quantity ("1536Mi", "1.5Gi"): GOMEMLIMIT 0.9 of it, as meshrelay serve sets it from its cgroup (default: no limit)`)
 	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
 	if err := fs.Parse(args); err != nil {
@@ -760,10 +764,7 @@ func ctrip(ctx context.Context, args []string) error {
 			return err
 		}
 	}
-	if err := loadtest.CheckCPUs("--relay-cpus", cfg.RelayCPUs); err != nil {
-		return err
-	}
-	if err := loadtest.CheckCPUs("--fleet-cpus", cfg.FleetCPUs); err != nil {
+	if err := checkPinning(cfg.RelayCPUs, cfg.FleetCPUs, true, ""); err != nil {
 		return err
 	}
 	cfg.Plot = plotOut

@@ -19,19 +19,7 @@ func startIncremental(t *testing.T, sc upstream.Scenario) *upstream.Upstream {
 	t.Helper()
 	cfg := upstream.DefaultConfig()
 	cfg.Scenario, cfg.IncrementalDelta = sc, true
-	u, err := upstream.New(cfg)
-	if err != nil {
-		t.Fatalf("New: %v", err)
-	}
-	if err := u.Start(context.Background()); err != nil {
-		t.Fatalf("Start: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := u.Stop(context.Background()); err != nil {
-			t.Errorf("Stop: %v", err)
-		}
-	})
-	return u
+	return startConfigured(t, cfg)
 }
 
 var allTypes = []string{resource.ClusterType, resource.EndpointType, resource.ListenerType, resource.RouteType}
@@ -163,31 +151,7 @@ func TestIncrementalDeltaSubscriptions(t *testing.T) {
 // IncrementalDelta: a reconnect declaring what it holds is sent only what
 // differs, and told what was removed.
 func TestIncrementalDeltaReconnect(t *testing.T) {
-	sc := testScenario()
-	u := startIncremental(t, sc)
-	c := newDeltaClient(t, dial(t, u.Addr()), sc.Node(0, 0, 0))
-	c.Subscribe(resource.ClusterType, nil, true)
-	known := c.Versions(resource.ClusterType)
-	if err := u.Stop(context.Background()); err != nil {
-		t.Fatalf("Stop: %v", err)
-	}
-	if err := u.Start(context.Background()); err != nil {
-		t.Fatalf("Start: %v", err)
-	}
-	removed, err := u.RemoveService(3)
-	if err != nil {
-		t.Fatalf("RemoveService(3): %v", err)
-	}
-	known[sc.ClusterName(4)] = "stale"
-	c2 := newDeltaClient(t, dial(t, u.Addr()), sc.Node(0, 0, 0))
-	c2.send(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.ClusterType, InitialResourceVersions: known})
-	got := c2.Next(resource.ClusterType)
-	if want := []string{sc.ClusterName(4)}; !slices.Equal(got.names(), want) {
-		t.Errorf("reconnect resources = %v, want %v", got.names(), want)
-	}
-	if want := []string{removed[1].Name}; !slices.Equal(got.Removed, want) {
-		t.Errorf("reconnect removed = %v, want %v", got.Removed, want)
-	}
+	testDeltaReconnect(t, startIncremental)
 }
 
 // TestIncrementalDeltaConcurrentChurn churns from several goroutines while

@@ -48,6 +48,13 @@ func startUpstream(t *testing.T, sc upstream.Scenario) *upstream.Upstream {
 	t.Helper()
 	cfg := upstream.DefaultConfig()
 	cfg.Scenario = sc
+	return startConfigured(t, cfg)
+}
+
+// startConfigured builds and starts an upstream of cfg, stopped at
+// cleanup.
+func startConfigured(t *testing.T, cfg upstream.Config) *upstream.Upstream {
+	t.Helper()
 	u, err := upstream.New(cfg)
 	if err != nil {
 		t.Fatalf("New: %v", err)
@@ -592,10 +599,15 @@ func TestStartStopLifecycle(t *testing.T) {
 // it was away (istio #41494). Resource versions are content hashes, so they
 // survive a restart (Contour #6250).
 func TestDeltaReconnectInitialVersions(t *testing.T) {
+	testDeltaReconnect(t, startUpstream)
+}
+
+// testDeltaReconnect is TestDeltaReconnectInitialVersions on an upstream
+// that start starts.
+func testDeltaReconnect(t *testing.T, start func(*testing.T, upstream.Scenario) *upstream.Upstream) {
 	sc := testScenario()
-	u := startUpstream(t, sc)
-	conn := dial(t, u.Addr())
-	c := newDeltaClient(t, conn, sc.Node(0, 0, 0))
+	u := start(t, sc)
+	c := newDeltaClient(t, dial(t, u.Addr()), sc.Node(0, 0, 0))
 	c.Subscribe(resource.ClusterType, nil, true)
 	known := c.Versions(resource.ClusterType)
 
