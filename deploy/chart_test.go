@@ -720,3 +720,51 @@ func TestChartRefuses(t *testing.T) {
 		})
 	}
 }
+
+// renderNotes is NOTES.txt as an install with vals prints it.
+func renderNotes(t *testing.T, c *chart.Chart, vals map[string]any) string {
+	t.Helper()
+	caps := chartutil.DefaultCapabilities.Copy()
+	caps.KubeVersion = kubeVersion
+	rv, err := chartutil.ToRenderValues(c, vals, chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsInstall: true, Revision: 1}, caps)
+	if err != nil {
+		t.Fatalf("values: %v", err)
+	}
+	files, err := engine.Render(c, rv)
+	if err != nil {
+		t.Fatalf("render: %v", err)
+	}
+	for name, f := range files {
+		if strings.HasSuffix(name, "NOTES.txt") {
+			return f
+		}
+	}
+	t.Fatal("no NOTES.txt")
+	return ""
+}
+
+// TestChartNotes: the annotation NOTES.txt prints does not pin CA_ADDR
+// (the injection sets it: istiod[-rev].<ns>.svc or global.caAddress), and
+// the istiod it names is the tier's upstream, not a hard-coded one.
+func TestChartNotes(t *testing.T) {
+	c := loadChart(t)
+	for _, vs := range valueSets(t) {
+		t.Run(vs.name, func(t *testing.T) {
+			notes := renderNotes(t, c, vs.values)
+			if regexp.MustCompile(`(?m)^\s+CA_ADDR:`).MatchString(notes) {
+				t.Errorf("NOTES.txt pins CA_ADDR:\n%s", notes)
+			}
+			upstream, _ := lookupValue(vs.values, "upstream", "address").(string)
+			if upstream == "" {
+				upstream = "istiod.istio-system.svc:15012"
+			}
+			host, _, _ := strings.Cut(upstream, ":")
+			if !strings.Contains(notes, host+":15012") {
+				t.Errorf("NOTES.txt does not name the upstream's CA %s:15012:\n%s", host, notes)
+			}
+			if host != "istiod.istio-system.svc" && strings.Contains(notes, "istiod.istio-system.svc") {
+				t.Errorf("NOTES.txt names istiod.istio-system.svc, the upstream is %s:\n%s", upstream, notes)
+			}
+		})
+	}
+}

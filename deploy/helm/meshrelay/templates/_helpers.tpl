@@ -68,3 +68,8 @@ spiffe://{{ .root.Values.meshConfig.trustDomain }}/ns/{{ .root.Release.Namespace
 {{ randBytes 32 | b64enc }}
 {{- end -}}
 {{- end -}}
+
+{{/* The host of upstream.address (istiod's Service), without the port. */}}
+{{- define "meshrelay.upstreamHost" -}}
+{{- regexReplaceAll ":[0-9]+$" .Values.upstream.address "" -}}
+{{- end -}}
