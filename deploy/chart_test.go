@@ -704,6 +704,7 @@ func TestChartRefuses(t *testing.T) {
 		{"forward with mtls only", map[string]any{"xds": map[string]any{"tls": map[string]any{"auth": "mtls"}}}, "use relay-identity"},
 		{"admin TLS without a certificate", map[string]any{"upstream": map[string]any{"auth": "plaintext"}, "xds": map[string]any{"tls": map[string]any{"enabled": false}, "plaintext": map[string]any{"enabled": true}}}, "admin.tls"},
 		{"no xDS port", map[string]any{"upstream": map[string]any{"auth": "plaintext"}, "admin": map[string]any{"tls": false}, "xds": map[string]any{"tls": map[string]any{"enabled": false}}}, "no xDS port"},
+		{"negative upstream stream rate", map[string]any{"upstreamStreamRate": -1}, "upstreamStreamRate"},
 		{"etcd user without a password", map[string]any{"etcd": map[string]any{"endpoints": []any{"https://etcd:2379"}, "auth": map[string]any{"user": "meshrelay"}}}, "passwordSecret"},
 	}
 	for _, tt := range tests {
@@ -766,5 +767,40 @@ func TestChartNotes(t *testing.T) {
 				t.Errorf("NOTES.txt names istiod.istio-system.svc, the upstream is %s:\n%s", upstream, notes)
 			}
 		})
+	}
+}
+
+// relayArgs are the Deployment's flags to meshrelay serve, by name.
+func relayArgs(t *testing.T, objs []rendered) map[string]string {
+	t.Helper()
+	for _, r := range objs {
+		if d, ok := r.obj.(*appsv1.Deployment); ok {
+			flags := map[string]string{}
+			for _, a := range d.Spec.Template.Spec.Containers[0].Args[1:] {
+				k, v, _ := strings.Cut(strings.TrimPrefix(a, "--"), "=")
+				flags[k] = v
+			}
+			return flags
+		}
+	}
+	t.Fatal("no Deployment")
+	return nil
+}
+
+// TestChartUpstreamStreamRate: each relay paces its streams to istiod at
+// upstreamStreamRate, 50/s unless set; 0 lifts the bound.
+func TestChartUpstreamStreamRate(t *testing.T) {
+	c := loadChart(t)
+	for _, tt := range []struct {
+		values map[string]any
+		want   string
+	}{
+		{map[string]any{}, "50"},
+		{map[string]any{"upstreamStreamRate": 12.5}, "12.5"},
+		{map[string]any{"upstreamStreamRate": 0}, "0"},
+	} {
+		if got := relayArgs(t, render(t, c, tt.values, false))["upstream-stream-rate"]; got != tt.want {
+			t.Errorf("with %v: --upstream-stream-rate=%q, want %q", tt.values, got, tt.want)
+		}
 	}
 }
