@@ -19,6 +19,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
 	"helm.sh/helm/v3/pkg/chart"
 	"helm.sh/helm/v3/pkg/chart/loader"
@@ -58,6 +59,7 @@ var kinds = map[string]struct {
 	"Deployment":              {"apps/v1", func() any { return &appsv1.Deployment{} }},
 	"StatefulSet":             {"apps/v1", func() any { return &appsv1.StatefulSet{} }},
 	"Service":                 {"v1", func() any { return &corev1.Service{} }},
+	"ConfigMap":               {"v1", func() any { return &corev1.ConfigMap{} }},
 	"ServiceAccount":          {"v1", func() any { return &corev1.ServiceAccount{} }},
 	"Secret":                  {"v1", func() any { return &corev1.Secret{} }},
 	"ClusterRoleBinding":      {"rbac.authorization.k8s.io/v1", func() any { return &rbacv1.ClusterRoleBinding{} }},
@@ -300,7 +302,7 @@ func checkTier(t *testing.T, objs []rendered, relayFlags map[string]bool) {
 		}
 	}
 	for k, v := range flags {
-		if strings.HasSuffix(k, "-file") || strings.HasSuffix(k, "-cert") || strings.HasSuffix(k, "-key") || strings.HasSuffix(k, "-ca") {
+		if strings.HasSuffix(k, "-file") || strings.HasSuffix(k, "-cert") || strings.HasSuffix(k, "-key") || strings.HasSuffix(k, "-ca") || strings.HasSuffix(k, "-config") {
 			if dir := filepath.Dir(v); mounts[dir] == "" {
 				t.Errorf("--%s=%s: no volume mounted at %s", k, v, dir)
 			}
@@ -705,6 +707,13 @@ func TestChartRefuses(t *testing.T) {
 		{"admin TLS without a certificate", map[string]any{"upstream": map[string]any{"auth": "plaintext"}, "xds": map[string]any{"tls": map[string]any{"enabled": false}, "plaintext": map[string]any{"enabled": true}}}, "admin.tls"},
 		{"no xDS port", map[string]any{"upstream": map[string]any{"auth": "plaintext"}, "admin": map[string]any{"tls": false}, "xds": map[string]any{"tls": map[string]any{"enabled": false}}}, "no xDS port"},
 		{"negative upstream stream rate", map[string]any{"upstreamStreamRate": -1}, "upstreamStreamRate"},
+		{"fields without fields", map[string]any{"keyProfile": "fields"}, "needs keyFields or keyConfig"},
+		{"fields two ways", map[string]any{"keyProfile": "fields", "keyFields": []any{"cluster"}, "keyConfig": map[string]any{"rules": []any{map[string]any{"name": "all", "match": map[string]any{"id": ".*"}, "key": []any{"cluster"}}}}}, "give one"},
+		{"key fields for istio", map[string]any{"keyFields": []any{"cluster"}}, "for keyProfile fields"},
+		{"key config for per-node", map[string]any{"keyProfile": "per-node", "keyConfig": map[string]any{"rules": []any{}}}, "for keyProfile fields"},
+		{"key metadata for fields", map[string]any{"keyProfile": "fields", "keyFields": []any{"cluster"}, "keyMetadata": []any{"FOO"}}, "keyMetadata is for keyProfile istio"},
+		{"key metadata for per-node", map[string]any{"keyProfile": "per-node", "keyMetadata": []any{"FOO"}}, "keyMetadata is for keyProfile istio"},
+		{"unknown key profile", map[string]any{"keyProfile": "pernode"}, "keyProfile"},
 		{"etcd user without a password", map[string]any{"etcd": map[string]any{"endpoints": []any{"https://etcd:2379"}, "auth": map[string]any{"user": "meshrelay"}}}, "passwordSecret"},
 	}
 	for _, tt := range tests {
@@ -802,5 +811,97 @@ func TestChartUpstreamStreamRate(t *testing.T) {
 		if got := relayArgs(t, render(t, c, tt.values, false))["upstream-stream-rate"]; got != tt.want {
 			t.Errorf("with %v: --upstream-stream-rate=%q, want %q", tt.values, got, tt.want)
 		}
+	}
+}
+
+// TestChartKeyProfiles: keyProfile fields renders both ways, by keyFields
+// and by keyConfig (a ConfigMap, mounted where --key-config points), and
+// keyMetadata with istio; the flags pass the flag check and what the
+// relay would parse, parses.
+func TestChartKeyProfiles(t *testing.T) {
+	c := loadChart(t)
+	flags := relayFlags(t)
+	rules := map[string]any{"rules": []any{
+		map[string]any{"name": "gateways", "match": map[string]any{"id": "router~.*"}, "key": []any{"namespace", "metadata.LABELS.app", "metadata.ISTIO_VERSION", "locality"}},
+		map[string]any{"name": "sidecars", "match": map[string]any{"id": "sidecar~.*"}, "key": []any{"namespace", "metadata.WORKLOAD_NAME", "metadata.LABELS[app.kubernetes.io/name]"}},
+	}}
+	tests := []struct {
+		name   string
+		values map[string]any
+		want   map[string]string // flags; "" for absent
+	}{
+		{"fields by keyFields", map[string]any{"keyProfile": "fields", "keyFields": []any{"cluster", `id~^(.*)-[0-9]+\.bench$`}},
+			map[string]string{"key-profile": "fields", "key-fields": `cluster,id~^(.*)-[0-9]+\.bench$`, "key-config": "", "key-metadata": ""}},
+		{"fields by keyConfig", map[string]any{"keyProfile": "fields", "keyConfig": rules},
+			map[string]string{"key-profile": "fields", "key-fields": "", "key-config": "/etc/meshrelay/key-config/key-config.yaml", "key-metadata": ""}},
+		{"istio with keyMetadata", map[string]any{"keyMetadata": []any{"POD_IP_DEPENDENT", "TEAM"}},
+			map[string]string{"key-profile": "istio", "key-metadata": "POD_IP_DEPENDENT,TEAM", "key-fields": "", "key-config": ""}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			objs := render(t, c, tt.values, false)
+			checkTier(t, objs, flags)
+			args := relayArgs(t, objs)
+			for k, want := range tt.want {
+				if got, ok := args[k]; got != want || ok != (want != "") {
+					t.Errorf("--%s=%q (given %t), want %q", k, got, ok, want)
+				}
+			}
+			if args["key-profile"] == "istio" {
+				if _, err := aggkey.ParseProfile("istio", strings.Split(args["key-metadata"], ",")); err != nil {
+					t.Errorf("--key-metadata=%s: the relay refuses it: %v", args["key-metadata"], err)
+				}
+			}
+			if f := args["key-fields"]; f != "" {
+				if _, err := aggkey.ParseKeyFields(f); err != nil {
+					t.Errorf("--key-fields=%s: the relay refuses it: %v", f, err)
+				}
+			}
+			var cm *corev1.ConfigMap
+			var dep *appsv1.Deployment
+			for _, r := range objs {
+				switch o := r.obj.(type) {
+				case *corev1.ConfigMap:
+					cm = o
+				case *appsv1.Deployment:
+					dep = o
+				}
+			}
+			path := args["key-config"]
+			if path == "" {
+				if cm != nil {
+					t.Errorf("ConfigMap %s without --key-config", cm.Name)
+				}
+				return
+			}
+			if cm == nil {
+				t.Fatal("--key-config without a ConfigMap")
+			}
+			var vol string
+			for _, m := range dep.Spec.Template.Spec.Containers[0].VolumeMounts {
+				if m.MountPath == filepath.Dir(path) {
+					vol = m.Name
+				}
+			}
+			var from string
+			for _, v := range dep.Spec.Template.Spec.Volumes {
+				if v.Name == vol && v.ConfigMap != nil {
+					from = v.ConfigMap.Name
+				}
+			}
+			if from != cm.Name {
+				t.Errorf("--key-config=%s is on volume %q of ConfigMap %q, want ConfigMap %s", path, vol, from, cm.Name)
+			}
+			data, ok := cm.Data[filepath.Base(path)]
+			if !ok {
+				t.Fatalf("ConfigMap %s has no %s: %v", cm.Name, filepath.Base(path), cm.Data)
+			}
+			if _, err := aggkey.ParseKeyConfig([]byte(data)); err != nil {
+				t.Errorf("the relay refuses the rendered key config: %v\n%s", err, data)
+			}
+			if dep.Spec.Template.Annotations["checksum/key-config"] == "" {
+				t.Errorf("no checksum/key-config annotation: a change of the rules would not roll the relays")
+			}
+		})
 	}
 }
