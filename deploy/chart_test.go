@@ -772,6 +772,15 @@ func TestChartNotes(t *testing.T) {
 			if !strings.Contains(notes, host+":15012") {
 				t.Errorf("NOTES.txt does not name the upstream's CA %s:15012:\n%s", host, notes)
 			}
+			// istioctl authenticates to the relay as default/default, which
+			// sees namespace default only: NOTES.txt must not offer it as
+			// the way to watch the tier.
+			if strings.Contains(notes, "istioctl proxy-status") && !strings.Contains(notes, "namespace default only") {
+				t.Errorf("NOTES.txt offers istioctl proxy-status without saying it sees namespace default only:\n%s", notes)
+			}
+			if !strings.Contains(notes, "relayctl") || !strings.Contains(notes, "proxy-status") {
+				t.Errorf("NOTES.txt does not point to relayctl proxy-status:\n%s", notes)
+			}
 			if host != "istiod.istio-system.svc" && strings.Contains(notes, "istiod.istio-system.svc") {
 				t.Errorf("NOTES.txt names istiod.istio-system.svc, the upstream is %s:\n%s", upstream, notes)
 			}
