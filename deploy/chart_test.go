@@ -354,6 +354,8 @@ func checkTier(t *testing.T, objs []rendered, relayFlags map[string]bool) {
 		}
 	}
 	var gossipSvc, xdsSvc bool
+	servicePorts := map[string]int32{}
+	var monitors []*monitoringv1.ServiceMonitor
 	for _, r := range objs {
 		switch o := r.obj.(type) {
 		case *corev1.Service:
@@ -363,6 +365,27 @@ func checkTier(t *testing.T, objs []rendered, relayFlags map[string]bool) {
 			if !equalLabels(o.Spec.Selector, sel) {
 				t.Errorf("Service %s selects %v, the relays are %v", o.Name, o.Spec.Selector, sel)
 			}
+			// Istio picks a port's protocol by its name's prefix: a TLS
+			// port named grpc- or http- is taken for plaintext.
+			for _, p := range o.Spec.Ports {
+				var want string
+				switch {
+				case p.Port == 15012:
+					want = "tls-"
+				case p.Port == 15014 && flags["admin-tls-cert"] != "":
+					want = "https-"
+				case p.Port == 15014:
+					want = "http-"
+				case p.Port == 15010:
+					want = "grpc-"
+				default:
+					continue
+				}
+				if !strings.HasPrefix(p.Name, want) {
+					t.Errorf("Service %s port %d is named %q: want %s… for Istio's protocol selection", o.Name, p.Port, p.Name, want)
+				}
+				servicePorts[p.Name] = p.Port
+			}
 			if o.Spec.ClusterIP == corev1.ClusterIPNone {
 				gossipSvc = o.Spec.PublishNotReadyAddresses && strings.HasPrefix(flags["join"], o.Name+"."+o.Namespace+".svc")
 			} else {
@@ -370,6 +393,8 @@ func checkTier(t *testing.T, objs []rendered, relayFlags map[string]bool) {
 					xdsSvc = xdsSvc || (p.Port == 15012 || p.Port == 15010) && ports[p.TargetPort.IntVal]
 				}
 			}
+		case *monitoringv1.ServiceMonitor:
+			monitors = append(monitors, o)
 		case *policyv1.PodDisruptionBudget:
 			if !equalLabels(o.Spec.Selector.MatchLabels, sel) {
 				t.Errorf("PodDisruptionBudget selects %v, the relays are %v", o.Spec.Selector.MatchLabels, sel)
@@ -382,6 +407,13 @@ func checkTier(t *testing.T, objs []rendered, relayFlags map[string]bool) {
 	}
 	if !gossipSvc {
 		t.Errorf("no headless Service publishing not-ready relays under --join=%s", flags["join"])
+	}
+	for _, m := range monitors {
+		for _, e := range m.Spec.Endpoints {
+			if servicePorts[e.Port] != 15014 {
+				t.Errorf("ServiceMonitor %s scrapes port %q: the Service's admin port is not named so (%v)", m.Name, e.Port, servicePorts)
+			}
+		}
 	}
 	if !xdsSvc {
 		t.Errorf("no Service sends an xDS port to the relays")

@@ -73,3 +73,8 @@ spiffe://{{ .root.Values.meshConfig.trustDomain }}/ns/{{ .root.Release.Namespace
 {{- define "meshrelay.upstreamHost" -}}
 {{- regexReplaceAll ":[0-9]+$" .Values.upstream.address "" -}}
 {{- end -}}
+
+{{/* The admin port's name: Istio picks a Service port's protocol by its name's prefix, and https- is TLS (passed through), http- plaintext HTTP. */}}
+{{- define "meshrelay.adminPortName" -}}
+{{- if .Values.admin.tls -}}https-admin{{- else -}}http-admin{{- end -}}
+{{- end -}}
