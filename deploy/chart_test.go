@@ -34,6 +34,11 @@ import (
 	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
+	dynamicfake "k8s.io/client-go/dynamic/fake"
 	"sigs.k8s.io/yaml"
 )
 
@@ -400,8 +405,10 @@ func checkTier(t *testing.T, objs []rendered, relayFlags map[string]bool) {
 				t.Errorf("PodDisruptionBudget selects %v, the relays are %v", o.Spec.Selector.MatchLabels, sel)
 			}
 		case *autoscalingv2.HorizontalPodAutoscaler:
-			if o.Spec.ScaleTargetRef.Name != dep.Name || dep.Spec.Replicas != nil {
-				t.Errorf("the autoscaler scales %s, and the Deployment sets replicas %v: want %s, unset", o.Spec.ScaleTargetRef.Name, dep.Spec.Replicas, dep.Name)
+			// With no live Deployment to keep the count of, the autoscaler's
+			// minimum: replicas left out would default to 1.
+			if o.Spec.ScaleTargetRef.Name != dep.Name || dep.Spec.Replicas == nil || o.Spec.MinReplicas == nil || *dep.Spec.Replicas != *o.Spec.MinReplicas {
+				t.Errorf("the autoscaler scales %s, and the Deployment sets replicas %v: want %s, minReplicas %v", o.Spec.ScaleTargetRef.Name, ptrString(dep.Spec.Replicas), dep.Name, ptrString(o.Spec.MinReplicas))
 			}
 		}
 	}
@@ -942,6 +949,77 @@ func TestChartKeyProfiles(t *testing.T) {
 			}
 			if dep.Spec.Template.Annotations["checksum/key-config"] == "" {
 				t.Errorf("no checksum/key-config annotation: a change of the rules would not roll the relays")
+			}
+		})
+	}
+}
+
+func ptrString[T any](p *T) string {
+	if p == nil {
+		return "unset"
+	}
+	return fmt.Sprint(*p)
+}
+
+// clusterObjects is a helm.sh ClientProvider whose lookup finds objs, as
+// the live cluster of an upgrade would.
+type clusterObjects []*unstructured.Unstructured
+
+func (c clusterObjects) GetClientFor(apiVersion, kind string) (dynamic.NamespaceableResourceInterface, bool, error) {
+	gv, err := schema.ParseGroupVersion(apiVersion)
+	if err != nil {
+		return nil, false, err
+	}
+	objs := make([]runtime.Object, len(c))
+	for i, o := range c {
+		objs[i] = o
+	}
+	gvr := gv.WithResource(strings.ToLower(kind) + "s")
+	client := dynamicfake.NewSimpleDynamicClientWithCustomListKinds(runtime.NewScheme(), map[schema.GroupVersionResource]string{gvr: kind + "List"}, objs...)
+	return client.Resource(gvr), true, nil
+}
+
+// TestChartAutoscalingKeepsReplicas: turning autoscaling on does not drop
+// the Deployment to one relay: replicas is what runs (within the
+// autoscaler's bounds), or minReplicas when nothing runs.
+func TestChartAutoscalingKeepsReplicas(t *testing.T) {
+	c := loadChart(t)
+	live := func(replicas int64) clusterObjects {
+		return clusterObjects{{Object: map[string]any{
+			"apiVersion": "apps/v1", "kind": "Deployment",
+			"metadata": map[string]any{"name": "meshrelay", "namespace": namespace},
+			"spec":     map[string]any{"replicas": replicas},
+		}}}
+	}
+	autoscaling := map[string]any{"autoscaling": map[string]any{"enabled": true, "minReplicas": 3, "maxReplicas": 10}}
+	tests := []struct {
+		name    string
+		cluster clusterObjects
+		want    int32
+	}{
+		{"install", nil, 3},
+		{"upgrade from 6 relays", live(6), 6},
+		{"upgrade from 1 relay", live(1), 3},
+		{"upgrade from 20 relays", live(20), 10},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			caps := chartutil.DefaultCapabilities.Copy()
+			caps.KubeVersion = kubeVersion
+			rv, err := chartutil.ToRenderValues(c, autoscaling, chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsUpgrade: tt.cluster != nil, IsInstall: tt.cluster == nil, Revision: 2}, caps)
+			if err != nil {
+				t.Fatal(err)
+			}
+			files, err := engine.RenderWithClientProvider(c, rv, tt.cluster)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var dep appsv1.Deployment
+			if err := yaml.Unmarshal([]byte(files["meshrelay/templates/deployment.yaml"]), &dep); err != nil {
+				t.Fatal(err)
+			}
+			if got := ptrString(dep.Spec.Replicas); got != fmt.Sprint(tt.want) {
+				t.Errorf("replicas %s, want %d", got, tt.want)
 			}
 		})
 	}
