@@ -1024,3 +1024,51 @@ func TestChartAutoscalingKeepsReplicas(t *testing.T) {
 		})
 	}
 }
+
+// TestChartUpgradeKeepsKeys: the hook that writes a generated key before
+// an upgrade writes the key the cluster holds (lookup), not a new one: a
+// new gossip key would split the ring, a new seal key would leave the
+// persisted Secrets unreadable.
+func TestChartUpgradeKeepsKeys(t *testing.T) {
+	c := loadChart(t)
+	held := map[string]string{
+		"meshrelay-gossip": base64.StdEncoding.EncodeToString(bytes.Repeat([]byte{1}, 32)),
+		"meshrelay-seal":   base64.StdEncoding.EncodeToString(bytes.Repeat([]byte{2}, 32)),
+	}
+	var cluster clusterObjects
+	for name, key := range held {
+		cluster = append(cluster, &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion": "v1", "kind": "Secret",
+			"metadata": map[string]any{"name": name, "namespace": namespace},
+			"data":     map[string]any{"key": key},
+		}})
+	}
+	caps := chartutil.DefaultCapabilities.Copy()
+	caps.KubeVersion = kubeVersion
+	vals := map[string]any{"etcd": map[string]any{"endpoints": []any{"https://etcd:2379"}}}
+	rv, err := chartutil.ToRenderValues(c, vals, chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsUpgrade: true, Revision: 2}, caps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	files, err := engine.RenderWithClientProvider(c, rv, cluster)
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := 0
+	for _, doc := range releaseutil.SplitManifests(files["meshrelay/templates/secrets.yaml"]) {
+		var s corev1.Secret
+		if err := yaml.Unmarshal([]byte(doc), &s); err != nil {
+			t.Fatal(err)
+		}
+		if s.Name == "" {
+			continue
+		}
+		found++
+		if got := base64.StdEncoding.EncodeToString(s.Data["key"]); got != held[s.Name] {
+			t.Errorf("Secret %s: key %s on upgrade, the cluster holds %s", s.Name, got, held[s.Name])
+		}
+	}
+	if found != len(held) {
+		t.Errorf("%d generated Secrets rendered, want %d", found, len(held))
+	}
+}
