@@ -400,6 +400,20 @@ func checkTier(t *testing.T, objs []rendered, relayFlags map[string]bool) {
 			}
 		case *monitoringv1.ServiceMonitor:
 			monitors = append(monitors, o)
+		case *monitoringv1.PrometheusRule:
+			// The ServiceMonitor's scrapes get the Service's name as their
+			// job: MeshrelayDown must watch that job.
+			var down string
+			for _, g := range o.Spec.Groups {
+				for _, rule := range g.Rules {
+					if rule.Alert == "MeshrelayDown" {
+						down = rule.Expr.String()
+					}
+				}
+			}
+			if want := fmt.Sprintf(`up{job="%s"} == 0`, dep.Name); down != want {
+				t.Errorf("MeshrelayDown is %q, want %q", down, want)
+			}
 		case *policyv1.PodDisruptionBudget:
 			if !equalLabels(o.Spec.Selector.MatchLabels, sel) {
 				t.Errorf("PodDisruptionBudget selects %v, the relays are %v", o.Spec.Selector.MatchLabels, sel)
