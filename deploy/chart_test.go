@@ -34,7 +34,9 @@ import (
 	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
@@ -1084,5 +1086,49 @@ func TestChartUpgradeKeepsKeys(t *testing.T) {
 	}
 	if found != len(held) {
 		t.Errorf("%d generated Secrets rendered, want %d", found, len(held))
+	}
+}
+
+// TestChartTrialEtcdPolicy: with networkPolicy on, the trial etcd (no TLS,
+// no authentication) admits only this tier's relays, on its client port.
+func TestChartTrialEtcdPolicy(t *testing.T) {
+	c := loadChart(t)
+	for _, np := range []bool{false, true} {
+		objs := render(t, c, map[string]any{"etcd": map[string]any{"inCluster": map[string]any{"enabled": true}}, "networkPolicy": map[string]any{"enabled": np}}, false)
+		var etcdPod, relays map[string]string
+		var policy *networkingv1.NetworkPolicy
+		for _, r := range objs {
+			switch o := r.obj.(type) {
+			case *appsv1.StatefulSet:
+				etcdPod = o.Spec.Template.Labels
+			case *appsv1.Deployment:
+				relays = o.Spec.Template.Labels
+			case *networkingv1.NetworkPolicy:
+				if o.Name == "meshrelay-etcd" {
+					policy = o
+				}
+			}
+		}
+		if (policy != nil) != np {
+			t.Fatalf("networkPolicy.enabled %t: trial etcd NetworkPolicy rendered %t", np, policy != nil)
+		}
+		if policy == nil {
+			continue
+		}
+		sel, err := metav1.LabelSelectorAsSelector(&policy.Spec.PodSelector)
+		if err != nil || !sel.Matches(labels.Set(etcdPod)) || sel.Matches(labels.Set(relays)) {
+			t.Errorf("the policy selects %v: want the etcd pod %v only", policy.Spec.PodSelector, etcdPod)
+		}
+		if !slices.Equal(policy.Spec.PolicyTypes, []networkingv1.PolicyType{networkingv1.PolicyTypeIngress}) || len(policy.Spec.Ingress) != 1 {
+			t.Fatalf("policy %+v: want one ingress rule", policy.Spec)
+		}
+		in := policy.Spec.Ingress[0]
+		if len(in.Ports) != 1 || in.Ports[0].Port.IntVal != 2379 || len(in.From) != 1 || in.From[0].PodSelector == nil || in.From[0].NamespaceSelector != nil || in.From[0].IPBlock != nil {
+			t.Fatalf("ingress %+v: want 2379 from a pod selector of this namespace only", in)
+		}
+		from, err := metav1.LabelSelectorAsSelector(in.From[0].PodSelector)
+		if err != nil || !from.Matches(labels.Set(relays)) || from.Matches(labels.Set(etcdPod)) {
+			t.Errorf("ingress from %v: want the relays %v only", in.From[0].PodSelector, relays)
+		}
 	}
 }
