@@ -769,6 +769,7 @@ func TestChartRefuses(t *testing.T) {
 		{"key metadata for fields", map[string]any{"keyProfile": "fields", "keyFields": []any{"cluster"}, "keyMetadata": []any{"FOO"}}, "keyMetadata is for keyProfile istio"},
 		{"key metadata for per-node", map[string]any{"keyProfile": "per-node", "keyMetadata": []any{"FOO"}}, "keyMetadata is for keyProfile istio"},
 		{"unknown key profile", map[string]any{"keyProfile": "pernode"}, "keyProfile"},
+		{"admin TLS with xds auth none", map[string]any{"upstream": map[string]any{"auth": "relay-identity"}, "xds": map[string]any{"tls": map[string]any{"auth": "none"}}}, "xds.tls.auth none"},
 		{"etcd user without a password", map[string]any{"etcd": map[string]any{"endpoints": []any{"https://etcd:2379"}, "auth": map[string]any{"user": "meshrelay"}}}, "passwordSecret"},
 	}
 	for _, tt := range tests {
@@ -1130,5 +1131,22 @@ func TestChartTrialEtcdPolicy(t *testing.T) {
 		if err != nil || !from.Matches(labels.Set(relays)) || from.Matches(labels.Set(etcdPod)) {
 			t.Errorf("ingress from %v: want the relays %v only", in.From[0].PodSelector, relays)
 		}
+	}
+}
+
+// TestChartAdminMTLS: with xds.tls.auth mtls no token is verified, so the
+// admin listener must check mesh certificates against the mesh root
+// (--admin-client-ca) for its admins to prove anything.
+func TestChartAdminMTLS(t *testing.T) {
+	c := loadChart(t)
+	vals := map[string]any{"upstream": map[string]any{"auth": "relay-identity"}, "xds": map[string]any{"tls": map[string]any{"auth": "mtls"}}}
+	objs := render(t, c, vals, false)
+	checkTier(t, objs, relayFlags(t))
+	args := relayArgs(t, objs)
+	if args["admin-identities"] == "" || args["admin-client-ca"] != args["xds-client-ca"] {
+		t.Errorf("--admin-identities=%q --admin-client-ca=%q: want admins and the mesh root %q", args["admin-identities"], args["admin-client-ca"], args["xds-client-ca"])
+	}
+	if a := relayArgs(t, render(t, c, map[string]any{}, false)); a["admin-client-ca"] != "" {
+		t.Errorf("--admin-client-ca=%s with xds.tls.auth any: want it only for mtls", a["admin-client-ca"])
 	}
 }
