@@ -770,6 +770,8 @@ func TestChartRefuses(t *testing.T) {
 		{"key metadata for per-node", map[string]any{"keyProfile": "per-node", "keyMetadata": []any{"FOO"}}, "keyMetadata is for keyProfile istio"},
 		{"unknown key profile", map[string]any{"keyProfile": "pernode"}, "keyProfile"},
 		{"admin TLS with xds auth none", map[string]any{"upstream": map[string]any{"auth": "relay-identity"}, "xds": map[string]any{"tls": map[string]any{"auth": "none"}}}, "xds.tls.auth none"},
+		{"etcd prefix without a trailing slash", map[string]any{"etcd": map[string]any{"prefix": "/meshrelay"}}, "prefix"},
+		{"etcd prefix without a leading slash", map[string]any{"etcd": map[string]any{"prefix": "meshrelay/"}}, "prefix"},
 		{"etcd user without a password", map[string]any{"etcd": map[string]any{"endpoints": []any{"https://etcd:2379"}, "auth": map[string]any{"user": "meshrelay"}}}, "passwordSecret"},
 	}
 	for _, tt := range tests {
