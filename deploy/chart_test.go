@@ -327,6 +327,18 @@ func checkTier(t *testing.T, objs []rendered, relayFlags map[string]bool) {
 			}
 		}
 	}
+	// Gossip advertises the pod's IP (POD_IP, from the downward API) on
+	// the gossip port.
+	if v, ok := flags["gossip-listen"]; ok {
+		if want := "$(POD_IP)" + v[strings.LastIndex(v, ":"):]; flags["gossip-advertise"] != want {
+			t.Errorf("--gossip-advertise=%q, want %q", flags["gossip-advertise"], want)
+		}
+		if !slices.ContainsFunc(c.Env, func(e corev1.EnvVar) bool {
+			return e.Name == "POD_IP" && e.ValueFrom != nil && e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "status.podIP"
+		}) {
+			t.Errorf("no POD_IP from status.podIP for --gossip-advertise")
+		}
+	}
 	wantScheme := corev1.URISchemeHTTP
 	if flags["admin-tls-cert"] != "" {
 		wantScheme = corev1.URISchemeHTTPS
