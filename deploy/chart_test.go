@@ -125,19 +125,24 @@ func loadChart(t *testing.T) *chart.Chart {
 // operator is set. Objects come in Helm's install order, hooks first.
 func render(t *testing.T, c *chart.Chart, vals map[string]any, operator bool) []rendered {
 	t.Helper()
-	return renderRelease(t, c, vals, operator, chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsInstall: true, Revision: 1})
+	return renderRelease(t, c, vals, operatorAPIs(operator), chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsInstall: true, Revision: 1})
+}
+
+// operatorAPIs are the Prometheus Operator's API versions if operator.
+func operatorAPIs(operator bool) []string {
+	if !operator {
+		return nil
+	}
+	return []string{"monitoring.coreos.com/v1", "monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos.com/v1/PrometheusRule"}
 }
 
 // renderRelease is render for the release opts describes (an upgrade:
-// IsUpgrade).
-func renderRelease(t *testing.T, c *chart.Chart, vals map[string]any, operator bool, opts chartutil.ReleaseOptions) []rendered {
+// IsUpgrade), on a cluster that also serves the API versions apis.
+func renderRelease(t *testing.T, c *chart.Chart, vals map[string]any, apis []string, opts chartutil.ReleaseOptions) []rendered {
 	t.Helper()
 	caps := chartutil.DefaultCapabilities.Copy()
 	caps.KubeVersion = kubeVersion
-	if operator {
-		caps.APIVersions = append(slices.Clone(caps.APIVersions),
-			"monitoring.coreos.com/v1", "monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos.com/v1/PrometheusRule")
-	}
+	caps.APIVersions = append(slices.Clone(caps.APIVersions), apis...)
 	rv, err := chartutil.ToRenderValues(c, vals, opts, caps)
 	if err != nil {
 		t.Fatalf("values: %v", err)
@@ -501,7 +506,7 @@ func TestChartUpgradeMountsSecrets(t *testing.T) {
 	)
 	for _, vs := range sets {
 		t.Run(vs.name, func(t *testing.T) {
-			objs := renderRelease(t, c, vs.values, true, chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsUpgrade: true, Revision: 2})
+			objs := renderRelease(t, c, vs.values, operatorAPIs(true), chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsUpgrade: true, Revision: 2})
 			made := map[string]bool{}
 			var dep *appsv1.Deployment
 			for _, r := range objs {
@@ -1162,5 +1167,34 @@ func TestChartAdminMTLS(t *testing.T) {
 	}
 	if a := relayArgs(t, render(t, c, map[string]any{}, false)); a["admin-client-ca"] != "" {
 		t.Errorf("--admin-client-ca=%s with xds.tls.auth any: want it only for mtls", a["admin-client-ca"])
+	}
+}
+
+// TestChartCustomMetric: the autoscaler scales on Envoys per relay only
+// where a custom metrics adapter serves custom.metrics.k8s.io; elsewhere
+// on CPU alone (an HPA naming a metric no one serves does not scale).
+func TestChartCustomMetric(t *testing.T) {
+	c := loadChart(t)
+	vals := map[string]any{"autoscaling": map[string]any{"enabled": true, "targetEnvoysPerRelay": 2000}}
+	for _, adapter := range []bool{false, true} {
+		var apis []string
+		if adapter {
+			apis = []string{"custom.metrics.k8s.io/v1beta1"}
+		}
+		var kinds []autoscalingv2.MetricSourceType
+		for _, r := range renderRelease(t, c, vals, apis, chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsInstall: true, Revision: 1}) {
+			if h, ok := r.obj.(*autoscalingv2.HorizontalPodAutoscaler); ok {
+				for _, m := range h.Spec.Metrics {
+					kinds = append(kinds, m.Type)
+				}
+			}
+		}
+		want := []autoscalingv2.MetricSourceType{autoscalingv2.ResourceMetricSourceType}
+		if adapter {
+			want = append(want, autoscalingv2.PodsMetricSourceType)
+		}
+		if !slices.Equal(kinds, want) {
+			t.Errorf("custom.metrics.k8s.io served %t: metrics %v, want %v", adapter, kinds, want)
+		}
 	}
 }
