@@ -69,6 +69,7 @@ var kinds = map[string]struct {
 	"ConfigMap":               {"v1", func() any { return &corev1.ConfigMap{} }},
 	"ServiceAccount":          {"v1", func() any { return &corev1.ServiceAccount{} }},
 	"Secret":                  {"v1", func() any { return &corev1.Secret{} }},
+	"ClusterRole":             {"rbac.authorization.k8s.io/v1", func() any { return &rbacv1.ClusterRole{} }},
 	"ClusterRoleBinding":      {"rbac.authorization.k8s.io/v1", func() any { return &rbacv1.ClusterRoleBinding{} }},
 	"PodDisruptionBudget":     {"policy/v1", func() any { return &policyv1.PodDisruptionBudget{} }},
 	"HorizontalPodAutoscaler": {"autoscaling/v2", func() any { return &autoscalingv2.HorizontalPodAutoscaler{} }},
@@ -1195,6 +1196,54 @@ func TestChartCustomMetric(t *testing.T) {
 		}
 		if !slices.Equal(kinds, want) {
 			t.Errorf("custom.metrics.k8s.io served %t: metrics %v, want %v", adapter, kinds, want)
+		}
+	}
+}
+
+// TestChartRBAC: the relays may create TokenReviews and nothing more, and
+// the cluster-scoped objects of two releases in two namespaces do not
+// collide.
+func TestChartRBAC(t *testing.T) {
+	c := loadChart(t)
+	clusterScoped := func(ns string) map[string]bool {
+		objs := renderRelease(t, c, map[string]any{}, nil, chartutil.ReleaseOptions{Name: releaseName, Namespace: ns, IsInstall: true, Revision: 1})
+		names := map[string]bool{}
+		roles := map[string]*rbacv1.ClusterRole{}
+		for _, r := range objs {
+			if o, ok := r.obj.(*rbacv1.ClusterRole); ok {
+				roles[o.Name] = o
+			}
+		}
+		bound := false
+		for _, r := range objs {
+			switch o := r.obj.(type) {
+			case *rbacv1.ClusterRole:
+				names["ClusterRole/"+o.Name] = true
+			case *rbacv1.ClusterRoleBinding:
+				names["ClusterRoleBinding/"+o.Name] = true
+				role := roles[o.RoleRef.Name]
+				if role == nil {
+					t.Errorf("ClusterRoleBinding %s binds %s %s, not the chart's own", o.Name, o.RoleRef.Kind, o.RoleRef.Name)
+					continue
+				}
+				want := []rbacv1.PolicyRule{{APIGroups: []string{"authentication.k8s.io"}, Resources: []string{"tokenreviews"}, Verbs: []string{"create"}}}
+				if fmt.Sprint(role.Rules) != fmt.Sprint(want) {
+					t.Errorf("ClusterRole %s grants %v, want only %v", role.Name, role.Rules, want)
+				}
+				for _, s := range o.Subjects {
+					bound = bound || s.Kind == "ServiceAccount" && s.Name == "meshrelay" && s.Namespace == ns
+				}
+			}
+		}
+		if !bound {
+			t.Errorf("namespace %s: the relays' ServiceAccount is not bound for TokenReview", ns)
+		}
+		return names
+	}
+	a, b := clusterScoped("istio-system"), clusterScoped("mesh-b")
+	for n := range a {
+		if b[n] {
+			t.Errorf("%s is made by releases in both namespaces", n)
 		}
 	}
 }
