@@ -345,6 +345,14 @@ func checkTier(t *testing.T, objs []rendered, relayFlags map[string]bool) {
 			t.Errorf("no POD_IP from status.podIP for --gossip-advertise")
 		}
 	}
+	if sc := c.SecurityContext; sc == nil || sc.SeccompProfile == nil || sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
+		t.Errorf("the relay's securityContext %+v: want seccompProfile RuntimeDefault", sc)
+	}
+	for _, r := range objs {
+		if ss, ok := r.obj.(*appsv1.StatefulSet); ok {
+			checkTrialEtcd(t, ss)
+		}
+	}
 	wantScheme := corev1.URISchemeHTTP
 	if flags["admin-tls-cert"] != "" {
 		wantScheme = corev1.URISchemeHTTPS
@@ -790,6 +798,7 @@ func TestChartRefuses(t *testing.T) {
 		{"admin TLS with xds auth none", map[string]any{"upstream": map[string]any{"auth": "relay-identity"}, "xds": map[string]any{"tls": map[string]any{"auth": "none"}}}, "xds.tls.auth none"},
 		{"etcd prefix without a trailing slash", map[string]any{"etcd": map[string]any{"prefix": "/meshrelay"}}, "prefix"},
 		{"etcd prefix without a leading slash", map[string]any{"etcd": map[string]any{"prefix": "meshrelay/"}}, "prefix"},
+		{"trial etcd storage not in Mi or Gi", map[string]any{"etcd": map[string]any{"inCluster": map[string]any{"enabled": true, "storage": "4G"}}}, "storage"},
 		{"etcd user without a password", map[string]any{"etcd": map[string]any{"endpoints": []any{"https://etcd:2379"}, "auth": map[string]any{"user": "meshrelay"}}}, "passwordSecret"},
 	}
 	for _, tt := range tests {
@@ -1245,5 +1254,30 @@ func TestChartRBAC(t *testing.T) {
 		if b[n] {
 			t.Errorf("%s is made by releases in both namespaces", n)
 		}
+	}
+}
+
+// checkTrialEtcd: the trial etcd's backend quota fits its volume with room
+// for the write-ahead log, and it runs under the runtime's seccomp profile.
+func checkTrialEtcd(t *testing.T, ss *appsv1.StatefulSet) {
+	t.Helper()
+	c := ss.Spec.Template.Spec.Containers[0]
+	var quota int64 = -1
+	for _, a := range c.Command {
+		if v, ok := strings.CutPrefix(a, "--quota-backend-bytes="); ok {
+			if _, err := fmt.Sscanf(v, "%d", &quota); err != nil {
+				t.Errorf("%s: %v", a, err)
+			}
+		}
+	}
+	if len(ss.Spec.VolumeClaimTemplates) != 1 {
+		t.Fatalf("StatefulSet %s: %d volume claims, want 1", ss.Name, len(ss.Spec.VolumeClaimTemplates))
+	}
+	size := ss.Spec.VolumeClaimTemplates[0].Spec.Resources.Requests[corev1.ResourceStorage]
+	if quota <= 0 || quota > size.Value()*3/4 {
+		t.Errorf("StatefulSet %s: --quota-backend-bytes %d with a %s volume: want at most three quarters of it", ss.Name, quota, size.String())
+	}
+	if sc := c.SecurityContext; sc == nil || sc.SeccompProfile == nil || sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
+		t.Errorf("StatefulSet %s: securityContext %+v: want seccompProfile RuntimeDefault", ss.Name, sc)
 	}
 }
