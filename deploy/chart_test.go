@@ -19,6 +19,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
 	"helm.sh/helm/v3/pkg/chart"
 	"helm.sh/helm/v3/pkg/chart/loader"
@@ -33,6 +34,13 @@ import (
 	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
+	dynamicfake "k8s.io/client-go/dynamic/fake"
 	"sigs.k8s.io/yaml"
 )
 
@@ -58,8 +66,10 @@ var kinds = map[string]struct {
 	"Deployment":              {"apps/v1", func() any { return &appsv1.Deployment{} }},
 	"StatefulSet":             {"apps/v1", func() any { return &appsv1.StatefulSet{} }},
 	"Service":                 {"v1", func() any { return &corev1.Service{} }},
+	"ConfigMap":               {"v1", func() any { return &corev1.ConfigMap{} }},
 	"ServiceAccount":          {"v1", func() any { return &corev1.ServiceAccount{} }},
 	"Secret":                  {"v1", func() any { return &corev1.Secret{} }},
+	"ClusterRole":             {"rbac.authorization.k8s.io/v1", func() any { return &rbacv1.ClusterRole{} }},
 	"ClusterRoleBinding":      {"rbac.authorization.k8s.io/v1", func() any { return &rbacv1.ClusterRoleBinding{} }},
 	"PodDisruptionBudget":     {"policy/v1", func() any { return &policyv1.PodDisruptionBudget{} }},
 	"HorizontalPodAutoscaler": {"autoscaling/v2", func() any { return &autoscalingv2.HorizontalPodAutoscaler{} }},
@@ -116,13 +126,25 @@ func loadChart(t *testing.T) *chart.Chart {
 // operator is set. Objects come in Helm's install order, hooks first.
 func render(t *testing.T, c *chart.Chart, vals map[string]any, operator bool) []rendered {
 	t.Helper()
+	return renderRelease(t, c, vals, operatorAPIs(operator), chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsInstall: true, Revision: 1})
+}
+
+// operatorAPIs are the Prometheus Operator's API versions if operator.
+func operatorAPIs(operator bool) []string {
+	if !operator {
+		return nil
+	}
+	return []string{"monitoring.coreos.com/v1", "monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos.com/v1/PrometheusRule"}
+}
+
+// renderRelease is render for the release opts describes (an upgrade:
+// IsUpgrade), on a cluster that also serves the API versions apis.
+func renderRelease(t *testing.T, c *chart.Chart, vals map[string]any, apis []string, opts chartutil.ReleaseOptions) []rendered {
+	t.Helper()
 	caps := chartutil.DefaultCapabilities.Copy()
 	caps.KubeVersion = kubeVersion
-	if operator {
-		caps.APIVersions = append(slices.Clone(caps.APIVersions),
-			"monitoring.coreos.com/v1", "monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos.com/v1/PrometheusRule")
-	}
-	rv, err := chartutil.ToRenderValues(c, vals, chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsInstall: true, Revision: 1}, caps)
+	caps.APIVersions = append(slices.Clone(caps.APIVersions), apis...)
+	rv, err := chartutil.ToRenderValues(c, vals, opts, caps)
 	if err != nil {
 		t.Fatalf("values: %v", err)
 	}
@@ -293,7 +315,7 @@ func checkTier(t *testing.T, objs []rendered, relayFlags map[string]bool) {
 		}
 	}
 	for k, v := range flags {
-		if strings.HasSuffix(k, "-file") || strings.HasSuffix(k, "-cert") || strings.HasSuffix(k, "-key") || strings.HasSuffix(k, "-ca") {
+		if strings.HasSuffix(k, "-file") || strings.HasSuffix(k, "-cert") || strings.HasSuffix(k, "-key") || strings.HasSuffix(k, "-ca") || strings.HasSuffix(k, "-config") {
 			if dir := filepath.Dir(v); mounts[dir] == "" {
 				t.Errorf("--%s=%s: no volume mounted at %s", k, v, dir)
 			}
@@ -309,6 +331,26 @@ func checkTier(t *testing.T, objs []rendered, relayFlags map[string]bool) {
 			if _, err := fmt.Sscanf(strings.TrimPrefix(v, ":"), "%d", &port); err != nil || !ports[port] {
 				t.Errorf("--%s=%s: not a container port", k, v)
 			}
+		}
+	}
+	// Gossip advertises the pod's IP (POD_IP, from the downward API) on
+	// the gossip port.
+	if v, ok := flags["gossip-listen"]; ok {
+		if want := "$(POD_IP)" + v[strings.LastIndex(v, ":"):]; flags["gossip-advertise"] != want {
+			t.Errorf("--gossip-advertise=%q, want %q", flags["gossip-advertise"], want)
+		}
+		if !slices.ContainsFunc(c.Env, func(e corev1.EnvVar) bool {
+			return e.Name == "POD_IP" && e.ValueFrom != nil && e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "status.podIP"
+		}) {
+			t.Errorf("no POD_IP from status.podIP for --gossip-advertise")
+		}
+	}
+	if sc := c.SecurityContext; sc == nil || sc.SeccompProfile == nil || sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
+		t.Errorf("the relay's securityContext %+v: want seccompProfile RuntimeDefault", sc)
+	}
+	for _, r := range objs {
+		if ss, ok := r.obj.(*appsv1.StatefulSet); ok {
+			checkTrialEtcd(t, ss)
 		}
 	}
 	wantScheme := corev1.URISchemeHTTP
@@ -345,6 +387,8 @@ func checkTier(t *testing.T, objs []rendered, relayFlags map[string]bool) {
 		}
 	}
 	var gossipSvc, xdsSvc bool
+	servicePorts := map[string]int32{}
+	var monitors []*monitoringv1.ServiceMonitor
 	for _, r := range objs {
 		switch o := r.obj.(type) {
 		case *corev1.Service:
@@ -354,6 +398,27 @@ func checkTier(t *testing.T, objs []rendered, relayFlags map[string]bool) {
 			if !equalLabels(o.Spec.Selector, sel) {
 				t.Errorf("Service %s selects %v, the relays are %v", o.Name, o.Spec.Selector, sel)
 			}
+			// Istio picks a port's protocol by its name's prefix: a TLS
+			// port named grpc- or http- is taken for plaintext.
+			for _, p := range o.Spec.Ports {
+				var want string
+				switch {
+				case p.Port == 15012:
+					want = "tls-"
+				case p.Port == 15014 && flags["admin-tls-cert"] != "":
+					want = "https-"
+				case p.Port == 15014:
+					want = "http-"
+				case p.Port == 15010:
+					want = "grpc-"
+				default:
+					continue
+				}
+				if !strings.HasPrefix(p.Name, want) {
+					t.Errorf("Service %s port %d is named %q: want %s… for Istio's protocol selection", o.Name, p.Port, p.Name, want)
+				}
+				servicePorts[p.Name] = p.Port
+			}
 			if o.Spec.ClusterIP == corev1.ClusterIPNone {
 				gossipSvc = o.Spec.PublishNotReadyAddresses && strings.HasPrefix(flags["join"], o.Name+"."+o.Namespace+".svc")
 			} else {
@@ -361,18 +426,43 @@ func checkTier(t *testing.T, objs []rendered, relayFlags map[string]bool) {
 					xdsSvc = xdsSvc || (p.Port == 15012 || p.Port == 15010) && ports[p.TargetPort.IntVal]
 				}
 			}
+		case *monitoringv1.ServiceMonitor:
+			monitors = append(monitors, o)
+		case *monitoringv1.PrometheusRule:
+			// The ServiceMonitor's scrapes get the Service's name as their
+			// job: MeshrelayDown must watch that job.
+			var down string
+			for _, g := range o.Spec.Groups {
+				for _, rule := range g.Rules {
+					if rule.Alert == "MeshrelayDown" {
+						down = rule.Expr.String()
+					}
+				}
+			}
+			if want := fmt.Sprintf(`up{job="%s"} == 0`, dep.Name); down != want {
+				t.Errorf("MeshrelayDown is %q, want %q", down, want)
+			}
 		case *policyv1.PodDisruptionBudget:
 			if !equalLabels(o.Spec.Selector.MatchLabels, sel) {
 				t.Errorf("PodDisruptionBudget selects %v, the relays are %v", o.Spec.Selector.MatchLabels, sel)
 			}
 		case *autoscalingv2.HorizontalPodAutoscaler:
-			if o.Spec.ScaleTargetRef.Name != dep.Name || dep.Spec.Replicas != nil {
-				t.Errorf("the autoscaler scales %s, and the Deployment sets replicas %v: want %s, unset", o.Spec.ScaleTargetRef.Name, dep.Spec.Replicas, dep.Name)
+			// With no live Deployment to keep the count of, the autoscaler's
+			// minimum: replicas left out would default to 1.
+			if o.Spec.ScaleTargetRef.Name != dep.Name || dep.Spec.Replicas == nil || o.Spec.MinReplicas == nil || *dep.Spec.Replicas != *o.Spec.MinReplicas {
+				t.Errorf("the autoscaler scales %s, and the Deployment sets replicas %v: want %s, minReplicas %v", o.Spec.ScaleTargetRef.Name, ptrString(dep.Spec.Replicas), dep.Name, ptrString(o.Spec.MinReplicas))
 			}
 		}
 	}
 	if !gossipSvc {
 		t.Errorf("no headless Service publishing not-ready relays under --join=%s", flags["join"])
+	}
+	for _, m := range monitors {
+		for _, e := range m.Spec.Endpoints {
+			if servicePorts[e.Port] != 15014 {
+				t.Errorf("ServiceMonitor %s scrapes port %q: the Service's admin port is not named so (%v)", m.Name, e.Port, servicePorts)
+			}
+		}
 	}
 	if !xdsSvc {
 		t.Errorf("no Service sends an xDS port to the relays")
@@ -399,9 +489,90 @@ func checkGeneratedKey(t *testing.T, s *corev1.Secret) {
 	if err != nil || len(raw) != 32 {
 		t.Errorf("Secret %s: key %q is not base64 of 32 bytes (%d bytes, %v)", s.Name, s.Data["key"], len(raw), err)
 	}
-	if s.Annotations["helm.sh/hook"] != "pre-install" {
-		t.Errorf("Secret %s: generated outside a pre-install hook: an upgrade would change it", s.Name)
+	// Before upgrades too: an upgrade that adds etcd, or clears an
+	// existingSecret, is the first to need the Secret. The template keeps
+	// the key it finds (lookup), so the hook writes the same key again.
+	if s.Annotations["helm.sh/hook"] != "pre-install,pre-upgrade" {
+		t.Errorf("Secret %s: hook %q, want pre-install,pre-upgrade: an upgrade that first needs it would mount a Secret never made", s.Name, s.Annotations["helm.sh/hook"])
 	}
+}
+
+// TestChartUpgradeMountsSecrets: rendered as an upgrade, every Secret the
+// Deployment mounts is in the render (a generated key, a cert-manager
+// Certificate's Secret) or one the values name or the docs say to create;
+// in particular an upgrade that adds etcd, or clears an existingSecret,
+// renders the key it now mounts.
+func TestChartUpgradeMountsSecrets(t *testing.T) {
+	c := loadChart(t)
+	sets := valueSets(t)
+	sets = append(sets,
+		valueSet{"upgrade adds etcd", map[string]any{"etcd": map[string]any{"endpoints": []any{"https://etcd:2379"}}}},
+		valueSet{"upgrade adds the trial etcd", map[string]any{"etcd": map[string]any{"inCluster": map[string]any{"enabled": true}}}},
+		valueSet{"upgrade clears existingSecret", map[string]any{
+			"tier": map[string]any{"gossipKey": map[string]any{"existingSecret": ""}},
+			"etcd": map[string]any{"endpoints": []any{"https://etcd:2379"}, "sealKey": map[string]any{"existingSecret": ""}},
+		}},
+	)
+	for _, vs := range sets {
+		t.Run(vs.name, func(t *testing.T) {
+			objs := renderRelease(t, c, vs.values, operatorAPIs(true), chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsUpgrade: true, Revision: 2})
+			made := map[string]bool{}
+			var dep *appsv1.Deployment
+			for _, r := range objs {
+				switch o := r.obj.(type) {
+				case *corev1.Secret:
+					// A hook is rendered for every release but run only for
+					// the events it names: this one must run before the
+					// upgrade's Deployment.
+					hooks := strings.Split(o.Annotations["helm.sh/hook"], ",")
+					made[o.Name] = !r.hook || slices.Contains(hooks, "pre-upgrade")
+				case *certificate:
+					made[o.Spec.SecretName] = true
+				case *appsv1.Deployment:
+					dep = o
+				}
+			}
+			if dep == nil {
+				t.Fatal("no Deployment")
+			}
+			// Secrets the values name, and the certificates deploy/README.md
+			// says to create by hand without cert-manager.
+			named := map[string]bool{}
+			for _, path := range [][]string{
+				{"tier", "gossipKey", "existingSecret"}, {"etcd", "sealKey", "existingSecret"},
+				{"xds", "tls", "secretName"}, {"tier", "peerSecretName"},
+				{"etcd", "tls", "secretName"}, {"etcd", "auth", "passwordSecret"},
+			} {
+				if v, _ := lookupValue(vs.values, path...).(string); v != "" {
+					named[v] = true
+				}
+			}
+			if lookupValue(vs.values, "certManager", "enabled") != true {
+				named[dep.Name+"-xds-tls"], named[dep.Name+"-peer-tls"] = true, true
+			}
+			for _, v := range dep.Spec.Template.Spec.Volumes {
+				if v.Secret == nil {
+					continue
+				}
+				if !made[v.Secret.SecretName] && !named[v.Secret.SecretName] {
+					t.Errorf("volume %s mounts Secret %s: an upgrade neither renders it nor do the values name it", v.Name, v.Secret.SecretName)
+				}
+			}
+		})
+	}
+}
+
+// lookupValue is the value at path in vals, or nil.
+func lookupValue(vals map[string]any, path ...string) any {
+	var v any = vals
+	for _, k := range path {
+		m, ok := v.(map[string]any)
+		if !ok {
+			return nil
+		}
+		v = m[k]
+	}
+	return v
 }
 
 // TestChartRevisions: a revision's tier shares no object and no pod with
@@ -616,6 +787,18 @@ func TestChartRefuses(t *testing.T) {
 		{"forward with mtls only", map[string]any{"xds": map[string]any{"tls": map[string]any{"auth": "mtls"}}}, "use relay-identity"},
 		{"admin TLS without a certificate", map[string]any{"upstream": map[string]any{"auth": "plaintext"}, "xds": map[string]any{"tls": map[string]any{"enabled": false}, "plaintext": map[string]any{"enabled": true}}}, "admin.tls"},
 		{"no xDS port", map[string]any{"upstream": map[string]any{"auth": "plaintext"}, "admin": map[string]any{"tls": false}, "xds": map[string]any{"tls": map[string]any{"enabled": false}}}, "no xDS port"},
+		{"negative upstream stream rate", map[string]any{"upstreamStreamRate": -1}, "upstreamStreamRate"},
+		{"fields without fields", map[string]any{"keyProfile": "fields"}, "needs keyFields or keyConfig"},
+		{"fields two ways", map[string]any{"keyProfile": "fields", "keyFields": []any{"cluster"}, "keyConfig": map[string]any{"rules": []any{map[string]any{"name": "all", "match": map[string]any{"id": ".*"}, "key": []any{"cluster"}}}}}, "give one"},
+		{"key fields for istio", map[string]any{"keyFields": []any{"cluster"}}, "for keyProfile fields"},
+		{"key config for per-node", map[string]any{"keyProfile": "per-node", "keyConfig": map[string]any{"rules": []any{}}}, "for keyProfile fields"},
+		{"key metadata for fields", map[string]any{"keyProfile": "fields", "keyFields": []any{"cluster"}, "keyMetadata": []any{"FOO"}}, "keyMetadata is for keyProfile istio"},
+		{"key metadata for per-node", map[string]any{"keyProfile": "per-node", "keyMetadata": []any{"FOO"}}, "keyMetadata is for keyProfile istio"},
+		{"unknown key profile", map[string]any{"keyProfile": "pernode"}, "keyProfile"},
+		{"admin TLS with xds auth none", map[string]any{"upstream": map[string]any{"auth": "relay-identity"}, "xds": map[string]any{"tls": map[string]any{"auth": "none"}}}, "xds.tls.auth none"},
+		{"etcd prefix without a trailing slash", map[string]any{"etcd": map[string]any{"prefix": "/meshrelay"}}, "prefix"},
+		{"etcd prefix without a leading slash", map[string]any{"etcd": map[string]any{"prefix": "meshrelay/"}}, "prefix"},
+		{"trial etcd storage not in Mi or Gi", map[string]any{"etcd": map[string]any{"inCluster": map[string]any{"enabled": true, "storage": "4G"}}}, "storage"},
 		{"etcd user without a password", map[string]any{"etcd": map[string]any{"endpoints": []any{"https://etcd:2379"}, "auth": map[string]any{"user": "meshrelay"}}}, "passwordSecret"},
 	}
 	for _, tt := range tests {
@@ -630,5 +813,471 @@ func TestChartRefuses(t *testing.T) {
 				t.Errorf("rendering with %v: error %v, want one containing %q", tt.values, err, tt.wantErr)
 			}
 		})
+	}
+}
+
+// renderNotes is NOTES.txt as an install with vals prints it.
+func renderNotes(t *testing.T, c *chart.Chart, vals map[string]any) string {
+	t.Helper()
+	caps := chartutil.DefaultCapabilities.Copy()
+	caps.KubeVersion = kubeVersion
+	rv, err := chartutil.ToRenderValues(c, vals, chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsInstall: true, Revision: 1}, caps)
+	if err != nil {
+		t.Fatalf("values: %v", err)
+	}
+	files, err := engine.Render(c, rv)
+	if err != nil {
+		t.Fatalf("render: %v", err)
+	}
+	for name, f := range files {
+		if strings.HasSuffix(name, "NOTES.txt") {
+			return f
+		}
+	}
+	t.Fatal("no NOTES.txt")
+	return ""
+}
+
+// TestChartNotes: the annotation NOTES.txt prints does not pin CA_ADDR
+// (the injection sets it: istiod[-rev].<ns>.svc or global.caAddress), and
+// the istiod it names is the tier's upstream, not a hard-coded one.
+func TestChartNotes(t *testing.T) {
+	c := loadChart(t)
+	for _, vs := range valueSets(t) {
+		t.Run(vs.name, func(t *testing.T) {
+			notes := renderNotes(t, c, vs.values)
+			if regexp.MustCompile(`(?m)^\s+CA_ADDR:`).MatchString(notes) {
+				t.Errorf("NOTES.txt pins CA_ADDR:\n%s", notes)
+			}
+			upstream, _ := lookupValue(vs.values, "upstream", "address").(string)
+			if upstream == "" {
+				upstream = "istiod.istio-system.svc:15012"
+			}
+			host, _, _ := strings.Cut(upstream, ":")
+			if !strings.Contains(notes, host+":15012") {
+				t.Errorf("NOTES.txt does not name the upstream's CA %s:15012:\n%s", host, notes)
+			}
+			// istioctl authenticates to the relay as default/default, which
+			// sees namespace default only: NOTES.txt must not offer it as
+			// the way to watch the tier.
+			if strings.Contains(notes, "istioctl proxy-status") && !strings.Contains(notes, "namespace default only") {
+				t.Errorf("NOTES.txt offers istioctl proxy-status without saying it sees namespace default only:\n%s", notes)
+			}
+			if !strings.Contains(notes, "relayctl") || !strings.Contains(notes, "proxy-status") {
+				t.Errorf("NOTES.txt does not point to relayctl proxy-status:\n%s", notes)
+			}
+			if host != "istiod.istio-system.svc" && strings.Contains(notes, "istiod.istio-system.svc") {
+				t.Errorf("NOTES.txt names istiod.istio-system.svc, the upstream is %s:\n%s", upstream, notes)
+			}
+		})
+	}
+}
+
+// relayArgs are the Deployment's flags to meshrelay serve, by name.
+func relayArgs(t *testing.T, objs []rendered) map[string]string {
+	t.Helper()
+	for _, r := range objs {
+		if d, ok := r.obj.(*appsv1.Deployment); ok {
+			flags := map[string]string{}
+			for _, a := range d.Spec.Template.Spec.Containers[0].Args[1:] {
+				k, v, _ := strings.Cut(strings.TrimPrefix(a, "--"), "=")
+				flags[k] = v
+			}
+			return flags
+		}
+	}
+	t.Fatal("no Deployment")
+	return nil
+}
+
+// TestChartUpstreamStreamRate: each relay paces its streams to istiod at
+// upstreamStreamRate, 50/s unless set; 0 lifts the bound.
+func TestChartUpstreamStreamRate(t *testing.T) {
+	c := loadChart(t)
+	for _, tt := range []struct {
+		values map[string]any
+		want   string
+	}{
+		{map[string]any{}, "50"},
+		{map[string]any{"upstreamStreamRate": 12.5}, "12.5"},
+		{map[string]any{"upstreamStreamRate": 0}, "0"},
+	} {
+		if got := relayArgs(t, render(t, c, tt.values, false))["upstream-stream-rate"]; got != tt.want {
+			t.Errorf("with %v: --upstream-stream-rate=%q, want %q", tt.values, got, tt.want)
+		}
+	}
+}
+
+// TestChartKeyProfiles: keyProfile fields renders both ways, by keyFields
+// and by keyConfig (a ConfigMap, mounted where --key-config points), and
+// keyMetadata with istio; the flags pass the flag check and what the
+// relay would parse, parses.
+func TestChartKeyProfiles(t *testing.T) {
+	c := loadChart(t)
+	flags := relayFlags(t)
+	rules := map[string]any{"rules": []any{
+		map[string]any{"name": "gateways", "match": map[string]any{"id": "router~.*"}, "key": []any{"namespace", "metadata.LABELS.app", "metadata.ISTIO_VERSION", "locality"}},
+		map[string]any{"name": "sidecars", "match": map[string]any{"id": "sidecar~.*"}, "key": []any{"namespace", "metadata.WORKLOAD_NAME", "metadata.LABELS[app.kubernetes.io/name]"}},
+	}}
+	tests := []struct {
+		name   string
+		values map[string]any
+		want   map[string]string // flags; "" for absent
+	}{
+		{"fields by keyFields", map[string]any{"keyProfile": "fields", "keyFields": []any{"cluster", `id~^(.*)-[0-9]+\.bench$`}},
+			map[string]string{"key-profile": "fields", "key-fields": `cluster,id~^(.*)-[0-9]+\.bench$`, "key-config": "", "key-metadata": ""}},
+		{"fields by keyConfig", map[string]any{"keyProfile": "fields", "keyConfig": rules},
+			map[string]string{"key-profile": "fields", "key-fields": "", "key-config": "/etc/meshrelay/key-config/key-config.yaml", "key-metadata": ""}},
+		{"istio with keyMetadata", map[string]any{"keyMetadata": []any{"POD_IP_DEPENDENT", "TEAM"}},
+			map[string]string{"key-profile": "istio", "key-metadata": "POD_IP_DEPENDENT,TEAM", "key-fields": "", "key-config": ""}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			objs := render(t, c, tt.values, false)
+			checkTier(t, objs, flags)
+			args := relayArgs(t, objs)
+			for k, want := range tt.want {
+				if got, ok := args[k]; got != want || ok != (want != "") {
+					t.Errorf("--%s=%q (given %t), want %q", k, got, ok, want)
+				}
+			}
+			if args["key-profile"] == "istio" {
+				if _, err := aggkey.ParseProfile("istio", strings.Split(args["key-metadata"], ",")); err != nil {
+					t.Errorf("--key-metadata=%s: the relay refuses it: %v", args["key-metadata"], err)
+				}
+			}
+			if f := args["key-fields"]; f != "" {
+				if _, err := aggkey.ParseKeyFields(f); err != nil {
+					t.Errorf("--key-fields=%s: the relay refuses it: %v", f, err)
+				}
+			}
+			var cm *corev1.ConfigMap
+			var dep *appsv1.Deployment
+			for _, r := range objs {
+				switch o := r.obj.(type) {
+				case *corev1.ConfigMap:
+					cm = o
+				case *appsv1.Deployment:
+					dep = o
+				}
+			}
+			path := args["key-config"]
+			if path == "" {
+				if cm != nil {
+					t.Errorf("ConfigMap %s without --key-config", cm.Name)
+				}
+				return
+			}
+			if cm == nil {
+				t.Fatal("--key-config without a ConfigMap")
+			}
+			var vol string
+			for _, m := range dep.Spec.Template.Spec.Containers[0].VolumeMounts {
+				if m.MountPath == filepath.Dir(path) {
+					vol = m.Name
+				}
+			}
+			var from string
+			for _, v := range dep.Spec.Template.Spec.Volumes {
+				if v.Name == vol && v.ConfigMap != nil {
+					from = v.ConfigMap.Name
+				}
+			}
+			if from != cm.Name {
+				t.Errorf("--key-config=%s is on volume %q of ConfigMap %q, want ConfigMap %s", path, vol, from, cm.Name)
+			}
+			data, ok := cm.Data[filepath.Base(path)]
+			if !ok {
+				t.Fatalf("ConfigMap %s has no %s: %v", cm.Name, filepath.Base(path), cm.Data)
+			}
+			if _, err := aggkey.ParseKeyConfig([]byte(data)); err != nil {
+				t.Errorf("the relay refuses the rendered key config: %v\n%s", err, data)
+			}
+			if dep.Spec.Template.Annotations["checksum/key-config"] == "" {
+				t.Errorf("no checksum/key-config annotation: a change of the rules would not roll the relays")
+			}
+		})
+	}
+}
+
+func ptrString[T any](p *T) string {
+	if p == nil {
+		return "unset"
+	}
+	return fmt.Sprint(*p)
+}
+
+// clusterObjects is a helm.sh ClientProvider whose lookup finds objs, as
+// the live cluster of an upgrade would.
+type clusterObjects []*unstructured.Unstructured
+
+func (c clusterObjects) GetClientFor(apiVersion, kind string) (dynamic.NamespaceableResourceInterface, bool, error) {
+	gv, err := schema.ParseGroupVersion(apiVersion)
+	if err != nil {
+		return nil, false, err
+	}
+	objs := make([]runtime.Object, len(c))
+	for i, o := range c {
+		objs[i] = o
+	}
+	gvr := gv.WithResource(strings.ToLower(kind) + "s")
+	client := dynamicfake.NewSimpleDynamicClientWithCustomListKinds(runtime.NewScheme(), map[schema.GroupVersionResource]string{gvr: kind + "List"}, objs...)
+	return client.Resource(gvr), true, nil
+}
+
+// TestChartAutoscalingKeepsReplicas: turning autoscaling on does not drop
+// the Deployment to one relay: replicas is what runs (within the
+// autoscaler's bounds), or minReplicas when nothing runs.
+func TestChartAutoscalingKeepsReplicas(t *testing.T) {
+	c := loadChart(t)
+	live := func(replicas int64) clusterObjects {
+		return clusterObjects{{Object: map[string]any{
+			"apiVersion": "apps/v1", "kind": "Deployment",
+			"metadata": map[string]any{"name": "meshrelay", "namespace": namespace},
+			"spec":     map[string]any{"replicas": replicas},
+		}}}
+	}
+	autoscaling := map[string]any{"autoscaling": map[string]any{"enabled": true, "minReplicas": 3, "maxReplicas": 10}}
+	tests := []struct {
+		name    string
+		cluster clusterObjects
+		want    int32
+	}{
+		{"install", nil, 3},
+		{"upgrade from 6 relays", live(6), 6},
+		{"upgrade from 1 relay", live(1), 3},
+		{"upgrade from 20 relays", live(20), 10},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			caps := chartutil.DefaultCapabilities.Copy()
+			caps.KubeVersion = kubeVersion
+			rv, err := chartutil.ToRenderValues(c, autoscaling, chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsUpgrade: tt.cluster != nil, IsInstall: tt.cluster == nil, Revision: 2}, caps)
+			if err != nil {
+				t.Fatal(err)
+			}
+			files, err := engine.RenderWithClientProvider(c, rv, tt.cluster)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var dep appsv1.Deployment
+			if err := yaml.Unmarshal([]byte(files["meshrelay/templates/deployment.yaml"]), &dep); err != nil {
+				t.Fatal(err)
+			}
+			if got := ptrString(dep.Spec.Replicas); got != fmt.Sprint(tt.want) {
+				t.Errorf("replicas %s, want %d", got, tt.want)
+			}
+		})
+	}
+}
+
+// TestChartUpgradeKeepsKeys: the hook that writes a generated key before
+// an upgrade writes the key the cluster holds (lookup), not a new one: a
+// new gossip key would split the ring, a new seal key would leave the
+// persisted Secrets unreadable.
+func TestChartUpgradeKeepsKeys(t *testing.T) {
+	c := loadChart(t)
+	held := map[string]string{
+		"meshrelay-gossip": base64.StdEncoding.EncodeToString(bytes.Repeat([]byte{1}, 32)),
+		"meshrelay-seal":   base64.StdEncoding.EncodeToString(bytes.Repeat([]byte{2}, 32)),
+	}
+	var cluster clusterObjects
+	for name, key := range held {
+		cluster = append(cluster, &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion": "v1", "kind": "Secret",
+			"metadata": map[string]any{"name": name, "namespace": namespace},
+			"data":     map[string]any{"key": key},
+		}})
+	}
+	caps := chartutil.DefaultCapabilities.Copy()
+	caps.KubeVersion = kubeVersion
+	vals := map[string]any{"etcd": map[string]any{"endpoints": []any{"https://etcd:2379"}}}
+	rv, err := chartutil.ToRenderValues(c, vals, chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsUpgrade: true, Revision: 2}, caps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	files, err := engine.RenderWithClientProvider(c, rv, cluster)
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := 0
+	for _, doc := range releaseutil.SplitManifests(files["meshrelay/templates/secrets.yaml"]) {
+		var s corev1.Secret
+		if err := yaml.Unmarshal([]byte(doc), &s); err != nil {
+			t.Fatal(err)
+		}
+		if s.Name == "" {
+			continue
+		}
+		found++
+		if got := base64.StdEncoding.EncodeToString(s.Data["key"]); got != held[s.Name] {
+			t.Errorf("Secret %s: key %s on upgrade, the cluster holds %s", s.Name, got, held[s.Name])
+		}
+	}
+	if found != len(held) {
+		t.Errorf("%d generated Secrets rendered, want %d", found, len(held))
+	}
+}
+
+// TestChartTrialEtcdPolicy: with networkPolicy on, the trial etcd (no TLS,
+// no authentication) admits only this tier's relays, on its client port.
+func TestChartTrialEtcdPolicy(t *testing.T) {
+	c := loadChart(t)
+	for _, np := range []bool{false, true} {
+		objs := render(t, c, map[string]any{"etcd": map[string]any{"inCluster": map[string]any{"enabled": true}}, "networkPolicy": map[string]any{"enabled": np}}, false)
+		var etcdPod, relays map[string]string
+		var policy *networkingv1.NetworkPolicy
+		for _, r := range objs {
+			switch o := r.obj.(type) {
+			case *appsv1.StatefulSet:
+				etcdPod = o.Spec.Template.Labels
+			case *appsv1.Deployment:
+				relays = o.Spec.Template.Labels
+			case *networkingv1.NetworkPolicy:
+				if o.Name == "meshrelay-etcd" {
+					policy = o
+				}
+			}
+		}
+		if (policy != nil) != np {
+			t.Fatalf("networkPolicy.enabled %t: trial etcd NetworkPolicy rendered %t", np, policy != nil)
+		}
+		if policy == nil {
+			continue
+		}
+		sel, err := metav1.LabelSelectorAsSelector(&policy.Spec.PodSelector)
+		if err != nil || !sel.Matches(labels.Set(etcdPod)) || sel.Matches(labels.Set(relays)) {
+			t.Errorf("the policy selects %v: want the etcd pod %v only", policy.Spec.PodSelector, etcdPod)
+		}
+		if !slices.Equal(policy.Spec.PolicyTypes, []networkingv1.PolicyType{networkingv1.PolicyTypeIngress}) || len(policy.Spec.Ingress) != 1 {
+			t.Fatalf("policy %+v: want one ingress rule", policy.Spec)
+		}
+		in := policy.Spec.Ingress[0]
+		if len(in.Ports) != 1 || in.Ports[0].Port.IntVal != 2379 || len(in.From) != 1 || in.From[0].PodSelector == nil || in.From[0].NamespaceSelector != nil || in.From[0].IPBlock != nil {
+			t.Fatalf("ingress %+v: want 2379 from a pod selector of this namespace only", in)
+		}
+		from, err := metav1.LabelSelectorAsSelector(in.From[0].PodSelector)
+		if err != nil || !from.Matches(labels.Set(relays)) || from.Matches(labels.Set(etcdPod)) {
+			t.Errorf("ingress from %v: want the relays %v only", in.From[0].PodSelector, relays)
+		}
+	}
+}
+
+// TestChartAdminMTLS: with xds.tls.auth mtls no token is verified, so the
+// admin listener must check mesh certificates against the mesh root
+// (--admin-client-ca) for its admins to prove anything.
+func TestChartAdminMTLS(t *testing.T) {
+	c := loadChart(t)
+	vals := map[string]any{"upstream": map[string]any{"auth": "relay-identity"}, "xds": map[string]any{"tls": map[string]any{"auth": "mtls"}}}
+	objs := render(t, c, vals, false)
+	checkTier(t, objs, relayFlags(t))
+	args := relayArgs(t, objs)
+	if args["admin-identities"] == "" || args["admin-client-ca"] != args["xds-client-ca"] {
+		t.Errorf("--admin-identities=%q --admin-client-ca=%q: want admins and the mesh root %q", args["admin-identities"], args["admin-client-ca"], args["xds-client-ca"])
+	}
+	if a := relayArgs(t, render(t, c, map[string]any{}, false)); a["admin-client-ca"] != "" {
+		t.Errorf("--admin-client-ca=%s with xds.tls.auth any: want it only for mtls", a["admin-client-ca"])
+	}
+}
+
+// TestChartCustomMetric: the autoscaler scales on Envoys per relay only
+// where a custom metrics adapter serves custom.metrics.k8s.io; elsewhere
+// on CPU alone (an HPA naming a metric no one serves does not scale).
+func TestChartCustomMetric(t *testing.T) {
+	c := loadChart(t)
+	vals := map[string]any{"autoscaling": map[string]any{"enabled": true, "targetEnvoysPerRelay": 2000}}
+	for _, adapter := range []bool{false, true} {
+		var apis []string
+		if adapter {
+			apis = []string{"custom.metrics.k8s.io/v1beta1"}
+		}
+		var kinds []autoscalingv2.MetricSourceType
+		for _, r := range renderRelease(t, c, vals, apis, chartutil.ReleaseOptions{Name: releaseName, Namespace: namespace, IsInstall: true, Revision: 1}) {
+			if h, ok := r.obj.(*autoscalingv2.HorizontalPodAutoscaler); ok {
+				for _, m := range h.Spec.Metrics {
+					kinds = append(kinds, m.Type)
+				}
+			}
+		}
+		want := []autoscalingv2.MetricSourceType{autoscalingv2.ResourceMetricSourceType}
+		if adapter {
+			want = append(want, autoscalingv2.PodsMetricSourceType)
+		}
+		if !slices.Equal(kinds, want) {
+			t.Errorf("custom.metrics.k8s.io served %t: metrics %v, want %v", adapter, kinds, want)
+		}
+	}
+}
+
+// TestChartRBAC: the relays may create TokenReviews and nothing more, and
+// the cluster-scoped objects of two releases in two namespaces do not
+// collide.
+func TestChartRBAC(t *testing.T) {
+	c := loadChart(t)
+	clusterScoped := func(ns string) map[string]bool {
+		objs := renderRelease(t, c, map[string]any{}, nil, chartutil.ReleaseOptions{Name: releaseName, Namespace: ns, IsInstall: true, Revision: 1})
+		names := map[string]bool{}
+		roles := map[string]*rbacv1.ClusterRole{}
+		for _, r := range objs {
+			if o, ok := r.obj.(*rbacv1.ClusterRole); ok {
+				roles[o.Name] = o
+			}
+		}
+		bound := false
+		for _, r := range objs {
+			switch o := r.obj.(type) {
+			case *rbacv1.ClusterRole:
+				names["ClusterRole/"+o.Name] = true
+			case *rbacv1.ClusterRoleBinding:
+				names["ClusterRoleBinding/"+o.Name] = true
+				role := roles[o.RoleRef.Name]
+				if role == nil {
+					t.Errorf("ClusterRoleBinding %s binds %s %s, not the chart's own", o.Name, o.RoleRef.Kind, o.RoleRef.Name)
+					continue
+				}
+				want := []rbacv1.PolicyRule{{APIGroups: []string{"authentication.k8s.io"}, Resources: []string{"tokenreviews"}, Verbs: []string{"create"}}}
+				if fmt.Sprint(role.Rules) != fmt.Sprint(want) {
+					t.Errorf("ClusterRole %s grants %v, want only %v", role.Name, role.Rules, want)
+				}
+				for _, s := range o.Subjects {
+					bound = bound || s.Kind == "ServiceAccount" && s.Name == "meshrelay" && s.Namespace == ns
+				}
+			}
+		}
+		if !bound {
+			t.Errorf("namespace %s: the relays' ServiceAccount is not bound for TokenReview", ns)
+		}
+		return names
+	}
+	a, b := clusterScoped("istio-system"), clusterScoped("mesh-b")
+	for n := range a {
+		if b[n] {
+			t.Errorf("%s is made by releases in both namespaces", n)
+		}
+	}
+}
+
+// checkTrialEtcd: the trial etcd's backend quota fits its volume with room
+// for the write-ahead log, and it runs under the runtime's seccomp profile.
+func checkTrialEtcd(t *testing.T, ss *appsv1.StatefulSet) {
+	t.Helper()
+	c := ss.Spec.Template.Spec.Containers[0]
+	var quota int64 = -1
+	for _, a := range c.Command {
+		if v, ok := strings.CutPrefix(a, "--quota-backend-bytes="); ok {
+			if _, err := fmt.Sscanf(v, "%d", &quota); err != nil {
+				t.Errorf("%s: %v", a, err)
+			}
+		}
+	}
+	if len(ss.Spec.VolumeClaimTemplates) != 1 {
+		t.Fatalf("StatefulSet %s: %d volume claims, want 1", ss.Name, len(ss.Spec.VolumeClaimTemplates))
+	}
+	size := ss.Spec.VolumeClaimTemplates[0].Spec.Resources.Requests[corev1.ResourceStorage]
+	if quota <= 0 || quota > size.Value()*3/4 {
+		t.Errorf("StatefulSet %s: --quota-backend-bytes %d with a %s volume: want at most three quarters of it", ss.Name, quota, size.String())
+	}
+	if sc := c.SecurityContext; sc == nil || sc.SeccompProfile == nil || sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
+		t.Errorf("StatefulSet %s: securityContext %+v: want seccompProfile RuntimeDefault", ss.Name, sc)
 	}
 }

@@ -88,6 +88,8 @@ func objects(t *testing.T) map[string][]any {
 				obj = &corev1.Service{}
 			case "ServiceAccount":
 				obj = &corev1.ServiceAccount{}
+			case "ClusterRole":
+				obj = &rbacv1.ClusterRole{}
 			case "ClusterRoleBinding":
 				obj = &rbacv1.ClusterRoleBinding{}
 			case "PodDisruptionBudget":
@@ -182,15 +184,24 @@ func TestManifests(t *testing.T) {
 	if !slices.Contains(svcPorts, 15012) {
 		t.Errorf("no Service sends 15012 to the relays: %v", svcPorts)
 	}
+	// TokenReview: a ClusterRole of the manifest that grants create on
+	// tokenreviews, bound to the relays' ServiceAccount.
+	reviews := map[string]bool{}
+	for _, o := range objs["ClusterRole"] {
+		r := o.(*rbacv1.ClusterRole)
+		for _, rule := range r.Rules {
+			reviews[r.Name] = reviews[r.Name] || slices.Contains(rule.APIGroups, "authentication.k8s.io") && slices.Contains(rule.Resources, "tokenreviews") && slices.Contains(rule.Verbs, "create")
+		}
+	}
 	bound := false
 	for _, o := range objs["ClusterRoleBinding"] {
 		b := o.(*rbacv1.ClusterRoleBinding)
 		for _, s := range b.Subjects {
-			bound = bound || (b.RoleRef.Name == "system:auth-delegator" && s.Kind == "ServiceAccount" && s.Name == pod.ServiceAccountName && s.Namespace == dep.Namespace)
+			bound = bound || (b.RoleRef.Kind == "ClusterRole" && reviews[b.RoleRef.Name] && s.Kind == "ServiceAccount" && s.Name == pod.ServiceAccountName && s.Namespace == dep.Namespace)
 		}
 	}
 	if !bound {
-		t.Errorf("ServiceAccount %q is not bound to system:auth-delegator (TokenReview)", pod.ServiceAccountName)
+		t.Errorf("ServiceAccount %q is not bound to a ClusterRole that creates tokenreviews (TokenReview)", pod.ServiceAccountName)
 	}
 	secrets := map[string]bool{}
 	for _, o := range objs["Certificate"] {

@@ -68,3 +68,13 @@ spiffe://{{ .root.Values.meshConfig.trustDomain }}/ns/{{ .root.Release.Namespace
 {{ randBytes 32 | b64enc }}
 {{- end -}}
 {{- end -}}
+
+{{/* The host of upstream.address (istiod's Service), without the port. */}}
+{{- define "meshrelay.upstreamHost" -}}
+{{- regexReplaceAll ":[0-9]+$" .Values.upstream.address "" -}}
+{{- end -}}
+
+{{/* The admin port's name: Istio picks a Service port's protocol by its name's prefix, and https- is TLS (passed through), http- plaintext HTTP. */}}
+{{- define "meshrelay.adminPortName" -}}
+{{- if .Values.admin.tls -}}https-admin{{- else -}}http-admin{{- end -}}
+{{- end -}}

@@ -55,6 +55,25 @@ groups:
     annotations:
       summary: Push to ACK P99 is {{`{{ $value }}`}} s in {{`{{ $labels.job }}`}}
       description: Envoys take long to ACK; check relay CPU, admission refusals and slow Envoys.
+  - alert: MeshrelayDown
+    # Prometheus cannot scrape a relay: it is down, or its admin port is
+    # unreachable (its Envoys have moved to the other relays).
+    expr: up{job="{{ $r.relayJob | default (include "meshrelay.fullname" .) }}"} == 0
+    for: 5m
+    labels: {severity: warning}
+    annotations:
+      summary: '{{`{{ $labels.instance }}`}} of {{`{{ $labels.job }}`}} is down'
+      description: The relay has not answered a scrape for 5 minutes; check its pod's events and log (kubectl describe, kubectl logs --previous).
+  - alert: MeshrelayAuthFailures
+    # Sidecars' tokens fail: TokenReview itself fails (review_failed: the
+    # API server is unreachable, or the relay lost its RBAC), or tokens do
+    # not verify (bad_token). Either way sidecars cannot connect.
+    expr: sum by (namespace, job, reason) (rate(meshrelay_xds_auth_failures_total{reason=~"review_failed|bad_token"}[5m])) > {{ $r.authFailureRate }}
+    for: 10m
+    labels: {severity: warning}
+    annotations:
+      summary: Streams refused for {{`{{ $labels.reason }}`}} at {{`{{ $value }}`}}/s in {{`{{ $labels.job }}`}}
+      description: review_failed - check the relays' egress to the API server and their tokenreviews RBAC; bad_token - tokens of another cluster or issuer, or a wrong jwtVerifier.
   - alert: MeshrelayRingSplit
     # A relay sees fewer members than the relays scraped: gossip is
     # partitioned, and keys may have two owners.
