@@ -53,9 +53,9 @@ type KeyBenchConfig struct {
 	// Defaults 10 min and 5 min.
 	SyncTimeout, PushTimeout time.Duration
 	// StartRelay starts the relay child. Required.
-	StartRelay StartRelayFunc
+	StartRelay StartRelayFunc `json:"-"`
 	// RelayCPUs pins the relay child (default: not pinned).
-	RelayCPUs CPUSet
+	RelayCPUs CPUSet `json:"relay_cpus"`
 }
 
 // DefaultKeyBenchConfig is the issue's scenario.
@@ -293,10 +293,11 @@ func startBenchClients(ctx context.Context, addr string, names []string, cfg Key
 			return nil, err
 		}
 		first := append(slices.Clip(node), base...)
+		c := conn // the loop moves conn on
 		f.wg.Add(1)
 		go func() {
 			defer f.wg.Done()
-			if err := f.run(ctx, conn, i, first, base, len(names)); err != nil && ctx.Err() == nil {
+			if err := f.run(ctx, c, i, first, base, len(names)); err != nil && ctx.Err() == nil {
 				err = fmt.Errorf("client %d: %w", i, err)
 				f.failed.CompareAndSwap(nil, &err)
 			}

@@ -32,6 +32,8 @@ func TestDocumentedFlags(t *testing.T) {
 		{"scale", scale, []string{"--relays", "2", "--envoys", "1", "--keys", "1", "--start-rate", "1", "--fleet-process=false", "--relay-cpus", "0", "--fleet-cpus", "0",
 			"--changes", "1", "--change-gap", "1s", "--tolerance", "0.2", "--tls", "--tls-verifier", "local", "--phase-timeout", "1s"}},
 		{"ledger", ledgerBench, []string{"--relays", "1", "--envoys", "1", "--keys", "1", "--resources", "1", "--versions", "1", "--queries", "1", "--peers-apart", "--json", "x", "--cpuprofile", "x"}},
+		{"keys", keyBench, []string{"--clients", "1", "--endpoints", "1", "--pushes", "1", "--profile", "per-node", "--upstream-protocol", "sotw",
+			"--clients-per-conn", "1", "--relay-cpus", "0", "--json", "x"}},
 		{"proxystatus", proxyStatus, []string{"--relays", "1", "--envoys", "1", "--keys", "1", "--queries", "1", "--json", "x", "--cpuprofile", "x"}},
 		{"ctrip", ctrip, []string{"--services", "1", "--endpoints", "1", "--namespaces", "1", "--local-fraction", "0", "--relays", "1", "--envoys", "1", "--keys", "1",
 			"--protocol", "delta", "--upstream-protocol", "delta", "--incremental-upstream", "--churn-rate", "1", "--duration", "1s", "--churn-add-remove", "0",
