@@ -117,11 +117,11 @@ func fromKey(k *ledger.KeySummary) *KeySummary {
 	// the last one's needs no check.
 	inBriefs := make([]bool, len(k.Envoys))
 	briefSize, fullSize := 0, 0
-	var lastTypes *ledger.EnvoyType
+	var lastTypes []ledger.EnvoyType
 	for j := range k.Envoys {
 		e := &k.Envoys[j]
-		if len(e.Types) > 0 && e.Connected() && (&e.Types[0] == lastTypes || inBrief(k, e)) {
-			inBriefs[j], lastTypes = true, &e.Types[0]
+		if len(e.Types) > 0 && e.Connected() && (sameSlice(e.Types, lastTypes) || inBrief(k, e)) {
+			inBriefs[j], lastTypes = true, e.Types
 			briefSize += len(e.Node) + 3 + binary.MaxVarintLen64
 		} else {
 			fullSize += len(e.Node) + 4 + 2*binary.MaxVarintLen64 + len(e.Types)*(4+4*binary.MaxVarintLen64)
@@ -133,8 +133,8 @@ func fromKey(k *ledger.KeySummary) *KeySummary {
 	for j := range k.Envoys {
 		e := &k.Envoys[j]
 		if inBriefs[j] {
-			if &e.Types[0] != lastTypes {
-				lastTypes, lastSet = &e.Types[0], set(e.Types)
+			if !sameSlice(e.Types, lastTypes) {
+				lastTypes, lastSet = e.Types, set(e.Types)
 			}
 			brief = binary.AppendUvarint(brief, uint64(len(e.Node)))
 			brief = append(brief, e.Node...)
@@ -172,6 +172,10 @@ func fromKey(k *ledger.KeySummary) *KeySummary {
 	pk.Envoys, pk.BriefEnvoys = b, brief
 	return pk
 }
+
+// sameSlice reports whether a and b are one slice: same array, same
+// length (not merely equal elements).
+func sameSlice(a, b []ledger.EnvoyType) bool { return len(a) == len(b) && len(a) > 0 && &a[0] == &b[0] }
 
 // inBrief reports whether e's record loses nothing in brief: connected,
 // sent and ACKed k's current root of every type it holds, at no time given

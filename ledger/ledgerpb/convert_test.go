@@ -220,3 +220,22 @@ func benchSummary(envoys, keys int, d ledger.Detail) *ledger.Summary {
 	}
 	return s
 }
+
+// TestBriefNeedsTheWholeSlice: an Envoy whose Types begin where a brief
+// one's do, but are fewer, is checked on its own, not taken for the same
+// type set.
+func TestBriefNeedsTheWholeSlice(t *testing.T) {
+	at := time.Unix(1_700_000_000, 0)
+	rc, re := ledger.HashBytes([]byte("c")), ledger.HashBytes([]byte("e"))
+	settled := []ledger.EnvoyType{{Type: "cds", Sent: rc, Acked: rc}, {Type: "eds", Sent: re, Acked: re}}
+	s := &ledger.Summary{Relay: "r", At: at, Keys: []ledger.KeySummary{{Key: "k", Relay: "r",
+		Types: []ledger.TypeVersion{{Type: "cds", Version: ledger.Version{Root: rc}}, {Type: "eds", Version: ledger.Version{Root: re}}},
+		Envoys: []ledger.EnvoyState{{Node: "a", ConnectedAt: at, Types: settled}, {Node: "b", ConnectedAt: at, Types: settled[:1]}}}}}
+	got, err := ToSummary(FromSummary(s))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(sortedEnvoys(got), sortedEnvoys(s)) {
+		t.Fatalf("ToSummary(FromSummary(s)) = %+v, want %+v", got.Keys[0].Envoys, s.Keys[0].Envoys)
+	}
+}
