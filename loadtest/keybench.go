@@ -56,6 +56,10 @@ type KeyBenchConfig struct {
 	StartRelay StartRelayFunc `json:"-"`
 	// RelayCPUs pins the relay child (default: not pinned).
 	RelayCPUs CPUSet `json:"relay_cpus"`
+	// RelayProfile, if set, has the relay child write a CPU profile of
+	// the pushes to RelayProfile.cpu and a heap profile after them to
+	// RelayProfile.heap.
+	RelayProfile string `json:"relay_profile,omitempty"`
 }
 
 // DefaultKeyBenchConfig is the issue's scenario.
@@ -160,6 +164,9 @@ func RunKeyBench(ctx context.Context, cfg KeyBenchConfig, out io.Writer) (*KeyBe
 	if cfg.Profile == "fields" {
 		relayCfg.KeyFields = "cluster"
 	}
+	if cfg.RelayProfile != "" {
+		relayCfg.CPUProfile, relayCfg.HeapProfile = cfg.RelayProfile+".cpu", cfg.RelayProfile+".heap"
+	}
 	child, err := cfg.StartRelay(ctx, relayCfg)
 	if err != nil {
 		return nil, fmt.Errorf("loadtest: start relay: %w", err)
@@ -196,6 +203,11 @@ func RunKeyBench(ctx context.Context, cfg KeyBenchConfig, out io.Writer) (*KeyBe
 	fmt.Fprintf(out, "  connected and synced in %v: %d upstream streams, relay CPU %v, RSS %.0f MiB\n",
 		rep.Connect.Round(time.Millisecond), rep.UpstreamStreams, rep.RelaySyncCPU, float64(rep.RelaySteadyRSS)/(1<<20))
 
+	if cfg.RelayProfile != "" {
+		if err := child.Send(childProfileStart); err != nil {
+			return nil, err
+		}
+	}
 	for p := 1; p <= cfg.Pushes; p++ {
 		cpu0 := sample().CPU
 		want := fleet.received()
@@ -213,6 +225,11 @@ func RunKeyBench(ctx context.Context, cfg KeyBenchConfig, out io.Writer) (*KeyBe
 		rep.Pushes = append(rep.Pushes, push)
 		fmt.Fprintf(out, "  push %d: to every client P50 %v P99 %v max %v; relay CPU %v\n", p, push.P50.Round(time.Millisecond),
 			push.P99.Round(time.Millisecond), push.Max.Round(time.Millisecond), cpu)
+	}
+	if cfg.RelayProfile != "" {
+		if err := child.Send(childProfileStop); err != nil {
+			return nil, err
+		}
 	}
 	rep.RelayPeakRSS = max(peak.Load(), sample().PeakRSS)
 	fmt.Fprintf(out, "  relay RSS steady %.0f MiB, peak %.0f MiB\n", float64(rep.RelaySteadyRSS)/(1<<20), float64(rep.RelayPeakRSS)/(1<<20))

@@ -802,6 +802,7 @@ func keyBench(ctx context.Context, args []string) error {
 	upProto := fs.String("upstream-protocol", string(cfg.UpstreamProtocol), "the relay's ADS variant to the upstream: sotw or delta")
 	fs.IntVar(&cfg.ClientsPerConn, "clients-per-conn", cfg.ClientsPerConn, "clients sharing a gRPC connection")
 	fs.Var(loadtest.CPUSetFlag{CPUs: &cfg.RelayCPUs}, "relay-cpus", "pin the relay child to these CPUs, e.g. 0 (default: not pinned)")
+	fs.StringVar(&cfg.RelayProfile, "relay-profile", "", "have the relay child write a CPU profile of the pushes to PREFIX.cpu and a heap profile after them to PREFIX.heap")
 	jsonOut := fs.String("json", "", "also write the report as JSON to this file")
 	if err := fs.Parse(args); err != nil {
 		return err

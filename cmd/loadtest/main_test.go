@@ -33,7 +33,7 @@ func TestDocumentedFlags(t *testing.T) {
 			"--changes", "1", "--change-gap", "1s", "--tolerance", "0.2", "--tls", "--tls-verifier", "local", "--phase-timeout", "1s"}},
 		{"ledger", ledgerBench, []string{"--relays", "1", "--envoys", "1", "--keys", "1", "--resources", "1", "--versions", "1", "--queries", "1", "--peers-apart", "--json", "x", "--cpuprofile", "x"}},
 		{"keys", keyBench, []string{"--clients", "1", "--endpoints", "1", "--pushes", "1", "--profile", "per-node", "--upstream-protocol", "sotw",
-			"--clients-per-conn", "1", "--relay-cpus", "0", "--json", "x"}},
+			"--clients-per-conn", "1", "--relay-cpus", "0", "--relay-profile", "x", "--json", "x"}},
 		{"proxystatus", proxyStatus, []string{"--relays", "1", "--envoys", "1", "--keys", "1", "--queries", "1", "--json", "x", "--cpuprofile", "x"}},
 		{"ctrip", ctrip, []string{"--services", "1", "--endpoints", "1", "--namespaces", "1", "--local-fraction", "0", "--relays", "1", "--envoys", "1", "--keys", "1",
 			"--protocol", "delta", "--upstream-protocol", "delta", "--incremental-upstream", "--churn-rate", "1", "--duration", "1s", "--churn-add-remove", "0",
