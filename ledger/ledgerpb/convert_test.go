@@ -229,7 +229,7 @@ func TestBriefNeedsTheWholeSlice(t *testing.T) {
 	rc, re := ledger.HashBytes([]byte("c")), ledger.HashBytes([]byte("e"))
 	settled := []ledger.EnvoyType{{Type: "cds", Sent: rc, Acked: rc}, {Type: "eds", Sent: re, Acked: re}}
 	s := &ledger.Summary{Relay: "r", At: at, Keys: []ledger.KeySummary{{Key: "k", Relay: "r",
-		Types: []ledger.TypeVersion{{Type: "cds", Version: ledger.Version{Root: rc}}, {Type: "eds", Version: ledger.Version{Root: re}}},
+		Types:  []ledger.TypeVersion{{Type: "cds", Version: ledger.Version{Root: rc}}, {Type: "eds", Version: ledger.Version{Root: re}}},
 		Envoys: []ledger.EnvoyState{{Node: "a", ConnectedAt: at, Types: settled}, {Node: "b", ConnectedAt: at, Types: settled[:1]}}}}}
 	got, err := ToSummary(FromSummary(s))
 	if err != nil {
