@@ -104,7 +104,15 @@ func waitWritten(t *testing.T, s *Store) {
 // loaded returns what a fresh store finds in etcd: key → type → name → body.
 func loaded(t *testing.T, endpoints []string, adjust func(*Config)) map[string]map[string]map[string][]byte {
 	t.Helper()
-	s := storeFor(t, endpoints, "reader", adjust)
+	// What was persisted is checked, not how fast etcd answers: a page of
+	// chunks read from an in-process etcd under the race detector, on a
+	// machine running other tests, has taken more than the default 10 s.
+	s := storeFor(t, endpoints, "reader", func(c *Config) {
+		c.RequestTimeout = 2 * time.Minute
+		if adjust != nil {
+			adjust(c)
+		}
+	})
 	keys, err := s.Load(t.Context())
 	if err != nil {
 		t.Fatalf("Load: %v", err)
