@@ -126,7 +126,9 @@ type Config struct {
 	// otherwise receive and hold them all at once, and istiod compute them
 	// all at once (at 30,000 services, 16 keys' first answers in flight
 	// were 600 MB of a cold relay's heap). A stream holds its slot 30 s at
-	// most. Default 4; 0: no bound.
+	// most. Streams to keys' owners (other relays) are bounded apart, by
+	// as many slots again: an owner's answer waits on its own upstream
+	// stream, which must not wait behind them. Default 4; 0: no bound.
 	UpstreamSyncs int
 	// UpstreamStreamRate bounds the streams this relay opens to the
 	// upstream per second (a token bucket holding one second's worth, at

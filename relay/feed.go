@@ -306,7 +306,15 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 	}
 	// A slot of the relay's first answers (Config.UpstreamSyncs), held
 	// until the stream answered every type or for syncSlotHold at most.
-	release, ok := u.r.syncs.acquire(ctx)
+	// Streams to keys' owners take theirs from a pool of their own: an
+	// owner's first answer waits on the owner's upstream stream, which must
+	// never wait behind streams to other owners, or relays whose slots all
+	// hold streams to each other wait on each other until syncSlotHold.
+	slots := u.r.syncs
+	if src.kind == sourcePeer {
+		slots = u.r.peerSyncs
+	}
+	release, ok := slots.acquire(ctx)
 	if !ok {
 		return false, ctx.Err()
 	}

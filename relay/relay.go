@@ -111,7 +111,8 @@ type Relay struct {
 	views        ledger.Interner[*xds.Resource]
 	versionTrees ledger.Interner[string] // the upstream's Delta versions, per key and type, shared by content
 	nameSets     xds.NameSets            // the streams' subscriptions, shared by content
-	syncs        syncSlots               // first answers of keys' sources in flight (Config.UpstreamSyncs)
+	syncs        syncSlots               // first answers from the upstream in flight (Config.UpstreamSyncs)
+	peerSyncs    syncSlots               // first answers from keys' owners in flight (as many)
 	upstreamRate *rate.Limiter           // streams opened to the upstream (Config.UpstreamStreamRate); nil: no bound
 	refIndex     xds.RefIndex
 	metrics      *metrics
@@ -190,6 +191,7 @@ func New(cfg Config) (*Relay, error) {
 		authLogs:     newAuthLogLimiter(),
 		failures:     newFailureGate(),
 		syncs:        newSyncSlots(cfg.UpstreamSyncs),
+		peerSyncs:    newSyncSlots(cfg.UpstreamSyncs),
 	}
 	if cfg.AdmitRate > 0 {
 		r.admission = rate.NewLimiter(rate.Limit(cfg.AdmitRate), cfg.AdmitBurst)
