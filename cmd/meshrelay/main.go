@@ -74,7 +74,7 @@ func serve(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.XDSListen, "xds-listen", cfg.XDSListen, "address of the plaintext ADS server (istiod's 15010): it authenticates no one; with --xds-tls-cert, off unless set")
 	fs.StringVar(&cfg.Upstream, "upstream", "", "gRPC target of the upstream control plane (istiod), e.g. istiod.istio-system.svc:15010 (required)")
 	upProto := fs.String("upstream-protocol", string(cfg.UpstreamProtocol), "ADS variant spoken to the upstream: sotw or delta")
-	fs.IntVar(&cfg.UpstreamSyncs, "upstream-syncs", cfg.UpstreamSyncs, "keys whose stream to istiod (or to the key's owner) may be waiting for its first full answer at once; others wait their turn, so a cold start does not hold every key's whole config at once. 0: no bound")
+	fs.IntVar(&cfg.UpstreamSyncs, "upstream-syncs", cfg.UpstreamSyncs, "keys whose stream to istiod may be waiting for its first full answer at once, and as many again whose stream to the key's owner (another relay) may; others wait their turn, so a cold start does not hold every key's whole config at once. 0: no bound")
 	fs.Float64Var(&cfg.UpstreamStreamRate, "upstream-stream-rate", cfg.UpstreamStreamRate, "streams per second this relay opens to istiod at most (one second's worth at once), so a cold relay of many keys, or every key after istiod restarts, reaches istiod at a pace it can take; streams to other relays are not counted. 0: no bound")
 	profile := fs.String("key-profile", aggkey.ProfileIstio, "aggregation key profile: istio, fields (with --key-fields or --key-config) or per-node; every relay of a tier must use the same")
 	keyMeta := fs.String("key-metadata", "", "comma-separated extra node metadata fields for the istio key profile")
