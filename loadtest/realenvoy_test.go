@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	mrand "math/rand/v2"
 	"net"
 	"net/http"
 	"slices"
@@ -803,7 +804,12 @@ func httpBackend(t *testing.T, name string) string {
 // freeLoopbackAddr returns a loopback address no one listens on now.
 func freeLoopbackAddr(t *testing.T) string {
 	t.Helper()
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	// An address of its own in 127.0.0.0/8, not 127.0.0.1: the port is
+	// free only until the listener below closes, and on 127.0.0.1 another
+	// test's outgoing connection may take it as its local port meanwhile
+	// (a run under load saw Envoy's bind fail so).
+	ip := fmt.Sprintf("127.%d.%d.%d", 1+mrand.IntN(254), mrand.IntN(256), 1+mrand.IntN(254))
+	lis, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
 	if err != nil {
 		t.Fatal(err)
 	}
