@@ -91,7 +91,7 @@ func fromKey(k *ledger.KeySummary) *KeySummary {
 	}
 	// sets holds an Envoy of each type set given so far, by index.
 	var sets [][]ledger.EnvoyType
-	set := func(types []ledger.EnvoyType) uint64 {
+	set := func(types []ledger.EnvoyType) int {
 	next:
 		for i, ts := range sets {
 			if len(ts) != len(types) {
@@ -102,7 +102,7 @@ func fromKey(k *ledger.KeySummary) *KeySummary {
 					continue next
 				}
 			}
-			return uint64(i)
+			return i
 		}
 		s := &TypeSet{Types: make([]uint32, len(types))}
 		for j, et := range types {
@@ -110,36 +110,36 @@ func fromKey(k *ledger.KeySummary) *KeySummary {
 		}
 		pk.TypeSets = append(pk.TypeSets, s)
 		sets = append(sets, types)
-		return uint64(len(sets) - 1)
+		return len(sets) - 1
 	}
-	// Which Envoys go in brief, and the room each form needs. A Brief
-	// summary's settled Envoys of a type set share their Types: one with
-	// the last one's needs no check.
-	inBriefs := make([]bool, len(k.Envoys))
+	// Each Envoy's type set if it goes in brief (-1: in full), and the
+	// room each form needs. A Brief summary's settled Envoys of a type set
+	// share their Types: one with the last one's needs no check.
+	setOf := make([]int, len(k.Envoys))
 	briefSize, fullSize := 0, 0
 	var lastTypes []ledger.EnvoyType
+	lastSet := -1
 	for j := range k.Envoys {
 		e := &k.Envoys[j]
+		setOf[j] = -1
 		if len(e.Types) > 0 && e.Connected() && (sameSlice(e.Types, lastTypes) || inBrief(k, e)) {
-			inBriefs[j], lastTypes = true, e.Types
+			if !sameSlice(e.Types, lastTypes) {
+				lastTypes, lastSet = e.Types, set(e.Types)
+			}
+			setOf[j] = lastSet
 			briefSize += len(e.Node) + 3 + binary.MaxVarintLen64
 		} else {
 			fullSize += len(e.Node) + 4 + 2*binary.MaxVarintLen64 + len(e.Types)*(4+4*binary.MaxVarintLen64)
 		}
 	}
 	brief, b := make([]byte, 0, briefSize), make([]byte, 0, fullSize)
-	lastTypes = nil
-	var lastSet uint64
 	for j := range k.Envoys {
 		e := &k.Envoys[j]
-		if inBriefs[j] {
-			if !sameSlice(e.Types, lastTypes) {
-				lastTypes, lastSet = e.Types, set(e.Types)
-			}
+		if setOf[j] >= 0 {
 			brief = binary.AppendUvarint(brief, uint64(len(e.Node)))
 			brief = append(brief, e.Node...)
 			brief = binary.AppendUvarint(brief, uint64(nanos(e.ConnectedAt)))
-			brief = binary.AppendUvarint(brief, lastSet)
+			brief = binary.AppendUvarint(brief, uint64(setOf[j]))
 			pk.BriefCount++
 			continue
 		}
