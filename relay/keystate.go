@@ -51,13 +51,13 @@ type keyState struct {
 	claimsMu sync.Mutex
 	claims   map[claimQuestion]*claimLookup
 
-	// joined and joinedPeers mirror len(members) and peers, for metrics
-	// and reports that take no key's lock.
-	joined, joinedPeers atomic.Int32
+	// joined is len(members), and peers how many of them are other
+	// relays subscribing to this key: written under mu, read by anyone
+	// (metrics and reports take no key's lock).
+	joined, peers atomic.Int32
 
 	mu      sync.Mutex
 	members []member // in join order; the first one's node is presented upstream
-	peers   int      // members that are other relays subscribing to this key
 	want    map[string]*typeWant
 }
 
@@ -69,7 +69,7 @@ func (k *keyState) aggregated() bool { return k.joined.Load() > 1 }
 
 // lone reports whether the key serves exactly one Envoy here and no other
 // relay: it costs a source (an upstream or peer stream) of its own.
-func (k *keyState) lone() bool { return k.joined.Load() == 1 && k.joinedPeers.Load() == 0 }
+func (k *keyState) lone() bool { return k.joined.Load() == 1 && k.peers.Load() == 0 }
 
 // member is what a key knows of a stream joined to it (stream.go): what its
 // upstream stream presents when the member is the one presented, whether it
@@ -304,11 +304,12 @@ func wake(ch chan struct{}) {
 func (k *keyState) join(m member) {
 	k.mu.Lock()
 	k.members = append(k.members, m)
-	if m.peerRelayID() != "" {
-		k.peers++
-	}
+	// joined before peers here, peers before joined in leave: a reader of
+	// peers then joined never sees more peers than members.
 	k.joined.Store(int32(len(k.members)))
-	k.joinedPeers.Store(int32(k.peers))
+	if m.peerRelayID() != "" {
+		k.peers.Add(1)
+	}
 	k.mu.Unlock()
 	wake(k.upWake)
 }
@@ -317,11 +318,7 @@ func (k *keyState) join(m member) {
 // this relay holds the key's upstream stream itself, whoever the ring says
 // owns it, so that a relay-to-relay stream is never more than one hop and
 // two relays that disagree on the owner never subscribe to each other.
-func (k *keyState) servesPeers() bool {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	return k.peers > 0
-}
+func (k *keyState) servesPeers() bool { return k.peers.Load() > 0 }
 
 // leave removes m, and the subscriptions it held, subs, by type URL.
 func (k *keyState) leave(m member, subs iter.Seq2[string, subscription]) {
@@ -329,10 +326,9 @@ func (k *keyState) leave(m member, subs iter.Seq2[string, subscription]) {
 	n := len(k.members)
 	k.members = slices.DeleteFunc(k.members, func(o member) bool { return o == m })
 	if m.peerRelayID() != "" && len(k.members) < n {
-		k.peers--
+		k.peers.Add(-1)
 	}
 	k.joined.Store(int32(len(k.members)))
-	k.joinedPeers.Store(int32(k.peers))
 	for typeURL, sub := range subs {
 		k.changeLocked(typeURL, sub.wildcard, false, nil, sub.names)
 	}
@@ -352,11 +348,7 @@ func (k *keyState) presenter() (member, int) {
 }
 
 // memberCount returns the number of members.
-func (k *keyState) memberCount() int {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	return len(k.members)
-}
+func (k *keyState) memberCount() int { return int(k.joined.Load()) }
 
 // isMember reports whether m is still a member.
 func (k *keyState) isMember(m member) bool {

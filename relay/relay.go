@@ -620,10 +620,9 @@ func (r *Relay) Stats() Stats {
 	keys := r.heldKeys()
 	st := Stats{Keys: len(keys), Resources: r.store.Len(), RestoredKeys: int(r.restored.Load())}
 	for _, k := range keys {
-		k.mu.Lock()
-		st.Streams += len(k.members) - k.peers
-		st.PeerClients += k.peers
-		k.mu.Unlock()
+		peers := int(k.peers.Load())
+		st.Streams += int(k.joined.Load()) - peers
+		st.PeerClients += peers
 		if k.views.Load().stale {
 			st.StaleKeys++
 		}
