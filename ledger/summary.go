@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"crypto/sha256"
 	"encoding/binary"
+	"fmt"
 	"slices"
 	"strings"
 	"time"
@@ -502,6 +503,27 @@ func (r *Report) Reference(key, typeURL string) (Version, bool) {
 	}
 	v, ok := rk.ref(typeURL)
 	return v.Version, ok
+}
+
+// Aggregation sums up how a tier's keys aggregate its Envoys: Envoys per
+// key, and the keys that serve one Envoy (each costs the upstream a stream
+// of its own). Add each key's Envoys; String says it.
+type Aggregation struct{ Keys, Envoys, Lone int }
+
+// Add counts a key of envoys Envoys.
+func (a *Aggregation) Add(envoys int) {
+	a.Keys++
+	a.Envoys += envoys
+	if envoys == 1 {
+		a.Lone++
+	}
+}
+
+func (a Aggregation) String() string {
+	if a.Keys == 0 {
+		return "no keys"
+	}
+	return fmt.Sprintf("%d keys, %d Envoys: %.1f Envoys a key; %d keys serve one Envoy", a.Keys, a.Envoys, float64(a.Envoys)/float64(a.Keys), a.Lone)
 }
 
 // KeyReport is the report's state of one key.

@@ -582,18 +582,11 @@ func demoLedgerWait(out io.Writer, tier *Tier) {
 }
 
 // aggregationOf says how a tier's keys aggregate its Envoys, as relayctl
-// shards does: Envoys per key, and the keys that serve one Envoy.
+// shards does.
 func aggregationOf(rep *ledger.Report) string {
-	keys := rep.Keys()
-	if len(keys) == 0 {
-		return "no keys"
+	var a ledger.Aggregation
+	for _, k := range rep.Keys() {
+		a.Add(k.Convergence.Envoys)
 	}
-	envoys, lone := 0, 0
-	for _, k := range keys {
-		envoys += k.Convergence.Envoys
-		if k.Convergence.Envoys == 1 {
-			lone++
-		}
-	}
-	return fmt.Sprintf("%d keys, %d Envoys: %.1f Envoys a key; %d keys serve one Envoy", len(keys), envoys, float64(envoys)/float64(len(keys)), lone)
+	return a.String()
 }

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 	"sigs.k8s.io/yaml"
 
+	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/shard/adminpb"
 )
 
@@ -92,22 +93,13 @@ func shardsCmd(o *options) *cobra.Command {
 	return cmd
 }
 
-// aggregation sums up how the shards aggregate the tier's Envoys: Envoys
-// per key, and the keys that serve one Envoy (each costs istiod a stream
-// of its own).
+// aggregation sums up how the shards aggregate the tier's Envoys.
 func aggregation(shards []*adminpb.Shard) string {
-	var envoys int64
-	lone := 0
+	var a ledger.Aggregation
 	for _, sh := range shards {
-		envoys += sh.GetEnvoys()
-		if sh.GetEnvoys() == 1 {
-			lone++
-		}
+		a.Add(int(sh.GetEnvoys()))
 	}
-	if len(shards) == 0 {
-		return "no keys"
-	}
-	return fmt.Sprintf("%d keys, %d Envoys: %.1f Envoys a key; %d keys serve one Envoy", len(shards), envoys, float64(envoys)/float64(len(shards)), lone)
+	return a.String()
 }
 
 // holders lists the relays holding a shard as relay:source, stale marked.
