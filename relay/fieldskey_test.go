@@ -20,10 +20,7 @@ import (
 // upstream stream per cluster, every client served. The istio profile
 // does not recognise the ids and gives each its own stream.
 func TestFieldsProfileAggregatesAFleet(t *testing.T) {
-	byCluster, err := aggkey.ParseKeyFields("cluster")
-	if err != nil {
-		t.Fatal(err)
-	}
+	byCluster := keyedByCluster(t)
 	for _, tc := range []struct {
 		name    string
 		profile aggkey.Profile
@@ -54,13 +51,20 @@ func TestFieldsProfileAggregatesAFleet(t *testing.T) {
 	}
 }
 
-// A relay whose keys each serve one Envoy says so, naming how many; one
-// whose keys aggregate does not, and its metric counts them aggregated.
-func TestAggregationOffIsVisible(t *testing.T) {
-	byCluster, err := aggkey.ParseKeyFields("cluster")
+// keyedByCluster is the fields profile keying nodes by node.cluster.
+func keyedByCluster(t *testing.T) aggkey.Profile {
+	t.Helper()
+	p, err := aggkey.ParseKeyFields("cluster")
 	if err != nil {
 		t.Fatal(err)
 	}
+	return p
+}
+
+// A relay whose keys each serve one Envoy says so, naming how many; one
+// whose keys aggregate does not, and its metric counts them aggregated.
+func TestAggregationOffIsVisible(t *testing.T) {
+	byCluster := keyedByCluster(t)
 	for _, tc := range []struct {
 		name    string
 		profile aggkey.Profile

@@ -2,12 +2,9 @@ package snapshot_test
 
 import (
 	"context"
-	"log/slog"
-	"os"
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/loadtest"
@@ -28,46 +25,11 @@ func TestPerNodeKeysTier(t *testing.T) {
 	up, sc := startUpstream(t, upstream.Scenario{Services: 20, Endpoints: 20, Namespaces: 2, LocalFraction: 0.25})
 	const envoys = 9
 	startTier := func() *loadtest.Tier {
-		var logger *slog.Logger
-		if os.Getenv("MESHRELAY_TEST_LOG") != "" {
-			logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
-		}
-		tier, err := loadtest.StartConvergedTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Etcd: endpoints, Logger: logger,
-			Relay: func(c *relay.Config) { c.KeyProfile = aggkey.PerNode{} }}, 30*time.Second)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { tier.Stop(context.Background()) })
-		return tier
+		return startPersistingTier(t, up, endpoints, func(c *relay.Config) { c.KeyProfile = aggkey.PerNode{} })
 	}
-	startFleet := func(tier *loadtest.Tier) *loadtest.Fleet {
-		f, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: envoys, Keys: 3, Target: tier.Addr()})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { f.Stop(context.Background()) })
-		return f
-	}
-	synced := func(f *loadtest.Fleet, when string) {
-		t.Helper()
-		wctx, cancel := context.WithTimeout(ctx, 45*time.Second)
-		defer cancel()
-		if err := f.WaitSynced(wctx, up); err != nil {
-			t.Fatalf("%s: %v", when, err)
-		}
-	}
-	waitFor := func(what string, cond func() (bool, string)) {
-		t.Helper()
-		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-			ok, state := cond()
-			if ok {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: %s", what, state)
-			}
-		}
-	}
+	waitFor := func(what string, cond func() (bool, string)) { t.Helper(); waitUntil(t, what, cond) }
+	synced := func(f *loadtest.Fleet, when string) { t.Helper(); waitFleetSynced(t, f, up, when) }
+	startFleet := func(tier *loadtest.Tier) *loadtest.Fleet { return startTierFleet(t, sc, tier, envoys, 3) }
 
 	tier := startTier()
 	fleet := startFleet(tier)

@@ -13,6 +13,7 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/snapshot"
 )
@@ -68,43 +69,12 @@ func TestTierPersistsWhatOwnersServe(t *testing.T) {
 	endpoints := startEtcd(t, "").Endpoints()
 	up, sc := startUpstream(t, upstream.Scenario{Services: 30, Endpoints: 30, Namespaces: 3, LocalFraction: 0.25})
 	const keys = 6
-	startTier := func() *loadtest.Tier {
-		tier, err := loadtest.StartConvergedTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Etcd: endpoints}, 30*time.Second)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { tier.Stop(context.Background()) })
-		return tier
-	}
-	startFleet := func(tier *loadtest.Tier) *loadtest.Fleet {
-		f, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: 18, Keys: keys, Target: tier.Addr()})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { f.Stop(context.Background()) })
-		return f
-	}
-	synced := func(f *loadtest.Fleet, when string) {
-		t.Helper()
-		wctx, cancel := context.WithTimeout(ctx, 45*time.Second)
-		defer cancel()
-		if err := f.WaitSynced(wctx, up); err != nil {
-			t.Fatalf("%s: %v", when, err)
-		}
-	}
+	startTier := func() *loadtest.Tier { return startPersistingTier(t, up, endpoints, nil) }
+	startFleet := func(tier *loadtest.Tier) *loadtest.Fleet { return startTierFleet(t, sc, tier, 18, keys) }
+	synced := func(f *loadtest.Fleet, when string) { t.Helper(); waitFleetSynced(t, f, up, when) }
 	persisted := func(when string) {
 		t.Helper()
-		deadline := time.Now().Add(30 * time.Second)
-		for {
-			ok, diff := persistedMatches(t, endpoints, up, keys)
-			if ok {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: etcd does not hold the latest config after 30s: %s", when, diff)
-			}
-			time.Sleep(100 * time.Millisecond)
-		}
+		waitUntil(t, when+": etcd holds the latest config", func() (bool, string) { return persistedMatches(t, endpoints, up, keys) })
 	}
 	change := func(i int) {
 		if _, err := up.MoveEndpoint(i); err != nil {
@@ -161,6 +131,61 @@ func TestTierPersistsWhatOwnersServe(t *testing.T) {
 	synced(fleet2, "a new tier, upstream down")
 	for _, v := range fleet2.Violations() {
 		t.Errorf("protocol violation: %v", v)
+	}
+}
+
+// startPersistingTier starts a converged 3-relay tier of up on the etcd at
+// endpoints, each relay's configuration changed by adjust if set, stopped
+// at the end of the test. MESHRELAY_TEST_LOG=1 prints its debug logs.
+func startPersistingTier(t *testing.T, up *upstream.Upstream, endpoints []string, adjust func(*relay.Config)) *loadtest.Tier {
+	t.Helper()
+	var logger *slog.Logger
+	if os.Getenv("MESHRELAY_TEST_LOG") != "" {
+		logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	tier, err := loadtest.StartConvergedTier(context.Background(), loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Etcd: endpoints,
+		Logger: logger, Relay: adjust}, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tier.Stop(context.Background()) })
+	return tier
+}
+
+// startTierFleet starts envoys simulated Envoys of sc over keys keys on
+// tier, stopped at the end of the test.
+func startTierFleet(t *testing.T, sc upstream.Scenario, tier *loadtest.Tier, envoys, keys int) *loadtest.Fleet {
+	t.Helper()
+	f, err := loadtest.StartFleet(context.Background(), loadtest.FleetConfig{Scenario: sc, Envoys: envoys, Keys: keys, Target: tier.Addr()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Stop(context.Background()) })
+	return f
+}
+
+// waitFleetSynced waits until every Envoy of f holds what up serves it.
+func waitFleetSynced(t *testing.T, f *loadtest.Fleet, up *upstream.Upstream, when string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
+	defer cancel()
+	if err := f.WaitSynced(ctx, up); err != nil {
+		t.Fatalf("%s: %v", when, err)
+	}
+}
+
+// waitUntil polls cond until it holds, failing with its last state after
+// 30 s.
+func waitUntil(t *testing.T, what string, cond func() (bool, string)) {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		ok, state := cond()
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %s", what, state)
+		}
 	}
 }
 
