@@ -213,7 +213,7 @@ func fanout(ctx context.Context, args []string) error {
 	}
 	exe, err := os.Executable()
 	if err != nil {
-		return fmt.Errorf("find own executable for the relay child: %w", err)
+		return fmt.Errorf("find own executable for the relay and fleet children: %w", err)
 	}
 	cfg.StartRelay = loadtest.ExecRelay(exe, os.Stderr, "relay-child")
 	if *fleetProcess {
@@ -320,11 +320,9 @@ func realFanout(ctx context.Context, fs *flag.FlagSet, n int, protocols, modes, 
 	if cfg.Binary, err = realenvoy.Find(ctx); err != nil {
 		return err
 	}
-	exe, err := os.Executable()
-	if err != nil {
-		return fmt.Errorf("find own executable for the relay child: %w", err)
+	if cfg.StartRelay, err = execRelayChild(); err != nil {
+		return err
 	}
-	cfg.StartRelay = loadtest.ExecRelay(exe, os.Stderr, "relay-child")
 	rep, err := loadtest.RunRealFanout(ctx, cfg, os.Stdout)
 	if rep != nil {
 		err = errors.Join(err, writeJSON(jsonOut, rep))
@@ -817,14 +815,22 @@ func keyBench(ctx context.Context, args []string) error {
 	if err := loadtest.CheckCPUs("--relay-cpus", cfg.RelayCPUs); err != nil {
 		return err
 	}
-	exe, err := os.Executable()
-	if err != nil {
-		return fmt.Errorf("find own executable for the relay child: %w", err)
+	if cfg.StartRelay, err = execRelayChild(); err != nil {
+		return err
 	}
-	cfg.StartRelay = loadtest.ExecRelay(exe, os.Stderr, "relay-child")
 	rep, err := loadtest.RunKeyBench(ctx, cfg, os.Stdout)
 	if rep != nil {
 		err = errors.Join(err, writeJSON(*jsonOut, rep))
 	}
 	return err
+}
+
+// execRelayChild starts relay children by running this executable's
+// hidden relay-child command.
+func execRelayChild() (loadtest.StartRelayFunc, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, fmt.Errorf("find own executable for the relay child: %w", err)
+	}
+	return loadtest.ExecRelay(exe, os.Stderr, "relay-child"), nil
 }
