@@ -190,7 +190,7 @@ func RunKeyBench(ctx context.Context, cfg KeyBenchConfig, out io.Writer) (*KeyBe
 	defer fleet.stop()
 	start := time.Now()
 	fmt.Fprintf(out, "keys: %d SotW clients, %d endpoints, profile %s, relay upstream %s\n", cfg.Clients, cfg.Endpoints, cfg.Profile, cfg.UpstreamProtocol)
-	if err := fleet.waitAll(ctx, 1, cfg.SyncTimeout, out); err != nil {
+	if err := fleet.waitPast(ctx, make([]int64, cfg.Clients), cfg.SyncTimeout, out); err != nil {
 		return nil, fmt.Errorf("loadtest: initial sync: %w", err)
 	}
 	rep.Connect = time.Since(start)
@@ -215,7 +215,7 @@ func RunKeyBench(ctx context.Context, cfg KeyBenchConfig, out io.Writer) (*KeyBe
 		if err := setSnapshot(p); err != nil {
 			return nil, err
 		}
-		if err := fleet.waitPast(ctx, want, cfg.PushTimeout); err != nil {
+		if err := fleet.waitPast(ctx, want, cfg.PushTimeout, nil); err != nil {
 			return nil, fmt.Errorf("loadtest: push %d: %w", p, err)
 		}
 		ds := fleet.since(want, t0)
@@ -400,23 +400,9 @@ func (f *benchClients) received() []int64 {
 	return out
 }
 
-// waitAll waits until every client has received at least n responses
-// since it held every endpoint, printing progress every 10 s.
-func (f *benchClients) waitAll(ctx context.Context, n int64, timeout time.Duration, out io.Writer) error {
-	want := make([]int64, f.n)
-	for i := range want {
-		want[i] = n - 1
-	}
-	return f.waitPastPrinting(ctx, want, timeout, out)
-}
-
 // waitPast waits until every client has received more responses than
-// counted in before.
-func (f *benchClients) waitPast(ctx context.Context, before []int64, timeout time.Duration) error {
-	return f.waitPastPrinting(ctx, before, timeout, nil)
-}
-
-func (f *benchClients) waitPastPrinting(ctx context.Context, before []int64, timeout time.Duration, out io.Writer) error {
+// counted in before, printing progress every 10 s to out if set.
+func (f *benchClients) waitPast(ctx context.Context, before []int64, timeout time.Duration, out io.Writer) error {
 	deadline := time.Now().Add(timeout)
 	lastPrint := time.Now()
 	for {
