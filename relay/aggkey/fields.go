@@ -39,8 +39,8 @@ const ProfileFields = "fields"
 // A field the node lacks is missing, a value of its own: nodes that lack
 // it share a key with each other, not with nodes that have it empty.
 type Rule struct {
-	// Name names the rule in keys and logs: lower-case letters, digits
-	// and '-'.
+	// Name names the rule in keys and logs: a DNS label (lower-case
+	// letters, digits and '-', not at either end), not "node".
 	Name string `json:"name"`
 	// Match maps fields to regular expressions (RE2, matched against the
 	// whole value); a node matches the rule if every one matches. Empty:
@@ -158,7 +158,7 @@ func NewFields(rules []Rule) (*Fields, error) {
 	for i, r := range rules {
 		where := fmt.Sprintf("rule %d (%q)", i+1, r.Name)
 		if !isRuleName(r.Name) {
-			return nil, fmt.Errorf("aggkey: %s: a rule's name is lower-case letters, digits and '-', not %q, nor \"node\"", where, r.Name)
+			return nil, fmt.Errorf("aggkey: %s: a rule's name is a DNS label (lower-case letters, digits and '-' inside), not %q, nor \"node\"", where, r.Name)
 		}
 		if seen[r.Name] {
 			return nil, fmt.Errorf("aggkey: %s: two rules are named %q", where, r.Name)
@@ -197,17 +197,9 @@ func NewFields(rules []Rule) (*Fields, error) {
 	return p, nil
 }
 
-func isRuleName(s string) bool {
-	if s == "" || s == "node" || len(s) > 63 {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		if c := s[i]; !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-') {
-			return false
-		}
-	}
-	return true
-}
+// isRuleName reports whether s may name a rule: a DNS label, as a
+// namespace's name is, other than "node" (per-node keys' prefix).
+func isRuleName(s string) bool { return s != "node" && isNamespaceName(s) }
 
 // parseField returns the field a name in a rule names.
 func parseField(name string) (field, error) {

@@ -220,6 +220,7 @@ func TestFieldsRulesRefused(t *testing.T) {
 		{"rule without a name", "rules: [{key: [id]}]", "name"},
 		{"rule named like per-node keys", "rules: [{name: node, key: [id]}]", `"node"`},
 		{"rule name with a slash", "rules: [{name: a/b, key: [id]}]", "a/b"},
+		{"rule name ending in a dash", "rules: [{name: a-, key: [id]}]", `"a-"`},
 		{"not YAML", "rules: [", "key config"},
 	}
 	for _, tc := range cases {
