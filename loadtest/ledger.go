@@ -410,39 +410,33 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 		asked.TierLedger(ctx, ledger.Scope{}, ledger.Full)
 	}
 	var tierErr error
-	timeTier := func(d ledger.Detail) (Quantiles, time.Duration) {
-		before := cpu()
-		q := timeQuery(cfg.Queries, func() {
-			tl := asked.TierLedger(ctx, ledger.Scope{}, d)
-			tl.Stragglers(0)
-			if len(tl.Missing) > 0 && tierErr == nil {
-				tierErr = fmt.Errorf("tier query: relays missing: %v", tl.Missing)
-			}
-		})
-		return q, (cpu() - before) / time.Duration(cfg.Queries)
-	}
-	rep.Tier, rep.TierCPU = timeTier(ledger.Brief)
-	rep.TierFull, rep.TierFullCPU = timeTier(ledger.Full)
-	if tierErr != nil {
-		return nil, tierErr
-	}
-	// Brief and full answer alike.
+	// answer is what a tier-wide query counted; brief and full must agree.
 	type answer struct {
 		c          ledger.Convergence
 		stragglers int
 	}
-	var answers []answer
-	for _, d := range []ledger.Detail{ledger.Brief, ledger.Full} {
-		tl := asked.TierLedger(ctx, ledger.Scope{}, d)
-		if len(tl.Missing) > 0 {
-			return nil, fmt.Errorf("loadtest: relays missing from the tier-wide answer: %v", tl.Missing)
-		}
-		answers = append(answers, answer{tl.Convergence(), len(tl.Stragglers(0))})
+	timeTier := func(d ledger.Detail) (Quantiles, time.Duration, answer) {
+		var last answer
+		before := cpu()
+		q := timeQuery(cfg.Queries, func() {
+			tl := asked.TierLedger(ctx, ledger.Scope{}, d)
+			last = answer{tl.Convergence(), len(tl.Stragglers(0))}
+			if len(tl.Missing) > 0 && tierErr == nil {
+				tierErr = fmt.Errorf("loadtest: relays missing from the tier-wide answer: %v", tl.Missing)
+			}
+		})
+		return q, (cpu() - before) / time.Duration(cfg.Queries), last
 	}
-	if answers[0] != answers[1] {
-		return nil, fmt.Errorf("loadtest: the tier in brief counts %+v, in full %+v", answers[0], answers[1])
+	var brief, full answer
+	rep.Tier, rep.TierCPU, brief = timeTier(ledger.Brief)
+	rep.TierFull, rep.TierFullCPU, full = timeTier(ledger.Full)
+	if tierErr != nil {
+		return nil, tierErr
 	}
-	rep.TierEnvoys, rep.TierStragglers = answers[0].c.Envoys, answers[0].stragglers
+	if brief != full {
+		return nil, fmt.Errorf("loadtest: the tier in brief counts %+v, in full %+v", brief, full)
+	}
+	rep.TierEnvoys, rep.TierStragglers = brief.c.Envoys, brief.stragglers
 	fmt.Fprintf(out, "tier-wide across %d relays (the others %s), %d Envoys, %d stragglers:\n", cfg.Relays, where, rep.TierEnvoys, rep.TierStragglers)
 	fmt.Fprintf(out, "  in brief: P50 %v P99 %v, relays' CPU %v per query\n", rep.Tier.P50, rep.Tier.P99, rep.TierCPU)
 	fmt.Fprintf(out, "  in full:  P50 %v P99 %v, relays' CPU %v per query\n", rep.TierFull.P50, rep.TierFull.P99, rep.TierFullCPU)
