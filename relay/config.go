@@ -224,6 +224,13 @@ type Config struct {
 	// a minute after start, or sooner if the interval is shorter. Default
 	// 5 min; zero: never.
 	AggregationWarnInterval time.Duration
+	// DivergenceInterval is how often the relay checks each aggregated key
+	// it is the upstream source of: a second upstream stream presents
+	// another member's node, and if its config differs from the key's, the
+	// key splits (see divergence.go). A key is also checked as soon as it
+	// gets its second member. One check per key at a time, two per relay,
+	// at the pace of UpstreamStreamRate. Default 10 min; zero: never.
+	DivergenceInterval time.Duration
 	// Tier, if set, balances Envoy streams across the tier: above its fair
 	// share, the relay moves streams away (see BalanceInterval). Default
 	// nil: no balancing.
@@ -340,6 +347,7 @@ func DefaultConfig() Config {
 		LedgerGatherTimeout:     time.Second,
 		LedgerPollInterval:      100 * time.Millisecond,
 		AggregationWarnInterval: 5 * time.Minute,
+		DivergenceInterval:      10 * time.Minute,
 		XDSListen:               ":15010",
 		XDSTLSListen:            ":15012",
 		HandshakeTimeout:        10 * time.Second,
@@ -426,6 +434,9 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.AggregationWarnInterval < 0 {
 		bad("AggregationWarnInterval", "must not be negative")
+	}
+	if cfg.DivergenceInterval < 0 {
+		bad("DivergenceInterval", "must not be negative")
 	}
 	if cfg.AdmitRate < 0 || cfg.AdmitRate > 0 && cfg.AdmitBurst < 1 {
 		bad("AdmitRate", "must be 0 (no limit), or positive with AdmitBurst at least 1")

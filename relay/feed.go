@@ -217,7 +217,7 @@ func (u *feed) run(ctx context.Context) {
 		// Until the next stream has answered, nobody confirms the views.
 		u.setStale(true)
 		switch {
-		case errors.Is(err, errRehome) || errors.Is(err, errResubscribe) || errors.Is(err, errSourceChanged) || errors.Is(err, errRenew):
+		case errors.Is(err, errRehome) || errors.Is(err, errResubscribe) || errors.Is(err, errSourceChanged) || errors.Is(err, errRenew) || errors.Is(err, errSplitsTold):
 			continue // a new stream at once, no backoff
 		case src.kind == sourcePeer:
 			u.fallBack(src.addr, err)
@@ -333,6 +333,11 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 	}
 	defer u.countStream(src)()
 	u.begin(node, presenter)
+	if src.kind == sourcePeer {
+		u.k.presentedNode.Store(nil) // the owner checks the key
+	} else {
+		u.k.presentedNode.Store(node)
+	}
 	presentedNode := node
 	u.log("upstream stream open", "node", node.GetId(), "source", src.kind, "owner", src.addr)
 	// retry ticks while the key is in fallback (is the owner back?) or a
@@ -552,11 +557,14 @@ func (u *feed) open(sctx context.Context, presenter member, src source) (send fu
 		if err != nil {
 			return nil, nil, fmt.Errorf("open delta stream: %w", err)
 		}
-		return func(m proto.Message) error { return cs.Send(m.(*discovery.DeltaDiscoveryRequest)) },
-			func() (response, error) {
-				r := new(wire.DeltaIn)
-				return r, cs.RecvMsg(r)
-			}, nil
+		recv := func() (response, error) {
+			r := new(wire.DeltaIn)
+			return r, cs.RecvMsg(r)
+		}
+		if src.kind == sourcePeer {
+			recv = u.peerSplits(cs, recv)
+		}
+		return func(m proto.Message) error { return cs.Send(m.(*discovery.DeltaDiscoveryRequest)) }, recv, nil
 	}
 	cs, err := client.StreamAggregatedResources(sctx, codec)
 	if err != nil {

@@ -48,6 +48,8 @@ type testUpstream struct {
 	groups []string
 	caches map[string]*cache.LinearCache
 	opts   []grpc.ServerOption // added to the server's (interceptors)
+	// groupBy names the group whose caches serve a node.
+	groupBy func(*core.Node) string
 
 	mu       sync.Mutex
 	srv      *grpc.Server
@@ -66,10 +68,16 @@ func newTestUpstream(t *testing.T, groups ...string) *testUpstream {
 // newTestUpstreamWith is newTestUpstream with server options of its own.
 func newTestUpstreamWith(t *testing.T, opts []grpc.ServerOption, groups ...string) *testUpstream {
 	t.Helper()
+	return newTestUpstreamBy(t, opts, groupOf, groups...)
+}
+
+// newTestUpstreamBy is newTestUpstreamWith with nodes grouped by groupBy.
+func newTestUpstreamBy(t *testing.T, opts []grpc.ServerOption, groupBy func(*core.Node) string, groups ...string) *testUpstream {
+	t.Helper()
 	if len(groups) == 0 {
 		groups = []string{"default"}
 	}
-	u := &testUpstream{t: t, groups: groups, caches: make(map[string]*cache.LinearCache), opts: opts}
+	u := &testUpstream{t: t, groups: groups, caches: make(map[string]*cache.LinearCache), opts: opts, groupBy: groupBy}
 	for _, g := range groups {
 		for _, typeURL := range upstreamTypes {
 			u.caches[g+"|"+typeURL] = cache.NewLinearCache(typeURL)
@@ -94,8 +102,8 @@ func groupOf(n *core.Node) string {
 
 func (u *testUpstream) serve(lis net.Listener) {
 	mux := &cache.MuxCache{
-		Classify:      func(r *cache.Request) string { return groupOf(r.GetNode()) + "|" + r.GetTypeUrl() },
-		ClassifyDelta: func(r *cache.DeltaRequest) string { return groupOf(r.GetNode()) + "|" + r.GetTypeUrl() },
+		Classify:      func(r *cache.Request) string { return u.groupBy(r.GetNode()) + "|" + r.GetTypeUrl() },
+		ClassifyDelta: func(r *cache.DeltaRequest) string { return u.groupBy(r.GetNode()) + "|" + r.GetTypeUrl() },
 		Caches:        map[string]cache.Cache{},
 	}
 	for k, c := range u.caches {
@@ -265,6 +273,9 @@ func startRelayTo(t *testing.T, addr string, mod func(*Config)) *Relay {
 	cfg.Upstream = addr
 	cfg.BackoffInitial = 20 * time.Millisecond
 	cfg.BackoffMax = 200 * time.Millisecond
+	// The tests count the upstream streams a key opens: a divergence
+	// check is one more. Its tests turn it on.
+	cfg.DivergenceInterval = 0
 	if mod != nil {
 		mod(&cfg)
 	}

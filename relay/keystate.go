@@ -56,9 +56,15 @@ type keyState struct {
 	// (metrics and reports take no key's lock).
 	joined, peers atomic.Int32
 
+	// presentedNode is the node the key's upstream stream presents, set
+	// while this relay is the key's upstream source (nil while it gets
+	// the key from its owner): what the divergence check compares with.
+	presentedNode atomic.Pointer[core.Node]
+
 	mu      sync.Mutex
 	members []member // in join order; the first one's node is presented upstream
 	want    map[string]*typeWant
+	div     divergence
 }
 
 // aggregated reports whether more than one stream (Envoys, and relays the
@@ -310,8 +316,17 @@ func (k *keyState) join(m member) {
 	if m.peerRelayID() != "" {
 		k.peers.Add(1)
 	}
+	second := len(k.members) == 2
+	if second {
+		// A key that just became aggregated is checked at once, with
+		// the member that made it so (divergence.go).
+		k.div.soon = m
+	}
 	k.mu.Unlock()
 	wake(k.upWake)
+	if second {
+		wake(k.r.divergenceWake)
+	}
 }
 
 // servesPeers reports whether other relays subscribe to this key here: then
@@ -329,6 +344,7 @@ func (k *keyState) leave(m member, subs iter.Seq2[string, subscription]) {
 		k.peers.Add(-1)
 	}
 	k.joined.Store(int32(len(k.members)))
+	k.div.forget(m)
 	for typeURL, sub := range subs {
 		k.changeLocked(typeURL, sub.wildcard, false, nil, sub.names)
 	}

@@ -37,6 +37,9 @@ type metrics struct {
 	peerStreams        prometheus.Gauge
 	peerClients        prometheus.Gauge
 	authFailures       *prometheus.CounterVec
+	divergenceChecks   *prometheus.CounterVec
+	divergences        *prometheus.CounterVec
+	divergenceOpen     prometheus.Gauge
 
 	byType map[string]*typeMetrics // by type URL; "" for the rest
 
@@ -128,6 +131,15 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 		authFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "meshrelay_xds_auth_failures_total", Help: "Streams on the TLS xDS port refused for their credentials or identity: by reason (no_credentials, bad_token, expired, not_yet_valid, wrong_issuer, wrong_audience, untrusted_cert, no_spiffe_id, wrong_trust_domain, review_failed, review_denied, identity_mismatch, unproven_peer, throttled: a source address that kept failing, refused before verification).",
 		}, []string{"reason"}),
+		divergenceChecks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshrelay_divergence_checks_total", Help: "Divergence checks of aggregated keys (a second upstream stream presenting another member's node), by result: same, diverged (the key split), inconclusive (the check ended without a settled answer).",
+		}, []string{"result"}),
+		divergences: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshrelay_key_divergences_total", Help: "Divergence checks that found a member of a key given other config than the node the key presents, by type that differed: the key's profile is too coarse for this mesh, and the key split.",
+		}, []string{"type"}),
+		divergenceOpen: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "meshrelay_divergence_check_streams", Help: "Open upstream streams of divergence checks (at most one per key, two per relay).",
+		}),
 	}
 	keys := keyCollector{
 		r:        r,
@@ -138,7 +150,8 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 	cs := []prometheus.Collector{
 		m.envoys, m.pushes, m.pushBytes, m.pushResources, m.pushACK, m.converged, m.nacks, m.streamErrors,
 		m.upstreamStreams, m.upstreamWaiting, m.upstreamReconnects, m.restoredKeys, m.upstreamNACKs, m.passthrough, m.passthroughStreams,
-		m.refused, m.shed, m.peerFallbacks, m.silentConfirms, m.claims, m.peerStreams, m.peerClients, m.authFailures, keys,
+		m.refused, m.shed, m.peerFallbacks, m.silentConfirms, m.claims, m.peerStreams, m.peerClients, m.authFailures,
+		m.divergenceChecks, m.divergences, m.divergenceOpen, keys,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_cache_resources", Help: "Distinct resources held, shared by every key.",
 		}, func() float64 { return float64(r.store.Len()) }),

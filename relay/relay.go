@@ -156,6 +156,11 @@ type Relay struct {
 
 	pool *peers.Pool // relay-to-relay connections
 
+	// splits are the keys' splits the relay knows (divergence.go);
+	// divergenceWake wakes the divergence checks at once.
+	splits         splitBook
+	divergenceWake chan struct{}
+
 	// runMu guards refuseWork: set as Stop begins, goRun starts nothing
 	// after it.
 	runMu      sync.Mutex
@@ -176,22 +181,23 @@ func New(cfg Config) (*Relay, error) {
 		return nil, err
 	}
 	r := &Relay{
-		cfg:          cfg,
-		log:          cfg.Logger.With("relay", cfg.ID),
-		store:        xds.NewStore(),
-		dropped:      xds.NewDropped(cfg.KeepDroppedBytes),
-		controlPlane: &core.ControlPlane{Identifier: cfg.ID},
-		stopping:     make(chan struct{}),
-		keys:         make(map[aggkey.Key]*keyState),
-		attached:     make(map[*stream]*keyState),
-		warm:         make(chan struct{}),
-		loaded:       make(chan struct{}),
-		pool:         peers.NewPool(cfg.MaxMsgSize, cfg.PeerDialOptions...),
-		clock:        ledger.NewClock(cfg.wall),
-		authLogs:     newAuthLogLimiter(),
-		failures:     newFailureGate(),
-		syncs:        newSyncSlots(cfg.UpstreamSyncs),
-		peerSyncs:    newSyncSlots(cfg.UpstreamSyncs),
+		cfg:            cfg,
+		log:            cfg.Logger.With("relay", cfg.ID),
+		store:          xds.NewStore(),
+		dropped:        xds.NewDropped(cfg.KeepDroppedBytes),
+		controlPlane:   &core.ControlPlane{Identifier: cfg.ID},
+		stopping:       make(chan struct{}),
+		keys:           make(map[aggkey.Key]*keyState),
+		attached:       make(map[*stream]*keyState),
+		warm:           make(chan struct{}),
+		loaded:         make(chan struct{}),
+		pool:           peers.NewPool(cfg.MaxMsgSize, cfg.PeerDialOptions...),
+		clock:          ledger.NewClock(cfg.wall),
+		authLogs:       newAuthLogLimiter(),
+		failures:       newFailureGate(),
+		syncs:          newSyncSlots(cfg.UpstreamSyncs),
+		peerSyncs:      newSyncSlots(cfg.UpstreamSyncs),
+		divergenceWake: make(chan struct{}, 1),
 	}
 	if cfg.AdmitRate > 0 {
 		r.admission = rate.NewLimiter(rate.Limit(cfg.AdmitRate), cfg.AdmitBurst)
@@ -270,6 +276,9 @@ func (r *Relay) Start(ctx context.Context) error {
 	}
 	if r.cfg.AggregationWarnInterval > 0 {
 		r.goRun(r.warnUnaggregated)
+	}
+	if r.cfg.DivergenceInterval > 0 {
+		r.goRun(r.checkDivergence)
 	}
 	if lis != nil {
 		r.serveXDS(lis, portPlain)
@@ -504,13 +513,34 @@ func (r *Relay) goRun(fn func(context.Context)) bool {
 func (r *Relay) acquireKey(key aggkey.Key, s *stream) *keyState {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	k := r.joinKeyLocked(key, s)
+	r.attached[s] = k
+	return k
+}
+
+// joinKey returns the key's state, creating it if needed, with s joined as
+// a member, but not attached: a stream moving to the key after a split of
+// its own (stream.followSplits) is attached to its old key until it moves.
+func (r *Relay) joinKey(key aggkey.Key, s *stream) *keyState {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.joinKeyLocked(key, s)
+}
+
+func (r *Relay) joinKeyLocked(key aggkey.Key, s *stream) *keyState {
 	k := r.keys[key]
 	if k == nil {
 		k = r.startKeyLocked(key, nil)
 	}
 	k.join(s)
-	r.attached[s] = k
 	return k
+}
+
+// attach records s as attached to k, which it joined (joinKey).
+func (r *Relay) attach(s *stream, k *keyState) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.attached[s] = k
 }
 
 // installKey creates key's state and starts its feed, with init run on

@@ -18,7 +18,6 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
-	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
@@ -37,6 +36,15 @@ type stream struct {
 
 	node *core.Node // from the first request, kept for the stream
 	key  *keyState
+	// next is the key the stream moves to after a split of its key
+	// (rekey.go), a member of both until next's views cover the
+	// stream's subscriptions; splitGen is the relay's splitBook.gen when
+	// the stream last looked at where it belongs.
+	next     *keyState
+	splitGen uint64
+	// splitsTold is the key's splits (aggkey.EncodeSplits) told to the
+	// relay on the other end of a peer stream.
+	splitsTold string
 	// peerRelay is set on a stream from another relay of the tier, which
 	// subscribes to a key this relay owns.
 	peerRelay *peerIdentity
@@ -213,6 +221,7 @@ func (s *stream) attach(node *core.Node) error {
 		// so that both relays agree on it whatever the profile.
 		s.log = s.log.With("node", node.GetId(), "key", pi.key, "peer_relay", pi.id)
 		s.key = s.r.acquireKey(pi.key, s)
+		s.tellSplits(pi)
 		if pi.demand != 0 {
 			s.key.demand(pi.demand, true)
 		}
@@ -228,7 +237,8 @@ func (s *stream) attach(node *core.Node) error {
 		return status.Errorf(codes.PermissionDenied, "node %q: %v", node.GetId(), err)
 	}
 	// The key is derived only now, from a node its identity may present.
-	key := aggkey.WithIdentity(s.r.cfg.KeyProfile.Key(node), s.identity)
+	s.splitGen = s.r.splits.gen.Load()
+	key, _ := s.r.keyOf(node, s.identity)
 	s.log = s.log.With("node", node.GetId(), "key", key)
 	s.key = s.r.acquireKey(key, s)
 	s.led = s.r.ledger.Connect(node.GetId(), string(key), time.Now())
@@ -248,6 +258,9 @@ func (s *stream) close() {
 	}
 	if s.key != nil {
 		s.led.Disconnect(time.Now())
+		if s.next != nil {
+			s.next.leave(s, s.subscriptions())
+		}
 		s.r.releaseKey(s)
 		if s.peerRelay != nil {
 			s.r.metrics.peerClients.Dec()
@@ -326,6 +339,9 @@ func (s *stream) newSub(typeURL string, wildcard, legacy bool, names xds.NameSet
 	s.subs[typeURL] = sub
 	s.dirty = true
 	s.key.subscribe(typeURL, false, wildcard, names, nil)
+	if s.next != nil {
+		s.next.subscribe(typeURL, false, wildcard, names, nil)
+	}
 	s.led.Subscribe(typeURL)
 	return sub
 }
@@ -364,6 +380,9 @@ func (s *stream) resubscribe(sub *typeSub, wildcard bool, names xds.NameSet, res
 	sub.known = kb.Tree()
 	s.dirty = true
 	s.key.subscribe(sub.typeURL, sub.wildcard, wildcard, added, removed)
+	if s.next != nil {
+		s.next.subscribe(sub.typeURL, sub.wildcard, wildcard, added, removed)
+	}
 	sub.wildcard, sub.names = wildcard, names
 	if !wildcard {
 		sub.legacy = false
@@ -507,6 +526,9 @@ type plan struct {
 func (s *stream) sync() error {
 	if s.key == nil {
 		return nil
+	}
+	if err := s.followSplits(); err != nil {
+		return err
 	}
 	snap := s.key.views.Load()
 	now := time.Now()

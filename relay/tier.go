@@ -48,6 +48,8 @@ type peerIdentity struct {
 	key aggkey.Key
 	// demand is MDDemand's Stamp (zero if none).
 	demand ledger.Stamp
+	// splits are the key's splits the calling relay knows (MDSplits).
+	splits []aggkey.Split
 }
 
 // identifyPeer reads a relay-to-relay stream's metadata. It returns nil for
@@ -73,6 +75,13 @@ func (r *Relay) identifyPeer(ctx context.Context, p port) (*peerIdentity, error)
 			return nil, status.Errorf(codes.InvalidArgument, "relay-to-relay stream: %s: %v", peers.MDDemand, err)
 		}
 		pi.demand = s
+	}
+	if v := md.Get(peers.MDSplits); len(v) == 1 {
+		splits, err := aggkey.DecodeSplits([]byte(v[0]))
+		if err != nil {
+			return nil, status.Errorf(codes.InvalidArgument, "relay-to-relay stream: %s: %v", peers.MDSplits, err)
+		}
+		pi.splits = splits
 	}
 	return pi, nil
 }
@@ -112,7 +121,11 @@ func (r *Relay) peerMetadata() []string {
 
 // peerContext adds the metadata of a stream this relay opens to a peer.
 func (r *Relay) peerContext(ctx context.Context, key aggkey.Key) context.Context {
-	return metadata.AppendToOutgoingContext(ctx, append(r.peerMetadata(), peers.MDKey, string(key))...)
+	kv := append(r.peerMetadata(), peers.MDKey, string(key))
+	if splits := r.splits.of(key); len(splits) > 0 {
+		kv = append(kv, peers.MDSplits, string(aggkey.EncodeSplits(splits)))
+	}
+	return metadata.AppendToOutgoingContext(ctx, kv...)
 }
 
 // watchOwners wakes every key's feed when owners may have

@@ -32,6 +32,11 @@ const (
 	MDKey    = "x-meshrelay-key"
 	MDAuth   = "x-meshrelay-peer-auth"
 	MDDemand = "x-meshrelay-demand"
+	// MDSplits carries a key's splits (aggkey.EncodeSplits): in a stream's
+	// metadata from the subscribing relay, in the owner's header and
+	// trailer back, so that every relay of the tier moves the nodes a
+	// divergence check moved, wherever they connect.
+	MDSplits = "x-meshrelay-splits-bin"
 )
 
 // Token proves a relay named id holds secret. Over plaintext it is

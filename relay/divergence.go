@@ -1,0 +1,592 @@
+package relay
+
+import (
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"maps"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc"
+
+	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/auth"
+	"github.com/meshrelay/meshrelay/relay/xds"
+)
+
+// The divergence check (DESIGN.md, "The data path" 2). A key is a promise
+// that the upstream gives its members the same config. The relay that holds
+// a key's upstream stream tests the promise now and then: it opens a second
+// upstream stream presenting another member's node, asks it what the key's
+// stream asks, and compares the two by content. A difference that outlasts
+// the upstream's churn means the key's profile is too coarse for this mesh:
+// the key splits (aggkey.Split), and the diverging member and its
+// look-alikes move to keys of their own, make-before-break (stream.rekey),
+// while the rest stay aggregated.
+//
+// The cost is bounded: one check per key at a time (so at most one stream
+// beside the key's own), at most maxDivergenceChecks per relay at a time,
+// each opened at the upstream's pace (Config.UpstreamStreamRate) and ended
+// after divergenceCheckFor at most.
+
+// maxDivergenceChecks bounds the checks one relay runs at a time.
+const maxDivergenceChecks = 2
+
+// divergenceSettle is how long a difference must stay the same, with no
+// change on either stream, to count: the upstream pushes to its streams
+// one after the other, so during a push the two disagree for a while.
+const divergenceSettle = 3 * confirmAfter / 2
+
+// divergenceCheckFor bounds one check: a key whose content keeps changing
+// for longer is checked again at its next turn.
+const divergenceCheckFor = 2 * time.Minute
+
+// errChurning ends a check that found no settled answer in
+// divergenceCheckFor.
+var errChurning = errors.New("relay: the key's content kept changing")
+
+// splitBook holds the splits of the keys this relay knows of: found by its
+// own checks, or told by the tier's other relays (MDSplits). Splits are
+// never forgotten while the relay runs. Safe for concurrent use.
+type splitBook struct {
+	// gen counts changes: a stream whose key may have split looks again
+	// when it moved.
+	gen atomic.Uint64
+	mu  sync.Mutex
+	m   map[aggkey.Key][]aggkey.Split
+}
+
+func (b *splitBook) of(k aggkey.Key) []aggkey.Split {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.m[k]
+}
+
+// add adds splits to k's and returns the ones that were new.
+func (b *splitBook) add(k aggkey.Key, splits ...aggkey.Split) []aggkey.Split {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var fresh []aggkey.Split
+	for _, s := range splits {
+		next, added := aggkey.AddSplit(b.m[k], s)
+		if !added {
+			continue
+		}
+		if b.m == nil {
+			b.m = make(map[aggkey.Key][]aggkey.Split)
+		}
+		b.m[k] = next
+		fresh = append(fresh, s)
+	}
+	if len(fresh) > 0 {
+		b.gen.Add(1)
+	}
+	return fresh
+}
+
+// keyOf returns the key a node of identity id belongs to: its profile's
+// (base), or its own if a split of that key moved it.
+func (r *Relay) keyOf(node *core.Node, id *auth.Identity) (key, base aggkey.Key) {
+	base = aggkey.WithIdentity(r.cfg.KeyProfile.Key(node), id)
+	for _, s := range r.splits.of(base) {
+		if s.Matches(node) {
+			return aggkey.WithIdentity(aggkey.SplitKey(node), id), base
+		}
+	}
+	return base, base
+}
+
+// learnSplits adds splits of key that another relay told; the members of
+// key here look again at where they belong.
+func (r *Relay) learnSplits(key aggkey.Key, splits []aggkey.Split) {
+	fresh := r.splits.add(key, splits...)
+	if len(fresh) == 0 {
+		return
+	}
+	for _, s := range fresh {
+		r.log.Info("key split, told by another relay of the tier", "key", key, "split", s.String())
+	}
+	r.wakeKey(key)
+}
+
+// wakeKey wakes the members of key, if the relay holds it.
+func (r *Relay) wakeKey(key aggkey.Key) {
+	r.mu.Lock()
+	k := r.keys[key]
+	r.mu.Unlock()
+	if k != nil {
+		k.wakeStreams()
+	}
+}
+
+// checkDivergence runs the keys' divergence checks until ctx ends: each
+// aggregated key this relay is the upstream source of, every
+// DivergenceInterval (the first at a random point of it), and at once when
+// a key gets its second member.
+func (r *Relay) checkDivergence(ctx context.Context) {
+	slots := make(chan struct{}, maxDivergenceChecks)
+	tick := time.NewTicker(min(time.Second, r.cfg.DivergenceInterval))
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		case <-r.divergenceWake:
+		}
+		now := time.Now()
+		for _, k := range r.heldKeys() {
+			m, ok := k.checkDue(now, r.cfg.DivergenceInterval)
+			if !ok {
+				continue
+			}
+			select {
+			case slots <- struct{}{}:
+			default:
+				k.checkDone(nil, time.Time{}) // its turn comes again
+				continue
+			}
+			if !r.goRun(func(ctx context.Context) {
+				defer func() { <-slots }()
+				r.checkKey(ctx, k, m)
+			}) {
+				<-slots
+				return
+			}
+		}
+	}
+}
+
+// divergence is a key's divergence check state, under keyState.mu.
+type divergence struct {
+	// next is when the key is checked next; zero until it first has two
+	// members.
+	next time.Time
+	// soon is a member to check at once: the second to join.
+	soon member
+	// running is set while a check of the key runs.
+	running bool
+	// checked holds the members checked since the key last went round.
+	checked map[member]bool
+}
+
+// checkDue reports whether k's check is due now, and the member to check.
+// It marks the check running; checkDone ends it.
+func (k *keyState) checkDue(now time.Time, every time.Duration) (member, bool) {
+	if sourceKind(k.source.Load()) == sourcePeer {
+		return nil, false
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	d := &k.div
+	presented := k.presentedNode.Load()
+	if d.running || len(k.members) < 2 || presented == nil || len(askedOf(k.views.Load())) == 0 {
+		return nil, false // nothing to compare yet
+	}
+	if d.next.IsZero() {
+		d.next = now.Add(rand.N(every) + time.Nanosecond)
+	}
+	candidate := func(m member) bool {
+		node, cred := m.presents()
+		if node == nil || node.GetId() == presented.GetId() {
+			return false
+		}
+		// In forward mode, the upstream wants the member's own token: a
+		// relay's stream carries none.
+		return !k.r.cfg.ForwardCredentials || cred != nil
+	}
+	var pick member
+	if d.soon != nil && slices.Contains(k.members, d.soon) && candidate(d.soon) {
+		pick = d.soon
+	} else if !now.Before(d.next) {
+		for round := 0; round < 2 && pick == nil; round++ {
+			for _, m := range k.members {
+				if !d.checked[m] && candidate(m) {
+					pick = m
+					break
+				}
+			}
+			if pick == nil {
+				clear(d.checked) // every member was checked: go round again
+			}
+		}
+	}
+	d.soon = nil
+	if pick == nil {
+		return nil, false
+	}
+	d.running = true
+	return pick, true
+}
+
+// checkDone ends k's running check of m (nil: none ran); the next is due
+// at next (zero: at once, as it could not run).
+func (k *keyState) checkDone(m member, next time.Time) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	d := &k.div
+	d.running = false
+	if m != nil {
+		if d.checked == nil {
+			d.checked = make(map[member]bool)
+		}
+		d.checked[m] = true
+		d.next = next
+	}
+}
+
+// forgetChecked drops m from k's divergence state as it leaves. The caller
+// holds k.mu.
+func (d *divergence) forget(m member) {
+	delete(d.checked, m)
+	if d.soon == m {
+		d.soon = nil
+	}
+}
+
+// checkKey checks m, a member of k, against the node k's stream presents,
+// and splits k if they differ.
+func (r *Relay) checkKey(ctx context.Context, k *keyState, m member) {
+	presented := k.presentedNode.Load()
+	node, _ := m.presents()
+	differ, err := r.probe(ctx, k, m)
+	k.checkDone(m, time.Now().Add(r.cfg.DivergenceInterval))
+	switch {
+	case ctx.Err() != nil:
+		return
+	case err != nil:
+		r.metrics.divergenceChecks.WithLabelValues("inconclusive").Inc()
+		r.log.Info("divergence check without an answer", "key", k.key, "node", node.GetId(), "err", err)
+		return
+	case len(differ) == 0:
+		r.metrics.divergenceChecks.WithLabelValues("same").Inc()
+		r.log.Debug("divergence check: same content", "key", k.key, "node", node.GetId(), "presented", presented.GetId())
+		return
+	}
+	r.metrics.divergenceChecks.WithLabelValues("diverged").Inc()
+	for _, typeURL := range differ {
+		r.metrics.divergences.WithLabelValues(xds.ShortType(typeURL)).Inc()
+	}
+	split := aggkey.NewSplit(node, presented)
+	short := make([]string, len(differ))
+	for i, t := range differ {
+		short[i] = xds.ShortType(t)
+	}
+	r.log.Warn("key diverges: the upstream gives a member other config than the node the key presents, so the key profile is too coarse for this mesh; the member and its look-alikes move to keys of their own",
+		"key", k.key, "node", node.GetId(), "presented", presented.GetId(),
+		"fields_differing", aggkey.Differing(node, presented), "types", short, "split", split.String())
+	if len(r.splits.add(k.key, split)) > 0 {
+		k.wakeStreams()
+	}
+}
+
+// probe runs one check: an upstream stream presenting m's node asks for
+// what k's views hold, until its answers and k's views agree (nil), or
+// differ the same way for divergenceSettle with no change on either side
+// (the types that differ).
+func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, error) {
+	ctx, cancel := context.WithTimeout(ctx, divergenceCheckFor)
+	defer cancel()
+	node, cred := m.presents()
+	asked := askedOf(k.views.Load())
+	if len(asked) == 0 {
+		return nil, nil
+	}
+	if r.upstreamRate != nil {
+		if err := r.upstreamRate.Wait(ctx); err != nil {
+			return nil, err
+		}
+	}
+	if r.cfg.ForwardCredentials {
+		ctx = withCredential(ctx, cred)
+	}
+	// A check's first answers are a sync like a key's (Config.UpstreamSyncs):
+	// a cold tier's checks do not add to the upstream's first pushes.
+	release, ok := r.syncs.acquire(ctx)
+	if !ok {
+		return nil, ctx.Err()
+	}
+	defer release()
+	r.metrics.divergenceOpen.Inc()
+	defer r.metrics.divergenceOpen.Dec()
+	p := &probeStream{r: r, asked: asked, got: make(map[string]map[string]ledger.Hash)}
+	client := discovery.NewAggregatedDiscoveryServiceClient(r.upConn)
+	var err error
+	if r.cfg.UpstreamProtocol == ProtocolDelta {
+		err = p.openDelta(ctx, client, node)
+	} else {
+		err = p.openSotW(ctx, client, node)
+	}
+	if err != nil {
+		return nil, err
+	}
+	recv := make(chan error, 1)
+	go func() { recv <- p.recvAll() }()
+	defer func() {
+		cancel()
+		<-recv
+	}()
+
+	opened := time.Now()
+	tick := time.NewTicker(confirmAfter / 4)
+	defer tick.Stop()
+	var last [sha256.Size]byte
+	var since time.Time
+	for {
+		select {
+		case <-ctx.Done():
+			return nil, errChurning
+		case err := <-recv:
+			recv <- err // for the deferred wait
+			return nil, fmt.Errorf("check stream: %w", err)
+		case <-p.changed:
+		case <-tick.C:
+		}
+		differ, fp, ok := p.compare(k.views.Load())
+		if ok || time.Since(opened) > syncSlotHold {
+			release() // every type answered, or the upstream is slow
+		}
+		switch {
+		case !ok: // not every type answered yet
+		case len(differ) == 0:
+			return nil, nil
+		case fp != last:
+			last, since = fp, time.Now()
+		case time.Since(since) >= divergenceSettle:
+			return differ, nil
+		}
+	}
+}
+
+// askedOf returns what a check asks for, by type: the names k's views hold
+// (nil: everything, for a view that is the whole of its type).
+func askedOf(v *keyViews) map[string]xds.NameSet {
+	if v.stale {
+		return nil
+	}
+	asked := make(map[string]xds.NameSet)
+	for typeURL, tv := range v.types {
+		if !tv.ready || !xds.Cached(typeURL) {
+			continue
+		}
+		if tv.full {
+			asked[typeURL] = nil
+			continue
+		}
+		names := make([]string, 0, tv.view.Len())
+		for e := range tv.view.All() {
+			names = append(names, e.Name)
+		}
+		if len(names) > 0 {
+			asked[typeURL] = xds.NewNameSet(names)
+		}
+	}
+	return asked
+}
+
+// probeStream is a check's upstream stream: what it asked and what it got.
+type probeStream struct {
+	r     *Relay
+	asked map[string]xds.NameSet
+
+	mu  sync.Mutex
+	got map[string]map[string]ledger.Hash // by type, then name
+
+	changed chan struct{} // a response arrived
+	recv    func() error  // reads and ACKs one response
+}
+
+func (p *probeStream) openSotW(ctx context.Context, client discovery.AggregatedDiscoveryServiceClient, node *core.Node) error {
+	cs, err := client.StreamAggregatedResources(ctx, grpc.MaxCallRecvMsgSize(p.r.cfg.MaxMsgSize))
+	if err != nil {
+		return fmt.Errorf("open check stream: %w", err)
+	}
+	p.changed = make(chan struct{}, 1)
+	for i, typeURL := range p.types() {
+		req := &discovery.DiscoveryRequest{TypeUrl: typeURL, ResourceNames: p.asked[typeURL]}
+		if i == 0 {
+			req.Node = node
+		}
+		if err := cs.Send(req); err != nil {
+			return fmt.Errorf("check stream: %w", err)
+		}
+	}
+	p.recv = func() error {
+		resp, err := cs.Recv()
+		if err != nil {
+			return err
+		}
+		typeURL := resp.GetTypeUrl()
+		names, ok := p.asked[typeURL]
+		if !ok {
+			return nil
+		}
+		bodies := make([]anyOf, len(resp.GetResources()))
+		for i, b := range resp.GetResources() {
+			bodies[i] = b
+		}
+		got, err := p.decode(typeURL, bodies)
+		if err != nil {
+			return err
+		}
+		p.apply(typeURL, got, nil, xds.FullStateSotW(typeURL))
+		return cs.Send(&discovery.DiscoveryRequest{TypeUrl: typeURL, ResourceNames: names, VersionInfo: resp.GetVersionInfo(), ResponseNonce: resp.GetNonce()})
+	}
+	return nil
+}
+
+func (p *probeStream) openDelta(ctx context.Context, client discovery.AggregatedDiscoveryServiceClient, node *core.Node) error {
+	cs, err := client.DeltaAggregatedResources(ctx, grpc.MaxCallRecvMsgSize(p.r.cfg.MaxMsgSize))
+	if err != nil {
+		return fmt.Errorf("open check stream: %w", err)
+	}
+	p.changed = make(chan struct{}, 1)
+	for i, typeURL := range p.types() {
+		names := p.asked[typeURL]
+		req := &discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResourceNamesSubscribe: names}
+		if names == nil {
+			req.ResourceNamesSubscribe = []string{"*"}
+		}
+		if i == 0 {
+			req.Node = node
+		}
+		if err := cs.Send(req); err != nil {
+			return fmt.Errorf("check stream: %w", err)
+		}
+	}
+	p.recv = func() error {
+		resp, err := cs.Recv()
+		if err != nil {
+			return err
+		}
+		typeURL := resp.GetTypeUrl()
+		if _, ok := p.asked[typeURL]; ok {
+			bodies := make([]anyOf, 0, len(resp.GetResources()))
+			for _, res := range resp.GetResources() {
+				if res.GetResource() != nil {
+					bodies = append(bodies, res.GetResource())
+				}
+			}
+			got, err := p.decode(typeURL, bodies)
+			if err != nil {
+				return err
+			}
+			p.apply(typeURL, got, resp.GetRemovedResources(), false)
+		}
+		return cs.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: resp.GetNonce()})
+	}
+	return nil
+}
+
+// anyOf is a resource body as the upstream sent it.
+type anyOf = xds.Any
+
+// types returns the asked types in push order.
+func (p *probeStream) types() []string {
+	return slices.DeleteFunc(slices.Clone(xds.PushOrder), func(t string) bool {
+		_, ok := p.asked[t]
+		return !ok
+	})
+}
+
+// recvAll reads responses until the stream ends.
+func (p *probeStream) recvAll() error {
+	for {
+		if err := p.recv(); err != nil {
+			return err
+		}
+		wake(p.changed)
+	}
+}
+
+// decode hashes bodies as the relay's views do (decoding only content the
+// relay lacks) and keeps the asked ones.
+func (p *probeStream) decode(typeURL string, bodies []anyOf) (map[string]ledger.Hash, error) {
+	names := p.asked[typeURL]
+	out := make(map[string]ledger.Hash, len(bodies))
+	for _, b := range bodies {
+		res, err := p.r.store.Decode(typeURL, b, "")
+		if err != nil {
+			return nil, err
+		}
+		if names == nil || names.Has(res.Name) {
+			out[res.Name] = res.Hash
+		}
+	}
+	return out, nil
+}
+
+// apply enters a response: a whole type's content (replace), or changes.
+func (p *probeStream) apply(typeURL string, upd map[string]ledger.Hash, removed []string, replace bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	cur := p.got[typeURL]
+	if replace || cur == nil {
+		cur = make(map[string]ledger.Hash, len(upd))
+		p.got[typeURL] = cur
+	}
+	maps.Copy(cur, upd)
+	for _, n := range removed {
+		delete(cur, n)
+	}
+}
+
+// compare compares what the check got with v: ok once every asked type
+// answered; then the types that differ, and a fingerprint of the
+// differences (equal fingerprints: nothing changed on either side).
+func (p *probeStream) compare(v *keyViews) (differ []string, fingerprint [sha256.Size]byte, ok bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	d := sha256.New()
+	for _, typeURL := range p.types() {
+		got, answered := p.got[typeURL]
+		if !answered {
+			return nil, fingerprint, false
+		}
+		tv := v.types[typeURL]
+		if tv == nil {
+			continue // the key no longer asks for it
+		}
+		before := len(differ)
+		note := func(name string, a, b ledger.Hash) {
+			if len(differ) == before {
+				differ = append(differ, typeURL)
+			}
+			fmt.Fprintf(d, "%s\x00%s\x00%x\x00%x\x00", typeURL, name, a, b)
+		}
+		names := p.asked[typeURL]
+		if names == nil {
+			for e := range tv.view.All() {
+				if h, ok := got[e.Name]; !ok || h != e.Hash {
+					note(e.Name, h, e.Hash)
+				}
+			}
+			for _, name := range slices.Sorted(maps.Keys(got)) {
+				if _, ok := tv.view.Get(name); !ok {
+					note(name, got[name], ledger.Hash{})
+				}
+			}
+			continue
+		}
+		for _, name := range names {
+			if _, pending := tv.pending[name]; pending {
+				continue
+			}
+			e, inView := tv.view.Get(name)
+			h, inGot := got[name]
+			if inView != inGot || h != e.Hash {
+				note(name, h, e.Hash)
+			}
+		}
+	}
+	copy(fingerprint[:], d.Sum(nil))
+	return differ, fingerprint, true
+}

@@ -1,0 +1,233 @@
+package relay
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	cluster "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/xds"
+)
+
+// inboundIP is the pod IP the divergence tests' upstream gives an inbound
+// listener of its own, as istiod does for a pod whose IP backs a Service.
+const inboundIP = "10.0.0.3"
+
+// inboundUpstream serves every node the "default" group, except the node
+// of inboundIP, served the "inbound" group: the same resources plus its own
+// listener. Clusters carry a generation (AltStatName "gen-N").
+func inboundUpstream(t *testing.T) *testUpstream {
+	t.Helper()
+	up := newTestUpstreamBy(t, nil, func(n *core.Node) string {
+		if n.GetMetadata().GetFields()["INSTANCE_IPS"].GetStringValue() == inboundIP {
+			return "inbound"
+		}
+		return "default"
+	}, "default", "inbound")
+	for _, g := range []string{"default", "inbound"} {
+		setGeneration(up, g, 1)
+		for i := range 4 {
+			up.set(g, xds.TypeEndpoint, mkCLA(fmt.Sprint("c", i), 8080))
+		}
+		up.set(g, xds.TypeListener, mkListener("outbound", "r80"))
+		up.set(g, xds.TypeRoute, mkRoute("r80", "c0", "c1", "c2", "c3"))
+	}
+	up.set("inbound", xds.TypeListener, mkListener("inbound|"+inboundIP, "r80"))
+	return up
+}
+
+func setGeneration(up *testUpstream, group string, gen int) {
+	var cs []types.Resource
+	for i := range 4 {
+		cs = append(cs, mkCluster(fmt.Sprint("c", i), fmt.Sprint("gen-", gen)))
+	}
+	up.set(group, xds.TypeCluster, cs...)
+}
+
+// clusterGeneration reads a test cluster's generation.
+func clusterGeneration(m proto.Message) (uint64, bool) {
+	c, ok := m.(*cluster.Cluster)
+	if !ok || !strings.HasPrefix(c.GetAltStatName(), "gen-") {
+		return 0, false
+	}
+	g, err := strconv.ParseUint(strings.TrimPrefix(c.GetAltStatName(), "gen-"), 10, 64)
+	return g, err == nil
+}
+
+// watchedEnvoy is a simulated Envoy whose removals the test sees.
+type watchedEnvoy struct {
+	*envoy.Envoy
+	mu      sync.Mutex
+	removed []string
+}
+
+func startWatchedEnvoy(t *testing.T, addr string, n *core.Node, p envoy.Protocol) *watchedEnvoy {
+	t.Helper()
+	w := &watchedEnvoy{}
+	cfg := envoy.DefaultConfig()
+	cfg.Node, cfg.Protocol, cfg.Conn = n, p, dial(t, addr)
+	cfg.Generation = clusterGeneration
+	cfg.OnEvent = func(ev envoy.Event) {
+		if ev.Kind == envoy.Removed {
+			w.mu.Lock()
+			for _, name := range ev.Names {
+				w.removed = append(w.removed, xds.ShortType(ev.TypeURL)+" "+name)
+			}
+			w.mu.Unlock()
+		}
+	}
+	e, err := envoy.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = e.Stop(ctx)
+	})
+	w.Envoy = e
+	return w
+}
+
+func (w *watchedEnvoy) removals() []string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return slices.Clone(w.removed)
+}
+
+// holds reports whether the Envoy holds listener name and every cluster
+// at generation gen.
+func holds(e *envoy.Envoy, gen uint64, listener string) bool {
+	v := e.Resources(envoy.ListenerType)
+	if _, ok := v[listener]; !ok {
+		return false
+	}
+	cs := e.Resources(envoy.ClusterType)
+	if len(cs) != 4 {
+		return false
+	}
+	for _, c := range cs {
+		if c.Generation != gen {
+			return false
+		}
+	}
+	return true
+}
+
+func keyOfClient(r *Relay, id string) aggkey.Key {
+	for _, c := range r.Clients() {
+		if c.NodeID == id && c.PeerRelay == "" {
+			return c.Key
+		}
+	}
+	return ""
+}
+
+// TestDivergenceSplitsKey: three pods of one workload share a key; the
+// upstream gives one of them (its IP backs a Service) an inbound listener of
+// its own. The relay's divergence check, under churn, finds it: the key
+// splits, only that pod's Envoy moves to a key of its own and gets its
+// listener, none of the Envoys sees a removal or an older cluster, and the
+// metric counts the divergence.
+func TestDivergenceSplitsKey(t *testing.T) {
+	for _, proto := range []struct {
+		name     string
+		upstream Protocol
+		envoy    envoy.Protocol
+	}{
+		{"delta upstream, delta envoys", ProtocolDelta, envoy.Delta},
+		{"sotw upstream, sotw envoys", ProtocolSotW, envoy.SotW},
+	} {
+		t.Run(proto.name, func(t *testing.T) {
+			up := inboundUpstream(t)
+			r := startRelay(t, up, func(c *Config) {
+				c.UpstreamProtocol = proto.upstream
+				c.DivergenceInterval = 200 * time.Millisecond
+			})
+			addr := r.Addr().String()
+			nodes := []*core.Node{node("default", "reviews", 0), node("default", "reviews", 1), node("default", "reviews", 2), node("default", "reviews", 3)}
+			if ip := nodes[2].GetMetadata().GetFields()["INSTANCE_IPS"].GetStringValue(); ip != inboundIP {
+				t.Fatalf("node 2 has IP %s, want %s", ip, inboundIP)
+			}
+			// The first Envoy's node is the one the key presents.
+			envoys := []*watchedEnvoy{startWatchedEnvoy(t, addr, nodes[0], proto.envoy)}
+			waitLong(t, "the first Envoy's config", func() bool { return holds(envoys[0].Envoy, 1, "outbound") })
+			for _, n := range nodes[1:] {
+				envoys = append(envoys, startWatchedEnvoy(t, addr, n, proto.envoy))
+			}
+			// Churn while the checks run: a bounded number of pushes.
+			gen := 1
+			for range 30 {
+				gen++
+				setGeneration(up, "default", gen)
+				setGeneration(up, "inbound", gen)
+				time.Sleep(20 * time.Millisecond)
+			}
+			last := uint64(gen)
+			waitLong(t, "the diverging Envoy's own listener", func() bool {
+				return holds(envoys[2].Envoy, last, "inbound|"+inboundIP)
+			})
+			for i, e := range envoys {
+				waitLong(t, fmt.Sprint("Envoy ", i, " at the last generation"), func() bool { return holds(e.Envoy, last, "outbound") })
+			}
+			base, _ := r.keyOf(nodes[0], nil)
+			for i, n := range nodes {
+				got := keyOfClient(r, n.GetId())
+				want := base
+				if i == 2 {
+					want = aggkey.SplitKey(n)
+				}
+				if got != want {
+					t.Errorf("Envoy %d is on key %q, want %q", i, got, want)
+				}
+			}
+			for i, e := range envoys {
+				if i != 2 && len(e.Resources(envoy.ListenerType)) != 1 {
+					t.Errorf("Envoy %d holds listeners %v, want only outbound", i, e.Resources(envoy.ListenerType))
+				}
+				if rm := e.removals(); len(rm) > 0 {
+					t.Errorf("Envoy %d saw removals %q", i, rm)
+				}
+				for _, v := range e.Violations() {
+					t.Errorf("Envoy %d: %v", i, v)
+				}
+			}
+			if n := testutil.ToFloat64(r.metrics.divergences.WithLabelValues("lds")); n != 1 {
+				t.Errorf("meshrelay_key_divergences_total{type=lds} = %v, want 1", n)
+			}
+			if splits := r.splits.of(base); len(splits) != 1 || !splits[0].Matches(nodes[2]) || splits[0].Matches(nodes[1]) {
+				t.Errorf("splits of %s = %v, want one that moves node 2 alone", base, splits)
+			}
+			// The key's stream, the split key's and no check's stay open.
+			waitLong(t, "two upstream streams", func() bool { open, _ := up.streams(); return open == 2 })
+		})
+	}
+}
+
+// waitLong is waitFor with a bound that a loaded machine meets: two
+// minutes.
+func waitLong(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Minute)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for: %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

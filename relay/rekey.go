@@ -1,0 +1,147 @@
+package relay
+
+import (
+	"errors"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/peers"
+)
+
+// errKeySplit ends a relay's stream to a key's source when the key split:
+// its trailer tells the splits, and the relay subscribes again at once.
+var errKeySplit = errors.New("relay: the key split; subscribe again")
+
+// tellSplits sends a relay subscribing to a key here, in the stream's
+// header, the key's splits, after adding the ones it told.
+func (s *stream) tellSplits(pi *peerIdentity) {
+	if len(pi.splits) > 0 {
+		s.r.learnSplits(pi.key, pi.splits)
+	}
+	s.splitGen = s.r.splits.gen.Load()
+	splits := s.r.splits.of(pi.key)
+	if len(splits) == 0 {
+		return
+	}
+	s.splitsTold = string(aggkey.EncodeSplits(splits))
+	_ = grpc.SetHeader(s.ctx, metadata.Pairs(peers.MDSplits, s.splitsTold))
+}
+
+// followSplits moves the stream where a split of its key sends it
+// (divergence.go). It runs on the stream's handler goroutine, at every sync.
+//
+// An Envoy's stream moves make-before-break: it joins its new key, with its
+// subscriptions, and goes on being served by its old key until the new
+// key's views cover every type it subscribes to; then it leaves the old key
+// and its next sync sends the differences only. It never sees its config
+// go back, nor a resource removed that the new key has.
+//
+// Another relay's stream, subscribing to a key this relay is the source of,
+// ends with the key's splits in its trailer (MDSplits): that relay moves
+// its own Envoys, and subscribes again at once.
+func (s *stream) followSplits() error {
+	gen := s.r.splits.gen.Load()
+	if s.next == nil && gen == s.splitGen {
+		return nil
+	}
+	s.splitGen = gen
+	if s.peerRelay != nil {
+		told := string(aggkey.EncodeSplits(s.r.splits.of(s.key.key)))
+		if told == s.splitsTold {
+			return nil
+		}
+		_ = grpc.SetTrailer(s.ctx, metadata.Pairs(peers.MDSplits, told))
+		return status.Error(codes.Aborted, errKeySplit.Error())
+	}
+	if s.next == nil {
+		want, _ := s.r.keyOf(s.node, s.identity)
+		if want == s.key.key {
+			return nil
+		}
+		s.next = s.r.joinKey(want, s)
+		for typeURL, sub := range s.subs {
+			s.next.subscribe(typeURL, false, sub.wildcard, sub.names, nil)
+		}
+		s.log.Info("the stream's key split: it moves to a key of its own once that key has its config", "to", want)
+	}
+	if !s.next.covers(s.subs, time.Now(), s.r.cfg.ResourceWaitTimeout) {
+		return nil
+	}
+	old := s.key
+	s.r.attach(s, s.next)
+	old.leave(s, s.subscriptions())
+	s.key, s.next = s.next, nil
+	now := time.Now()
+	s.led.Disconnect(now)
+	s.led = s.r.ledger.Connect(s.node.GetId(), string(s.key.key), now)
+	for typeURL := range s.subs {
+		s.led.Subscribe(typeURL)
+	}
+	s.log.Info("the stream moved to its own key", "from", old.key, "to", s.key.key)
+	return nil
+}
+
+// covers reports whether k's views hold an answer for every subscription
+// in subs: each type answered, whole for a wildcard subscription, and no
+// name still awaited.
+func (k *keyState) covers(subs map[string]*typeSub, now time.Time, wait time.Duration) bool {
+	v := k.views.Load()
+	for typeURL, sub := range subs {
+		tv := v.types[typeURL]
+		if tv == nil || !tv.ready || sub.wildcard && !tv.full {
+			return false
+		}
+		for _, name := range sub.names {
+			if tv.isPending(name, now, wait) {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// peerSplits wraps recv, the receiver of a stream to the key's owner, to
+// learn the key's splits the owner tells: in the stream's header, and in
+// its trailer when the key split (errSplitsTold then).
+func (u *feed) peerSplits(cs grpc.ClientStream, recv func() (response, error)) func() (response, error) {
+	header := false
+	return func() (response, error) {
+		m, err := recv()
+		if err != nil {
+			u.readSplits(cs.Trailer())
+			if st, ok := status.FromError(err); ok && st.Code() == codes.Aborted && st.Message() == errKeySplit.Error() {
+				return m, errSplitsTold
+			}
+			return m, err
+		}
+		if !header {
+			header = true
+			if md, err := cs.Header(); err == nil {
+				u.readSplits(md)
+			}
+		}
+		return m, nil
+	}
+}
+
+// errSplitsTold ends a stream to a key's owner that told the key split.
+var errSplitsTold = errors.New("relay: the key's owner told its splits")
+
+// readSplits learns the key's splits from an owner's metadata.
+func (u *feed) readSplits(md metadata.MD) {
+	v := md.Get(peers.MDSplits)
+	if len(v) != 1 {
+		return
+	}
+	splits, err := aggkey.DecodeSplits([]byte(v[0]))
+	if err != nil {
+		u.r.log.Warn("a key's owner sent splits this relay cannot read", "key", u.k.key, "err", err)
+		return
+	}
+	u.r.learnSplits(u.k.key, splits)
+}
