@@ -15,10 +15,15 @@ import (
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
+	"github.com/meshrelay/meshrelay/relay/inspectpb"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -37,7 +42,8 @@ import (
 // each opened at the upstream's pace (Config.UpstreamStreamRate) and ended
 // after divergenceCheckFor at most.
 
-// maxDivergenceChecks bounds the checks one relay runs at a time.
+// maxDivergenceChecks bounds the checks one relay runs at a time
+// (Relay.checkSlots), its own and those other relays ask for.
 const maxDivergenceChecks = 2
 
 // divergenceSettle is how long a difference must stay the same, with no
@@ -128,11 +134,12 @@ func (r *Relay) wakeKey(key aggkey.Key) {
 }
 
 // checkDivergence runs the keys' divergence checks until ctx ends: each
-// aggregated key this relay is the upstream source of, every
-// DivergenceInterval (the first at a random point of it), and at once when
-// a key gets its second member.
+// aggregated key this relay holds, every DivergenceInterval (the first at a
+// random point of it), and at once when a key gets its second member. A key
+// this relay is the upstream source of is checked here; a key it gets from
+// its owner is checked by the owner, asked (CheckMember) about this relay's
+// own Envoys, since the owner sees only the node each relay presents.
 func (r *Relay) checkDivergence(ctx context.Context) {
-	slots := make(chan struct{}, maxDivergenceChecks)
 	tick := time.NewTicker(min(time.Second, r.cfg.DivergenceInterval))
 	defer tick.Stop()
 	for {
@@ -149,16 +156,16 @@ func (r *Relay) checkDivergence(ctx context.Context) {
 				continue
 			}
 			select {
-			case slots <- struct{}{}:
+			case r.checkSlots <- struct{}{}:
 			default:
 				k.checkDone(nil, time.Time{}) // its turn comes again
 				continue
 			}
 			if !r.goRun(func(ctx context.Context) {
-				defer func() { <-slots }()
+				defer func() { <-r.checkSlots }()
 				r.checkKey(ctx, k, m)
 			}) {
-				<-slots
+				<-r.checkSlots
 				return
 			}
 		}
@@ -181,8 +188,9 @@ type divergence struct {
 // checkDue reports whether k's check is due now, and the member to check.
 // It marks the check running; checkDone ends it.
 func (k *keyState) checkDue(now time.Time, every time.Duration) (member, bool) {
-	if sourceKind(k.source.Load()) == sourcePeer {
-		return nil, false
+	fromOwner := sourceKind(k.source.Load()) == sourcePeer
+	if fromOwner && k.r.cfg.ForwardCredentials {
+		return nil, false // the owner would need the member's token
 	}
 	k.mu.Lock()
 	defer k.mu.Unlock()
@@ -197,7 +205,10 @@ func (k *keyState) checkDue(now time.Time, every time.Duration) (member, bool) {
 	candidate := func(m member) bool {
 		node, cred := m.presents()
 		if node == nil || node.GetId() == presented.GetId() {
-			return false
+			return false // the key's stream presents it
+		}
+		if fromOwner && m.peerRelayID() != "" {
+			return false // another relay's stream: its relay asks
 		}
 		// In forward mode, the upstream wants the member's own token: a
 		// relay's stream carries none.
@@ -227,8 +238,20 @@ func (k *keyState) checkDue(now time.Time, every time.Duration) (member, bool) {
 	return pick, true
 }
 
-// checkDone ends k's running check of m (nil: none ran); the next is due
-// at next (zero: at once, as it could not run).
+// startCheck marks a check of k running, unless one runs: for a check
+// another relay asked for.
+func (k *keyState) startCheck() bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.div.running {
+		return false
+	}
+	k.div.running = true
+	return true
+}
+
+// checkDone ends k's running check of m (nil: none, or not a member); a
+// check of a member sets the next at next (zero: the next turn).
 func (k *keyState) checkDone(m member, next time.Time) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
@@ -243,8 +266,8 @@ func (k *keyState) checkDone(m member, next time.Time) {
 	}
 }
 
-// forgetChecked drops m from k's divergence state as it leaves. The caller
-// holds k.mu.
+// forget drops m from k's divergence state as it leaves. The caller holds
+// k.mu.
 func (d *divergence) forget(m member) {
 	delete(d.checked, m)
 	if d.soon == m {
@@ -252,24 +275,132 @@ func (d *divergence) forget(m member) {
 	}
 }
 
-// checkKey checks m, a member of k, against the node k's stream presents,
-// and splits k if they differ.
+// checkKey checks m, a member of k: here if this relay is k's upstream
+// source, else by asking k's owner.
 func (r *Relay) checkKey(ctx context.Context, k *keyState, m member) {
-	presented := k.presentedNode.Load()
 	node, _ := m.presents()
-	differ, err := r.probe(ctx, k, m)
+	var (
+		differ []string
+		split  string
+		err    error
+		by     = r.cfg.ID
+	)
+	if owner, self := r.ownerOf(k.key); sourceKind(k.source.Load()) == sourcePeer && !self {
+		var res *inspectpb.CheckMemberResult
+		res, err = r.askCheck(ctx, owner, k.key, node)
+		differ, split, by = res.GetTypes(), res.GetSplit(), owner
+	} else {
+		var s aggkey.Split
+		differ, s, err = r.runCheck(ctx, k, m)
+		split = s.String()
+	}
 	k.checkDone(m, time.Now().Add(r.cfg.DivergenceInterval))
 	switch {
 	case ctx.Err() != nil:
-		return
 	case err != nil:
-		r.metrics.divergenceChecks.WithLabelValues("inconclusive").Inc()
-		r.log.Info("divergence check without an answer", "key", k.key, "node", node.GetId(), "err", err)
-		return
+		r.log.Info("divergence check without an answer", "key", k.key, "node", node.GetId(), "by", by, "err", err)
+	case len(differ) == 0:
+		r.log.Debug("divergence check: same config", "key", k.key, "node", node.GetId(), "by", by)
+	default:
+		r.log.Debug("divergence check: the key split", "key", k.key, "node", node.GetId(), "by", by, "split", split)
+	}
+}
+
+// ownerOf returns k's owner's address, and whether this relay owns k (or
+// there is no tier).
+func (r *Relay) ownerOf(k aggkey.Key) (string, bool) {
+	if r.cfg.Owners == nil {
+		return "", true
+	}
+	return r.cfg.Owners.Owner(string(k))
+}
+
+// askCheck asks the owner at addr to check node, a member of key here.
+func (r *Relay) askCheck(ctx context.Context, addr string, key aggkey.Key, node *core.Node) (*inspectpb.CheckMemberResult, error) {
+	b, err := proto.Marshal(node)
+	if err != nil {
+		return nil, err
+	}
+	conn, err := r.pool.Conn(addr)
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, divergenceCheckFor+r.cfg.LedgerGatherTimeout)
+	defer cancel()
+	ctx = metadata.AppendToOutgoingContext(ctx, r.peerMetadata()...)
+	return inspectpb.NewInspectClient(conn).CheckMember(ctx, &inspectpb.CheckMemberRequest{Key: string(key), Node: b})
+}
+
+// CheckMember runs a check another relay asked for (see inspect.proto).
+func (s inspectServer) CheckMember(ctx context.Context, req *inspectpb.CheckMemberRequest) (*inspectpb.CheckMemberResult, error) {
+	if err := s.r.checkPeerCall(ctx, s.port, "inspect"); err != nil {
+		return nil, err
+	}
+	node := new(core.Node)
+	if err := proto.Unmarshal(req.GetNode(), node); err != nil || node.GetId() == "" {
+		return nil, status.Errorf(codes.InvalidArgument, "node: want a serialized Node with an id (%v)", err)
+	}
+	s.r.mu.Lock()
+	k := s.r.keys[aggkey.Key(req.GetKey())]
+	s.r.mu.Unlock()
+	switch {
+	case k == nil:
+		return nil, status.Errorf(codes.NotFound, "key %q: %v", req.GetKey(), ErrNotHeld)
+	case s.r.cfg.DivergenceInterval == 0:
+		return nil, status.Error(codes.FailedPrecondition, "divergence checks are off here")
+	case s.r.cfg.ForwardCredentials:
+		return nil, status.Error(codes.FailedPrecondition, "forward mode: a check presents the member's own token, which stays at its relay")
+	case sourceKind(k.source.Load()) == sourcePeer || k.presentedNode.Load() == nil:
+		return nil, status.Errorf(codes.FailedPrecondition, "key %q: not its upstream source", req.GetKey())
+	}
+	select {
+	case s.r.checkSlots <- struct{}{}:
+		defer func() { <-s.r.checkSlots }()
+	default:
+		return nil, status.Error(codes.Unavailable, "as many checks as the relay runs at a time run already")
+	}
+	if !k.startCheck() {
+		return nil, status.Errorf(codes.Unavailable, "key %q: a check runs already", req.GetKey())
+	}
+	differ, split, err := s.r.runCheck(ctx, k, nodeMember{node})
+	k.checkDone(nil, time.Time{})
+	if err != nil {
+		return nil, status.Errorf(codes.Unavailable, "check: %v", err)
+	}
+	out := &inspectpb.CheckMemberResult{Relay: s.r.cfg.ID, Diverged: len(differ) > 0}
+	for _, t := range differ {
+		out.Types = append(out.Types, xds.ShortType(t))
+	}
+	if out.Diverged {
+		out.Split = split.String()
+	}
+	return out, nil
+}
+
+// nodeMember is a member of a key at another relay, known by its node, as a
+// check presents it.
+type nodeMember struct{ node *core.Node }
+
+func (m nodeMember) presents() (*core.Node, *credential) { return m.node, nil }
+func (nodeMember) peerRelayID() string                   { return "" }
+func (nodeMember) viewsChanged()                         {}
+
+// runCheck checks m against the node k's stream presents, and splits k if
+// the upstream gives them different config: it returns the types that
+// differ (none: the same) and the split.
+func (r *Relay) runCheck(ctx context.Context, k *keyState, m member) ([]string, aggkey.Split, error) {
+	presented := k.presentedNode.Load()
+	node, _ := m.presents()
+	differ, err := r.probe(ctx, k, m)
+	switch {
+	case err != nil:
+		if ctx.Err() == nil {
+			r.metrics.divergenceChecks.WithLabelValues("inconclusive").Inc()
+		}
+		return nil, aggkey.Split{}, err
 	case len(differ) == 0:
 		r.metrics.divergenceChecks.WithLabelValues("same").Inc()
-		r.log.Debug("divergence check: same content", "key", k.key, "node", node.GetId(), "presented", presented.GetId())
-		return
+		return nil, aggkey.Split{}, nil
 	}
 	r.metrics.divergenceChecks.WithLabelValues("diverged").Inc()
 	for _, typeURL := range differ {
@@ -286,6 +417,7 @@ func (r *Relay) checkKey(ctx context.Context, k *keyState, m member) {
 	if len(r.splits.add(k.key, split)) > 0 {
 		k.wakeStreams()
 	}
+	return differ, split, nil
 }
 
 // probe runs one check: an upstream stream presenting m's node asks for

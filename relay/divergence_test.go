@@ -138,37 +138,55 @@ func keyOfClient(r *Relay, id string) aggkey.Key {
 	return ""
 }
 
-// TestDivergenceSplitsKey: three pods of one workload share a key; the
+// TestDivergenceSplitsKey: four pods of one workload share a key; the
 // upstream gives one of them (its IP backs a Service) an inbound listener of
-// its own. The relay's divergence check, under churn, finds it: the key
-// splits, only that pod's Envoy moves to a key of its own and gets its
-// listener, none of the Envoys sees a removal or an older cluster, and the
-// metric counts the divergence.
+// its own. The divergence check, under churn, finds it: the key splits,
+// only that pod's Envoy moves to a key of its own and gets its listener,
+// none of the Envoys sees a removal or an older cluster, and the metric
+// counts the divergence. In a tier, the diverging Envoy is connected to a
+// relay that gets the key from its owner: that relay asks the owner to
+// check it, and the owner's split reaches it.
 func TestDivergenceSplitsKey(t *testing.T) {
-	for _, proto := range []struct {
+	for _, tc := range []struct {
 		name     string
 		upstream Protocol
 		envoy    envoy.Protocol
+		tier     bool
 	}{
-		{"delta upstream, delta envoys", ProtocolDelta, envoy.Delta},
-		{"sotw upstream, sotw envoys", ProtocolSotW, envoy.SotW},
+		{"delta upstream, delta envoys", ProtocolDelta, envoy.Delta, false},
+		{"sotw upstream, sotw envoys", ProtocolSotW, envoy.SotW, false},
+		{"tier, diverging envoy at the owner's peer", ProtocolDelta, envoy.Delta, true},
 	} {
-		t.Run(proto.name, func(t *testing.T) {
+		t.Run(tc.name, func(t *testing.T) {
 			up := inboundUpstream(t)
-			r := startRelay(t, up, func(c *Config) {
-				c.UpstreamProtocol = proto.upstream
+			withChecks := func(c *Config) {
+				c.UpstreamProtocol = tc.upstream
 				c.DivergenceInterval = 200 * time.Millisecond
-			})
-			addr := r.Addr().String()
+			}
+			owner := startRelay(t, up, func(c *Config) { withChecks(c); c.ID = "owner" })
+			// Where each of the four Envoys connects: the owner, or in the
+			// tier case the owner's peer for Envoys 1 and 2.
+			at := []*Relay{owner, owner, owner, owner}
+			if tc.tier {
+				other := startRelay(t, up, func(c *Config) {
+					withChecks(c)
+					c.ID = "other"
+					c.Owners = newFakeOwners(owner.Addr().String(), false)
+				})
+				at[1], at[2] = other, other
+			}
 			nodes := []*core.Node{node("default", "reviews", 0), node("default", "reviews", 1), node("default", "reviews", 2), node("default", "reviews", 3)}
 			if ip := nodes[2].GetMetadata().GetFields()["INSTANCE_IPS"].GetStringValue(); ip != inboundIP {
 				t.Fatalf("node 2 has IP %s, want %s", ip, inboundIP)
 			}
-			// The first Envoy's node is the one the key presents.
-			envoys := []*watchedEnvoy{startWatchedEnvoy(t, addr, nodes[0], proto.envoy)}
-			waitLong(t, "the first Envoy's config", func() bool { return holds(envoys[0].Envoy, 1, "outbound") })
-			for _, n := range nodes[1:] {
-				envoys = append(envoys, startWatchedEnvoy(t, addr, n, proto.envoy))
+			// Envoy 0's node is the one the key presents upstream, and in
+			// the tier Envoy 1's the one the peer presents to the owner.
+			var envoys []*watchedEnvoy
+			for i, n := range nodes {
+				envoys = append(envoys, startWatchedEnvoy(t, at[i].Addr().String(), n, tc.envoy))
+				if i < 2 {
+					waitLong(t, fmt.Sprint("Envoy ", i, "'s config"), func() bool { return holds(envoys[i].Envoy, 1, "outbound") })
+				}
 			}
 			// Churn while the checks run: a bounded number of pushes.
 			gen := 1
@@ -185,14 +203,13 @@ func TestDivergenceSplitsKey(t *testing.T) {
 			for i, e := range envoys {
 				waitLong(t, fmt.Sprint("Envoy ", i, " at the last generation"), func() bool { return holds(e.Envoy, last, "outbound") })
 			}
-			base, _ := r.keyOf(nodes[0], nil)
+			base, _ := owner.keyOf(nodes[0], nil)
 			for i, n := range nodes {
-				got := keyOfClient(r, n.GetId())
 				want := base
 				if i == 2 {
 					want = aggkey.SplitKey(n)
 				}
-				if got != want {
+				if got := keyOfClient(at[i], n.GetId()); got != want {
 					t.Errorf("Envoy %d is on key %q, want %q", i, got, want)
 				}
 			}
@@ -207,13 +224,15 @@ func TestDivergenceSplitsKey(t *testing.T) {
 					t.Errorf("Envoy %d: %v", i, v)
 				}
 			}
-			if n := testutil.ToFloat64(r.metrics.divergences.WithLabelValues("lds")); n != 1 {
+			if n := testutil.ToFloat64(owner.metrics.divergences.WithLabelValues("lds")); n != 1 {
 				t.Errorf("meshrelay_key_divergences_total{type=lds} = %v, want 1", n)
 			}
-			if splits := r.splits.of(base); len(splits) != 1 || !splits[0].Matches(nodes[2]) || splits[0].Matches(nodes[1]) {
-				t.Errorf("splits of %s = %v, want one that moves node 2 alone", base, splits)
+			for _, r := range []*Relay{owner, at[2]} {
+				if splits := r.splits.of(base); len(splits) != 1 || !splits[0].Matches(nodes[2]) || splits[0].Matches(nodes[1]) {
+					t.Errorf("%s: splits of %s = %v, want one that moves node 2 alone", r.ID(), base, splits)
+				}
 			}
-			// The key's stream, the split key's and no check's stay open.
+			// The key's stream and the split key's: no check's stays open.
 			waitLong(t, "two upstream streams", func() bool { open, _ := up.streams(); return open == 2 })
 		})
 	}

@@ -333,11 +333,7 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 	}
 	defer u.countStream(src)()
 	u.begin(node, presenter)
-	if src.kind == sourcePeer {
-		u.k.presentedNode.Store(nil) // the owner checks the key
-	} else {
-		u.k.presentedNode.Store(node)
-	}
+	u.k.presentedNode.Store(node)
 	presentedNode := node
 	u.log("upstream stream open", "node", node.GetId(), "source", src.kind, "owner", src.addr)
 	// retry ticks while the key is in fallback (is the owner back?) or a

@@ -56,9 +56,8 @@ type keyState struct {
 	// (metrics and reports take no key's lock).
 	joined, peers atomic.Int32
 
-	// presentedNode is the node the key's upstream stream presents, set
-	// while this relay is the key's upstream source (nil while it gets
-	// the key from its owner): what the divergence check compares with.
+	// presentedNode is the node the key's source stream presents (nil
+	// before the first): what a divergence check compares with.
 	presentedNode atomic.Pointer[core.Node]
 
 	mu      sync.Mutex

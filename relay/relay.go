@@ -157,9 +157,11 @@ type Relay struct {
 	pool *peers.Pool // relay-to-relay connections
 
 	// splits are the keys' splits the relay knows (divergence.go);
-	// divergenceWake wakes the divergence checks at once.
+	// divergenceWake wakes the divergence checks at once; checkSlots
+	// holds one token per check running.
 	splits         splitBook
 	divergenceWake chan struct{}
+	checkSlots     chan struct{}
 
 	// runMu guards refuseWork: set as Stop begins, goRun starts nothing
 	// after it.
@@ -198,6 +200,7 @@ func New(cfg Config) (*Relay, error) {
 		syncs:          newSyncSlots(cfg.UpstreamSyncs),
 		peerSyncs:      newSyncSlots(cfg.UpstreamSyncs),
 		divergenceWake: make(chan struct{}, 1),
+		checkSlots:     make(chan struct{}, maxDivergenceChecks),
 	}
 	if cfg.AdmitRate > 0 {
 		r.admission = rate.NewLimiter(rate.Limit(cfg.AdmitRate), cfg.AdmitBurst)

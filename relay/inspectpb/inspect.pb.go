@@ -654,6 +654,131 @@ func (x *VersionEntry) GetBody() *anypb.Any {
 	return nil
 }
 
+type CheckMemberRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Key   string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	// The member's node (envoy.config.core.v3.Node, serialized).
+	Node          []byte `protobuf:"bytes,2,opt,name=node,proto3" json:"node,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CheckMemberRequest) Reset() {
+	*x = CheckMemberRequest{}
+	mi := &file_relay_inspectpb_inspect_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CheckMemberRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CheckMemberRequest) ProtoMessage() {}
+
+func (x *CheckMemberRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_relay_inspectpb_inspect_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CheckMemberRequest.ProtoReflect.Descriptor instead.
+func (*CheckMemberRequest) Descriptor() ([]byte, []int) {
+	return file_relay_inspectpb_inspect_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *CheckMemberRequest) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *CheckMemberRequest) GetNode() []byte {
+	if x != nil {
+		return x.Node
+	}
+	return nil
+}
+
+type CheckMemberResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The relay that checked.
+	Relay string `protobuf:"bytes,1,opt,name=relay,proto3" json:"relay,omitempty"`
+	// The upstream gave the member other config: the key split.
+	Diverged bool `protobuf:"varint,2,opt,name=diverged,proto3" json:"diverged,omitempty"`
+	// The types that differed (short names: cds, lds, ...).
+	Types []string `protobuf:"bytes,3,rep,name=types,proto3" json:"types,omitempty"`
+	// The split, described (field names and the member's node id).
+	Split         string `protobuf:"bytes,4,opt,name=split,proto3" json:"split,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CheckMemberResult) Reset() {
+	*x = CheckMemberResult{}
+	mi := &file_relay_inspectpb_inspect_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CheckMemberResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CheckMemberResult) ProtoMessage() {}
+
+func (x *CheckMemberResult) ProtoReflect() protoreflect.Message {
+	mi := &file_relay_inspectpb_inspect_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CheckMemberResult.ProtoReflect.Descriptor instead.
+func (*CheckMemberResult) Descriptor() ([]byte, []int) {
+	return file_relay_inspectpb_inspect_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *CheckMemberResult) GetRelay() string {
+	if x != nil {
+		return x.Relay
+	}
+	return ""
+}
+
+func (x *CheckMemberResult) GetDiverged() bool {
+	if x != nil {
+		return x.Diverged
+	}
+	return false
+}
+
+func (x *CheckMemberResult) GetTypes() []string {
+	if x != nil {
+		return x.Types
+	}
+	return nil
+}
+
+func (x *CheckMemberResult) GetSplit() string {
+	if x != nil {
+		return x.Split
+	}
+	return ""
+}
+
 var File_relay_inspectpb_inspect_proto protoreflect.FileDescriptor
 
 const file_relay_inspectpb_inspect_proto_rawDesc = "" +
@@ -709,12 +834,21 @@ const file_relay_inspectpb_inspect_proto_rawDesc = "" +
 	"\fVersionEntry\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04hash\x18\x02 \x01(\fR\x04hash\x12(\n" +
-	"\x04body\x18\x03 \x01(\v2\x14.google.protobuf.AnyR\x04body2\x8c\x02\n" +
+	"\x04body\x18\x03 \x01(\v2\x14.google.protobuf.AnyR\x04body\":\n" +
+	"\x12CheckMemberRequest\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
+	"\x04node\x18\x02 \x01(\fR\x04node\"q\n" +
+	"\x11CheckMemberResult\x12\x14\n" +
+	"\x05relay\x18\x01 \x01(\tR\x05relay\x12\x1a\n" +
+	"\bdiverged\x18\x02 \x01(\bR\bdiverged\x12\x14\n" +
+	"\x05types\x18\x03 \x03(\tR\x05types\x12\x14\n" +
+	"\x05split\x18\x04 \x01(\tR\x05split2\xee\x02\n" +
 	"\aInspect\x12K\n" +
 	"\x06GetKey\x12 .meshrelay.inspect.v1.KeyRequest\x1a\x1f.meshrelay.inspect.v1.KeyDetail\x12Z\n" +
 	"\rGetConfigDump\x12'.meshrelay.inspect.v1.ConfigDumpRequest\x1a .meshrelay.inspect.v1.ConfigDump\x12X\n" +
 	"\n" +
-	"GetVersion\x12$.meshrelay.inspect.v1.VersionRequest\x1a$.meshrelay.inspect.v1.VersionContentB0Z.github.com/meshrelay/meshrelay/relay/inspectpbb\x06proto3"
+	"GetVersion\x12$.meshrelay.inspect.v1.VersionRequest\x1a$.meshrelay.inspect.v1.VersionContent\x12`\n" +
+	"\vCheckMember\x12(.meshrelay.inspect.v1.CheckMemberRequest\x1a'.meshrelay.inspect.v1.CheckMemberResultB0Z.github.com/meshrelay/meshrelay/relay/inspectpbb\x06proto3"
 
 var (
 	file_relay_inspectpb_inspect_proto_rawDescOnce sync.Once
@@ -728,34 +862,38 @@ func file_relay_inspectpb_inspect_proto_rawDescGZIP() []byte {
 	return file_relay_inspectpb_inspect_proto_rawDescData
 }
 
-var file_relay_inspectpb_inspect_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
+var file_relay_inspectpb_inspect_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
 var file_relay_inspectpb_inspect_proto_goTypes = []any{
-	(*KeyRequest)(nil),        // 0: meshrelay.inspect.v1.KeyRequest
-	(*KeyDetail)(nil),         // 1: meshrelay.inspect.v1.KeyDetail
-	(*TypeDetail)(nil),        // 2: meshrelay.inspect.v1.TypeDetail
-	(*ConfigDumpRequest)(nil), // 3: meshrelay.inspect.v1.ConfigDumpRequest
-	(*ConfigDump)(nil),        // 4: meshrelay.inspect.v1.ConfigDump
-	(*VersionRequest)(nil),    // 5: meshrelay.inspect.v1.VersionRequest
-	(*VersionContent)(nil),    // 6: meshrelay.inspect.v1.VersionContent
-	(*VersionEntry)(nil),      // 7: meshrelay.inspect.v1.VersionEntry
-	(*anypb.Any)(nil),         // 8: google.protobuf.Any
+	(*KeyRequest)(nil),         // 0: meshrelay.inspect.v1.KeyRequest
+	(*KeyDetail)(nil),          // 1: meshrelay.inspect.v1.KeyDetail
+	(*TypeDetail)(nil),         // 2: meshrelay.inspect.v1.TypeDetail
+	(*ConfigDumpRequest)(nil),  // 3: meshrelay.inspect.v1.ConfigDumpRequest
+	(*ConfigDump)(nil),         // 4: meshrelay.inspect.v1.ConfigDump
+	(*VersionRequest)(nil),     // 5: meshrelay.inspect.v1.VersionRequest
+	(*VersionContent)(nil),     // 6: meshrelay.inspect.v1.VersionContent
+	(*VersionEntry)(nil),       // 7: meshrelay.inspect.v1.VersionEntry
+	(*CheckMemberRequest)(nil), // 8: meshrelay.inspect.v1.CheckMemberRequest
+	(*CheckMemberResult)(nil),  // 9: meshrelay.inspect.v1.CheckMemberResult
+	(*anypb.Any)(nil),          // 10: google.protobuf.Any
 }
 var file_relay_inspectpb_inspect_proto_depIdxs = []int32{
-	2, // 0: meshrelay.inspect.v1.KeyDetail.types:type_name -> meshrelay.inspect.v1.TypeDetail
-	8, // 1: meshrelay.inspect.v1.ConfigDump.config_dump:type_name -> google.protobuf.Any
-	7, // 2: meshrelay.inspect.v1.VersionContent.entries:type_name -> meshrelay.inspect.v1.VersionEntry
-	8, // 3: meshrelay.inspect.v1.VersionEntry.body:type_name -> google.protobuf.Any
-	0, // 4: meshrelay.inspect.v1.Inspect.GetKey:input_type -> meshrelay.inspect.v1.KeyRequest
-	3, // 5: meshrelay.inspect.v1.Inspect.GetConfigDump:input_type -> meshrelay.inspect.v1.ConfigDumpRequest
-	5, // 6: meshrelay.inspect.v1.Inspect.GetVersion:input_type -> meshrelay.inspect.v1.VersionRequest
-	1, // 7: meshrelay.inspect.v1.Inspect.GetKey:output_type -> meshrelay.inspect.v1.KeyDetail
-	4, // 8: meshrelay.inspect.v1.Inspect.GetConfigDump:output_type -> meshrelay.inspect.v1.ConfigDump
-	6, // 9: meshrelay.inspect.v1.Inspect.GetVersion:output_type -> meshrelay.inspect.v1.VersionContent
-	7, // [7:10] is the sub-list for method output_type
-	4, // [4:7] is the sub-list for method input_type
-	4, // [4:4] is the sub-list for extension type_name
-	4, // [4:4] is the sub-list for extension extendee
-	0, // [0:4] is the sub-list for field type_name
+	2,  // 0: meshrelay.inspect.v1.KeyDetail.types:type_name -> meshrelay.inspect.v1.TypeDetail
+	10, // 1: meshrelay.inspect.v1.ConfigDump.config_dump:type_name -> google.protobuf.Any
+	7,  // 2: meshrelay.inspect.v1.VersionContent.entries:type_name -> meshrelay.inspect.v1.VersionEntry
+	10, // 3: meshrelay.inspect.v1.VersionEntry.body:type_name -> google.protobuf.Any
+	0,  // 4: meshrelay.inspect.v1.Inspect.GetKey:input_type -> meshrelay.inspect.v1.KeyRequest
+	3,  // 5: meshrelay.inspect.v1.Inspect.GetConfigDump:input_type -> meshrelay.inspect.v1.ConfigDumpRequest
+	5,  // 6: meshrelay.inspect.v1.Inspect.GetVersion:input_type -> meshrelay.inspect.v1.VersionRequest
+	8,  // 7: meshrelay.inspect.v1.Inspect.CheckMember:input_type -> meshrelay.inspect.v1.CheckMemberRequest
+	1,  // 8: meshrelay.inspect.v1.Inspect.GetKey:output_type -> meshrelay.inspect.v1.KeyDetail
+	4,  // 9: meshrelay.inspect.v1.Inspect.GetConfigDump:output_type -> meshrelay.inspect.v1.ConfigDump
+	6,  // 10: meshrelay.inspect.v1.Inspect.GetVersion:output_type -> meshrelay.inspect.v1.VersionContent
+	9,  // 11: meshrelay.inspect.v1.Inspect.CheckMember:output_type -> meshrelay.inspect.v1.CheckMemberResult
+	8,  // [8:12] is the sub-list for method output_type
+	4,  // [4:8] is the sub-list for method input_type
+	4,  // [4:4] is the sub-list for extension type_name
+	4,  // [4:4] is the sub-list for extension extendee
+	0,  // [0:4] is the sub-list for field type_name
 }
 
 func init() { file_relay_inspectpb_inspect_proto_init() }
@@ -769,7 +907,7 @@ func file_relay_inspectpb_inspect_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_relay_inspectpb_inspect_proto_rawDesc), len(file_relay_inspectpb_inspect_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   8,
+			NumMessages:   10,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

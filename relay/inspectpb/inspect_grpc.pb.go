@@ -27,6 +27,7 @@ const (
 	Inspect_GetKey_FullMethodName        = "/meshrelay.inspect.v1.Inspect/GetKey"
 	Inspect_GetConfigDump_FullMethodName = "/meshrelay.inspect.v1.Inspect/GetConfigDump"
 	Inspect_GetVersion_FullMethodName    = "/meshrelay.inspect.v1.Inspect/GetVersion"
+	Inspect_CheckMember_FullMethodName   = "/meshrelay.inspect.v1.Inspect/CheckMember"
 )
 
 // InspectClient is the client API for Inspect service.
@@ -46,6 +47,16 @@ type InspectClient interface {
 	// resources it holds (and keeps those its routes still use until they
 	// change). NOT_FOUND if the relay's history lacks the version.
 	GetVersion(ctx context.Context, in *VersionRequest, opts ...grpc.CallOption) (*VersionContent, error)
+	// CheckMember runs the divergence check of a key the relay is the
+	// upstream source of, for a member of the key connected to the calling
+	// relay (the relay that is a key's source checks only the members it
+	// sees: its own Envoys, and the node each other relay presents). If the
+	// upstream gives the member other config, the key splits here, and the
+	// split reaches the tier's relays as every split does. NOT_FOUND if the
+	// relay holds no such key; FAILED_PRECONDITION if it is not the key's
+	// upstream source; UNAVAILABLE if a check of the key, or as many checks
+	// as the relay runs at a time, run already (ask at the next turn).
+	CheckMember(ctx context.Context, in *CheckMemberRequest, opts ...grpc.CallOption) (*CheckMemberResult, error)
 }
 
 type inspectClient struct {
@@ -86,6 +97,16 @@ func (c *inspectClient) GetVersion(ctx context.Context, in *VersionRequest, opts
 	return out, nil
 }
 
+func (c *inspectClient) CheckMember(ctx context.Context, in *CheckMemberRequest, opts ...grpc.CallOption) (*CheckMemberResult, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CheckMemberResult)
+	err := c.cc.Invoke(ctx, Inspect_CheckMember_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // InspectServer is the server API for Inspect service.
 // All implementations must embed UnimplementedInspectServer
 // for forward compatibility.
@@ -103,6 +124,16 @@ type InspectServer interface {
 	// resources it holds (and keeps those its routes still use until they
 	// change). NOT_FOUND if the relay's history lacks the version.
 	GetVersion(context.Context, *VersionRequest) (*VersionContent, error)
+	// CheckMember runs the divergence check of a key the relay is the
+	// upstream source of, for a member of the key connected to the calling
+	// relay (the relay that is a key's source checks only the members it
+	// sees: its own Envoys, and the node each other relay presents). If the
+	// upstream gives the member other config, the key splits here, and the
+	// split reaches the tier's relays as every split does. NOT_FOUND if the
+	// relay holds no such key; FAILED_PRECONDITION if it is not the key's
+	// upstream source; UNAVAILABLE if a check of the key, or as many checks
+	// as the relay runs at a time, run already (ask at the next turn).
+	CheckMember(context.Context, *CheckMemberRequest) (*CheckMemberResult, error)
 	mustEmbedUnimplementedInspectServer()
 }
 
@@ -121,6 +152,9 @@ func (UnimplementedInspectServer) GetConfigDump(context.Context, *ConfigDumpRequ
 }
 func (UnimplementedInspectServer) GetVersion(context.Context, *VersionRequest) (*VersionContent, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method GetVersion not implemented")
+}
+func (UnimplementedInspectServer) CheckMember(context.Context, *CheckMemberRequest) (*CheckMemberResult, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method CheckMember not implemented")
 }
 func (UnimplementedInspectServer) mustEmbedUnimplementedInspectServer() {}
 func (UnimplementedInspectServer) testEmbeddedByValue()                 {}
@@ -197,6 +231,24 @@ func _Inspect_GetVersion_Handler(srv interface{}, ctx context.Context, dec func(
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Inspect_CheckMember_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CheckMemberRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(InspectServer).CheckMember(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Inspect_CheckMember_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(InspectServer).CheckMember(ctx, req.(*CheckMemberRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Inspect_ServiceDesc is the grpc.ServiceDesc for Inspect service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -215,6 +267,10 @@ var Inspect_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "GetVersion",
 			Handler:    _Inspect_GetVersion_Handler,
+		},
+		{
+			MethodName: "CheckMember",
+			Handler:    _Inspect_CheckMember_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
