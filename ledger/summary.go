@@ -50,6 +50,10 @@ type KeySummary struct {
 	// source confirms them.
 	Source Source
 	Stale  bool
+	// Splits describe the key's splits the relay knows: a divergence
+	// check found members the upstream gives other config, which moved
+	// to keys of their own with their look-alikes. Read, never change.
+	Splits []string
 	Types  []TypeVersion // by Type
 	Envoys []EnvoyState  // in no order (a Report orders them)
 }

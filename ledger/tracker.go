@@ -80,6 +80,7 @@ type keyEntry struct {
 	types  map[string]*typeEntry
 	source Source
 	stale  bool
+	splits []string
 	// idle is set once the relay dropped the key while Envoys of it were
 	// still listed: the entry goes when they do. dropped is set once the
 	// entry left Tracker.keys: whoever still holds it looks the key up
@@ -245,6 +246,19 @@ func (t *Tracker) SetSource(key string, src Source, stale bool) {
 	k := t.lockKey(key)
 	changed := k.stale != stale || k.source != src
 	k.source, k.stale = src, stale
+	k.mu.Unlock()
+	if changed {
+		t.notify()
+	}
+}
+
+// SetSplits records the descriptions of key's splits (KeySummary.Splits).
+func (t *Tracker) SetSplits(key string, splits []string) {
+	k := t.lockKey(key)
+	changed := !slices.Equal(k.splits, splits)
+	if changed {
+		k.splits = slices.Clone(splits)
+	}
 	k.mu.Unlock()
 	if changed {
 		t.notify()
@@ -635,7 +649,7 @@ func (t *Tracker) sweep(k *keyEntry, now time.Time) {
 func (k *keyEntry) summary(relay string, now time.Time, forgetAfter time.Duration, d Detail, forgotten []*Envoy) (KeySummary, []*Envoy) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	ks := KeySummary{Key: k.key, Relay: relay, Source: k.source, Stale: k.stale, Types: make([]TypeVersion, 0, len(k.types)), Envoys: make([]EnvoyState, 0, len(k.envoys))}
+	ks := KeySummary{Key: k.key, Relay: relay, Source: k.source, Stale: k.stale, Splits: k.splits, Types: make([]TypeVersion, 0, len(k.types)), Envoys: make([]EnvoyState, 0, len(k.envoys))}
 	for typeURL, te := range k.types {
 		ks.Types = append(ks.Types, TypeVersion{Type: typeURL, Version: te.current})
 	}

@@ -120,7 +120,21 @@ func (r *Relay) learnSplits(key aggkey.Key, splits []aggkey.Split) {
 	for _, s := range fresh {
 		r.log.Info("key split, told by another relay of the tier", "key", key, "split", s.String())
 	}
+	r.reportSplits(key)
 	r.wakeKey(key)
+}
+
+// reportSplits tells the ledger key's splits (the admin API shows them).
+func (r *Relay) reportSplits(key aggkey.Key) {
+	splits := r.splits.of(key)
+	if len(splits) == 0 {
+		return
+	}
+	desc := make([]string, len(splits))
+	for i, s := range splits {
+		desc[i] = s.String()
+	}
+	r.ledger.SetSplits(string(key), desc)
 }
 
 // wakeKey wakes the members of key, if the relay holds it.
@@ -415,6 +429,7 @@ func (r *Relay) runCheck(ctx context.Context, k *keyState, m member) ([]string, 
 		"key", k.key, "node", node.GetId(), "presented", presented.GetId(),
 		"fields_differing", aggkey.Differing(node, presented), "types", short, "split", split.String())
 	if len(r.splits.add(k.key, split)) > 0 {
+		r.reportSplits(k.key)
 		k.wakeStreams()
 	}
 	return differ, split, nil

@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/xds"
@@ -230,6 +231,11 @@ func TestDivergenceSplitsKey(t *testing.T) {
 			for _, r := range []*Relay{owner, at[2]} {
 				if splits := r.splits.of(base); len(splits) != 1 || !splits[0].Matches(nodes[2]) || splits[0].Matches(nodes[1]) {
 					t.Errorf("%s: splits of %s = %v, want one that moves node 2 alone", r.ID(), base, splits)
+				}
+				// The admin API's account (relayctl shards) of the key.
+				sum := r.Ledger().Summary(ledger.Scope{Key: string(base)}, time.Now(), ledger.Brief)
+				if len(sum.Keys) != 1 || len(sum.Keys[0].Splits) != 1 || !strings.Contains(sum.Keys[0].Splits[0], nodes[2].GetId()) {
+					t.Errorf("%s: the ledger's summary of %s = %+v, want the split of node 2", r.ID(), base, sum.Keys)
 				}
 			}
 			// The key's stream and the split key's: no check's stays open.

@@ -1407,4 +1407,5 @@ func (u *feed) reportSource() {
 		src = ledger.SourceFallback
 	}
 	k.r.ledger.SetSource(string(k.key), src, k.views.Load().stale)
+	k.r.reportSplits(k.key)
 }

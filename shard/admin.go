@@ -193,6 +193,14 @@ func (a adminServer) shard(kr ledger.KeyReport) *adminpb.Shard {
 			Envoys: int64(h.Connected()), LedgerVersion: h.LedgerVersion().String()})
 	}
 	slices.SortFunc(sh.Holders, func(a, b *adminpb.ShardHolder) int { return strings.Compare(a.Relay, b.Relay) })
+	for _, h := range kr.Holders {
+		for _, s := range h.Splits {
+			if !slices.Contains(sh.Splits, s) {
+				sh.Splits = append(sh.Splits, s)
+			}
+		}
+	}
+	slices.Sort(sh.Splits)
 	return sh
 }
 

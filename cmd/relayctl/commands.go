@@ -87,6 +87,9 @@ func shardsCmd(o *options) *cobra.Command {
 					row(w, sh.GetKey(), sh.GetOwner(), short(sh.GetLedgerVersion()), sh.GetEnvoys(), sh.GetCurrent(), holders(sh))
 				}
 				fmt.Fprintln(w, aggregation(list.GetShards()))
+				for _, line := range splitLines(list.GetShards()) {
+					fmt.Fprintln(w, line)
+				}
 			})
 		})
 	}
@@ -100,6 +103,18 @@ func aggregation(shards []*adminpb.Shard) string {
 		a.Add(int(sh.GetEnvoys()))
 	}
 	return a.String()
+}
+
+// splitLines says which keys split, and how: a divergence check found
+// members the upstream gives other config than the node the key presents.
+func splitLines(shards []*adminpb.Shard) []string {
+	var out []string
+	for _, sh := range shards {
+		if len(sh.GetSplits()) > 0 {
+			out = append(out, fmt.Sprintf("key %s diverged (its profile is too coarse for this mesh); moved to keys of their own: %s", sh.GetKey(), strings.Join(sh.GetSplits(), "; ")))
+		}
+	}
+	return out
 }
 
 // holders lists the relays holding a shard as relay:source, stale marked.

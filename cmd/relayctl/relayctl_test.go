@@ -575,3 +575,14 @@ func TestRelayctlTokenFileIdentities(t *testing.T) {
 		}
 	}
 }
+
+func TestSplitLines(t *testing.T) {
+	shards := []*adminpb.Shard{
+		{Key: "sidecar/default/reviews#1"},
+		{Key: "sidecar/default/ratings#2", Splits: []string{"metadata.INSTANCE_IPS like sidecar~10.0.0.3~r.default~default.svc.cluster.local"}},
+	}
+	got := splitLines(shards)
+	if len(got) != 1 || !strings.Contains(got[0], "sidecar/default/ratings#2 diverged") || !strings.Contains(got[0], "metadata.INSTANCE_IPS like sidecar~10.0.0.3~") {
+		t.Errorf("splitLines = %q, want one line naming the split key and its split", got)
+	}
+}

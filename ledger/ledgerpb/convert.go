@@ -64,7 +64,7 @@ func FromSummary(s *ledger.Summary) *Summary {
 }
 
 func fromKey(k *ledger.KeySummary) *KeySummary {
-	pk := &KeySummary{Key: k.Key, Source: string(k.Source), Stale: k.Stale, Types: make([]*TypeVersion, len(k.Types))}
+	pk := &KeySummary{Key: k.Key, Source: string(k.Source), Stale: k.Stale, Splits: k.Splits, Types: make([]*TypeVersion, len(k.Types))}
 	for j, tv := range k.Types {
 		v := tv.Version
 		pk.Types[j] = &TypeVersion{Type: tv.Type, Version: &Version{Seq: v.Seq, Root: hashBytes(v.Root), Received: nanos(v.Received), Len: int64(v.Len)}}
@@ -236,13 +236,20 @@ func ToSummary(p *Summary) (*ledger.Summary, error) {
 	return out, nil
 }
 
+// maxSplits bounds the splits a relay may describe for one key (the relay
+// keeps 32 at most: aggkey.MaxSplits).
+const maxSplits = 64
+
 // minEnvoyRecord, minTypeRecord and minBriefRecord are the fewest bytes an
 // Envoy's record, one of its types and an Envoy's record in brief take.
 const minEnvoyRecord, minTypeRecord, minBriefRecord = 5, 6, 3
 
 func toKey(pk *KeySummary, relay string) (ledger.KeySummary, error) {
 	k := ledger.KeySummary{Key: pk.GetKey(), Relay: relay, Source: ledger.Source(pk.GetSource()), Stale: pk.GetStale(),
-		Types: make([]ledger.TypeVersion, len(pk.GetTypes()))}
+		Splits: pk.GetSplits(), Types: make([]ledger.TypeVersion, len(pk.GetTypes()))}
+	if len(k.Splits) > maxSplits {
+		return k, fmt.Errorf("%w: %d splits of a key", ErrBadMessage, len(k.Splits))
+	}
 	for j, tv := range pk.GetTypes() {
 		v := tv.GetVersion()
 		root, err := toHash(v.GetRoot(), "a root")

@@ -21,7 +21,7 @@ func sampleSummary() *ledger.Summary {
 	at := time.Unix(1_700_000_000, 123)
 	root := ledger.HashBytes([]byte("v1"))
 	return &ledger.Summary{Relay: "relay-0", At: at, Keys: []ledger.KeySummary{{
-		Key: "sidecar/ns/wl", Relay: "relay-0", Source: ledger.SourceUpstream,
+		Key: "sidecar/ns/wl", Relay: "relay-0", Source: ledger.SourceUpstream, Splits: []string{"metadata.INSTANCE_IPS like sidecar~10.0.0.3~a.ns~ns.svc.cluster.local"},
 		Types: []ledger.TypeVersion{{Type: "cds", Version: ledger.Version{Seq: 3, Root: root, Received: at, Len: 10}}},
 		Envoys: []ledger.EnvoyState{
 			{Node: "a", ConnectedAt: at, Types: []ledger.EnvoyType{{Type: "cds", Sent: root, SentAt: at, Acked: root, AckedAt: at}}},

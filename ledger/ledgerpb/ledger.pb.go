@@ -222,9 +222,11 @@ type KeySummary struct {
 	// type of the set was sent and ACKed at the key's current root of the
 	// type (types), at no time given. A relay that does not know these
 	// fields leaves those Envoys out: it undercounts, never misreads.
-	TypeSets      []*TypeSet `protobuf:"bytes,10,rep,name=type_sets,json=typeSets,proto3" json:"type_sets,omitempty"`
-	BriefCount    uint32     `protobuf:"varint,11,opt,name=brief_count,json=briefCount,proto3" json:"brief_count,omitempty"`
-	BriefEnvoys   []byte     `protobuf:"bytes,12,opt,name=brief_envoys,json=briefEnvoys,proto3" json:"brief_envoys,omitempty"`
+	TypeSets    []*TypeSet `protobuf:"bytes,10,rep,name=type_sets,json=typeSets,proto3" json:"type_sets,omitempty"`
+	BriefCount  uint32     `protobuf:"varint,11,opt,name=brief_count,json=briefCount,proto3" json:"brief_count,omitempty"`
+	BriefEnvoys []byte     `protobuf:"bytes,12,opt,name=brief_envoys,json=briefEnvoys,proto3" json:"brief_envoys,omitempty"`
+	// The key's splits the relay knows, described (ledger.KeySummary.Splits).
+	Splits        []string `protobuf:"bytes,13,rep,name=splits,proto3" json:"splits,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -339,6 +341,13 @@ func (x *KeySummary) GetBriefCount() uint32 {
 func (x *KeySummary) GetBriefEnvoys() []byte {
 	if x != nil {
 		return x.BriefEnvoys
+	}
+	return nil
+}
+
+func (x *KeySummary) GetSplits() []string {
+	if x != nil {
+		return x.Splits
 	}
 	return nil
 }
@@ -781,7 +790,7 @@ const file_ledger_proto_rawDesc = "" +
 	"\aSummary\x12\x14\n" +
 	"\x05relay\x18\x01 \x01(\tR\x05relay\x12\x0e\n" +
 	"\x02at\x18\x02 \x01(\x03R\x02at\x123\n" +
-	"\x04keys\x18\x03 \x03(\v2\x1f.meshrelay.ledger.v1.KeySummaryR\x04keys\"\xa0\x03\n" +
+	"\x04keys\x18\x03 \x03(\v2\x1f.meshrelay.ledger.v1.KeySummaryR\x04keys\"\xb8\x03\n" +
 	"\n" +
 	"KeySummary\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x16\n" +
@@ -798,7 +807,8 @@ const file_ledger_proto_rawDesc = "" +
 	" \x03(\v2\x1c.meshrelay.ledger.v1.TypeSetR\btypeSets\x12\x1f\n" +
 	"\vbrief_count\x18\v \x01(\rR\n" +
 	"briefCount\x12!\n" +
-	"\fbrief_envoys\x18\f \x01(\fR\vbriefEnvoys\"\x1f\n" +
+	"\fbrief_envoys\x18\f \x01(\fR\vbriefEnvoys\x12\x16\n" +
+	"\x06splits\x18\r \x03(\tR\x06splits\"\x1f\n" +
 	"\aTypeSet\x12\x14\n" +
 	"\x05types\x18\x01 \x03(\rR\x05types\"]\n" +
 	"\aVersion\x12\x10\n" +

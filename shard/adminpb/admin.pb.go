@@ -496,7 +496,11 @@ type Shard struct {
 	Envoys  int64 `protobuf:"varint,5,opt,name=envoys,proto3" json:"envoys,omitempty"`
 	Current int64 `protobuf:"varint,6,opt,name=current,proto3" json:"current,omitempty"`
 	// Every relay that holds the key, by name.
-	Holders       []*ShardHolder `protobuf:"bytes,7,rep,name=holders,proto3" json:"holders,omitempty"`
+	Holders []*ShardHolder `protobuf:"bytes,7,rep,name=holders,proto3" json:"holders,omitempty"`
+	// The key's splits the holders know: a divergence check found members
+	// the upstream gives other config, which moved with their look-alikes
+	// to keys of their own (field names, and the member's node id).
+	Splits        []string `protobuf:"bytes,8,rep,name=splits,proto3" json:"splits,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -576,6 +580,13 @@ func (x *Shard) GetCurrent() int64 {
 func (x *Shard) GetHolders() []*ShardHolder {
 	if x != nil {
 		return x.Holders
+	}
+	return nil
+}
+
+func (x *Shard) GetSplits() []string {
+	if x != nil {
+		return x.Splits
 	}
 	return nil
 }
@@ -2111,7 +2122,7 @@ const file_shard_adminpb_admin_proto_rawDesc = "" +
 	"\amissing\x18\x02 \x03(\v2*.meshrelay.admin.v1.ShardList.MissingEntryR\amissing\x1a:\n" +
 	"\fMissingEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xef\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x87\x02\n" +
 	"\x05Shard\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05owner\x18\x02 \x01(\tR\x05owner\x12*\n" +
@@ -2119,7 +2130,8 @@ const file_shard_adminpb_admin_proto_rawDesc = "" +
 	"\x0eledger_version\x18\x04 \x01(\tR\rledgerVersion\x12\x16\n" +
 	"\x06envoys\x18\x05 \x01(\x03R\x06envoys\x12\x18\n" +
 	"\acurrent\x18\x06 \x01(\x03R\acurrent\x129\n" +
-	"\aholders\x18\a \x03(\v2\x1f.meshrelay.admin.v1.ShardHolderR\aholders\"\x90\x01\n" +
+	"\aholders\x18\a \x03(\v2\x1f.meshrelay.admin.v1.ShardHolderR\aholders\x12\x16\n" +
+	"\x06splits\x18\b \x03(\tR\x06splits\"\x90\x01\n" +
 	"\vShardHolder\x12\x14\n" +
 	"\x05relay\x18\x01 \x01(\tR\x05relay\x12\x16\n" +
 	"\x06source\x18\x02 \x01(\tR\x06source\x12\x14\n" +
