@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
@@ -268,14 +269,19 @@ func TestSourceFollowsOwners(t *testing.T) {
 // panics, and accepts a peer only with the proof of the name it claims.
 func FuzzIdentifyPeer(f *testing.F) {
 	secret := []byte("s")
-	f.Add("relay-a", "key", peers.Token(secret, "relay-a"), true)
-	f.Add("relay-a", "", "", false)
-	f.Add("", "k", "x", true)
-	f.Fuzz(func(t *testing.T, id, key, token string, withToken bool) {
+	split := string(aggkey.EncodeSplits([]aggkey.Split{aggkey.NewSplit(node("ns", "a", 2), node("ns", "a", 1))}))
+	f.Add("relay-a", "key", peers.Token(secret, "relay-a"), true, "")
+	f.Add("relay-a", "key", peers.Token(secret, "relay-a"), true, split)
+	f.Add("relay-a", "", "", false, "[]")
+	f.Add("", "k", "x", true, `[{"id":""}]`)
+	f.Fuzz(func(t *testing.T, id, key, token string, withToken bool, splits string) {
 		r := &Relay{cfg: Config{PeerSecret: secret}, log: DefaultConfig().Logger}
 		md := metadata.Pairs(peers.MDRelay, id, peers.MDKey, key)
 		if withToken {
 			md.Append(peers.MDAuth, token)
+		}
+		if splits != "" {
+			md.Append(peers.MDSplits, splits)
 		}
 		pi, err := r.identifyPeer(metadata.NewIncomingContext(context.Background(), md), portPlain)
 		if err != nil {
@@ -286,6 +292,9 @@ func FuzzIdentifyPeer(f *testing.F) {
 		}
 		if !withToken || token != peers.Token(secret, id) {
 			t.Fatalf("identifyPeer accepted %q with proof %q", id, token)
+		}
+		if _, err := aggkey.DecodeSplits([]byte(splits)); splits != "" && err != nil {
+			t.Fatalf("identifyPeer accepted splits %q: %v", splits, err)
 		}
 	})
 }

@@ -37,9 +37,9 @@ type Split struct {
 // and the diverging node's value with its kind (metadata's "1" the string is
 // not 1 the number), or Missing if that node lacks the field.
 type SplitField struct {
-	Name    string `json:"name"`
-	Value   string `json:"value,omitempty"`
-	Missing bool   `json:"missing,omitempty"`
+	Name    string
+	Value   string
+	Missing bool
 }
 
 // MaxSplits bounds the splits one key keeps. A key whose profile needs more
@@ -215,8 +215,17 @@ func spellable(s *structpb.Struct) bool {
 const maxSplitsEncoded = 8 << 10
 
 type splitJSON struct {
-	ID     string       `json:"id"`
-	Fields []SplitField `json:"fields,omitempty"`
+	ID     string      `json:"id"`
+	Fields []fieldJSON `json:"fields,omitempty"`
+}
+
+// fieldJSON is a SplitField on the wire: its value as bytes (base64), as a
+// metadata struct's value is its binary encoding, which JSON's strings
+// cannot carry.
+type fieldJSON struct {
+	Name    string `json:"name"`
+	Value   []byte `json:"value,omitempty"`
+	Missing bool   `json:"missing,omitempty"`
 }
 
 // EncodeSplits returns the wire form of a key's splits, which relays of a
@@ -225,7 +234,10 @@ type splitJSON struct {
 func EncodeSplits(splits []Split) []byte {
 	out := make([]splitJSON, len(splits))
 	for i, s := range splits {
-		out[i] = splitJSON{ID: s.ID, Fields: s.Fields}
+		out[i] = splitJSON{ID: s.ID}
+		for _, f := range s.Fields {
+			out[i].Fields = append(out[i].Fields, fieldJSON{Name: f.Name, Value: []byte(f.Value), Missing: f.Missing})
+		}
 	}
 	b, err := json.Marshal(out)
 	if err != nil || len(b) > maxSplitsEncoded {
@@ -256,8 +268,9 @@ func DecodeSplits(b []byte) ([]Split, error) {
 		if len(j.Fields) > MaxSplitFields {
 			return nil, fmt.Errorf("aggkey: a split of %d fields, over %d", len(j.Fields), MaxSplitFields)
 		}
-		s := Split{ID: j.ID, Fields: j.Fields}
+		s := Split{ID: j.ID}
 		for i, sf := range j.Fields {
+			s.Fields = append(s.Fields, SplitField{Name: sf.Name, Value: string(sf.Value), Missing: sf.Missing})
 			if !splittable(sf.Name) {
 				return nil, fmt.Errorf("aggkey: split field %q is not one a split compares", sf.Name)
 			}

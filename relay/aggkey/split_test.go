@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
 )
 
@@ -155,7 +156,7 @@ func TestDecodeSplitsRefuses(t *testing.T) {
 func FuzzDecodeSplits(f *testing.F) {
 	f.Add(EncodeSplits([]Split{NewSplit(node("ns1", "reviews", 3), node("ns1", "reviews", 1))}))
 	f.Add(EncodeSplits([]Split{SplitAll}))
-	f.Add([]byte(`[{"id":"a","fields":[{"name":"metadata.LABELS[app.kubernetes.io/name]","missing":true}]}]`))
+	f.Add([]byte(`[{"id":"a","fields":[{"name":"metadata.LABELS[app.kubernetes.io/name]","missing":true},{"name":"metadata.NAMESPACE","value":"czpucw=="}]}]`))
 	f.Add([]byte(`[]`))
 	probes := []*core.Node{node("ns1", "reviews", 1), node("ns1", "reviews", 3), {Id: "a"}, {}}
 	f.Fuzz(func(t *testing.T, b []byte) {
@@ -179,6 +180,48 @@ func FuzzDecodeSplits(f *testing.F) {
 					t.Fatalf("split %v moves %q, its round trip does not agree", splits[i], n.GetId())
 				}
 			}
+		}
+	})
+}
+
+// FuzzSplitOfNodes splits arbitrary pairs of nodes: no panic, the diverging
+// node always moves, the presented one never does (when they differ in more
+// than the id, or in the id alone), and the split's wire form moves the same
+// nodes.
+func FuzzSplitOfNodes(f *testing.F) {
+	add := func(a, b *core.Node) {
+		ba, _ := proto.Marshal(a)
+		bb, _ := proto.Marshal(b)
+		f.Add(ba, bb)
+	}
+	add(node("ns1", "reviews", 3), node("ns1", "reviews", 1))
+	add(&core.Node{Id: "a"}, &core.Node{Id: "b", Cluster: "c"})
+	odd := node("ns1", "reviews", 2)
+	odd.Metadata.Fields["LABELS"].GetStructValue().Fields["a]b"] = structpb.NewStringValue("x")
+	odd.Metadata.Fields["x.y"] = structpb.NewListValue(&structpb.ListValue{Values: []*structpb.Value{structpb.NewNumberValue(1)}})
+	add(odd, node("ns1", "reviews", 2))
+	f.Fuzz(func(t *testing.T, ba, bb []byte) {
+		var a, b core.Node
+		if proto.Unmarshal(ba, &a) != nil || proto.Unmarshal(bb, &b) != nil || a.GetId() == "" || b.GetId() == "" {
+			return // the relay refuses a node without an id
+		}
+		differ := Differing(&a, &b)
+		if len(differ) == 0 {
+			return
+		}
+		s := NewSplit(&a, &b)
+		if !s.Matches(&a) {
+			t.Fatalf("split %v of %v from %v does not move the diverging node", s, differ, b.GetId())
+		}
+		if s.Matches(&b) && a.GetId() != b.GetId() {
+			t.Fatalf("split %v of %v moves the presented node too", s, differ)
+		}
+		back, err := DecodeSplits(EncodeSplits([]Split{s}))
+		if err != nil {
+			t.Fatalf("a split does not decode: %v", err)
+		}
+		if len(back) == 1 && (back[0].Matches(&a) != s.Matches(&a) || back[0].Matches(&b) != s.Matches(&b)) {
+			t.Fatalf("split %v moves other nodes after its round trip", s)
 		}
 	})
 }
