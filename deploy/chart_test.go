@@ -18,6 +18,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
@@ -788,6 +789,7 @@ func TestChartRefuses(t *testing.T) {
 		{"admin TLS without a certificate", map[string]any{"upstream": map[string]any{"auth": "plaintext"}, "xds": map[string]any{"tls": map[string]any{"enabled": false}, "plaintext": map[string]any{"enabled": true}}}, "admin.tls"},
 		{"no xDS port", map[string]any{"upstream": map[string]any{"auth": "plaintext"}, "admin": map[string]any{"tls": false}, "xds": map[string]any{"tls": map[string]any{"enabled": false}}}, "no xDS port"},
 		{"negative upstream stream rate", map[string]any{"upstreamStreamRate": -1}, "upstreamStreamRate"},
+		{"divergence interval not a duration", map[string]any{"divergenceInterval": "ten minutes"}, "divergenceInterval"},
 		{"fields without fields", map[string]any{"keyProfile": "fields"}, "needs keyFields or keyConfig"},
 		{"fields two ways", map[string]any{"keyProfile": "fields", "keyFields": []any{"cluster"}, "keyConfig": map[string]any{"rules": []any{map[string]any{"name": "all", "match": map[string]any{"id": ".*"}, "key": []any{"cluster"}}}}}, "give one"},
 		{"key fields for istio", map[string]any{"keyFields": []any{"cluster"}}, "for keyProfile fields"},
@@ -904,6 +906,28 @@ func TestChartUpstreamStreamRate(t *testing.T) {
 	} {
 		if got := relayArgs(t, render(t, c, tt.values, false))["upstream-stream-rate"]; got != tt.want {
 			t.Errorf("with %v: --upstream-stream-rate=%q, want %q", tt.values, got, tt.want)
+		}
+	}
+}
+
+// TestChartDivergenceInterval: each relay checks its keys every
+// divergenceInterval, 10m unless set; "0s" turns the checks off.
+func TestChartDivergenceInterval(t *testing.T) {
+	c := loadChart(t)
+	for _, tt := range []struct {
+		values map[string]any
+		want   string
+	}{
+		{map[string]any{}, "10m"},
+		{map[string]any{"divergenceInterval": "1h30m"}, "1h30m"},
+		{map[string]any{"divergenceInterval": "0s"}, "0s"},
+	} {
+		got := relayArgs(t, render(t, c, tt.values, false))["divergence-interval"]
+		if got != tt.want {
+			t.Errorf("with %v: --divergence-interval=%q, want %q", tt.values, got, tt.want)
+		}
+		if _, err := time.ParseDuration(got); err != nil {
+			t.Errorf("with %v: --divergence-interval=%q: %v", tt.values, got, err)
 		}
 	}
 }

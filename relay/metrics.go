@@ -170,6 +170,9 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 	for _, reason := range []string{"rate", "cold"} {
 		m.refused.WithLabelValues(reason)
 	}
+	for _, result := range []string{"same", "diverged", "inconclusive"} {
+		m.divergenceChecks.WithLabelValues(result)
+	}
 	for _, reason := range []string{"rebalance", "drain", "token_expiry"} {
 		m.shed.WithLabelValues(reason)
 	}
@@ -182,6 +185,9 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 	for _, typeURL := range append([]string{""}, xds.PushOrder...) {
 		t := xds.ShortType(typeURL)
 		m.upstreamNACKs.WithLabelValues(t)
+		if typeURL != "" {
+			m.divergences.WithLabelValues(t)
+		}
 		m.byType[typeURL] = &typeMetrics{
 			pushes:        m.pushes.WithLabelValues(t),
 			pushBytes:     m.pushBytes.WithLabelValues(t),

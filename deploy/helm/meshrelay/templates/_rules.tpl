@@ -31,6 +31,16 @@ groups:
     annotations:
       summary: '{{`{{ $labels.pod }}`}} has not persisted its keys for {{`{{ $value }}`}} s'
       description: Snapshot writes to etcd are failing or slow (meshrelay_snapshot_writes_total by result, meshrelay_snapshot_write_lag_seconds).
+  - alert: MeshrelayKeyDiverged
+    # A divergence check found a member of a key that istiod gives other
+    # config: the key split, and the member has a key of its own. Nothing
+    # is wrong for the Envoys, but the key profile is too coarse for this
+    # mesh, and each split costs istiod a stream.
+    expr: sum by (namespace, job, type) (increase(meshrelay_key_divergences_total[1h])) > 0
+    labels: {severity: info}
+    annotations:
+      summary: A key's {{`{{ $labels.type }}`}} diverged in {{`{{ $labels.job }}`}}
+      description: relayctl shards names the split keys; the relay's warning names the node fields that differed. Add them to the key profile (--key-metadata or --key-fields).
   - alert: MeshrelayEnvoyNACKs
     # Envoys refuse config: a bad resource from istiod, or a mix of Envoy
     # versions istiod does not expect.
