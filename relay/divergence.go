@@ -723,13 +723,16 @@ func (p *probeStream) compare(v *keyViews) (differ []string, fingerprint [sha256
 			}
 			continue
 		}
+		// Names asked by name are compared while the view holds them: a
+		// name the key stopped asking for (a removed cluster's
+		// endpoints) leaves the view, and a SotW upstream never tells a
+		// stream that asks for it by name that it is gone.
 		for _, name := range names {
-			if _, pending := tv.pending[name]; pending {
+			e, inView := tv.view.Get(name)
+			if !inView {
 				continue
 			}
-			e, inView := tv.view.Get(name)
-			h, inGot := got[name]
-			if inView != inGot || h != e.Hash {
+			if h, inGot := got[name]; !inGot || h != e.Hash {
 				note(name, h, e.Hash)
 			}
 		}

@@ -238,6 +238,13 @@ func TestDivergenceSplitsKey(t *testing.T) {
 					t.Errorf("%s: the ledger's summary of %s = %+v, want the split of node 2", r.ID(), base, sum.Keys)
 				}
 			}
+			// The members alike were checked too, and stayed.
+			waitLong(t, "a check that found the same config", func() bool {
+				return testutil.ToFloat64(owner.metrics.divergenceChecks.WithLabelValues("same")) >= 1
+			})
+			if got := keyOfClient(at[3], nodes[3].GetId()); got != base {
+				t.Errorf("after more checks, Envoy 3 is on key %q, want %q", got, base)
+			}
 			// The key's stream and the split key's: no check's stays open.
 			waitLong(t, "two upstream streams", func() bool { open, _ := up.streams(); return open == 2 })
 		})
