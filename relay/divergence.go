@@ -124,6 +124,27 @@ func (r *Relay) learnSplits(key aggkey.Key, splits []aggkey.Split) {
 	r.wakeKey(key)
 }
 
+// KeySplit is one split of a key the relay knows, for reports.
+type KeySplit struct {
+	Key aggkey.Key
+	// Split says what moved: the fields compared, and the diverging
+	// node's id.
+	Split string
+}
+
+// Splits returns the splits the relay knows, by key, in key order.
+func (r *Relay) Splits() []KeySplit {
+	r.splits.mu.Lock()
+	defer r.splits.mu.Unlock()
+	var out []KeySplit
+	for _, k := range slices.Sorted(maps.Keys(r.splits.m)) {
+		for _, s := range r.splits.m[k] {
+			out = append(out, KeySplit{Key: k, Split: s.String()})
+		}
+	}
+	return out
+}
+
 // reportSplits tells the ledger key's splits (the admin API shows them).
 func (r *Relay) reportSplits(key aggkey.Key) {
 	splits := r.splits.of(key)
