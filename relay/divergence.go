@@ -427,6 +427,9 @@ func (r *Relay) runCheck(ctx context.Context, k *keyState, m member) ([]string, 
 	presented := k.presentedNode.Load()
 	node, _ := m.presents()
 	differ, err := r.probe(ctx, k, m)
+	if err == nil && k.presentedNode.Load() != presented {
+		err = errors.New("relay: the key's stream re-homed during the check")
+	}
 	switch {
 	case err != nil:
 		if ctx.Err() == nil {
@@ -464,9 +467,10 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 	ctx, cancel := context.WithTimeout(ctx, divergenceCheckFor)
 	defer cancel()
 	node, cred := m.presents()
+	presented := k.presentedNode.Load()
 	asked := askedOf(k.views.Load())
 	if len(asked) == 0 {
-		return nil, nil
+		return nil, errors.New("relay: the key's views are not its upstream's yet")
 	}
 	if r.upstreamRate != nil {
 		if err := r.upstreamRate.Wait(ctx); err != nil {
@@ -518,11 +522,16 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 		case <-p.changed:
 		case <-tick.C:
 		}
-		differ, fp, ok := p.compare(k.views.Load())
+		v := k.views.Load()
+		differ, fp, ok := p.compare(v)
 		if ok || time.Since(opened) > syncSlotHold {
 			release() // every type answered, or the upstream is slow
 		}
 		switch {
+		case v.stale || v.restored || k.presentedNode.Load() != presented:
+			// The key's views are not its upstream's now, or come from
+			// another node: nothing to compare until they are again.
+			last = [sha256.Size]byte{}
 		case !ok: // not every type answered yet
 		case len(differ) == 0:
 			return nil, nil
@@ -537,7 +546,7 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 // askedOf returns what a check asks for, by type: the names k's views hold
 // (nil: everything, for a view that is the whole of its type).
 func askedOf(v *keyViews) map[string]xds.NameSet {
-	if v.stale {
+	if v.stale || v.restored {
 		return nil
 	}
 	asked := make(map[string]xds.NameSet)
