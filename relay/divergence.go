@@ -2,7 +2,6 @@ package relay
 
 import (
 	"context"
-	"crypto/sha256"
 	"errors"
 	"fmt"
 	"maps"
@@ -510,8 +509,10 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 	opened := time.Now()
 	tick := time.NewTicker(confirmAfter / 4)
 	defer tick.Stop()
-	var last [sha256.Size]byte
-	var since time.Time
+	// Each difference, from when it was first seen: one that lasts
+	// divergenceSettle counts. A push makes passing differences, each
+	// gone once both streams have it; a divergence stays the same.
+	seen := make(map[difference]time.Time)
 	for {
 		select {
 		case <-ctx.Done():
@@ -523,7 +524,7 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 		case <-tick.C:
 		}
 		v := k.views.Load()
-		differ, fp, ok := p.compare(v)
+		diffs, ok := p.compare(v)
 		if ok || time.Since(opened) > syncSlotHold {
 			release() // every type answered, or the upstream is slow
 		}
@@ -531,16 +532,48 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 		case v.stale || v.restored || k.presentedNode.Load() != presented:
 			// The key's views are not its upstream's now, or come from
 			// another node: nothing to compare until they are again.
-			last = [sha256.Size]byte{}
+			clear(seen)
 		case !ok: // not every type answered yet
-		case len(differ) == 0:
+		case len(diffs) == 0:
 			return nil, nil
-		case fp != last:
-			last, since = fp, time.Now()
-		case time.Since(since) >= divergenceSettle:
-			return differ, nil
+		default:
+			if differ := settled(seen, diffs, time.Now()); len(differ) > 0 {
+				return differ, nil
+			}
 		}
 	}
+}
+
+// difference is one resource the check's stream and the key's view
+// disagree on: held by one of them only (whatever its content there, so
+// that the difference stays the same while that content changes), or by
+// both with other content (the two hashes).
+type difference struct {
+	typeURL, name           string
+	onlyInView, onlyInCheck bool
+	got, view               ledger.Hash
+}
+
+// settled updates seen, the first sighting of each difference, to diffs
+// (forgetting those gone) and returns the types of those seen for
+// divergenceSettle, in push order.
+func settled(seen map[difference]time.Time, diffs []difference, now time.Time) []string {
+	now0 := make(map[difference]bool, len(diffs))
+	var types []string
+	for _, d := range diffs {
+		now0[d] = true
+		at, ok := seen[d]
+		if !ok {
+			seen[d] = now
+			continue
+		}
+		if now.Sub(at) >= divergenceSettle && !slices.Contains(types, d.typeURL) {
+			types = append(types, d.typeURL)
+		}
+	}
+	maps.DeleteFunc(seen, func(d difference, _ time.Time) bool { return !now0[d] })
+	slices.SortFunc(types, func(a, b string) int { return slices.Index(xds.PushOrder, a) - slices.Index(xds.PushOrder, b) })
+	return types
 }
 
 // askedOf returns what a check asks for, by type: the names k's views hold
@@ -717,38 +750,41 @@ func (p *probeStream) apply(typeURL string, upd map[string]ledger.Hash, removed 
 }
 
 // compare compares what the check got with v: ok once every asked type
-// answered; then the types that differ, and a fingerprint of the
-// differences (equal fingerprints: nothing changed on either side).
-func (p *probeStream) compare(v *keyViews) (differ []string, fingerprint [sha256.Size]byte, ok bool) {
+// answered, and v holds the whole of every type asked whole; then the
+// differences. A resource one side lacks is a difference whatever the
+// other's content, so that it stays the same while that content changes.
+func (p *probeStream) compare(v *keyViews) (diffs []difference, ok bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	d := sha256.New()
 	for _, typeURL := range p.types() {
 		got, answered := p.got[typeURL]
 		if !answered {
-			return nil, fingerprint, false
+			return nil, false
 		}
 		tv := v.types[typeURL]
 		if tv == nil {
 			continue // the key no longer asks for it
 		}
-		before := len(differ)
-		note := func(name string, a, b ledger.Hash) {
-			if len(differ) == before {
-				differ = append(differ, typeURL)
+		note := func(name string, got ledger.Hash, inGot bool, view ledger.Hash, inView bool) {
+			d := difference{typeURL: typeURL, name: name, onlyInView: !inGot, onlyInCheck: !inView}
+			if inGot && inView {
+				d.got, d.view = got, view
 			}
-			fmt.Fprintf(d, "%s\x00%s\x00%x\x00%x\x00", typeURL, name, a, b)
+			diffs = append(diffs, d)
 		}
 		names := p.asked[typeURL]
 		if names == nil {
+			if !tv.full {
+				return nil, false // the key's view is being filled
+			}
 			for e := range tv.view.All() {
 				if h, ok := got[e.Name]; !ok || h != e.Hash {
-					note(e.Name, h, e.Hash)
+					note(e.Name, h, ok, e.Hash, true)
 				}
 			}
-			for _, name := range slices.Sorted(maps.Keys(got)) {
+			for name, h := range got {
 				if _, ok := tv.view.Get(name); !ok {
-					note(name, got[name], ledger.Hash{})
+					note(name, h, true, ledger.Hash{}, false)
 				}
 			}
 			continue
@@ -763,10 +799,9 @@ func (p *probeStream) compare(v *keyViews) (differ []string, fingerprint [sha256
 				continue
 			}
 			if h, inGot := got[name]; !inGot || h != e.Hash {
-				note(name, h, e.Hash)
+				note(name, h, inGot, e.Hash, true)
 			}
 		}
 	}
-	copy(fingerprint[:], d.Sum(nil))
-	return differ, fingerprint, true
+	return diffs, true
 }
