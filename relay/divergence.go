@@ -192,7 +192,7 @@ func (r *Relay) checkDivergence(ctx context.Context) {
 			select {
 			case r.checkSlots <- struct{}{}:
 			default:
-				k.checkDone(nil, time.Time{}) // its turn comes again
+				k.checkLater(m) // no slot: its turn comes again at the next tick
 				continue
 			}
 			if !r.goRun(func(ctx context.Context) {
@@ -272,6 +272,19 @@ func (k *keyState) checkDue(now time.Time, every time.Duration) (member, bool) {
 	return pick, true
 }
 
+// checkLater ends k's running check of m, which could not run (no check
+// slot here, or the owner busy): m is checked first at the next tick, as
+// the member that just joined is, instead of losing its turn until the
+// next round.
+func (k *keyState) checkLater(m member) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.div.running = false
+	if k.div.soon == nil {
+		k.div.soon = m
+	}
+}
+
 // startCheck marks a check of k running, unless one runs: for a check
 // another relay asked for.
 func (k *keyState) startCheck() bool {
@@ -323,6 +336,12 @@ func (r *Relay) checkKey(ctx context.Context, k *keyState, m member) {
 		var res *inspectpb.CheckMemberResult
 		res, err = r.askCheck(ctx, owner, k.key, node)
 		differ, split, by = res.GetTypes(), res.GetSplit(), owner
+		if status.Code(err) == codes.Unavailable && ctx.Err() == nil {
+			// The owner is busy (or away): ask at the next tick.
+			k.checkLater(m)
+			r.log.Debug("divergence check: the owner cannot check now", "key", k.key, "node", node.GetId(), "by", by, "err", err)
+			return
+		}
 	} else {
 		var s aggkey.Split
 		differ, s, err = r.runCheck(ctx, k, m)
@@ -399,7 +418,7 @@ func (s inspectServer) CheckMember(ctx context.Context, req *inspectpb.CheckMemb
 	differ, split, err := s.r.runCheck(ctx, k, nodeMember{node})
 	k.checkDone(nil, time.Time{})
 	if err != nil {
-		return nil, status.Errorf(codes.Unavailable, "check: %v", err)
+		return nil, status.Errorf(codes.Aborted, "check: %v", err)
 	}
 	out := &inspectpb.CheckMemberResult{Relay: s.r.cfg.ID, Diverged: len(differ) > 0}
 	for _, t := range differ {

@@ -294,3 +294,30 @@ func TestSettledDifferences(t *testing.T) {
 		t.Errorf("a difference seen again counts at once: %v", got)
 	}
 }
+
+// TestDivergenceCheckWaitsForSlot: a key that gets its second member while
+// the relay runs as many checks as it may is checked as soon as a slot
+// frees, not at its next turn a DivergenceInterval later.
+func TestDivergenceCheckWaitsForSlot(t *testing.T) {
+	up := inboundUpstream(t)
+	r := startRelay(t, up, func(c *Config) { c.DivergenceInterval = time.Hour })
+	for range maxDivergenceChecks {
+		r.checkSlots <- struct{}{} // every slot taken
+	}
+	first, diverging := node("default", "reviews", 0), node("default", "reviews", 2)
+	e0 := startWatchedEnvoy(t, r.Addr().String(), first, envoy.Delta)
+	waitLong(t, "Envoy 0's config", func() bool { return holds(e0.Envoy, 1, "outbound") })
+	e2 := startWatchedEnvoy(t, r.Addr().String(), diverging, envoy.Delta)
+	waitLong(t, "Envoy 2's config", func() bool { return holds(e2.Envoy, 1, "outbound") })
+	time.Sleep(1500 * time.Millisecond) // the checks' ticks find no slot
+	if s := r.Splits(); len(s) != 0 {
+		t.Fatalf("Splits() = %v with no check slot, want none", s)
+	}
+	for range maxDivergenceChecks {
+		<-r.checkSlots
+	}
+	waitLong(t, "the diverging Envoy's own listener", func() bool { return holds(e2.Envoy, 1, "inbound|"+inboundIP) })
+	if s := r.Splits(); len(s) != 1 || !strings.Contains(s[0].Split, diverging.GetId()) {
+		t.Errorf("Splits() = %v, want one moving %s", s, diverging.GetId())
+	}
+}

@@ -339,6 +339,49 @@ func (sh *shared) httpListener(name string, at hostPort, routeName string, mk ma
 	}, nil
 }
 
+// inboundListener builds the inbound listener of a pod of IP ip that
+// serves port, InboundListenerName(ip): an HTTP connection manager whose
+// route ("inbound|<port>||", inline, as istiod's inbound routes are)
+// answers every request itself, so the listener needs no cluster or route
+// of its own. Like portListener it does not bind.
+func (sh *shared) inboundListener(ip string, port uint32, mk marker) (*listenerv3.Listener, error) {
+	name := InboundListenerName(ip)
+	p := strconv.FormatUint(uint64(port), 10)
+	h := &hcmv3.HttpConnectionManager{
+		StatPrefix: "inbound_" + ip + "_" + p,
+		RouteSpecifier: &hcmv3.HttpConnectionManager_RouteConfig{RouteConfig: &routev3.RouteConfiguration{
+			Name: "inbound|" + p + "||",
+			VirtualHosts: []*routev3.VirtualHost{{
+				Name:    "inbound|http|" + p,
+				Domains: []string{"*"},
+				Routes: []*routev3.Route{{
+					Name:   "default",
+					Match:  sh.prefixSlash,
+					Action: &routev3.Route_DirectResponse{DirectResponse: &routev3.DirectResponseAction{Status: 200}},
+				}},
+			}},
+		}},
+		HttpFilters: []*hcmv3.HttpFilter{sh.router},
+	}
+	hcm, err := anypb.New(h)
+	if err != nil {
+		return nil, fmt.Errorf("upstream: marshal listener %s: %w", name, err)
+	}
+	return &listenerv3.Listener{
+		Name:    name,
+		Address: socketAddress(ip, port),
+		FilterChains: []*listenerv3.FilterChain{{
+			Filters: []*listenerv3.Filter{{
+				Name:       wellknown.HTTPConnectionManager,
+				ConfigType: &listenerv3.Filter_TypedConfig{TypedConfig: hcm},
+			}},
+		}},
+		BindToPort:       sh.noBind,
+		TrafficDirection: core.TrafficDirection_INBOUND,
+		Metadata:         mk.meta,
+	}, nil
+}
+
 // apiListener builds the API listener grpc-go's xds:/// resolver asks for:
 // named exactly target, api_listener an HttpConnectionManager using RDS.
 func (sh *shared) apiListener(target, routeName string, mk marker) (*listenerv3.Listener, error) {

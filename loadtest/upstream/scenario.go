@@ -55,6 +55,23 @@ type Scenario struct {
 	// group also gets: the test sends requests to Listen, Envoy routes
 	// them to Backends.
 	HTTPServices []HTTPService
+	// InboundIPs are pod IPs that back a Service. A node whose IP is
+	// listed gets, beside its group's listeners, an inbound listener of
+	// its own, "inbound|<ip>|8080" (see InboundListenerName), as istiod
+	// gives a pod whose IP backs a Service: so two pods of one workload
+	// get different config, which a relay's divergence check finds. The
+	// node's IP is the first listed one of its INSTANCE_IPS metadata
+	// (comma-separated), else the IP in its Istio node id
+	// "sidecar~<IP>~<pod>.<ns>~<ns>.svc.cluster.local". Its other types,
+	// and everything else, are its group's. Empty: no node gets one.
+	InboundIPs []string
+}
+
+// InboundListenerName returns the name of the inbound listener a node of
+// IP ip gets when ip is one of Scenario.InboundIPs: "inbound|<ip>|8080"
+// (the port is EndpointPort).
+func InboundListenerName(ip string) string {
+	return "inbound|" + ip + "|" + strconv.Itoa(EndpointPort)
 }
 
 // HTTPService is a service reached through a real Envoy's listener: the
@@ -162,7 +179,48 @@ func (s Scenario) validate() error {
 			}
 		}
 	}
+	seenIP := make(map[netip.Addr]bool, len(s.InboundIPs))
+	for _, ip := range s.InboundIPs {
+		a, err := netip.ParseAddr(ip)
+		switch {
+		case err != nil || a.Zone() != "":
+			return fmt.Errorf("upstream: field Scenario.InboundIPs: %q is not an IP address", ip)
+		case seenIP[a.Unmap()]:
+			return fmt.Errorf("upstream: field Scenario.InboundIPs: duplicate IP %q", ip)
+		}
+		seenIP[a.Unmap()] = true
+	}
 	return nil
+}
+
+// inboundIPs returns the addresses of InboundIPs, in order, each as
+// ParseAddr reads it, unmapped (validated).
+func (s Scenario) inboundIPs() []netip.Addr {
+	out := make([]netip.Addr, 0, len(s.InboundIPs))
+	for _, ip := range s.InboundIPs {
+		a, _ := netip.ParseAddr(ip)
+		out = append(out, a.Unmap())
+	}
+	return out
+}
+
+// nodeIPs returns the IPs of node, as InboundIPs reads them: those of its
+// INSTANCE_IPS metadata, else the one in its Istio node id. Text that is
+// not an IP is skipped.
+func nodeIPs(node *core.Node) []netip.Addr {
+	var texts []string
+	if v := node.GetMetadata().GetFields()["INSTANCE_IPS"].GetStringValue(); v != "" {
+		texts = strings.Split(v, ",")
+	} else if parts := strings.Split(node.GetId(), "~"); len(parts) == 4 {
+		texts = parts[1:2]
+	}
+	var out []netip.Addr
+	for _, t := range texts {
+		if a, err := netip.ParseAddr(strings.TrimSpace(t)); err == nil {
+			out = append(out, a.Unmap())
+		}
+	}
+	return out
 }
 
 // hostPort is a parsed "ip:port".

@@ -6,7 +6,9 @@
 // (pkg/server/sotw/v3, pkg/server/delta/v3) over one cache.LinearCache per
 // (node group, type), multiplexed by a cache.MuxCache. A node group is a
 // namespace: a Scenario's services are either visible everywhere or only in
-// their own namespace, so namespaces see different views. Like istiod, SotW
+// their own namespace, so namespaces see different views; a node whose IP
+// is one of Scenario.InboundIPs also gets an inbound listener of its own,
+// from listener caches of its own (group and IP). Like istiod, SotW
 // CDS and LDS responses carry the full state while SotW EDS and RDS responses
 // carry only the resources that changed; Delta uses content (hash) versions.
 //
@@ -22,7 +24,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
+	"net/netip"
 	"slices"
 	"strconv"
 	"sync"
@@ -104,6 +108,7 @@ func (c Config) withDefaults() Config {
 	c.Scenario.Ports = slices.Clone(c.Scenario.Ports)
 	c.Scenario.GRPCServices = slices.Clone(c.Scenario.GRPCServices)
 	c.Scenario.HTTPServices = slices.Clone(c.Scenario.HTTPServices)
+	c.Scenario.InboundIPs = slices.Clone(c.Scenario.InboundIPs)
 	if c.Listen == "" {
 		c.Listen = "127.0.0.1:0"
 	}
@@ -215,8 +220,16 @@ type Upstream struct {
 	all     []int          // every group index; immutable
 	caches  [][numTypes]*cache.LinearCache
 	deltas  [][numTypes]*deltaCache // with IncrementalDelta
-	mux     *cache.MuxCache
-	stats   counters
+	// inbound maps each of Scenario.InboundIPs to its index in the
+	// listener caches of its nodes: inboundLDS[group][index] serves the
+	// group's listeners and the IP's inbound listener (inboundDeltas the
+	// same, with IncrementalDelta). Immutable; the caches follow every
+	// listener published to their group.
+	inbound       map[netip.Addr]int
+	inboundLDS    [][]*cache.LinearCache
+	inboundDeltas [][]*deltaCache
+	mux           *cache.MuxCache
+	stats         counters
 
 	// mu guards the model below. It also serialises each mutation end to end,
 	// cache updates included, so every cache sees the generations of a
@@ -412,11 +425,26 @@ func (u *Upstream) build(mk marker) error {
 			}
 			return key
 		},
-		Caches: make(map[string]cache.Cache, 2*len(u.groups)*numTypes+1),
+		Caches: make(map[string]cache.Cache, 2*len(u.groups)*(numTypes+len(sc.InboundIPs))+1),
 	}
 	u.mux.Caches[unknownKey] = silentCache{}
 	// Each object is encoded once, however many groups serve it.
 	encoded := map[types.Resource]*deltaRes{}
+	deltaInitial := func(resources map[string]types.Resource) (map[string]*deltaRes, error) {
+		initial := make(map[string]*deltaRes, len(resources))
+		for name, res := range resources {
+			dr, ok := encoded[res]
+			if !ok {
+				var err error
+				if dr, err = newDeltaRes(name, res); err != nil {
+					return nil, err
+				}
+				encoded[res] = dr
+			}
+			initial[name] = dr
+		}
+		return initial, nil
+	}
 	if u.cfg.IncrementalDelta {
 		u.deltas = make([][numTypes]*deltaCache, len(u.groups))
 	}
@@ -428,22 +456,62 @@ func (u *Upstream) build(mk marker) error {
 			if !u.cfg.IncrementalDelta {
 				continue
 			}
-			initial := make(map[string]*deltaRes, len(perGroup[gi][t]))
-			for name, res := range perGroup[gi][t] {
-				dr, ok := encoded[res]
-				if !ok {
-					var err error
-					if dr, err = newDeltaRes(name, res); err != nil {
-						return err
-					}
-					encoded[res] = dr
-				}
-				initial[name] = dr
+			initial, err := deltaInitial(perGroup[gi][t])
+			if err != nil {
+				return err
 			}
 			u.deltas[gi][t] = newDeltaCache(typeURLs[t], initial)
 			u.mux.Caches[muxKey(g, typeURLs[t])+deltaSuffix] = u.deltas[gi][t]
 		}
 		perGroup[gi] = [numTypes]map[string]types.Resource{} // let the build maps go
+	}
+	return u.buildInbound(lds, mk, xl, deltaInitial)
+}
+
+// buildInbound creates, for each of Scenario.InboundIPs and each group,
+// the listener cache of the group's nodes of that IP: lds (every group's
+// listeners at build) and the IP's inbound listener. Its other types are
+// served from the group's caches (classify).
+func (u *Upstream) buildInbound(lds map[string]types.Resource, mk marker, xl xdsLogger,
+	deltaInitial func(map[string]types.Resource) (map[string]*deltaRes, error)) error {
+	ips := u.sc.inboundIPs()
+	if len(ips) == 0 {
+		return nil
+	}
+	u.inbound = make(map[netip.Addr]int, len(ips))
+	own := make([]types.Resource, len(ips))
+	for k, ip := range ips {
+		u.inbound[ip] = k
+		l, err := u.sh.inboundListener(ip.String(), EndpointPort, mk)
+		if err != nil {
+			return err
+		}
+		own[k] = l
+	}
+	u.inboundLDS = make([][]*cache.LinearCache, len(u.groups))
+	if u.cfg.IncrementalDelta {
+		u.inboundDeltas = make([][]*deltaCache, len(u.groups))
+	}
+	for gi, g := range u.groups {
+		for k, ip := range ips {
+			res := make(map[string]types.Resource, len(lds)+1)
+			maps.Copy(res, lds)
+			res[InboundListenerName(ip.String())] = own[k]
+			lc := cache.NewLinearCache(typeURLs[tLDS], cache.WithInitialResources(res), cache.WithLogger(xl))
+			u.inboundLDS[gi] = append(u.inboundLDS[gi], lc)
+			key := inboundKey(g, ip)
+			u.mux.Caches[key] = lc
+			if !u.cfg.IncrementalDelta {
+				continue
+			}
+			initial, err := deltaInitial(res)
+			if err != nil {
+				return err
+			}
+			dc := newDeltaCache(typeURLs[tLDS], initial)
+			u.inboundDeltas[gi] = append(u.inboundDeltas[gi], dc)
+			u.mux.Caches[key+deltaSuffix] = dc
+		}
 	}
 	return nil
 }
@@ -453,11 +521,25 @@ const deltaSuffix = "|delta"
 
 func muxKey(group, typeURL string) string { return group + "|" + typeURL }
 
+// inboundKey is the mux key of the listener cache of group's nodes of
+// ip, one of Scenario.InboundIPs.
+func inboundKey(group string, ip netip.Addr) string {
+	return muxKey(group+"|"+ip.String(), typeURLs[tLDS])
+}
+
 func (u *Upstream) classify(node *core.Node, typeURL string) string {
 	if !slices.Contains(typeURLs[:], typeURL) {
 		return unknownKey
 	}
-	return muxKey(u.sc.Group(node), typeURL)
+	group := u.sc.Group(node)
+	if typeURL == typeURLs[tLDS] && len(u.inbound) > 0 {
+		for _, ip := range nodeIPs(node) {
+			if _, ok := u.inbound[ip]; ok {
+				return inboundKey(group, ip)
+			}
+		}
+	}
+	return muxKey(group, typeURL)
 }
 
 // visibleGroups returns the groups that see s.
@@ -485,8 +567,10 @@ func (u *Upstream) vhosts(gi int, port uint32) []*routev3.VirtualHost {
 func (u *Upstream) Groups() []string { return slices.Clone(u.groups) }
 
 // Snapshot returns what the upstream serves to group now: type URL → name →
-// resource, consistent across types. The resources are shared with the
-// caches and must not be modified. It returns nil for an unknown group.
+// resource, consistent across types (a node of one of
+// Scenario.InboundIPs also gets its inbound listener). The resources are
+// shared with the caches and must not be modified. It returns nil for an
+// unknown group.
 func (u *Upstream) Snapshot(group string) map[string]map[string]proto.Message {
 	gi, ok := u.groupIx[group]
 	if !ok {
@@ -556,6 +640,23 @@ func (u *Upstream) publish(t int, groups []int, name string, res types.Resource,
 		}
 		if u.deltas != nil {
 			u.deltas[gi][t].set(name, dr)
+		}
+		if t != tLDS || u.inboundLDS == nil {
+			continue
+		}
+		// The group's nodes of an inbound IP get its listeners too.
+		for k, lc := range u.inboundLDS[gi] {
+			if res == nil {
+				err = lc.DeleteResource(name)
+			} else {
+				err = lc.UpdateResource(name, res)
+			}
+			if err != nil {
+				return c, fmt.Errorf("upstream: publish %s %s to %s (%s): %w", typeURLs[t], name, u.groups[gi], u.sc.InboundIPs[k], err)
+			}
+			if u.inboundDeltas != nil {
+				u.inboundDeltas[gi][k].set(name, dr)
+			}
 		}
 	}
 	u.stats.changes.Add(1)

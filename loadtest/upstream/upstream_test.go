@@ -109,6 +109,11 @@ func TestNewValidates(t *testing.T) {
 			c.Scenario.GRPCServices = []upstream.GRPCService{{Name: "a", Backend: "h:1"}}
 			c.Scenario.HTTPServices = []upstream.HTTPService{{Name: "a", Listen: "127.0.0.1:1"}}
 		}, "upstream: field Scenario.HTTPServices"},
+		{"inbound IPs", func(c *upstream.Config) { c.Scenario.InboundIPs = []string{"10.0.0.1", "fd00::1"} }, ""},
+		{"inbound not an IP", func(c *upstream.Config) { c.Scenario.InboundIPs = []string{"10.0.0.1", "pod-1"} }, "upstream: field Scenario.InboundIPs"},
+		{"inbound with a port", func(c *upstream.Config) { c.Scenario.InboundIPs = []string{"10.0.0.1:8080"} }, "upstream: field Scenario.InboundIPs"},
+		{"inbound empty", func(c *upstream.Config) { c.Scenario.InboundIPs = []string{""} }, "upstream: field Scenario.InboundIPs"},
+		{"inbound duplicate", func(c *upstream.Config) { c.Scenario.InboundIPs = []string{"10.0.0.1", "::ffff:10.0.0.1"} }, "upstream: field Scenario.InboundIPs"},
 		{"bad listen", func(c *upstream.Config) { c.Listen = "nope" }, "upstream: field Listen"},
 		{"negative max msg size", func(c *upstream.Config) { c.MaxMsgSize = -1 }, "upstream: field MaxMsgSize"},
 	}

@@ -55,7 +55,8 @@ type InspectClient interface {
 	// split reaches the tier's relays as every split does. NOT_FOUND if the
 	// relay holds no such key; FAILED_PRECONDITION if it is not the key's
 	// upstream source; UNAVAILABLE if a check of the key, or as many checks
-	// as the relay runs at a time, run already (ask at the next turn).
+	// as the relay runs at a time, run already (ask at the next turn);
+	// ABORTED if the check found no settled answer.
 	CheckMember(ctx context.Context, in *CheckMemberRequest, opts ...grpc.CallOption) (*CheckMemberResult, error)
 }
 
@@ -132,7 +133,8 @@ type InspectServer interface {
 	// split reaches the tier's relays as every split does. NOT_FOUND if the
 	// relay holds no such key; FAILED_PRECONDITION if it is not the key's
 	// upstream source; UNAVAILABLE if a check of the key, or as many checks
-	// as the relay runs at a time, run already (ask at the next turn).
+	// as the relay runs at a time, run already (ask at the next turn);
+	// ABORTED if the check found no settled answer.
 	CheckMember(context.Context, *CheckMemberRequest) (*CheckMemberResult, error)
 	mustEmbedUnimplementedInspectServer()
 }
