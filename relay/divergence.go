@@ -54,6 +54,25 @@ const divergenceSettle = 3 * confirmAfter / 2
 // for longer is checked again at its next turn.
 const divergenceCheckFor = 2 * time.Minute
 
+// errNotComparable ends a check of a key whose views are not yet its
+// upstream's answer to everything its members subscribe to.
+var errNotComparable = errors.New("relay: the key's views are not its upstream's yet")
+
+// errWantGrew ends a check that found the same config in the types it
+// asked for while the key's members came to subscribe to more types.
+var errWantGrew = errors.New("relay: the key's members subscribed to more types during the check")
+
+// wantGrew reports whether now holds a cached type before lacked, or one
+// before wanted by name that now is wanted whole.
+func wantGrew(now, before map[string]bool) bool {
+	for typeURL, wildcard := range now {
+		if was, ok := before[typeURL]; xds.Cached(typeURL) && (!ok || wildcard && !was) {
+			return true
+		}
+	}
+	return false
+}
+
 // errChurning ends a check that found no settled answer in
 // divergenceCheckFor.
 var errChurning = errors.New("relay: the key's content kept changing")
@@ -230,7 +249,7 @@ func (k *keyState) checkDue(now time.Time, every time.Duration) (member, bool) {
 	defer k.mu.Unlock()
 	d := &k.div
 	presented := k.presentedNode.Load()
-	if d.running || len(k.members) < 2 || presented == nil || len(askedOf(k.views.Load())) == 0 {
+	if d.running || len(k.members) < 2 || presented == nil || len(askedOf(k.views.Load(), k.wantedLocked())) == 0 {
 		return nil, false // nothing to compare yet
 	}
 	if d.next.IsZero() {
@@ -346,6 +365,11 @@ func (r *Relay) checkKey(ctx context.Context, k *keyState, m member) {
 		var s aggkey.Split
 		differ, s, err = r.runCheck(ctx, k, m)
 		split = s.String()
+		if errors.Is(err, errWantGrew) || errors.Is(err, errNotComparable) {
+			k.checkLater(m) // compare the whole of it at the next tick
+			r.log.Debug("divergence check: the members subscribed to more meanwhile", "key", k.key, "node", node.GetId())
+			return
+		}
 	}
 	k.checkDone(m, time.Now().Add(r.cfg.DivergenceInterval))
 	switch {
@@ -417,7 +441,10 @@ func (s inspectServer) CheckMember(ctx context.Context, req *inspectpb.CheckMemb
 	}
 	differ, split, err := s.r.runCheck(ctx, k, nodeMember{node})
 	k.checkDone(nil, time.Time{})
-	if err != nil {
+	switch {
+	case errors.Is(err, errWantGrew) || errors.Is(err, errNotComparable):
+		return nil, status.Errorf(codes.Unavailable, "check: %v", err) // ask again
+	case err != nil:
 		return nil, status.Errorf(codes.Aborted, "check: %v", err)
 	}
 	out := &inspectpb.CheckMemberResult{Relay: s.r.cfg.ID, Diverged: len(differ) > 0}
@@ -486,9 +513,10 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 	defer cancel()
 	node, cred := m.presents()
 	presented := k.presentedNode.Load()
-	asked := askedOf(k.views.Load())
+	wanted := k.wantedTypes()
+	asked := askedOf(k.views.Load(), wanted)
 	if len(asked) == 0 {
-		return nil, errors.New("relay: the key's views are not its upstream's yet")
+		return nil, errNotComparable
 	}
 	if r.upstreamRate != nil {
 		if err := r.upstreamRate.Wait(ctx); err != nil {
@@ -554,6 +582,12 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 			clear(seen)
 		case !ok: // not every type answered yet
 		case len(diffs) == 0:
+			if wantGrew(k.wantedTypes(), wanted) {
+				// The same in what it asked, but the members now want
+				// types it did not (an Envoy asks for listeners once it
+				// has clusters): not an answer for the whole.
+				return nil, errWantGrew
+			}
 			return nil, nil
 		default:
 			if differ := settled(seen, diffs, time.Now()); len(differ) > 0 {
@@ -595,18 +629,28 @@ func settled(seen map[difference]time.Time, diffs []difference, now time.Time) [
 	return types
 }
 
-// askedOf returns what a check asks for, by type: the names k's views hold
-// (nil: everything, for a view that is the whole of its type).
-func askedOf(v *keyViews) map[string]xds.NameSet {
+// askedOf returns what a check asks for, by type, given what the key's
+// members subscribe to (wanted: by type, whether any asks for everything):
+// everything for those types, else the names the key's view holds (the
+// members' and the names they point at). Nil until the views answer every
+// type the members subscribe to, from the key's upstream, and whole where
+// asked whole: a check that compared part of the key's config would miss
+// what differs in the rest (an inbound listener, before the key's
+// listeners arrived).
+func askedOf(v *keyViews, wanted map[string]bool) map[string]xds.NameSet {
 	if v.stale || v.restored {
 		return nil
 	}
 	asked := make(map[string]xds.NameSet)
-	for typeURL, tv := range v.types {
-		if !tv.ready || !xds.Cached(typeURL) {
+	for typeURL, wildcard := range wanted {
+		if !xds.Cached(typeURL) {
 			continue
 		}
-		if tv.full {
+		tv := v.types[typeURL]
+		if tv == nil || !tv.ready || wildcard && !tv.full {
+			return nil
+		}
+		if wildcard {
 			asked[typeURL] = nil
 			continue
 		}
@@ -619,6 +663,23 @@ func askedOf(v *keyViews) map[string]xds.NameSet {
 		}
 	}
 	return asked
+}
+
+// wantedLocked returns the types k's members subscribe to, and whether any
+// subscribes to everything of each. The caller holds k.mu.
+func (k *keyState) wantedLocked() map[string]bool {
+	out := make(map[string]bool, len(k.want))
+	for typeURL, w := range k.want {
+		out[typeURL] = w.wildcard > 0
+	}
+	return out
+}
+
+// wantedTypes is wantedLocked, taking k.mu.
+func (k *keyState) wantedTypes() map[string]bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.wantedLocked()
 }
 
 // probeStream is a check's upstream stream: what it asked and what it got.

@@ -321,3 +321,35 @@ func TestDivergenceCheckWaitsForSlot(t *testing.T) {
 		t.Errorf("Splits() = %v, want one moving %s", s, diverging.GetId())
 	}
 }
+
+// TestDivergenceCheckAtJoinComparesEverything: two pods join a key at once,
+// one of them diverging in its listeners. The check run as the second
+// joins must compare every type the key's Envoys come to subscribe to: an
+// Envoy asks for listeners only once it has clusters, and a check that
+// compared the clusters alone would find them the same, and leave the key
+// unchecked until the next turn, an hour later here. Whichever pod's node
+// the key presents, the two end up on keys of their own config. (If the
+// key presented the diverging pod, the other held its inbound listener
+// until the split, and loses it then: the one removal allowed.)
+func TestDivergenceCheckAtJoinComparesEverything(t *testing.T) {
+	up := inboundUpstream(t)
+	r := startRelay(t, up, func(c *Config) { c.DivergenceInterval = time.Hour })
+	a := startWatchedEnvoy(t, r.Addr().String(), node("default", "reviews", 0), envoy.Delta)
+	b := startWatchedEnvoy(t, r.Addr().String(), node("default", "reviews", 2), envoy.Delta)
+	waitLong(t, "a split, and each Envoy on its own config", func() bool {
+		return len(r.Splits()) == 1 && holds(b.Envoy, 1, "inbound|"+inboundIP) &&
+			holds(a.Envoy, 1, "outbound") && len(a.Resources(envoy.ListenerType)) == 1
+	})
+	for _, e := range []*watchedEnvoy{a, b} {
+		rm := e.removals()
+		if e == a {
+			rm = slices.DeleteFunc(rm, func(s string) bool { return s == "lds inbound|"+inboundIP })
+		}
+		if len(rm) > 0 {
+			t.Errorf("%s saw removals %q", e.ID(), rm)
+		}
+		for _, v := range e.Violations() {
+			t.Errorf("%s: %v", e.ID(), v)
+		}
+	}
+}
