@@ -1,0 +1,285 @@
+package relay
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	endpoint "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/wire"
+	"github.com/meshrelay/meshrelay/relay/xds"
+)
+
+// No cliff at one Envoy per key (issue 18): clients keyed one a node, all
+// subscribed to the same endpoints, cost the relay within twice what the
+// same clients cost keyed together. What the relay holds per key (its
+// views, subscriptions, upstream names, history) must be shared by
+// content, or it grows with keys × names.
+//
+// Memory is read as the live heap after a collection, so the figure does
+// not depend on the machine's speed or load. Everything in the test
+// process counts: so the upstream and the clients are lean, holding
+// nothing per stream beyond their gRPC stream (go-control-plane's cache
+// keeps every watch's request, and the raw test client its last response:
+// at 200 streams either would outweigh the relay).
+func TestNoCliffPerNodeKeys(t *testing.T) {
+	const clients, endpoints = 200, 2000
+	up := newLeanUpstream(t, endpoints)
+	heap := func(perNode bool) uint64 {
+		var live uint64
+		name := "one key"
+		if perNode {
+			name = "per-node keys"
+		}
+		t.Run(name, func(t *testing.T) {
+			before := liveHeap()
+			r := startRelayTo(t, up.addr, func(c *Config) {
+				c.UpstreamProtocol = ProtocolSotW
+				c.UpstreamStreamRate, c.UpstreamSyncs, c.AdmitRate = 0, 0, 0
+				if perNode {
+					c.KeyProfile = aggkey.PerNode{}
+				}
+			})
+			syncLeanClients(t, r.Addr().String(), clients, up.names)
+			want := 1
+			if perNode {
+				want = clients
+			}
+			if got := up.streams(); got != want {
+				t.Fatalf("upstream streams = %d, want %d", got, want)
+			}
+			waitSettled(t, r, clients)
+			after := steadyHeap()
+			live = after - min(before, after)
+			t.Logf("%d clients, %d endpoints: %.1f MiB live", clients, endpoints, float64(live)/(1<<20))
+		})
+		return live
+	}
+	one := heap(false)
+	perNode := heap(true)
+	if t.Failed() {
+		return
+	}
+	t.Logf("per-node / one key = %.2f", float64(perNode)/float64(one))
+	if perNode > 2*one {
+		t.Errorf("%d per-node keys hold %.1f MiB, more than twice one key's %.1f MiB", clients, float64(perNode)/(1<<20), float64(one)/(1<<20))
+	}
+}
+
+// waitSettled waits until n streams are attached to r and each ACKed the
+// latest response it was sent: nothing is in flight.
+func waitSettled(t *testing.T, r *Relay, n int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	waitCtx(ctx, t, "every client ACKed its latest response", func() bool {
+		cs := r.Clients()
+		for _, c := range cs {
+			st, ok := c.Types[xds.TypeEndpoint]
+			if !ok || st.SentVersion == "" || st.AckedVersion != st.SentVersion {
+				return false
+			}
+		}
+		return len(cs) == n
+	})
+}
+
+// steadyHeap returns liveHeap once two readings in a row agree within 1%:
+// buffers of the last responses may still be on their way out.
+func steadyHeap() uint64 {
+	prev := liveHeap()
+	for range 50 {
+		time.Sleep(20 * time.Millisecond)
+		h := liveHeap()
+		if max(h, prev)-min(h, prev) <= max(h, prev)/100 {
+			return h
+		}
+		prev = h
+	}
+	return prev
+}
+
+// liveHeap returns the bytes of live heap objects after a full collection.
+func liveHeap() uint64 {
+	var ms runtime.MemStats
+	runtime.GC()
+	runtime.GC() // the first may leave cleanups (weak sets) to run
+	runtime.ReadMemStats(&ms)
+	return ms.HeapAlloc
+}
+
+// syncLeanClients opens n SotW streams to addr, each subscribed to names of
+// EDS, and returns once every one holds them all and ACKed. The streams
+// stay open until the test ends; the clients keep nothing of what they
+// receive.
+func syncLeanClients(t *testing.T, addr string, n int, names []string) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	t.Cleanup(func() { cancel(); wg.Wait() })
+	const perConn = 50
+	var ads discovery.AggregatedDiscoveryServiceClient
+	synced := make(chan error, n)
+	for i := range n {
+		if i%perConn == 0 {
+			ads = discovery.NewAggregatedDiscoveryServiceClient(dial(t, addr))
+		}
+		st, err := ads.StreamAggregatedResources(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			synced <- syncLean(st, node("ns1", "app", i), names)
+			for { // ACK whatever else comes, until the test ends
+				resp, err := st.Recv()
+				if err != nil || st.Send(ackOf(resp, names)) != nil {
+					return
+				}
+			}
+		}()
+	}
+	for range n {
+		select {
+		case err := <-synced:
+			if err != nil {
+				t.Fatalf("client: %v", err)
+			}
+		case <-time.After(2 * time.Minute):
+			t.Fatal("clients not synced in 2 minutes")
+		}
+	}
+}
+
+// syncLean subscribes st to names and ACKs what comes until it was sent
+// every one of them.
+func syncLean(st discovery.AggregatedDiscoveryService_StreamAggregatedResourcesClient, n *core.Node, names []string) error {
+	if err := st.Send(&discovery.DiscoveryRequest{Node: n, TypeUrl: xds.TypeEndpoint, ResourceNames: names}); err != nil {
+		return err
+	}
+	seen := make(map[string]bool, len(names))
+	for len(seen) < len(names) {
+		resp, err := st.Recv()
+		if err != nil {
+			return err
+		}
+		for _, a := range resp.GetResources() {
+			var cla endpoint.ClusterLoadAssignment
+			if err := a.UnmarshalTo(&cla); err != nil {
+				return err
+			}
+			seen[cla.GetClusterName()] = true
+		}
+		if err := st.Send(ackOf(resp, names)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func ackOf(resp *discovery.DiscoveryResponse, names []string) *discovery.DiscoveryRequest {
+	return &discovery.DiscoveryRequest{TypeUrl: xds.TypeEndpoint, VersionInfo: resp.GetVersionInfo(), ResponseNonce: resp.GetNonce(), ResourceNames: names}
+}
+
+// leanUpstream is a SotW ADS server of one set of endpoints for every node.
+// It answers a request whose names differ from the last it answered on the
+// stream with those of them it has, and holds nothing else per stream.
+type leanUpstream struct {
+	addr  string
+	names []string
+	res   map[string]*anypb.Any
+
+	mu   sync.Mutex
+	open int
+}
+
+func newLeanUpstream(t *testing.T, n int) *leanUpstream {
+	t.Helper()
+	u := &leanUpstream{res: make(map[string]*anypb.Any, n)}
+	for i := range n {
+		name := fmt.Sprintf("outbound|8080||svc-%d.ns-%d.svc.cluster.local", i, i%50)
+		a, err := anypb.New(mkCLA(name, 8080, 8081))
+		if err != nil {
+			t.Fatal(err)
+		}
+		u.names = append(u.names, name)
+		u.res[name] = a
+	}
+	srv := grpc.NewServer(grpc.MaxRecvMsgSize(256<<20), grpc.MaxSendMsgSize(256<<20))
+	discovery.RegisterAggregatedDiscoveryServiceServer(srv, u)
+	lis := listenLoopback(t)
+	u.addr = lis.Addr().String()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = srv.Serve(lis)
+	}()
+	t.Cleanup(func() {
+		srv.Stop()
+		<-done
+	})
+	return u
+}
+
+func (u *leanUpstream) streams() int {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.open
+}
+
+func (u *leanUpstream) StreamAggregatedResources(st discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
+	u.mu.Lock()
+	u.open++
+	u.mu.Unlock()
+	defer func() {
+		u.mu.Lock()
+		u.open--
+		u.mu.Unlock()
+	}()
+	var nonce int
+	var last uint64 // wire.ListDigest of the names last answered
+	for {
+		req, err := st.Recv()
+		if err != nil {
+			return err
+		}
+		if req.GetTypeUrl() != xds.TypeEndpoint {
+			return status.Errorf(codes.Unimplemented, "lean upstream serves only EDS, not %s", req.GetTypeUrl())
+		}
+		if got := strconv.Itoa(nonce); nonce > 0 && req.GetResponseNonce() != got {
+			continue // stale
+		}
+		sum := wire.ListDigest(req.GetResourceNames())
+		if nonce > 0 && sum == last {
+			continue // an ACK
+		}
+		last = sum
+		nonce++
+		resp := &discovery.DiscoveryResponse{TypeUrl: xds.TypeEndpoint, VersionInfo: "1", Nonce: strconv.Itoa(nonce)}
+		for _, n := range req.GetResourceNames() {
+			if a := u.res[n]; a != nil {
+				resp.Resources = append(resp.Resources, a)
+			}
+		}
+		if err := st.Send(resp); err != nil {
+			return err
+		}
+	}
+}
+
+func (u *leanUpstream) DeltaAggregatedResources(discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
+	return status.Error(codes.Unimplemented, "lean upstream speaks SotW")
+}
