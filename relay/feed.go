@@ -741,7 +741,7 @@ func (u *feed) desired() map[string]subscription {
 			continue
 		}
 		w := want[typeURL]
-		w.names = append(w.names, slices.Collect(maps.Keys(names))...)
+		w.names = w.names.With(slices.Collect(maps.Keys(names)), nil)
 		want[typeURL] = w
 	}
 	return want
