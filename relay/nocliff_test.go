@@ -227,17 +227,7 @@ func newLeanUpstream(t *testing.T, n int) *leanUpstream {
 	}
 	srv := grpc.NewServer(grpc.MaxRecvMsgSize(256<<20), grpc.MaxSendMsgSize(256<<20))
 	discovery.RegisterAggregatedDiscoveryServiceServer(srv, u)
-	lis := listenLoopback(t)
-	u.addr = lis.Addr().String()
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		_ = srv.Serve(lis)
-	}()
-	t.Cleanup(func() {
-		srv.Stop()
-		<-done
-	})
+	u.addr = serveLoopback(t, srv)
 	return u
 }
 
@@ -247,24 +237,35 @@ func (u *leanUpstream) streams() int {
 	return u.open
 }
 
-func (u *leanUpstream) StreamAggregatedResources(st discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
+// opened counts a stream open until the returned func is called.
+func (u *leanUpstream) opened() (closed func()) {
 	u.mu.Lock()
 	u.open++
 	u.mu.Unlock()
-	defer func() {
+	return func() {
 		u.mu.Lock()
 		u.open--
 		u.mu.Unlock()
-	}()
+	}
+}
+
+// recvEDS receives a request, refusing any but EDS.
+func recvEDS[R interface{ GetTypeUrl() string }](recv func() (R, error)) (R, error) {
+	req, err := recv()
+	if err == nil && req.GetTypeUrl() != xds.TypeEndpoint {
+		err = status.Errorf(codes.Unimplemented, "lean upstream serves only EDS, not %s", req.GetTypeUrl())
+	}
+	return req, err
+}
+
+func (u *leanUpstream) StreamAggregatedResources(st discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
+	defer u.opened()()
 	var nonce int
 	var last uint64 // wire.ListDigest of the names last answered
 	for {
-		req, err := st.Recv()
+		req, err := recvEDS(st.Recv)
 		if err != nil {
 			return err
-		}
-		if req.GetTypeUrl() != xds.TypeEndpoint {
-			return status.Errorf(codes.Unimplemented, "lean upstream serves only EDS, not %s", req.GetTypeUrl())
 		}
 		if got := strconv.Itoa(nonce); nonce > 0 && req.GetResponseNonce() != got {
 			continue // stale
@@ -288,22 +289,12 @@ func (u *leanUpstream) StreamAggregatedResources(st discovery.AggregatedDiscover
 }
 
 func (u *leanUpstream) DeltaAggregatedResources(st discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
-	u.mu.Lock()
-	u.open++
-	u.mu.Unlock()
-	defer func() {
-		u.mu.Lock()
-		u.open--
-		u.mu.Unlock()
-	}()
+	defer u.opened()()
 	nonce := 0
 	for {
-		req, err := st.Recv()
+		req, err := recvEDS(st.Recv)
 		if err != nil {
 			return err
-		}
-		if req.GetTypeUrl() != xds.TypeEndpoint {
-			return status.Errorf(codes.Unimplemented, "lean upstream serves only EDS, not %s", req.GetTypeUrl())
 		}
 		if len(req.GetResourceNamesSubscribe()) == 0 {
 			continue // an ACK, or an unsubscription
