@@ -22,12 +22,13 @@ import (
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
-// No cliff at one Envoy per key (issue 18): SotW clients keyed one a node,
-// all subscribed to the same endpoints, cost the relay within twice what
-// the same clients cost keyed together, whichever protocol the relay
-// speaks upstream. What the relay holds per key (its views,
-// subscriptions, upstream names and versions, history) must be shared by
-// content, or it grows with keys × names.
+// No cliff at one Envoy per key (issue 18): clients keyed one a node, all
+// subscribed to the same endpoints, cost the relay within twice what the
+// same clients cost keyed together, whichever protocol they and the
+// relay's upstream speak. What the relay holds per key (its views,
+// subscriptions, upstream names and versions, history, the bodies it
+// encoded for its clients) must be shared by content, or it grows with
+// keys × names.
 //
 // Memory is read as the live heap after a collection, so the figure does
 // not depend on the machine's speed or load. Everything in the test
@@ -38,8 +39,12 @@ import (
 // upstream of its own, stopped with it, measured from a steady heap.
 func TestNoCliffPerNodeKeys(t *testing.T) {
 	const clients, endpoints = 200, 2000
-	for _, upProto := range []Protocol{ProtocolSotW, ProtocolDelta} {
-		t.Run("upstream "+string(upProto), func(t *testing.T) {
+	for _, tc := range []struct{ down, up Protocol }{
+		{ProtocolSotW, ProtocolSotW},  // issue 18's fleet
+		{ProtocolSotW, ProtocolDelta}, // the relay's default upstream
+		{ProtocolDelta, ProtocolDelta},
+	} {
+		t.Run(fmt.Sprintf("clients %s, upstream %s", tc.down, tc.up), func(t *testing.T) {
 			heap := func(perNode bool) uint64 {
 				var live uint64
 				name := "one key"
@@ -50,13 +55,13 @@ func TestNoCliffPerNodeKeys(t *testing.T) {
 					before := steadyHeap()
 					up := newLeanUpstream(t, endpoints)
 					r := startRelayTo(t, up.addr, func(c *Config) {
-						c.UpstreamProtocol = upProto
+						c.UpstreamProtocol = tc.up
 						c.UpstreamStreamRate, c.UpstreamSyncs, c.AdmitRate = 0, 0, 0
 						if perNode {
 							c.KeyProfile = aggkey.PerNode{}
 						}
 					})
-					syncLeanClients(t, r.Addr().String(), clients, up.names)
+					syncLeanClients(t, r.Addr().String(), tc.down == ProtocolDelta, clients, up.names)
 					want := 1
 					if perNode {
 						want = clients
@@ -126,11 +131,11 @@ func liveHeap() uint64 {
 	return ms.HeapAlloc
 }
 
-// syncLeanClients opens n SotW streams to addr, each subscribed to names of
-// EDS, and returns once every one holds them all and ACKed. The streams
-// stay open until the test ends; the clients keep nothing of what they
-// receive.
-func syncLeanClients(t *testing.T, addr string, n int, names []string) {
+// syncLeanClients opens n streams to addr (Delta if delta, else SotW),
+// each subscribed to names of EDS, and returns once every one was sent
+// them all and ACKed. The streams stay open, ACKing what comes, until the
+// test ends; the clients keep nothing of what they receive.
+func syncLeanClients(t *testing.T, addr string, delta bool, n int, names []string) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
@@ -142,21 +147,15 @@ func syncLeanClients(t *testing.T, addr string, n int, names []string) {
 		if i%perConn == 0 {
 			ads = discovery.NewAggregatedDiscoveryServiceClient(dial(t, addr))
 		}
-		st, err := ads.StreamAggregatedResources(ctx)
+		var client leanClient = leanSotW
+		if delta {
+			client = leanDelta
+		}
+		run, err := client(ctx, ads, node("ns1", "app", i), names)
 		if err != nil {
 			t.Fatal(err)
 		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			synced <- syncLean(st, node("ns1", "app", i), names)
-			for { // ACK whatever else comes, until the test ends
-				resp, err := st.Recv()
-				if err != nil || st.Send(ackOf(resp, names)) != nil {
-					return
-				}
-			}
-		}()
+		wg.Go(func() { run(func(err error) { synced <- err }) })
 	}
 	for range n {
 		select {
@@ -170,30 +169,70 @@ func syncLeanClients(t *testing.T, addr string, n int, names []string) {
 	}
 }
 
-// syncLean subscribes st to names and ACKs what comes until it was sent
-// every one of them.
-func syncLean(st discovery.AggregatedDiscoveryService_StreamAggregatedResourcesClient, n *core.Node, names []string) error {
-	if err := st.Send(&discovery.DiscoveryRequest{Node: n, TypeUrl: xds.TypeEndpoint, ResourceNames: names}); err != nil {
-		return err
+// A leanClient opens a stream for node subscribed to names of EDS; run
+// ACKs what comes, calls synced once it was sent every name (or with the
+// error that ended the stream first), and returns when the stream ends.
+type leanClient func(ctx context.Context, ads discovery.AggregatedDiscoveryServiceClient, n *core.Node, names []string) (run func(synced func(error)), err error)
+
+func leanSotW(ctx context.Context, ads discovery.AggregatedDiscoveryServiceClient, n *core.Node, names []string) (func(func(error)), error) {
+	st, err := ads.StreamAggregatedResources(ctx)
+	if err != nil {
+		return nil, err
 	}
-	seen := make(map[string]bool, len(names))
-	for len(seen) < len(names) {
-		resp, err := st.Recv()
-		if err != nil {
-			return err
+	return func(synced func(error)) {
+		leanRun(st.Send(&discovery.DiscoveryRequest{Node: n, TypeUrl: xds.TypeEndpoint, ResourceNames: names}), st.Recv,
+			func(resp *discovery.DiscoveryResponse, each func(string)) error {
+				for _, a := range resp.GetResources() {
+					var cla endpoint.ClusterLoadAssignment
+					if err := a.UnmarshalTo(&cla); err != nil {
+						return err
+					}
+					each(cla.GetClusterName())
+				}
+				return st.Send(ackOf(resp, names))
+			}, len(names), synced)
+	}, nil
+}
+
+func leanDelta(ctx context.Context, ads discovery.AggregatedDiscoveryServiceClient, n *core.Node, names []string) (func(func(error)), error) {
+	st, err := ads.DeltaAggregatedResources(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return func(synced func(error)) {
+		leanRun(st.Send(&discovery.DeltaDiscoveryRequest{Node: n, TypeUrl: xds.TypeEndpoint, ResourceNamesSubscribe: names}), st.Recv,
+			func(resp *discovery.DeltaDiscoveryResponse, each func(string)) error {
+				for _, r := range resp.GetResources() {
+					each(r.GetName())
+				}
+				return st.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResponseNonce: resp.GetNonce()})
+			}, len(names), synced)
+	}, nil
+}
+
+// leanRun is a lean client's loop, once its first request was sent
+// (err): it receives, and answers each response (calling each with every
+// name in it) until the stream ends. synced is called once every one of
+// want names came, or with the error that ended the stream before.
+func leanRun[Resp any](err error, recv func() (Resp, error), answer func(Resp, func(string)) error, want int, synced func(error)) {
+	seen := make(map[string]bool, want)
+	for err == nil {
+		var resp Resp
+		if resp, err = recv(); err == nil {
+			err = answer(resp, func(name string) {
+				if seen != nil {
+					seen[name] = true
+				}
+			})
 		}
-		for _, a := range resp.GetResources() {
-			var cla endpoint.ClusterLoadAssignment
-			if err := a.UnmarshalTo(&cla); err != nil {
-				return err
-			}
-			seen[cla.GetClusterName()] = true
-		}
-		if err := st.Send(ackOf(resp, names)); err != nil {
-			return err
+		if seen != nil && len(seen) == want {
+			seen = nil
+			synced(nil)
 		}
 	}
-	return nil
+	if seen != nil {
+		synced(err)
+	}
 }
 
 func ackOf(resp *discovery.DiscoveryResponse, names []string) *discovery.DiscoveryRequest {
