@@ -28,7 +28,7 @@ func TestRestoredDeclarationSurvivesADrop(t *testing.T) {
 	m := r.newStream(context.Background(), false, portPlain)
 	m.node = fuzzNode
 	k.join(m)
-	k.subscribe(xds.TypeEndpoint, false, false, []string{"c0"}, nil)
+	k.subscribe(xds.TypeEndpoint, false, false, nil, xds.NameSet{"c0"})
 	b := ledger.Tree[*xds.Resource]{}.Edit()
 	for _, n := range []string{"c0", "c1"} {
 		a, _ := anypb.New(mkCLA(n, 8080))

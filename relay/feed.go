@@ -745,7 +745,7 @@ func (u *feed) desired() map[string]subscription {
 			continue
 		}
 		w := want[typeURL]
-		w.names = append(w.names, slices.Collect(maps.Keys(names))...)
+		w.names = w.names.With(slices.Collect(maps.Keys(names)), nil)
 		want[typeURL] = w
 	}
 	return want
@@ -778,8 +778,9 @@ func (u *feed) resubscribe() error {
 			ut = &feedType{}
 			u.types[typeURL] = ut
 		}
-		names := xds.NewNameSet(w.names)
-		if ut.asked && ut.wildcard == w.wildcard && slices.Equal(ut.names, names) {
+		// Shared by content: per-node keys of one view ask for one set.
+		names := u.r.nameSets.Intern(w.names)
+		if ut.asked && ut.wildcard == w.wildcard && sameSet(ut.names, names) {
 			continue
 		}
 		if ut.asked && w.wildcard && !ut.wildcard {

@@ -710,19 +710,19 @@ func (h *downHarness) checkState(when string) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	// One stream is the key's only member, so the key wants exactly what
-	// the stream subscribes to, each name counted once.
+	// the stream subscribes to: its set, held once.
 	for _, typeURL := range slices.Sorted(maps.Keys(k.want)) {
 		w := k.want[typeURL]
 		if w.wildcard < 0 {
 			h.fatalf("%s: key wants %s with a wildcard count of %d", when, xds.ShortType(typeURL), w.wildcard)
 		}
-		for n, c := range w.names {
-			if c <= 0 {
-				h.fatalf("%s: key wants %s %q with a count of %d", when, xds.ShortType(typeURL), n, c)
+		for _, c := range w.sets {
+			if c.streams <= 0 || len(c.names) == 0 {
+				h.fatalf("%s: key wants %s %v with a count of %d", when, xds.ShortType(typeURL), c.names, c.streams)
 			}
 		}
 		if h.s.subs[typeURL] == nil {
-			h.fatalf("%s: key wants %s (wildcard %d, names %v) that the stream never subscribed to", when, xds.ShortType(typeURL), w.wildcard, w.names)
+			h.fatalf("%s: key wants %s (wildcard %d, names %v) that the stream never subscribed to", when, xds.ShortType(typeURL), w.wildcard, w.names())
 		}
 	}
 	for typeURL, sub := range h.s.subs {
@@ -730,15 +730,17 @@ func (h *downHarness) checkState(when string) {
 		if w == nil {
 			w = &typeWant{}
 		}
-		wantWildcard := 0
+		wantWildcard, wantSets := 0, 0
 		if sub.wildcard {
 			wantWildcard = 1
 		}
-		got := slices.Sorted(maps.Keys(w.names))
-		counts := slices.Collect(maps.Values(w.names))
-		if w.wildcard != wantWildcard || !slices.Equal(got, []string(sub.names)) || slices.ContainsFunc(counts, func(c int) bool { return c != 1 }) {
-			h.fatalf("%s: key wants %s {wildcard %d, names %v}, want {wildcard %d, names %v each counted once} (the stream's subscription)",
-				when, xds.ShortType(typeURL), w.wildcard, w.names, wantWildcard, sub.names)
+		if len(sub.names) > 0 {
+			wantSets = 1
+		}
+		if w.wildcard != wantWildcard || !slices.Equal(w.names(), sub.names) || len(w.sets) != wantSets || w.counts != nil ||
+			wantSets == 1 && w.sets[0].streams != 1 {
+			h.fatalf("%s: key wants %s {wildcard %d, names %v, sets %d}, want {wildcard %d, names %v in one set counted once} (the stream's subscription)",
+				when, xds.ShortType(typeURL), w.wildcard, w.names(), len(w.sets), wantWildcard, sub.names)
 		}
 	}
 }
@@ -785,7 +787,7 @@ func (h *downHarness) finish() {
 		h.t.Fatalf("after close the key still has %d members", len(k.members))
 	}
 	for typeURL, w := range k.want {
-		h.t.Fatalf("after close the key still wants %s {wildcard %d, names %v}: the stream's counts were not released", xds.ShortType(typeURL), w.wildcard, w.names)
+		h.t.Fatalf("after close the key still wants %s {wildcard %d, names %v}: the stream's counts were not released", xds.ShortType(typeURL), w.wildcard, w.names())
 	}
 }
 
@@ -1102,8 +1104,9 @@ type upHarness struct {
 	names     map[string][]string
 	named     map[string]bool
 	deltaSubs map[string]map[string]bool
-	subs      map[string]bool // the member's EDS and RDS names, "type|name"
-	oracle    *xds.Store      // decodes responses independently of the relay's store
+	subs      map[string]bool        // the member's EDS and RDS names, "type|name"
+	sets      map[string]xds.NameSet // the member's name sets, by type, as the key holds them
+	oracle    *xds.Store             // decodes responses independently of the relay's store
 	// streamStart is the index in reqs of a new stream's first request
 	// (-1: the harness's first stream, checked on its own).
 	streamStart int
@@ -1128,7 +1131,7 @@ func newUpHarness(t testing.TB, delta bool) *upHarness {
 	h := &upHarness{
 		t: t, r: r, delta: delta, oracle: xds.NewStore(),
 		acked: map[string]string{}, names: map[string][]string{}, named: map[string]bool{},
-		deltaSubs: map[string]map[string]bool{}, subs: map[string]bool{}, streamStart: -1,
+		deltaSubs: map[string]map[string]bool{}, subs: map[string]bool{}, sets: map[string]xds.NameSet{}, streamStart: -1,
 	}
 	h.k = newKeyState(r, "k")
 	// A member whose node the upstream presents. The member is not
@@ -1136,11 +1139,11 @@ func newUpHarness(t testing.TB, delta bool) *upHarness {
 	m := r.newStream(context.Background(), false, portPlain)
 	m.node = fuzzNode
 	h.k.join(m)
-	h.k.subscribe(xds.TypeCluster, false, true, nil, nil)
-	h.k.subscribe(xds.TypeListener, false, true, nil, nil)
+	h.subscribe(xds.TypeCluster, false, true, nil, nil)
+	h.subscribe(xds.TypeListener, false, true, nil, nil)
 	h.subs["cds|*"] = true
 	for typeURL, names := range upInitial {
-		h.k.subscribe(typeURL, false, false, names, nil)
+		h.subscribe(typeURL, false, false, names, nil)
 		for _, n := range names {
 			h.subs[typeURL+"|"+n] = true
 		}
@@ -1216,9 +1219,9 @@ func (h *upHarness) upOp(ctl byte) {
 	switch ctl % 8 {
 	case 4:
 		if h.subs["cds|*"] {
-			h.k.subscribe(xds.TypeCluster, true, false, []string{"c0"}, nil)
+			h.subscribe(xds.TypeCluster, true, false, []string{"c0"}, nil)
 		} else {
-			h.k.subscribe(xds.TypeCluster, false, true, nil, []string{"c0"})
+			h.subscribe(xds.TypeCluster, false, true, nil, []string{"c0"})
 		}
 		h.subs["cds|*"] = !h.subs["cds|*"]
 		return
@@ -1233,11 +1236,20 @@ func (h *upHarness) upOp(ctl byte) {
 	}
 	key := typeURL + "|" + name
 	if h.subs[key] {
-		h.k.subscribe(typeURL, false, false, nil, []string{name})
+		h.subscribe(typeURL, false, false, nil, []string{name})
 	} else {
-		h.k.subscribe(typeURL, false, false, []string{name}, nil)
+		h.subscribe(typeURL, false, false, []string{name}, nil)
 	}
 	h.subs[key] = !h.subs[key]
+}
+
+// subscribe changes the member's subscription to typeURL as a stream does:
+// wildcard on or off, names added and removed.
+func (h *upHarness) subscribe(typeURL string, wildcardBefore, wildcardAfter bool, added, removed []string) {
+	before := h.sets[typeURL]
+	after := before.With(added, removed)
+	h.k.subscribe(typeURL, wildcardBefore, wildcardAfter, before, after)
+	h.sets[typeURL] = after
 }
 
 // resubscribe runs the upstream loop's reaction to a wake-up (subscriptions

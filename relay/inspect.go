@@ -56,9 +56,9 @@ func (r *Relay) KeyDetail(key string, maxNames int) (*inspectpb.KeyDetail, error
 			out.Envoys++
 		}
 	}
-	wants := make(map[string]typeWant, len(k.want))
+	wants := make(map[string]subscription, len(k.want))
 	for t, w := range k.want {
-		wants[t] = typeWant{wildcard: w.wildcard, names: maps.Clone(w.names)}
+		wants[t] = subscription{wildcard: w.wildcard > 0, names: w.names()}
 	}
 	k.mu.Unlock()
 	slices.Sort(out.Peers)
@@ -72,10 +72,10 @@ func (r *Relay) KeyDetail(key string, maxNames int) (*inspectpb.KeyDetail, error
 			}
 		}
 		if w, ok := wants[typeURL]; ok {
-			td.Wildcard = w.wildcard > 0
-			names := slices.Sorted(maps.Keys(w.names))
+			td.Wildcard = w.wildcard
+			names := w.names
 			td.NamesTotal = int64(len(names))
-			td.Names = names[:min(len(names), maxNames)]
+			td.Names = slices.Clone(names[:min(len(names), maxNames)])
 		}
 		out.Types = append(out.Types, td)
 	}
@@ -84,7 +84,7 @@ func (r *Relay) KeyDetail(key string, maxNames int) (*inspectpb.KeyDetail, error
 
 // typesOf lists the types a key has a view of or a subscription to, in
 // push order, then the rest by type URL.
-func typesOf(snap *keyViews, wants map[string]typeWant) []string {
+func typesOf(snap *keyViews, wants map[string]subscription) []string {
 	all := map[string]bool{}
 	for t := range snap.types {
 		all[t] = true

@@ -91,9 +91,102 @@ type member interface {
 }
 
 // typeWant is the union of the member streams' subscriptions to one type.
+//
+// It holds the streams' name sets themselves (interned: streams that ask
+// alike share one, Relay.nameSets), each once with the number of streams
+// subscribed to it, not a copy of their names: the Envoys of a key mostly
+// ask alike, and a per-node key holds its one Envoy's set, which is every
+// other key's of the same content. Only while its streams ask differently
+// does it count names (counts): then a change costs the names it changes,
+// not the sets' sizes times their number.
 type typeWant struct {
-	wildcard int            // streams subscribed to everything
-	names    map[string]int // explicitly subscribed names, with their subscriber count
+	wildcard int          // streams subscribed to everything
+	sets     []countedSet // the distinct non-empty name sets streams subscribe to
+	// counts holds, while sets holds more than one, how many of them hold
+	// each name.
+	counts map[string]int
+}
+
+// countedSet is a name set some streams subscribe to, and how many do.
+type countedSet struct {
+	names   xds.NameSet
+	streams int
+}
+
+// sameSet reports whether a and b are the same set: interned sets of equal
+// content are one, so the first test settles it almost always.
+func sameSet(a, b xds.NameSet) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	return len(a) == 0 || &a[0] == &b[0] || slices.Equal(a, b)
+}
+
+// names returns the union of the streams' name sets, sorted: the one set
+// itself (never to be changed) while they all ask alike.
+func (w *typeWant) names() xds.NameSet {
+	switch len(w.sets) {
+	case 0:
+		return nil
+	case 1:
+		return slices.Clip(w.sets[0].names)
+	}
+	return slices.Sorted(maps.Keys(w.counts))
+}
+
+// add counts one more stream subscribed to names and returns the names no
+// stream wanted before.
+func (w *typeWant) add(names xds.NameSet) (fresh []string) {
+	if len(names) == 0 {
+		return nil
+	}
+	if i := slices.IndexFunc(w.sets, func(c countedSet) bool { return sameSet(c.names, names) }); i >= 0 {
+		w.sets[i].streams++
+		return nil
+	}
+	switch len(w.sets) {
+	case 0:
+		fresh = names
+	case 1:
+		only := w.sets[0].names
+		w.counts = make(map[string]int, len(only)+len(names))
+		for _, n := range only {
+			w.counts[n] = 1
+		}
+		fallthrough
+	default:
+		for _, n := range names {
+			if w.counts[n] == 0 {
+				fresh = append(fresh, n)
+			}
+			w.counts[n]++
+		}
+	}
+	w.sets = append(w.sets, countedSet{names: names, streams: 1})
+	return fresh
+}
+
+// remove counts one stream fewer subscribed to names.
+func (w *typeWant) remove(names xds.NameSet) {
+	i := slices.IndexFunc(w.sets, func(c countedSet) bool { return sameSet(c.names, names) })
+	if i < 0 {
+		return // empty: never counted
+	}
+	if w.sets[i].streams--; w.sets[i].streams > 0 {
+		return
+	}
+	w.sets = slices.Delete(w.sets, i, i+1)
+	if len(w.sets) <= 1 {
+		w.counts = nil // the one set left is the union
+		return
+	}
+	for _, n := range names {
+		if c := w.counts[n]; c > 1 {
+			w.counts[n] = c - 1
+		} else {
+			delete(w.counts, n)
+		}
+	}
 }
 
 // keyViews is the published state of a key. It is immutable.
@@ -345,7 +438,7 @@ func (k *keyState) leave(m member, subs iter.Seq2[string, subscription]) {
 	k.joined.Store(int32(len(k.members)))
 	k.div.forget(m)
 	for typeURL, sub := range subs {
-		k.changeLocked(typeURL, sub.wildcard, false, nil, sub.names)
+		k.changeLocked(typeURL, sub.wildcard, false, sub.names, nil)
 	}
 	k.mu.Unlock()
 	wake(k.upWake)
@@ -373,31 +466,29 @@ func (k *keyState) isMember(m member) bool {
 }
 
 // subscribe records a stream's subscription change to typeURL: wildcard
-// turned on or off, names added and removed. Names newly wanted that the view
-// does not hold become pending at once, so that no stream reports them
-// missing before the upstream had a chance to send them.
-func (k *keyState) subscribe(typeURL string, wildcardBefore, wildcardAfter bool, added, removed []string) {
+// turned on or off, its names moved from one set to another (both
+// interned, Relay.nameSets). Names newly wanted that the view does not
+// hold become pending at once, so that no stream reports them missing
+// before the upstream had a chance to send them.
+func (k *keyState) subscribe(typeURL string, wildcardBefore, wildcardAfter bool, before, after xds.NameSet) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	if wildcardBefore != wildcardAfter {
-		k.changeLocked(typeURL, wildcardBefore, wildcardAfter, nil, nil)
-	}
-	newNames := k.changeLocked(typeURL, false, false, added, removed)
-	if len(newNames) > 0 {
+	fresh := k.changeLocked(typeURL, wildcardBefore, wildcardAfter, before, after)
+	if len(fresh) > 0 {
 		now := time.Now()
-		k.update(func(next *keyViews) { next.markPending(typeURL, newNames, now) })
+		k.update(func(next *keyViews) { next.markPending(typeURL, fresh, now) })
 	}
-	if wildcardBefore != wildcardAfter || len(newNames) > 0 || len(removed) > 0 {
+	if wildcardBefore != wildcardAfter || len(fresh) > 0 || !sameSet(before, after) {
 		wake(k.upWake)
 	}
 }
 
-// changeLocked applies a subscription change to k.want and returns the names
-// that no stream wanted before.
-func (k *keyState) changeLocked(typeURL string, wildcardBefore, wildcardAfter bool, added, removed []string) []string {
+// changeLocked applies a stream's subscription change to k.want and
+// returns the names that no stream wanted before. The caller holds k.mu.
+func (k *keyState) changeLocked(typeURL string, wildcardBefore, wildcardAfter bool, before, after xds.NameSet) []string {
 	w := k.want[typeURL]
 	if w == nil {
-		w = &typeWant{names: make(map[string]int)}
+		w = &typeWant{}
 		k.want[typeURL] = w
 	}
 	switch {
@@ -407,32 +498,25 @@ func (k *keyState) changeLocked(typeURL string, wildcardBefore, wildcardAfter bo
 		w.wildcard--
 	}
 	var fresh []string
-	for _, n := range added {
-		if w.names[n] == 0 {
-			fresh = append(fresh, n)
-		}
-		w.names[n]++
+	if !sameSet(before, after) {
+		// Added before removed: the names both sets hold stay wanted.
+		fresh = w.add(after)
+		w.remove(before)
 	}
-	for _, n := range removed {
-		if c := w.names[n]; c > 1 {
-			w.names[n] = c - 1
-		} else {
-			delete(w.names, n)
-		}
-	}
-	if w.wildcard == 0 && len(w.names) == 0 {
+	if w.wildcard == 0 && len(w.sets) == 0 {
 		delete(k.want, typeURL)
 	}
 	return fresh
 }
 
-// wanted returns a copy of the downstream subscriptions, by type.
+// wanted returns the downstream subscriptions, by type. The name sets may
+// be shared: nobody may change them.
 func (k *keyState) wanted() map[string]subscription {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	out := make(map[string]subscription, len(k.want))
 	for typeURL, w := range k.want {
-		out[typeURL] = subscription{wildcard: w.wildcard > 0, names: slices.Collect(maps.Keys(w.names))}
+		out[typeURL] = subscription{wildcard: w.wildcard > 0, names: w.names()}
 	}
 	return out
 }
@@ -440,5 +524,5 @@ func (k *keyState) wanted() map[string]subscription {
 // subscription is a set of names to ask the upstream for.
 type subscription struct {
 	wildcard bool
-	names    []string
+	names    xds.NameSet
 }

@@ -65,7 +65,7 @@ func (s *stream) followSplits() error {
 		}
 		s.next = s.r.joinKey(want, s)
 		for typeURL, sub := range s.subs {
-			s.next.subscribe(typeURL, false, sub.wildcard, sub.names, nil)
+			s.next.subscribe(typeURL, false, sub.wildcard, nil, sub.names)
 		}
 		s.log.Info("the stream's key split: it moves to a key of its own once that key has its config", "to", want)
 	}

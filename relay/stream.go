@@ -335,12 +335,13 @@ func (s *stream) checkNames(typeURL string, n int) error {
 
 // newSub starts a subscription from a stream's first request for a type.
 func (s *stream) newSub(typeURL string, wildcard, legacy bool, names xds.NameSet) *typeSub {
-	sub := &typeSub{typeURL: typeURL, wildcard: wildcard, legacy: legacy, names: s.r.nameSets.Intern(names), awaitFirst: true}
+	names = s.r.nameSets.Intern(names) // the key's streams (and keys) that ask alike share one set
+	sub := &typeSub{typeURL: typeURL, wildcard: wildcard, legacy: legacy, names: names, awaitFirst: true}
 	s.subs[typeURL] = sub
 	s.dirty = true
-	s.key.subscribe(typeURL, false, wildcard, names, nil)
+	s.key.subscribe(typeURL, false, wildcard, nil, names)
 	if s.next != nil {
-		s.next.subscribe(typeURL, false, wildcard, names, nil)
+		s.next.subscribe(typeURL, false, wildcard, nil, names)
 	}
 	s.led.Subscribe(typeURL)
 	return sub
@@ -353,7 +354,7 @@ func (s *stream) newSub(typeURL string, wildcard, legacy bool, names xds.NameSet
 // content, so that if the key no longer has them the client still hears of
 // the removal.
 func (s *stream) resubscribe(sub *typeSub, wildcard bool, names xds.NameSet, resend []string) {
-	names = s.r.nameSets.Intern(names) // the key's streams that ask alike share one set
+	names = s.r.nameSets.Intern(names) // the key's streams (and keys) that ask alike share one set
 	added, removed := sub.names.Diff(names)
 	if wildcard == sub.wildcard && len(added) == 0 && len(removed) == 0 && len(resend) == 0 {
 		return
@@ -379,9 +380,9 @@ func (s *stream) resubscribe(sub *typeSub, wildcard bool, names xds.NameSet, res
 	}
 	sub.known = kb.Tree()
 	s.dirty = true
-	s.key.subscribe(sub.typeURL, sub.wildcard, wildcard, added, removed)
+	s.key.subscribe(sub.typeURL, sub.wildcard, wildcard, sub.names, names)
 	if s.next != nil {
-		s.next.subscribe(sub.typeURL, sub.wildcard, wildcard, added, removed)
+		s.next.subscribe(sub.typeURL, sub.wildcard, wildcard, sub.names, names)
 	}
 	sub.wildcard, sub.names = wildcard, names
 	if !wildcard {

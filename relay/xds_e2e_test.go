@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"maps"
-	"net"
 	"testing"
 	"time"
 
@@ -176,14 +175,18 @@ func checkBackend(ctx context.Context, t *testing.T, hc healthpb.HealthClient, s
 // reports service as SERVING, and returns its address.
 func startHealthBackend(t *testing.T, service string) string {
 	t.Helper()
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("listen: %v", err)
-	}
 	hs := health.NewServer()
 	hs.SetServingStatus(service, healthpb.HealthCheckResponse_SERVING)
 	srv := grpc.NewServer()
 	healthpb.RegisterHealthServer(srv, hs)
+	return serveLoopback(t, srv)
+}
+
+// serveLoopback serves srv on 127.0.0.1:0 until the test ends, and returns
+// its address.
+func serveLoopback(t *testing.T, srv *grpc.Server) string {
+	t.Helper()
+	lis := listenLoopback(t)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)

@@ -17,6 +17,8 @@ import (
 	"encoding/binary"
 	"sync"
 	"time"
+	"unsafe"
+	"weak"
 
 	"google.golang.org/grpc/encoding"
 	"google.golang.org/grpc/mem"
@@ -77,8 +79,8 @@ type Message struct {
 	size  int
 }
 
-func newMessage(own []byte, body *bodyEntry) *Message {
-	return &Message{parts: [2]mem.Buffer{mem.SliceBuffer(own), body.buf}, size: len(own) + len(body.b)}
+func newMessage(own []byte, bd body) *Message {
+	return &Message{parts: [2]mem.Buffer{mem.SliceBuffer(own), bd.buf}, size: len(own) + len(bd.b)}
 }
 
 func (w *Message) Size() int { return w.size }
@@ -141,21 +143,41 @@ type bodyKey struct {
 // Bodies keeps recent bodies, bounded in bytes and in age: a body is
 // encoded once however many streams want it at once (the others wait for
 // it), and let go once unused for bodyAge to 2·bodyAge; bodies still on
-// their way to clients stay alive through those messages. Safe for
-// concurrent use; the zero value is ready.
+// their way to clients stay alive through those messages. A body asked
+// for once is held only through its messages (weakly): most are wanted by
+// the many streams of a key, or of keys of the same content, but a
+// per-node key's Delta body (its versions carry the key's Order) is its
+// one stream's alone, and a thousand such keys held a thousand bodies for
+// a minute. Asked for again, a body is kept (encoded again first if its
+// messages were all gone). Safe for concurrent use; the zero value is
+// ready.
 type Bodies struct {
 	mu        sync.Mutex
 	cur, old  map[bodyKey]*bodyEntry
-	bytes     int // of the encoded entries of cur and old
+	bytes     int // of the bodies held (strongly) by cur and old
 	rotatedAt time.Time
 	now       func() time.Time // nil: time.Now (tests set it)
 }
 
+// bodyEntry is a body kept or being encoded. Its fields are read and
+// written under Bodies.mu.
 type bodyEntry struct {
-	done chan struct{} // closed once b and buf are set
-	b    []byte
-	buf  mem.Buffer // b, as the message's part
+	done chan struct{} // closed once the first encoding is done
+	// body, while held; nil while held weakly (asked for once), through
+	// weak, its first byte, and n, its length.
+	body body
+	weak weak.Pointer[byte]
+	n    int
+	asks int // how many times the body was asked for
 }
+
+// body is an encoded body, and the same as the message's part.
+type body struct {
+	b   []byte
+	buf mem.Buffer
+}
+
+func newBody(b []byte) body { return body{b: b, buf: mem.SliceBuffer(b)} }
 
 const (
 	// bodyCacheBytes bounds the cache; past it the older bodies go, then
@@ -166,7 +188,7 @@ const (
 	bodyAge = 30 * time.Second
 )
 
-func (c *Bodies) get(k bodyKey, encode func() []byte) *bodyEntry {
+func (c *Bodies) get(k bodyKey, encode func() []byte) body {
 	c.mu.Lock()
 	c.rotate()
 	e, ok := c.cur[k]
@@ -176,30 +198,59 @@ func (c *Bodies) get(k bodyKey, encode func() []byte) *bodyEntry {
 			delete(c.old, k)
 		}
 	}
-	if ok {
+	if !ok {
+		e = &bodyEntry{done: make(chan struct{}), asks: 1}
+		c.cur[k] = e
 		c.mu.Unlock()
-		<-e.done
-		return e
+		bd := newBody(encode())
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		close(e.done)
+		if e.asks > 1 || len(bd.b) == 0 {
+			c.hold(k, e, bd) // others waited for it
+		} else {
+			e.weak, e.n = weak.Make(&bd.b[0]), len(bd.b)
+		}
+		return bd
 	}
-	e = &bodyEntry{done: make(chan struct{})}
-	c.cur[k] = e
+	e.asks++
 	c.mu.Unlock()
-	e.b = encode()
-	e.buf = mem.SliceBuffer(e.b)
-	close(e.done)
+	<-e.done
+	c.mu.Lock()
+	if e.body.b != nil {
+		defer c.mu.Unlock()
+		return e.body
+	}
+	if p := e.weak.Value(); p != nil { // asked for again: kept
+		bd := newBody(unsafe.Slice(p, e.n))
+		c.hold(k, e, bd)
+		c.mu.Unlock()
+		return bd
+	}
+	c.mu.Unlock()
+	bd := newBody(encode()) // its messages are gone, and it with them
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.cur[k] != e && c.old[k] != e {
-		return e // let go meanwhile: its waiters have it all the same
+	if e.body.b == nil {
+		c.hold(k, e, bd)
 	}
-	c.bytes += len(e.b)
+	return bd
+}
+
+// hold makes bd e's body, held (and counted, within the bound) if e is
+// still k's. The caller holds c.mu.
+func (c *Bodies) hold(k bodyKey, e *bodyEntry, bd body) {
+	e.body, e.weak = bd, weak.Pointer[byte]{}
+	if c.cur[k] != e && c.old[k] != e {
+		return // let go meanwhile: its waiters have it all the same
+	}
+	c.bytes += len(bd.b)
 	if c.bytes > bodyCacheBytes {
 		c.old, c.bytes = nil, c.sizeOf(c.cur)
 	}
 	if c.bytes > bodyCacheBytes {
 		c.cur, c.bytes = make(map[bodyKey]*bodyEntry), 0
 	}
-	return e
 }
 
 // rotate starts a new period if the current one is over: what was not
@@ -221,15 +272,11 @@ func (c *Bodies) rotate() {
 	c.bytes = c.sizeOf(c.old)
 }
 
-// sizeOf counts the encoded bodies of m. The caller holds c.mu.
+// sizeOf counts the bodies m holds. The caller holds c.mu.
 func (c *Bodies) sizeOf(m map[bodyKey]*bodyEntry) int {
 	n := 0
 	for _, e := range m {
-		select {
-		case <-e.done:
-			n += len(e.b)
-		default: // still encoding: counted when done
-		}
+		n += len(e.body.b) // none while encoding or held weakly
 	}
 	return n
 }
@@ -248,11 +295,19 @@ func (c *Bodies) waiting(k bodyKey) int {
 	return 0
 }
 
-// Len returns the number of bodies kept, and their bytes.
+// Len returns the number of bodies held (not counting those held weakly,
+// nor being encoded), and their bytes.
 func (c *Bodies) Len() (n, bytes int) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return len(c.cur) + len(c.old), c.bytes
+	for _, m := range []map[bodyKey]*bodyEntry{c.cur, c.old} {
+		for _, e := range m {
+			if e.body.b != nil {
+				n++
+			}
+		}
+	}
+	return n, c.bytes
 }
 
 // SotW returns o as a SotW DiscoveryResponse: its body (resources,

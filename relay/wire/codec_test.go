@@ -2,6 +2,8 @@ package wire
 
 import (
 	"fmt"
+	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -134,22 +136,59 @@ func TestBodiesOnceAndAging(t *testing.T) {
 		t.Fatalf("the body was encoded %d times for 10 streams at once, want 1", n)
 	}
 	enc := func(s string) func() []byte { return func() []byte { encodes.Add(1); return []byte(s) } }
+	twice := func(k bodyKey, s string) { c.get(k, enc(s)); c.get(k, enc(s)) } // asked again: held
 	now = now.Add(bodyAge + time.Second)
-	c.get(k(2), enc("body-2")) // a new period: body-1 is old, body-2 current
+	twice(k(2), "body-2") // a new period: body-1 is old, body-2 current
 	now = now.Add(bodyAge + time.Second)
-	c.get(k(1), enc("again")) // body-1 is gone: encoded again
+	twice(k(1), "again") // body-1 is gone: encoded again
 	if n, bytes := c.Len(); n != 2 || bytes != len("body-2")+len("again") {
 		t.Fatalf("Len = %d bodies, %d bytes; want body-2 (old) and body-1 again (current)", n, bytes)
 	}
 	now = now.Add(bodyAge + time.Second)
 	c.get(k(1), enc("x")) // used again: kept
 	now = now.Add(bodyAge + time.Second)
-	c.get(k(3), enc("body-3"))
+	twice(k(3), "body-3")
 	if n, _ := c.Len(); n != 2 {
 		t.Fatalf("Len = %d, want body-1 (used a period ago) and body-3; body-2 unused for two periods is gone", n)
 	}
 	if got := encodes.Load(); got != 4 {
 		t.Fatalf("encodes = %d, want 4 (body-1, body-2, body-1 again, body-3)", got)
+	}
+}
+
+// A body asked for once is held only as long as something else holds it
+// (its messages on their way out): a per-node key's Delta body is its one
+// stream's. Asked for again, it is shared if still alive, else encoded
+// again, and held from then on.
+func TestBodiesAskedOnceHeldWeakly(t *testing.T) {
+	c := &Bodies{}
+	k := bodyKey{delta: true, typeURL: xds.TypeEndpoint, to: ledger.Hash{1}}
+	var encodes int
+	enc := func() []byte { encodes++; return []byte(strings.Repeat("a body larger than a tiny allocation ", 4)) }
+
+	first := c.get(k, enc)
+	if n, bytes := c.Len(); n != 0 || bytes != 0 {
+		t.Fatalf("asked for once: Len = %d bodies, %d bytes; want none held", n, bytes)
+	}
+	if again := c.get(k, enc); encodes != 1 || &again.b[0] != &first.b[0] {
+		t.Fatalf("asked again while its first message lives: %d encodings, same bytes %v; want 1, true", encodes, &again.b[0] == &first.b[0])
+	}
+	if n, _ := c.Len(); n != 1 {
+		t.Fatalf("asked for twice: Len = %d, want 1 held", n)
+	}
+
+	k.to = ledger.Hash{2}
+	c.get(k, enc) // its message gone at once
+	runtime.GC()
+	runtime.GC()
+	c.get(k, enc)
+	if encodes != 3 {
+		t.Fatalf("asked again once its message was gone: %d encodings, want 3 (encoded again)", encodes)
+	}
+	runtime.GC()
+	c.get(k, enc)
+	if encodes != 3 {
+		t.Fatalf("asked a third time: %d encodings, want 3 (held since the second)", encodes)
 	}
 }
 
