@@ -236,6 +236,12 @@ type divergence struct {
 	running bool
 	// checked holds the members checked since the key last went round.
 	checked map[member]bool
+	// compared is what the members subscribed to (by type, whether whole)
+	// when the last check began: a check answers for those types only.
+	// When the members come to subscribe to more (an Envoy asks for
+	// listeners once it holds clusters), the key is due again, and its
+	// members are checked again from the first.
+	compared map[string]bool
 }
 
 // checkDue reports whether k's check is due now, and the member to check.
@@ -254,6 +260,10 @@ func (k *keyState) checkDue(now time.Time, every time.Duration) (member, bool) {
 	}
 	if d.next.IsZero() {
 		d.next = now.Add(rand.N(every) + time.Nanosecond)
+	}
+	if d.compared != nil && wantGrew(k.wantedLocked(), d.compared) {
+		d.next, d.compared = now, nil
+		clear(d.checked)
 	}
 	candidate := func(m member) bool {
 		node, cred := m.presents()
@@ -318,7 +328,7 @@ func (k *keyState) startCheck() bool {
 
 // checkDone ends k's running check of m (nil: none, or not a member); a
 // check of a member sets the next at next (zero: the next turn).
-func (k *keyState) checkDone(m member, next time.Time) {
+func (k *keyState) checkDone(m member, next time.Time, compared map[string]bool) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	d := &k.div
@@ -329,6 +339,7 @@ func (k *keyState) checkDone(m member, next time.Time) {
 		}
 		d.checked[m] = true
 		d.next = next
+		d.compared = compared
 	}
 }
 
@@ -345,6 +356,7 @@ func (d *divergence) forget(m member) {
 // source, else by asking k's owner.
 func (r *Relay) checkKey(ctx context.Context, k *keyState, m member) {
 	node, _ := m.presents()
+	wanted := k.wantedTypes()
 	var (
 		differ []string
 		split  string
@@ -371,7 +383,7 @@ func (r *Relay) checkKey(ctx context.Context, k *keyState, m member) {
 			return
 		}
 	}
-	k.checkDone(m, time.Now().Add(r.cfg.DivergenceInterval))
+	k.checkDone(m, time.Now().Add(r.cfg.DivergenceInterval), wanted)
 	switch {
 	case ctx.Err() != nil:
 	case err != nil:
@@ -440,7 +452,7 @@ func (s inspectServer) CheckMember(ctx context.Context, req *inspectpb.CheckMemb
 		return nil, status.Errorf(codes.Unavailable, "key %q: a check runs already", req.GetKey())
 	}
 	differ, split, err := s.r.runCheck(ctx, k, nodeMember{node})
-	k.checkDone(nil, time.Time{})
+	k.checkDone(nil, time.Time{}, nil)
 	switch {
 	case errors.Is(err, errWantGrew) || errors.Is(err, errNotComparable):
 		return nil, status.Errorf(codes.Unavailable, "check: %v", err) // ask again
