@@ -55,7 +55,8 @@ const divergenceSettle = 3 * confirmAfter / 2
 const divergenceCheckFor = 2 * time.Minute
 
 // errNotComparable ends a check of a key whose views are not yet its
-// upstream's answer to everything its members subscribe to.
+// upstream's answer to everything its members subscribe to, or that found
+// every first-answer slot taken by keys: it runs again at the next tick.
 var errNotComparable = errors.New("relay: the key's views are not its upstream's yet")
 
 // errWantGrew ends a check that found the same config in the types it
@@ -538,11 +539,12 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 	if r.cfg.ForwardCredentials {
 		ctx = withCredential(ctx, cred)
 	}
-	// A check's first answers are a sync like a key's (Config.UpstreamSyncs):
-	// a cold tier's checks do not add to the upstream's first pushes.
-	release, ok := r.syncs.acquire(ctx)
+	// A check's first answers are a sync like a key's (Config.UpstreamSyncs),
+	// taken only from a free slot: a cold tier's checks wait until its keys'
+	// first answers are in, and never add to them.
+	release, ok := r.syncs.tryAcquire()
 	if !ok {
-		return nil, ctx.Err()
+		return nil, errNotComparable
 	}
 	defer release()
 	r.metrics.divergenceOpen.Inc()

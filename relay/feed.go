@@ -1347,6 +1347,20 @@ func newSyncSlots(n int) syncSlots {
 
 // acquire takes a slot, waiting for one until ctx ends (ok false). release
 // gives it back; calling it again does nothing.
+// tryAcquire takes a slot if one is free now.
+func (s syncSlots) tryAcquire() (release func(), ok bool) {
+	if s == nil {
+		return func() {}, true
+	}
+	select {
+	case s <- struct{}{}:
+	default:
+		return nil, false
+	}
+	var once sync.Once
+	return func() { once.Do(func() { <-s }) }, true
+}
+
 func (s syncSlots) acquire(ctx context.Context) (release func(), ok bool) {
 	if s == nil {
 		return func() {}, true
