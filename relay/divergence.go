@@ -713,15 +713,11 @@ func (p *probeStream) openSotW(ctx context.Context, client discovery.AggregatedD
 	if err != nil {
 		return fmt.Errorf("open check stream: %w", err)
 	}
-	p.changed = make(chan struct{}, 1)
-	for i, typeURL := range p.types() {
-		req := &discovery.DiscoveryRequest{TypeUrl: typeURL, ResourceNames: p.asked[typeURL]}
-		if i == 0 {
-			req.Node = node
-		}
-		if err := cs.Send(req); err != nil {
-			return fmt.Errorf("check stream: %w", err)
-		}
+	err = p.subscribe(node, func(typeURL string, names xds.NameSet, node *core.Node) error {
+		return cs.Send(&discovery.DiscoveryRequest{TypeUrl: typeURL, ResourceNames: names, Node: node})
+	})
+	if err != nil {
+		return err
 	}
 	p.recv = func() error {
 		resp, err := cs.Recv()
@@ -752,19 +748,14 @@ func (p *probeStream) openDelta(ctx context.Context, client discovery.Aggregated
 	if err != nil {
 		return fmt.Errorf("open check stream: %w", err)
 	}
-	p.changed = make(chan struct{}, 1)
-	for i, typeURL := range p.types() {
-		names := p.asked[typeURL]
-		req := &discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResourceNamesSubscribe: names}
+	err = p.subscribe(node, func(typeURL string, names xds.NameSet, node *core.Node) error {
 		if names == nil {
-			req.ResourceNamesSubscribe = []string{"*"}
+			names = []string{"*"}
 		}
-		if i == 0 {
-			req.Node = node
-		}
-		if err := cs.Send(req); err != nil {
-			return fmt.Errorf("check stream: %w", err)
-		}
+		return cs.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResourceNamesSubscribe: names, Node: node})
+	})
+	if err != nil {
+		return err
 	}
 	p.recv = func() error {
 		resp, err := cs.Recv()
@@ -786,6 +777,19 @@ func (p *probeStream) openDelta(ctx context.Context, client discovery.Aggregated
 			p.apply(typeURL, got, resp.GetRemovedResources(), false)
 		}
 		return cs.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: resp.GetNonce()})
+	}
+	return nil
+}
+
+// subscribe sends, with send, the first request of every asked type (nil
+// names: everything), the node on the first of them.
+func (p *probeStream) subscribe(node *core.Node, send func(typeURL string, names xds.NameSet, node *core.Node) error) error {
+	p.changed = make(chan struct{}, 1)
+	for _, typeURL := range p.types() {
+		if err := send(typeURL, p.asked[typeURL], node); err != nil {
+			return fmt.Errorf("check stream: %w", err)
+		}
+		node = nil
 	}
 	return nil
 }
