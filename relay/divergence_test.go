@@ -189,6 +189,11 @@ func TestDivergenceSplitsKey(t *testing.T) {
 					waitLong(t, fmt.Sprint("Envoy ", i, "'s config"), func() bool { return holds(envoys[i].Envoy, 1, "outbound") })
 				}
 			}
+			// In the tier, an Envoy of another key on the peer too.
+			var ratings *watchedEnvoy
+			if tc.tier {
+				ratings = startWatchedEnvoy(t, at[1].Addr().String(), node("default", "ratings", 5), tc.envoy)
+			}
 			// Churn while the checks run: a bounded number of pushes.
 			gen := 1
 			for range 30 {
@@ -244,6 +249,21 @@ func TestDivergenceSplitsKey(t *testing.T) {
 			})
 			if got := keyOfClient(at[3], nodes[3].GetId()); got != base {
 				t.Errorf("after more checks, Envoy 3 is on key %q, want %q", got, base)
+			}
+			if tc.tier {
+				// A push after the split reaches another key's peer
+				// stream: the split of this key does not end it. Only
+				// the split key's peer stream ended (to learn the split).
+				gen++
+				setGeneration(up, "default", gen)
+				setGeneration(up, "inbound", gen)
+				waitLong(t, "the other key's Envoy at the push after the split", func() bool { return holds(ratings.Envoy, uint64(gen), "outbound") })
+				if n := testutil.ToFloat64(owner.metrics.streamErrors.WithLabelValues("Aborted")); n != 1 {
+					t.Errorf("streams the owner ended ABORTED = %v, want 1 (the split key's peer stream)", n)
+				}
+				open := 3 // the key's, the split key's and the other key's
+				waitLong(t, "three upstream streams", func() bool { n, _ := up.streams(); return n == open })
+				return
 			}
 			// The key's stream and the split key's: no check's stays open.
 			waitLong(t, "two upstream streams", func() bool { open, _ := up.streams(); return open == 2 })

@@ -51,7 +51,11 @@ func (s *stream) followSplits() error {
 	}
 	s.splitGen = gen
 	if s.peerRelay != nil {
-		told := string(aggkey.EncodeSplits(s.r.splits.of(s.key.key)))
+		splits := s.r.splits.of(s.key.key)
+		if len(splits) == 0 {
+			return nil // another key split
+		}
+		told := string(aggkey.EncodeSplits(splits))
 		if told == s.splitsTold {
 			return nil
 		}
