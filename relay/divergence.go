@@ -256,7 +256,7 @@ func (k *keyState) checkDue(now time.Time, every time.Duration) (member, bool) {
 	defer k.mu.Unlock()
 	d := &k.div
 	presented := k.presentedNode.Load()
-	if d.running || len(k.members) < 2 || presented == nil || len(askedOf(k.views.Load(), k.wantedLocked())) == 0 {
+	if d.running || len(k.members) < 2 || presented == nil || !comparable(k.views.Load(), k.wantedLocked()) {
 		return nil, false // nothing to compare yet
 	}
 	if d.next.IsZero() {
@@ -652,7 +652,7 @@ func settled(seen map[difference]time.Time, diffs []difference, now time.Time) [
 // what differs in the rest (an inbound listener, before the key's
 // listeners arrived).
 func askedOf(v *keyViews, wanted map[string]bool) map[string]xds.NameSet {
-	if v.stale || v.restored {
+	if !comparable(v, wanted) {
 		return nil
 	}
 	asked := make(map[string]xds.NameSet)
@@ -661,9 +661,6 @@ func askedOf(v *keyViews, wanted map[string]bool) map[string]xds.NameSet {
 			continue
 		}
 		tv := v.types[typeURL]
-		if tv == nil || !tv.ready || wildcard && !tv.full {
-			return nil
-		}
 		if wildcard {
 			asked[typeURL] = nil
 			continue
@@ -677,6 +674,27 @@ func askedOf(v *keyViews, wanted map[string]bool) map[string]xds.NameSet {
 		}
 	}
 	return asked
+}
+
+// comparable reports whether v answers, from the key's upstream, every
+// type in wanted, and whole where wanted whole (see askedOf), and holds
+// something to compare.
+func comparable(v *keyViews, wanted map[string]bool) bool {
+	if v.stale || v.restored {
+		return false
+	}
+	any := false
+	for typeURL, wildcard := range wanted {
+		if !xds.Cached(typeURL) {
+			continue
+		}
+		tv := v.types[typeURL]
+		if tv == nil || !tv.ready || wildcard && !tv.full {
+			return false
+		}
+		any = any || wildcard || tv.view.Len() > 0
+	}
+	return any
 }
 
 // wantedLocked returns the types k's members subscribe to, and whether any
