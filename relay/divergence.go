@@ -567,13 +567,16 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 		<-recv
 	}()
 
-	opened := time.Now()
 	tick := time.NewTicker(confirmAfter / 4)
 	defer tick.Stop()
 	// Each difference, from when it was first seen: one that lasts
 	// divergenceSettle counts. A push makes passing differences, each
 	// gone once both streams have it; a divergence stays the same.
 	seen := make(map[difference]time.Time)
+	// lastAnswer is when the check's stream last answered; compared is
+	// when every type first had an answer to compare.
+	lastAnswer := time.Now()
+	var compared time.Time
 	for {
 		select {
 		case <-ctx.Done():
@@ -582,19 +585,37 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 			recv <- err // for the deferred wait
 			return nil, fmt.Errorf("check stream: %w", err)
 		case <-p.changed:
+			lastAnswer = time.Now()
 		case <-tick.C:
 		}
+		now := time.Now()
 		v := k.views.Load()
 		diffs, ok := p.compare(v)
-		if ok || time.Since(opened) > syncSlotHold {
-			release() // every type answered, or the upstream is slow
+		if ok || now.Sub(lastAnswer) >= confirmAfter {
+			release() // every type answered, or the answers paused
+		}
+		if ok && compared.IsZero() {
+			compared = now
 		}
 		switch {
 		case v.stale || v.restored || k.presentedNode.Load() != presented:
 			// The key's views are not its upstream's now, or come from
 			// another node: nothing to compare until they are again.
 			clear(seen)
+			compared = time.Time{}
+		case !ok && now.Sub(lastAnswer) >= 2*confirmAfter:
+			// The upstream says nothing of a type (a SotW server may not
+			// answer names it lacks): nothing to compare it with.
+			return nil, errors.New("relay: the upstream did not answer every type the check asked")
 		case !ok: // not every type answered yet
+		case len(diffs) > 0 && now.Sub(compared) >= 2*divergenceSettle:
+			// Any difference there from the first comparison on would
+			// have lasted divergenceSettle by now: the ones left are a
+			// push's passing differences, under churn that never pauses.
+			if differ := settled(seen, diffs, now); len(differ) > 0 {
+				return differ, nil
+			}
+			fallthrough
 		case len(diffs) == 0:
 			if wantGrew(k.wantedTypes(), wanted) {
 				// The same in what it asked, but the members now want
