@@ -54,6 +54,10 @@ const divergenceSettle = 3 * confirmAfter / 2
 // for longer is checked again at its next turn.
 const divergenceCheckFor = 2 * time.Minute
 
+// errRehomed ends a check of a key whose stream came to present another
+// node: what the check got is compared with another node's config.
+var errRehomed = errors.New("relay: the key's stream re-homed during the check")
+
 // errNotComparable ends a check of a key whose views are not yet its
 // upstream's answer to everything its members subscribe to, or that found
 // every first-answer slot taken by keys: it runs again at the next tick.
@@ -486,7 +490,7 @@ func (r *Relay) runCheck(ctx context.Context, k *keyState, m member) ([]string, 
 	node, _ := m.presents()
 	differ, err := r.probe(ctx, k, m)
 	if err == nil && k.presentedNode.Load() != presented {
-		err = errors.New("relay: the key's stream re-homed during the check")
+		err = errRehomed
 	}
 	switch {
 	case err != nil:
@@ -576,7 +580,7 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 	// lastAnswer is when the check's stream last answered; compared is
 	// when every type first had an answer to compare.
 	lastAnswer := time.Now()
-	var compared time.Time
+	var compared, unconfirmed time.Time
 	for {
 		select {
 		case <-ctx.Done():
@@ -590,6 +594,9 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 		}
 		now := time.Now()
 		v := k.views.Load()
+		if !v.stale && !v.restored {
+			unconfirmed = time.Time{}
+		}
 		diffs, ok := p.compare(v)
 		if ok || now.Sub(lastAnswer) >= confirmAfter {
 			release() // every type answered, or the answers paused
@@ -598,11 +605,18 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 			compared = now
 		}
 		switch {
-		case v.stale || v.restored || k.presentedNode.Load() != presented:
-			// The key's views are not its upstream's now, or come from
-			// another node: nothing to compare until they are again.
+		case k.presentedNode.Load() != presented:
+			return nil, errRehomed
+		case (v.stale || v.restored) && !unconfirmed.IsZero() && now.Sub(unconfirmed) >= 2*confirmAfter:
+			return nil, errors.New("relay: the key's views stayed unconfirmed by its upstream")
+		case v.stale || v.restored:
+			// The key's views are not its upstream's now: nothing to
+			// compare until they are again.
 			clear(seen)
 			compared = time.Time{}
+			if unconfirmed.IsZero() {
+				unconfirmed = now
+			}
 		case !ok && now.Sub(lastAnswer) >= 2*confirmAfter:
 			// The upstream says nothing of a type (a SotW server may not
 			// answer names it lacks): nothing to compare it with.
