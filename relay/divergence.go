@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
@@ -782,11 +783,7 @@ func (p *probeStream) openSotW(ctx context.Context, client discovery.AggregatedD
 		if !ok {
 			return nil
 		}
-		bodies := make([]anyOf, len(resp.GetResources()))
-		for i, b := range resp.GetResources() {
-			bodies[i] = b
-		}
-		got, err := p.decode(typeURL, bodies)
+		got, err := p.decode(typeURL, resp.GetResources())
 		if err != nil {
 			return err
 		}
@@ -817,7 +814,7 @@ func (p *probeStream) openDelta(ctx context.Context, client discovery.Aggregated
 		}
 		typeURL := resp.GetTypeUrl()
 		if _, ok := p.asked[typeURL]; ok {
-			bodies := make([]anyOf, 0, len(resp.GetResources()))
+			bodies := make([]*anypb.Any, 0, len(resp.GetResources()))
 			for _, res := range resp.GetResources() {
 				if res.GetResource() != nil {
 					bodies = append(bodies, res.GetResource())
@@ -847,9 +844,6 @@ func (p *probeStream) subscribe(node *core.Node, send func(typeURL string, names
 	return nil
 }
 
-// anyOf is a resource body as the upstream sent it.
-type anyOf = xds.Any
-
 // types returns the asked types in push order.
 func (p *probeStream) types() []string {
 	return slices.DeleteFunc(slices.Clone(xds.PushOrder), func(t string) bool {
@@ -870,7 +864,7 @@ func (p *probeStream) recvAll() error {
 
 // decode hashes bodies as the relay's views do (decoding only content the
 // relay lacks) and keeps the asked ones.
-func (p *probeStream) decode(typeURL string, bodies []anyOf) (map[string]ledger.Hash, error) {
+func (p *probeStream) decode(typeURL string, bodies []*anypb.Any) (map[string]ledger.Hash, error) {
 	names := p.asked[typeURL]
 	out := make(map[string]ledger.Hash, len(bodies))
 	for _, b := range bodies {
