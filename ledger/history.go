@@ -53,7 +53,7 @@ type Version struct {
 	// Received is when the view was received from its source.
 	Received time.Time
 	// Order says how new the version is (see Order): the latest its source
-	// gave this content. Zero if unordered.
+	// gave this content. Zero if of unknown age.
 	Order Order
 	// Len is the number of resources in the view.
 	Len int

@@ -50,10 +50,23 @@ var ErrBadStamp = errors.New("ledger: not a version stamp")
 // reading when the view arrived. A relay that subscribes to the owner takes
 // the owner's Orders with the views, every response to an Envoy carries the
 // Order of the view it was built from (SotW version_info, Delta resource
-// versions), and so does what the Envoy declares when it reconnects. The
-// zero Order is "unordered": the view of a snapshot restored from etcd, and
-// what clients of a relay built before Orders, or of another control plane,
-// declare.
+// versions), and so does what the Envoy declares when it reconnects.
+//
+// An Order is a pair of bounds on the upstream's history. Content of Order o
+// is at least as new as the upstream's state when o's stream was opened
+// (Session; and, on that one stream, as anything that arrived on it before
+// At), and no newer than the upstream's state at At. A view is sent over
+// what a client holds only if its lower bound is past the client's upper
+// bound (Covers): so no path sends a client content older than content it
+// held. Content made of parts of several views (a relay that subscribes to
+// the owner and was sent only part of the owner's view keeps the rest of
+// its own) has a Mixed Order (Mix): the earliest of the parts' Sessions
+// and the latest of their arrivals, and no single stream, so it covers and
+// is covered across streams only. The zero Order is "unknown": the view of
+// a snapshot restored from etcd, which covers nothing a client holds. What a
+// client declares without an Order (a version of another control plane, of
+// a relay built before Orders, or of an unknown view) is bounded by the
+// moment it declares it (Bound): whatever it holds arrived before that.
 //
 // Why Covers is safe. An upstream sends, on one stream, states of the key in
 // the order they happened, each received after it happened: a view is at
@@ -64,18 +77,21 @@ var ErrBadStamp = errors.New("ledger: not a version stamp")
 // v's stream was opened after c arrived (v.Session > c.At). Nothing else is
 // known: two streams open at the same time receive the same changes at
 // different moments (a relay frozen for 10 s reads ten seconds of changes
-// at once when it resumes, each "arriving" late). A client whose version
-// the view does not cover keeps what it holds; the source then opens a new
-// stream (Relay renews a session when a client declares a version its own
-// does not cover, at most once a second per key), whose Session is after
-// every version it was shown, so the wait lasts that second and a round
-// trip to the upstream at most. Clocks are compared across
-// relays: a relay's Clock observes every Order it learns from the tier, and
-// Envoys' declarations are never observed (an Envoy cannot move a relay's
-// clock); what clocks of different machines disagree by beyond that is a
-// window in which a cross-relay comparison can be wrong. The argument also
-// takes the upstream to be one consistent source: replicas that lag each
-// other are not (a stream opened later on a lagging replica is older).
+// at once when it resumes, each "arriving" late, and it has no way to tell
+// that its stream is behind; its Orders say so all the same, since its
+// Session is older than anything it did not send itself). A client whose
+// version the view does not cover keeps what it holds; the source then
+// opens a new stream (Relay renews a session when a client declares a
+// version its own does not cover, at most once a second per key), whose
+// Session is after every version it was shown, so the wait lasts that
+// second and a round trip to the upstream at most. Clocks are compared
+// across relays: a relay's Clock observes every Order it learns from the
+// tier, and Envoys' declarations are never observed (an Envoy cannot move
+// a relay's clock); what clocks of different machines disagree by beyond
+// that is a window in which a cross-relay comparison can be wrong. The
+// argument also takes the upstream to be one consistent source: replicas
+// that lag each other are not (a stream opened later on a lagging replica
+// is older).
 //
 // Why clocks, and not the etcd fence revision or ring incarnations: what
 // must be ordered is upstream streams, and every relay that is a key's
@@ -87,14 +103,19 @@ var ErrBadStamp = errors.New("ledger: not a version stamp")
 // versions opens its next one after them) where wall clocks alone would not.
 type Order struct {
 	Session, At Stamp
+	// Mixed marks the Order of content from more than one view (Mix):
+	// Session is the earliest of their Sessions, and no stream's.
+	Mixed bool
 }
 
-// IsZero reports whether o is the zero (unordered) Order.
+// IsZero reports whether o is the zero (unknown) Order.
 func (o Order) IsZero() bool { return o == Order{} }
 
-// Covers reports whether a view of Order o is known to be at least as new as
-// one of Order c: c is unordered, or both came on the same upstream stream
-// and o arrived no earlier, or o's stream was opened after c arrived.
+// Covers reports whether content of Order o is known to be at least as new
+// as content of Order c: c is zero (nothing is known of it, and nothing
+// held), or both came on the same upstream stream and o arrived no
+// earlier, or o's stream (every stream of a Mixed o) was opened after c
+// arrived. A zero o covers nothing but a zero c.
 func (o Order) Covers(c Order) bool {
 	if c.IsZero() {
 		return true
@@ -102,11 +123,43 @@ func (o Order) Covers(c Order) bool {
 	if o.IsZero() {
 		return false
 	}
-	return (o.Session == c.Session && o.At >= c.At) || o.Session > c.At
+	return (o.SameStream(c) && o.At >= c.At) || o.Session > c.At
 }
 
-// String renders o as "<session>/<at>", its form on the wire.
-func (o Order) String() string { return o.Session.String() + "/" + o.At.String() }
+// SameStream reports whether o and c are Orders of views that came on one
+// upstream stream: a later view of o's stream may cover c without a new
+// stream.
+func (o Order) SameStream(c Order) bool {
+	return !o.Mixed && !c.Mixed && !o.IsZero() && o.Session == c.Session
+}
+
+// Mix returns the Order of content made of parts of content of Orders o
+// and p: covered only by what covers both, and covering only what both
+// cover. Zero if either is zero (a part of unknown age).
+func (o Order) Mix(p Order) Order {
+	switch {
+	case o.IsZero() || p.IsZero():
+		return Order{}
+	case o == p:
+		return o
+	}
+	return Order{Session: min(o.Session, p.Session), At: max(o.At, p.At), Mixed: true}
+}
+
+// Bound returns the Order of content that arrived no later than at, of
+// unknown origin: what a client declares without an Order, at the moment
+// it declares it. Only a stream opened after at covers it.
+func Bound(at Stamp) Order { return Order{Session: at, At: at, Mixed: true} }
+
+// String renders o as "<session>/<at>", or "<session>~<at>" if Mixed: its
+// form on the wire.
+func (o Order) String() string {
+	sep := "/"
+	if o.Mixed {
+		sep = "~"
+	}
+	return o.Session.String() + sep + o.At.String()
+}
 
 // ErrBadOrder is returned by ParseOrder for anything that is not an Order's
 // String form.
@@ -115,7 +168,12 @@ var ErrBadOrder = errors.New("ledger: not a version order")
 // ParseOrder parses the String form of an Order. The input comes back from
 // clients, so it is untrusted: anything malformed is ErrBadOrder.
 func ParseOrder(str string) (Order, error) {
+	mixed := false
 	sess, at, ok := strings.Cut(str, "/")
+	if !ok {
+		sess, at, ok = strings.Cut(str, "~")
+		mixed = true
+	}
 	if !ok {
 		return Order{}, fmt.Errorf("%w: %q", ErrBadOrder, str)
 	}
@@ -124,10 +182,11 @@ func ParseOrder(str string) (Order, error) {
 		return Order{}, fmt.Errorf("%w: %q", ErrBadOrder, str)
 	}
 	a, err := ParseStamp(at)
-	if err != nil || a < s {
+	if err != nil || a < s || mixed && s == 0 {
+		// A Mix of Orders has a Session; only the zero Order has none.
 		return Order{}, fmt.Errorf("%w: %q", ErrBadOrder, str)
 	}
-	return Order{Session: s, At: a}, nil
+	return Order{Session: s, At: a, Mixed: mixed}, nil
 }
 
 // ParseStamp parses the String form of a Stamp. The input comes back from

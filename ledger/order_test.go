@@ -83,8 +83,8 @@ func TestOrderCovers(t *testing.T) {
 		v, c Order
 		want bool
 	}{
-		{"an unordered client", o(10, 20), Order{}, true},
-		{"an unordered view covers nothing ordered", Order{}, o(10, 20), false},
+		{"a client of unknown content holds nothing known", o(10, 20), Order{}, true},
+		{"a view of unknown age covers nothing ordered", Order{}, o(10, 20), false},
 		{"same stream, later", o(10, 30), o(10, 20), true},
 		{"same stream, equal", o(10, 20), o(10, 20), true},
 		{"same stream, earlier", o(10, 15), o(10, 20), false},
@@ -92,6 +92,13 @@ func TestOrderCovers(t *testing.T) {
 		{"opened at the same reading as it arrived: not known to be after", o(20, 21), o(10, 20), false},
 		{"opened before the client's arrived: a concurrent stream", o(15, 40), o(10, 20), false},
 		{"an older stream, however late it arrived (a frozen relay)", o(5, 90), o(10, 20), false},
+		{"a mix covers by its earliest session only", o(10, 30).Mix(o(25, 26)), o(10, 20), false},
+		{"a mix whose every stream opened later", o(30, 31).Mix(o(25, 40)), o(10, 20), true},
+		{"a mix is covered only by a stream opened after its latest part", o(28, 36), o(10, 30).Mix(o(25, 26)), false},
+		{"a stream opened after a mix's latest part", o(31, 32), o(10, 30).Mix(o(25, 26)), true},
+		{"a mix is on no stream, even one it shares a session with", o(10, 90), o(10, 20).Mix(o(10, 30)), false},
+		{"a bound is covered by a stream opened after it", o(21, 22), Bound(s(20)), true},
+		{"a bound is on no stream", o(20, 90), Bound(s(20)), false},
 	} {
 		if got := tt.v.Covers(tt.c); got != tt.want {
 			t.Errorf("%s: %v.Covers(%v) = %v, want %v", tt.name, tt.v, tt.c, got, tt.want)
@@ -99,12 +106,48 @@ func TestOrderCovers(t *testing.T) {
 	}
 }
 
+func TestOrderMix(t *testing.T) {
+	s := func(ms int64) Stamp { return StampAt(time.UnixMilli(ms)) }
+	a, b := Order{Session: s(10), At: s(30)}, Order{Session: s(25), At: s(26)}
+	for _, tt := range []struct {
+		name string
+		got  Order
+		want Order
+	}{
+		{"two streams", a.Mix(b), Order{Session: s(10), At: s(30), Mixed: true}},
+		{"either way", b.Mix(a), Order{Session: s(10), At: s(30), Mixed: true}},
+		{"itself", a.Mix(a), a},
+		{"a part of unknown age", a.Mix(Order{}), Order{}},
+		{"again", a.Mix(b).Mix(Order{Session: s(5), At: s(6)}), Order{Session: s(5), At: s(30), Mixed: true}},
+	} {
+		if tt.got != tt.want {
+			t.Errorf("%s: %v, want %v", tt.name, tt.got, tt.want)
+		}
+	}
+	// Whatever covers the mix covers each part, and the mix covers only
+	// what each part covers.
+	parts := []Order{a, b}
+	m := a.Mix(b)
+	for _, v := range []Order{{Session: s(31), At: s(40)}, {Session: s(10), At: s(50)}, {Session: s(27), At: s(28)}} {
+		if v.Covers(m) && !(v.Covers(a) && v.Covers(b)) {
+			t.Errorf("%v covers %v but not each of %v", v, m, parts)
+		}
+	}
+	for _, c := range []Order{{Session: s(1), At: s(5)}, {Session: s(10), At: s(20)}, {Session: s(1), At: s(12)}} {
+		if m.Covers(c) && !(a.Covers(c) && b.Covers(c)) {
+			t.Errorf("%v covers %v but not each of %v does", m, c, parts)
+		}
+	}
+}
+
 func TestOrderString(t *testing.T) {
 	o := Order{Session: StampAt(time.UnixMilli(1764574155123)), At: StampAt(time.UnixMilli(1764574155200)) + 4}
-	if got, err := ParseOrder(o.String()); err != nil || got != o {
-		t.Errorf("ParseOrder(%q) = %v, %v, want %v", o.String(), got, err, o)
+	for _, o := range []Order{o, o.Mix(Order{Session: o.Session + 1, At: o.At + 1}), Bound(o.At)} {
+		if got, err := ParseOrder(o.String()); err != nil || got != o {
+			t.Errorf("ParseOrder(%q) = %v, %v, want %v", o.String(), got, err, o)
+		}
 	}
-	for _, bad := range []string{"", "/", "1.0", "1.0/", "/1.0", "2.0/1.0", "1.0/x", "1.0/2.0/3.0"} {
+	for _, bad := range []string{"", "/", "1.0", "1.0/", "/1.0", "2.0/1.0", "1.0/x", "1.0/2.0/3.0", "1.0~2.0/3.0", "0.0~0.0", "2.0~1.0"} {
 		if _, err := ParseOrder(bad); !errors.Is(err, ErrBadOrder) {
 			t.Errorf("ParseOrder(%q) = %v, want ErrBadOrder", bad, err)
 		}
@@ -112,7 +155,7 @@ func TestOrderString(t *testing.T) {
 }
 
 func FuzzParseOrder(f *testing.F) {
-	for _, s := range []string{"0.0/0.0", "1764574155123.3/1764574155200.0", "2.0/1.0", "1.0/2.0/3.0", ""} {
+	for _, s := range []string{"0.0/0.0", "1764574155123.3/1764574155200.0", "2.0/1.0", "1.0/2.0/3.0", "", "1764574155123.3~1764574155200.0", "0.0~0.0"} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, in string) {

@@ -63,7 +63,7 @@ func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 		// A peer relay is answered on every type, even with nothing new:
 		// the answers tell it its source confirms its views.
 		sub.awaitFirst = wildcard || s.peerRelay != nil
-		sub.known, sub.orders, sub.unordered = s.declared(sub, req.GetInitialResourceVersions())
+		sub.known, sub.orders = s.declared(sub, req.GetInitialResourceVersions())
 		sub.declared = sub.known.Len() > 0
 		return nil
 	}
@@ -106,14 +106,17 @@ var unknownContent = ledger.Hash{}
 // (initial_resource_versions), limited to what it subscribes to, and the
 // Orders of the versions it holds them at (see orderSet). A version that is
 // not one of the relay's content versions stands for unknown content: the
-// resource is sent again if it exists, and removed if not. Another relay's
-// Orders move this relay's clock (ledger.Clock); an Envoy's are its own
-// word and move nothing.
-func (s *stream) declared(sub *typeSub, versions map[string]string) (known ledger.Tree[*xds.Resource], orders orderSet, unordered bool) {
+// resource is sent again if it exists, and removed if not; like a version
+// without an Order, it is bounded by now (Relay.placed). Another
+// relay's Orders move this relay's clock (ledger.Clock); an Envoy's are its
+// own word and move nothing.
+func (s *stream) declared(sub *typeSub, versions map[string]string) (known ledger.Tree[*xds.Resource], orders orderSet) {
 	if len(versions) == 0 {
-		return ledger.Tree[*xds.Resource]{}, nil, false
+		return ledger.Tree[*xds.Resource]{}, nil
 	}
+	fromPeer := s.peerRelay != nil
 	b := ledger.Tree[*xds.Resource]{}.Edit()
+	unplaced := false // some content has no Order the relay can place
 	for name, v := range versions {
 		if !sub.wildcard && !sub.names.Has(name) {
 			continue
@@ -121,20 +124,23 @@ func (s *stream) declared(sub *typeSub, versions map[string]string) (known ledge
 		h, o, err := wire.ParseVersion(v)
 		if err != nil {
 			b.Set(name, unknownContent, nil)
-			unordered = true
+			unplaced = true
 			continue
 		}
-		if s.peerRelay == nil {
-			o = s.r.plausible(o)
+		if s.r.placed(o, fromPeer) {
+			orders = orders.add(o)
+		} else {
+			unplaced = true
 		}
-		unordered = unordered || o.IsZero()
-		orders = orders.add(o)
 		b.Set(name, h, s.r.store.Lookup(h))
 	}
-	if s.peerRelay != nil {
+	if fromPeer {
 		for _, o := range orders {
 			s.r.observe(o, "peer", s.peerRelay.id)
 		}
 	}
-	return b.Tree(), orders, unordered
+	if unplaced {
+		orders = orders.add(s.r.declaredBound())
+	}
+	return b.Tree(), orders
 }

@@ -1051,9 +1051,9 @@ func (u *feed) orderOf(resp *wire.DeltaIn) ledger.Order {
 	}
 	_, o, err := wire.ParseVersion(resp.GetSystemVersionInfo())
 	if err != nil || o.IsZero() {
-		// An owner whose view is unordered (restored from a snapshot),
-		// or of a release before Orders: the view covers only what
-		// clients hold unordered.
+		// An owner whose view is of unknown age (restored from a
+		// snapshot), or of a release before Orders: so is the view, and
+		// it covers nothing a client holds.
 		return ledger.Order{}
 	}
 	u.r.observe(o, "owner", string(u.k.key))
@@ -1064,7 +1064,9 @@ func (u *feed) orderOf(resp *wire.DeltaIn) ledger.Order {
 // replace everything else removed too (a SotW full-state response). A view
 // from the key's source (fromSource) has order and marks the type ready;
 // otherwise (the relay itself dropped names nobody asks for) the view keeps
-// its Order.
+// its Order. A Mixed order from the owner (it sent part of its view: see
+// stream.emit) leaves the view holding parts of the old one: its Order is
+// the mix of both.
 func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace, fromSource bool, order ledger.Order) {
 	k := u.k
 	received := time.Now()
@@ -1105,6 +1107,9 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 		}
 		ts.view = u.r.views.Intern(b.Tree())
 		if fromSource {
+			if order.Mixed && old.Len() > 0 {
+				order = ts.order.Mix(order)
+			}
 			ts.ready, ts.order = true, order
 		}
 		// The view is the full set only once the upstream answered a

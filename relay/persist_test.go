@@ -91,7 +91,7 @@ func TestRestoreChecksRoots(t *testing.T) {
 // TestRestoredViewReplacesNothingDeclared: a view restored from a snapshot
 // has no Order and may be older than anything. It is served to a client
 // that holds nothing, but a client that declares other content, even
-// content without an Order (a peer relay whose view is unordered), keeps
+// content without an Order (a relay of a release before Orders), keeps
 // it until a live view arrives. The chaos suite saw the opposite: a relay
 // restarted warm became a key's owner and sent its peer the snapshot's
 // content, generation 1 after 41, which the peer passed on to its Envoys.

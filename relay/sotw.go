@@ -102,9 +102,11 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *wire.NameLis
 			// not the relay's stands for nothing held (the view is sent).
 			var o ledger.Order
 			sub.claimed, o, _ = wire.ParseVersion(v)
-			o = s.r.plausible(o)
+			if !s.r.placed(o, s.peerRelay != nil) {
+				o = s.r.declaredBound()
+			}
 			sub.orders = sub.orders.add(o)
-			sub.declared, sub.unordered = !sub.claimed.IsZero(), o.IsZero()
+			sub.declared = !sub.claimed.IsZero()
 		}
 		return nil
 	}

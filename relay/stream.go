@@ -115,14 +115,10 @@ type typeSub struct {
 	// view covers them: until then the client keeps what it holds (see
 	// reconnected).
 	orders orderSet
-	// declared is set while what the client declared it holds (of any
-	// Order, or none) is not settled by reconnected: a view without an
-	// Order (restored from a snapshot, or a peer's incomplete one) may be
-	// older than anything, and replaces nothing a client holds.
+	// declared is set while what the client declared it holds is not
+	// settled by reconnected: a view replaces it only if it covers orders
+	// (a view of unknown age, restored from a snapshot, covers nothing).
 	declared bool
-	// unordered is set if part of what the client declared has no Order
-	// (or is not a version of the relay's).
-	unordered bool
 	// sentOrder is, on a peer relay's stream, the Order of the latest
 	// response: a new Order of the same content is news to the peer (see
 	// sync).
@@ -605,7 +601,7 @@ func (s *stream) planTypes(snap *keyViews, now time.Time) (plans, synced []*plan
 				// yet (the answer wakes the stream).
 				break
 			}
-			if !s.reconnected(sub, ts, snap.stale) {
+			if !s.reconnected(sub, ts) {
 				// The client holds a newer version of the type than the
 				// key's view (it moved here from a relay that was further
 				// on, or this relay restored an older snapshot): it keeps
@@ -857,16 +853,16 @@ func (s *stream) wakeAt(due time.Time) {
 // old to ever cover what the client holds, the key's source is asked for a
 // new one (keyState.demand). Once settled, the view is the truth for the
 // client.
-func (s *stream) reconnected(sub *typeSub, ts *typeView, stale bool) bool {
+func (s *stream) reconnected(sub *typeSub, ts *typeView) bool {
 	t := sub.target(ts.view)
 	held := sub.known.Root()
 	if !sub.claimed.IsZero() {
 		held = sub.claimed
 	}
 	current := t.Root() == held
-	if !current && !sub.coveredBy(ts, stale) {
+	if !current && !sub.coveredBy(ts) {
 		for _, o := range sub.orders {
-			if o.Session != ts.order.Session && !ts.order.Covers(o) {
+			if !ts.order.Covers(o) && !ts.order.SameStream(o) {
 				s.key.demand(o.At, s.peerRelay != nil)
 			}
 		}
@@ -881,17 +877,16 @@ func (s *stream) reconnected(sub *typeSub, ts *typeView, stale bool) bool {
 			st.SentVersion, st.AckedVersion = version, version
 		})
 	}
-	sub.orders, sub.claimed, sub.claimKnown, sub.declared, sub.unordered = nil, ledger.Hash{}, false, false, false
+	sub.orders, sub.claimed, sub.claimKnown, sub.declared = nil, ledger.Hash{}, false, false
 	return true
 }
 
-// coveredBy reports whether the view ts (of a key stale or not) is at least
-// as new as everything the client declared. A view without an Order may be
-// older than anything; so may the part of what the client holds that came
-// without one, unless the view is live (its source's stream is up: it is
-// the upstream's state of a moment ago).
-func (sub *typeSub) coveredBy(ts *typeView, stale bool) bool {
-	return !ts.order.IsZero() && sub.orders.coveredBy(ts.order) && !(sub.unordered && stale)
+// coveredBy reports whether the view ts is at least as new as everything
+// the client declared (ledger.Order): whether its source is live or not
+// says nothing of that (a relay frozen for a while, resumed, has a live
+// stream ten seconds behind), its Order does.
+func (sub *typeSub) coveredBy(ts *typeView) bool {
+	return !ts.order.IsZero() && sub.orders.coveredBy(ts.order)
 }
 
 // resolveClaim turns a SotW client's claimed version into what it holds,
@@ -944,13 +939,15 @@ func (s *stream) heldVersion(sub *typeSub) (ledger.Tree[*xds.Resource], bool) {
 }
 
 // lacking returns what a Delta client subscribes to by name, holds nothing
-// of, and the view has, if the view came from a live source: sent to a
-// client that otherwise keeps what it holds (a live view of a name it lacks
-// is older than its other content by a moment at most). A wildcard
-// subscription or a SotW one gets nothing (a name the client lacks may be
-// one its newer version removed, and a SotW client said only a root), and
-// neither does a view restored from a snapshot (unordered, and as old as
-// the snapshot: the client may have held the name, newer, before).
+// of, and the view has: sent to a client that otherwise keeps what it
+// holds. A name asked for by name and not held is one the client never had
+// (an Envoy asks for the endpoints and routes of what it holds, and the
+// relay removes none of them while it does), so any content of it is new
+// to it. A wildcard subscription or a SotW one gets nothing (a name the
+// client lacks may be one its newer version removed, and a SotW client said
+// only a root), and neither does a view restored from a snapshot (of
+// unknown age, as old as the snapshot: the client may have held the name,
+// newer, before).
 func (s *stream) lacking(sub *typeSub, ts *typeView) []*xds.Resource {
 	if !s.delta || sub.wildcard || ts.order.IsZero() {
 		return nil
@@ -978,7 +975,7 @@ func (s *stream) heldByOrder(typeURL string) bool {
 	}
 	snap := s.key.views.Load()
 	ts := snap.types[typeURL]
-	return ts != nil && !sub.coveredBy(ts, snap.stale)
+	return ts != nil && !sub.coveredBy(ts)
 }
 
 // deferred reports whether name of typeURL is held back by deferDangling
@@ -1100,11 +1097,12 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 		// A peer relay takes the response's Order for its whole view of
 		// the type, and serves its own clients by it: only a response
 		// after which it holds exactly what this view has for it (the
-		// plan's every difference sent) carries the view's Order; one that
-		// leaves something out, held back, pending or deferred, carries
-		// none, and the peer's view is unordered until the next.
-		if p.done != p.want {
-			out.Order = ledger.Order{}
+		// plan's every difference sent) carries the view's Order as it is;
+		// one that leaves something out, held back, pending or deferred,
+		// carries it Mixed, and the peer mixes it with the Order of what it
+		// kept (feed.apply).
+		if p.done != p.want && !out.Order.IsZero() {
+			out.Order.Mixed = true
 		}
 		sub.sentOrder = out.Order
 	}

@@ -486,9 +486,12 @@ func TestMovedEnvoyReleasedByRenewal(t *testing.T) {
 // its owner from fallback holds a version the owner's view cannot order,
 // so the owner holds it back, but still sends names it asks for and lacks.
 // Such a response leaves the peer's view partly its own: it must not carry
-// the owner's Order, or an Envoy that holds the owner's newer content and
-// moves to the peer would be sent the peer's older copy as if it were
-// current (found by review).
+// the owner's Order as it is, or an Envoy that holds the owner's newer
+// content and moves to the peer would be sent the peer's older copy as if
+// it were current (found by review); nor lose its Order, or an Envoy of the
+// peer would hold content of unknown age (which a live view once covered,
+// and a frozen owner's rolled Envoys back: issue 28). It is the mix of the
+// two (ledger.Order.Mix).
 func TestPeerTakesOrderOnlyFromCompleteResponses(t *testing.T) {
 	up := newTestUpstream(t, "ns0")
 	seed(up, "ns0", 3)
@@ -551,6 +554,12 @@ func TestPeerTakesOrderOnlyFromCompleteResponses(t *testing.T) {
 		_, ok := other.heldKeys()[0].views.Load().types[xds.TypeEndpoint].view.Get("c9")
 		return ok
 	})
+	if o := other.heldKeys()[0].views.Load().types[xds.TypeEndpoint].order; o.IsZero() {
+		// A mix if the owner held the peer's c1 back (its re-homed
+		// stream opened before that c1 arrived at the peer); the owner's
+		// own if not.
+		t.Errorf("the peer's view has no Order after the owner's answer")
+	}
 	// The Envoy that holds c1 at 9092 moves to the other relay: it holds
 	// what the owner's view has, so it is sent nothing, least of all the
 	// other relay's older c1.
@@ -653,10 +662,11 @@ func TestSotWClaimResolvedByTier(t *testing.T) {
 }
 
 // TestUnorderedDeclarationKeptWhileStale: what a client declares without
-// an Order (a peer relay whose view took an incomplete response, an Envoy
-// served from one) may be newer than a view whose source is down; it is
-// kept until the source is back. The chaos suite saw a frozen owner's
-// stale view sent over a peer's unordered one: generation 1 after 41.
+// an Order (an Envoy of another control plane, or of a relay before
+// Orders) may be newer than a view whose source is down; it is kept until
+// the source is back, and a stream opened after the declaration answers.
+// The chaos suite saw a frozen owner's stale view sent over a peer's
+// unordered one: generation 1 after 41.
 func TestUnorderedDeclarationKeptWhileStale(t *testing.T) {
 	e := newEnv(t, true, nil)
 	w := e.client(5) // makes the key ready

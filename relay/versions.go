@@ -28,15 +28,25 @@ func (r *Relay) observe(o ledger.Order, from, who string) bool {
 // version may have arrived (clocks of different relays disagree a little).
 const maxClientAhead = time.Second
 
-// plausible returns o, or the zero Order if o arrived later than this
-// relay's clock allows (an Envoy's word is untrusted: a version from the
-// future can be neither covered nor demanded, so the view wins over it).
-func (r *Relay) plausible(o ledger.Order) ledger.Order {
-	if limit := max(ledger.StampAt(time.Now().Add(maxClientAhead)), r.clock.Last()); o.At > limit {
-		return ledger.Order{}
+// placed reports whether the relay can take content a client declares at
+// Order o by that Order. It cannot without one (zero: a view of unknown
+// age, another control plane's version, a relay's of a release before
+// Orders), nor, from an Envoy, one that arrived later than this relay's
+// clock allows: an Envoy's word is untrusted, and a version from the
+// future could be neither covered nor demanded. (A peer relay's Orders move
+// the clock instead: observe.) What cannot be placed is held by
+// declaredBound.
+func (r *Relay) placed(o ledger.Order, fromPeer bool) bool {
+	if o.IsZero() {
+		return false
 	}
-	return o
+	return fromPeer || o.At <= max(ledger.StampAt(time.Now().Add(maxClientAhead)), r.clock.Last())
 }
+
+// declaredBound is the Order of content a client declares now that cannot
+// be placed: it arrived before now (ledger.Bound), so a view from a stream
+// opened later covers it.
+func (r *Relay) declaredBound() ledger.Order { return ledger.Bound(r.clock.Now()) }
 
 // maxDeclaredOrders bounds the distinct Orders a client's declaration of
 // one type keeps: a client holds a type's resources from a few versions at
@@ -51,7 +61,7 @@ type orderSet []ledger.Order
 // add returns the set with o: dropped if a member covers it, replacing the
 // members it covers. Past maxDeclaredOrders (an honest client never gets
 // there) the set becomes the one Order that only a stream opened after all
-// of them covers.
+// of them covers. The zero Order (nothing held) adds nothing.
 func (s orderSet) add(o ledger.Order) orderSet {
 	if o.IsZero() {
 		return s
@@ -65,7 +75,7 @@ func (s orderSet) add(o ledger.Order) orderSet {
 	s = append(s, o)
 	if len(s) > maxDeclaredOrders {
 		latest := slices.MaxFunc(s, func(a, b ledger.Order) int { return cmp.Compare(a.At, b.At) }).At
-		s = orderSet{{Session: latest, At: latest}}
+		s = orderSet{ledger.Bound(latest)}
 	}
 	return s
 }

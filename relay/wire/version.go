@@ -23,7 +23,8 @@ func Version(h ledger.Hash, o ledger.Order) string {
 // ParseVersion parses a version the relay put on the wire (a Delta
 // resource's version or system_version_info, a SotW version_info): its
 // content hash and Order. A bare hash (from a relay that did not order its
-// versions) parses with the zero Order: unordered, covered by any view. The
+// versions) parses with the zero Order: of unknown age (the relay bounds it
+// by when it is declared: ledger.Bound). The
 // input is untrusted: anything else is an error wrapping ledger.ErrBadHash
 // or ledger.ErrBadOrder.
 func ParseVersion(v string) (ledger.Hash, ledger.Order, error) {

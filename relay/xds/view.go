@@ -19,10 +19,10 @@ type SavedKey struct {
 }
 
 // SavedType is a persisted view: Root is the Merkle root the resources must
-// hash to. A restored view is unordered (the zero ledger.Order): it covers
-// only clients that hold nothing or unordered versions, so it is never sent
-// over what a client or another relay holds, however old, until a live
-// source has answered.
+// hash to. A restored view is of unknown age (the zero ledger.Order): it
+// covers only clients that hold nothing, so it is never sent over what a
+// client or another relay holds, however old, until its source has
+// answered on a stream opened after that was declared.
 type SavedType struct {
 	Type      string
 	Full      bool

@@ -1,0 +1,176 @@
+package relay
+
+import (
+	"context"
+	"net"
+	"sync"
+	"testing"
+
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc"
+
+	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/wire"
+	"github.com/meshrelay/meshrelay/relay/xds"
+)
+
+// The tests of issue 28's first bug: a relay whose upstream stream is up
+// but behind (frozen for 10 s, resumed; or fed by an owner that is itself
+// behind) must not send a client a view older than what the client
+// declares it holds, even content declared without an Order. The chaos
+// suite saw Envoys rolled back 70 generations when a frozen owner resumed:
+// its view was "live", and a live view covered anything unordered.
+
+// freezer dials the upstream through connections whose reads it can stop:
+// while frozen, what the upstream sends queues up unread, and is read in
+// a burst once thawed, as by a relay that was SIGSTOPped. The relay's
+// stream stays up: nothing tells it that it is behind.
+type freezer struct {
+	dial func(context.Context, string) (net.Conn, error)
+
+	mu     sync.Mutex
+	thawed chan struct{} // closed while not frozen
+}
+
+func newFreezer(dial func(context.Context, string) (net.Conn, error)) *freezer {
+	f := &freezer{dial: dial, thawed: make(chan struct{})}
+	close(f.thawed)
+	return f
+}
+
+func (f *freezer) freeze() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.thawed = make(chan struct{})
+}
+
+func (f *freezer) thaw() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	select {
+	case <-f.thawed:
+	default:
+		close(f.thawed)
+	}
+}
+
+func (f *freezer) gate() <-chan struct{} {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.thawed
+}
+
+func (f *freezer) dialer(ctx context.Context, addr string) (net.Conn, error) {
+	c, err := f.dial(ctx, addr)
+	if err != nil {
+		return nil, err
+	}
+	return frozenConn{Conn: c, f: f}, nil
+}
+
+type frozenConn struct {
+	net.Conn
+	f *freezer
+}
+
+func (c frozenConn) Read(p []byte) (int, error) {
+	<-c.f.gate()
+	return c.Conn.Read(p)
+}
+
+// unordered declares d's versions as a relay without Orders would: the
+// content hash alone.
+func unordered(t *testing.T, d map[string]string) map[string]string {
+	t.Helper()
+	out := make(map[string]string, len(d))
+	for name, v := range d {
+		h, _, err := wire.ParseVersion(v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out[name] = wire.Version(h, ledger.Order{})
+	}
+	return out
+}
+
+// TestResumedOwnerSendsNothingOlder: the owner's upstream stream is up but
+// reads nothing (a frozen relay's), so its view stays at c0's first
+// content while the upstream moves on. A client that holds the newer c0,
+// declared without an Order (from a relay whose view had none), connects:
+// the owner's view is live, but it is not known to be as new, and the
+// client keeps its c0. Once the owner reads again, a stream it opens after
+// the declaration answers, and the client gets the rest from it.
+func TestResumedOwnerSendsNothingOlder(t *testing.T) {
+	up := newTestUpstream(t, "ns1")
+	seed(up, "ns1", 3)
+	f := newFreezer(up.dialCurrent)
+	r := startRelay(t, up, func(c *Config) {
+		c.UpstreamDialOptions = append(c.UpstreamDialOptions, grpc.WithContextDialer(f.dialer))
+	})
+	conn := dial(t, r.Addr().String())
+	stays := newRawClient(t, conn, true, node("ns1", "app", 0))
+	stays.subscribe(xds.TypeCluster)
+	old := stays.recvDelta(xds.TypeCluster)
+	stays.ack(old)
+	oldC0 := versionMap(old)["c0"]
+
+	f.freeze()
+	newer := mkCluster("c0", "newer")
+	up.set("ns1", xds.TypeCluster, newer)
+	declared := map[string]string{"c0": wire.Version(xds.ContentHash(xds.TypeCluster, mustAny(newer).GetValue()), ledger.Order{})}
+	moved := newRawClient(t, conn, true, node("ns1", "app", 1))
+	moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, ResourceNamesSubscribe: []string{"*"}, InitialResourceVersions: declared})
+	f.thaw()
+	m := moved.recvDelta(xds.TypeCluster)
+	if v, ok := versionMap(m)["c0"]; ok && v == oldC0 {
+		t.Fatalf("the client holding the newer c0 was sent the owner's older c0 (%s)", v)
+	}
+	if got := removedOf(m); len(got) != 0 {
+		t.Fatalf("the client was told %v were removed", got)
+	}
+	o := orderOf(t, versionOf(m))
+	if o.Session <= orderOf(t, oldC0).At {
+		t.Fatalf("answered from the stream the owner had when it froze (%v), want one opened after the declaration", o)
+	}
+	wantNames(t, m, "c1", "c2") // c0 it holds already
+}
+
+// TestPeerOfStaleOwnerSendsNothingOlder: the owner's upstream is down, so
+// its view is its last one; a relay that subscribes to it gets that view
+// from a live stream (the owner's), but a view fed by a stale owner is no
+// newer for it. A client that declares a newer c0 without an Order keeps
+// it until a stream opened after its declaration answers.
+func TestPeerOfStaleOwnerSendsNothingOlder(t *testing.T) {
+	up := newTestUpstream(t, "ns1")
+	seed(up, "ns1", 3)
+	secret := []byte("s")
+	owner := startRelay(t, up, func(c *Config) { c.ID = "owner"; c.PeerSecret = secret })
+	peer := startRelay(t, up, func(c *Config) {
+		c.ID = "peer"
+		c.Owners = newFakeOwners(owner.Addr().String(), false)
+		c.PeerSecret = secret
+	})
+	conn := dial(t, peer.Addr().String())
+	stays := newRawClient(t, conn, true, node("ns1", "app", 0))
+	stays.subscribe(xds.TypeCluster)
+	old := stays.recvDelta(xds.TypeCluster)
+	stays.ack(old)
+	waitFor(t, "the peer fed by the owner", func() bool { return peer.Stats().PeerStreams == 1 })
+
+	up.stop()
+	waitFor(t, "the owner's key stale", func() bool { return owner.Stats().StaleKeys == 1 })
+	newer := mkCluster("c0", "newer")
+	declared := unordered(t, versionMap(old))
+	declared["c0"] = wire.Version(xds.ContentHash(xds.TypeCluster, mustAny(newer).GetValue()), ledger.Order{})
+	moved := newRawClient(t, conn, true, node("ns1", "app", 1))
+	moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, ResourceNamesSubscribe: []string{"*"}, InitialResourceVersions: declared})
+	up.set("ns1", xds.TypeCluster, newer)
+	up.restart()
+	m := moved.recvDelta(xds.TypeCluster)
+	if v, ok := versionMap(m)["c0"]; ok && v == versionMap(old)["c0"] {
+		t.Fatalf("the client holding the newer c0 was sent the stale owner's older c0 (%s)", v)
+	}
+	if o := orderOf(t, versionOf(m)); o.Session <= orderOf(t, versionMap(old)["c0"]).At {
+		t.Fatalf("answered from the owner's stale view (%v)", o)
+	}
+}
