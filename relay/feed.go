@@ -62,6 +62,9 @@ type feed struct {
 	// renewing is set while the current stream renews one that could not
 	// cover what a client holds: it must get an answer to every type.
 	renewing bool
+	// ownerStale is set while the owner this relay subscribes to says its
+	// views are stale (wire.MarkStale): then so are this relay's.
+	ownerStale bool
 }
 
 // feedType is the feed's state of one type.
@@ -417,15 +420,17 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 			}
 			answered[m.GetTypeUrl()] = true
 			if !confirmed && u.allAnswered(answered) {
-				u.setStale(false)
 				confirmed, confirm = true, nil
 				release()
+			}
+			if confirmed {
+				u.setStale(u.ownerStale) // an owner's views may go stale and back
 			}
 		case <-confirm:
 			confirm = nil
 			if !confirmed {
 				u.r.metrics.silentConfirms.Inc()
-				u.setStale(false)
+				u.setStale(u.ownerStale)
 				confirmed = true
 			}
 		case <-slotQuiet.C:
@@ -603,7 +608,7 @@ func (u *feed) countStream(src source) (uncount func()) {
 // (of presenter): its first request carries the node, every type is asked
 // again, and the session's Order starts now.
 func (u *feed) begin(node *core.Node, presenter member) {
-	u.presented, u.node, u.first = presenter, node, true
+	u.presented, u.node, u.first, u.ownerStale = presenter, node, true, false
 	// Opened before anything is asked: every answer on this stream is at
 	// least as new as the upstream was now.
 	u.sessionAt, u.opened = u.r.clock.Now(), time.Now()
@@ -1044,12 +1049,15 @@ func (u *feed) arrived() ledger.Order {
 }
 
 // orderOf returns the Order of a Delta response: the owner's, carried in its
-// system_version_info, from a peer relay; arrived, from the upstream.
+// system_version_info, from a peer relay (and whether the owner's views are
+// stale: ownerStale); arrived, from the upstream.
 func (u *feed) orderOf(resp *wire.DeltaIn) ledger.Order {
 	if sourceKind(u.k.source.Load()) != sourcePeer {
 		return u.arrived()
 	}
-	_, o, err := wire.ParseVersion(resp.GetSystemVersionInfo())
+	v, stale := wire.CutStale(resp.GetSystemVersionInfo())
+	u.ownerStale = stale
+	_, o, err := wire.ParseVersion(v)
 	if err != nil || o.IsZero() {
 		// An owner whose view is of unknown age (restored from a
 		// snapshot), or of a release before Orders: so is the view, and

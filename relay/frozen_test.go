@@ -138,8 +138,9 @@ func TestResumedOwnerSendsNothingOlder(t *testing.T) {
 // TestPeerOfStaleOwnerSendsNothingOlder: the owner's upstream is down, so
 // its view is its last one; a relay that subscribes to it gets that view
 // from a live stream (the owner's), but a view fed by a stale owner is no
-// newer for it. A client that declares a newer c0 without an Order keeps
-// it until a stream opened after its declaration answers.
+// newer for it, and the relay says it is stale. A client that declares a
+// newer c0 without an Order keeps it until a stream opened after its
+// declaration answers.
 func TestPeerOfStaleOwnerSendsNothingOlder(t *testing.T) {
 	up := newTestUpstream(t, "ns1")
 	seed(up, "ns1", 3)
@@ -159,6 +160,7 @@ func TestPeerOfStaleOwnerSendsNothingOlder(t *testing.T) {
 
 	up.stop()
 	waitFor(t, "the owner's key stale", func() bool { return owner.Stats().StaleKeys == 1 })
+	waitFor(t, "the peer's key stale, as its owner's", func() bool { return peer.Stats().StaleKeys == 1 })
 	newer := mkCluster("c0", "newer")
 	declared := unordered(t, versionMap(old))
 	declared["c0"] = wire.Version(xds.ContentHash(xds.TypeCluster, mustAny(newer).GetValue()), ledger.Order{})
@@ -173,4 +175,5 @@ func TestPeerOfStaleOwnerSendsNothingOlder(t *testing.T) {
 	if o := orderOf(t, versionOf(m)); o.Session <= orderOf(t, versionMap(old)["c0"]).At {
 		t.Fatalf("answered from the owner's stale view (%v)", o)
 	}
+	waitFor(t, "the peer's key live again", func() bool { return peer.Stats().StaleKeys == 0 })
 }

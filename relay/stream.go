@@ -119,10 +119,12 @@ type typeSub struct {
 	// settled by reconnected: a view replaces it only if it covers orders
 	// (a view of unknown age, restored from a snapshot, covers nothing).
 	declared bool
-	// sentOrder is, on a peer relay's stream, the Order of the latest
-	// response: a new Order of the same content is news to the peer (see
-	// sync).
+	// sentOrder and sentStale are, on a peer relay's stream, the Order of
+	// the latest response and whether it was marked stale: a new Order of
+	// the same content, or the key's source going stale or live, is news to
+	// the peer (see orderNews).
 	sentOrder ledger.Order
+	sentStale bool
 	// claimed is the SotW version_info of the first request, checked once
 	// the type is ready: if it is the current content the client is current.
 	// claimTried is set once the key's history was asked for it
@@ -501,10 +503,13 @@ func (sub *typeSub) changes(view ledger.Tree[*xds.Resource]) (upd []*xds.Resourc
 
 // plan is what one sync round will send for one type.
 type plan struct {
-	sub  *typeSub
-	ts   *typeView
-	upd  []*xds.Resource
-	gone []string // removal candidates, not yet checked for references
+	sub *typeSub
+	ts  *typeView
+	// stale: no live upstream stream confirmed the key's views (told to
+	// peer relays, whose views it makes stale too).
+	stale bool
+	upd   []*xds.Resource
+	gone  []string // removal candidates, not yet checked for references
 	// want counts the updates and removals the client needs to hold all
 	// it should of the view, done those sent (or applied) this round:
 	// when they match, the client is in sync with the view once it applies
@@ -612,7 +617,7 @@ func (s *stream) planTypes(snap *keyViews, now time.Time) (plans, synced []*plan
 				// (deferDangling) and what it refers to is not removed
 				// (heldBy).
 				if upd := s.lacking(sub, ts); len(upd) > 0 {
-					plans = append(plans, s.plans.add(plan{sub: sub, ts: ts, upd: upd, want: len(upd) + 1}))
+					plans = append(plans, s.plans.add(plan{sub: sub, ts: ts, stale: snap.stale, upd: upd, want: len(upd) + 1}))
 				}
 				continue
 			}
@@ -626,9 +631,9 @@ func (s *stream) planTypes(snap *keyViews, now time.Time) (plans, synced []*plan
 		if typeURL == xds.TypeCluster {
 			s.forceEndpoints(sub, upd)
 		}
-		p := s.plans.add(plan{sub: sub, ts: ts, upd: upd, gone: gone, want: want, whole: whole})
+		p := s.plans.add(plan{sub: sub, ts: ts, stale: snap.stale, upd: upd, gone: gone, want: want, whole: whole})
 		switch {
-		case len(upd) > 0 || len(gone) > 0 || sub.awaitFirst || s.orderNews(sub, ts, want):
+		case len(upd) > 0 || len(gone) > 0 || sub.awaitFirst || s.orderNews(p):
 			plans = append(plans, p)
 		case want == 0:
 			synced = append(synced, p)
@@ -657,7 +662,7 @@ func (s *stream) sendUpdates(plans []*plan) error {
 			removed = s.allowedRemovals(p)
 			p.gone = slices.DeleteFunc(p.gone, func(n string) bool { return slices.Contains(removed, n) })
 		}
-		if len(p.upd) > 0 || len(removed) > 0 || p.sub.awaitFirst || s.orderNews(p.sub, p.ts, p.want) {
+		if len(p.upd) > 0 || len(removed) > 0 || p.sub.awaitFirst || s.orderNews(p) {
 			if err := s.emit(p, p.upd, removed); err != nil {
 				return err
 			}
@@ -688,9 +693,11 @@ func (s *stream) sendRemovals(plans []*plan) error {
 // has for it (want is zero) must be told of the view's new Order all the
 // same: the owner renewed its upstream stream, or the upstream confirmed
 // the same content, and the peer's own clients wait for a view that
-// covers what they hold.
-func (s *stream) orderNews(sub *typeSub, ts *typeView, want int) bool {
-	return s.peerRelay != nil && s.delta && want == 0 && ts.order != sub.sentOrder && !sub.awaitFirst
+// covers what they hold; or the key's views went stale or live again.
+func (s *stream) orderNews(p *plan) bool {
+	sub := p.sub
+	return s.peerRelay != nil && s.delta && p.want == 0 && !sub.awaitFirst &&
+		(p.ts.order != sub.sentOrder || p.stale != sub.sentStale)
 }
 
 // forceEndpoints makes the stream send again the endpoints of every cluster
@@ -1104,12 +1111,15 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 		if p.done != p.want && !out.Order.IsZero() {
 			out.Order.Mixed = true
 		}
-		sub.sentOrder = out.Order
+		sub.sentOrder, sub.sentStale = out.Order, p.stale
 	}
 	switch {
 	case s.delta:
 		out.View = p.ts.view.Root()
 		out.Version = s.r.versions.Of(out.View, out.Order)
+		if s.peerRelay != nil && p.stale {
+			out.Version = wire.MarkStale(out.Version)
+		}
 	case xds.FullStateSotW(sub.typeURL):
 		out.From = ledger.Hash{}
 		out.Version = s.r.versions.Of(sub.known.Root(), out.Order)

@@ -20,6 +20,18 @@ func Version(h ledger.Hash, o ledger.Order) string {
 	return h.String() + "@" + o.String()
 }
 
+// staleMark follows the system_version_info of a response to another relay
+// whose view no live upstream stream has confirmed (the owner's upstream is
+// down, or it restored the view and its source has not answered yet): the
+// relay it feeds is stale too. Envoys never see it.
+const staleMark = ";stale"
+
+// MarkStale returns v marked as from a stale view.
+func MarkStale(v string) string { return v + staleMark }
+
+// CutStale returns v without its stale mark, and whether it had one.
+func CutStale(v string) (string, bool) { return strings.CutSuffix(v, staleMark) }
+
 // ParseVersion parses a version the relay put on the wire (a Delta
 // resource's version or system_version_info, a SotW version_info): its
 // content hash and Order. A bare hash (from a relay that did not order its
