@@ -1124,6 +1124,15 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 		// wildcard subscription.
 		ts.full = u.types[typeURL].wildcard && (fromSource || ts.full)
 		ts.pending = withoutArrived(ts.pending, upd)
+		if fromSource && sourceKind(k.source.Load()) == sourcePeer {
+			// The owner tells another relay of the removal of a name it
+			// asked the upstream for and has not had an answer about (its
+			// own Envoys are not told: see stream.planTypes): a name this
+			// relay's members still ask for is pending here too, so that
+			// they are not told it does not exist before the upstream
+			// had a chance to say so.
+			ts.pending = withPending(ts.pending, stillWanted(u.types[typeURL], del), received)
+		}
 		next.types[typeURL] = ts
 		derivedChanged = u.follow(next, typeURL, old, ts.view)
 		view, viewOrder = ts.view, ts.order
@@ -1139,6 +1148,41 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 	if fromSource {
 		u.r.persist(u.k)
 	}
+}
+
+// stillWanted returns the names of del that ut, a type subscribed to by
+// name, still asks for.
+func stillWanted(ut *feedType, del []string) []string {
+	if ut == nil || ut.wildcard {
+		return nil
+	}
+	var out []string
+	for _, n := range del {
+		if ut.names.Has(n) {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// withPending returns pending with names pending since at, those not
+// pending already (a new map if it changes).
+func withPending(pending map[string]time.Time, names []string, at time.Time) map[string]time.Time {
+	var out map[string]time.Time
+	for _, n := range names {
+		if _, ok := pending[n]; ok {
+			continue
+		}
+		if out == nil {
+			out = make(map[string]time.Time, len(pending)+len(names))
+			maps.Copy(out, pending)
+		}
+		out[n] = at
+	}
+	if out == nil {
+		return pending
+	}
+	return out
 }
 
 // withoutArrived returns pending minus the names in upd (a new map if it

@@ -2,14 +2,20 @@ package relay
 
 import (
 	"context"
+	"maps"
 	"net"
+	"slices"
 	"sync"
 	"testing"
+	"time"
 
+	endpoint "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -176,4 +182,88 @@ func TestPeerOfStaleOwnerSendsNothingOlder(t *testing.T) {
 		t.Fatalf("answered from the owner's stale view (%v)", o)
 	}
 	waitFor(t, "the peer's key live again", func() bool { return peer.Stats().StaleKeys == 0 })
+}
+
+// savedEndpoints returns a persisted endpoint view of clas, with its true
+// root.
+func savedEndpoints(t *testing.T, clas ...*endpoint.ClusterLoadAssignment) xds.SavedType {
+	t.Helper()
+	st := xds.SavedType{Type: xds.TypeEndpoint}
+	b := ledger.Tree[struct{}]{}.Edit()
+	for _, c := range clas {
+		body, err := proto.Marshal(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st.Resources = append(st.Resources, xds.SavedResource{Name: c.GetClusterName(), Body: body})
+		b.Set(c.GetClusterName(), xds.ContentHash(xds.TypeEndpoint, body), struct{}{})
+	}
+	st.Root = b.Tree().Root()
+	return st
+}
+
+// TestPeerViewIsTheOwnersWhileNamesArePending is issue 28's second bug at
+// its root. A relay restarted warm holds, from its snapshot, the endpoints
+// of a service removed meanwhile ("gone"), which an Envoy that moved to it
+// still asks for (its routes use the removed cluster until they are
+// updated). The relay asks its owner, which asks the upstream; the
+// upstream never answers for a name it lacks, so the name stays pending
+// at the owner for ResourceWaitTimeout. The owner never tells its Envoys
+// that a pending name does not exist; it used to hold the removal back
+// from the relay too, so that every response left the relay's view partly
+// its own snapshot's, of unknown age: no Envoy that moved there was sent
+// endpoints until the name expired (the Envoy's new clusters stayed
+// warming, its routes were held, and after 15 s a route went out to a
+// cluster still warming). The relay's view must be the owner's at once,
+// ordered, with the name pending at the relay too.
+func TestPeerViewIsTheOwnersWhileNamesArePending(t *testing.T) {
+	up := newTestUpstream(t, "ns1")
+	seed(up, "ns1", 2)
+	n := node("ns1", "app", 0)
+	key := string(aggkey.Istio{}.Key(n))
+	secret := []byte("s")
+	owner := startRelay(t, up, func(c *Config) {
+		c.ID, c.PeerSecret = "owner", secret
+		c.ResourceWaitTimeout = time.Hour // the name stays pending throughout
+	})
+	peer := startRelay(t, up, func(c *Config) {
+		c.ID, c.PeerSecret = "peer", secret
+		c.Owners = newFakeOwners(owner.Addr().String(), false)
+		c.ResourceWaitTimeout = time.Hour
+		c.Snapshots = &savedSnapshots{keys: []xds.SavedKey{{Key: key, Types: []xds.SavedType{
+			savedEndpoints(t, mkCLA("c0", 7000), mkCLA("gone", 7000)),
+		}}}}
+	})
+	waitFor(t, "the key restored", func() bool { return peer.Stats().RestoredKeys == 1 })
+
+	c := newRawClient(t, dial(t, peer.Addr().String()), true, n)
+	c.subscribe(xds.TypeEndpoint, "c0", "c1", "gone")
+	got := map[string]string{}
+	for got["c1"] == "" {
+		m := c.recvDelta(xds.TypeEndpoint)
+		c.ack(m)
+		maps.Copy(got, versionMap(m))
+	}
+	k := peer.heldKeys()[0]
+	waitFor(t, "the peer's endpoints the owner's", func() bool {
+		ts := k.views.Load().types[xds.TypeEndpoint]
+		_, held := ts.view.Get("gone")
+		return !held && !ts.order.IsZero() && !ts.order.Mixed
+	})
+	if ts := k.views.Load().types[xds.TypeEndpoint]; !ts.isPending("gone", time.Now(), time.Hour) {
+		t.Errorf("the owner's removal of a name pending there made it absent at the peer, not pending")
+	}
+	// Up to a barrier (responses are ordered), the Envoy is never told
+	// that "gone" does not exist: the upstream has not said so.
+	c.subscribe(xds.TypeRuntime, "barrier-1")
+	for {
+		m := c.recv().(*discovery.DeltaDiscoveryResponse)
+		if typeOf(m) == xds.TypeRuntime {
+			break
+		}
+		if slices.Contains(m.GetRemovedResources(), "gone") {
+			t.Fatalf("the Envoy was told %v do not exist while the upstream was still asked", m.GetRemovedResources())
+		}
+		c.ack(m)
+	}
 }

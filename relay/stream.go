@@ -627,7 +627,13 @@ func (s *stream) planTypes(snap *keyViews, now time.Time) (plans, synced []*plan
 		if want == 0 {
 			sub.share(ts.view)
 		}
-		gone = slices.DeleteFunc(gone, func(n string) bool { return ts.isPending(n, now, wait) })
+		if s.peerRelay == nil {
+			// An Envoy is never told that a name the source was asked for
+			// and has not answered does not exist. Another relay is told
+			// what the view holds, no more: it marks such a name pending
+			// itself (feed.apply), and its view stays the owner's.
+			gone = slices.DeleteFunc(gone, func(n string) bool { return ts.isPending(n, now, wait) })
+		}
 		if typeURL == xds.TypeCluster {
 			s.forceEndpoints(sub, upd)
 		}
@@ -731,8 +737,14 @@ func (s *stream) forceEndpoints(cds *typeSub, upd []*xds.Resource) {
 }
 
 // allowedRemovals returns the removal candidates of p that nothing the client
-// holds refers to any more.
+// holds refers to any more. Another relay gets every removal at once: its
+// view is the owner's (a view partly its own would have to be ordered as
+// its older part: ledger.Order.Mix), and it holds what its own Envoys'
+// routes use back from them itself.
 func (s *stream) allowedRemovals(p *plan) []string {
+	if s.peerRelay != nil {
+		return slices.Clone(p.gone) // the callers take them out of p.gone
+	}
 	var out []string
 	for _, n := range p.gone {
 		if !s.heldBy(p.sub.typeURL, n) {
