@@ -2,12 +2,14 @@ package relay
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/wrapperspb"
@@ -133,10 +135,12 @@ func TestMissingNames(t *testing.T) {
 	}
 }
 
-// TestRouteToMissingClusterReleased: a route naming a cluster that never
-// exists is held back (make-before-break) only for ResourceWaitTimeout:
-// then it is sent (Envoy answers 503 for that cluster), woken by the
-// stream's own timer, since nothing else happens on the stream.
+// TestRouteToMissingClusterReleased: a route naming a cluster the upstream
+// does not serve (istiod routes to a host it does not know) is held back
+// (make-before-break) only for ResourceWaitTimeout, since the upstream may
+// send types out of order: then it is sent (Envoy answers 503 for that
+// cluster, as without the relay), woken by the stream's own timer, since
+// nothing else happens on the stream.
 func TestRouteToMissingClusterReleased(t *testing.T) {
 	for _, delta := range []bool{false, true} {
 		t.Run(protocolName(delta), func(t *testing.T) {
@@ -149,6 +153,50 @@ func TestRouteToMissingClusterReleased(t *testing.T) {
 				t.Fatalf("got %s, want the route once its wait ended", xds.ShortType(typeOf(m)))
 			}
 			wantNames(t, m, "r80")
+			if got := testutil.ToFloat64(e.r.metrics.holds.WithLabelValues("rds", "sent")); got != 1 {
+				t.Errorf("dangling routes sent counted %v, want 1", got)
+			}
+		})
+	}
+}
+
+// TestRouteWaitsForTheKeysClusterPastTheWait: a route to a cluster the key
+// has waits until the client can use the cluster (its endpoints held),
+// however long that takes: issue 28 saw a stall of the endpoints turned
+// into a route to a warming cluster when the wait ended. Past the wait the
+// relay says so, and sends nothing.
+func TestRouteWaitsForTheKeysClusterPastTheWait(t *testing.T) {
+	for _, delta := range []bool{false, true} {
+		t.Run(protocolName(delta), func(t *testing.T) {
+			e := newEnv(t, delta, func(c *Config) { c.ResourceWaitTimeout = 200 * time.Millisecond })
+			c := e.client(0)
+			syncAll(c)
+			e.up.set("ns1", xds.TypeCluster, mkCluster("c3")) // no endpoints yet
+			m := c.recv()
+			if !slices.Contains(names(m), "c3") { // all of them in SotW, the new one in Delta
+				t.Fatalf("got %s %v, want c3", xds.ShortType(typeOf(m)), names(m))
+			}
+			c.ack(m)
+			e.up.set("ns1", xds.TypeRoute, mkRoute("r80", "c0", "c1", "c2", "c3"))
+			if delta {
+				c.subscribe(xds.TypeEndpoint, "c3") // what Delta adds
+			} else {
+				c.subscribe(xds.TypeEndpoint, "c0", "c1", "c2", "c3")
+			}
+			waitFor(t, "the hold past its wait", func() bool {
+				return testutil.ToFloat64(e.r.metrics.holds.WithLabelValues("rds", "held")) == 1
+			})
+			c.quiet() // no route to a warming cluster
+			e.up.set("ns1", xds.TypeEndpoint, mkCLA("c3", 9093))
+			m = c.recv()
+			if typeOf(m) != xds.TypeEndpoint || !slices.Contains(names(m), "c3") {
+				t.Fatalf("got %s %v, want c3's endpoints", xds.ShortType(typeOf(m)), names(m))
+			}
+			c.ack(m)
+			m = c.recv()
+			if typeOf(m) != xds.TypeRoute {
+				t.Fatalf("got %s, want the route once c3 is warm", xds.ShortType(typeOf(m)))
+			}
 		})
 	}
 }

@@ -67,11 +67,11 @@ type stream struct {
 	// is scheduled for the end of declareGrace.
 	opened     time.Time
 	graceArmed bool
-	// dangling holds, by "type|name", when a listener or route
-	// configuration was first held back for a cluster the client lacked;
-	// danglingTimer wakes the stream when the earliest of them is due
-	// (danglingDue), one timer for all.
-	dangling      map[string]time.Time
+	// dangling holds, by "type|name", the listeners and route
+	// configurations held back for a cluster the client cannot use yet
+	// (deferDangling); danglingTimer wakes the stream when the earliest
+	// of their waits ends (danglingDue), one timer for all.
+	dangling      map[string]*hold
 	plans         planScratch // sync's
 	danglingTimer *time.Timer
 	danglingDue   time.Time
@@ -799,15 +799,29 @@ func (s *stream) clusterUsable(cds *typeSub, c string) bool {
 	return true
 }
 
+// hold is a listener or route configuration held back by deferDangling.
+type hold struct {
+	since time.Time
+	told  bool // its wait ended and the relay said so
+}
+
 // deferDangling holds back, from a plan of listeners or route
 // configurations, those that use a cluster the client cannot use yet
 // (clusterUsable): make-before-break across types. The clusters of this
-// sync went out first (CDS precedes EDS, LDS and RDS); a cluster the key's
-// view lacks is on its way from the source (which may answer types out of
-// order), and the endpoints of a new cluster come once the client asks
-// for them, so the resource waits, for ResourceWaitTimeout at most: a
-// route may name a cluster that never exists (Envoy answers 503 for it),
-// and must not be held forever for that.
+// sync went out first (CDS precedes EDS, LDS and RDS), and the endpoints
+// of a new cluster come once the client asks for them.
+//
+// A resource that uses a cluster the key's view holds (or has asked its
+// source for) waits for it however long it takes: the cluster is on its
+// way, and a wait that lasts is a stall to fix, never a reason to send a
+// route to a cluster Envoy still warms (503, no_cluster). Past
+// ResourceWaitTimeout the relay says so (meshrelay_make_before_break_overdue_total,
+// a warning; the ledger counts the Envoy behind, not sent). A resource
+// that uses a cluster the key's view does not have waits for
+// ResourceWaitTimeout, since the source may answer types out of order;
+// past it the source's own config names a cluster it does not serve
+// (istiod routes to a host it does not know), which Envoy answers with 503
+// with or without the relay: it is sent, and counted.
 func (s *stream) deferDangling(p *plan) {
 	if p.sub.typeURL != xds.TypeRoute && p.sub.typeURL != xds.TypeListener {
 		return
@@ -818,28 +832,54 @@ func (s *stream) deferDangling(p *plan) {
 	}
 	now := time.Now()
 	wait := s.r.cfg.ResourceWaitTimeout
+	var keyCDS *typeView
+	if s.key != nil {
+		keyCDS = s.key.views.Load().types[xds.TypeCluster]
+	}
 	kept := p.upd[:0]
 	for _, r := range p.upd {
-		missing := slices.ContainsFunc(r.Refs(xds.RefClusters), func(c string) bool {
-			return !s.clusterUsable(cds, c)
-		})
+		missing, coming := false, false
+		for _, c := range r.Refs(xds.RefClusters) {
+			if s.clusterUsable(cds, c) {
+				continue
+			}
+			missing = true
+			if keyCDS != nil {
+				if _, ok := keyCDS.view.Get(c); ok || keyCDS.isPending(c, now, wait) {
+					coming = true
+					break
+				}
+			}
+		}
 		if !missing && len(s.dangling) == 0 {
 			kept = append(kept, r) // the common case: no key built, nothing to forget
 			continue
 		}
 		key := p.sub.typeURL + "|" + r.Name
 		if missing {
-			since, ok := s.dangling[key]
-			if !ok {
+			h := s.dangling[key]
+			if h == nil {
 				if s.dangling == nil {
-					s.dangling = make(map[string]time.Time)
+					s.dangling = make(map[string]*hold)
 				}
-				s.dangling[key], since = now, now
+				h = &hold{since: now}
+				s.dangling[key] = h
 			}
-			if now.Sub(since) < wait {
-				s.wakeAt(since.Add(wait))
+			overdue := now.Sub(h.since) >= wait
+			switch {
+			case !overdue:
+				s.wakeAt(h.since.Add(wait))
+				continue
+			case coming:
+				if !h.told {
+					h.told = true
+					s.r.metrics.holds.WithLabelValues(xds.ShortType(p.sub.typeURL), "held").Inc()
+					s.log.Warn("a resource is held back past the wait: a cluster it uses is the key's, and not warm at the client yet",
+						"type", xds.ShortType(p.sub.typeURL), "name", r.Name, "waited", now.Sub(h.since).Round(time.Millisecond))
+				}
 				continue
 			}
+			s.r.metrics.holds.WithLabelValues(xds.ShortType(p.sub.typeURL), "sent").Inc()
 		}
 		delete(s.dangling, key)
 		kept = append(kept, r)
