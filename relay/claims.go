@@ -70,9 +70,17 @@ func (s *stream) claimPending(sub *typeSub, ts *typeView) bool {
 		sub.known, sub.claimKnown = l.held, true
 		s.r.metrics.claims.WithLabelValues("tier").Inc()
 	} else {
-		s.r.metrics.claims.WithLabelValues("unknown").Inc()
+		s.claimUnknown(sub)
 	}
 	return false
+}
+
+// claimUnknown notes that nobody knows what sub's claimed version holds:
+// what the client holds of the type may refer to anything, and a
+// full-state answer may remove what its routes use.
+func (s *stream) claimUnknown(sub *typeSub) {
+	s.r.metrics.claims.WithLabelValues("unknown").Inc()
+	s.log.Info("a SotW client's version is known to no relay of the tier", "type", xds.ShortType(sub.typeURL), "version", sub.claimed.String())
 }
 
 // askTier looks sub's claimed version up in the tier, if the tier has
@@ -132,7 +140,7 @@ func (r *Relay) askVersion(ctx context.Context, addrs []string, req *inspectpb.V
 	for _, addr := range addrs {
 		go func() {
 			t, err := r.askOne(ctx, addr, req, root)
-			if err != nil && status.Code(err) != codes.NotFound && ctx.Err() == nil {
+			if err != nil {
 				r.log.Debug("claimed version: a relay's answer failed", "addr", addr, "key", req.GetKey(), "type", xds.ShortType(req.GetType()), "err", err)
 			}
 			answers <- answer{t, err}

@@ -934,17 +934,22 @@ func (p *probeStream) compare(v *keyViews) (diffs []difference, ok bool) {
 			}
 			continue
 		}
-		// Names asked by name are compared while the view holds them: a
-		// name the key stopped asking for (a removed cluster's
-		// endpoints) leaves the view, and a SotW upstream never tells a
-		// stream that asks for it by name that it is gone.
+		// Names asked by name are compared where both hold them: a
+		// difference must be in what the upstream gives both nodes. A
+		// name only the key's view holds proves nothing: a SotW
+		// upstream never tells a stream that asks for a name by name
+		// that it is gone, so the view keeps a removed service's
+		// endpoints while anyone asks for them (a relay frozen for a
+		// while, which cannot pass its Envoys' unsubscriptions on, did:
+		// issue 28 saw keys split for it), and the check's stream is
+		// told nothing of them.
 		for _, name := range names {
 			e, inView := tv.view.Get(name)
 			if !inView {
 				continue
 			}
-			if h, inGot := got[name]; !inGot || h != e.Hash {
-				note(name, h, inGot, e.Hash, true)
+			if h, inGot := got[name]; inGot && h != e.Hash {
+				note(name, h, true, e.Hash, true)
 			}
 		}
 	}

@@ -373,3 +373,40 @@ func TestDivergenceCheckAtJoinComparesEverything(t *testing.T) {
 		}
 	}
 }
+
+// TestRemovedNameKeptByASubscriptionIsNoDivergence is issue 28's third bug
+// at its root. With a SotW upstream, a key's view keeps a removed
+// service's endpoints while any member still asks for them by name (the
+// upstream never says a name asked for by name is gone; a relay frozen for
+// a while, which cannot pass its Envoys' unsubscriptions on, keeps asking).
+// A check's own stream asks for the same name and is sent nothing of it:
+// that difference is not in what the upstream gives two nodes, and must
+// not split the key (it used to, and the key's split members each cost an
+// upstream stream from then on).
+func TestRemovedNameKeptByASubscriptionIsNoDivergence(t *testing.T) {
+	up := newTestUpstream(t, "ns1")
+	seed(up, "ns1", 3)
+	up.set("ns1", xds.TypeEndpoint, mkCLA("gone", 7000))
+	r := startRelay(t, up, func(c *Config) {
+		c.UpstreamProtocol = ProtocolSotW
+		c.DivergenceInterval = time.Hour // only the check of the second member
+	})
+	conn := dial(t, r.Addr().String())
+	first := newRawClient(t, conn, false, node("ns1", "app", 0))
+	first.subscribe(xds.TypeEndpoint, "c0", "c1", "c2", "gone")
+	first.ack(first.recv())
+	up.del("ns1", xds.TypeEndpoint, "gone") // the client asks for it still
+	second := newRawClient(t, conn, false, node("ns1", "app", 1))
+	second.subscribe(xds.TypeEndpoint, "c0", "c1", "c2", "gone")
+	second.ack(second.recv())
+	waitLong(t, "the second member's check", func() bool {
+		return testutil.ToFloat64(r.metrics.divergenceChecks.WithLabelValues("same"))+
+			testutil.ToFloat64(r.metrics.divergenceChecks.WithLabelValues("diverged")) > 0
+	})
+	if n := testutil.ToFloat64(r.metrics.divergenceChecks.WithLabelValues("diverged")); n != 0 {
+		t.Fatalf("the check found a divergence (%v) in a name only the key's view keeps; splits: %v", n, r.Splits())
+	}
+	if _, ok := r.heldKeys()[0].views.Load().types[xds.TypeEndpoint].view.Get("gone"); !ok {
+		t.Fatal("the key's view no longer holds the removed name: the test checks nothing")
+	}
+}

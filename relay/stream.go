@@ -970,7 +970,7 @@ func (s *stream) resolveClaim(sub *typeSub, ts *typeView) {
 		return
 	}
 	if !s.askTier(sub) {
-		s.r.metrics.claims.WithLabelValues("unknown").Inc()
+		s.claimUnknown(sub)
 	}
 }
 
