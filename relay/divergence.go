@@ -24,6 +24,7 @@ import (
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -83,9 +84,10 @@ func wantGrew(now, before map[string]bool) bool {
 // divergenceCheckFor.
 var errChurning = errors.New("relay: the key's content kept changing")
 
-// splitBook holds the splits of the keys this relay knows of: found by its
-// own checks, or told by the tier's other relays (MDSplits). Splits are
-// never forgotten while the relay runs. Safe for concurrent use.
+// splitBook holds the records of the splits of the keys this relay knows
+// of (aggkey.MergeSplit): found, or merged back, by its own checks, or told
+// by the tier's other relays (MDSplits). A split whose latest record is
+// merged moves nobody. Safe for concurrent use.
 type splitBook struct {
 	// gen counts changes: a stream whose key may have split looks again
 	// when it moved.
@@ -94,19 +96,26 @@ type splitBook struct {
 	m   map[aggkey.Key][]aggkey.Split
 }
 
+// of returns k's split records, merged ones included: what the tier is
+// told.
 func (b *splitBook) of(k aggkey.Key) []aggkey.Split {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.m[k]
 }
 
-// add adds splits to k's and returns the ones that were new.
+// active returns k's splits that move nodes now.
+func (b *splitBook) active(k aggkey.Key) []aggkey.Split {
+	return aggkey.Active(b.of(k))
+}
+
+// add enters records of k's splits and returns the ones that changed k's.
 func (b *splitBook) add(k aggkey.Key, splits ...aggkey.Split) []aggkey.Split {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	var fresh []aggkey.Split
 	for _, s := range splits {
-		next, added := aggkey.AddSplit(b.m[k], s)
+		next, added := aggkey.MergeSplit(b.m[k], s)
 		if !added {
 			continue
 		}
@@ -126,7 +135,7 @@ func (b *splitBook) add(k aggkey.Key, splits ...aggkey.Split) []aggkey.Split {
 // (base), or its own if a split of that key moved it.
 func (r *Relay) keyOf(node *core.Node, id *auth.Identity) (key, base aggkey.Key) {
 	base = aggkey.WithIdentity(r.cfg.KeyProfile.Key(node), id)
-	for _, s := range r.splits.of(base) {
+	for _, s := range r.splits.active(base) {
 		if s.Matches(node) {
 			return aggkey.WithIdentity(aggkey.SplitKey(node), id), base
 		}
@@ -142,10 +151,37 @@ func (r *Relay) learnSplits(key aggkey.Key, splits []aggkey.Split) {
 		return
 	}
 	for _, s := range fresh {
-		r.log.Info("key split, told by another relay of the tier", "key", key, "split", s.String())
+		if s.Merged {
+			r.log.Info("key split merged back, told by another relay of the tier", "key", key, "split", s.String())
+		} else {
+			r.log.Info("key split, told by another relay of the tier", "key", key, "split", s.String())
+		}
 	}
+	r.splitsChanged(key, fresh)
+}
+
+// splitsChanged tells those it concerns that changed, records of key's
+// splits, changed: the ledger; the streams of key (a split moves some);
+// and, for a split merged back, the keys of nodes of their own it had
+// moved them to here, whose streams return to key and which nobody comes
+// back to (their feeds drop them once they have no member).
+func (r *Relay) splitsChanged(key aggkey.Key, changed []aggkey.Split) {
 	r.reportSplits(key)
 	r.wakeKey(key)
+	for _, s := range changed {
+		if !s.Merged {
+			continue
+		}
+		for _, k := range r.heldKeys() {
+			n := k.presentedNode.Load()
+			if k.key == key || n == nil || !s.Matches(n) || !aggkey.IsSplitKeyOf(k.key, n) {
+				continue
+			}
+			k.abandoned.Store(true)
+			k.wakeStreams()
+			wake(k.upWake)
+		}
+	}
 }
 
 // KeySplit is one split of a key the relay knows, for reports.
@@ -162,7 +198,7 @@ func (r *Relay) Splits() []KeySplit {
 	defer r.splits.mu.Unlock()
 	var out []KeySplit
 	for _, k := range slices.Sorted(maps.Keys(r.splits.m)) {
-		for _, s := range r.splits.m[k] {
+		for _, s := range aggkey.Active(r.splits.m[k]) {
 			out = append(out, KeySplit{Key: k, Split: s.String()})
 		}
 	}
@@ -171,10 +207,11 @@ func (r *Relay) Splits() []KeySplit {
 
 // reportSplits tells the ledger key's splits (the admin API shows them).
 func (r *Relay) reportSplits(key aggkey.Key) {
-	splits := r.splits.of(key)
-	if len(splits) == 0 {
+	all := r.splits.of(key)
+	if len(all) == 0 {
 		return
 	}
+	splits := aggkey.Active(all)
 	desc := make([]string, len(splits))
 	for i, s := range splits {
 		desc[i] = s.String()
@@ -211,8 +248,12 @@ func (r *Relay) checkDivergence(ctx context.Context) {
 		now := time.Now()
 		for _, k := range r.heldKeys() {
 			m, ok := k.checkDue(now, r.cfg.DivergenceInterval)
+			recheck := false
 			if !ok {
-				continue
+				if m, ok = k.recheckDue(now, r.cfg.DivergenceInterval); !ok {
+					continue
+				}
+				recheck = true
 			}
 			select {
 			case r.checkSlots <- struct{}{}:
@@ -222,7 +263,11 @@ func (r *Relay) checkDivergence(ctx context.Context) {
 			}
 			if !r.goRun(func(ctx context.Context) {
 				defer func() { <-r.checkSlots }()
-				r.checkKey(ctx, k, m)
+				if recheck {
+					r.recheckSplit(ctx, k, m)
+				} else {
+					r.checkKey(ctx, k, m)
+				}
 			}) {
 				<-r.checkSlots
 				return
@@ -305,6 +350,77 @@ func (k *keyState) checkDue(now time.Time, every time.Duration) (member, bool) {
 	}
 	d.running = true
 	return pick, true
+}
+
+// recheckDue reports whether it is time to check again that the member of
+// k, a key of a node of its own since a split (splitFrom), is given other
+// config than the key it left: every interval, the first at a random point
+// of it. It marks the check running; checkDone ends it.
+func (k *keyState) recheckDue(now time.Time, every time.Duration) (member, bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	d := &k.div
+	if k.splitFrom == "" || d.running {
+		return nil, false
+	}
+	i := slices.IndexFunc(k.members, func(m member) bool {
+		node, _ := m.presents()
+		return node != nil && m.peerRelayID() == ""
+	})
+	if i < 0 {
+		return nil, false // its Envoy is at another relay, which checks it
+	}
+	if d.next.IsZero() {
+		d.next = now.Add(rand.N(every) + time.Nanosecond)
+	}
+	if now.Before(d.next) {
+		return nil, false
+	}
+	d.running = true
+	return k.members[i], true
+}
+
+// recheckSplit checks m, the member of k, against the key it left by a
+// split: here if this relay is that key's upstream source, else by asking
+// its owner. If the upstream gives m's node that key's config again, the
+// split is merged back (mergeBack) and m returns to it (followSplits).
+func (r *Relay) recheckSplit(ctx context.Context, k *keyState, m member) {
+	base := k.splitBase()
+	node, _ := m.presents()
+	var err error
+	var differ []string
+	by := r.cfg.ID
+	r.mu.Lock()
+	bk := r.keys[base]
+	r.mu.Unlock()
+	switch owner, self := r.ownerOf(base); {
+	case bk != nil && sourceKind(bk.source.Load()) != sourcePeer && bk.presentedNode.Load() != nil:
+		if !bk.startCheck() {
+			k.checkLater(m)
+			return
+		}
+		differ, _, err = r.runCheck(ctx, bk, m)
+		bk.checkDone(nil, time.Time{}, nil)
+	case self || r.cfg.ForwardCredentials:
+		// Nothing to compare with here (the key it left has no source
+		// here), or the owner would need the member's token: the split
+		// stays.
+		err = errNotComparable
+	default:
+		var res *inspectpb.CheckMemberResult
+		res, err = r.askCheck(ctx, owner, base, node)
+		differ, by = res.GetTypes(), owner
+	}
+	k.checkDone(m, time.Now().Add(r.cfg.DivergenceInterval), nil)
+	switch {
+	case ctx.Err() != nil:
+	case err != nil:
+		r.log.Debug("split re-check without an answer", "key", base, "node", node.GetId(), "by", by, "err", err)
+	case len(differ) == 0:
+		r.log.Debug("split re-check: the same config as the key it left", "key", base, "node", node.GetId(), "by", by)
+	default:
+		r.log.Debug("split re-check: still other config", "key", base, "node", node.GetId(), "by", by)
+	}
 }
 
 // checkLater ends k's running check of m, which could not run (no check
@@ -423,7 +539,18 @@ func (r *Relay) askCheck(ctx context.Context, addr string, key aggkey.Key, node 
 	ctx, cancel := context.WithTimeout(ctx, divergenceCheckFor+r.cfg.LedgerGatherTimeout)
 	defer cancel()
 	ctx = metadata.AppendToOutgoingContext(ctx, r.peerMetadata()...)
-	return inspectpb.NewInspectClient(conn).CheckMember(ctx, &inspectpb.CheckMemberRequest{Key: string(key), Node: b})
+	var md metadata.MD
+	res, err := inspectpb.NewInspectClient(conn).CheckMember(ctx, &inspectpb.CheckMemberRequest{Key: string(key), Node: b}, grpc.Header(&md))
+	if v := md.Get(peers.MDSplits); len(v) == 1 {
+		// The owner's records of the key's splits, the check's included
+		// (a split it found, or merged back).
+		if splits, derr := aggkey.DecodeSplits([]byte(v[0])); derr == nil {
+			r.learnSplits(key, splits)
+		} else {
+			r.log.Warn("a key's owner sent splits this relay cannot read", "key", key, "err", derr)
+		}
+	}
+	return res, err
 }
 
 // CheckMember runs a check another relay asked for (see inspect.proto).
@@ -459,6 +586,9 @@ func (s inspectServer) CheckMember(ctx context.Context, req *inspectpb.CheckMemb
 	}
 	differ, split, err := s.r.runCheck(ctx, k, nodeMember{node})
 	k.checkDone(nil, time.Time{}, nil)
+	if splits := s.r.splits.of(k.key); len(splits) > 0 {
+		_ = grpc.SetHeader(ctx, metadata.Pairs(peers.MDSplits, string(aggkey.EncodeSplits(splits))))
+	}
 	switch {
 	case errors.Is(err, errWantGrew) || errors.Is(err, errNotComparable):
 		return nil, status.Errorf(codes.Unavailable, "check: %v", err) // ask again
@@ -501,6 +631,7 @@ func (r *Relay) runCheck(ctx context.Context, k *keyState, m member) ([]string, 
 		return nil, aggkey.Split{}, err
 	case len(differ) == 0:
 		r.metrics.divergenceChecks.WithLabelValues("same").Inc()
+		r.mergeBack(k, node)
 		return nil, aggkey.Split{}, nil
 	}
 	r.metrics.divergenceChecks.WithLabelValues("diverged").Inc()
@@ -508,6 +639,7 @@ func (r *Relay) runCheck(ctx context.Context, k *keyState, m member) ([]string, 
 		r.metrics.divergences.WithLabelValues(xds.ShortType(typeURL)).Inc()
 	}
 	split := aggkey.NewSplit(node, presented)
+	split.Epoch = uint64(r.clock.Now())
 	short := make([]string, len(differ))
 	for i, t := range differ {
 		short[i] = xds.ShortType(t)
@@ -515,11 +647,33 @@ func (r *Relay) runCheck(ctx context.Context, k *keyState, m member) ([]string, 
 	r.log.Warn("key diverges: the upstream gives a member other config than the node the key presents, so the key profile is too coarse for this mesh; the member and its look-alikes move to keys of their own",
 		"key", k.key, "node", node.GetId(), "presented", presented.GetId(),
 		"fields_differing", aggkey.Differing(node, presented), "types", short, "split", split.String())
-	if len(r.splits.add(k.key, split)) > 0 {
-		r.reportSplits(k.key)
-		k.wakeStreams()
+	if fresh := r.splits.add(k.key, split); len(fresh) > 0 {
+		r.splitsChanged(k.key, fresh)
 	}
 	return differ, split, nil
+}
+
+// mergeBack merges back every split of k that moves node: a check found
+// the upstream gives node the key's config, so nothing proves the split
+// any more, and the nodes it moved return to the key, make-before-break
+// (stream.followSplits). The tier learns of it as of a split.
+func (r *Relay) mergeBack(k *keyState, node *core.Node) {
+	var merged []aggkey.Split
+	for _, s := range r.splits.active(k.key) {
+		if s.Matches(node) {
+			s.Epoch, s.Merged = uint64(r.clock.Now()), true
+			merged = append(merged, s)
+		}
+	}
+	if len(merged) == 0 {
+		return
+	}
+	fresh := r.splits.add(k.key, merged...)
+	for _, s := range fresh {
+		r.metrics.splitMerges.Inc()
+		r.log.Info("key split merged back: the upstream gives a node it moved the key's config again", "key", k.key, "node", node.GetId(), "split", s.String())
+	}
+	r.splitsChanged(k.key, fresh)
 }
 
 // probe runs one check: an upstream stream presenting m's node asks for

@@ -410,3 +410,68 @@ func TestRemovedNameKeptByASubscriptionIsNoDivergence(t *testing.T) {
 		t.Fatal("the key's view no longer holds the removed name: the test checks nothing")
 	}
 }
+
+// TestSplitMergedBack: a split lasts while checks prove it. The pod whose
+// IP backed a Service (its inbound listener set it apart) stops backing
+// it: the upstream gives it the key's config again. The relay that serves
+// its Envoy checks it against the key it left, now and then; it finds the
+// same config, merges the split back, and the Envoy returns to the key,
+// make-before-break, with no older content and nothing removed but the
+// listener the upstream removed. The split key's upstream stream closes at
+// once (nobody comes back to it): one upstream stream for the key again.
+// In a tier, the relay that serves the Envoy asks the key's owner, which
+// merges the split back and tells the relay.
+func TestSplitMergedBack(t *testing.T) {
+	for _, tier := range []bool{false, true} {
+		t.Run(map[bool]string{false: "one relay", true: "envoy at the owner's peer"}[tier], func(t *testing.T) {
+			up := inboundUpstream(t)
+			withChecks := func(c *Config) { c.DivergenceInterval = 200 * time.Millisecond }
+			owner := startRelay(t, up, func(c *Config) { withChecks(c); c.ID = "owner" })
+			at := owner
+			if tier {
+				at = startRelay(t, up, func(c *Config) {
+					withChecks(c)
+					c.ID = "other"
+					c.Owners = newFakeOwners(owner.Addr().String(), false)
+				})
+			}
+			nodes := []*core.Node{node("default", "reviews", 0), node("default", "reviews", 1), node("default", "reviews", 2)}
+			var envoys []*watchedEnvoy
+			for i, n := range nodes {
+				addr := owner.Addr().String()
+				if i == 2 {
+					addr = at.Addr().String()
+				}
+				envoys = append(envoys, startWatchedEnvoy(t, addr, n, envoy.Delta))
+				waitLong(t, fmt.Sprint("Envoy ", i, "'s config"), func() bool { return holds(envoys[i].Envoy, 1, "outbound") })
+			}
+			base, _ := owner.keyOf(nodes[0], nil)
+			waitLong(t, "the split", func() bool { return keyOfClient(at, nodes[2].GetId()) == aggkey.SplitKey(nodes[2]) })
+			waitLong(t, "the diverging Envoy's own listener", func() bool { return holds(envoys[2].Envoy, 1, "inbound|"+inboundIP) })
+
+			up.del("inbound", xds.TypeListener, "inbound|"+inboundIP)
+			waitLong(t, "the Envoy back on its key", func() bool { return keyOfClient(at, nodes[2].GetId()) == base })
+			if n := testutil.ToFloat64(owner.metrics.splitMerges); n != 1 {
+				t.Errorf("meshrelay_key_split_merges_total = %v at the owner, want 1", n)
+			}
+			for _, r := range []*Relay{owner, at} {
+				if s := r.splits.active(base); len(s) != 0 {
+					t.Errorf("%s: active splits of %s = %v, want none", r.ID(), base, s)
+				}
+			}
+			// A push after the merge reaches it through the key.
+			setGeneration(up, "default", 2)
+			setGeneration(up, "inbound", 2)
+			for i, e := range envoys {
+				waitLong(t, fmt.Sprint("Envoy ", i, " at generation 2"), func() bool { return holds(e.Envoy, 2, "outbound") })
+				for _, v := range e.Violations() {
+					t.Errorf("Envoy %d: %v", i, v)
+				}
+			}
+			if rm := envoys[2].removals(); !slices.Equal(rm, []string{"lds inbound|" + inboundIP}) {
+				t.Errorf("the Envoy that returned saw removals %q, want its inbound listener only", rm)
+			}
+			waitLong(t, "one upstream stream", func() bool { open, _ := up.streams(); return open == 1 })
+		})
+	}
+}

@@ -1335,7 +1335,11 @@ func (u *feed) checkIdle() {
 	n := u.k.memberCount()
 	switch {
 	case n == 0 && u.idle == nil:
-		u.idle = time.NewTimer(u.r.cfg.KeyIdleTimeout)
+		wait := u.r.cfg.KeyIdleTimeout
+		if u.k.abandoned.Load() {
+			wait = 0 // its split merged back: nobody comes back to it
+		}
+		u.idle = time.NewTimer(wait)
 	case n > 0 && u.idle != nil:
 		u.idle.Stop()
 		u.idle = nil

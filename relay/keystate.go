@@ -64,6 +64,15 @@ type keyState struct {
 	members []member // in join order; the first one's node is presented upstream
 	want    map[string]*typeWant
 	div     divergence
+	// splitFrom is the key this one's members left by a split (a key of
+	// a node of its own: aggkey.SplitKey); "" for a key of the profile.
+	// Its members are checked against that key now and then, and return
+	// to it once the split is merged back.
+	splitFrom aggkey.Key
+	// abandoned is set once a member left the key because its split was
+	// merged back: nobody comes back to it, so it does not idle for
+	// KeyIdleTimeout with its upstream stream open.
+	abandoned atomic.Bool
 }
 
 // aggregated reports whether more than one stream (Envoys, and relays the
@@ -402,6 +411,7 @@ func wake(ch chan struct{}) {
 func (k *keyState) join(m member) {
 	k.mu.Lock()
 	k.members = append(k.members, m)
+	k.abandoned.Store(false) // a split proven again brings a member back
 	// joined before peers here, peers before joined in leave: a reader of
 	// peers then joined never sees more peers than members.
 	k.joined.Store(int32(len(k.members)))

@@ -41,6 +41,7 @@ type metrics struct {
 	divergenceChecks   *prometheus.CounterVec
 	divergences        *prometheus.CounterVec
 	divergenceOpen     prometheus.Gauge
+	splitMerges        prometheus.Counter
 
 	byType map[string]*typeMetrics // by type URL; "" for the rest
 
@@ -145,6 +146,9 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 		divergenceOpen: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "meshrelay_divergence_check_streams", Help: "Open upstream streams of divergence checks (at most one per key, two per relay).",
 		}),
+		splitMerges: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "meshrelay_key_split_merges_total", Help: "Splits of keys merged back by this relay's checks: a node the split moved was found given its key's config again, and the nodes it moved return to the key.",
+		}),
 	}
 	keys := keyCollector{
 		r:        r,
@@ -156,7 +160,7 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 		m.envoys, m.pushes, m.pushBytes, m.pushResources, m.pushACK, m.converged, m.nacks, m.streamErrors,
 		m.upstreamStreams, m.upstreamWaiting, m.upstreamReconnects, m.restoredKeys, m.upstreamNACKs, m.passthrough, m.passthroughStreams,
 		m.refused, m.shed, m.peerFallbacks, m.silentConfirms, m.claims, m.holds, m.peerStreams, m.peerClients, m.authFailures,
-		m.divergenceChecks, m.divergences, m.divergenceOpen, keys,
+		m.divergenceChecks, m.divergences, m.divergenceOpen, m.splitMerges, keys,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_cache_resources", Help: "Distinct resources held, shared by every key.",
 		}, func() float64 { return float64(r.store.Len()) }),

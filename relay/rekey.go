@@ -11,6 +11,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/peers"
+	"github.com/meshrelay/meshrelay/relay/wire"
 )
 
 // errKeySplit ends a relay's stream to a key's source when the key split:
@@ -63,31 +64,77 @@ func (s *stream) followSplits() error {
 		return status.Error(codes.Aborted, errKeySplit.Error())
 	}
 	if s.next == nil {
-		want, _ := s.r.keyOf(s.node, s.identity)
+		want, base := s.r.keyOf(s.node, s.identity)
 		if want == s.key.key {
 			return nil
 		}
 		s.next = s.r.joinKey(want, s)
+		s.next.leftBySplit(want, base)
 		for typeURL, sub := range s.subs {
 			s.next.subscribe(typeURL, false, sub.wildcard, nil, sub.names)
 		}
-		s.log.Info("the stream's key split: it moves to a key of its own once that key has its config", "to", want)
+		if want == base {
+			s.log.Info("the split that moved the stream merged back: it returns to its key once that key has its config", "to", want)
+		} else {
+			s.log.Info("the stream's key split: it moves to a key of its own once that key has its config", "to", want)
+		}
 	}
 	if !s.next.covers(s.subs, time.Now(), s.r.cfg.ResourceWaitTimeout) {
 		return nil
 	}
 	old := s.key
 	s.r.attach(s, s.next)
+	if base := old.splitBase(); base != "" && s.next.key == base {
+		old.abandoned.Store(true) // merged back (before leave wakes its feed)
+	}
 	old.leave(s, s.subscriptions())
 	s.key, s.next = s.next, nil
+	s.declareHeld()
 	now := time.Now()
 	s.led.Disconnect(now)
 	s.led = s.r.ledger.Connect(s.node.GetId(), string(s.key.key), now)
 	for typeURL := range s.subs {
 		s.led.Subscribe(typeURL)
 	}
-	s.log.Info("the stream moved to its own key", "from", old.key, "to", s.key.key)
+	s.log.Info("the stream moved", "from", old.key, "to", s.key.key)
 	return nil
+}
+
+// declareHeld makes what the client holds of each type a declaration, as if
+// it had reconnected (stream.reconnected): a key the stream moves to has
+// views of its own, from a source of its own, which may be older than what
+// the old key sent it (a key restored from a snapshot; the base key's
+// stream, older than the split key's). The client keeps what it holds
+// until the new key's views cover it.
+func (s *stream) declareHeld() {
+	for _, sub := range s.subs {
+		if sub.known.Len() == 0 || sub.sent.version == "" {
+			continue
+		}
+		_, o, err := wire.ParseVersion(sub.sent.version)
+		if err != nil || !s.r.placed(o, true) {
+			o = s.r.declaredBound()
+		}
+		sub.orders, sub.declared = sub.orders.add(o), true
+	}
+}
+
+// splitBase returns the key k's members left by a split ("" if none).
+func (k *keyState) splitBase() aggkey.Key {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.splitFrom
+}
+
+// leftBySplit notes that k, whose key is key, is the key its members have
+// since a split of base moved them (key differs from base).
+func (k *keyState) leftBySplit(key, base aggkey.Key) {
+	if key == base {
+		return
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.splitFrom = base
 }
 
 // covers reports whether k's views hold an answer for every subscription

@@ -236,9 +236,10 @@ func (s *stream) attach(node *core.Node) error {
 	}
 	// The key is derived only now, from a node its identity may present.
 	s.splitGen = s.r.splits.gen.Load()
-	key, _ := s.r.keyOf(node, s.identity)
+	key, base := s.r.keyOf(node, s.identity)
 	s.log = s.log.With("node", node.GetId(), "key", key)
 	s.key = s.r.acquireKey(key, s)
+	s.key.leftBySplit(key, base)
 	s.led = s.r.ledger.Connect(node.GetId(), string(key), time.Now())
 	s.r.metrics.envoys.WithLabelValues(protocolName(s.delta)).Inc()
 	s.log.Debug("stream attached", "peer", s.peer)

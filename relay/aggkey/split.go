@@ -21,6 +21,12 @@ import (
 // When the two nodes differed in their ids alone, the split holds the
 // diverging node's id and moves that node only.
 //
+// A split lasts while checks prove it: a later check that finds a node it
+// moves given the key's config again merges it back (Merged), and its
+// nodes return to the key. Relays of a tier exchange their records of a
+// key's splits, proven and merged, and the later record of a split wins
+// (MergeSplit).
+//
 // A Split is immutable and safe for concurrent use.
 type Split struct {
 	// ID is the diverging node's id; it alone is moved when Fields is
@@ -29,6 +35,12 @@ type Split struct {
 	// Fields are the fields where the two nodes differed, other than the
 	// id, with the diverging node's values, in name order.
 	Fields []SplitField
+	// Epoch is when the split was last proven, or disproven: a reading of
+	// the hybrid clock (ledger.Stamp) of the relay that checked.
+	Epoch uint64
+	// Merged marks a split disproven at Epoch: its nodes are the key's
+	// again, until a later check proves it again.
+	Merged bool
 
 	get []field // Fields' readers, in order
 }
@@ -75,7 +87,7 @@ func NewSplit(diverging, presented *core.Node) Split {
 	return s
 }
 
-// Matches reports whether node leaves its key by s.
+// Matches reports whether node is one s moves (whether s is merged or not).
 func (s Split) Matches(node *core.Node) bool {
 	if s.ID == SplitAll.ID && len(s.Fields) == 0 {
 		return true
@@ -123,23 +135,64 @@ func (s Split) same(t Split) bool {
 	return slices.Equal(s.Fields, t.Fields)
 }
 
-// AddSplit returns splits with s added, unless one of them moves the same
-// nodes already (then it returns splits itself and false). Past MaxSplits the
-// result is SplitAll alone.
-func AddSplit(splits []Split, s Split) ([]Split, bool) {
-	for _, o := range splits {
-		if o.same(s) || o.same(SplitAll) {
-			return splits, false
+// MergeSplit returns a key's split records with s entered, and whether they
+// changed: a record that moves the same nodes is replaced if s is later
+// (by Epoch) and kept if not; an active split is added unless SplitAll is
+// active; a merged one no record knows is kept, so that an older record of
+// the split that comes later loses to it. Past MaxSplits active splits the
+// result is SplitAll alone; past MaxSplits records in all, the oldest merged
+// ones are forgotten.
+func MergeSplit(splits []Split, s Split) ([]Split, bool) {
+	for i, o := range splits {
+		if o.same(s) {
+			if s.Epoch <= o.Epoch {
+				return splits, false
+			}
+			out := slices.Clone(splits)
+			out[i] = s
+			return out, true
 		}
 	}
-	if len(splits)+1 > MaxSplits || s.same(SplitAll) {
-		return []Split{SplitAll}, true
+	if !s.Merged && slices.ContainsFunc(splits, func(o Split) bool { return !o.Merged && o.same(SplitAll) }) {
+		return splits, false
 	}
-	return append(slices.Clone(splits), s), true
+	out := append(slices.Clone(splits), s)
+	if active := Active(out); len(active) > MaxSplits {
+		all := SplitAll
+		all.Epoch = s.Epoch
+		return []Split{all}, true
+	}
+	for len(out) > MaxSplits {
+		oldest := -1
+		for i, o := range out {
+			if o.Merged && (oldest < 0 || o.Epoch < out[oldest].Epoch) {
+				oldest = i
+			}
+		}
+		out = slices.Delete(out, oldest, oldest+1)
+	}
+	return out, true
+}
+
+// Active returns the splits of records that are not merged.
+func Active(splits []Split) []Split {
+	var out []Split
+	for _, s := range splits {
+		if !s.Merged {
+			out = append(out, s)
+		}
+	}
+	return out
 }
 
 // SplitKey is the key of a node that left its key by a split: its own.
 func SplitKey(node *core.Node) Key { return perNodeKey(node.GetId()) }
+
+// IsSplitKeyOf reports whether k is node's SplitKey, for any identity
+// (WithIdentity).
+func IsSplitKeyOf(k Key, node *core.Node) bool {
+	return strings.HasPrefix(string(k), "node/"+node.GetId()+"#")
+}
 
 // Differing returns the names of the fields in which a and b differ, sorted:
 // id, cluster, user_agent_name, user_agent_version, locality.region,
@@ -217,6 +270,8 @@ const maxSplitsEncoded = 8 << 10
 type splitJSON struct {
 	ID     string      `json:"id"`
 	Fields []fieldJSON `json:"fields,omitempty"`
+	Epoch  uint64      `json:"epoch,omitempty"`
+	Merged bool        `json:"merged,omitempty"`
 }
 
 // fieldJSON is a SplitField on the wire: its value as bytes (base64), as a
@@ -234,14 +289,18 @@ type fieldJSON struct {
 func EncodeSplits(splits []Split) []byte {
 	out := make([]splitJSON, len(splits))
 	for i, s := range splits {
-		out[i] = splitJSON{ID: s.ID}
+		out[i] = splitJSON{ID: s.ID, Epoch: s.Epoch, Merged: s.Merged}
 		for _, f := range s.Fields {
 			out[i].Fields = append(out[i].Fields, fieldJSON{Name: f.Name, Value: []byte(f.Value), Missing: f.Missing})
 		}
 	}
 	b, err := json.Marshal(out)
 	if err != nil || len(b) > maxSplitsEncoded {
-		b, _ = json.Marshal([]splitJSON{{ID: SplitAll.ID}})
+		var epoch uint64
+		for _, s := range splits {
+			epoch = max(epoch, s.Epoch)
+		}
+		b, _ = json.Marshal([]splitJSON{{ID: SplitAll.ID, Epoch: epoch}})
 	}
 	return b
 }
@@ -268,7 +327,7 @@ func DecodeSplits(b []byte) ([]Split, error) {
 		if len(j.Fields) > MaxSplitFields {
 			return nil, fmt.Errorf("aggkey: a split of %d fields, over %d", len(j.Fields), MaxSplitFields)
 		}
-		s := Split{ID: j.ID}
+		s := Split{ID: j.ID, Epoch: j.Epoch, Merged: j.Merged}
 		for i, sf := range j.Fields {
 			s.Fields = append(s.Fields, SplitField{Name: sf.Name, Value: string(sf.Value), Missing: sf.Missing})
 			if !splittable(sf.Name) {

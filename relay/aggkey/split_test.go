@@ -110,24 +110,46 @@ func TestSplitMovesTheDivergingNodeAndItsLookAlikes(t *testing.T) {
 	}
 }
 
-func TestAddSplit(t *testing.T) {
+func TestMergeSplit(t *testing.T) {
+	at := func(s Split, epoch uint64, merged bool) Split { s.Epoch, s.Merged = epoch, merged; return s }
 	a := NewSplit(&core.Node{Id: "a"}, &core.Node{Id: "b"})
-	splits, added := AddSplit(nil, a)
+	splits, added := MergeSplit(nil, at(a, 10, false))
 	if !added || len(splits) != 1 {
-		t.Fatalf("AddSplit(nil, a) = %v, %v", splits, added)
+		t.Fatalf("MergeSplit(nil, a) = %v, %v", splits, added)
 	}
-	if _, added := AddSplit(splits, NewSplit(&core.Node{Id: "a"}, &core.Node{Id: "c"})); added {
-		t.Error("AddSplit added a split that moves the same node again")
+	if _, added := MergeSplit(splits, at(NewSplit(&core.Node{Id: "a"}, &core.Node{Id: "c"}), 10, false)); added {
+		t.Error("MergeSplit added a split that moves the same node again")
+	}
+	// Merged later: the node is the key's again; an older proof that
+	// arrives after (another relay's record) does not bring it back; a
+	// later one does.
+	splits, changed := MergeSplit(splits, at(a, 20, true))
+	if !changed || len(Active(splits)) != 0 {
+		t.Fatalf("merged at 20: %v (changed %v), want no active split", splits, changed)
+	}
+	if _, changed := MergeSplit(splits, at(a, 15, false)); changed {
+		t.Error("an older proof undid a later merge")
+	}
+	if splits, changed = MergeSplit(splits, at(a, 30, false)); !changed || len(Active(splits)) != 1 {
+		t.Errorf("proven again at 30: %v (changed %v), want the split active", splits, changed)
 	}
 	for i := range MaxSplits - 1 {
-		splits, _ = AddSplit(splits, NewSplit(&core.Node{Id: fmt.Sprint("n", i)}, &core.Node{Id: "b"}))
+		splits, _ = MergeSplit(splits, at(NewSplit(&core.Node{Id: fmt.Sprint("n", i)}, &core.Node{Id: "b"}), 40, false))
 	}
 	if len(splits) != MaxSplits {
 		t.Fatalf("%d splits, want %d", len(splits), MaxSplits)
 	}
-	splits, added = AddSplit(splits, NewSplit(&core.Node{Id: "one-too-many"}, &core.Node{Id: "b"}))
-	if !added || len(splits) != 1 || !splits[0].Matches(&core.Node{Id: "anyone"}) {
-		t.Errorf("past MaxSplits: %v, want SplitAll alone", splits)
+	// Records past the bound go, merged ones and oldest first; active
+	// ones do not.
+	if more, _ := MergeSplit(splits, at(NewSplit(&core.Node{Id: "gone"}, &core.Node{Id: "b"}), 50, true)); len(more) != MaxSplits || len(Active(more)) != MaxSplits {
+		t.Errorf("%d records (%d active) after a merged one past the bound, want %d active", len(more), len(Active(more)), MaxSplits)
+	}
+	splits, added = MergeSplit(splits, at(NewSplit(&core.Node{Id: "one-too-many"}, &core.Node{Id: "b"}), 60, false))
+	if !added || len(splits) != 1 || !splits[0].Matches(&core.Node{Id: "anyone"}) || splits[0].Epoch != 60 {
+		t.Errorf("past MaxSplits: %v, want SplitAll alone, at 60", splits)
+	}
+	if _, added := MergeSplit(splits, at(NewSplit(&core.Node{Id: "later"}, &core.Node{Id: "b"}), 70, false)); added {
+		t.Error("a split added while SplitAll moves every node")
 	}
 }
 
