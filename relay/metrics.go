@@ -185,6 +185,11 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 	for _, reason := range []string{"rebalance", "drain", "token_expiry"} {
 		m.shed.WithLabelValues(reason)
 	}
+	for _, typeURL := range []string{xds.TypeListener, xds.TypeRoute} {
+		for _, outcome := range []string{"held", "sent"} {
+			m.holds.WithLabelValues(xds.ShortType(typeURL), outcome)
+		}
+	}
 	for _, reason := range []auth.Reason{auth.NoCredentials, auth.BadToken, auth.Expired, auth.NotYetValid, auth.WrongIssuer,
 		auth.WrongAudience, auth.UntrustedCert, auth.NoSPIFFEID, auth.WrongTrustDomain, auth.ReviewFailed, auth.ReviewDenied,
 		auth.IdentityMismatch, "throttled", "unproven_peer"} {

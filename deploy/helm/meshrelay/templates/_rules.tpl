@@ -41,6 +41,17 @@ groups:
     annotations:
       summary: A key's {{`{{ $labels.type }}`}} diverged in {{`{{ $labels.job }}`}}
       description: relayctl shards names the split keys; the relay's warning names the node fields that differed. Add them to the key profile (--key-metadata or --key-fields).
+  - alert: MeshrelayMakeBeforeBreakStall
+    # A listener or route configuration waits past --resource-wait-timeout
+    # for a cluster of its key that an Envoy cannot use yet (its endpoints
+    # have not reached it): the relay never sends a route to a warming
+    # cluster, so such a wait is a stall in the tier or upstream, and the
+    # Envoy is behind on its routes until it ends.
+    expr: sum by (namespace, job, type) (increase(meshrelay_make_before_break_overdue_total{outcome="held"}[10m])) > 0
+    labels: {severity: warning}
+    annotations:
+      summary: '{{`{{ $labels.type }}`}} held back past the wait for a cluster not warm at the Envoy in {{`{{ $labels.job }}`}}'
+      description: The relay's warning names the held resource; relayctl proxy-status lists the Envoys behind (not sent). Look at the key's source (meshrelay_stale_keys, the upstream's EDS).
   - alert: MeshrelayEnvoyNACKs
     # Envoys refuse config: a bad resource from istiod, or a mix of Envoy
     # versions istiod does not expect.
