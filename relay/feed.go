@@ -76,6 +76,7 @@ type feedType struct {
 	names    xds.NameSet
 	nonce    string // the latest response's nonce on the current stream
 	named    bool   // SotW: the current stream has sent names for the type
+	answered bool   // SotW: the current stream has answered the type
 	// Kept across reconnects: the last ACKed SotW version, and the
 	// upstream's Delta version of each resource (for
 	// initial_resource_versions), set (versionsSet) once anything was
@@ -613,7 +614,7 @@ func (u *feed) begin(node *core.Node, presenter member) {
 	// least as new as the upstream was now.
 	u.sessionAt, u.opened = u.r.clock.Now(), time.Now()
 	for _, ut := range u.types {
-		ut.asked, ut.nonce, ut.named = false, "", false // what it was asked is asked again
+		ut.asked, ut.nonce, ut.named, ut.answered = false, "", false, false // what it was asked is asked again
 	}
 }
 
@@ -969,7 +970,21 @@ func (u *feed) onSotW(resp *wire.SotWIn) error {
 	if !ut.wildcard {
 		upd = slices.DeleteFunc(upd, func(r *xds.Resource) bool { return !ut.names.Has(r.Name) })
 	}
-	u.apply(typeURL, upd, nil, xds.FullStateSotW(typeURL), true, u.arrived())
+	full := xds.FullStateSotW(typeURL)
+	var gone []string
+	if !full && !ut.answered {
+		// A SotW response of a type whose responses may carry only what
+		// changed (EDS, RDS) is merged into the view; but the first one
+		// on a stream carries every name the stream asked for that the
+		// upstream has (a new stream has been sent nothing). The view's
+		// other names are what an earlier stream (or a snapshot) left,
+		// of another age than this stream's Order says: they go, pending
+		// (no client is told they do not exist before ResourceWaitTimeout),
+		// and the view is this stream's alone.
+		gone = namesNotIn(u.k.views.Load().types[typeURL], upd)
+	}
+	ut.answered = true
+	u.apply(typeURL, upd, gone, full, true, u.arrived())
 	ut.acked = resp.GetVersionInfo()
 	return u.request(u.sotwRequest(typeURL, ut, ut.wildcard, ut.names, nil))
 }
@@ -1124,13 +1139,16 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 		// wildcard subscription.
 		ts.full = u.types[typeURL].wildcard && (fromSource || ts.full)
 		ts.pending = withoutArrived(ts.pending, upd)
-		if fromSource && sourceKind(k.source.Load()) == sourcePeer {
-			// The owner tells another relay of the removal of a name it
-			// asked the upstream for and has not had an answer about (its
-			// own Envoys are not told: see stream.planTypes): a name this
-			// relay's members still ask for is pending here too, so that
-			// they are not told it does not exist before the upstream
-			// had a chance to say so.
+		if fromSource && (sourceKind(k.source.Load()) == sourcePeer || !u.delta) {
+			// A name removed here that this relay's members still ask for
+			// by name is pending, not absent, where the removal does not
+			// say the upstream lacks it: an owner tells another relay of
+			// the removal of a name it asked the upstream for and has not
+			// heard of (its own Envoys are not told: see
+			// stream.planTypes), and a SotW stream's first answer leaves
+			// out what an earlier one left in the view (onSotW). So they
+			// are not told it does not exist before the upstream had a
+			// chance to say so. (A Delta upstream's removal says so.)
 			ts.pending = withPending(ts.pending, stillWanted(u.types[typeURL], del), received)
 		}
 		next.types[typeURL] = ts
@@ -1148,6 +1166,24 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 	if fromSource {
 		u.r.persist(u.k)
 	}
+}
+
+// namesNotIn returns the names ts's view holds that upd does not.
+func namesNotIn(ts *typeView, upd []*xds.Resource) []string {
+	if ts == nil || ts.view.Len() == 0 {
+		return nil
+	}
+	in := make(map[string]struct{}, len(upd))
+	for _, r := range upd {
+		in[r.Name] = struct{}{}
+	}
+	var out []string
+	for e := range ts.view.All() {
+		if _, ok := in[e.Name]; !ok {
+			out = append(out, e.Name)
+		}
+	}
+	return out
 }
 
 // stillWanted returns the names of del that ut, a type subscribed to by

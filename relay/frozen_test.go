@@ -267,3 +267,58 @@ func TestPeerViewIsTheOwnersWhileNamesArePending(t *testing.T) {
 		c.ack(m)
 	}
 }
+
+// TestSotWNewStreamDropsWhatItDoesNotSend: a SotW upstream sends, of
+// endpoints and routes, only what changed, so the key's view merges its
+// answers; and it never says a name asked for by name is gone. A new
+// stream's first answer carries every name the stream asked for that the
+// upstream has: what else the view holds an earlier stream left, of an
+// age the new stream's Order does not bound. Left in, it went out under
+// the new Order, to other relays and Envoys that held newer content (the
+// chaos suite saw endpoints of a removed service rolled back from
+// generation 75 to 1 with a SotW upstream). It goes, pending: clients are
+// not told it does not exist.
+func TestSotWNewStreamDropsWhatItDoesNotSend(t *testing.T) {
+	up := newTestUpstream(t, "ns1")
+	seed(up, "ns1", 2)
+	up.set("ns1", xds.TypeEndpoint, mkCLA("gone", 7000))
+	r := startRelay(t, up, func(c *Config) {
+		c.UpstreamProtocol = ProtocolSotW
+		c.ResourceWaitTimeout = time.Hour // pending throughout
+	})
+	c := newRawClient(t, dial(t, r.Addr().String()), true, node("ns1", "app", 0))
+	c.subscribe(xds.TypeEndpoint, "c0", "c1", "gone")
+	got := map[string]string{}
+	for len(got) < 3 {
+		m := c.recvDelta(xds.TypeEndpoint)
+		c.ack(m)
+		maps.Copy(got, versionMap(m))
+	}
+	k := r.heldKeys()[0]
+	first := k.views.Load().types[xds.TypeEndpoint].order
+
+	up.stop()
+	up.del("ns1", xds.TypeEndpoint, "gone")
+	up.restart()
+	waitFor(t, "an answer on a new stream", func() bool {
+		return k.views.Load().types[xds.TypeEndpoint].order.Session > first.Session
+	})
+	ts := k.views.Load().types[xds.TypeEndpoint]
+	if _, ok := ts.view.Get("gone"); ok {
+		t.Fatalf("the view holds what the new stream did not send, under its Order %v", ts.order)
+	}
+	if !ts.isPending("gone", time.Now(), time.Hour) {
+		t.Errorf("what the new stream did not send is absent, not pending")
+	}
+	c.subscribe(xds.TypeRuntime, "barrier-1")
+	for {
+		m := c.recv().(*discovery.DeltaDiscoveryResponse)
+		if typeOf(m) == xds.TypeRuntime {
+			break
+		}
+		if slices.Contains(m.GetRemovedResources(), "gone") {
+			t.Fatalf("the client was told %v do not exist while the upstream was still asked", m.GetRemovedResources())
+		}
+		c.ack(m)
+	}
+}
