@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math/rand/v2"
 	"net"
 	"os"
 	"time"
@@ -328,6 +329,13 @@ type Config struct {
 	// ForgetEnvoysAfter is how long an Envoy whose stream ended is listed
 	// by the ledger as not connected. Default 30 s.
 	ForgetEnvoysAfter time.Duration
+
+	// Rand, if set, is the source of the relay's random choices: the
+	// jitter of its reconnect backoff and balancing rounds, which streams
+	// it sheds, when a key's first divergence check runs. A simulation
+	// passes a seeded source so that a seed replays. The relay serialises
+	// its calls. Default nil: math/rand/v2's global source.
+	Rand rand.Source
 
 	// wall is the wall clock the relay's version stamps read (time.Now if
 	// nil); tests move it.

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"math/rand/v2"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -310,7 +309,7 @@ func (k *keyState) checkDue(now time.Time, every time.Duration) (member, bool) {
 		return nil, false // nothing to compare yet
 	}
 	if d.next.IsZero() {
-		d.next = now.Add(rand.N(every) + time.Nanosecond)
+		d.next = now.Add(randN(k.r.rand, every) + time.Nanosecond)
 	}
 	if d.compared != nil && wantGrew(k.wantedLocked(), d.compared) {
 		d.next, d.compared = now, nil

@@ -104,6 +104,7 @@ import (
 type Relay struct {
 	cfg     Config
 	log     *slog.Logger
+	rand    *rand.Rand // Config.Rand, serialised; nil: the global source
 	store   *xds.Store
 	dropped *xds.Dropped
 	// views shares the keys' views of equal content: the keys of a
@@ -177,6 +178,14 @@ type Relay struct {
 	serveWG  sync.WaitGroup
 }
 
+// newRand serialises src; nil stays nil (the global source).
+func newRand(src rand.Source) *rand.Rand {
+	if src == nil {
+		return nil
+	}
+	return rand.New(&lockedSource{src: src})
+}
+
 // New validates cfg and builds a Relay. Nothing runs until Start.
 func New(cfg Config) (*Relay, error) {
 	if err := cfg.validate(); err != nil {
@@ -195,6 +204,7 @@ func New(cfg Config) (*Relay, error) {
 		loaded:         make(chan struct{}),
 		pool:           peers.NewPool(cfg.MaxMsgSize, cfg.PeerDialOptions...),
 		clock:          ledger.NewClock(cfg.wall),
+		rand:           newRand(cfg.Rand),
 		authLogs:       newAuthLogLimiter(),
 		failures:       newFailureGate(),
 		syncs:          newSyncSlots(cfg.UpstreamSyncs),
@@ -768,10 +778,11 @@ type persistenceLag interface {
 // half: each wait is uniform in [d/2, d], d doubling up to the maximum).
 type backoff struct {
 	initial, max, cur time.Duration
+	rand              *rand.Rand // Config.Rand's; nil: the global source
 }
 
 func (r *Relay) newBackoff() *backoff {
-	return &backoff{initial: r.cfg.BackoffInitial, max: r.cfg.BackoffMax}
+	return &backoff{initial: r.cfg.BackoffInitial, max: r.cfg.BackoffMax, rand: r.rand}
 }
 
 func (b *backoff) next() time.Duration {
@@ -781,7 +792,36 @@ func (b *backoff) next() time.Duration {
 		b.cur = min(2*b.cur, b.max)
 	}
 	half := b.cur / 2
-	return half + rand.N(half+1)
+	return half + randN(b.rand, half+1)
+}
+
+// lockedSource serialises calls to Config.Rand.
+type lockedSource struct {
+	mu  sync.Mutex
+	src rand.Source
+}
+
+func (s *lockedSource) Uint64() uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.src.Uint64()
+}
+
+// randN is rand.N drawn from r (the global source if r is nil).
+func randN[D ~int64](r *rand.Rand, n D) D {
+	if r == nil {
+		return rand.N(n)
+	}
+	return D(r.Int64N(int64(n)))
+}
+
+// shuffle is rand.Shuffle drawn from r (the global source if r is nil).
+func shuffle(r *rand.Rand, n int, swap func(i, j int)) {
+	if r == nil {
+		rand.Shuffle(n, swap)
+		return
+	}
+	r.Shuffle(n, swap)
 }
 
 func (b *backoff) reset() { b.cur = 0 }

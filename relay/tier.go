@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/hmac"
 	"math"
-	"math/rand/v2"
 	"net"
 	"sync"
 	"time"
@@ -273,7 +272,7 @@ func (r *Relay) balance(ctx context.Context) {
 	for {
 		// Jittered: relays that learn of a new member together do not shed
 		// in lockstep.
-		d := r.cfg.BalanceInterval/2 + rand.N(r.cfg.BalanceInterval/2+1)
+		d := r.cfg.BalanceInterval/2 + randN(r.rand, r.cfg.BalanceInterval/2+1)
 		if !sleepCtx(ctx, d) {
 			return
 		}
@@ -301,7 +300,7 @@ func (r *Relay) balance(ctx context.Context) {
 		// settled streams (everything sent was answered): a client moved
 		// while an update is in flight would hold it without having ACKed
 		// it, and would be counted a straggler until the next change.
-		rand.Shuffle(len(streams), func(i, j int) { streams[i], streams[j] = streams[j], streams[i] })
+		shuffle(r.rand, len(streams), func(i, j int) { streams[i], streams[j] = streams[j], streams[i] })
 		moved := 0
 		for _, s := range streams {
 			if moved == n {

@@ -2,6 +2,8 @@ package envoy
 
 import (
 	"context"
+	"math/rand/v2"
+	"slices"
 	"sync"
 	"testing"
 	"testing/synctest"
@@ -32,6 +34,30 @@ func (c *failingConn) NewStream(context.Context, *grpc.StreamDesc, string, ...gr
 	return nil, status.Error(codes.Unavailable, "down")
 }
 
+// TestBackoffDelaySeeded: with Config.Rand, the same seed draws the same
+// delays, within the same bounds.
+func TestBackoffDelaySeeded(t *testing.T) {
+	b := Backoff{Base: 100 * time.Millisecond, Max: time.Second}
+	draw := func(seed uint64) []time.Duration {
+		rng := rand.New(rand.NewPCG(seed, 1))
+		var out []time.Duration
+		for n := range 8 {
+			d := backoffDelay(b, n, rng)
+			if lo := min(b.Base<<n, b.Max) / 2; d < lo || d >= 2*lo {
+				t.Fatalf("backoffDelay(%+v, %d, seeded) = %v, want in [%v, %v)", b, n, d, lo, 2*lo)
+			}
+			out = append(out, d)
+		}
+		return out
+	}
+	if a, b := draw(7), draw(7); !slices.Equal(a, b) {
+		t.Fatalf("seed 7 drew %v, then %v", a, b)
+	}
+	if a, b := draw(7), draw(8); slices.Equal(a, b) {
+		t.Fatalf("seeds 7 and 8 drew the same delays %v", a)
+	}
+}
+
 func TestBackoffDelay(t *testing.T) {
 	b := Backoff{Base: 100 * time.Millisecond, Max: time.Second}
 	tests := []struct {
@@ -46,7 +72,7 @@ func TestBackoffDelay(t *testing.T) {
 	}
 	for _, tt := range tests {
 		for i := 0; i < 100; i++ {
-			if d := backoffDelay(b, tt.n); d < tt.min || d >= tt.max {
+			if d := backoffDelay(b, tt.n, nil); d < tt.min || d >= tt.max {
 				t.Fatalf("backoffDelay(%+v, %d) = %v, want in [%v, %v)", b, tt.n, d, tt.min, tt.max)
 			}
 		}

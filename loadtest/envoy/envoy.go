@@ -33,6 +33,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"sort"
 	"sync"
 	"time"
@@ -123,6 +124,11 @@ type Config struct {
 	OnEvent func(Event)
 	// Backoff paces reconnection. Default {500ms, 30s}.
 	Backoff Backoff
+	// Rand, if set, is where the backoff's jitter is drawn from, so that a
+	// simulation replays a seed; only the Envoy's stream goroutine uses
+	// it, so each Envoy needs its own. Default nil: math/rand/v2's global
+	// source.
+	Rand *rand.Rand
 	// UnsubscribeGrace is how many responses of a type may still carry a
 	// name after the request that unsubscribed it was sent (responses that
 	// crossed it on the wire). Default 1, right for servers that answer one

@@ -54,8 +54,10 @@ func (k EventKind) String() string {
 type Event struct {
 	Kind    EventKind
 	TypeURL string
-	// Names of the resources in the response (Received, ACKed, NACKed) or
-	// removed (Removed). Owned by the receiver of the event.
+	// Names of the resources in the response (Received, NACKed), of those
+	// of it the Envoy took (ACKed: not a resource it had unsubscribed from,
+	// which crossed the unsubscription on the wire and is ignored, as Envoy
+	// does), or removed (Removed). Owned by the receiver of the event.
 	Names []string
 	// Versions, in Delta, holds each named resource's version (parallel to
 	// Names); nil in SotW, where Version applies to all.

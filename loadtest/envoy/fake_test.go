@@ -376,7 +376,9 @@ func contains(ps []Protocol, p Protocol) bool {
 }
 
 // TestUnsubscribeGrace: one response after the unsubscription was sent may
-// still carry the name (it crossed the request on the wire); the next may not.
+// still carry the name (it crossed the request on the wire); the next may
+// not. Either way the Envoy ignores the resource, and its ACK does not list
+// it (a history checker would take it for held).
 func TestUnsubscribeGrace(t *testing.T) {
 	for _, p := range protocols {
 		t.Run(p.String(), func(t *testing.T) {
@@ -401,10 +403,31 @@ func TestUnsubscribeGrace(t *testing.T) {
 				f.send(RouteType, "5", []proto.Message{routeConfig("r", "a")}) // a violation
 			}}
 			conn := startFake(t, ads)
-			e := newTestEnvoy(t, conn, p, nil)
+			var mu sync.Mutex
+			acked := map[string][]string{} // nonce → names
+			e := newTestEnvoy(t, conn, p, func(c *Config) {
+				c.OnEvent = func(ev Event) {
+					if ev.Kind == ACKed && ev.TypeURL == RouteType {
+						mu.Lock()
+						acked[ev.Nonce] = ev.Names
+						mu.Unlock()
+					}
+				}
+			})
 			waitFor(t, e, "r", func(v View) bool { return v.Has(RouteType, "r") })
 			e.Unsubscribe(RouteType, []string{"r"})
 			waitFor(t, e, "5 responses", func(v View) bool { return v.Stats().Responses == 5 })
+			waitFor(t, e, "5 ACKs", func(v View) bool { return v.Stats().ACKs == 5 })
+			mu.Lock()
+			if got := acked["3"]; len(got) != 1 || got[0] != "r" {
+				t.Errorf("ACK of nonce 3 listed %v, want [r]", got)
+			}
+			for _, n := range []string{"4", "5"} {
+				if got, ok := acked[n]; !ok || len(got) != 0 {
+					t.Errorf("ACK of nonce %s listed %v (sent %v), want nothing: r was unsubscribed", n, got, ok)
+				}
+			}
+			mu.Unlock()
 			vs := e.Violations()
 			if len(vs) != 1 || !hasRule(vs, RuleUnsubscribed) || !strings.Contains(vs[0].Error(), `"5"`) {
 				t.Errorf("Violations() = %v, want one unsubscribed violation, on nonce 5", vs)

@@ -464,6 +464,9 @@ func (e *Envoy) ackLocked(ts *typeState, r *response, rejected error) outbound {
 	if e.cfg.OnEvent != nil {
 		ev.Names, ev.Versions = r.names()
 		ev.Generations = r.generations()
+		if rejected == nil {
+			ev.Names, ev.Versions, ev.Generations = taken(ts, r, ev.Names, ev.Versions, ev.Generations)
+		}
 	}
 	var detail *status.Status
 	if rejected != nil {
@@ -483,6 +486,31 @@ func (e *Envoy) ackLocked(ts *typeState, r *response, rejected error) outbound {
 	}
 	// A NACK carries the last ACKed version; ts.acked is only moved by ACKs.
 	return outbound{sotw: e.sotwRequestLocked(ts, ts.acked, detail), ev: ev}
+}
+
+// taken keeps, of a response's names (and their versions and generations),
+// those the Envoy took: applyLocked ignores a resource it is not subscribed
+// to (one that crossed its unsubscription on the wire), as Envoy does, so
+// an ACK does not say it holds one.
+func taken(ts *typeState, r *response, names, versions []string, gens []uint64) ([]string, []string, []uint64) {
+	if ts.wildcard {
+		return names, versions, gens
+	}
+	k := 0
+	for i, d := range r.res {
+		if _, ok := ts.subs[r.handles[i]]; !ok && d.body != nil && !(d.name == "" && !r.delta && ts.kind == kindOther) {
+			continue // ignored by applyLocked
+		}
+		names[k], gens[k] = names[i], gens[i]
+		if versions != nil {
+			versions[k] = versions[i]
+		}
+		k++
+	}
+	if versions != nil {
+		versions = versions[:k]
+	}
+	return names[:k], versions, gens[:k]
 }
 
 // sotwRequestLocked builds a SotW request carrying the full subscription.

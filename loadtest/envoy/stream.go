@@ -50,7 +50,7 @@ func (e *Envoy) run(ctx context.Context) {
 	client := discovery.NewAggregatedDiscoveryServiceClient(e.cfg.Conn)
 	failures := 0
 	for attempt := 0; ; attempt++ {
-		if attempt > 0 && !sleep(ctx, backoffDelay(e.cfg.Backoff, max(failures-1, 0))) {
+		if attempt > 0 && !sleep(ctx, backoffDelay(e.cfg.Backoff, max(failures-1, 0), e.cfg.Rand)) {
 			return
 		}
 		if ctx.Err() != nil {
@@ -72,8 +72,9 @@ func (e *Envoy) run(ctx context.Context) {
 	}
 }
 
-// backoffDelay returns a random delay in [d/2, d), d = min(Max, Base·2^n).
-func backoffDelay(b Backoff, n int) time.Duration {
+// backoffDelay returns a random delay in [d/2, d), d = min(Max, Base·2^n),
+// drawn from rng (the global source if nil).
+func backoffDelay(b Backoff, n int, rng *rand.Rand) time.Duration {
 	d := b.Base
 	for i := 0; i < n && d < b.Max; i++ {
 		d *= 2
@@ -82,6 +83,9 @@ func backoffDelay(b Backoff, n int) time.Duration {
 	half := d / 2
 	if half <= 0 {
 		return d
+	}
+	if rng != nil {
+		return half + time.Duration(rng.Int64N(int64(d-half)))
 	}
 	return half + rand.N(d-half)
 }

@@ -62,8 +62,12 @@ type Config struct {
 	Scenario Scenario
 	// Listen is the TCP address to listen on. Port 0 picks a free port on
 	// the first Start; later Starts reuse the port picked then. Empty means
-	// "127.0.0.1:0".
+	// "127.0.0.1:0". Ignored if Listener is set.
 	Listen string
+	// Listener, if set, is called by every Start for the listener to serve
+	// on instead of listening on Listen (an in-memory network's, in a
+	// simulation). Nil: Listen.
+	Listener func() (net.Listener, error)
 	// MaxMsgSize is the largest gRPC message sent or received, in bytes.
 	// Zero means DefaultMaxMsgSize (256 MiB).
 	MaxMsgSize int
@@ -811,8 +815,14 @@ func (u *Upstream) Start(ctx context.Context) error {
 	if addr == "" {
 		addr = u.cfg.Listen
 	}
-	var lc net.ListenConfig
-	lis, err := lc.Listen(ctx, "tcp", addr)
+	var lis net.Listener
+	var err error
+	if u.cfg.Listener != nil {
+		lis, err = u.cfg.Listener()
+	} else {
+		var lc net.ListenConfig
+		lis, err = lc.Listen(ctx, "tcp", addr)
+	}
 	if err != nil {
 		return fmt.Errorf("upstream: listen %s: %w", addr, err)
 	}
