@@ -370,7 +370,7 @@ func (k *keyState) recheckDue(now time.Time, every time.Duration) (member, bool)
 		return nil, false // its Envoy is at another relay, which checks it
 	}
 	if d.next.IsZero() {
-		d.next = now.Add(rand.N(every) + time.Nanosecond)
+		d.next = now.Add(randN(k.r.rand, every) + time.Nanosecond)
 	}
 	if now.Before(d.next) {
 		return nil, false
