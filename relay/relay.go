@@ -109,12 +109,15 @@ type Relay struct {
 	dropped *xds.Dropped
 	// views shares the keys' views of equal content: the keys of a
 	// namespace, each fed by a stream of its own, hold one tree (issue 17).
-	views        ledger.Interner[*xds.Resource]
-	versionTrees ledger.Interner[string] // the upstream's Delta versions, per key and type, shared by content
-	nameSets     xds.NameSets            // the streams' subscriptions, shared by content
-	syncs        syncSlots               // first answers from the upstream in flight (Config.UpstreamSyncs)
-	peerSyncs    syncSlots               // first answers from keys' owners in flight (as many)
-	upstreamRate *rate.Limiter           // streams opened to the upstream (Config.UpstreamStreamRate); nil: no bound
+	// These three are allocated apart from the Relay: the cleanups they
+	// register hold them, and a pointer into the Relay would keep a
+	// stopped one alive for as long as a tree it made lives.
+	views        *ledger.Interner[*xds.Resource]
+	versionTrees *ledger.Interner[string] // the upstream's Delta versions, per key and type, shared by content
+	nameSets     *xds.NameSets            // the streams' subscriptions, shared by content
+	syncs        syncSlots                // first answers from the upstream in flight (Config.UpstreamSyncs)
+	peerSyncs    syncSlots                // first answers from keys' owners in flight (as many)
+	upstreamRate *rate.Limiter            // streams opened to the upstream (Config.UpstreamStreamRate); nil: no bound
 	refIndex     xds.RefIndex
 	metrics      *metrics
 	pushACK      latency
@@ -196,6 +199,9 @@ func New(cfg Config) (*Relay, error) {
 		log:            cfg.Logger.With("relay", cfg.ID),
 		store:          xds.NewStore(),
 		dropped:        xds.NewDropped(cfg.KeepDroppedBytes),
+		views:          new(ledger.Interner[*xds.Resource]),
+		versionTrees:   new(ledger.Interner[string]),
+		nameSets:       new(xds.NameSets),
 		controlPlane:   &core.ControlPlane{Identifier: cfg.ID},
 		stopping:       make(chan struct{}),
 		keys:           make(map[aggkey.Key]*keyState),

@@ -2,7 +2,6 @@ package sim
 
 import (
 	"context"
-	"flag"
 	"net"
 	"runtime"
 	"sync/atomic"
@@ -14,24 +13,17 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 )
 
-var flagLeak = flag.Bool("sim.leakcheck", false, "run TestStoppedRelayIsCollected (fails today: a stopped relay that served Envoys is never garbage-collected)")
-
 // TestStoppedRelayIsCollected: a relay that served Envoys and was stopped is
-// garbage-collected once nothing refers to it. Today it is not: the
+// garbage-collected once nothing refers to it. It used to be kept: the
 // cleanups that relay.Relay's interners (its name sets, its views' and
-// versions' trees) register with runtime.AddCleanup capture the interner,
-// a field of the Relay, and the Relay reaches the interned values, so each
-// cleanup keeps its own object, and the whole Relay, alive (AddCleanup's
-// documentation: if ptr is reachable from the cleanup, it is never
-// collected). A relay process runs one Relay, so production is unaffected;
-// a process that runs many (this simulation, ~5 MB a seed) grows without
-// bound, which is why TestSim plays a few seeds per worker process.
-// Opt-in (-sim.leakcheck) until relay/ fixes it.
-func TestStoppedRelayIsCollected(t *testing.T) {
-	if !*flagLeak {
-		t.Skip("opt-in: -sim.leakcheck")
-	}
-	var collected atomic.Int64
+// versions' trees) register with runtime.AddCleanup captured the
+// interner, then a field of the Relay, and the Relay reaches the interned
+// values, so each cleanup kept its own object, and the whole Relay, alive
+// (AddCleanup's documentation: if ptr is reachable from the cleanup, it is
+// never collected). A relay process runs one Relay, so production was
+// unaffected; a process that runs many (this simulation, ~5 MB a seed)
+// grew without bound.
+func TestStoppedRelayIsCollected(t *testing.T) {	var collected atomic.Int64
 	const runs = 4
 	for range runs {
 		synctest.Test(t, func(t *testing.T) {

@@ -159,11 +159,12 @@ type replayLine struct {
 
 const resultPrefix = "SIMRESULT "
 
-// seedsPerProcess bounds the seeds one worker process plays: a stopped
-// relay.Relay is never garbage-collected (see loadtest/README.md, "loadtest
-// sim"), so a process holds every relay it ran; a fresh process every few
-// seeds keeps memory bounded however many seeds a run has.
-const seedsPerProcess = 10
+// seedsPerProcess bounds the seeds one worker process plays, so that
+// whatever one seed leaves behind (a goroutine the bubble did not own, a
+// cache of a dependency) cannot grow with the run: a fresh process every
+// few dozen seeds. (A stopped relay.Relay is collected:
+// TestStoppedRelayIsCollected.)
+const seedsPerProcess = 40
 
 // runWorkers runs seeds first … first+n-1 in worker processes (the test
 // binary again), workers at a time, each playing a few seeds one after
