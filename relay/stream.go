@@ -1153,6 +1153,9 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 	sub.awaitFirst = false
 
 	out := &wire.Response{TypeURL: sub.typeURL, Updated: upd, Removed: removed, From: from, To: sub.known.Root(), Order: p.ts.order}
+	if s.delta && s.peerRelay == nil && len(upd) == 0 && len(removed) > 0 {
+		out.Updated = carrier(sub.known)
+	}
 	if s.peerRelay != nil {
 		// A peer relay takes the response's Order for its whole view of
 		// the type, and serves its own clients by it: only a response
@@ -1205,6 +1208,25 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 	if s.log.Enabled(s.ctx, slog.LevelDebug) {
 		s.log.Debug("push", "type", xds.ShortType(sub.typeURL), "version", out.Version, "nonce", out.Nonce,
 			"resources", len(upd), "removed", len(removed))
+	}
+	return nil
+}
+
+// carrier returns, for a Delta response that only removes, one resource the
+// client holds after it (none if it holds nothing), sent again as it is:
+// its version then carries the response's Order. A Delta client declares
+// what it holds resource by resource when it reconnects, and a removal
+// leaves no version behind: without it, an Envoy that was told a resource
+// is gone would declare only older versions, and a relay whose view is
+// older than the removal, and still has the resource, would be taken to
+// cover it and send it again (the simulation found an endpoint of a
+// removed service back at generation 1 after 17). Envoy takes a resource
+// sent again unchanged as no change.
+func carrier(known ledger.Tree[*xds.Resource]) []*xds.Resource {
+	for e := range known.All() {
+		if e.Value != nil {
+			return []*xds.Resource{e.Value}
+		}
 	}
 	return nil
 }
