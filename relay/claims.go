@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -114,7 +115,7 @@ func (s *stream) askTier(sub *typeSub) bool {
 	l := &claimLookup{done: make(chan struct{})}
 	k.claims[q], sub.lookup = l, l
 	ran := s.r.goRun(func(ctx context.Context) {
-		l.held, l.ok = s.r.askVersion(ctx, addrs, req, q.root)
+		l.held, l.ok = s.r.lookUpVersion(ctx, addrs, req, q.root)
 		close(l.done)
 		k.wakeStreams()
 	})
@@ -124,11 +125,49 @@ func (s *stream) askTier(sub *typeSub) bool {
 	return true
 }
 
+// claimRetry is how long a lookup waits before it asks again the relays
+// that did not answer it.
+const claimRetry = time.Second
+
+// lookUpVersion asks the tier what the version root of req held (askVersion)
+// until it knows: some relay proves it, or every relay of the tier says it
+// does not have it. A relay that does not answer (frozen, cut off, slow)
+// may be the one that has it, and its Envoys are the ones that moved: the
+// client's type waits, since a full-state answer given without knowing
+// what it holds may remove a cluster its routes use (make-before-break). A
+// wait past ResourceWaitTimeout is logged; it ends when the relay answers
+// or leaves the tier (addrs are asked anew each round).
+func (r *Relay) lookUpVersion(ctx context.Context, addrs []string, req *inspectpb.VersionRequest, root ledger.Hash) (ledger.Tree[*xds.Resource], bool) {
+	start, told := time.Now(), false
+	for {
+		t, ok, definite := r.askVersion(ctx, addrs, req, root)
+		if ok || definite {
+			return t, ok
+		}
+		if !told && time.Since(start) >= r.cfg.ResourceWaitTimeout {
+			told = true
+			r.log.Warn("a SotW client's version: a relay of the tier that may know it does not answer; its type waits", "key", req.GetKey(), "type", xds.ShortType(req.GetType()), "waited", time.Since(start).Round(time.Millisecond))
+		}
+		select {
+		case <-ctx.Done():
+			return ledger.Tree[*xds.Resource]{}, false
+		case <-time.After(claimRetry):
+		}
+		if r.cfg.Peers != nil {
+			addrs = r.cfg.Peers.PeerAddrs()
+		}
+		if len(addrs) == 0 {
+			return ledger.Tree[*xds.Resource]{}, false
+		}
+	}
+}
+
 // askVersion asks the relays at addrs, all at once, what the version root
 // of req held, and returns the first answer that proves to be it (every
 // body present and matching its hash, the tree's root root). It gives up
-// when every relay has answered otherwise, or after LedgerGatherTimeout.
-func (r *Relay) askVersion(ctx context.Context, addrs []string, req *inspectpb.VersionRequest, root ledger.Hash) (ledger.Tree[*xds.Resource], bool) {
+// when every relay has answered otherwise, or after LedgerGatherTimeout;
+// definite reports that every relay answered that it does not have it.
+func (r *Relay) askVersion(ctx context.Context, addrs []string, req *inspectpb.VersionRequest, root ledger.Hash) (t ledger.Tree[*xds.Resource], ok, definite bool) {
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.LedgerGatherTimeout)
 	defer cancel()
 	ctx = metadata.AppendToOutgoingContext(ctx, r.peerMetadata()...)
@@ -146,12 +185,20 @@ func (r *Relay) askVersion(ctx context.Context, addrs []string, req *inspectpb.V
 			answers <- answer{t, err}
 		}()
 	}
+	definite = true
 	for range addrs {
-		if a := <-answers; a.err == nil {
-			return a.t, true
+		a := <-answers
+		if a.err == nil {
+			return a.t, true, true
+		}
+		// NotFound (the relay does not hold the key or the version) is an
+		// answer, and so is a wrong one (a body missing, a root that does
+		// not match); only a relay that did not answer may know better.
+		if !errors.Is(a.err, errWrongAnswer) && status.Code(a.err) != codes.NotFound {
+			definite = false
 		}
 	}
-	return ledger.Tree[*xds.Resource]{}, false
+	return ledger.Tree[*xds.Resource]{}, false, definite
 }
 
 // askOne asks one relay, and checks its answer.
@@ -175,8 +222,15 @@ func (r *Relay) askOne(ctx context.Context, addr string, req *inspectpb.VersionR
 		}
 		t, err = versionTree(r.store, req.GetType(), got, root)
 	}
-	return t, err
+	if err != nil {
+		return ledger.Tree[*xds.Resource]{}, fmt.Errorf("%w: %w", errWrongAnswer, err)
+	}
+	return t, nil
 }
+
+// errWrongAnswer: a relay answered with a version that is not the one asked
+// about, or not whole.
+var errWrongAnswer = errors.New("relay: the answer is not the version asked about")
 
 // errBodyMissing: an answer left out a resource's body, and this relay
 // does not hold it.
