@@ -1154,7 +1154,7 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 
 	out := &wire.Response{TypeURL: sub.typeURL, Updated: upd, Removed: removed, From: from, To: sub.known.Root(), Order: p.ts.order}
 	if s.delta && s.peerRelay == nil && len(upd) == 0 && len(removed) > 0 {
-		out.Updated = carrier(sub.known)
+		out.Updated = s.carrier(sub.known, p.ts.view)
 	}
 	if s.peerRelay != nil {
 		// A peer relay takes the response's Order for its whole view of
@@ -1221,11 +1221,21 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 // older than the removal, and still has the resource, would be taken to
 // cover it and send it again (the simulation found an endpoint of a
 // removed service back at generation 1 after 17). Envoy takes a resource
-// sent again unchanged as no change.
-func carrier(known ledger.Tree[*xds.Resource]) []*xds.Resource {
+// sent again unchanged as no change. What the client declared when it
+// reconnected is held by hash alone until the relay sends it something
+// (its body may be the view's, or in the store).
+func (s *stream) carrier(known, view ledger.Tree[*xds.Resource]) []*xds.Resource {
 	for e := range known.All() {
-		if e.Value != nil {
-			return []*xds.Resource{e.Value}
+		r := e.Value
+		if r == nil {
+			if v, ok := view.Get(e.Name); ok && v.Hash == e.Hash {
+				r = v.Value
+			} else {
+				r = s.r.store.Lookup(e.Hash)
+			}
+		}
+		if r != nil {
+			return []*xds.Resource{r}
 		}
 	}
 	return nil
