@@ -54,8 +54,10 @@ func (k EventKind) String() string {
 type Event struct {
 	Kind    EventKind
 	TypeURL string
-	// Names of the resources in the response (Received, ACKed, NACKed) or
-	// removed (Removed). Owned by the receiver of the event.
+	// Names of the resources in the response (Received, NACKed), of those
+	// it applied (ACKed: a resource that came, within UnsubscribeGrace,
+	// for a name no longer subscribed is ignored, as Envoy does, and left
+	// out), or removed (Removed). Owned by the receiver of the event.
 	Names []string
 	// Versions, in Delta, holds each named resource's version (parallel to
 	// Names); nil in SotW, where Version applies to all.

@@ -376,7 +376,9 @@ func contains(ps []Protocol, p Protocol) bool {
 }
 
 // TestUnsubscribeGrace: one response after the unsubscription was sent may
-// still carry the name (it crossed the request on the wire); the next may not.
+// still carry the name (it crossed the request on the wire); the next may
+// not. Either is ignored, and its ACK does not name what it ignored (a
+// history rebuilt from the events must not count it as held).
 func TestUnsubscribeGrace(t *testing.T) {
 	for _, p := range protocols {
 		t.Run(p.String(), func(t *testing.T) {
@@ -401,7 +403,17 @@ func TestUnsubscribeGrace(t *testing.T) {
 				f.send(RouteType, "5", []proto.Message{routeConfig("r", "a")}) // a violation
 			}}
 			conn := startFake(t, ads)
-			e := newTestEnvoy(t, conn, p, nil)
+			var mu sync.Mutex
+			acked := map[string][]string{} // nonce → names
+			e := newTestEnvoy(t, conn, p, func(c *Config) {
+				c.OnEvent = func(ev Event) {
+					if ev.Kind == ACKed {
+						mu.Lock()
+						acked[ev.Nonce] = ev.Names
+						mu.Unlock()
+					}
+				}
+			})
 			waitFor(t, e, "r", func(v View) bool { return v.Has(RouteType, "r") })
 			e.Unsubscribe(RouteType, []string{"r"})
 			waitFor(t, e, "5 responses", func(v View) bool { return v.Stats().Responses == 5 })
@@ -411,6 +423,25 @@ func TestUnsubscribeGrace(t *testing.T) {
 			}
 			if (View{e}).Has(RouteType, "r") {
 				t.Errorf("r still held after Unsubscribe")
+			}
+			// The ACK of 5 is sent (and its event given) after 5 is read.
+			for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+				mu.Lock()
+				_, ok := acked["5"]
+				mu.Unlock()
+				if ok {
+					break
+				}
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if got := acked["3"]; len(got) != 1 || got[0] != "r" {
+				t.Errorf("ACK of nonce 3 names %q, want [r]", got)
+			}
+			for _, n := range []string{"4", "5"} {
+				if got, ok := acked[n]; !ok || len(got) != 0 {
+					t.Errorf("ACK of nonce %s names %q (sent: %v), want none: r was ignored", n, got, ok)
+				}
 			}
 		})
 	}

@@ -23,6 +23,9 @@ type response struct {
 	res     []decoded
 	handles []name   // res[i]'s interned name
 	removed []string // Delta removed_resources
+	// ignored[i] is set when res[i] was not applied: it came, within the
+	// grace, for a name no longer subscribed (Envoy ignores it).
+	ignored []bool
 	size    int
 	at      time.Time
 }
@@ -159,6 +162,21 @@ func (r *response) names() (names, versions []string) {
 		}
 	}
 	return names, versions
+}
+
+// keepApplied returns the elements of s (parallel to a response's
+// resources, or nil) whose resource was not ignored.
+func keepApplied[T any](ignored []bool, s []T) []T {
+	if s == nil {
+		return nil
+	}
+	out := make([]T, 0, len(s))
+	for i, v := range s {
+		if !ignored[i] {
+			out = append(out, v)
+		}
+	}
+	return out
 }
 
 // generations lists the resources' generations (0 where unknown), parallel
@@ -313,7 +331,12 @@ func (e *Envoy) applyLocked(ts *typeState, r *response) []removal {
 		}
 		if !ts.wildcard && !(d.name == "" && !r.delta && ts.kind == kindOther) {
 			if _, ok := ts.subs[h]; !ok {
-				continue // not subscribed (recorded by checkLocked): Envoy ignores it
+				// Not subscribed (recorded by checkLocked): Envoy ignores it.
+				if r.ignored == nil {
+					r.ignored = make([]bool, len(r.res))
+				}
+				r.ignored[i] = true
+				continue
 			}
 		}
 		body := d.body.GetValue()
@@ -464,6 +487,11 @@ func (e *Envoy) ackLocked(ts *typeState, r *response, rejected error) outbound {
 	if e.cfg.OnEvent != nil {
 		ev.Names, ev.Versions = r.names()
 		ev.Generations = r.generations()
+		if rejected == nil && r.ignored != nil {
+			// An ACK accepts what was applied: an ignored resource is not
+			// held, and a history must not count it.
+			ev.Names, ev.Versions, ev.Generations = keepApplied(r.ignored, ev.Names), keepApplied(r.ignored, ev.Versions), keepApplied(r.ignored, ev.Generations)
+		}
 	}
 	var detail *status.Status
 	if rejected != nil {
