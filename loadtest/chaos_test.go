@@ -160,9 +160,11 @@ func TestChaosShort(t *testing.T) {
 	}
 }
 
-// chaosShortTimeout bounds TestChaosShort's run in its namespace. The
-// whole package must pass under go test's default 10-minute timeout.
-const chaosShortTimeout = 8 * time.Minute
+// chaosShortTimeout bounds TestChaosShort's run in its namespace: a
+// healthy seed takes about 2.5 minutes on 2 cores, and the whole package
+// (about 4 minutes without this test) must pass under go test's default
+// 10-minute timeout. A run cut short fails, with what it saw.
+const chaosShortTimeout = 5 * time.Minute
 
 // chaosShortConfig is TestChaosShort's: the default envelope, fewer seeds,
 // the shortest holds of each range.
@@ -172,15 +174,17 @@ func chaosShortConfig() ChaosConfig {
 	cfg.Hold = Range{5 * time.Second, 7 * time.Second}
 	cfg.Starve = Range{20 * time.Second, 25 * time.Second}
 	cfg.Down = Range{time.Second, 2 * time.Second}
-	cfg.RecoverTimeout = 3 * time.Minute
+	cfg.RecoverTimeout = time.Minute
 	return cfg
 }
 
-// chaosShortSeeds are TestChaosShort's seeds: seed 1 plays every kind
-// (cut-relays twice), with Delta Envoys and a Delta upstream; seed 2 every
-// kind but cut-relays, with SotW Envoys and a SotW upstream. About two
-// minutes each.
-var chaosShortSeeds = []uint64{1, 2}
+// chaosShortSeeds are TestChaosShort's seeds. One fits the package's
+// time: seed 19 plays every kind (kill-etcd twice) with Delta Envoys and
+// a SotW upstream, a pair that mixes both protocols. (Seeds 1, 9, 10,
+// 18, 19, 27 and 28 play every kind: their ten faults hold a whole
+// shuffled round; 1 and 9 are Delta and Delta, 10 and 18 SotW and SotW,
+// 27 as 19, 28 SotW Envoys and a Delta upstream.)
+var chaosShortSeeds = []uint64{19}
 
 // TestChaosShortCovers: TestChaosShort's seeds play every fault kind.
 func TestChaosShortCovers(t *testing.T) {
