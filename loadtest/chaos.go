@@ -387,10 +387,11 @@ func RunChaos(ctx context.Context, cfg ChaosConfig, out io.Writer) (*ChaosReport
 	}
 	kinds, skipped := chaosKindsHere(cfg.Kinds)
 	if len(skipped) > 0 && cfg.Strict {
-		return nil, fmt.Errorf("loadtest: chaos: %s", strings.Join(skipped, "; "))
+		return nil, fmt.Errorf("loadtest: chaos cannot play %s", strings.Join(skipped, "; "))
 	}
-	for _, s := range skipped {
-		fmt.Fprintf(out, "chaos: %s\n", s)
+	for i, s := range skipped {
+		skipped[i] = "left out " + s
+		fmt.Fprintf(out, "chaos: %s\n", skipped[i])
 	}
 	if len(kinds) == 0 {
 		return nil, errors.New("loadtest: chaos: no fault kind can be played here")

@@ -79,12 +79,13 @@ func CanCreateNetns() error {
 var ErrNoIptables = errors.New("loadtest: the chaos suite cuts links with iptables")
 
 // chaosKindsHere returns the kinds this machine can play, and for each it
-// cannot a line that says why: slow-link needs tc (iproute2).
+// cannot a line that names it and says why: slow-link needs tc
+// (iproute2).
 func chaosKindsHere(kinds []FaultKind) (ok []FaultKind, skipped []string) {
 	_, tcErr := exec.LookPath("tc")
 	for _, k := range kinds {
 		if k == FaultSlow && tcErr != nil {
-			skipped = append(skipped, fmt.Sprintf("%s skipped: it shapes links with tc (apt-get install iproute2): %v", k, tcErr))
+			skipped = append(skipped, fmt.Sprintf("%s: it shapes links with tc (apt-get install iproute2): %v", k, tcErr))
 			continue
 		}
 		ok = append(ok, k)
