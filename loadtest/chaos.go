@@ -527,6 +527,12 @@ type chaosRun struct {
 	upDown    bool // the upstream is down: the churn waits
 	published []Published
 	errs      []string // process failures seen during the run
+
+	// stuck are the Envoys still behind when a recovery timed out: a
+	// liveness violation already, they are not waited for after later
+	// faults (each would time out again and tell nothing new), but the
+	// end of the seed still wants them current.
+	stuck map[int]bool
 }
 
 type envoyRecord struct {
@@ -969,21 +975,42 @@ func (r *chaosRun) expectedNow() map[string]map[string]uint64 {
 // clusters and endpoints served at healed, that generation or a newer one
 // (or nothing, if the upstream removed it since). A recovery that takes
 // more than 5 s explains itself: then and every 10 s it prints how many
-// Envoys are behind and what the first of them still waits for.
+// Envoys are behind and what the one behind the longest still waits for;
+// on a timeout, also that Envoy's last events. Envoys stuck since an
+// earlier timeout are not waited for.
 func (r *chaosRun) recover(ctx context.Context, healed, start time.Time) error {
 	snap := r.expectedNow()
 	deadline := healed.Add(r.cfg.RecoverTimeout)
 	note := healed.Add(5 * time.Second)
+	since := map[int]time.Time{} // Envoy → behind without a break since
+	if r.stuck == nil {
+		r.stuck = map[int]bool{}
+	}
 	for {
-		behind, first, who := r.lagging(snap)
-		if behind == 0 {
+		lags := slices.DeleteFunc(r.lagging(snap), func(l lag) bool { return r.stuck[l.envoy] })
+		if len(lags) == 0 {
 			return nil
 		}
 		now := time.Now()
+		var worst lag
+		for i, l := range lags {
+			if _, ok := since[l.envoy]; !ok {
+				since[l.envoy] = now
+			}
+			if i == 0 || since[l.envoy].Before(since[worst.envoy]) {
+				worst = l
+			}
+		}
+		for e := range since {
+			if !slices.ContainsFunc(lags, func(l lag) bool { return l.envoy == e }) {
+				delete(since, e)
+			}
+		}
+		first := fmt.Sprintf("%s, behind for %.1fs", worst.why, now.Sub(since[worst.envoy]).Seconds())
 		if now.After(deadline) {
 			// What the Envoy last did: did it open a stream, and hear
 			// from whom?
-			h := &r.histories[who]
+			h := &r.histories[worst.envoy]
 			h.mu.Lock()
 			evs := h.events[max(0, len(h.events)-8):]
 			fmt.Fprintf(r.out, "seed %d: %6.1fs   recovery timed out; the last events of that Envoy (%d in all):\n", r.seed, now.Sub(start).Seconds(), len(h.events))
@@ -991,17 +1018,33 @@ func (r *chaosRun) recover(ctx context.Context, healed, start time.Time) error {
 				fmt.Fprintf(r.out, "    %s\n", formatEvent(ev))
 			}
 			h.mu.Unlock()
-			return fmt.Errorf("recovery: not after %v: %s behind; %s", r.cfg.RecoverTimeout, envoysN(behind), first)
+			// Stuck: behind for half the wait or more (an Envoy caught
+			// behind a change just published is not).
+			n := 0
+			for _, l := range lags {
+				if now.Sub(since[l.envoy]) >= r.cfg.RecoverTimeout/2 {
+					r.stuck[l.envoy] = true
+					n++
+				}
+			}
+			return fmt.Errorf("recovery: not after %v: %s behind, %s of them stuck (not waited for after later faults); %s",
+				r.cfg.RecoverTimeout, envoysN(len(lags)), envoysN(n), first)
 		}
 		if !now.Before(note) {
 			fmt.Fprintf(r.out, "seed %d: %6.1fs   recovering for %.1fs: %s behind; %s\n",
-				r.seed, now.Sub(start).Seconds(), now.Sub(healed).Seconds(), envoysN(behind), first)
+				r.seed, now.Sub(start).Seconds(), now.Sub(healed).Seconds(), envoysN(len(lags)), first)
 			note = note.Add(10 * time.Second)
 		}
 		if !sleepCtx(ctx, 100*time.Millisecond) {
 			return ctx.Err()
 		}
 	}
+}
+
+// lag is an Envoy behind, and what it waits for.
+type lag struct {
+	envoy int
+	why   string
 }
 
 func envoysN(n int) string {
@@ -1011,13 +1054,14 @@ func envoysN(n int) string {
 	return fmt.Sprintf("%d Envoys", n)
 }
 
-// lagging counts the Envoys that do not yet hold, of the clusters and
+// lagging returns the Envoys that do not yet hold, of the clusters and
 // endpoints snap had, that generation or a newer one (or nothing, if the
-// upstream removed it since), or that hold something removed before snap;
-// first says what the first of them waits for, and who is its index.
-func (r *chaosRun) lagging(snap map[string]map[string]uint64) (behind int, first string, who int) {
+// upstream removed it since), or that hold something removed before snap,
+// each with the first thing it waits for.
+func (r *chaosRun) lagging(snap map[string]map[string]uint64) []lag {
 	now := r.expectedNow()
 	groups := r.fleet.Groups()
+	var out []lag
 	for i, e := range r.fleet.Envoys() {
 		was, is := snap[groups[i]], now[groups[i]]
 		held := map[string]uint64{}
@@ -1053,17 +1097,13 @@ func (r *chaosRun) lagging(snap map[string]map[string]uint64) (behind int, first
 		if why == "" {
 			continue
 		}
-		behind++
-		if first == "" {
-			cp := e.ControlPlane()
-			if cp == "" {
-				cp = "none yet"
-			}
-			first = fmt.Sprintf("%s (last answered by %s, %d relays ready): %s", e.ID(), cp, len(r.readyAddrs()), why)
-			who = i
+		cp := e.ControlPlane()
+		if cp == "" {
+			cp = "none yet"
 		}
+		out = append(out, lag{envoy: i, why: fmt.Sprintf("%s (last answered by %s, %d relays ready): %s", e.ID(), cp, len(r.readyAddrs()), why)})
 	}
-	return behind, first, who
+	return out
 }
 
 // describeKey turns "type.googleapis.com/…Cluster|name" into "Cluster
