@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math/rand/v2"
 	"net/http"
 	"os"
@@ -35,10 +36,21 @@ const (
 	FaultEtcd     FaultKind = "kill-etcd"       // SIGKILL an etcd member, restart it
 	FaultUpstream FaultKind = "kill-upstream"   // SIGKILL the upstream, restart it
 	FaultRolling  FaultKind = "rolling-restart" // SIGTERM and restart every relay, one after another
+	// A relay held to a few percent of a CPU for 20–60 s: a cgroup CPU
+	// quota where a cpu controller is writable, else SIGSTOP/SIGCONT
+	// bursts of the same duty cycle.
+	FaultStarve FaultKind = "starve-relay"
+	// Everything a relay sends or is sent goes through a slow, lossy
+	// link: netem delay and loss where the kernel has netem, else an htb
+	// rate limit with a bounded queue (tbf) and random drops (iptables).
+	FaultSlow FaultKind = "slow-link"
+	// SIGKILL the etcd leader (etcd's maintenance Status names it) just as
+	// the owners flush the snapshots of a burst of changes, restart it.
+	FaultEtcdLeader FaultKind = "kill-etcd-leader"
 )
 
 // AllFaults lists every kind, in the order the report prints them.
-var AllFaults = []FaultKind{FaultKill, FaultFreeze, FaultCut, FaultEtcd, FaultUpstream, FaultRolling}
+var AllFaults = []FaultKind{FaultKill, FaultFreeze, FaultCut, FaultEtcd, FaultUpstream, FaultRolling, FaultStarve, FaultSlow, FaultEtcdLeader}
 
 // ChaosConfig configures RunChaos. Start from DefaultChaosConfig.
 type ChaosConfig struct {
@@ -52,40 +64,54 @@ type ChaosConfig struct {
 
 	// Seeds are run one after another, each with a fresh tier.
 	Seeds []uint64
-	// Relays is the number of `meshrelay serve` processes. Default 3.
+	// Relays is the number of `meshrelay serve` processes. Default 5.
 	Relays int
 	// EtcdMembers is the size of the etcd cluster. Default 3.
 	EtcdMembers int
 	// Scenario is the upstream's configuration. Default 40 services, 80
 	// endpoints, 4 namespaces.
 	Scenario upstream.Scenario
-	// Envoys spread over Keys aggregation keys. Default 40 over 8.
+	// Envoys spread over Keys aggregation keys. Default 100 over 16.
 	Envoys, Keys int
-	// Protocols are the Envoys' ADS variants; seed s uses Protocols[s %
-	// len]. Default Delta, SotW.
-	Protocols []envoy.Protocol
-	// UpstreamProtocol is the relays'. Default Delta.
-	UpstreamProtocol relay.Protocol
+	// Protocols are the Envoys' ADS variants and UpstreamProtocols the
+	// relays'; each seed plays one pair of them (ChaosProtocols), and
+	// every len(Protocols)·len(UpstreamProtocols) consecutive seeds play
+	// every pair. Default Delta, SotW for both.
+	Protocols         []envoy.Protocol
+	UpstreamProtocols []relay.Protocol
 	// ChurnRate is upstream changes a second, stepped by the driver; the
-	// churn pauses while the upstream is down. Default 3.
+	// churn pauses while the upstream is down. Default 8.
 	ChurnRate float64
 	// AddRemoveFraction of the changes add or remove a service. Default 0.1.
 	AddRemoveFraction float64
 	// Faults per seed. Kinds are drawn as shuffled rounds of Kinds, so
-	// every len(Kinds) faults cover every kind. Default 6.
+	// every len(Kinds) faults cover every kind. Default 10.
 	Faults int
-	// Kinds are the faults drawn from. Default AllFaults.
+	// Kinds are the faults drawn from. Default AllFaults. A kind this
+	// machine cannot play (slow-link without tc) is left out with a line
+	// saying why, or fails the run with Strict.
 	Kinds []FaultKind
-	// Hold is how long a freeze or a cut lasts: drawn in [Hold.Min,
-	// Hold.Max]. Default 5–20 s.
+	// Strict fails the run when a kind of Kinds cannot be played here,
+	// instead of leaving it out (cmd/loadtest and TestChaosShort set it
+	// under CI=true).
+	Strict bool
+	// Hold is how long a freeze, a cut or a slow link lasts: drawn in
+	// [Hold.Min, Hold.Max]. Default 5–20 s.
 	Hold Range
+	// Starve is how long a relay is CPU-starved. Default 20–60 s.
+	Starve Range
+	// StarveSignals starves a relay with SIGSTOP/SIGCONT bursts even
+	// where a cgroup CPU quota could be used (what a machine without a
+	// writable cpu controller gets). Default false.
+	StarveSignals bool
 	// Down is how long a killed process stays down: drawn in [Down.Min,
 	// Down.Max]. Default 1–5 s.
 	Down Range
 	// DeliveryBound is the checker's bound on a change reaching every
-	// Envoy that must get it. Default 60 s: a freeze of up to 20 s holds
-	// the Envoys of the frozen relay (they cannot tell a frozen server
-	// from a quiet one), plus the time to notice, move and resync.
+	// Envoy that must get it. Default 2 min: a relay starved for up to
+	// 60 s (or frozen for 20 s) holds its Envoys, which cannot tell a
+	// stalled server from a quiet one, plus the time to notice, move and
+	// resync.
 	DeliveryBound time.Duration
 	// RecoverTimeout bounds the wait after each fault for every Envoy to
 	// hold the config of the moment it healed; past it the run records a
@@ -119,13 +145,27 @@ func DefaultChaosConfig() ChaosConfig {
 	sc := upstream.DefaultScenario()
 	sc.Services, sc.Endpoints, sc.Namespaces = 40, 80, 4
 	return ChaosConfig{
-		Seeds: []uint64{1}, Relays: 3, EtcdMembers: 3, Scenario: sc, Envoys: 40, Keys: 8,
-		Protocols: []envoy.Protocol{envoy.Delta, envoy.SotW}, UpstreamProtocol: relay.ProtocolDelta,
-		ChurnRate: 3, AddRemoveFraction: 0.1, Faults: 6, Kinds: AllFaults,
-		Hold: Range{5 * time.Second, 20 * time.Second}, Down: Range{time.Second, 5 * time.Second},
-		DeliveryBound: time.Minute, RecoverTimeout: 2 * time.Minute, Settle: 2 * time.Second,
+		Seeds: []uint64{1}, Relays: 5, EtcdMembers: 3, Scenario: sc, Envoys: 100, Keys: 16,
+		Protocols:         []envoy.Protocol{envoy.Delta, envoy.SotW},
+		UpstreamProtocols: []relay.Protocol{relay.ProtocolDelta, relay.ProtocolSotW},
+		ChurnRate:         8, AddRemoveFraction: 0.1, Faults: 10, Kinds: slices.Clone(AllFaults),
+		Hold: Range{5 * time.Second, 20 * time.Second}, Starve: Range{20 * time.Second, 60 * time.Second},
+		Down:          Range{time.Second, 5 * time.Second},
+		DeliveryBound: 2 * time.Minute, RecoverTimeout: 2 * time.Minute, Settle: 2 * time.Second,
 		RelayLogLevel: "info",
 	}
+}
+
+// ChaosProtocols returns the Envoys' and the relays' upstream protocol of
+// seed: seeds 1, 2, … walk the pairs so that every run of
+// len(Protocols)·len(UpstreamProtocols) consecutive seeds plays every
+// pair, and consecutive seeds differ in both where they can (with two of
+// each: seed 1 Delta and Delta, 2 SotW and SotW, 3 Delta Envoys and a
+// SotW upstream, 4 SotW Envoys and a Delta upstream).
+func ChaosProtocols(cfg ChaosConfig, seed uint64) (envoy.Protocol, relay.Protocol) {
+	ne, nu := uint64(len(cfg.Protocols)), uint64(len(cfg.UpstreamProtocols))
+	i := (max(seed, 1) - 1) % (ne * nu)
+	return cfg.Protocols[i%ne], cfg.UpstreamProtocols[(i/ne+i%ne)%nu]
 }
 
 func (c *ChaosConfig) validate() error {
@@ -140,8 +180,13 @@ func (c *ChaosConfig) validate() error {
 	if c.EtcdMembers < 1 || c.EtcdMembers > 5 {
 		bad("EtcdMembers %d: want 1 to 5", c.EtcdMembers)
 	}
-	if c.Envoys < 1 || c.Keys < 1 || len(c.Seeds) == 0 || len(c.Protocols) == 0 || len(c.Kinds) == 0 || c.Faults < 0 {
-		bad("Envoys, Keys, Seeds, Protocols and Kinds must be set")
+	if c.Envoys < 1 || c.Keys < 1 || len(c.Seeds) == 0 || len(c.Protocols) == 0 || len(c.UpstreamProtocols) == 0 || len(c.Kinds) == 0 || c.Faults < 0 {
+		bad("Envoys, Keys, Seeds, Protocols, UpstreamProtocols and Kinds must be set")
+	}
+	for _, k := range c.Kinds {
+		if !slices.Contains(AllFaults, k) {
+			bad("unknown fault kind %q", k)
+		}
 	}
 	if c.ChurnRate <= 0 || c.DeliveryBound <= 0 || c.RecoverTimeout <= 0 {
 		bad("ChurnRate, DeliveryBound and RecoverTimeout must be positive")
@@ -155,12 +200,22 @@ func (c *ChaosConfig) validate() error {
 // Fault is one scheduled fault.
 type Fault struct {
 	Kind FaultKind `json:"kind"`
-	// Target is the relay or etcd member (-1: none; a cut's first relay).
+	// Target is the relay or etcd member (-1: none; a cut's first relay;
+	// the etcd leader is known only when the fault is played, and its
+	// record has it).
 	Target int `json:"target"`
 	// Peer is a cut's second relay.
 	Peer int `json:"peer,omitempty"`
-	// Hold is how long the fault lasts (a freeze, a cut, a process down).
+	// Hold is how long the fault lasts (a freeze, a cut, a starvation, a
+	// slow link, a process down).
 	Hold time.Duration `json:"hold_ns"`
+	// CPU is a starved relay's share of one CPU (0.02–0.05).
+	CPU float64 `json:"cpu,omitempty"`
+	// A slow link's delay each way (with netem), rate (without it) and
+	// share of packets lost.
+	Delay    time.Duration `json:"delay_ns,omitempty"`
+	RateKbit int           `json:"rate_kbit,omitempty"`
+	Loss     float64       `json:"loss,omitempty"`
 }
 
 func (f Fault) String() string {
@@ -177,6 +232,13 @@ func (f Fault) String() string {
 		return fmt.Sprintf("kill the upstream, restart after %v", f.Hold.Round(time.Millisecond))
 	case FaultRolling:
 		return "rolling restart of every relay"
+	case FaultStarve:
+		return fmt.Sprintf("starve relay-%d to %.0f%% of a CPU for %v", f.Target, 100*f.CPU, f.Hold.Round(time.Millisecond))
+	case FaultSlow:
+		return fmt.Sprintf("slow link to and from relay-%d for %v: %v delay (netem) or %d kbit/s (no netem), %.1f%% loss",
+			f.Target, f.Hold.Round(time.Millisecond), f.Delay.Round(time.Millisecond), f.RateKbit, 100*f.Loss)
+	case FaultEtcdLeader:
+		return fmt.Sprintf("kill the etcd leader during a flush, restart after %v", f.Hold.Round(time.Millisecond))
 	}
 	return string(f.Kind)
 }
@@ -184,9 +246,9 @@ func (f Fault) String() string {
 // ChaosSchedule draws seed's faults: the same seed and config give the
 // same schedule. The kinds come from one sequence of shuffled rounds of
 // Kinds, seed s taking its Faults from position (s-1)·Faults on, so that
-// seeds 1 … N cover every kind evenly (with Faults = 3 and six kinds, seeds
-// 1 and 2 play each kind once); what each fault hits and for how long is
-// drawn from the seed.
+// seeds 1 … N cover every kind evenly (with 10 faults and nine kinds, seed
+// 1 plays every kind, and seeds 1 and 2 every kind twice); what each fault
+// hits, for how long and how hard is drawn from the seed.
 func ChaosSchedule(cfg ChaosConfig, seed uint64) []Fault {
 	kindRNG := rand.New(rand.NewPCG(0x6b696e6473, 0x63686161730a))
 	var kinds []FaultKind
@@ -212,8 +274,16 @@ func ChaosSchedule(cfg ChaosConfig, seed uint64) []Fault {
 			f.Hold = cfg.Hold.draw(rng)
 		case FaultEtcd:
 			f.Target, f.Hold = rng.IntN(cfg.EtcdMembers), cfg.Down.draw(rng)
-		case FaultUpstream:
+		case FaultUpstream, FaultEtcdLeader:
 			f.Hold = cfg.Down.draw(rng)
+		case FaultStarve:
+			f.Target, f.Hold = rng.IntN(cfg.Relays), cfg.Starve.draw(rng)
+			f.CPU = 0.02 + 0.03*rng.Float64()
+		case FaultSlow:
+			f.Target, f.Hold = rng.IntN(cfg.Relays), cfg.Hold.draw(rng)
+			f.Delay = 50*time.Millisecond + time.Duration(rng.Int64N(int64(250*time.Millisecond)))
+			f.RateKbit = 256 + rng.IntN(769)
+			f.Loss = 0.01 + 0.04*rng.Float64()
 		}
 		out = append(out, f)
 	}
@@ -234,16 +304,23 @@ type FaultRecord struct {
 	// DuringP99S is the P99, over the changes published between Start and
 	// Healed, of change → last Envoy ACK.
 	DuringP99S float64 `json:"during_p99_s"`
+	// Detail says how the fault was made on this machine (the cgroup or
+	// the signals of a starvation, netem or a rate limit for a slow
+	// link) and what it hit (who was the etcd leader, at what revision).
+	Detail string `json:"detail,omitempty"`
 	// During are those changes' change → last ACK, in seconds.
 	During []float64 `json:"during_s"`
 }
 
 // ChaosSeedReport is one seed's run.
 type ChaosSeedReport struct {
-	Seed     uint64        `json:"seed"`
-	Protocol string        `json:"protocol"`
-	Faults   []FaultRecord `json:"faults"`
-	Changes  int           `json:"changes"`
+	Seed uint64 `json:"seed"`
+	// The seed's protocols (ChaosProtocols): the Envoys' and the relays'
+	// to the upstream.
+	EnvoyProtocol    string        `json:"envoy_protocol"`
+	UpstreamProtocol string        `json:"upstream_protocol"`
+	Faults           []FaultRecord `json:"faults"`
+	Changes          int           `json:"changes"`
 	// ChangeP99S is change → last ACK over the whole run.
 	ChangeP99S float64  `json:"change_p99_s"`
 	Violations []string `json:"violations"`
@@ -263,17 +340,22 @@ type ChaosKindFigures struct {
 
 // ChaosReport is what RunChaos measured and found.
 type ChaosReport struct {
-	Date          string             `json:"date"`
-	Machine       string             `json:"machine"`
-	Relays        int                `json:"relays"`
-	EtcdMembers   int                `json:"etcd_members"`
-	Envoys        int                `json:"envoys"`
-	Keys          int                `json:"keys"`
-	ChurnRate     float64            `json:"churn_rate"`
-	DeliveryBound float64            `json:"delivery_bound_s"`
-	Seeds         []ChaosSeedReport  `json:"seeds"`
-	Kinds         []ChaosKindFigures `json:"kinds"`
-	Violations    int                `json:"violations"`
+	Date          string  `json:"date"`
+	Machine       string  `json:"machine"`
+	Relays        int     `json:"relays"`
+	EtcdMembers   int     `json:"etcd_members"`
+	Envoys        int     `json:"envoys"`
+	Keys          int     `json:"keys"`
+	ChurnRate     float64 `json:"churn_rate"`
+	DeliveryBound float64 `json:"delivery_bound_s"`
+	// SlowLink and Starve say how this machine makes a slow link and a
+	// starved relay; Skipped, the kinds it could not play and why.
+	SlowLink   string             `json:"slow_link"`
+	Starve     string             `json:"starve"`
+	Skipped    []string           `json:"skipped,omitempty"`
+	Seeds      []ChaosSeedReport  `json:"seeds"`
+	Kinds      []ChaosKindFigures `json:"kinds"`
+	Violations int                `json:"violations"`
 }
 
 // Failed reports whether any seed found a violation or failed to run.
@@ -303,6 +385,19 @@ func RunChaos(ctx context.Context, cfg ChaosConfig, out io.Writer) (*ChaosReport
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
+	kinds, skipped := chaosKindsHere(cfg.Kinds)
+	if len(skipped) > 0 && cfg.Strict {
+		return nil, fmt.Errorf("loadtest: chaos cannot play %s", strings.Join(skipped, "; "))
+	}
+	for i, s := range skipped {
+		skipped[i] = "left out " + s
+		fmt.Fprintf(out, "chaos: %s\n", skipped[i])
+	}
+	if len(kinds) == 0 {
+		return nil, errors.New("loadtest: chaos: no fault kind can be played here")
+	}
+	cfg.Kinds = kinds
+	sweepCPUGroups()
 	uids := make([]uint32, cfg.Relays)
 	for i := range uids {
 		uids[i] = uint32(chaosRelayUIDBase + i)
@@ -332,7 +427,12 @@ func RunChaos(ctx context.Context, cfg ChaosConfig, out io.Writer) (*ChaosReport
 		Machine: fmt.Sprintf("%d CPUs, %s, %s/%s, load average at start %s", runtime.NumCPU(), runtime.Version(), runtime.GOOS, runtime.GOARCH, loadAvg()),
 		Relays:  cfg.Relays, EtcdMembers: cfg.EtcdMembers, Envoys: cfg.Envoys, Keys: cfg.Keys,
 		ChurnRate: cfg.ChurnRate, DeliveryBound: cfg.DeliveryBound.Seconds(),
+		SlowLink: net.slowHow(), Starve: cpuStarveHow(), Skipped: skipped,
 	}
+	if cfg.StarveSignals {
+		rep.Starve = "SIGSTOP/SIGCONT bursts (asked for)"
+	}
+	fmt.Fprintf(out, "chaos: slow links by %s; relays starved by %s\n", rep.SlowLink, rep.Starve)
 	for _, seed := range cfg.Seeds {
 		if ctx.Err() != nil {
 			break
@@ -380,6 +480,10 @@ func secs(s float64) time.Duration { return time.Duration(s * float64(time.Secon
 func PrintChaos(w io.Writer, r *ChaosReport) {
 	fmt.Fprintf(w, "\nloadtest chaos: %d seeds, %d relays, %d etcd members, %d Envoys over %d keys, churn %.1f/s; %s\n",
 		len(r.Seeds), r.Relays, r.EtcdMembers, r.Envoys, r.Keys, r.ChurnRate, r.Machine)
+	fmt.Fprintf(w, "slow links by %s; relays starved by %s\n", r.SlowLink, r.Starve)
+	for _, s := range r.Skipped {
+		fmt.Fprintf(w, "%s\n", s)
+	}
 	fmt.Fprintf(w, "%-16s %7s %12s %12s %22s\n", "fault", "faults", "recover P50", "recover P99", "change→all P99 during")
 	for _, k := range r.Kinds {
 		fmt.Fprintf(w, "%-16s %7d %11.2fs %11.2fs %14.2fs (%4d)\n", k.Kind, k.Faults, k.RecoverP50, k.RecoverP99, k.DuringP99, k.DuringN)
@@ -389,7 +493,8 @@ func PrintChaos(w io.Writer, r *ChaosReport) {
 		if len(s.Violations) > 0 || s.Err != "" {
 			verdict = fmt.Sprintf("FAIL (%d violations) %s", len(s.Violations), s.Err)
 		}
-		fmt.Fprintf(w, "seed %d (%s): %d changes, change→all P99 %.2fs: %s\n", s.Seed, s.Protocol, s.Changes, s.ChangeP99S, verdict)
+		fmt.Fprintf(w, "seed %d (%s Envoys, %s upstream): %d changes, change→all P99 %.2fs: %s\n",
+			s.Seed, s.EnvoyProtocol, s.UpstreamProtocol, s.Changes, s.ChangeP99S, verdict)
 	}
 	fmt.Fprintf(w, "violations: %d (delivery bound %.0fs)\n", r.Violations, r.DeliveryBound)
 }
@@ -401,6 +506,8 @@ type chaosRun struct {
 	dir  string
 	out  io.Writer
 	seed uint64
+	// upProto is the seed's upstream protocol.
+	upProto relay.Protocol
 
 	etcd   *EtcdCluster
 	up     *chaosUpstream
@@ -420,6 +527,12 @@ type chaosRun struct {
 	upDown    bool // the upstream is down: the churn waits
 	published []Published
 	errs      []string // process failures seen during the run
+
+	// stuck are the Envoys still behind when a recovery timed out: a
+	// liveness violation already, they are not waited for after later
+	// faults (each would time out again and tell nothing new), but the
+	// end of the seed still wants them current.
+	stuck map[int]bool
 }
 
 type envoyRecord struct {
@@ -428,14 +541,14 @@ type envoyRecord struct {
 }
 
 func runChaosSeed(ctx context.Context, cfg ChaosConfig, net *chaosNet, seed uint64, dir string, out io.Writer) (sr ChaosSeedReport) {
-	proto := cfg.Protocols[seed%uint64(len(cfg.Protocols))]
-	sr = ChaosSeedReport{Seed: seed, Protocol: proto.String(), Dir: dir}
+	proto, upProto := ChaosProtocols(cfg, seed)
+	sr = ChaosSeedReport{Seed: seed, EnvoyProtocol: proto.String(), UpstreamProtocol: string(upProto), Dir: dir}
 	schedule := ChaosSchedule(cfg, seed)
-	fmt.Fprintf(out, "seed %d: %s Envoys, logs in %s; schedule:\n", seed, proto, dir)
+	fmt.Fprintf(out, "seed %d: %s Envoys, %s upstream, logs in %s; schedule:\n", seed, proto, upProto, dir)
 	for i, f := range schedule {
 		fmt.Fprintf(out, "  %d. %s\n", i+1, f)
 	}
-	r := &chaosRun{cfg: cfg, net: net, dir: dir, out: out, seed: seed,
+	r := &chaosRun{cfg: cfg, net: net, dir: dir, out: out, seed: seed, upProto: upProto,
 		relays: make([]*Child, cfg.Relays), ready: make([]bool, cfg.Relays)}
 	defer r.stop()
 	hist, faults, err := r.run(ctx, proto, schedule)
@@ -479,8 +592,8 @@ func runChaosSeed(ctx context.Context, cfg ChaosConfig, net *chaosNet, seed uint
 	for _, v := range res.Violations {
 		sr.Violations = append(sr.Violations, v.String())
 	}
-	for _, e := range r.fleet.Violations() {
-		sr.Violations = append(sr.Violations, "envoy: "+e.Error())
+	for _, ev := range r.envoyViolations() {
+		sr.Violations = append(sr.Violations, fmt.Sprintf("envoy: %s at %s: %v", ev.id, ev.v.At.Format("15:04:05.000"), ev.v))
 	}
 	sr.Violations = append(sr.Violations, r.errs...)
 	if len(sr.Violations) > 0 {
@@ -605,15 +718,14 @@ func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fau
 		}
 		rec := FaultRecord{Fault: f, Start: time.Now()}
 		fmt.Fprintf(r.out, "seed %d: %6.1fs (%s) fault %d: %s\n", r.seed, time.Since(start).Seconds(), rec.Start.Format("15:04:05.000"), i+1, f)
-		if err := r.play(ctx, f); err != nil {
+		err := r.play(ctx, &rec, start)
+		if err != nil {
 			runErr = fmt.Errorf("fault %d (%s): %w", i+1, f, err)
 			records = append(records, rec)
 			break
 		}
 		rec.Healed = time.Now()
-		snap := r.expectedNow()
-		err := r.waitFor(ctx, r.cfg.RecoverTimeout, "recovery", func() bool { return r.covers(snap) })
-		if err != nil {
+		if err := r.recover(ctx, rec.Healed, start); err != nil {
 			r.fail("liveness: after fault %d (%s): %v", i+1, f, err)
 		} else {
 			fmt.Fprintf(r.out, "seed %d: %6.1fs   healed; every Envoy current %.1fs later\n", r.seed, time.Since(start).Seconds(), time.Since(rec.Healed).Seconds())
@@ -716,7 +828,7 @@ func (r *chaosRun) startRelay(ctx context.Context, i int) error {
 		Args: []string{"serve", "--id", fmt.Sprintf("relay-%d", i),
 			"--xds-listen", ip + ":15010", "--admin-listen", ip + ":15014", "--gossip-listen", ip + ":7946",
 			"--join", strings.Join(join, ","), "--rejoin-interval", "2s", "--drain-period", "2s",
-			"--upstream", chaosUpstreamAddr, "--upstream-protocol", string(r.cfg.UpstreamProtocol),
+			"--upstream", chaosUpstreamAddr, "--upstream-protocol", string(r.upProto),
 			"--etcd-endpoints", strings.Join(r.etcd.Endpoints(), ","), "--log-level", r.cfg.RelayLogLevel},
 		Stderr:       r.relayLogs[i],
 		Addr:         ip + ":15010",
@@ -814,6 +926,11 @@ func (r *chaosRun) runChurn(ctx context.Context) {
 func (r *chaosRun) step() error {
 	r.churnMu.Lock() // an upstream fault holds it while the upstream is down
 	defer r.churnMu.Unlock()
+	return r.stepLocked()
+}
+
+// stepLocked is step with churnMu held.
+func (r *chaosRun) stepLocked() error {
 	at := time.Now()
 	changes, err := r.churn.Step()
 	if err != nil {
@@ -854,12 +971,97 @@ func (r *chaosRun) expectedNow() map[string]map[string]uint64 {
 	return out
 }
 
-// covers reports whether every Envoy holds, of the clusters and endpoints
-// snap had, that generation or a newer one (or nothing, if the upstream
-// removed it since), and nothing removed before snap.
-func (r *chaosRun) covers(snap map[string]map[string]uint64) bool {
+// recover waits, RecoverTimeout at most, until every Envoy holds, of the
+// clusters and endpoints served at healed, that generation or a newer one
+// (or nothing, if the upstream removed it since). A recovery that takes
+// more than 5 s explains itself: then and every 10 s it prints how many
+// Envoys are behind and what the one behind the longest still waits for;
+// on a timeout, also that Envoy's last events. Envoys stuck since an
+// earlier timeout are not waited for.
+func (r *chaosRun) recover(ctx context.Context, healed, start time.Time) error {
+	snap := r.expectedNow()
+	deadline := healed.Add(r.cfg.RecoverTimeout)
+	note := healed.Add(5 * time.Second)
+	since := map[int]time.Time{} // Envoy → behind without a break since
+	if r.stuck == nil {
+		r.stuck = map[int]bool{}
+	}
+	for {
+		lags := slices.DeleteFunc(r.lagging(snap), func(l lag) bool { return r.stuck[l.envoy] })
+		if len(lags) == 0 {
+			return nil
+		}
+		now := time.Now()
+		var worst lag
+		for i, l := range lags {
+			if _, ok := since[l.envoy]; !ok {
+				since[l.envoy] = now
+			}
+			if i == 0 || since[l.envoy].Before(since[worst.envoy]) {
+				worst = l
+			}
+		}
+		for e := range since {
+			if !slices.ContainsFunc(lags, func(l lag) bool { return l.envoy == e }) {
+				delete(since, e)
+			}
+		}
+		first := fmt.Sprintf("%s, behind for %.1fs", worst.why, now.Sub(since[worst.envoy]).Seconds())
+		if now.After(deadline) {
+			// What the Envoy last did: did it open a stream, and hear
+			// from whom?
+			h := &r.histories[worst.envoy]
+			h.mu.Lock()
+			evs := h.events[max(0, len(h.events)-8):]
+			fmt.Fprintf(r.out, "seed %d: %6.1fs   recovery timed out; the last events of that Envoy (%d in all):\n", r.seed, now.Sub(start).Seconds(), len(h.events))
+			for _, ev := range evs {
+				fmt.Fprintf(r.out, "    %s\n", formatEvent(ev))
+			}
+			h.mu.Unlock()
+			// Stuck: behind for half the wait or more (an Envoy caught
+			// behind a change just published is not).
+			n := 0
+			for _, l := range lags {
+				if now.Sub(since[l.envoy]) >= r.cfg.RecoverTimeout/2 {
+					r.stuck[l.envoy] = true
+					n++
+				}
+			}
+			return fmt.Errorf("recovery: not after %v: %s behind, %s of them stuck (not waited for after later faults); %s",
+				r.cfg.RecoverTimeout, envoysN(len(lags)), envoysN(n), first)
+		}
+		if !now.Before(note) {
+			fmt.Fprintf(r.out, "seed %d: %6.1fs   recovering for %.1fs: %s behind; %s\n",
+				r.seed, now.Sub(start).Seconds(), now.Sub(healed).Seconds(), envoysN(len(lags)), first)
+			note = note.Add(10 * time.Second)
+		}
+		if !sleepCtx(ctx, 100*time.Millisecond) {
+			return ctx.Err()
+		}
+	}
+}
+
+// lag is an Envoy behind, and what it waits for.
+type lag struct {
+	envoy int
+	why   string
+}
+
+func envoysN(n int) string {
+	if n == 1 {
+		return "1 Envoy"
+	}
+	return fmt.Sprintf("%d Envoys", n)
+}
+
+// lagging returns the Envoys that do not yet hold, of the clusters and
+// endpoints snap had, that generation or a newer one (or nothing, if the
+// upstream removed it since), or that hold something removed before snap,
+// each with the first thing it waits for.
+func (r *chaosRun) lagging(snap map[string]map[string]uint64) []lag {
 	now := r.expectedNow()
 	groups := r.fleet.Groups()
+	var out []lag
 	for i, e := range r.fleet.Envoys() {
 		was, is := snap[groups[i]], now[groups[i]]
 		held := map[string]uint64{}
@@ -868,22 +1070,47 @@ func (r *chaosRun) covers(snap map[string]map[string]uint64) bool {
 				held[typeURL+"|"+name] = h.Generation
 			}
 		}
-		for key, gen := range was {
+		why := ""
+		for _, key := range slices.Sorted(maps.Keys(was)) {
+			gen := was[key]
 			h, ok := held[key]
 			_, served := is[key]
-			if (ok && h < gen) || (!ok && served) {
-				return false
+			if ok && h < gen {
+				why = fmt.Sprintf("%s held at generation %d, expected %d or newer", describeKey(key), h, gen)
+			} else if !ok && served {
+				why = fmt.Sprintf("%s not held, expected generation %d or newer", describeKey(key), gen)
+			}
+			if why != "" {
+				break
 			}
 		}
-		for key := range held {
-			if _, ok := was[key]; !ok {
-				if _, ok := is[key]; !ok {
-					return false
+		if why == "" {
+			for _, key := range slices.Sorted(maps.Keys(held)) {
+				_, had := was[key]
+				_, served := is[key]
+				if !had && !served {
+					why = fmt.Sprintf("%s held at generation %d, removed by the upstream", describeKey(key), held[key])
+					break
 				}
 			}
 		}
+		if why == "" {
+			continue
+		}
+		cp := e.ControlPlane()
+		if cp == "" {
+			cp = "none yet"
+		}
+		out = append(out, lag{envoy: i, why: fmt.Sprintf("%s (last answered by %s, %d relays ready): %s", e.ID(), cp, len(r.readyAddrs()), why)})
 	}
-	return true
+	return out
+}
+
+// describeKey turns "type.googleapis.com/…Cluster|name" into "Cluster
+// name".
+func describeKey(key string) string {
+	typeURL, name, _ := strings.Cut(key, "|")
+	return typeURL[strings.LastIndexByte(typeURL, '.')+1:] + " " + name
 }
 
 // oneStreamPerKey returns "" if the upstream has exactly one stream per
@@ -918,8 +1145,10 @@ func (r *chaosRun) oneStreamPerKey(streams map[string]int) string {
 	return fmt.Sprintf("want one upstream stream per key: %s %s", strings.Join(bad, ", "), strings.Join(stray, ", "))
 }
 
-// play applies fault f and returns once it healed.
-func (r *chaosRun) play(ctx context.Context, f Fault) error {
+// play applies the fault of rec and returns once it healed; it notes in
+// rec how the fault was made and what it hit.
+func (r *chaosRun) play(ctx context.Context, rec *FaultRecord, start time.Time) error {
+	f := rec.Fault
 	switch f.Kind {
 	case FaultKill:
 		if c := r.takeRelay(f.Target); c != nil {
@@ -943,6 +1172,17 @@ func (r *chaosRun) play(ctx context.Context, f Fault) error {
 		}
 		sleepCtx(ctx, f.Hold)
 		return r.net.heal()
+	case FaultStarve:
+		return r.starve(ctx, rec, start)
+	case FaultSlow:
+		how, err := r.net.slow(f.Target, chaosRelayIP(f.Target), f.Delay, f.RateKbit, f.Loss)
+		r.detail(rec, start, "relay-%d's link: %s", f.Target, how)
+		if err == nil {
+			sleepCtx(ctx, f.Hold)
+		}
+		return errors.Join(err, r.net.fast())
+	case FaultEtcdLeader:
+		return r.killEtcdLeader(ctx, rec, start)
 	case FaultEtcd:
 		r.etcd.Kill(f.Target)
 		sleepCtx(ctx, f.Hold)
@@ -980,6 +1220,112 @@ func (r *chaosRun) play(ctx context.Context, f Fault) error {
 	return fmt.Errorf("unknown fault %q", f.Kind)
 }
 
+// detail prints a line of how a fault was made or what it hit, and adds it
+// to the fault's record.
+func (r *chaosRun) detail(rec *FaultRecord, start time.Time, format string, args ...any) {
+	d := fmt.Sprintf(format, args...)
+	fmt.Fprintf(r.out, "seed %d: %6.1fs   %s\n", r.seed, time.Since(start).Seconds(), d)
+	if rec.Detail != "" {
+		rec.Detail += "; "
+	}
+	rec.Detail += d
+}
+
+// starve holds relay rec.Target to rec.CPU of one CPU for rec.Hold: a
+// cgroup CPU quota where a cpu controller is writable, else SIGSTOP and
+// SIGCONT in turn, a second at a time, at the same duty cycle. Either is
+// undone on every path.
+func (r *chaosRun) starve(ctx context.Context, rec *FaultRecord, start time.Time) error {
+	f := rec.Fault
+	c := r.relay(f.Target)
+	if c == nil {
+		return fmt.Errorf("relay-%d is not running", f.Target)
+	}
+	var cg *cpuCap
+	err := errors.New("SIGSTOP/SIGCONT bursts asked for")
+	if !r.cfg.StarveSignals {
+		cg, err = capCPU(c.Pid(), f.CPU)
+	}
+	if err == nil {
+		defer cg.release() // idempotent: undone on every path
+		r.detail(rec, start, "relay-%d (pid %d) starved by %s", f.Target, c.Pid(), cg.how)
+		sleepCtx(ctx, f.Hold)
+		stat := cg.throttled()
+		if err := cg.release(); err != nil {
+			return err
+		}
+		r.detail(rec, start, "relay-%d thawed: %s", f.Target, stat)
+		return nil
+	}
+	run := time.Duration(f.CPU * float64(time.Second))
+	r.detail(rec, start, "relay-%d starved by SIGSTOP/SIGCONT bursts, running %v of every second (no cgroup: %v)", f.Target, run.Round(time.Millisecond), err)
+	defer c.Signal(syscall.SIGCONT)
+	for end := time.Now().Add(f.Hold); time.Now().Before(end); {
+		if err := c.Signal(syscall.SIGSTOP); err != nil {
+			return err
+		}
+		if !sleepCtx(ctx, min(time.Second-run, time.Until(end))) {
+			break
+		}
+		if err := c.Signal(syscall.SIGCONT); err != nil {
+			return err
+		}
+		if !sleepCtx(ctx, run) {
+			break
+		}
+	}
+	return nil
+}
+
+// killEtcdLeader finds the etcd leader, makes the owners write (a burst of
+// two seconds' churn at once, each owner flushing its keys' snapshots a
+// FlushInterval later), waits until the leader's revision moves (the
+// first flush landed, the others under way), kills the leader, and
+// restarts it on its data rec.Hold later. rec says who was leader.
+func (r *chaosRun) killEtcdLeader(ctx context.Context, rec *FaultRecord, start time.Time) error {
+	var leader int
+	var st EtcdStatus
+	err := r.waitFor(ctx, 10*time.Second, "an etcd leader", func() bool {
+		var err error
+		leader, st, err = r.etcd.Leader(ctx)
+		return err == nil
+	})
+	if err != nil {
+		return err
+	}
+	rec.Target = leader
+	burst := max(10, int(2*r.cfg.ChurnRate))
+	r.churnMu.Lock()
+	t0 := time.Now()
+	for range burst {
+		if err := r.stepLocked(); err != nil {
+			r.churnMu.Unlock()
+			return fmt.Errorf("burst: %w", err)
+		}
+	}
+	r.churnMu.Unlock()
+	// Owners gather changes for a FlushInterval (1 s) before they write.
+	rev := st.Revision
+	var moved time.Duration
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); {
+		if now, err := r.etcd.Status(ctx, leader); err == nil && now.Revision > st.Revision {
+			rev, moved = now.Revision, time.Since(t0)
+			break
+		}
+		if !sleepCtx(ctx, 20*time.Millisecond) {
+			return ctx.Err()
+		}
+	}
+	r.etcd.Kill(leader)
+	flush := fmt.Sprintf("its revision went from %d to %d %v after a burst of %d changes began", st.Revision, rev, moved.Round(time.Millisecond), burst)
+	if moved == 0 {
+		flush = fmt.Sprintf("no write landed within 5 s of a burst of %d changes (revision %d)", burst, rev)
+	}
+	r.detail(rec, start, "etcd-%d was the leader (member %x, raft term %d), killed: %s", leader, st.ID, st.Term, flush)
+	sleepCtx(ctx, rec.Hold)
+	return r.etcd.Start(ctx, leader)
+}
+
 // stop ends every process of the run; safe on a half-started run.
 func (r *chaosRun) stop() {
 	if r.fleet != nil {
@@ -1001,6 +1347,7 @@ func (r *chaosRun) stop() {
 	}
 	if r.net != nil {
 		_ = r.net.heal()
+		_ = r.net.fast()
 	}
 	for _, f := range r.files {
 		f.Close()

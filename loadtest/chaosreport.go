@@ -3,9 +3,11 @@ package loadtest
 import (
 	"bufio"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -25,26 +27,75 @@ func (r *chaosRun) explain(h *History, hv []HistoryViolation, schedule []Fault, 
 	for _, v := range all[:min(len(all), 10)] {
 		fmt.Fprintf(w, "  - %s\n", v)
 	}
-	if len(hv) == 0 {
+	var at time.Time
+	switch ev := r.envoyViolations(); {
+	case len(hv) > 0:
+		first := hv[0]
+		at = first.At
+		fmt.Fprintf(w, "first violation: %s\n", first)
+		for _, e := range h.Envoys {
+			if e.ID != first.Envoy || first.Event < 0 || first.Event >= len(e.Events) {
+				continue
+			}
+			for i := max(0, first.Event-5); i <= first.Event; i++ {
+				fmt.Fprintf(w, "  event %d: %s\n", i, formatEvent(e.Events[i]))
+			}
+		}
+	case len(ev) > 0:
+		// Only a simulated Envoy's own check failed: its events up to the
+		// response it refused to take as valid.
+		first := ev[0]
+		at = first.v.At
+		fmt.Fprintf(w, "first violation: envoy %s at %s: %v\n", first.id, at.Format("15:04:05.000"), first.v)
+		for _, e := range h.Envoys {
+			if e.ID != first.id {
+				continue
+			}
+			last := -1
+			for i, x := range e.Events {
+				if !x.At.After(at) {
+					last = i
+				}
+			}
+			for i := max(0, last-7); i <= min(last+2, len(e.Events)-1); i++ {
+				fmt.Fprintf(w, "  event %d: %s\n", i, formatEvent(e.Events[i]))
+			}
+		}
+	default:
 		return
 	}
-	first := hv[0]
-	fmt.Fprintf(w, "first violation: %s\n", first)
-	for _, e := range h.Envoys {
-		if e.ID != first.Envoy || first.Event < 0 || first.Event >= len(e.Events) {
-			continue
-		}
-		for i := max(0, first.Event-5); i <= first.Event; i++ {
-			fmt.Fprintf(w, "  event %d: %s\n", i, formatEvent(e.Events[i]))
-		}
-	}
 	for i := range r.cfg.Relays {
-		lines := logAround(filepath.Join(r.dir, fmt.Sprintf("relay-%d.log", i)), first.At, 3*time.Second, 25)
-		fmt.Fprintf(w, "relay-%d log around %s (%d lines):\n", i, first.At.Format("15:04:05.000"), len(lines))
+		lines := logAround(filepath.Join(r.dir, fmt.Sprintf("relay-%d.log", i)), at, 3*time.Second, 25)
+		fmt.Fprintf(w, "relay-%d log around %s (%d lines):\n", i, at.Format("15:04:05.000"), len(lines))
 		for _, l := range lines {
 			fmt.Fprintf(w, "  %s\n", l)
 		}
 	}
+}
+
+// envoyViolation is a violation a simulated Envoy's own checks found.
+type envoyViolation struct {
+	id string
+	v  *envoy.Violation
+}
+
+// envoyViolations returns every simulated Envoy's violations, earliest
+// first.
+func (r *chaosRun) envoyViolations() []envoyViolation {
+	var out []envoyViolation
+	if r.fleet == nil {
+		return nil
+	}
+	for _, e := range r.fleet.Envoys() {
+		for _, err := range e.Violations() {
+			var v *envoy.Violation
+			if errors.As(err, &v) {
+				out = append(out, envoyViolation{e.ID(), v})
+			}
+		}
+	}
+	slices.SortStableFunc(out, func(a, b envoyViolation) int { return a.v.At.Compare(b.v.At) })
+	return out
 }
 
 func formatEvent(ev envoy.Event) string {

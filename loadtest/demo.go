@@ -136,25 +136,64 @@ func ParseDemoCommand(s string) (DemoEvent, error) {
 	return DemoEvent{}, fmt.Errorf("command %q: want kill N, stop N, start N or add", s)
 }
 
-// restoredNote says how many keys a relay just started restored from etcd
-// (it waits up to 2 s for the relay to be ready).
-func restoredNote(t *Tier, e DemoEvent, etcd bool) string {
-	if !etcd || (e.Action != "start" && e.Action != "add") {
-		return ""
+// warmWatch follows a relay the demo just started until it is ready:
+// then its count of keys restored from etcd is final (a relay that loads
+// snapshots takes streams only once they are loaded, and it loads them
+// within 30 s or starts cold).
+type warmWatch struct {
+	relay    string
+	started  time.Time
+	ready    func() bool // the relay takes streams
+	gone     func() bool // the relay was stopped since
+	restored func() int  // keys it restored from etcd so far
+}
+
+const (
+	// warmInline is how long a start's line waits for the count; past it
+	// the line says the restore is under way and a later line gives it.
+	warmInline = 2 * time.Second
+	// warmBound bounds the wait for readiness: the relay's own bound on
+	// loading snapshots (30 s), and some.
+	warmBound = 35 * time.Second
+)
+
+// watchWarm returns a warmWatch of slot i of t, just started (nil if the
+// tier has no etcd or the slot does not run).
+func watchWarm(t *Tier, i int, etcd bool) *warmWatch {
+	if !etcd {
+		return nil
 	}
 	t.mu.Lock()
-	r := t.slots[len(t.slots)-1]
-	if e.Action == "start" {
-		r = t.slots[e.Relay]
-	}
+	r := t.slots[i]
 	t.mu.Unlock()
 	if r.Node == nil {
-		return ""
+		return nil
 	}
-	for deadline := time.Now().Add(2 * time.Second); !r.Node.Relay().Ready() && time.Now().Before(deadline); {
-		time.Sleep(10 * time.Millisecond)
+	rel := r.Node.Relay()
+	return &warmWatch{
+		relay: r.ID, started: time.Now(), ready: rel.Ready,
+		gone: func() bool {
+			t.mu.Lock()
+			defer t.mu.Unlock()
+			return !r.Running
+		},
+		restored: func() int { return rel.Stats().RestoredKeys },
 	}
-	return fmt.Sprintf(" (warm: %d keys restored from etcd)", r.Node.Relay().Stats().RestoredKeys)
+}
+
+// note says what the relay restored, once that is known (done); after
+// warmBound, or once the relay was stopped, it says what it restored so
+// far (done too). final asks for a note now, known or not.
+func (w *warmWatch) note(now time.Time, final bool) (note string, done bool) {
+	switch {
+	case w.ready():
+		return fmt.Sprintf("warm: %d keys restored from etcd", w.restored()), true
+	case w.gone():
+		return fmt.Sprintf("stopped before it was ready; %d keys restored from etcd by then", w.restored()), true
+	case final || now.Sub(w.started) >= warmBound:
+		return fmt.Sprintf("not ready yet; %d keys restored from etcd so far", w.restored()), true
+	}
+	return "", false
 }
 
 // apply carries out e on the tier.
@@ -360,12 +399,51 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 		}
 	}
 	arm()
+	// A relay started warms from etcd: its line says how many keys it
+	// restored, once it is ready (the count is final then). A relay not
+	// ready within warmInline gets a line of its own when it is.
+	var warming []*warmWatch
 	play := func(e DemoEvent, source string) {
+		slot := e.Relay
+		if e.Action == "add" {
+			tier.mu.Lock()
+			slot = len(tier.slots)
+			tier.mu.Unlock()
+		}
 		if err := tier.apply(stopCtx, e); err != nil {
 			fmt.Fprintf(out, "%6s  %s: %s: %v\n", time.Since(start).Round(time.Second), source, e, err)
 			return
 		}
-		fmt.Fprintf(out, "%6s  %s: %s%s\n", time.Since(start).Round(time.Second), source, e, restoredNote(tier, e, len(etcdEndpoints) > 0))
+		var w *warmWatch
+		if e.Action == "start" || e.Action == "add" {
+			w = watchWarm(tier, slot, len(etcdEndpoints) > 0)
+		}
+		note := ""
+		if w != nil {
+			for deadline := time.Now().Add(warmInline); ; {
+				if n, done := w.note(time.Now(), false); done {
+					note = " (" + n + ")"
+					break
+				}
+				if time.Now().After(deadline) {
+					note = " (warm start: loading snapshots from etcd)"
+					warming = append(warming, w)
+					break
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+		}
+		fmt.Fprintf(out, "%6s  %s: %s%s\n", time.Since(start).Round(time.Second), source, e, note)
+	}
+	noteWarm := func(final bool) {
+		warming = slices.DeleteFunc(warming, func(w *warmWatch) bool {
+			n, done := w.note(time.Now(), final)
+			if done {
+				fmt.Fprintf(out, "%6s  %s %s (%s after its start)\n", time.Since(start).Round(time.Second), w.relay, n,
+					time.Since(w.started).Round(100*time.Millisecond))
+			}
+			return done
+		})
 	}
 
 	printHeader := func() {
@@ -478,6 +556,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 		}
 		select {
 		case <-tick.C:
+			noteWarm(false)
 			print()
 		case <-next:
 			play(schedule[0], "schedule")
@@ -500,6 +579,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 					typed = false
 				}
 			}
+			noteWarm(true)
 			print()
 			perEnvoy, complete, _ := tracker.Results()
 			fmt.Fprintln(out)

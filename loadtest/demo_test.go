@@ -48,7 +48,7 @@ func TestDemo(t *testing.T) {
 	for _, want := range []string{
 		"schedule: kill relay-1", "schedule: start relay-1",
 		"command: add a relay", "command: stop relay-7: no relay-7", `command "fly away"`,
-		"changes reached all their Envoys", "upstream streams at the end: 8 for 8 keys",
+		"changes reached all their Envoys", "upstream streams at the end: 8 for 8 keys", "keys restored from etcd",
 		"aggregation: 8 keys, 40 Envoys: 5.0 Envoys a key; 0 keys serve one Envoy",
 	} {
 		if !strings.Contains(out.String(), want) {
@@ -116,5 +116,35 @@ func TestDemoRealEnvoys(t *testing.T) {
 	// They joined the simulated Envoys' keys: one upstream stream per key.
 	if !strings.Contains(out.String(), fmt.Sprintf("upstream streams at the end: %d for %d keys", cfg.Keys, cfg.Keys)) {
 		t.Error("the real Envoys did not join the simulated ones' keys")
+	}
+}
+
+// TestWarmWatchNote: a started relay's note gives the count it restored
+// once it is ready (not before), or what it restored so far when it was
+// stopped, when the wait is bounded, or when the demo ends.
+func TestWarmWatchNote(t *testing.T) {
+	t0 := time.Now()
+	for _, tc := range []struct {
+		name        string
+		ready, gone bool
+		after       time.Duration
+		final       bool
+		want        string
+		done        bool
+	}{
+		{"loading", false, false, time.Second, false, "", false},
+		{"ready", true, false, time.Second, false, "warm: 7 keys restored from etcd", true},
+		{"stopped", false, true, time.Second, false, "stopped before it was ready; 7 keys restored from etcd by then", true},
+		{"bound", false, false, warmBound, false, "not ready yet; 7 keys restored from etcd so far", true},
+		{"end of the demo", false, false, time.Second, true, "not ready yet; 7 keys restored from etcd so far", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := &warmWatch{relay: "relay-1", started: t0,
+				ready: func() bool { return tc.ready }, gone: func() bool { return tc.gone }, restored: func() int { return 7 }}
+			got, done := w.note(t0.Add(tc.after), tc.final)
+			if got != tc.want || done != tc.done {
+				t.Errorf("note = %q, %v; want %q, %v", got, done, tc.want, tc.done)
+			}
+		})
 	}
 }

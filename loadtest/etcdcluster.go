@@ -1,13 +1,17 @@
 package loadtest
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"net/url"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -180,4 +184,101 @@ func (c *EtcdCluster) Stop() {
 	for i := range c.members {
 		c.Kill(i)
 	}
+}
+
+// EtcdStatus is what etcd's maintenance Status says of one member.
+type EtcdStatus struct {
+	// ID is the member's id; Leader the id of the member it follows (its
+	// own if it leads); Term the raft term; Revision the store's.
+	ID, Leader, Term uint64
+	Revision         int64
+}
+
+// Status asks member i etcd's maintenance Status, through the gRPC
+// gateway every member serves on its client URL (so no etcd client is
+// needed here), within 2 s.
+func (c *EtcdCluster) Status(ctx context.Context, i int) (EtcdStatus, error) {
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+c.members[i].Client+"/v3/maintenance/status", bytes.NewReader([]byte("{}")))
+	if err != nil {
+		return EtcdStatus{}, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return EtcdStatus{}, fmt.Errorf("etcd member %d status: %w", i, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return EtcdStatus{}, fmt.Errorf("etcd member %d status: %w", i, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return EtcdStatus{}, fmt.Errorf("etcd member %d status: %s: %s", i, resp.Status, bytes.TrimSpace(b))
+	}
+	st, err := parseEtcdStatus(b)
+	if err != nil {
+		return EtcdStatus{}, fmt.Errorf("etcd member %d status: %w", i, err)
+	}
+	return st, nil
+}
+
+// parseEtcdStatus reads the gateway's JSON of a StatusResponse (64-bit
+// integers as strings; the header's fields in snake case).
+func parseEtcdStatus(b []byte) (EtcdStatus, error) {
+	var r struct {
+		Header struct {
+			MemberID jsonUint `json:"member_id"`
+			Revision jsonUint `json:"revision"`
+			RaftTerm jsonUint `json:"raft_term"`
+		} `json:"header"`
+		Leader jsonUint `json:"leader"`
+	}
+	if err := json.Unmarshal(b, &r); err != nil {
+		return EtcdStatus{}, err
+	}
+	if r.Header.MemberID == 0 {
+		return EtcdStatus{}, fmt.Errorf("no member id in %s", b)
+	}
+	return EtcdStatus{ID: uint64(r.Header.MemberID), Leader: uint64(r.Leader), Term: uint64(r.Header.RaftTerm), Revision: int64(r.Header.Revision)}, nil
+}
+
+// jsonUint is a uint64 in JSON as a string (protobuf's JSON) or a number.
+type jsonUint uint64
+
+func (u *jsonUint) UnmarshalJSON(b []byte) error {
+	n, err := strconv.ParseUint(strings.Trim(string(b), `"`), 10, 64)
+	*u = jsonUint(n)
+	return err
+}
+
+// Leader returns the member that leads the cluster, and its status: the
+// running member whose id the others (and it) name as leader. It fails
+// while there is none (an election under way, a quorum lost).
+func (c *EtcdCluster) Leader(ctx context.Context) (int, EtcdStatus, error) {
+	var leader uint64
+	byID := map[uint64]int{}
+	sts := map[int]EtcdStatus{}
+	for i := range c.members {
+		c.mu.Lock()
+		up := c.children[i] != nil
+		c.mu.Unlock()
+		if !up {
+			continue
+		}
+		st, err := c.Status(ctx, i)
+		if err != nil {
+			continue
+		}
+		byID[st.ID], sts[i] = i, st
+		if st.Leader != 0 {
+			leader = st.Leader
+		}
+	}
+	i, ok := byID[leader]
+	if leader == 0 || !ok {
+		return 0, EtcdStatus{}, errors.New("loadtest: no etcd leader among the running members")
+	}
+	return i, sts[i], nil
 }

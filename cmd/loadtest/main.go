@@ -619,11 +619,13 @@ func chaos(ctx context.Context, args []string) error {
 	fs.IntVar(&cfg.Scenario.Services, "services", cfg.Scenario.Services, "ServiceEntries in the synthetic upstream")
 	fs.IntVar(&cfg.Scenario.Endpoints, "endpoints", cfg.Scenario.Endpoints, "WorkloadEntries in the synthetic upstream")
 	fs.IntVar(&cfg.Scenario.Namespaces, "namespaces", cfg.Scenario.Namespaces, "namespaces (config is scoped by namespace)")
-	protocols := fs.String("protocols", "delta,sotw", "the Envoys' ADS variants, comma-separated; seed s uses the (s mod n)th")
-	upProto := fs.String("upstream-protocol", string(cfg.UpstreamProtocol), "the relays' ADS variant to the upstream: sotw or delta")
+	protocols := fs.String("protocols", "delta,sotw", "the Envoys' ADS variants, comma-separated; with --upstream-protocols, each seed plays one pair and every n·m consecutive seeds every pair")
+	upProtos := fs.String("upstream-protocols", "delta,sotw", "the relays' ADS variants to the upstream, comma-separated")
+	upProto := fs.String("upstream-protocol", "", "the relays' ADS variant to the upstream, for every seed: sotw or delta (the same as --upstream-protocols with one)")
 	fs.Float64Var(&cfg.ChurnRate, "churn-rate", cfg.ChurnRate, "upstream changes per second")
 	fs.IntVar(&cfg.Faults, "faults", cfg.Faults, "faults per seed (shuffled rounds of every kind)")
-	kinds := fs.String("kinds", "", "fault kinds, comma-separated (default all: kill-relay, freeze-relay, cut-relays, kill-etcd, kill-upstream, rolling-restart)")
+	kinds := fs.String("kinds", "", "fault kinds, comma-separated (default all: "+kindList()+"); a kind named here that this machine cannot play fails the run")
+	fs.BoolVar(&cfg.StarveSignals, "starve-signals", cfg.StarveSignals, "starve relays with SIGSTOP/SIGCONT bursts even where a cgroup CPU quota could be used")
 	fs.DurationVar(&cfg.DeliveryBound, "delivery-bound", cfg.DeliveryBound, "the checker's bound on a change reaching every Envoy that must get it")
 	fs.DurationVar(&cfg.RecoverTimeout, "recover-timeout", cfg.RecoverTimeout, "bound on the wait for recovery after each fault")
 	fs.StringVar(&cfg.Dir, "dir", "", "keep each seed's logs here (default: a temporary directory, removed if every seed passes)")
@@ -667,9 +669,20 @@ func chaos(ctx context.Context, args []string) error {
 	if cfg.Protocols, err = parseProtocols(*protocols); err != nil {
 		return err
 	}
-	if cfg.UpstreamProtocol, err = relay.ParseProtocol(*upProto); err != nil {
-		return err
+	if *upProto != "" {
+		*upProtos = *upProto
 	}
+	cfg.UpstreamProtocols = nil
+	for _, p := range splitList(*upProtos) {
+		up, err := relay.ParseProtocol(p)
+		if err != nil {
+			return err
+		}
+		cfg.UpstreamProtocols = append(cfg.UpstreamProtocols, up)
+	}
+	// CI wants every kind played, as does a run that names its kinds;
+	// otherwise a kind this machine cannot play is left out with a line.
+	cfg.Strict = os.Getenv("CI") == "true" || *kinds != ""
 	if *kinds != "" {
 		cfg.Kinds = nil
 		for _, k := range splitList(*kinds) {
@@ -691,6 +704,14 @@ func chaos(ctx context.Context, args []string) error {
 		}
 	}
 	return err
+}
+
+func kindList() string {
+	var out []string
+	for _, k := range loadtest.AllFaults {
+		out = append(out, string(k))
+	}
+	return strings.Join(out, ", ")
 }
 
 // ctrip runs `loadtest ctrip`: flags → CtripConfig (DefaultCtripConfig,

@@ -43,8 +43,8 @@ func TestDocumentedFlags(t *testing.T) {
 		{"upstream", serveUpstream, []string{"--listen", "127.0.0.1:0", "--services", "1", "--endpoints", "1", "--namespaces", "1", "--local-fraction", "0",
 			"--churn-rate", "0", "--churn-duration", "1s", "--churn-count", "0", "--churn-add-remove", "0", "--seed", "1", "--max-msg-size", "1"}},
 		{"chaos", chaos, []string{"--seeds", "1", "--seed", "1", "--faults", "1", "--kinds", "kill-relay", "--relays", "2", "--etcd-members", "1", "--envoys", "1",
-			"--keys", "1", "--services", "1", "--endpoints", "1", "--namespaces", "1", "--protocols", "delta", "--upstream-protocol", "delta", "--churn-rate", "1",
-			"--delivery-bound", "1s", "--recover-timeout", "1s", "--dir", "x", "--meshrelay", "x", "--relay-log-level", "warn", "--json", "x"}},
+			"--keys", "1", "--services", "1", "--endpoints", "1", "--namespaces", "1", "--protocols", "delta", "--upstream-protocol", "delta", "--upstream-protocols", "delta,sotw", "--starve-signals",
+			"--churn-rate", "1", "--delivery-bound", "1s", "--recover-timeout", "1s", "--dir", "x", "--meshrelay", "x", "--relay-log-level", "warn", "--json", "x"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := tc.run(context.Background(), append(tc.args, "--help"))
