@@ -23,7 +23,8 @@ import (
 // never collected). A relay process runs one Relay, so production was
 // unaffected; a process that runs many (this simulation, ~5 MB a seed)
 // grew without bound.
-func TestStoppedRelayIsCollected(t *testing.T) {	var collected atomic.Int64
+func TestStoppedRelayIsCollected(t *testing.T) {
+	var collected atomic.Int64
 	const runs = 4
 	for range runs {
 		synctest.Test(t, func(t *testing.T) {
