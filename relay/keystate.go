@@ -42,9 +42,15 @@ type keyState struct {
 	demanded atomic.Uint64
 
 	// hist is the ledger history of each type's view. Only the key's
-	// feed (or the restore before it starts) records.
+	// feed (or the restore before it starts) records. held is what SotW
+	// clients were sent that is no version of the view (the view with a
+	// removal held back for the client's routes, or a name it lacks): a
+	// client that moves claims it, and the tier's lookup of it must find
+	// it (versionHeld). Both under histMu.
 	histMu sync.Mutex
 	hist   map[string]*ledger.History[*xds.Resource]
+	held   map[ledger.Hash]ledger.Tree[*xds.Resource]
+	heldQ  []ledger.Hash // held's roots, oldest first
 
 	// claims are the key's lookups of SotW clients' claimed versions in
 	// the tier (claims.go).
@@ -273,7 +279,11 @@ const maxClaimVersions = 32
 func (k *keyState) versionHeld(typeURL string, wildcard bool, names xds.NameSet, root ledger.Hash) (ledger.Tree[*xds.Resource], bool) {
 	k.histMu.Lock()
 	h := k.hist[typeURL]
+	sent, wasSent := k.held[root]
 	k.histMu.Unlock()
+	if wasSent {
+		return sent, true
+	}
 	if h == nil {
 		return ledger.Tree[*xds.Resource]{}, false
 	}
@@ -289,6 +299,31 @@ func (k *keyState) versionHeld(typeURL string, wildcard bool, names xds.NameSet,
 		return !found
 	})
 	return held, found
+}
+
+// maxHeldVersions bounds the versions a key remembers having sent SotW
+// clients beside its views' (keyState.held): the few clients whose removals
+// are held back at any moment.
+const maxHeldVersions = 64
+
+// sentHeld remembers that a SotW client was sent t, no version of the
+// key's view of its type: a client that moves claims its root.
+func (k *keyState) sentHeld(t ledger.Tree[*xds.Resource]) {
+	root := t.Root()
+	k.histMu.Lock()
+	defer k.histMu.Unlock()
+	if _, ok := k.held[root]; ok {
+		return
+	}
+	if k.held == nil {
+		k.held = make(map[ledger.Hash]ledger.Tree[*xds.Resource])
+	}
+	if len(k.heldQ) >= maxHeldVersions {
+		delete(k.held, k.heldQ[0])
+		k.heldQ = k.heldQ[1:]
+	}
+	k.held[root] = t
+	k.heldQ = append(k.heldQ, root)
 }
 
 // partOf returns the entries of view named in names: the view itself if

@@ -1180,6 +1180,9 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 		out.From = ledger.Hash{}
 		out.Version = s.r.versions.Of(sub.known.Root(), out.Order)
 		out.Full, out.Held = true, sub.known
+		if sub.known.Root() != p.ts.view.Root() {
+			s.key.sentHeld(sub.known) // it may claim it elsewhere
+		}
 	default:
 		// SotW cannot say "removed" for these types: a removal only
 		// updates what the relay knows the client holds.
