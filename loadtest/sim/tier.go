@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net"
+	"sync"
 	"time"
 
 	"google.golang.org/grpc"
@@ -47,10 +48,13 @@ func dialOptions(h *Host, base time.Duration, maxDelay time.Duration, minConnect
 type simRelay struct {
 	i           int
 	host        *Host
-	node        *shard.Node
 	store       *StoreClient
-	running     bool
 	incarnation int
+
+	// node and running are read by the Service's dials (readyRelays), on
+	// the network's goroutines: under tier.mu.
+	node    *shard.Node
+	running bool
 }
 
 // tier is the simulated tier: the network, the upstream, the relays, the
@@ -66,6 +70,7 @@ type tier struct {
 	upUp   bool
 	relays []*simRelay
 	proto  relay.Protocol
+	mu     sync.Mutex // the relays' node and running
 
 	envoys []*simEnvoy
 }
@@ -99,6 +104,8 @@ func (t *tier) killUpstream(ctx context.Context) {
 // ready relays. A frozen relay is not one: its readiness probe times out
 // (the chaos suite's probe notices within 0.7 s; here at once).
 func (t *tier) readyRelays() []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	var out []string
 	for _, r := range t.relays {
 		if r.running && !r.host.Frozen() && r.node.Relay().Ready() {
@@ -106,6 +113,19 @@ func (t *tier) readyRelays() []string {
 		}
 	}
 	return out
+}
+
+// take marks slot i stopped and returns its node, nil if it was not
+// running.
+func (t *tier) take(i int) *shard.Node {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	r := t.relays[i]
+	if !r.running {
+		return nil
+	}
+	r.running = false
+	return r.node
 }
 
 // gossipJoin lists every other relay's gossip address.
@@ -187,7 +207,9 @@ func (t *tier) startRelay(ctx context.Context, i int) error {
 		r.store.Kill()
 		return fmt.Errorf("%s: %w", id, err)
 	}
+	t.mu.Lock()
 	r.node, r.running = node, true
+	t.mu.Unlock()
 	return nil
 }
 
@@ -195,24 +217,24 @@ func (t *tier) startRelay(ctx context.Context, i int) error {
 // does while stopping reaches anyone.
 func (t *tier) killRelay(i int) {
 	r := t.relays[i]
-	if !r.running {
+	node := t.take(i)
+	if node == nil {
 		return
 	}
-	r.running = false
 	t.net.Crash(r.host.name)
-	r.node.Kill()
+	node.Kill()
 	r.store.Kill()
 }
 
 // stopRelay stops slot i gracefully (leave, drain, flush), within d.
 func (t *tier) stopRelay(ctx context.Context, i int, d time.Duration) error {
 	r := t.relays[i]
-	if !r.running {
+	node := t.take(i)
+	if node == nil {
 		return nil
 	}
-	r.running = false
 	sctx, cancel := context.WithTimeout(ctx, d)
-	err := r.node.Stop(sctx)
+	err := node.Stop(sctx)
 	cancel()
 	r.store.Stop()
 	t.net.Crash(r.host.name) // whatever it left open
