@@ -191,10 +191,7 @@ func (r *Relay) askVersion(ctx context.Context, addrs []string, req *inspectpb.V
 		if a.err == nil {
 			return a.t, true, true
 		}
-		// NotFound (the relay does not hold the key or the version) is an
-		// answer, and so is a wrong one (a body missing, a root that does
-		// not match); only a relay that did not answer may know better.
-		if !errors.Is(a.err, errWrongAnswer) && status.Code(a.err) != codes.NotFound {
+		if !answered(a.err) {
 			definite = false
 		}
 	}
@@ -226,6 +223,26 @@ func (r *Relay) askOne(ctx context.Context, addr string, req *inspectpb.VersionR
 		return ledger.Tree[*xds.Resource]{}, fmt.Errorf("%w: %w", errWrongAnswer, err)
 	}
 	return t, nil
+}
+
+// answered reports whether err is a relay's answer (NotFound: it does not
+// hold the key or the version; a refusal; a wrong version: a body missing,
+// a root that does not match), not the lack of one (it could not be
+// reached, or did not answer in time): only a relay that did not answer may
+// know better.
+func answered(err error) bool {
+	if errors.Is(err, errWrongAnswer) {
+		return true
+	}
+	st, ok := status.FromError(err)
+	if !ok {
+		return false // no gRPC status: the relay was never reached
+	}
+	switch st.Code() {
+	case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled:
+		return false
+	}
+	return true
 }
 
 // errWrongAnswer: a relay answered with a version that is not the one asked
