@@ -158,6 +158,7 @@ var ErrDeposed = errors.New("snapshot: deposed: another relay claimed the key")
 //	keys/<id>/fence          the member that claimed the key (the fence)
 //	keys/<id>/head           the key's name and base index: per type, root and chunks
 //	batch/<member>/<seq>     one flush's changes of every key the member writes
+//	held/<id>/<type>/<root>  a version a drained SotW Envoy holds (held.go), leased
 //
 // <id> is 8 bytes of SHA-256 of the key's name, in hex. A key's views are
 // its head plus the batch records that name it with a higher revision, in

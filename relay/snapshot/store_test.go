@@ -22,7 +22,10 @@ import (
 )
 
 // Store is what a relay persists its views to.
-var _ relay.Snapshots = (*Store)(nil)
+var (
+	_ relay.Snapshots    = (*Store)(nil)
+	_ relay.HeldVersions = (*Store)(nil)
+)
 
 const (
 	typeCluster  = "type.googleapis.com/envoy.config.cluster.v3.Cluster"

@@ -35,3 +35,21 @@ type SavedResource struct {
 	Name string
 	Body []byte
 }
+
+// HeldVersion is a version of a type that a SotW client of a key holds, as
+// a draining relay handed it over (relay.HeldVersions): every resource's
+// name and content hash, and the bodies the store kept (those the key's
+// view did not hold when it was handed over).
+type HeldVersion struct {
+	Type    string
+	Root    ledger.Hash
+	Entries []HeldEntry
+}
+
+// HeldEntry is one resource of a HeldVersion; Body is nil if the store did
+// not keep it (the relay that reads it holds it, or the version is lost).
+type HeldEntry struct {
+	Name string
+	Hash ledger.Hash
+	Body []byte
+}
