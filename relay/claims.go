@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
@@ -25,9 +26,12 @@ import (
 // the client holds (stream.resolveClaim). One that lacks it (the client
 // came from a relay that was further on, or the version passed while this
 // one was cut off) asks the tier's other relays, which answer from their
-// histories (GetVersion). Until they answer, the type and those after it in
-// push order wait, as they do for a type the key's source has not answered
-// yet; the answers end the wait, whatever they are.
+// histories (GetVersion), and then the snapshot store, where a relay that
+// drained the client handed over what it held (handOver): after a rolling
+// restart, no relay that served the version is left. Until they answer,
+// the type and those after it in push order wait, as they do for a type
+// the key's source has not answered yet; the answers end the wait,
+// whatever they are.
 
 // claimLookup is a key's question to the tier about one claimed version,
 // shared by the key's streams that claim it (a relay's Envoys of one key
@@ -37,6 +41,7 @@ type claimLookup struct {
 	done chan struct{}
 	held ledger.Tree[*xds.Resource]
 	ok   bool
+	from string // who knew: "tier" or "store"
 }
 
 // claimQuestion identifies a lookup: a version of a type, for a
@@ -69,7 +74,7 @@ func (s *stream) claimPending(sub *typeSub, ts *typeView) bool {
 	sub.lookup = nil
 	if l.ok {
 		sub.known, sub.claimKnown = l.held, true
-		s.r.metrics.claims.WithLabelValues("tier").Inc()
+		s.r.metrics.claims.WithLabelValues(l.from).Inc()
 	} else {
 		s.claimUnknown(sub)
 	}
@@ -84,14 +89,15 @@ func (s *stream) claimUnknown(sub *typeSub) {
 	s.log.Info("a SotW client's version is known to no relay of the tier", "type", xds.ShortType(sub.typeURL), "version", sub.claimed.String())
 }
 
-// askTier looks sub's claimed version up in the tier, if the tier has
-// other relays, and reports whether it does.
+// askTier looks sub's claimed version up in the tier and the snapshot
+// store, and reports whether there is any to ask: other relays, or a store
+// that keeps held versions.
 func (s *stream) askTier(sub *typeSub) bool {
-	if s.r.cfg.Peers == nil {
-		return false
+	var addrs []string
+	if s.r.cfg.Peers != nil {
+		addrs = s.r.cfg.Peers.PeerAddrs()
 	}
-	addrs := s.r.cfg.Peers.PeerAddrs()
-	if len(addrs) == 0 {
+	if _, held := s.r.cfg.Snapshots.(HeldVersions); len(addrs) == 0 && !held {
 		return false
 	}
 	q := claimQuestion{typeURL: sub.typeURL, root: sub.claimed, wildcard: sub.wildcard}
@@ -115,7 +121,10 @@ func (s *stream) askTier(sub *typeSub) bool {
 	l := &claimLookup{done: make(chan struct{})}
 	k.claims[q], sub.lookup = l, l
 	ran := s.r.goRun(func(ctx context.Context) {
-		l.held, l.ok = s.r.lookUpVersion(ctx, addrs, req, q.root)
+		l.held, l.ok, l.from = s.r.lookUpVersion(ctx, addrs, req, q.root)
+		if l.ok && l.from == "store" {
+			k.sentHeld(l.held) // the tier's other relays may be asked next
+		}
 		close(l.done)
 		k.wakeStreams()
 	})
@@ -125,19 +134,139 @@ func (s *stream) askTier(sub *typeSub) bool {
 	return true
 }
 
+// heldID names a version handed over: a key's version of a type.
+type heldID struct {
+	key     aggkey.Key
+	typeURL string
+	root    ledger.Hash
+}
+
+// handOverTimeout bounds what handOver waits for: the stream's answer and
+// the store's writes of one Envoy.
+const handOverTimeout = 5 * time.Second
+
+// handOver keeps in the snapshot store (HeldVersions) what the SotW Envoy
+// of s holds of each type, before the relay moves it away: it will claim
+// those versions of the relay it reconnects to, which may not know them,
+// and by then this relay may be gone, or out of the ring its peers ask
+// (draining). Even its key's live view is handed over: the relays that
+// have it restart too in a rolling restart. What was handed over in the
+// last handOverFresh is not again, so the Envoys of a key that hold the
+// same version cost one write (and the store writes only what etcd
+// lacks: most often the record alone). A failure costs the hand-over,
+// not the move.
+func (r *Relay) handOver(ctx context.Context, s *stream) {
+	hv, ok := r.cfg.Snapshots.(HeldVersions)
+	if !ok || s.delta || s.peerRelay != nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, handOverTimeout)
+	defer cancel()
+	q := dumpReq{reply: make(chan dumpReply, 1)}
+	select {
+	case s.dumps <- q:
+	case <-s.ctx.Done():
+		return
+	case <-ctx.Done():
+		return
+	}
+	reply := <-q.reply
+	k := reply.key
+	if k == nil {
+		return
+	}
+	snap := k.views.Load()
+	for _, dt := range reply.types {
+		t, whole := treeOf(dt.entries)
+		id := heldID{k.key, dt.typeURL, t.Root()}
+		if !whole || t.Len() == 0 || !xds.Cached(dt.typeURL) || !r.handing(id) {
+			continue
+		}
+		var view ledger.Tree[*xds.Resource]
+		if ts := snap.types[dt.typeURL]; ts != nil {
+			view = ts.view
+		}
+		var bodies []*xds.Resource
+		for e := range t.All() {
+			if cur, ok := view.Get(e.Name); !ok || cur.Hash != e.Hash {
+				bodies = append(bodies, e.Value)
+			}
+		}
+		if err := hv.SaveHeld(ctx, string(k.key), xds.View{Type: dt.typeURL, Tree: t}, bodies); err != nil {
+			r.handed.Delete(id)
+			r.log.Warn("a SotW Envoy's version not handed over; the relay it moves to may not know it", "key", k.key, "type", xds.ShortType(dt.typeURL), "err", err)
+			continue
+		}
+		r.metrics.handedOver.Inc()
+	}
+}
+
+// handOverFresh is how long a version handed over is not handed over again
+// (the store keeps it for a collection interval, 10 minutes by default).
+const handOverFresh = time.Minute
+
+// handing reports whether id is to be handed over now: it was not in the
+// last handOverFresh. It notes it as handed over.
+func (r *Relay) handing(id heldID) bool {
+	now := time.Now()
+	if at, ok := r.handed.Load(id); ok && now.Sub(at.(time.Time)) < handOverFresh {
+		return false
+	}
+	r.handed.Store(id, now)
+	if r.handedN.Add(1)%1024 == 0 { // now and then, forget the stale ones
+		r.handed.Range(func(k, at any) bool {
+			if now.Sub(at.(time.Time)) >= handOverFresh {
+				r.handed.Delete(k)
+			}
+			return true
+		})
+	}
+	return true
+}
+
+// treeOf builds a tree of entries, and reports whether every entry has its
+// value.
+func treeOf(entries []ledger.Entry[*xds.Resource]) (ledger.Tree[*xds.Resource], bool) {
+	b := ledger.Tree[*xds.Resource]{}.Edit()
+	for _, e := range entries {
+		if e.Value == nil {
+			return ledger.Tree[*xds.Resource]{}, false
+		}
+		b.Set(e.Name, e.Hash, e.Value)
+	}
+	return b.Tree(), true
+}
+
 // claimRetry is how long a lookup waits before it asks again the relays
 // that did not answer it.
 const claimRetry = time.Second
 
-// lookUpVersion asks the tier what the version root of req held (askVersion)
-// until it knows: some relay proves it, or every relay of the tier says it
-// does not have it. A relay that does not answer (frozen, cut off, slow)
-// may be the one that has it, and its Envoys are the ones that moved: the
-// client's type waits, since a full-state answer given without knowing
-// what it holds may remove a cluster its routes use (make-before-break). A
-// wait past ResourceWaitTimeout is logged; it ends when the relay answers
-// or leaves the tier (addrs are asked anew each round).
-func (r *Relay) lookUpVersion(ctx context.Context, addrs []string, req *inspectpb.VersionRequest, root ledger.Hash) (ledger.Tree[*xds.Resource], bool) {
+// lookUpVersion finds out what the version root of req held: from the
+// tier (askTierVersion), then from the snapshot store (loadHeld). from
+// says which knew.
+func (r *Relay) lookUpVersion(ctx context.Context, addrs []string, req *inspectpb.VersionRequest, root ledger.Hash) (t ledger.Tree[*xds.Resource], ok bool, from string) {
+	if len(addrs) > 0 {
+		if t, ok := r.askTierVersion(ctx, addrs, req, root); ok {
+			return t, true, "tier"
+		}
+		if ctx.Err() != nil {
+			return t, false, ""
+		}
+	}
+	t, ok = r.loadHeld(ctx, req, root)
+	return t, ok, "store"
+}
+
+// askTierVersion asks the tier what the version root of req held
+// (askVersion) until it knows: some relay proves it, or every relay of the
+// tier says it does not have it. A relay that does not answer (frozen, cut
+// off, slow) may be the one that has it, and its Envoys are the ones that
+// moved: the client's type waits, since a full-state answer given without
+// knowing what it holds may remove a cluster its routes use
+// (make-before-break). A wait past ResourceWaitTimeout is logged; it ends
+// when the relay answers or leaves the tier (addrs are asked anew each
+// round).
+func (r *Relay) askTierVersion(ctx context.Context, addrs []string, req *inspectpb.VersionRequest, root ledger.Hash) (ledger.Tree[*xds.Resource], bool) {
 	start, told := time.Now(), false
 	for {
 		t, ok, definite := r.askVersion(ctx, addrs, req, root)
@@ -160,6 +289,42 @@ func (r *Relay) lookUpVersion(ctx context.Context, addrs []string, req *inspectp
 			return ledger.Tree[*xds.Resource]{}, false
 		}
 	}
+}
+
+// loadHeld reads the version root of req from the snapshot store, if a
+// relay that drained a client holding it handed it over (handOver), and
+// checks it as it checks another relay's answer (versionTree): every body
+// present and matching its hash, the tree's root root. A store that fails
+// or does not answer in LedgerGatherTimeout leaves the claim unknown.
+func (r *Relay) loadHeld(ctx context.Context, req *inspectpb.VersionRequest, root ledger.Hash) (ledger.Tree[*xds.Resource], bool) {
+	hv, ok := r.cfg.Snapshots.(HeldVersions)
+	if !ok {
+		return ledger.Tree[*xds.Resource]{}, false
+	}
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.LedgerGatherTimeout)
+	defer cancel()
+	v, found, err := hv.LoadHeld(ctx, req.GetKey(), req.GetType(), root, func(h ledger.Hash) bool { return r.store.Lookup(h) != nil })
+	if err != nil {
+		r.log.Warn("a SotW client's version: the snapshot store's hand-over not read", "key", req.GetKey(), "type", xds.ShortType(req.GetType()), "err", err)
+		return ledger.Tree[*xds.Resource]{}, false
+	}
+	if !found {
+		return ledger.Tree[*xds.Resource]{}, false
+	}
+	got := &inspectpb.VersionContent{Relay: "the snapshot store"}
+	for _, e := range v.Entries {
+		ve := &inspectpb.VersionEntry{Name: e.Name, Hash: e.Hash[:]}
+		if e.Body != nil {
+			ve.Body = &anypb.Any{TypeUrl: req.GetType(), Value: e.Body}
+		}
+		got.Entries = append(got.Entries, ve)
+	}
+	t, err := versionTree(r.store, req.GetType(), got, root)
+	if err != nil {
+		r.log.Warn("a SotW client's version: the snapshot store's hand-over is not whole", "key", req.GetKey(), "type", xds.ShortType(req.GetType()), "err", err)
+		return ledger.Tree[*xds.Resource]{}, false
+	}
+	return t, true
 }
 
 // askVersion asks the relays at addrs, all at once, what the version root

@@ -115,7 +115,13 @@ type dumpType struct {
 // dumpReq asks a stream's goroutine, which owns its state, what it sent.
 type dumpReq struct {
 	types []string // empty: all
-	reply chan []dumpType
+	reply chan dumpReply
+}
+
+// dumpReply is a stream's answer to a dumpReq: its key and what it sent.
+type dumpReply struct {
+	key   *keyState
+	types []dumpType
 }
 
 // sent lists what the stream sent its client, by type (run by the stream's
@@ -171,7 +177,7 @@ func (r *Relay) ConfigDump(ctx context.Context, req *inspectpb.ConfigDumpRequest
 			return nil, fmt.Errorf("node %q: %w", req.GetNode(), ErrNotHeld)
 		}
 		out.Key = string(k)
-		q := dumpReq{types: req.GetTypes(), reply: make(chan []dumpType, 1)}
+		q := dumpReq{types: req.GetTypes(), reply: make(chan dumpReply, 1)}
 		select {
 		case s.dumps <- q:
 		case <-s.ctx.Done():
@@ -179,7 +185,7 @@ func (r *Relay) ConfigDump(ctx context.Context, req *inspectpb.ConfigDumpRequest
 		case <-ctx.Done():
 			return nil, fmt.Errorf("node %q: its stream is busy: %w", req.GetNode(), ctx.Err())
 		}
-		types = <-q.reply
+		types = (<-q.reply).types
 	case req.GetKey() != "":
 		r.mu.Lock()
 		k := r.keys[aggkey.Key(req.GetKey())]

@@ -34,6 +34,7 @@ type metrics struct {
 	peerFallbacks      prometheus.Counter
 	silentConfirms     prometheus.Counter
 	claims             *prometheus.CounterVec
+	handedOver         prometheus.Counter
 	holds              *prometheus.CounterVec
 	peerStreams        prometheus.Gauge
 	peerClients        prometheus.Gauge
@@ -122,8 +123,11 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 			Name: "meshrelay_source_silent_confirmations_total", Help: "Source streams (a SotW upstream, a peer relay) whose silence, not an answer of every type, ended the key's staleness.",
 		}),
 		claims: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "meshrelay_sotw_claims_total", Help: "Versions SotW clients said they hold (version_info on a new stream) that the key's view does not: by where the relay learnt what they hold (history: its own key history; tier: another relay's; unknown: nowhere, so the client may lose what its routes still use).",
+			Name: "meshrelay_sotw_claims_total", Help: "Versions SotW clients said they hold (version_info on a new stream) that the key's view does not: by where the relay learnt what they hold (history: its own key history; tier: another relay's; store: handed over by a relay that drained the client, in the snapshot store; unknown: nowhere, so the client may lose what its routes still use).",
 		}, []string{"resolved"}),
+		handedOver: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "meshrelay_sotw_versions_handed_over_total", Help: "Versions SotW Envoys held that the relay kept in the snapshot store as it drained them, for the relays they reconnect to.",
+		}),
 		holds: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "meshrelay_make_before_break_overdue_total",
 			Help: "Listeners and route configurations held back from an Envoy for longer than ResourceWaitTimeout because a cluster they use is not warm there: by type, and whether the cluster is the key's (held: it is on its way, so the resource waits on, a stall to look into) or not (sent: the upstream's own config names a cluster it does not serve, and Envoy answers 503 for it, as without the relay).",
@@ -159,7 +163,7 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 	cs := []prometheus.Collector{
 		m.envoys, m.pushes, m.pushBytes, m.pushResources, m.pushACK, m.converged, m.nacks, m.streamErrors,
 		m.upstreamStreams, m.upstreamWaiting, m.upstreamReconnects, m.restoredKeys, m.upstreamNACKs, m.passthrough, m.passthroughStreams,
-		m.refused, m.shed, m.peerFallbacks, m.silentConfirms, m.claims, m.holds, m.peerStreams, m.peerClients, m.authFailures,
+		m.refused, m.shed, m.peerFallbacks, m.silentConfirms, m.claims, m.handedOver, m.holds, m.peerStreams, m.peerClients, m.authFailures,
 		m.divergenceChecks, m.divergences, m.divergenceOpen, m.splitMerges, keys,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_cache_resources", Help: "Distinct resources held, shared by every key.",

@@ -32,6 +32,23 @@ type Snapshots interface {
 	Load(ctx context.Context) ([]xds.SavedKey, error)
 }
 
+// HeldVersions is implemented by Snapshots that also keep, for a while,
+// the versions a draining relay's SotW clients hold (snapshot.Store does).
+// A SotW client says of each type only the version it holds: once every
+// relay that knew that version is gone (a rolling restart ends with none
+// of the relays that served it), the relay it reconnects to finds it here,
+// and holds back the removal of what its routes still use, as it does for
+// a version the tier knows (claims.go).
+type HeldVersions interface {
+	// SaveHeld keeps v, a version a SotW client of key holds (every value
+	// set), and the bodies of bodies (those the key's view does not hold).
+	SaveHeld(ctx context.Context, key string, v xds.View, bodies []*xds.Resource) error
+	// LoadHeld returns the version root of typeURL that SaveHeld kept for
+	// key, if any, with the bodies of the entries has reports the caller
+	// lacks. The caller checks it against root.
+	LoadHeld(ctx context.Context, key, typeURL string, root ledger.Hash, has func(ledger.Hash) bool) (xds.HeldVersion, bool, error)
+}
+
 // snapshotLoadTimeout bounds the warm start's read of the store: past it the
 // relay starts cold.
 const snapshotLoadTimeout = 30 * time.Second

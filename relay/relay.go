@@ -154,6 +154,8 @@ type Relay struct {
 	ownersTerm atomic.Uint64 // counts changes of owners (Snapshots.Save's term)
 	restored   atomic.Int64  // keys restored from snapshots at start
 	draining   atomic.Bool   // set by MarkNotReady: new streams are refused
+	handed     sync.Map      // heldID → time.Time: versions handed over (handOver)
+	handedN    atomic.Uint64 // counts handing's notes, to prune handed now and then
 	admission  *rate.Limiter // nil: no limit
 	authLogs   *rate.Limiter // bounds authentication warnings
 	failures   *failureGate  // bounds verifications of failing sources

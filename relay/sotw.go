@@ -197,7 +197,7 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 		case <-s.wake:
 			s.dirty = true
 		case q := <-s.dumps:
-			q.reply <- s.sent(q.types)
+			q.reply <- dumpReply{key: s.key, types: s.sent(q.types)}
 		case m := <-s.passOut():
 			if err := s.forward(m); err != nil {
 				return err

@@ -245,7 +245,12 @@ func (r *Relay) streams() (envoys, peers []*stream) {
 // (MaxConnectionAge), so the relay closes the one connection; an xDS client
 // treats both alike: the stream fails with UNAVAILABLE, it reconnects with
 // backoff, and keeps its config meanwhile.
+//
+// A SotW Envoy says, wherever it lands, only the versions it holds: they
+// are handed over first (handOver), since the relay it lands on may not
+// know them, and this one may be gone or out of the ring by then.
 func (r *Relay) moveAway(s *stream, why string) bool {
+	r.handOver(r.ctx, s)
 	c := r.tracker.take(s.peer)
 	if c == nil {
 		return false

@@ -19,10 +19,12 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/peers"
+	"github.com/meshrelay/meshrelay/relay/snapshot"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -628,6 +630,16 @@ func TestSotWClaimResolvedByTier(t *testing.T) {
 	owners := newFakeOwners(owner.Addr().String(), false)
 	other := startRelay(t, up, func(c *Config) { c.ID = "other"; c.Owners = owners; c.Peers = owners; c.PeerSecret = secret })
 	moved := newRawClient(t, dial(t, other.Addr().String()), false, node("ns0", "app", 1))
+	claimHeld(moved, held)
+	routeBeforeRemoval(t, moved)
+	if testutil.ToFloat64(other.metrics.claims.WithLabelValues("tier")) == 0 {
+		t.Error("no claim resolved by the tier")
+	}
+}
+
+// claimHeld has a SotW client ask for every type claiming the versions of
+// held (c0, c1, c2 and r80 of seed's three clusters).
+func claimHeld(c *rawClient, held map[string]proto.Message) {
 	for _, typeURL := range []string{xds.TypeCluster, xds.TypeEndpoint, xds.TypeListener, xds.TypeRoute} {
 		req := &discovery.DiscoveryRequest{TypeUrl: typeURL, VersionInfo: versionOf(held[typeURL])}
 		switch typeURL {
@@ -636,13 +648,19 @@ func TestSotWClaimResolvedByTier(t *testing.T) {
 		case xds.TypeRoute:
 			req.ResourceNames = []string{"r80"}
 		}
-		moved.subs[typeURL] = req.ResourceNames
-		moved.send(req)
+		c.subs[typeURL] = req.ResourceNames
+		c.send(req)
 	}
+}
+
+// routeBeforeRemoval reads c's responses until c2 is removed, and fails if
+// that came before the route that no longer uses it.
+func routeBeforeRemoval(t *testing.T, c *rawClient) {
+	t.Helper()
 	routeUpdated := false
 	for {
-		m := moved.recv()
-		moved.ack(m)
+		m := c.recv()
+		c.ack(m)
 		switch typeOf(m) {
 		case xds.TypeRoute:
 			routeUpdated = true
@@ -653,11 +671,65 @@ func TestSotWClaimResolvedByTier(t *testing.T) {
 			if !routeUpdated {
 				t.Fatalf("CDS %v removed c2 while the client's route r80 still used it", names(m))
 			}
-			if testutil.ToFloat64(other.metrics.claims.WithLabelValues("tier")) == 0 {
-				t.Error("no claim resolved by the tier")
-			}
 			return
 		}
+	}
+}
+
+// TestSotWClaimKnownAfterItsRelayIsGone: a SotW Envoy is drained from the
+// only relay that served its version, which then stops (a rolling
+// restart: no relay left knows the version), and reconnects to a relay
+// new to its key after the upstream removed c2 from both the route and the
+// clusters. The draining relay handed what the Envoy holds over to the
+// snapshot store (real etcd); the new relay reads it there and removes c2
+// only after the route that no longer uses it. Found by the simulation:
+// SotW Envoys lost clusters their routes used after a rolling restart.
+func TestSotWClaimKnownAfterItsRelayIsGone(t *testing.T) {
+	etcd, err := snapshot.StartEmbedded(t.Context(), snapshot.EmbeddedConfig{Dir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(etcd.Close)
+	store := func(member string) *snapshot.Store {
+		cfg := snapshot.DefaultConfig()
+		cfg.Endpoints, cfg.Member, cfg.FlushInterval = etcd.Endpoints(), member, 10*time.Millisecond
+		s, err := snapshot.New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Start(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Stop(context.Background()) })
+		return s
+	}
+	up := newTestUpstream(t, "ns0")
+	seed(up, "ns0", 3) // r80 uses c0, c1, c2
+	// The relay the Envoy moves to starts first: it restores nothing of
+	// the key, and never sees the version the Envoy holds.
+	next := startRelay(t, up, func(c *Config) { c.ID = "next"; c.Snapshots = store("next") })
+	<-next.loaded
+	first := startRelay(t, up, func(c *Config) { c.ID = "first"; c.Snapshots = store("first") })
+	c := newRawClient(t, dial(t, first.Addr().String()), false, node("ns0", "app", 0))
+	held := syncAll(c)
+	first.DrainStreams(t.Context(), 0)
+	if got := testutil.ToFloat64(first.metrics.handedOver); got < 4 {
+		t.Fatalf("%v versions handed over, want the four types the Envoy holds", got)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if err := first.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	c.close()
+
+	up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1"))
+	up.del("ns0", xds.TypeCluster, "c2")
+	moved := newRawClient(t, dial(t, next.Addr().String()), false, node("ns0", "app", 0))
+	claimHeld(moved, held)
+	routeBeforeRemoval(t, moved)
+	if testutil.ToFloat64(next.metrics.claims.WithLabelValues("store")) == 0 {
+		t.Error("no claim resolved from the snapshot store")
 	}
 }
 

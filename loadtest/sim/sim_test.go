@@ -75,7 +75,6 @@ func TestSim(t *testing.T) {
 		return
 	}
 	n := *flagSeeds
-	short := n == 0
 	if n == 0 {
 		if testing.Short() {
 			n = defaultSeeds() / 4
@@ -91,7 +90,7 @@ func TestSim(t *testing.T) {
 	start := time.Now()
 	results := runWorkers(t, workers, *flagFirst, n)
 	wall := time.Since(start)
-	var failed, known []seedLine
+	var failed []seedLine
 	var sim time.Duration
 	var cpu float64
 	for _, r := range results {
@@ -99,15 +98,9 @@ func TestSim(t *testing.T) {
 		cpu += r.Wall.Seconds()
 		switch {
 		case len(r.Violations) == 0 && r.Err == "":
-		case short && r.Err == "" && strings.Contains(r.Plan, "sotw Envoys") && !slices.ContainsFunc(r.Violations, func(v string) bool { return !knownDefect(v) }):
-			known = append(known, r)
 		default:
 			failed = append(failed, r)
 		}
-	}
-	for _, r := range known {
-		t.Logf("seed %d: KNOWN DEFECT, not failed in the short form (issue 28; a longer run, -sim.seeds, fails it): %s\n  %s",
-			r.Seed, r.Plan, strings.Join(firstN(r.Violations, 3), "\n  "))
 	}
 	t.Logf("%d seeds (%d…%d) in %v on %d workers: %.0f seeds a minute, %.2f s a seed, %v simulated; %d failed",
 		len(results), *flagFirst, *flagFirst+uint64(n)-1, wall.Round(time.Second), workers,
@@ -132,20 +125,6 @@ func TestSim(t *testing.T) {
 	if *flagReplays > 0 {
 		fidelity(t, results)
 	}
-}
-
-// knownDefect reports whether v is the one violation the relay is known to
-// commit and issue 28 still tracks: a SotW Envoy that reconnects claiming
-// a CDS version no live relay of the tier knows (the relays that sent it
-// were killed or restarted, and their histories went with them) is sent
-// a full-state CDS answer that removes a cluster its routes still use,
-// until its routes are updated a moment later. The short form quarantines
-// it so that the README's test command tests everything else; every
-// longer run fails on it, and so will the short form once warm-started
-// relays restore their keys' recent histories from etcd.
-func knownDefect(v string) bool {
-	return strings.Contains(v, "ordering violation on type.googleapis.com/envoy.config.cluster.v3.Cluster") &&
-		strings.Contains(v, "removed while route configuration")
 }
 
 func firstN(s []string, n int) []string {

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -24,7 +25,15 @@ type Store struct {
 	mu   sync.Mutex
 	rev  int64
 	keys map[string]*storedKey
+	held map[heldKey]xds.HeldVersion
 	down bool
+}
+
+// heldKey names a held version (relay.HeldVersions): a key's version of a
+// type.
+type heldKey struct {
+	key, typeURL string
+	root         ledger.Hash
 }
 
 type storedKey struct {
@@ -37,7 +46,9 @@ type storedKey struct {
 var ErrStoreDown = errors.New("sim: snapshot store is down")
 
 // NewStore returns an empty store.
-func NewStore() *Store { return &Store{keys: map[string]*storedKey{}} }
+func NewStore() *Store {
+	return &Store{keys: map[string]*storedKey{}, held: map[heldKey]xds.HeldVersion{}}
+}
 
 // SetDown takes the store down (every read and write fails) or brings it
 // back, as an etcd outage would.
@@ -125,7 +136,10 @@ type StoreClient struct {
 	done   chan struct{}
 }
 
-var _ relay.Snapshots = (*StoreClient)(nil)
+var (
+	_ relay.Snapshots    = (*StoreClient)(nil)
+	_ relay.HeldVersions = (*StoreClient)(nil)
+)
 
 type storeJob struct {
 	term  uint64
@@ -157,6 +171,34 @@ func (c *StoreClient) Save(key string, term uint64, views []xds.View) {
 
 // Load implements relay.Snapshots.
 func (c *StoreClient) Load(context.Context) ([]xds.SavedKey, error) { return c.s.load() }
+
+// SaveHeld implements relay.HeldVersions. It keeps every body (etcd keeps
+// the bodies a relay did not hand over as long as a key's snapshot refers
+// to them; here, for the seed's life).
+func (c *StoreClient) SaveHeld(_ context.Context, key string, v xds.View, _ []*xds.Resource) error {
+	hv := xds.HeldVersion{Type: v.Type, Root: v.Tree.Root()}
+	for e := range v.Tree.All() {
+		hv.Entries = append(hv.Entries, xds.HeldEntry{Name: e.Name, Hash: e.Hash, Body: e.Value.Body.GetValue()})
+	}
+	c.s.mu.Lock()
+	defer c.s.mu.Unlock()
+	if c.s.down {
+		return ErrStoreDown
+	}
+	c.s.held[heldKey{key, v.Type, hv.Root}] = hv
+	return nil
+}
+
+// LoadHeld implements relay.HeldVersions.
+func (c *StoreClient) LoadHeld(_ context.Context, key, typeURL string, root ledger.Hash, _ func(ledger.Hash) bool) (xds.HeldVersion, bool, error) {
+	c.s.mu.Lock()
+	defer c.s.mu.Unlock()
+	if c.s.down {
+		return xds.HeldVersion{}, false, ErrStoreDown
+	}
+	hv, ok := c.s.held[heldKey{key, typeURL, root}]
+	return hv, ok, nil
+}
 
 // Start starts the writer.
 func (c *StoreClient) Start() {
