@@ -207,7 +207,7 @@ func (s *Store) readResource(ctx context.Context, h ledger.Hash) ([]byte, error)
 	if err != nil {
 		return nil, nil // damaged: as if lost
 	}
-	b := rr.Body
+	var parts map[int][]byte
 	if rr.Flags&flagParts != 0 {
 		rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
 		resp, err := s.cli.Get(rctx, s.resKey(h)+"/", clientv3.WithPrefix())
@@ -215,31 +215,14 @@ func (s *Store) readResource(ctx context.Context, h ledger.Hash) ([]byte, error)
 		if err != nil {
 			return nil, fmt.Errorf("snapshot: read parts of %s: %w", h, err)
 		}
-		parts := make(map[int][]byte, rr.Parts)
+		parts = make(map[int][]byte, rr.Parts)
 		for _, kv := range resp.Kvs {
 			_, idx, _ := strings.Cut(strings.TrimPrefix(string(kv.Key), s.resKey(h)), "/")
 			if n, err := strconv.Atoi(idx); err == nil && n >= 0 && n < rr.Parts {
 				parts[n] = kv.Value
 			}
 		}
-		b = make([]byte, 0, rr.Total)
-		for i := range rr.Parts {
-			b = append(b, parts[i]...)
-		}
-		if len(b) != rr.Total {
-			return nil, nil
-		}
 	}
-	switch {
-	case rr.Flags&flagSealed != 0:
-		if s.sealer == nil {
-			return nil, nil
-		}
-		if b, err = s.sealer.open(b, h); err != nil {
-			return nil, nil
-		}
-	case rr.Type == secretType:
-		return nil, nil // never trust a Secret stored in clear
-	}
+	b, _ := s.bodyOf(h, rr, parts)
 	return b, nil
 }

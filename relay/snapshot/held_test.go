@@ -23,7 +23,7 @@ func TestHeldVersionRoundTrip(t *testing.T) {
 	kept := res(typeCluster, "c0", []byte("in the key's snapshot"))
 	writer.Save("k", 1, []xds.View{viewOf(typeCluster, true, kept)})
 	waitWritten(t, writer)
-	gone := res(typeCluster, "c2", []byte("removed since: only the hand-over has it"))
+	gone := res(typeCluster, "c2", randomBytes(partSize+100)) // removed since: only the hand-over has it, in parts
 	local := res(typeCluster, "c1", []byte("the reader holds it"))
 	v := viewOf(typeCluster, true, kept, local, gone)
 	if err := writer.SaveHeld(ctx, "k", v, []*xds.Resource{gone}); err != nil {

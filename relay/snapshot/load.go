@@ -423,33 +423,43 @@ func (s *Store) readResources(ctx context.Context, rev int64) (map[ledger.Hash]b
 			return nil, p.err
 		}
 		for h, rr := range p.records {
-			b := rr.Body
-			if rr.Flags&flagParts != 0 {
-				b = make([]byte, 0, rr.Total)
-				for i := range rr.Parts {
-					b = append(b, p.parts[h][i]...)
-				}
-				if len(b) != rr.Total {
-					continue
-				}
+			if b, ok := s.bodyOf(h, rr, p.parts[h]); ok {
+				out[h] = body{typ: rr.Type, body: b}
 			}
-			if rr.Flags&flagSealed != 0 {
-				if s.sealer == nil {
-					continue
-				}
-				var err error
-				if b, err = s.sealer.open(b, h); err != nil {
-					s.log.Warn("sealed resource does not open", "hash", h.String(), "err", err)
-					continue
-				}
-			} else if rr.Type == secretType {
-				continue // never trust a Secret stored in clear
-			}
-			out[h] = body{typ: rr.Type, body: b}
 		}
 	}
 	// Only what reads back whole counts as held: anything else is written
 	// again when a key needs it (a Secret sealed under an older key, say).
 	s.addKnown(slices.Collect(maps.Keys(out))...)
 	return out, nil
+}
+
+// bodyOf returns the body of the resource record rr of hash h: joined from
+// parts if stored in parts, opened if sealed. ok is false if it does not
+// read back whole, or is a Secret stored in clear (never trusted).
+func (s *Store) bodyOf(h ledger.Hash, rr resourceRecord, parts map[int][]byte) (b []byte, ok bool) {
+	b = rr.Body
+	if rr.Flags&flagParts != 0 {
+		b = make([]byte, 0, rr.Total)
+		for i := range rr.Parts {
+			b = append(b, parts[i]...)
+		}
+		if len(b) != rr.Total {
+			return nil, false
+		}
+	}
+	switch {
+	case rr.Flags&flagSealed != 0:
+		if s.sealer == nil {
+			return nil, false
+		}
+		var err error
+		if b, err = s.sealer.open(b, h); err != nil {
+			s.log.Warn("sealed resource does not open", "hash", h.String(), "err", err)
+			return nil, false
+		}
+	case rr.Type == secretType:
+		return nil, false
+	}
+	return b, true
 }
