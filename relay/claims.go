@@ -141,9 +141,15 @@ type heldID struct {
 	root    ledger.Hash
 }
 
-// handOverTimeout bounds what handOver waits for: the stream's answer and
-// the store's writes of one Envoy.
-const handOverTimeout = 5 * time.Second
+// handOverTimeout bounds what handOver waits for: the stream's answer
+// (dumpWait) and the store's writes of one Envoy. After a failure, moves
+// do not hand over for handOverPause: a drain while etcd is down moves its
+// Envoys at the pace it planned, at the cost of the hand-over.
+const (
+	handOverTimeout = 5 * time.Second
+	dumpWait        = time.Second
+	handOverPause   = 10 * time.Second
+)
 
 // handOver keeps in the snapshot store (HeldVersions) what the SotW Envoy
 // of s holds of each type, before the relay moves it away: it will claim
@@ -160,15 +166,22 @@ func (r *Relay) handOver(ctx context.Context, s *stream) {
 	if !ok || s.delta || s.peerRelay != nil {
 		return
 	}
+	if failed := r.handOverFailed.Load(); failed != 0 && time.Since(time.Unix(0, failed)) < handOverPause {
+		return
+	}
 	ctx, cancel := context.WithTimeout(ctx, handOverTimeout)
 	defer cancel()
 	q := dumpReq{reply: make(chan dumpReply, 1)}
+	wait := time.NewTimer(dumpWait)
+	defer wait.Stop()
 	select {
 	case s.dumps <- q:
 	case <-s.ctx.Done():
 		return
 	case <-ctx.Done():
 		return
+	case <-wait.C:
+		return // the stream is busy sending: it goes without
 	}
 	reply := <-q.reply
 	k := reply.key
@@ -194,8 +207,9 @@ func (r *Relay) handOver(ctx context.Context, s *stream) {
 		}
 		if err := hv.SaveHeld(ctx, string(k.key), xds.View{Type: dt.typeURL, Tree: t}, bodies); err != nil {
 			r.handed.Delete(id)
-			r.log.Warn("a SotW Envoy's version not handed over; the relay it moves to may not know it", "key", k.key, "type", xds.ShortType(dt.typeURL), "err", err)
-			continue
+			r.handOverFailed.Store(time.Now().UnixNano())
+			r.log.Warn("a SotW Envoy's version not handed over; the relay it moves to may not know it (moves do not hand over for a while)", "key", k.key, "type", xds.ShortType(dt.typeURL), "pause", handOverPause, "err", err)
+			return
 		}
 		r.metrics.handedOver.Inc()
 	}

@@ -148,17 +148,18 @@ type Relay struct {
 	stopping chan struct{} // closed by Stop: streams end
 	wg       sync.WaitGroup
 
-	warm       chan struct{} // closed once the upstream was first reached, or snapshots loaded
-	warmOnce   sync.Once
-	loaded     chan struct{} // closed once snapshots are loaded (at once without Snapshots)
-	ownersTerm atomic.Uint64 // counts changes of owners (Snapshots.Save's term)
-	restored   atomic.Int64  // keys restored from snapshots at start
-	draining   atomic.Bool   // set by MarkNotReady: new streams are refused
-	handed     sync.Map      // heldID → time.Time: versions handed over (handOver)
-	handedN    atomic.Uint64 // counts handing's notes, to prune handed now and then
-	admission  *rate.Limiter // nil: no limit
-	authLogs   *rate.Limiter // bounds authentication warnings
-	failures   *failureGate  // bounds verifications of failing sources
+	warm           chan struct{} // closed once the upstream was first reached, or snapshots loaded
+	warmOnce       sync.Once
+	loaded         chan struct{} // closed once snapshots are loaded (at once without Snapshots)
+	ownersTerm     atomic.Uint64 // counts changes of owners (Snapshots.Save's term)
+	restored       atomic.Int64  // keys restored from snapshots at start
+	draining       atomic.Bool   // set by MarkNotReady: new streams are refused
+	handed         sync.Map      // heldID → time.Time: versions handed over (handOver)
+	handedN        atomic.Uint64 // counts handing's notes, to prune handed now and then
+	handOverFailed atomic.Int64  // UnixNano of handOver's last failure (0: none)
+	admission      *rate.Limiter // nil: no limit
+	authLogs       *rate.Limiter // bounds authentication warnings
+	failures       *failureGate  // bounds verifications of failing sources
 
 	pool *peers.Pool // relay-to-relay connections
 

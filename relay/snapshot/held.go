@@ -45,6 +45,24 @@ func (s *Store) heldTTL() time.Duration {
 	return 10 * time.Minute
 }
 
+// heldLease returns a lease for held records: the one granted last, if
+// less than half of heldTTL ago (a drain's records share one), or a new
+// one. A record lives from half to all of heldTTL.
+func (s *Store) heldLease(ctx context.Context) (clientv3.LeaseID, error) {
+	s.heldMu.Lock()
+	defer s.heldMu.Unlock()
+	ttl := s.heldTTL()
+	if !s.leaseAt.IsZero() && time.Since(s.leaseAt) < ttl/2 {
+		return s.lease, nil
+	}
+	resp, err := s.cli.Grant(ctx, max(1, int64(ttl/time.Second)))
+	if err != nil {
+		return 0, err
+	}
+	s.lease, s.leaseAt = resp.ID, time.Now()
+	return s.lease, nil
+}
+
 func (s *Store) heldKey(id keyID, typeURL string, root ledger.Hash) string {
 	t := ledger.HashBytes([]byte(typeURL))
 	return s.root + "held/" + hex.EncodeToString(id[:]) + "/" + hex.EncodeToString(t[:8]) + "/" + root.String()
@@ -95,11 +113,14 @@ func (s *Store) SaveHeld(ctx context.Context, key string, v xds.View, bodies []*
 	}
 	rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
 	defer cancel()
-	lease, err := s.cli.Grant(rctx, int64(s.heldTTL()/time.Second))
+	lease, err := s.heldLease(rctx)
 	if err != nil {
 		return fmt.Errorf("snapshot: held version of %s: lease: %w", key, err)
 	}
-	if _, err := s.cli.Put(rctx, s.heldKey(idOf(key), v.Type, ht.Root), string(hb), clientv3.WithLease(lease.ID)); err != nil {
+	if _, err := s.cli.Put(rctx, s.heldKey(idOf(key), v.Type, ht.Root), string(hb), clientv3.WithLease(lease)); err != nil {
+		s.heldMu.Lock()
+		s.leaseAt = time.Time{} // the lease may be gone: a new one next time
+		s.heldMu.Unlock()
 		return fmt.Errorf("snapshot: held version of %s: %w", key, err)
 	}
 	s.m.bytes.Add(float64(len(hb)))

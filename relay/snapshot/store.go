@@ -198,6 +198,10 @@ type Store struct {
 
 	gcPrev map[string]int64 // GC candidates of the previous pass: key → mod revision
 
+	heldMu  sync.Mutex // guards the lease of held records (held.go)
+	lease   clientv3.LeaseID
+	leaseAt time.Time
+
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 	state  int // 0 new, 1 started, 2 stopped
