@@ -1005,7 +1005,7 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 	cancel()
 	stopConnectProfile()
 	run.InitialSyncS = time.Since(start).Seconds()
-	run.UpstreamStreams = up.Stats().OpenStreams
+	run.UpstreamStreams = settledStreams(ctx, up)
 	run.UpstreamBytesSync = up.Stats().BytesSent
 	fig, figErr := fleet.Figures(ctx)
 	run.EnvoyBytesSync = fig.BytesReceived
@@ -1656,4 +1656,27 @@ func fmtBytes(b uint64) string {
 	default:
 		return fmt.Sprintf("%d B", b)
 	}
+}
+
+// settledStreams returns the upstream's open streams once they hold still
+// (the same count twice, half a second apart, within ten seconds): a relay
+// checks each node that joins a key against the key's stream (a divergence
+// check, one upstream stream for a moment), and on a loaded machine those
+// may still be open when the last Envoy synced. Streams that stay are
+// counted.
+func settledStreams(ctx context.Context, up *upstream.Upstream) int64 {
+	n := up.Stats().OpenStreams
+	for range 20 {
+		select {
+		case <-ctx.Done():
+			return n
+		case <-time.After(500 * time.Millisecond):
+		}
+		m := up.Stats().OpenStreams
+		if m == n {
+			return n
+		}
+		n = m
+	}
+	return n
 }
