@@ -133,6 +133,13 @@ type typeSub struct {
 	claimTried bool
 	// claimKnown is set once known is what the claimed version holds.
 	claimKnown bool
+	// unsettled is set while the client holds a version nobody knew (a
+	// SotW claim no relay or store could resolve) that reconnected let
+	// the view replace, until the relay has sent every difference: what
+	// it still holds of the old version may refer to anything (refers),
+	// even once the claim is cleared, since a route is sent only after
+	// the clusters it names (deferDangling).
+	unsettled bool
 	// lookup is the tier's lookup of the claimed version, while it runs
 	// (claimPending).
 	lookup *claimLookup
@@ -627,6 +634,7 @@ func (s *stream) planTypes(snap *keyViews, now time.Time) (plans, synced []*plan
 		want := len(upd) + len(gone)
 		if want == 0 {
 			sub.share(ts.view)
+			sub.unsettled = false // nothing the relay could send replaces it
 		}
 		if s.peerRelay == nil {
 			// An Envoy is never told that a name the source was asked for
@@ -937,6 +945,9 @@ func (s *stream) reconnected(sub *typeSub, ts *typeView) bool {
 			st.SentVersion, st.AckedVersion = version, version
 		})
 	}
+	if !current && !sub.claimed.IsZero() && !sub.claimKnown {
+		sub.unsettled = true
+	}
 	sub.orders, sub.claimed, sub.claimKnown, sub.declared = nil, ledger.Hash{}, false, false
 	return true
 }
@@ -1088,9 +1099,10 @@ func (s *stream) refers(typeURL string, kind xds.RefKind, name string) bool {
 	if sub == nil {
 		return false
 	}
-	if !sub.claimed.IsZero() && !sub.claimKnown {
+	if !sub.claimed.IsZero() && !sub.claimKnown || sub.unsettled {
 		// A SotW client said it holds a version of the type the relay
-		// does not know (resolveClaim): it may refer to anything.
+		// does not know (resolveClaim), and has not been sent all of
+		// the view since: it may refer to anything.
 		return true
 	}
 	if sub.known.Len() == 0 {
@@ -1145,6 +1157,7 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 			}
 		}
 		sub.known = p.ts.view
+		sub.unsettled = false
 	} else {
 		sub.known = apply()
 		sub.share(p.ts.view)
