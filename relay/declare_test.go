@@ -2,6 +2,8 @@ package relay
 
 import (
 	"context"
+	"maps"
+	"slices"
 	"testing"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -62,4 +64,72 @@ func TestRestoredDeclarationSurvivesADrop(t *testing.T) {
 	if eds != 1 {
 		t.Fatalf("%d EDS subscriptions sent, want 1", eds)
 	}
+}
+
+// A Delta Envoy moves to a relay that holds nothing of its key yet and
+// declares what it holds: c3, a cluster it got just before its stream broke
+// and that is still warming (its endpoints had not come), and the old r80.
+// Meanwhile the key's r80 moved to c3, and c2 went (its removal waits while
+// the declared route may use it, so the declared clusters stay at unknown
+// content). That the client declared c3 says it holds c3, not that c3 is
+// warm: r80 must wait for c3's endpoints (loadtest chaos seed 25 of issue
+// 28's 50: `route configuration "80" uses cluster … which is warming`, for
+// three Envoys of one key after a rolling restart).
+func TestDeclaredClusterIsNotWarmWithoutItsEndpoints(t *testing.T) {
+	up := newTestUpstream(t, "ns0")
+	seed(up, "ns0", 3) // r80 uses c0, c1, c2
+	first := startRelay(t, up, nil)
+	c := newRawClient(t, dial(t, first.Addr().String()), true, node("ns0", "app", 0))
+	got := syncAll(c)
+	up.set("ns0", xds.TypeCluster, mkCluster("c3"))
+	m := c.recvDelta(xds.TypeCluster)
+	c.ack(m)
+	clusters := versionMap(got[xds.TypeCluster].(*discovery.DeltaDiscoveryResponse))
+	maps.Copy(clusters, versionMap(m))
+	if _, ok := clusters["c3"]; !ok {
+		t.Fatalf("the client got %v, want c3", names(m))
+	}
+	c.close()
+
+	// While it moves: r80 uses c3 and no longer c2, which goes; c3's
+	// endpoints are not there yet.
+	up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1", "c3"))
+	up.del("ns0", xds.TypeCluster, "c2")
+
+	second := startRelay(t, up, func(c *Config) { c.ID = "relay-second" })
+	moved := newRawClient(t, dial(t, second.Addr().String()), true, node("ns0", "app", 0))
+	moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, ResourceNamesSubscribe: []string{"*"}, InitialResourceVersions: clusters})
+	moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNamesSubscribe: []string{"c0", "c1", "c2", "c3"},
+		InitialResourceVersions: versionMap(got[xds.TypeEndpoint].(*discovery.DeltaDiscoveryResponse))})
+	moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeListener, ResourceNamesSubscribe: []string{"*"},
+		InitialResourceVersions: versionMap(got[xds.TypeListener].(*discovery.DeltaDiscoveryResponse))})
+	moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeRoute, ResourceNamesSubscribe: []string{"r80"},
+		InitialResourceVersions: versionMap(got[xds.TypeRoute].(*discovery.DeltaDiscoveryResponse))})
+	// Whatever comes first (the wildcard answers, EDS of the clusters
+	// the key has), never r80 before c3's endpoints.
+	waitFor(t, "the second relay's view to have the new r80", func() bool {
+		second.mu.Lock()
+		defer second.mu.Unlock()
+		for _, k := range second.keys {
+			if rds := k.views.Load().types[xds.TypeRoute]; rds != nil {
+				r80, _ := rds.view.Get("r80")
+				return r80.Value != nil && slices.Contains(routeClusters(t, r80.Value), "c3")
+			}
+		}
+		return false
+	})
+	moved.quiet(xds.TypeCluster, xds.TypeEndpoint, xds.TypeListener) // and no RDS
+	up.set("ns0", xds.TypeEndpoint, mkCLA("c3", 8080))
+	for {
+		m := moved.recv()
+		moved.ack(m)
+		if typeOf(m) == xds.TypeRoute {
+			t.Fatalf("r80 %v came before c3's endpoints: c3 is warming at the client", names(m))
+		}
+		if typeOf(m) == xds.TypeEndpoint && slices.Contains(names(m), "c3") {
+			break
+		}
+	}
+	m = moved.recvDelta(xds.TypeRoute)
+	wantNames(t, m, "r80")
 }

@@ -784,20 +784,39 @@ func (s *stream) heldBy(typeURL, name string) bool {
 // warming until its assignment arrives, and a route to a warming cluster
 // fails (no_cluster, 503); an updated cluster is replaced only once warm,
 // so one held before (its assignment held, at any content) is usable. A
-// cluster the client declared on reconnect is usable as it was. Another
+// cluster the client declared on reconnect is usable once its assignment
+// is held too: Envoy declares a warming cluster as well. Another
 // relay is no Envoy: it holds its own Envoys' routes until they can use
 // them, and gets everything else at once, so that its views keep up with
 // this one's.
 func (s *stream) clusterUsable(cds *typeSub, c string) bool {
-	e, held := cds.known.Get(c)
-	if !held {
+	e, ok := cds.known.Get(c)
+	if !ok {
 		return false
 	}
-	if e.Value == nil || s.peerRelay != nil {
+	if s.peerRelay != nil {
 		return true
 	}
+	held := e.Value
+	if held == nil {
+		// Declared at content the relay had not seen then: a client
+		// declares a cluster it holds, warm or not, so its endpoints are
+		// checked all the same, by the content if the relay has it now,
+		// else by the key's cluster of that name (its endpoints' name
+		// rarely changes). A cluster nobody here knows is taken as it
+		// was: a route to it is dangling whatever the relay does.
+		if held = s.r.store.Lookup(e.Hash); held == nil && s.key != nil {
+			if ts := s.key.views.Load().types[xds.TypeCluster]; ts != nil {
+				v, _ := ts.view.Get(c)
+				held = v.Value
+			}
+		}
+		if held == nil {
+			return true
+		}
+	}
 	eds := s.subs[xds.TypeEndpoint]
-	for _, n := range e.Value.Refs(xds.RefEndpoints) {
+	for _, n := range held.Refs(xds.RefEndpoints) {
 		if eds == nil {
 			return false
 		}
