@@ -417,7 +417,7 @@ func TestConformance(t *testing.T) {
 				if len(removedOf(m)) == 0 && len(names(m)) == 0 {
 					// "You are current", with the removal held until the
 					// client had a chance to declare the routes that may
-					// still use c2 (declareGrace); it never did.
+					// still use c2 (awaitingDeclarations); it never did.
 					c2.ack(m)
 					m = c2.recv()
 				}
@@ -429,9 +429,9 @@ func TestConformance(t *testing.T) {
 				c2.send(&discovery.DiscoveryRequest{TypeUrl: xds.TypeCluster, VersionInfo: s.GetVersionInfo()})
 				m := c2.recv()
 				if slices.Contains(names(m), "c2") {
-					// c2 still held: the client had a second to declare
-					// the routes that may use it (declareGrace); it never
-					// did.
+					// c2 still held until the client answered without
+					// declaring the routes that may use it
+					// (awaitingDeclarations).
 					c2.ack(m)
 					m = c2.recv()
 				}

@@ -63,10 +63,14 @@ type stream struct {
 
 	nonce uint64
 	subs  map[string]*typeSub
-	// opened is when the stream started; graceArmed is set once a wake-up
-	// is scheduled for the end of declareGrace.
-	opened     time.Time
-	graceArmed bool
+	// opened is when the stream started.
+	opened time.Time
+	// answered is set once the client answered (ACK or NACK) a response
+	// on the stream: every request it sent when the stream opened has
+	// come (awaitingDeclarations). probe is the type answered as it is,
+	// to get such an answer, when nothing else was sent (undeclared).
+	answered bool
+	probe    string
 	// dangling holds, by "type|name", the listeners and route
 	// configurations held back for a cluster the client cannot use yet
 	// (deferDangling); danglingTimer wakes the stream when the earliest
@@ -400,6 +404,10 @@ func (s *stream) resubscribe(sub *typeSub, wildcard bool, names xds.NameSet, res
 // version; latest tells whether that is the latest response of its type.
 func (s *stream) ack(sub *typeSub, sent sentResponse, errorDetail string, latest bool) {
 	now := time.Now()
+	if !s.answered {
+		s.answered = true
+		s.dirty = true // removals that waited for declarations may go
+	}
 	rejecting := s.noteRejected(sub, sent, errorDetail != "")
 	s.led.Answered(sub.typeURL, ledger.Answer{Version: sent.version, Detail: errorDetail, Latest: latest, Rejecting: rejecting, At: now})
 	tm := s.r.metrics.forType(sub.typeURL)
@@ -547,6 +555,9 @@ func (s *stream) sync() error {
 		return err
 	}
 	if err := s.sendRemovals(plans); err != nil {
+		return err
+	}
+	if err := s.sendProbe(plans); err != nil {
 		return err
 	}
 	for _, ps := range [2][]*plan{synced, plans} {
@@ -699,6 +710,22 @@ func (s *stream) sendRemovals(plans []*plan) error {
 					return err
 				}
 			}
+		}
+	}
+	return nil
+}
+
+// sendProbe answers the probe type as the client holds it, if the relay
+// still has sent the client nothing (undeclared): an empty Delta response,
+// or SotW's state unchanged, which the client answers like any other.
+func (s *stream) sendProbe(plans []*plan) error {
+	typeURL := s.probe
+	if typeURL == "" || s.nonce != 0 {
+		return nil
+	}
+	for _, p := range plans {
+		if p.sub.typeURL == typeURL {
+			return s.emit(p, nil, nil)
 		}
 	}
 	return nil
@@ -1075,40 +1102,39 @@ func (s *stream) deferred(typeURL, name string) bool {
 	return ok
 }
 
-// declareGrace is how long a stream's removals wait for the client to
-// declare what it holds of the types that may refer to them. A client that
-// reconnects (to another relay, after a move or a crash) declares its state
-// type by type, CDS first (Delta initial_resource_versions, SotW
-// version_info): without the wait, a cluster removed while it was away
-// would go out before the relay learns that a route it holds still uses it.
-// Envoy sends every type's first request at once, so the wait is short, and
-// it ends early once they arrive.
-const declareGrace = time.Second
-
 // awaitingDeclarations reports whether removals of typeURL wait for the
-// client to declare a referring type: within declareGrace of a stream's
-// start, a type that refers to typeURL and that clients declare
-// (xds.TypeRef.Declared) was not requested yet.
-func (s *stream) awaitingDeclarations(typeURL string) (bool, time.Duration) {
-	left := declareGrace - time.Since(s.opened)
-	if left <= 0 {
-		return false, 0
+// client to declare a referring type: a type that refers to typeURL and
+// that clients declare (xds.TypeRef.Declared) was not requested yet, and
+// the client has not answered a response on this stream. A client that
+// reconnects (to another relay, after a move or a crash) declares its
+// state type by type, CDS first (Delta initial_resource_versions, SotW
+// version_info): without the wait, a cluster removed while it was away
+// would go out before the relay learns that a route it holds still uses
+// it. Envoy sends every type's first request when the stream opens,
+// before it reads a response, and requests arrive in order: once it has
+// answered one, every declaration it will make has come. The wait is on
+// that order, not on a clock (a lossy link delayed a route's declaration
+// by more than the second the relay once waited, and a cluster went out
+// under it: loadtest chaos seed 3 of issue 28's 50).
+func (s *stream) awaitingDeclarations(typeURL string) bool {
+	if s.answered {
+		return false
 	}
 	for _, e := range xds.RefsTo(typeURL) {
 		if e.Declared && s.subs[e.From] == nil {
-			return true, left
+			return true
 		}
 	}
-	return false, 0
+	return false
 }
 
-// undeclared is awaitingDeclarations, and wakes the stream at the end of the
-// grace to send the removals it held.
+// undeclared is awaitingDeclarations. If the relay has sent the client
+// nothing yet, no answer is coming: the type is answered as the client
+// holds it (sync's probe), and the answer to that ends the wait.
 func (s *stream) undeclared(typeURL string) bool {
-	wait, left := s.awaitingDeclarations(typeURL)
-	if wait && !s.graceArmed {
-		s.graceArmed = true
-		time.AfterFunc(left, func() { wake(s.wake) })
+	wait := s.awaitingDeclarations(typeURL)
+	if wait && s.nonce == 0 && s.probe == "" {
+		s.probe = typeURL
 	}
 	return wait
 }

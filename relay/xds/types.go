@@ -46,7 +46,8 @@ type TypeRef struct {
 	Fetched bool
 	// Declared: a client that holds resources of To is expected to
 	// subscribe to From when its stream starts (Envoy's first requests),
-	// so removals of To wait a moment for it (the relay's declareGrace). Scoped
+	// so removals of To wait for it until the client has answered a
+	// response (the relay's awaitingDeclarations). Scoped
 	// routes are optional: most clients never ask for them.
 	Declared bool
 }
