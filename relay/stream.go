@@ -725,6 +725,7 @@ func (s *stream) sendProbe(plans []*plan) error {
 	}
 	for _, p := range plans {
 		if p.sub.typeURL == typeURL {
+			p.sub.awaitFirst = true // answered even if nothing changed (SotW EDS, RDS)
 			return s.emit(p, nil, nil)
 		}
 	}
