@@ -4,14 +4,17 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/meshrelay/meshrelay/relay/xds"
@@ -144,10 +147,10 @@ func TestMissingNames(t *testing.T) {
 
 // TestRouteToMissingClusterReleased: a route naming a cluster the upstream
 // does not serve (istiod routes to a host it does not know) is held back
-// (make-before-break) only for ResourceWaitTimeout, since the upstream may
-// send types out of order: then it is sent (Envoy answers 503 for that
-// cluster, as without the relay), woken by the stream's own timer, since
-// nothing else happens on the stream.
+// (make-before-break) until the upstream is proven not to serve it: past
+// ResourceWaitTimeout the key's stream is renewed, and the new stream's
+// clusters still lack it. Then it is sent (Envoy answers 503 for that
+// cluster, as without the relay).
 func TestRouteToMissingClusterReleased(t *testing.T) {
 	for _, delta := range []bool{false, true} {
 		t.Run(protocolName(delta), func(t *testing.T) {
@@ -162,6 +165,150 @@ func TestRouteToMissingClusterReleased(t *testing.T) {
 			wantNames(t, m, "r80")
 			if got := testutil.ToFloat64(e.r.metrics.holds.WithLabelValues("rds", "sent")); got != 1 {
 				t.Errorf("dangling routes sent counted %v, want 1", got)
+			}
+			if _, opened := e.up.streams(); opened < 2 {
+				t.Errorf("upstream streams opened = %d, want a renewal: the proof that ghost is not served", opened)
+			}
+		})
+	}
+}
+
+// cdsGate holds back every CDS response of an upstream while closed, as a
+// slow, lossy link does a large response: what the upstream sent after it
+// on the stream waits behind it, what it sent before has come.
+type cdsGate struct {
+	mu     sync.Mutex
+	closed chan struct{} // nil while open; closed to open the gate
+}
+
+func (g *cdsGate) close() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.closed = make(chan struct{})
+}
+
+func (g *cdsGate) open() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed != nil {
+		close(g.closed)
+		g.closed = nil
+	}
+}
+
+func (g *cdsGate) interceptor() grpc.ServerOption {
+	return grpc.StreamInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+		return handler(srv, gatedStream{ss, g})
+	})
+}
+
+type gatedStream struct {
+	grpc.ServerStream
+	g *cdsGate
+}
+
+func (s gatedStream) SendMsg(m any) error {
+	if r, ok := m.(interface{ GetTypeUrl() string }); ok && r.GetTypeUrl() == xds.TypeCluster {
+		s.g.mu.Lock()
+		closed := s.g.closed
+		s.g.mu.Unlock()
+		if closed != nil {
+			select {
+			case <-closed:
+			case <-s.Context().Done():
+				return s.Context().Err()
+			}
+		}
+	}
+	return s.ServerStream.SendMsg(m)
+}
+
+// TestRouteWaitsForClustersOnASlowStream: the upstream sends a route
+// naming a new cluster c3, then c3 (and its endpoints); the relay gets the
+// route, and c3 is held up on the way far past ResourceWaitTimeout, on the
+// key's stream and on the one the relay renews it with. The route waits
+// for c3 and its endpoints however long that takes: before, the wait's
+// end sent it, as if the upstream did not serve c3 (loadtest chaos seed 31
+// of issue 28's 50: `route configuration "80" uses cluster … which is not
+// held`, from a relay whose link was slowed to 528 kbit/s).
+func TestRouteWaitsForClustersOnASlowStream(t *testing.T) {
+	for _, delta := range []bool{false, true} {
+		t.Run(protocolName(delta), func(t *testing.T) {
+			gate := &cdsGate{}
+			up := newTestUpstreamWith(t, []grpc.ServerOption{gate.interceptor()}, "ns1")
+			seed(up, "ns1", 3) // r80 uses c0, c1, c2
+			r := startRelay(t, up, func(c *Config) { c.ResourceWaitTimeout = 200 * time.Millisecond })
+			t.Cleanup(gate.open) // before the upstream stops
+			c := newRawClient(t, dial(t, r.Addr().String()), delta, node("ns1", "app", 0))
+			syncAll(c)
+
+			gate.close()
+			up.set("ns1", xds.TypeRoute, mkRoute("r80", "c0", "c1", "c2", "c3"))
+			waitFor(t, "the relay's view to have the new r80", func() bool {
+				r.mu.Lock()
+				defer r.mu.Unlock()
+				for _, k := range r.keys {
+					if rds := k.views.Load().types[xds.TypeRoute]; rds != nil {
+						r80, _ := rds.view.Get("r80")
+						return r80.Value != nil && slices.Contains(routeClusters(t, r80.Value), "c3")
+					}
+				}
+				return false
+			})
+			up.set("ns1", xds.TypeCluster, mkCluster("c3"))
+			up.set("ns1", xds.TypeEndpoint, mkCLA("c3", 8080))
+			held, sent := r.metrics.holds.WithLabelValues("rds", "held"), r.metrics.holds.WithLabelValues("rds", "sent")
+			waitFor(t, "the route's wait to end with c3 still on its way", func() bool {
+				if testutil.ToFloat64(sent) > 0 {
+					t.Fatal("r80 sent when its wait ended, c3 still on its way")
+				}
+				return testutil.ToFloat64(held) >= 1
+			})
+			waitFor(t, "the key's stream renewed: the proof asked for", func() bool {
+				_, opened := up.streams()
+				return opened >= 2
+			})
+			// No route so far. (A barrier cannot tell: the renewed
+			// stream's first answers wait behind its CDS, at the gate.)
+			var early []proto.Message
+			for len(c.msgs) > 0 {
+				m := <-c.msgs
+				if typeOf(m) == xds.TypeRoute {
+					t.Fatalf("r80 %v sent while c3 was on its way", names(m))
+				}
+				early = append(early, m)
+			}
+
+			gate.open()
+			gotCLA := false
+			for {
+				var m proto.Message
+				if len(early) > 0 {
+					m, early = early[0], early[1:]
+				} else {
+					m = c.recv()
+				}
+				c.ack(m)
+				switch typeOf(m) {
+				case xds.TypeCluster:
+					if slices.Contains(names(m), "c3") {
+						if delta {
+							c.subscribe(xds.TypeEndpoint, "c3")
+						} else {
+							c.subscribe(xds.TypeEndpoint, "c0", "c1", "c2", "c3")
+						}
+					}
+				case xds.TypeEndpoint:
+					gotCLA = gotCLA || slices.Contains(names(m), "c3")
+				case xds.TypeRoute:
+					if !gotCLA {
+						t.Fatalf("r80 came before c3's endpoints")
+					}
+					if got := testutil.ToFloat64(r.metrics.holds.WithLabelValues("rds", "sent")); got != 0 {
+						t.Errorf("dangling routes sent counted %v, want 0", got)
+					}
+					return
+				}
 			}
 		})
 	}

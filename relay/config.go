@@ -183,7 +183,10 @@ type Config struct {
 	// stay missing before the relay treats it as gone: a Delta client that
 	// holds it (declared on reconnect, say) is then told it was removed.
 	// Until then it is pending, never reported missing. (Envoy's own
-	// initial fetch timeout is 15 s.) Default 15s.
+	// initial fetch timeout is 15 s.) A listener or route held back for a
+	// cluster longer than this is reported overdue, and if the key's view
+	// lacks the cluster its source is asked for a new stream, which
+	// proves whether it serves it (deferDangling). Default 15s.
 	ResourceWaitTimeout time.Duration
 	// KeepDroppedBytes is how many bytes of the resources the views dropped
 	// most recently (removed or replaced) the relay keeps, so that a SotW

@@ -858,7 +858,11 @@ func (s *stream) clusterUsable(cds *typeSub, c string) bool {
 // hold is a listener or route configuration held back by deferDangling.
 type hold struct {
 	since time.Time
-	told  bool // its wait ended and the relay said so
+	// at is the relay's clock when the hold began: after the resource
+	// came. A view of the key's clusters from an upstream stream opened
+	// later is the source's word on what it serves (absentProven).
+	at   ledger.Stamp
+	told bool // its wait ended and the relay said so
 }
 
 // deferDangling holds back, from a plan of listeners or route
@@ -867,17 +871,22 @@ type hold struct {
 // sync went out first (CDS precedes EDS, LDS and RDS), and the endpoints
 // of a new cluster come once the client asks for them.
 //
-// A resource that uses a cluster the key's view holds (or has asked its
-// source for) waits for it however long it takes: the cluster is on its
-// way, and a wait that lasts is a stall to fix, never a reason to send a
-// route to a cluster Envoy still warms (503, no_cluster). Past
-// ResourceWaitTimeout the relay says so (meshrelay_make_before_break_overdue_total,
-// a warning; the ledger counts the Envoy behind, not sent). A resource
-// that uses a cluster the key's view does not have waits for
-// ResourceWaitTimeout, since the source may answer types out of order;
-// past it the source's own config names a cluster it does not serve
-// (istiod routes to a host it does not know), which Envoy answers with 503
-// with or without the relay: it is sent, and counted.
+// No wait ends by a clock. A resource that uses a cluster the key's view
+// holds (or has asked its source for) waits for it however long it takes:
+// the cluster is on its way. One that uses a cluster the key's view does
+// not have waits until the source is proven not to serve it: the key's
+// clusters came on an upstream stream opened after the resource did
+// (absentProven). A source may send types out of order, and the clusters
+// may be slow to come (a large CDS response on a slow link: loadtest
+// chaos seed 31 of issue 28's 50), so a view of the same stream proves
+// nothing. Past ResourceWaitTimeout the relay says so
+// (meshrelay_make_before_break_overdue_total{outcome="held"}, a warning;
+// the ledger counts the Envoy behind) and, for a cluster the view does not
+// have, asks the key's source for a new stream (keyState.demand), whose
+// answer is the proof either way. A resource sent on that proof names a
+// cluster the source's own config does not serve (istiod routes to a host
+// it does not know), which Envoy answers with 503 with or without the
+// relay (outcome="sent").
 func (s *stream) deferDangling(p *plan) {
 	if p.sub.typeURL != xds.TypeRoute && p.sub.typeURL != xds.TypeListener {
 		return
@@ -918,20 +927,23 @@ func (s *stream) deferDangling(p *plan) {
 				if s.dangling == nil {
 					s.dangling = make(map[string]*hold)
 				}
-				h = &hold{since: now}
+				h = &hold{since: now, at: s.r.clock.Now()}
 				s.dangling[key] = h
 			}
-			overdue := now.Sub(h.since) >= wait
-			switch {
-			case !overdue:
-				s.wakeAt(h.since.Add(wait))
-				continue
-			case coming:
+			if coming || !absentProven(keyCDS, h.at) {
+				if now.Sub(h.since) < wait {
+					s.wakeAt(h.since.Add(wait))
+					continue
+				}
 				if !h.told {
 					h.told = true
 					s.r.metrics.holds.WithLabelValues(xds.ShortType(p.sub.typeURL), "held").Inc()
-					s.log.Warn("a resource is held back past the wait: a cluster it uses is the key's, and not warm at the client yet",
-						"type", xds.ShortType(p.sub.typeURL), "name", r.Name, "waited", now.Sub(h.since).Round(time.Millisecond))
+					s.log.Warn("a resource is held back past the wait: a cluster it uses is not warm at the client yet",
+						"type", xds.ShortType(p.sub.typeURL), "name", r.Name, "waited", now.Sub(h.since).Round(time.Millisecond),
+						"cluster_in_view", coming)
+				}
+				if !coming {
+					s.key.demand(h.at, false)
 				}
 				continue
 			}
@@ -941,6 +953,15 @@ func (s *stream) deferDangling(p *plan) {
 		kept = append(kept, r)
 	}
 	p.upd = kept
+}
+
+// absentProven reports whether the key's clusters, cds, are the source's
+// word on what it serves as of after at: they came on an upstream stream
+// opened later (its first answer is the source's state then; a view made
+// of parts has the earliest of their streams), not only later on a stream
+// that may still carry what the source had sent before.
+func absentProven(cds *typeView, at ledger.Stamp) bool {
+	return cds != nil && cds.order.Session > at
 }
 
 // wakeAt has the stream woken at due at the latest (a held resource's
