@@ -449,7 +449,7 @@ func (h *downHarness) checkConverged() {
 			if h.referredBy(typeURL, n) != "" {
 				continue
 			}
-			if h.s.awaitingDeclarations(typeURL) || h.s.heldByOrder(typeURL) {
+			if wait, _ := h.s.awaitingDeclarations(typeURL); wait || h.s.heldByOrder(typeURL) {
 				continue // a referrer may yet be declared (awaitingDeclarations), or the client holds a newer version
 			}
 			h.fatalf("%s: the client holds %q, which the key no longer has and nothing refers to, and no removal was sent", typ, n)

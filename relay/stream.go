@@ -68,9 +68,11 @@ type stream struct {
 	// answered is set once the client answered (ACK or NACK) a response
 	// on the stream: every request it sent when the stream opened has
 	// come (awaitingDeclarations). probe is the type answered as it is,
-	// to get such an answer, when nothing else was sent (undeclared).
-	answered bool
-	probe    string
+	// to get such an answer, when nothing else was sent (undeclared);
+	// graceArmed, once a wake-up is set for the end of declareGrace.
+	answered   bool
+	probe      string
+	graceArmed bool
 	// dangling holds, by "type|name", the listeners and route
 	// configurations held back for a cluster the client cannot use yet
 	// (deferDangling); danglingTimer wakes the stream when the earliest
@@ -930,7 +932,7 @@ func (s *stream) deferDangling(p *plan) {
 				h = &hold{since: now, at: s.r.clock.Now()}
 				s.dangling[key] = h
 			}
-			if coming || !absentProven(keyCDS, h.at) {
+			if coming || !absentProven(keyCDS, p.ts, h.at) {
 				if now.Sub(h.since) < wait {
 					s.wakeAt(h.since.Add(wait))
 					continue
@@ -956,12 +958,17 @@ func (s *stream) deferDangling(p *plan) {
 }
 
 // absentProven reports whether the key's clusters, cds, are the source's
-// word on what it serves as of after at: they came on an upstream stream
-// opened later (its first answer is the source's state then; a view made
-// of parts has the earliest of their streams), not only later on a stream
-// that may still carry what the source had sent before.
-func absentProven(cds *typeView, at ledger.Stamp) bool {
-	return cds != nil && cds.order.Session > at
+// word on what it serves as of after at, and the resource that names them,
+// of view ts, its word as of then too: the clusters came on an upstream
+// stream opened later (its first answer is the source's state then; a
+// view made of parts has the earliest of their streams), not only later on
+// a stream that may still carry what the source had sent before; and the
+// resource on that stream or a later one, not from a stream that the
+// source has since replaced (each new stream answers every type: it comes).
+// A frozen relay that resumed sent a route of its old stream, naming a
+// cluster its new stream's clusters had dropped (the simulation's seed 54).
+func absentProven(cds, ts *typeView, at ledger.Stamp) bool {
+	return cds != nil && cds.order.Session > at && ts.order.Session >= cds.order.Session
 }
 
 // wakeAt has the stream woken at due at the latest (a held resource's
@@ -1124,39 +1131,51 @@ func (s *stream) deferred(typeURL, name string) bool {
 	return ok
 }
 
+// declareGrace is the least a reconnected client's removals wait for it to
+// declare the types that may refer to them (awaitingDeclarations).
+const declareGrace = time.Second
+
 // awaitingDeclarations reports whether removals of typeURL wait for the
 // client to declare a referring type: a type that refers to typeURL and
 // that clients declare (xds.TypeRef.Declared) was not requested yet, and
-// the client has not answered a response on this stream. A client that
-// reconnects (to another relay, after a move or a crash) declares its
-// state type by type, CDS first (Delta initial_resource_versions, SotW
-// version_info): without the wait, a cluster removed while it was away
-// would go out before the relay learns that a route it holds still uses
-// it. Envoy sends every type's first request when the stream opens,
-// before it reads a response, and requests arrive in order: once it has
-// answered one, every declaration it will make has come. The wait is on
-// that order, not on a clock (a lossy link delayed a route's declaration
-// by more than the second the relay once waited, and a cluster went out
-// under it: loadtest chaos seed 3 of issue 28's 50).
-func (s *stream) awaitingDeclarations(typeURL string) bool {
-	if s.answered {
-		return false
+// the client has not answered a response on this stream, or did so within
+// declareGrace of its start. A client that reconnects (to another relay,
+// after a move or a crash) declares its state type by type, CDS first
+// (Delta initial_resource_versions, SotW version_info): without the wait,
+// a cluster removed while it was away would go out before the relay learns
+// that a route it holds still uses it. Envoy sends every type's first
+// request when the stream opens, before it reads a response, and requests
+// arrive in order: once it has answered one, every declaration it will
+// make has come, however slow its link (one second of waiting alone once
+// let a cluster go under a route whose declaration a lossy link delayed:
+// loadtest chaos seed 3 of issue 28's 50). The second is kept for a
+// client that answers before it declares everything.
+func (s *stream) awaitingDeclarations(typeURL string) (bool, time.Duration) {
+	left := declareGrace - time.Since(s.opened)
+	if s.answered && left <= 0 {
+		return false, 0
 	}
 	for _, e := range xds.RefsTo(typeURL) {
 		if e.Declared && s.subs[e.From] == nil {
-			return true
+			return true, left
 		}
 	}
-	return false
+	return false, 0
 }
 
 // undeclared is awaitingDeclarations. If the relay has sent the client
 // nothing yet, no answer is coming: the type is answered as the client
-// holds it (sync's probe), and the answer to that ends the wait.
+// holds it (sync's probe), and the answer to that ends the wait. If the
+// client has answered, the stream is woken when the grace ends.
 func (s *stream) undeclared(typeURL string) bool {
-	wait := s.awaitingDeclarations(typeURL)
-	if wait && s.nonce == 0 && s.probe == "" {
+	wait, left := s.awaitingDeclarations(typeURL)
+	switch {
+	case !wait:
+	case !s.answered && s.nonce == 0 && s.probe == "":
 		s.probe = typeURL
+	case s.answered && !s.graceArmed:
+		s.graceArmed = true
+		time.AfterFunc(left, func() { wake(s.wake) })
 	}
 	return wait
 }
