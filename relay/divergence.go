@@ -292,7 +292,20 @@ type divergence struct {
 	// listeners once it holds clusters), the key is due again, and its
 	// members are checked again from the first.
 	compared map[string]bool
+	// recheck is, for a key of a node of its own since a split, the wait
+	// before its next re-check (recheckDue): splitRecheck at first,
+	// doubled each time the split is proven again, up to the interval.
+	recheck time.Duration
 }
+
+// splitRecheck is the first wait before a split is checked again. A split
+// made during a fault (a frozen or slow peer, an upstream stream behind)
+// may not hold once the fault ends: rechecked soon, and then less and less
+// often while it is proven again, it is merged back within about a minute
+// of the fault's end rather than at the next interval, and a split that
+// holds costs a few checks more (issue 28: one a seed of fifty kept a key
+// at two upstream streams to the run's end).
+const splitRecheck = 30 * time.Second
 
 // checkDue reports whether k's check is due now, and the member to check.
 // It marks the check running; checkDone ends it.
@@ -369,14 +382,31 @@ func (k *keyState) recheckDue(now time.Time, every time.Duration) (member, bool)
 	if i < 0 {
 		return nil, false // its Envoy is at another relay, which checks it
 	}
+	if d.recheck == 0 {
+		d.recheck = min(every, splitRecheck)
+	}
 	if d.next.IsZero() {
-		d.next = now.Add(randN(k.r.rand, every) + time.Nanosecond)
+		d.next = now.Add(randN(k.r.rand, d.recheck) + time.Nanosecond)
 	}
 	if now.Before(d.next) {
 		return nil, false
 	}
 	d.running = true
 	return k.members[i], true
+}
+
+// recheckDone ends k's re-check of m: the next in recheck if the split
+// was proven again (the wait then doubles, up to every), or could not be
+// checked; merged back, the key is left and its state goes with it.
+func (k *keyState) recheckDone(m member, proven bool, every time.Duration) {
+	k.mu.Lock()
+	d := &k.div
+	wait := d.recheck
+	if proven {
+		d.recheck = min(2*d.recheck, every)
+	}
+	k.mu.Unlock()
+	k.checkDone(m, time.Now().Add(wait), nil)
 }
 
 // recheckSplit checks m, the member of k, against the key it left by a
@@ -410,7 +440,7 @@ func (r *Relay) recheckSplit(ctx context.Context, k *keyState, m member) {
 		res, err = r.askCheck(ctx, owner, base, node)
 		differ, by = res.GetTypes(), owner
 	}
-	k.checkDone(m, time.Now().Add(r.cfg.DivergenceInterval), nil)
+	k.recheckDone(m, err == nil && len(differ) > 0 || errors.Is(err, errNotComparable), r.cfg.DivergenceInterval)
 	switch {
 	case ctx.Err() != nil:
 	case err != nil:

@@ -475,3 +475,45 @@ func TestSplitMergedBack(t *testing.T) {
 		})
 	}
 }
+
+// TestSplitRecheckedSoonThenLessOften: a key of a node of its own since a
+// split is checked again within splitRecheck, not at a random point of the
+// whole interval (a split made during a fault is merged back soon after
+// it ends), and then less and less often while the split is proven
+// again, up to the interval; a re-check without an answer keeps the pace.
+func TestSplitRecheckedSoonThenLessOften(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Upstream = "unused:1"
+	r, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	every := r.cfg.DivergenceInterval
+	k := newKeyState(r, "node/x")
+	k.splitFrom = "base"
+	m := r.newStream(context.Background(), false, portPlain)
+	m.node = fuzzNode
+	k.join(m)
+	start := time.Now()
+	if _, ok := k.recheckDue(start, every); !ok { // the first tick after the split draws the first re-check's time
+		if _, ok := k.recheckDue(start.Add(splitRecheck+time.Nanosecond), every); !ok {
+			t.Fatalf("first re-check not due %v after the split", splitRecheck)
+		}
+	}
+	for _, step := range []struct {
+		proven bool
+		wait   time.Duration
+	}{
+		{true, splitRecheck}, {true, 2 * splitRecheck}, {false, 4 * splitRecheck}, {false, 4 * splitRecheck},
+		{true, 4 * splitRecheck}, {true, 8 * splitRecheck}, {true, 16 * splitRecheck}, {true, every}, {true, every},
+	} {
+		k.recheckDone(m, step.proven, every)
+		at := time.Now()
+		if _, ok := k.recheckDue(at.Add(step.wait-time.Second), every); ok {
+			t.Fatalf("re-check due before %v", step.wait)
+		}
+		if _, ok := k.recheckDue(at.Add(step.wait+time.Second), every); !ok {
+			t.Fatalf("re-check not due after %v", step.wait)
+		}
+	}
+}
