@@ -244,17 +244,7 @@ func TestRouteWaitsForClustersOnASlowStream(t *testing.T) {
 
 			gate.close()
 			up.set("ns1", xds.TypeRoute, mkRoute("r80", "c0", "c1", "c2", "c3"))
-			waitFor(t, "the relay's view to have the new r80", func() bool {
-				r.mu.Lock()
-				defer r.mu.Unlock()
-				for _, k := range r.keys {
-					if rds := k.views.Load().types[xds.TypeRoute]; rds != nil {
-						r80, _ := rds.view.Get("r80")
-						return r80.Value != nil && slices.Contains(routeClusters(t, r80.Value), "c3")
-					}
-				}
-				return false
-			})
+			waitFor(t, "the relay's view to have the new r80", func() bool { return routeUses(t, soleKeyViews(r), "r80", "c3") })
 			up.set("ns1", xds.TypeCluster, mkCluster("c3"))
 			up.set("ns1", xds.TypeEndpoint, mkCLA("c3", 8080))
 			held, sent := r.metrics.holds.WithLabelValues("rds", "held"), r.metrics.holds.WithLabelValues("rds", "sent")

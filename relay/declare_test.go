@@ -108,17 +108,7 @@ func TestDeclaredClusterIsNotWarmWithoutItsEndpoints(t *testing.T) {
 		InitialResourceVersions: versionMap(got[xds.TypeRoute].(*discovery.DeltaDiscoveryResponse))})
 	// Whatever comes first (the wildcard answers, EDS of the clusters
 	// the key has), never r80 before c3's endpoints.
-	waitFor(t, "the second relay's view to have the new r80", func() bool {
-		second.mu.Lock()
-		defer second.mu.Unlock()
-		for _, k := range second.keys {
-			if rds := k.views.Load().types[xds.TypeRoute]; rds != nil {
-				r80, _ := rds.view.Get("r80")
-				return r80.Value != nil && slices.Contains(routeClusters(t, r80.Value), "c3")
-			}
-		}
-		return false
-	})
+	waitFor(t, "the second relay's view to have the new r80", func() bool { return routeUses(t, soleKeyViews(second), "r80", "c3") })
 	moved.quiet(xds.TypeCluster, xds.TypeEndpoint, xds.TypeListener) // and no RDS
 	up.set("ns0", xds.TypeEndpoint, mkCLA("c3", 8080))
 	for {
@@ -155,15 +145,8 @@ func TestLateRouteDeclarationHoldsRemovals(t *testing.T) {
 			e.up.set("ns1", xds.TypeRoute, mkRoute("r80", "c0", "c1"))
 			e.up.del("ns1", xds.TypeCluster, "c2")
 			waitFor(t, "the relay's view to lose c2", func() bool {
-				e.r.mu.Lock()
-				defer e.r.mu.Unlock()
-				for _, k := range e.r.keys {
-					if cds := k.views.Load().types[xds.TypeCluster]; cds != nil {
-						_, c2 := cds.view.Get("c2")
-						return !c2
-					}
-				}
-				return false
+				snap := soleKeyViews(e.r)
+				return snap != nil && snap.types[xds.TypeCluster] != nil && !viewHas(snap, xds.TypeCluster, "c2")
 			})
 
 			moved := e.client(0)

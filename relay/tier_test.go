@@ -794,20 +794,8 @@ func TestUnknownRouteClaimHoldsRemovalsUntilTheRouteIsSent(t *testing.T) {
 	up.del("ns0", xds.TypeCluster, "c2")
 	stays.close()
 	waitFor(t, "the relay's view to have c3 and the new route, not c2", func() bool {
-		r.mu.Lock()
-		defer r.mu.Unlock()
-		for _, k := range r.keys {
-			snap := k.views.Load()
-			cds, rds := snap.types[xds.TypeCluster], snap.types[xds.TypeRoute]
-			if cds == nil || rds == nil {
-				return false
-			}
-			_, c2 := cds.view.Get("c2")
-			_, c3 := cds.view.Get("c3")
-			r80, _ := rds.view.Get("r80")
-			return !c2 && c3 && r80.Value != nil && slices.Contains(routeClusters(t, r80.Value), "c3")
-		}
-		return false
+		snap := soleKeyViews(r)
+		return !viewHas(snap, xds.TypeCluster, "c2") && viewHas(snap, xds.TypeCluster, "c3") && routeUses(t, snap, "r80", "c3")
 	})
 	moved := newRawClient(t, dial(t, r.Addr().String()), false, node("ns0", "app", 1))
 	claimHeld(moved, held)
@@ -823,6 +811,36 @@ func TestUnknownRouteClaimHoldsRemovalsUntilTheRouteIsSent(t *testing.T) {
 	if testutil.ToFloat64(r.metrics.claims.WithLabelValues("unknown")) == 0 {
 		t.Error("the route claim was not unknown: the test tests nothing")
 	}
+}
+
+// soleKeyViews returns the views of r's one key (nil before it has one).
+func soleKeyViews(r *Relay) *keyViews {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, k := range r.keys {
+		return k.views.Load()
+	}
+	return nil
+}
+
+// viewHas reports whether snap's view of typeURL holds name.
+func viewHas(snap *keyViews, typeURL, name string) bool {
+	if snap == nil || snap.types[typeURL] == nil {
+		return false
+	}
+	_, ok := snap.types[typeURL].view.Get(name)
+	return ok
+}
+
+// routeUses reports whether snap's view holds the route configuration
+// route, and it names cluster c.
+func routeUses(t *testing.T, snap *keyViews, route, c string) bool {
+	t.Helper()
+	if !viewHas(snap, xds.TypeRoute, route) {
+		return false
+	}
+	e, _ := snap.types[xds.TypeRoute].view.Get(route)
+	return e.Value != nil && slices.Contains(routeClusters(t, e.Value), c)
 }
 
 // routeClusters returns the clusters a route configuration's routes name.
