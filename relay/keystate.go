@@ -301,6 +301,41 @@ func (k *keyState) versionHeld(typeURL string, wildcard bool, names xds.NameSet,
 	return held, found
 }
 
+// lastContent returns, of names, those one of the last maxClaimVersions
+// versions of the key's history of typeURL had, each at the newest content
+// the history kept of it whose body the relay's store still holds.
+func (k *keyState) lastContent(typeURL string, names []string) []*xds.Resource {
+	k.histMu.Lock()
+	h := k.hist[typeURL]
+	k.histMu.Unlock()
+	if h == nil || len(names) == 0 {
+		return nil
+	}
+	left := make(map[string]struct{}, len(names))
+	for _, n := range names {
+		left[n] = struct{}{}
+	}
+	var out []*xds.Resource
+	h.Back(maxClaimVersions, func(_ ledger.Version, t ledger.Tree[*xds.Resource]) bool {
+		for n := range left {
+			e, ok := t.Get(n)
+			if !ok {
+				continue
+			}
+			r := e.Value
+			if r == nil {
+				r = k.r.store.Lookup(e.Hash)
+			}
+			if r != nil {
+				out = append(out, r)
+				delete(left, n)
+			}
+		}
+		return len(left) > 0
+	})
+	return out
+}
+
 // maxHeldVersions bounds the versions a key remembers having sent SotW
 // clients beside its views' (keyState.held): the few clients whose removals
 // are held back at any moment.

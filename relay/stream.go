@@ -621,10 +621,12 @@ func (s *stream) planTypes(snap *keyViews, now time.Time) (plans, synced []*plan
 			break
 		}
 		if sub.declared {
-			if s.claimPending(sub, ts) {
-				// The tier is asked what the client's version holds:
-				// what comes later waits too, as for a type not known
-				// yet (the answer wakes the stream).
+			if s.claimPending(sub, ts) || s.awaitingEndpoints(sub, ts) {
+				// The tier is asked what the client's version holds, or
+				// the client's request for endpoints is awaited: what
+				// comes later waits too, as for a type not known yet
+				// (the answer, the request or the grace's end wakes the
+				// stream).
 				break
 			}
 			if !s.reconnected(sub, ts) {
@@ -972,10 +974,11 @@ func absentProven(cds, ts *typeView, at ledger.Stamp) bool {
 }
 
 // wakeAt has the stream woken at due at the latest (a held resource's
-// deadline): one timer for all of them, moved earlier if need be; each
-// sync that still holds one calls it again, so the timer is armed while
-// anything is held. A wake for a hold that cleared meanwhile costs a sync
-// with nothing to do. The stream's goroutine calls it.
+// deadline, the end of a wait for a request): one timer for all of them,
+// moved earlier if need be; each sync that still waits calls it again, so
+// the timer is armed while anything waits. A wake for a wait that ended
+// meanwhile costs a sync with nothing to do. The stream's goroutine calls
+// it.
 func (s *stream) wakeAt(due time.Time) {
 	if s.danglingTimer != nil && !s.danglingDue.After(due) && time.Now().Before(s.danglingDue) {
 		return // it fires first; the sync it causes arms it again for the rest
@@ -1022,8 +1025,67 @@ func (s *stream) reconnected(sub *typeSub, ts *typeView) bool {
 	}
 	if !current && !sub.claimed.IsZero() && !sub.claimKnown {
 		sub.unsettled = true
+		s.keepAskedClusters(sub, ts)
 	}
 	sub.orders, sub.claimed, sub.claimKnown, sub.declared = nil, ledger.Hash{}, false, false
+	return true
+}
+
+// keepAskedClusters puts in what a SotW client holds of the clusters (sub,
+// claimed at a version nobody knew) those it asks endpoints for that the
+// view ts no longer has, at the newest content the key's history kept:
+// Envoy asks for the assignment of every EDS cluster it holds, warm or
+// warming, so it holds these, and a route it holds may still use them.
+// Without them, the first full-state answer would remove them at once,
+// before the routes that replace the client's are sent (make-before-break);
+// with them, they are removal candidates, held back while anything the
+// client holds may refer to them (heldBy) and removed once its routes are
+// the view's. A relay killed before anyone kept what it had sent leaves
+// only its Envoys knowing their versions (the simulation's seeds 2400 and
+// 2708 of issue 28). A cluster whose endpoints go by another name than its
+// own, or whose content the history no longer has, is not kept.
+func (s *stream) keepAskedClusters(sub *typeSub, ts *typeView) {
+	eds := s.subs[xds.TypeEndpoint]
+	if s.delta || sub.typeURL != xds.TypeCluster || eds == nil || s.key == nil {
+		return
+	}
+	var gone []string
+	for _, n := range eds.names {
+		if _, ok := ts.view.Get(n); !ok {
+			if _, ok := sub.known.Get(n); !ok {
+				gone = append(gone, n)
+			}
+		}
+	}
+	kept := s.key.lastContent(xds.TypeCluster, gone)
+	if len(kept) == 0 {
+		return
+	}
+	kb := sub.known.Edit()
+	for _, c := range kept {
+		if slices.Contains(c.Refs(xds.RefEndpoints), c.Name) {
+			kb.Set(c.Name, c.Hash, c)
+		}
+	}
+	sub.known = kb.Tree()
+}
+
+// awaitingEndpoints reports whether a SotW client's clusters, claimed at a
+// version nobody knew, wait for its request for endpoints, which tells
+// what it holds (keepAskedClusters): Envoy sends it with the others when
+// the stream opens, so the wait ends once it came, once the client
+// answered anything (every first request came), or declareGrace after the
+// stream opened (the stream is woken then).
+func (s *stream) awaitingEndpoints(sub *typeSub, ts *typeView) bool {
+	if s.delta || sub.typeURL != xds.TypeCluster || sub.claimed.IsZero() || sub.claimKnown ||
+		s.subs[xds.TypeEndpoint] != nil || s.answered || sub.target(ts.view).Root() == sub.claimed {
+		return false
+	}
+	left := declareGrace - time.Since(s.opened)
+	if left <= 0 {
+		return false
+	}
+	s.wakeAt(time.Now().Add(left))
 	return true
 }
 

@@ -861,3 +861,40 @@ func routeClusters(t *testing.T, res *xds.Resource) []string {
 	}
 	return out
 }
+
+// An Envoy that moves from a relay killed before anyone kept what it had
+// sent claims versions of its clusters and routes that no relay of the tier
+// knows. Its routes may still use a cluster removed since: the first
+// full-state CDS answer keeps every cluster it asks endpoints for, at the
+// content the key's history kept, until its routes are replaced
+// (the simulation's seeds 2400 and 2708 of issue 28).
+func TestUnknownClaimsKeepTheClustersTheEnvoyAsksEndpointsFor(t *testing.T) {
+	up := newTestUpstream(t, "ns0")
+	seed(up, "ns0", 3) // r80 uses c0, c1, c2
+	r := startRelay(t, up, nil)
+	stays := newRawClient(t, dial(t, r.Addr().String()), false, node("ns0", "app", 0))
+	held := syncAll(stays)
+	// The versions the moving Envoy holds come from a relay that is gone.
+	held[xds.TypeCluster] = &discovery.DiscoveryResponse{TypeUrl: xds.TypeCluster, VersionInfo: ledger.HashBytes([]byte("clusters of a relay long gone")).String()}
+	held[xds.TypeRoute] = &discovery.DiscoveryResponse{TypeUrl: xds.TypeRoute, VersionInfo: ledger.HashBytes([]byte("a route of a relay long gone")).String()}
+
+	up.set("ns0", xds.TypeCluster, mkCluster("c3"))
+	up.set("ns0", xds.TypeEndpoint, mkCLA("c3", 8080))
+	up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1", "c3"))
+	up.del("ns0", xds.TypeCluster, "c2")
+	stays.close()
+	waitFor(t, "the relay's view to have c3 and the new route, not c2", func() bool {
+		snap := soleKeyViews(r)
+		return !viewHas(snap, xds.TypeCluster, "c2") && viewHas(snap, xds.TypeCluster, "c3") && routeUses(t, snap, "r80", "c3")
+	})
+	moved := newRawClient(t, dial(t, r.Addr().String()), false, node("ns0", "app", 1))
+	claimHeld(moved, held)
+	m := moved.recvSotW(xds.TypeCluster)
+	wantNames(t, m, "c0", "c1", "c2", "c3")
+	moved.ack(m)
+	moved.subscribe(xds.TypeEndpoint, "c0", "c1", "c2", "c3")
+	routeBeforeRemoval(t, moved)
+	if got := testutil.ToFloat64(r.metrics.claims.WithLabelValues("unknown")); got < 2 {
+		t.Errorf("%v claims unknown, want the clusters' and the route's: the test tests nothing", got)
+	}
+}
