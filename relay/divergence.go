@@ -439,6 +439,13 @@ func (r *Relay) recheckSplit(ctx context.Context, k *keyState, m member) {
 		var res *inspectpb.CheckMemberResult
 		res, err = r.askCheck(ctx, owner, base, node)
 		differ, by = res.GetTypes(), owner
+		if err == nil && !res.GetDiverged() {
+			// The owner merges back only the splits it knows: one this
+			// relay found while cut off from it (issue 28's simulation,
+			// seed 1137 under -race) is merged back here, and the tier
+			// learns of it from here.
+			r.mergeBack(base, node)
+		}
 	}
 	k.recheckDone(m, err == nil && len(differ) > 0 || errors.Is(err, errNotComparable), r.cfg.DivergenceInterval)
 	switch {
@@ -660,7 +667,7 @@ func (r *Relay) runCheck(ctx context.Context, k *keyState, m member) ([]string, 
 		return nil, aggkey.Split{}, err
 	case len(differ) == 0:
 		r.metrics.divergenceChecks.WithLabelValues("same").Inc()
-		r.mergeBack(k, node)
+		r.mergeBack(k.key, node)
 		return nil, aggkey.Split{}, nil
 	}
 	r.metrics.divergenceChecks.WithLabelValues("diverged").Inc()
@@ -686,9 +693,9 @@ func (r *Relay) runCheck(ctx context.Context, k *keyState, m member) ([]string, 
 // the upstream gives node the key's config, so nothing proves the split
 // any more, and the nodes it moved return to the key, make-before-break
 // (stream.followSplits). The tier learns of it as of a split.
-func (r *Relay) mergeBack(k *keyState, node *core.Node) {
+func (r *Relay) mergeBack(k aggkey.Key, node *core.Node) {
 	var merged []aggkey.Split
-	for _, s := range r.splits.active(k.key) {
+	for _, s := range r.splits.active(k) {
 		if s.Matches(node) {
 			s.Epoch, s.Merged = uint64(r.clock.Now()), true
 			merged = append(merged, s)
@@ -697,12 +704,12 @@ func (r *Relay) mergeBack(k *keyState, node *core.Node) {
 	if len(merged) == 0 {
 		return
 	}
-	fresh := r.splits.add(k.key, merged...)
+	fresh := r.splits.add(k, merged...)
 	for _, s := range fresh {
 		r.metrics.splitMerges.Inc()
-		r.log.Info("key split merged back: the upstream gives a node it moved the key's config again", "key", k.key, "node", node.GetId(), "split", s.String())
+		r.log.Info("key split merged back: the upstream gives a node it moved the key's config again", "key", k, "node", node.GetId(), "split", s.String())
 	}
-	r.splitsChanged(k.key, fresh)
+	r.splitsChanged(k, fresh)
 }
 
 // probe runs one check: an upstream stream presenting m's node asks for

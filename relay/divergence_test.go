@@ -476,6 +476,45 @@ func TestSplitMergedBack(t *testing.T) {
 	}
 }
 
+// TestSplitTheOwnerNeverKnewIsMergedBack: a relay cut off from the key's
+// owner splits a key there (its own check), and the owner never hears of
+// it. Once the link is back, the relay's re-check asks the owner, which
+// finds the same config but has no split of its own to merge back: the
+// relay that found the split merges it back, and its Envoy returns to the
+// key (it stayed on a key of its own, and cost an upstream stream, for as
+// long as the relays ran: issue 28's simulation, seed 1137 under -race).
+func TestSplitTheOwnerNeverKnewIsMergedBack(t *testing.T) {
+	up := newTestUpstream(t, "ns0")
+	seed(up, "ns0", 3)
+	withChecks := func(c *Config) { c.DivergenceInterval = 200 * time.Millisecond }
+	owner := startRelay(t, up, func(c *Config) { withChecks(c); c.ID = "owner" })
+	at := startRelay(t, up, func(c *Config) {
+		withChecks(c)
+		c.ID = "other"
+		c.Owners = newFakeOwners(owner.Addr().String(), false)
+	})
+	presented, diverging := node("ns0", "app", 0), node("ns0", "app", 1)
+	base, _ := owner.keyOf(presented, nil)
+	split := aggkey.NewSplit(diverging, presented)
+	split.Epoch = uint64(at.clock.Now())
+	at.learnSplits(base, []aggkey.Split{split}) // found there, told to nobody
+
+	syncAll(newRawClient(t, dial(t, owner.Addr().String()), false, presented))
+	moved := newRawClient(t, dial(t, at.Addr().String()), false, diverging)
+	syncAll(moved)
+	if k := keyOfClient(at, diverging.GetId()); k != aggkey.SplitKey(diverging) {
+		t.Fatalf("the diverging Envoy is on %q, not a key of its own: the test tests nothing", k)
+	}
+	waitLong(t, "the Envoy back on its key", func() bool { return keyOfClient(at, diverging.GetId()) == base })
+	if n := testutil.ToFloat64(at.metrics.splitMerges); n != 1 {
+		t.Errorf("meshrelay_key_split_merges_total = %v at the relay that split the key, want 1", n)
+	}
+	if s := at.splits.active(base); len(s) != 0 {
+		t.Errorf("active splits of %s = %v, want none", base, s)
+	}
+	waitLong(t, "one upstream stream", func() bool { open, _ := up.streams(); return open == 1 })
+}
+
 // TestSplitRecheckedSoonThenLessOften: a key of a node of its own since a
 // split is checked again within splitRecheck, not at a random point of the
 // whole interval (a split made during a fault is merged back soon after
