@@ -183,6 +183,33 @@ func (r *Relay) splitsChanged(key aggkey.Key, changed []aggkey.Split) {
 	}
 }
 
+// nobodyComesBack reports whether k, once it has no member, will get none
+// back, so that it need not idle (KeyIdleTimeout) with its upstream stream
+// open: its split was merged back here (abandoned), or it is the key of a
+// node of its own that no split known here moves (another relay asked for
+// it, and left). A split key at its owner whose asking relay left cost
+// the key a second upstream stream for the whole idle time (issue 28's
+// simulation, seed 1137 under -race).
+func (r *Relay) nobodyComesBack(k *keyState) bool {
+	if k.abandoned.Load() {
+		return true
+	}
+	n := k.presentedNode.Load()
+	if n == nil || !aggkey.IsSplitKeyOf(k.key, n) {
+		return false
+	}
+	r.splits.mu.Lock()
+	defer r.splits.mu.Unlock()
+	for _, splits := range r.splits.m {
+		for _, s := range aggkey.Active(splits) {
+			if s.Matches(n) {
+				return false
+			}
+		}
+	}
+	return true
+}
+
 // KeySplit is one split of a key the relay knows, for reports.
 type KeySplit struct {
 	Key aggkey.Key

@@ -515,6 +515,41 @@ func TestSplitTheOwnerNeverKnewIsMergedBack(t *testing.T) {
 	waitLong(t, "one upstream stream", func() bool { open, _ := up.streams(); return open == 1 })
 }
 
+// TestSplitKeyNobodyComesBackToIsDropped: a key's owner serves another
+// relay a key of a node of its own (a split the owner never heard of);
+// once that relay leaves it, nobody comes back to it, and the owner drops
+// it and its upstream stream at once instead of idling for KeyIdleTimeout.
+func TestSplitKeyNobodyComesBackToIsDropped(t *testing.T) {
+	up := newTestUpstream(t, "ns0")
+	seed(up, "ns0", 3)
+	owner := startRelay(t, up, func(c *Config) {
+		c.ID = "owner"
+		c.DivergenceInterval = 0
+		c.KeyIdleTimeout = time.Hour
+	})
+	at := startRelay(t, up, func(c *Config) {
+		c.ID = "other"
+		c.DivergenceInterval = 0
+		c.KeyIdleTimeout = 100 * time.Millisecond
+		c.Owners = newFakeOwners(owner.Addr().String(), false)
+	})
+	presented, diverging := node("ns0", "app", 0), node("ns0", "app", 1)
+	base, _ := owner.keyOf(presented, nil)
+	split := aggkey.NewSplit(diverging, presented)
+	split.Epoch = uint64(at.clock.Now())
+	at.learnSplits(base, []aggkey.Split{split}) // told to nobody
+
+	syncAll(newRawClient(t, dial(t, owner.Addr().String()), false, presented))
+	moved := newRawClient(t, dial(t, at.Addr().String()), false, diverging)
+	syncAll(moved)
+	if k := keyOfClient(at, diverging.GetId()); k != aggkey.SplitKey(diverging) {
+		t.Fatalf("the diverging Envoy is on %q, not a key of its own: the test tests nothing", k)
+	}
+	waitLong(t, "the split key's upstream stream at the owner", func() bool { open, _ := up.streams(); return open == 2 })
+	moved.close()
+	waitLong(t, "one upstream stream", func() bool { open, _ := up.streams(); return open == 1 })
+}
+
 // TestSplitRecheckedSoonThenLessOften: a key of a node of its own since a
 // split is checked again within splitRecheck, not at a random point of the
 // whole interval (a split made during a fault is merged back soon after

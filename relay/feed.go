@@ -1372,10 +1372,12 @@ func (u *feed) checkIdle() {
 	switch {
 	case n == 0 && u.idle == nil:
 		wait := u.r.cfg.KeyIdleTimeout
-		if u.k.abandoned.Load() {
-			wait = 0 // its split merged back: nobody comes back to it
+		if u.r.nobodyComesBack(u.k) {
+			wait = 0
 		}
 		u.idle = time.NewTimer(wait)
+	case n == 0 && u.r.nobodyComesBack(u.k):
+		u.idle.Reset(0) // learnt while it idled
 	case n > 0 && u.idle != nil:
 		u.idle.Stop()
 		u.idle = nil
