@@ -210,3 +210,48 @@ func TestLateRouteDeclarationHoldsRemovals(t *testing.T) {
 		})
 	}
 }
+
+// A cluster removed and back again is warming at Envoy until its endpoints
+// come anew: Envoy drops a removed cluster's EDS subscription with it. The
+// relay must not take the assignment for held because the request that
+// dropped it was not read (a SotW request with a stale nonce is not) and
+// the one after the cluster's return repeats the list the relay already
+// has: it sends the endpoints, then the route (loadtest chaos seed 20 of
+// issue 28's fifty at 920f085: a route to a warming cluster).
+func TestReturningClusterGetsItsEndpointsBeforeItsRoute(t *testing.T) {
+	up := newTestUpstream(t, "ns0")
+	seed(up, "ns0", 3) // r80 uses c0, c1, c2
+	r := startRelay(t, up, nil)
+	c := newRawClient(t, dial(t, r.Addr().String()), false, node("ns0", "app", 0))
+	syncAll(c)
+
+	up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1"))
+	up.del("ns0", xds.TypeCluster, "c2")
+	for gone := false; !gone; {
+		m := c.recv()
+		c.ack(m) // the endpoints' list still names c2: its change is not read
+		gone = typeOf(m) == xds.TypeCluster && !slices.Contains(names(m), "c2")
+	}
+
+	up.set("ns0", xds.TypeCluster, mkCluster("c2"))
+	up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1", "c2"))
+	for back := false; !back; {
+		m := c.recv()
+		c.ack(m)
+		back = typeOf(m) == xds.TypeCluster && slices.Contains(names(m), "c2")
+	}
+	c.subscribe(xds.TypeEndpoint, "c0", "c1", "c2") // as Envoy asks for a cluster that came back
+	for endpoints := false; ; {
+		m := c.recv()
+		c.ack(m)
+		switch typeOf(m) {
+		case xds.TypeEndpoint:
+			endpoints = endpoints || slices.Contains(names(m), "c2")
+		case xds.TypeRoute:
+			if !endpoints {
+				t.Fatal("the route that uses c2 came before c2's endpoints: c2 is warming at the client")
+			}
+			return
+		}
+	}
+}

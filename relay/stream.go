@@ -1312,6 +1312,9 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 	}
 	first := sub.awaitFirst
 	sub.awaitFirst = false
+	if sub.typeURL == xds.TypeCluster && len(removed) > 0 {
+		s.dropEndpointsOf(fromTree, removed)
+	}
 
 	out := &wire.Response{TypeURL: sub.typeURL, Updated: upd, Removed: removed, From: from, To: sub.known.Root(), Order: p.ts.order}
 	if s.delta && s.peerRelay == nil && len(upd) == 0 && len(removed) > 0 {
@@ -1374,6 +1377,42 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 			"resources", len(upd), "removed", len(removed))
 	}
 	return nil
+}
+
+// dropEndpointsOf unsubscribes the client from the endpoints of the
+// clusters removed, which it held as before: Envoy drops a cluster's EDS
+// subscription, and the assignment it held, with the cluster, and asks for
+// them again only if the cluster comes back. The request that says so may
+// be read late, or not at all (a SotW request with a stale nonce is not
+// read, and the next one repeats the list the relay already has once the
+// cluster is back): the relay took the assignment for held, sent a route
+// to the returned cluster while it was warming, and never sent the
+// assignment (loadtest chaos seed 20 of issue 28's fifty at 920f085). An
+// assignment another cluster the client holds still uses stays. Another
+// relay is no Envoy: it keeps what it was sent.
+func (s *stream) dropEndpointsOf(before ledger.Tree[*xds.Resource], removed []string) {
+	eds, cds := s.subs[xds.TypeEndpoint], s.subs[xds.TypeCluster]
+	if s.peerRelay != nil || eds == nil || eds.wildcard || cds == nil || opaque(cds.known) {
+		return
+	}
+	still := s.r.refIndex.Names(cds.known, xds.RefEndpoints)
+	var drop []string
+	for _, n := range removed {
+		e, ok := before.Get(n)
+		if !ok || e.Value == nil {
+			continue
+		}
+		for _, cla := range e.Value.Refs(xds.RefEndpoints) {
+			if _, used := still[cla]; !used && eds.names.Has(cla) && !slices.Contains(drop, cla) {
+				drop = append(drop, cla)
+			}
+		}
+	}
+	if len(drop) == 0 {
+		return
+	}
+	s.resubscribe(eds, false, eds.names.With(nil, drop), nil)
+	eds.listID = wire.ListID{} // the client's next list is read, whatever it repeats
 }
 
 // carrier returns, for a Delta response that only removes, one resource the
