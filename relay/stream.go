@@ -1058,6 +1058,15 @@ func (s *stream) keepAskedClusters(sub *typeSub, ts *typeView) {
 		}
 	}
 	kept := s.key.lastContent(xds.TypeCluster, gone)
+	if base := s.baseKey(); base != nil && len(kept) < len(gone) {
+		// A key of a node of its own, new since a split, has no history
+		// of what the node's key sent it (loadtest chaos, wider than the
+		// default, seed 4 of 2026-12-05).
+		for _, c := range kept {
+			gone = slices.DeleteFunc(gone, func(n string) bool { return n == c.Name })
+		}
+		kept = append(kept, base.lastContent(xds.TypeCluster, gone)...)
+	}
 	if len(kept) == 0 {
 		return
 	}
@@ -1068,6 +1077,18 @@ func (s *stream) keepAskedClusters(sub *typeSub, ts *typeView) {
 		}
 	}
 	sub.known = kb.Tree()
+}
+
+// baseKey returns the key the stream's node belongs to but for a split, if
+// the stream is on a key of its own and the relay holds that key.
+func (s *stream) baseKey() *keyState {
+	key, base := s.r.keyOf(s.node, s.identity)
+	if key == base || s.key == nil || s.key.key != key {
+		return nil
+	}
+	s.r.mu.Lock()
+	defer s.r.mu.Unlock()
+	return s.r.keys[base]
 }
 
 // awaitingEndpoints reports whether a SotW client's clusters, claimed at a

@@ -869,9 +869,19 @@ func routeClusters(t *testing.T, res *xds.Resource) []string {
 // content the key's history kept, until its routes are replaced
 // (the simulation's seeds 2400 and 2708 of issue 28).
 func TestUnknownClaimsKeepTheClustersTheEnvoyAsksEndpointsFor(t *testing.T) {
+	for _, split := range []bool{false, true} {
+		t.Run(map[bool]string{false: "same key", true: "onto a key of its own"}[split], func(t *testing.T) {
+			testUnknownClaimsKeep(t, split)
+		})
+	}
+}
+
+// testUnknownClaimsKeep: with split, the moving Envoy lands on a key of its
+// own, new, whose history has none of what the node's key sent it.
+func testUnknownClaimsKeep(t *testing.T, split bool) {
 	up := newTestUpstream(t, "ns0")
 	seed(up, "ns0", 3) // r80 uses c0, c1, c2
-	r := startRelay(t, up, nil)
+	r := startRelay(t, up, func(c *Config) { c.DivergenceInterval = 0 })
 	stays := newRawClient(t, dial(t, r.Addr().String()), false, node("ns0", "app", 0))
 	held := syncAll(stays)
 	// The versions the moving Envoy holds come from a relay that is gone.
@@ -882,12 +892,20 @@ func TestUnknownClaimsKeepTheClustersTheEnvoyAsksEndpointsFor(t *testing.T) {
 	up.set("ns0", xds.TypeEndpoint, mkCLA("c3", 8080))
 	up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1", "c3"))
 	up.del("ns0", xds.TypeCluster, "c2")
-	stays.close()
 	waitFor(t, "the relay's view to have c3 and the new route, not c2", func() bool {
 		snap := soleKeyViews(r)
 		return !viewHas(snap, xds.TypeCluster, "c2") && viewHas(snap, xds.TypeCluster, "c3") && routeUses(t, snap, "r80", "c3")
 	})
-	moved := newRawClient(t, dial(t, r.Addr().String()), false, node("ns0", "app", 1))
+	movedNode := node("ns0", "app", 1)
+	if split {
+		base, _ := r.keyOf(movedNode, nil)
+		s := aggkey.NewSplit(movedNode, node("ns0", "app", 0))
+		s.Epoch = uint64(r.clock.Now())
+		r.learnSplits(base, []aggkey.Split{s})
+	} else {
+		stays.close()
+	}
+	moved := newRawClient(t, dial(t, r.Addr().String()), false, movedNode)
 	claimHeld(moved, held)
 	m := moved.recvSotW(xds.TypeCluster)
 	wantNames(t, m, "c0", "c1", "c2", "c3")
@@ -896,5 +914,8 @@ func TestUnknownClaimsKeepTheClustersTheEnvoyAsksEndpointsFor(t *testing.T) {
 	routeBeforeRemoval(t, moved)
 	if got := testutil.ToFloat64(r.metrics.claims.WithLabelValues("unknown")); got < 2 {
 		t.Errorf("%v claims unknown, want the clusters' and the route's: the test tests nothing", got)
+	}
+	if split && keyOfClient(r, movedNode.GetId()) != aggkey.SplitKey(movedNode) {
+		t.Errorf("the Envoy is on %q, not a key of its own: the test tests nothing", keyOfClient(r, movedNode.GetId()))
 	}
 }
