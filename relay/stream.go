@@ -1339,7 +1339,9 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 
 	out := &wire.Response{TypeURL: sub.typeURL, Updated: upd, Removed: removed, From: from, To: sub.known.Root(), Order: p.ts.order}
 	if s.delta && s.peerRelay == nil && len(upd) == 0 && len(removed) > 0 {
-		out.Updated = s.carrier(sub.known, p.ts.view)
+		if c := s.carrier(sub.known, p.ts.view); c != nil {
+			out.Updated, out.Carried = []*xds.Resource{c}, c.Hash
+		}
 	}
 	if s.peerRelay != nil {
 		// A peer relay takes the response's Order for its whole view of
@@ -1437,7 +1439,7 @@ func (s *stream) dropEndpointsOf(before ledger.Tree[*xds.Resource], removed []st
 }
 
 // carrier returns, for a Delta response that only removes, one resource the
-// client holds after it (none if it holds nothing), sent again as it is:
+// client holds after it (nil if it holds nothing), sent again as it is:
 // its version then carries the response's Order. A Delta client declares
 // what it holds resource by resource when it reconnects, and a removal
 // leaves no version behind: without it, an Envoy that was told a resource
@@ -1448,7 +1450,7 @@ func (s *stream) dropEndpointsOf(before ledger.Tree[*xds.Resource], removed []st
 // sent again unchanged as no change. What the client declared when it
 // reconnected is held by hash alone until the relay sends it something
 // (its body may be the view's, or in the store).
-func (s *stream) carrier(known, view ledger.Tree[*xds.Resource]) []*xds.Resource {
+func (s *stream) carrier(known, view ledger.Tree[*xds.Resource]) *xds.Resource {
 	for e := range known.All() {
 		r := e.Value
 		if r == nil {
@@ -1459,7 +1461,7 @@ func (s *stream) carrier(known, view ledger.Tree[*xds.Resource]) []*xds.Resource
 			}
 		}
 		if r != nil {
-			return []*xds.Resource{r}
+			return r
 		}
 	}
 	return nil

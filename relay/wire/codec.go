@@ -48,6 +48,11 @@ type Response struct {
 	// view's Order, which every version in it carries.
 	From, To, View ledger.Hash
 	Order          ledger.Order
+	// Carried is the hash of the resource a Delta response that only
+	// removes sends again unchanged to carry its Order (zero if none): the
+	// one resource of a response that From and To do not determine, so the
+	// bytes depend on it too.
+	Carried ledger.Hash
 }
 
 // FullSotW lists what a SotW full-state response carries (nil for other
@@ -138,6 +143,7 @@ type bodyKey struct {
 	from, to ledger.Hash
 	view     ledger.Hash
 	order    ledger.Order
+	carried  ledger.Hash
 }
 
 // Bodies keeps recent bodies, bounded in bytes and in age: a body is
@@ -324,7 +330,7 @@ func (c *Bodies) SotW(o *Response, controlPlane []byte) *Message {
 
 // Delta returns o as a DeltaDiscoveryResponse, as SotW does.
 func (c *Bodies) Delta(o *Response, controlPlane []byte) *Message {
-	body := c.get(bodyKey{delta: true, typeURL: o.TypeURL, from: o.From, to: o.To, view: o.View, order: o.Order}, func() []byte {
+	body := c.get(bodyKey{delta: true, typeURL: o.TypeURL, from: o.From, to: o.To, view: o.View, order: o.Order, carried: o.Carried}, func() []byte {
 		return encodeDelta(o, controlPlane)
 	})
 	return newMessage(nonceField(fDeltaNonce, o.Nonce), body)

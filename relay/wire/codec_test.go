@@ -105,6 +105,31 @@ func TestDeltaResponse(t *testing.T) {
 	}
 }
 
+// A Delta response that only removes is sent to an Envoy with one resource
+// it holds again (its version carries the removal's Order), to another
+// relay without: the same transition at the same Order, two bodies. A peer
+// relay's body once went to an Envoy, which then declared only older
+// Orders on reconnect and was sent a removed cluster back (the
+// simulation's seed 2705 of issue 28).
+func TestDeltaRemovalCarrierIsPartOfTheBody(t *testing.T) {
+	var bodies Bodies
+	view, held := resources(t, "c0")
+	o := ledger.Order{Session: 1 << 20, At: 2 << 20}
+	bare := &Response{TypeURL: xds.TypeCluster, Removed: []string{"gone"}, From: ledger.Hash{1}, To: view.Root(), View: view.Root(), Order: o, Nonce: "1"}
+	carried := *bare
+	carried.Updated, carried.Carried = held, held[0].Hash
+	for _, first := range []*Response{bare, &carried} { // whichever is encoded first
+		bodies = Bodies{}
+		_ = bodies.Delta(first, nil)
+		if got := decodeMessage(t, bodies.Delta(&carried, nil), &discovery.DeltaDiscoveryResponse{}); len(got.GetResources()) != 1 {
+			t.Fatalf("the Envoy's removal carries %d resources, want the one held", len(got.GetResources()))
+		}
+		if got := decodeMessage(t, bodies.Delta(bare, nil), &discovery.DeltaDiscoveryResponse{}); len(got.GetResources()) != 0 {
+			t.Fatalf("the relay's removal carries %d resources, want none", len(got.GetResources()))
+		}
+	}
+}
+
 // A body wanted by many streams at once is encoded once; one not used for
 // two periods is let go, one used again is kept.
 func TestBodiesOnceAndAging(t *testing.T) {
