@@ -494,10 +494,7 @@ func TestSplitTheOwnerNeverKnewIsMergedBack(t *testing.T) {
 		c.Owners = newFakeOwners(owner.Addr().String(), false)
 	})
 	presented, diverging := node("ns0", "app", 0), node("ns0", "app", 1)
-	base, _ := owner.keyOf(presented, nil)
-	split := aggkey.NewSplit(diverging, presented)
-	split.Epoch = uint64(at.clock.Now())
-	at.learnSplits(base, []aggkey.Split{split}) // found there, told to nobody
+	base := splitHere(at, presented, diverging)
 
 	syncAll(newRawClient(t, dial(t, owner.Addr().String()), false, presented))
 	moved := newRawClient(t, dial(t, at.Addr().String()), false, diverging)
@@ -534,10 +531,7 @@ func TestSplitKeyNobodyComesBackToIsDropped(t *testing.T) {
 		c.Owners = newFakeOwners(owner.Addr().String(), false)
 	})
 	presented, diverging := node("ns0", "app", 0), node("ns0", "app", 1)
-	base, _ := owner.keyOf(presented, nil)
-	split := aggkey.NewSplit(diverging, presented)
-	split.Epoch = uint64(at.clock.Now())
-	at.learnSplits(base, []aggkey.Split{split}) // told to nobody
+	splitHere(at, presented, diverging)
 
 	syncAll(newRawClient(t, dial(t, owner.Addr().String()), false, presented))
 	moved := newRawClient(t, dial(t, at.Addr().String()), false, diverging)
@@ -548,6 +542,16 @@ func TestSplitKeyNobodyComesBackToIsDropped(t *testing.T) {
 	waitLong(t, "the split key's upstream stream at the owner", func() bool { open, _ := up.streams(); return open == 2 })
 	moved.close()
 	waitLong(t, "one upstream stream", func() bool { open, _ := up.streams(); return open == 1 })
+}
+
+// splitHere makes r alone know a split of presented's key that moves
+// diverging (found there, told to nobody), and returns that key.
+func splitHere(r *Relay, presented, diverging *core.Node) aggkey.Key {
+	base, _ := r.keyOf(presented, nil)
+	s := aggkey.NewSplit(diverging, presented)
+	s.Epoch = uint64(r.clock.Now())
+	r.learnSplits(base, []aggkey.Split{s})
+	return base
 }
 
 // TestSplitRecheckedSoonThenLessOften: a key of a node of its own since a

@@ -898,10 +898,7 @@ func testUnknownClaimsKeep(t *testing.T, split bool) {
 	})
 	movedNode := node("ns0", "app", 1)
 	if split {
-		base, _ := r.keyOf(movedNode, nil)
-		s := aggkey.NewSplit(movedNode, node("ns0", "app", 0))
-		s.Epoch = uint64(r.clock.Now())
-		r.learnSplits(base, []aggkey.Split{s})
+		splitHere(r, node("ns0", "app", 0), movedNode)
 	} else {
 		stays.close()
 	}
