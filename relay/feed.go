@@ -54,11 +54,16 @@ type feed struct {
 
 	// sessionAt is the relay's clock when the current upstream stream was
 	// opened (the Session of the views it brings: ledger.Order), opened
-	// the same in wall-clock time; demandSent is the latest demand passed
-	// on to the owner (keyState.demand).
-	sessionAt  ledger.Stamp
-	opened     time.Time
-	demandSent ledger.Stamp
+	// the same in wall-clock time. demandSent is the latest demand passed
+	// on to the owner (keyState.demand), and demandCarried the one the
+	// current stream to it carries: passed on once the owner answers that
+	// stream (it read the demand before it answered). A stream that ends
+	// unanswered (the owner frozen, gone, or left before it read the
+	// stream) passed nothing, and the next stream carries the demand again.
+	sessionAt     ledger.Stamp
+	opened        time.Time
+	demandSent    ledger.Stamp
+	demandCarried ledger.Stamp
 	// renewing is set while the current stream renews one that could not
 	// cover what a client holds: it must get an answer to every type.
 	renewing bool
@@ -415,6 +420,7 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 		select {
 		case m := <-msgs:
 			got = true
+			u.demandSent = max(u.demandSent, u.demandCarried)
 			slotQuiet.Reset(confirmAfter)
 			if err := u.handle(m); err != nil {
 				return got, err
@@ -529,6 +535,7 @@ func timerC(t *time.Timer) <-chan time.Time {
 func (u *feed) open(sctx context.Context, presenter member, src source) (send func(proto.Message) error, recv func() (response, error), err error) {
 	conn := u.r.upConn
 	u.delta = u.r.cfg.UpstreamProtocol == ProtocolDelta
+	u.demandCarried = 0
 	if src.kind == sourcePeer {
 		if conn, err = u.r.pool.Conn(src.addr); err != nil {
 			return nil, nil, fmt.Errorf("owner %s: %w", src.addr, err)
@@ -536,7 +543,7 @@ func (u *feed) open(sctx context.Context, presenter member, src source) (send fu
 		sctx = u.r.peerContext(sctx, u.k.key)
 		if d := ledger.Stamp(u.k.demanded.Load()); d > u.demandSent {
 			sctx = metadata.AppendToOutgoingContext(sctx, peers.MDDemand, d.String())
-			u.demandSent = d
+			u.demandCarried = d
 		}
 		// Relays speak Delta to each other, and their versions are content
 		// hashes: declaring the views makes the owner send only what
@@ -679,8 +686,8 @@ const renewAfter = time.Second
 func (u *feed) renewal(src source) (wait time.Duration, now bool) {
 	d := ledger.Stamp(u.k.demanded.Load())
 	switch {
-	case src.kind == sourcePeer && d <= u.demandSent:
-		return 0, false // passed on already
+	case src.kind == sourcePeer && d <= max(u.demandSent, u.demandCarried):
+		return 0, false // passed on already, or on its way
 	case src.kind != sourcePeer && d < u.sessionAt: // Covers wants Session > At
 		return 0, false // the current stream was opened after it
 	}

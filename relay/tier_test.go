@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"runtime"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -482,6 +483,107 @@ func TestMovedEnvoyReleasedByRenewal(t *testing.T) {
 				t.Fatalf("upstream streams opened = %d, want 1 (one renewal)", after-before)
 			}
 		})
+	}
+}
+
+// silentOwner is a relay's peer port that reads every stream and answers
+// none: an owner frozen, or gone before it read. It tells the test of each
+// stream, by the demand it carried ("" for none).
+type silentOwner struct {
+	discovery.UnimplementedAggregatedDiscoveryServiceServer
+	streams chan string
+}
+
+func startSilentOwner(t *testing.T) (addr string, streams <-chan string) {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := &silentOwner{streams: make(chan string, 64)}
+	srv := grpc.NewServer()
+	discovery.RegisterAggregatedDiscoveryServiceServer(srv, o)
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
+	return lis.Addr().String(), o.streams
+}
+
+func (o *silentOwner) DeltaAggregatedResources(st discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
+	md, _ := metadata.FromIncomingContext(st.Context())
+	select {
+	case o.streams <- strings.Join(md.Get(peers.MDDemand), ","):
+	default:
+	}
+	<-st.Context().Done()
+	return st.Context().Err()
+}
+
+// TestDemandLostWithItsStreamIsSentAgain: a relay that subscribes to the
+// owner passes a client's demand on in the metadata of a new stream, and
+// counted it passed once the stream was opened. Sent to an owner that never
+// read it (frozen, or replaced before it did), the demand was lost: the next
+// stream, to the new owner or the same one, carried none, and the client
+// waited for a renewal nobody would make (the simulation's seed 2114: an
+// Envoy without endpoints or routes for 62 s, until an unrelated fault
+// renewed the owner's stream). A demand is passed on once the owner
+// answers the stream that carries it.
+func TestDemandLostWithItsStreamIsSentAgain(t *testing.T) {
+	up := newTestUpstream(t, "ns0")
+	seed(up, "ns0", 3)
+	owner := startRelay(t, up, func(c *Config) { c.ID = "owner" })
+	silent, streams := startSilentOwner(t)
+	owners := newFakeOwners(owner.Addr().String(), false)
+	other := startRelay(t, up, func(c *Config) { c.ID = "other"; c.Owners = owners })
+	// atOwner keeps the owner's upstream stream for the key open throughout
+	// (a key nobody holds would be dropped, and its next stream would
+	// cover any demand).
+	atOwner := newRawClient(t, dial(t, owner.Addr().String()), true, node("ns0", "app", 0))
+	atOwner.subscribe(xds.TypeCluster)
+	atOwner.ack(atOwner.recvDelta(xds.TypeCluster))
+	_, before := up.streams()
+	c := newRawClient(t, dial(t, other.Addr().String()), true, node("ns0", "app", 1))
+	c.subscribe(xds.TypeCluster)
+	d := c.recvDelta(xds.TypeCluster)
+	c.ack(d)
+	declared := versionMap(d)
+
+	// The key moves to an owner that answers nothing; other's view stays
+	// what the first owner sent.
+	owners.set(silent, false)
+	streamTo := func(what string) string {
+		t.Helper()
+		select {
+		case dm := <-streams:
+			return dm
+		case <-time.After(30 * time.Second):
+			t.Fatalf("no stream reached the silent owner %s: the test checks nothing", what)
+			return ""
+		}
+	}
+	if dm := streamTo("after the switch"); dm != "" {
+		t.Fatalf("the first stream to the silent owner carried demand %q before any client declared one", dm)
+	}
+	// An Envoy declares a version from a stream opened after anything the
+	// view carries (as in TestMovedEnvoyReleasedByRenewal): other passes
+	// the demand on, to the silent owner, on a new stream.
+	now := ledger.StampAt(orderOf(t, declared["c0"]).At.Time().Add(time.Millisecond))
+	declared["c0"] = wire.Version(ledger.HashBytes([]byte("newer")), ledger.Order{Session: now, At: now})
+	moved := newRawClient(t, dial(t, other.Addr().String()), true, node("ns0", "app", 2))
+	moved.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, InitialResourceVersions: declared})
+	if dm := streamTo("with the demand"); dm != now.String() {
+		t.Fatalf("the silent owner's next stream carried demand %q, want %s", dm, now)
+	}
+	// The first owner is the key's owner again, and never heard the
+	// demand: the stream to it must carry it, or nobody renews for the
+	// moved Envoy.
+	owners.set(owner.Addr().String(), false)
+	m := moved.recvDelta(xds.TypeCluster)
+	wantNames(t, m, "c0")
+	if o := orderOf(t, versionMap(m)["c0"]); o.Session < now {
+		t.Fatalf("answered at %v, from a stream opened before the Envoy's version arrived (%v)", o, now)
+	}
+	if _, after := up.streams(); after-before != 1 {
+		t.Fatalf("upstream streams opened = %d, want 1 (the owner's renewal)", after-before)
 	}
 }
 
