@@ -33,6 +33,20 @@ func (s Stamp) Time() time.Time {
 	return time.UnixMilli(int64(uint64(s) >> logicalBits))
 }
 
+// Before reports whether s is known to be earlier than t in real time:
+// they fall in different milliseconds. Two readings of one millisecond are
+// ordered by their counters only on one clock (or one that observed the
+// other); two relays' clocks count their own readings, so a stream one
+// relay opened in the millisecond another relay received content may have
+// the higher count and be the earlier all the same (the simulation's seed
+// 3707: a restarted owner's stream, opened 0.9 ms before a change arrived
+// at a relay that switched to it, covered the change, and the relay's
+// Envoys were sent the cluster's removal). Comparisons across streams use
+// Before; those of one stream's arrivals, read on one clock, the counters.
+func (s Stamp) Before(t Stamp) bool {
+	return s|(1<<logicalBits-1) < t
+}
+
 // String renders s as "<milliseconds>.<counter>", its form on the wire.
 func (s Stamp) String() string {
 	return strconv.FormatUint(uint64(s)>>logicalBits, 10) + "." + strconv.FormatUint(uint64(s)&(1<<logicalBits-1), 10)
@@ -58,7 +72,9 @@ var ErrBadStamp = errors.New("ledger: not a version stamp")
 // At), and no newer than the upstream's state at At. A view is sent over
 // what a client holds only if its lower bound is past the client's upper
 // bound (Covers): so no path sends a client content older than content it
-// held. Content made of parts of several views (a relay that subscribes to
+// held (Session and At are readings of different relays' clocks: o's stream
+// must be opened in a later millisecond than c arrived, Stamp.Before).
+// Content made of parts of several views (a relay that subscribes to
 // the owner and was sent only part of the owner's view keeps the rest of
 // its own) has a Mixed Order (Mix): the earliest of the parts' Sessions
 // and the latest of their arrivals, and no single stream, so it covers and
@@ -74,7 +90,7 @@ var ErrBadStamp = errors.New("ledger: not a version stamp")
 // upstream answers a stream's subscription with what it has then), and no
 // newer than the upstream's state when it arrived. So view v is at least as
 // new as view c if both came on the same stream and v arrived later, or if
-// v's stream was opened after c arrived (v.Session > c.At). Nothing else is
+// v's stream was opened after c arrived (c.At.Before(v.Session)). Nothing else is
 // known: two streams open at the same time receive the same changes at
 // different moments (a relay frozen for 10 s reads ten seconds of changes
 // at once when it resumes, each "arriving" late, and it has no way to tell
@@ -115,7 +131,8 @@ func (o Order) IsZero() bool { return o == Order{} }
 // as content of Order c: c is zero (nothing is known of it, and nothing
 // held), or both came on the same upstream stream and o arrived no
 // earlier, or o's stream (every stream of a Mixed o) was opened after c
-// arrived. A zero o covers nothing but a zero c.
+// arrived, in a later millisecond (Stamp.Before). A zero o covers nothing
+// but a zero c.
 func (o Order) Covers(c Order) bool {
 	if c.IsZero() {
 		return true
@@ -123,7 +140,7 @@ func (o Order) Covers(c Order) bool {
 	if o.IsZero() {
 		return false
 	}
-	return (o.SameStream(c) && o.At >= c.At) || o.Session > c.At
+	return (o.SameStream(c) && o.At >= c.At) || c.At.Before(o.Session)
 }
 
 // SameStream reports whether o and c are Orders of views that came on one
@@ -233,6 +250,33 @@ func (c *Clock) Now() Stamp {
 		c.last++
 	}
 	return c.last
+}
+
+// Later returns a Stamp of a later millisecond than every Stamp the Clock
+// returned or observed (each is Before it), waiting for the wall clock to
+// get there: a millisecond at most, unless the Clock observed a faster
+// clock's Stamps. It waits wait at most, and then returns Now. An upstream
+// stream's Session reads it, so that the stream is known, across relays,
+// to be opened after all the relay had seen (a client's declaration, an
+// arrival, a peer's demand).
+func (c *Clock) Later(wait time.Duration) Stamp {
+	deadline := time.Now().Add(wait)
+	for {
+		wall := c.wall()
+		c.mu.Lock()
+		if c.last.Before(wall) {
+			c.last = wall
+			c.mu.Unlock()
+			return wall
+		}
+		next := (c.last | (1<<logicalBits - 1)) + 1 // the next millisecond's first reading
+		c.mu.Unlock()
+		d := next.Time().Sub(c.wallTime())
+		if time.Now().Add(d).After(deadline) {
+			return c.Now()
+		}
+		time.Sleep(d)
+	}
 }
 
 // MaxObserveAhead bounds how far ahead of the wall clock an observed Stamp

@@ -90,6 +90,10 @@ func TestOrderCovers(t *testing.T) {
 		{"same stream, earlier", o(10, 15), o(10, 20), false},
 		{"a stream opened after the client's arrived", o(25, 26), o(10, 20), true},
 		{"opened at the same reading as it arrived: not known to be after", o(20, 21), o(10, 20), false},
+		{"opened in the millisecond it arrived, at a higher count of another clock: not known to be after",
+			Order{Session: s(20) + 3, At: s(21)}, Order{Session: s(10), At: s(20) + 1}, false},
+		{"opened in the next millisecond", Order{Session: s(21), At: s(22)}, Order{Session: s(10), At: s(20) + 9}, true},
+		{"same stream, a later count of its clock", Order{Session: s(10), At: s(20) + 2}, Order{Session: s(10), At: s(20) + 1}, true},
 		{"opened before the client's arrived: a concurrent stream", o(15, 40), o(10, 20), false},
 		{"an older stream, however late it arrived (a frozen relay)", o(5, 90), o(10, 20), false},
 		{"a mix covers by its earliest session only", o(10, 30).Mix(o(25, 26)), o(10, 20), false},
@@ -170,4 +174,20 @@ func FuzzParseOrder(f *testing.F) {
 			t.Fatalf("ParseOrder(%q) = %v, but its String %q parses as %v, %v", in, o, o.String(), again, err)
 		}
 	})
+}
+
+func TestClockLater(t *testing.T) {
+	c := NewClock(nil)
+	a := c.Now()
+	b := c.Now() // the same millisecond, most likely: a higher count
+	if l := c.Later(time.Second); !a.Before(l) || !b.Before(l) {
+		t.Fatalf("Later() = %v, not in a later millisecond than %v and %v", l, a, b)
+	}
+	ahead := StampAt(time.Now().Add(time.Hour))
+	c.mu.Lock()
+	c.last = ahead // as if it observed a clock an hour ahead
+	c.mu.Unlock()
+	if l := c.Later(5 * time.Millisecond); l <= ahead {
+		t.Fatalf("Later() = %v after waiting its most, want above %v all the same", l, ahead)
+	}
 }

@@ -52,17 +52,16 @@ func newEnv(t *testing.T, delta bool, mod func(*Config)) *env {
 	return &env{t: t, delta: delta, up: up, r: r, conn: dial(t, r.Addr().String()), wall: wall}
 }
 
-// testWall is a wall clock that stands still until a test moves it.
-type testWall struct{ ms atomic.Int64 }
+// testWall is the wall clock, which a test may move ahead (a relay whose
+// clock is ahead of the others'). It runs: a relay opens a stream after
+// content arrived only in a later millisecond (ledger.Stamp.Before), and
+// one whose clock stood still would never open one.
+type testWall struct{ ahead atomic.Int64 }
 
-func newTestWall() *testWall {
-	w := &testWall{}
-	w.ms.Store(time.Now().UnixMilli())
-	return w
-}
+func newTestWall() *testWall { return &testWall{} }
 
-func (w *testWall) now() time.Time          { return time.UnixMilli(w.ms.Load()) }
-func (w *testWall) advance(d time.Duration) { w.ms.Add(d.Milliseconds()) }
+func (w *testWall) now() time.Time          { return time.Now().Add(time.Duration(w.ahead.Load())) }
+func (w *testWall) advance(d time.Duration) { w.ahead.Add(int64(d)) }
 func (w *testWall) orderIn(d time.Duration) ledger.Order {
 	s := ledger.StampAt(w.now().Add(d))
 	return ledger.Order{Session: s, At: s}

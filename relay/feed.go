@@ -618,8 +618,9 @@ func (u *feed) countStream(src source) (uncount func()) {
 func (u *feed) begin(node *core.Node, presenter member) {
 	u.presented, u.node, u.first, u.ownerStale = presenter, node, true, false
 	// Opened before anything is asked: every answer on this stream is at
-	// least as new as the upstream was now.
-	u.sessionAt, u.opened = u.r.clock.Now(), time.Now()
+	// least as new as the upstream was now, which is a later millisecond
+	// than anything the relay saw before (so the stream covers it).
+	u.sessionAt, u.opened = u.r.clock.Later(sessionStampWait), time.Now()
 	for _, ut := range u.types {
 		ut.asked, ut.nonce, ut.named, ut.answered = false, "", false, false // what it was asked is asked again
 	}
@@ -675,6 +676,11 @@ func (u *feed) pump(sctx context.Context, send func(proto.Message) error, recv f
 	return in, errs, wg.Wait
 }
 
+// sessionStampWait bounds the wait of a new upstream stream for its
+// Session to read a millisecond after all the relay saw (ledger.Clock.Later):
+// a millisecond, but for a relay that observed a faster clock's Stamps.
+const sessionStampWait = 10 * time.Millisecond
+
 // renewAfter is how long an upstream or peer stream lives at least before
 // a client's demand renews it: a bound on the reconnects that clients (each
 // of which may declare anything) can cause, one a second per key.
@@ -688,7 +694,7 @@ func (u *feed) renewal(src source) (wait time.Duration, now bool) {
 	switch {
 	case src.kind == sourcePeer && d <= max(u.demandSent, u.demandCarried):
 		return 0, false // passed on already, or on its way
-	case src.kind != sourcePeer && d < u.sessionAt: // Covers wants Session > At
+	case src.kind != sourcePeer && d.Before(u.sessionAt): // as Covers wants
 		return 0, false // the current stream was opened after it
 	}
 	if left := renewAfter - time.Since(u.opened); left > 0 {

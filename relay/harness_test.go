@@ -3,7 +3,9 @@ package relay
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net"
+	"os"
 	"slices"
 	"sync"
 	"testing"
@@ -276,6 +278,9 @@ func startRelayTo(t *testing.T, addr string, mod func(*Config)) *Relay {
 	// The tests count the upstream streams a key opens: a divergence
 	// check is one more. Its tests turn it on.
 	cfg.DivergenceInterval = 0
+	if os.Getenv("RELAY_TEST_LOG") != "" {
+		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
 	if mod != nil {
 		mod(&cfg)
 	}

@@ -970,7 +970,8 @@ func (s *stream) deferDangling(p *plan) {
 // A frozen relay that resumed sent a route of its old stream, naming a
 // cluster its new stream's clusters had dropped (the simulation's seed 54).
 func absentProven(cds, ts *typeView, at ledger.Stamp) bool {
-	return cds != nil && cds.order.Session > at && ts.order.Session >= cds.order.Session
+	return cds != nil && at.Before(cds.order.Session) &&
+		(ts.order.Session == cds.order.Session || cds.order.Session.Before(ts.order.Session))
 }
 
 // wakeAt has the stream woken at due at the latest (a held resource's
