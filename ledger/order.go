@@ -258,16 +258,20 @@ func (c *Clock) Now() Stamp {
 // clock's Stamps. It waits wait at most, and then returns Now. An upstream
 // stream's Session reads it, so that the stream is known, across relays,
 // to be opened after all the relay had seen (a client's declaration, an
-// arrival, a peer's demand).
-func (c *Clock) Later(wait time.Duration) Stamp {
+// arrival, a peer's demand). Its counter starts at spread (below 1<<15;
+// the Clock's next readings count on from there): a caller that draws it
+// at random makes two relays' streams opened in one millisecond differ,
+// as SameStream needs (they collide 1 time in 32,768).
+func (c *Clock) Later(wait time.Duration, spread uint16) Stamp {
 	deadline := time.Now().Add(wait)
 	for {
 		wall := c.wall()
 		c.mu.Lock()
 		if c.last.Before(wall) {
-			c.last = wall
+			c.last = wall | Stamp(spread&(1<<(logicalBits-1)-1))
+			s := c.last
 			c.mu.Unlock()
-			return wall
+			return s
 		}
 		next := (c.last | (1<<logicalBits - 1)) + 1 // the next millisecond's first reading
 		c.mu.Unlock()

@@ -180,14 +180,21 @@ func TestClockLater(t *testing.T) {
 	c := NewClock(nil)
 	a := c.Now()
 	b := c.Now() // the same millisecond, most likely: a higher count
-	if l := c.Later(time.Second); !a.Before(l) || !b.Before(l) {
+	l := c.Later(time.Second, 7)
+	if !a.Before(l) || !b.Before(l) {
 		t.Fatalf("Later() = %v, not in a later millisecond than %v and %v", l, a, b)
+	}
+	if l&(1<<logicalBits-1) != 7 {
+		t.Fatalf("Later(_, 7) = %v: its counter is not the spread asked", l)
+	}
+	if n := c.Now(); n <= l {
+		t.Fatalf("Now() = %v after Later() = %v: the clock went back", n, l)
 	}
 	ahead := StampAt(time.Now().Add(time.Hour))
 	c.mu.Lock()
 	c.last = ahead // as if it observed a clock an hour ahead
 	c.mu.Unlock()
-	if l := c.Later(5 * time.Millisecond); l <= ahead {
+	if l := c.Later(5*time.Millisecond, 0); l <= ahead {
 		t.Fatalf("Later() = %v after waiting its most, want above %v all the same", l, ahead)
 	}
 }

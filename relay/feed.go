@@ -620,7 +620,9 @@ func (u *feed) begin(node *core.Node, presenter member) {
 	// Opened before anything is asked: every answer on this stream is at
 	// least as new as the upstream was now, which is a later millisecond
 	// than anything the relay saw before (so the stream covers it).
-	u.sessionAt, u.opened = u.r.clock.Later(sessionStampWait), time.Now()
+	// Its counter is drawn at random: another relay's stream for the key
+	// opened in the same millisecond has another Session (not SameStream).
+	u.sessionAt, u.opened = u.r.clock.Later(sessionStampWait, uint16(randN(u.r.rand, int64(1<<15)))), time.Now()
 	for _, ut := range u.types {
 		ut.asked, ut.nonce, ut.named, ut.answered = false, "", false, false // what it was asked is asked again
 	}
