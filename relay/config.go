@@ -317,6 +317,13 @@ type Config struct {
 	// (spiffe://cluster.local/ns/istio-system/sa/istioctl, say). Default
 	// none.
 	AdminIdentities []string
+	// DebugNamespaces are the namespaces whose proven identities read the
+	// whole tier's istio.io/debug types on the TLS xDS port, as istiod
+	// answers its root namespace and ENABLE_DEBUG_ENDPOINT_AUTH's allowed
+	// namespaces (istioctl presents istio-system's default account). Read
+	// only: they give no admin API rights. An identity of another
+	// namespace reads its own namespace's. Default none.
+	DebugNamespaces []string
 
 	// Registerer and Gatherer hold the relay's Prometheus metrics. Default:
 	// a registry of the relay's own, so several relays can live in one

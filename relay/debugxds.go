@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"runtime/debug"
+	"slices"
 	"strconv"
 	"time"
 
@@ -38,35 +39,68 @@ const (
 // synczTypes are the types a syncz answer gives the status of, as istiod's.
 var synczTypes = []string{xds.TypeListener, xds.TypeRoute, xds.TypeEndpoint, xds.TypeCluster, xds.TypeExtension}
 
+// debugAnswer is what a stream last answered for a debug type URL.
+type debugAnswer struct {
+	nonce string
+	names []string
+}
+
+// debugAnswered reports whether a debug request is the client's ACK or
+// NACK of the stream's last answer of its type, which is not answered
+// again: it names that answer's nonce, and the same resource names or
+// an error (Delta: no new names, or an error). Anything else is a
+// question, answered as istiod answers every debug request. Istio's ADS client (pkg/adsc, which istioctl uses) puts
+// a nonce of its own (a timestamp) on every request, its first included,
+// and never ACKs a debug answer; an xDS client that does ACK is not
+// answered in a loop.
+func (s *stream) debugAnswered(typeURL, responseNonce string, names []string, nack, delta bool) bool {
+	last, ok := s.debugSent[typeURL]
+	if !ok || responseNonce == "" || responseNonce != last.nonce {
+		return false
+	}
+	return nack || slices.Equal(names, last.names) || delta && len(names) == 0
+}
+
+// debugNonce numbers a debug answer and remembers it (debugAnswered).
+func (s *stream) debugNonce(typeURL string, names []string) string {
+	s.nonce++
+	nonce := strconv.FormatUint(s.nonce, 10)
+	if s.debugSent == nil {
+		s.debugSent = make(map[string]debugAnswer)
+	}
+	s.debugSent[typeURL] = debugAnswer{nonce: nonce, names: slices.Clone(names)}
+	return nonce
+}
+
 // answerDebugSotW answers a SotW request for a debug type URL. A debug
-// client is not an Envoy: its stream joins no key. An ACK or a NACK of an
-// answer (a request with a response nonce) is not answered again.
-func (s *stream) answerDebugSotW(typeURL, responseNonce string, names []string) error {
-	if responseNonce != "" {
+// client is not an Envoy: its stream joins no key.
+func (s *stream) answerDebugSotW(req *discovery.DiscoveryRequest, names []string) error {
+	typeURL := req.GetTypeUrl()
+	if s.debugAnswered(typeURL, req.GetResponseNonce(), names, req.GetErrorDetail() != nil, false) {
 		return nil
 	}
 	res, err := s.debugResources(typeURL, names)
 	if err != nil {
 		return err
 	}
-	s.nonce++
 	return s.sendRaw(&discovery.DiscoveryResponse{TypeUrl: typeURL, Resources: res,
-		VersionInfo: strconv.FormatInt(time.Now().UnixNano(), 10), Nonce: strconv.FormatUint(s.nonce, 10),
+		VersionInfo: strconv.FormatInt(time.Now().UnixNano(), 10), Nonce: s.debugNonce(typeURL, names),
 		ControlPlane: s.r.debugControlPlane()})
 }
 
-// answerDebugDelta answers a Delta request for a debug type URL.
+// answerDebugDelta answers a Delta request for a debug type URL, by the
+// same rule.
 func (s *stream) answerDebugDelta(req *discovery.DeltaDiscoveryRequest) error {
-	if req.GetResponseNonce() != "" {
+	typeURL, names := req.GetTypeUrl(), req.GetResourceNamesSubscribe()
+	if s.debugAnswered(typeURL, req.GetResponseNonce(), names, req.GetErrorDetail() != nil, true) {
 		return nil
 	}
-	res, err := s.debugResources(req.GetTypeUrl(), req.GetResourceNamesSubscribe())
+	res, err := s.debugResources(typeURL, names)
 	if err != nil {
 		return err
 	}
-	s.nonce++
-	out := &discovery.DeltaDiscoveryResponse{TypeUrl: req.GetTypeUrl(), SystemVersionInfo: strconv.FormatInt(time.Now().UnixNano(), 10),
-		Nonce: strconv.FormatUint(s.nonce, 10), ControlPlane: s.r.debugControlPlane()}
+	out := &discovery.DeltaDiscoveryResponse{TypeUrl: typeURL, SystemVersionInfo: strconv.FormatInt(time.Now().UnixNano(), 10),
+		Nonce: s.debugNonce(typeURL, names), ControlPlane: s.r.debugControlPlane()}
 	for i, a := range res {
 		out.Resources = append(out.Resources, &discovery.Resource{Name: strconv.Itoa(i), Resource: a})
 	}
@@ -83,9 +117,10 @@ func isDebugType(typeURL string) bool {
 //     15010), answers everything; with an Authorizer a stream proves only
 //     that it may have its own node's config, not every node's;
 //   - the TLS port answers a stream that proved an identity (istioctl
-//     sends its service-account token) as the admin API would
-//     (identityCaller): everything for Config.AdminIdentities, the
-//     identity's own namespace for any other;
+//     sends a token of istio-system's default account): the whole tier
+//     for an identity of Config.DebugNamespaces (istiod's rule for its
+//     root namespace) or of Config.AdminIdentities, the identity's own
+//     namespace for any other;
 //   - the peer port serves the tier's relays, which ask no debug types.
 //
 // Anything else is PermissionDenied, saying what would be answered.
@@ -100,6 +135,10 @@ func (s *stream) debugCaller(typeURL string) (AdminCaller, error) {
 	case portTLS:
 		switch {
 		case s.identity != nil:
+			if slices.Contains(s.r.cfg.DebugNamespaces, s.identity.Namespace) {
+				// Reads the tier, as istiod answers its root namespace.
+				return AdminCaller{Admin: true, Identity: s.identity.SPIFFEID()}, nil
+			}
 			return s.r.identityCaller(*s.identity), nil
 		case s.peerRelay != nil:
 			return AdminCaller{}, status.Errorf(codes.PermissionDenied, "%s is not answered for the tier's relays", typeURL)

@@ -12,6 +12,7 @@ import (
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	statusv3 "github.com/envoyproxy/go-control-plane/envoy/service/status/v3"
+	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
@@ -91,6 +92,99 @@ func TestDebugTypes(t *testing.T) {
 	}
 }
 
+// TestDebugTypesWithIstioClientNonces: Istio's ADS client (pkg/adsc,
+// istioctl's) puts a nonce of its own, a timestamp, on every request, its
+// first included, and never ACKs a debug answer. Each such request is a
+// question and is answered, as istiod answers; a request naming the
+// stream's last answer of its type (an ACK, with the same names; a NACK)
+// is not answered again, SotW and Delta alike.
+func TestDebugTypesWithIstioClientNonces(t *testing.T) {
+	e := newEnv(t, false, nil)
+	c := e.client(0)
+	syncAll(c)
+	e.waitLedger(t, "the client's ACKs", ledger.Convergence{Envoys: 1, Current: 1}, "")
+	envoy := node("ns1", "app", 0).GetId()
+	debugNode := &core.Node{Id: "istioctl-1~0.0.0.0~istioctl-1.istio-system~istio-system.svc.cluster.local"}
+	stamp := func() string { return time.Now().String() } // as adsc.Send
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	ads := discovery.NewAggregatedDiscoveryServiceClient(e.conn)
+
+	t.Run("SotW", func(t *testing.T) {
+		st, err := ads.StreamAggregatedResources(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ask := func(req *discovery.DiscoveryRequest) *discovery.DiscoveryResponse {
+			t.Helper()
+			if err := st.Send(req); err != nil {
+				t.Fatal(err)
+			}
+			resp, err := st.Recv()
+			if err != nil {
+				t.Fatalf("%s: %v", req.GetTypeUrl(), err)
+			}
+			if resp.GetTypeUrl() != req.GetTypeUrl() {
+				t.Fatalf("asked %s, answered %s", req.GetTypeUrl(), resp.GetTypeUrl())
+			}
+			return resp
+		}
+		first := ask(&discovery.DiscoveryRequest{TypeUrl: typeDebugSyncz, Node: debugNode, ResponseNonce: stamp()})
+		if got := synczNodes(t, first); !slices.Equal(got, []string{envoy}) {
+			t.Fatalf("syncz lists %q, want the one Envoy", got)
+		}
+		ask(&discovery.DiscoveryRequest{TypeUrl: typeDebugSyncz, ResponseNonce: stamp()})
+		dump := ask(&discovery.DiscoveryRequest{TypeUrl: typeDebugConfigDump, ResourceNames: []string{envoy}, ResponseNonce: stamp()})
+		if len(dumpClusters(t, dump)) == 0 {
+			t.Fatal("config_dump with a client's own nonce: no clusters")
+		}
+		// An ACK and a NACK of the dump are not answered: the next answer
+		// is the next question's.
+		for _, ack := range []*discovery.DiscoveryRequest{
+			{TypeUrl: typeDebugConfigDump, ResourceNames: []string{envoy}, ResponseNonce: dump.GetNonce(), VersionInfo: dump.GetVersionInfo()},
+			{TypeUrl: typeDebugConfigDump, ResourceNames: []string{envoy}, ResponseNonce: dump.GetNonce(), ErrorDetail: &rpcstatus.Status{Message: "no"}},
+		} {
+			if err := st.Send(ack); err != nil {
+				t.Fatal(err)
+			}
+		}
+		ask(&discovery.DiscoveryRequest{TypeUrl: typeDebugSyncz, ResponseNonce: stamp()})
+	})
+
+	t.Run("Delta", func(t *testing.T) {
+		st, err := ads.DeltaAggregatedResources(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ask := func(req *discovery.DeltaDiscoveryRequest) *discovery.DeltaDiscoveryResponse {
+			t.Helper()
+			if err := st.Send(req); err != nil {
+				t.Fatal(err)
+			}
+			resp, err := st.Recv()
+			if err != nil {
+				t.Fatalf("%s: %v", req.GetTypeUrl(), err)
+			}
+			if resp.GetTypeUrl() != req.GetTypeUrl() {
+				t.Fatalf("asked %s, answered %s", req.GetTypeUrl(), resp.GetTypeUrl())
+			}
+			return resp
+		}
+		first := ask(&discovery.DeltaDiscoveryRequest{TypeUrl: typeDebugSyncz, Node: debugNode, ResponseNonce: stamp()})
+		if len(first.GetResources()) != 1 {
+			t.Fatalf("syncz lists %d Envoys, want 1", len(first.GetResources()))
+		}
+		dump := ask(&discovery.DeltaDiscoveryRequest{TypeUrl: typeDebugConfigDump, ResourceNamesSubscribe: []string{envoy}, ResponseNonce: stamp()})
+		if len(dump.GetResources()) == 0 {
+			t.Fatal("config_dump with a client's own nonce: nothing")
+		}
+		if err := st.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeDebugConfigDump, ResponseNonce: dump.GetNonce()}); err != nil {
+			t.Fatal(err)
+		}
+		ask(&discovery.DeltaDiscoveryRequest{TypeUrl: typeDebugSyncz, ResponseNonce: stamp()})
+	})
+}
+
 // debugAsk asks one debug question over a SotW stream of conn, with token
 // if set, and returns the answer or the stream's error.
 func debugAsk(t *testing.T, conn *grpc.ClientConn, token string, req *discovery.DiscoveryRequest) (*discovery.DiscoveryResponse, error) {
@@ -160,7 +254,9 @@ func dumpClusters(t *testing.T, resp *discovery.DiscoveryResponse) []string {
 // that proves nothing is refused on admission; a TLS port that
 // authenticates no one answers no debug question.
 func TestDebugTypesOnTLSPort(t *testing.T) {
-	e := newSecureEnv(t, auth.ModeAny, func(c *Config) { c.AdminIdentities = []string{adminID} })
+	e := newSecureEnv(t, auth.ModeAny, func(c *Config) {
+		c.AdminIdentities, c.DebugNamespaces = []string{adminID}, []string{"istio-system"}
+	})
 	// The last names its namespace in its metadata alone: its id names
 	// none.
 	anon := saNode("ns2", "app", 3)
@@ -184,6 +280,8 @@ func TestDebugTypesOnTLSPort(t *testing.T) {
 	all := append(slices.Clone(ns1), envoys[2].GetId(), anon.GetId())
 	adminTok := e.issuer.Sign(t, authtest.Token{Namespace: "istio-system", ServiceAccount: "istioctl"})
 	ns1Tok := e.issuer.Sign(t, authtest.Token{Namespace: "ns1", ServiceAccount: "viewer"})
+	// istioctl's own choice: istio-system's default account.
+	istioctlTok := e.issuer.Sign(t, authtest.Token{Namespace: "istio-system", ServiceAccount: "default"})
 	adminCert := e.mesh.Workload(t, "cluster.local", "istio-system", "istioctl")
 	ns2Cert := e.mesh.Workload(t, "cluster.local", "ns2", "ops")
 	syncz := &discovery.DiscoveryRequest{TypeUrl: typeDebugSyncz}
@@ -201,6 +299,8 @@ func TestDebugTypesOnTLSPort(t *testing.T) {
 	}{
 		{"admin JWT, syncz", creds{token: adminTok}, syncz, codes.OK, all, nil},
 		{"admin certificate, syncz", creds{cert: adminCert}, syncz, codes.OK, all, nil},
+		{"istioctl's JWT (a debug namespace), syncz", creds{token: istioctlTok}, syncz, codes.OK, all, nil},
+		{"istioctl's JWT (a debug namespace), dump of ns2", creds{token: istioctlTok}, dump(envoys[2].GetId()), codes.OK, nil, clusters},
 		{"ns1 JWT, syncz", creds{token: ns1Tok}, syncz, codes.OK, ns1, nil},
 		{"ns2 certificate, syncz", creds{cert: ns2Cert}, syncz, codes.OK, []string{anon.GetId(), envoys[2].GetId()}, nil},
 		{"admin JWT, dump of ns2", creds{token: adminTok}, dump(envoys[2].GetId()), codes.OK, nil, clusters},

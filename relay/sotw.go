@@ -56,7 +56,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *wire.NameLis
 		if err != nil {
 			return status.Error(codes.InvalidArgument, err.Error())
 		}
-		return s.answerDebugSotW(req.GetTypeUrl(), req.GetResponseNonce(), list)
+		return s.answerDebugSotW(req, list)
 	}
 	if s.key == nil {
 		if err := s.attach(req.GetNode()); err != nil {

@@ -63,6 +63,9 @@ type stream struct {
 
 	nonce uint64
 	subs  map[string]*typeSub
+	// debugSent is, per debug type URL, the last answer sent on the
+	// stream (debugxds.go): a request naming its nonce is its ACK.
+	debugSent map[string]debugAnswer
 	// opened is when the stream started.
 	opened time.Time
 	// answered is set once the client answered (ACK or NACK) a response

@@ -110,10 +110,14 @@ func serve(ctx context.Context, args []string) error {
 	drain := fs.Duration("drain-period", 10*time.Second, "on SIGTERM (or an admin Drain), how long the closing of streams is spread over after leaving the ring")
 	advertiseAdmin := fs.String("advertise-admin", "", "host:port relayctl dials for this relay's admin API (default: $POD_IP with the --admin-listen port)")
 	memRatio := fs.Float64("memory-limit-ratio", 0.9, "set GOMEMLIMIT to this fraction of the container's memory limit (cgroup), unless GOMEMLIMIT is set; 0: leave the Go runtime's default")
+	debugNS := fs.String("debug-namespaces", "istio-system", "comma-separated namespaces whose proven identities read the whole tier's istio.io/debug types on the TLS xDS port (istioctl presents istio-system's default account), as istiod answers its root namespace; any other identity reads its own namespace's; empty: none")
 	var etcd etcdFlags
 	etcd.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if *debugNS != "" {
+		cfg.DebugNamespaces = strings.Split(*debugNS, ",")
 	}
 	var err error
 	if cfg.UpstreamProtocol, err = relay.ParseProtocol(*upProto); err != nil {
