@@ -135,9 +135,11 @@ type Config struct {
 	// upstream per second (a token bucket holding one second's worth, at
 	// least one), whatever their key: a cold relay of a thousand per-node
 	// keys, or every key after istiod restarts, reaches istiod at this
-	// pace rather than as the storm the tier exists to spare it. Streams to
-	// keys' owners (other relays) are not counted. Default 50; 0: no
-	// bound.
+	// pace rather than as the storm the tier exists to spare it. Streams
+	// of the types the relay passes through per client (passthrough.go)
+	// take at most a fifth of the pace, so that no client can hold back
+	// the keys' streams. Streams to keys' owners (other relays) are not
+	// counted. Default 50; 0: no bound.
 	UpstreamStreamRate float64
 	// ForwardCredentials makes each key's upstream stream present, as
 	// "authorization: Bearer", the service-account token of the member

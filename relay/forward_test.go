@@ -10,9 +10,11 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/meshrelay/meshrelay/relay/xds"
 
@@ -316,5 +318,78 @@ func TestForwardAsksExpiringTokensToReconnect(t *testing.T) {
 	waitPresented(t, g, tokNew, "the reconnected member's fresh token is presented")
 	if refused := g.Refused(); len(refused) > 0 {
 		t.Fatalf("the upstream refused streams: %v", refused)
+	}
+}
+
+// A type the relay does not aggregate passes through on a stream of the
+// client's own (passthrough.go), which presents the client's own token and
+// node, as the client would to istiod, never none (issue 29: istiod
+// refused every such stream, 33 times a minute). A client whose token the
+// upstream refuses hears the refusal on its stream, once, instead of the
+// relay retrying it with every backoff.
+func TestForwardPassthroughPresentsTheClientsToken(t *testing.T) {
+	up := &revoked{tokens: map[[32]byte]bool{}}
+	e, g := forwardEnvMode(t, auth.ModeJWT, time.Minute, func(v auth.TokenVerifier) auth.TokenVerifier {
+		up.TokenVerifier = v
+		return up
+	})
+	e.up.set("ns1", typeNDS, &structpb.Struct{Fields: map[string]*structpb.Value{"host": structpb.NewStringValue("c0.ns1")}})
+	a, tokA, closeA := e.member(t, 1, time.Hour)
+	defer closeA()
+	waitPresented(t, g, tokA, "the key's stream presents the first member's token")
+	b, tokB, closeB := e.member(t, 2, time.Hour)
+	defer closeB()
+	b.subscribe(typeNDS)
+	if m := b.recvDelta(typeNDS); len(m.GetResources()) != 1 {
+		t.Fatalf("NDS through the relay: %d resources, want 1", len(m.GetResources()))
+	}
+	seen := waitPresented(t, g, tokB, "the passthrough stream presents the second member's own token")
+	if last := seen[len(seen)-1]; last.Node != b.node.GetId() {
+		t.Fatalf("the passthrough stream presents node %s, want its client's %s", last.Node, b.node.GetId())
+	}
+	if refused := g.Refused(); len(refused) > 0 {
+		t.Fatalf("the upstream refused streams: %v", refused)
+	}
+
+	// The upstream refuses a's token from now on (its pod is gone): a's
+	// passthrough stream is refused, and a is told so.
+	up.revoke(tokA)
+	a.subscribe(typeNDS)
+	if err := a.streamErr(); status.Code(err) != codes.Unauthenticated {
+		t.Fatalf("a client whose own upstream stream is refused: %v, want Unauthenticated", err)
+	}
+	up.mu.Lock()
+	refused := up.refused
+	up.mu.Unlock()
+	if refused != 1 {
+		t.Fatalf("the upstream refused the revoked token %d times, want once", refused)
+	}
+}
+
+// Passthrough streams (one per client, for the types the relay does not
+// aggregate) open at the upstream's pace, a fifth of it at most, like
+// every upstream stream the relay opens: a client's second stream asking
+// such a type waits for the limiter rather than adding to a storm (issue
+// 29: 150 streams of a key opened 151 upstream streams at once).
+func TestPassthroughStreamsWaitTheirTurn(t *testing.T) {
+	e := newEnv(t, true, nil)
+	// One passthrough stream now, the next in 1,000 s: the test ends
+	// long before.
+	e.r.passRate = rate.NewLimiter(0.001, 1)
+	first := e.client(10)
+	first.subscribe(xds.TypeCluster)
+	first.ack(first.recv())
+	first.subscribe(typeNDS)
+	if m := first.recvDelta(typeNDS); len(m.GetResources()) != 1 {
+		t.Fatalf("first client's NDS: %d resources, want 1", len(m.GetResources()))
+	}
+	_, before := e.up.streams()
+	second := e.client(11)
+	second.subscribe(xds.TypeCluster)
+	second.ack(second.recv())
+	second.subscribe(typeNDS)
+	second.quiet(typeNDS) // its NDS request was handled before this barrier's
+	if _, after := e.up.streams(); after != before {
+		t.Fatalf("upstream streams opened while the passthrough limiter was empty: %d, want %d", after, before)
 	}
 }

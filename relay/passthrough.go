@@ -7,6 +7,7 @@ import (
 	"sync"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -18,8 +19,13 @@ import (
 // passthrough carries one downstream stream's requests for types the relay
 // does not cache (Istio's NDS and PCDS, istio.io/debug/*, ambient types, …)
 // to the upstream on an upstream stream of its own, presenting the client's
-// node, and carries the answers back. Such answers may depend on the very
-// proxy that asks, so they are never shared.
+// node (and, in forward mode, its token), and carries the answers back.
+// Such answers may depend on the very proxy that asks, so they are never
+// shared. Each stream is opened at the upstream's pace
+// (Config.UpstreamStreamRate), at most a fifth of it for passthrough
+// streams together, so that clients asking for such types cannot hold back
+// the keys' own streams; an upstream that refuses the client's
+// credentials ends the client's stream with its refusal, as istiod would.
 //
 // The stream's handler goroutine owns the nonce mapping and calls enqueue and
 // forward; the passthrough's own goroutine owns the upstream stream and
@@ -30,6 +36,10 @@ type passthrough struct {
 	done   chan struct{}
 	kick   chan struct{}
 	out    chan proto.Message
+	// refused carries the upstream's refusal of the client's credentials
+	// (Unauthenticated, PermissionDenied): the client's stream ends with
+	// it, and the passthrough stops.
+	refused chan error
 
 	mu    sync.Mutex
 	queue []proto.Message
@@ -58,6 +68,15 @@ func (s *stream) passOut() <-chan proto.Message {
 		return nil
 	}
 	return s.pass.out
+}
+
+// passRefused returns the channel of the upstream's refusal of the
+// client's credentials, nil if the stream has no passthrough.
+func (s *stream) passRefused() <-chan error {
+	if s.pass == nil {
+		return nil
+	}
+	return s.pass.refused
 }
 
 func (s *stream) passthroughSotW(req *discovery.DiscoveryRequest) error {
@@ -111,6 +130,7 @@ func (s *stream) passthroughFor() *passthrough {
 		done:      make(chan struct{}),
 		kick:      make(chan struct{}, 1),
 		out:       make(chan proto.Message, 16),
+		refused:   make(chan error, 1),
 		lastSotW:  make(map[string]*discovery.DiscoveryRequest),
 		deltaSubs: make(map[string]map[string]bool),
 		deltaHeld: make(map[string]map[string]string),
@@ -204,6 +224,13 @@ func (p *passthrough) run(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
+		if c := status.Code(err); c == codes.Unauthenticated || c == codes.PermissionDenied {
+			// Retrying would be refused again, as often as the backoff
+			// allows: the client hears it instead.
+			p.s.log.Info("upstream refused a passthrough stream", "code", c, "err", status.Convert(err).Message())
+			p.refused <- status.Errorf(c, "the upstream refused this stream's own upstream stream (for types the relay does not aggregate): %s", status.Convert(err).Message())
+			return
+		}
 		d := bo.next()
 		p.s.log.Debug("passthrough stream failed", "err", err, "retry_in", d)
 		if !sleepCtx(ctx, d) {
@@ -214,9 +241,22 @@ func (p *passthrough) run(ctx context.Context) {
 
 // session runs one upstream stream until it fails or ctx ends.
 func (p *passthrough) session(ctx context.Context) error {
+	r := p.s.r
+	for _, l := range []*rate.Limiter{r.passRate, r.upstreamRate} {
+		if l != nil {
+			if err := l.Wait(ctx); err != nil {
+				return err
+			}
+		}
+	}
+	if r.cfg.ForwardCredentials {
+		// The content is this client's: it presents its own token, as it
+		// would to istiod. Without one istiod refuses, and so does this.
+		ctx = withCredential(ctx, p.s.cred)
+	}
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	client := discovery.NewAggregatedDiscoveryServiceClient(p.s.r.upConn)
+	client := discovery.NewAggregatedDiscoveryServiceClient(r.upConn)
 	var (
 		send func(proto.Message) error
 		recv func() (proto.Message, error)

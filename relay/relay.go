@@ -118,6 +118,7 @@ type Relay struct {
 	syncs        syncSlots                // first answers from the upstream in flight (Config.UpstreamSyncs)
 	peerSyncs    syncSlots                // first answers from keys' owners in flight (as many)
 	upstreamRate *rate.Limiter            // streams opened to the upstream (Config.UpstreamStreamRate); nil: no bound
+	passRate     *rate.Limiter            // of those, passthrough streams: a fifth of the pace; nil: no bound
 	refIndex     xds.RefIndex
 	metrics      *metrics
 	pushACK      latency
@@ -226,6 +227,7 @@ func New(cfg Config) (*Relay, error) {
 	}
 	if cfg.UpstreamStreamRate > 0 {
 		r.upstreamRate = rate.NewLimiter(rate.Limit(cfg.UpstreamStreamRate), max(1, int(cfg.UpstreamStreamRate)))
+		r.passRate = rate.NewLimiter(rate.Limit(cfg.UpstreamStreamRate/5), max(1, int(cfg.UpstreamStreamRate/5)))
 	}
 	m, err := newMetrics(cfg.Registerer, r)
 	if err != nil {

@@ -202,6 +202,8 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 			if err := s.forward(m); err != nil {
 				return err
 			}
+		case err := <-s.passRefused():
+			return err
 		case err := <-errc:
 			return recvError(err)
 		case <-s.ctx.Done():
