@@ -14,6 +14,7 @@ import (
 
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/auth"
@@ -28,6 +29,7 @@ type xdsTLSFlags struct {
 	verifier                    string
 	issuer, jwksFile, jwksURL   string
 	audiences                   string
+	kubeconfig                  string
 
 	// The verifiers apply built, for the admin API (adminAuthenticator).
 	certs  *auth.CertVerifier
@@ -41,7 +43,8 @@ func (x *xdsTLSFlags) register(fs *flag.FlagSet, cfg *relay.Config) {
 	fs.StringVar(&x.clientCA, "xds-client-ca", "", "PEM mesh root: client certificates chained to it prove SPIFFE identities (needed by --xds-auth mtls and any)")
 	fs.StringVar(&x.authMode, "xds-auth", "", "how TLS streams prove who they are: none, jwt, mtls or any (default any with --xds-client-ca, else jwt)")
 	fs.StringVar(&x.trustDomain, "trust-domain", "cluster.local", "the mesh's SPIFFE trust domain")
-	fs.StringVar(&x.verifier, "jwt-verifier", "tokenreview", "how service-account tokens are verified: tokenreview (the Kubernetes API, in-cluster config, verdicts cached) or local (signature against --jwt-jwks-file, --jwt-jwks-url, or else the key set --jwt-issuer's OIDC discovery document names)")
+	fs.StringVar(&x.verifier, "jwt-verifier", "tokenreview", "how service-account tokens are verified: tokenreview (the Kubernetes API: in-cluster config, or --kubeconfig; verdicts cached) or local (signature against --jwt-jwks-file, --jwt-jwks-url, or else the key set --jwt-issuer's OIDC discovery document names)")
+	fs.StringVar(&x.kubeconfig, "kubeconfig", "", "kubeconfig file of the Kubernetes API that reviews tokens (--jwt-verifier tokenreview) for a relay outside the cluster (a VM tier, a test); default: the in-cluster config of the pod's ServiceAccount")
 	fs.StringVar(&x.issuer, "jwt-issuer", "https://kubernetes.default.svc.cluster.local", "token issuer (the API server's --service-account-issuer), for --jwt-verifier local")
 	fs.StringVar(&x.jwksFile, "jwt-jwks-file", "", "JSON Web Key Set of the issuer (kubectl get --raw /openid/v1/jwks), for --jwt-verifier local")
 	fs.StringVar(&x.jwksURL, "jwt-jwks-url", "", "URL of the issuer's JSON Web Key Set (in a cluster: https://kubernetes.default.svc/openid/v1/jwks), for --jwt-verifier local")
@@ -133,9 +136,9 @@ func (x *xdsTLSFlags) tokenVerifier(ctx context.Context) (auth.TokenVerifier, er
 	}
 	switch x.verifier {
 	case "tokenreview":
-		kc, err := rest.InClusterConfig()
+		kc, err := x.kubeAPI()
 		if err != nil {
-			return nil, fmt.Errorf("--jwt-verifier tokenreview needs the Kubernetes API (in-cluster config): %w; outside a cluster use --jwt-verifier local", err)
+			return nil, err
 		}
 		// client-go's default of 5 requests a second would throttle the
 		// reviews of a reconnect storm far below the admission rate.
@@ -235,4 +238,21 @@ func (b *bearerTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	req = req.Clone(req.Context())
 	req.Header.Set("Authorization", "Bearer "+tok)
 	return b.cluster.RoundTrip(req)
+}
+
+// kubeAPI returns the config of the Kubernetes API that reviews tokens:
+// --kubeconfig's current context, else the pod's in-cluster config.
+func (x *xdsTLSFlags) kubeAPI() (*rest.Config, error) {
+	if x.kubeconfig != "" {
+		kc, err := clientcmd.BuildConfigFromFlags("", x.kubeconfig)
+		if err != nil {
+			return nil, fmt.Errorf("--kubeconfig: %w", err)
+		}
+		return kc, nil
+	}
+	kc, err := rest.InClusterConfig()
+	if err != nil {
+		return nil, fmt.Errorf("--jwt-verifier tokenreview needs the Kubernetes API: %w; outside a cluster give --kubeconfig, or use --jwt-verifier local", err)
+	}
+	return kc, nil
 }
