@@ -23,6 +23,7 @@ import (
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
+	"github.com/meshrelay/meshrelay/relay/xds/ndspb"
 )
 
 // env is one conformance case's world: a real go-control-plane upstream
@@ -41,7 +42,7 @@ func newEnv(t *testing.T, delta bool, mod func(*Config)) *env {
 	up := newTestUpstream(t, "ns1", "ns2")
 	seed(up, "ns1", 3)
 	seed(up, "ns2", 3)
-	up.set("ns1", typeNDS, &structpb.Struct{Fields: map[string]*structpb.Value{"host": structpb.NewStringValue("c0.ns1")}})
+	up.set("ns1", typeOther, &structpb.Struct{Fields: map[string]*structpb.Value{"host": structpb.NewStringValue("c0.ns1")}})
 	wall := newTestWall()
 	r := startRelay(t, up, func(c *Config) {
 		c.wall = wall.now
@@ -533,16 +534,47 @@ func TestConformance(t *testing.T) {
 			c2.subscribe(xds.TypeEndpoint, "c1") // the client forgot c1 and asks again
 			wantNames(t, c2.recv(), "c1")
 		}},
+		{"NDS is aggregated: one upstream stream for a key's agents, one NameTable", func(t *testing.T, e *env) {
+			_, before := e.up.streams()
+			var clients []*rawClient
+			for i := range 3 {
+				c := e.client(20 + i)
+				c.subscribe(xds.TypeCluster)
+				c.ack(c.recv())
+				c.subscribe(xds.TypeNameTable) // as pilot-agent: no names
+				m := c.recv()
+				if typeOf(m) != xds.TypeNameTable {
+					t.Fatalf("client %d: got %s, want its NameTable", i, xds.ShortType(typeOf(m)))
+				}
+				if got := nameTableHosts(t, m); !slices.Equal(got, []string{"c0.ns1.svc.cluster.local", "c1.ns1.svc.cluster.local", "c2.ns1.svc.cluster.local"}) {
+					t.Fatalf("client %d: NameTable hosts %q, want ns1's three", i, got)
+				}
+				c.ack(m)
+				clients = append(clients, c)
+			}
+			if _, after := e.up.streams(); after-before != 1 {
+				t.Fatalf("upstream streams opened = %d, want 1: the key's, NDS on it", after-before)
+			}
+			// istiod rebuilds the table: every agent gets the new one.
+			e.up.set("ns1", xds.TypeNameTable, nameTable("ns1", 4))
+			for i, c := range clients {
+				m := c.recv()
+				if got := nameTableHosts(t, m); len(got) != 4 {
+					t.Fatalf("client %d after the change: NameTable hosts %q, want 4", i, got)
+				}
+				c.ack(m)
+			}
+		}},
 		{"unknown types pass through, per stream", func(t *testing.T, e *env) {
 			_, before := e.up.streams()
 			for i := range 2 {
 				c := e.client(10 + i)
 				c.subscribe(xds.TypeCluster)
 				c.ack(c.recv())
-				c.subscribe(typeNDS)
+				c.subscribe(typeOther)
 				m := c.recv()
-				if typeOf(m) != typeNDS || len(resourcesOf(m)) != 1 {
-					t.Fatalf("client %d: got %s with %d resources, want one NDS resource", i, xds.ShortType(typeOf(m)), len(resourcesOf(m)))
+				if typeOf(m) != typeOther || len(resourcesOf(m)) != 1 {
+					t.Fatalf("client %d: got %s with %d resources, want one resource", i, xds.ShortType(typeOf(m)), len(resourcesOf(m)))
 				}
 				c.ack(m)
 				c.quiet()
@@ -815,4 +847,40 @@ func (d denyNamespace) Authorize(_ context.Context, n *core.Node) error {
 		return errors.New("namespace not allowed")
 	}
 	return nil
+}
+
+// nameTable is what istiod's NDS gives a sidecar of ns that sees n
+// services: each service's host and address.
+func nameTable(ns string, n int) *ndspb.NameTable {
+	nt := &ndspb.NameTable{Table: map[string]*ndspb.NameTable_NameInfo{}}
+	for i := range n {
+		nt.Table[fmt.Sprintf("c%d.%s.svc.cluster.local", i, ns)] = &ndspb.NameTable_NameInfo{
+			Ips: []string{fmt.Sprintf("10.96.0.%d", i+1)}, Registry: "Kubernetes", Shortname: fmt.Sprint("c", i), Namespace: ns}
+	}
+	return nt
+}
+
+// nameTableHosts returns the hosts of the one NameTable a response
+// carries, sorted.
+func nameTableHosts(t *testing.T, m proto.Message) []string {
+	t.Helper()
+	var bodies [][]byte
+	switch r := m.(type) {
+	case *discovery.DiscoveryResponse:
+		for _, a := range r.GetResources() {
+			bodies = append(bodies, a.GetValue())
+		}
+	case *discovery.DeltaDiscoveryResponse:
+		for _, x := range r.GetResources() {
+			bodies = append(bodies, x.GetResource().GetValue())
+		}
+	}
+	if len(bodies) != 1 {
+		t.Fatalf("%d NameTables in a response, want 1", len(bodies))
+	}
+	var nt ndspb.NameTable
+	if err := proto.Unmarshal(bodies[0], &nt); err != nil {
+		t.Fatal(err)
+	}
+	return slices.Sorted(maps.Keys(nt.GetTable()))
 }

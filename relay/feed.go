@@ -1030,12 +1030,16 @@ func (u *feed) onDelta(resp *wire.DeltaIn) error {
 			vb.Set(r.Name, versionHash(v), v)
 		}
 	}
-	for _, n := range resp.GetRemovedResources() {
+	removed := resp.GetRemovedResources()
+	if xds.Singleton(typeURL) && len(removed) > 0 {
+		removed = []string{xds.SingletonName} // whatever the upstream named it
+	}
+	for _, n := range removed {
 		vb.Delete(n)
 	}
 	u.setVersions(ut, vb)
 	if ut.asked {
-		u.apply(typeURL, kept, resp.GetRemovedResources(), false, true, u.orderOf(resp))
+		u.apply(typeURL, kept, removed, false, true, u.orderOf(resp))
 	}
 	return u.request(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: resp.GetNonce()})
 }

@@ -333,15 +333,15 @@ func TestForwardPassthroughPresentsTheClientsToken(t *testing.T) {
 		up.TokenVerifier = v
 		return up
 	})
-	e.up.set("ns1", typeNDS, &structpb.Struct{Fields: map[string]*structpb.Value{"host": structpb.NewStringValue("c0.ns1")}})
+	e.up.set("ns1", typeOther, &structpb.Struct{Fields: map[string]*structpb.Value{"host": structpb.NewStringValue("c0.ns1")}})
 	a, tokA, closeA := e.member(t, 1, time.Hour)
 	defer closeA()
 	waitPresented(t, g, tokA, "the key's stream presents the first member's token")
 	b, tokB, closeB := e.member(t, 2, time.Hour)
 	defer closeB()
-	b.subscribe(typeNDS)
-	if m := b.recvDelta(typeNDS); len(m.GetResources()) != 1 {
-		t.Fatalf("NDS through the relay: %d resources, want 1", len(m.GetResources()))
+	b.subscribe(typeOther)
+	if m := b.recvDelta(typeOther); len(m.GetResources()) != 1 {
+		t.Fatalf("a passthrough type through the relay: %d resources, want 1", len(m.GetResources()))
 	}
 	seen := waitPresented(t, g, tokB, "the passthrough stream presents the second member's own token")
 	if last := seen[len(seen)-1]; last.Node != b.node.GetId() {
@@ -354,7 +354,7 @@ func TestForwardPassthroughPresentsTheClientsToken(t *testing.T) {
 	// The upstream refuses a's token from now on (its pod is gone): a's
 	// passthrough stream is refused, and a is told so.
 	up.revoke(tokA)
-	a.subscribe(typeNDS)
+	a.subscribe(typeOther)
 	if err := a.streamErr(); status.Code(err) != codes.Unauthenticated {
 		t.Fatalf("a client whose own upstream stream is refused: %v, want Unauthenticated", err)
 	}
@@ -379,16 +379,16 @@ func TestPassthroughStreamsWaitTheirTurn(t *testing.T) {
 	first := e.client(10)
 	first.subscribe(xds.TypeCluster)
 	first.ack(first.recv())
-	first.subscribe(typeNDS)
-	if m := first.recvDelta(typeNDS); len(m.GetResources()) != 1 {
-		t.Fatalf("first client's NDS: %d resources, want 1", len(m.GetResources()))
+	first.subscribe(typeOther)
+	if m := first.recvDelta(typeOther); len(m.GetResources()) != 1 {
+		t.Fatalf("first client's passthrough type: %d resources, want 1", len(m.GetResources()))
 	}
 	_, before := e.up.streams()
 	second := e.client(11)
 	second.subscribe(xds.TypeCluster)
 	second.ack(second.recv())
-	second.subscribe(typeNDS)
-	second.quiet(typeNDS) // its NDS request was handled before this barrier's
+	second.subscribe(typeOther)
+	second.quiet(typeOther) // its passthrough request was handled before this barrier's
 	if _, after := e.up.streams(); after != before {
 		t.Fatalf("upstream streams opened while the passthrough limiter was empty: %d, want %d", after, before)
 	}

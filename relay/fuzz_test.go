@@ -89,7 +89,7 @@ func appendChunk(tb testing.TB, b []byte, ctl byte, m proto.Message) []byte {
 
 // fuzzTypes are the type URLs a request's control byte can set: every
 // cached type and Istio's NDS, which passes through.
-var fuzzTypes = append(slices.Clone(xds.PushOrder), typeNDS)
+var fuzzTypes = append(slices.Clone(xds.PushOrder), typeOther)
 
 // typeOfCtl returns the type URL bits 3-6 of ctl set, or "".
 func typeOfCtl(ctl byte) string {
@@ -899,7 +899,7 @@ func declaredOf(h *downHarness, gen int, typeURL string) map[string]string {
 	return out
 }
 
-var ndsReq = &discovery.DiscoveryRequest{TypeUrl: typeNDS, Node: fuzzNode}
+var ndsReq = &discovery.DiscoveryRequest{TypeUrl: typeOther, Node: fuzzNode}
 
 func sotwSeeds() [][]downStep {
 	eds := []string{"c0", "c1"}
@@ -968,7 +968,7 @@ func sotwSeeds() [][]downStep {
 		{
 			plain(fuzzKeep, ndsReq),
 			plain(0, sotwReq(xds.TypeCluster)),
-			plain(0, &discovery.DiscoveryRequest{TypeUrl: typeNDS, ResponseNonce: "1"}),
+			plain(0, &discovery.DiscoveryRequest{TypeUrl: typeOther, ResponseNonce: "1"}),
 			sotwAck(1, xds.TypeCluster),
 		},
 		// Refused: no node on the first request; no type URL; too many names.
@@ -1050,9 +1050,9 @@ func deltaSeeds() [][]downStep {
 		},
 		// Istio's NDS passes through.
 		{
-			plain(fuzzKeep, &discovery.DeltaDiscoveryRequest{TypeUrl: typeNDS, Node: fuzzNode}),
+			plain(fuzzKeep, &discovery.DeltaDiscoveryRequest{TypeUrl: typeOther, Node: fuzzNode}),
 			plain(0, deltaReq(xds.TypeCluster, none, none)),
-			plain(fuzzKeep, &discovery.DeltaDiscoveryRequest{TypeUrl: typeNDS, ResponseNonce: "1"}),
+			plain(fuzzKeep, &discovery.DeltaDiscoveryRequest{TypeUrl: typeOther, ResponseNonce: "1"}),
 		},
 		// Refused: no node; no type URL; too many names.
 		{plain(0, deltaReq(xds.TypeCluster, none, none))},
@@ -1653,7 +1653,7 @@ func FuzzUpstreamResponses(f *testing.F) {
 	// SotW: unsolicited and unknown types, names nobody asked for.
 	f.Add(upSeed(f, false,
 		upChunk{0, sotwResp(xds.TypeScopedRoute, "v1", "n1")},
-		upChunk{0, sotwResp(typeNDS, "v1", "n2", &structpb.Struct{})},
+		upChunk{0, sotwResp(typeOther, "v1", "n2", &structpb.Struct{})},
 		upChunk{0, sotwResp("", "", "")},
 		upChunk{0, sotwResp(xds.TypeEndpoint, "v1", "n3", mkCLA("c9", 8080), mkCLA("c0", 1))},
 		upChunk{3, sotwResp(xds.TypeRoute, "v1", "n4", mkRoute("r81", "c0"), mkRoute("r99"))},
@@ -1679,7 +1679,7 @@ func FuzzUpstreamResponses(f *testing.F) {
 		upChunk{0, heartbeat},
 		upChunk{2, deltaResp(xds.TypeEndpoint, "n4", []string{"c0"}, mkCLA("c0", 1))},
 		upChunk{0, deltaResp(xds.TypeEndpoint, "n5", []string{"c7"})},
-		upChunk{0, deltaResp(typeNDS, "n6", nil, &structpb.Struct{})},
+		upChunk{0, deltaResp(typeOther, "n6", nil, &structpb.Struct{})},
 	))
 
 	f.Fuzz(func(t *testing.T, data []byte) {

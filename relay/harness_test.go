@@ -36,10 +36,11 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// typeNDS stands for the types the relay does not cache (Istio's NDS here).
-const typeNDS = "type.googleapis.com/istio.networking.nds.v1.NameTable"
+// typeOther stands for the types the relay does not cache, which pass
+// through per client (passthrough.go).
+const typeOther = "type.googleapis.com/meshrelay.test.v1.PerProxy"
 
-var upstreamTypes = append(slices.Clone(xds.PushOrder), typeNDS)
+var upstreamTypes = append(slices.Clone(xds.PushOrder), typeOther)
 
 // testUpstream is a real go-control-plane ADS server on loopback: one
 // LinearCache per (namespace group, type), so different namespaces can see
@@ -218,7 +219,7 @@ func (u *testUpstream) set(group, typeURL string, res ...types.Resource) {
 	for _, r := range res {
 		upd[cache.GetResourceName(r)] = r
 	}
-	if typeURL == typeNDS {
+	if typeURL == typeOther || xds.Singleton(typeURL) {
 		upd = map[string]types.Resource{}
 		for i, r := range res {
 			upd[fmt.Sprint("nds-", i)] = r
@@ -429,4 +430,5 @@ func seed(up *testUpstream, g string, n int) {
 		barriers = append(barriers, &runtimev3.Runtime{Name: fmt.Sprint("barrier-", i), Layer: &structpb.Struct{}})
 	}
 	up.set(g, xds.TypeRuntime, barriers...)
+	up.set(g, xds.TypeNameTable, nameTable(g, n))
 }

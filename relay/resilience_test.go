@@ -434,24 +434,24 @@ func TestPassthroughReplay(t *testing.T) {
 		t.Run(protocolName(delta), func(t *testing.T) {
 			e := newEnv(t, delta, nil)
 			c := e.client(0)
-			c.subscribe(typeNDS)
+			c.subscribe(typeOther)
 			c.nack(c.recv(), "")
 			if delta {
-				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeNDS, ResourceNamesUnsubscribe: []string{xds.WildcardName}})
+				c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeOther, ResourceNamesUnsubscribe: []string{xds.WildcardName}})
 			}
-			c.quiet(typeNDS) // the upstream may answer the NACK; leave it so
+			c.quiet(typeOther) // the upstream may answer the NACK; leave it so
 			// The client's last request is forwarded asynchronously: count
 			// what comes after it has reached the upstream.
 			waitFor(t, "the last passthrough request to reach the upstream", func() bool {
 				e.up.mu.Lock()
 				defer e.up.mu.Unlock()
 				for _, q := range e.up.sotwReqs {
-					if q.GetTypeUrl() == typeNDS && q.GetErrorDetail() != nil {
+					if q.GetTypeUrl() == typeOther && q.GetErrorDetail() != nil {
 						return true
 					}
 				}
 				for _, q := range e.up.deltaReq {
-					if q.GetTypeUrl() == typeNDS && len(q.GetResourceNamesUnsubscribe()) > 0 {
+					if q.GetTypeUrl() == typeOther && len(q.GetResourceNamesUnsubscribe()) > 0 {
 						return true
 					}
 				}
@@ -462,21 +462,21 @@ func TestPassthroughReplay(t *testing.T) {
 			e.up.mu.Unlock()
 			e.up.stop()
 			e.up.restart()
-			c.quiet(typeNDS) // the key's stream is back; the passthrough one too, or soon
+			c.quiet(typeOther) // the key's stream is back; the passthrough one too, or soon
 			waitFor(t, "the passthrough stream to reconnect", func() bool {
 				open, _ := e.up.streams()
 				return open == 2 // the key's and the client's passthrough
 			})
-			c.quiet(typeNDS) // and whatever it replays has reached the upstream
+			c.quiet(typeOther) // and whatever it replays has reached the upstream
 			e.up.mu.Lock()
 			defer e.up.mu.Unlock()
 			for _, q := range e.up.sotwReqs[beforeSotW:] {
-				if q.GetTypeUrl() == typeNDS && q.GetErrorDetail() != nil {
+				if q.GetTypeUrl() == typeOther && q.GetErrorDetail() != nil {
 					t.Fatalf("the NACK was replayed on the new stream: %v", q)
 				}
 			}
 			for _, q := range e.up.deltaReq[beforeDelta:] {
-				if q.GetTypeUrl() == typeNDS {
+				if q.GetTypeUrl() == typeOther {
 					t.Fatalf("a subscription to nothing was replayed as %v", q)
 				}
 			}

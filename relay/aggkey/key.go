@@ -91,7 +91,9 @@ func perNodeKey(id string) Key {
 //     apps.kubernetes.io/pod-index);
 //   - metadata ISTIO_VERSION, CLUSTER_ID, NETWORK, MESH_ID, SERVICE_ACCOUNT,
 //     INTERCEPTION_MODE, GENERATOR (proxyless gRPC gets other config),
-//     ENABLE_HBONE, REQUESTED_NETWORK_VIEW, and every ExtraMetadata field;
+//     ENABLE_HBONE, REQUESTED_NETWORK_VIEW, DNS_CAPTURE, DNS_AUTO_ALLOCATE
+//     (a proxy that captures DNS gets auto-allocated addresses), and every
+//     ExtraMetadata field;
 //   - locality: region, zone and sub-zone (EDS priorities depend on it);
 //   - IP families of INSTANCE_IPS (v4, v6 or dual: listeners bind by family),
 //     not the addresses themselves.
@@ -113,6 +115,9 @@ func (Istio) Name() string { return ProfileIstio }
 var istioMetadataFields = []string{
 	"ISTIO_VERSION", "CLUSTER_ID", "NETWORK", "MESH_ID", "SERVICE_ACCOUNT",
 	"INTERCEPTION_MODE", "GENERATOR", "ENABLE_HBONE", "REQUESTED_NETWORK_VIEW",
+	// A proxy that captures DNS consumes auto-allocated service addresses
+	// (its listeners and clusters, and its NDS name table, differ).
+	"DNS_CAPTURE", "DNS_AUTO_ALLOCATE",
 }
 
 var perPodLabels = []string{"statefulset.kubernetes.io/pod-name", "apps.kubernetes.io/pod-index"}

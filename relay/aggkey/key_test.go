@@ -165,7 +165,7 @@ func TestIstioKeySameWorkload(t *testing.T) {
 // TestIstioKeyFields: every field Istio documents changes the key.
 func TestIstioKeyFields(t *testing.T) {
 	base := reviewsPod()
-	extra := Istio{ExtraMetadata: []string{"DNS_CAPTURE", "PROXY_CONFIG"}}
+	extra := Istio{ExtraMetadata: []string{"SIDECAR_SCOPE_HINT", "PROXY_CONFIG"}}
 	cases := []struct {
 		name    string
 		profile Istio
@@ -195,7 +195,9 @@ func TestIstioKeyFields(t *testing.T) {
 		{"no locality", Istio{}, base.with(func(p *istioPod) { p.locality = nil })},
 		{"IP family v6", Istio{}, base.with(podIP("fd00::1"), podMeta("INSTANCE_IPS", "fd00::1"))},
 		{"IP family dual", Istio{}, base.with(podMeta("INSTANCE_IPS", "10.0.0.1,fd00::1"))},
-		{"extra metadata string", extra, base.with(podMeta("DNS_CAPTURE", "true"))},
+		{"extra metadata string", extra, base.with(podMeta("SIDECAR_SCOPE_HINT", "true"))},
+		{"DNS_CAPTURE", Istio{}, base.with(podMeta("DNS_CAPTURE", "true"))},
+		{"DNS_AUTO_ALLOCATE", Istio{}, base.with(podMeta("DNS_AUTO_ALLOCATE", "true"))},
 		{"extra metadata struct", extra, base.with(podMeta("PROXY_CONFIG", map[string]any{"concurrency": 2.0}))},
 		{"extra metadata struct field", extra, base.with(podMeta("PROXY_CONFIG", map[string]any{"concurrency": 4.0}))},
 	}
@@ -223,18 +225,18 @@ func TestIstioKeyFields(t *testing.T) {
 // TestIstioKeyExtraMetadata: a metadata field counts only if the profile
 // lists it, and the order of the list does not matter.
 func TestIstioKeyExtraMetadata(t *testing.T) {
-	a := reviewsPod().with(podMeta("DNS_CAPTURE", "true")).node()
-	b := reviewsPod().with(podMeta("DNS_CAPTURE", "false")).node()
+	a := reviewsPod().with(podMeta("SIDECAR_SCOPE_HINT", "true")).node()
+	b := reviewsPod().with(podMeta("SIDECAR_SCOPE_HINT", "false")).node()
 	if ka, kb := (Istio{}).Key(a), (Istio{}).Key(b); ka != kb {
-		t.Errorf("Key(%s) = %q and %q for two DNS_CAPTURE values, want one key: the default profile does not read it", a.GetId(), ka, kb)
+		t.Errorf("Key(%s) = %q and %q for two SIDECAR_SCOPE_HINT values, want one key: the default profile does not read it", a.GetId(), ka, kb)
 	}
-	p1 := Istio{ExtraMetadata: []string{"DNS_CAPTURE", "PROXY_CONFIG"}}
-	p2 := Istio{ExtraMetadata: []string{"PROXY_CONFIG", "DNS_CAPTURE"}}
+	p1 := Istio{ExtraMetadata: []string{"SIDECAR_SCOPE_HINT", "PROXY_CONFIG"}}
+	p2 := Istio{ExtraMetadata: []string{"PROXY_CONFIG", "SIDECAR_SCOPE_HINT"}}
 	if k1, k2 := p1.Key(a), p2.Key(a); k1 != k2 {
 		t.Errorf("Key(%s) = %q with ExtraMetadata %q, %q with %q; want one key", a.GetId(), k1, p1.ExtraMetadata, k2, p2.ExtraMetadata)
 	}
 	if ka, kb := p1.Key(a), p1.Key(b); ka == kb {
-		t.Errorf("Key(%s) = %q for both DNS_CAPTURE values with ExtraMetadata %q, want two keys", a.GetId(), ka, p1.ExtraMetadata)
+		t.Errorf("Key(%s) = %q for both SIDECAR_SCOPE_HINT values with ExtraMetadata %q, want two keys", a.GetId(), ka, p1.ExtraMetadata)
 	}
 }
 

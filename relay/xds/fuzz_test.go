@@ -11,14 +11,16 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/meshrelay/meshrelay/relay/xds/ndspb"
 )
 
-// typeNDS is Istio's NameTable, a type the relay does not cache.
-const typeNDS = "type.googleapis.com/istio.networking.nds.v1.NameTable"
+// typeOther is a type the relay does not cache.
+const typeOther = "type.googleapis.com/meshrelay.test.v1.PerProxy"
 
 // decodeTypes are the type URLs FuzzDecode picks from: every cached type,
 // and one that is not.
-var decodeTypes = append(slices.Clone(PushOrder), typeNDS)
+var decodeTypes = append(slices.Clone(PushOrder), typeOther)
 
 // FuzzDecode decodes arbitrary bytes as a resource of a type picked by
 // typeIdx (below 128: the Any carries the same type URL; from 128 on:
@@ -41,7 +43,10 @@ func FuzzDecode(f *testing.F) {
 	add(idx(TypeRuntime), "", &runtimev3.Runtime{Name: "rt0", Layer: &structpb.Struct{}})
 	add(idx(TypeCluster), "", &core.Node{Id: "not a cluster"})
 	add(idx(TypeEndpoint), "", mkCluster("c0")) // a cluster's bytes read as a CLA
-	add(idx(typeNDS), "", mkCluster("c0"))      // not a cached type
+	add(idx(typeOther), "", mkCluster("c0"))    // not a cached type
+	nt := &ndspb.NameTable{Table: map[string]*ndspb.NameTable_NameInfo{"c0.ns1.svc.cluster.local": {Ips: []string{"10.96.0.1"}}}}
+	add(idx(TypeNameTable), "", nt)  // unnamed, as istiod sends it
+	add(idx(TypeNameTable), "x", nt) // named anyhow
 	add(128+idx(TypeCluster), "", mkCluster("c0"))
 	f.Add(idx(TypeCluster), "", []byte{})
 	f.Add(idx(TypeRoute), "", []byte{0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f}) // truncated
@@ -70,7 +75,11 @@ func FuzzDecode(f *testing.F) {
 		if x.Name == "" {
 			t.Fatalf("decode(%s, %q) = a resource without a name", ShortType(typeURL), name)
 		}
-		if name != "" && x.Name != name {
+		if Singleton(typeURL) {
+			if x.Name != SingletonName {
+				t.Fatalf("decode(%s, %q) = resource named %q, want %q", ShortType(typeURL), name, x.Name, SingletonName)
+			}
+		} else if name != "" && x.Name != name {
 			t.Fatalf("decode(%s, %q) = resource named %q", ShortType(typeURL), name, x.Name)
 		}
 		if want := ContentHash(typeURL, value); x.Hash != want {
@@ -88,7 +97,8 @@ func FuzzDecode(f *testing.F) {
 				t.Fatalf("decode(%s, %q) again = %p, %v, want %p (interned)", ShortType(typeURL), want, y, err, x)
 			}
 		}
-		if y, err := s.Decode(typeURL, &anypb.Any{TypeUrl: typeURL, Value: value}, x.Name+"~other"); err == nil {
+		// (A Singleton's one resource is the relay's whatever its name.)
+		if y, err := s.Decode(typeURL, &anypb.Any{TypeUrl: typeURL, Value: value}, x.Name+"~other"); err == nil && !Singleton(typeURL) {
 			t.Fatalf("decode(%s, %q) of a resource named %q = %p, want an error", ShortType(typeURL), x.Name+"~other", x.Name, y)
 		}
 		if y := s.Lookup(x.Hash); y != x {

@@ -22,6 +22,7 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/xds/ndspb"
 )
 
 // Resource is one xDS resource as the upstream sent it. It is immutable and
@@ -192,6 +193,11 @@ func (s *Store) decode(typeURL string, a Any, wantName string, own func([]byte) 
 	if a.GetTypeUrl() != typeURL {
 		return nil, fmt.Errorf("relay: resource of type %s in a %s response", a.GetTypeUrl(), typeURL)
 	}
+	if Singleton(typeURL) {
+		// Unnamed, or named anyhow (istiod's Delta names it ""): the
+		// relay's one name for it.
+		wantName = SingletonName
+	}
 	h := ContentHash(typeURL, a.GetValue())
 	if r := s.Lookup(h); r != nil {
 		if wantName != "" && r.Name != wantName {
@@ -207,6 +213,9 @@ func (s *Store) decode(typeURL string, a Any, wantName string, own func([]byte) 
 		return nil, fmt.Errorf("relay: decode %s: %w", ShortType(typeURL), err)
 	}
 	name := nameOf(msg)
+	if Singleton(typeURL) {
+		name = SingletonName
+	}
 	if name == "" {
 		return nil, errNoName
 	}
@@ -267,6 +276,8 @@ func newMessage(typeURL string) (proto.Message, error) {
 		return &runtimev3.Runtime{}, nil
 	case TypeExtension:
 		return &core.TypedExtensionConfig{}, nil
+	case TypeNameTable:
+		return &ndspb.NameTable{}, nil
 	}
 	return nil, fmt.Errorf("relay: type %s is not cached", typeURL)
 }

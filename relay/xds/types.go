@@ -18,17 +18,23 @@ const (
 	TypeSecret      = resource.SecretType
 	TypeRuntime     = resource.RuntimeType
 	TypeExtension   = resource.ExtensionConfigType
+	// TypeNameTable is Istio's NDS: pilot-agent's DNS proxy asks for the
+	// names its workload resolves (ISTIO_META_DNS_CAPTURE) on the ADS
+	// stream it proxies. istiod builds it from what the node's key holds
+	// (its Sidecar scope, cluster, network, IP families, DNS settings), so
+	// a key's members share it. One unnamed resource (Singleton).
+	TypeNameTable = "type.googleapis.com/istio.networking.nds.v1.NameTable"
 )
 
 // PushOrder is the order in which a stream sends updates of several types at
 // once: make-before-break, so that a cluster exists before its endpoints, and
 // both before a listener or route refers to them. Read it, never modify it.
-var PushOrder = []string{TypeCluster, TypeEndpoint, TypeListener, TypeScopedRoute, TypeRoute, TypeSecret, TypeRuntime, TypeExtension}
+var PushOrder = []string{TypeCluster, TypeEndpoint, TypeListener, TypeScopedRoute, TypeRoute, TypeSecret, TypeRuntime, TypeExtension, TypeNameTable}
 
 // RemovalOrder is the order in which removals go out, after every update:
 // referrers first (listeners, routes), then what they referred to. Read
 // it, never modify it.
-var RemovalOrder = []string{TypeListener, TypeScopedRoute, TypeRoute, TypeCluster, TypeEndpoint, TypeSecret, TypeRuntime, TypeExtension}
+var RemovalOrder = []string{TypeListener, TypeScopedRoute, TypeRoute, TypeCluster, TypeEndpoint, TypeSecret, TypeRuntime, TypeExtension, TypeNameTable}
 
 // TypeRef is one edge of the graph of which type refers to which: resources
 // of From name resources of To (Kind says which of their references).
@@ -92,11 +98,25 @@ func Cached(typeURL string) bool { return slices.Contains(PushOrder, typeURL) }
 // response may carry only what changed, and a real istiod sends just that
 // (XDS-NOTES: "SotW EDS and RDS responses may carry only the resources that
 // changed").
-func FullStateSotW(typeURL string) bool { return typeURL == TypeCluster || typeURL == TypeListener }
+func FullStateSotW(typeURL string) bool {
+	return typeURL == TypeCluster || typeURL == TypeListener || Singleton(typeURL)
+}
 
 // LegacyWildcard reports whether an empty first subscription to typeURL means
 // "everything" (the legacy wildcard of the xDS protocol).
-func LegacyWildcard(typeURL string) bool { return typeURL == TypeCluster || typeURL == TypeListener }
+func LegacyWildcard(typeURL string) bool {
+	return typeURL == TypeCluster || typeURL == TypeListener || Singleton(typeURL)
+}
+
+// Singleton reports whether a response of typeURL carries one resource
+// that names nothing (Istio's NDS): istiod sends it unnamed, its clients
+// take the first resource of a response and ask for the type without
+// names. The relay keeps it under SingletonName.
+func Singleton(typeURL string) bool { return typeURL == TypeNameTable }
+
+// SingletonName is the name a Singleton type's one resource has in the
+// relay's views and in its Delta responses (clients ignore it).
+const SingletonName = "singleton"
 
 // ShortType names a type URL in logs and metrics labels.
 func ShortType(typeURL string) string {
@@ -117,6 +137,8 @@ func ShortType(typeURL string) string {
 		return "rtds"
 	case TypeExtension:
 		return "ecds"
+	case TypeNameTable:
+		return "nds"
 	}
 	return "other"
 }

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Regenerates imports.go: every Envoy v3 proto package of the
 # go-control-plane version in go.mod (the deprecated v2 API and v2alpha
-# packages left out), and every proto package of istio.io/api.
+# packages left out), every proto package of istio.io/api, and Istio's NDS
+# (relay/xds/ndspb), which istio.io/api does not hold.
 set -eu
 cd "$(dirname "$0")"
 gcp=$(go list -m -f '{{.Dir}}' github.com/envoyproxy/go-control-plane/envoy)
@@ -12,9 +13,12 @@ istio=$(go list -m -f '{{.Dir}}' istio.io/api)
 	echo 'package xdstypes'
 	echo
 	echo 'import ('
-	(cd "$gcp" && find . -name '*.pb.go' ! -name '*.pb.validate.go' | xargs -n1 dirname | sort -u |
-		grep -v -e '/v2$' -e '/v2/' -e 'v2alpha' -e '^\./api/v2' | sed 's|^\./|github.com/envoyproxy/go-control-plane/envoy/|')
-	(cd "$istio" && find . -name '*.pb.go' ! -path './common-protos/*' | xargs -n1 dirname | sort -u | sed 's|^\./|istio.io/api/|')
+	{
+		(cd "$gcp" && find . -name '*.pb.go' ! -name '*.pb.validate.go' | xargs -n1 dirname | sort -u |
+			grep -v -e '/v2$' -e '/v2/' -e 'v2alpha' -e '^\./api/v2' | sed 's|^\./|github.com/envoyproxy/go-control-plane/envoy/|')
+		(cd "$istio" && find . -name '*.pb.go' ! -path './common-protos/*' | xargs -n1 dirname | sort -u | sed 's|^\./|istio.io/api/|')
+		echo 'github.com/meshrelay/meshrelay/relay/xds/ndspb' # Istio's NDS, which istio.io/api does not hold
+	} | LC_ALL=C sort
 } | sed -e '/^github.com\|^istio.io/s|.*|\t_ "&"|' > imports.go
 echo ')' >> imports.go
 gofmt -l imports.go

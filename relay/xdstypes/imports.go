@@ -391,6 +391,7 @@ import (
 	_ "github.com/envoyproxy/go-control-plane/envoy/type/tracing/v3"
 	_ "github.com/envoyproxy/go-control-plane/envoy/type/v3"
 	_ "github.com/envoyproxy/go-control-plane/envoy/watchdog/v3"
+	_ "github.com/meshrelay/meshrelay/relay/xds/ndspb"
 	_ "istio.io/api/analysis/v1alpha1"
 	_ "istio.io/api/envoy/config/filter/http/alpn/v2alpha1"
 	_ "istio.io/api/envoy/config/filter/http/jwt_auth/v2alpha1"
