@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	cluster "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
@@ -253,5 +254,57 @@ func TestReturningClusterGetsItsEndpointsBeforeItsRoute(t *testing.T) {
 			}
 			return
 		}
+	}
+}
+
+// A removed cluster takes its endpoints' subscription with it also when
+// what the client holds is known by hash alone (a SotW claim the tier
+// knew, a declaration): the relay used to skip the drop for such a client,
+// take the assignment of the cluster that came back for held, and send its
+// route while it warmed (chaos, issue 28's wider envelope, seed 4: three
+// Envoys moved to a starved relay by a rolling restart).
+func TestRemovedClusterKnownByHashDropsItsEndpoints(t *testing.T) {
+	e := newEnv(t, false, nil)
+	s := e.r.newStream(context.Background(), false, portPlain)
+	s.key = newKeyState(e.r, "sidecar/ns9/hashes")
+	body := func(c *cluster.Cluster) *xds.Resource {
+		b, err := proto.Marshal(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := e.r.store.Decode(xds.TypeCluster, &anypb.Any{TypeUrl: xds.TypeCluster, Value: b}, "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+	c0, c1 := body(mkCluster("c0")), body(mkCluster("c1"))
+	for _, tc := range []struct {
+		name   string
+		stored bool // the entry's hash names a body the store holds
+	}{
+		{"its body in the store", true},
+		{"its body nowhere", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b := ledger.Tree[*xds.Resource]{}.Edit()
+			for _, r := range []*xds.Resource{c0, c1} {
+				h := r.Hash
+				if !tc.stored {
+					h = ledger.HashBytes([]byte("a body no longer held: " + r.Name))
+				}
+				b.Set(r.Name, h, nil) // by hash alone
+			}
+			before := b.Tree()
+			b.Delete("c1")
+			s.subs = map[string]*typeSub{
+				xds.TypeCluster:  {typeURL: xds.TypeCluster, wildcard: true, known: b.Tree()},
+				xds.TypeEndpoint: {typeURL: xds.TypeEndpoint, names: xds.NewNameSet([]string{"c0", "c1"})},
+			}
+			s.dropEndpointsOf(before, []string{"c1"})
+			if eds := s.subs[xds.TypeEndpoint]; eds.names.Has("c1") || !eds.names.Has("c0") {
+				t.Fatalf("after c1's removal the client's endpoints are %v, want c0 alone", eds.names)
+			}
+		})
 	}
 }

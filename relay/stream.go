@@ -1419,17 +1419,40 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 // relay is no Envoy: it keeps what it was sent.
 func (s *stream) dropEndpointsOf(before ledger.Tree[*xds.Resource], removed []string) {
 	eds, cds := s.subs[xds.TypeEndpoint], s.subs[xds.TypeCluster]
-	if s.peerRelay != nil || eds == nil || eds.wildcard || cds == nil || opaque(cds.known) {
+	if s.peerRelay != nil || eds == nil || eds.wildcard || cds == nil {
 		return
 	}
-	still := s.r.refIndex.Names(cds.known, xds.RefEndpoints)
+	// What the client holds may be known by hash alone (a claim the tier
+	// knew, a declaration): its body is looked up, and a cluster whose body
+	// is nowhere is taken to use the endpoints of its own name, as Istio's
+	// and most clusters do. Dropping too much only costs sending an
+	// assignment again, which Envoy takes as no change (chaos, issue 28's
+	// wider envelope: a returned cluster's route went out while it warmed,
+	// on a stream whose clusters were known by hash).
+	var still map[string]struct{}
+	if !opaque(cds.known) {
+		still = s.r.refIndex.Names(cds.known, xds.RefEndpoints)
+	} else {
+		still = make(map[string]struct{})
+		for e := range cds.known.All() {
+			if r := s.heldBody(e); r != nil {
+				for _, cla := range r.Refs(xds.RefEndpoints) {
+					still[cla] = struct{}{}
+				}
+			}
+		}
+	}
 	var drop []string
 	for _, n := range removed {
 		e, ok := before.Get(n)
-		if !ok || e.Value == nil {
+		if !ok {
 			continue
 		}
-		for _, cla := range e.Value.Refs(xds.RefEndpoints) {
+		clas := []string{n}
+		if r := s.heldBody(e); r != nil {
+			clas = r.Refs(xds.RefEndpoints)
+		}
+		for _, cla := range clas {
 			if _, used := still[cla]; !used && eds.names.Has(cla) && !slices.Contains(drop, cla) {
 				drop = append(drop, cla)
 			}
@@ -1440,6 +1463,19 @@ func (s *stream) dropEndpointsOf(before ledger.Tree[*xds.Resource], removed []st
 	}
 	s.resubscribe(eds, false, eds.names.With(nil, drop), nil)
 	eds.listID = wire.ListID{} // the client's next list is read, whatever it repeats
+}
+
+// heldBody returns the resource of an entry of what the client holds: its
+// own, or, known by hash alone, the store's (nil if the store has it no
+// more).
+func (s *stream) heldBody(e ledger.Entry[*xds.Resource]) *xds.Resource {
+	if e.Value != nil {
+		return e.Value
+	}
+	if e.Hash == unknownContent {
+		return nil
+	}
+	return s.r.store.Lookup(e.Hash)
 }
 
 // carrier returns, for a Delta response that only removes, one resource the
