@@ -1031,8 +1031,8 @@ func (u *feed) onDelta(resp *wire.DeltaIn) error {
 		}
 	}
 	removed := resp.GetRemovedResources()
-	if xds.Singleton(typeURL) && len(removed) > 0 {
-		removed = []string{xds.SingletonName} // whatever the upstream named it
+	if xds.Singleton(typeURL) {
+		removed = singletonRemoved(removed, len(kept) > 0)
 	}
 	for _, n := range removed {
 		vb.Delete(n)
@@ -1042,6 +1042,23 @@ func (u *feed) onDelta(resp *wire.DeltaIn) error {
 		u.apply(typeURL, kept, removed, false, true, u.orderOf(resp))
 	}
 	return u.request(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: resp.GetNonce()})
+}
+
+// singletonRemoved reads a Delta response's removals of a Singleton type:
+// its one resource is removed only by a response that carries none and
+// removes a name that is not the wildcard. istiod, which answers such a
+// type's subscription of "*" with the unnamed resource, removes "*" in the
+// same response (every subscribed name it did not send).
+func singletonRemoved(removed []string, carried bool) []string {
+	if carried {
+		return nil
+	}
+	for _, n := range removed {
+		if n != xds.WildcardName {
+			return []string{xds.SingletonName} // whatever the upstream named it
+		}
+	}
+	return nil
 }
 
 // decodeAll decodes n resources, refusing the whole response if any fails

