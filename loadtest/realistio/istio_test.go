@@ -4,13 +4,18 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
 	"fmt"
+	"io"
 	"log/slog"
 	"maps"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -21,9 +26,15 @@ import (
 	listener "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/structpb"
+	authenticationv1 "k8s.io/api/authentication/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/xds"
@@ -326,4 +337,125 @@ func istioctl(t *testing.T, ctx context.Context, m *mesh, args ...string) string
 		t.Fatalf("istioctl %s: %v\n%s", strings.Join(args, " "), err, out)
 	}
 	return string(out)
+}
+
+// TestRelayTLSWithRealTokens: `meshrelay serve` as a drop-in for istiod's
+// 15012 (the README's "Istio with TLS", as a single relay), verifying
+// sidecars' service-account tokens by TokenReview against the real API
+// server through --kubeconfig: a sidecar with its own token is served; one
+// presenting another namespace's is refused as istiod refuses it; and
+// istioctl, which presents istio-system's default account over TLS, lists
+// the tier's sidecars (istiod's rule for its root namespace).
+func TestRelayTLSWithRealTokens(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	m := startMesh(t, ctx)
+	for _, sa := range []struct{ ns, name string }{{SystemNamespace, "default"}, {"ns1", "default"}, {"ns2", "default"}} {
+		if err := m.kube.AddServiceAccount(ctx, sa.ns, sa.name); err != nil {
+			t.Fatal(err)
+		}
+	}
+	bin := filepath.Join(m.dir, "meshrelay")
+	if out, err := exec.CommandContext(ctx, "go", "build", "-o", bin, "github.com/meshrelay/meshrelay/cmd/meshrelay").CombinedOutput(); err != nil {
+		t.Fatalf("go build meshrelay: %v\n%s", err, out)
+	}
+	certFile, keyFile := m.istiod.Root.Serving(t, "meshrelay.istio-system.svc").Write(t, "")
+	port, err := freePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := "127.0.0.1:" + strconv.Itoa(port)
+	adminPort, err := freePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	root := filepath.Join(m.dir, "root-cert.pem")
+	if err := os.WriteFile(root, m.istiod.Root.RootPEM(), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// forward (the default with --xds-auth jwt): each key's stream to
+	// istiod's 15012 presents one of its sidecars' own tokens.
+	relayCmd := exec.Command(bin, "serve", "--upstream", m.istiod.TLSAddr, "--upstream-ca", root, "--upstream-san", "istiod.istio-system.svc",
+		"--xds-tls-listen", addr, "--xds-tls-cert", certFile, "--xds-tls-key", keyFile,
+		"--xds-auth", "jwt", "--jwt-verifier", "tokenreview", "--kubeconfig", m.kube.Kubeconfig,
+		"--gossip-listen", "", "--admin-listen", "127.0.0.1:"+strconv.Itoa(adminPort), "--id", "meshrelay-tls", "--log-level", "warn")
+	relayCmd.Stdout, relayCmd.Stderr = processLog(t, m.dir, "meshrelay"), processLog(t, m.dir, "meshrelay-err")
+	relayCmd.SysProcAttr = childAttr()
+	if err := relayCmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = relayCmd.Process.Kill(); _ = relayCmd.Wait() })
+	// Ready once it reached istiod (its health checks answer while its
+	// admin API is closed to callers it cannot prove).
+	for last := ""; ; {
+		resp, err := http.Get("http://127.0.0.1:" + strconv.Itoa(adminPort) + "/readyz")
+		if err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				break
+			}
+			last = fmt.Sprintf("%s: %s", resp.Status, b)
+		} else {
+			last = err.Error()
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("meshrelay never ready: %s", last)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(m.istiod.Root.RootPEM())
+	creds := grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool, ServerName: "meshrelay.istio-system.svc", MinVersion: tls.VersionTLS12}))
+	first := func(node *core.Node, token string) (*discovery.DiscoveryResponse, func(), error) {
+		conn, err := grpc.NewClient(addr, creds)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sctx := metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
+		for {
+			st, err := discovery.NewAggregatedDiscoveryServiceClient(conn).StreamAggregatedResources(sctx)
+			var resp *discovery.DiscoveryResponse
+			if err == nil {
+				if err = st.Send(&discovery.DiscoveryRequest{Node: node, TypeUrl: xds.TypeCluster}); err == nil || err == io.EOF {
+					resp, err = st.Recv()
+				}
+			}
+			// The relay refuses streams (Unavailable) until it reached
+			// istiod; Envoy retries those.
+			if status.Code(err) != codes.Unavailable || ctx.Err() != nil {
+				return resp, func() { conn.Close() }, err
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	pod := sidecarNode("ns1", "reviews", 0)
+	resp, closePod, err := first(pod, m.kube.Token(t, ctx, "ns1", "default"))
+	if err != nil || len(resp.GetResources()) == 0 {
+		t.Fatalf("a sidecar with its own token: %v (%d clusters), want its clusters", err, len(resp.GetResources()))
+	}
+	defer closePod()
+	_, closeOther, err := first(sidecarNode("ns1", "reviews", 1), m.kube.Token(t, ctx, "ns2", "default"))
+	closeOther()
+	if status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("a sidecar of ns1 presenting ns2's token: %v, want PermissionDenied", err)
+	}
+	out := istioctl(t, ctx, m, "proxy-status", "--xds-address", addr)
+	t.Logf("istioctl proxy-status --xds-address <relay's TLS port>:\n%s", out)
+	if !strings.Contains(out, pod.GetId()) {
+		t.Errorf("istioctl proxy-status over TLS does not list %s", pod.GetId())
+	}
+}
+
+// Token returns a token of service account ns/sa bound to audience
+// istio-ca, as kubelet projects into a sidecar (kubectl create token).
+func (k *KubeAPI) Token(t *testing.T, ctx context.Context, ns, sa string) string {
+	t.Helper()
+	tr, err := k.Client.CoreV1().ServiceAccounts(ns).CreateToken(ctx, sa, &authenticationv1.TokenRequest{
+		Spec: authenticationv1.TokenRequestSpec{Audiences: []string{"istio-ca"}}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("token of %s/%s: %v", ns, sa, err)
+	}
+	return tr.Status.Token
 }

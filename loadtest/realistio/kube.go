@@ -254,3 +254,17 @@ func (k *KubeAPI) AddService(ctx context.Context, ns, name string, port int32, i
 	}
 	return nil
 }
+
+// AddServiceAccount creates namespace ns (if need be) and service account
+// ns/name: without a controller-manager no namespace gets its default one.
+func (k *KubeAPI) AddServiceAccount(ctx context.Context, ns, name string) error {
+	_, err := k.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("create namespace %s: %w", ns, err)
+	}
+	_, err = k.Client.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns}}, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("create service account %s/%s: %w", ns, name, err)
+	}
+	return nil
+}
