@@ -6,6 +6,7 @@ import (
 	"runtime/debug"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
@@ -19,7 +20,6 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
-	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // istiod answers two debug type URLs on its ADS port, and istioctl asks
@@ -35,9 +35,6 @@ const (
 	// resource_names, as the sections of Envoy's config dump.
 	typeDebugConfigDump = "istio.io/debug/config_dump"
 )
-
-// synczTypes are the types a syncz answer gives the status of, as istiod's.
-var synczTypes = []string{xds.TypeListener, xds.TypeRoute, xds.TypeEndpoint, xds.TypeCluster, xds.TypeExtension}
 
 // debugAnswer is what a stream last answered for a debug type URL.
 type debugAnswer struct {
@@ -192,9 +189,9 @@ func (s *stream) debugResources(typeURL string, names []string) ([]*anypb.Any, e
 }
 
 // syncz lists the tier's connected Envoys of the keys c sees as istiod's
-// syncz does: a CSDS ClientConfig each, with the status of each type
-// istiod reports (types it never subscribed to are NOT_SENT; a NACK is
-// ERROR).
+// syncz does: a CSDS ClientConfig each, with the status of each type the
+// Envoy subscribed to, sorted by type URL (one never sent is NOT_SENT; a
+// NACK is ERROR).
 func (r *Relay) syncz(tl TierLedger, c AdminCaller) ([]*anypb.Any, error) {
 	var out []*anypb.Any
 	for _, e := range tl.Envoys() {
@@ -202,23 +199,19 @@ func (r *Relay) syncz(tl TierLedger, c AdminCaller) ([]*anypb.Any, error) {
 			continue
 		}
 		cc := &statusv3.ClientConfig{Node: &core.Node{Id: e.State.Node}}
-		for _, typeURL := range synczTypes {
-			gc := &statusv3.ClientConfig_GenericXdsConfig{TypeUrl: typeURL, ConfigStatus: statusv3.ConfigStatus_NOT_SENT}
-			for _, et := range e.State.Types {
-				if et.Type != typeURL {
-					continue
-				}
-				switch tl.Status(e, et) {
-				case ledger.StatusSynced:
-					gc.ConfigStatus, gc.LastUpdated = statusv3.ConfigStatus_SYNCED, timestamppb.New(et.AckedAt)
-				case ledger.StatusNACKed:
-					gc.ConfigStatus = statusv3.ConfigStatus_ERROR
-				case ledger.StatusStale:
-					gc.ConfigStatus = statusv3.ConfigStatus_STALE
-				}
+		for _, et := range e.State.Types {
+			gc := &statusv3.ClientConfig_GenericXdsConfig{TypeUrl: et.Type, ConfigStatus: statusv3.ConfigStatus_NOT_SENT}
+			switch tl.Status(e, et) {
+			case ledger.StatusSynced:
+				gc.ConfigStatus, gc.LastUpdated = statusv3.ConfigStatus_SYNCED, timestamppb.New(et.AckedAt)
+			case ledger.StatusNACKed:
+				gc.ConfigStatus = statusv3.ConfigStatus_ERROR
+			case ledger.StatusStale:
+				gc.ConfigStatus = statusv3.ConfigStatus_STALE
 			}
 			cc.GenericXdsConfigs = append(cc.GenericXdsConfigs, gc)
 		}
+		slices.SortFunc(cc.GenericXdsConfigs, func(a, b *statusv3.ClientConfig_GenericXdsConfig) int { return strings.Compare(a.GetTypeUrl(), b.GetTypeUrl()) })
 		a, err := anypb.New(cc)
 		if err != nil {
 			return nil, status.Error(codes.Internal, err.Error())

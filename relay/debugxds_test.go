@@ -24,6 +24,7 @@ import (
 	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/auth/authtest"
 	"github.com/meshrelay/meshrelay/relay/peers"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // allowEveryone authorizes every stream, as AllowAll does, but is an
@@ -58,6 +59,18 @@ func TestDebugTypes(t *testing.T) {
 	var cc statusv3.ClientConfig
 	if len(syncz.GetResources()) != 1 || syncz.GetResources()[0].UnmarshalTo(&cc) != nil || cc.GetNode().GetId() != node("ns1", "app", 0).GetId() {
 		t.Fatalf("syncz = %v, want the one client", syncz)
+	}
+	// As istiod's: the types the client subscribed to, by type URL, each
+	// SYNCED once ACKed.
+	var types []string
+	for _, gc := range cc.GetGenericXdsConfigs() {
+		types = append(types, gc.GetTypeUrl())
+		if gc.GetConfigStatus() != statusv3.ConfigStatus_SYNCED {
+			t.Errorf("syncz: %s is %s, want SYNCED", gc.GetTypeUrl(), gc.GetConfigStatus())
+		}
+	}
+	if want := sorted([]string{xds.TypeCluster, xds.TypeEndpoint, xds.TypeListener, xds.TypeRoute}); !slices.Equal(types, want) {
+		t.Fatalf("syncz lists types %q, want the four the client subscribed to, %q", types, want)
 	}
 	// The ACK is not answered: the next answer is the next question's.
 	ack := &discovery.DiscoveryRequest{TypeUrl: typeDebugSyncz, ResponseNonce: syncz.GetNonce(), VersionInfo: syncz.GetVersionInfo()}
