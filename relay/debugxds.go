@@ -211,7 +211,9 @@ func (r *Relay) syncz(tl TierLedger, c AdminCaller) ([]*anypb.Any, error) {
 			}
 			cc.GenericXdsConfigs = append(cc.GenericXdsConfigs, gc)
 		}
-		slices.SortFunc(cc.GenericXdsConfigs, func(a, b *statusv3.ClientConfig_GenericXdsConfig) int { return strings.Compare(a.GetTypeUrl(), b.GetTypeUrl()) })
+		slices.SortFunc(cc.GenericXdsConfigs, func(a, b *statusv3.ClientConfig_GenericXdsConfig) int {
+			return strings.Compare(a.GetTypeUrl(), b.GetTypeUrl())
+		})
 		a, err := anypb.New(cc)
 		if err != nil {
 			return nil, status.Error(codes.Internal, err.Error())
