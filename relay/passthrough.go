@@ -17,7 +17,7 @@ import (
 )
 
 // passthrough carries one downstream stream's requests for types the relay
-// does not cache (Istio's NDS and PCDS, istio.io/debug/*, ambient types, …)
+// does not cache (Istio's PCDS and workload health, ambient types, …)
 // to the upstream on an upstream stream of its own, presenting the client's
 // node (and, in forward mode, its token), and carries the answers back.
 // Such answers may depend on the very proxy that asks, so they are never
