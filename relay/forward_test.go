@@ -329,14 +329,28 @@ func TestForwardAsksExpiringTokensToReconnect(t *testing.T) {
 // relay retrying it with every backoff.
 func TestForwardPassthroughPresentsTheClientsToken(t *testing.T) {
 	up := &revoked{tokens: map[[32]byte]bool{}}
-	e, g := forwardEnvMode(t, auth.ModeJWT, time.Minute, func(v auth.TokenVerifier) auth.TokenVerifier {
-		up.TokenVerifier = v
-		return up
+	issuer := authtest.NewIssuer(t)
+	lcfg := auth.DefaultLocalConfig()
+	lcfg.Issuer, lcfg.Keys = issuer.URL, auth.KeysFromFile(issuer.WriteJWKS(t))
+	v, err := auth.NewLocal(context.Background(), lcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	up.TokenVerifier = v
+	g := &synth.Guard{Tokens: up}
+	e := newSecureEnvWith(t, auth.ModeJWT, issuer, []grpc.ServerOption{grpc.ChainStreamInterceptor(g.Interceptor)}, func(c *Config) {
+		c.ForwardCredentials, c.TokenRefreshBefore = true, time.Minute
+		// No divergence check: it would present a's token too, and this
+		// test counts who presents it.
+		c.DivergenceInterval = 0
 	})
 	e.up.set("ns1", typeOther, &structpb.Struct{Fields: map[string]*structpb.Value{"host": structpb.NewStringValue("c0.ns1")}})
+	// c joins first: the key's stream presents c's token throughout.
+	_, tokC, closeC := e.member(t, 3, time.Hour)
+	defer closeC()
+	waitPresented(t, g, tokC, "the key's stream presents the first member's token")
 	a, tokA, closeA := e.member(t, 1, time.Hour)
 	defer closeA()
-	waitPresented(t, g, tokA, "the key's stream presents the first member's token")
 	b, tokB, closeB := e.member(t, 2, time.Hour)
 	defer closeB()
 	b.subscribe(typeOther)

@@ -2,6 +2,8 @@ package relay
 
 import (
 	"context"
+	"errors"
+	"io"
 	"maps"
 	"slices"
 	"sync"
@@ -299,6 +301,11 @@ func (p *passthrough) session(ctx context.Context) error {
 	p.mu.Unlock()
 	for _, m := range replay {
 		if err := send(withNode(m)); err != nil {
+			if errors.Is(err, io.EOF) {
+				// The upstream ended the stream (refused it, say): its
+				// status comes with the next receive.
+				_, err = recv()
+			}
 			return err
 		}
 	}
@@ -329,6 +336,10 @@ func (p *passthrough) session(ctx context.Context) error {
 			p.mu.Unlock()
 			for _, m := range q {
 				if err := send(withNode(m)); err != nil {
+					if errors.Is(err, io.EOF) {
+						err = <-errc // the stream's status, as the receiver got it
+						errc <- err  // for the deferred wait
+					}
 					return err
 				}
 			}
