@@ -46,10 +46,10 @@ type debugAnswer struct {
 // NACK of the stream's last answer of its type, which is not answered
 // again: it names that answer's nonce, and the same resource names or
 // an error (Delta: no new names, or an error). Anything else is a
-// question, answered as istiod answers every debug request. Istio's ADS client (pkg/adsc, which istioctl uses) puts
-// a nonce of its own (a timestamp) on every request, its first included,
-// and never ACKs a debug answer; an xDS client that does ACK is not
-// answered in a loop.
+// question, answered as istiod answers every debug request. Istio's ADS
+// client (pkg/adsc, which istioctl uses) puts a nonce of its own (a
+// timestamp) on every request, its first included, and never ACKs a debug
+// answer; an xDS client that does ACK is not answered in a loop.
 func (s *stream) debugAnswered(typeURL, responseNonce string, names []string, nack, delta bool) bool {
 	last, ok := s.debugSent[typeURL]
 	if !ok || responseNonce == "" || responseNonce != last.nonce {
