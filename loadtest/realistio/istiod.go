@@ -1,7 +1,6 @@
 package realistio
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -44,8 +43,7 @@ type Istiod struct {
 	// it, and its serving certificate names istiod.istio-system.svc.
 	Root *authtest.CA
 
-	cmd    *exec.Cmd
-	exited chan struct{}
+	proc *process
 }
 
 // StartIstiod applies Istio's CRDs to k (server-side), creates the
@@ -61,7 +59,7 @@ func StartIstiod(ctx context.Context, bin string, k *KubeAPI, dir string, log io
 	if err != nil && !apierrors.IsAlreadyExists(err) {
 		return nil, fmt.Errorf("create namespace %s: %w", SystemNamespace, err)
 	}
-	d := &Istiod{exited: make(chan struct{})}
+	d := &Istiod{}
 	defer func() {
 		if err != nil {
 			d.Stop()
@@ -94,14 +92,14 @@ func StartIstiod(ctx context.Context, bin string, k *KubeAPI, dir string, log io
 	}
 	addr := func(p int) string { return "127.0.0.1:" + strconv.Itoa(p) }
 	d.HTTPAddr, d.PlainAddr, d.TLSAddr, d.MonitoringAddr = addr(ports[0]), addr(ports[1]), addr(ports[2]), addr(ports[3])
-	d.cmd = exec.Command(bin, "discovery",
+	cmd := exec.Command(bin, "discovery",
 		"--kubeconfig", k.Kubeconfig, "--registries", "Kubernetes", "--clusterID", ClusterID,
 		"--meshConfig", mesh, "--networksConfig", filepath.Join(dir, "meshNetworks"), "--domain", "cluster.local",
 		"--httpAddr", d.HTTPAddr, "--httpsAddr", addr(ports[4]), "--grpcAddr", d.PlainAddr,
 		"--secureGRPCAddr", d.TLSAddr, "--monitoringAddr", d.MonitoringAddr,
 		"--log_output_level", "default:warn")
-	d.cmd.Dir = dir
-	d.cmd.Env = append(os.Environ(),
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(),
 		"POD_NAMESPACE="+SystemNamespace, "POD_NAME=istiod-0", "REVISION=default",
 		"ROOT_CA_DIR="+cacerts, "PILOT_CERT_PROVIDER=istiod", "JWT_POLICY=third-party-jwt", "CLUSTER_ID="+ClusterID,
 		// An upstream Envoy is not Istio's proxy build: these would be
@@ -110,60 +108,23 @@ func StartIstiod(ctx context.Context, bin string, k *KubeAPI, dir string, log io
 		// No webhooks to patch here.
 		"INJECTION_WEBHOOK_CONFIG_NAME=", "VALIDATION_WEBHOOK_CONFIG_NAME=",
 	)
-	d.cmd.Stdout, d.cmd.Stderr, d.cmd.SysProcAttr = log, log, childAttr()
-	if err := d.cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start %s: %w", bin, err)
+	if d.proc, err = startProcess("istiod", cmd, log); err != nil {
+		return nil, err
 	}
-	go func() { _ = d.cmd.Wait(); close(d.exited) }()
 	if err := d.waitReady(ctx); err != nil {
 		return nil, err
 	}
 	return d, nil
 }
 
-// waitReady polls istiod's /ready until it answers 200, the process
-// exits, or two minutes pass (a cold istiod syncs its informers first).
+// waitReady waits until istiod's /ready answers 200, for two minutes at
+// most (a cold istiod syncs its informers first).
 func (d *Istiod) waitReady(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
-	defer cancel()
-	hc := &http.Client{Timeout: 5 * time.Second}
-	var last string
-	for {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+d.HTTPAddr+"/ready", nil)
-		resp, err := hc.Do(req)
-		if err == nil {
-			b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
-			last = fmt.Sprintf("%s: %s", resp.Status, bytes.TrimSpace(b))
-		} else {
-			last = err.Error()
-		}
-		select {
-		case <-d.exited:
-			return fmt.Errorf("istiod exited before it was ready: %v", d.cmd.ProcessState)
-		case <-ctx.Done():
-			return fmt.Errorf("istiod not ready: %s", last)
-		case <-time.After(250 * time.Millisecond):
-		}
-	}
+	return d.proc.waitHTTP(ctx, &http.Client{Timeout: 5 * time.Second}, "http://"+d.HTTPAddr+"/ready", 2*time.Minute)
 }
 
 // Stop ends istiod and waits for it.
-func (d *Istiod) Stop() {
-	if d.cmd == nil || d.cmd.Process == nil {
-		return
-	}
-	_ = d.cmd.Process.Signal(os.Interrupt)
-	select {
-	case <-d.exited:
-	case <-time.After(15 * time.Second):
-		_ = d.cmd.Process.Kill()
-		<-d.exited
-	}
-}
+func (d *Istiod) Stop() { d.proc.stop(15 * time.Second) }
 
 var crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
 

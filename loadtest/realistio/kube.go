@@ -50,15 +50,14 @@ type KubeAPI struct {
 	// Config is the admin's rest config.
 	Config *rest.Config
 
-	cmd    *exec.Cmd
-	exited chan struct{}
-	etcd   *snapshot.Embedded
+	proc *process
+	etcd *snapshot.Embedded
 }
 
 // StartKubeAPI starts kube-apiserver (bin) with its state in dir, its
 // output to log, and waits until it is ready (/readyz). Stop ends it.
 func StartKubeAPI(ctx context.Context, bin, dir string, log io.Writer) (_ *KubeAPI, err error) {
-	k := &KubeAPI{exited: make(chan struct{})}
+	k := &KubeAPI{}
 	defer func() {
 		if err != nil {
 			k.Stop()
@@ -121,12 +120,9 @@ func StartKubeAPI(ctx context.Context, bin, dir string, log io.Writer) (_ *KubeA
 		"--enable-priority-and-fairness=false",
 		"--cert-dir=" + filepath.Join(dir, "certs"),
 	}
-	k.cmd = exec.Command(bin, args...)
-	k.cmd.Stdout, k.cmd.Stderr, k.cmd.SysProcAttr = log, log, childAttr()
-	if err := k.cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start %s: %w", bin, err)
+	if k.proc, err = startProcess("kube-apiserver", exec.Command(bin, args...), log); err != nil {
+		return nil, err
 	}
-	go func() { _ = k.cmd.Wait(); close(k.exited) }()
 
 	k.Config = &rest.Config{Host: k.URL, QPS: -1, TLSClientConfig: rest.TLSClientConfig{
 		CAData: k.CA.RootPEM(), CertData: admin.CertPEM, KeyData: admin.KeyPEM,
@@ -144,50 +140,18 @@ func StartKubeAPI(ctx context.Context, bin, dir string, log io.Writer) (_ *KubeA
 	return k, nil
 }
 
-// waitReady polls /readyz until it answers ok, the process exits, or a
-// minute passes.
+// waitReady waits until /readyz answers ok, for a minute at most.
 func (k *KubeAPI) waitReady(ctx context.Context, cert tls.Certificate) error {
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(k.CA.RootPEM())
 	hc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{
 		RootCAs: pool, Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}}}
-	ctx, cancel := context.WithTimeout(ctx, time.Minute)
-	defer cancel()
-	var last string
-	for {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, k.URL+"/readyz", nil)
-		resp, err := hc.Do(req)
-		if err == nil {
-			b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
-			last = fmt.Sprintf("%s: %s", resp.Status, b)
-		} else {
-			last = err.Error()
-		}
-		select {
-		case <-k.exited:
-			return fmt.Errorf("kube-apiserver exited before it was ready: %v", k.cmd.ProcessState)
-		case <-ctx.Done():
-			return fmt.Errorf("kube-apiserver not ready: %s", last)
-		case <-time.After(200 * time.Millisecond):
-		}
-	}
+	return k.proc.waitHTTP(ctx, hc, k.URL+"/readyz", time.Minute)
 }
 
 // Stop ends the API server and its etcd, and waits for them.
 func (k *KubeAPI) Stop() {
-	if k.cmd != nil && k.cmd.Process != nil {
-		_ = k.cmd.Process.Signal(os.Interrupt)
-		select {
-		case <-k.exited:
-		case <-time.After(10 * time.Second):
-			_ = k.cmd.Process.Kill()
-			<-k.exited
-		}
-	}
+	k.proc.stop(10 * time.Second)
 	if k.etcd != nil {
 		k.etcd.Close()
 	}
