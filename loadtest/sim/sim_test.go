@@ -37,6 +37,7 @@ var (
 	flagTries   = flag.Int("sim.tries", 1, "with -sim.seed: play the seed up to this many times, and print the first run that fails (a run does not always replay: see loadtest/README.md)")
 	flagWant    = flag.String("sim.want", "", "with -sim.tries: stop at the first run with a violation that contains this text")
 	flagWorker  = flag.Int("sim.worker", -1, "internal: the index of this worker process")
+	flagUntil   = flag.Int64("sim.until", 0, "internal: a worker starts no seed after this time (Unix nanoseconds; 0: no bound)")
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -88,7 +89,7 @@ func TestSim(t *testing.T) {
 	}
 	workers = max(1, min(workers, n))
 	start := time.Now()
-	results := runWorkers(t, workers, *flagFirst, n)
+	results, cut := runWorkers(t, workers, *flagFirst, n)
 	wall := time.Since(start)
 	var failed []seedLine
 	var sim time.Duration
@@ -100,6 +101,12 @@ func TestSim(t *testing.T) {
 		case len(r.Violations) == 0 && r.Err == "":
 		default:
 			failed = append(failed, r)
+		}
+	}
+	if cut && len(results) < n {
+		t.Logf("the test's deadline stopped the run: %d of %d seeds played", len(results), n)
+		if len(results) < min(n, minSeedsBeforeDeadline) {
+			t.Errorf("only %d seeds played before the test's deadline, want at least %d: run with a longer -timeout", len(results), min(n, minSeedsBeforeDeadline))
 		}
 	}
 	t.Logf("%d seeds (%d…%d) in %v on %d workers: %.0f seeds a minute, %.2f s a seed, %v simulated; %d failed",
@@ -115,7 +122,7 @@ func TestSim(t *testing.T) {
 		seeds := byRule[rule]
 		t.Logf("%-28s %3d seeds: %v", rule, len(seeds), seeds[:min(len(seeds), 20)])
 	}
-	if len(results) != n {
+	if len(results) != n && !cut {
 		t.Errorf("%d of %d seeds reported", len(results), n)
 	}
 	for _, r := range failed {
@@ -161,6 +168,15 @@ type replayLine struct {
 
 const resultPrefix = "SIMRESULT "
 
+// deadlineReserve is how long before the test's deadline the workers start
+// no more seeds: a seed under -race on a loaded machine takes tens of
+// seconds.
+const deadlineReserve = 2 * time.Minute
+
+// minSeedsBeforeDeadline is how many seeds must have run when the deadline
+// stops a run short.
+const minSeedsBeforeDeadline = 10
+
 // seedsPerProcess bounds the seeds one worker process plays, so that
 // whatever one seed leaves behind (a goroutine the bubble did not own, a
 // cache of a dependency) cannot grow with the run: a fresh process every
@@ -171,7 +187,15 @@ const seedsPerProcess = 40
 // runWorkers runs seeds first … first+n-1 in worker processes (the test
 // binary again), workers at a time, each playing a few seeds one after
 // another, and gathers their reports.
-func runWorkers(t *testing.T, workers int, first uint64, n int) []seedLine {
+func runWorkers(t *testing.T, workers int, first uint64, n int) (_ []seedLine, cut bool) {
+	// On a machine slower than the short form was sized for (a loaded CI
+	// runner, -race) the workers stop starting seeds well before the
+	// test's deadline, and the seeds played are checked; TestSim says how
+	// many.
+	var until int64
+	if dl, ok := t.Deadline(); ok {
+		until = dl.Add(-deadlineReserve).UnixNano()
+	}
 	var (
 		mu     sync.Mutex
 		out    []seedLine
@@ -192,7 +216,7 @@ func runWorkers(t *testing.T, workers int, first uint64, n int) []seedLine {
 	for range workers {
 		wg.Go(func() {
 			for c := range chunks {
-				lines, err := runProcess(env, first+uint64(c[0]), c[1])
+				lines, err := runProcess(env, first+uint64(c[0]), c[1], until)
 				mu.Lock()
 				out = append(out, lines...)
 				mu.Unlock()
@@ -204,14 +228,15 @@ func runWorkers(t *testing.T, workers int, first uint64, n int) []seedLine {
 	}
 	wg.Wait()
 	slices.SortFunc(out, func(a, b seedLine) int { return cmp.Compare(a.Seed, b.Seed) })
-	return out
+	return out, until > 0 && time.Now().UnixNano() > until
 }
 
-// runProcess plays seeds first … first+n-1 in a worker process.
-func runProcess(env []string, first uint64, n int) ([]seedLine, error) {
+// runProcess plays seeds first … first+n-1 in a worker process, starting
+// none after until (Unix nanoseconds; 0: no bound).
+func runProcess(env []string, first uint64, n int, until int64) ([]seedLine, error) {
 	cmd := exec.Command(os.Args[0], "-test.run=^TestSimWorker$", "-test.count=1", "-test.timeout=0",
 		"-sim.worker=0", "-sim.workers=1", fmt.Sprintf("-sim.first=%d", first), fmt.Sprintf("-sim.seeds=%d", n),
-		fmt.Sprintf("-sim.replays=%d", *flagReplays))
+		fmt.Sprintf("-sim.replays=%d", *flagReplays), fmt.Sprintf("-sim.until=%d", until))
 	cmd.Env = env
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
@@ -253,6 +278,9 @@ func TestSimWorker(t *testing.T) {
 	}
 	cfg := DefaultConfig()
 	for i := *flagWorker; i < *flagSeeds; i += *flagWorkers {
+		if *flagUntil > 0 && time.Now().UnixNano() > *flagUntil {
+			break // the test's deadline is near: the seeds played are reported
+		}
 		seed := *flagFirst + uint64(i)
 		start := time.Now()
 		res := runSeed(t, cfg, seed)
