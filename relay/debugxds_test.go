@@ -130,17 +130,7 @@ func TestDebugTypesWithIstioClientNonces(t *testing.T) {
 		}
 		ask := func(req *discovery.DiscoveryRequest) *discovery.DiscoveryResponse {
 			t.Helper()
-			if err := st.Send(req); err != nil {
-				t.Fatal(err)
-			}
-			resp, err := st.Recv()
-			if err != nil {
-				t.Fatalf("%s: %v", req.GetTypeUrl(), err)
-			}
-			if resp.GetTypeUrl() != req.GetTypeUrl() {
-				t.Fatalf("asked %s, answered %s", req.GetTypeUrl(), resp.GetTypeUrl())
-			}
-			return resp
+			return askOn(t, st.Send, st.Recv, req)
 		}
 		first := ask(&discovery.DiscoveryRequest{TypeUrl: typeDebugSyncz, Node: debugNode, ResponseNonce: stamp()})
 		if got := synczNodes(t, first); !slices.Equal(got, []string{envoy}) {
@@ -171,17 +161,7 @@ func TestDebugTypesWithIstioClientNonces(t *testing.T) {
 		}
 		ask := func(req *discovery.DeltaDiscoveryRequest) *discovery.DeltaDiscoveryResponse {
 			t.Helper()
-			if err := st.Send(req); err != nil {
-				t.Fatal(err)
-			}
-			resp, err := st.Recv()
-			if err != nil {
-				t.Fatalf("%s: %v", req.GetTypeUrl(), err)
-			}
-			if resp.GetTypeUrl() != req.GetTypeUrl() {
-				t.Fatalf("asked %s, answered %s", req.GetTypeUrl(), resp.GetTypeUrl())
-			}
-			return resp
+			return askOn(t, st.Send, st.Recv, req)
 		}
 		first := ask(&discovery.DeltaDiscoveryRequest{TypeUrl: typeDebugSyncz, Node: debugNode, ResponseNonce: stamp()})
 		if len(first.GetResources()) != 1 {
@@ -196,6 +176,26 @@ func TestDebugTypesWithIstioClientNonces(t *testing.T) {
 		}
 		ask(&discovery.DeltaDiscoveryRequest{TypeUrl: typeDebugSyncz, ResponseNonce: stamp()})
 	})
+}
+
+// typed is a request or response of an xDS type.
+type typed interface{ GetTypeUrl() string }
+
+// askOn sends req on a stream (SotW or Delta) and returns the next answer,
+// which must be of req's type.
+func askOn[Req, Resp typed](t *testing.T, send func(Req) error, recv func() (Resp, error), req Req) Resp {
+	t.Helper()
+	if err := send(req); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := recv()
+	if err != nil {
+		t.Fatalf("%s: %v", req.GetTypeUrl(), err)
+	}
+	if resp.GetTypeUrl() != req.GetTypeUrl() {
+		t.Fatalf("asked %s, answered %s", req.GetTypeUrl(), resp.GetTypeUrl())
+	}
+	return resp
 }
 
 // debugAsk asks one debug question over a SotW stream of conn, with token
