@@ -1497,7 +1497,7 @@ func (s *stream) carrier(known, view ledger.Tree[*xds.Resource]) *xds.Resource {
 			if v, ok := view.Get(e.Name); ok && v.Hash == e.Hash {
 				r = v.Value
 			} else {
-				r = s.r.store.Lookup(e.Hash)
+				r = s.heldBody(e)
 			}
 		}
 		if r != nil {
