@@ -213,6 +213,17 @@ func (u *feed) run(ctx context.Context) {
 			continue
 		}
 		src := u.choose()
+		if u.r.cfg.ForwardCredentials && src.kind != sourcePeer && !presentsToken(presenter) {
+			// Forward mode: istiod takes a stream only with a member's own
+			// token, and none is left to present (the members left, or
+			// istiod refused their tokens). A stream without one would
+			// only be refused, again and again: wait for an Envoy that
+			// brings one, serving the cache meanwhile.
+			if !u.waitForToken(ctx, node) {
+				return
+			}
+			continue
+		}
 		u.k.source.Store(int32(src.kind))
 		u.reportSource()
 		got, err := u.session(ctx, node, presenter, src)
@@ -251,6 +262,43 @@ func memberNode(m member) *core.Node {
 	}
 	node, _ := m.presents()
 	return node
+}
+
+// presentsToken reports whether m, in forward mode, has a token the
+// upstream may still take.
+func presentsToken(m member) bool {
+	if m == nil {
+		return false
+	}
+	_, cred := m.presents()
+	return cred.usableAt(time.Now())
+}
+
+// waitForToken waits, in forward mode, until a member has a token to
+// present (a member joins: upWake) or the key's source becomes its owner,
+// or gives up when the key stays idle.
+// The key's views are not confirmed meanwhile.
+func (u *feed) waitForToken(ctx context.Context, node *core.Node) bool {
+	u.setStale(true)
+	u.r.metrics.awaitingToken.Inc()
+	defer u.r.metrics.awaitingToken.Dec()
+	u.r.log.Warn("forward mode: no member of the key holds a token the upstream would take; serving the cache until an Envoy brings one", "key", u.k.key, "node", node.GetId())
+	for {
+		if first, _ := u.k.presenter(); presentsToken(first) || u.choose().kind == sourcePeer {
+			return true // a token, or a source that needs none (the owner)
+		}
+		u.checkIdle()
+		select {
+		case <-ctx.Done():
+			return false
+		case <-u.k.upWake:
+		case <-u.idleC():
+			u.idle = nil // spent: checkIdle arms a new one if still idle
+			if u.r.dropIfIdle(u.k) {
+				return false
+			}
+		}
+	}
 }
 
 // waitForMember waits until the key has a member, or gives up when it stays

@@ -261,6 +261,45 @@ func TestForwardSkipsATokenTheUpstreamRefused(t *testing.T) {
 	}
 }
 
+// A key whose members all left keeps its cache (KeyIdleTimeout); if its
+// stream breaks meanwhile, there is no token to present, and a stream
+// without one would only be refused, again and again (issue 29: istiod
+// logged "no HTTP authorization header" for such a key). The relay waits
+// instead, and the next Envoy of the key brings the token its stream
+// presents.
+func TestForwardWaitsForATokenWhenNoMemberHasOne(t *testing.T) {
+	e, g := forwardEnv(t, time.Minute)
+	_, tokA, closeA := e.member(t, 1, time.Hour)
+	waitPresented(t, g, tokA, "the member's token is presented")
+	closeA()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	waitCtx(ctx, t, "the member left", func() bool { return e.r.Stats().Streams == 0 })
+	e.up.stop()
+	e.up.restart()
+	// Either the relay waits for a token (the gauge), or it opened a
+	// stream without one (the upstream refuses it).
+	waitCtx(ctx, t, "the key's broken stream handled", func() bool {
+		return testutil.ToFloat64(e.r.metrics.awaitingToken) == 1 || len(g.Refused()) > 0
+	})
+	if refused := g.Refused(); len(refused) > 0 {
+		t.Fatalf("with no member's token to present the relay opened streams the upstream refused: %v", refused)
+	}
+	b, tokB, closeB := e.member(t, 2, time.Hour)
+	defer closeB()
+	seen := waitPresented(t, g, tokB, "the next member's token is presented")
+	if last := seen[len(seen)-1]; last.Node != b.node.GetId() {
+		t.Fatalf("stream presents %s, want %s", last.Node, b.node.GetId())
+	}
+	if got := testutil.ToFloat64(e.r.metrics.awaitingToken); got != 0 {
+		t.Fatalf("keys awaiting a token = %v once a member brought one, want 0", got)
+	}
+	if refused := g.Refused(); len(refused) > 0 {
+		t.Fatalf("the upstream refused streams: %v", refused)
+	}
+	b.quiet()
+}
+
 // A token near its expiry is replaced before istiod would refuse it: the
 // stream moves to a member whose token lives longer, with no change for
 // either Envoy.

@@ -24,6 +24,7 @@ type metrics struct {
 	streamErrors       *prometheus.CounterVec
 	upstreamStreams    prometheus.Gauge
 	upstreamWaiting    prometheus.Gauge
+	awaitingToken      prometheus.Gauge
 	upstreamReconnects prometheus.Counter
 	restoredKeys       prometheus.Counter
 	upstreamNACKs      *prometheus.CounterVec
@@ -95,6 +96,9 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 		upstreamWaiting: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "meshrelay_upstream_streams_waiting", Help: "Keys whose stream to the upstream waits its turn (--upstream-stream-rate).",
 		}),
+		awaitingToken: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "meshrelay_upstream_awaiting_token", Help: "Keys with no stream to the upstream because no member holds a token it would take (forward mode): they are served from cache until an Envoy brings one.",
+		}),
 		upstreamReconnects: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "meshrelay_upstream_reconnects_total", Help: "Upstream streams that failed and were retried.",
 		}),
@@ -162,7 +166,7 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 	}
 	cs := []prometheus.Collector{
 		m.envoys, m.pushes, m.pushBytes, m.pushResources, m.pushACK, m.converged, m.nacks, m.streamErrors,
-		m.upstreamStreams, m.upstreamWaiting, m.upstreamReconnects, m.restoredKeys, m.upstreamNACKs, m.passthrough, m.passthroughStreams,
+		m.upstreamStreams, m.upstreamWaiting, m.awaitingToken, m.upstreamReconnects, m.restoredKeys, m.upstreamNACKs, m.passthrough, m.passthroughStreams,
 		m.refused, m.shed, m.peerFallbacks, m.silentConfirms, m.claims, m.handedOver, m.holds, m.peerStreams, m.peerClients, m.authFailures,
 		m.divergenceChecks, m.divergences, m.divergenceOpen, m.splitMerges, keys,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
