@@ -126,9 +126,17 @@ type TypeVersion struct {
 // EnvoyState is what a relay knows of one Envoy.
 type EnvoyState struct {
 	Node           string
+	Meta           NodeMeta
 	ConnectedAt    time.Time
 	DisconnectedAt time.Time   // zero while connected
 	Types          []EnvoyType // in push order: CDS, EDS, LDS, RDS, then by name
+}
+
+// NodeMeta is what admin tools show of a node beside its id (istioctl's
+// proxy-status columns and its namespace filter): its namespace, cluster
+// and proxy version, as its metadata gave them ("" where it gave none).
+type NodeMeta struct {
+	Namespace, Cluster, Version string
 }
 
 // Connected reports whether the Envoy's stream is open.

@@ -115,6 +115,7 @@ type Envoy struct {
 	t    *Tracker
 	k    *keyEntry
 	node string
+	meta NodeMeta // guarded by k.mu (SetMeta)
 
 	// Guarded by k.mu. A forgotten handle (its node connected again, or it
 	// was disconnected past ForgetAfter) records nothing more. current is
@@ -310,6 +311,13 @@ func (t *Tracker) Connect(node, key string, at time.Time) *Envoy {
 	t.sweep(k, at)
 	t.notify()
 	return e
+}
+
+// SetMeta records what admin tools show of the Envoy's node.
+func (e *Envoy) SetMeta(m NodeMeta) {
+	e.k.mu.Lock()
+	e.meta = m
+	e.k.mu.Unlock()
 }
 
 // forget removes e from its key (and its NACK from the counts).
@@ -670,7 +678,7 @@ func (k *keyEntry) summary(relay string, now time.Time, forgetAfter time.Duratio
 			forgotten = append(forgotten, e)
 			continue
 		}
-		es := EnvoyState{Node: e.node, ConnectedAt: e.connectedAt, DisconnectedAt: e.disconnectedAt}
+		es := EnvoyState{Node: e.node, Meta: e.meta, ConnectedAt: e.connectedAt, DisconnectedAt: e.disconnectedAt}
 		if d == Brief && e.settled && e.typeSet >= 0 {
 			es.Types = k.briefTypes(e.typeSet, brief)
 			ks.Envoys = append(ks.Envoys, es)

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unique"
 
 	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -16,9 +17,11 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/anypb"
+	"google.golang.org/protobuf/types/known/structpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
 )
 
@@ -198,7 +201,7 @@ func (r *Relay) syncz(tl TierLedger, c AdminCaller) ([]*anypb.Any, error) {
 		if !e.State.Connected() || !c.SeesKey(e.Key) {
 			continue
 		}
-		cc := &statusv3.ClientConfig{Node: &core.Node{Id: e.State.Node}}
+		cc := &statusv3.ClientConfig{Node: &core.Node{Id: e.State.Node, Metadata: metaStruct(e.State.Meta)}}
 		for _, et := range e.State.Types {
 			gc := &statusv3.ClientConfig_GenericXdsConfig{TypeUrl: et.Type, ConfigStatus: statusv3.ConfigStatus_NOT_SENT}
 			switch tl.Status(e, et) {
@@ -221,6 +224,31 @@ func (r *Relay) syncz(tl TierLedger, c AdminCaller) ([]*anypb.Any, error) {
 		out = append(out, a)
 	}
 	return out, nil
+}
+
+// ledgerConnect starts the ledger's record of an Envoy's stream, with
+// what istioctl shows of its node: the namespace (proxy-status -n), the
+// cluster and the proxy version, from Istio's node metadata.
+func (r *Relay) ledgerConnect(node *core.Node, key aggkey.Key, at time.Time) *ledger.Envoy {
+	e := r.ledger.Connect(node.GetId(), string(key), at)
+	f := node.GetMetadata().GetFields()
+	field := func(name string) string { return unique.Make(f[name].GetStringValue()).Value() } // one copy for a key's Envoys
+	e.SetMeta(ledger.NodeMeta{Namespace: field("NAMESPACE"), Cluster: field("CLUSTER_ID"), Version: field("ISTIO_VERSION")})
+	return e
+}
+
+// metaStruct is m as the node metadata istioctl reads (nil if empty).
+func metaStruct(m ledger.NodeMeta) *structpb.Struct {
+	if m == (ledger.NodeMeta{}) {
+		return nil
+	}
+	fields := map[string]*structpb.Value{}
+	for name, v := range map[string]string{"NAMESPACE": m.Namespace, "CLUSTER_ID": m.Cluster, "ISTIO_VERSION": m.Version} {
+		if v != "" {
+			fields[name] = structpb.NewStringValue(v)
+		}
+	}
+	return &structpb.Struct{Fields: fields}
 }
 
 // debugControlPlane identifies the relay to istioctl, which reads the

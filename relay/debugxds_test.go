@@ -60,6 +60,14 @@ func TestDebugTypes(t *testing.T) {
 	if len(syncz.GetResources()) != 1 || syncz.GetResources()[0].UnmarshalTo(&cc) != nil || cc.GetNode().GetId() != node("ns1", "app", 0).GetId() {
 		t.Fatalf("syncz = %v, want the one client", syncz)
 	}
+	// istioctl's columns and its namespace filter read the node's
+	// metadata: the relay gives what the Envoy's node gave.
+	md := cc.GetNode().GetMetadata().GetFields()
+	for name, want := range map[string]string{"NAMESPACE": "ns1", "CLUSTER_ID": "Kubernetes", "ISTIO_VERSION": "1.28.0"} {
+		if got := md[name].GetStringValue(); got != want {
+			t.Errorf("syncz: node metadata %s = %q, want %q", name, got, want)
+		}
+	}
 	// As istiod's: the types the client subscribed to, by type URL, each
 	// SYNCED once ACKed.
 	var types []string

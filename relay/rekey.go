@@ -92,7 +92,7 @@ func (s *stream) followSplits() error {
 	s.declareHeld()
 	now := time.Now()
 	s.led.Disconnect(now)
-	s.led = s.r.ledger.Connect(s.node.GetId(), string(s.key.key), now)
+	s.led = s.r.ledgerConnect(s.node, s.key.key, now)
 	for typeURL := range s.subs {
 		s.led.Subscribe(typeURL)
 	}

@@ -256,7 +256,7 @@ func (s *stream) attach(node *core.Node) error {
 	s.log = s.log.With("node", node.GetId(), "key", key)
 	s.key = s.r.acquireKey(key, s)
 	s.key.leftBySplit(key, base)
-	s.led = s.r.ledger.Connect(node.GetId(), string(key), time.Now())
+	s.led = s.r.ledgerConnect(node, key, time.Now())
 	s.r.metrics.envoys.WithLabelValues(protocolName(s.delta)).Inc()
 	s.log.Debug("stream attached", "peer", s.peer)
 	return nil

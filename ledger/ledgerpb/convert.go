@@ -133,8 +133,10 @@ func fromKey(k *ledger.KeySummary) *KeySummary {
 		}
 	}
 	brief, b := make([]byte, 0, briefSize), make([]byte, 0, fullSize)
+	metas := newMetaTable(pk, k.Envoys)
 	for j := range k.Envoys {
 		e := &k.Envoys[j]
+		metas.add(e.Meta, setOf[j] >= 0)
 		if setOf[j] >= 0 {
 			brief = binary.AppendUvarint(brief, uint64(len(e.Node)))
 			brief = append(brief, e.Node...)
@@ -170,7 +172,79 @@ func fromKey(k *ledger.KeySummary) *KeySummary {
 		}
 	}
 	pk.Envoys, pk.BriefEnvoys = b, brief
+	pk.NodeMetas = metas.bytes()
 	return pk
+}
+
+// metaTable builds a KeySummary's node metadata: the table of distinct
+// entries and each Envoy's index, full ones first, then brief ones, as
+// the decoder reads the Envoys. Nil (and nothing sent) when no Envoy has
+// any.
+type metaTable struct {
+	pk          *KeySummary
+	idx         map[ledger.NodeMeta]uint64
+	full, brief []byte
+}
+
+func newMetaTable(pk *KeySummary, envoys []ledger.EnvoyState) *metaTable {
+	for j := range envoys {
+		if envoys[j].Meta != (ledger.NodeMeta{}) {
+			return &metaTable{pk: pk, idx: map[ledger.NodeMeta]uint64{{}: 0}}
+		}
+	}
+	return nil
+}
+
+func (t *metaTable) add(m ledger.NodeMeta, brief bool) {
+	if t == nil {
+		return
+	}
+	i, ok := t.idx[m]
+	if !ok {
+		t.pk.Metas = append(t.pk.Metas, &NodeMeta{Namespace: m.Namespace, Cluster: m.Cluster, Version: m.Version})
+		i = uint64(len(t.pk.Metas))
+		t.idx[m] = i
+	}
+	if brief {
+		t.brief = binary.AppendUvarint(t.brief, i)
+	} else {
+		t.full = binary.AppendUvarint(t.full, i)
+	}
+}
+
+func (t *metaTable) bytes() []byte {
+	if t == nil {
+		return nil
+	}
+	return append(t.full, t.brief...)
+}
+
+// decodeMetas sets each Envoy's Meta from pk's node metadata (none if
+// absent): one entry per Envoy, full then brief, as envoys holds them.
+func decodeMetas(pk *KeySummary, envoys []ledger.EnvoyState) error {
+	data := pk.GetNodeMetas()
+	if len(data) == 0 {
+		return nil
+	}
+	table := make([]ledger.NodeMeta, len(pk.GetMetas())+1)
+	for i, m := range pk.GetMetas() {
+		table[i+1] = ledger.NodeMeta{Namespace: m.GetNamespace(), Cluster: m.GetCluster(), Version: m.GetVersion()}
+	}
+	d := decoder{b: data}
+	for j := range envoys {
+		i := d.uvarint()
+		if d.err == nil && i >= uint64(len(table)) {
+			d.fail("a node metadata index")
+		}
+		if d.err != nil {
+			return d.err
+		}
+		envoys[j].Meta = table[i]
+	}
+	if len(d.b) != 0 {
+		return fmt.Errorf("%w: %d bytes after the last Envoy's node metadata", ErrBadMessage, len(d.b))
+	}
+	return nil
 }
 
 // sameSlice reports whether a and b are one slice: same array, same
@@ -344,7 +418,7 @@ func toKey(pk *KeySummary, relay string) (ledger.KeySummary, error) {
 	if len(d.b) != 0 {
 		return k, fmt.Errorf("%w: %d bytes after the last Envoy", ErrBadMessage, len(d.b))
 	}
-	return k, nil
+	return k, decodeMetas(pk, k.Envoys)
 }
 
 // decodeBrief decodes the Envoys pk gives in brief into out (as many as

@@ -24,11 +24,12 @@ func sampleSummary() *ledger.Summary {
 		Key: "sidecar/ns/wl", Relay: "relay-0", Source: ledger.SourceUpstream, Splits: []string{"metadata.INSTANCE_IPS like sidecar~10.0.0.3~a.ns~ns.svc.cluster.local"},
 		Types: []ledger.TypeVersion{{Type: "cds", Version: ledger.Version{Seq: 3, Root: root, Received: at, Len: 10}}},
 		Envoys: []ledger.EnvoyState{
-			{Node: "a", ConnectedAt: at, Types: []ledger.EnvoyType{{Type: "cds", Sent: root, SentAt: at, Acked: root, AckedAt: at}}},
+			{Node: "a", Meta: ledger.NodeMeta{Namespace: "ns", Cluster: "Kubernetes", Version: "1.31.0"}, ConnectedAt: at,
+				Types: []ledger.EnvoyType{{Type: "cds", Sent: root, SentAt: at, Acked: root, AckedAt: at}}},
 			{Node: "b", ConnectedAt: at, DisconnectedAt: at.Add(time.Second), Types: []ledger.EnvoyType{{Type: "cds", Sent: root, Pending: true,
 				NACK: &ledger.NACKState{Fingerprint: "f00d", Version: "x", Detail: "bad", At: at}}}},
 			// As a ledger.Brief summary gives a settled Envoy: sent as brief.
-			{Node: "c", ConnectedAt: at, Types: []ledger.EnvoyType{{Type: "cds", Sent: root, Acked: root}}},
+			{Node: "c", Meta: ledger.NodeMeta{Namespace: "ns", Version: "1.30.2"}, ConnectedAt: at, Types: []ledger.EnvoyType{{Type: "cds", Sent: root, Acked: root}}},
 		},
 	}}}
 }
@@ -91,6 +92,11 @@ func TestBadMessagesRefused(t *testing.T) {
 		briefKey([]uint32{0}, 1, []byte{1, 'a', 0, 0, 0}),
 		briefKey([]uint32{0}, 2, []byte{1, 'a', 0, 0, 1}),
 		briefKey([]uint32{0}, 1, []byte{3, 'a', 0, 0}),
+		// Node metadata: an index out of its table, one entry short, one
+		// too many.
+		{Keys: []*KeySummary{{EnvoyCount: 1, Envoys: []byte{1, 'a', 0, 0, 0}, Metas: []*NodeMeta{{Namespace: "ns"}}, NodeMetas: []byte{2}}}},
+		{Keys: []*KeySummary{{EnvoyCount: 2, Envoys: []byte{1, 'a', 0, 0, 0, 1, 'b', 0, 0, 0}, Metas: []*NodeMeta{{Namespace: "ns"}}, NodeMetas: []byte{1}}}},
+		{Keys: []*KeySummary{{EnvoyCount: 1, Envoys: []byte{1, 'a', 0, 0, 0}, Metas: []*NodeMeta{{Namespace: "ns"}}, NodeMetas: []byte{1, 0}}}},
 	}
 	for i, p := range bad {
 		if _, err := ToSummary(p); !errors.Is(err, ErrBadMessage) {
@@ -154,7 +160,7 @@ func sortedEnvoys(s *ledger.Summary) *ledger.Summary {
 
 // describe renders e with its NACKs' contents, not their addresses.
 func describe(e ledger.EnvoyState) string {
-	out := fmt.Sprintf("%q %d %d", e.Node, e.ConnectedAt.UnixNano(), e.DisconnectedAt.UnixNano())
+	out := fmt.Sprintf("%q %+v %d %d", e.Node, e.Meta, e.ConnectedAt.UnixNano(), e.DisconnectedAt.UnixNano())
 	for _, et := range e.Types {
 		n := et.NACK
 		et.NACK = nil

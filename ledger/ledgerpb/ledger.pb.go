@@ -226,7 +226,14 @@ type KeySummary struct {
 	BriefCount  uint32     `protobuf:"varint,11,opt,name=brief_count,json=briefCount,proto3" json:"brief_count,omitempty"`
 	BriefEnvoys []byte     `protobuf:"bytes,12,opt,name=brief_envoys,json=briefEnvoys,proto3" json:"brief_envoys,omitempty"`
 	// The key's splits the relay knows, described (ledger.KeySummary.Splits).
-	Splits        []string `protobuf:"bytes,13,rep,name=splits,proto3" json:"splits,omitempty"`
+	Splits []string `protobuf:"bytes,13,rep,name=splits,proto3" json:"splits,omitempty"`
+	// What admin tools show of the Envoys' nodes (ledger.NodeMeta): a table,
+	// and each Envoy's entry in it, in the order of envoys then
+	// brief_envoys: a uvarint, 0 for none, i for metas[i-1]. Empty when no
+	// Envoy has any. A relay that does not know these fields shows no
+	// metadata.
+	Metas         []*NodeMeta `protobuf:"bytes,14,rep,name=metas,proto3" json:"metas,omitempty"`
+	NodeMetas     []byte      `protobuf:"bytes,15,opt,name=node_metas,json=nodeMetas,proto3" json:"node_metas,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -352,6 +359,81 @@ func (x *KeySummary) GetSplits() []string {
 	return nil
 }
 
+func (x *KeySummary) GetMetas() []*NodeMeta {
+	if x != nil {
+		return x.Metas
+	}
+	return nil
+}
+
+func (x *KeySummary) GetNodeMetas() []byte {
+	if x != nil {
+		return x.NodeMetas
+	}
+	return nil
+}
+
+// NodeMeta is ledger.NodeMeta.
+type NodeMeta struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Namespace     string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	Cluster       string                 `protobuf:"bytes,2,opt,name=cluster,proto3" json:"cluster,omitempty"`
+	Version       string                 `protobuf:"bytes,3,opt,name=version,proto3" json:"version,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NodeMeta) Reset() {
+	*x = NodeMeta{}
+	mi := &file_ledger_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NodeMeta) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NodeMeta) ProtoMessage() {}
+
+func (x *NodeMeta) ProtoReflect() protoreflect.Message {
+	mi := &file_ledger_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NodeMeta.ProtoReflect.Descriptor instead.
+func (*NodeMeta) Descriptor() ([]byte, []int) {
+	return file_ledger_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *NodeMeta) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *NodeMeta) GetCluster() string {
+	if x != nil {
+		return x.Cluster
+	}
+	return ""
+}
+
+func (x *NodeMeta) GetVersion() string {
+	if x != nil {
+		return x.Version
+	}
+	return ""
+}
+
 // TypeSet is the types an Envoy holds, in push order: indexes of
 // type_urls.
 type TypeSet struct {
@@ -363,7 +445,7 @@ type TypeSet struct {
 
 func (x *TypeSet) Reset() {
 	*x = TypeSet{}
-	mi := &file_ledger_proto_msgTypes[4]
+	mi := &file_ledger_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -375,7 +457,7 @@ func (x *TypeSet) String() string {
 func (*TypeSet) ProtoMessage() {}
 
 func (x *TypeSet) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[4]
+	mi := &file_ledger_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -388,7 +470,7 @@ func (x *TypeSet) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TypeSet.ProtoReflect.Descriptor instead.
 func (*TypeSet) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{4}
+	return file_ledger_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *TypeSet) GetTypes() []uint32 {
@@ -410,7 +492,7 @@ type Version struct {
 
 func (x *Version) Reset() {
 	*x = Version{}
-	mi := &file_ledger_proto_msgTypes[5]
+	mi := &file_ledger_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -422,7 +504,7 @@ func (x *Version) String() string {
 func (*Version) ProtoMessage() {}
 
 func (x *Version) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[5]
+	mi := &file_ledger_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -435,7 +517,7 @@ func (x *Version) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Version.ProtoReflect.Descriptor instead.
 func (*Version) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{5}
+	return file_ledger_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Version) GetSeq() uint64 {
@@ -476,7 +558,7 @@ type TypeVersion struct {
 
 func (x *TypeVersion) Reset() {
 	*x = TypeVersion{}
-	mi := &file_ledger_proto_msgTypes[6]
+	mi := &file_ledger_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -488,7 +570,7 @@ func (x *TypeVersion) String() string {
 func (*TypeVersion) ProtoMessage() {}
 
 func (x *TypeVersion) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[6]
+	mi := &file_ledger_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -501,7 +583,7 @@ func (x *TypeVersion) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TypeVersion.ProtoReflect.Descriptor instead.
 func (*TypeVersion) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{6}
+	return file_ledger_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *TypeVersion) GetType() string {
@@ -530,7 +612,7 @@ type NACK struct {
 
 func (x *NACK) Reset() {
 	*x = NACK{}
-	mi := &file_ledger_proto_msgTypes[7]
+	mi := &file_ledger_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -542,7 +624,7 @@ func (x *NACK) String() string {
 func (*NACK) ProtoMessage() {}
 
 func (x *NACK) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[7]
+	mi := &file_ledger_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -555,7 +637,7 @@ func (x *NACK) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NACK.ProtoReflect.Descriptor instead.
 func (*NACK) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{7}
+	return file_ledger_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *NACK) GetFingerprint() string {
@@ -598,7 +680,7 @@ type DeliveryRequest struct {
 
 func (x *DeliveryRequest) Reset() {
 	*x = DeliveryRequest{}
-	mi := &file_ledger_proto_msgTypes[8]
+	mi := &file_ledger_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -610,7 +692,7 @@ func (x *DeliveryRequest) String() string {
 func (*DeliveryRequest) ProtoMessage() {}
 
 func (x *DeliveryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[8]
+	mi := &file_ledger_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -623,7 +705,7 @@ func (x *DeliveryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeliveryRequest.ProtoReflect.Descriptor instead.
 func (*DeliveryRequest) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{8}
+	return file_ledger_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *DeliveryRequest) GetScope() *Scope {
@@ -663,7 +745,7 @@ type DeliveryVerdicts struct {
 
 func (x *DeliveryVerdicts) Reset() {
 	*x = DeliveryVerdicts{}
-	mi := &file_ledger_proto_msgTypes[9]
+	mi := &file_ledger_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -675,7 +757,7 @@ func (x *DeliveryVerdicts) String() string {
 func (*DeliveryVerdicts) ProtoMessage() {}
 
 func (x *DeliveryVerdicts) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[9]
+	mi := &file_ledger_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -688,7 +770,7 @@ func (x *DeliveryVerdicts) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeliveryVerdicts.ProtoReflect.Descriptor instead.
 func (*DeliveryVerdicts) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{9}
+	return file_ledger_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *DeliveryVerdicts) GetKeys() []*KeyVerdicts {
@@ -712,7 +794,7 @@ type KeyVerdicts struct {
 
 func (x *KeyVerdicts) Reset() {
 	*x = KeyVerdicts{}
-	mi := &file_ledger_proto_msgTypes[10]
+	mi := &file_ledger_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -724,7 +806,7 @@ func (x *KeyVerdicts) String() string {
 func (*KeyVerdicts) ProtoMessage() {}
 
 func (x *KeyVerdicts) ProtoReflect() protoreflect.Message {
-	mi := &file_ledger_proto_msgTypes[10]
+	mi := &file_ledger_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -737,7 +819,7 @@ func (x *KeyVerdicts) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyVerdicts.ProtoReflect.Descriptor instead.
 func (*KeyVerdicts) Descriptor() ([]byte, []int) {
-	return file_ledger_proto_rawDescGZIP(), []int{10}
+	return file_ledger_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *KeyVerdicts) GetKey() string {
@@ -790,7 +872,7 @@ const file_ledger_proto_rawDesc = "" +
 	"\aSummary\x12\x14\n" +
 	"\x05relay\x18\x01 \x01(\tR\x05relay\x12\x0e\n" +
 	"\x02at\x18\x02 \x01(\x03R\x02at\x123\n" +
-	"\x04keys\x18\x03 \x03(\v2\x1f.meshrelay.ledger.v1.KeySummaryR\x04keys\"\xb8\x03\n" +
+	"\x04keys\x18\x03 \x03(\v2\x1f.meshrelay.ledger.v1.KeySummaryR\x04keys\"\x8c\x04\n" +
 	"\n" +
 	"KeySummary\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x16\n" +
@@ -808,7 +890,14 @@ const file_ledger_proto_rawDesc = "" +
 	"\vbrief_count\x18\v \x01(\rR\n" +
 	"briefCount\x12!\n" +
 	"\fbrief_envoys\x18\f \x01(\fR\vbriefEnvoys\x12\x16\n" +
-	"\x06splits\x18\r \x03(\tR\x06splits\"\x1f\n" +
+	"\x06splits\x18\r \x03(\tR\x06splits\x123\n" +
+	"\x05metas\x18\x0e \x03(\v2\x1d.meshrelay.ledger.v1.NodeMetaR\x05metas\x12\x1d\n" +
+	"\n" +
+	"node_metas\x18\x0f \x01(\fR\tnodeMetas\"\\\n" +
+	"\bNodeMeta\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x18\n" +
+	"\acluster\x18\x02 \x01(\tR\acluster\x12\x18\n" +
+	"\aversion\x18\x03 \x01(\tR\aversion\"\x1f\n" +
 	"\aTypeSet\x12\x14\n" +
 	"\x05types\x18\x01 \x03(\rR\x05types\"]\n" +
 	"\aVersion\x12\x10\n" +
@@ -856,38 +945,40 @@ func file_ledger_proto_rawDescGZIP() []byte {
 	return file_ledger_proto_rawDescData
 }
 
-var file_ledger_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_ledger_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
 var file_ledger_proto_goTypes = []any{
 	(*Scope)(nil),            // 0: meshrelay.ledger.v1.Scope
 	(*SummaryRequest)(nil),   // 1: meshrelay.ledger.v1.SummaryRequest
 	(*Summary)(nil),          // 2: meshrelay.ledger.v1.Summary
 	(*KeySummary)(nil),       // 3: meshrelay.ledger.v1.KeySummary
-	(*TypeSet)(nil),          // 4: meshrelay.ledger.v1.TypeSet
-	(*Version)(nil),          // 5: meshrelay.ledger.v1.Version
-	(*TypeVersion)(nil),      // 6: meshrelay.ledger.v1.TypeVersion
-	(*NACK)(nil),             // 7: meshrelay.ledger.v1.NACK
-	(*DeliveryRequest)(nil),  // 8: meshrelay.ledger.v1.DeliveryRequest
-	(*DeliveryVerdicts)(nil), // 9: meshrelay.ledger.v1.DeliveryVerdicts
-	(*KeyVerdicts)(nil),      // 10: meshrelay.ledger.v1.KeyVerdicts
+	(*NodeMeta)(nil),         // 4: meshrelay.ledger.v1.NodeMeta
+	(*TypeSet)(nil),          // 5: meshrelay.ledger.v1.TypeSet
+	(*Version)(nil),          // 6: meshrelay.ledger.v1.Version
+	(*TypeVersion)(nil),      // 7: meshrelay.ledger.v1.TypeVersion
+	(*NACK)(nil),             // 8: meshrelay.ledger.v1.NACK
+	(*DeliveryRequest)(nil),  // 9: meshrelay.ledger.v1.DeliveryRequest
+	(*DeliveryVerdicts)(nil), // 10: meshrelay.ledger.v1.DeliveryVerdicts
+	(*KeyVerdicts)(nil),      // 11: meshrelay.ledger.v1.KeyVerdicts
 }
 var file_ledger_proto_depIdxs = []int32{
 	0,  // 0: meshrelay.ledger.v1.SummaryRequest.scope:type_name -> meshrelay.ledger.v1.Scope
 	3,  // 1: meshrelay.ledger.v1.Summary.keys:type_name -> meshrelay.ledger.v1.KeySummary
-	6,  // 2: meshrelay.ledger.v1.KeySummary.types:type_name -> meshrelay.ledger.v1.TypeVersion
-	7,  // 3: meshrelay.ledger.v1.KeySummary.nacks:type_name -> meshrelay.ledger.v1.NACK
-	4,  // 4: meshrelay.ledger.v1.KeySummary.type_sets:type_name -> meshrelay.ledger.v1.TypeSet
-	5,  // 5: meshrelay.ledger.v1.TypeVersion.version:type_name -> meshrelay.ledger.v1.Version
-	0,  // 6: meshrelay.ledger.v1.DeliveryRequest.scope:type_name -> meshrelay.ledger.v1.Scope
-	10, // 7: meshrelay.ledger.v1.DeliveryVerdicts.keys:type_name -> meshrelay.ledger.v1.KeyVerdicts
-	1,  // 8: meshrelay.ledger.v1.Ledger.GetSummary:input_type -> meshrelay.ledger.v1.SummaryRequest
-	8,  // 9: meshrelay.ledger.v1.Ledger.CheckDelivery:input_type -> meshrelay.ledger.v1.DeliveryRequest
-	2,  // 10: meshrelay.ledger.v1.Ledger.GetSummary:output_type -> meshrelay.ledger.v1.Summary
-	9,  // 11: meshrelay.ledger.v1.Ledger.CheckDelivery:output_type -> meshrelay.ledger.v1.DeliveryVerdicts
-	10, // [10:12] is the sub-list for method output_type
-	8,  // [8:10] is the sub-list for method input_type
-	8,  // [8:8] is the sub-list for extension type_name
-	8,  // [8:8] is the sub-list for extension extendee
-	0,  // [0:8] is the sub-list for field type_name
+	7,  // 2: meshrelay.ledger.v1.KeySummary.types:type_name -> meshrelay.ledger.v1.TypeVersion
+	8,  // 3: meshrelay.ledger.v1.KeySummary.nacks:type_name -> meshrelay.ledger.v1.NACK
+	5,  // 4: meshrelay.ledger.v1.KeySummary.type_sets:type_name -> meshrelay.ledger.v1.TypeSet
+	4,  // 5: meshrelay.ledger.v1.KeySummary.metas:type_name -> meshrelay.ledger.v1.NodeMeta
+	6,  // 6: meshrelay.ledger.v1.TypeVersion.version:type_name -> meshrelay.ledger.v1.Version
+	0,  // 7: meshrelay.ledger.v1.DeliveryRequest.scope:type_name -> meshrelay.ledger.v1.Scope
+	11, // 8: meshrelay.ledger.v1.DeliveryVerdicts.keys:type_name -> meshrelay.ledger.v1.KeyVerdicts
+	1,  // 9: meshrelay.ledger.v1.Ledger.GetSummary:input_type -> meshrelay.ledger.v1.SummaryRequest
+	9,  // 10: meshrelay.ledger.v1.Ledger.CheckDelivery:input_type -> meshrelay.ledger.v1.DeliveryRequest
+	2,  // 11: meshrelay.ledger.v1.Ledger.GetSummary:output_type -> meshrelay.ledger.v1.Summary
+	10, // 12: meshrelay.ledger.v1.Ledger.CheckDelivery:output_type -> meshrelay.ledger.v1.DeliveryVerdicts
+	11, // [11:13] is the sub-list for method output_type
+	9,  // [9:11] is the sub-list for method input_type
+	9,  // [9:9] is the sub-list for extension type_name
+	9,  // [9:9] is the sub-list for extension extendee
+	0,  // [0:9] is the sub-list for field type_name
 }
 
 func init() { file_ledger_proto_init() }
@@ -901,7 +992,7 @@ func file_ledger_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ledger_proto_rawDesc), len(file_ledger_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   11,
+			NumMessages:   12,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
