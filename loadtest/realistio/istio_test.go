@@ -10,6 +10,7 @@ import (
 	"io"
 	"log/slog"
 	"maps"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -113,7 +114,7 @@ type mesh struct {
 	bins   Binaries
 }
 
-func startMesh(t *testing.T, ctx context.Context) *mesh {
+func startMesh(t *testing.T, ctx context.Context, opts ...IstiodOption) *mesh {
 	t.Helper()
 	m := &mesh{bins: binaries(t), dir: t.TempDir()}
 	var err error
@@ -125,7 +126,7 @@ func startMesh(t *testing.T, ctx context.Context) *mesh {
 	if err := os.MkdirAll(idir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if m.istiod, err = StartIstiod(ctx, m.bins.PilotDiscovery, m.kube, idir, processLog(t, m.dir, "istiod")); err != nil {
+	if m.istiod, err = StartIstiod(ctx, m.bins.PilotDiscovery, m.kube, idir, processLog(t, m.dir, "istiod"), opts...); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(m.istiod.Stop)
@@ -355,10 +356,7 @@ func TestRelayTLSWithRealTokens(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	bin := filepath.Join(m.dir, "meshrelay")
-	if out, err := exec.CommandContext(ctx, "go", "build", "-o", bin, "github.com/meshrelay/meshrelay/cmd/meshrelay").CombinedOutput(); err != nil {
-		t.Fatalf("go build meshrelay: %v\n%s", err, out)
-	}
+	bin := buildMeshrelay(t, ctx, m.dir)
 	certFile, keyFile := m.istiod.Root.Serving(t, "meshrelay.istio-system.svc").Write(t, "")
 	port, err := freePort()
 	if err != nil {
@@ -387,23 +385,7 @@ func TestRelayTLSWithRealTokens(t *testing.T) {
 	t.Cleanup(func() { _ = relayCmd.Process.Kill(); _ = relayCmd.Wait() })
 	// Ready once it reached istiod (its health checks answer while its
 	// admin API is closed to callers it cannot prove).
-	for last := ""; ; {
-		resp, err := http.Get("http://127.0.0.1:" + strconv.Itoa(adminPort) + "/readyz")
-		if err == nil {
-			b, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				break
-			}
-			last = fmt.Sprintf("%s: %s", resp.Status, b)
-		} else {
-			last = err.Error()
-		}
-		if ctx.Err() != nil {
-			t.Fatalf("meshrelay never ready: %s", last)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	waitHTTPOK(t, ctx, "http://127.0.0.1:"+strconv.Itoa(adminPort)+"/readyz", "meshrelay")
 
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(m.istiod.Root.RootPEM())
@@ -445,6 +427,49 @@ func TestRelayTLSWithRealTokens(t *testing.T) {
 	t.Logf("istioctl proxy-status --xds-address <relay's TLS port>:\n%s", out)
 	if !strings.Contains(out, pod.GetId()) {
 		t.Errorf("istioctl proxy-status over TLS does not list %s", pod.GetId())
+	}
+}
+
+// buildMeshrelay builds cmd/meshrelay into dir.
+func buildMeshrelay(t *testing.T, ctx context.Context, dir string) string {
+	t.Helper()
+	bin := filepath.Join(dir, "meshrelay")
+	if out, err := exec.CommandContext(ctx, "go", "build", "-o", bin, "github.com/meshrelay/meshrelay/cmd/meshrelay").CombinedOutput(); err != nil {
+		t.Fatalf("go build meshrelay: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// hostHTTP is the tests' HTTP client on the host side: a connection per
+// request, and dials bounded too (the transport goes on dialing after a
+// request is given up: an address whose SYN goes unanswered would hold
+// a goroutine past the test).
+var hostHTTP = &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
+	DisableKeepAlives: true,
+	DialContext:       (&net.Dialer{Timeout: 3 * time.Second}).DialContext,
+}}
+
+// waitHTTPOK waits until url answers 200.
+func waitHTTPOK(t *testing.T, ctx context.Context, url, what string) {
+	t.Helper()
+	last := ""
+	for {
+		resp, err := hostHTTP.Get(url)
+		if err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return
+			}
+			last = fmt.Sprintf("%s: %s", resp.Status, strings.TrimSpace(string(b)))
+		} else {
+			last = err.Error()
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("%s never ready: %s", what, last)
+		case <-time.After(100 * time.Millisecond):
+		}
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -46,12 +47,26 @@ type Istiod struct {
 	proc *process
 }
 
+// IstiodOption changes how StartIstiod runs istiod.
+type IstiodOption func(*istiodOptions)
+
+type istiodOptions struct{ host string }
+
+// ListenOn makes istiod's xDS ports listen on host rather than 127.0.0.1
+// (an address of a bridge the test made, which sidecars in network
+// namespaces reach).
+func ListenOn(host string) IstiodOption { return func(o *istiodOptions) { o.host = host } }
+
 // StartIstiod applies Istio's CRDs to k (server-side), creates the
 // system namespace, and starts istiod (bin) with its files in dir and its
 // output to log, configured for an upstream Envoy rather than Istio's
 // proxy build (XDS-NOTES.md): no metadata exchange, no ALPN filter, no
 // stats filter. It waits until istiod is ready. Stop ends it.
-func StartIstiod(ctx context.Context, bin string, k *KubeAPI, dir string, log io.Writer) (_ *Istiod, err error) {
+func StartIstiod(ctx context.Context, bin string, k *KubeAPI, dir string, log io.Writer, opts ...IstiodOption) (_ *Istiod, err error) {
+	o := istiodOptions{host: "127.0.0.1"}
+	for _, opt := range opts {
+		opt(&o)
+	}
 	if err := applyCRDs(ctx, k); err != nil {
 		return nil, err
 	}
@@ -91,7 +106,8 @@ func StartIstiod(ctx context.Context, bin string, k *KubeAPI, dir string, log io
 		}
 	}
 	addr := func(p int) string { return "127.0.0.1:" + strconv.Itoa(p) }
-	d.HTTPAddr, d.PlainAddr, d.TLSAddr, d.MonitoringAddr = addr(ports[0]), addr(ports[1]), addr(ports[2]), addr(ports[3])
+	xdsAddr := func(p int) string { return net.JoinHostPort(o.host, strconv.Itoa(p)) }
+	d.HTTPAddr, d.PlainAddr, d.TLSAddr, d.MonitoringAddr = addr(ports[0]), xdsAddr(ports[1]), xdsAddr(ports[2]), addr(ports[3])
 	cmd := exec.Command(bin, "discovery",
 		"--kubeconfig", k.Kubeconfig, "--registries", "Kubernetes", "--clusterID", ClusterID,
 		"--meshConfig", mesh, "--networksConfig", filepath.Join(dir, "meshNetworks"), "--domain", "cluster.local",
