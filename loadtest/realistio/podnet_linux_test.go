@@ -14,10 +14,12 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/meshrelay/meshrelay/loadtest"
 )
 
 // podNet is the network the sidecar tests build: a bridge in the test's
-// network namespace with the host side's addresses (istiod, the relays,
+// own network namespace (ownNetns) with the host side's addresses (istiod, the relays,
 // the backends), and a network namespace per pod, each with a veth on
 // the bridge, its own hosts file (`ip netns exec` mounts
 // /etc/netns/<name>/hosts over /etc/hosts) and the iptables rule that
@@ -53,6 +55,27 @@ func needPodNet(t *testing.T) {
 		t.Fatalf("CI=true: %s", why)
 	}
 	t.Skip(why)
+}
+
+// ownNetns runs test name again in a network namespace of its own, so
+// that the bridge, its addresses and everything listening on them (the
+// API server, istiod, the relays, the backends) live and die there, not
+// on the host: it returns false here, after the run, and true in the run
+// inside (whose loopback it brings up).
+func ownNetns(t *testing.T, name string) bool {
+	t.Helper()
+	if loadtest.InChaosNetns() {
+		if out, err := exec.Command("ip", "link", "set", "lo", "up").CombinedOutput(); err != nil {
+			t.Fatalf("ip link set lo up: %v: %s", err, out)
+		}
+		return true
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	if err := loadtest.ReexecInNetns(ctx, os.Args[0], []string{"-test.run=^" + name + "$", "-test.v", "-test.count=1"}); err != nil {
+		t.Fatalf("%s in its own network namespace: %v", name, err)
+	}
+	return false
 }
 
 // hostAddr is the bridge's own address: istiod listens there.

@@ -357,6 +357,10 @@ func eventually(t *testing.T, ctx context.Context, within time.Duration, what st
 // the test's backends fails none of them.
 func TestSidecarsThroughTier(t *testing.T) {
 	needPodNet(t)
+	binaries(t) // skip here, not in the namespace, if not built
+	if !ownNetns(t, "TestSidecarsThroughTier") {
+		return
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
 	envoy, err := realenvoy.Find(ctx)
