@@ -18,7 +18,9 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/structpb"
+	meshv1alpha1 "istio.io/api/mesh/v1alpha1"
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/wire"
@@ -565,6 +567,55 @@ func TestConformance(t *testing.T) {
 				c.ack(m)
 			}
 		}},
+		{"PCDS is aggregated: one upstream stream for a key's agents, one ProxyConfig", func(t *testing.T, e *env) {
+			_, before := e.up.streams()
+			var clients []*rawClient
+			for i := range 3 {
+				c := e.client(20 + i)
+				c.subscribe(xds.TypeCluster)
+				c.ack(c.recv())
+				c.subscribe(xds.TypeProxyConfig) // as pilot-agent: no names
+				m := c.recv()
+				if got := trustBundle(t, m); !slices.Equal(got, []string{"root of ns1"}) {
+					t.Fatalf("client %d: trust bundle %q, want ns1's", i, got)
+				}
+				c.ack(m)
+				clients = append(clients, c)
+			}
+			if _, after := e.up.streams(); after-before != 1 {
+				t.Fatalf("upstream streams opened = %d, want 1: the key's, PCDS on it", after-before)
+			}
+			// The mesh's roots change: every agent gets the new bundle.
+			e.up.set("ns1", xds.TypeProxyConfig, &meshv1alpha1.ProxyConfig{CaCertificatesPem: []string{"root of ns1", "new root"}})
+			for i, c := range clients {
+				m := c.recv()
+				if got := trustBundle(t, m); len(got) != 2 {
+					t.Fatalf("client %d after the change: trust bundle %q, want 2 roots", i, got)
+				}
+				c.ack(m)
+			}
+		}},
+		{"a type the upstream never answers (PCDS without MULTI_ROOT_MESH) leaves the rest confirmed", func(t *testing.T, e *env) {
+			e.up.silence(xds.TypeProxyConfig)
+			c := e.client(0)
+			c.subscribe(xds.TypeProxyConfig) // pilot-agent asks before Envoy does
+			c.subscribe(xds.TypeCluster)
+			m := c.recv()
+			if typeOf(m) != xds.TypeCluster {
+				t.Fatalf("got %s, want the clusters (the upstream says nothing of PCDS)", xds.ShortType(typeOf(m)))
+			}
+			c.ack(m)
+			// The upstream restarts: until the new stream answers, the
+			// key's views are stale; its answers confirm them, the
+			// silent type's missing answer notwithstanding (a Delta
+			// upstream is otherwise waited for on every type).
+			_, opened := e.up.streams()
+			e.up.stop()
+			e.up.restart()
+			waitFor(t, "the key's new upstream stream", func() bool { _, n := e.up.streams(); return n > opened })
+			waitFor(t, "the key's views confirmed by the new stream", func() bool { st := e.r.Stats(); return st.Keys == 1 && st.StaleKeys == 0 })
+			c.quiet() // and nothing is made up for PCDS
+		}},
 		{"unknown types pass through, per stream", func(t *testing.T, e *env) {
 			_, before := e.up.streams()
 			for i := range 2 {
@@ -862,6 +913,31 @@ func nameTable(ns string, n int) *ndspb.NameTable {
 
 // nameTableHosts returns the hosts of the one NameTable a response
 // carries, sorted.
+// trustBundle returns the roots of the one ProxyConfig m carries.
+func trustBundle(t *testing.T, m proto.Message) []string {
+	t.Helper()
+	if typeOf(m) != xds.TypeProxyConfig {
+		t.Fatalf("got %s, want a ProxyConfig", xds.ShortType(typeOf(m)))
+	}
+	var as []*anypb.Any
+	switch r := m.(type) {
+	case *discovery.DiscoveryResponse:
+		as = r.GetResources()
+	case *discovery.DeltaDiscoveryResponse:
+		for _, x := range r.GetResources() {
+			as = append(as, x.GetResource())
+		}
+	}
+	if len(as) != 1 {
+		t.Fatalf("%d ProxyConfigs in a response, want 1", len(as))
+	}
+	var pc meshv1alpha1.ProxyConfig
+	if err := as[0].UnmarshalTo(&pc); err != nil {
+		t.Fatal(err)
+	}
+	return pc.GetCaCertificatesPem()
+}
+
 func nameTableHosts(t *testing.T, m proto.Message) []string {
 	t.Helper()
 	var bodies [][]byte

@@ -1501,8 +1501,8 @@ func (u *feed) mayBeSilent(src source) bool {
 	if src.kind == sourcePeer {
 		return false
 	}
-	for _, ut := range u.types {
-		if ut.asked && ut.acked == "" {
+	for typeURL, ut := range u.types {
+		if ut.asked && ut.acked == "" && !xds.Silent(typeURL) {
 			return false
 		}
 	}
@@ -1557,10 +1557,11 @@ func (s syncSlots) acquire(ctx context.Context) (release func(), ok bool) {
 	return func() { once.Do(func() { <-s }) }, true
 }
 
-// allAnswered reports whether every type asked on the stream was answered.
+// allAnswered reports whether every type asked on the stream was answered,
+// but those an upstream may never answer (xds.Silent).
 func (u *feed) allAnswered(answered map[string]bool) bool {
 	for typeURL, ut := range u.types {
-		if ut.asked && !answered[typeURL] {
+		if ut.asked && !answered[typeURL] && !xds.Silent(typeURL) {
 			return false
 		}
 	}

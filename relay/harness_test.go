@@ -30,6 +30,7 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/structpb"
+	meshv1alpha1 "istio.io/api/mesh/v1alpha1"
 
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -61,6 +62,7 @@ type testUpstream struct {
 	deltaReq []*discovery.DeltaDiscoveryRequest
 	open     int
 	opened   int
+	silent   map[string]bool // types never answered (silence)
 }
 
 func newTestUpstream(t *testing.T, groups ...string) *testUpstream {
@@ -110,7 +112,7 @@ func (u *testUpstream) serve(lis net.Listener) {
 		Caches:        map[string]cache.Cache{},
 	}
 	for k, c := range u.caches {
-		mux.Caches[k] = c
+		mux.Caches[k] = silenceable{c, u}
 	}
 	cb := serverv3.CallbackFuncs{
 		StreamOpenFunc:      func(context.Context, int64, string) error { u.count(1); return nil },
@@ -142,6 +144,44 @@ func (u *testUpstream) serve(lis net.Listener) {
 		defer close(done)
 		_ = srv.Serve(lis)
 	}()
+}
+
+// silence makes the upstream never answer typeURL from now on, as istiod
+// never answers PCDS without MULTI_ROOT_MESH.
+func (u *testUpstream) silence(typeURL string) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.silent == nil {
+		u.silent = map[string]bool{}
+	}
+	u.silent[typeURL] = true
+}
+
+func (u *testUpstream) silenced(typeURL string) bool {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.silent[typeURL]
+}
+
+// silenceable is a cache the upstream may silence: its watches then never
+// fire.
+type silenceable struct {
+	*cache.LinearCache
+	u *testUpstream
+}
+
+func (c silenceable) CreateWatch(r *cache.Request, sub cache.Subscription, out chan cache.Response) (func(), error) {
+	if c.u.silenced(r.GetTypeUrl()) {
+		return func() {}, nil
+	}
+	return c.LinearCache.CreateWatch(r, sub, out)
+}
+
+func (c silenceable) CreateDeltaWatch(r *cache.DeltaRequest, sub cache.Subscription, out chan cache.DeltaResponse) (func(), error) {
+	if c.u.silenced(r.GetTypeUrl()) {
+		return func() {}, nil
+	}
+	return c.LinearCache.CreateDeltaWatch(r, sub, out)
 }
 
 func (u *testUpstream) count(d int) {
@@ -431,4 +471,5 @@ func seed(up *testUpstream, g string, n int) {
 	}
 	up.set(g, xds.TypeRuntime, barriers...)
 	up.set(g, xds.TypeNameTable, nameTable(g, n))
+	up.set(g, xds.TypeProxyConfig, &meshv1alpha1.ProxyConfig{CaCertificatesPem: []string{"root of " + g}})
 }

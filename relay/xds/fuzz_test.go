@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/structpb"
+	meshv1alpha1 "istio.io/api/mesh/v1alpha1"
 
 	"github.com/meshrelay/meshrelay/relay/xds/ndspb"
 )
@@ -47,6 +48,7 @@ func FuzzDecode(f *testing.F) {
 	nt := &ndspb.NameTable{Table: map[string]*ndspb.NameTable_NameInfo{"c0.ns1.svc.cluster.local": {Ips: []string{"10.96.0.1"}}}}
 	add(idx(TypeNameTable), "", nt)  // unnamed, as istiod sends it
 	add(idx(TypeNameTable), "x", nt) // named anyhow
+	add(idx(TypeProxyConfig), "", &meshv1alpha1.ProxyConfig{CaCertificatesPem: []string{"-----BEGIN CERTIFICATE-----"}})
 	add(128+idx(TypeCluster), "", mkCluster("c0"))
 	f.Add(idx(TypeCluster), "", []byte{})
 	f.Add(idx(TypeRoute), "", []byte{0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f}) // truncated

@@ -20,6 +20,7 @@ import (
 	runtimev3 "github.com/envoyproxy/go-control-plane/envoy/service/runtime/v3"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
+	meshv1alpha1 "istio.io/api/mesh/v1alpha1"
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/xds/ndspb"
@@ -278,6 +279,8 @@ func newMessage(typeURL string) (proto.Message, error) {
 		return &core.TypedExtensionConfig{}, nil
 	case TypeNameTable:
 		return &ndspb.NameTable{}, nil
+	case TypeProxyConfig:
+		return &meshv1alpha1.ProxyConfig{}, nil
 	}
 	return nil, fmt.Errorf("relay: type %s is not cached", typeURL)
 }

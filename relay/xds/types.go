@@ -24,17 +24,23 @@ const (
 	// (its Sidecar scope, cluster, network, IP families, DNS settings), so
 	// a key's members share it. One unnamed resource (Singleton).
 	TypeNameTable = "type.googleapis.com/istio.networking.nds.v1.NameTable"
+	// TypeProxyConfig is Istio's PCDS: pilot-agent asks for it
+	// (PROXY_CONFIG_XDS_AGENT) to learn the mesh's trust bundle. istiod
+	// builds it from mesh-wide state alone (the trust bundle), and only
+	// with MULTI_ROOT_MESH: otherwise it never answers (Silent). One
+	// unnamed resource (Singleton).
+	TypeProxyConfig = "type.googleapis.com/istio.mesh.v1alpha1.ProxyConfig"
 )
 
 // PushOrder is the order in which a stream sends updates of several types at
 // once: make-before-break, so that a cluster exists before its endpoints, and
 // both before a listener or route refers to them. Read it, never modify it.
-var PushOrder = []string{TypeCluster, TypeEndpoint, TypeListener, TypeScopedRoute, TypeRoute, TypeSecret, TypeRuntime, TypeExtension, TypeNameTable}
+var PushOrder = []string{TypeCluster, TypeEndpoint, TypeListener, TypeScopedRoute, TypeRoute, TypeSecret, TypeRuntime, TypeExtension, TypeNameTable, TypeProxyConfig}
 
 // RemovalOrder is the order in which removals go out, after every update:
 // referrers first (listeners, routes), then what they referred to. Read
 // it, never modify it.
-var RemovalOrder = []string{TypeListener, TypeScopedRoute, TypeRoute, TypeCluster, TypeEndpoint, TypeSecret, TypeRuntime, TypeExtension, TypeNameTable}
+var RemovalOrder = []string{TypeListener, TypeScopedRoute, TypeRoute, TypeCluster, TypeEndpoint, TypeSecret, TypeRuntime, TypeExtension, TypeNameTable, TypeProxyConfig}
 
 // TypeRef is one edge of the graph of which type refers to which: resources
 // of From name resources of To (Kind says which of their references).
@@ -109,10 +115,16 @@ func LegacyWildcard(typeURL string) bool {
 }
 
 // Singleton reports whether a response of typeURL carries one resource
-// that names nothing (Istio's NDS): istiod sends it unnamed, its clients
-// take the first resource of a response and ask for the type without
-// names. The relay keeps it under SingletonName.
-func Singleton(typeURL string) bool { return typeURL == TypeNameTable }
+// that names nothing (Istio's NDS and PCDS): istiod sends it unnamed, its
+// clients take the first resource of a response and ask for the type
+// without names. The relay keeps it under SingletonName.
+func Singleton(typeURL string) bool { return typeURL == TypeNameTable || typeURL == TypeProxyConfig }
+
+// Silent reports whether an upstream may rightly never answer a
+// subscription to typeURL: istiod answers PCDS only with MULTI_ROOT_MESH.
+// Waiting for such a type's answer would keep a key's views from ever
+// being confirmed.
+func Silent(typeURL string) bool { return typeURL == TypeProxyConfig }
 
 // SingletonName is the name a Singleton type's one resource has in the
 // relay's views and in its Delta responses (clients ignore it).
@@ -139,6 +151,8 @@ func ShortType(typeURL string) string {
 		return "ecds"
 	case TypeNameTable:
 		return "nds"
+	case TypeProxyConfig:
+		return "pcds"
 	}
 	return "other"
 }
