@@ -105,7 +105,10 @@ func startSidecar(t *testing.T, ctx context.Context, m *mesh, pn *podNet, envoy,
 		"TRUST_DOMAIN=cluster.local", "PILOT_CERT_PROVIDER=istiod", "JWT_POLICY=third-party-jwt",
 		"ISTIO_META_WORKLOAD_NAME="+app+"-v1", "ISTIO_META_OWNER=kubernetes://apis/apps/v1/namespaces/"+s.ns+"/deployments/"+app+"-v1",
 		"ISTIO_META_INTERCEPTION_MODE=REDIRECT", "ISTIO_METAJSON_LABELS="+string(labels),
-		"ISTIO_META_DNS_CAPTURE=true")
+		"ISTIO_META_DNS_CAPTURE=true",
+		// pilot-agent asks for PCDS too; istiod, without MULTI_ROOT_MESH,
+		// never answers it.
+		"PROXY_CONFIG_XDS_AGENT=true")
 	s.cmd.Stdout = processLog(t, m.dir, s.pod)
 	s.cmd.Stderr = s.cmd.Stdout
 	s.cmd.SysProcAttr = childAttr()
@@ -572,6 +575,17 @@ func TestSidecarsThroughTier(t *testing.T) {
 	if sent.Load() == 0 || failed.Load() > 0 {
 		t.Errorf("%d of %d requests failed; the first: %v", failed.Load(), sent.Load(), trafficErr)
 	}
+	// The tier's keys are current: confirmed by istiod's answers, PCDS's
+	// silence notwithstanding.
+	eventually(t, ctx, time.Minute, "no stale key on the live relays", func() bool {
+		n := 0.0
+		for _, r := range relays {
+			if r != victim {
+				n += r.metric(t, ctx, "meshrelay_stale_keys")
+			}
+		}
+		return n == 0
+	})
 	// Every stream the tier opened to istiod presented a sidecar's token
 	// (istiod logs each one it could not authenticate).
 	if b, err := os.ReadFile(filepath.Join(m.dir, "istiod.log")); err != nil || strings.Contains(string(b), "Failed to authenticate client") {
