@@ -536,63 +536,50 @@ func TestConformance(t *testing.T) {
 			c2.subscribe(xds.TypeEndpoint, "c1") // the client forgot c1 and asks again
 			wantNames(t, c2.recv(), "c1")
 		}},
-		{"NDS is aggregated: one upstream stream for a key's agents, one NameTable", func(t *testing.T, e *env) {
+		{"NDS and PCDS are aggregated: one upstream stream for a key's agents, one resource", func(t *testing.T, e *env) {
+			// Each type with what a response's one resource says, and a
+			// change istiod may make to it.
+			singletons := []struct {
+				typeURL string
+				read    func(*testing.T, proto.Message) []string
+				want    []string
+				change  types.Resource
+			}{
+				{xds.TypeNameTable, nameTableHosts, []string{"c0.ns1.svc.cluster.local", "c1.ns1.svc.cluster.local", "c2.ns1.svc.cluster.local"}, nameTable("ns1", 4)},
+				{xds.TypeProxyConfig, trustBundle, []string{"root of ns1"}, &meshv1alpha1.ProxyConfig{CaCertificatesPem: []string{"root of ns1", "new root"}}},
+			}
 			_, before := e.up.streams()
 			var clients []*rawClient
 			for i := range 3 {
 				c := e.client(20 + i)
 				c.subscribe(xds.TypeCluster)
 				c.ack(c.recv())
-				c.subscribe(xds.TypeNameTable) // as pilot-agent: no names
-				m := c.recv()
-				if typeOf(m) != xds.TypeNameTable {
-					t.Fatalf("client %d: got %s, want its NameTable", i, xds.ShortType(typeOf(m)))
+				for _, st := range singletons {
+					c.subscribe(st.typeURL) // as pilot-agent: no names
+					m := c.recv()
+					if typeOf(m) != st.typeURL {
+						t.Fatalf("client %d: got %s, want its %s", i, xds.ShortType(typeOf(m)), xds.ShortType(st.typeURL))
+					}
+					if got := st.read(t, m); !slices.Equal(got, st.want) {
+						t.Fatalf("client %d: %s says %q, want %q", i, xds.ShortType(st.typeURL), got, st.want)
+					}
+					c.ack(m)
 				}
-				if got := nameTableHosts(t, m); !slices.Equal(got, []string{"c0.ns1.svc.cluster.local", "c1.ns1.svc.cluster.local", "c2.ns1.svc.cluster.local"}) {
-					t.Fatalf("client %d: NameTable hosts %q, want ns1's three", i, got)
-				}
-				c.ack(m)
 				clients = append(clients, c)
 			}
 			if _, after := e.up.streams(); after-before != 1 {
-				t.Fatalf("upstream streams opened = %d, want 1: the key's, NDS on it", after-before)
+				t.Fatalf("upstream streams opened = %d, want 1: the key's, NDS and PCDS on it", after-before)
 			}
-			// istiod rebuilds the table: every agent gets the new one.
-			e.up.set("ns1", xds.TypeNameTable, nameTable("ns1", 4))
-			for i, c := range clients {
-				m := c.recv()
-				if got := nameTableHosts(t, m); len(got) != 4 {
-					t.Fatalf("client %d after the change: NameTable hosts %q, want 4", i, got)
+			// istiod rebuilds each: every agent gets the new one.
+			for _, st := range singletons {
+				e.up.set("ns1", st.typeURL, st.change)
+				for i, c := range clients {
+					m := c.recv()
+					if got := st.read(t, m); len(got) != len(st.want)+1 {
+						t.Fatalf("client %d after the change: %s says %q, want one more than %q", i, xds.ShortType(st.typeURL), got, st.want)
+					}
+					c.ack(m)
 				}
-				c.ack(m)
-			}
-		}},
-		{"PCDS is aggregated: one upstream stream for a key's agents, one ProxyConfig", func(t *testing.T, e *env) {
-			_, before := e.up.streams()
-			var clients []*rawClient
-			for i := range 3 {
-				c := e.client(20 + i)
-				c.subscribe(xds.TypeCluster)
-				c.ack(c.recv())
-				c.subscribe(xds.TypeProxyConfig) // as pilot-agent: no names
-				m := c.recv()
-				if got := trustBundle(t, m); !slices.Equal(got, []string{"root of ns1"}) {
-					t.Fatalf("client %d: trust bundle %q, want ns1's", i, got)
-				}
-				c.ack(m)
-				clients = append(clients, c)
-			}
-			if _, after := e.up.streams(); after-before != 1 {
-				t.Fatalf("upstream streams opened = %d, want 1: the key's, PCDS on it", after-before)
-			}
-			// The mesh's roots change: every agent gets the new bundle.
-			e.up.set("ns1", xds.TypeProxyConfig, &meshv1alpha1.ProxyConfig{CaCertificatesPem: []string{"root of ns1", "new root"}})
-			for i, c := range clients {
-				m := c.recv()
-				if got := trustBundle(t, m); len(got) != 2 {
-					t.Fatalf("client %d after the change: trust bundle %q, want 2 roots", i, got)
-				}
-				c.ack(m)
 			}
 		}},
 		{"a type the upstream never answers (PCDS without MULTI_ROOT_MESH) leaves the rest confirmed", func(t *testing.T, e *env) {

@@ -283,31 +283,23 @@ func (u *feed) waitForToken(ctx context.Context, node *core.Node) bool {
 	u.r.metrics.awaitingToken.Inc()
 	defer u.r.metrics.awaitingToken.Dec()
 	u.r.log.Warn("forward mode: no member of the key holds a token the upstream would take; serving the cache until an Envoy brings one", "key", u.k.key, "node", node.GetId())
-	for {
-		if first, _ := u.k.presenter(); presentsToken(first) || u.choose().kind == sourcePeer {
-			return true // a token, or a source that needs none (the owner)
-		}
-		u.checkIdle()
-		select {
-		case <-ctx.Done():
-			return false
-		case <-u.k.upWake:
-		case <-u.idleC():
-			u.idle = nil // spent: checkIdle arms a new one if still idle
-			if u.r.dropIfIdle(u.k) {
-				return false
-			}
-		}
-	}
+	return u.waitUntil(ctx, func() bool {
+		first, _ := u.k.presenter()
+		return presentsToken(first) || u.choose().kind == sourcePeer // a token, or a source that needs none (the owner)
+	})
 }
 
 // waitForMember waits until the key has a member, or gives up when it stays
 // idle.
 func (u *feed) waitForMember(ctx context.Context) bool {
-	for {
-		if u.k.memberCount() > 0 {
-			return true
-		}
+	return u.waitUntil(ctx, func() bool { return u.k.memberCount() > 0 })
+}
+
+// waitUntil waits until ready, asked again whenever the key's members or
+// subscriptions change (upWake), and reports true; or false when ctx ends
+// or the key, idle, is dropped.
+func (u *feed) waitUntil(ctx context.Context, ready func() bool) bool {
+	for !ready() {
 		u.checkIdle()
 		select {
 		case <-ctx.Done():
@@ -320,6 +312,7 @@ func (u *feed) waitForMember(ctx context.Context) bool {
 			}
 		}
 	}
+	return true
 }
 
 // sleep waits d, or less if the key is dropped or ctx ends. It reports
