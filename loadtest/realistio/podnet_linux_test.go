@@ -2,6 +2,7 @@ package realistio
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -162,45 +163,56 @@ func (n *podNet) pod(last int, hosts map[string][]string, serviceCIDR string) (n
 	return name, addr
 }
 
-// dialIn dials addr from inside network namespace ns: the socket is made
-// on a thread moved into it, and stays there once the thread is back.
-func dialIn(ctx context.Context, ns, network, addr string) (net.Conn, error) {
-	type result struct {
-		c   net.Conn
-		err error
+// dialIn dials addr from inside the named network namespace ns (ip
+// netns): the socket stays there.
+func dialIn(ctx context.Context, ns, network, addr string) (c net.Conn, err error) {
+	if ierr := inNetns(filepath.Join("/var/run/netns", ns), func() error {
+		c, err = (&net.Dialer{}).DialContext(ctx, network, addr)
+		return nil
+	}); ierr != nil {
+		return nil, ierr
 	}
-	done := make(chan result, 1)
-	go func() {
-		runtime.LockOSThread()
-		c, back, err := dialInLocked(ctx, ns, network, addr)
-		if back {
-			runtime.UnlockOSThread() // else the thread ends with the goroutine
-		}
-		done <- result{c, err}
-	}()
-	r := <-done
-	return r.c, r.err
+	return c, err
 }
 
-// dialInLocked is dialIn on a locked thread; back reports whether the
-// thread is in its own namespace again.
-func dialInLocked(ctx context.Context, ns, network, addr string) (_ net.Conn, back bool, _ error) {
-	self, err := os.Open("/proc/thread-self/ns/net")
-	if err != nil {
-		return nil, true, err
-	}
-	defer self.Close()
-	target, err := os.Open(filepath.Join("/var/run/netns", ns))
-	if err != nil {
-		return nil, true, err
-	}
-	defer target.Close()
-	if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
-		return nil, true, fmt.Errorf("setns %s: %w", ns, err)
-	}
-	var d net.Dialer
-	c, err := d.DialContext(ctx, network, addr)
-	return c, unix.Setns(int(self.Fd()), unix.CLONE_NEWNET) == nil, err
+// inNetns runs fn on a thread that entered the network namespace at path:
+// the sockets fn opens belong to it, and stay there once the thread has
+// left. The thread returns to the test's namespace before it runs
+// anything else; if it cannot, it stays locked and ends with its
+// goroutine. (Threads are not ended otherwise: a process the tests start
+// with Pdeathsig dies with the thread that started it.)
+func inNetns(path string, fn func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		home, err := os.Open("/proc/thread-self/ns/net")
+		if err != nil {
+			runtime.UnlockOSThread()
+			errc <- err
+			return
+		}
+		defer home.Close()
+		f, err := os.Open(path)
+		if err != nil {
+			runtime.UnlockOSThread()
+			errc <- err
+			return
+		}
+		defer f.Close()
+		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
+			runtime.UnlockOSThread()
+			errc <- fmt.Errorf("setns %s: %w", path, err)
+			return
+		}
+		err = fn()
+		if rerr := unix.Setns(int(home.Fd()), unix.CLONE_NEWNET); rerr != nil {
+			errc <- errors.Join(err, fmt.Errorf("setns back: %w", rerr)) // the thread ends locked
+			return
+		}
+		runtime.UnlockOSThread()
+		errc <- err
+	}()
+	return <-errc
 }
 
 // podClient is an HTTP client whose connections start inside ns, and

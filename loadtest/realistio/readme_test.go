@@ -17,7 +17,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -29,7 +28,6 @@ import (
 	cluster "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
@@ -527,45 +525,8 @@ func (n *blockNetns) ip(t *testing.T, args ...string) {
 	}
 }
 
-// in runs fn on a thread that entered the namespace: the sockets fn opens
-// belong to it, and stay there once the thread has left. The thread
-// returns to the test's namespace before it runs anything else; if it
-// cannot, it stays locked and ends with its goroutine. (Threads are not
-// ended otherwise: a process the tests start with Pdeathsig dies with
-// the thread that started it.)
-func (n *blockNetns) in(fn func() error) error {
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		home, err := os.Open("/proc/thread-self/ns/net")
-		if err != nil {
-			runtime.UnlockOSThread()
-			errc <- err
-			return
-		}
-		defer home.Close()
-		f, err := os.Open(n.path())
-		if err != nil {
-			runtime.UnlockOSThread()
-			errc <- err
-			return
-		}
-		defer f.Close()
-		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
-			runtime.UnlockOSThread()
-			errc <- fmt.Errorf("setns %s: %w", n.path(), err)
-			return
-		}
-		err = fn()
-		if rerr := unix.Setns(int(home.Fd()), unix.CLONE_NEWNET); rerr != nil {
-			errc <- errors.Join(err, fmt.Errorf("setns back: %w", rerr)) // the thread ends locked
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- err
-	}()
-	return <-errc
-}
+// in runs fn in the namespace (inNetns).
+func (n *blockNetns) in(fn func() error) error { return inNetns(n.path(), fn) }
 
 // dial connects to addr (an IP address and port) in the namespace.
 func (n *blockNetns) dial(ctx context.Context, addr string) (c net.Conn, err error) {
