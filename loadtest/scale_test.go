@@ -36,7 +36,13 @@ func testScale(t *testing.T, tls bool, adjust func(*ScaleConfig)) {
 	cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = 40, 40, 4
 	cfg.Envoys, cfg.Keys, cfg.Changes = 80, 8, 3
 	cfg.ChangeGap = 100 * time.Millisecond
-	cfg.PhaseTimeout = time.Minute
+	// The benchmark's own bound (DefaultScaleConfig's 3 minutes), not a
+	// shorter one: a relay moved away lands at random (one move in four
+	// on the new relay), so rebalancing takes rounds of gossip, and on a
+	// CPU oversubscribed sixfold (a loaded CI run beside the Istio
+	// suites) 80 Envoys took over a minute where they take 3 s on two
+	// cores beside two busy loops. Rebalanced is an eventual state; the
+	// bound only ends a run that would never get there.
 	cfg.TLS = tls
 	// At a share of 20 the relays' own margin is √20 ≈ 5 streams (25 %):
 	// the 20 % bound of the issue is checked at a share of 30 in
