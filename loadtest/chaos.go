@@ -731,7 +731,7 @@ func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fau
 			fmt.Fprintf(r.out, "seed %d: %6.1fs   healed; every Envoy current %.1fs later\n", r.seed, time.Since(start).Seconds(), time.Since(rec.Healed).Seconds())
 		}
 		records = append(records, rec)
-		sleepCtx(ctx, r.cfg.Settle)
+		SleepCtx(ctx, r.cfg.Settle)
 	}
 	stopChurn()
 	<-churnDone
@@ -749,7 +749,7 @@ func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fau
 		if err != nil {
 			r.fail("steady state: %s", r.oneStreamPerKey(streams))
 		}
-		sleepCtx(ctx, time.Second) // late events of the last pushes
+		SleepCtx(ctx, time.Second) // late events of the last pushes
 	}
 	end := time.Now()
 	fleet.Stop(context.WithoutCancel(ctx))
@@ -806,7 +806,7 @@ func (r *chaosRun) waitFor(ctx context.Context, d time.Duration, what string, co
 		if time.Now().After(deadline) {
 			return fmt.Errorf("%s: not after %v", what, d)
 		}
-		if !sleepCtx(ctx, 100*time.Millisecond) {
+		if !SleepCtx(ctx, 100*time.Millisecond) {
 			return ctx.Err()
 		}
 	}
@@ -865,7 +865,7 @@ func (r *chaosRun) takeRelay(i int) *Child {
 // ready relays. It also notes relays that exited on their own.
 func (r *chaosRun) pollReady(ctx context.Context) {
 	client := &http.Client{Timeout: 500 * time.Millisecond}
-	for sleepCtx(ctx, 200*time.Millisecond) {
+	for SleepCtx(ctx, 200*time.Millisecond) {
 		for i := range r.cfg.Relays {
 			c := r.relay(i)
 			ok := false
@@ -1035,7 +1035,7 @@ func (r *chaosRun) recover(ctx context.Context, healed, start time.Time) error {
 				r.seed, now.Sub(start).Seconds(), now.Sub(healed).Seconds(), envoysN(len(lags)), first)
 			note = note.Add(10 * time.Second)
 		}
-		if !sleepCtx(ctx, 100*time.Millisecond) {
+		if !SleepCtx(ctx, 100*time.Millisecond) {
 			return ctx.Err()
 		}
 	}
@@ -1154,7 +1154,7 @@ func (r *chaosRun) play(ctx context.Context, rec *FaultRecord, start time.Time) 
 		if c := r.takeRelay(f.Target); c != nil {
 			c.Kill()
 		}
-		sleepCtx(ctx, f.Hold)
+		SleepCtx(ctx, f.Hold)
 		return r.startRelay(ctx, f.Target)
 	case FaultFreeze:
 		c := r.relay(f.Target)
@@ -1164,13 +1164,13 @@ func (r *chaosRun) play(ctx context.Context, rec *FaultRecord, start time.Time) 
 		if err := c.Signal(syscall.SIGSTOP); err != nil {
 			return err
 		}
-		sleepCtx(ctx, f.Hold)
+		SleepCtx(ctx, f.Hold)
 		return c.Signal(syscall.SIGCONT)
 	case FaultCut:
 		if err := r.net.cut(f.Target, f.Peer, chaosRelayIP(f.Target), chaosRelayIP(f.Peer)); err != nil {
 			return err
 		}
-		sleepCtx(ctx, f.Hold)
+		SleepCtx(ctx, f.Hold)
 		return r.net.heal()
 	case FaultStarve:
 		return r.starve(ctx, rec, start)
@@ -1178,21 +1178,21 @@ func (r *chaosRun) play(ctx context.Context, rec *FaultRecord, start time.Time) 
 		how, err := r.net.slow(f.Target, chaosRelayIP(f.Target), f.Delay, f.RateKbit, f.Loss)
 		r.detail(rec, start, "relay-%d's link: %s", f.Target, how)
 		if err == nil {
-			sleepCtx(ctx, f.Hold)
+			SleepCtx(ctx, f.Hold)
 		}
 		return errors.Join(err, r.net.fast())
 	case FaultEtcdLeader:
 		return r.killEtcdLeader(ctx, rec, start)
 	case FaultEtcd:
 		r.etcd.Kill(f.Target)
-		sleepCtx(ctx, f.Hold)
+		SleepCtx(ctx, f.Hold)
 		return r.etcd.Start(ctx, f.Target)
 	case FaultUpstream:
 		// istiod down publishes nothing: the churn waits.
 		r.churnMu.Lock()
 		defer r.churnMu.Unlock()
 		r.up.kill()
-		sleepCtx(ctx, f.Hold)
+		SleepCtx(ctx, f.Hold)
 		return r.up.run(ctx, r.churn.Steps())
 	case FaultRolling:
 		for i := range r.cfg.Relays {
@@ -1249,7 +1249,7 @@ func (r *chaosRun) starve(ctx context.Context, rec *FaultRecord, start time.Time
 	if err == nil {
 		defer cg.release() // idempotent: undone on every path
 		r.detail(rec, start, "relay-%d (pid %d) starved by %s", f.Target, c.Pid(), cg.how)
-		sleepCtx(ctx, f.Hold)
+		SleepCtx(ctx, f.Hold)
 		stat := cg.throttled()
 		if err := cg.release(); err != nil {
 			return err
@@ -1264,13 +1264,13 @@ func (r *chaosRun) starve(ctx context.Context, rec *FaultRecord, start time.Time
 		if err := c.Signal(syscall.SIGSTOP); err != nil {
 			return err
 		}
-		if !sleepCtx(ctx, min(time.Second-run, time.Until(end))) {
+		if !SleepCtx(ctx, min(time.Second-run, time.Until(end))) {
 			break
 		}
 		if err := c.Signal(syscall.SIGCONT); err != nil {
 			return err
 		}
-		if !sleepCtx(ctx, run) {
+		if !SleepCtx(ctx, run) {
 			break
 		}
 	}
@@ -1312,7 +1312,7 @@ func (r *chaosRun) killEtcdLeader(ctx context.Context, rec *FaultRecord, start t
 			rev, moved = now.Revision, time.Since(t0)
 			break
 		}
-		if !sleepCtx(ctx, 20*time.Millisecond) {
+		if !SleepCtx(ctx, 20*time.Millisecond) {
 			return ctx.Err()
 		}
 	}
@@ -1322,7 +1322,7 @@ func (r *chaosRun) killEtcdLeader(ctx context.Context, rec *FaultRecord, start t
 		flush = fmt.Sprintf("no write landed within 5 s of a burst of %d changes (revision %d)", burst, rev)
 	}
 	r.detail(rec, start, "etcd-%d was the leader (member %x, raft term %d), killed: %s", leader, st.ID, st.Term, flush)
-	sleepCtx(ctx, rec.Hold)
+	SleepCtx(ctx, rec.Hold)
 	return r.etcd.Start(ctx, leader)
 }
 

@@ -510,7 +510,7 @@ func (r *ctripRun) startTier(ctx context.Context) error {
 		if time.Now().After(deadline) {
 			return fmt.Errorf("tier: %d of %d relays ready with the whole ring after 2m", ready, cfg.Relays)
 		}
-		if !sleepCtx(ctx, 200*time.Millisecond) {
+		if !SleepCtx(ctx, 200*time.Millisecond) {
 			return ctx.Err()
 		}
 	}
@@ -604,7 +604,7 @@ func (r *ctripRun) sync(ctx context.Context) error {
 func (r *ctripRun) churn(ctx context.Context) error {
 	cfg, rep := r.cfg, r.rep
 	runtime.GC()
-	if !sleepCtx(ctx, cfg.Settle) {
+	if !SleepCtx(ctx, cfg.Settle) {
 		return ctx.Err()
 	}
 	r.tracker.Reset()
@@ -687,7 +687,7 @@ wait:
 			break
 		}
 		r.tracker.Forget(time.Now().Add(-cfg.ChangeTimeout))
-		if !sleepCtx(ctx, 50*time.Millisecond) {
+		if !SleepCtx(ctx, 50*time.Millisecond) {
 			return ctx.Err()
 		}
 	}
@@ -709,7 +709,7 @@ wait:
 		if (err == nil && tc.Envoys == cfg.Envoys && tc.Current == tc.Envoys) || time.Now().After(deadline) {
 			break
 		}
-		if !sleepCtx(ctx, 500*time.Millisecond) {
+		if !SleepCtx(ctx, 500*time.Millisecond) {
 			return ctx.Err()
 		}
 	}
@@ -1004,7 +1004,7 @@ func guardMemory(ctx context.Context, floor uint64, cancel context.CancelCauseFu
 	if floor == 0 {
 		return
 	}
-	for sleepCtx(ctx, time.Second) {
+	for SleepCtx(ctx, time.Second) {
 		if avail, err := memAvailable(); err == nil && avail < floor {
 			cancel(fmt.Errorf("stopped: the machine has %s of memory available, under the %s the run keeps free; scale it down",
 				fmtBytes(avail), fmtBytes(floor)))

@@ -805,7 +805,7 @@ func RunFanout(ctx context.Context, cfg FanoutConfig, out io.Writer) (*FanoutRep
 				if ctx.Err() != nil {
 					break
 				}
-				if !first && !sleepCtx(ctx, cfg.Settle) {
+				if !first && !SleepCtx(ctx, cfg.Settle) {
 					break
 				}
 				first = false
@@ -828,7 +828,9 @@ func RunFanout(ctx context.Context, cfg FanoutConfig, out io.Writer) (*FanoutRep
 	return rep, errors.Join(errs...)
 }
 
-func sleepCtx(ctx context.Context, d time.Duration) bool {
+// SleepCtx waits d, or until ctx ends; it reports whether ctx is still
+// live (d passed, or d was not positive).
+func SleepCtx(ctx context.Context, d time.Duration) bool {
 	if d <= 0 {
 		return ctx.Err() == nil
 	}
@@ -1025,7 +1027,7 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 	// The initial sync leaves garbage in this process; collect it before
 	// timing, so both modes start the changes from the same footing.
 	runtime.GC()
-	if !sleepCtx(ctx, cfg.Settle) {
+	if !SleepCtx(ctx, cfg.Settle) {
 		return fail(ctx.Err())
 	}
 	tracker.Reset()
@@ -1220,7 +1222,7 @@ func moveEndpoints(ctx context.Context, cfg FanoutConfig, up *upstream.Upstream,
 			return ctx.Err()
 		}
 		timer.Stop()
-		if !sleepCtx(ctx, cfg.ChangeGap) {
+		if !SleepCtx(ctx, cfg.ChangeGap) {
 			return ctx.Err()
 		}
 	}

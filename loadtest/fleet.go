@@ -228,7 +228,7 @@ func (f *Fleet) waitSyncing(ctx context.Context, limit int) error {
 		if syncing < limit {
 			return nil
 		}
-		if !sleepCtx(ctx, 20*time.Millisecond) {
+		if !SleepCtx(ctx, 20*time.Millisecond) {
 			return ctx.Err()
 		}
 	}

@@ -184,7 +184,7 @@ func RunRealFanout(ctx context.Context, cfg RealFanoutConfig, out io.Writer) (*R
 			if run.Error != "" {
 				errs = append(errs, fmt.Errorf("%s %s (real): %s", p, m, run.Error))
 			}
-			if !sleepCtx(ctx, cfg.Settle) {
+			if !SleepCtx(ctx, cfg.Settle) {
 				break
 			}
 			if cfg.Simulated {
@@ -197,7 +197,7 @@ func RunRealFanout(ctx context.Context, cfg RealFanoutConfig, out io.Writer) (*R
 				if sim.Error != "" {
 					errs = append(errs, fmt.Errorf("%s %s (simulated): %s", p, m, sim.Error))
 				}
-				if !sleepCtx(ctx, cfg.Settle) {
+				if !SleepCtx(ctx, cfg.Settle) {
 					break
 				}
 			}
@@ -279,7 +279,7 @@ func runRealFanoutOnce(ctx context.Context, cfg RealFanoutConfig, p envoy.Protoc
 		return fail(fmt.Errorf("initial sync: %w", err))
 	}
 	fmt.Fprintf(out, "%s: synced in %.1fs; upstream streams %d\n", tag, run.InitialSyncS, run.UpstreamStreams)
-	if !sleepCtx(ctx, cfg.Settle) {
+	if !SleepCtx(ctx, cfg.Settle) {
 		return fail(ctx.Err())
 	}
 
@@ -318,7 +318,7 @@ func runRealFanoutOnce(ctx context.Context, cfg RealFanoutConfig, p envoy.Protoc
 		applied = append(applied, per...)
 		appliedAll = append(appliedAll, slices.Max(per))
 		run.ChangesDone++
-		if !sleepCtx(ctx, cfg.ChangeGap) {
+		if !SleepCtx(ctx, cfg.ChangeGap) {
 			return fail(ctx.Err())
 		}
 	}
@@ -381,7 +381,7 @@ func waitRealSynced(ctx context.Context, envoys []*realenvoy.Envoy, groups []str
 			if holdsNames(got, want) {
 				break
 			}
-			if !sleepCtx(ctx, 50*time.Millisecond) {
+			if !SleepCtx(ctx, 50*time.Millisecond) {
 				return fmt.Errorf("envoy %d never held its config: %w", i, ctx.Err())
 			}
 		}
@@ -428,7 +428,7 @@ func waitApplied(ctx context.Context, envoys []*realenvoy.Envoy, c upstream.Chan
 			for {
 				// The first look too only after a while: the Envoys apply
 				// the change meanwhile, without answering polls.
-				if !sleepCtx(ctx, appliedPoll) {
+				if !SleepCtx(ctx, appliedPoll) {
 					errs[i] = fmt.Errorf("envoy %d did not apply it: %w", i, ctx.Err())
 					return
 				}
@@ -476,7 +476,7 @@ func waitLedgerACKs(ctx context.Context, conn *grpc.ClientConn, envoys []*realen
 		if len(out) == len(envoys) {
 			return out, nil
 		}
-		if !sleepCtx(ctx, 20*time.Millisecond) {
+		if !SleepCtx(ctx, 20*time.Millisecond) {
 			return nil, fmt.Errorf("the relay's ledger has %d of %d ACKs: %w", len(out), len(envoys), ctx.Err())
 		}
 	}

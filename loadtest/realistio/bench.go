@@ -574,7 +574,7 @@ func (b *bench) warmUp(ctx context.Context) error {
 			b.logf("istiod's push context holds %v services (%v)", n, err)
 			logged = time.Now()
 		}
-		if !sleep(wctx, time.Second) {
+		if !loadtest.SleepCtx(wctx, time.Second) {
 			return fmt.Errorf("istiod's push context holds %v of %d services (%v) after %v", n, b.cfg.Services, err, b.cfg.SyncTimeout)
 		}
 	}
@@ -613,7 +613,7 @@ func (b *bench) warmUp(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if !sleep(ctx, b.cfg.Settle) {
+	if !loadtest.SleepCtx(ctx, b.cfg.Settle) {
 		return ctx.Err()
 	}
 	after, err := loadtest.ReadProcStat(b.istiod.Pid())
@@ -659,7 +659,7 @@ func (b *bench) waitAllocated(ctx context.Context) error {
 			b.logf("istiod allocated %d of %d ServiceEntries an address", n, b.cfg.Services)
 			logged = time.Now()
 		}
-		if !sleep(ctx, 5*time.Second) {
+		if !loadtest.SleepCtx(ctx, 5*time.Second) {
 			return fmt.Errorf("istiod allocated %d of %d ServiceEntries an address: %w", n, b.cfg.Services, ctx.Err())
 		}
 	}
@@ -722,7 +722,7 @@ func (b *bench) settle(ctx context.Context) error {
 		if time.Now().After(deadline) {
 			return fmt.Errorf("istiod still counts %d streams (%v) a minute after its clients left", n, err)
 		}
-		if !sleep(ctx, 200*time.Millisecond) {
+		if !loadtest.SleepCtx(ctx, 200*time.Millisecond) {
 			return ctx.Err()
 		}
 	}
@@ -766,7 +766,7 @@ func quiet(ctx context.Context, pids []int, limit time.Duration) (took time.Dura
 		if time.Since(start) > 3*time.Minute {
 			return time.Since(start), false, nil
 		}
-		if !sleep(ctx, time.Second) {
+		if !loadtest.SleepCtx(ctx, time.Second) {
 			return time.Since(start), false, ctx.Err()
 		}
 		now, err := total()
@@ -858,7 +858,7 @@ func (b *bench) startTier(ctx context.Context) error {
 			if time.Now().After(deadline) {
 				return fmt.Errorf("relay %s: ready %v, %v relays in its ring (%v) after a minute; want %d", r.xds, ready, members, err, n)
 			}
-			if !sleep(ctx, 100*time.Millisecond) {
+			if !loadtest.SleepCtx(ctx, 100*time.Millisecond) {
 				return ctx.Err()
 			}
 		}
@@ -1115,15 +1115,4 @@ func summarize(d []time.Duration) (int, loadtest.Latency) {
 	n := len(s)
 	q := func(pct int) time.Duration { return s[max(1, (pct*n+99)/100)-1] }
 	return n, loadtest.Latency{N: n, P50: q(50), P95: q(95), P99: q(99), Max: s[n-1]}
-}
-
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }
