@@ -5,6 +5,8 @@ import (
 	"io"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
+
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 )
 
@@ -12,8 +14,8 @@ import (
 // or in a child process of its own (*FleetProcess).
 type benchFleet interface {
 	WaitSynced(ctx context.Context, up *upstream.Upstream) error
-	Figures(ctx context.Context) (FleetFigures, error)
-	Counters(ctx context.Context) (EnvoyCounters, error)
+	Figures(ctx context.Context) (traffic.FleetFigures, error)
+	Counters(ctx context.Context) (traffic.EnvoyCounters, error)
 	// Track says changes are about to be timed from generations above
 	// floor (see FleetProcess.Track).
 	Track(ctx context.Context, floor uint64) error
@@ -28,7 +30,7 @@ var (
 // localFleet is a Fleet in this process, whose Envoys report to the
 // Tracker themselves.
 type localFleet struct {
-	fleet *Fleet
+	fleet *traffic.Fleet
 	tls   *tlsTransport // nil: plaintext
 }
 
@@ -36,15 +38,17 @@ func (f localFleet) WaitSynced(ctx context.Context, up *upstream.Upstream) error
 	return f.fleet.WaitSynced(ctx, up)
 }
 
-func (f localFleet) Figures(context.Context) (FleetFigures, error) {
-	fig := f.fleet.Figures(maxViolationSamples)
+func (f localFleet) Figures(context.Context) (traffic.FleetFigures, error) {
+	fig := f.fleet.Figures(traffic.MaxViolationSamples)
 	if f.tls != nil {
 		fig.Tokens = f.tls.Tokens()
 	}
 	return fig, nil
 }
 
-func (f localFleet) Counters(context.Context) (EnvoyCounters, error) { return f.fleet.Counters(), nil }
+func (f localFleet) Counters(context.Context) (traffic.EnvoyCounters, error) {
+	return f.fleet.Counters(), nil
+}
 
 func (localFleet) Track(context.Context, uint64) error { return nil }
 
@@ -70,7 +74,7 @@ type fleetSpec struct {
 	stderr  io.Writer
 	// tracker, if set, sees every Envoy's ACKs (a child's once Track is
 	// called).
-	tracker *Tracker
+	tracker *traffic.Tracker
 	// started, if set, is called with a fleet child once it runs, before
 	// its Envoys start (to meter it from there).
 	started func(*FleetProcess)
@@ -86,7 +90,7 @@ func startBenchFleet(ctx context.Context, spec fleetSpec) (benchFleet, time.Time
 		if err != nil {
 			return nil, time.Now(), err
 		}
-		fcfg := FleetConfig{
+		fcfg := traffic.FleetConfig{
 			Scenario: fc.Scenario, Envoys: fc.Envoys, Keys: fc.Keys, Protocol: p, Target: fc.Target, Targets: fc.Targets,
 			EnvoysPerConn: fc.EnvoysPerConn, StartRate: fc.StartRate, MaxMsgSize: fc.MaxMsgSize, Tracker: spec.tracker,
 			Light: fc.Light, MaxSyncing: fc.MaxSyncing,
@@ -97,7 +101,7 @@ func startBenchFleet(ctx context.Context, spec fleetSpec) (benchFleet, time.Time
 			fcfg.Configure = lf.tls.configure
 		}
 		start := time.Now()
-		f, err := StartFleet(ctx, fcfg)
+		f, err := traffic.StartFleet(ctx, fcfg)
 		if err != nil {
 			if lf.tls != nil {
 				lf.tls.Close()

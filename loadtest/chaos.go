@@ -17,12 +17,13 @@ import (
 	"syscall"
 	"time"
 
-	"google.golang.org/protobuf/proto"
+	"github.com/meshrelay/meshrelay/loadtest/report"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
 
+	"github.com/meshrelay/meshrelay/loadtest/cluster"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
-	"github.com/meshrelay/meshrelay/shard/shardtest"
 )
 
 // FaultKind names a kind of fault of the chaos suite.
@@ -466,7 +467,7 @@ func chaosFigures(kinds []FaultKind, seeds []ChaosSeedReport) []ChaosKindFigures
 				}
 			}
 		}
-		r, d := summarize(rec), summarize(during)
+		r, d := report.Summarize(rec), report.Summarize(during)
 		f.RecoverP50, f.RecoverP99 = r.P50.Seconds(), r.P99.Seconds()
 		f.DuringP99, f.DuringN = d.P99.Seconds(), d.N
 		out = append(out, f)
@@ -513,8 +514,8 @@ type chaosRun struct {
 	up     *chaosUpstream
 	mirror *upstream.Upstream // what the upstream serves, stepped alike
 	churn  *upstream.Churner
-	svc    *shardtest.Service
-	fleet  *Fleet
+	svc    *cluster.Service
+	fleet  *traffic.Fleet
 
 	relayLogs []*os.File
 	files     []*os.File // every log file, closed at the end
@@ -566,7 +567,7 @@ func runChaosSeed(ctx context.Context, cfg ChaosConfig, net *chaosNet, seed uint
 	for _, c := range res.Changes {
 		all = append(all, c.Last)
 	}
-	sr.ChangeP99S = summarize(all).P99.Seconds()
+	sr.ChangeP99S = report.Summarize(all).P99.Seconds()
 	for i := range sr.Faults {
 		fr := &sr.Faults[i]
 		if fr.Healed.IsZero() {
@@ -587,7 +588,7 @@ func runChaosSeed(ctx context.Context, cfg ChaosConfig, net *chaosNet, seed uint
 			}
 		}
 		fr.RecoverS = max(last.Sub(fr.Healed), 0).Seconds()
-		fr.DuringP99S = summarize(during).P99.Seconds()
+		fr.DuringP99S = report.Summarize(during).P99.Seconds()
 	}
 	for _, v := range res.Violations {
 		sr.Violations = append(sr.Violations, v.String())
@@ -665,7 +666,7 @@ func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fau
 		stopPoll()
 		pollWG.Wait()
 	}()
-	if r.svc, err = shardtest.NewService(r.readyAddrs); err != nil {
+	if r.svc, err = cluster.NewService(r.readyAddrs); err != nil {
 		return nil, nil, err
 	}
 	if err := r.waitFor(ctx, 2*time.Minute, "every relay ready", func() bool { return len(r.readyAddrs()) == r.cfg.Relays }); err != nil {
@@ -674,7 +675,7 @@ func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fau
 
 	// The Envoys, every event recorded.
 	r.histories = make([]envoyRecord, r.cfg.Envoys)
-	fleet, err := StartFleet(ctx, FleetConfig{
+	fleet, err := traffic.StartFleet(ctx, traffic.FleetConfig{
 		Scenario: r.cfg.Scenario, Envoys: r.cfg.Envoys, Keys: r.cfg.Keys, Protocol: proto, Target: r.svc.Addr(),
 		OnEvent: func(i int, ev envoy.Event) {
 			h := &r.histories[i]
@@ -692,9 +693,9 @@ func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fau
 		return nil, nil, err
 	}
 	r.fleet = fleet
-	initial := map[string]map[ResourceKey]uint64{}
+	initial := map[string]map[traffic.ResourceKey]uint64{}
 	for _, g := range r.mirror.Groups() {
-		initial[g] = generations(r.mirror.Snapshot(g))
+		initial[g] = traffic.Generations(r.mirror.Snapshot(g))
 	}
 	if err := r.waitFor(ctx, 2*time.Minute, "initial sync", func() bool { return fleet.Synced(r.mirror) == r.cfg.Envoys }); err != nil {
 		return nil, nil, err
@@ -731,7 +732,7 @@ func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fau
 			fmt.Fprintf(r.out, "seed %d: %6.1fs   healed; every Envoy current %.1fs later\n", r.seed, time.Since(start).Seconds(), time.Since(rec.Healed).Seconds())
 		}
 		records = append(records, rec)
-		SleepCtx(ctx, r.cfg.Settle)
+		traffic.SleepCtx(ctx, r.cfg.Settle)
 	}
 	stopChurn()
 	<-churnDone
@@ -749,7 +750,7 @@ func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fau
 		if err != nil {
 			r.fail("steady state: %s", r.oneStreamPerKey(streams))
 		}
-		SleepCtx(ctx, time.Second) // late events of the last pushes
+		traffic.SleepCtx(ctx, time.Second) // late events of the last pushes
 	}
 	end := time.Now()
 	fleet.Stop(context.WithoutCancel(ctx))
@@ -765,22 +766,6 @@ func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fau
 		rec.mu.Unlock()
 	}
 	return h, records, runErr
-}
-
-// generations maps "type|name" to generation over the given types of a
-// snapshot (every type if none is given).
-func generations(snap map[string]map[string]proto.Message, types ...string) map[ResourceKey]uint64 {
-	out := map[ResourceKey]uint64{}
-	for typeURL, res := range snap {
-		if len(types) > 0 && !slices.Contains(types, typeURL) {
-			continue
-		}
-		for name, m := range res {
-			g, _ := upstream.Generation(m)
-			out[resourceKey(typeURL, name)] = g
-		}
-	}
-	return out
 }
 
 func (r *chaosRun) fail(format string, args ...any) {
@@ -806,7 +791,7 @@ func (r *chaosRun) waitFor(ctx context.Context, d time.Duration, what string, co
 		if time.Now().After(deadline) {
 			return fmt.Errorf("%s: not after %v", what, d)
 		}
-		if !SleepCtx(ctx, 100*time.Millisecond) {
+		if !traffic.SleepCtx(ctx, 100*time.Millisecond) {
 			return ctx.Err()
 		}
 	}
@@ -865,7 +850,7 @@ func (r *chaosRun) takeRelay(i int) *Child {
 // ready relays. It also notes relays that exited on their own.
 func (r *chaosRun) pollReady(ctx context.Context) {
 	client := &http.Client{Timeout: 500 * time.Millisecond}
-	for SleepCtx(ctx, 200*time.Millisecond) {
+	for traffic.SleepCtx(ctx, 200*time.Millisecond) {
 		for i := range r.cfg.Relays {
 			c := r.relay(i)
 			ok := false
@@ -943,14 +928,14 @@ func (r *chaosRun) stepLocked() error {
 	if n != r.churn.Steps() {
 		return fmt.Errorf("upstream at step %d, its mirror at %d", n, r.churn.Steps())
 	}
-	snaps := map[string]map[ResourceKey]uint64{}
+	snaps := map[string]map[traffic.ResourceKey]uint64{}
 	var pubs []Published
 	for _, c := range changes {
 		for _, g := range c.Groups {
 			if snaps[g] == nil {
-				snaps[g] = generations(r.mirror.Snapshot(g))
+				snaps[g] = traffic.Generations(r.mirror.Snapshot(g))
 			}
-			key := resourceKey(c.TypeURL, c.Name)
+			key := traffic.ResourceKeyOf(c.TypeURL, c.Name)
 			gen, ok := snaps[g][key]
 			pubs = append(pubs, Published{At: at, Group: g, Key: key, Generation: gen, Removed: !ok})
 		}
@@ -966,7 +951,7 @@ func (r *chaosRun) stepLocked() error {
 func (r *chaosRun) expectedNow() map[string]map[string]uint64 {
 	out := map[string]map[string]uint64{}
 	for _, g := range r.mirror.Groups() {
-		out[g] = expected(r.mirror.Snapshot(g))
+		out[g] = traffic.Expected(r.mirror.Snapshot(g))
 	}
 	return out
 }
@@ -1035,7 +1020,7 @@ func (r *chaosRun) recover(ctx context.Context, healed, start time.Time) error {
 				r.seed, now.Sub(start).Seconds(), now.Sub(healed).Seconds(), envoysN(len(lags)), first)
 			note = note.Add(10 * time.Second)
 		}
-		if !SleepCtx(ctx, 100*time.Millisecond) {
+		if !traffic.SleepCtx(ctx, 100*time.Millisecond) {
 			return ctx.Err()
 		}
 	}
@@ -1154,7 +1139,7 @@ func (r *chaosRun) play(ctx context.Context, rec *FaultRecord, start time.Time) 
 		if c := r.takeRelay(f.Target); c != nil {
 			c.Kill()
 		}
-		SleepCtx(ctx, f.Hold)
+		traffic.SleepCtx(ctx, f.Hold)
 		return r.startRelay(ctx, f.Target)
 	case FaultFreeze:
 		c := r.relay(f.Target)
@@ -1164,13 +1149,13 @@ func (r *chaosRun) play(ctx context.Context, rec *FaultRecord, start time.Time) 
 		if err := c.Signal(syscall.SIGSTOP); err != nil {
 			return err
 		}
-		SleepCtx(ctx, f.Hold)
+		traffic.SleepCtx(ctx, f.Hold)
 		return c.Signal(syscall.SIGCONT)
 	case FaultCut:
 		if err := r.net.cut(f.Target, f.Peer, chaosRelayIP(f.Target), chaosRelayIP(f.Peer)); err != nil {
 			return err
 		}
-		SleepCtx(ctx, f.Hold)
+		traffic.SleepCtx(ctx, f.Hold)
 		return r.net.heal()
 	case FaultStarve:
 		return r.starve(ctx, rec, start)
@@ -1178,21 +1163,21 @@ func (r *chaosRun) play(ctx context.Context, rec *FaultRecord, start time.Time) 
 		how, err := r.net.slow(f.Target, chaosRelayIP(f.Target), f.Delay, f.RateKbit, f.Loss)
 		r.detail(rec, start, "relay-%d's link: %s", f.Target, how)
 		if err == nil {
-			SleepCtx(ctx, f.Hold)
+			traffic.SleepCtx(ctx, f.Hold)
 		}
 		return errors.Join(err, r.net.fast())
 	case FaultEtcdLeader:
 		return r.killEtcdLeader(ctx, rec, start)
 	case FaultEtcd:
 		r.etcd.Kill(f.Target)
-		SleepCtx(ctx, f.Hold)
+		traffic.SleepCtx(ctx, f.Hold)
 		return r.etcd.Start(ctx, f.Target)
 	case FaultUpstream:
 		// istiod down publishes nothing: the churn waits.
 		r.churnMu.Lock()
 		defer r.churnMu.Unlock()
 		r.up.kill()
-		SleepCtx(ctx, f.Hold)
+		traffic.SleepCtx(ctx, f.Hold)
 		return r.up.run(ctx, r.churn.Steps())
 	case FaultRolling:
 		for i := range r.cfg.Relays {
@@ -1249,7 +1234,7 @@ func (r *chaosRun) starve(ctx context.Context, rec *FaultRecord, start time.Time
 	if err == nil {
 		defer cg.release() // idempotent: undone on every path
 		r.detail(rec, start, "relay-%d (pid %d) starved by %s", f.Target, c.Pid(), cg.how)
-		SleepCtx(ctx, f.Hold)
+		traffic.SleepCtx(ctx, f.Hold)
 		stat := cg.throttled()
 		if err := cg.release(); err != nil {
 			return err
@@ -1264,13 +1249,13 @@ func (r *chaosRun) starve(ctx context.Context, rec *FaultRecord, start time.Time
 		if err := c.Signal(syscall.SIGSTOP); err != nil {
 			return err
 		}
-		if !SleepCtx(ctx, min(time.Second-run, time.Until(end))) {
+		if !traffic.SleepCtx(ctx, min(time.Second-run, time.Until(end))) {
 			break
 		}
 		if err := c.Signal(syscall.SIGCONT); err != nil {
 			return err
 		}
-		if !SleepCtx(ctx, run) {
+		if !traffic.SleepCtx(ctx, run) {
 			break
 		}
 	}
@@ -1312,7 +1297,7 @@ func (r *chaosRun) killEtcdLeader(ctx context.Context, rec *FaultRecord, start t
 			rev, moved = now.Revision, time.Since(t0)
 			break
 		}
-		if !SleepCtx(ctx, 20*time.Millisecond) {
+		if !traffic.SleepCtx(ctx, 20*time.Millisecond) {
 			return ctx.Err()
 		}
 	}
@@ -1322,7 +1307,7 @@ func (r *chaosRun) killEtcdLeader(ctx context.Context, rec *FaultRecord, start t
 		flush = fmt.Sprintf("no write landed within 5 s of a burst of %d changes (revision %d)", burst, rev)
 	}
 	r.detail(rec, start, "etcd-%d was the leader (member %x, raft term %d), killed: %s", leader, st.ID, st.Term, flush)
-	SleepCtx(ctx, rec.Hold)
+	traffic.SleepCtx(ctx, rec.Hold)
 	return r.etcd.Start(ctx, leader)
 }
 

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
+
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 )
 
@@ -18,17 +20,12 @@ import (
 // It does not trust the simulated Envoys' own checks: it rebuilds what each
 // Envoy held from its events.
 
-// ResourceKey names a resource: "<type URL>|<name>".
-type ResourceKey = string
-
-func resourceKey(typeURL, name string) ResourceKey { return typeURL + "|" + name }
-
 // Published is one resource change the upstream published to one group:
 // a new generation of the resource, or its removal.
 type Published struct {
 	At         time.Time
 	Group      string
-	Key        ResourceKey
+	Key        traffic.ResourceKey
 	Generation uint64 // the new generation; 0 for a removal
 	Removed    bool
 }
@@ -44,7 +41,7 @@ type EnvoyHistory struct {
 type History struct {
 	// Initial is what the upstream served each group (resource →
 	// generation) before the first Published change.
-	Initial map[string]map[ResourceKey]uint64
+	Initial map[string]map[traffic.ResourceKey]uint64
 	// Published lists every change after Initial, in order of At.
 	Published []Published
 	// Envoys are the simulated Envoys' histories.
@@ -88,7 +85,7 @@ func (v HistoryViolation) String() string {
 // had reached every Envoy that must get it.
 type ChangeDelivery struct {
 	At  time.Time // published
-	Key ResourceKey
+	Key traffic.ResourceKey
 	// Last is the latency of the last Envoy to get it (its ACK, or its
 	// removal).
 	Last time.Duration
@@ -125,7 +122,7 @@ func CheckHistory(h History, cfg CheckConfig) CheckResult {
 	// Changes merged over groups: one per (At, Key).
 	type ck struct {
 		at  int64
-		key ResourceKey
+		key traffic.ResourceKey
 	}
 	changeIx := map[ck]int{}
 	var res CheckResult
@@ -148,12 +145,12 @@ func CheckHistory(h History, cfg CheckConfig) CheckResult {
 
 // timeline answers what the upstream served a group at a time.
 type timeline struct {
-	initial map[ResourceKey]uint64
-	byKey   map[ResourceKey][]Published
+	initial map[traffic.ResourceKey]uint64
+	byKey   map[traffic.ResourceKey][]Published
 }
 
-func newTimeline(initial map[ResourceKey]uint64, pubs []Published) *timeline {
-	t := &timeline{initial: initial, byKey: map[ResourceKey][]Published{}}
+func newTimeline(initial map[traffic.ResourceKey]uint64, pubs []Published) *timeline {
+	t := &timeline{initial: initial, byKey: map[traffic.ResourceKey][]Published{}}
 	for _, p := range pubs {
 		t.byKey[p.Key] = append(t.byKey[p.Key], p)
 	}
@@ -161,7 +158,7 @@ func newTimeline(initial map[ResourceKey]uint64, pubs []Published) *timeline {
 }
 
 // served reports whether key was served at t, and its generation.
-func (t *timeline) served(key ResourceKey, at time.Time) (uint64, bool) {
+func (t *timeline) served(key traffic.ResourceKey, at time.Time) (uint64, bool) {
 	gen, ok := t.initial[key]
 	for _, p := range t.byKey[key] {
 		if p.At.After(at) {
@@ -173,10 +170,10 @@ func (t *timeline) served(key ResourceKey, at time.Time) (uint64, bool) {
 }
 
 // final returns what the group is served after every change.
-func (t *timeline) final() map[ResourceKey]uint64 {
+func (t *timeline) final() map[traffic.ResourceKey]uint64 {
 	out := maps.Clone(t.initial)
 	if out == nil {
-		out = map[ResourceKey]uint64{}
+		out = map[traffic.ResourceKey]uint64{}
 	}
 	for key, ps := range t.byKey {
 		last := ps[len(ps)-1]
@@ -194,14 +191,14 @@ func checkEnvoy(e EnvoyHistory, tl *timeline, pubs []Published, changeOf func(Pu
 	violate := func(rule string, i int, at time.Time, format string, args ...any) {
 		out = append(out, HistoryViolation{Rule: rule, Envoy: e.ID, At: at, Event: i, Detail: fmt.Sprintf(format, args...)})
 	}
-	held := map[ResourceKey]heldRes{}
-	maxGen := map[ResourceKey]uint64{}
+	held := map[traffic.ResourceKey]heldRes{}
+	maxGen := map[traffic.ResourceKey]uint64{}
 	// Nonces of the current stream.
 	seen := map[string]string{} // nonce → type URL
 	var lastNonce uint64
 	numeric := true
 
-	pending := map[ResourceKey][]pendingChange{}
+	pending := map[traffic.ResourceKey][]pendingChange{}
 	next := 0 // next of pubs to activate
 	deliver := func(pc pendingChange, at time.Time) {
 		lat := max(at.Sub(pc.p.At), 0)
@@ -215,7 +212,7 @@ func checkEnvoy(e EnvoyHistory, tl *timeline, pubs []Published, changeOf func(Pu
 		}
 	}
 	// covers reports whether what is held of key now covers change p.
-	covers := func(key ResourceKey, p Published, at time.Time) bool {
+	covers := func(key traffic.ResourceKey, p Published, at time.Time) bool {
 		h, ok := held[key]
 		if p.Removed {
 			return !ok
@@ -228,7 +225,7 @@ func checkEnvoy(e EnvoyHistory, tl *timeline, pubs []Published, changeOf func(Pu
 		_, served := tl.served(key, at)
 		return !served
 	}
-	settle := func(key ResourceKey, at time.Time) {
+	settle := func(key traffic.ResourceKey, at time.Time) {
 		ps := pending[key]
 		kept := ps[:0]
 		for _, pc := range ps {
@@ -277,7 +274,7 @@ func checkEnvoy(e EnvoyHistory, tl *timeline, pubs []Published, changeOf func(Pu
 				if j >= len(ev.Generations) || ev.Generations[j] == 0 {
 					continue
 				}
-				key, g := resourceKey(ev.TypeURL, name), ev.Generations[j]
+				key, g := traffic.ResourceKeyOf(ev.TypeURL, name), ev.Generations[j]
 				if g < maxGen[key] {
 					violate(RuleRegression, i, ev.At, "%s arrived with generation %d after generation %d (from %s, nonce %s)",
 						key, g, maxGen[key], ev.ControlPlane, ev.Nonce)
@@ -292,7 +289,7 @@ func checkEnvoy(e EnvoyHistory, tl *timeline, pubs []Published, changeOf func(Pu
 				break
 			}
 			for j, name := range ev.Names {
-				key := resourceKey(ev.TypeURL, name)
+				key := traffic.ResourceKeyOf(ev.TypeURL, name)
 				var g uint64
 				if j < len(ev.Generations) {
 					g = ev.Generations[j]
@@ -302,7 +299,7 @@ func checkEnvoy(e EnvoyHistory, tl *timeline, pubs []Published, changeOf func(Pu
 			}
 		case envoy.Removed:
 			for _, name := range ev.Names {
-				key := resourceKey(ev.TypeURL, name)
+				key := traffic.ResourceKeyOf(ev.TypeURL, name)
 				if gen, ok := tl.served(key, ev.At); ok {
 					violate(RuleRemoval, i, ev.At, "%s removed while the upstream serves it (generation %d) to %s", key, gen, e.Group)
 				}
@@ -323,7 +320,7 @@ func checkEnvoy(e EnvoyHistory, tl *timeline, pubs []Published, changeOf func(Pu
 				if j < len(ev.Generations) {
 					g = ev.Generations[j]
 				}
-				held[resourceKey(ev.TypeURL, name)] = heldRes{gen: g}
+				held[traffic.ResourceKeyOf(ev.TypeURL, name)] = heldRes{gen: g}
 			}
 			for key := range pending {
 				if strings.HasPrefix(key, prefix) {

@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
+
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 )
 
@@ -16,9 +18,9 @@ func TestCheckHistory(t *testing.T) {
 	t0 := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
 	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
 	const eds = envoy.EndpointType
-	a := resourceKey(eds, "a")
-	b := resourceKey(eds, "b")
-	initial := map[string]map[ResourceKey]uint64{"ns-0": {a: 1, b: 1}}
+	a := traffic.ResourceKeyOf(eds, "a")
+	b := traffic.ResourceKeyOf(eds, "b")
+	initial := map[string]map[traffic.ResourceKey]uint64{"ns-0": {a: 1, b: 1}}
 	open := envoy.Event{Kind: envoy.Opened, At: at(0)}
 	recv := func(ms int, nonce string, names []string, gens []uint64) envoy.Event {
 		return envoy.Event{Kind: envoy.Received, TypeURL: eds, Names: names, Generations: gens, Nonce: nonce, At: at(ms), ControlPlane: "relay-0"}

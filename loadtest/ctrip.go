@@ -16,6 +16,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/report"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
+
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
@@ -364,7 +367,7 @@ type ctripRun struct {
 	samples *ledgerSamples
 
 	up      *upstream.Upstream
-	tracker *Tracker
+	tracker *traffic.Tracker
 	relays  []*tierRelayProc
 	fleet   *FleetProcess
 	procs   procMeter
@@ -433,7 +436,7 @@ func (r *ctripRun) run(ctx context.Context) error {
 
 	// The upstream hands each change to the tracker before any relay can
 	// see it.
-	r.tracker = NewTracker()
+	r.tracker = traffic.NewTracker()
 	r.tracker.KeepSamples(4 << 20)
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario, ucfg.IncrementalDelta = cfg.Scenario, cfg.IncrementalUpstream
@@ -510,7 +513,7 @@ func (r *ctripRun) startTier(ctx context.Context) error {
 		if time.Now().After(deadline) {
 			return fmt.Errorf("tier: %d of %d relays ready with the whole ring after 2m", ready, cfg.Relays)
 		}
-		if !SleepCtx(ctx, 200*time.Millisecond) {
+		if !traffic.SleepCtx(ctx, 200*time.Millisecond) {
 			return ctx.Err()
 		}
 	}
@@ -604,7 +607,7 @@ func (r *ctripRun) sync(ctx context.Context) error {
 func (r *ctripRun) churn(ctx context.Context) error {
 	cfg, rep := r.cfg, r.rep
 	runtime.GC()
-	if !SleepCtx(ctx, cfg.Settle) {
+	if !traffic.SleepCtx(ctx, cfg.Settle) {
 		return ctx.Err()
 	}
 	r.tracker.Reset()
@@ -650,7 +653,7 @@ func (r *ctripRun) churn(ctx context.Context) error {
 		w := r.samples.window()
 		r.logf("%6s: %d changes, %d pending; ledger: %d ACKs, last %v P50 %s P99 %s max %s; %s",
 			time.Since(start).Round(time.Second), tracked, pending, w.N, r.cfg.Interval,
-			ms(w.P50), ms(w.P99), ms(w.Max), r.memory())
+			report.MS(w.P50), report.MS(w.P99), report.MS(w.Max), r.memory())
 	})
 	forget := time.NewTicker(time.Second)
 	defer forget.Stop()
@@ -687,7 +690,7 @@ wait:
 			break
 		}
 		r.tracker.Forget(time.Now().Add(-cfg.ChangeTimeout))
-		if !SleepCtx(ctx, 50*time.Millisecond) {
+		if !traffic.SleepCtx(ctx, 50*time.Millisecond) {
 			return ctx.Err()
 		}
 	}
@@ -709,7 +712,7 @@ wait:
 		if (err == nil && tc.Envoys == cfg.Envoys && tc.Current == tc.Envoys) || time.Now().After(deadline) {
 			break
 		}
-		if !SleepCtx(ctx, 500*time.Millisecond) {
+		if !traffic.SleepCtx(ctx, 500*time.Millisecond) {
 			return ctx.Err()
 		}
 	}
@@ -844,8 +847,8 @@ func ctripVerdicts(cfg CtripConfig, rep *CtripReport) []Verdict {
 	}
 	l := rep.Ledger.ACK
 	return []Verdict{
-		v(fmt.Sprintf("ledger push → ACK P95 ≤ %s", ms(cfg.TargetP95)), fmtMs(l.P95), l.N > 0 && l.P95 <= ms64(cfg.TargetP95)),
-		v(fmt.Sprintf("ledger push → ACK P99 ≤ %s", ms(cfg.TargetP99)), fmtMs(l.P99), l.N > 0 && l.P99 <= ms64(cfg.TargetP99)),
+		v(fmt.Sprintf("ledger push → ACK P95 ≤ %s", report.MS(cfg.TargetP95)), fmtMs(l.P95), l.N > 0 && l.P95 <= ms64(cfg.TargetP95)),
+		v(fmt.Sprintf("ledger push → ACK P99 ≤ %s", report.MS(cfg.TargetP99)), fmtMs(l.P99), l.N > 0 && l.P99 <= ms64(cfg.TargetP99)),
 		v("every change reached every Envoy", fmt.Sprintf("%d of %d changes, %d timed out", rep.Changes-rep.ChangesTimedOut, rep.Changes, rep.ChangesTimedOut),
 			rep.Changes > 0 && rep.ChangesTimedOut == 0),
 		v("every Envoy on its key's version at the end (tier ledger)", fmt.Sprintf("%d of %d", rep.Tier.Current, rep.Tier.Envoys),
@@ -1004,7 +1007,7 @@ func guardMemory(ctx context.Context, floor uint64, cancel context.CancelCauseFu
 	if floor == 0 {
 		return
 	}
-	for SleepCtx(ctx, time.Second) {
+	for traffic.SleepCtx(ctx, time.Second) {
 		if avail, err := memAvailable(); err == nil && avail < floor {
 			cancel(fmt.Errorf("stopped: the machine has %s of memory available, under the %s the run keeps free; scale it down",
 				fmtBytes(avail), fmtBytes(floor)))
@@ -1191,7 +1194,7 @@ func (s *ledgerSamples) add(idx int, line string) {
 }
 
 // window summarises the ACKs sampled since the last call that resolve now.
-func (s *ledgerSamples) window() Latency {
+func (s *ledgerSamples) window() report.Latency {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var d []time.Duration
@@ -1202,12 +1205,12 @@ func (s *ledgerSamples) window() Latency {
 		}
 	}
 	s.windowAt = len(s.acks)
-	return summarize(d)
+	return report.Summarize(d)
 }
 
 // ledgerJoin is what the samples say.
 type ledgerJoin struct {
-	all, owner, peer Latency
+	all, owner, peer report.Latency
 	unresolved       int
 	series           []CtripSecond
 	points           []ctripPoint
@@ -1251,9 +1254,9 @@ func (s *ledgerSamples) join(t0 time.Time) ledgerJoin {
 			out.points = append(out.points, ctripPoint{at, ms64(d)})
 		}
 	}
-	out.all, out.owner, out.peer = summarize(all), summarize(owner), summarize(peer)
+	out.all, out.owner, out.peer = report.Summarize(all), report.Summarize(owner), report.Summarize(peer)
 	for _, sec := range slices.Sorted(maps.Keys(perSecond)) {
-		l := summarize(perSecond[sec])
+		l := report.Summarize(perSecond[sec])
 		out.series = append(out.series, CtripSecond{AtS: float64(sec), N: l.N, P50: ms64(l.P50), P99: ms64(l.P99), Max: ms64(l.Max)})
 	}
 	return out

@@ -17,6 +17,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/report"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
+
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
@@ -637,7 +640,7 @@ type LatencyMs struct {
 	Max float64 `json:"max_ms"`
 }
 
-func latencyMs(l Latency) LatencyMs {
+func latencyMs(l report.Latency) LatencyMs {
 	f := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 	return LatencyMs{N: l.N, P50: f(l.P50), P95: f(l.P95), P99: f(l.P99), Max: f(l.Max)}
 }
@@ -805,7 +808,7 @@ func RunFanout(ctx context.Context, cfg FanoutConfig, out io.Writer) (*FanoutRep
 				if ctx.Err() != nil {
 					break
 				}
-				if !first && !SleepCtx(ctx, cfg.Settle) {
+				if !first && !traffic.SleepCtx(ctx, cfg.Settle) {
 					break
 				}
 				first = false
@@ -826,22 +829,6 @@ func RunFanout(ctx context.Context, cfg FanoutConfig, out io.Writer) (*FanoutRep
 		errs = append(errs, ctx.Err())
 	}
 	return rep, errors.Join(errs...)
-}
-
-// SleepCtx waits d, or until ctx ends; it reports whether ctx is still
-// live (d passed, or d was not positive).
-func SleepCtx(ctx context.Context, d time.Duration) bool {
-	if d <= 0 {
-		return ctx.Err() == nil
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }
 
 func loadAvg() string {
@@ -892,7 +879,7 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 
 	// The upstream hands each change to the tracker before any Envoy can
 	// see it, so no early ACK is missed.
-	tracker := NewTracker()
+	tracker := traffic.NewTracker()
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario = cfg.Scenario
 	ucfg.OnPublish = func(c upstream.Change) { tracker.Track(c) }
@@ -1027,7 +1014,7 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 	// The initial sync leaves garbage in this process; collect it before
 	// timing, so both modes start the changes from the same footing.
 	runtime.GC()
-	if !SleepCtx(ctx, cfg.Settle) {
+	if !traffic.SleepCtx(ctx, cfg.Settle) {
 		return fail(ctx.Err())
 	}
 	tracker.Reset()
@@ -1072,7 +1059,7 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 	if err != nil {
 		return fail(err)
 	}
-	fmt.Fprintf(out, "%s: %d changes, %d timed out; change→all P99 %s\n", tag, cfg.Changes, timedOut, ms(complete.P99))
+	fmt.Fprintf(out, "%s: %d changes, %d timed out; change→all P99 %s\n", tag, cfg.Changes, timedOut, report.MS(complete.P99))
 
 	if mode == Relayed && cfg.TLS != TLSOff && cfg.AdmitStreams > 0 {
 		acfg := AdmissionConfig{
@@ -1121,7 +1108,7 @@ func startCPUProfile(prefix string, p envoy.Protocol, mode FanoutMode, out io.Wr
 	}
 }
 
-func (run *FanoutRun) recordFleet(fig FleetFigures) {
+func (run *FanoutRun) recordFleet(fig traffic.FleetFigures) {
 	run.Reconnects, run.Refused = fig.Reconnects, fig.Refused
 	run.Violations, run.ViolationSamples = fig.Violations, fig.ViolationSamples
 	if fig.Tokens > 0 {
@@ -1199,7 +1186,7 @@ func waitSyncedReporting(ctx context.Context, f benchFleet, up *upstream.Upstrea
 // moveEndpoints moves cfg.Changes endpoints of services every namespace
 // sees, one at a time, each after the previous one reached every Envoy or
 // timed out.
-func moveEndpoints(ctx context.Context, cfg FanoutConfig, up *upstream.Upstream, tracker *Tracker, out io.Writer, tag string, run *FanoutRun) error {
+func moveEndpoints(ctx context.Context, cfg FanoutConfig, up *upstream.Upstream, tracker *traffic.Tracker, out io.Writer, tag string, run *FanoutRun) error {
 	cands := movable(cfg.Scenario)
 	rng := rand.New(rand.NewPCG(uint64(cfg.Seed), 0x66616e6f7574)) // same sequence in every mode
 	timer := time.NewTimer(cfg.ChangeTimeout)
@@ -1222,7 +1209,7 @@ func moveEndpoints(ctx context.Context, cfg FanoutConfig, up *upstream.Upstream,
 			return ctx.Err()
 		}
 		timer.Stop()
-		if !SleepCtx(ctx, cfg.ChangeGap) {
+		if !traffic.SleepCtx(ctx, cfg.ChangeGap) {
 			return ctx.Err()
 		}
 	}

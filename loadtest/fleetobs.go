@@ -12,6 +12,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
+
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 )
 
@@ -332,7 +334,7 @@ type holdings struct {
 	Sum uint64 `json:"sum"`
 }
 
-func (h *holdings) add(key ResourceKey, gen uint64) {
+func (h *holdings) add(key traffic.ResourceKey, gen uint64) {
 	f := fnv.New64a()
 	_, _ = io.WriteString(f, key)
 	var g [8]byte
@@ -351,7 +353,7 @@ func (h *holdings) add(key ResourceKey, gen uint64) {
 
 // digestOf is the digest of a map of ResourceKey to generation (what
 // expected returns).
-func digestOf(m map[ResourceKey]uint64) holdings {
+func digestOf(m map[traffic.ResourceKey]uint64) holdings {
 	var h holdings
 	for k, g := range m {
 		h.add(k, g)
@@ -365,7 +367,7 @@ func envoyHoldings(e *envoy.Envoy) holdings {
 	var h holdings
 	for _, typeURL := range []string{envoy.ClusterType, envoy.EndpointType} {
 		for name, held := range e.Resources(typeURL) {
-			h.add(resourceKey(typeURL, name), held.Generation)
+			h.add(traffic.ResourceKeyOf(typeURL, name), held.Generation)
 		}
 	}
 	return h

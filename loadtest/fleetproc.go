@@ -17,6 +17,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
+
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
@@ -80,12 +82,12 @@ func (c FleetChildConfig) validate() (envoy.Protocol, error) {
 
 // fleetConfig is the FleetConfig of c, and the TLS transport its Envoys
 // dial through (nil without TLS; close it after the fleet stopped).
-func (c FleetChildConfig) fleetConfig() (FleetConfig, *tlsTransport, error) {
+func (c FleetChildConfig) fleetConfig() (traffic.FleetConfig, *tlsTransport, error) {
 	p, err := c.validate()
 	if err != nil {
-		return FleetConfig{}, nil, err
+		return traffic.FleetConfig{}, nil, err
 	}
-	fc := FleetConfig{
+	fc := traffic.FleetConfig{
 		Scenario: c.Scenario, Envoys: c.Envoys, Keys: c.Keys, Protocol: p, Target: c.Target, Targets: c.Targets,
 		EnvoysPerConn: c.EnvoysPerConn, StartRate: c.StartRate, MaxMsgSize: c.MaxMsgSize,
 		Light: c.Light, MaxSyncing: c.MaxSyncing,
@@ -95,20 +97,20 @@ func (c FleetChildConfig) fleetConfig() (FleetConfig, *tlsTransport, error) {
 	}
 	pem, err := os.ReadFile(c.TLS.CAFile)
 	if err != nil {
-		return FleetConfig{}, nil, fmt.Errorf("loadtest: fleet child: %w", err)
+		return traffic.FleetConfig{}, nil, fmt.Errorf("loadtest: fleet child: %w", err)
 	}
 	pool := x509.NewCertPool()
 	if !pool.AppendCertsFromPEM(pem) {
-		return FleetConfig{}, nil, fmt.Errorf("loadtest: fleet child: no certificate in %s", c.TLS.CAFile)
+		return traffic.FleetConfig{}, nil, fmt.Errorf("loadtest: fleet child: no certificate in %s", c.TLS.CAFile)
 	}
 	raw, err := os.ReadFile(c.TLS.TokensFile)
 	if err != nil {
-		return FleetConfig{}, nil, fmt.Errorf("loadtest: fleet child: %w", err)
+		return traffic.FleetConfig{}, nil, fmt.Errorf("loadtest: fleet child: %w", err)
 	}
 	var tokens map[string]string
 	if err := json.Unmarshal(raw, &tokens); err != nil {
 		// Not %w: the decoder's error may quote the file.
-		return FleetConfig{}, nil, fmt.Errorf("loadtest: fleet child: %s is not a JSON object of tokens", c.TLS.TokensFile)
+		return traffic.FleetConfig{}, nil, fmt.Errorf("loadtest: fleet child: %s is not a JSON object of tokens", c.TLS.TokensFile)
 	}
 	t := newTLSTransportWith(meshClientTLS(pool), func(node *core.Node) (string, error) {
 		ns, sa := nodeAccount(node)
@@ -160,14 +162,6 @@ const (
 	fleetProfile     = "profile"
 	fleetProfileStop = "profile-stop"
 )
-
-// EnvoyCounters are per-Envoy counters of a fleet, by Envoy index.
-type EnvoyCounters struct {
-	// Bytes is what each Envoy received (proto.Size of its responses).
-	Bytes []uint64 `json:"bytes"`
-	// Reconnects is the streams each reopened.
-	Reconnects []uint64 `json:"reconnects"`
-}
 
 // RunFleetChild is the main of a fleet child process (`loadtest
 // fleet-child`): it prints "xds -" on out once it is ready for commands
@@ -225,10 +219,10 @@ func RunFleetChild(ctx context.Context, cfg FleetChildConfig, in io.Reader, out,
 
 // fleetChild is the state of RunFleetChild; only its main loop uses it.
 type fleetChild struct {
-	cfg    FleetConfig
+	cfg    traffic.FleetConfig
 	tls    *tlsTransport
 	stream *obsWriter
-	fleet  *Fleet
+	fleet  *traffic.Fleet
 	want   map[string]holdings
 	synced []bool
 	nSync  int
@@ -245,7 +239,7 @@ func (c *fleetChild) do(ctx context.Context, cmd, arg string) (string, error) {
 		if c.fleet != nil {
 			return "", errors.New("already started")
 		}
-		f, err := StartFleet(ctx, c.cfg)
+		f, err := traffic.StartFleet(ctx, c.cfg)
 		if err != nil {
 			return "", err
 		}
@@ -268,21 +262,21 @@ func (c *fleetChild) do(ctx context.Context, cmd, arg string) (string, error) {
 		if err := json.Unmarshal([]byte(arg), &want); err != nil {
 			return "", fmt.Errorf("want: %w", err)
 		}
-		c.want, c.synced, c.nSync = want, make([]bool, len(c.fleet.envoys)), 0
+		c.want, c.synced, c.nSync = want, make([]bool, len(c.fleet.Envoys())), 0
 		return "", nil
 	case fleetSynced:
 		if c.want == nil {
 			return "", fmt.Errorf("%s before %s", fleetSynced, fleetWant)
 		}
-		for i, e := range c.fleet.envoys {
-			if w, ok := c.want[c.fleet.groups[i]]; ok && !c.synced[i] && envoyHoldings(e) == w {
+		for i, e := range c.fleet.Envoys() {
+			if w, ok := c.want[c.fleet.Groups()[i]]; ok && !c.synced[i] && envoyHoldings(e) == w {
 				c.synced[i] = true
 				c.nSync++
 			}
 		}
 		return strconv.Itoa(c.nSync), nil
 	case fleetStats:
-		fig := c.fleet.Figures(maxViolationSamples)
+		fig := c.fleet.Figures(traffic.MaxViolationSamples)
 		if c.tls != nil {
 			fig.Tokens = c.tls.Tokens()
 		}
@@ -360,7 +354,7 @@ type FleetProcessConfig struct {
 	CPUs CPUSet
 	// Tracker, if set, sees the observations the child streams (see
 	// Track), as it would see an in-process fleet's events.
-	Tracker *Tracker
+	Tracker *traffic.Tracker
 	// Stderr receives the child's stderr. Nil: discarded.
 	Stderr io.Writer
 	// ReadyTimeout bounds the child's start (not its fleet's). Default 30s.
@@ -406,7 +400,7 @@ func StartFleetProcess(ctx context.Context, cfg FleetProcessConfig) (*FleetProce
 	fp := &FleetProcess{cfg: cfg, replies: make(chan string, 16), obsR: obsR, obsDone: make(chan struct{})}
 	if cfg.Tracker != nil {
 		for i := range cfg.Fleet.Envoys {
-			cfg.Tracker.addEnvoy(i, fp.group(i))
+			cfg.Tracker.AddEnvoy(i, fp.group(i))
 		}
 	}
 	fp.child, err = StartChild(ctx, ChildConfig{
@@ -425,7 +419,7 @@ func StartFleetProcess(ctx context.Context, cfg FleetProcessConfig) (*FleetProce
 // group is the upstream group of Envoy i, as StartFleet names it.
 func (fp *FleetProcess) group(i int) string {
 	k := max(fp.cfg.Fleet.Keys, 1)
-	return fp.cfg.Fleet.Scenario.Group(keyNode(fp.cfg.Fleet.Scenario, i%k, i/k))
+	return fp.cfg.Fleet.Scenario.Group(traffic.KeyNode(fp.cfg.Fleet.Scenario, i%k, i/k))
 }
 
 func (fp *FleetProcess) readObservations() {
@@ -434,7 +428,7 @@ func (fp *FleetProcess) readObservations() {
 	err := readObservations(fp.obsR, envoys, func(i int, ev envoy.Event) {
 		fp.observed.Add(1)
 		if fp.cfg.Tracker != nil {
-			fp.cfg.Tracker.observe(i, ev)
+			fp.cfg.Tracker.Observe(i, ev)
 		}
 	})
 	if err != nil && !errors.Is(err, os.ErrClosed) {
@@ -512,7 +506,7 @@ func (fp *FleetProcess) Track(ctx context.Context, floor uint64) error {
 func (fp *FleetProcess) WaitSynced(ctx context.Context, up *upstream.Upstream) error {
 	want := map[string]holdings{}
 	for _, g := range up.Groups() {
-		want[g] = digestOf(expected(up.Snapshot(g)))
+		want[g] = digestOf(traffic.Expected(up.Snapshot(g)))
 	}
 	b, err := json.Marshal(want)
 	if err != nil {
@@ -547,8 +541,8 @@ func (fp *FleetProcess) WaitSynced(ctx context.Context, up *upstream.Upstream) e
 }
 
 // Figures returns the fleet's counters.
-func (fp *FleetProcess) Figures(ctx context.Context) (FleetFigures, error) {
-	var fig FleetFigures
+func (fp *FleetProcess) Figures(ctx context.Context) (traffic.FleetFigures, error) {
+	var fig traffic.FleetFigures
 	res, err := fp.request(ctx, fleetStats, "")
 	if err == nil {
 		err = json.Unmarshal([]byte(res), &fig)
@@ -557,8 +551,8 @@ func (fp *FleetProcess) Figures(ctx context.Context) (FleetFigures, error) {
 }
 
 // Counters returns the per-Envoy counters.
-func (fp *FleetProcess) Counters(ctx context.Context) (EnvoyCounters, error) {
-	var c EnvoyCounters
+func (fp *FleetProcess) Counters(ctx context.Context) (traffic.EnvoyCounters, error) {
+	var c traffic.EnvoyCounters
 	res, err := fp.request(ctx, fleetPerEnvoy, "")
 	if err == nil {
 		err = json.Unmarshal([]byte(res), &c)
@@ -630,7 +624,7 @@ func (fp *FleetProcess) Stop(ctx context.Context) error {
 func (m *MeshCredentials) FleetTLS(sc upstream.Scenario, keys int) (*FleetChildTLS, error) {
 	tokens := map[string]string{}
 	for k := range keys {
-		ns, sa := nodeAccount(keyNode(sc, k, 0))
+		ns, sa := nodeAccount(traffic.KeyNode(sc, k, 0))
 		tok, err := m.Token(ns, sa)
 		if err != nil {
 			return nil, err

@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
+
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 )
@@ -141,7 +143,7 @@ func TestFleetProcess(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 
-	tracker := NewTracker()
+	tracker := traffic.NewTracker()
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario.Services, ucfg.Scenario.Endpoints, ucfg.Scenario.Namespaces = 20, 20, 2
 	ucfg.OnPublish = func(c upstream.Change) { tracker.Track(c) }
@@ -299,12 +301,12 @@ func FuzzReadObservations(f *testing.F) {
 }
 
 func TestHoldingsDigest(t *testing.T) {
-	a := map[ResourceKey]uint64{"c|x": 1, "e|x": 2, "e|y": 2}
-	b := map[ResourceKey]uint64{"e|y": 2, "c|x": 1, "e|x": 2}
+	a := map[traffic.ResourceKey]uint64{"c|x": 1, "e|x": 2, "e|y": 2}
+	b := map[traffic.ResourceKey]uint64{"e|y": 2, "c|x": 1, "e|x": 2}
 	if digestOf(a) != digestOf(b) {
 		t.Errorf("digest depends on order: %v, %v", digestOf(a), digestOf(b))
 	}
-	for _, m := range []map[ResourceKey]uint64{
+	for _, m := range []map[traffic.ResourceKey]uint64{
 		{"c|x": 1, "e|x": 3, "e|y": 2}, // a generation differs
 		{"c|x": 1, "e|x": 2},           // one missing
 		{"c|x": 1, "e|x": 2, "e|z": 2}, // another name

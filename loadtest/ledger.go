@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/loadtest/report"
 	"github.com/meshrelay/meshrelay/relay"
 )
 
@@ -480,7 +481,7 @@ func timeQuery(n int, fn func()) Quantiles {
 		fn()
 		ds[i] = time.Since(start)
 	}
-	l := summarize(ds)
+	l := report.Summarize(ds)
 	return Quantiles{P50: l.P50, P99: l.P99}
 }
 

@@ -7,6 +7,8 @@ import (
 	"io"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/cluster"
+
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
@@ -73,7 +75,7 @@ func RunProxyStatus(ctx context.Context, cfg ProxyStatusConfig, out io.Writer) (
 		return nil, err
 	}
 	defer up.Stop(context.Background())
-	tier, err := StartTier(ctx, TierConfig{Relays: cfg.Relays, Upstream: up.Addr(),
+	tier, err := cluster.StartTier(ctx, cluster.TierConfig{Relays: cfg.Relays, Upstream: up.Addr(),
 		Relay: func(c *relay.Config) { c.AdminListen = "127.0.0.1:0" }})
 	if err != nil {
 		return nil, err

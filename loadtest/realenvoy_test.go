@@ -13,6 +13,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/realenvoy/install"
+
+	"github.com/meshrelay/meshrelay/loadtest/cluster"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
+
 	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
@@ -62,18 +67,18 @@ func eachProtocol(t *testing.T, ctx context.Context, fn func(t *testing.T, ctx c
 type realEnvoyWorld struct {
 	sc     upstream.Scenario
 	up     *upstream.Upstream
-	tier   *Tier
+	tier   *cluster.Tier
 	listen string // web's listener on the Envoys
 }
 
 func startRealEnvoyWorld(t *testing.T, ctx context.Context, backends ...string) *realEnvoyWorld {
 	t.Helper()
-	return startRealEnvoyWorldWith(t, ctx, TierConfig{}, backends...)
+	return startRealEnvoyWorldWith(t, ctx, cluster.TierConfig{}, backends...)
 }
 
 // startRealEnvoyWorldWith is startRealEnvoyWorld with the tier's
 // configuration tc (its Upstream is set here; Relays defaults to 3).
-func startRealEnvoyWorldWith(t *testing.T, ctx context.Context, tc TierConfig, backends ...string) *realEnvoyWorld {
+func startRealEnvoyWorldWith(t *testing.T, ctx context.Context, tc cluster.TierConfig, backends ...string) *realEnvoyWorld {
 	t.Helper()
 	w := &realEnvoyWorld{listen: freeLoopbackAddr(t)}
 	w.sc = upstream.Scenario{Services: 6, Endpoints: 6, Namespaces: 2, LocalFraction: 0.3,
@@ -85,7 +90,7 @@ func startRealEnvoyWorldWith(t *testing.T, ctx context.Context, tc TierConfig, b
 		tc.Relays = 3
 	}
 	tc.Upstream = w.up.Addr()
-	tier, err := StartConvergedTier(ctx, tc, 30*time.Second)
+	tier, err := cluster.StartConvergedTier(ctx, tc, 30*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -117,7 +122,7 @@ func (w *realEnvoyWorld) startEnvoy(t *testing.T, ctx context.Context, bin strin
 // proxy-config's answer); a request through its listener reaches the
 // backend.
 func TestRealEnvoyFullSync(t *testing.T) {
-	bin := realenvoy.Binary(t)
+	bin := install.EnvoyBinary(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	w := startRealEnvoyWorld(t, ctx, httpBackend(t, "backend-a"))
@@ -163,11 +168,11 @@ func TestRealEnvoyFullSync(t *testing.T) {
 // own namespace and service account syncs fully; one presenting another
 // namespace's token is refused before anything is served.
 func TestRealEnvoyOverTLSWithJWT(t *testing.T) {
-	bin := realenvoy.Binary(t)
+	bin := install.EnvoyBinary(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	m := newTestMesh(t, ctx)
-	w := startRealEnvoyWorldWith(t, ctx, TierConfig{Secure: m.security(false)}, httpBackend(t, "backend-a"))
+	w := startRealEnvoyWorldWith(t, ctx, cluster.TierConfig{Secure: m.security(false)}, httpBackend(t, "backend-a"))
 	eachProtocol(t, ctx, func(t *testing.T, ctx context.Context, i int, p protocol) {
 		node := w.sc.Node(i, 0, 0)
 		ns := upstream.NamespaceName(i)
@@ -236,7 +241,7 @@ func TestRealEnvoyOverTLSWithJWT(t *testing.T) {
 // a new cluster waits for the cluster's endpoints") and the simulated
 // Envoy's ordering rule.
 func TestRealEnvoyChangesUnderTraffic(t *testing.T) {
-	bin := realenvoy.Binary(t)
+	bin := install.EnvoyBinary(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	a, b, c := httpBackend(t, "backend-a"), httpBackend(t, "backend-b"), httpBackend(t, "backend-c")
@@ -284,7 +289,7 @@ func TestRealEnvoyChangesUnderTraffic(t *testing.T) {
 // fingerprint, the Envoy of another namespace is unaffected, and the fixed
 // cluster is ACKed.
 func TestRealEnvoyNACK(t *testing.T) {
-	bin := realenvoy.Binary(t)
+	bin := install.EnvoyBinary(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	w := startRealEnvoyWorld(t, ctx, httpBackend(t, "backend-a"))
@@ -337,7 +342,7 @@ func TestRealEnvoyNACK(t *testing.T) {
 // (a change made after both kills reaches it), and its
 // control_plane.identifier names the relay it is on now.
 func TestRealEnvoyFailover(t *testing.T) {
-	bin := realenvoy.Binary(t)
+	bin := install.EnvoyBinary(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	a, b := httpBackend(t, "backend-a"), httpBackend(t, "backend-b")
@@ -387,7 +392,7 @@ func TestRealEnvoyFailover(t *testing.T) {
 // is down serves a newly started real Envoy its full config (it can only
 // have come from etcd), and traffic through it reaches the backend.
 func TestRealEnvoyWarmRestart(t *testing.T) {
-	bin := realenvoy.Binary(t)
+	bin := install.EnvoyBinary(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	etcd, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: t.TempDir()})
@@ -397,7 +402,7 @@ func TestRealEnvoyWarmRestart(t *testing.T) {
 	defer etcd.Close()
 	a := httpBackend(t, "backend-a")
 	eachProtocol(t, ctx, func(t *testing.T, ctx context.Context, i int, p protocol) {
-		w := startRealEnvoyWorldWith(t, ctx, TierConfig{Etcd: etcd.Endpoints()}, a)
+		w := startRealEnvoyWorldWith(t, ctx, cluster.TierConfig{Etcd: etcd.Endpoints()}, a)
 		node := w.sc.Node(i, 0, 0)
 		first := w.startEnvoy(t, ctx, bin, p.delta, i, 0)
 		want := w.up.Snapshot(w.sc.Group(node))
@@ -422,7 +427,7 @@ func TestRealEnvoyWarmRestart(t *testing.T) {
 			t.Fatal(err)
 		}
 
-		tier, err := StartConvergedTier(ctx, TierConfig{Relays: 3, Upstream: w.up.Addr(), Etcd: etcd.Endpoints()}, 30*time.Second)
+		tier, err := cluster.StartConvergedTier(ctx, cluster.TierConfig{Relays: 3, Upstream: w.up.Addr(), Etcd: etcd.Endpoints()}, 30*time.Second)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -445,7 +450,7 @@ func TestRealEnvoyWarmRestart(t *testing.T) {
 // relay to the Envoy (control_plane.identifier); SotW gets nothing at all,
 // since a SotW answer would carry every resource of the type again.
 func TestRealEnvoyReconnectSendsNothingUnchanged(t *testing.T) {
-	bin := realenvoy.Binary(t)
+	bin := install.EnvoyBinary(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	a := httpBackend(t, "backend-a")
@@ -460,7 +465,7 @@ func TestRealEnvoyReconnectSendsNothingUnchanged(t *testing.T) {
 			t.Run(name, func(t *testing.T) {
 				ctx, cancel := context.WithTimeout(ctx, time.Minute)
 				defer cancel()
-				w := startRealEnvoyWorldWith(t, ctx, TierConfig{Relays: 1}, a)
+				w := startRealEnvoyWorldWith(t, ctx, cluster.TierConfig{Relays: 1}, a)
 				node := w.sc.Node(i, 0, 0)
 				var e *realenvoy.Envoy
 				if simulated {
@@ -470,7 +475,7 @@ func TestRealEnvoyReconnectSendsNothingUnchanged(t *testing.T) {
 					}
 					// Envoy 0 of a fleet of one key is pod 0 of ns-0.
 					node = w.sc.Node(0, 0, 0)
-					fleet, err := StartFleet(ctx, FleetConfig{Scenario: w.sc, Envoys: 1, Keys: 1, Protocol: proto, Target: w.tier.Addr()})
+					fleet, err := traffic.StartFleet(ctx, traffic.FleetConfig{Scenario: w.sc, Envoys: 1, Keys: 1, Protocol: proto, Target: w.tier.Addr()})
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -532,7 +537,7 @@ func TestRealEnvoyReconnectSendsNothingUnchanged(t *testing.T) {
 
 // counterOf returns the value of counter name of tr's metrics, summed over
 // the series with a label of value label ("" for all).
-func counterOf(t *testing.T, tr *TierRelay, name, label string) int {
+func counterOf(t *testing.T, tr *cluster.TierRelay, name, label string) int {
 	t.Helper()
 	mfs, err := tr.Node.Relay().Gatherer().Gather()
 	if err != nil {
@@ -553,7 +558,7 @@ func counterOf(t *testing.T, tr *TierRelay, name, label string) int {
 }
 
 // tierCounter is counterOf summed over the tier's running relays.
-func tierCounter(t *testing.T, tier *Tier, name, label string) int {
+func tierCounter(t *testing.T, tier *cluster.Tier, name, label string) int {
 	t.Helper()
 	n := 0
 	for _, tr := range tier.Running() {
@@ -565,7 +570,7 @@ func tierCounter(t *testing.T, tier *Tier, name, label string) int {
 // pushes are a relay's counters of what it sent downstream.
 type pushes struct{ responses, resources, bytes int }
 
-func pushCounters(t *testing.T, tr *TierRelay) pushes {
+func pushCounters(t *testing.T, tr *cluster.TierRelay) pushes {
 	t.Helper()
 	p := pushes{
 		responses: counterOf(t, tr, "meshrelay_xds_pushes_total", ""),
@@ -580,7 +585,7 @@ func pushCounters(t *testing.T, tr *TierRelay) pushes {
 
 // waitConnected waits until node's stream is attached to a running relay
 // other than not (-1: any), and returns its index and the node's key.
-func waitConnected(t *testing.T, ctx context.Context, tier *Tier, node string, not int) (int, aggkey.Key) {
+func waitConnected(t *testing.T, ctx context.Context, tier *cluster.Tier, node string, not int) (int, aggkey.Key) {
 	t.Helper()
 	for {
 		for _, tr := range tier.Running() {
@@ -602,7 +607,7 @@ func waitConnected(t *testing.T, ctx context.Context, tier *Tier, node string, n
 }
 
 // ownerOf returns the index of the running relay that owns key.
-func ownerOf(t *testing.T, tier *Tier, key string) int {
+func ownerOf(t *testing.T, tier *cluster.Tier, key string) int {
 	t.Helper()
 	for _, tr := range tier.Running() {
 		if _, self := tr.Node.Ring().Owner(key); self {
@@ -615,7 +620,7 @@ func ownerOf(t *testing.T, tier *Tier, key string) int {
 
 // waitLedger waits until the tier's ledger has node's typeURL in status,
 // and returns that type's state.
-func waitLedger(t *testing.T, ctx context.Context, tier *Tier, node, typeURL string, status ledger.SyncStatus) ledger.EnvoyType {
+func waitLedger(t *testing.T, ctx context.Context, tier *cluster.Tier, node, typeURL string, status ledger.SyncStatus) ledger.EnvoyType {
 	t.Helper()
 	var last ledger.SyncStatus
 	for {

@@ -13,6 +13,9 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/report"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
+
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -184,7 +187,7 @@ func RunRealFanout(ctx context.Context, cfg RealFanoutConfig, out io.Writer) (*R
 			if run.Error != "" {
 				errs = append(errs, fmt.Errorf("%s %s (real): %s", p, m, run.Error))
 			}
-			if !SleepCtx(ctx, cfg.Settle) {
+			if !traffic.SleepCtx(ctx, cfg.Settle) {
 				break
 			}
 			if cfg.Simulated {
@@ -197,7 +200,7 @@ func RunRealFanout(ctx context.Context, cfg RealFanoutConfig, out io.Writer) (*R
 				if sim.Error != "" {
 					errs = append(errs, fmt.Errorf("%s %s (simulated): %s", p, m, sim.Error))
 				}
-				if !SleepCtx(ctx, cfg.Settle) {
+				if !traffic.SleepCtx(ctx, cfg.Settle) {
 					break
 				}
 			}
@@ -258,7 +261,7 @@ func runRealFanoutOnce(ctx context.Context, cfg RealFanoutConfig, p envoy.Protoc
 	defer func() { realenvoy.StopAll(envoys) }()
 	groups := make([]string, cfg.Envoys)
 	for i := range cfg.Envoys {
-		node := keyNode(cfg.Scenario, i%cfg.Keys, i/cfg.Keys) // as the fleet spreads its Envoys
+		node := traffic.KeyNode(cfg.Scenario, i%cfg.Keys, i/cfg.Keys) // as the fleet spreads its Envoys
 		edir := fmt.Sprintf("%s/envoy-%d", dir, i)
 		if err := os.Mkdir(edir, 0o700); err != nil {
 			return fail(err)
@@ -279,7 +282,7 @@ func runRealFanoutOnce(ctx context.Context, cfg RealFanoutConfig, p envoy.Protoc
 		return fail(fmt.Errorf("initial sync: %w", err))
 	}
 	fmt.Fprintf(out, "%s: synced in %.1fs; upstream streams %d\n", tag, run.InitialSyncS, run.UpstreamStreams)
-	if !SleepCtx(ctx, cfg.Settle) {
+	if !traffic.SleepCtx(ctx, cfg.Settle) {
 		return fail(ctx.Err())
 	}
 
@@ -318,7 +321,7 @@ func runRealFanoutOnce(ctx context.Context, cfg RealFanoutConfig, p envoy.Protoc
 		applied = append(applied, per...)
 		appliedAll = append(appliedAll, slices.Max(per))
 		run.ChangesDone++
-		if !SleepCtx(ctx, cfg.ChangeGap) {
+		if !traffic.SleepCtx(ctx, cfg.ChangeGap) {
 			return fail(ctx.Err())
 		}
 	}
@@ -326,9 +329,9 @@ func runRealFanoutOnce(ctx context.Context, cfg RealFanoutConfig, p envoy.Protoc
 	if err != nil {
 		return fail(err)
 	}
-	run.Applied, run.AppliedAll = latencyMs(summarize(applied)), latencyMs(summarize(appliedAll))
+	run.Applied, run.AppliedAll = latencyMs(report.Summarize(applied)), latencyMs(report.Summarize(appliedAll))
 	if child != nil {
-		a, aa := latencyMs(summarize(acked)), latencyMs(summarize(ackedAll))
+		a, aa := latencyMs(report.Summarize(acked)), latencyMs(report.Summarize(ackedAll))
 		run.Acked, run.AckedAll = &a, &aa
 		run.Relay = &ProcFigures{CPUChangesS: (relayAfter.CPU - relayBefore.CPU).Seconds(), RSSEnd: relayAfter.RSS, RSSPeak: relayAfter.PeakRSS}
 	}
@@ -381,7 +384,7 @@ func waitRealSynced(ctx context.Context, envoys []*realenvoy.Envoy, groups []str
 			if holdsNames(got, want) {
 				break
 			}
-			if !SleepCtx(ctx, 50*time.Millisecond) {
+			if !traffic.SleepCtx(ctx, 50*time.Millisecond) {
 				return fmt.Errorf("envoy %d never held its config: %w", i, ctx.Err())
 			}
 		}
@@ -428,7 +431,7 @@ func waitApplied(ctx context.Context, envoys []*realenvoy.Envoy, c upstream.Chan
 			for {
 				// The first look too only after a while: the Envoys apply
 				// the change meanwhile, without answering polls.
-				if !SleepCtx(ctx, appliedPoll) {
+				if !traffic.SleepCtx(ctx, appliedPoll) {
 					errs[i] = fmt.Errorf("envoy %d did not apply it: %w", i, ctx.Err())
 					return
 				}
@@ -476,7 +479,7 @@ func waitLedgerACKs(ctx context.Context, conn *grpc.ClientConn, envoys []*realen
 		if len(out) == len(envoys) {
 			return out, nil
 		}
-		if !SleepCtx(ctx, 20*time.Millisecond) {
+		if !traffic.SleepCtx(ctx, 20*time.Millisecond) {
 			return nil, fmt.Errorf("the relay's ledger has %d of %d ACKs: %w", len(out), len(envoys), ctx.Err())
 		}
 	}

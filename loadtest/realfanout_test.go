@@ -6,8 +6,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/realenvoy/install"
+
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
-	"github.com/meshrelay/meshrelay/loadtest/realenvoy"
 )
 
 // TestRealFanout runs the real-Envoy benchmark tiny, one protocol, both
@@ -19,7 +20,7 @@ import (
 func TestRealFanout(t *testing.T) {
 	requireLinux(t)
 	cfg := DefaultRealFanoutConfig()
-	cfg.Binary = realenvoy.Binary(t)
+	cfg.Binary = install.EnvoyBinary(t)
 	cfg.Scenario.Services, cfg.Scenario.Endpoints, cfg.Scenario.Namespaces = 20, 20, 2
 	cfg.Envoys, cfg.Keys, cfg.Changes = 4, 2, 3
 	cfg.Protocols = []envoy.Protocol{envoy.Delta}

@@ -11,6 +11,10 @@ import (
 	"sync"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/cluster"
+	"github.com/meshrelay/meshrelay/loadtest/report"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
+
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
@@ -86,8 +90,8 @@ type ScaleReport struct {
 	// SyncS is the initial sync of the fleet through the tier.
 	SyncS float64 `json:"initial_sync_s"`
 	// Baseline is change → last Envoy's ACK before any scaling.
-	Baseline Latency      `json:"baseline_change_to_all"`
-	Phases   []ScalePhase `json:"phases"`
+	Baseline report.Latency `json:"baseline_change_to_all"`
+	Phases   []ScalePhase   `json:"phases"`
 	// Transport is plaintext, tls-local or tls-tokenreview; TokenReviews
 	// the reviews the fake Kubernetes API answered (every relay's cache
 	// misses).
@@ -166,18 +170,18 @@ type ScalePhase struct {
 	UpstreamAfter  int64 `json:"upstream_streams_after"`
 	// During is change → last Envoy's ACK for changes made during the
 	// phase (the scale-in only).
-	During     Latency `json:"change_to_all_during"`
-	Violations int     `json:"violations"`
+	During     report.Latency `json:"change_to_all_during"`
+	Violations int            `json:"violations"`
 }
 
 // scaleRun holds the parts of one RunScale.
 type scaleRun struct {
 	cfg     ScaleConfig
 	up      *upstream.Upstream
-	tier    *Tier
+	tier    *cluster.Tier
 	fleet   benchFleet
 	groups  []string // each Envoy's upstream group
-	tracker *Tracker
+	tracker *traffic.Tracker
 	keys    []aggkey.Key
 }
 
@@ -224,9 +228,9 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 		rep.Pinning.TierCPUs = childCPUs(os.Getpid())
 		fmt.Fprintf(out, "scale: this process (the tier, the upstream) pinned to CPUs %s\n", rep.Pinning.TierCPUs)
 	}
-	s := &scaleRun{cfg: cfg, tracker: NewTracker()}
+	s := &scaleRun{cfg: cfg, tracker: traffic.NewTracker()}
 	for i := range cfg.Envoys {
-		s.groups = append(s.groups, cfg.Scenario.Group(keyNode(cfg.Scenario, i%cfg.Keys, i/cfg.Keys)))
+		s.groups = append(s.groups, cfg.Scenario.Group(traffic.KeyNode(cfg.Scenario, i%cfg.Keys, i/cfg.Keys)))
 	}
 	procs := &procMeter{}
 	procs.add(func() (ProcStat, error) { return ReadProcStat(os.Getpid()) }, &rep.Tier)
@@ -244,7 +248,7 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 	defer up.Stop(stopCtx)
 	s.up = up
 
-	tcfg := TierConfig{Relays: cfg.Relays, Upstream: up.Addr(), DrainPeriod: 5 * time.Second,
+	tcfg := cluster.TierConfig{Relays: cfg.Relays, Upstream: up.Addr(), DrainPeriod: 5 * time.Second,
 		BalanceInterval: 2 * time.Second, ShedRate: 100}
 	var creds *MeshCredentials
 	var kube *FakeKubeAPI
@@ -273,7 +277,7 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 			}
 		}
 	}
-	tier, err := StartTier(stopCtx, tcfg)
+	tier, err := cluster.StartTier(stopCtx, tcfg)
 	if err != nil {
 		return nil, err
 	}
@@ -287,7 +291,7 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 	}
 	target := tier.Addr()
 	for k := range cfg.Keys {
-		s.keys = append(s.keys, aggkey.Istio{}.Key(keyNode(cfg.Scenario, k, 0)))
+		s.keys = append(s.keys, aggkey.Istio{}.Key(traffic.KeyNode(cfg.Scenario, k, 0)))
 	}
 
 	fmt.Fprintf(out, "scale: %d relays, %d Envoys over %d keys (%d services, %d endpoints), connecting at %.0f/s, %s\n",
@@ -373,7 +377,7 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 	}
 	_, rep.Baseline, _ = s.tracker.Results()
 	fmt.Fprintf(out, "scale: baseline change → all Envoys P99 %s (%d changes); this process's CPU %.2fs: %.1fµs per change per Envoy, %.1fms per MB sent\n",
-		ms(rep.Baseline.P99), rep.Baseline.N, rep.Tier.CPUChangesS, rep.TierCPUPerChangeEnvoyUs, rep.TierCPUPerMBMs)
+		report.MS(rep.Baseline.P99), rep.Baseline.N, rep.Tier.CPUChangesS, rep.TierCPUPerChangeEnvoyUs, rep.TierCPUPerMBMs)
 	if rep.Fleet != nil {
 		fmt.Fprintf(out, "scale: fleet process CPU %.2fs over the sync, %.2fs over the baseline changes; RSS peak %s\n",
 			rep.Fleet.CPUSyncS, rep.Fleet.CPUChangesS, fmtBytes(rep.Fleet.RSSPeak))
@@ -674,6 +678,6 @@ func (s *scaleRun) print(out io.Writer, p ScalePhase) {
 	fmt.Fprintf(out, "scale: %s: bytes re-sent to moved Envoys %d of their full state %d (%.2f%%), %d (%.2f%%) beyond what their unmoved group received; upstream streams %d → %d (keys %d); violations %d\n",
 		p.Name, p.BytesResent, p.FullState, p.ResentPct, p.MoveBytes, p.MovePct, p.UpstreamBefore, p.UpstreamAfter, len(s.keys), p.Violations)
 	if p.During.N > 0 {
-		fmt.Fprintf(out, "scale: %s: change → all Envoys during the move P50 %s P99 %s (%d changes)\n", p.Name, ms(p.During.P50), ms(p.During.P99), p.During.N)
+		fmt.Fprintf(out, "scale: %s: change → all Envoys during the move P50 %s P99 %s (%d changes)\n", p.Name, report.MS(p.During.P50), report.MS(p.During.P99), p.During.N)
 	}
 }

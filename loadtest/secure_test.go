@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/cluster"
+
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
@@ -66,7 +68,7 @@ func TestXDSClientOverTLSThroughTier(t *testing.T) {
 	}
 	up := startTestUpstream(t, ctx, ucfg)
 
-	tier, err := StartConvergedTier(ctx, TierConfig{
+	tier, err := cluster.StartConvergedTier(ctx, cluster.TierConfig{
 		Relays: 3, Upstream: up.Addr(),
 		Secure: m.security(true),
 		Relay: func(c *relay.Config) {
@@ -149,7 +151,7 @@ func newTestMesh(t *testing.T, ctx context.Context) *testMesh {
 // security is a tier that is an Istio drop-in: Envoys on a TLS port
 // (certificate for relayServerName) verified by JWT, relays on an mTLS
 // peer port; forward passes each Envoy's token upstream.
-func (m *testMesh) security(forward bool) *TierSecurity {
+func (m *testMesh) security(forward bool) *cluster.TierSecurity {
 	t := m.t
 	t.Helper()
 	roots, err := tlsfiles.LoadCAPool(m.root)
@@ -172,7 +174,7 @@ func (m *testMesh) security(forward bool) *TierSecurity {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &TierSecurity{
+	return &cluster.TierSecurity{
 		XDSTLS: tlsfiles.ServerConfig(pair, roots, tls.RequestClientCert), Authenticator: authn,
 		PeerServer: peerServer, PeerClient: peerClient, Forward: forward,
 	}

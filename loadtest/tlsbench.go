@@ -16,6 +16,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/report"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
+
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
@@ -519,7 +522,7 @@ func RunAdmission(ctx context.Context, cfg AdmissionConfig) AdmissionFigures {
 		}
 	}()
 	one := func(j int) result {
-		node := keyNode(cfg.Scenario, j%cfg.Keys, cfg.FirstPod+j/cfg.Keys)
+		node := traffic.KeyNode(cfg.Scenario, j%cfg.Keys, cfg.FirstPod+j/cfg.Keys)
 		start := time.Now()
 		conn, err := grpc.NewClient(cfg.Target, creds)
 		if err != nil {
@@ -596,7 +599,7 @@ func RunAdmission(ctx context.Context, cfg AdmissionConfig) AdmissionFigures {
 		}
 		fig.Refused[r.code]++
 	}
-	fig.Latency = latencyMs(summarize(took))
+	fig.Latency = latencyMs(report.Summarize(took))
 	if fig.WallS > 0 {
 		fig.RatePerS = float64(fig.Admitted) / fig.WallS
 	}

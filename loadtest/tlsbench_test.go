@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
+
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
@@ -114,7 +116,7 @@ func TestTLSFleetWrongNamespaceRefused(t *testing.T) {
 				}
 				return creds.Token(upstream.NamespaceName((ns+1)%sc.Namespaces), f["SERVICE_ACCOUNT"].GetStringValue())
 			}
-			fleet, err := StartFleet(ctx, FleetConfig{Scenario: sc, Envoys: 6, Keys: 2, Protocol: envoy.Delta,
+			fleet, err := traffic.StartFleet(ctx, traffic.FleetConfig{Scenario: sc, Envoys: 6, Keys: 2, Protocol: envoy.Delta,
 				Target: child.Addr(), Configure: tr.configure})
 			if err != nil {
 				t.Fatal(err)

@@ -11,6 +11,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
+
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay/snapshot"
 )
@@ -312,7 +314,7 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 // startAndServe starts a relay process and one probe Envoy per key, and
 // returns once every probe holds its key's clusters and endpoints. The
 // caller stops both.
-func startAndServe(ctx context.Context, cfg WarmStartConfig, rc RelayChildConfig, up *upstream.Upstream, tag string, out io.Writer) (*Child, *Fleet, WarmStartPhase, error) {
+func startAndServe(ctx context.Context, cfg WarmStartConfig, rc RelayChildConfig, up *upstream.Upstream, tag string, out io.Writer) (*Child, *traffic.Fleet, WarmStartPhase, error) {
 	var ph WarmStartPhase
 	start := time.Now()
 	child, err := cfg.StartRelay(ctx, rc)
@@ -320,7 +322,7 @@ func startAndServe(ctx context.Context, cfg WarmStartConfig, rc RelayChildConfig
 		return nil, nil, ph, fmt.Errorf("%s: start relay: %w", tag, err)
 	}
 	ph.ReadyS = time.Since(start).Seconds()
-	fleet, err := StartFleet(ctx, FleetConfig{Scenario: cfg.Scenario, Envoys: cfg.Keys, Keys: cfg.Keys, Target: child.Addr(), EnvoysPerConn: cfg.EnvoysPerConn})
+	fleet, err := traffic.StartFleet(ctx, traffic.FleetConfig{Scenario: cfg.Scenario, Envoys: cfg.Keys, Keys: cfg.Keys, Target: child.Addr(), EnvoysPerConn: cfg.EnvoysPerConn})
 	if err != nil {
 		_ = stopServing(ctx, child, nil)
 		return nil, nil, ph, fmt.Errorf("%s: start probes: %w", tag, err)
@@ -346,7 +348,7 @@ func startAndServe(ctx context.Context, cfg WarmStartConfig, rc RelayChildConfig
 
 // stopServing stops the probes (if any), then the child, and returns the
 // child's Stop: within stopTimeout, after which the child is killed.
-func stopServing(ctx context.Context, child *Child, probes *Fleet) error {
+func stopServing(ctx context.Context, child *Child, probes *traffic.Fleet) error {
 	sctx, cancel := stopContext(ctx)
 	defer cancel()
 	if probes != nil {

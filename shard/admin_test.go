@@ -23,8 +23,9 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
-	"github.com/meshrelay/meshrelay/loadtest"
+	inproc "github.com/meshrelay/meshrelay/loadtest/cluster"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
@@ -50,7 +51,7 @@ func TestAdminAccessAndDrain(t *testing.T) {
 	ctx := context.Background()
 	sc := upstream.Scenario{Services: 6, Endpoints: 6, Namespaces: 3, LocalFraction: 0}
 	up := startUpstream(t, sc)
-	tier, err := loadtest.StartConvergedTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Logger: testLogger(),
+	tier, err := inproc.StartConvergedTier(ctx, inproc.TierConfig{Relays: 3, Upstream: up.Addr(), Logger: testLogger(),
 		DrainPeriod: 500 * time.Millisecond,
 		Relay: func(c *relay.Config) {
 			c.AdminListen, c.AdminTLS, c.AdminToken = "127.0.0.1:0", certs.Server, token
@@ -61,7 +62,7 @@ func TestAdminAccessAndDrain(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { tier.Stop(context.Background()) })
-	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: 30, Keys: 3, Protocol: envoy.Delta, Target: tier.Addr()})
+	fleet, err := traffic.StartFleet(ctx, traffic.FleetConfig{Scenario: sc, Envoys: 30, Keys: 3, Protocol: envoy.Delta, Target: tier.Addr()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -267,7 +268,7 @@ func TestAdminScopes(t *testing.T) {
 	// a relay holding more than its share moves settled Envoys away once
 	// they are three rounds old, making them stragglers while they
 	// reconnect.
-	tier, err := loadtest.StartConvergedTier(ctx, loadtest.TierConfig{Relays: 2, Upstream: up.Addr(), Logger: testLogger(),
+	tier, err := inproc.StartConvergedTier(ctx, inproc.TierConfig{Relays: 2, Upstream: up.Addr(), Logger: testLogger(),
 		BalanceInterval: time.Hour,
 		Relay: func(c *relay.Config) {
 			c.AdminListen, c.AdminToken = "127.0.0.1:0", token
@@ -280,7 +281,7 @@ func TestAdminScopes(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { tier.Stop(context.Background()) })
-	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: 9, Keys: 3, Protocol: envoy.Delta, Target: tier.Addr()})
+	fleet, err := traffic.StartFleet(ctx, traffic.FleetConfig{Scenario: sc, Envoys: 9, Keys: 3, Protocol: envoy.Delta, Target: tier.Addr()})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,8 +10,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/meshrelay/meshrelay/loadtest"
+	inproc "github.com/meshrelay/meshrelay/loadtest/cluster"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 )
 
@@ -26,8 +27,8 @@ const testKeys = 12
 type cluster struct {
 	t     *testing.T
 	up    *upstream.Upstream
-	tier  *loadtest.Tier
-	fleet *loadtest.Fleet
+	tier  *inproc.Tier
+	fleet *traffic.Fleet
 	// removed counts resources Envoys were told to drop: the scenario
 	// never removes any, so every one is unexpected.
 	removed atomic.Int64
@@ -75,13 +76,13 @@ func startCluster(t *testing.T, relays, envoys int, proto envoy.Protocol) *clust
 	up := startUpstream(t, sc)
 	c.up = up
 
-	tier, err := loadtest.StartConvergedTier(ctx, loadtest.TierConfig{Relays: relays, Upstream: up.Addr(), Logger: testLogger()}, 30*time.Second)
+	tier, err := inproc.StartConvergedTier(ctx, inproc.TierConfig{Relays: relays, Upstream: up.Addr(), Logger: testLogger()}, 30*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
 	c.tier = tier
 	t.Cleanup(func() { tier.Stop(context.Background()) })
-	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{
+	fleet, err := traffic.StartFleet(ctx, traffic.FleetConfig{
 		Scenario: sc, Envoys: envoys, Keys: testKeys, Protocol: proto, Target: tier.Addr(),
 		OnEvent: func(i int, ev envoy.Event) {
 			switch ev.Kind {

@@ -26,8 +26,9 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/meshrelay/meshrelay/ledger"
-	"github.com/meshrelay/meshrelay/loadtest"
+	inproc "github.com/meshrelay/meshrelay/loadtest/cluster"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/wire"
@@ -52,7 +53,7 @@ func TestLedgerQueries(t *testing.T) {
 	up := startUpstream(t, sc)
 	// No balancing: every answer is asserted exactly, and an Envoy moved
 	// away from a relay above its share is a straggler while it reconnects.
-	tier, err := loadtest.StartConvergedTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Logger: testLogger(),
+	tier, err := inproc.StartConvergedTier(ctx, inproc.TierConfig{Relays: 3, Upstream: up.Addr(), Logger: testLogger(),
 		BalanceInterval: time.Hour,
 		Relay:           func(c *relay.Config) { c.AdminListen = "127.0.0.1:0" }}, 30*time.Second)
 	if err != nil {
@@ -63,7 +64,7 @@ func TestLedgerQueries(t *testing.T) {
 	const keys, envoys = 3, 12
 	role := func(i int) string { return []string{"ok", "ok", "nack", "silent"}[i/keys] }
 	var rejecting atomic.Bool
-	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{
+	fleet, err := traffic.StartFleet(ctx, traffic.FleetConfig{
 		Scenario: sc, Envoys: envoys, Keys: keys, Protocol: envoy.Delta, Target: tier.Addr(),
 		Configure: func(i int, c *envoy.Config) {
 			switch role(i) {
@@ -89,7 +90,7 @@ func TestLedgerQueries(t *testing.T) {
 	for i, e := range fleet.Envoys() {
 		byRole[role(i)] = append(byRole[role(i)], e.ID())
 	}
-	anyRelay := func(i int) *loadtest.TierRelay { return tier.Running()[i%len(tier.Running())] }
+	anyRelay := func(i int) *inproc.TierRelay { return tier.Running()[i%len(tier.Running())] }
 
 	// Before the change: every Envoy but the silent ones is current.
 	waitLedger(t, "initial sync", func() (bool, string) {
@@ -267,7 +268,7 @@ func waitLedger(t *testing.T, what string, cond func() (bool, string)) {
 
 // histogramCount returns the sample count of a histogram in relay r's
 // registry, over every label.
-func histogramCount(t *testing.T, r *loadtest.TierRelay, name string) uint64 {
+func histogramCount(t *testing.T, r *inproc.TierRelay, name string) uint64 {
 	t.Helper()
 	mfs, err := r.Node.Relay().Gatherer().Gather()
 	if err != nil {
@@ -288,7 +289,7 @@ func histogramCount(t *testing.T, r *loadtest.TierRelay, name string) uint64 {
 // checkAdminAPI asks the same questions of the admin API (meshrelay.admin.v1)
 // on another relay's admin listener, in the state TestLedgerQueries left:
 // the answers must be the ledger's, in the API's terms.
-func checkAdminAPI(t *testing.T, tier *loadtest.Tier, byRole map[string][]string, typeURL, name string, hash ledger.Hash) {
+func checkAdminAPI(t *testing.T, tier *inproc.Tier, byRole map[string][]string, typeURL, name string, hash ledger.Hash) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -604,7 +605,7 @@ func checkAdminAPI(t *testing.T, tier *loadtest.Tier, byRole map[string][]string
 // does: a CSDS ClientConfig per Envoy of the tier, each type's status
 // following the Envoy's role; the control plane identifier istiod's JSON.
 // Then a node's config dump, as istioctl x internal-debug asks it.
-func checkSyncz(t *testing.T, tier *loadtest.Tier, byRole map[string][]string) {
+func checkSyncz(t *testing.T, tier *inproc.Tier, byRole map[string][]string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

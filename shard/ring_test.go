@@ -11,15 +11,15 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
+	"github.com/meshrelay/meshrelay/shard/memnet"
 
-	"github.com/meshrelay/meshrelay/shard/shardtest"
+	"go.uber.org/goleak"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // startRing starts a ring on the in-memory network, joining join.
-func startRing(t *testing.T, nw *shardtest.Network, name string, mod func(*Config), join ...string) (*Ring, *shardtest.Transport) {
+func startRing(t *testing.T, nw *memnet.Network, name string, mod func(*Config), join ...string) (*Ring, *memnet.Transport) {
 	t.Helper()
 	tr := nw.NewTransport()
 	cfg := DefaultConfig()
@@ -73,7 +73,7 @@ func waitMembers(t *testing.T, rings []*Ring, want ...string) {
 }
 
 func TestRingsAgreeOnOwners(t *testing.T) {
-	nw := shardtest.NewNetwork()
+	nw := memnet.NewNetwork()
 	a, ta := startRing(t, nw, "a", nil)
 	b, _ := startRing(t, nw, "b", nil, ta.Addr())
 	c, _ := startRing(t, nw, "c", nil, ta.Addr())
@@ -123,7 +123,7 @@ func TestRingsAgreeOnOwners(t *testing.T) {
 }
 
 func TestUniqueNamePerIncarnation(t *testing.T) {
-	nw := shardtest.NewNetwork()
+	nw := memnet.NewNetwork()
 	a, ta := startRing(t, nw, "a", nil)
 	b1, _ := startRing(t, nw, "b", nil, ta.Addr())
 	waitMembers(t, []*Ring{a, b1}, "a", "b")
@@ -141,7 +141,7 @@ func TestUniqueNamePerIncarnation(t *testing.T) {
 }
 
 func TestConnectionCountsAreGossiped(t *testing.T) {
-	nw := shardtest.NewNetwork()
+	nw := memnet.NewNetwork()
 	a, ta := startRing(t, nw, "a", nil)
 	b, _ := startRing(t, nw, "b", nil, ta.Addr())
 	c, _ := startRing(t, nw, "c", nil, ta.Addr())
@@ -167,7 +167,7 @@ func TestConnectionCountsAreGossiped(t *testing.T) {
 // TestPartitionHeals: a relay cut off for longer than memberlist takes to
 // declare it dead finds the tier again through the periodic rejoin.
 func TestPartitionHeals(t *testing.T) {
-	nw := shardtest.NewNetwork()
+	nw := memnet.NewNetwork()
 	a, ta := startRing(t, nw, "a", nil)
 	b, tb := startRing(t, nw, "b", nil, ta.Addr())
 	c, _ := startRing(t, nw, "c", nil, ta.Addr())
@@ -197,7 +197,7 @@ func TestTiersWithDifferentKeysOrLabelsNeverMerge(t *testing.T) {
 		{"other cluster", func(c *Config) { c.Cluster = "prod" }, func(c *Config) { c.Cluster = "staging" }, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			nw := shardtest.NewNetwork()
+			nw := memnet.NewNetwork()
 			a, ta := startRing(t, nw, "a", tc.a)
 			b, _ := startRing(t, nw, "b", tc.b, ta.Addr())
 			if tc.merges {

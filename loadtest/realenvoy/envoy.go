@@ -1,7 +1,7 @@
 // Package realenvoy runs real Envoy processes as peers in tests, benchmarks
-// and the demo: it finds (or installs) the pinned Envoy binary, starts it
-// with a generated bootstrap whose ADS points at a given address, reads its
-// admin interface, and stops it. The simulated Envoy is loadtest/envoy.
+// and the demo: it finds the pinned Envoy binary (loadtest/realenvoy/install
+// installs it), starts it with a generated bootstrap whose ADS points at a
+// given address, reads its admin interface, and stops it. The simulated Envoy is loadtest/envoy.
 package realenvoy
 
 import (

@@ -1,4 +1,4 @@
-package realenvoy
+package realenvoy_test
 
 import (
 	"context"
@@ -12,6 +12,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/realenvoy"
+	"github.com/meshrelay/meshrelay/loadtest/realenvoy/install"
+
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 	"go.uber.org/goleak"
 
@@ -21,11 +24,11 @@ import (
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // TestEnvoyStartsSyncsAndStops runs the harness against the synthetic
-// upstream directly: Envoy comes up, takes the whole config (its config
+// upstream directly: realenvoy.Envoy comes up, takes the whole config (its config
 // dump holds every cluster and listener the upstream serves its group), and
 // Stop leaves no process behind.
 func TestEnvoyStartsSyncsAndStops(t *testing.T) {
-	bin := Binary(t)
+	bin := install.EnvoyBinary(t)
 	for _, delta := range []bool{false, true} {
 		name := "sotw"
 		if delta {
@@ -48,8 +51,9 @@ func TestEnvoyStartsSyncsAndStops(t *testing.T) {
 			node := sc.Node(0, 0, 0)
 			_, route, _ := upstream.HTTPNames("web")
 			ingress := freeAddr(t)
-			e, err := Start(ctx, Config{Binary: bin, XDS: up.Addr(), Delta: delta, Node: node, Dir: t.TempDir(),
-				Ingress: &Ingress{Listen: ingress, Route: route}})
+			dir := t.TempDir()
+			e, err := realenvoy.Start(ctx, realenvoy.Config{Binary: bin, XDS: up.Addr(), Delta: delta, Node: node, Dir: dir,
+				Ingress: &realenvoy.Ingress{Listen: ingress, Route: route}})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -57,13 +61,13 @@ func TestEnvoyStartsSyncsAndStops(t *testing.T) {
 			defer e.Stop()
 
 			want := up.Snapshot(sc.Group(node))
-			var got map[string]map[string]Resource
+			var got map[string]map[string]realenvoy.Resource
 			for {
 				dump, err := e.ConfigDump(ctx)
 				if err != nil {
 					t.Fatal(err)
 				}
-				if got, err = Dynamic(dump); err != nil {
+				if got, err = realenvoy.Dynamic(dump); err != nil {
 					t.Fatal(err)
 				}
 				if len(got[resource.ClusterType]) == len(want[resource.ClusterType]) &&
@@ -115,7 +119,7 @@ func TestEnvoyStartsSyncsAndStops(t *testing.T) {
 			if err := syscall.Kill(pid, 0); !errors.Is(err, syscall.ESRCH) {
 				t.Errorf("envoy pid %d still there after Stop: %v", pid, err)
 			}
-			if _, err := os.Stat(filepath.Join(e.cfg.Dir, "bootstrap.json")); !os.IsNotExist(err) {
+			if _, err := os.Stat(filepath.Join(dir, "bootstrap.json")); !os.IsNotExist(err) {
 				t.Errorf("bootstrap left after Stop: %v", err)
 			}
 		})
@@ -145,25 +149,25 @@ func freeAddr(t *testing.T) string {
 }
 
 // TestFindRefusesWhatIsNotEnvoy: an explicit MESHRELAY_ENVOY that is not
-// Envoy is an error naming it, not a silent fallback to another binary.
+// realenvoy.Envoy is an error naming it, not a silent fallback to another binary.
 func TestFindRefusesWhatIsNotEnvoy(t *testing.T) {
 	t.Setenv("MESHRELAY_ENVOY", "/bin/true")
-	_, err := Find(context.Background())
+	_, err := realenvoy.Find(context.Background())
 	if err == nil {
-		t.Fatal("Find took /bin/true for Envoy")
+		t.Fatal("realenvoy.Find took /bin/true for realenvoy.Envoy")
 	}
 	t.Log(err)
 }
 
 func TestStartChecksConfig(t *testing.T) {
-	for _, cfg := range []Config{
+	for _, cfg := range []realenvoy.Config{
 		{},
 		{Binary: "envoy"},
 		{Binary: "envoy", XDS: "127.0.0.1:1"},
 		{Binary: "envoy", XDS: "nowhere", Node: upstream.DefaultScenario().Node(0, 0, 0), Dir: t.TempDir()},
 	} {
-		if _, err := Start(context.Background(), cfg); err == nil {
-			t.Errorf("Start(%+v) succeeded", cfg)
+		if _, err := realenvoy.Start(context.Background(), cfg); err == nil {
+			t.Errorf("realenvoy.Start(%+v) succeeded", cfg)
 		}
 	}
 }

@@ -28,6 +28,8 @@ import (
 
 	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/report"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
 )
@@ -128,7 +130,7 @@ type BenchRun struct {
 	Synced int
 	// Sync is the time from the sidecars' start to each one's full sync;
 	// Sync.Max is the run's full-sync wall time.
-	Sync loadtest.Latency
+	Sync report.Latency
 	// IstiodStreams is istiod's count of connected xDS streams
 	// (pilot_xds) once every sidecar synced; IstiodStreamsMax the largest
 	// count sampled (every second) during the sync; IstiodStreamsEnd the
@@ -171,10 +173,10 @@ type BenchRun struct {
 	// host's cluster and its endpoints); Change is the time from the
 	// edit's write to the API server to each one's having it.
 	ChangeReached int
-	Change        loadtest.Latency
+	Change        report.Latency
 	// ChangeCluster is the time from the edit to each sidecar's holding
 	// the added host's cluster (its endpoints may still be on the way).
-	ChangeCluster loadtest.Latency
+	ChangeCluster report.Latency
 	// ChangeIstiodCPU and ChangeRelaysCPU are the CPU used from the edit
 	// to the last sidecar's having it.
 	ChangeIstiodCPU, ChangeRelaysCPU time.Duration
@@ -306,7 +308,7 @@ type bench struct {
 	istiod *Istiod
 	dyn    *dynamic.DynamicClient
 	relays []*benchRelay
-	fleet  *loadtest.Fleet
+	fleet  *traffic.Fleet
 	edits  int // hosts added to svc-0 so far
 }
 
@@ -507,8 +509,8 @@ func (b *bench) createAll(ctx context.Context, gvr schema.GroupVersionResource, 
 // workload i%Workloads in namespace ns-0 (loadtest's Istio-shaped nodes,
 // presenting the istiod release's ISTIO_VERSION), connected to
 // targets[i%len(targets)], each on a gRPC connection of its own.
-func (b *bench) sidecarFleet(ctx context.Context, n int, targets []string, light bool) (*loadtest.Fleet, error) {
-	return loadtest.StartFleet(ctx, loadtest.FleetConfig{
+func (b *bench) sidecarFleet(ctx context.Context, n int, targets []string, light bool) (*traffic.Fleet, error) {
+	return traffic.StartFleet(ctx, traffic.FleetConfig{
 		Scenario: upstream.Scenario{Namespaces: 1},
 		Envoys:   n,
 		Keys:     b.cfg.Workloads,
@@ -574,7 +576,7 @@ func (b *bench) warmUp(ctx context.Context) error {
 			b.logf("istiod's push context holds %v services (%v)", n, err)
 			logged = time.Now()
 		}
-		if !loadtest.SleepCtx(wctx, time.Second) {
+		if !traffic.SleepCtx(wctx, time.Second) {
 			return fmt.Errorf("istiod's push context holds %v of %d services (%v) after %v", n, b.cfg.Services, err, b.cfg.SyncTimeout)
 		}
 	}
@@ -613,7 +615,7 @@ func (b *bench) warmUp(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if !loadtest.SleepCtx(ctx, b.cfg.Settle) {
+	if !traffic.SleepCtx(ctx, b.cfg.Settle) {
 		return ctx.Err()
 	}
 	after, err := loadtest.ReadProcStat(b.istiod.Pid())
@@ -659,7 +661,7 @@ func (b *bench) waitAllocated(ctx context.Context) error {
 			b.logf("istiod allocated %d of %d ServiceEntries an address", n, b.cfg.Services)
 			logged = time.Now()
 		}
-		if !loadtest.SleepCtx(ctx, 5*time.Second) {
+		if !traffic.SleepCtx(ctx, 5*time.Second) {
 			return fmt.Errorf("istiod allocated %d of %d ServiceEntries an address: %w", n, b.cfg.Services, ctx.Err())
 		}
 	}
@@ -722,7 +724,7 @@ func (b *bench) settle(ctx context.Context) error {
 		if time.Now().After(deadline) {
 			return fmt.Errorf("istiod still counts %d streams (%v) a minute after its clients left", n, err)
 		}
-		if !loadtest.SleepCtx(ctx, 200*time.Millisecond) {
+		if !traffic.SleepCtx(ctx, 200*time.Millisecond) {
 			return ctx.Err()
 		}
 	}
@@ -766,7 +768,7 @@ func quiet(ctx context.Context, pids []int, limit time.Duration) (took time.Dura
 		if time.Since(start) > 3*time.Minute {
 			return time.Since(start), false, nil
 		}
-		if !loadtest.SleepCtx(ctx, time.Second) {
+		if !traffic.SleepCtx(ctx, time.Second) {
 			return time.Since(start), false, ctx.Err()
 		}
 		now, err := total()
@@ -858,7 +860,7 @@ func (b *bench) startTier(ctx context.Context) error {
 			if time.Now().After(deadline) {
 				return fmt.Errorf("relay %s: ready %v, %v relays in its ring (%v) after a minute; want %d", r.xds, ready, members, err, n)
 			}
-			if !loadtest.SleepCtx(ctx, 100*time.Millisecond) {
+			if !traffic.SleepCtx(ctx, 100*time.Millisecond) {
 				return ctx.Err()
 			}
 		}
@@ -1107,12 +1109,12 @@ func (b *bench) addHost(ctx context.Context, name, host string) error {
 
 // summarize returns how many durations there are and their percentiles
 // by nearest rank, as loadtest's Latency reports them.
-func summarize(d []time.Duration) (int, loadtest.Latency) {
+func summarize(d []time.Duration) (int, report.Latency) {
 	if len(d) == 0 {
-		return 0, loadtest.Latency{}
+		return 0, report.Latency{}
 	}
 	s := slices.Sorted(slices.Values(d))
 	n := len(s)
 	q := func(pct int) time.Duration { return s[max(1, (pct*n+99)/100)-1] }
-	return n, loadtest.Latency{N: n, P50: q(50), P95: q(95), P99: q(99), Max: s[n-1]}
+	return n, report.Latency{N: n, P50: q(50), P95: q(95), P99: q(99), Max: s[n-1]}
 }

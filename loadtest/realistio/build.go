@@ -26,7 +26,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/meshrelay/meshrelay/loadtest/realenvoy"
+	"github.com/meshrelay/meshrelay/loadtest/realenvoy/install"
 )
 
 // The pinned versions: Istio about 1.31 (the module has no release tags),
@@ -108,7 +108,7 @@ func Build(ctx context.Context, log io.Writer) (Binaries, error) {
 	if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
 		return Binaries{}, err
 	}
-	unlock, err := realenvoy.LockFile(dir + ".lock")
+	unlock, err := install.LockFile(dir + ".lock")
 	if err != nil {
 		return Binaries{}, err
 	}

@@ -19,6 +19,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/realenvoy/install"
+
 	_ "github.com/cncf/xds/go/udpa/type/v1" // TypedStruct, in Istio's config
 	_ "github.com/cncf/xds/go/xds/type/v3"
 	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
@@ -366,7 +368,7 @@ func TestSidecarsThroughTier(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
-	envoy, err := realenvoy.Find(ctx)
+	envoy, err := install.Envoy(ctx)
 	if err != nil {
 		if os.Getenv("CI") == "true" {
 			t.Fatalf("CI=true: %v", err)

@@ -16,6 +16,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
 )
@@ -322,7 +323,7 @@ func (r *run) play(ctx context.Context) (*loadtest.History, error) {
 	if err := r.waitFor(time.Minute, "every relay ready", func() bool { return len(t.readyRelays()) == cfg.Relays }); err != nil {
 		return nil, err
 	}
-	initial := map[string]map[loadtest.ResourceKey]uint64{}
+	initial := map[string]map[traffic.ResourceKey]uint64{}
 	for _, g := range up.Groups() {
 		initial[g] = generations(up.Snapshot(g))
 	}
@@ -423,7 +424,7 @@ func (r *run) step(churn *upstream.Churner) error {
 	if err != nil {
 		return err
 	}
-	snaps := map[string]map[loadtest.ResourceKey]uint64{}
+	snaps := map[string]map[traffic.ResourceKey]uint64{}
 	var pubs []loadtest.Published
 	var names []string
 	for _, c := range changes {
@@ -609,8 +610,8 @@ func holds(e *envoy.Envoy, want map[string]uint64) bool {
 
 // generations maps "type|name" to generation over the given types of a
 // snapshot (every type if none is given).
-func generations(snap map[string]map[string]proto.Message, types ...string) map[loadtest.ResourceKey]uint64 {
-	out := map[loadtest.ResourceKey]uint64{}
+func generations(snap map[string]map[string]proto.Message, types ...string) map[traffic.ResourceKey]uint64 {
+	out := map[traffic.ResourceKey]uint64{}
 	for typeURL, res := range snap {
 		if len(types) > 0 && !slices.Contains(types, typeURL) {
 			continue

@@ -7,7 +7,8 @@ import (
 	"testing"
 
 	"github.com/meshrelay/meshrelay/ledger"
-	"github.com/meshrelay/meshrelay/loadtest"
+	"github.com/meshrelay/meshrelay/loadtest/cluster"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
@@ -24,12 +25,12 @@ func TestPerNodeKeysTier(t *testing.T) {
 	endpoints := startEtcd(t, "").Endpoints()
 	up, sc := startUpstream(t, upstream.Scenario{Services: 20, Endpoints: 20, Namespaces: 2, LocalFraction: 0.25})
 	const envoys = 9
-	startTier := func() *loadtest.Tier {
+	startTier := func() *cluster.Tier {
 		return startPersistingTier(t, up, endpoints, func(c *relay.Config) { c.KeyProfile = aggkey.PerNode{} })
 	}
 	waitFor := func(what string, cond func() (bool, string)) { t.Helper(); waitUntil(t, what, cond) }
-	synced := func(f *loadtest.Fleet, when string) { t.Helper(); waitFleetSynced(t, f, up, when) }
-	startFleet := func(tier *loadtest.Tier) *loadtest.Fleet { return startTierFleet(t, sc, tier, envoys, 3) }
+	synced := func(f *traffic.Fleet, when string) { t.Helper(); waitFleetSynced(t, f, up, when) }
+	startFleet := func(tier *cluster.Tier) *traffic.Fleet { return startTierFleet(t, sc, tier, envoys, 3) }
 
 	tier := startTier()
 	fleet := startFleet(tier)
@@ -71,7 +72,7 @@ func TestPerNodeKeysTier(t *testing.T) {
 	tier2 := startTier()
 	fleet2 := startFleet(tier2)
 	synced(fleet2, "a new tier, upstream down")
-	for _, f := range []*loadtest.Fleet{fleet, fleet2} {
+	for _, f := range []*traffic.Fleet{fleet, fleet2} {
 		for _, v := range f.Violations() {
 			t.Errorf("protocol violation: %v", v)
 		}

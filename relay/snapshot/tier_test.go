@@ -10,8 +10,9 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
-	"github.com/meshrelay/meshrelay/loadtest"
+	"github.com/meshrelay/meshrelay/loadtest/cluster"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
@@ -69,9 +70,9 @@ func TestTierPersistsWhatOwnersServe(t *testing.T) {
 	endpoints := startEtcd(t, "").Endpoints()
 	up, sc := startUpstream(t, upstream.Scenario{Services: 30, Endpoints: 30, Namespaces: 3, LocalFraction: 0.25})
 	const keys = 6
-	startTier := func() *loadtest.Tier { return startPersistingTier(t, up, endpoints, nil) }
-	startFleet := func(tier *loadtest.Tier) *loadtest.Fleet { return startTierFleet(t, sc, tier, 18, keys) }
-	synced := func(f *loadtest.Fleet, when string) { t.Helper(); waitFleetSynced(t, f, up, when) }
+	startTier := func() *cluster.Tier { return startPersistingTier(t, up, endpoints, nil) }
+	startFleet := func(tier *cluster.Tier) *traffic.Fleet { return startTierFleet(t, sc, tier, 18, keys) }
+	synced := func(f *traffic.Fleet, when string) { t.Helper(); waitFleetSynced(t, f, up, when) }
 	persisted := func(when string) {
 		t.Helper()
 		waitUntil(t, when+": etcd holds the latest config", func() (bool, string) { return persistedMatches(t, endpoints, up, keys) })
@@ -137,13 +138,13 @@ func TestTierPersistsWhatOwnersServe(t *testing.T) {
 // startPersistingTier starts a converged 3-relay tier of up on the etcd at
 // endpoints, each relay's configuration changed by adjust if set, stopped
 // at the end of the test. MESHRELAY_TEST_LOG=1 prints its debug logs.
-func startPersistingTier(t *testing.T, up *upstream.Upstream, endpoints []string, adjust func(*relay.Config)) *loadtest.Tier {
+func startPersistingTier(t *testing.T, up *upstream.Upstream, endpoints []string, adjust func(*relay.Config)) *cluster.Tier {
 	t.Helper()
 	var logger *slog.Logger
 	if os.Getenv("MESHRELAY_TEST_LOG") != "" {
 		logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	}
-	tier, err := loadtest.StartConvergedTier(context.Background(), loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Etcd: endpoints,
+	tier, err := cluster.StartConvergedTier(context.Background(), cluster.TierConfig{Relays: 3, Upstream: up.Addr(), Etcd: endpoints,
 		Logger: logger, Relay: adjust}, 30*time.Second)
 	if err != nil {
 		t.Fatal(err)
@@ -154,9 +155,9 @@ func startPersistingTier(t *testing.T, up *upstream.Upstream, endpoints []string
 
 // startTierFleet starts envoys simulated Envoys of sc over keys keys on
 // tier, stopped at the end of the test.
-func startTierFleet(t *testing.T, sc upstream.Scenario, tier *loadtest.Tier, envoys, keys int) *loadtest.Fleet {
+func startTierFleet(t *testing.T, sc upstream.Scenario, tier *cluster.Tier, envoys, keys int) *traffic.Fleet {
 	t.Helper()
-	f, err := loadtest.StartFleet(context.Background(), loadtest.FleetConfig{Scenario: sc, Envoys: envoys, Keys: keys, Target: tier.Addr()})
+	f, err := traffic.StartFleet(context.Background(), traffic.FleetConfig{Scenario: sc, Envoys: envoys, Keys: keys, Target: tier.Addr()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -165,7 +166,7 @@ func startTierFleet(t *testing.T, sc upstream.Scenario, tier *loadtest.Tier, env
 }
 
 // waitFleetSynced waits until every Envoy of f holds what up serves it.
-func waitFleetSynced(t *testing.T, f *loadtest.Fleet, up *upstream.Upstream, when string) {
+func waitFleetSynced(t *testing.T, f *traffic.Fleet, up *upstream.Upstream, when string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
 	defer cancel()
@@ -217,7 +218,7 @@ func ownerRestartsWarm(t *testing.T, proto envoy.Protocol) {
 	if os.Getenv("NO_ETCD") == "" {
 		etcdEndpoints = etcd.Endpoints()
 	}
-	tier, err := loadtest.StartTier(ctx, loadtest.TierConfig{Relays: 3, Upstream: up.Addr(), Etcd: etcdEndpoints, Logger: logger})
+	tier, err := cluster.StartTier(ctx, cluster.TierConfig{Relays: 3, Upstream: up.Addr(), Etcd: etcdEndpoints, Logger: logger})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -229,7 +230,7 @@ func ownerRestartsWarm(t *testing.T, proto envoy.Protocol) {
 	if err := tier.WaitConverged(wctx); err != nil {
 		t.Fatal(err)
 	}
-	fleet, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: 48, Keys: 12, Protocol: proto, Target: tier.Addr()})
+	fleet, err := traffic.StartFleet(ctx, traffic.FleetConfig{Scenario: sc, Envoys: 48, Keys: 12, Protocol: proto, Target: tier.Addr()})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -13,8 +13,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/snapshot"
@@ -114,7 +114,7 @@ func TestWarmStartWhileUpstreamIsDown(t *testing.T) {
 
 	// A first relay syncs its Envoys and persists their keys.
 	r1 := startWarmRelay(t, etcd.Endpoints(), up.Addr(), "relay-1")
-	f1, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: 6, Keys: keys, Target: r1.r.Addr().String()})
+	f1, err := traffic.StartFleet(ctx, traffic.FleetConfig{Scenario: sc, Envoys: 6, Keys: keys, Target: r1.r.Addr().String()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -142,7 +142,7 @@ func TestWarmStartWhileUpstreamIsDown(t *testing.T) {
 	// Envoys coming back and to new ones, at once, marked stale.
 	rc := &received{names: map[string]int{}}
 	r2 := startWarmRelay(t, etcd.Endpoints(), up.Addr(), "relay-2")
-	f2, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: 9, Keys: keys, Target: r2.r.Addr().String(), OnEvent: rc.onEvent})
+	f2, err := traffic.StartFleet(ctx, traffic.FleetConfig{Scenario: sc, Envoys: 9, Keys: keys, Target: r2.r.Addr().String(), OnEvent: rc.onEvent})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -192,7 +192,7 @@ func TestWarmStartWhileUpstreamIsDown(t *testing.T) {
 // holdListenersAndRoutes reports whether every Envoy holds the listeners
 // and routes of its group (Synced checks clusters and endpoints, which come
 // first).
-func holdListenersAndRoutes(f *loadtest.Fleet, up *upstream.Upstream) bool {
+func holdListenersAndRoutes(f *traffic.Fleet, up *upstream.Upstream) bool {
 	groups := f.Groups()
 	for i, e := range f.Envoys() {
 		snap := up.Snapshot(groups[i])
@@ -212,7 +212,7 @@ func holdListenersAndRoutes(f *loadtest.Fleet, up *upstream.Upstream) bool {
 }
 
 // affected counts the fleet's Envoys in the groups a change reached.
-func affected(f *loadtest.Fleet, c upstream.Change) int {
+func affected(f *traffic.Fleet, c upstream.Change) int {
 	n := 0
 	for _, g := range f.Groups() {
 		if slices.Contains(c.Groups, g) {
@@ -253,14 +253,14 @@ func TestEtcdDownWhileEnvoysChurn(t *testing.T) {
 	endpoints := etcd.Endpoints()
 	up, sc := startUpstream(t, smallScenario())
 	r := startWarmRelay(t, endpoints, up.Addr(), "relay-1")
-	fleet := func(n int) *loadtest.Fleet {
-		f, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: n, Keys: 3, Target: r.r.Addr().String()})
+	fleet := func(n int) *traffic.Fleet {
+		f, err := traffic.StartFleet(ctx, traffic.FleetConfig{Scenario: sc, Envoys: n, Keys: 3, Target: r.r.Addr().String()})
 		if err != nil {
 			t.Fatal(err)
 		}
 		return f
 	}
-	synced := func(f *loadtest.Fleet) {
+	synced := func(f *traffic.Fleet) {
 		t.Helper()
 		wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		defer cancel()
@@ -310,7 +310,7 @@ func TestEtcdDownWhileEnvoysChurn(t *testing.T) {
 		t.Fatal(err)
 	}
 	r2 := startWarmRelay(t, endpoints, up.Addr(), "relay-2")
-	f3, err := loadtest.StartFleet(ctx, loadtest.FleetConfig{Scenario: sc, Envoys: 6, Keys: 3, Target: r2.r.Addr().String()})
+	f3, err := traffic.StartFleet(ctx, traffic.FleetConfig{Scenario: sc, Envoys: 6, Keys: 3, Target: r2.r.Addr().String()})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,3 +1,5 @@
+// Package shardtest holds the fakes of tests of the shard package and its
+// callers: a throwaway PKI for the admin listener.
 package shardtest
 
 import (

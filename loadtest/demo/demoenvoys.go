@@ -1,4 +1,4 @@
-package loadtest
+package demo
 
 import (
 	"context"
@@ -13,13 +13,17 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/cluster"
+	"github.com/meshrelay/meshrelay/loadtest/report"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
+
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/realenvoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 )
 
-// The demo's real Envoys (DemoConfig.RealEnvoys): each joins a key of the
+// The demo's real Envoys (Config.RealEnvoys): each joins a key of the
 // simulated fleet, with a listener of its own whose route, cluster and
 // endpoints come over xDS from the tier, and the demo sends a request
 // through each every interval to a backend it runs.
@@ -73,7 +77,7 @@ func startDemoEnvoys(ctx context.Context, bin string, n, sims, keys int, sc upst
 	}
 	_, route, _ := upstream.HTTPNames(demoService)
 	for j := range n {
-		node := keyNode(sc, j%keys, sims/keys+1+j/keys)
+		node := traffic.KeyNode(sc, j%keys, sims/keys+1+j/keys)
 		lis, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			d.stop()
@@ -147,7 +151,7 @@ func get(ctx context.Context, client *http.Client, addr string) string {
 	}
 	defer resp.Body.Close()
 	body, _ := io.ReadAll(io.LimitReader(resp.Body, 256))
-	return fmt.Sprintf("%d %s in %s", resp.StatusCode, strings.TrimSpace(string(body)), ms(time.Since(start)))
+	return fmt.Sprintf("%d %s in %s", resp.StatusCode, strings.TrimSpace(string(body)), report.MS(time.Since(start)))
 }
 
 // observe records each Envoy's status in rep: SYNCED when it ACKed its
@@ -181,7 +185,7 @@ func (d *demoEnvoys) observe(rep *ledger.Report) {
 
 // print writes a line per Envoy: its relay and key (as the tier lists its
 // streams), its status, its latest request.
-func (d *demoEnvoys) print(out io.Writer, tier *Tier) {
+func (d *demoEnvoys) print(out io.Writer, tier *cluster.Tier) {
 	type where struct{ relay, key string }
 	at := make(map[string]where, len(d.envoys))
 	for _, tr := range tier.Running() {
@@ -214,7 +218,7 @@ func (d *demoEnvoys) waitReady(bound time.Duration) {
 
 // final writes each Envoy's line once more, from the tier's ledger asked
 // now and a request sent now.
-func (d *demoEnvoys) final(out io.Writer, tier *Tier) {
+func (d *demoEnvoys) final(out io.Writer, tier *cluster.Tier) {
 	if running := tier.Running(); len(running) > 0 {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		d.observe(running[0].Node.Relay().TierLedger(ctx, ledger.Scope{}, ledger.Brief).Report)

@@ -1,12 +1,12 @@
-package loadtest
+package traffic
 
 import (
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/report"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 )
 
@@ -63,7 +63,8 @@ func NewTracker() *Tracker {
 	return &Tracker{groups: map[string][]int{}, pending: map[string][]*tracked{}, known: map[trackKey]*tracked{}, early: map[string][]earlyACK{}, limit: maxSamples}
 }
 
-func (t *Tracker) addEnvoy(idx int, group string) {
+// AddEnvoy registers Envoy idx of group, before its first event.
+func (t *Tracker) AddEnvoy(idx int, group string) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.groups[group] = append(t.groups[group], idx)
@@ -186,8 +187,8 @@ func (t *Tracker) Forget(cutoff time.Time) {
 	t.active.Store(int32(len(t.pending)))
 }
 
-// observe records an Envoy's event.
-func (t *Tracker) observe(idx int, ev envoy.Event) {
+// Observe records an Envoy's event.
+func (t *Tracker) Observe(idx int, ev envoy.Event) {
 	if (ev.Kind != envoy.ACKed && ev.Kind != envoy.Declared) || t.active.Load() == 0 {
 		return
 	}
@@ -238,34 +239,13 @@ func appendBounded(s []time.Duration, d time.Duration, limit int) []time.Duratio
 	return append(s, d)
 }
 
-// Latency summarises durations.
-type Latency struct {
-	N                  int
-	P50, P95, P99, Max time.Duration
-}
-
-// summarize sorts a copy of d and returns its percentiles by nearest rank:
-// the P-th percentile of n samples is the ceil(P·n/100)-th smallest, the
-// smallest sample with at least P % of the samples at or below it (P99 of
-// 100 samples is the 99th, not the largest).
-func summarize(d []time.Duration) Latency {
-	if len(d) == 0 {
-		return Latency{}
-	}
-	s := slices.Clone(d)
-	slices.Sort(s)
-	n := len(s)
-	q := func(pct int) time.Duration { return s[max(1, (pct*n+99)/100)-1] }
-	return Latency{N: n, P50: q(50), P95: q(95), P99: q(99), Max: s[n-1]}
-}
-
 // Results returns the per-Envoy ACK latencies (each Envoy's ACK of each
 // change), the per-change completion latencies (until the last Envoy
 // ACKed), and how many changes were given up on.
-func (t *Tracker) Results() (perEnvoy, complete Latency, timedOut int) {
+func (t *Tracker) Results() (perEnvoy, complete report.Latency, timedOut int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	return summarize(t.perEnvoy), summarize(t.complete), t.timedOut
+	return report.Summarize(t.perEnvoy), report.Summarize(t.complete), t.timedOut
 }
 
 // Reset drops the recorded latencies and counts (not the pending

@@ -1,4 +1,4 @@
-package loadtest
+package demo
 
 import (
 	"bytes"
@@ -11,38 +11,31 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
+	"github.com/meshrelay/meshrelay/loadtest/realenvoy/install"
 
-	"github.com/meshrelay/meshrelay/loadtest/realenvoy"
+	"go.uber.org/goleak"
 )
 
-func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m,
-		// grpc-go's xds:/// resolver, as NewXDSResolverWithConfigForTesting
-		// builds it (TestXDSClientOverTLSThroughTier), owns an xDS client
-		// pool that nothing can close, and the pool's TLS channel
-		// credentials watch their files until it is: grpc-go's, not ours.
-		goleak.IgnoreTopFunction("google.golang.org/grpc/credentials/tls/certprovider/pemfile.(*watcher).run"))
-}
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // TestDemo runs the demo briefly, with a relay crashing and coming back on
 // schedule and a command typed in, and checks that the tier converged with
 // no protocol violation and one upstream stream per key.
 func TestDemo(t *testing.T) {
-	cfg := DefaultDemoConfig()
+	cfg := DefaultConfig()
 	cfg.Envoys, cfg.Keys = 40, 8
 	// The schedule ends at 4 s; the rest is slack for a loaded machine (a
 	// crash and a warm start each took seconds in full race runs on 2
 	// cores, and an event not played before the end fails the test).
 	cfg.Duration = 12 * time.Second
-	cfg.Schedule = []DemoEvent{{At: 2 * time.Second, Action: "kill", Relay: 1}, {At: 4 * time.Second, Action: "start", Relay: 1}}
+	cfg.Schedule = []Event{{At: 2 * time.Second, Action: "kill", Relay: 1}, {At: 4 * time.Second, Action: "start", Relay: 1}}
 	cfg.Input = strings.NewReader("stop 7\nadd\nfly away\n")
 	if os.Getenv("MESHRELAY_TEST_LOG") != "" {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	}
 	var out bytes.Buffer
-	if err := RunDemo(context.Background(), cfg, &out); err != nil {
-		t.Fatalf("RunDemo: %v\n%s", err, out.String())
+	if err := Run(context.Background(), cfg, &out); err != nil {
+		t.Fatalf("Run: %v\n%s", err, out.String())
 	}
 	t.Log(out.String())
 	for _, want := range []string{
@@ -59,7 +52,7 @@ func TestDemo(t *testing.T) {
 
 func TestParseSchedule(t *testing.T) {
 	got, err := ParseSchedule("13s:start:1, 8s:kill:relay-1,16s:add")
-	want := []DemoEvent{{8 * time.Second, "kill", 1}, {13 * time.Second, "start", 1}, {16 * time.Second, "add", 0}}
+	want := []Event{{8 * time.Second, "kill", 1}, {13 * time.Second, "start", 1}, {16 * time.Second, "add", 0}}
 	if err != nil || !slices.Equal(got, want) {
 		t.Fatalf("ParseSchedule = %v, %v; want %v", got, err, want)
 	}
@@ -78,13 +71,13 @@ func TestParseSchedule(t *testing.T) {
 // current) showing each on a relay and a key, SYNCED, and answering a
 // request sent through its own listener.
 func TestDemoRealEnvoys(t *testing.T) {
-	cfg := DefaultDemoConfig()
-	cfg.EnvoyBinary = realenvoy.Binary(t)
+	cfg := DefaultConfig()
+	cfg.EnvoyBinary = install.EnvoyBinary(t)
 	cfg.Envoys, cfg.Keys, cfg.RealEnvoys = 20, 4, 2
 	cfg.Duration, cfg.Schedule, cfg.ChurnRate = 6*time.Second, nil, 0
 	var out bytes.Buffer
-	if err := RunDemo(context.Background(), cfg, &out); err != nil {
-		t.Fatalf("RunDemo: %v\n%s", err, out.String())
+	if err := Run(context.Background(), cfg, &out); err != nil {
+		t.Fatalf("Run: %v\n%s", err, out.String())
 	}
 	t.Log(out.String())
 	_, end, found := strings.Cut(out.String(), "real Envoys at the end:")

@@ -1,4 +1,4 @@
-package loadtest
+package cluster
 
 import (
 	"context"
@@ -11,13 +11,14 @@ import (
 	"sync"
 	"time"
 
+	"github.com/meshrelay/meshrelay/shard/memnet"
+
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/snapshot"
 	"github.com/meshrelay/meshrelay/shard"
-	"github.com/meshrelay/meshrelay/shard/shardtest"
 )
 
 // TierConfig describes an in-process sharded tier: relays gossiping over an
@@ -70,8 +71,8 @@ type TierSecurity struct {
 // use. Stop it when done.
 type Tier struct {
 	cfg TierConfig
-	nw  *shardtest.Network
-	svc *shardtest.Service
+	nw  *memnet.Network
+	svc *Service
 
 	mu     sync.Mutex
 	slots  []*TierRelay // by index; a stopped relay's slot keeps its place
@@ -112,8 +113,8 @@ func StartTier(ctx context.Context, cfg TierConfig) (*Tier, error) {
 	if cfg.Relays < 1 || cfg.Upstream == "" {
 		return nil, errors.New("loadtest: a tier needs at least one relay and an upstream")
 	}
-	t := &Tier{cfg: cfg, nw: shardtest.NewNetwork()}
-	svc, err := shardtest.NewService(t.readyAddrs)
+	t := &Tier{cfg: cfg, nw: memnet.NewNetwork()}
+	svc, err := NewService(t.readyAddrs)
 	if err != nil {
 		return nil, err
 	}
@@ -180,6 +181,31 @@ func (t *Tier) Relay(i int) *TierRelay {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.slots[i]
+}
+
+// Relays returns a copy of every slot, running or not, by index.
+func (t *Tier) Relays() []TierRelay {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make([]TierRelay, len(t.slots))
+	for i, r := range t.slots {
+		out[i] = *r
+	}
+	return out
+}
+
+// Slots returns the number of relay slots, running or not.
+func (t *Tier) Slots() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.slots)
+}
+
+// IsRunning reports whether r (an incarnation Relay returned) still runs.
+func (t *Tier) IsRunning(r *TierRelay) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return r.Running
 }
 
 // Add starts one more relay, joining the running ones, and returns its

@@ -1,4 +1,4 @@
-package loadtest
+package demo
 
 import (
 	"bufio"
@@ -15,6 +15,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/cluster"
+	"github.com/meshrelay/meshrelay/loadtest/report"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
+
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
 
 	"github.com/meshrelay/meshrelay/ledger"
@@ -24,8 +28,8 @@ import (
 	"github.com/meshrelay/meshrelay/relay/snapshot"
 )
 
-// DemoConfig configures RunDemo: a whole tier in one process.
-type DemoConfig struct {
+// Config configures Run: a whole tier in one process.
+type Config struct {
 	Scenario         upstream.Scenario
 	Envoys           int
 	Keys             int
@@ -34,9 +38,9 @@ type DemoConfig struct {
 	// Relays is the number of relays started. Default 3.
 	Relays int
 	// Schedule lists tier events to play (see ParseSchedule).
-	Schedule []DemoEvent
+	Schedule []Event
 	// Input, if set, is read for commands while the demo runs, one a line:
-	// "kill N", "stop N", "start N", "add" (see ParseDemoCommand).
+	// "kill N", "stop N", "start N", "add" (see ParseCommand).
 	Input io.Reader
 	// ChurnRate is upstream changes per second (endpoint moves, and now and
 	// then a service added or removed). 0: no churn.
@@ -59,34 +63,34 @@ type DemoConfig struct {
 	EnvoyBinary string
 }
 
-// DemoEvent is one change to the tier: At after the start, Action (kill,
+// Event is one change to the tier: At after the start, Action (kill,
 // stop, start or add) on relay Relay.
-type DemoEvent struct {
+type Event struct {
 	At     time.Duration
 	Action string
 	Relay  int
 }
 
-func (e DemoEvent) String() string {
+func (e Event) String() string {
 	if e.Action == "add" {
 		return "add a relay"
 	}
 	return fmt.Sprintf("%s relay-%d", e.Action, e.Relay)
 }
 
-// DefaultDemoConfig is what `meshrelay demo` runs with no flags: three
+// DefaultConfig is what `meshrelay demo` runs with no flags: three
 // relays, one of which crashes at 8 s and comes back at 13 s.
-func DefaultDemoConfig() DemoConfig {
+func DefaultConfig() Config {
 	sc := upstream.DefaultScenario()
 	sc.Services, sc.Endpoints, sc.Namespaces, sc.LocalFraction = 200, 400, 5, 0.2
-	return DemoConfig{
+	return Config{
 		Scenario:         sc,
 		Envoys:           200,
 		Keys:             20,
 		Protocol:         envoy.Delta,
 		UpstreamProtocol: relay.ProtocolDelta,
 		Relays:           3,
-		Schedule:         []DemoEvent{{At: 8 * time.Second, Action: "kill", Relay: 1}, {At: 13 * time.Second, Action: "start", Relay: 1}},
+		Schedule:         []Event{{At: 8 * time.Second, Action: "kill", Relay: 1}, {At: 13 * time.Second, Action: "start", Relay: 1}},
 		ChurnRate:        5,
 		Duration:         20 * time.Second,
 		Interval:         time.Second,
@@ -97,8 +101,8 @@ func DefaultDemoConfig() DemoConfig {
 // "8s:kill:1,13s:start:1,16s:add". Actions: kill (crash: no leave, no
 // drain), stop (graceful: leave the ring, drain), start (a new incarnation
 // of a stopped relay), add (one more relay). An empty string is no event.
-func ParseSchedule(s string) ([]DemoEvent, error) {
-	var out []DemoEvent
+func ParseSchedule(s string) ([]Event, error) {
+	var out []Event
 	for _, item := range strings.Split(s, ",") {
 		item = strings.TrimSpace(item)
 		if item == "" {
@@ -109,31 +113,31 @@ func ParseSchedule(s string) ([]DemoEvent, error) {
 		if !ok || err != nil || d < 0 {
 			return nil, fmt.Errorf("loadtest: schedule %q: want AT:ACTION[:RELAY] with AT a duration like 8s", item)
 		}
-		e, err := ParseDemoCommand(strings.ReplaceAll(rest, ":", " "))
+		e, err := ParseCommand(strings.ReplaceAll(rest, ":", " "))
 		if err != nil {
 			return nil, fmt.Errorf("loadtest: schedule %q: %w", item, err)
 		}
 		e.At = d
 		out = append(out, e)
 	}
-	slices.SortStableFunc(out, func(a, b DemoEvent) int { return int(a.At - b.At) })
+	slices.SortStableFunc(out, func(a, b Event) int { return int(a.At - b.At) })
 	return out, nil
 }
 
-// ParseDemoCommand parses "kill N", "stop N", "start N" or "add".
-func ParseDemoCommand(s string) (DemoEvent, error) {
+// ParseCommand parses "kill N", "stop N", "start N" or "add".
+func ParseCommand(s string) (Event, error) {
 	f := strings.Fields(s)
 	switch {
 	case len(f) == 1 && f[0] == "add":
-		return DemoEvent{Action: "add"}, nil
+		return Event{Action: "add"}, nil
 	case len(f) == 2 && (f[0] == "kill" || f[0] == "stop" || f[0] == "start"):
 		n, err := strconv.Atoi(strings.TrimPrefix(f[1], "relay-"))
 		if err != nil || n < 0 || n > 1000 {
-			return DemoEvent{}, fmt.Errorf("relay %q: want a relay number", f[1])
+			return Event{}, fmt.Errorf("relay %q: want a relay number", f[1])
 		}
-		return DemoEvent{Action: f[0], Relay: n}, nil
+		return Event{Action: f[0], Relay: n}, nil
 	}
-	return DemoEvent{}, fmt.Errorf("command %q: want kill N, stop N, start N or add", s)
+	return Event{}, fmt.Errorf("command %q: want kill N, stop N, start N or add", s)
 }
 
 // warmWatch follows a relay the demo just started until it is ready:
@@ -159,24 +163,18 @@ const (
 
 // watchWarm returns a warmWatch of slot i of t, just started (nil if the
 // tier has no etcd or the slot does not run).
-func watchWarm(t *Tier, i int, etcd bool) *warmWatch {
+func watchWarm(t *cluster.Tier, i int, etcd bool) *warmWatch {
 	if !etcd {
 		return nil
 	}
-	t.mu.Lock()
-	r := t.slots[i]
-	t.mu.Unlock()
+	r := t.Relay(i)
 	if r.Node == nil {
 		return nil
 	}
 	rel := r.Node.Relay()
 	return &warmWatch{
 		relay: r.ID, started: time.Now(), ready: rel.Ready,
-		gone: func() bool {
-			t.mu.Lock()
-			defer t.mu.Unlock()
-			return !r.Running
-		},
+		gone:     func() bool { return !t.IsRunning(r) },
 		restored: func() int { return rel.Stats().RestoredKeys },
 	}
 }
@@ -196,19 +194,17 @@ func (w *warmWatch) note(now time.Time, final bool) (note string, done bool) {
 	return "", false
 }
 
-// apply carries out e on the tier.
-func (t *Tier) apply(ctx context.Context, e DemoEvent) error {
+// apply carries out e on the tier t.
+func apply(ctx context.Context, t *cluster.Tier, e Event) error {
 	if e.Action == "add" {
 		_, err := t.Add(ctx)
 		return err
 	}
-	t.mu.Lock()
-	n := len(t.slots)
-	t.mu.Unlock()
+	n := t.Slots()
 	if e.Relay >= n {
 		return fmt.Errorf("no relay-%d (the tier has relay-0 to relay-%d)", e.Relay, n-1)
 	}
-	running := t.Relay(e.Relay).Running
+	running := t.IsRunning(t.Relay(e.Relay))
 	switch e.Action {
 	case "kill", "stop":
 		if !running {
@@ -224,12 +220,12 @@ func (t *Tier) apply(ctx context.Context, e DemoEvent) error {
 	return fmt.Errorf("unknown action %q", e.Action)
 }
 
-// RunDemo starts a synthetic upstream, a tier of relays in front of it
+// Run starts a synthetic upstream, a tier of relays in front of it
 // (behind a Service-like proxy) and a fleet of simulated Envoys, churns the
 // upstream, plays the schedule and the commands read from Input, and prints
 // a live table of the tier's convergence and ring to out until Duration
 // passes or ctx ends.
-func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
+func Run(ctx context.Context, cfg Config, out io.Writer) error {
 	if cfg.Interval <= 0 {
 		cfg.Interval = time.Second
 	}
@@ -246,7 +242,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 	var backend *http.Server
 	if cfg.RealEnvoys > 0 {
 		if cfg.EnvoyBinary == "" {
-			return errors.New("loadtest: real Envoys need DemoConfig.EnvoyBinary")
+			return errors.New("loadtest: real Envoys need Config.EnvoyBinary")
 		}
 		var err error
 		if backend, err = addDemoService(&cfg.Scenario); err != nil {
@@ -254,7 +250,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 		}
 		defer backend.Close()
 	}
-	tracker := NewTracker()
+	tracker := traffic.NewTracker()
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario = cfg.Scenario
 	ucfg.OnPublish = func(c upstream.Change) { tracker.Track(c) }
@@ -281,7 +277,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 		defer etcd.Close()
 		etcdEndpoints = etcd.Endpoints()
 	}
-	tier, err := StartTier(stopCtx, TierConfig{
+	tier, err := cluster.StartTier(stopCtx, cluster.TierConfig{
 		Relays: cfg.Relays, Upstream: up.Addr(), UpstreamProtocol: cfg.UpstreamProtocol, Logger: cfg.Logger,
 		Etcd: etcdEndpoints,
 	})
@@ -324,7 +320,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 	start := time.Now()
 	// The Envoys live until the deferred Stop, so the last row still shows
 	// them connected.
-	fleet, err := StartFleet(stopCtx, FleetConfig{
+	fleet, err := traffic.StartFleet(stopCtx, traffic.FleetConfig{
 		Scenario: sc, Envoys: cfg.Envoys, Keys: cfg.Keys, Protocol: cfg.Protocol,
 		Target: tier.Addr(), Tracker: tracker,
 	})
@@ -403,14 +399,12 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 	// restored, once it is ready (the count is final then). A relay not
 	// ready within warmInline gets a line of its own when it is.
 	var warming []*warmWatch
-	play := func(e DemoEvent, source string) {
+	play := func(e Event, source string) {
 		slot := e.Relay
 		if e.Action == "add" {
-			tier.mu.Lock()
-			slot = len(tier.slots)
-			tier.mu.Unlock()
+			slot = tier.Slots()
 		}
-		if err := tier.apply(stopCtx, e); err != nil {
+		if err := apply(stopCtx, tier, e); err != nil {
 			fmt.Fprintf(out, "%6s  %s: %s: %v\n", time.Since(start).Round(time.Second), source, e, err)
 			return
 		}
@@ -449,9 +443,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 	printHeader := func() {
 		fmt.Fprintf(out, "%6s %9s %7s %7s %4s %8s %11s %11s %8s %5s", "time", "envoys", "synced", "ledger", "ring", "upstream",
 			"change→all50", "change→all99", "sent MB", "viol")
-		tier.mu.Lock()
-		n := len(tier.slots)
-		tier.mu.Unlock()
+		n := tier.Slots()
 		for i := range n {
 			fmt.Fprintf(out, " %13s", fmt.Sprintf("relay-%d", i))
 		}
@@ -492,9 +484,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 		}
 	}()
 	print := func() {
-		tier.mu.Lock()
-		slots := slices.Clone(tier.slots)
-		tier.mu.Unlock()
+		slots := tier.Relays()
 		if len(slots) != shownRelays {
 			printHeader()
 			shownRelays = len(slots)
@@ -519,7 +509,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 		share, _ := ledgerShare.Load().(string)
 		fmt.Fprintf(out, "%6s %9s %7d %7s %4d %8d %11s %11s %8.1f %5d",
 			time.Since(start).Round(time.Second), fmt.Sprintf("%d/%d", fleet.Connected(), cfg.Envoys),
-			fleet.Synced(up), share, ring, up.Stats().OpenStreams, ms(complete.P50), ms(complete.P99),
+			fleet.Synced(up), share, ring, up.Stats().OpenStreams, report.MS(complete.P50), report.MS(complete.P99),
 			float64(sent)/1e6, len(fleet.Violations()))
 		for _, c := range cols {
 			fmt.Fprintf(out, " %13s", c)
@@ -533,7 +523,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 		if strings.TrimSpace(line) == "" {
 			return
 		}
-		e, err := ParseDemoCommand(line)
+		e, err := ParseCommand(line)
 		if err != nil {
 			fmt.Fprintf(out, "        %v\n", err)
 			return
@@ -584,12 +574,12 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 			perEnvoy, complete, _ := tracker.Results()
 			fmt.Fprintln(out)
 			if d := time.Duration(firstSync.Load()); d > 0 {
-				fmt.Fprintf(out, "initial sync: every Envoy held its first config %s after the start; the churn began then\n", ms(d))
+				fmt.Fprintf(out, "initial sync: every Envoy held its first config %s after the start; the churn began then\n", report.MS(d))
 			} else {
 				fmt.Fprintf(out, "initial sync: not every Envoy held its first config by the end; no churn\n")
 			}
 			fmt.Fprintf(out, "%d changes reached all their Envoys: P50 %s, P99 %s, max %s (per Envoy ACK P99 %s)\n",
-				complete.N, ms(complete.P50), ms(complete.P99), ms(complete.Max), ms(perEnvoy.P99))
+				complete.N, report.MS(complete.P50), report.MS(complete.P99), report.MS(complete.Max), report.MS(perEnvoy.P99))
 			// The tier may still be settling from the last event: wait for
 			// it a bounded while (a slow machine takes longer).
 			settle := time.Now()
@@ -623,20 +613,10 @@ func RunDemo(ctx context.Context, cfg DemoConfig, out io.Writer) error {
 	}
 }
 
-func ms(d time.Duration) string {
-	if d == 0 {
-		return "-"
-	}
-	if d < time.Millisecond {
-		return fmt.Sprintf("%.2fms", float64(d)/float64(time.Millisecond))
-	}
-	return d.Round(100 * time.Microsecond).String()
-}
-
 // demoLedgerWait asks one relay whether the last change reached every
 // Envoy of the tier, as an operator would: a wait on the ledger for the
 // whole tier, bounded at 10 s.
-func demoLedgerWait(out io.Writer, tier *Tier) {
+func demoLedgerWait(out io.Writer, tier *cluster.Tier) {
 	running := tier.Running()
 	if len(running) == 0 {
 		return

@@ -1,4 +1,4 @@
-package shardtest
+package cluster
 
 import (
 	"errors"

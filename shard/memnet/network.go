@@ -1,8 +1,9 @@
-// Package shardtest provides an in-memory network for tests of a sharded
-// tier: a memberlist transport whose relays can be partitioned from one
-// another and healed, and a dialer that cuts their relay-to-relay gRPC
-// traffic along the same lines.
-package shardtest
+// Package memnet is an in-memory network for a tier of relays in one
+// process (the demo, the in-process cluster, the tests): a memberlist
+// transport whose relays can be partitioned from one another and healed,
+// and a dialer that cuts their relay-to-relay gRPC traffic along the same
+// lines. Only the network is fake: memberlist runs as it does in production.
+package memnet
 
 import (
 	"context"

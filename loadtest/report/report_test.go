@@ -1,9 +1,13 @@
-package loadtest
+package report
 
 import (
 	"testing"
 	"time"
+
+	"go.uber.org/goleak"
 )
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // TestSummarize checks the percentiles by nearest rank: the P-th of n
 // sorted samples is the ceil(P·n/100)-th, so P99 of 1 … 100 ms is 99 ms
@@ -29,8 +33,8 @@ func TestSummarize(t *testing.T) {
 		{"1000", ms(1000), Latency{N: 1000, P50: 500 * time.Millisecond, P95: 950 * time.Millisecond, P99: 990 * time.Millisecond, Max: 1000 * time.Millisecond}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := summarize(tc.in); got != tc.want {
-				t.Errorf("summarize(%s) = %+v, want %+v", tc.name, got, tc.want)
+			if got := Summarize(tc.in); got != tc.want {
+				t.Errorf("Summarize(%s) = %+v, want %+v", tc.name, got, tc.want)
 			}
 		})
 	}

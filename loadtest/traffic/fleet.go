@@ -4,7 +4,7 @@
 // long a change takes to be ACKed by every Envoy that must get it, bytes,
 // streams, CPU and memory. The demo and the benchmarks (cmd/loadtest) are
 // built from these parts.
-package loadtest
+package traffic
 
 import (
 	"context"
@@ -88,7 +88,9 @@ type Fleet struct {
 // keyNode returns pod pod of aggregation key key, as every fleet of the
 // load tests spreads Envoys over keys: key k is workload k/Namespaces of
 // namespace k%Namespaces (one key per workload under the istio profile).
-func keyNode(sc upstream.Scenario, key, pod int) *core.Node {
+// KeyNode is the node of pod pod of aggregation key key in sc: keys
+// spread over the namespaces, then over workloads.
+func KeyNode(sc upstream.Scenario, key, pod int) *core.Node {
 	return sc.Node(key%sc.Namespaces, key/sc.Namespaces, pod)
 }
 
@@ -153,7 +155,7 @@ func StartFleet(ctx context.Context, cfg FleetConfig) (*Fleet, error) {
 			f.conns = append(f.conns, c)
 		}
 		used[t]++
-		node := keyNode(cfg.Scenario, i%cfg.Keys, i/cfg.Keys)
+		node := KeyNode(cfg.Scenario, i%cfg.Keys, i/cfg.Keys)
 		ec := envoy.DefaultConfig()
 		ec.Node = node
 		ec.Protocol = cfg.Protocol
@@ -170,7 +172,7 @@ func StartFleet(ctx context.Context, cfg FleetConfig) (*Fleet, error) {
 				f.bytes.Add(uint64(ev.Bytes))
 			}
 			if cfg.Tracker != nil {
-				cfg.Tracker.observe(idx, ev)
+				cfg.Tracker.Observe(idx, ev)
 			}
 			if cfg.OnEvent != nil {
 				cfg.OnEvent(idx, ev)
@@ -191,7 +193,7 @@ func StartFleet(ctx context.Context, cfg FleetConfig) (*Fleet, error) {
 		f.envoys = append(f.envoys, e)
 		f.groups = append(f.groups, cfg.Scenario.Group(node))
 		if cfg.Tracker != nil {
-			cfg.Tracker.addEnvoy(idx, f.groups[idx])
+			cfg.Tracker.AddEnvoy(idx, f.groups[idx])
 		}
 		if pace != nil {
 			select {
@@ -290,8 +292,8 @@ type FleetFigures struct {
 	Tokens int `json:"tokens,omitempty"`
 }
 
-// maxViolationSamples bounds FleetFigures.ViolationSamples.
-const maxViolationSamples = 5
+// MaxViolationSamples bounds FleetFigures.ViolationSamples.
+const MaxViolationSamples = 5
 
 // Figures returns the fleet's counters now, with at most samples
 // violations spelt out.
@@ -344,7 +346,7 @@ func (f *Fleet) Synced(up *upstream.Upstream) int {
 		g := f.groups[i]
 		w, ok := want[g]
 		if !ok {
-			w = expected(up.Snapshot(g))
+			w = Expected(up.Snapshot(g))
 			want[g] = w
 		}
 		if holds(e, w) {
@@ -363,7 +365,7 @@ func (f *Fleet) WaitSynced(ctx context.Context, up *upstream.Upstream) error {
 	defer t.Stop()
 	want := map[string]map[string]uint64{}
 	for _, g := range up.Groups() {
-		want[g] = expected(up.Snapshot(g))
+		want[g] = Expected(up.Snapshot(g))
 	}
 	synced := make([]bool, len(f.envoys))
 	n := 0
@@ -385,9 +387,9 @@ func (f *Fleet) WaitSynced(ctx context.Context, up *upstream.Upstream) error {
 	}
 }
 
-// expected maps "type|name" to generation for CDS and EDS of a snapshot.
-func expected(snap map[string]map[string]proto.Message) map[string]uint64 {
-	return generations(snap, envoy.ClusterType, envoy.EndpointType)
+// Expected maps "type|name" to generation for CDS and EDS of a snapshot.
+func Expected(snap map[string]map[string]proto.Message) map[string]uint64 {
+	return Generations(snap, envoy.ClusterType, envoy.EndpointType)
 }
 
 func holds(e *envoy.Envoy, want map[string]uint64) bool {
