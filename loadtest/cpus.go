@@ -2,11 +2,12 @@ package loadtest
 
 import (
 	"errors"
-	"flag"
 	"fmt"
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/spf13/pflag"
 )
 
 // CPUSet is a set of CPU numbers, written as taskset and the kernel's
@@ -104,10 +105,10 @@ func (s CPUSet) within(allowed CPUSet) error {
 	return nil
 }
 
-// CPUSetFlag is a flag.Value for a CPU list (--relay-cpus 0).
+// CPUSetFlag is a pflag.Value for a CPU list (--relay-cpus 0).
 type CPUSetFlag struct{ CPUs *CPUSet }
 
-var _ flag.Value = CPUSetFlag{}
+var _ pflag.Value = CPUSetFlag{}
 
 func (f CPUSetFlag) String() string {
 	if f.CPUs == nil {
@@ -116,7 +117,7 @@ func (f CPUSetFlag) String() string {
 	return f.CPUs.String()
 }
 
-// Set implements flag.Value.
+// Set implements pflag.Value.
 func (f CPUSetFlag) Set(s string) error {
 	c, err := ParseCPUSet(s)
 	if err == nil {
@@ -124,6 +125,9 @@ func (f CPUSetFlag) Set(s string) error {
 	}
 	return err
 }
+
+// Type implements pflag.Value.
+func (CPUSetFlag) Type() string { return "cpus" }
 
 // errNoAffinity is what the CPU functions return where the kernel offers
 // no affinity (anything but Linux).

@@ -5,7 +5,6 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
-	"flag"
 	"fmt"
 	"net"
 	"os"
@@ -15,6 +14,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/spf13/pflag"
 
 	"github.com/meshrelay/meshrelay/loadtest/report"
 	"github.com/meshrelay/meshrelay/loadtest/traffic"
@@ -67,11 +68,18 @@ func ParseTLSMode(s string) (TLSMode, error) {
 	return "", fmt.Errorf("loadtest: unknown TLS mode %q (want off, on or compare)", s)
 }
 
-// TLSModeFlag is a flag.Value for --tls: bare "--tls" means on,
-// "--tls=compare" compare.
+// TLSModeFlag is a pflag.Value for --tls; register it with TLSModeVar so
+// that a bare "--tls" means on.
 type TLSModeFlag struct{ Mode *TLSMode }
 
-var _ flag.Value = TLSModeFlag{}
+// TLSModeVar defines the flag name on fs, stored in m: bare "--name"
+// means on, "--name=compare" compare.
+func TLSModeVar(fs *pflag.FlagSet, m *TLSMode, name, usage string) {
+	fs.Var(TLSModeFlag{Mode: m}, name, usage)
+	fs.Lookup(name).NoOptDefVal = string(TLSOn)
+}
+
+var _ pflag.Value = TLSModeFlag{}
 
 func (f TLSModeFlag) String() string {
 	if f.Mode == nil || *f.Mode == "" {
@@ -80,7 +88,7 @@ func (f TLSModeFlag) String() string {
 	return string(*f.Mode)
 }
 
-// Set implements flag.Value.
+// Set implements pflag.Value.
 func (f TLSModeFlag) Set(s string) error {
 	m, err := ParseTLSMode(s)
 	if err == nil {
@@ -89,8 +97,8 @@ func (f TLSModeFlag) Set(s string) error {
 	return err
 }
 
-// IsBoolFlag lets "--tls" stand alone.
-func (TLSModeFlag) IsBoolFlag() bool { return true }
+// Type implements pflag.Value.
+func (TLSModeFlag) Type() string { return "mode" }
 
 // Verifier names how a relay verifies the service-account tokens on its
 // TLS port.

@@ -2,11 +2,12 @@ package loadtest
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"io"
 	"testing"
 	"time"
+
+	"github.com/spf13/pflag"
 
 	"github.com/meshrelay/meshrelay/loadtest/traffic"
 
@@ -169,9 +170,9 @@ func TestTLSModeFlag(t *testing.T) {
 		{[]string{"--tls=sometimes"}, "", true},
 	} {
 		mode := TLSOff
-		fs := flag.NewFlagSet("t", flag.ContinueOnError)
+		fs := pflag.NewFlagSet("t", pflag.ContinueOnError)
 		fs.SetOutput(io.Discard)
-		fs.Var(TLSModeFlag{Mode: &mode}, "tls", "")
+		TLSModeVar(fs, &mode, "tls", "")
 		err := fs.Parse(tt.args)
 		if (err != nil) != tt.err || !tt.err && mode != tt.want {
 			t.Errorf("Parse(%q): mode %q, error %v, want %q, error %v", tt.args, mode, err, tt.want, tt.err)

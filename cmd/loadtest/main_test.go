@@ -3,9 +3,10 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"strings"
 	"testing"
+
+	"github.com/spf13/pflag"
 
 	"go.uber.org/goleak"
 
@@ -48,8 +49,8 @@ func TestDocumentedFlags(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := tc.run(context.Background(), append(tc.args, "--help"))
-			if !errors.Is(err, flag.ErrHelp) {
-				t.Errorf("%s %q --help = %v, want flag.ErrHelp", tc.name, tc.args, err)
+			if !errors.Is(err, pflag.ErrHelp) {
+				t.Errorf("%s %q --help = %v, want pflag.ErrHelp", tc.name, tc.args, err)
 			}
 		})
 	}

@@ -3,9 +3,10 @@ package main
 import (
 	"crypto/tls"
 	"errors"
-	"flag"
 	"fmt"
 	"strings"
+
+	"github.com/spf13/pflag"
 
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/auth"
@@ -20,7 +21,7 @@ type adminFlags struct {
 	allowMutations              bool
 }
 
-func (a *adminFlags) register(fs *flag.FlagSet) {
+func (a *adminFlags) register(fs *pflag.FlagSet) {
 	fs.StringVar(&a.certFile, "admin-tls-cert", "", "PEM certificate the admin listener serves TLS with (with --admin-tls-key); default: cleartext")
 	fs.StringVar(&a.keyFile, "admin-tls-key", "", "PEM key of --admin-tls-cert")
 	fs.StringVar(&a.clientCA, "admin-client-ca", "", "PEM CAs whose client certificates the admin listener requires (mTLS; with --admin-identities: verifies when given, so a caller may prove itself with a token instead); needs --admin-tls-cert")

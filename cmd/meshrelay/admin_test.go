@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"crypto/tls"
-	"flag"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -11,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/spf13/pflag"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -116,7 +117,7 @@ func TestAdminIdentitiesServe(t *testing.T) {
 	xdsCert, xdsKey := mesh.Serving(t).Write(t, "")
 	adminCert, adminKey := mesh.Serving(t).Write(t, "")
 	cfg := relay.DefaultConfig()
-	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs := pflag.NewFlagSet("serve", pflag.ContinueOnError)
 	var admin adminFlags
 	admin.register(fs)
 	var x xdsTLSFlags

@@ -7,11 +7,12 @@ import (
 	"crypto/x509"
 	"encoding/hex"
 	"errors"
-	"flag"
 	"fmt"
 	"log/slog"
 	"os"
 	"strings"
+
+	"github.com/spf13/pflag"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -33,7 +34,7 @@ type etcdFlags struct {
 	sealKeyFile  string
 }
 
-func (f *etcdFlags) register(fs *flag.FlagSet) {
+func (f *etcdFlags) register(fs *pflag.FlagSet) {
 	fs.StringVar(&f.mode, "etcd", "", `snapshot persistence: "" (none: the relay starts cold), "embedded" (an in-process etcd, for one machine), or "external" (--etcd-endpoints)`)
 	fs.StringVar(&f.endpoints, "etcd-endpoints", "", "comma-separated etcd client URLs (implies --etcd external)")
 	fs.StringVar(&f.dataDir, "etcd-data-dir", "meshrelay.etcd", "data directory of the embedded etcd")

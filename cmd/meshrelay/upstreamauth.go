@@ -4,10 +4,11 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
-	"flag"
 	"fmt"
 	"net"
 	"strings"
+
+	"github.com/spf13/pflag"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -33,7 +34,7 @@ const (
 	upstreamRelayIdentity = "relay-identity"
 )
 
-func (u *upstreamAuthFlags) register(fs *flag.FlagSet) {
+func (u *upstreamAuthFlags) register(fs *pflag.FlagSet) {
 	fs.StringVar(&u.mode, "upstream-auth", "", "how streams to istiod are authenticated: plaintext (istiod's 15010, no credentials), forward (TLS to 15012, each key's stream presenting one of its Envoys' own token), or relay-identity (TLS, the relay's own --upstream-token-file, for an istiod with XDS_AUTH=false). Default: forward when the TLS xDS port verifies tokens (--xds-auth jwt or any), else plaintext")
 	fs.StringVar(&u.caFile, "upstream-ca", "", "PEM CAs istiod's serving certificate chains to (the mesh root); default: the system's roots")
 	fs.StringVar(&u.san, "upstream-san", "", "name istiod's certificate must carry (ISTIOD_SAN); default: the host of --upstream")

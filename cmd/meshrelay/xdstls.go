@@ -5,12 +5,13 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
-	"flag"
 	"fmt"
 	"net/http"
 	"net/url"
 	"os"
 	"strings"
+
+	"github.com/spf13/pflag"
 
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -36,7 +37,7 @@ type xdsTLSFlags struct {
 	tokens auth.TokenVerifier
 }
 
-func (x *xdsTLSFlags) register(fs *flag.FlagSet, cfg *relay.Config) {
+func (x *xdsTLSFlags) register(fs *pflag.FlagSet, cfg *relay.Config) {
 	fs.StringVar(&cfg.XDSTLSListen, "xds-tls-listen", cfg.XDSTLSListen, "address of the TLS ADS server (istiod's 15012); open when --xds-tls-cert is set")
 	fs.StringVar(&x.certFile, "xds-tls-cert", "", "PEM certificate chain the TLS xDS port serves (a name the mesh trusts: ISTIOD_SAN); read again when it changes")
 	fs.StringVar(&x.keyFile, "xds-tls-key", "", "PEM key of --xds-tls-cert")
