@@ -19,6 +19,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/loadtest/report"
 	"github.com/meshrelay/meshrelay/loadtest/traffic"
+	"github.com/meshrelay/meshrelay/shard"
 
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
@@ -177,34 +178,24 @@ func RunRelayChild(ctx context.Context, cfg RelayChildConfig, in io.Reader, out,
 		}
 		rcfg.XDSTLSListen, rcfg.XDSListen = rcfg.XDSListen, ""
 	}
-	var store *snapshot.Store
+	nc := shard.NodeConfig{Relay: rcfg}
 	if len(cfg.Etcd) > 0 {
 		scfg := snapshot.DefaultConfig()
 		scfg.Endpoints, scfg.Member, scfg.Logger = cfg.Etcd, rcfg.ID+"-"+strconv.Itoa(os.Getpid()), rcfg.Logger
 		var err error
-		if store, err = snapshot.New(scfg); err != nil {
+		if nc.Store, err = snapshot.New(scfg); err != nil {
 			return err
 		}
-		if err := store.Start(ctx); err != nil {
-			return err
-		}
-		rcfg.Snapshots = store
-		defer func() {
-			sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			if err := store.Stop(sctx); err != nil {
-				fmt.Fprintf(logw, "relay-child: snapshot store: %v\n", err)
-			}
-		}()
 	}
-	r, err := relay.New(rcfg)
+	node, err := shard.NewNode(nc)
 	if err != nil {
 		return err
 	}
-	if err := r.Start(ctx); err != nil {
+	if err := node.Start(ctx); err != nil {
 		return err
 	}
-	if store != nil {
+	r := node.Relay()
+	if nc.Store != nil {
 		// The parent times the start: report once the relay can serve.
 		for deadline := time.Now().Add(5 * time.Minute); !r.Ready() && time.Now().Before(deadline); {
 			time.Sleep(5 * time.Millisecond)
@@ -215,7 +206,7 @@ func RunRelayChild(ctx context.Context, cfg RelayChildConfig, in io.Reader, out,
 		addr = r.TLSAddr()
 	}
 	if _, err := fmt.Fprintf(out, "%s%s\n", readyPrefix, addr); err != nil {
-		_ = r.Stop(context.Background())
+		_ = node.Stop(context.Background())
 		return fmt.Errorf("loadtest: report address: %w", err)
 	}
 
@@ -266,9 +257,10 @@ loop:
 		}
 	}
 	stopProfile()
-	stopCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	// Stop writes what the snapshot store holds: 30 s for a big view.
+	stopCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	return r.Stop(stopCtx)
+	return node.Stop(stopCtx)
 }
 
 func writeHeapProfile(path string) error {

@@ -17,6 +17,7 @@ import (
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/loadtest/report"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/shard"
 )
 
 // LedgerConfig configures RunLedger.
@@ -70,11 +71,12 @@ func ExecLedgerPeer(path string, stderr io.Writer, args ...string) func(context.
 func RunLedgerChild(ctx context.Context, cfg LedgerPeerConfig, in io.Reader, out io.Writer) error {
 	lcfg := LedgerConfig{Relays: cfg.Relays, Envoys: cfg.Envoys, Keys: cfg.Keys, Resources: cfg.Resources, Versions: cfg.Versions}
 	views := buildLedgerViews(lcfg)
-	r, err := startLedgerRelay(ctx, cfg.Index, nil)
+	node, err := startLedgerRelay(ctx, cfg.Index, nil)
 	if err != nil {
 		return err
 	}
-	defer r.Stop(context.Background())
+	defer node.Stop(context.Background())
+	r := node.Relay()
 	if err := views.populate(r, lcfg, ledgerKeys(cfg.Keys), cfg.Index); err != nil {
 		return err
 	}
@@ -352,11 +354,12 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 	// origin one of them. Relay 0 is asked.
 	peers := &staticPeers{}
 	var peerPids []int // the relays in processes of their own
-	asked, err := startLedgerRelay(ctx, 0, peers)
+	askedNode, err := startLedgerRelay(ctx, 0, peers)
 	if err != nil {
 		return nil, err
 	}
-	defer asked.Stop(context.Background())
+	defer askedNode.Stop(context.Background())
+	asked := askedNode.Relay()
 	if err := views.populate(asked, cfg, keys, 0); err != nil {
 		return nil, err
 	}
@@ -379,11 +382,12 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 			addr = c.Addr()
 			peerPids = append(peerPids, c.Pid())
 		} else {
-			r, err := startLedgerRelay(ctx, i, nil)
+			node, err := startLedgerRelay(ctx, i, nil)
 			if err != nil {
 				return nil, err
 			}
-			defer r.Stop(context.Background())
+			defer node.Stop(context.Background())
+			r := node.Relay()
 			if err := views.populate(r, cfg, keys, i); err != nil {
 				return nil, err
 			}
@@ -496,23 +500,23 @@ func heapInUse() int64 {
 // startLedgerRelay starts relay-i on loopback, asking peers (nil: none)
 // for tier-wide answers. Its upstream is never dialled: the ledger is
 // driven directly.
-func startLedgerRelay(ctx context.Context, i int, peers relay.Peers) (*relay.Relay, error) {
+func startLedgerRelay(ctx context.Context, i int, peers relay.Peers) (*shard.Node, error) {
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
 	}
-	cfg := relay.DefaultConfig()
-	cfg.ID = fmt.Sprintf("relay-%d", i)
-	cfg.Listener = lis
-	cfg.Upstream = "127.0.0.1:1"
-	cfg.Peers = peers
-	r, err := relay.New(cfg)
+	cfg := shard.DefaultNodeConfig()
+	cfg.Relay.ID = fmt.Sprintf("relay-%d", i)
+	cfg.Relay.Listener = lis
+	cfg.Relay.Upstream = "127.0.0.1:1"
+	cfg.Relay.Peers = peers
+	cfg.DrainPeriod = 0
+	node, err := shard.NewNode(cfg)
 	if err != nil {
-		lis.Close()
 		return nil, err
 	}
-	if err := r.Start(ctx); err != nil {
+	if err := node.Start(ctx); err != nil {
 		return nil, err
 	}
-	return r, nil
+	return node, nil
 }

@@ -218,7 +218,7 @@ func RunTierRelayChild(ctx context.Context, cfg TierRelayChildConfig, in io.Read
 		return fmt.Errorf("loadtest: tier relay child: gossip port: %w", err)
 	}
 	ring.BindAddr = host
-	node, err := shard.NewNode(shard.NodeConfig{Relay: rcfg, Ring: ring, DrainPeriod: 2 * time.Second})
+	node, err := shard.NewNode(shard.NodeConfig{Relay: rcfg, Ring: &ring, DrainPeriod: 2 * time.Second})
 	if err != nil {
 		return err
 	}

@@ -61,9 +61,9 @@ func selectorScope(s *adminpb.Selector) ledger.Scope {
 }
 
 func (a adminServer) GetRing(context.Context, *adminpb.GetRingRequest) (*adminpb.Ring, error) {
-	score, states := a.n.ring.Health()
+	score, states := a.n.health()
 	out := &adminpb.Ring{Relay: a.n.relay.ID(), HealthScore: int32(score)}
-	for _, m := range a.n.ring.Members() {
+	for _, m := range a.n.members() {
 		out.Members = append(out.Members, &adminpb.Member{Name: m.Name, XdsAddress: m.XDSAddr, AdminAddress: m.AdminAddr,
 			Envoys: int64(m.Conns), Self: m.Self, State: states[m.Name]})
 	}
@@ -185,7 +185,7 @@ func (a adminServer) ListShards(ctx context.Context, req *adminpb.ListShardsRequ
 func (a adminServer) shard(kr ledger.KeyReport) *adminpb.Shard {
 	sh := &adminpb.Shard{Key: kr.Key, LedgerVersion: kr.Version.String(),
 		Envoys: int64(kr.Convergence.Envoys), Current: int64(kr.Convergence.Current)}
-	if m, ok := a.n.ring.Locate(kr.Key); ok {
+	if m, ok := a.n.locate(kr.Key); ok {
 		sh.Owner, sh.OwnerXdsAddress = m.Name, m.XDSAddr
 	}
 	for _, h := range kr.Holders {
@@ -241,7 +241,7 @@ func (a adminServer) GetShard(ctx context.Context, req *adminpb.GetShardRequest)
 		out.Shard = a.shard(keys[0])
 	} else {
 		out.Shard = &adminpb.Shard{Key: req.GetKey()}
-		if m, ok := a.n.ring.Locate(req.GetKey()); ok {
+		if m, ok := a.n.locate(req.GetKey()); ok {
 			out.Shard.Owner, out.Shard.OwnerXdsAddress = m.Name, m.XDSAddr
 		}
 	}
@@ -410,12 +410,12 @@ func (a adminServer) Drain(ctx context.Context, req *adminpb.DrainRequest) (*adm
 	if !a.n.cfg.AllowMutations {
 		return nil, status.Error(codes.PermissionDenied, "this relay's admin API is read-only: start it with --admin-allow-mutations to drain through it")
 	}
-	if req.GetRelay() != a.n.relay.ID() && req.GetRelay() != a.n.ring.Name() {
+	if req.GetRelay() != a.n.relay.ID() && req.GetRelay() != a.n.name() {
 		return nil, status.Errorf(codes.FailedPrecondition, "this is relay %s (%s), not %q: ask that relay's own admin address (relayctl drain finds it in the ring)",
-			a.n.relay.ID(), a.n.ring.Name(), req.GetRelay())
+			a.n.relay.ID(), a.n.name(), req.GetRelay())
 	}
 	streams, started := a.n.Drain(ctx)
-	return &adminpb.DrainResponse{Relay: a.n.ring.Name(), Streams: int64(streams), Period: durationpb.New(a.n.cfg.DrainPeriod), Already: !started}, nil
+	return &adminpb.DrainResponse{Relay: a.n.name(), Streams: int64(streams), Period: durationpb.New(a.n.cfg.DrainPeriod), Already: !started}, nil
 }
 
 func counts(c ledger.Convergence) *adminpb.Counts {
@@ -580,7 +580,7 @@ func (a adminServer) keyViews(tl relay.TierLedger) func(key, typeURL string) key
 		}
 		var kv keyView
 		if typeURL == "" {
-			if m, found := a.n.ring.Locate(key); found {
+			if m, found := a.n.locate(key); found {
 				kv.owner = m.Name
 			}
 		} else if v, known := tl.Reference(key, typeURL); known {

@@ -10,5 +10,11 @@
 // tiers never merge, and gossips each relay's xDS address and Envoy
 // connection count. It answers Owner(key) for the relay's data path and
 // FairShare for connection balancing (both interfaces are declared in
-// package relay and wired in cmd).
+// package relay).
+//
+// Node is the one place a whole relay is assembled: its listeners, its
+// snapshot store, its ring (none for a relay alone), its admin API and their
+// lifecycle, in the order Start and Stop give them. meshrelay serve in every
+// mode, the demo, the loadtest children and the tests of a whole relay build
+// a Node; nothing else calls relay.New.
 package shard

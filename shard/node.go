@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"strconv"
 	"sync"
@@ -18,37 +19,51 @@ import (
 	"github.com/meshrelay/meshrelay/shard/adminpb"
 )
 
-// NodeConfig configures a Node: a relay and its membership of the tier.
+// NodeConfig configures a Node: a relay, its snapshot store, and its
+// membership of a tier, if it has one.
 type NodeConfig struct {
-	// Relay configures the relay. Owners and Tier are set to the ring;
-	// PeerSecret, if empty, is derived from Ring.SecretKey.
+	// Relay configures the relay. In a tier, Owners, Tier and Peers are set
+	// to the ring, and PeerSecret, if empty, is derived from
+	// Ring.SecretKey; alone, they are left as given (nil: the relay owns
+	// every key and answers tier-wide questions for itself).
 	Relay relay.Config
-	// Ring configures membership. XDSAddr, if empty, is the address of
-	// the port the tier's relays dial (the relay's peer port if it has
-	// one, else its plaintext xDS port), which must then be dialable (not
-	// 0.0.0.0).
-	Ring Config
+	// Ring configures membership of a tier; nil (the default): a relay
+	// alone, with no gossip. XDSAddr, if empty, is the address of the port
+	// the tier's relays dial (the relay's peer port if it has one, else
+	// its plaintext xDS port), which must then be dialable (not 0.0.0.0).
+	Ring *Config
 	// Store, if set, persists the views of the keys this relay owns in
 	// etcd and warms the relay at start from every key persisted (it
 	// becomes Relay.Snapshots). The Node starts and stops it; the owner of
 	// snapshot.GCLeaderKey collects its garbage.
 	Store *snapshot.Store
 	// DrainPeriod is how long Stop (and Drain) spreads the closing of
-	// streams over, after leaving the ring. Default 10s; it is cut short by
-	// Stop's context.
+	// streams over, after leaving the ring; it is cut short by Stop's
+	// context. DefaultNodeConfig: 10s; 0: every stream is closed at once.
 	DrainPeriod time.Duration
 	// AllowMutations lets the admin API change the tier (Drain). Default
 	// false: the admin API only reads.
 	AllowMutations bool
 }
 
-// Node is one relay of a sharded tier: a relay.Relay whose key owners and
-// fair share come from a Ring. Create it with NewNode, Start it, and Stop it
-// when done. Safe for concurrent use.
+// DefaultNodeConfig returns the configuration of a relay alone, with
+// relay.DefaultConfig's defaults; set Ring (to DefaultConfig(), adjusted)
+// for a tier.
+func DefaultNodeConfig() NodeConfig {
+	return NodeConfig{Relay: relay.DefaultConfig(), DrainPeriod: 10 * time.Second}
+}
+
+// Node is one relay: a relay.Relay with its snapshot store and admin API,
+// and, in a sharded tier, a Ring that gives it key owners and its fair
+// share. NewNode is the one place a relay is assembled (meshrelay serve in
+// every mode, the demo, the loadtest children and the tests of a whole
+// relay): create it with NewNode, Start it, and Stop it when done. Safe
+// for concurrent use.
 type Node struct {
 	cfg   NodeConfig
 	relay *relay.Relay
-	ring  *Ring
+	ring  *Ring // nil: a relay alone
+	log   *slog.Logger
 
 	drainMu     sync.Mutex
 	drainCancel context.CancelFunc // set once Drain started
@@ -66,9 +81,6 @@ var (
 // relays dial: the peer port, else the plaintext xDS port; the admin port)
 // are opened now, if not given, so that their addresses are known.
 func NewNode(cfg NodeConfig) (*Node, error) {
-	if cfg.DrainPeriod == 0 {
-		cfg.DrainPeriod = 10 * time.Second
-	}
 	if cfg.DrainPeriod < 0 {
 		return nil, errors.New("shard: field DrainPeriod is negative")
 	}
@@ -102,59 +114,32 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 	if err := open(&cfg.Relay.AdminListener, cfg.Relay.AdminListen); err != nil {
 		return nil, err
 	}
-	peerLis, flag := cfg.Relay.PeerListener, "--advertise-peer"
-	if peerLis == nil {
-		peerLis, flag = cfg.Relay.Listener, "--advertise-xds"
-	}
-	if peerLis == nil {
-		closeListeners()
-		return nil, errors.New("shard: the relay has neither a peer port nor a plaintext xDS port for the tier's relays to dial")
-	}
-	if cfg.Ring.XDSAddr == "" {
-		addr, err := advertised(peerLis, "peer", flag)
-		if err != nil {
-			closeListeners()
-			return nil, err
-		}
-		cfg.Ring.XDSAddr = addr
-	}
-	if cfg.Ring.AdminAddr == "" && cfg.Relay.AdminListener != nil {
-		addr, err := advertised(cfg.Relay.AdminListener, "admin", "--advertise-admin")
-		if err != nil {
-			closeListeners()
-			return nil, err
-		}
-		cfg.Ring.AdminAddr = addr
-	}
-	if cfg.Ring.Name == "" {
-		cfg.Ring.Name = cfg.Relay.ID
-	}
-	if len(cfg.Relay.PeerSecret) == 0 && len(cfg.Ring.SecretKey) > 0 {
-		// Not the gossip key itself: a key of its own, derived from it.
-		sum := sha256.Sum256(append([]byte("meshrelay peer secret\x00"), cfg.Ring.SecretKey...))
-		cfg.Relay.PeerSecret = sum[:]
-	}
 	if cfg.Relay.Registerer == nil && cfg.Relay.Gatherer == nil {
 		reg := prometheus.NewRegistry()
 		cfg.Relay.Registerer, cfg.Relay.Gatherer = reg, reg
 	}
-	if cfg.Ring.Registerer == nil {
-		cfg.Ring.Registerer = cfg.Relay.Registerer
+	n := &Node{log: cfg.Relay.Logger}
+	if n.log == nil {
+		n.log = slog.New(slog.DiscardHandler)
 	}
-	ring, err := New(cfg.Ring)
-	if err != nil {
-		closeListeners()
-		return nil, err
+	if cfg.Ring != nil {
+		ring, err := newNodeRing(&cfg)
+		if err != nil {
+			closeListeners()
+			return nil, err
+		}
+		n.ring = ring
 	}
-	cfg.Relay.Owners, cfg.Relay.Tier, cfg.Relay.Peers = ring, ring, ring
 	if cfg.Store != nil {
 		cfg.Relay.Snapshots = cfg.Store
 		cfg.Store.SetGCLeader(func() bool {
-			_, self := ring.Owner(snapshot.GCLeaderKey)
+			if n.ring == nil {
+				return true
+			}
+			_, self := n.ring.Owner(snapshot.GCLeaderKey)
 			return self
 		})
 	}
-	n := &Node{ring: ring}
 	// The tier's admin API, on the relay's admin listener.
 	registerMore := cfg.Relay.AdminServices
 	cfg.Relay.AdminServices = func(s *grpc.Server) {
@@ -170,6 +155,51 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 	}
 	n.cfg, n.relay = cfg, r
 	return n, nil
+}
+
+// newNodeRing builds the ring of cfg.Ring for the relay of cfg.Relay,
+// filling the addresses it gossips and the relay's seams to the tier.
+func newNodeRing(cfg *NodeConfig) (*Ring, error) {
+	rc := *cfg.Ring
+	peerLis, flag := cfg.Relay.PeerListener, "--advertise-peer"
+	if peerLis == nil {
+		peerLis, flag = cfg.Relay.Listener, "--advertise-xds"
+	}
+	if peerLis == nil {
+		return nil, errors.New("shard: the relay has neither a peer port nor a plaintext xDS port for the tier's relays to dial")
+	}
+	if rc.XDSAddr == "" {
+		addr, err := advertised(peerLis, "peer", flag)
+		if err != nil {
+			return nil, err
+		}
+		rc.XDSAddr = addr
+	}
+	if rc.AdminAddr == "" && cfg.Relay.AdminListener != nil {
+		addr, err := advertised(cfg.Relay.AdminListener, "admin", "--advertise-admin")
+		if err != nil {
+			return nil, err
+		}
+		rc.AdminAddr = addr
+	}
+	if rc.Name == "" {
+		rc.Name = cfg.Relay.ID
+	}
+	if len(cfg.Relay.PeerSecret) == 0 && len(rc.SecretKey) > 0 {
+		// Not the gossip key itself: a key of its own, derived from it.
+		sum := sha256.Sum256(append([]byte("meshrelay peer secret\x00"), rc.SecretKey...))
+		cfg.Relay.PeerSecret = sum[:]
+	}
+	if rc.Registerer == nil {
+		rc.Registerer = cfg.Relay.Registerer
+	}
+	ring, err := New(rc)
+	if err != nil {
+		return nil, err
+	}
+	cfg.Ring = &rc
+	cfg.Relay.Owners, cfg.Relay.Tier, cfg.Relay.Peers = ring, ring, ring
+	return ring, nil
 }
 
 // advertised returns the address other hosts dial for lis: its own, or,
@@ -212,8 +242,52 @@ func interfaceIP() net.IP {
 // Relay returns the node's relay.
 func (n *Node) Relay() *relay.Relay { return n.relay }
 
-// Ring returns the node's ring.
+// Ring returns the node's ring; nil for a relay alone.
 func (n *Node) Ring() *Ring { return n.ring }
+
+// name is the relay's name in the tier: its ring member's, or its ID when
+// alone.
+func (n *Node) name() string {
+	if n.ring == nil {
+		return n.relay.ID()
+	}
+	return n.ring.Name()
+}
+
+// members returns the tier's members as this relay sees them: a relay
+// alone is a tier of one.
+func (n *Node) members() []Member {
+	if n.ring != nil {
+		return n.ring.Members()
+	}
+	self := Member{Name: n.relay.ID(), Conns: n.relay.Stats().Streams, Self: true}
+	for _, a := range []net.Addr{n.relay.Addr(), n.relay.TLSAddr()} {
+		if a != nil && self.XDSAddr == "" {
+			self.XDSAddr = a.String()
+		}
+	}
+	if a := n.relay.AdminAddr(); a != nil {
+		self.AdminAddr = a.String()
+	}
+	return []Member{self}
+}
+
+// locate returns the member that owns key: the relay itself when alone.
+func (n *Node) locate(key string) (Member, bool) {
+	if n.ring != nil {
+		return n.ring.Locate(key)
+	}
+	return n.members()[0], true
+}
+
+// health is gossip's view of the tier (Ring.Health); a relay alone is
+// healthy and alive.
+func (n *Node) health() (score int, states map[string]string) {
+	if n.ring != nil {
+		return n.ring.Health()
+	}
+	return 0, map[string]string{n.relay.ID(): "alive"}
+}
 
 // Start starts the relay, then joins the tier: peers may dial the relay as
 // soon as they hear of it.
@@ -226,6 +300,9 @@ func (n *Node) Start(ctx context.Context) error {
 	if err := n.relay.Start(ctx); err != nil {
 		n.stopStore(ctx)
 		return err
+	}
+	if n.ring == nil {
+		return nil
 	}
 	if err := n.ring.Start(ctx); err != nil {
 		n.relay.Stop(ctx)
@@ -267,7 +344,11 @@ func (n *Node) Stop(ctx context.Context) error {
 	}
 	n.leaveTier(ctx)
 	n.relay.DrainStreams(ctx, n.cfg.DrainPeriod)
-	return errors.Join(n.relay.Stop(ctx), n.stopStore(ctx), n.ring.Stop(ctx))
+	err := errors.Join(n.relay.Stop(ctx), n.stopStore(ctx))
+	if n.ring != nil {
+		err = errors.Join(err, n.ring.Stop(ctx))
+	}
+	return err
 }
 
 // Drain makes the node leave the tier and move its streams away, as Stop
@@ -286,7 +367,7 @@ func (n *Node) Drain(ctx context.Context) (streams int, started bool) {
 
 	st := n.relay.Stats()
 	n.leaveTier(ctx)
-	n.ring.log.Info("draining on request", "streams", st.Streams+st.PeerClients, "period", n.cfg.DrainPeriod)
+	n.log.Info("draining on request", "streams", st.Streams+st.PeerClients, "period", n.cfg.DrainPeriod)
 	go func() {
 		defer close(n.drainDone)
 		n.relay.DrainStreams(dctx, n.cfg.DrainPeriod)
@@ -298,8 +379,11 @@ func (n *Node) Drain(ctx context.Context) (streams int, started bool) {
 // the ring: its keys get other owners. A leave that times out is logged.
 func (n *Node) leaveTier(ctx context.Context) {
 	n.relay.MarkNotReady()
+	if n.ring == nil {
+		return
+	}
 	if err := n.ring.Leave(ctx); err != nil {
-		n.ring.log.Warn("leaving the tier", "err", err)
+		n.log.Warn("leaving the tier", "err", err)
 	}
 }
 
@@ -308,7 +392,9 @@ func (n *Node) leaveTier(ctx context.Context) {
 func (n *Node) Kill() {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	n.ring.kill()
+	if n.ring != nil {
+		n.ring.kill()
+	}
 	n.relay.Stop(ctx)
 	n.stopStore(ctx) // unwritten changes are lost, as in a crash
 }

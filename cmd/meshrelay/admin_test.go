@@ -23,6 +23,7 @@ import (
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/auth/authtest"
+	"github.com/meshrelay/meshrelay/shard"
 	"github.com/meshrelay/meshrelay/shard/shardtest"
 )
 
@@ -139,14 +140,15 @@ func TestAdminIdentitiesServe(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg.Upstream, cfg.XDSListen, cfg.AdminListen = "127.0.0.1:1", "", "127.0.0.1:0"
-	r, err := relay.New(cfg)
+	node, err := shard.NewNode(shard.NodeConfig{Relay: cfg})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := r.Start(ctx); err != nil {
+	if err := node.Start(ctx); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { r.Stop(context.Background()) })
+	t.Cleanup(func() { node.Stop(context.Background()) })
+	r := node.Relay()
 
 	tc := &tls.Config{RootCAs: mesh.Pool(), MinVersion: tls.VersionTLS12}
 	conn, err := grpc.NewClient(r.AdminAddr().String(), grpc.WithTransportCredentials(credentials.NewTLS(tc)))

@@ -100,17 +100,9 @@ func serve(ctx context.Context, args []string) error {
 	var upAuth upstreamAuthFlags
 	upAuth.register(fs)
 
-	gossip := fs.String("gossip-listen", ":7946", "address of the gossip (memberlist) listener, TCP and UDP; empty: no tier, this relay owns every key")
-	gossipAdvertise := fs.String("gossip-advertise", "", "host:port other relays gossip to (default: from --gossip-listen; set the pod IP in Kubernetes)")
-	advertiseXDS := fs.String("advertise-xds", "", "host:port other relays dial for this relay's ADS (default: $POD_IP with the --xds-listen port)")
-	join := fs.String("join", "", "comma-separated relays to join: host[:port] or a DNS name with an address per relay (the headless Service)")
-	keyFile := fs.String("gossip-key-file", "", "file holding the tier's gossip key, base64 (openssl rand -base64 32); encrypts gossip and authenticates relay-to-relay streams")
-	fs.StringVar(&ring.Cluster, "cluster", ring.Cluster, "tier name: gossip of another name is dropped, so two tiers never merge")
-	fs.DurationVar(&ring.RejoinInterval, "rejoin-interval", ring.RejoinInterval, "how often --join is resolved again and absent relays joined (heals partitions)")
-	fs.IntVar(&ring.Partitions, "ring-partitions", ring.Partitions, "partitions of the consistent-hash ring")
-	fs.Float64Var(&ring.Load, "ring-load", ring.Load, "bounded-load factor of the ring (1 to 10)")
+	var tier tierFlags
+	tier.register(fs, &ring)
 	drain := fs.Duration("drain-period", 10*time.Second, "on SIGTERM (or an admin Drain), how long the closing of streams is spread over after leaving the ring")
-	advertiseAdmin := fs.String("advertise-admin", "", "host:port relayctl dials for this relay's admin API (default: $POD_IP with the --admin-listen port)")
 	memRatio := fs.Float64("memory-limit-ratio", 0.9, "set GOMEMLIMIT to this fraction of the container's memory limit (cgroup), unless GOMEMLIMIT is set; 0: leave the Go runtime's default")
 	debugNS := fs.String("debug-namespaces", "istio-system", "comma-separated namespaces whose proven identities read the whole tier's istio.io/debug types on the TLS xDS port (istioctl presents istio-system's default account), as istiod answers its root namespace; any other identity reads its own namespace's; empty: none")
 	var etcd etcdFlags
@@ -178,73 +170,21 @@ func serve(ctx context.Context, args []string) error {
 		reg.MustRegister(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), collectors.NewGoCollector())
 		cfg.Registerer, cfg.Gatherer = reg, reg
 	}
+	if err := tier.apply(&ring, cfg, peer.advertise); err != nil {
+		return err
+	}
 	store, closeEtcd, err := etcd.open(ctx, cfg.ID, ring.Cluster, cfg.Logger, cfg.Registerer)
 	if err != nil {
 		return err
 	}
 	defer closeEtcd()
 
-	if *gossip == "" {
-		stopStore := func() {}
-		if store != nil {
-			cfg.Snapshots = store
-			if err := store.Start(ctx); err != nil {
-				return err
-			}
-			stopStore = func() { store.Stop(context.WithoutCancel(ctx)) }
-		}
-		r, err := relay.New(cfg)
-		if err != nil {
-			stopStore()
-			return err
-		}
-		if err := r.Start(ctx); err != nil {
-			stopStore()
-			return err
-		}
-		<-ctx.Done()
-		stopCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		err = r.Stop(stopCtx)
-		if store != nil {
-			err = errors.Join(err, store.Stop(stopCtx))
-		}
-		return err
+	nc := shard.NodeConfig{Relay: cfg, DrainPeriod: *drain, Store: store, AllowMutations: admin.allowMutations}
+	if tier.enabled() {
+		ring.Logger = cfg.Logger
+		nc.Ring = &ring
 	}
-
-	ring.Logger = cfg.Logger
-	if ring.BindAddr, ring.BindPort, err = splitHostPort(*gossip); err != nil {
-		return fmt.Errorf("--gossip-listen: %w", err)
-	}
-	if *gossipAdvertise != "" {
-		if ring.AdvertiseAddr, ring.AdvertisePort, err = splitHostPort(*gossipAdvertise); err != nil {
-			return fmt.Errorf("--gossip-advertise: %w", err)
-		}
-	}
-	if *join != "" {
-		ring.Join = strings.Split(*join, ",")
-	}
-	if *keyFile != "" {
-		if ring.SecretKey, err = shard.LoadKeyFile(*keyFile); err != nil {
-			return err
-		}
-	}
-	switch {
-	case cfg.PeerListen != "":
-		if ring.XDSAddr, err = podAddr(peer.advertise, cfg.PeerListen); err != nil {
-			return fmt.Errorf("--peer-listen: %w", err)
-		}
-	case cfg.XDSListen != "":
-		if ring.XDSAddr, err = podAddr(*advertiseXDS, cfg.XDSListen); err != nil {
-			return fmt.Errorf("--xds-listen: %w", err)
-		}
-	default:
-		return errors.New("a tier (--gossip-listen) needs a port its relays dial: --peer-listen (with --peer-tls-cert for mTLS), or --xds-listen")
-	}
-	if ring.AdminAddr, err = podAddr(*advertiseAdmin, cfg.AdminListen); err != nil {
-		return fmt.Errorf("--admin-listen: %w", err)
-	}
-	node, err := shard.NewNode(shard.NodeConfig{Relay: cfg, Ring: ring, DrainPeriod: *drain, Store: store, AllowMutations: admin.allowMutations})
+	node, err := shard.NewNode(nc)
 	if err != nil {
 		if store != nil {
 			store.Stop(context.WithoutCancel(ctx))

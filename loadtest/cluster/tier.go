@@ -274,7 +274,7 @@ func (t *Tier) Start(ctx context.Context, i int) error {
 			return err
 		}
 	}
-	nc := shard.NodeConfig{Relay: rc, Ring: sc, DrainPeriod: t.cfg.DrainPeriod, Store: store}
+	nc := shard.NodeConfig{Relay: rc, Ring: &sc, DrainPeriod: t.cfg.DrainPeriod, Store: store}
 	if t.cfg.Node != nil {
 		t.cfg.Node(&nc)
 	}

@@ -39,6 +39,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/xds"
+	"github.com/meshrelay/meshrelay/shard"
 )
 
 // binaries returns the built binaries, or skips the test with one line
@@ -267,14 +268,15 @@ func TestRelayAgainstRealIstiod(t *testing.T) {
 	if os.Getenv("RELAY_TEST_LOG") != "" {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	}
-	r, err := relay.New(cfg)
+	node, err := shard.NewNode(shard.NodeConfig{Relay: cfg})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := r.Start(ctx); err != nil {
+	if err := node.Start(ctx); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = r.Stop(context.Background()) })
+	t.Cleanup(func() { _ = node.Stop(context.Background()) })
+	r := node.Relay()
 
 	pod := sidecarNode("ns1", "reviews", 0)
 	// istiod builds the Service's config a moment after it is written:

@@ -196,7 +196,7 @@ func (t *tier) startRelay(ctx context.Context, i int) error {
 	sc.RejoinInterval = 2 * time.Second
 	sc.Logger = log
 
-	node, err := shard.NewNode(shard.NodeConfig{Relay: rc, Ring: sc, DrainPeriod: 2 * time.Second})
+	node, err := shard.NewNode(shard.NodeConfig{Relay: rc, Ring: &sc, DrainPeriod: 2 * time.Second})
 	if err != nil {
 		lis.Close()
 		tr.Shutdown()

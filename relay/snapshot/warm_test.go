@@ -18,13 +18,15 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
 	"github.com/meshrelay/meshrelay/relay/snapshot"
+	"github.com/meshrelay/meshrelay/shard"
 )
 
 // warmRelay is a relay with its store, on a real etcd.
 type warmRelay struct {
-	r   *relay.Relay
-	s   *snapshot.Store
-	reg *prometheus.Registry
+	node *shard.Node
+	r    *relay.Relay
+	s    *snapshot.Store
+	reg  *prometheus.Registry
 }
 
 func startWarmRelay(t *testing.T, etcd []string, upstreamAddr, id string) *warmRelay {
@@ -39,9 +41,6 @@ func startWarmRelay(t *testing.T, etcd []string, upstreamAddr, id string) *warmR
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Start(t.Context()); err != nil {
-		t.Fatal(err)
-	}
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -50,14 +49,15 @@ func startWarmRelay(t *testing.T, etcd []string, upstreamAddr, id string) *warmR
 	cfg.ID, cfg.Upstream, cfg.Listener, cfg.Registerer, cfg.Gatherer, cfg.Snapshots = id, upstreamAddr, lis, reg, reg, s
 	cfg.BackoffMax = 300 * time.Millisecond
 	cfg.AdminListen = "127.0.0.1:0"
-	r, err := relay.New(cfg)
+	// The node starts the store, and stops it after the relay.
+	node, err := shard.NewNode(shard.NodeConfig{Relay: cfg, Store: s})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := r.Start(t.Context()); err != nil {
+	if err := node.Start(t.Context()); err != nil {
 		t.Fatal(err)
 	}
-	w := &warmRelay{r: r, s: s, reg: reg}
+	w := &warmRelay{node: node, r: node.Relay(), s: s, reg: reg}
 	t.Cleanup(func() { w.stop(t) })
 	return w
 }
@@ -65,11 +65,8 @@ func startWarmRelay(t *testing.T, etcd []string, upstreamAddr, id string) *warmR
 func (w *warmRelay) stop(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := w.r.Stop(ctx); err != nil {
-		t.Errorf("relay stop: %v", err)
-	}
-	if err := w.s.Stop(ctx); err != nil {
-		t.Errorf("store stop: %v", err)
+	if err := w.node.Stop(ctx); err != nil {
+		t.Errorf("relay and store stop: %v", err)
 	}
 }
 
