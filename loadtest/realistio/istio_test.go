@@ -343,7 +343,7 @@ func istioctl(t *testing.T, ctx context.Context, m *mesh, args ...string) string
 }
 
 // TestRelayTLSWithRealTokens: `meshrelay serve` as a drop-in for istiod's
-// 15012 (the README's "Istio with TLS", as a single relay), verifying
+// 15012 (deploy/OPERATING.md's "Istio with TLS", as a single relay), verifying
 // sidecars' service-account tokens by TokenReview against the real API
 // server through --kubeconfig: a sidecar with its own token is served; one
 // presenting another namespace's is refused as istiod refuses it; and

@@ -39,10 +39,11 @@ import (
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
-// The README's command blocks, run as written (issue 29): each ```sh
-// block of README.md's "Running a relay" and "Istio with TLS" runs
-// through bash against a real istiod (startMesh), and the relay it starts
-// must become ready and serve a sidecar.
+// The operating guide's command blocks, run as written (issue 29; they
+// were the README's until issue 30 moved them to deploy/OPERATING.md):
+// each ```sh block of deploy/OPERATING.md's "Running a relay" and "Istio
+// with TLS" runs through bash against a real istiod (startMesh), and the
+// relay it starts must become ready and serve a sidecar.
 //
 // A block runs on a machine of its own, as an operator's would: a network
 // namespace the test makes (root only), where the fixed ports the block
@@ -55,8 +56,9 @@ import (
 // the kubeconfig names it. Everything in the block the test changes is in
 // readmeBlocks.
 
-// readmeBlock is a README section whose command block the test runs, and
-// every change the test makes to the block before running it.
+// readmeBlock is a section of the operating guide (operatingDoc) whose
+// command block the test runs, and every change the test makes to the
+// block before running it.
 type readmeBlock struct {
 	section string // the heading's text, any level
 	// inRepo: the block runs in the repository's root (it builds), else
@@ -102,35 +104,40 @@ var readmeBlocks = []readmeBlock{
 	},
 }
 
-// tierSPIFFEID is the tier's identity, peer.crt's (README, "Istio with
-// TLS").
+// tierSPIFFEID is the tier's identity, peer.crt's (deploy/OPERATING.md,
+// "Istio with TLS").
 const tierSPIFFEID = "spiffe://cluster.local/ns/istio-system/sa/meshrelay"
 
 // reviewsCluster is the cluster istiod builds for startMesh's Service.
 const reviewsCluster = "outbound|9080||reviews.ns1.svc.cluster.local"
 
-// TestReadmeBlocks runs README.md's command blocks of "Running a relay"
-// and "Istio with TLS" as written (but for readmeBlocks' rewrites), each
-// on a network namespace of its own in front of a real istiod: each relay
-// becomes ready and serves a sidecar its clusters, over plaintext ADS, or
-// over TLS with the sidecar's real service-account token.
+// operatingDoc is the document whose sections readmeBlocks names, from
+// the repository's root.
+const operatingDoc = "deploy/OPERATING.md"
+
+// TestReadmeBlocks runs deploy/OPERATING.md's command blocks of "Running
+// a relay" and "Istio with TLS" as written (but for readmeBlocks'
+// rewrites), each on a network namespace of its own in front of a real
+// istiod: each relay becomes ready and serves a sidecar its clusters, over
+// plaintext ADS, or over TLS with the sidecar's real service-account
+// token.
 func TestReadmeBlocks(t *testing.T) {
-	readme, err := os.ReadFile(filepath.Join("..", "..", "README.md"))
+	readme, err := os.ReadFile(filepath.Join("..", "..", filepath.FromSlash(operatingDoc)))
 	if err != nil {
 		t.Fatal(err)
 	}
 	blocks := make([]string, len(readmeBlocks))
 	for i, b := range readmeBlocks {
 		if blocks[i], err = shBlock(string(readme), b.section, b.mentions); err != nil {
-			t.Fatalf("README.md: %v", err)
+			t.Fatalf("%s: %v", operatingDoc, err)
 		}
 	}
 	binaries(t)
 	if err := canMakeBlockHosts(); err != nil {
 		if os.Getenv("CI") == "true" {
-			t.Fatalf("the README's blocks run in network namespaces (CI=true): %v", err)
+			t.Fatalf("%s's blocks run in network namespaces (CI=true): %v", operatingDoc, err)
 		}
-		t.Skipf("the README's blocks run in network namespaces: %v", err)
+		t.Skipf("%s's blocks run in network namespaces: %v", operatingDoc, err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
@@ -153,7 +160,7 @@ func TestReadmeBlocks(t *testing.T) {
 			for _, rw := range b.rewrites {
 				var err error
 				if script, err = rw.apply(script, strings.NewReplacer("{work}", work, "{kubeconfig}", m.kube.Kubeconfig)); err != nil {
-					t.Fatalf("README.md, %q: %v (update readmeBlocks)", b.section, err)
+					t.Fatalf("%s, %q: %v (update readmeBlocks)", operatingDoc, b.section, err)
 				}
 			}
 			dir := work
@@ -187,7 +194,7 @@ func (rw blockRewrite) apply(script string, vars *strings.Replacer) (string, err
 // mdHeading matches a Markdown heading; its group is the heading's text.
 var mdHeading = regexp.MustCompile(`^#{1,6}\s+(.*?)\s*$`)
 
-// shBlock returns the one ```sh block of the README's section heading
+// shBlock returns the one ```sh block of the document's section heading
 // (a heading of any level), up to the next heading: a subsection's blocks
 // are its own. The section must contain each of mentions.
 func shBlock(readme, heading string, mentions []string) (string, error) {
@@ -253,7 +260,7 @@ func ensureBlockBinary(t *testing.T, ctx context.Context, repo, work string) {
 }
 
 // writeTLSBlockFiles writes the files "Istio with TLS" names into dir,
-// signed by the mesh's root as the README says: root-cert.pem (the mesh
+// signed by the mesh's root as the section says: root-cert.pem (the mesh
 // root, istio-ca-root-cert), tls.crt and tls.key (serving
 // meshrelay.istio-system.svc, the name sidecars dial), peer.crt and
 // peer.key (the tier's SPIFFE ID).

@@ -275,25 +275,26 @@ func TestFieldsMetadataValues(t *testing.T) {
 	}
 }
 
-// TestREADMEKeyConfig: the README's example rules load, and key its
-// gateways, proxyless clients and sidecars by their own rules.
+// TestREADMEKeyConfig: the example rules of docs/architecture.md
+// ("Aggregation keys") load, and key its gateways, proxyless clients and
+// sidecars by their own rules.
 func TestREADMEKeyConfig(t *testing.T) {
-	b, err := os.ReadFile("../../README.md")
+	b, err := os.ReadFile("../../docs/architecture.md")
 	if err != nil {
 		t.Fatal(err)
 	}
 	_, rest, ok := strings.Cut(string(b), "`--key-config FILE` holds rules")
 	if !ok {
-		t.Fatal("README: no --key-config example")
+		t.Fatal("docs/architecture.md: no --key-config example")
 	}
 	_, rest, _ = strings.Cut(rest, "```yaml\n")
 	example, _, ok := strings.Cut(rest, "```")
 	if !ok {
-		t.Fatal("README: the --key-config example has no yaml block")
+		t.Fatal("docs/architecture.md: the --key-config example has no yaml block")
 	}
 	p, err := ParseKeyConfig([]byte(example))
 	if err != nil {
-		t.Fatalf("README's --key-config example: %v", err)
+		t.Fatalf("docs/architecture.md's --key-config example: %v", err)
 	}
 	for n, rule := range map[*core.Node]string{
 		gateway("gw-1", "ingress", "b"):      "gateways/istio-system/",
