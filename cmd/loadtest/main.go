@@ -1,7 +1,6 @@
-// Command loadtest runs meshrelay's benchmarks: fanout (the same fleet of
-// simulated Envoys direct on a synthetic upstream and through a relay, side
-// by side) and upstream (the synthetic istiod-shaped upstream alone, for
-// pointing a real relay or real Envoys at).
+// Command loadtest runs meshrelay's benchmarks, the chaos suite and the
+// real Envoy and Istio set-up the tests use; the usage below lists them,
+// and docs/flags.md every flag.
 package main
 
 import (

@@ -80,7 +80,7 @@ func serve(ctx context.Context, args []string) error {
 	profile := fs.String("key-profile", aggkey.ProfileIstio, "aggregation key profile: istio, fields (with --key-fields or --key-config) or per-node; every relay of a tier must use the same")
 	keyMeta := fs.String("key-metadata", "", "comma-separated extra node metadata fields for the istio key profile")
 	keyFields := fs.String("key-fields", "", "for --key-profile fields: the node fields every key is made of, comma-separated: id, id~REGEX, cluster, user_agent_name, user_agent_version, locality[.region|.zone|.sub_zone], namespace, metadata.PATH (e.g. cluster,metadata.LABELS.app)")
-	keyConfig := fs.String("key-config", "", "for --key-profile fields: a YAML file of rules, matched in order by node fields, each naming the fields of its keys (see the README)")
+	keyConfig := fs.String("key-config", "", "for --key-profile fields: a YAML file of rules, matched in order by node fields, each naming the fields of its keys (see docs/architecture.md, Aggregation keys)")
 	fs.DurationVar(&cfg.DivergenceInterval, "divergence-interval", cfg.DivergenceInterval, "how often each aggregated key is checked: a second stream to istiod presents another member's node, and if istiod gives it other config the key splits (that member and its look-alikes get keys of their own); also as soon as a key gets its second member. One check per key at a time, two per relay. 0: never")
 	fs.StringVar(&cfg.AdminListen, "admin-listen", ":15014", "address of the admin server: HTTP (/healthz, /readyz, /metrics, /debug/pprof) and gRPC (health, reflection) on one port; empty: none")
 	hostID := cfg.ID

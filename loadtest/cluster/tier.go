@@ -1,3 +1,8 @@
+// Package cluster runs a tier of relays in one process: each relay a
+// shard.Node gossiping over shard/memnet, an embedded etcd for their
+// snapshots, and a Service-like proxy Envoys dial, as Kubernetes would put
+// in front of the tier. Relays can be killed, stopped, started and added
+// while it runs.
 package cluster
 
 import (

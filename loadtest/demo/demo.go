@@ -1,3 +1,8 @@
+// Package demo is meshrelay demo: a tier in one process (loadtest/cluster)
+// behind a synthetic istiod, simulated Envoys with churn, a schedule of
+// relay crashes and restarts, and a table of what the tier does, a row a
+// second. It imports no benchmark driver, so the relay's binary that runs
+// it stays lean.
 package demo
 
 import (

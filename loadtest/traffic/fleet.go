@@ -1,9 +1,8 @@
-// Package loadtest runs meshrelay's scenarios: a synthetic istiod-shaped
-// upstream (loadtest/upstream), fleets of simulated Envoys (loadtest/envoy)
-// spread over aggregation keys, and the measurements taken on them: how
-// long a change takes to be ACKed by every Envoy that must get it, bytes,
-// streams, CPU and memory. The demo and the benchmarks (cmd/loadtest) are
-// built from these parts.
+// Package traffic drives a relay tier the way a mesh does: fleets of
+// simulated Envoys (loadtest/envoy) spread over aggregation keys on a
+// synthetic istiod-shaped upstream (loadtest/upstream), and the Tracker
+// that times each change until every Envoy that must get it ACKed it. The
+// demo and the benchmarks are built on it.
 package traffic
 
 import (
