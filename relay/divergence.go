@@ -11,19 +11,19 @@ import (
 	"time"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
-	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/adsclient"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
 	"github.com/meshrelay/meshrelay/relay/peers"
+	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -772,22 +772,21 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 	r.metrics.divergenceOpen.Inc()
 	defer r.metrics.divergenceOpen.Dec()
 	p := &probeStream{r: r, asked: asked, got: make(map[string]map[string]ledger.Hash)}
-	client := discovery.NewAggregatedDiscoveryServiceClient(r.upConn)
-	var err error
-	if r.cfg.UpstreamProtocol == ProtocolDelta {
-		err = p.openDelta(ctx, client, node)
-	} else {
-		err = p.openSotW(ctx, client, node)
-	}
+	s, err := adsclient.Open(ctx, r.upConn, adsclient.Config{
+		Delta:       r.cfg.UpstreamProtocol == ProtocolDelta,
+		Node:        node,
+		CallOptions: []grpc.CallOption{grpc.MaxCallRecvMsgSize(r.cfg.MaxMsgSize)},
+	})
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("open check stream: %w", err)
 	}
-	recv := make(chan error, 1)
-	go func() { recv <- p.recvAll() }()
-	defer func() {
-		cancel()
-		<-recv
-	}()
+	defer s.Close()
+	for _, typeURL := range p.types() {
+		names := p.asked[typeURL]
+		if err := s.Subscribe(typeURL, names == nil, names); err != nil {
+			return nil, fmt.Errorf("check stream: %w", err)
+		}
+	}
 
 	tick := time.NewTicker(confirmAfter / 4)
 	defer tick.Stop()
@@ -803,10 +802,17 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 		select {
 		case <-ctx.Done():
 			return nil, errChurning
-		case err := <-recv:
-			recv <- err // for the deferred wait
+		case err := <-s.Err():
 			return nil, fmt.Errorf("check stream: %w", err)
-		case <-p.changed:
+		case m := <-s.Responses():
+			err := p.handle(m)
+			if err == nil {
+				err = s.ACK(m)
+			}
+			m.Release()
+			if err != nil {
+				return nil, fmt.Errorf("check stream: %w", err)
+			}
 			lastAnswer = time.Now()
 		case <-tick.C:
 		}
@@ -967,96 +973,34 @@ func (k *keyState) wantedTypes() map[string]bool {
 	return k.wantedLocked()
 }
 
-// probeStream is a check's upstream stream: what it asked and what it got.
+// probeStream is what a check's upstream stream asked and what it got.
+// The check's goroutine alone uses it.
 type probeStream struct {
 	r     *Relay
 	asked map[string]xds.NameSet
-
-	mu  sync.Mutex
-	got map[string]map[string]ledger.Hash // by type, then name
-
-	changed chan struct{} // a response arrived
-	recv    func() error  // reads and ACKs one response
+	got   map[string]map[string]ledger.Hash // by type, then name
 }
 
-func (p *probeStream) openSotW(ctx context.Context, client discovery.AggregatedDiscoveryServiceClient, node *core.Node) error {
-	cs, err := client.StreamAggregatedResources(ctx, grpc.MaxCallRecvMsgSize(p.r.cfg.MaxMsgSize))
-	if err != nil {
-		return fmt.Errorf("open check stream: %w", err)
+// handle enters a response of the check's stream, if of a type it asked.
+func (p *probeStream) handle(m adsclient.Response) error {
+	typeURL := m.GetTypeUrl()
+	if _, ok := p.asked[typeURL]; !ok {
+		return nil
 	}
-	err = p.subscribe(node, func(typeURL string, names xds.NameSet, node *core.Node) error {
-		return cs.Send(&discovery.DiscoveryRequest{TypeUrl: typeURL, ResourceNames: names, Node: node})
-	})
-	if err != nil {
-		return err
-	}
-	p.recv = func() error {
-		resp, err := cs.Recv()
-		if err != nil {
-			return err
-		}
-		typeURL := resp.GetTypeUrl()
-		names, ok := p.asked[typeURL]
-		if !ok {
-			return nil
-		}
-		got, err := p.decode(typeURL, resp.GetResources())
+	switch m := m.(type) {
+	case *wire.SotWIn:
+		got, err := p.decode(typeURL, len(m.Resources), func(i int) *wire.AnyIn { return m.Resources[i] })
 		if err != nil {
 			return err
 		}
 		p.apply(typeURL, got, nil, xds.FullStateSotW(typeURL))
-		return cs.Send(&discovery.DiscoveryRequest{TypeUrl: typeURL, ResourceNames: names, VersionInfo: resp.GetVersionInfo(), ResponseNonce: resp.GetNonce()})
-	}
-	return nil
-}
-
-func (p *probeStream) openDelta(ctx context.Context, client discovery.AggregatedDiscoveryServiceClient, node *core.Node) error {
-	cs, err := client.DeltaAggregatedResources(ctx, grpc.MaxCallRecvMsgSize(p.r.cfg.MaxMsgSize))
-	if err != nil {
-		return fmt.Errorf("open check stream: %w", err)
-	}
-	err = p.subscribe(node, func(typeURL string, names xds.NameSet, node *core.Node) error {
-		if names == nil {
-			names = []string{"*"}
-		}
-		return cs.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResourceNamesSubscribe: names, Node: node})
-	})
-	if err != nil {
-		return err
-	}
-	p.recv = func() error {
-		resp, err := cs.Recv()
+	case *wire.DeltaIn:
+		res := slices.DeleteFunc(m.Resources, func(r wire.ResourceIn) bool { return r.Body == nil })
+		got, err := p.decode(typeURL, len(res), func(i int) *wire.AnyIn { return res[i].Body })
 		if err != nil {
 			return err
 		}
-		typeURL := resp.GetTypeUrl()
-		if _, ok := p.asked[typeURL]; ok {
-			bodies := make([]*anypb.Any, 0, len(resp.GetResources()))
-			for _, res := range resp.GetResources() {
-				if res.GetResource() != nil {
-					bodies = append(bodies, res.GetResource())
-				}
-			}
-			got, err := p.decode(typeURL, bodies)
-			if err != nil {
-				return err
-			}
-			p.apply(typeURL, got, resp.GetRemovedResources(), false)
-		}
-		return cs.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: resp.GetNonce()})
-	}
-	return nil
-}
-
-// subscribe sends, with send, the first request of every asked type (nil
-// names: everything), the node on the first of them.
-func (p *probeStream) subscribe(node *core.Node, send func(typeURL string, names xds.NameSet, node *core.Node) error) error {
-	p.changed = make(chan struct{}, 1)
-	for _, typeURL := range p.types() {
-		if err := send(typeURL, p.asked[typeURL], node); err != nil {
-			return fmt.Errorf("check stream: %w", err)
-		}
-		node = nil
+		p.apply(typeURL, got, m.RemovedResources, false)
 	}
 	return nil
 }
@@ -1069,23 +1013,13 @@ func (p *probeStream) types() []string {
 	})
 }
 
-// recvAll reads responses until the stream ends.
-func (p *probeStream) recvAll() error {
-	for {
-		if err := p.recv(); err != nil {
-			return err
-		}
-		wake(p.changed)
-	}
-}
-
-// decode hashes bodies as the relay's views do (decoding only content the
-// relay lacks) and keeps the asked ones.
-func (p *probeStream) decode(typeURL string, bodies []*anypb.Any) (map[string]ledger.Hash, error) {
+// decode hashes n bodies as the relay's views do (decoding only content
+// the relay lacks) and keeps the asked ones.
+func (p *probeStream) decode(typeURL string, n int, body func(int) *wire.AnyIn) (map[string]ledger.Hash, error) {
 	names := p.asked[typeURL]
-	out := make(map[string]ledger.Hash, len(bodies))
-	for _, b := range bodies {
-		res, err := p.r.store.Decode(typeURL, b, "")
+	out := make(map[string]ledger.Hash, n)
+	for i := range n {
+		res, err := p.r.store.Decode(typeURL, body(i), "")
 		if err != nil {
 			return nil, err
 		}
@@ -1098,8 +1032,6 @@ func (p *probeStream) decode(typeURL string, bodies []*anypb.Any) (map[string]le
 
 // apply enters a response: a whole type's content (replace), or changes.
 func (p *probeStream) apply(typeURL string, upd map[string]ledger.Hash, removed []string, replace bool) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
 	cur := p.got[typeURL]
 	if replace || cur == nil {
 		cur = make(map[string]ledger.Hash, len(upd))
@@ -1116,8 +1048,6 @@ func (p *probeStream) apply(typeURL string, upd map[string]ledger.Hash, removed 
 // differences. A resource one side lacks is a difference whatever the
 // other's content, so that it stays the same while that content changes.
 func (p *probeStream) compare(v *keyViews) (diffs []difference, ok bool) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
 	for _, typeURL := range p.types() {
 		got, answered := p.got[typeURL]
 		if !answered {

@@ -1,0 +1,332 @@
+// Package adsclient is the relay's ADS client: one stream, SotW or Delta,
+// to a control plane (istiod, or the relay that owns a key). It owns the
+// transport, as grpc-go's xdsclient splits its ADS stream from the
+// authority that decides what to ask: the stream's two goroutines, flow
+// control (requests are queued, bounded, so that writing never stops the
+// reading of responses), the node on the first request, and each type's
+// nonce and ACKed version. What to subscribe to, and what a response
+// means, stay with the caller: the key's feed, the divergence check.
+//
+// Responses are read lazily off the wire (wire.SotWIn, wire.DeltaIn): a
+// resource's bytes stay in gRPC's buffer until the caller decodes them,
+// and the caller Releases each response once handled.
+package adsclient
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/relay/wire"
+	"github.com/meshrelay/meshrelay/relay/xds"
+)
+
+// Config configures a Stream.
+type Config struct {
+	// Delta selects the incremental protocol; false: State of the World.
+	Delta bool
+	// Node is sent on the stream's first request (as the protocol asks),
+	// whichever request that is.
+	Node *core.Node
+	// MaxQueued bounds the requests sent but not yet written to the
+	// stream; past it Send fails, and the caller should end the stream: a
+	// control plane that reads nothing for that long is stuck. Default
+	// (0) 4096.
+	MaxQueued int
+	// CallOptions are passed on opening the stream (e.g.
+	// grpc.MaxCallRecvMsgSize). The stream always uses the lazy codec of
+	// package wire.
+	CallOptions []grpc.CallOption
+}
+
+// Response is a response as the stream reads it: *wire.SotWIn or
+// *wire.DeltaIn. Release it once handled.
+type Response interface {
+	GetTypeUrl() string
+	GetNonce() string
+	Release()
+}
+
+// Stream is one ADS stream. Open it, read Responses until Err yields,
+// and Close it. Send, Subscribe, ACK and NACK may be called from any
+// goroutine; they never block on the network.
+type Stream struct {
+	cfg    Config
+	cs     grpc.ClientStream
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	out  chan proto.Message // requests waiting to be written
+	in   chan Response
+	errs chan error
+
+	mu    sync.Mutex
+	first bool              // the next request is the first: it carries the node
+	types map[string]*state // what each type was asked, and its last response
+}
+
+// state is one type's standing on the stream.
+type state struct {
+	subscribed bool
+	wildcard   bool
+	named      bool     // SotW: the stream named resources of the type
+	names      []string // subscribed by name (sorted)
+	acked      string   // SotW: version_info last ACKed
+	nonce      string   // of the latest response
+}
+
+// ErrQueueFull is returned by Send when MaxQueued requests wait.
+var ErrQueueFull = errors.New("adsclient: the control plane reads no requests")
+
+// Open opens an ADS stream on conn; ctx bounds it. Its goroutines run
+// until Close.
+func Open(ctx context.Context, conn grpc.ClientConnInterface, cfg Config) (*Stream, error) {
+	if cfg.MaxQueued <= 0 {
+		cfg.MaxQueued = 4096
+	}
+	sctx, cancel := context.WithCancel(ctx)
+	client := discovery.NewAggregatedDiscoveryServiceClient(conn)
+	opts := append(slices.Clone(cfg.CallOptions), grpc.ForceCodecV2(wire.NewCodec()))
+	var cs grpc.ClientStream
+	var err error
+	if cfg.Delta {
+		cs, err = client.DeltaAggregatedResources(sctx, opts...)
+	} else {
+		cs, err = client.StreamAggregatedResources(sctx, opts...)
+	}
+	if err != nil {
+		cancel()
+		return nil, fmt.Errorf("open %s stream: %w", protocolName(cfg.Delta), err)
+	}
+	s := &Stream{
+		cfg: cfg, cs: cs, cancel: cancel,
+		out:   make(chan proto.Message, cfg.MaxQueued),
+		in:    make(chan Response),
+		errs:  make(chan error, 2),
+		first: true,
+		types: make(map[string]*state),
+	}
+	s.wg.Go(func() { s.receive(sctx) })
+	s.wg.Go(func() { s.write(sctx) })
+	return s, nil
+}
+
+func protocolName(delta bool) string {
+	if delta {
+		return "delta"
+	}
+	return "sotw"
+}
+
+// receive reads responses into s.in until the stream fails or ends.
+func (s *Stream) receive(ctx context.Context) {
+	for {
+		var m Response
+		if s.cfg.Delta {
+			m = new(wire.DeltaIn)
+		} else {
+			m = new(wire.SotWIn)
+		}
+		if err := s.cs.RecvMsg(m); err != nil {
+			s.errs <- err
+			return
+		}
+		s.mu.Lock()
+		s.stateOf(m.GetTypeUrl()).nonce = m.GetNonce()
+		s.mu.Unlock()
+		select {
+		case s.in <- m:
+		case <-ctx.Done():
+			m.Release()
+			return
+		}
+	}
+}
+
+// write writes queued requests until the stream fails or ends.
+func (s *Stream) write(ctx context.Context) {
+	for {
+		select {
+		case m := <-s.out:
+			if err := s.cs.SendMsg(m); err != nil {
+				s.errs <- err
+				return
+			}
+		case <-ctx.Done():
+			return
+		}
+	}
+}
+
+// Responses yields the stream's responses in order.
+func (s *Stream) Responses() <-chan Response { return s.in }
+
+// Err yields the stream's failure: io.EOF or the status the control
+// plane ended it with, or the error of a write.
+func (s *Stream) Err() <-chan error { return s.errs }
+
+// Header returns the header the control plane sent, waiting for it.
+func (s *Stream) Header() (metadata.MD, error) { return s.cs.Header() }
+
+// Trailer returns the trailer, once the stream ended (Err yielded).
+func (s *Stream) Trailer() metadata.MD { return s.cs.Trailer() }
+
+// Close ends the stream and waits for its goroutines. Idempotent.
+func (s *Stream) Close() {
+	s.cancel()
+	s.wg.Wait()
+}
+
+// Send queues m (a DiscoveryRequest or a DeltaDiscoveryRequest, as the
+// stream's protocol) for writing, the node set on the stream's first
+// request. The stream owns m from now on. For callers that build their own
+// requests; Subscribe, ACK and NACK build them from the stream's state.
+func (s *Stream) Send(m proto.Message) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.sendLocked(m)
+}
+
+func (s *Stream) sendLocked(m proto.Message) error {
+	switch r := m.(type) {
+	case *discovery.DiscoveryRequest:
+		if s.cfg.Delta {
+			return errors.New("adsclient: a SotW request on a Delta stream")
+		}
+		if s.first {
+			r.Node = s.cfg.Node
+		}
+	case *discovery.DeltaDiscoveryRequest:
+		if !s.cfg.Delta {
+			return errors.New("adsclient: a Delta request on a SotW stream")
+		}
+		if s.first {
+			r.Node = s.cfg.Node
+		}
+	default:
+		return fmt.Errorf("adsclient: %T is no ADS request", m)
+	}
+	select {
+	case s.out <- m:
+		s.first = false
+		return nil
+	default:
+		return ErrQueueFull
+	}
+}
+
+func (s *Stream) stateOf(typeURL string) *state {
+	st := s.types[typeURL]
+	if st == nil {
+		st = &state{}
+		s.types[typeURL] = st
+	}
+	return st
+}
+
+// Subscribe sets typeURL's subscription: every resource (wildcard), and
+// names. SotW asks the whole set again, with the version last ACKed and
+// the latest nonce; Delta sends what changed, or, first, the set.
+func (s *Stream) Subscribe(typeURL string, wildcard bool, names []string) error {
+	names = slices.Sorted(slices.Values(names))
+	names = slices.Compact(names)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := s.stateOf(typeURL)
+	var req proto.Message
+	if s.cfg.Delta {
+		r := &discovery.DeltaDiscoveryRequest{TypeUrl: typeURL}
+		if !st.subscribed {
+			r.ResourceNamesSubscribe = names
+			if wildcard {
+				r.ResourceNamesSubscribe = append([]string{xds.WildcardName}, names...)
+			}
+		} else {
+			r.ResourceNamesSubscribe, r.ResourceNamesUnsubscribe = diff(st.names, names)
+			if wildcard && !st.wildcard {
+				r.ResourceNamesSubscribe = append(r.ResourceNamesSubscribe, xds.WildcardName)
+			}
+			if !wildcard && st.wildcard {
+				r.ResourceNamesUnsubscribe = append(r.ResourceNamesUnsubscribe, xds.WildcardName)
+			}
+		}
+		req = r
+	} else {
+		rn := sotwNames(wildcard, names, st.named)
+		st.named = st.named || len(rn) > 0
+		req = &discovery.DiscoveryRequest{TypeUrl: typeURL, VersionInfo: st.acked, ResourceNames: rn, ResponseNonce: st.nonce}
+	}
+	if err := s.sendLocked(req); err != nil {
+		return err
+	}
+	st.subscribed, st.wildcard, st.names = true, wildcard, names
+	return nil
+}
+
+// sotwNames is a SotW request's resource_names: a wildcard with no names
+// is the legacy empty list, the form every server understands, but only
+// while the stream never named a resource of the type (named); after,
+// the list must say "*".
+func sotwNames(wildcard bool, names []string, named bool) []string {
+	if wildcard && (len(names) > 0 || named) {
+		return append([]string{xds.WildcardName}, names...)
+	}
+	return names
+}
+
+// diff returns what is in to but not from (added) and the reverse.
+func diff(from, to []string) (added, removed []string) {
+	for _, n := range to {
+		if _, ok := slices.BinarySearch(from, n); !ok {
+			added = append(added, n)
+		}
+	}
+	for _, n := range from {
+		if _, ok := slices.BinarySearch(to, n); !ok {
+			removed = append(removed, n)
+		}
+	}
+	return added, removed
+}
+
+// ACK accepts resp. A SotW ACK of a type the stream never subscribed to
+// sends nothing: it would subscribe to it.
+func (s *Stream) ACK(resp Response) error {
+	return s.answer(resp, nil)
+}
+
+// NACK refuses resp, saying why: the control plane keeps the stream on
+// the version last ACKed.
+func (s *Stream) NACK(resp Response, cause error) error {
+	return s.answer(resp, &rpcstatus.Status{Code: int32(codes.InvalidArgument), Message: cause.Error()})
+}
+
+func (s *Stream) answer(resp Response, nack *rpcstatus.Status) error {
+	typeURL := resp.GetTypeUrl()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := s.stateOf(typeURL)
+	if s.cfg.Delta {
+		return s.sendLocked(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: resp.GetNonce(), ErrorDetail: nack})
+	}
+	if !st.subscribed {
+		return nil
+	}
+	if nack == nil {
+		if r, ok := resp.(*wire.SotWIn); ok {
+			st.acked = r.VersionInfo
+		}
+	}
+	return s.sendLocked(&discovery.DiscoveryRequest{TypeUrl: typeURL, VersionInfo: st.acked,
+		ResourceNames: sotwNames(st.wildcard, st.names, st.named), ResponseNonce: resp.GetNonce(), ErrorDetail: nack})
+}

@@ -1,0 +1,488 @@
+package adsclient_test
+
+import (
+	"context"
+	"errors"
+	"net"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
+	cachev3 "github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
+	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/meshrelay/meshrelay/relay/adsclient"
+	"github.com/meshrelay/meshrelay/relay/wire"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+const nodeID = "sidecar~10.0.0.1~a.ns~ns.svc.cluster.local"
+
+// controlPlane is a real go-control-plane server (its snapshot cache, SotW
+// and Delta) on loopback, recording every request it reads.
+type controlPlane struct {
+	addr  string
+	cache cachev3.SnapshotCache
+	srv   *grpc.Server
+	done  chan struct{}
+
+	mu    sync.Mutex
+	sotw  []*discovery.DiscoveryRequest
+	delta []*discovery.DeltaDiscoveryRequest
+}
+
+func startControlPlane(t *testing.T, addr string) *controlPlane {
+	t.Helper()
+	lis, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cp := &controlPlane{addr: lis.Addr().String(), cache: cachev3.NewSnapshotCache(false, cachev3.IDHash{}, nil), done: make(chan struct{})}
+	cb := serverv3.CallbackFuncs{
+		StreamRequestFunc: func(_ int64, r *discovery.DiscoveryRequest) error {
+			cp.mu.Lock()
+			defer cp.mu.Unlock()
+			cp.sotw = append(cp.sotw, proto.Clone(r).(*discovery.DiscoveryRequest))
+			return nil
+		},
+		StreamDeltaRequestFunc: func(_ int64, r *discovery.DeltaDiscoveryRequest) error {
+			cp.mu.Lock()
+			defer cp.mu.Unlock()
+			cp.delta = append(cp.delta, proto.Clone(r).(*discovery.DeltaDiscoveryRequest))
+			return nil
+		},
+	}
+	cp.srv = grpc.NewServer()
+	discovery.RegisterAggregatedDiscoveryServiceServer(cp.srv, serverv3.NewServer(context.Background(), cp.cache, cb))
+	go func() {
+		defer close(cp.done)
+		_ = cp.srv.Serve(lis)
+	}()
+	t.Cleanup(cp.stop)
+	return cp
+}
+
+func (cp *controlPlane) stop() {
+	cp.srv.Stop()
+	<-cp.done
+}
+
+// set publishes version of the clusters named.
+func (cp *controlPlane) set(t *testing.T, version string, clusters ...string) {
+	t.Helper()
+	var res []types.Resource
+	for _, c := range clusters {
+		res = append(res, &clusterv3.Cluster{Name: c})
+	}
+	snap, err := cachev3.NewSnapshot(version, map[resource.Type][]types.Resource{resource.ClusterType: res})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cp.cache.SetSnapshot(context.Background(), nodeID, snap); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// sotwRequests and deltaRequests return what the server read so far.
+func (cp *controlPlane) sotwRequests() []*discovery.DiscoveryRequest {
+	cp.mu.Lock()
+	defer cp.mu.Unlock()
+	return slices.Clone(cp.sotw)
+}
+
+func (cp *controlPlane) deltaRequests() []*discovery.DeltaDiscoveryRequest {
+	cp.mu.Lock()
+	defer cp.mu.Unlock()
+	return slices.Clone(cp.delta)
+}
+
+// waitFor polls cond (the server's record) until it holds or ctx ends.
+func waitFor(t *testing.T, ctx context.Context, what string, cond func() bool) {
+	t.Helper()
+	for !cond() {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("%s: never happened", what)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+func dial(t *testing.T, addr string) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
+// next returns the stream's next response, failing on its end.
+func next(t *testing.T, ctx context.Context, s *adsclient.Stream) adsclient.Response {
+	t.Helper()
+	select {
+	case r := <-s.Responses():
+		return r
+	case err := <-s.Err():
+		t.Fatalf("stream ended: %v", err)
+	case <-ctx.Done():
+		t.Fatal("no response")
+	}
+	return nil
+}
+
+// names returns the resource names a response carries.
+func names(t *testing.T, r adsclient.Response) []string {
+	t.Helper()
+	var out []string
+	add := func(a *wire.AnyIn) {
+		c := new(clusterv3.Cluster)
+		if err := (&anypb.Any{TypeUrl: a.GetTypeUrl(), Value: a.GetValue()}).UnmarshalTo(c); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, c.GetName())
+	}
+	switch r := r.(type) {
+	case *wire.SotWIn:
+		for _, a := range r.Resources {
+			add(a)
+		}
+	case *wire.DeltaIn:
+		for _, res := range r.Resources {
+			add(res.Body)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// TestSotW: the node goes on the first request; a response is ACKed
+// with its version and nonce and the subscription; the next version comes.
+func TestSotW(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cp := startControlPlane(t, "127.0.0.1:0")
+	cp.set(t, "v1", "a", "b")
+	s, err := adsclient.Open(ctx, dial(t, cp.addr), adsclient.Config{Node: &core.Node{Id: nodeID}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if err := s.Subscribe(resource.ClusterType, true, nil); err != nil {
+		t.Fatal(err)
+	}
+	r1 := next(t, ctx, s)
+	if got := names(t, r1); !slices.Equal(got, []string{"a", "b"}) || r1.(*wire.SotWIn).VersionInfo != "v1" {
+		t.Fatalf("first response: %v at %q, want [a b] at v1", got, r1.(*wire.SotWIn).VersionInfo)
+	}
+	if err := s.ACK(r1); err != nil {
+		t.Fatal(err)
+	}
+	r1.Release()
+	cp.set(t, "v2", "a", "b", "c")
+	r2 := next(t, ctx, s)
+	if got := names(t, r2); !slices.Equal(got, []string{"a", "b", "c"}) {
+		t.Fatalf("second response: %v, want [a b c]", got)
+	}
+	r2.Release()
+	reqs := cp.sotwRequests()
+	if len(reqs) < 2 {
+		t.Fatalf("server read %d requests, want the subscription and the ACK", len(reqs))
+	}
+	// (go-control-plane's server puts the stream's node on every request
+	// it passes on: the first is all that can be checked here.)
+	if reqs[0].GetNode().GetId() != nodeID {
+		t.Errorf("first request's node = %v, want %s", reqs[0].GetNode(), nodeID)
+	}
+	if ack := reqs[1]; ack.GetVersionInfo() != "v1" || ack.GetResponseNonce() != r1.GetNonce() || ack.GetErrorDetail() != nil || len(ack.GetResourceNames()) != 0 {
+		t.Errorf("ACK = %v, want version v1, nonce %q, the legacy wildcard, no error", ack, r1.GetNonce())
+	}
+}
+
+// TestDelta: the first request subscribes with the node; an ACK is the
+// nonce; a change brings only what changed.
+func TestDelta(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cp := startControlPlane(t, "127.0.0.1:0")
+	cp.set(t, "v1", "a", "b")
+	s, err := adsclient.Open(ctx, dial(t, cp.addr), adsclient.Config{Delta: true, Node: &core.Node{Id: nodeID}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if err := s.Subscribe(resource.ClusterType, true, nil); err != nil {
+		t.Fatal(err)
+	}
+	r1 := next(t, ctx, s)
+	if got := names(t, r1); !slices.Equal(got, []string{"a", "b"}) {
+		t.Fatalf("first response: %v, want [a b]", got)
+	}
+	if err := s.ACK(r1); err != nil {
+		t.Fatal(err)
+	}
+	r1.Release()
+	cp.set(t, "v2", "a", "b", "c")
+	r2 := next(t, ctx, s)
+	if got := names(t, r2); !slices.Equal(got, []string{"c"}) {
+		t.Fatalf("second response: %v, want [c] (only what changed)", got)
+	}
+	r2.Release()
+	reqs := cp.deltaRequests()
+	if len(reqs) < 2 {
+		t.Fatalf("server read %d requests, want the subscription and the ACK", len(reqs))
+	}
+	if first := reqs[0]; first.GetNode().GetId() != nodeID || !slices.Equal(first.GetResourceNamesSubscribe(), []string{"*"}) {
+		t.Errorf("first request = %v, want the node and a subscription of *", first)
+	}
+	if ack := reqs[1]; ack.GetResponseNonce() != r1.GetNonce() || len(ack.GetResourceNamesSubscribe()) != 0 || ack.GetErrorDetail() != nil {
+		t.Errorf("ACK = %v, want only nonce %q", ack, r1.GetNonce())
+	}
+}
+
+// TestNACK: a refused response is answered with the error and, in SotW,
+// the version last ACKed, so the control plane keeps the client on it.
+func TestNACK(t *testing.T) {
+	for _, delta := range []bool{false, true} {
+		t.Run(map[bool]string{false: "sotw", true: "delta"}[delta], func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			cp := startControlPlane(t, "127.0.0.1:0")
+			cp.set(t, "v1", "a")
+			s, err := adsclient.Open(ctx, dial(t, cp.addr), adsclient.Config{Delta: delta, Node: &core.Node{Id: nodeID}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			if err := s.Subscribe(resource.ClusterType, true, nil); err != nil {
+				t.Fatal(err)
+			}
+			r1 := next(t, ctx, s)
+			if err := s.ACK(r1); err != nil {
+				t.Fatal(err)
+			}
+			r1.Release()
+			cp.set(t, "v2", "a", "bad")
+			r2 := next(t, ctx, s)
+			if err := s.NACK(r2, errors.New("cluster bad: refused")); err != nil {
+				t.Fatal(err)
+			}
+			r2.Release()
+			if delta {
+				waitFor(t, ctx, "the NACK read", func() bool { return len(cp.deltaRequests()) >= 3 })
+				nack := cp.deltaRequests()[2]
+				if nack.GetResponseNonce() != r2.GetNonce() || !strings.Contains(nack.GetErrorDetail().GetMessage(), "refused") {
+					t.Errorf("NACK = %v, want nonce %q and the error", nack, r2.GetNonce())
+				}
+				return
+			}
+			waitFor(t, ctx, "the NACK read", func() bool { return len(cp.sotwRequests()) >= 3 })
+			nack := cp.sotwRequests()[2]
+			if nack.GetVersionInfo() != "v1" || nack.GetResponseNonce() != r2.GetNonce() || !strings.Contains(nack.GetErrorDetail().GetMessage(), "refused") {
+				t.Errorf("NACK = %v, want version v1 (the last ACKed), nonce %q and the error", nack, r2.GetNonce())
+			}
+		})
+	}
+}
+
+// TestReconnect: when the control plane goes, Err says so; a stream opened
+// again on the same connection, once it is back, starts over: the node on
+// its first request, the whole state in its first response.
+func TestReconnect(t *testing.T) {
+	for _, delta := range []bool{false, true} {
+		t.Run(map[bool]string{false: "sotw", true: "delta"}[delta], func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			cp := startControlPlane(t, "127.0.0.1:0")
+			cp.set(t, "v1", "a")
+			conn := dial(t, cp.addr)
+			cfg := adsclient.Config{Delta: delta, Node: &core.Node{Id: nodeID}}
+			s, err := adsclient.Open(ctx, conn, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			if err := s.Subscribe(resource.ClusterType, true, nil); err != nil {
+				t.Fatal(err)
+			}
+			r := next(t, ctx, s)
+			r.Release()
+			cp.stop()
+			select {
+			case err := <-s.Err():
+				if err == nil {
+					t.Fatal("Err yielded nil")
+				}
+			case <-ctx.Done():
+				t.Fatal("the stream never ended with its control plane")
+			}
+			s.Close()
+
+			cp2 := startControlPlane(t, cp.addr)
+			cp2.set(t, "v2", "a", "b")
+			cfg.CallOptions = []grpc.CallOption{grpc.WaitForReady(true)} // the connection is reconnecting
+			s2, err := adsclient.Open(ctx, conn, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s2.Close()
+			if err := s2.Subscribe(resource.ClusterType, true, nil); err != nil {
+				t.Fatal(err)
+			}
+			r2 := next(t, ctx, s2)
+			if got := names(t, r2); !slices.Equal(got, []string{"a", "b"}) {
+				t.Errorf("first response after the reconnect: %v, want [a b]", got)
+			}
+			r2.Release()
+			var node *core.Node
+			if delta {
+				node = cp2.deltaRequests()[0].GetNode()
+			} else {
+				node = cp2.sotwRequests()[0].GetNode()
+			}
+			if node.GetId() != nodeID {
+				t.Errorf("the new stream's first request carried node %v, want %s", node, nodeID)
+			}
+		})
+	}
+}
+
+// stuckServer writes responses and never reads a request, as a control
+// plane busy writing does.
+type stuckServer struct {
+	discovery.UnimplementedAggregatedDiscoveryServiceServer
+	responses int
+}
+
+func (s stuckServer) StreamAggregatedResources(stream discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
+	for i := range s.responses {
+		c, _ := anypb.New(&clusterv3.Cluster{Name: "c"})
+		if err := stream.Send(&discovery.DiscoveryResponse{TypeUrl: resource.ClusterType, VersionInfo: "v", Nonce: string(rune('a' + i%26)), Resources: []*anypb.Any{c}}); err != nil {
+			return err
+		}
+	}
+	<-stream.Context().Done()
+	return nil
+}
+
+// TestFlowControl: requests the control plane does not read queue up to
+// MaxQueued, then Send fails, never blocking; meanwhile every response it
+// writes is still read. (A client that blocked writing would stop reading,
+// and with a server that writes before it reads, both would wait forever.)
+func TestFlowControl(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const responses = 200
+	srv := grpc.NewServer()
+	discovery.RegisterAggregatedDiscoveryServiceServer(srv, stuckServer{responses: responses})
+	done := make(chan struct{})
+	go func() { defer close(done); _ = srv.Serve(lis) }()
+	defer func() { srv.Stop(); <-done }()
+
+	s, err := adsclient.Open(ctx, dial(t, lis.Addr().String()), adsclient.Config{Node: &core.Node{Id: nodeID}, MaxQueued: 8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	// Each request is a megabyte of names: a few fill the stream's
+	// flow-control window, and the rest queue.
+	big := make([]string, 1024)
+	for i := range big {
+		big[i] = strings.Repeat("x", 1000)
+	}
+	full := false
+	for i := 0; i < 10_000 && !full; i++ {
+		err := s.Send(&discovery.DiscoveryRequest{TypeUrl: resource.ClusterType, ResourceNames: big})
+		switch {
+		case errors.Is(err, adsclient.ErrQueueFull):
+			full = true
+		case err != nil:
+			t.Fatal(err)
+		}
+	}
+	if !full {
+		t.Fatal("Send never reported a full queue to a control plane that reads nothing")
+	}
+	for range responses {
+		next(t, ctx, s).Release()
+	}
+}
+
+// recordServer reads every request of a SotW stream and answers none.
+type recordServer struct {
+	discovery.UnimplementedAggregatedDiscoveryServiceServer
+	got chan *discovery.DiscoveryRequest
+}
+
+func (s recordServer) StreamAggregatedResources(stream discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
+	for {
+		r, err := stream.Recv()
+		if err != nil {
+			return nil
+		}
+		s.got <- r
+	}
+}
+
+// TestNodeOnFirstRequestOnly: whatever request comes first (Send,
+// Subscribe or an ACK) carries the node; none after it does.
+func TestNodeOnFirstRequestOnly(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := recordServer{got: make(chan *discovery.DiscoveryRequest, 16)}
+	srv := grpc.NewServer()
+	discovery.RegisterAggregatedDiscoveryServiceServer(srv, rec)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = srv.Serve(lis) }()
+	defer func() { srv.Stop(); <-done }()
+	s, err := adsclient.Open(ctx, dial(t, lis.Addr().String()), adsclient.Config{Node: &core.Node{Id: nodeID}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if err := s.Send(&discovery.DiscoveryRequest{TypeUrl: resource.ClusterType}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Subscribe(resource.EndpointType, false, []string{"b", "a", "b"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Send(&discovery.DeltaDiscoveryRequest{}); err == nil {
+		t.Error("Send(a Delta request) on a SotW stream = nil, want an error")
+	}
+	for i := range 2 {
+		var r *discovery.DiscoveryRequest
+		select {
+		case r = <-rec.got:
+		case <-ctx.Done():
+			t.Fatalf("request %d never arrived", i)
+		}
+		if (r.GetNode() != nil) != (i == 0) {
+			t.Errorf("request %d node = %v, want it on the first request only", i, r.GetNode())
+		}
+		if i == 1 && !slices.Equal(r.GetResourceNames(), []string{"a", "b"}) {
+			t.Errorf("subscription names = %q, want [a b] (sorted, once each)", r.GetResourceNames())
+		}
+	}
+}
