@@ -17,19 +17,19 @@ import (
 var updateGolden = flag.Bool("update-golden", false, "rewrite the golden files of TestPrintGolden and TestReportJSONGolden")
 
 // goldenMachine is the machine every fixed report was measured on.
-var goldenMachine = Machine{CPUs: 8, GOMAXPROCS: 6, GoVersion: "go1.24.1", OS: "linux/amd64", LoadAvg: "0.52 0.61 0.70"}
+var goldenMachine = report.Machine{CPUs: 8, GOMAXPROCS: 6, GoVersion: "go1.24.1", OS: "linux/amd64", LoadAvg: "0.52 0.61 0.70"}
 
 // goldenFanoutTLS is a fanout report of every kind of column: direct,
 // relayed plaintext and TLS runs, the fleet in a child process, connect
 // storms, a violation, an error, figures large and small.
 func goldenFanoutTLS() *FanoutReport {
-	proc := func(sync, changes float64, end, peak uint64, cpus string) ProcFigures {
-		return ProcFigures{CPUSyncS: sync, CPUChangesS: changes, RSSEnd: end, RSSPeak: peak, Pid: 4242, CPUs: cpus}
+	proc := func(sync, changes float64, end, peak uint64, cpus string) report.Process {
+		return report.Process{CPUSyncS: sync, CPUChangesS: changes, RSSEnd: end, RSSPeak: peak, Pid: 4242, CPUs: cpus}
 	}
-	pp := func(p ProcFigures) *ProcFigures { return &p }
+	pp := func(p report.Process) *report.Process { return &p }
 	storm := func(rate, p50, p99, relay1000 float64, refused map[string]int) *AdmissionFigures {
 		return &AdmissionFigures{Streams: 1000, Concurrency: 32, Admitted: 1000 - len(refused), Refused: refused,
-			WallS: 1000 / rate, RatePerS: rate, Latency: LatencyMs{N: 1000, P50: p50, P95: p99 / 2, P99: p99, Max: 2 * p99},
+			WallS: 1000 / rate, RatePerS: rate, Latency: report.LatencyMs{N: 1000, P50: p50, P95: p99 / 2, P99: p99, Max: 2 * p99},
 			RelayCPUS: relay1000, RelayCPUPer1000S: relay1000, LoadtestCPUS: 0.8}
 	}
 	return &FanoutReport{
@@ -37,54 +37,54 @@ func goldenFanoutTLS() *FanoutReport {
 		Scenario: FanoutSummary{Services: 1000, Endpoints: 1000, Namespaces: 10, LocalFraction: 0.5, Envoys: 5000, Keys: 50,
 			Changes: 20, EnvoysPerConn: 1, StartRate: 1000, ChangeGapMs: 100, TargetP99Ms: 300, TargetRSS: 1 << 30,
 			TLS: TLSCompare, TokenReviewLatencyMs: 2},
-		Pinning: Pinning{FleetProcess: true, RelayCPUs: "0-1", FleetCPUs: "2-5", LoadtestCPUs: "0-7"},
+		Pinning: report.Pinning{FleetProcess: true, RelayCPUs: "0-1", FleetCPUs: "2-5", LoadtestCPUs: "0-7"},
 		Runs: []FanoutRun{
 			{Protocol: "delta", Mode: Direct, FleetStartS: 5.01, InitialSyncS: 42.5, Synced: true,
-				ACK:      LatencyMs{N: 100000, P50: 812.4, P95: 2400, P99: 3100, Max: 12500},
-				Complete: LatencyMs{N: 20, P50: 3050, P95: 3300, P99: 3400, Max: 3400}, ChangesDone: 20,
-				UpstreamStreams: 5000, UpstreamStreamsEnd: 5000,
+				ACK:      report.LatencyMs{N: 100000, P50: 812.4, P95: 2400, P99: 3100, Max: 12500},
+				Complete: report.LatencyMs{N: 20, P50: 3050, P95: 3300, P99: 3400, Max: 3400}, ChangesDone: 20,
+				UpstreamStreams:   report.UpstreamStreams{AfterSync: 5000, AtEnd: 5000},
 				UpstreamBytesSync: 3 << 30, UpstreamBytesChanges: 45 << 20, EnvoyBytesSync: 3 << 30, EnvoyBytesChanges: 45 << 20,
 				Loadtest: proc(61.2, 30.1, 2<<30, 3<<30, ""), Fleet: pp(proc(20, 10, 900<<20, 1<<30, "2-5")),
-				Reconnects: 3},
+				Health: report.Health{Reconnects: 3}},
 			{Protocol: "delta", Mode: Relayed, UpstreamProtocol: "delta", Transport: "plaintext", FleetStartS: 5, InitialSyncS: 6.25, Synced: true,
-				ACK:      LatencyMs{N: 100000, P50: 3.21, P95: 9.99, P99: 12.4, Max: 30},
-				Complete: LatencyMs{N: 20, P50: 14, P95: 20, P99: 21.5, Max: 21.5}, ChangesDone: 20,
-				UpstreamStreams: 50, UpstreamStreamsEnd: 50,
+				ACK:      report.LatencyMs{N: 100000, P50: 3.21, P95: 9.99, P99: 12.4, Max: 30},
+				Complete: report.LatencyMs{N: 20, P50: 14, P95: 20, P99: 21.5, Max: 21.5}, ChangesDone: 20,
+				UpstreamStreams:   report.UpstreamStreams{AfterSync: 50, AtEnd: 50},
 				UpstreamBytesSync: 30 << 20, UpstreamBytesChanges: 500 << 10, EnvoyBytesSync: 3 << 30, EnvoyBytesChanges: 45 << 20,
 				Loadtest: proc(2.5, 0.4, 200<<20, 250<<20, ""), Relay: pp(proc(12.5, 1.25, 400<<20, 600<<20, "0-1")),
 				Fleet:                    pp(proc(20, 10, 900<<20, 1<<30, "2-5")),
 				RelayCPUPerChangeEnvoyUs: 12.5, RelayCPUPerMBSyncMs: 3.9, RelayCPUPerMBChangesMs: 26.5,
 				Tokens: 0, Admission: storm(850, 4.5, 18, 0.35, nil)},
 			{Protocol: "delta", Mode: Relayed, UpstreamProtocol: "delta", Transport: "tls-local", FleetStartS: 5.5, InitialSyncS: 8, Synced: true,
-				ACK:      LatencyMs{N: 100000, P50: 3.5, P95: 11, P99: 14, Max: 35},
-				Complete: LatencyMs{N: 20, P50: 15, P95: 22, P99: 24, Max: 24}, ChangesDone: 19, ChangesTimedOut: 1,
-				UpstreamStreams: 50, UpstreamStreamsEnd: 51,
+				ACK:      report.LatencyMs{N: 100000, P50: 3.5, P95: 11, P99: 14, Max: 35},
+				Complete: report.LatencyMs{N: 20, P50: 15, P95: 22, P99: 24, Max: 24}, ChangesDone: 19, ChangesTimedOut: 1,
+				UpstreamStreams:   report.UpstreamStreams{AfterSync: 50, AtEnd: 51},
 				UpstreamBytesSync: 30 << 20, UpstreamBytesChanges: 500 << 10, EnvoyBytesSync: 3 << 30, EnvoyBytesChanges: 45 << 20,
 				Loadtest: proc(9.5, 0.5, 220<<20, 260<<20, ""), Relay: pp(proc(15, 1.5, 420<<20, 650<<20, "0-1")),
 				Fleet:                    pp(proc(40, 12, 950<<20, 1100<<20, "2-5")),
 				RelayCPUPerChangeEnvoyUs: 15, RelayCPUPerMBSyncMs: 4.7, RelayCPUPerMBChangesMs: 31.8,
-				Reconnects: 7, Violations: 2, ViolationSamples: []string{"envoy-17: nonce 4 after 5", "envoy-99: version went back"},
+				Health:  report.Health{Reconnects: 7, Violations: 2, ViolationSamples: []string{"envoy-17: nonce 4 after 5", "envoy-99: version went back"}},
 				Refused: 1, Tokens: 10, Admission: storm(400, 40, 120, 1.2, map[string]int{"Unauthenticated": 2})},
 			{Protocol: "delta", Mode: Relayed, UpstreamProtocol: "delta", Transport: "tls-tokenreview", FleetStartS: 6, InitialSyncS: 9.75, Synced: true,
-				ACK:      LatencyMs{N: 100000, P50: 3.6, P95: 11.5, P99: 15, Max: 36},
-				Complete: LatencyMs{N: 20, P50: 16, P95: 23, P99: 25, Max: 25}, ChangesDone: 20,
-				UpstreamStreams: 50, UpstreamStreamsEnd: 50,
+				ACK:      report.LatencyMs{N: 100000, P50: 3.6, P95: 11.5, P99: 15, Max: 36},
+				Complete: report.LatencyMs{N: 20, P50: 16, P95: 23, P99: 25, Max: 25}, ChangesDone: 20,
+				UpstreamStreams:   report.UpstreamStreams{AfterSync: 50, AtEnd: 50},
 				UpstreamBytesSync: 30 << 20, UpstreamBytesChanges: 500 << 10, EnvoyBytesSync: 3 << 30, EnvoyBytesChanges: 45 << 20,
 				Loadtest: proc(10, 0.5, 230<<20, 270<<20, ""), Relay: pp(proc(16, 1.6, 430<<20, 660<<20, "0-1")),
 				Fleet:                    pp(proc(41, 12, 950<<20, 1100<<20, "2-5")),
 				RelayCPUPerChangeEnvoyUs: 16, RelayCPUPerMBSyncMs: 5, RelayCPUPerMBChangesMs: 33.9,
 				Tokens: 10, TokenReviews: 10, Admission: storm(380, 42, 130, 1.3, nil)},
 			{Protocol: "sotw", Mode: Direct, FleetStartS: 5, InitialSyncS: 120.5, Synced: true,
-				ACK:      LatencyMs{N: 100000, P50: 15000, P95: 30000, P99: 41000, Max: 52000},
-				Complete: LatencyMs{N: 20, P50: 45000, P95: 50000, P99: 52000, Max: 52000}, ChangesDone: 20,
-				UpstreamStreams: 5000, UpstreamStreamsEnd: 4999,
+				ACK:      report.LatencyMs{N: 100000, P50: 15000, P95: 30000, P99: 41000, Max: 52000},
+				Complete: report.LatencyMs{N: 20, P50: 45000, P95: 50000, P99: 52000, Max: 52000}, ChangesDone: 20,
+				UpstreamStreams:   report.UpstreamStreams{AfterSync: 5000, AtEnd: 4999},
 				UpstreamBytesSync: 12 << 30, UpstreamBytesChanges: 11 << 30, EnvoyBytesSync: 12 << 30, EnvoyBytesChanges: 11 << 30,
-				Loadtest: proc(200, 400, 3<<30, 4<<30, ""), Fleet: pp(ProcFigures{Err: "read /proc/4242/stat: no such process"})},
+				Loadtest: proc(200, 400, 3<<30, 4<<30, ""), Fleet: pp(report.Process{Err: "read /proc/4242/stat: no such process"})},
 			{Protocol: "sotw", Mode: Relayed, UpstreamProtocol: "sotw", Transport: "tls-local", FleetStartS: 5, InitialSyncS: 0, Synced: false,
-				UpstreamStreams: 12, Loadtest: proc(1, 0, 100<<20, 120<<20, ""), Relay: pp(ProcFigures{Err: "relay gone"}),
+				UpstreamStreams: report.UpstreamStreams{AfterSync: 12}, Loadtest: proc(1, 0, 100<<20, 120<<20, ""), Relay: pp(report.Process{Err: "relay gone"}),
 				Error: "initial sync: context deadline exceeded"},
 		},
-		Verdicts: []Verdict{
+		Verdicts: []report.Verdict{
 			{Protocol: "delta", Transport: "plaintext", Target: "P99 change→all 5000 Envoys ≤ 300ms", Measured: "21.50ms (20 of 20 changes reached all, per-Envoy ACK P99 12.40ms)", Pass: true},
 			{Protocol: "delta", Transport: "plaintext", Target: "upstream streams = 50 keys", Measured: "50 after sync, 50 at end", Pass: true},
 			{Protocol: "delta", Transport: "tls-local", Target: "relay peak RSS ≤ 1.00 GiB", Measured: "650.0 MiB", Pass: true},
@@ -101,25 +101,25 @@ func goldenFanoutPlain() *FanoutReport {
 		Date: "2025-05-02T11:30:00Z", Machine: goldenMachine,
 		Scenario: FanoutSummary{Services: 100, Endpoints: 200, Namespaces: 4, LocalFraction: 0.25, Envoys: 0, Keys: 5,
 			Changes: 3, EnvoysPerConn: 10, StartRate: 0, ChangeGapMs: 100, TargetP99Ms: 300, TargetRSS: 1 << 30, TLS: TLSOff},
-		Pinning: Pinning{LoadtestCPUs: "0-3"},
+		Pinning: report.Pinning{LoadtestCPUs: "0-3"},
 		Runs: []FanoutRun{
 			{Protocol: "sotw", Mode: Direct, FleetStartS: 0.01, InitialSyncS: 0.5, Synced: true,
-				ACK: LatencyMs{N: 300, P50: 0.5, P95: 0.9, P99: 1, Max: 9.999}, Complete: LatencyMs{N: 3, P50: 1, P95: 2, P99: 2, Max: 2},
-				ChangesDone: 3, UpstreamStreams: 100, UpstreamStreamsEnd: 100, UpstreamBytesSync: 1023, EnvoyBytesSync: 1024,
-				Loadtest: ProcFigures{CPUSyncS: 0.3, CPUChangesS: 0.02, RSSEnd: 50 << 20, RSSPeak: 60 << 20}},
+				ACK: report.LatencyMs{N: 300, P50: 0.5, P95: 0.9, P99: 1, Max: 9.999}, Complete: report.LatencyMs{N: 3, P50: 1, P95: 2, P99: 2, Max: 2},
+				ChangesDone: 3, UpstreamStreams: report.UpstreamStreams{AfterSync: 100, AtEnd: 100}, UpstreamBytesSync: 1023, EnvoyBytesSync: 1024,
+				Loadtest: report.Process{CPUSyncS: 0.3, CPUChangesS: 0.02, RSSEnd: 50 << 20, RSSPeak: 60 << 20}},
 			{Protocol: "sotw", Mode: Relayed, UpstreamProtocol: "sotw", Transport: "", FleetStartS: 0.01, InitialSyncS: 0.25, Synced: true,
-				ACK: LatencyMs{N: 300, P50: 0.6, P95: 1, P99: 1.1, Max: 3}, Complete: LatencyMs{N: 3, P50: 1.5, P95: 2.5, P99: 2.5, Max: 2.5},
-				ChangesDone: 3, UpstreamStreams: 5, UpstreamStreamsEnd: 5, UpstreamBytesSync: 10 << 10, EnvoyBytesSync: 1024,
-				Loadtest: ProcFigures{CPUSyncS: 0.2, CPUChangesS: 0.01, RSSEnd: 40 << 20, RSSPeak: 45 << 20},
-				Relay:    &ProcFigures{Err: "read /proc/1/stat: permission denied"}},
+				ACK: report.LatencyMs{N: 300, P50: 0.6, P95: 1, P99: 1.1, Max: 3}, Complete: report.LatencyMs{N: 3, P50: 1.5, P95: 2.5, P99: 2.5, Max: 2.5},
+				ChangesDone: 3, UpstreamStreams: report.UpstreamStreams{AfterSync: 5, AtEnd: 5}, UpstreamBytesSync: 10 << 10, EnvoyBytesSync: 1024,
+				Loadtest: report.Process{CPUSyncS: 0.2, CPUChangesS: 0.01, RSSEnd: 40 << 20, RSSPeak: 45 << 20},
+				Relay:    &report.Process{Err: "read /proc/1/stat: permission denied"}},
 		},
 	}
 }
 
 func goldenRealFanout() *RealFanoutReport {
-	acked, ackedAll := LatencyMs{N: 60, P50: 4, P95: 8, P99: 9, Max: 10}, LatencyMs{N: 3, P50: 9, P95: 10, P99: 10, Max: 10}
+	acked, ackedAll := report.LatencyMs{N: 60, P50: 4, P95: 8, P99: 9, Max: 10}, report.LatencyMs{N: 3, P50: 9, P95: 10, P99: 10, Max: 10}
 	sims := goldenFanoutPlain().Runs
-	sims[1].Relay = &ProcFigures{CPUChangesS: 0.03, RSSEnd: 20 << 20, RSSPeak: 30 << 20}
+	sims[1].Relay = &report.Process{CPUChangesS: 0.03, RSSEnd: 20 << 20, RSSPeak: 30 << 20}
 	sims = append(sims, FanoutRun{Protocol: "delta", Mode: Relayed, Error: "start relay: exec: not found"})
 	return &RealFanoutReport{
 		Date: "2025-05-03T09:00:00Z", Machine: goldenMachine, Envoy: "1.33.0",
@@ -127,11 +127,11 @@ func goldenRealFanout() *RealFanoutReport {
 			Changes: 3, EnvoysPerConn: 1, ChangeGapMs: 100},
 		Runs: []RealFanoutRun{
 			{Protocol: "sotw", Mode: Direct, Envoys: 20, InitialSyncS: 3.5, UpstreamStreams: 20, ChangesDone: 3,
-				Applied: LatencyMs{N: 60, P50: 20, P95: 40, P99: 45, Max: 50}, AppliedAll: LatencyMs{N: 3, P50: 45, P95: 50, P99: 50, Max: 50},
+				Applied: report.LatencyMs{N: 60, P50: 20, P95: 40, P99: 45, Max: 50}, AppliedAll: report.LatencyMs{N: 3, P50: 45, P95: 50, P99: 50, Max: 50},
 				EnvoysCPUChangesS: 1.5, EnvoyRSSMean: 30 << 20, EnvoyRSSMax: 35 << 20},
 			{Protocol: "sotw", Mode: Relayed, Envoys: 20, InitialSyncS: 2.5, UpstreamStreams: 5, ChangesDone: 3,
-				Applied: LatencyMs{N: 60, P50: 25, P95: 40, P99: 45, Max: 50}, AppliedAll: LatencyMs{N: 3, P50: 46, P95: 50, P99: 50, Max: 50},
-				Acked: &acked, AckedAll: &ackedAll, Relay: &ProcFigures{CPUChangesS: 0.06, RSSEnd: 20 << 20, RSSPeak: 30 << 20},
+				Applied: report.LatencyMs{N: 60, P50: 25, P95: 40, P99: 45, Max: 50}, AppliedAll: report.LatencyMs{N: 3, P50: 46, P95: 50, P99: 50, Max: 50},
+				Acked: &acked, AckedAll: &ackedAll, Relay: &report.Process{CPUChangesS: 0.06, RSSEnd: 20 << 20, RSSPeak: 30 << 20},
 				EnvoysCPUChangesS: 1.4, EnvoyRSSMean: 30 << 20, EnvoyRSSMax: 36 << 20},
 			{Protocol: "delta", Mode: Relayed, Envoys: 20, Error: "initial sync: timeout"},
 		},
@@ -145,32 +145,32 @@ func goldenCtrip() *CtripReport {
 		Config: CtripSummary{Services: 3000, Endpoints: 3000, Namespaces: 10, LocalFraction: 0.5, Relays: 3, Envoys: 200, Keys: 20,
 			Protocol: "delta", UpstreamProtocol: "delta", UpstreamCache: "incremental", ChurnRate: 10, DurationS: 60,
 			AddRemoveFraction: 0.1, StartRate: 50, MaxSyncing: 8, ChangeTimeoutS: 30, LedgerIntervalMs: 500, TargetP95Ms: 300, TargetP99Ms: 1000},
-		Pinning:     Pinning{FleetProcess: true, RelayCPUs: "0-3", LoadtestCPUs: "0-7"},
+		Pinning:     report.Pinning{FleetProcess: true, RelayCPUs: "0-3", LoadtestCPUs: "0-7"},
 		FleetStartS: 4, InitialSyncS: 12.5, Synced: true, ChurnS: 60, DrainS: 0.75,
 		Phases: []Phase{{Name: "churn", AtS: 13}, {Name: "drain", AtS: 73}},
 		Ledger: CtripLedger{
-			ACK:   LatencyMs{N: 5000, P50: 12, P95: 80, P99: 250, Max: 900},
-			Owner: LatencyMs{N: 2000, P50: 10, P95: 60, P99: 200, Max: 800},
-			Peer:  LatencyMs{N: 3000, P50: 14, P95: 90, P99: 260, Max: 900}, Unresolved: 3,
+			ACK:   report.LatencyMs{N: 5000, P50: 12, P95: 80, P99: 250, Max: 900},
+			Owner: report.LatencyMs{N: 2000, P50: 10, P95: 60, P99: 200, Max: 800},
+			Peer:  report.LatencyMs{N: 3000, P50: 14, P95: 90, P99: 260, Max: 900}, Unresolved: 3,
 			Histogram: Histogram{Bounds: []float64{0.1, 0.3, 1}, Cumulative: []uint64{4000, 4900, 5100}, Count: 5100, SumS: 120},
 			Coverage:  0.98, HistogramWithin300ms: 0.96, HistogramWithin1s: 1, HistogramP95: [2]float64{0.1, 0.3}, HistogramP99: [2]float64{0.3, 1},
 			SamplerCPUS: 0.42},
-		Delivered: LatencyMs{N: 5000, P50: 11, P95: 75, P99: 240, Max: 880},
-		Complete:  LatencyMs{N: 600, P50: 40, P95: 200, P99: 500, Max: 950},
+		Delivered: report.LatencyMs{N: 5000, P50: 11, P95: 75, P99: 240, Max: 880},
+		Complete:  report.LatencyMs{N: 600, P50: 40, P95: 200, P99: 500, Max: 950},
 		Changes:   600, Deliveries: 5000, ChangesTimedOut: 1, FinalSynced: true,
 		Tier:            TierConvergence{Envoys: 200, Current: 199, Stragglers: 1},
-		UpstreamStreams: 20, UpstreamStreamsEnd: 20, UpstreamBytesSync: 20 << 20, UpstreamBytesChurn: 3 << 20,
+		UpstreamStreams: report.UpstreamStreams{AfterSync: 20, AtEnd: 20}, UpstreamBytesSync: 20 << 20, UpstreamBytesChurn: 3 << 20,
 		EnvoyBytesSync: 200 << 20, EnvoyBytesChurn: 30 << 20, RelayCPUChurnS: 6, RelayCPUPerDelivery: 1200, RelayCPUPerDeliveryOwn: 1116,
 		Relays: []CtripRelay{
-			{ID: "relay-0", Process: ProcFigures{CPUSyncS: 3, CPUChangesS: 2, RSSEnd: 100 << 20, RSSPeak: 120 << 20, Pid: 11, CPUs: "0-3"},
+			{ID: "relay-0", Process: report.Process{CPUSyncS: 3, CPUChangesS: 2, RSSEnd: 100 << 20, RSSPeak: 120 << 20, Pid: 11, CPUs: "0-3"},
 				Envoys: 67, UpstreamStreams: 7, PeerStreams: 13, PeerClients: 2, BytesSentChurn: 10 << 20,
 				HeapSync: 50 << 20, HeapEnd: 55 << 20, CPUPerDelivery: 1150, SamplerCPUS: 0.14, SamplerPolls: 120},
 		},
-		Fleet:              ProcFigures{CPUSyncS: 8, CPUChangesS: 4, RSSEnd: 500 << 20, RSSPeak: 600 << 20, Pid: 12},
+		Fleet:              report.Process{CPUSyncS: 8, CPUChangesS: 4, RSSEnd: 500 << 20, RSSPeak: 600 << 20, Pid: 12},
 		FleetHeapAfterSync: 300 << 20, FleetHeapPerEnvoy: 1500 << 10,
-		Loadtest:   ProcFigures{CPUSyncS: 5, CPUChangesS: 3, RSSEnd: 300 << 20, RSSPeak: 350 << 20},
-		Reconnects: 2, Violations: 1, ViolationSamples: []string{"envoy-3: nonce out of order"},
-		Verdicts: []Verdict{
+		Loadtest: report.Process{CPUSyncS: 5, CPUChangesS: 3, RSSEnd: 300 << 20, RSSPeak: 350 << 20},
+		Health:   report.Health{Reconnects: 2, Violations: 1, ViolationSamples: []string{"envoy-3: nonce out of order"}},
+		Verdicts: []report.Verdict{
 			{Protocol: "delta", Target: "ledger push → ACK P95 ≤ 300ms", Measured: "80ms", Pass: true},
 			{Protocol: "delta", Target: "no protocol violation", Measured: "1"},
 		},
@@ -189,8 +189,8 @@ func goldenScale() *ScaleReport {
 			ResentPct: 1, MoveBytes: 500, MovePct: 0.5, UpstreamBefore: 30, UpstreamAfter: 30, Violations: 0}},
 		Transport: "tls-local", TokenReviews: 0,
 		Pinning:            ScalePinning{FleetProcess: true, TierCPUs: "0-3", FleetCPUs: "4-7"},
-		Tier:               ProcFigures{CPUSyncS: 4, CPUChangesS: 1, RSSEnd: 200 << 20, RSSPeak: 250 << 20, CPUs: "0-3"},
-		Fleet:              &ProcFigures{CPUSyncS: 2, CPUChangesS: 0.5, RSSEnd: 100 << 20, RSSPeak: 110 << 20, Pid: 77, CPUs: "4-7"},
+		Tier:               report.Process{CPUSyncS: 4, CPUChangesS: 1, RSSEnd: 200 << 20, RSSPeak: 250 << 20, CPUs: "0-3"},
+		Fleet:              &report.Process{CPUSyncS: 2, CPUChangesS: 0.5, RSSEnd: 100 << 20, RSSPeak: 110 << 20, Pid: 77, CPUs: "4-7"},
 		EnvoyBytesBaseline: 5 << 20, TierCPUPerChangeEnvoyUs: 666.7, TierCPUPerMBMs: 190.7,
 	}
 }
