@@ -1237,255 +1237,20 @@ func PrintFanout(out io.Writer, rep *FanoutReport) {
 		}
 	}
 	for _, p := range protos {
-		// The columns: this protocol's runs in order; the ratios: relayed
-		// (plaintext, else the first) over direct, and each TLS run over
-		// the plaintext relayed one.
-		var cols []*FanoutRun
-		var direct, relayed *FanoutRun
-		for i := range rep.Runs {
-			r := &rep.Runs[i]
-			if r.Protocol != p {
-				continue
-			}
-			cols = append(cols, r)
-			switch {
-			case r.Mode == Direct:
-				direct = r
-			case relayed == nil || (r.Transport == "plaintext" && relayed.Transport != "plaintext"):
-				relayed = r
-			}
-		}
-		type ratio struct {
-			name     string
-			num, den *FanoutRun
-		}
-		var ratios []ratio
-		if direct != nil && relayed != nil {
-			ratios = append(ratios, ratio{"rel/direct", relayed, direct})
-		}
-		anyTLS := false
-		for _, r := range cols {
-			if strings.HasPrefix(r.Transport, "tls") {
-				anyTLS = true
-				if relayed != nil && relayed.Transport == "plaintext" {
-					ratios = append(ratios, ratio{strings.TrimPrefix(r.Transport, "tls-") + "/plain", r, relayed})
-				}
-			}
-		}
+		t := newFanoutTable(rep.Runs, p)
 		fmt.Fprintf(out, "\n%s\n", strings.ToUpper(p))
-		line := func(label string, cells, rats []string) {
-			fmt.Fprintf(out, "  %-40s", label)
-			for _, c := range cells {
-				fmt.Fprintf(out, " %24s", c)
-			}
-			for _, c := range rats {
-				fmt.Fprintf(out, " %16s", c)
-			}
-			fmt.Fprintln(out)
-		}
-		row := func(label string, f func(*FanoutRun) string, value func(*FanoutRun) float64) {
-			var cells, rats []string
-			for _, r := range cols {
-				cells = append(cells, f(r))
-			}
-			for _, q := range ratios {
-				cell := ""
-				if value != nil {
-					if d := value(q.den); d > 0 {
-						cell = fmt.Sprintf("%.3g×", value(q.num)/d)
-					}
-				}
-				rats = append(rats, cell)
-			}
-			line(label, cells, rats)
-		}
-		var heads, ratioHeads []string
-		for _, r := range cols {
-			heads = append(heads, runLabel(r))
-		}
-		for _, q := range ratios {
-			ratioHeads = append(ratioHeads, q.name)
-		}
-		line("", heads, ratioHeads)
-		sec := func(v float64) string { return fmt.Sprintf("%.2fs", v) }
-		row("fleet start (paced ramp)", func(r *FanoutRun) string { return sec(r.FleetStartS) }, nil)
-		row("initial sync (start → all synced)", func(r *FanoutRun) string {
-			if !r.Synced {
-				return "not synced"
-			}
-			return sec(r.InitialSyncS)
-		}, func(r *FanoutRun) float64 { return r.InitialSyncS })
-		lat := func(label string, get func(*FanoutRun) report.LatencyMs) {
-			for _, q := range []struct {
-				name string
-				v    func(report.LatencyMs) float64
-			}{
-				{"P50", func(l report.LatencyMs) float64 { return l.P50 }},
-				{"P95", func(l report.LatencyMs) float64 { return l.P95 }},
-				{"P99", func(l report.LatencyMs) float64 { return l.P99 }},
-				{"max", func(l report.LatencyMs) float64 { return l.Max }},
-			} {
-				row(label+" "+q.name, func(r *FanoutRun) string { return fmtMs(q.v(get(r))) },
-					func(r *FanoutRun) float64 { return q.v(get(r)) })
+		t.line(out, "", runLabel, func(q fanoutRatio) string { return q.name })
+		for _, row := range fanoutRows(t, sc.Envoys) {
+			if !row.omit && (row.need == nil || t.any(row.need)) {
+				t.line(out, row.label, row.cell, row.ratio)
 			}
 		}
-		lat("change → each Envoy's ACK", func(r *FanoutRun) report.LatencyMs { return r.ACK })
-		lat("change → last Envoy's ACK", func(r *FanoutRun) report.LatencyMs { return r.Complete })
-		relayPer := func(v func(*FanoutRun) float64, format string) func(*FanoutRun) string {
-			return func(r *FanoutRun) string {
-				if r.Relay == nil || r.Relay.Err != "" || v(r) == 0 {
-					return "-"
-				}
-				return fmt.Sprintf(format, v(r))
+		for _, r := range t.runs {
+			if r.Admission != nil && len(r.Admission.Refused) > 0 {
+				fmt.Fprintf(out, "  %s connect storm refused: %v\n", runLabel(r), r.Admission.Refused)
 			}
 		}
-		row("relay CPU per change per Envoy", relayPer(func(r *FanoutRun) float64 { return r.RelayCPUPerChangeEnvoyUs }, "%.1fµs"), nil)
-		row("relay CPU per MB sent: sync", relayPer(func(r *FanoutRun) float64 { return r.RelayCPUPerMBSyncMs }, "%.1fms/MB"), nil)
-		row("relay CPU per MB sent: changes", relayPer(func(r *FanoutRun) float64 { return r.RelayCPUPerMBChangesMs }, "%.1fms/MB"), nil)
-		row("changes reached all / timed out", func(r *FanoutRun) string {
-			return fmt.Sprintf("%d / %d", r.ChangesDone, r.ChangesTimedOut)
-		}, nil)
-		row("upstream streams (after sync / end)", func(r *FanoutRun) string {
-			return fmt.Sprintf("%d / %d", r.UpstreamStreams.AfterSync, r.UpstreamStreams.AtEnd)
-		}, func(r *FanoutRun) float64 { return float64(r.UpstreamStreams.AfterSync) })
-		row("upstream bytes sent: sync", func(r *FanoutRun) string { return fmtBytes(r.UpstreamBytesSync) },
-			func(r *FanoutRun) float64 { return float64(r.UpstreamBytesSync) })
-		row("upstream bytes sent: changes", func(r *FanoutRun) string { return fmtBytes(r.UpstreamBytesChanges) },
-			func(r *FanoutRun) float64 { return float64(r.UpstreamBytesChanges) })
-		row("Envoys' bytes received: sync", func(r *FanoutRun) string { return fmtBytes(r.EnvoyBytesSync) },
-			func(r *FanoutRun) float64 { return float64(r.EnvoyBytesSync) })
-		row("Envoys' bytes received: changes", func(r *FanoutRun) string { return fmtBytes(r.EnvoyBytesChanges) },
-			func(r *FanoutRun) float64 { return float64(r.EnvoyBytesChanges) })
-		relayOK := func(r *FanoutRun) bool { return r.Relay != nil && r.Relay.Err == "" }
-		relayCell := func(f func(*report.Process) string) func(*FanoutRun) string {
-			return func(r *FanoutRun) string {
-				if r.Relay == nil {
-					return "-"
-				}
-				if r.Relay.Err != "" {
-					return "error"
-				}
-				return f(r.Relay)
-			}
-		}
-		row("relay process CPU: sync / changes", relayCell(func(p *report.Process) string {
-			return fmt.Sprintf("%.2fs / %.2fs", p.CPUSyncS, p.CPUChangesS)
-		}), nil)
-		row("relay CPU per 1,000 Envoys: sync", relayCell(func(p *report.Process) string {
-			return fmt.Sprintf("%.2fs", p.CPUSyncS/float64(max(sc.Envoys, 1))*1000)
-		}), func(r *FanoutRun) float64 {
-			if !relayOK(r) {
-				return 0
-			}
-			return r.Relay.CPUSyncS
-		})
-		row("relay process RSS: peak / end", relayCell(func(p *report.Process) string {
-			return fmtBytes(p.RSSPeak) + " / " + fmtBytes(p.RSSEnd)
-		}), nil)
-		if slices.ContainsFunc(cols, func(r *FanoutRun) bool { return r.Fleet != nil }) {
-			fleetCell := func(f func(*report.Process) string) func(*FanoutRun) string {
-				return func(r *FanoutRun) string {
-					switch {
-					case r.Fleet == nil:
-						return "-"
-					case r.Fleet.Err != "":
-						return "error"
-					}
-					return f(r.Fleet)
-				}
-			}
-			row("fleet process CPU: sync / changes", fleetCell(func(p *report.Process) string {
-				return fmt.Sprintf("%.2fs / %.2fs", p.CPUSyncS, p.CPUChangesS)
-			}), func(r *FanoutRun) float64 {
-				if r.Fleet == nil {
-					return 0
-				}
-				return r.Fleet.CPUSyncS + r.Fleet.CPUChangesS
-			})
-			row("fleet process RSS: peak / end", fleetCell(func(p *report.Process) string {
-				return fmtBytes(p.RSSPeak) + " / " + fmtBytes(p.RSSEnd)
-			}), nil)
-		}
-		row("loadtest process CPU: sync / changes", func(r *FanoutRun) string {
-			return fmt.Sprintf("%.2fs / %.2fs", r.Loadtest.CPUSyncS, r.Loadtest.CPUChangesS)
-		}, func(r *FanoutRun) float64 { return r.Loadtest.CPUSyncS + r.Loadtest.CPUChangesS })
-		row("loadtest process RSS: peak", func(r *FanoutRun) string { return fmtBytes(r.Loadtest.RSSPeak) }, nil)
-		if slices.ContainsFunc(cols, func(r *FanoutRun) bool { return r.Relay != nil || r.Fleet != nil }) {
-			row("CPUs: relay / fleet", func(r *FanoutRun) string {
-				cpus := func(p *report.Process) string {
-					if p == nil {
-						return "-"
-					}
-					return p.CPUs
-				}
-				return cpus(r.Relay) + " / " + cpus(r.Fleet)
-			}, nil)
-		}
-		row("Envoy stream reconnects", func(r *FanoutRun) string { return fmt.Sprintf("%d", r.Reconnects) }, nil)
-		row("protocol violations", func(r *FanoutRun) string { return fmt.Sprintf("%d", r.Violations) }, nil)
-		if anyTLS {
-			row("Envoys refused (at the end)", func(r *FanoutRun) string { return fmt.Sprintf("%d", r.Refused) }, nil)
-			row("tokens presented / token reviews", func(r *FanoutRun) string {
-				if !strings.HasPrefix(r.Transport, "tls") {
-					return "-"
-				}
-				return fmt.Sprintf("%d / %d", r.Tokens, r.TokenReviews)
-			}, nil)
-		}
-		storm := func(f func(*AdmissionFigures) string) func(*FanoutRun) string {
-			return func(r *FanoutRun) string {
-				if r.Admission == nil {
-					return "-"
-				}
-				return f(r.Admission)
-			}
-		}
-		stormValue := func(f func(*AdmissionFigures) float64) func(*FanoutRun) float64 {
-			return func(r *FanoutRun) float64 {
-				if r.Admission == nil {
-					return 0
-				}
-				return f(r.Admission)
-			}
-		}
-		if slices.ContainsFunc(cols, func(r *FanoutRun) bool { return r.Admission != nil }) {
-			row("connect storm: admitted / streams", storm(func(a *AdmissionFigures) string {
-				return fmt.Sprintf("%d / %d", a.Admitted, a.Streams)
-			}), nil)
-			row("connect storm: streams/s admitted", storm(func(a *AdmissionFigures) string {
-				return fmt.Sprintf("%.0f/s (%d at once)", a.RatePerS, a.Concurrency)
-			}), stormValue(func(a *AdmissionFigures) float64 { return a.RatePerS }))
-			row("connect storm: dial → answer P50", storm(func(a *AdmissionFigures) string { return fmtMs(a.Latency.P50) }),
-				stormValue(func(a *AdmissionFigures) float64 { return a.Latency.P50 }))
-			row("connect storm: dial → answer P99", storm(func(a *AdmissionFigures) string { return fmtMs(a.Latency.P99) }),
-				stormValue(func(a *AdmissionFigures) float64 { return a.Latency.P99 }))
-			row("connect storm: relay CPU per 1,000", storm(func(a *AdmissionFigures) string {
-				return fmt.Sprintf("%.3fs", a.RelayCPUPer1000S)
-			}), stormValue(func(a *AdmissionFigures) float64 { return a.RelayCPUPer1000S }))
-			if anyTLS && relayed != nil && relayed.Transport == "plaintext" && relayed.Admission != nil {
-				row("  TLS+JWT alone (this − plaintext's)", func(r *FanoutRun) string {
-					if r.Admission == nil || !strings.HasPrefix(r.Transport, "tls") {
-						return "-"
-					}
-					return fmt.Sprintf("%.3fs", r.Admission.RelayCPUPer1000S-relayed.Admission.RelayCPUPer1000S)
-				}, nil)
-			}
-			row("  relay CPU-bound rate, per core", storm(func(a *AdmissionFigures) string {
-				if a.RelayCPUPer1000S <= 0 {
-					return "-"
-				}
-				return fmt.Sprintf("%.0f/s", 1000/a.RelayCPUPer1000S)
-			}), nil)
-			row("connect storm: loadtest CPU per 1,000", storm(func(a *AdmissionFigures) string {
-				return fmt.Sprintf("%.3fs", a.LoadtestCPUS/float64(max(a.Admitted, 1))*1000)
-			}), stormValue(func(a *AdmissionFigures) float64 { return a.LoadtestCPUS / float64(max(a.Admitted, 1)) }))
-			for _, r := range cols {
-				if r.Admission != nil && len(r.Admission.Refused) > 0 {
-					fmt.Fprintf(out, "  %s connect storm refused: %v\n", runLabel(r), r.Admission.Refused)
-				}
-			}
-		}
-		for _, r := range cols {
+		for _, r := range t.runs {
 			if r.Error != "" {
 				fmt.Fprintf(out, "  %s error: %s\n", runLabel(r), r.Error)
 			}
@@ -1517,6 +1282,253 @@ func PrintFanout(out io.Writer, rep *FanoutReport) {
 		}
 		fmt.Fprintf(out, "  %s  %-21s %-36s measured %s\n", report.Judge(v.Pass), run, v.Target, v.Measured)
 	}
+}
+
+// fanoutTable is one protocol's table in PrintFanout: its runs in order,
+// one column each, and the ratios after them: relayed (plaintext, else
+// the first) over direct, and each TLS run over the plaintext relayed one.
+type fanoutTable struct {
+	runs    []*FanoutRun
+	relayed *FanoutRun
+	ratios  []fanoutRatio
+}
+
+// fanoutRatio is a ratio column: num's value over den's.
+type fanoutRatio struct {
+	name     string
+	num, den *FanoutRun
+}
+
+func newFanoutTable(runs []FanoutRun, protocol string) *fanoutTable {
+	t := &fanoutTable{}
+	var direct *FanoutRun
+	for i := range runs {
+		r := &runs[i]
+		if r.Protocol != protocol {
+			continue
+		}
+		t.runs = append(t.runs, r)
+		switch {
+		case r.Mode == Direct:
+			direct = r
+		case t.relayed == nil || (r.Transport == "plaintext" && t.relayed.Transport != "plaintext"):
+			t.relayed = r
+		}
+	}
+	if direct != nil && t.relayed != nil {
+		t.ratios = append(t.ratios, fanoutRatio{"rel/direct", t.relayed, direct})
+	}
+	if t.relayed != nil && t.relayed.Transport == "plaintext" {
+		for _, r := range t.runs {
+			if r.tls() {
+				t.ratios = append(t.ratios, fanoutRatio{strings.TrimPrefix(r.Transport, "tls-") + "/plain", r, t.relayed})
+			}
+		}
+	}
+	return t
+}
+
+// any reports whether has holds for one of the table's runs.
+func (t *fanoutTable) any(has func(*FanoutRun) bool) bool { return slices.ContainsFunc(t.runs, has) }
+
+// tls reports whether the run's Envoys reached the relay over TLS.
+func (r *FanoutRun) tls() bool { return strings.HasPrefix(r.Transport, "tls") }
+
+// fanoutRow is a row of PrintFanout's tables: a run's cell and, if value
+// is set, the ratios of its values. A row with need is shown only if a
+// run of the table has need; omit leaves it out.
+type fanoutRow struct {
+	label string
+	cell  func(*FanoutRun) string
+	value func(*FanoutRun) float64
+	need  func(*FanoutRun) bool
+	omit  bool
+}
+
+// ratio is the row's cell of ratio q: "" without a value to compare or
+// a denominator of 0.
+func (row fanoutRow) ratio(q fanoutRatio) string {
+	if row.value == nil || row.value(q.den) <= 0 {
+		return ""
+	}
+	return fmt.Sprintf("%.3g×", row.value(q.num)/row.value(q.den))
+}
+
+// line writes a line of t: its label, each run's cell, each ratio's.
+func (t *fanoutTable) line(out io.Writer, label string, cell func(*FanoutRun) string, ratio func(fanoutRatio) string) {
+	fmt.Fprintf(out, "  %-40s", label)
+	for _, r := range t.runs {
+		fmt.Fprintf(out, " %24s", cell(r))
+	}
+	for _, q := range t.ratios {
+		fmt.Fprintf(out, " %16s", ratio(q))
+	}
+	fmt.Fprintln(out)
+}
+
+// fanoutRows are the rows of t, a fanout of envoys Envoys, in order.
+func fanoutRows(t *fanoutTable, envoys int) []fanoutRow {
+	sec := func(v float64) string { return fmt.Sprintf("%.2fs", v) }
+	relay := func(r *FanoutRun) *report.Process { return r.Relay }
+	fleet := func(r *FanoutRun) *report.Process { return r.Fleet }
+	relayPer := func(label, format string, v func(*FanoutRun) float64) fanoutRow {
+		return fanoutRow{label: label, cell: func(r *FanoutRun) string {
+			if r.Relay == nil || r.Relay.Err != "" || v(r) == 0 {
+				return "-"
+			}
+			return fmt.Sprintf(format, v(r))
+		}}
+	}
+	bytes := func(label string, v func(*FanoutRun) uint64) fanoutRow {
+		return fanoutRow{label: label, cell: func(r *FanoutRun) string { return fmtBytes(v(r)) }, value: func(r *FanoutRun) float64 { return float64(v(r)) }}
+	}
+	hasFleet := func(r *FanoutRun) bool { return r.Fleet != nil }
+	plainStorm := t.relayed != nil && t.relayed.Transport == "plaintext" && t.relayed.Admission != nil
+	return slices.Concat(
+		[]fanoutRow{
+			{label: "fleet start (paced ramp)", cell: func(r *FanoutRun) string { return sec(r.FleetStartS) }},
+			{label: "initial sync (start → all synced)", cell: func(r *FanoutRun) string {
+				if !r.Synced {
+					return "not synced"
+				}
+				return sec(r.InitialSyncS)
+			}, value: func(r *FanoutRun) float64 { return r.InitialSyncS }},
+		},
+		latencyRows("change → each Envoy's ACK", func(r *FanoutRun) report.LatencyMs { return r.ACK }),
+		latencyRows("change → last Envoy's ACK", func(r *FanoutRun) report.LatencyMs { return r.Complete }),
+		[]fanoutRow{
+			relayPer("relay CPU per change per Envoy", "%.1fµs", func(r *FanoutRun) float64 { return r.RelayCPUPerChangeEnvoyUs }),
+			relayPer("relay CPU per MB sent: sync", "%.1fms/MB", func(r *FanoutRun) float64 { return r.RelayCPUPerMBSyncMs }),
+			relayPer("relay CPU per MB sent: changes", "%.1fms/MB", func(r *FanoutRun) float64 { return r.RelayCPUPerMBChangesMs }),
+			{label: "changes reached all / timed out", cell: func(r *FanoutRun) string { return fmt.Sprintf("%d / %d", r.ChangesDone, r.ChangesTimedOut) }},
+			{label: "upstream streams (after sync / end)",
+				cell: func(r *FanoutRun) string {
+					return fmt.Sprintf("%d / %d", r.UpstreamStreams.AfterSync, r.UpstreamStreams.AtEnd)
+				},
+				value: func(r *FanoutRun) float64 { return float64(r.UpstreamStreams.AfterSync) }},
+			bytes("upstream bytes sent: sync", func(r *FanoutRun) uint64 { return r.UpstreamBytesSync }),
+			bytes("upstream bytes sent: changes", func(r *FanoutRun) uint64 { return r.UpstreamBytesChanges }),
+			bytes("Envoys' bytes received: sync", func(r *FanoutRun) uint64 { return r.EnvoyBytesSync }),
+			bytes("Envoys' bytes received: changes", func(r *FanoutRun) uint64 { return r.EnvoyBytesChanges }),
+			{label: "relay process CPU: sync / changes", cell: procCell(relay, procCPU)},
+			{label: "relay CPU per 1,000 Envoys: sync",
+				cell: procCell(relay, func(p *report.Process) string { return sec(p.CPUSyncS / float64(max(envoys, 1)) * 1000) }),
+				value: func(r *FanoutRun) float64 {
+					if r.Relay == nil || r.Relay.Err != "" {
+						return 0
+					}
+					return r.Relay.CPUSyncS
+				}},
+			{label: "relay process RSS: peak / end", cell: procCell(relay, procRSS)},
+			{label: "fleet process CPU: sync / changes", cell: procCell(fleet, procCPU), need: hasFleet, value: func(r *FanoutRun) float64 {
+				if r.Fleet == nil {
+					return 0
+				}
+				return r.Fleet.CPUSyncS + r.Fleet.CPUChangesS
+			}},
+			{label: "fleet process RSS: peak / end", cell: procCell(fleet, procRSS), need: hasFleet},
+			{label: "loadtest process CPU: sync / changes", cell: func(r *FanoutRun) string { return procCPU(&r.Loadtest) },
+				value: func(r *FanoutRun) float64 { return r.Loadtest.CPUSyncS + r.Loadtest.CPUChangesS }},
+			{label: "loadtest process RSS: peak", cell: func(r *FanoutRun) string { return fmtBytes(r.Loadtest.RSSPeak) }},
+			{label: "CPUs: relay / fleet", cell: func(r *FanoutRun) string { return procCPUs(r.Relay) + " / " + procCPUs(r.Fleet) },
+				need: func(r *FanoutRun) bool { return r.Relay != nil || r.Fleet != nil }},
+			{label: "Envoy stream reconnects", cell: func(r *FanoutRun) string { return fmt.Sprint(r.Reconnects) }},
+			{label: "protocol violations", cell: func(r *FanoutRun) string { return fmt.Sprint(r.Violations) }},
+			{label: "Envoys refused (at the end)", cell: func(r *FanoutRun) string { return fmt.Sprint(r.Refused) }, need: (*FanoutRun).tls},
+			{label: "tokens presented / token reviews", need: (*FanoutRun).tls, cell: func(r *FanoutRun) string {
+				if !r.tls() {
+					return "-"
+				}
+				return fmt.Sprintf("%d / %d", r.Tokens, r.TokenReviews)
+			}},
+			stormRow("connect storm: admitted / streams", func(a *AdmissionFigures) string { return fmt.Sprintf("%d / %d", a.Admitted, a.Streams) }, nil),
+			stormRow("connect storm: streams/s admitted", func(a *AdmissionFigures) string {
+				return fmt.Sprintf("%.0f/s (%d at once)", a.RatePerS, a.Concurrency)
+			}, func(a *AdmissionFigures) float64 { return a.RatePerS }),
+			stormRow("connect storm: dial → answer P50", func(a *AdmissionFigures) string { return fmtMs(a.Latency.P50) },
+				func(a *AdmissionFigures) float64 { return a.Latency.P50 }),
+			stormRow("connect storm: dial → answer P99", func(a *AdmissionFigures) string { return fmtMs(a.Latency.P99) },
+				func(a *AdmissionFigures) float64 { return a.Latency.P99 }),
+			stormRow("connect storm: relay CPU per 1,000", func(a *AdmissionFigures) string { return fmt.Sprintf("%.3fs", a.RelayCPUPer1000S) },
+				func(a *AdmissionFigures) float64 { return a.RelayCPUPer1000S }),
+			{label: "  TLS+JWT alone (this − plaintext's)", need: (*FanoutRun).tls, omit: !plainStorm, cell: func(r *FanoutRun) string {
+				if r.Admission == nil || !r.tls() {
+					return "-"
+				}
+				return fmt.Sprintf("%.3fs", r.Admission.RelayCPUPer1000S-t.relayed.Admission.RelayCPUPer1000S)
+			}},
+			stormRow("  relay CPU-bound rate, per core", func(a *AdmissionFigures) string {
+				if a.RelayCPUPer1000S <= 0 {
+					return "-"
+				}
+				return fmt.Sprintf("%.0f/s", 1000/a.RelayCPUPer1000S)
+			}, nil),
+			stormRow("connect storm: loadtest CPU per 1,000", func(a *AdmissionFigures) string {
+				return fmt.Sprintf("%.3fs", a.LoadtestCPUS/float64(max(a.Admitted, 1))*1000)
+			}, func(a *AdmissionFigures) float64 { return a.LoadtestCPUS / float64(max(a.Admitted, 1)) }),
+		},
+	)
+}
+
+// latencyRows are a latency's P50, P95, P99 and max rows.
+func latencyRows(label string, get func(*FanoutRun) report.LatencyMs) []fanoutRow {
+	var rows []fanoutRow
+	for _, q := range []struct {
+		name string
+		v    func(report.LatencyMs) float64
+	}{{"P50", func(l report.LatencyMs) float64 { return l.P50 }}, {"P95", func(l report.LatencyMs) float64 { return l.P95 }},
+		{"P99", func(l report.LatencyMs) float64 { return l.P99 }}, {"max", func(l report.LatencyMs) float64 { return l.Max }}} {
+		value := func(r *FanoutRun) float64 { return q.v(get(r)) }
+		rows = append(rows, fanoutRow{label: label + " " + q.name, cell: func(r *FanoutRun) string { return fmtMs(value(r)) }, value: value})
+	}
+	return rows
+}
+
+// procCell prints a process of a run with f: "-" without one, "error"
+// if its figures could not be read.
+func procCell(get func(*FanoutRun) *report.Process, f func(*report.Process) string) func(*FanoutRun) string {
+	return func(r *FanoutRun) string {
+		switch p := get(r); {
+		case p == nil:
+			return "-"
+		case p.Err != "":
+			return "error"
+		default:
+			return f(p)
+		}
+	}
+}
+
+func procCPU(p *report.Process) string {
+	return fmt.Sprintf("%.2fs / %.2fs", p.CPUSyncS, p.CPUChangesS)
+}
+
+func procRSS(p *report.Process) string { return fmtBytes(p.RSSPeak) + " / " + fmtBytes(p.RSSEnd) }
+
+func procCPUs(p *report.Process) string {
+	if p == nil {
+		return "-"
+	}
+	return p.CPUs
+}
+
+// stormRow is a row of the runs' connect storms, shown if a run had one
+// ("-" for the others); value, if set, compares storms.
+func stormRow(label string, cell func(*AdmissionFigures) string, value func(*AdmissionFigures) float64) fanoutRow {
+	row := fanoutRow{label: label, cell: func(r *FanoutRun) string { return ofStorm(r, "-", cell) },
+		need: func(r *FanoutRun) bool { return r.Admission != nil }}
+	if value != nil {
+		row.value = func(r *FanoutRun) float64 { return ofStorm(r, 0, value) }
+	}
+	return row
+}
+
+// ofStorm is f of r's connect storm, or none without one.
+func ofStorm[T any](r *FanoutRun, none T, f func(*AdmissionFigures) T) T {
+	if r.Admission == nil {
+		return none
+	}
+	return f(r.Admission)
 }
 
 func fmtMs(v float64) string {
