@@ -191,6 +191,7 @@ type CtripReport struct {
 	FinalSynced bool            `json:"final_synced"`
 	Tier        TierConvergence `json:"tier_ledger_end"`
 
+	// UpstreamStreams: after the initial sync and after the churn.
 	report.UpstreamStreams
 	UpstreamBytesSync   uint64  `json:"upstream_bytes_sync"`
 	UpstreamBytesChurn  uint64  `json:"upstream_bytes_churn"`
@@ -206,6 +207,7 @@ type CtripReport struct {
 	FleetHeapAfterSync     uint64         `json:"fleet_heap_after_sync_bytes"`
 	FleetHeapPerEnvoy      uint64         `json:"fleet_heap_per_envoy_bytes"`
 	Loadtest               report.Process `json:"loadtest_process"`
+	// Health: the Envoys' stream reconnects and protocol violations.
 	report.Health
 	Verdicts []report.Verdict `json:"verdicts"`
 	Series   []CtripSecond    `json:"series"`
