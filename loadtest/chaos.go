@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -425,7 +424,7 @@ func RunChaos(ctx context.Context, cfg ChaosConfig, out io.Writer) (*ChaosReport
 	}
 	rep := &ChaosReport{
 		Date:    time.Now().UTC().Format(time.RFC3339),
-		Machine: fmt.Sprintf("%d CPUs, %s, %s/%s, load average at start %s", runtime.NumCPU(), runtime.Version(), runtime.GOOS, runtime.GOARCH, loadAvg()),
+		Machine: report.ThisMachine().Short(),
 		Relays:  cfg.Relays, EtcdMembers: cfg.EtcdMembers, Envoys: cfg.Envoys, Keys: cfg.Keys,
 		ChurnRate: cfg.ChurnRate, DeliveryBound: cfg.DeliveryBound.Seconds(),
 		SlowLink: net.slowHow(), Starve: cpuStarveHow(), Skipped: skipped,

@@ -152,11 +152,11 @@ func (c *CtripConfig) validate() error {
 // seconds, sizes in bytes, as the JSON names say; times of the timeline
 // (Phases, Series) in seconds since the fleet started connecting.
 type CtripReport struct {
-	Date    string       `json:"date"`
-	Commit  string       `json:"commit,omitempty"`
-	Machine Machine      `json:"machine"`
-	Config  CtripSummary `json:"config"`
-	Pinning Pinning      `json:"pinning"`
+	Date    string         `json:"date"`
+	Commit  string         `json:"commit,omitempty"`
+	Machine report.Machine `json:"machine"`
+	Config  CtripSummary   `json:"config"`
+	Pinning report.Pinning `json:"pinning"`
 
 	// FleetStartS is how long starting every Envoy took (the paced ramp,
 	// MaxSyncing at a time); InitialSyncS until every Envoy held its
@@ -176,8 +176,8 @@ type CtripReport struct {
 	// Envoy's ACK of it, timed at the Envoy (the fleet's own clock), over
 	// every (change, Envoy that must get it) pair; Complete per change,
 	// until its last Envoy.
-	Delivered LatencyMs `json:"publish_to_envoy_ack"`
-	Complete  LatencyMs `json:"publish_to_last_ack"`
+	Delivered report.LatencyMs `json:"publish_to_envoy_ack"`
+	Complete  report.LatencyMs `json:"publish_to_last_ack"`
 	// Changes is what the churn published; Deliveries the (change, Envoy)
 	// pairs they had to reach; ChangesTimedOut those that did not reach
 	// every Envoy within ChangeTimeout.
@@ -191,8 +191,8 @@ type CtripReport struct {
 	FinalSynced bool            `json:"final_synced"`
 	Tier        TierConvergence `json:"tier_ledger_end"`
 
-	UpstreamStreams     int64   `json:"upstream_streams"`
-	UpstreamStreamsEnd  int64   `json:"upstream_streams_end"`
+	// UpstreamStreams: after the initial sync and after the churn.
+	report.UpstreamStreams
 	UpstreamBytesSync   uint64  `json:"upstream_bytes_sync"`
 	UpstreamBytesChurn  uint64  `json:"upstream_bytes_churn"`
 	EnvoyBytesSync      uint64  `json:"envoy_bytes_sync"`
@@ -201,19 +201,18 @@ type CtripReport struct {
 	RelayCPUPerDelivery float64 `json:"relay_cpu_per_change_per_envoy_us"`
 	// RelayCPUPerDeliveryOwn is the same less what sampling the ledgers
 	// cost: the relays' own work.
-	RelayCPUPerDeliveryOwn float64       `json:"relay_cpu_per_change_per_envoy_own_us"`
-	Relays                 []CtripRelay  `json:"relays"`
-	Fleet                  ProcFigures   `json:"fleet_process"`
-	FleetHeapAfterSync     uint64        `json:"fleet_heap_after_sync_bytes"`
-	FleetHeapPerEnvoy      uint64        `json:"fleet_heap_per_envoy_bytes"`
-	Loadtest               ProcFigures   `json:"loadtest_process"`
-	Reconnects             uint64        `json:"envoy_reconnects"`
-	Violations             int           `json:"violations"`
-	ViolationSamples       []string      `json:"violation_samples,omitempty"`
-	Verdicts               []Verdict     `json:"verdicts"`
-	Series                 []CtripSecond `json:"series"`
-	Plot                   string        `json:"plot,omitempty"`
-	Error                  string        `json:"error,omitempty"`
+	RelayCPUPerDeliveryOwn float64        `json:"relay_cpu_per_change_per_envoy_own_us"`
+	Relays                 []CtripRelay   `json:"relays"`
+	Fleet                  report.Process `json:"fleet_process"`
+	FleetHeapAfterSync     uint64         `json:"fleet_heap_after_sync_bytes"`
+	FleetHeapPerEnvoy      uint64         `json:"fleet_heap_per_envoy_bytes"`
+	Loadtest               report.Process `json:"loadtest_process"`
+	// Health: the Envoys' stream reconnects and protocol violations.
+	report.Health
+	Verdicts []report.Verdict `json:"verdicts"`
+	Series   []CtripSecond    `json:"series"`
+	Plot     string           `json:"plot,omitempty"`
+	Error    string           `json:"error,omitempty"`
 }
 
 // CtripSummary is the configuration a report was measured with.
@@ -254,9 +253,9 @@ type CtripLedger struct {
 	// versions the origin received during the churn; Owner and Peer split
 	// it by whether the Envoy's relay is its key's origin or gets the key
 	// from it (one more hop).
-	ACK   LatencyMs `json:"ack"`
-	Owner LatencyMs `json:"ack_on_owner"`
-	Peer  LatencyMs `json:"ack_via_peer"`
+	ACK   report.LatencyMs `json:"ack"`
+	Owner report.LatencyMs `json:"ack_on_owner"`
+	Peer  report.LatencyMs `json:"ack_via_peer"`
 	// Unresolved counts ACKs sampled whose version's receipt at its origin
 	// was not (a version current for less than one interval).
 	Unresolved int `json:"unresolved"`
@@ -281,8 +280,8 @@ type CtripLedger struct {
 
 // CtripRelay is one relay process.
 type CtripRelay struct {
-	ID      string      `json:"id"`
-	Process ProcFigures `json:"process"`
+	ID      string         `json:"id"`
+	Process report.Process `json:"process"`
 	// Envoys is the Envoy streams it held at the end; UpstreamStreams the
 	// keys it owned (one upstream stream each); PeerStreams the keys it
 	// got from their owners.
@@ -323,7 +322,7 @@ func RunCtrip(ctx context.Context, cfg CtripConfig, out io.Writer) (*CtripReport
 	}
 	sc := cfg.Scenario
 	rep := &CtripReport{
-		Date: time.Now().UTC().Format(time.RFC3339), Commit: buildCommit(), Machine: thisMachine(),
+		Date: time.Now().UTC().Format(time.RFC3339), Commit: buildCommit(), Machine: report.ThisMachine(),
 		Config: CtripSummary{
 			Services: sc.Services, Endpoints: sc.Endpoints, Namespaces: sc.Namespaces, LocalFraction: sc.LocalFraction,
 			Relays: cfg.Relays, Envoys: cfg.Envoys, Keys: cfg.Keys, Protocol: cfg.Protocol.String(),
@@ -332,7 +331,7 @@ func RunCtrip(ctx context.Context, cfg CtripConfig, out io.Writer) (*CtripReport
 			ChangeTimeoutS:   cfg.ChangeTimeout.Seconds(),
 			LedgerIntervalMs: ms64(cfg.LedgerInterval), TargetP95Ms: ms64(cfg.TargetP95), TargetP99Ms: ms64(cfg.TargetP99),
 		},
-		Pinning: Pinning{FleetProcess: true, RelayCPUs: cfg.RelayCPUs.String(), FleetCPUs: cfg.FleetCPUs.String()},
+		Pinning: report.Pinning{FleetProcess: true, RelayCPUs: cfg.RelayCPUs.String(), FleetCPUs: cfg.FleetCPUs.String()},
 	}
 	if cpus, err := AllowedCPUs(); err == nil {
 		rep.Pinning.LoadtestCPUs = cpus.String()
@@ -488,7 +487,7 @@ func (r *ctripRun) startTier(ctx context.Context) error {
 			return fmt.Errorf("start %s: %w", rc.ID, err)
 		}
 		r.relays = append(r.relays, p)
-		fig := &ProcFigures{Pid: p.child.Pid(), CPUs: childCPUs(p.child.Pid())}
+		fig := &report.Process{Pid: p.child.Pid(), CPUs: childCPUs(p.child.Pid())}
 		r.rep.Relays = append(r.rep.Relays, CtripRelay{ID: rc.ID})
 		r.procs.add(p.child.Stat, fig)
 		p.fig = fig
@@ -544,7 +543,7 @@ func (r *ctripRun) sync(ctx context.Context) error {
 		return fmt.Errorf("start fleet: %w", err)
 	}
 	r.fleet = fp
-	rep.Fleet = ProcFigures{Pid: fp.Pid(), CPUs: childCPUs(fp.Pid())}
+	rep.Fleet = report.Process{Pid: fp.Pid(), CPUs: childCPUs(fp.Pid())}
 	r.procs.add(fp.Stat, &rep.Fleet)
 	r.logf("fleet: pid %d, CPUs %s: %d light %s Envoys over %d keys, spread over the relays, %.0f/s, at most %d syncing at once",
 		fp.Pid(), rep.Fleet.CPUs, cfg.Envoys, cfg.Protocol, cfg.Keys, cfg.StartRate, cfg.MaxSyncing)
@@ -581,7 +580,7 @@ func (r *ctripRun) sync(ctx context.Context) error {
 	rep.InitialSyncS, rep.Synced = synced.Sub(r.t0).Seconds(), true
 	r.phase("synced", synced)
 	st := r.up.Stats()
-	rep.UpstreamStreams, rep.UpstreamBytesSync = st.OpenStreams, st.BytesSent
+	rep.UpstreamStreams.AfterSync, rep.UpstreamBytesSync = st.OpenStreams, st.BytesSent
 	r.procs.mark(phaseSync)
 	fig, err := fp.Figures(ctx)
 	if err != nil {
@@ -598,7 +597,7 @@ func (r *ctripRun) sync(ctx context.Context) error {
 		}
 	}
 	r.logf("%d Envoys synced in %.1fs (started in %.1fs); upstream streams %d, upstream sent %s, Envoys received %s; fleet heap %s (%s an Envoy); %s",
-		cfg.Envoys, rep.InitialSyncS, rep.FleetStartS, rep.UpstreamStreams, fmtBytes(rep.UpstreamBytesSync),
+		cfg.Envoys, rep.InitialSyncS, rep.FleetStartS, rep.UpstreamStreams.AfterSync, fmtBytes(rep.UpstreamBytesSync),
 		fmtBytes(rep.EnvoyBytesSync), fmtBytes(rep.FleetHeapAfterSync), fmtBytes(rep.FleetHeapPerEnvoy), r.memory())
 	return nil
 }
@@ -752,20 +751,20 @@ wait:
 		rep.RelayCPUPerDeliveryOwn = (rep.RelayCPUChurnS - rep.Ledger.SamplerCPUS) * 1e6 / float64(deliveries)
 	}
 	st := r.up.Stats()
-	rep.UpstreamBytesChurn, rep.UpstreamStreamsEnd = st.BytesSent-upBytes, st.OpenStreams
+	rep.UpstreamBytesChurn, rep.UpstreamStreams.AtEnd = st.BytesSent-upBytes, st.OpenStreams
 	if fig, err = r.fleet.Figures(ctx); err != nil {
 		return err
 	}
 	rep.EnvoyBytesChurn = fig.BytesReceived - envoyBytes
-	rep.Reconnects, rep.Violations, rep.ViolationSamples = fig.Reconnects, fig.Violations, fig.ViolationSamples
+	rep.Health = fig.Health()
 	perEnvoy, complete, timedOut := r.tracker.Results()
-	rep.Delivered, rep.Complete, rep.ChangesTimedOut = latencyMs(perEnvoy), latencyMs(complete), timedOut
+	rep.Delivered, rep.Complete, rep.ChangesTimedOut = perEnvoy.Ms(), complete.Ms(), timedOut
 	if err := r.fleet.Err(); err != nil {
 		return err
 	}
 
 	led := r.samples.join(r.t0)
-	rep.Ledger.ACK, rep.Ledger.Owner, rep.Ledger.Peer = latencyMs(led.all), latencyMs(led.owner), latencyMs(led.peer)
+	rep.Ledger.ACK, rep.Ledger.Owner, rep.Ledger.Peer = led.all.Ms(), led.owner.Ms(), led.peer.Ms()
 	rep.Ledger.Unresolved = led.unresolved
 	rep.Ledger.Histogram = hist
 	if hist.Count > 0 {
@@ -841,20 +840,20 @@ func (r *ctripRun) memory() string {
 }
 
 // ctripVerdicts checks the issue's targets.
-func ctripVerdicts(cfg CtripConfig, rep *CtripReport) []Verdict {
-	v := func(target, measured string, pass bool) Verdict {
-		return Verdict{Protocol: cfg.Protocol.String(), Target: target, Measured: measured, Pass: pass}
+func ctripVerdicts(cfg CtripConfig, rep *CtripReport) []report.Verdict {
+	v := func(target, measured string, pass bool) report.Verdict {
+		return report.Verdict{Protocol: cfg.Protocol.String(), Target: target, Measured: measured, Pass: pass}
 	}
 	l := rep.Ledger.ACK
-	return []Verdict{
+	return []report.Verdict{
 		v(fmt.Sprintf("ledger push → ACK P95 ≤ %s", report.MS(cfg.TargetP95)), fmtMs(l.P95), l.N > 0 && l.P95 <= ms64(cfg.TargetP95)),
 		v(fmt.Sprintf("ledger push → ACK P99 ≤ %s", report.MS(cfg.TargetP99)), fmtMs(l.P99), l.N > 0 && l.P99 <= ms64(cfg.TargetP99)),
 		v("every change reached every Envoy", fmt.Sprintf("%d of %d changes, %d timed out", rep.Changes-rep.ChangesTimedOut, rep.Changes, rep.ChangesTimedOut),
 			rep.Changes > 0 && rep.ChangesTimedOut == 0),
 		v("every Envoy on its key's version at the end (tier ledger)", fmt.Sprintf("%d of %d", rep.Tier.Current, rep.Tier.Envoys),
 			rep.Tier.Envoys == cfg.Envoys && rep.Tier.Current == rep.Tier.Envoys && rep.FinalSynced),
-		v("one upstream stream per key", fmt.Sprintf("%d after the sync, %d at the end", rep.UpstreamStreams, rep.UpstreamStreamsEnd),
-			rep.UpstreamStreams == int64(cfg.Keys) && rep.UpstreamStreamsEnd == int64(cfg.Keys)),
+		v("one upstream stream per key", fmt.Sprintf("%d after the sync, %d at the end", rep.UpstreamStreams.AfterSync, rep.UpstreamStreams.AtEnd),
+			rep.UpstreamStreams.Are(cfg.Keys)),
 		v("no protocol violation", strconv.Itoa(rep.Violations), rep.Violations == 0),
 	}
 }
@@ -864,11 +863,10 @@ func PrintCtrip(w io.Writer, rep *CtripReport) {
 	c := rep.Config
 	fmt.Fprintf(w, "\nctrip: %d ServiceEntries + %d WorkloadEntries in %d namespaces; %d relays; %d %s Envoys over %d keys; churn %.1f/s for %.0fs\n",
 		c.Services, c.Endpoints, c.Namespaces, c.Relays, c.Envoys, c.Protocol, c.Keys, c.ChurnRate, c.DurationS)
-	fmt.Fprintf(w, "machine: %d CPUs, GOMAXPROCS %d, %s, %s, load average at start %s; %s; commit %s\n",
-		rep.Machine.CPUs, rep.Machine.GOMAXPROCS, rep.Machine.GoVersion, rep.Machine.OS, rep.Machine.LoadAvg, rep.Date, orUnknown(rep.Commit))
+	fmt.Fprintf(w, "machine: %s; %s; commit %s\n", rep.Machine, rep.Date, orUnknown(rep.Commit))
 	fmt.Fprintf(w, "pinning: relays %s; fleet %s; upstream: %s, %s caches\n", orNot(rep.Pinning.RelayCPUs), orNot(rep.Pinning.FleetCPUs), c.UpstreamProtocol, c.UpstreamCache)
 	l := rep.Ledger
-	lat := func(x LatencyMs) string {
+	lat := func(x report.LatencyMs) string {
 		return fmt.Sprintf("P50 %s  P95 %s  P99 %s  max %s  (%d)", fmtMs(x.P50), fmtMs(x.P95), fmtMs(x.P99), fmtMs(x.Max), x.N)
 	}
 	fmt.Fprintf(w, "initial sync            %.1fs (fleet started in %.1fs); upstream sent %s, Envoys received %s\n",
@@ -886,7 +884,7 @@ func PrintCtrip(w io.Writer, rep *CtripReport) {
 		rep.Changes, rep.Deliveries, rep.ChangesTimedOut, c.ChangeTimeoutS, rep.DrainS)
 	fmt.Fprintf(w, "end state               fleet synced %v; tier ledger %d of %d Envoys current (%d missing relays)\n",
 		rep.FinalSynced, rep.Tier.Current, rep.Tier.Envoys, rep.Tier.Missing)
-	fmt.Fprintf(w, "upstream                streams %d → %d; sent %s during the churn\n", rep.UpstreamStreams, rep.UpstreamStreamsEnd, fmtBytes(rep.UpstreamBytesChurn))
+	fmt.Fprintf(w, "upstream                streams %d → %d; sent %s during the churn\n", rep.UpstreamStreams.AfterSync, rep.UpstreamStreams.AtEnd, fmtBytes(rep.UpstreamBytesChurn))
 	fmt.Fprintf(w, "Envoys                  received %s during the churn; %d reconnects; %d violations\n", fmtBytes(rep.EnvoyBytesChurn), rep.Reconnects, rep.Violations)
 	for _, s := range rep.ViolationSamples {
 		fmt.Fprintf(w, "  violation: %s\n", s)
@@ -908,11 +906,7 @@ func PrintCtrip(w io.Writer, rep *CtripReport) {
 	}
 	fmt.Fprintf(w, "\ntargets:\n")
 	for _, v := range rep.Verdicts {
-		verdict := "FAIL"
-		if v.Pass {
-			verdict = "PASS"
-		}
-		fmt.Fprintf(w, "  %s  %-58s measured %s\n", verdict, v.Target, v.Measured)
+		fmt.Fprintf(w, "  %s  %-58s measured %s\n", report.Judge(v.Pass), v.Target, v.Measured)
 	}
 	if rep.Error != "" {
 		fmt.Fprintf(w, "error: %s\n", rep.Error)
@@ -1021,7 +1015,7 @@ type tierRelayProc struct {
 	idx     int
 	cfg     TierRelayChildConfig
 	child   *Child
-	fig     *ProcFigures
+	fig     *report.Process
 	replies chan string
 	mu      sync.Mutex // one question at a time
 }

@@ -94,8 +94,8 @@ func TestCtripQuick(t *testing.T) {
 	if rep.Violations != 0 {
 		t.Errorf("%d protocol violations: %v", rep.Violations, rep.ViolationSamples)
 	}
-	if rep.UpstreamStreams != int64(cfg.Keys) || rep.UpstreamStreamsEnd != int64(cfg.Keys) {
-		t.Errorf("upstream streams %d after the sync, %d at the end, want %d (one per key)", rep.UpstreamStreams, rep.UpstreamStreamsEnd, cfg.Keys)
+	if rep.UpstreamStreams.AfterSync != int64(cfg.Keys) || rep.UpstreamStreams.AtEnd != int64(cfg.Keys) {
+		t.Errorf("upstream streams %d after the sync, %d at the end, want %d (one per key)", rep.UpstreamStreams.AfterSync, rep.UpstreamStreams.AtEnd, cfg.Keys)
 	}
 	if rep.UpstreamBytesChurn == 0 || rep.EnvoyBytesChurn == 0 || rep.FleetHeapPerEnvoy == 0 {
 		t.Errorf("bytes: upstream %d, Envoys %d during the churn, fleet heap %d an Envoy; want all > 0", rep.UpstreamBytesChurn, rep.EnvoyBytesChurn, rep.FleetHeapPerEnvoy)

@@ -557,56 +557,12 @@ func movable(sc upstream.Scenario) []int {
 // FanoutReport is what RunFanout measured. Durations are in milliseconds or
 // seconds, sizes in bytes, as the JSON names say.
 type FanoutReport struct {
-	Date     string        `json:"date"`
-	Machine  Machine       `json:"machine"`
-	Scenario FanoutSummary `json:"scenario"`
-	Pinning  Pinning       `json:"pinning"`
-	Runs     []FanoutRun   `json:"runs"`
-	Verdicts []Verdict     `json:"verdicts"`
-}
-
-// Pinning says where a benchmark's processes ran. Each run's
-// ProcFigures.CPUs says what the kernel reported of each child.
-type Pinning struct {
-	// FleetProcess: the simulated Envoys ran in a child process of their
-	// own; false: in the loadtest process.
-	FleetProcess bool `json:"fleet_process"`
-	// RelayCPUs and FleetCPUs are the CPU lists asked for ("": not
-	// pinned); LoadtestCPUs are the CPUs the loadtest process itself may
-	// use (it is never pinned).
-	RelayCPUs    string `json:"relay_cpus,omitempty"`
-	FleetCPUs    string `json:"fleet_cpus,omitempty"`
-	LoadtestCPUs string `json:"loadtest_cpus,omitempty"`
-}
-
-func (p Pinning) String() string {
-	cpus := func(s string) string {
-		if s == "" {
-			return "not pinned"
-		}
-		return "CPUs " + s
-	}
-	where := "in the loadtest process"
-	if p.FleetProcess {
-		where = "in a child process, " + cpus(p.FleetCPUs)
-	}
-	return fmt.Sprintf("relay child %s; fleet %s; loadtest process (upstream, tracker) not pinned (CPUs %s)",
-		cpus(p.RelayCPUs), where, p.LoadtestCPUs)
-}
-
-// Machine describes where a report was measured.
-type Machine struct {
-	CPUs       int    `json:"cpus"`
-	GOMAXPROCS int    `json:"gomaxprocs"`
-	GoVersion  string `json:"go_version"`
-	OS         string `json:"os"`
-	LoadAvg    string `json:"loadavg_at_start"`
-}
-
-// thisMachine describes the machine a report is measured on, now.
-func thisMachine() Machine {
-	return Machine{CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0), GoVersion: runtime.Version(),
-		OS: runtime.GOOS + "/" + runtime.GOARCH, LoadAvg: loadAvg()}
+	Date     string           `json:"date"`
+	Machine  report.Machine   `json:"machine"`
+	Scenario FanoutSummary    `json:"scenario"`
+	Pinning  report.Pinning   `json:"pinning"`
+	Runs     []FanoutRun      `json:"runs"`
+	Verdicts []report.Verdict `json:"verdicts"`
 }
 
 // FanoutSummary is the configuration a report was measured with.
@@ -629,20 +585,6 @@ type FanoutSummary struct {
 	TokenReviewLatencyMs float64 `json:"tokenreview_latency_ms,omitempty"`
 }
 
-// LatencyMs is a latency distribution in milliseconds.
-type LatencyMs struct {
-	N   int     `json:"n"`
-	P50 float64 `json:"p50_ms"`
-	P95 float64 `json:"p95_ms"`
-	P99 float64 `json:"p99_ms"`
-	Max float64 `json:"max_ms"`
-}
-
-func latencyMs(l report.Latency) LatencyMs {
-	f := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
-	return LatencyMs{N: l.N, P50: f(l.P50), P95: f(l.P95), P99: f(l.P99), Max: f(l.Max)}
-}
-
 // FanoutRun is one protocol in one mode.
 type FanoutRun struct {
 	Protocol         string     `json:"protocol"`
@@ -662,13 +604,13 @@ type FanoutRun struct {
 	// ACK is the latency from the upstream publishing a change to each
 	// Envoy's ACK of it, over every (change, Envoy) pair; Complete is, per
 	// change, until the last Envoy ACKed.
-	ACK             LatencyMs `json:"ack"`
-	Complete        LatencyMs `json:"complete"`
-	ChangesTimedOut int       `json:"changes_timed_out"`
-	ChangesDone     int       `json:"changes_done"`
+	ACK             report.LatencyMs `json:"ack"`
+	Complete        report.LatencyMs `json:"complete"`
+	ChangesTimedOut int              `json:"changes_timed_out"`
+	ChangesDone     int              `json:"changes_done"`
 
-	UpstreamStreams    int64 `json:"upstream_streams"`
-	UpstreamStreamsEnd int64 `json:"upstream_streams_end"`
+	// UpstreamStreams: once every Envoy synced (settled) and at the end.
+	report.UpstreamStreams
 
 	UpstreamBytesSync    uint64 `json:"upstream_bytes_sync"`
 	UpstreamBytesChanges uint64 `json:"upstream_bytes_changes"`
@@ -677,11 +619,11 @@ type FanoutRun struct {
 
 	// Loadtest is this process: the upstream, the Tracker and, unless
 	// the fleet runs in a child (Fleet), every Envoy.
-	Loadtest ProcFigures `json:"loadtest_process"`
+	Loadtest report.Process `json:"loadtest_process"`
 	// Relay is the relay child process (relayed mode only).
-	Relay *ProcFigures `json:"relay_process,omitempty"`
+	Relay *report.Process `json:"relay_process,omitempty"`
 	// Fleet is the fleet child process, when the fleet runs in one.
-	Fleet *ProcFigures `json:"fleet_process,omitempty"`
+	Fleet *report.Process `json:"fleet_process,omitempty"`
 
 	// RelayCPUPerChangeEnvoyUs is the relay's CPU over the changes per
 	// change made per Envoy, in µs; RelayCPUPerMBSyncMs and
@@ -693,13 +635,9 @@ type FanoutRun struct {
 	RelayCPUPerMBSyncMs      float64 `json:"relay_cpu_ms_per_mb_sync,omitempty"`
 	RelayCPUPerMBChangesMs   float64 `json:"relay_cpu_ms_per_mb_changes,omitempty"`
 
-	// Reconnects counts Envoy streams reopened (the relay or upstream
-	// closed them, e.g. on a keepalive timeout when CPU is short).
-	Reconnects uint64 `json:"envoy_reconnects"`
-
-	Violations       int      `json:"violations"`
-	ViolationSamples []string `json:"violation_samples,omitempty"`
-	Error            string   `json:"error,omitempty"`
+	// Health: the Envoys' stream reconnects and protocol violations.
+	report.Health
+	Error string `json:"error,omitempty"`
 
 	// Refused counts Envoys whose last stream the relay refused
 	// (Unauthenticated, PermissionDenied) when the run ended.
@@ -714,36 +652,13 @@ type FanoutRun struct {
 	Admission *AdmissionFigures `json:"admission,omitempty"`
 }
 
-// ProcFigures are a process's CPU time and memory over a run.
-type ProcFigures struct {
-	CPUSyncS    float64 `json:"cpu_sync_s"`
-	CPUChangesS float64 `json:"cpu_changes_s"`
-	RSSEnd      uint64  `json:"rss_end_bytes"`
-	RSSPeak     uint64  `json:"rss_peak_bytes"`
-	// Pid is a child's process id; CPUs the CPUs it may run on, as the
-	// kernel reported them of every one of its threads once it started.
-	Pid        int    `json:"pid,omitempty"`
-	CPUs       string `json:"cpus,omitempty"`
-	CPUProfile string `json:"cpuprofile,omitempty"`
-	Err        string `json:"error,omitempty"`
-}
-
-// childCPUs reads what ProcFigures.CPUs says of pid, or why it could not.
+// childCPUs reads what report.Process.CPUs says of pid, or why it could not.
 func childCPUs(pid int) string {
 	s, err := ProcessCPUs(pid)
 	if err != nil {
 		return "unknown: " + err.Error()
 	}
 	return s.String()
-}
-
-// Verdict is one target checked against one run.
-type Verdict struct {
-	Protocol  string `json:"protocol"`
-	Transport string `json:"transport,omitempty"`
-	Target    string `json:"target"`
-	Measured  string `json:"measured"`
-	Pass      bool   `json:"pass"`
 }
 
 // RunFanout runs, for each protocol, the same scenario in each mode, one
@@ -761,7 +676,7 @@ func RunFanout(ctx context.Context, cfg FanoutConfig, out io.Writer) (*FanoutRep
 	}
 	rep := &FanoutReport{
 		Date:    time.Now().UTC().Format(time.RFC3339),
-		Machine: thisMachine(),
+		Machine: report.ThisMachine(),
 		Scenario: FanoutSummary{
 			Services: cfg.Scenario.Services, Endpoints: cfg.Scenario.Endpoints,
 			Namespaces: cfg.Scenario.Namespaces, LocalFraction: cfg.Scenario.LocalFraction,
@@ -772,7 +687,7 @@ func RunFanout(ctx context.Context, cfg FanoutConfig, out io.Writer) (*FanoutRep
 			TargetRSS:   cfg.Targets.RelayPeakRSS,
 			TLS:         cfg.TLS,
 		},
-		Pinning: Pinning{
+		Pinning: report.Pinning{
 			FleetProcess: cfg.FleetCommand != nil,
 			RelayCPUs:    cfg.RelayCPUs.String(), FleetCPUs: cfg.FleetCPUs.String(),
 		},
@@ -827,15 +742,6 @@ func RunFanout(ctx context.Context, cfg FanoutConfig, out io.Writer) (*FanoutRep
 		errs = append(errs, ctx.Err())
 	}
 	return rep, errors.Join(errs...)
-}
-
-func loadAvg() string {
-	b, err := os.ReadFile("/proc/loadavg")
-	if err != nil {
-		return ""
-	}
-	f := strings.Fields(string(b))
-	return strings.Join(f[:min(3, len(f))], " ")
 }
 
 // stopTimeout bounds each Stop at the end of a run: a child still there
@@ -935,7 +841,7 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 			}
 		}()
 		target = child.Addr()
-		run.Relay = &ProcFigures{CPUProfile: rc.CPUProfile, Pid: child.Pid(), CPUs: childCPUs(child.Pid())}
+		run.Relay = &report.Process{CPUProfile: rc.CPUProfile, Pid: child.Pid(), CPUs: childCPUs(child.Pid())}
 		fmt.Fprintf(out, "%s: relay pid %d at %s (upstream protocol %s), CPUs %s\n", tag, child.Pid(), target, rc.UpstreamProtocol, run.Relay.CPUs)
 	}
 	procs := &procMeter{}
@@ -961,7 +867,7 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 		},
 		command: cfg.FleetCommand, cpus: cfg.FleetCPUs, stderr: cfg.FleetStderr, tracker: tracker,
 		started: func(fp *FleetProcess) {
-			run.Fleet = &ProcFigures{Pid: fp.Pid(), CPUs: childCPUs(fp.Pid())}
+			run.Fleet = &report.Process{Pid: fp.Pid(), CPUs: childCPUs(fp.Pid())}
 			procs.add(fp.Stat, run.Fleet)
 		},
 	}
@@ -992,7 +898,7 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 	cancel()
 	stopConnectProfile()
 	run.InitialSyncS = time.Since(start).Seconds()
-	run.UpstreamStreams = settledStreams(ctx, up)
+	run.UpstreamStreams.AfterSync = settledStreams(ctx, up)
 	run.UpstreamBytesSync = up.Stats().BytesSent
 	fig, figErr := fleet.Figures(ctx)
 	run.EnvoyBytesSync = fig.BytesReceived
@@ -1001,13 +907,13 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 		err = figErr
 	}
 	if err != nil {
-		run.UpstreamStreamsEnd = run.UpstreamStreams
+		run.UpstreamStreams.AtEnd = run.UpstreamStreams.AfterSync
 		run.recordFleet(fig)
 		procs.mark(phaseEnd)
 		return fail(fmt.Errorf("initial sync: %w", err))
 	}
 	run.Synced = true
-	fmt.Fprintf(out, "%s: %d Envoys synced in %.1fs; upstream streams %d\n", tag, cfg.Envoys, run.InitialSyncS, run.UpstreamStreams)
+	fmt.Fprintf(out, "%s: %d Envoys synced in %.1fs; upstream streams %d\n", tag, cfg.Envoys, run.InitialSyncS, run.UpstreamStreams.AfterSync)
 
 	// The initial sync leaves garbage in this process; collect it before
 	// timing, so both modes start the changes from the same footing.
@@ -1042,9 +948,9 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 	run.UpstreamBytesChanges = up.Stats().BytesSent - upBytes
 	fig, figErr = fleet.Figures(ctx)
 	run.EnvoyBytesChanges = fig.BytesReceived - envoyBytes
-	run.UpstreamStreamsEnd = up.Stats().OpenStreams
+	run.UpstreamStreams.AtEnd = up.Stats().OpenStreams
 	perEnvoy, complete, timedOut := tracker.Results()
-	run.ACK, run.Complete = latencyMs(perEnvoy), latencyMs(complete)
+	run.ACK, run.Complete = perEnvoy.Ms(), complete.Ms()
 	run.ChangesTimedOut = timedOut
 	run.recordFleet(fig)
 	run.relayCPUPer(cfg.Envoys)
@@ -1107,8 +1013,7 @@ func startCPUProfile(prefix string, p envoy.Protocol, mode FanoutMode, out io.Wr
 }
 
 func (run *FanoutRun) recordFleet(fig traffic.FleetFigures) {
-	run.Reconnects, run.Refused = fig.Reconnects, fig.Refused
-	run.Violations, run.ViolationSamples = fig.Violations, fig.ViolationSamples
+	run.Health, run.Refused = fig.Health(), fig.Refused
 	if fig.Tokens > 0 {
 		run.Tokens = fig.Tokens
 	}
@@ -1228,13 +1133,13 @@ type procMeter struct{ procs []*meteredProc }
 
 type meteredProc struct {
 	stat func() (ProcStat, error)
-	fig  *ProcFigures
+	fig  *report.Process
 	last ProcStat
 	err  error
 }
 
 // add starts metering a process: its CPU time from now goes into fig.
-func (m *procMeter) add(stat func() (ProcStat, error), fig *ProcFigures) {
+func (m *procMeter) add(stat func() (ProcStat, error), fig *report.Process) {
 	p := &meteredProc{stat: stat, fig: fig}
 	p.last, p.err = stat()
 	m.procs = append(m.procs, p)
@@ -1270,19 +1175,19 @@ func resetPeakRSS(pid int) {
 }
 
 // verdicts checks the relayed runs against the targets.
-func verdicts(cfg FanoutConfig, runs []FanoutRun) []Verdict {
-	var out []Verdict
+func verdicts(cfg FanoutConfig, runs []FanoutRun) []report.Verdict {
+	var out []report.Verdict
 	for _, r := range runs {
 		if r.Mode != Relayed {
 			continue
 		}
 		first := len(out)
 		if !r.Synced {
-			out = append(out, Verdict{Protocol: r.Protocol, Transport: r.Transport, Target: "run completed", Measured: r.Error})
+			out = append(out, report.Verdict{Protocol: r.Protocol, Transport: r.Transport, Target: "run completed", Measured: r.Error})
 			continue
 		}
 
-		out = append(out, Verdict{
+		out = append(out, report.Verdict{
 			Protocol: r.Protocol,
 			Target:   fmt.Sprintf("P99 change→all %d Envoys ≤ %s", cfg.Envoys, cfg.Targets.ChangeP99),
 			Measured: fmt.Sprintf("%s (%d of %d changes reached all, per-Envoy ACK P99 %s)",
@@ -1290,21 +1195,21 @@ func verdicts(cfg FanoutConfig, runs []FanoutRun) []Verdict {
 			Pass: r.ChangesTimedOut == 0 && r.ChangesDone == cfg.Changes &&
 				r.Complete.P99 <= float64(cfg.Targets.ChangeP99)/float64(time.Millisecond),
 		})
-		out = append(out, Verdict{
+		out = append(out, report.Verdict{
 			Protocol: r.Protocol,
 			Target:   fmt.Sprintf("upstream streams = %d keys", cfg.Keys),
-			Measured: fmt.Sprintf("%d after sync, %d at end", r.UpstreamStreams, r.UpstreamStreamsEnd),
-			Pass:     r.UpstreamStreams == int64(cfg.Keys) && r.UpstreamStreamsEnd == int64(cfg.Keys),
+			Measured: fmt.Sprintf("%d after sync, %d at end", r.UpstreamStreams.AfterSync, r.UpstreamStreams.AtEnd),
+			Pass:     r.UpstreamStreams.Are(cfg.Keys),
 		})
 		if r.Relay != nil {
-			out = append(out, Verdict{
+			out = append(out, report.Verdict{
 				Protocol: r.Protocol,
 				Target:   fmt.Sprintf("relay peak RSS ≤ %s", fmtBytes(cfg.Targets.RelayPeakRSS)),
 				Measured: fmtBytes(r.Relay.RSSPeak),
 				Pass:     r.Relay.Err == "" && r.Relay.RSSPeak > 0 && r.Relay.RSSPeak <= cfg.Targets.RelayPeakRSS,
 			})
 		}
-		out = append(out, Verdict{
+		out = append(out, report.Verdict{
 			Protocol: r.Protocol,
 			Target:   "no protocol violation",
 			Measured: fmt.Sprintf("%d", r.Violations),
@@ -1323,8 +1228,7 @@ func PrintFanout(out io.Writer, rep *FanoutReport) {
 	sc := rep.Scenario
 	fmt.Fprintf(out, "\nfanout: %d Envoys over %d keys; %d services, %d endpoints, %d namespaces (%.0f%% namespace-local); %d changes\n",
 		sc.Envoys, sc.Keys, sc.Services, sc.Endpoints, sc.Namespaces, 100*sc.LocalFraction, sc.Changes)
-	fmt.Fprintf(out, "machine: %d CPUs, GOMAXPROCS %d, %s, %s, load average at start %s; %s\n",
-		rep.Machine.CPUs, rep.Machine.GOMAXPROCS, rep.Machine.GoVersion, rep.Machine.OS, rep.Machine.LoadAvg, rep.Date)
+	fmt.Fprintf(out, "machine: %s; %s\n", rep.Machine, rep.Date)
 	fmt.Fprintf(out, "pinning: %s\n", rep.Pinning)
 	var protos []string
 	for _, r := range rep.Runs {
@@ -1333,255 +1237,20 @@ func PrintFanout(out io.Writer, rep *FanoutReport) {
 		}
 	}
 	for _, p := range protos {
-		// The columns: this protocol's runs in order; the ratios: relayed
-		// (plaintext, else the first) over direct, and each TLS run over
-		// the plaintext relayed one.
-		var cols []*FanoutRun
-		var direct, relayed *FanoutRun
-		for i := range rep.Runs {
-			r := &rep.Runs[i]
-			if r.Protocol != p {
-				continue
-			}
-			cols = append(cols, r)
-			switch {
-			case r.Mode == Direct:
-				direct = r
-			case relayed == nil || (r.Transport == "plaintext" && relayed.Transport != "plaintext"):
-				relayed = r
-			}
-		}
-		type ratio struct {
-			name     string
-			num, den *FanoutRun
-		}
-		var ratios []ratio
-		if direct != nil && relayed != nil {
-			ratios = append(ratios, ratio{"rel/direct", relayed, direct})
-		}
-		anyTLS := false
-		for _, r := range cols {
-			if strings.HasPrefix(r.Transport, "tls") {
-				anyTLS = true
-				if relayed != nil && relayed.Transport == "plaintext" {
-					ratios = append(ratios, ratio{strings.TrimPrefix(r.Transport, "tls-") + "/plain", r, relayed})
-				}
-			}
-		}
+		t := newFanoutTable(rep.Runs, p)
 		fmt.Fprintf(out, "\n%s\n", strings.ToUpper(p))
-		line := func(label string, cells, rats []string) {
-			fmt.Fprintf(out, "  %-40s", label)
-			for _, c := range cells {
-				fmt.Fprintf(out, " %24s", c)
-			}
-			for _, c := range rats {
-				fmt.Fprintf(out, " %16s", c)
-			}
-			fmt.Fprintln(out)
-		}
-		row := func(label string, f func(*FanoutRun) string, value func(*FanoutRun) float64) {
-			var cells, rats []string
-			for _, r := range cols {
-				cells = append(cells, f(r))
-			}
-			for _, q := range ratios {
-				cell := ""
-				if value != nil {
-					if d := value(q.den); d > 0 {
-						cell = fmt.Sprintf("%.3g×", value(q.num)/d)
-					}
-				}
-				rats = append(rats, cell)
-			}
-			line(label, cells, rats)
-		}
-		var heads, ratioHeads []string
-		for _, r := range cols {
-			heads = append(heads, runLabel(r))
-		}
-		for _, q := range ratios {
-			ratioHeads = append(ratioHeads, q.name)
-		}
-		line("", heads, ratioHeads)
-		sec := func(v float64) string { return fmt.Sprintf("%.2fs", v) }
-		row("fleet start (paced ramp)", func(r *FanoutRun) string { return sec(r.FleetStartS) }, nil)
-		row("initial sync (start → all synced)", func(r *FanoutRun) string {
-			if !r.Synced {
-				return "not synced"
-			}
-			return sec(r.InitialSyncS)
-		}, func(r *FanoutRun) float64 { return r.InitialSyncS })
-		lat := func(label string, get func(*FanoutRun) LatencyMs) {
-			for _, q := range []struct {
-				name string
-				v    func(LatencyMs) float64
-			}{
-				{"P50", func(l LatencyMs) float64 { return l.P50 }},
-				{"P95", func(l LatencyMs) float64 { return l.P95 }},
-				{"P99", func(l LatencyMs) float64 { return l.P99 }},
-				{"max", func(l LatencyMs) float64 { return l.Max }},
-			} {
-				row(label+" "+q.name, func(r *FanoutRun) string { return fmtMs(q.v(get(r))) },
-					func(r *FanoutRun) float64 { return q.v(get(r)) })
+		t.line(out, "", runLabel, func(q fanoutRatio) string { return q.name })
+		for _, row := range fanoutRows(t, sc.Envoys) {
+			if !row.omit && (row.need == nil || t.any(row.need)) {
+				t.line(out, row.label, row.cell, row.ratio)
 			}
 		}
-		lat("change → each Envoy's ACK", func(r *FanoutRun) LatencyMs { return r.ACK })
-		lat("change → last Envoy's ACK", func(r *FanoutRun) LatencyMs { return r.Complete })
-		relayPer := func(v func(*FanoutRun) float64, format string) func(*FanoutRun) string {
-			return func(r *FanoutRun) string {
-				if r.Relay == nil || r.Relay.Err != "" || v(r) == 0 {
-					return "-"
-				}
-				return fmt.Sprintf(format, v(r))
+		for _, r := range t.runs {
+			if r.Admission != nil && len(r.Admission.Refused) > 0 {
+				fmt.Fprintf(out, "  %s connect storm refused: %v\n", runLabel(r), r.Admission.Refused)
 			}
 		}
-		row("relay CPU per change per Envoy", relayPer(func(r *FanoutRun) float64 { return r.RelayCPUPerChangeEnvoyUs }, "%.1fµs"), nil)
-		row("relay CPU per MB sent: sync", relayPer(func(r *FanoutRun) float64 { return r.RelayCPUPerMBSyncMs }, "%.1fms/MB"), nil)
-		row("relay CPU per MB sent: changes", relayPer(func(r *FanoutRun) float64 { return r.RelayCPUPerMBChangesMs }, "%.1fms/MB"), nil)
-		row("changes reached all / timed out", func(r *FanoutRun) string {
-			return fmt.Sprintf("%d / %d", r.ChangesDone, r.ChangesTimedOut)
-		}, nil)
-		row("upstream streams (after sync / end)", func(r *FanoutRun) string {
-			return fmt.Sprintf("%d / %d", r.UpstreamStreams, r.UpstreamStreamsEnd)
-		}, func(r *FanoutRun) float64 { return float64(r.UpstreamStreams) })
-		row("upstream bytes sent: sync", func(r *FanoutRun) string { return fmtBytes(r.UpstreamBytesSync) },
-			func(r *FanoutRun) float64 { return float64(r.UpstreamBytesSync) })
-		row("upstream bytes sent: changes", func(r *FanoutRun) string { return fmtBytes(r.UpstreamBytesChanges) },
-			func(r *FanoutRun) float64 { return float64(r.UpstreamBytesChanges) })
-		row("Envoys' bytes received: sync", func(r *FanoutRun) string { return fmtBytes(r.EnvoyBytesSync) },
-			func(r *FanoutRun) float64 { return float64(r.EnvoyBytesSync) })
-		row("Envoys' bytes received: changes", func(r *FanoutRun) string { return fmtBytes(r.EnvoyBytesChanges) },
-			func(r *FanoutRun) float64 { return float64(r.EnvoyBytesChanges) })
-		relayOK := func(r *FanoutRun) bool { return r.Relay != nil && r.Relay.Err == "" }
-		relayCell := func(f func(*ProcFigures) string) func(*FanoutRun) string {
-			return func(r *FanoutRun) string {
-				if r.Relay == nil {
-					return "-"
-				}
-				if r.Relay.Err != "" {
-					return "error"
-				}
-				return f(r.Relay)
-			}
-		}
-		row("relay process CPU: sync / changes", relayCell(func(p *ProcFigures) string {
-			return fmt.Sprintf("%.2fs / %.2fs", p.CPUSyncS, p.CPUChangesS)
-		}), nil)
-		row("relay CPU per 1,000 Envoys: sync", relayCell(func(p *ProcFigures) string {
-			return fmt.Sprintf("%.2fs", p.CPUSyncS/float64(max(sc.Envoys, 1))*1000)
-		}), func(r *FanoutRun) float64 {
-			if !relayOK(r) {
-				return 0
-			}
-			return r.Relay.CPUSyncS
-		})
-		row("relay process RSS: peak / end", relayCell(func(p *ProcFigures) string {
-			return fmtBytes(p.RSSPeak) + " / " + fmtBytes(p.RSSEnd)
-		}), nil)
-		if slices.ContainsFunc(cols, func(r *FanoutRun) bool { return r.Fleet != nil }) {
-			fleetCell := func(f func(*ProcFigures) string) func(*FanoutRun) string {
-				return func(r *FanoutRun) string {
-					switch {
-					case r.Fleet == nil:
-						return "-"
-					case r.Fleet.Err != "":
-						return "error"
-					}
-					return f(r.Fleet)
-				}
-			}
-			row("fleet process CPU: sync / changes", fleetCell(func(p *ProcFigures) string {
-				return fmt.Sprintf("%.2fs / %.2fs", p.CPUSyncS, p.CPUChangesS)
-			}), func(r *FanoutRun) float64 {
-				if r.Fleet == nil {
-					return 0
-				}
-				return r.Fleet.CPUSyncS + r.Fleet.CPUChangesS
-			})
-			row("fleet process RSS: peak / end", fleetCell(func(p *ProcFigures) string {
-				return fmtBytes(p.RSSPeak) + " / " + fmtBytes(p.RSSEnd)
-			}), nil)
-		}
-		row("loadtest process CPU: sync / changes", func(r *FanoutRun) string {
-			return fmt.Sprintf("%.2fs / %.2fs", r.Loadtest.CPUSyncS, r.Loadtest.CPUChangesS)
-		}, func(r *FanoutRun) float64 { return r.Loadtest.CPUSyncS + r.Loadtest.CPUChangesS })
-		row("loadtest process RSS: peak", func(r *FanoutRun) string { return fmtBytes(r.Loadtest.RSSPeak) }, nil)
-		if slices.ContainsFunc(cols, func(r *FanoutRun) bool { return r.Relay != nil || r.Fleet != nil }) {
-			row("CPUs: relay / fleet", func(r *FanoutRun) string {
-				cpus := func(p *ProcFigures) string {
-					if p == nil {
-						return "-"
-					}
-					return p.CPUs
-				}
-				return cpus(r.Relay) + " / " + cpus(r.Fleet)
-			}, nil)
-		}
-		row("Envoy stream reconnects", func(r *FanoutRun) string { return fmt.Sprintf("%d", r.Reconnects) }, nil)
-		row("protocol violations", func(r *FanoutRun) string { return fmt.Sprintf("%d", r.Violations) }, nil)
-		if anyTLS {
-			row("Envoys refused (at the end)", func(r *FanoutRun) string { return fmt.Sprintf("%d", r.Refused) }, nil)
-			row("tokens presented / token reviews", func(r *FanoutRun) string {
-				if !strings.HasPrefix(r.Transport, "tls") {
-					return "-"
-				}
-				return fmt.Sprintf("%d / %d", r.Tokens, r.TokenReviews)
-			}, nil)
-		}
-		storm := func(f func(*AdmissionFigures) string) func(*FanoutRun) string {
-			return func(r *FanoutRun) string {
-				if r.Admission == nil {
-					return "-"
-				}
-				return f(r.Admission)
-			}
-		}
-		stormValue := func(f func(*AdmissionFigures) float64) func(*FanoutRun) float64 {
-			return func(r *FanoutRun) float64 {
-				if r.Admission == nil {
-					return 0
-				}
-				return f(r.Admission)
-			}
-		}
-		if slices.ContainsFunc(cols, func(r *FanoutRun) bool { return r.Admission != nil }) {
-			row("connect storm: admitted / streams", storm(func(a *AdmissionFigures) string {
-				return fmt.Sprintf("%d / %d", a.Admitted, a.Streams)
-			}), nil)
-			row("connect storm: streams/s admitted", storm(func(a *AdmissionFigures) string {
-				return fmt.Sprintf("%.0f/s (%d at once)", a.RatePerS, a.Concurrency)
-			}), stormValue(func(a *AdmissionFigures) float64 { return a.RatePerS }))
-			row("connect storm: dial → answer P50", storm(func(a *AdmissionFigures) string { return fmtMs(a.Latency.P50) }),
-				stormValue(func(a *AdmissionFigures) float64 { return a.Latency.P50 }))
-			row("connect storm: dial → answer P99", storm(func(a *AdmissionFigures) string { return fmtMs(a.Latency.P99) }),
-				stormValue(func(a *AdmissionFigures) float64 { return a.Latency.P99 }))
-			row("connect storm: relay CPU per 1,000", storm(func(a *AdmissionFigures) string {
-				return fmt.Sprintf("%.3fs", a.RelayCPUPer1000S)
-			}), stormValue(func(a *AdmissionFigures) float64 { return a.RelayCPUPer1000S }))
-			if anyTLS && relayed != nil && relayed.Transport == "plaintext" && relayed.Admission != nil {
-				row("  TLS+JWT alone (this − plaintext's)", func(r *FanoutRun) string {
-					if r.Admission == nil || !strings.HasPrefix(r.Transport, "tls") {
-						return "-"
-					}
-					return fmt.Sprintf("%.3fs", r.Admission.RelayCPUPer1000S-relayed.Admission.RelayCPUPer1000S)
-				}, nil)
-			}
-			row("  relay CPU-bound rate, per core", storm(func(a *AdmissionFigures) string {
-				if a.RelayCPUPer1000S <= 0 {
-					return "-"
-				}
-				return fmt.Sprintf("%.0f/s", 1000/a.RelayCPUPer1000S)
-			}), nil)
-			row("connect storm: loadtest CPU per 1,000", storm(func(a *AdmissionFigures) string {
-				return fmt.Sprintf("%.3fs", a.LoadtestCPUS/float64(max(a.Admitted, 1))*1000)
-			}), stormValue(func(a *AdmissionFigures) float64 { return a.LoadtestCPUS / float64(max(a.Admitted, 1)) }))
-			for _, r := range cols {
-				if r.Admission != nil && len(r.Admission.Refused) > 0 {
-					fmt.Fprintf(out, "  %s connect storm refused: %v\n", runLabel(r), r.Admission.Refused)
-				}
-			}
-		}
-		for _, r := range cols {
+		for _, r := range t.runs {
 			if r.Error != "" {
 				fmt.Fprintf(out, "  %s error: %s\n", runLabel(r), r.Error)
 			}
@@ -1607,16 +1276,259 @@ func PrintFanout(out io.Writer, rep *FanoutReport) {
 		fmt.Fprintf(out, "\ntargets (relayed):\n")
 	}
 	for _, v := range rep.Verdicts {
-		verdict := "FAIL"
-		if v.Pass {
-			verdict = "PASS"
-		}
 		run := v.Protocol
 		if v.Transport != "" && v.Transport != "plaintext" {
 			run += " " + v.Transport
 		}
-		fmt.Fprintf(out, "  %s  %-21s %-36s measured %s\n", verdict, run, v.Target, v.Measured)
+		fmt.Fprintf(out, "  %s  %-21s %-36s measured %s\n", report.Judge(v.Pass), run, v.Target, v.Measured)
 	}
+}
+
+// fanoutTable is one protocol's table in PrintFanout: its runs in order,
+// one column each, and the ratios after them: relayed (plaintext, else
+// the first) over direct, and each TLS run over the plaintext relayed one.
+type fanoutTable struct {
+	runs    []*FanoutRun
+	relayed *FanoutRun
+	ratios  []fanoutRatio
+}
+
+// fanoutRatio is a ratio column: num's value over den's.
+type fanoutRatio struct {
+	name     string
+	num, den *FanoutRun
+}
+
+func newFanoutTable(runs []FanoutRun, protocol string) *fanoutTable {
+	t := &fanoutTable{}
+	var direct *FanoutRun
+	for i := range runs {
+		r := &runs[i]
+		if r.Protocol != protocol {
+			continue
+		}
+		t.runs = append(t.runs, r)
+		switch {
+		case r.Mode == Direct:
+			direct = r
+		case t.relayed == nil || (r.Transport == "plaintext" && t.relayed.Transport != "plaintext"):
+			t.relayed = r
+		}
+	}
+	if direct != nil && t.relayed != nil {
+		t.ratios = append(t.ratios, fanoutRatio{"rel/direct", t.relayed, direct})
+	}
+	if t.relayed != nil && t.relayed.Transport == "plaintext" {
+		for _, r := range t.runs {
+			if r.tls() {
+				t.ratios = append(t.ratios, fanoutRatio{strings.TrimPrefix(r.Transport, "tls-") + "/plain", r, t.relayed})
+			}
+		}
+	}
+	return t
+}
+
+// any reports whether has holds for one of the table's runs.
+func (t *fanoutTable) any(has func(*FanoutRun) bool) bool { return slices.ContainsFunc(t.runs, has) }
+
+// tls reports whether the run's Envoys reached the relay over TLS.
+func (r *FanoutRun) tls() bool { return strings.HasPrefix(r.Transport, "tls") }
+
+// fanoutRow is a row of PrintFanout's tables: a run's cell and, if value
+// is set, the ratios of its values. A row with need is shown only if a
+// run of the table has need; omit leaves it out.
+type fanoutRow struct {
+	label string
+	cell  func(*FanoutRun) string
+	value func(*FanoutRun) float64
+	need  func(*FanoutRun) bool
+	omit  bool
+}
+
+// ratio is the row's cell of ratio q: "" without a value to compare or
+// a denominator of 0.
+func (row fanoutRow) ratio(q fanoutRatio) string {
+	if row.value == nil || row.value(q.den) <= 0 {
+		return ""
+	}
+	return fmt.Sprintf("%.3g×", row.value(q.num)/row.value(q.den))
+}
+
+// line writes a line of t: its label, each run's cell, each ratio's.
+func (t *fanoutTable) line(out io.Writer, label string, cell func(*FanoutRun) string, ratio func(fanoutRatio) string) {
+	fmt.Fprintf(out, "  %-40s", label)
+	for _, r := range t.runs {
+		fmt.Fprintf(out, " %24s", cell(r))
+	}
+	for _, q := range t.ratios {
+		fmt.Fprintf(out, " %16s", ratio(q))
+	}
+	fmt.Fprintln(out)
+}
+
+// fanoutRows are the rows of t, a fanout of envoys Envoys, in order.
+func fanoutRows(t *fanoutTable, envoys int) []fanoutRow {
+	sec := func(v float64) string { return fmt.Sprintf("%.2fs", v) }
+	relay := func(r *FanoutRun) *report.Process { return r.Relay }
+	fleet := func(r *FanoutRun) *report.Process { return r.Fleet }
+	relayPer := func(label, format string, v func(*FanoutRun) float64) fanoutRow {
+		return fanoutRow{label: label, cell: func(r *FanoutRun) string {
+			if r.Relay == nil || r.Relay.Err != "" || v(r) == 0 {
+				return "-"
+			}
+			return fmt.Sprintf(format, v(r))
+		}}
+	}
+	bytes := func(label string, v func(*FanoutRun) uint64) fanoutRow {
+		return fanoutRow{label: label, cell: func(r *FanoutRun) string { return fmtBytes(v(r)) }, value: func(r *FanoutRun) float64 { return float64(v(r)) }}
+	}
+	hasFleet := func(r *FanoutRun) bool { return r.Fleet != nil }
+	plainStorm := t.relayed != nil && t.relayed.Transport == "plaintext" && t.relayed.Admission != nil
+	return slices.Concat(
+		[]fanoutRow{
+			{label: "fleet start (paced ramp)", cell: func(r *FanoutRun) string { return sec(r.FleetStartS) }},
+			{label: "initial sync (start → all synced)", cell: func(r *FanoutRun) string {
+				if !r.Synced {
+					return "not synced"
+				}
+				return sec(r.InitialSyncS)
+			}, value: func(r *FanoutRun) float64 { return r.InitialSyncS }},
+		},
+		latencyRows("change → each Envoy's ACK", func(r *FanoutRun) report.LatencyMs { return r.ACK }),
+		latencyRows("change → last Envoy's ACK", func(r *FanoutRun) report.LatencyMs { return r.Complete }),
+		[]fanoutRow{
+			relayPer("relay CPU per change per Envoy", "%.1fµs", func(r *FanoutRun) float64 { return r.RelayCPUPerChangeEnvoyUs }),
+			relayPer("relay CPU per MB sent: sync", "%.1fms/MB", func(r *FanoutRun) float64 { return r.RelayCPUPerMBSyncMs }),
+			relayPer("relay CPU per MB sent: changes", "%.1fms/MB", func(r *FanoutRun) float64 { return r.RelayCPUPerMBChangesMs }),
+			{label: "changes reached all / timed out", cell: func(r *FanoutRun) string { return fmt.Sprintf("%d / %d", r.ChangesDone, r.ChangesTimedOut) }},
+			{label: "upstream streams (after sync / end)",
+				cell: func(r *FanoutRun) string {
+					return fmt.Sprintf("%d / %d", r.UpstreamStreams.AfterSync, r.UpstreamStreams.AtEnd)
+				},
+				value: func(r *FanoutRun) float64 { return float64(r.UpstreamStreams.AfterSync) }},
+			bytes("upstream bytes sent: sync", func(r *FanoutRun) uint64 { return r.UpstreamBytesSync }),
+			bytes("upstream bytes sent: changes", func(r *FanoutRun) uint64 { return r.UpstreamBytesChanges }),
+			bytes("Envoys' bytes received: sync", func(r *FanoutRun) uint64 { return r.EnvoyBytesSync }),
+			bytes("Envoys' bytes received: changes", func(r *FanoutRun) uint64 { return r.EnvoyBytesChanges }),
+			{label: "relay process CPU: sync / changes", cell: procCell(relay, procCPU)},
+			{label: "relay CPU per 1,000 Envoys: sync",
+				cell: procCell(relay, func(p *report.Process) string { return sec(p.CPUSyncS / float64(max(envoys, 1)) * 1000) }),
+				value: func(r *FanoutRun) float64 {
+					if r.Relay == nil || r.Relay.Err != "" {
+						return 0
+					}
+					return r.Relay.CPUSyncS
+				}},
+			{label: "relay process RSS: peak / end", cell: procCell(relay, procRSS)},
+			{label: "fleet process CPU: sync / changes", cell: procCell(fleet, procCPU), need: hasFleet, value: func(r *FanoutRun) float64 {
+				if r.Fleet == nil {
+					return 0
+				}
+				return r.Fleet.CPUSyncS + r.Fleet.CPUChangesS
+			}},
+			{label: "fleet process RSS: peak / end", cell: procCell(fleet, procRSS), need: hasFleet},
+			{label: "loadtest process CPU: sync / changes", cell: func(r *FanoutRun) string { return procCPU(&r.Loadtest) },
+				value: func(r *FanoutRun) float64 { return r.Loadtest.CPUSyncS + r.Loadtest.CPUChangesS }},
+			{label: "loadtest process RSS: peak", cell: func(r *FanoutRun) string { return fmtBytes(r.Loadtest.RSSPeak) }},
+			{label: "CPUs: relay / fleet", cell: func(r *FanoutRun) string { return procCPUs(r.Relay) + " / " + procCPUs(r.Fleet) },
+				need: func(r *FanoutRun) bool { return r.Relay != nil || r.Fleet != nil }},
+			{label: "Envoy stream reconnects", cell: func(r *FanoutRun) string { return fmt.Sprint(r.Reconnects) }},
+			{label: "protocol violations", cell: func(r *FanoutRun) string { return fmt.Sprint(r.Violations) }},
+			{label: "Envoys refused (at the end)", cell: func(r *FanoutRun) string { return fmt.Sprint(r.Refused) }, need: (*FanoutRun).tls},
+			{label: "tokens presented / token reviews", need: (*FanoutRun).tls, cell: func(r *FanoutRun) string {
+				if !r.tls() {
+					return "-"
+				}
+				return fmt.Sprintf("%d / %d", r.Tokens, r.TokenReviews)
+			}},
+			stormRow("connect storm: admitted / streams", func(a *AdmissionFigures) string { return fmt.Sprintf("%d / %d", a.Admitted, a.Streams) }, nil),
+			stormRow("connect storm: streams/s admitted", func(a *AdmissionFigures) string {
+				return fmt.Sprintf("%.0f/s (%d at once)", a.RatePerS, a.Concurrency)
+			}, func(a *AdmissionFigures) float64 { return a.RatePerS }),
+			stormRow("connect storm: dial → answer P50", func(a *AdmissionFigures) string { return fmtMs(a.Latency.P50) },
+				func(a *AdmissionFigures) float64 { return a.Latency.P50 }),
+			stormRow("connect storm: dial → answer P99", func(a *AdmissionFigures) string { return fmtMs(a.Latency.P99) },
+				func(a *AdmissionFigures) float64 { return a.Latency.P99 }),
+			stormRow("connect storm: relay CPU per 1,000", func(a *AdmissionFigures) string { return fmt.Sprintf("%.3fs", a.RelayCPUPer1000S) },
+				func(a *AdmissionFigures) float64 { return a.RelayCPUPer1000S }),
+			{label: "  TLS+JWT alone (this − plaintext's)", need: (*FanoutRun).tls, omit: !plainStorm, cell: func(r *FanoutRun) string {
+				if r.Admission == nil || !r.tls() {
+					return "-"
+				}
+				return fmt.Sprintf("%.3fs", r.Admission.RelayCPUPer1000S-t.relayed.Admission.RelayCPUPer1000S)
+			}},
+			stormRow("  relay CPU-bound rate, per core", func(a *AdmissionFigures) string {
+				if a.RelayCPUPer1000S <= 0 {
+					return "-"
+				}
+				return fmt.Sprintf("%.0f/s", 1000/a.RelayCPUPer1000S)
+			}, nil),
+			stormRow("connect storm: loadtest CPU per 1,000", func(a *AdmissionFigures) string {
+				return fmt.Sprintf("%.3fs", a.LoadtestCPUS/float64(max(a.Admitted, 1))*1000)
+			}, func(a *AdmissionFigures) float64 { return a.LoadtestCPUS / float64(max(a.Admitted, 1)) }),
+		},
+	)
+}
+
+// latencyRows are a latency's P50, P95, P99 and max rows.
+func latencyRows(label string, get func(*FanoutRun) report.LatencyMs) []fanoutRow {
+	var rows []fanoutRow
+	for _, q := range []struct {
+		name string
+		v    func(report.LatencyMs) float64
+	}{{"P50", func(l report.LatencyMs) float64 { return l.P50 }}, {"P95", func(l report.LatencyMs) float64 { return l.P95 }},
+		{"P99", func(l report.LatencyMs) float64 { return l.P99 }}, {"max", func(l report.LatencyMs) float64 { return l.Max }}} {
+		value := func(r *FanoutRun) float64 { return q.v(get(r)) }
+		rows = append(rows, fanoutRow{label: label + " " + q.name, cell: func(r *FanoutRun) string { return fmtMs(value(r)) }, value: value})
+	}
+	return rows
+}
+
+// procCell prints a process of a run with f: "-" without one, "error"
+// if its figures could not be read.
+func procCell(get func(*FanoutRun) *report.Process, f func(*report.Process) string) func(*FanoutRun) string {
+	return func(r *FanoutRun) string {
+		switch p := get(r); {
+		case p == nil:
+			return "-"
+		case p.Err != "":
+			return "error"
+		default:
+			return f(p)
+		}
+	}
+}
+
+func procCPU(p *report.Process) string {
+	return fmt.Sprintf("%.2fs / %.2fs", p.CPUSyncS, p.CPUChangesS)
+}
+
+func procRSS(p *report.Process) string { return fmtBytes(p.RSSPeak) + " / " + fmtBytes(p.RSSEnd) }
+
+func procCPUs(p *report.Process) string {
+	if p == nil {
+		return "-"
+	}
+	return p.CPUs
+}
+
+// stormRow is a row of the runs' connect storms, shown if a run had one
+// ("-" for the others); value, if set, compares storms.
+func stormRow(label string, cell func(*AdmissionFigures) string, value func(*AdmissionFigures) float64) fanoutRow {
+	row := fanoutRow{label: label, cell: func(r *FanoutRun) string { return ofStorm(r, "-", cell) },
+		need: func(r *FanoutRun) bool { return r.Admission != nil }}
+	if value != nil {
+		row.value = func(r *FanoutRun) float64 { return ofStorm(r, 0, value) }
+	}
+	return row
+}
+
+// ofStorm is f of r's connect storm, or none without one.
+func ofStorm[T any](r *FanoutRun, none T, f func(*AdmissionFigures) T) T {
+	if r.Admission == nil {
+		return none
+	}
+	return f(r.Admission)
 }
 
 func fmtMs(v float64) string {

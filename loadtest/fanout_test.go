@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/report"
 )
 
 // relayChildEnv, when set in the environment, makes this test binary a
@@ -119,8 +120,8 @@ func TestFanout(t *testing.T) {
 				if r.Mode == Relayed {
 					wantStreams = int64(cfg.Keys)
 				}
-				if r.UpstreamStreams != wantStreams || r.UpstreamStreamsEnd != wantStreams {
-					t.Errorf("%s: upstream streams = %d after sync, %d at end, want %d", r.Mode, r.UpstreamStreams, r.UpstreamStreamsEnd, wantStreams)
+				if r.UpstreamStreams.AfterSync != wantStreams || r.UpstreamStreams.AtEnd != wantStreams {
+					t.Errorf("%s: upstream streams = %d after sync, %d at end, want %d", r.Mode, r.UpstreamStreams.AfterSync, r.UpstreamStreams.AtEnd, wantStreams)
 				}
 				checkEveryChange(t, cfg, r)
 				if r.UpstreamBytesSync == 0 || r.EnvoyBytesSync == 0 || r.EnvoyBytesChanges == 0 {
@@ -312,7 +313,7 @@ func TestFanoutFleetProcess(t *testing.T) {
 				t.Errorf("relayed: relay CPU per MB sent in the sync = %v, want > 0", r.RelayCPUPerMBSyncMs)
 			}
 		}
-		for _, p := range []*ProcFigures{r.Relay, r.Fleet} {
+		for _, p := range []*report.Process{r.Relay, r.Fleet} {
 			if p == nil || p.Pid == 0 {
 				continue
 			}

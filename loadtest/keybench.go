@@ -24,6 +24,7 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/meshrelay/meshrelay/loadtest/report"
 	"github.com/meshrelay/meshrelay/relay"
 )
 
@@ -71,7 +72,7 @@ func DefaultKeyBenchConfig() KeyBenchConfig {
 // KeyBenchReport is what RunKeyBench measured.
 type KeyBenchReport struct {
 	Date    string         `json:"date"`
-	Machine Machine        `json:"machine"`
+	Machine report.Machine `json:"machine"`
 	Config  KeyBenchConfig `json:"config"`
 	// Connect is the time from the first client's dial to every client
 	// holding every endpoint.
@@ -108,7 +109,7 @@ func RunKeyBench(ctx context.Context, cfg KeyBenchConfig, out io.Writer) (*KeyBe
 	if cfg.Clients <= 0 || cfg.Endpoints <= 0 || cfg.ClientsPerConn <= 0 {
 		return nil, errors.New("loadtest: Clients, Endpoints and ClientsPerConn must be positive")
 	}
-	rep := &KeyBenchReport{Date: time.Now().UTC().Format(time.RFC3339), Machine: thisMachine(), Config: cfg}
+	rep := &KeyBenchReport{Date: time.Now().UTC().Format(time.RFC3339), Machine: report.ThisMachine(), Config: cfg}
 
 	// The upstream: go-control-plane's snapshot cache and server.
 	snapCache := cachev3.NewSnapshotCache(false, benchHash{}, nil)

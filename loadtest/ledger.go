@@ -110,9 +110,9 @@ func DefaultLedgerConfig() LedgerConfig {
 
 // LedgerReport is what RunLedger measured.
 type LedgerReport struct {
-	Date    string       `json:"date"`
-	Machine Machine      `json:"machine"`
-	Config  LedgerConfig `json:"config"`
+	Date    string         `json:"date"`
+	Machine report.Machine `json:"machine"`
+	Config  LedgerConfig   `json:"config"`
 
 	// ACK bookkeeping on one relay's ledger, per call: Answered alone, and
 	// a whole response (Sent, Synced, Answered).
@@ -280,7 +280,7 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 	}
 	rep := &LedgerReport{
 		Date: time.Now().UTC().Format(time.RFC3339), Config: cfg,
-		Machine: thisMachine(),
+		Machine: report.ThisMachine(),
 	}
 	keys := ledgerKeys(cfg.Keys)
 	fmt.Fprintf(out, "building %d resources and %d versions…\n", cfg.Resources, cfg.Versions)
@@ -467,15 +467,8 @@ func RunLedger(ctx context.Context, cfg LedgerConfig, out io.Writer) (*LedgerRep
 		Memory:      rep.LedgerBytes <= 64<<20,
 	}
 	fmt.Fprintf(out, "targets: ACK ≤ 2 µs %s, convergence ≤ 1 ms %s, tier ≤ 20 ms P50 %s P99 %s, memory ≤ 64 MiB %s\n",
-		pass(rep.Targets.ACK), pass(rep.Targets.Convergence), pass(rep.Targets.TierP50), pass(rep.Targets.TierP99), pass(rep.Targets.Memory))
+		report.Judge(rep.Targets.ACK), report.Judge(rep.Targets.Convergence), report.Judge(rep.Targets.TierP50), report.Judge(rep.Targets.TierP99), report.Judge(rep.Targets.Memory))
 	return rep, nil
-}
-
-func pass(ok bool) string {
-	if ok {
-		return "PASS"
-	}
-	return "FAIL"
 }
 
 func timeQuery(n int, fn func()) Quantiles {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/meshrelay/meshrelay/loadtest/cluster"
+	"github.com/meshrelay/meshrelay/loadtest/report"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -36,7 +37,7 @@ func DefaultProxyStatusConfig() ProxyStatusConfig {
 // ProxyStatusReport is what RunProxyStatus measured.
 type ProxyStatusReport struct {
 	Date    string            `json:"date"`
-	Machine Machine           `json:"machine"`
+	Machine report.Machine    `json:"machine"`
 	Config  ProxyStatusConfig `json:"config"`
 	// ListEnvoys: the admin API's tier-wide list of every Envoy with its
 	// status per type (the basic view: what relayctl proxy-status shows),
@@ -64,7 +65,7 @@ func RunProxyStatus(ctx context.Context, cfg ProxyStatusConfig, out io.Writer) (
 		return nil, errors.New("loadtest: proxystatus wants Relays ≥ 1, Envoys ≥ 100, Keys and Queries ≥ 1")
 	}
 	rep := &ProxyStatusReport{Date: time.Now().UTC().Format(time.RFC3339), Config: cfg,
-		Machine: thisMachine()}
+		Machine: report.ThisMachine()}
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario = upstream.Scenario{Services: 10, Endpoints: 10, Namespaces: 1}
 	up, err := upstream.New(ucfg)
@@ -177,6 +178,6 @@ func RunProxyStatus(ctx context.Context, cfg ProxyStatusConfig, out io.Writer) (
 		rep.ListEnvoysFull.P50, rep.ListEnvoysFull.P99, float64(rep.ListEnvoysFullBytes)/(1<<20))
 	fmt.Fprintf(out, "istioctl proxy-status (istio.io/debug/syncz over ADS): P50 %v P99 %v, %.1f MiB answer\n",
 		rep.Syncz.P50, rep.Syncz.P99, float64(rep.SynczBytes)/(1<<20))
-	fmt.Fprintf(out, "target: proxy-status P99 ≤ 100 ms %s\n", pass(rep.Target))
+	fmt.Fprintf(out, "target: proxy-status P99 ≤ 100 ms %s\n", report.Judge(rep.Target))
 	return rep, nil
 }

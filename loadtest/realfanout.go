@@ -118,7 +118,7 @@ func (c *RealFanoutConfig) validate() error {
 // RealFanoutReport is what RunRealFanout measured.
 type RealFanoutReport struct {
 	Date     string          `json:"date"`
-	Machine  Machine         `json:"machine"`
+	Machine  report.Machine  `json:"machine"`
 	Envoy    string          `json:"envoy"`
 	Scenario FanoutSummary   `json:"scenario"`
 	Runs     []RealFanoutRun `json:"runs"`
@@ -139,14 +139,14 @@ type RealFanoutRun struct {
 	// Applied is change → each Envoy applied it (its update_time of the
 	// cluster's EDS), over (change, Envoy); AppliedAll change → the last
 	// Envoy, over changes.
-	Applied    LatencyMs `json:"applied_ms"`
-	AppliedAll LatencyMs `json:"applied_all_ms"`
+	Applied    report.LatencyMs `json:"applied_ms"`
+	AppliedAll report.LatencyMs `json:"applied_all_ms"`
 	// Acked and AckedAll are the same as the relay's ledger recorded the
 	// Envoys' ACKs (relayed runs).
-	Acked    *LatencyMs `json:"acked_ms,omitempty"`
-	AckedAll *LatencyMs `json:"acked_all_ms,omitempty"`
+	Acked    *report.LatencyMs `json:"acked_ms,omitempty"`
+	AckedAll *report.LatencyMs `json:"acked_all_ms,omitempty"`
 	// Relay is the relay child's CPU and memory (relayed runs).
-	Relay *ProcFigures `json:"relay,omitempty"`
+	Relay *report.Process `json:"relay,omitempty"`
 	// The Envoys' own figures: CPU of all of them over the changes, and
 	// RSS at the end, mean and largest.
 	EnvoysCPUChangesS float64 `json:"envoys_cpu_changes_s"`
@@ -169,7 +169,7 @@ func RunRealFanout(ctx context.Context, cfg RealFanoutConfig, out io.Writer) (*R
 	version, _ := realenvoy.VersionOf(ctx, cfg.Binary)
 	rep := &RealFanoutReport{
 		Date:    time.Now().UTC().Format(time.RFC3339),
-		Machine: thisMachine(),
+		Machine: report.ThisMachine(),
 		Envoy:   version,
 		Scenario: FanoutSummary{Services: cfg.Scenario.Services, Endpoints: cfg.Scenario.Endpoints,
 			Namespaces: cfg.Scenario.Namespaces, LocalFraction: cfg.Scenario.LocalFraction,
@@ -329,11 +329,11 @@ func runRealFanoutOnce(ctx context.Context, cfg RealFanoutConfig, p envoy.Protoc
 	if err != nil {
 		return fail(err)
 	}
-	run.Applied, run.AppliedAll = latencyMs(report.Summarize(applied)), latencyMs(report.Summarize(appliedAll))
+	run.Applied, run.AppliedAll = report.Summarize(applied).Ms(), report.Summarize(appliedAll).Ms()
 	if child != nil {
-		a, aa := latencyMs(report.Summarize(acked)), latencyMs(report.Summarize(ackedAll))
+		a, aa := report.Summarize(acked).Ms(), report.Summarize(ackedAll).Ms()
 		run.Acked, run.AckedAll = &a, &aa
-		run.Relay = &ProcFigures{CPUChangesS: (relayAfter.CPU - relayBefore.CPU).Seconds(), RSSEnd: relayAfter.RSS, RSSPeak: relayAfter.PeakRSS}
+		run.Relay = &report.Process{CPUChangesS: (relayAfter.CPU - relayBefore.CPU).Seconds(), RSSEnd: relayAfter.RSS, RSSPeak: relayAfter.PeakRSS}
 	}
 	run.EnvoysCPUChangesS = (envoysAfter.CPU - envoysBefore.CPU).Seconds()
 	for _, e := range envoys {
@@ -510,7 +510,7 @@ func PrintRealFanout(out io.Writer, rep *RealFanoutReport) {
 			fmt.Fprintf(w, "%s\t%s\tsimulated\tfailed: %s\n", r.Protocol, r.Mode, r.Error)
 			continue
 		}
-		fmt.Fprintf(w, "%s\t%s\tsimulated\t%.1fs\t%d\t%s\t%s\t%s\t%s\tsim ACK\t%s\t\t\n", r.Protocol, r.Mode, r.InitialSyncS, r.UpstreamStreams,
+		fmt.Fprintf(w, "%s\t%s\tsimulated\t%.1fs\t%d\t%s\t%s\t%s\t%s\tsim ACK\t%s\t\t\n", r.Protocol, r.Mode, r.InitialSyncS, r.UpstreamStreams.AfterSync,
 			fmtMs(r.Complete.P50), fmtMs(r.Complete.P99), fmtMs(r.ACK.P50), fmtMs(r.ACK.P99), relayCPUPerChange(r.Relay, r.ChangesDone))
 	}
 	w.Flush()
@@ -518,7 +518,7 @@ func PrintRealFanout(out io.Writer, rep *RealFanoutReport) {
 
 // relayCPUPerChange is the relay's CPU over the changes, per change ("-"
 // without a relay).
-func relayCPUPerChange(relay *ProcFigures, changes int) string {
+func relayCPUPerChange(relay *report.Process, changes int) string {
 	if relay == nil || changes == 0 {
 		return "-"
 	}

@@ -84,9 +84,9 @@ func DefaultScaleConfig() ScaleConfig {
 
 // ScaleReport is what RunScale measured.
 type ScaleReport struct {
-	Date    string       `json:"date"`
-	Machine Machine      `json:"machine"`
-	Config  ScaleSummary `json:"config"`
+	Date    string         `json:"date"`
+	Machine report.Machine `json:"machine"`
+	Config  ScaleSummary   `json:"config"`
 	// SyncS is the initial sync of the fleet through the tier.
 	SyncS float64 `json:"initial_sync_s"`
 	// Baseline is change → last Envoy's ACK before any scaling.
@@ -102,8 +102,8 @@ type ScaleReport struct {
 	// Tier and Fleet are this process's and the fleet child's CPU and
 	// memory: CPUSyncS over the initial sync, CPUChangesS over the
 	// baseline changes. Fleet is nil with the fleet in this process.
-	Tier  ProcFigures  `json:"tier_process"`
-	Fleet *ProcFigures `json:"fleet_process,omitempty"`
+	Tier  report.Process  `json:"tier_process"`
+	Fleet *report.Process `json:"fleet_process,omitempty"`
 	// TierCPUPerChangeEnvoyUs is this process's CPU over the baseline
 	// changes per change per Envoy, in µs, and TierCPUPerMBMs per MB
 	// (10^6 bytes) the Envoys received meanwhile, in ms: the relays' cost,
@@ -209,7 +209,7 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 	}
 	rep := &ScaleReport{
 		Date:    time.Now().UTC().Format(time.RFC3339),
-		Machine: thisMachine(),
+		Machine: report.ThisMachine(),
 		Config: ScaleSummary{Services: cfg.Scenario.Services, Endpoints: cfg.Scenario.Endpoints, Namespaces: cfg.Scenario.Namespaces,
 			Relays: cfg.Relays, Envoys: cfg.Envoys, Keys: cfg.Keys, Tolerance: cfg.Tolerance},
 		Transport: transportName(cfg.TLS, cfg.Verifier),
@@ -306,7 +306,7 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 		creds:   creds,
 		command: cfg.FleetCommand, cpus: cfg.FleetCPUs, stderr: cfg.FleetStderr, tracker: s.tracker,
 		started: func(fp *FleetProcess) {
-			rep.Fleet = &ProcFigures{Pid: fp.Pid(), CPUs: childCPUs(fp.Pid())}
+			rep.Fleet = &report.Process{Pid: fp.Pid(), CPUs: childCPUs(fp.Pid())}
 			rep.Pinning.FleetCPUs = rep.Fleet.CPUs
 			procs.add(fp.Stat, rep.Fleet)
 			fmt.Fprintf(out, "scale: fleet pid %d, CPUs %s\n", fp.Pid(), rep.Fleet.CPUs)

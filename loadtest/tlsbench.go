@@ -481,7 +481,7 @@ type AdmissionFigures struct {
 	WallS    float64 `json:"wall_s"`
 	RatePerS float64 `json:"rate_per_s"`
 	// Latency is dial → first response, per stream.
-	Latency LatencyMs `json:"latency"`
+	Latency report.LatencyMs `json:"latency"`
 	// RelayCPUS is the relay process's CPU time over the storm (10 ms
 	// ticks); RelayCPUPer1000S per 1,000 admitted streams. LoadtestCPUS
 	// is this process's (the client side: TLS handshakes, token, stream).
@@ -607,7 +607,7 @@ func RunAdmission(ctx context.Context, cfg AdmissionConfig) AdmissionFigures {
 		}
 		fig.Refused[r.code]++
 	}
-	fig.Latency = latencyMs(report.Summarize(took))
+	fig.Latency = report.Summarize(took).Ms()
 	if fig.WallS > 0 {
 		fig.RatePerS = float64(fig.Admitted) / fig.WallS
 	}

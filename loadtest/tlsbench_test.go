@@ -46,8 +46,8 @@ func TestFanoutTLS(t *testing.T) {
 		if r.ACK.N != cfg.Changes*cfg.Envoys {
 			t.Errorf("%s: %d (change, Envoy) ACKs, want %d", r.Transport, r.ACK.N, cfg.Changes*cfg.Envoys)
 		}
-		if r.UpstreamStreams != int64(cfg.Keys) || r.Violations != 0 || r.Refused != 0 {
-			t.Errorf("%s: upstream streams %d, violations %d, Envoys refused %d, want %d, 0, 0", r.Transport, r.UpstreamStreams, r.Violations, r.Refused, cfg.Keys)
+		if r.UpstreamStreams.AfterSync != int64(cfg.Keys) || r.Violations != 0 || r.Refused != 0 {
+			t.Errorf("%s: upstream streams %d, violations %d, Envoys refused %d, want %d, 0, 0", r.Transport, r.UpstreamStreams.AfterSync, r.Violations, r.Refused, cfg.Keys)
 		}
 		if r.Tokens != cfg.Keys {
 			t.Errorf("%s: %d tokens presented, want %d (one per namespace and service account)", r.Transport, r.Tokens, cfg.Keys)

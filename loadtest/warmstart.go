@@ -6,11 +6,11 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"runtime"
 	"slices"
 	"strings"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/report"
 	"github.com/meshrelay/meshrelay/loadtest/traffic"
 
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
@@ -158,7 +158,7 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 	}
 	rep := &WarmStartReport{
 		Date:     time.Now().UTC().Format(time.RFC3339),
-		Machine:  fmt.Sprintf("%d CPUs, %s, %s/%s, load average at start %s", runtime.NumCPU(), runtime.Version(), runtime.GOOS, runtime.GOARCH, loadAvg()),
+		Machine:  report.ThisMachine().Short(),
 		Services: cfg.Scenario.Services, Entries: cfg.Scenario.Endpoints, Keys: cfg.Keys, RelayMemoryLimit: cfg.RelayMemoryLimit,
 		Targets: cfg.Targets,
 	}
@@ -375,20 +375,14 @@ func PrintWarmStart(w io.Writer, r *WarmStartReport) {
 		fmt.Fprintf(w, "  one endpoint change: %.0f bytes written on average, %.0f per key that saw it\n", r.BytesPerChange, r.BytesPerChangeKey)
 		fmt.Fprintf(w, "    %d changes: bytes %v, puts %v, keys that saw it %v\n", len(r.ChangeBytes), r.ChangeBytes, r.ChangePuts, r.ChangeKeys)
 	}
-	judge := func(ok bool) string {
-		if ok {
-			return "PASS"
-		}
-		return "FAIL"
-	}
 	fmt.Fprintf(w, "\ntargets:\n")
 	if r.Targets.WarmStart > 0 {
 		fmt.Fprintf(w, "  %s  warm start ≤ %s to every key's config servable    measured %.2fs (every key restored and checked, relay ready)\n",
-			judge(r.Warm.ReadyS > 0 && r.Warm.ReadyS <= r.Targets.WarmStart.Seconds()), r.Targets.WarmStart, r.Warm.ReadyS)
+			report.Judge(r.Warm.ReadyS > 0 && r.Warm.ReadyS <= r.Targets.WarmStart.Seconds()), r.Targets.WarmStart, r.Warm.ReadyS)
 	}
 	if r.Targets.BytesPerChange > 0 && len(r.ChangeBytes) > 0 {
 		fmt.Fprintf(w, "  %s  one endpoint change writes ≤ %d bytes     measured %.0f (max %d)\n",
-			judge(r.BytesPerChange <= float64(r.Targets.BytesPerChange)), r.Targets.BytesPerChange, r.BytesPerChange, slices.Max(r.ChangeBytes))
+			report.Judge(r.BytesPerChange <= float64(r.Targets.BytesPerChange)), r.Targets.BytesPerChange, r.BytesPerChange, slices.Max(r.ChangeBytes))
 	}
 	if r.Targets.PeakRSS > 0 {
 		for _, ph := range []struct {
@@ -397,7 +391,7 @@ func PrintWarmStart(w io.Writer, r *WarmStartReport) {
 		}{{"cold", r.Cold}, {"warm", r.Warm}} {
 			if ph.p.PeakRSS > 0 {
 				fmt.Fprintf(w, "  %s  relay peak RSS ≤ %s, %s                 measured %s\n",
-					judge(ph.p.PeakRSS <= r.Targets.PeakRSS), fmtBytes(r.Targets.PeakRSS), ph.name, fmtBytes(ph.p.PeakRSS))
+					report.Judge(ph.p.PeakRSS <= r.Targets.PeakRSS), fmtBytes(r.Targets.PeakRSS), ph.name, fmtBytes(ph.p.PeakRSS))
 			}
 		}
 	}

@@ -1,5 +1,9 @@
 // Package report holds what the load tests report in common: latency
-// summaries and the way they print.
+// summaries and the way they print, and the figures every benchmark's
+// report is built of (the machine, latencies in milliseconds, a process's
+// CPU and memory, where processes were pinned, the Envoys' reconnects and
+// violations, the upstream's streams, verdicts on targets), each declared
+// once with its JSON names.
 package report
 
 import (

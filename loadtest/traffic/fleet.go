@@ -23,6 +23,7 @@ import (
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/report"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 )
 
@@ -289,6 +290,11 @@ type FleetFigures struct {
 	ViolationSamples []string `json:"violation_samples,omitempty"`
 	// Tokens is the distinct tokens a TLS fleet presented (a fleet child's).
 	Tokens int `json:"tokens,omitempty"`
+}
+
+// Health is what a report says of the fleet's streams and violations.
+func (f FleetFigures) Health() report.Health {
+	return report.Health{Reconnects: f.Reconnects, Violations: f.Violations, ViolationSamples: f.ViolationSamples}
 }
 
 // MaxViolationSamples bounds FleetFigures.ViolationSamples.
