@@ -47,7 +47,7 @@ func TestRestoredDeclarationSurvivesADrop(t *testing.T) {
 	u.seedRestored()
 	var reqs []proto.Message
 	u.send = func(m proto.Message) error { reqs = append(reqs, proto.Clone(m)); return nil }
-	u.presented, u.node, u.first, u.delta = m, m.node, true, true
+	u.presented, u.delta = m, true
 	if err := u.resubscribe(); err != nil {
 		t.Fatal(err)
 	}

@@ -13,12 +13,12 @@ import (
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/adsclient"
 	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
@@ -47,9 +47,7 @@ type feed struct {
 	presented member                    // whose node the current stream presents
 	idle      *time.Timer               // running while the key has no members
 	expiry    *time.Timer               // next expiry of a pending name
-	send      func(proto.Message) error // queues a request on the current stream
-	node      *core.Node                // the node the current stream presents
-	first     bool                      // the next request is the stream's first: it carries the node
+	send      func(proto.Message) error // queues a request on the current stream (adsclient.Stream.Send)
 	delta     bool
 
 	// sessionAt is the relay's clock when the current upstream stream was
@@ -377,12 +375,14 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 	defer slotHeld.Stop()
 	slotQuiet := time.NewTimer(confirmAfter)
 	defer slotQuiet.Stop()
-	send, recv, err := u.open(sctx, presenter, src)
+	up, err := u.open(sctx, node, presenter, src)
 	if err != nil {
 		return false, err
 	}
+	defer up.Close()
+	u.send = up.Send
 	defer u.countStream(src)()
-	u.begin(node, presenter)
+	u.begin(presenter)
 	u.k.presentedNode.Store(node)
 	presentedNode := node
 	u.log("upstream stream open", "node", node.GetId(), "source", src.kind, "owner", src.addr)
@@ -418,9 +418,6 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 		u.log("switching source", "from", src.kind, "to", next.kind, "owner", next.addr)
 		return true
 	}
-
-	msgs, errc, stopPumps := u.pump(sctx, send, recv)
-	defer func() { cancel(); stopPumps() }()
 
 	if err := u.resubscribe(); err != nil {
 		return false, err
@@ -459,7 +456,12 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 	}
 	for {
 		select {
-		case m := <-msgs:
+		case m := <-up.Responses():
+			if !got && src.kind == sourcePeer {
+				if md, err := up.Header(); err == nil { // sent before the first response
+					u.readSplits(md)
+				}
+			}
 			got = true
 			u.demandSent = max(u.demandSent, u.demandCarried)
 			slotQuiet.Reset(confirmAfter)
@@ -487,7 +489,10 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 			}
 		case <-slotHeld.C:
 			release() // a source slow to answer does not hold up the others' keys
-		case err := <-errc:
+		case err := <-up.Err():
+			if src.kind == sourcePeer {
+				return got, u.ownerEnded(up, err)
+			}
 			return got, err
 		case <-retry:
 			if switchNow() {
@@ -569,17 +574,20 @@ func timerC(t *time.Timer) <-chan time.Time {
 	return t.C
 }
 
-// open opens the session's stream on its source: the upstream's
-// connection, or the owner's (with the peer metadata, the demand to pass
-// on, and the views declared, relays speaking Delta to each other), with
-// the presented member's token in forward mode.
-func (u *feed) open(sctx context.Context, presenter member, src source) (send func(proto.Message) error, recv func() (response, error), err error) {
+// open opens the session's stream on its source, presenting node: the
+// upstream's connection, or the owner's (with the peer metadata, the
+// demand to pass on, and the views declared, relays speaking Delta to each
+// other), with the presented member's token in forward mode. Responses are
+// read lazily (wire.DeltaIn, wire.SotWIn): a resource's bytes are parsed,
+// and copied, only if the relay lacks the content.
+func (u *feed) open(sctx context.Context, node *core.Node, presenter member, src source) (*adsclient.Stream, error) {
 	conn := u.r.upConn
 	u.delta = u.r.cfg.UpstreamProtocol == ProtocolDelta
 	u.demandCarried = 0
 	if src.kind == sourcePeer {
+		var err error
 		if conn, err = u.r.pool.Conn(src.addr); err != nil {
-			return nil, nil, fmt.Errorf("owner %s: %w", src.addr, err)
+			return nil, fmt.Errorf("owner %s: %w", src.addr, err)
 		}
 		sctx = u.r.peerContext(sctx, u.k.key)
 		if d := ledger.Stamp(u.k.demanded.Load()); d > u.demandSent {
@@ -598,40 +606,7 @@ func (u *feed) open(sctx context.Context, presenter member, src source) (send fu
 		_, cred := presenter.presents()
 		sctx = withCredential(sctx, cred)
 	}
-	// Responses are read lazily (wire.DeltaIn, wire.SotWIn): a resource's
-	// bytes are parsed, and copied, only if the relay lacks the content.
-	client := discovery.NewAggregatedDiscoveryServiceClient(conn)
-	codec := grpc.ForceCodecV2(wire.NewCodec())
-	if u.delta {
-		cs, err := client.DeltaAggregatedResources(sctx, codec)
-		if err != nil {
-			return nil, nil, fmt.Errorf("open delta stream: %w", err)
-		}
-		recv := func() (response, error) {
-			r := new(wire.DeltaIn)
-			return r, cs.RecvMsg(r)
-		}
-		if src.kind == sourcePeer {
-			recv = u.peerSplits(cs, recv)
-		}
-		return func(m proto.Message) error { return cs.Send(m.(*discovery.DeltaDiscoveryRequest)) }, recv, nil
-	}
-	cs, err := client.StreamAggregatedResources(sctx, codec)
-	if err != nil {
-		return nil, nil, fmt.Errorf("open sotw stream: %w", err)
-	}
-	return func(m proto.Message) error { return cs.Send(m.(*discovery.DiscoveryRequest)) },
-		func() (response, error) {
-			r := new(wire.SotWIn)
-			return r, cs.RecvMsg(r)
-		}, nil
-}
-
-// response is a source's response as the feed reads it: *wire.DeltaIn or
-// *wire.SotWIn, released once handled.
-type response interface {
-	GetTypeUrl() string
-	Release()
+	return adsclient.Open(sctx, conn, adsclient.Config{Delta: u.delta, Node: node, MaxQueued: maxQueuedRequests})
 }
 
 // countStream counts the session's stream as open, by source, until the
@@ -653,11 +628,11 @@ func (u *feed) countStream(src source) (uncount func()) {
 	}
 }
 
-// begin resets the per-stream state for a new session presenting node
-// (of presenter): its first request carries the node, every type is asked
-// again, and the session's Order starts now.
-func (u *feed) begin(node *core.Node, presenter member) {
-	u.presented, u.node, u.first, u.ownerStale = presenter, node, true, false
+// begin resets the per-stream state for a new session presenting
+// presenter's node: every type is asked again, and the session's Order
+// starts now.
+func (u *feed) begin(presenter member) {
+	u.presented, u.ownerStale = presenter, false
 	// Opened before anything is asked: every answer on this stream is at
 	// least as new as the upstream was now, which is a later millisecond
 	// than anything the relay saw before (so the stream covers it).
@@ -667,56 +642,6 @@ func (u *feed) begin(node *core.Node, presenter member) {
 	for _, ut := range u.types {
 		ut.asked, ut.nonce, ut.named, ut.answered = false, "", false, false // what it was asked is asked again
 	}
-}
-
-// pump runs the session's two goroutines: one receives responses into
-// msgs; the other sends the requests u.send queues, from a mailbox, so
-// that the session never blocks writing while responses wait to be read
-// (with an upstream that stops reading while it writes, as go-control-plane
-// does, that would deadlock once both flow-control windows are full). A
-// failure of either arrives on errc. stop waits for both once sctx ended.
-func (u *feed) pump(sctx context.Context, send func(proto.Message) error, recv func() (response, error)) (msgs <-chan response, errc <-chan error, stop func()) {
-	out := newMailbox[proto.Message](maxQueuedRequests, 0, nil)
-	u.send = func(m proto.Message) error {
-		if !out.put(m) {
-			return fmt.Errorf("more than %d requests the upstream has not read", maxQueuedRequests)
-		}
-		return nil
-	}
-	in := make(chan response)
-	errs := make(chan error, 2)
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		for {
-			m, err := recv()
-			if err != nil {
-				errs <- err
-				return
-			}
-			select {
-			case in <- m:
-			case <-sctx.Done():
-				m.Release()
-				return
-			}
-		}
-	})
-	wg.Go(func() {
-		for {
-			select {
-			case <-out.ready:
-				for _, m := range out.take() {
-					if err := send(m); err != nil {
-						errs <- err
-						return
-					}
-				}
-			case <-sctx.Done():
-				return
-			}
-		}
-	})
-	return in, errs, wg.Wait
 }
 
 // sessionStampWait bounds the wait of a new upstream stream for its
@@ -782,21 +707,6 @@ func versionTreeOf(view ledger.Tree[*xds.Resource], version func(ledger.Hash) st
 
 // versionHash is a version's leaf hash in a versions tree.
 func versionHash(v string) ledger.Hash { return ledger.HashBytes([]byte(v)) }
-
-// request sends m on the current stream; the stream's first request carries
-// the node.
-func (u *feed) request(m proto.Message) error {
-	if u.first {
-		u.first = false
-		switch r := m.(type) {
-		case *discovery.DiscoveryRequest:
-			r.Node = u.node
-		case *discovery.DeltaDiscoveryRequest:
-			r.Node = u.node
-		}
-	}
-	return u.send(m)
-}
 
 // desired computes what to ask the upstream for, by type: what the member
 // streams subscribe to, plus the names the key's views point at.
@@ -869,7 +779,7 @@ func (u *feed) resubscribe() error {
 			}
 		}
 		ut.asked, ut.wildcard, ut.names = true, w.wildcard, names
-		if err := u.request(req); err != nil {
+		if err := u.send(req); err != nil {
 			return fmt.Errorf("subscribe %s: %w", xds.ShortType(typeURL), err)
 		}
 		u.log("upstream subscription", "type", xds.ShortType(typeURL), "wildcard", w.wildcard, "names", len(names))
@@ -996,7 +906,7 @@ func (u *feed) deltaSubscribe(typeURL string, ut *feedType, wildcard bool, names
 }
 
 // handle processes one upstream response.
-func (u *feed) handle(m response) error {
+func (u *feed) handle(m adsclient.Response) error {
 	defer m.Release() // every resource is decoded or copied by now
 	switch resp := m.(type) {
 	case *wire.SotWIn:
@@ -1042,7 +952,7 @@ func (u *feed) onSotW(resp *wire.SotWIn) error {
 	ut.answered = true
 	u.apply(typeURL, upd, gone, full, true, u.arrived())
 	ut.acked = resp.GetVersionInfo()
-	return u.request(u.sotwRequest(typeURL, ut, ut.wildcard, ut.names, nil))
+	return u.send(u.sotwRequest(typeURL, ut, ut.wildcard, ut.names, nil))
 }
 
 func (u *feed) onDelta(resp *wire.DeltaIn) error {
@@ -1082,7 +992,7 @@ func (u *feed) onDelta(resp *wire.DeltaIn) error {
 	if ut.asked {
 		u.apply(typeURL, kept, removed, false, true, u.orderOf(resp))
 	}
-	return u.request(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: resp.GetNonce()})
+	return u.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: resp.GetNonce()})
 }
 
 // singletonRemoved reads a Delta response's removals of a Singleton type:
@@ -1129,9 +1039,9 @@ func (u *feed) nack(typeURL string, ut *feedType, version, nonce string, cause e
 	u.r.log.Warn("upstream response refused", "key", u.k.key, "type", xds.ShortType(typeURL), "version", version, "err", cause)
 	detail := &rpcstatus.Status{Code: int32(codes.InvalidArgument), Message: cause.Error()}
 	if u.delta {
-		return u.request(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: nonce, ErrorDetail: detail})
+		return u.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: nonce, ErrorDetail: detail})
 	}
-	return u.request(u.sotwRequest(typeURL, ut, ut.wildcard, ut.names, detail))
+	return u.send(u.sotwRequest(typeURL, ut, ut.wildcard, ut.names, detail))
 }
 
 // arrived returns the Order of a view the upstream just sent on the current

@@ -28,6 +28,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/adsclient"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
@@ -1173,9 +1174,8 @@ func newUpHarness(t testing.TB, delta bool) *upHarness {
 		}
 		return nil
 	}
-	// As session does when the stream opens: the first request carries
-	// the node, and every subscription is asked.
-	h.u.presented, h.u.node, h.u.first = m, m.node, true
+	// As session does when the stream opens: every subscription is asked.
+	h.u.presented = m
 	h.drainWake()
 	if err := h.u.resubscribe(); err != nil {
 		t.Fatalf("resubscribe: %v", err)
@@ -1184,8 +1184,10 @@ func newUpHarness(t testing.TB, delta bool) *upHarness {
 		t.Fatalf("initial subscription sent %d requests, want 4 (CDS, EDS, LDS, RDS)", len(h.reqs))
 	}
 	for i, m := range h.reqs {
-		if got := nodeOf(m); (i == 0) != (got != nil) {
-			t.Fatalf("initial request %d carries node %v; only the first must", i, got)
+		// The stream puts the node on its first request
+		// (adsclient.TestNodeOnFirstRequestOnly), none the feed builds.
+		if got := nodeOf(m); got != nil {
+			t.Fatalf("initial request %d carries node %v, set by the feed", i, got)
 		}
 	}
 	return h
@@ -1282,9 +1284,10 @@ func (h *upHarness) resubscribe(when string) {
 	}
 	for i, m := range h.reqs[n:] {
 		if n+i == h.streamStart {
-			// The first request of a new stream carries the node.
-			if r, ok := m.(interface{ GetNode() *core.Node }); !ok || r.GetNode() == nil {
-				t.Fatalf("%s: the first request of a new stream carries no node: %v", when, m)
+			// The first request of a new stream: the stream puts the
+			// node on it (adsclient), not the feed.
+			if got := nodeOf(m); got != nil {
+				t.Fatalf("%s: the first request of a new stream carries node %v, set by the feed", when, got)
 			}
 			continue
 		}
@@ -1314,7 +1317,6 @@ func (h *upHarness) newStream() {
 	for _, ut := range h.u.types {
 		ut.asked, ut.nonce, ut.named = false, "", false
 	}
-	h.u.first = true
 	h.names, h.named, h.deltaSubs = map[string][]string{}, map[string]bool{}, map[string]map[string]bool{}
 	h.streamStart = len(h.reqs)
 }
@@ -1417,7 +1419,7 @@ func (h *upHarness) response(msg []byte) {
 	n := len(h.reqs)
 	asked := h.u.types[typeURL] != nil && h.u.types[typeURL].asked
 	// The feed reads it as its stream does (wire.Codec's lazy reader).
-	var in response = new(wire.SotWIn)
+	var in adsclient.Response = new(wire.SotWIn)
 	if h.delta {
 		in = new(wire.DeltaIn)
 	}

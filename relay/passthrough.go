@@ -2,8 +2,7 @@ package relay
 
 import (
 	"context"
-	"errors"
-	"io"
+	"fmt"
 	"maps"
 	"slices"
 	"sync"
@@ -15,6 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/meshrelay/meshrelay/relay/adsclient"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -256,100 +256,60 @@ func (p *passthrough) session(ctx context.Context) error {
 		// would to istiod. Without one istiod refuses, and so does this.
 		ctx = withCredential(ctx, p.s.cred)
 	}
-	sctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	client := discovery.NewAggregatedDiscoveryServiceClient(r.upConn)
-	var (
-		send func(proto.Message) error
-		recv func() (proto.Message, error)
-	)
-	if p.s.delta {
-		cs, err := client.DeltaAggregatedResources(sctx, grpc.WaitForReady(false))
-		if err != nil {
-			return err
-		}
-		send = func(m proto.Message) error { return cs.Send(m.(*discovery.DeltaDiscoveryRequest)) }
-		recv = func() (proto.Message, error) { return cs.Recv() }
-	} else {
-		cs, err := client.StreamAggregatedResources(sctx, grpc.WaitForReady(false))
-		if err != nil {
-			return err
-		}
-		send = func(m proto.Message) error { return cs.Send(m.(*discovery.DiscoveryRequest)) }
-		recv = func() (proto.Message, error) { return cs.Recv() }
+	up, err := adsclient.Open(ctx, r.upConn, adsclient.Config{
+		Delta: p.s.delta, Decoded: true, Node: p.s.node,
+		CallOptions: []grpc.CallOption{grpc.WaitForReady(false)},
+	})
+	if err != nil {
+		return err
 	}
-
-	// Replay what the client subscribed to, node on the first request; then
-	// the queue holds only what came after.
-	first := true
-	withNode := func(m proto.Message) proto.Message {
-		if !first {
-			return m
-		}
-		first = false
-		switch r := m.(type) {
-		case *discovery.DiscoveryRequest:
-			r.Node = p.s.node
-		case *discovery.DeltaDiscoveryRequest:
-			r.Node = p.s.node
-		}
-		return m
-	}
+	defer up.Close()
+	// Replay what the client subscribed to (the stream puts the node on
+	// the first request); then the queue holds only what came after.
 	p.mu.Lock()
-	replay := p.replayLocked()
+	send := p.replayLocked()
 	p.queue = nil
 	p.mu.Unlock()
-	for _, m := range replay {
-		if err := send(withNode(m)); err != nil {
-			if errors.Is(err, io.EOF) {
-				// The upstream ended the stream (refused it, say): its
-				// status comes with the next receive.
-				_, err = recv()
-			}
-			return err
-		}
-	}
-
-	errc := make(chan error, 1)
-	go func() {
-		for {
-			m, err := recv()
-			if err != nil {
-				errc <- err
-				return
-			}
-			select {
-			case p.out <- m:
-			case <-sctx.Done():
-				errc <- sctx.Err()
-				return
-			}
-		}
-	}()
-	defer func() { cancel(); <-errc }()
+	// An answer waits in pending until the client's stream takes it;
+	// meanwhile the client's requests still go up.
+	var (
+		pending proto.Message
+		out     chan<- proto.Message
+		in      = up.Responses()
+	)
 	for {
+		for _, m := range send {
+			if err := up.Send(m); err != nil {
+				return err
+			}
+		}
+		send = nil
 		select {
+		case m := <-in:
+			pending, out, in = whole(m), p.out, nil
+		case out <- pending:
+			pending, out, in = nil, nil, up.Responses()
 		case <-p.kick:
 			p.mu.Lock()
-			q := p.queue
-			p.queue = nil
+			send, p.queue = p.queue, nil
 			p.mu.Unlock()
-			for _, m := range q {
-				if err := send(withNode(m)); err != nil {
-					if errors.Is(err, io.EOF) {
-						err = <-errc // the stream's status, as the receiver got it
-						errc <- err  // for the deferred wait
-					}
-					return err
-				}
-			}
-		case err := <-errc:
-			errc <- err // for the deferred wait
-			return err
+		case err := <-up.Err():
+			return err // the upstream's status: a refusal is heard as one
 		case <-ctx.Done():
 			return ctx.Err()
 		}
 	}
+}
+
+// whole is the message a response read whole holds.
+func whole(m adsclient.Response) proto.Message {
+	switch r := m.(type) {
+	case adsclient.SotWResponse:
+		return r.DiscoveryResponse
+	case adsclient.DeltaResponse:
+		return r.DeltaDiscoveryResponse
+	}
+	panic(fmt.Sprintf("passthrough: a response of type %T, not read whole", m))
 }
 
 // replayLocked builds the requests that restore the client's passthrough

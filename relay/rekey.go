@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshrelay/meshrelay/relay/adsclient"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/wire"
@@ -156,28 +157,16 @@ func (k *keyState) covers(subs map[string]*typeSub, now time.Time, wait time.Dur
 	return true
 }
 
-// peerSplits wraps recv, the receiver of a stream to the key's owner, to
-// learn the key's splits the owner tells: in the stream's header, and in
-// its trailer when the key split (errSplitsTold then).
-func (u *feed) peerSplits(cs grpc.ClientStream, recv func() (response, error)) func() (response, error) {
-	header := false
-	return func() (response, error) {
-		m, err := recv()
-		if err != nil {
-			u.readSplits(cs.Trailer())
-			if st, ok := status.FromError(err); ok && st.Code() == codes.Aborted && st.Message() == errKeySplit.Error() {
-				return m, errSplitsTold
-			}
-			return m, err
-		}
-		if !header {
-			header = true
-			if md, err := cs.Header(); err == nil {
-				u.readSplits(md)
-			}
-		}
-		return m, nil
+// ownerEnded is why a stream to the key's owner ended (err), having
+// learnt the key's splits the owner tells in its trailer: errSplitsTold
+// when the key split. (The header tells them too, read with the first
+// response.)
+func (u *feed) ownerEnded(up *adsclient.Stream, err error) error {
+	u.readSplits(up.Trailer())
+	if st, ok := status.FromError(err); ok && st.Code() == codes.Aborted && st.Message() == errKeySplit.Error() {
+		return errSplitsTold
 	}
+	return err
 }
 
 // errSplitsTold ends a stream to a key's owner that told the key split.

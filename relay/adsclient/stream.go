@@ -16,6 +16,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"slices"
 	"sync"
 
@@ -43,19 +44,39 @@ type Config struct {
 	// control plane that reads nothing for that long is stuck. Default
 	// (0) 4096.
 	MaxQueued int
+	// Decoded reads each response whole (SotWResponse, DeltaResponse),
+	// for a caller that passes responses on as they are; false reads them
+	// lazily (*wire.SotWIn, *wire.DeltaIn), for a caller that looks into
+	// each resource and keeps only what it lacks.
+	Decoded bool
 	// CallOptions are passed on opening the stream (e.g.
-	// grpc.MaxCallRecvMsgSize). The stream always uses the lazy codec of
+	// grpc.MaxCallRecvMsgSize). The stream always uses the codec of
 	// package wire.
 	CallOptions []grpc.CallOption
 }
 
 // Response is a response as the stream reads it: *wire.SotWIn or
-// *wire.DeltaIn. Release it once handled.
+// *wire.DeltaIn, or with Config.Decoded SotWResponse or DeltaResponse.
+// Release it once handled.
 type Response interface {
 	GetTypeUrl() string
 	GetNonce() string
 	Release()
 }
+
+// SotWResponse is a SotW response read whole (Config.Decoded).
+type SotWResponse struct{ *discovery.DiscoveryResponse }
+
+// DeltaResponse is a Delta response read whole (Config.Decoded).
+type DeltaResponse struct {
+	*discovery.DeltaDiscoveryResponse
+}
+
+// Release does nothing: a decoded response holds no buffer of gRPC's.
+func (SotWResponse) Release() {}
+
+// Release does nothing: a decoded response holds no buffer of gRPC's.
+func (DeltaResponse) Release() {}
 
 // Stream is one ADS stream. Open it, read Responses until Err yields,
 // and Close it. Send, Subscribe, ACK and NACK may be called from any
@@ -66,11 +87,15 @@ type Stream struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
-	out  chan proto.Message // requests waiting to be written
-	in   chan Response
-	errs chan error
+	in    chan Response
+	errs  chan error
+	ready chan struct{} // signalled when queue gains requests
 
-	mu    sync.Mutex
+	mu sync.Mutex
+	// queue holds the requests waiting to be written, at most
+	// Config.MaxQueued. It grows as requests come (a stream that asks
+	// little holds little: a relay runs a stream per key).
+	queue []proto.Message
 	first bool              // the next request is the first: it carries the node
 	types map[string]*state // what each type was asked, and its last response
 }
@@ -110,8 +135,8 @@ func Open(ctx context.Context, conn grpc.ClientConnInterface, cfg Config) (*Stre
 	}
 	s := &Stream{
 		cfg: cfg, cs: cs, cancel: cancel,
-		out:   make(chan proto.Message, cfg.MaxQueued),
 		in:    make(chan Response),
+		ready: make(chan struct{}, 1),
 		errs:  make(chan error, 2),
 		first: true,
 		types: make(map[string]*state),
@@ -131,13 +156,8 @@ func protocolName(delta bool) string {
 // receive reads responses into s.in until the stream fails or ends.
 func (s *Stream) receive(ctx context.Context) {
 	for {
-		var m Response
-		if s.cfg.Delta {
-			m = new(wire.DeltaIn)
-		} else {
-			m = new(wire.SotWIn)
-		}
-		if err := s.cs.RecvMsg(m); err != nil {
+		m, into := s.newResponse()
+		if err := s.cs.RecvMsg(into); err != nil {
 			s.errs <- err
 			return
 		}
@@ -153,14 +173,43 @@ func (s *Stream) receive(ctx context.Context) {
 	}
 }
 
-// write writes queued requests until the stream fails or ends.
+// newResponse returns an empty response of the stream's kind, and the
+// message to read it into.
+func (s *Stream) newResponse() (Response, any) {
+	switch {
+	case s.cfg.Delta && s.cfg.Decoded:
+		r := DeltaResponse{new(discovery.DeltaDiscoveryResponse)}
+		return r, r.DeltaDiscoveryResponse
+	case s.cfg.Decoded:
+		r := SotWResponse{new(discovery.DiscoveryResponse)}
+		return r, r.DiscoveryResponse
+	case s.cfg.Delta:
+		r := new(wire.DeltaIn)
+		return r, r
+	default:
+		r := new(wire.SotWIn)
+		return r, r
+	}
+}
+
+// write writes queued requests until the stream fails or ends. A write
+// that finds the stream ended (io.EOF) reports nothing: the receiver
+// reports why it ended, the status the control plane gave.
 func (s *Stream) write(ctx context.Context) {
 	for {
 		select {
-		case m := <-s.out:
-			if err := s.cs.SendMsg(m); err != nil {
-				s.errs <- err
-				return
+		case <-s.ready:
+			s.mu.Lock()
+			batch := s.queue
+			s.queue = nil
+			s.mu.Unlock()
+			for _, m := range batch {
+				if err := s.cs.SendMsg(m); err != nil {
+					if !errors.Is(err, io.EOF) {
+						s.errs <- err
+					}
+					return
+				}
 			}
 		case <-ctx.Done():
 			return
@@ -216,13 +265,16 @@ func (s *Stream) sendLocked(m proto.Message) error {
 	default:
 		return fmt.Errorf("adsclient: %T is no ADS request", m)
 	}
-	select {
-	case s.out <- m:
-		s.first = false
-		return nil
-	default:
+	if len(s.queue) >= s.cfg.MaxQueued {
 		return ErrQueueFull
 	}
+	s.queue = append(s.queue, m)
+	s.first = false
+	select {
+	case s.ready <- struct{}{}:
+	default: // the writer is signalled already
+	}
+	return nil
 }
 
 func (s *Stream) stateOf(typeURL string) *state {

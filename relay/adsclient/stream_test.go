@@ -19,7 +19,9 @@ import (
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
 
@@ -42,6 +44,8 @@ type controlPlane struct {
 	mu    sync.Mutex
 	sotw  []*discovery.DiscoveryRequest
 	delta []*discovery.DeltaDiscoveryRequest
+	// refuse, if set, ends every stream on its first request with it.
+	refuse error
 }
 
 func startControlPlane(t *testing.T, addr string) *controlPlane {
@@ -56,13 +60,13 @@ func startControlPlane(t *testing.T, addr string) *controlPlane {
 			cp.mu.Lock()
 			defer cp.mu.Unlock()
 			cp.sotw = append(cp.sotw, proto.Clone(r).(*discovery.DiscoveryRequest))
-			return nil
+			return cp.refuse
 		},
 		StreamDeltaRequestFunc: func(_ int64, r *discovery.DeltaDiscoveryRequest) error {
 			cp.mu.Lock()
 			defer cp.mu.Unlock()
 			cp.delta = append(cp.delta, proto.Clone(r).(*discovery.DeltaDiscoveryRequest))
-			return nil
+			return cp.refuse
 		},
 	}
 	cp.srv = grpc.NewServer()
@@ -165,6 +169,14 @@ func names(t *testing.T, r adsclient.Response) []string {
 		for _, res := range r.Resources {
 			add(res.Body)
 		}
+	case adsclient.SotWResponse:
+		for _, a := range r.GetResources() {
+			add(&wire.AnyIn{TypeUrl: a.GetTypeUrl(), Value: a.GetValue()})
+		}
+	case adsclient.DeltaResponse:
+		for _, res := range r.GetResources() {
+			add(&wire.AnyIn{TypeUrl: res.GetResource().GetTypeUrl(), Value: res.GetResource().GetValue()})
+		}
 	}
 	slices.Sort(out)
 	return out
@@ -251,6 +263,89 @@ func TestDelta(t *testing.T) {
 	}
 	if ack := reqs[1]; ack.GetResponseNonce() != r1.GetNonce() || len(ack.GetResourceNamesSubscribe()) != 0 || ack.GetErrorDetail() != nil {
 		t.Errorf("ACK = %v, want only nonce %q", ack, r1.GetNonce())
+	}
+}
+
+// TestDecoded: with Config.Decoded, responses come whole, as the control
+// plane sent them, on both protocols, and are ACKed as the lazy ones are.
+func TestDecoded(t *testing.T) {
+	for _, delta := range []bool{false, true} {
+		t.Run(map[bool]string{false: "sotw", true: "delta"}[delta], func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			cp := startControlPlane(t, "127.0.0.1:0")
+			cp.set(t, "v1", "a", "b")
+			s, err := adsclient.Open(ctx, dial(t, cp.addr), adsclient.Config{Delta: delta, Decoded: true, Node: &core.Node{Id: nodeID}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			if err := s.Subscribe(resource.ClusterType, true, nil); err != nil {
+				t.Fatal(err)
+			}
+			r1 := next(t, ctx, s)
+			if got := names(t, r1); !slices.Equal(got, []string{"a", "b"}) {
+				t.Fatalf("first response: %v, want [a b]", got)
+			}
+			switch r := r1.(type) {
+			case adsclient.SotWResponse:
+				if delta || r.GetVersionInfo() != "v1" || r.GetTypeUrl() != resource.ClusterType {
+					t.Fatalf("response %v on a delta=%v stream, want SotW at v1", r, delta)
+				}
+			case adsclient.DeltaResponse:
+				if !delta || r.GetTypeUrl() != resource.ClusterType {
+					t.Fatalf("response %v on a delta=%v stream", r, delta)
+				}
+			default:
+				t.Fatalf("response of type %T, want one read whole", r1)
+			}
+			if err := s.ACK(r1); err != nil {
+				t.Fatal(err)
+			}
+			cp.set(t, "v2", "a", "b", "c")
+			r2 := next(t, ctx, s)
+			want := []string{"a", "b", "c"}
+			if delta {
+				want = []string{"c"}
+			}
+			if got := names(t, r2); !slices.Equal(got, want) {
+				t.Fatalf("second response: %v, want %v", got, want)
+			}
+		})
+	}
+}
+
+// TestRefusal: a control plane that ends the stream (refusing the
+// client's credentials, say) is heard with its status, also when
+// requests are written after the end: a caller decides on the code.
+func TestRefusal(t *testing.T) {
+	for _, delta := range []bool{false, true} {
+		t.Run(map[bool]string{false: "sotw", true: "delta"}[delta], func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			cp := startControlPlane(t, "127.0.0.1:0")
+			cp.refuse = status.Error(codes.Unauthenticated, "token refused")
+			s, err := adsclient.Open(ctx, dial(t, cp.addr), adsclient.Config{Delta: delta, Node: &core.Node{Id: nodeID}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			for _, typeURL := range []string{resource.ClusterType, resource.ListenerType, resource.RouteType, resource.EndpointType} {
+				if err := s.Subscribe(typeURL, true, nil); err != nil {
+					t.Fatal(err)
+				}
+			}
+			select {
+			case err := <-s.Err():
+				if status.Code(err) != codes.Unauthenticated {
+					t.Fatalf("the stream ended with %v, want the control plane's Unauthenticated", err)
+				}
+			case r := <-s.Responses():
+				t.Fatalf("a refused stream answered %v", r)
+			case <-ctx.Done():
+				t.Fatal("the refusal never arrived")
+			}
+		})
 	}
 }
 
