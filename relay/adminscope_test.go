@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/types/known/emptypb"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/meshrelay/meshrelay/relay/admin"
 	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/auth/authtest"
 )
@@ -24,33 +25,8 @@ import (
 // adminID is the admins' SPIFFE ID in these tests.
 const adminID = "spiffe://cluster.local/ns/istio-system/sa/istioctl"
 
-func TestAdminCallerMayAsk(t *testing.T) {
-	scoped := AdminCaller{Namespace: "ns1", Identity: "spiffe://cluster.local/ns/ns1/sa/app"}
-	for _, tc := range []struct {
-		c       AdminCaller
-		key, id string
-		sees    bool
-		mayAsk  bool
-	}{
-		{AdminCaller{Admin: true}, "sidecar/ns2/app#1", node("ns2", "app", 0).GetId(), true, true},
-		{AdminCaller{Admin: true}, "node/weird#1", "weird", true, true},
-		{scoped, "sidecar/ns1/app#1", node("ns1", "app", 0).GetId(), true, true},
-		{scoped, "sidecar/ns2/app#1", node("ns2", "app", 0).GetId(), false, false},
-		// An id that names no namespace may be asked for; its key decides.
-		{scoped, "node/weird#1", "weird", false, true},
-		{AdminCaller{}, "sidecar/ns1/app#1", node("ns1", "app", 0).GetId(), false, false},
-	} {
-		if got := tc.c.SeesKey(tc.key); got != tc.sees {
-			t.Errorf("%v.SeesKey(%q) = %v, want %v", tc.c, tc.key, got, tc.sees)
-		}
-		if got := tc.c.MayAskNode(tc.id); got != tc.mayAsk {
-			t.Errorf("%v.MayAskNode(%q) = %v, want %v", tc.c, tc.id, got, tc.mayAsk)
-		}
-	}
-}
-
 // whoami is a service of the test's own on the admin listener: each call
-// (unary Who, server-streaming Watch) is answered with the AdminCaller its
+// (unary Who, server-streaming Watch) is answered with the admin.Caller its
 // context carries.
 var whoami = grpc.ServiceDesc{
 	ServiceName: "meshrelay.test.Whoami",
@@ -60,7 +36,7 @@ var whoami = grpc.ServiceDesc{
 		if err := dec(in); err != nil {
 			return nil, err
 		}
-		h := func(ctx context.Context, _ any) (any, error) { return callerStruct(AdminCallerFrom(ctx)), nil }
+		h := func(ctx context.Context, _ any) (any, error) { return callerStruct(admin.CallerFrom(ctx)), nil }
 		if icpt == nil {
 			return h(ctx, in)
 		}
@@ -70,18 +46,18 @@ var whoami = grpc.ServiceDesc{
 		if err := ss.RecvMsg(new(emptypb.Empty)); err != nil {
 			return err
 		}
-		return ss.SendMsg(callerStruct(AdminCallerFrom(ss.Context())))
+		return ss.SendMsg(callerStruct(admin.CallerFrom(ss.Context())))
 	}}},
 }
 
-func callerStruct(c AdminCaller) *structpb.Struct {
+func callerStruct(c admin.Caller) *structpb.Struct {
 	return &structpb.Struct{Fields: map[string]*structpb.Value{
 		"admin": structpb.NewBoolValue(c.Admin), "namespace": structpb.NewStringValue(c.Namespace), "identity": structpb.NewStringValue(c.Identity)}}
 }
 
-func structCaller(s *structpb.Struct) AdminCaller {
+func structCaller(s *structpb.Struct) admin.Caller {
 	f := s.GetFields()
-	return AdminCaller{Admin: f["admin"].GetBoolValue(), Namespace: f["namespace"].GetStringValue(), Identity: f["identity"].GetStringValue()}
+	return admin.Caller{Admin: f["admin"].GetBoolValue(), Namespace: f["namespace"].GetStringValue(), Identity: f["identity"].GetStringValue()}
 }
 
 // newAdminEnv is a secure relay (TLS xDS port, --xds-auth any) whose admin
@@ -122,7 +98,7 @@ func (e *secureEnv) dialAdmin(t *testing.T, cert *authtest.Issued) *grpc.ClientC
 
 // whoIs asks Who and Watch with c and returns the caller each saw; both
 // must agree.
-func (e *secureEnv) whoIs(t *testing.T, c creds) (AdminCaller, error) {
+func (e *secureEnv) whoIs(t *testing.T, c creds) (admin.Caller, error) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -175,21 +151,21 @@ func TestAdminCallers(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
 		creds creds
-		want  AdminCaller
+		want  admin.Caller
 		code  codes.Code
 		pprof int
 	}{
-		{"static token", creds{token: static}, AdminCaller{Admin: true}, codes.OK, http.StatusOK},
-		{"admin JWT", creds{token: jwt("istio-system", "istioctl")}, AdminCaller{Admin: true, Identity: adminID}, codes.OK, http.StatusOK},
-		{"admin certificate", creds{cert: e.mesh.Workload(t, "cluster.local", "istio-system", "istioctl")}, AdminCaller{Admin: true, Identity: adminID}, codes.OK, http.StatusOK},
-		{"JWT of ns1", creds{token: jwt("ns1", "app")}, AdminCaller{Namespace: "ns1", Identity: "spiffe://cluster.local/ns/ns1/sa/app"}, codes.OK, http.StatusForbidden},
-		{"JWT of istio-system, not an admin", creds{token: jwt("istio-system", "other")}, AdminCaller{Namespace: "istio-system", Identity: "spiffe://cluster.local/ns/istio-system/sa/other"}, codes.OK, http.StatusForbidden},
-		{"certificate of ns2", creds{cert: e.mesh.Workload(t, "cluster.local", "ns2", "db")}, AdminCaller{Namespace: "ns2", Identity: "spiffe://cluster.local/ns/ns2/sa/db"}, codes.OK, http.StatusForbidden},
-		{"wrong static token", creds{token: static + "x"}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
-		{"expired admin JWT", creds{token: e.issuer.Sign(t, authtest.Token{Namespace: "istio-system", ServiceAccount: "istioctl", IssuedAt: now.Add(-3 * time.Hour), TTL: time.Hour})}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
-		{"admin JWT of another issuer", creds{token: e.issuer.Sign(t, authtest.Token{Namespace: "istio-system", ServiceAccount: "istioctl", Issuer: "https://evil.example"})}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
-		{"admin certificate of another root", creds{cert: foreign.Workload(t, "cluster.local", "istio-system", "istioctl")}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
-		{"nothing", creds{}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
+		{"static token", creds{token: static}, admin.Caller{Admin: true}, codes.OK, http.StatusOK},
+		{"admin JWT", creds{token: jwt("istio-system", "istioctl")}, admin.Caller{Admin: true, Identity: adminID}, codes.OK, http.StatusOK},
+		{"admin certificate", creds{cert: e.mesh.Workload(t, "cluster.local", "istio-system", "istioctl")}, admin.Caller{Admin: true, Identity: adminID}, codes.OK, http.StatusOK},
+		{"JWT of ns1", creds{token: jwt("ns1", "app")}, admin.Caller{Namespace: "ns1", Identity: "spiffe://cluster.local/ns/ns1/sa/app"}, codes.OK, http.StatusForbidden},
+		{"JWT of istio-system, not an admin", creds{token: jwt("istio-system", "other")}, admin.Caller{Namespace: "istio-system", Identity: "spiffe://cluster.local/ns/istio-system/sa/other"}, codes.OK, http.StatusForbidden},
+		{"certificate of ns2", creds{cert: e.mesh.Workload(t, "cluster.local", "ns2", "db")}, admin.Caller{Namespace: "ns2", Identity: "spiffe://cluster.local/ns/ns2/sa/db"}, codes.OK, http.StatusForbidden},
+		{"wrong static token", creds{token: static + "x"}, admin.Caller{}, codes.Unauthenticated, http.StatusUnauthorized},
+		{"expired admin JWT", creds{token: e.issuer.Sign(t, authtest.Token{Namespace: "istio-system", ServiceAccount: "istioctl", IssuedAt: now.Add(-3 * time.Hour), TTL: time.Hour})}, admin.Caller{}, codes.Unauthenticated, http.StatusUnauthorized},
+		{"admin JWT of another issuer", creds{token: e.issuer.Sign(t, authtest.Token{Namespace: "istio-system", ServiceAccount: "istioctl", Issuer: "https://evil.example"})}, admin.Caller{}, codes.Unauthenticated, http.StatusUnauthorized},
+		{"admin certificate of another root", creds{cert: foreign.Workload(t, "cluster.local", "istio-system", "istioctl")}, admin.Caller{}, codes.Unauthenticated, http.StatusUnauthorized},
+		{"nothing", creds{}, admin.Caller{}, codes.Unauthenticated, http.StatusUnauthorized},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got, err := e.whoIs(t, tc.creds)
@@ -227,18 +203,18 @@ func TestAdminCallersWithoutAuthenticator(t *testing.T) {
 		xdsAuth   bool // the xDS port authenticates
 		mtlsAdmin bool // the admin listener requires and verifies client certificates
 		creds     creds
-		want      AdminCaller
+		want      admin.Caller
 		code      codes.Code
 		pprof     int
 	}{
-		{"open, plaintext relay, nothing", "", false, false, creds{}, AdminCaller{Admin: true}, codes.OK, http.StatusOK},
-		{"open, plaintext relay, any bearer token", "", false, false, creds{token: "whatever"}, AdminCaller{Admin: true}, codes.OK, http.StatusOK},
-		{"open, authenticating relay, nothing", "", true, false, creds{}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
-		{"open, authenticating relay, any bearer token", "", true, false, creds{token: "whatever"}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
-		{"mTLS admin, authenticating relay, verified certificate", "", true, true, creds{cert: nil}, AdminCaller{Admin: true}, codes.OK, http.StatusOK},
-		{"token, the token", "tok", true, false, creds{token: "tok"}, AdminCaller{Admin: true}, codes.OK, http.StatusOK},
-		{"token, nothing", "tok", true, false, creds{}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
-		{"token, another bearer token", "tok", true, false, creds{token: "not-the-token"}, AdminCaller{}, codes.Unauthenticated, http.StatusUnauthorized},
+		{"open, plaintext relay, nothing", "", false, false, creds{}, admin.Caller{Admin: true}, codes.OK, http.StatusOK},
+		{"open, plaintext relay, any bearer token", "", false, false, creds{token: "whatever"}, admin.Caller{Admin: true}, codes.OK, http.StatusOK},
+		{"open, authenticating relay, nothing", "", true, false, creds{}, admin.Caller{}, codes.Unauthenticated, http.StatusUnauthorized},
+		{"open, authenticating relay, any bearer token", "", true, false, creds{token: "whatever"}, admin.Caller{}, codes.Unauthenticated, http.StatusUnauthorized},
+		{"mTLS admin, authenticating relay, verified certificate", "", true, true, creds{cert: nil}, admin.Caller{Admin: true}, codes.OK, http.StatusOK},
+		{"token, the token", "tok", true, false, creds{token: "tok"}, admin.Caller{Admin: true}, codes.OK, http.StatusOK},
+		{"token, nothing", "tok", true, false, creds{}, admin.Caller{}, codes.Unauthenticated, http.StatusUnauthorized},
+		{"token, another bearer token", "tok", true, false, creds{token: "not-the-token"}, admin.Caller{}, codes.Unauthenticated, http.StatusUnauthorized},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newAdminEnv(t, tc.token, func(c *Config) {

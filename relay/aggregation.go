@@ -1,10 +1,16 @@
 package relay
 
+// Aggregation: which key a stream joins, the keys this relay holds, and
+// how well they aggregate its Envoys.
+
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
 	"time"
+
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 )
 
 // MinLoneKeysToWarn is the fewest keys serving one Envoy each for which
@@ -63,4 +69,112 @@ func (r *Relay) warnUnaggregated(ctx context.Context) {
 		}
 		t.Reset(every)
 	}
+}
+
+// acquireKey returns the key's state, creating it (and its upstream
+// goroutine) if needed, with s joined as a member.
+func (r *Relay) acquireKey(key aggkey.Key, s *stream) *keyState {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	k := r.joinKeyLocked(key, s)
+	r.attached[s] = k
+	return k
+}
+
+// joinKey returns the key's state, creating it if needed, with s joined as
+// a member, but not attached: a stream moving to the key after a split of
+// its own (stream.followSplits) is attached to its old key until it moves.
+func (r *Relay) joinKey(key aggkey.Key, s *stream) *keyState {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.joinKeyLocked(key, s)
+}
+
+func (r *Relay) joinKeyLocked(key aggkey.Key, s *stream) *keyState {
+	k := r.keys[key]
+	if k == nil {
+		k = r.startKeyLocked(key, nil)
+	}
+	k.join(s)
+	return k
+}
+
+// attach records s as attached to k, which it joined (joinKey).
+func (r *Relay) attach(s *stream, k *keyState) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.attached[s] = k
+}
+
+// installKey creates key's state and starts its feed, with init run on
+// both first, unless the key is held already or the relay is not running,
+// and reports whether it did. The warm start installs restored keys so.
+func (r *Relay) installKey(key aggkey.Key, init func(*keyState, *feed)) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.state != lifeRunning || r.keys[key] != nil {
+		return false
+	}
+	r.startKeyLocked(key, init)
+	return true
+}
+
+// startKeyLocked creates key's state and starts its feed, with init (if
+// not nil) run on both first. The caller holds r.mu.
+func (r *Relay) startKeyLocked(key aggkey.Key, init func(*keyState, *feed)) *keyState {
+	k := newKeyState(r, key)
+	u := newFeed(k)
+	if init != nil {
+		init(k, u)
+	}
+	r.keys[key] = k
+	// Refused only while stopping: the key's streams end then, unfed.
+	r.goRun(u.run)
+	return k
+}
+
+// releaseKey takes s, which acquireKey joined to s.key, out of its key.
+func (r *Relay) releaseKey(s *stream) {
+	r.mu.Lock()
+	delete(r.attached, s)
+	r.mu.Unlock()
+	s.key.leave(s, s.subscriptions())
+}
+
+// attachedStreams returns the streams joined to a key now, with the key.
+func (r *Relay) attachedStreams() map[*stream]*keyState {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return maps.Clone(r.attached)
+}
+
+// heldKeys returns the keys held now.
+func (r *Relay) heldKeys() []*keyState {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Collect(maps.Values(r.keys))
+}
+
+// dropIfIdle forgets k if it still has no members, and reports whether it
+// did. The key's feed calls it when its idle timer fires.
+func (r *Relay) dropIfIdle(k *keyState) bool {
+	dropped := func() bool {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		k.mu.Lock()
+		defer k.mu.Unlock()
+		if len(k.members) > 0 {
+			return false
+		}
+		delete(r.keys, k.key)
+		// Under r.mu: a stream that takes the key again (acquireKey) must
+		// not record its views before the ledger forgets the old ones.
+		// The ledger never calls back.
+		r.ledger.DropKey(string(k.key))
+		return true
+	}()
+	if dropped {
+		r.log.Debug("key dropped after idling", "key", k.key)
+	}
+	return dropped
 }

@@ -21,6 +21,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/admin"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
 )
@@ -124,29 +125,29 @@ func isDebugType(typeURL string) bool {
 //   - the peer port serves the tier's relays, which ask no debug types.
 //
 // Anything else is PermissionDenied, saying what would be answered.
-func (s *stream) debugCaller(typeURL string) (AdminCaller, error) {
+func (s *stream) debugCaller(typeURL string) (admin.Caller, error) {
 	switch s.port {
 	case portPlain:
 		if _, trusted := s.r.cfg.Authorizer.(AllowAll); trusted {
-			return AdminCaller{Admin: true}, nil
+			return admin.Caller{Admin: true}, nil
 		}
-		return AdminCaller{}, status.Errorf(codes.PermissionDenied,
+		return admin.Caller{}, status.Errorf(codes.PermissionDenied,
 			"%s is not answered on this plaintext port (it has an Authorizer): ask over the TLS port with a service-account token, or ask the admin API (relayctl)", typeURL)
 	case portTLS:
 		switch {
 		case s.identity != nil:
 			if slices.Contains(s.r.cfg.DebugNamespaces, s.identity.Namespace) {
 				// Reads the tier, as istiod answers its root namespace.
-				return AdminCaller{Admin: true, Identity: s.identity.SPIFFEID()}, nil
+				return admin.Caller{Admin: true, Identity: s.identity.SPIFFEID()}, nil
 			}
-			return s.r.identityCaller(*s.identity), nil
+			return s.r.adminGuard.IdentityCaller(*s.identity), nil
 		case s.peerRelay != nil:
-			return AdminCaller{}, status.Errorf(codes.PermissionDenied, "%s is not answered for the tier's relays", typeURL)
+			return admin.Caller{}, status.Errorf(codes.PermissionDenied, "%s is not answered for the tier's relays", typeURL)
 		}
-		return AdminCaller{}, status.Errorf(codes.PermissionDenied,
+		return admin.Caller{}, status.Errorf(codes.PermissionDenied,
 			"%s on the TLS port is answered only for a stream that proved an identity, and this relay authenticates no one there (--xds-auth none): ask the admin API (relayctl)", typeURL)
 	}
-	return AdminCaller{}, status.Errorf(codes.PermissionDenied, "%s is not answered on the peer port: it serves the tier's relays only", typeURL)
+	return admin.Caller{}, status.Errorf(codes.PermissionDenied, "%s is not answered on the peer port: it serves the tier's relays only", typeURL)
 }
 
 // debugResources answers a debug type URL for the tier, as much of it as
@@ -195,7 +196,7 @@ func (s *stream) debugResources(typeURL string, names []string) ([]*anypb.Any, e
 // syncz does: a CSDS ClientConfig each, with the status of each type the
 // Envoy subscribed to, sorted by type URL (one never sent is NOT_SENT; a
 // NACK is ERROR).
-func (r *Relay) syncz(tl TierLedger, c AdminCaller) ([]*anypb.Any, error) {
+func (r *Relay) syncz(tl TierLedger, c admin.Caller) ([]*anypb.Any, error) {
 	var out []*anypb.Any
 	for _, e := range tl.Envoys() {
 		if !e.State.Connected() || !c.SeesKey(e.Key) {

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	"github.com/meshrelay/meshrelay/relay/auth"
 )
 
@@ -153,4 +154,56 @@ func (r *Relay) refreshCredentials(ctx context.Context) {
 			}
 		}
 	}
+}
+
+// presentsToken reports whether m, in forward mode, has a token the
+// upstream may still take.
+func presentsToken(m member) bool {
+	if m == nil {
+		return false
+	}
+	_, cred := m.presents()
+	return cred.usableAt(time.Now())
+}
+
+// waitForToken waits, in forward mode, until a member has a token to
+// present (a member joins: upWake) or the key's source becomes its owner,
+// or gives up when the key stays idle.
+// The key's views are not confirmed meanwhile.
+func (u *feed) waitForToken(ctx context.Context, node *core.Node) bool {
+	u.setStale(true)
+	u.r.metrics.awaitingToken.Inc()
+	defer u.r.metrics.awaitingToken.Dec()
+	u.r.log.Warn("forward mode: no member of the key holds a token the upstream would take; serving the cache until an Envoy brings one", "key", u.k.key, "node", node.GetId())
+	return u.waitUntil(ctx, func() bool {
+		first, _ := u.k.presenter()
+		return presentsToken(first) || u.choose().kind == sourcePeer // a token, or a source that needs none (the owner)
+	})
+}
+
+// refreshTimer fires TokenRefreshBefore ahead of the expiry of the token
+// the stream presents (forward mode): then a member whose token lives
+// longer takes over. Nil if there is nothing to refresh.
+func (u *feed) refreshTimer(presenter member) *time.Timer {
+	if !u.r.cfg.ForwardCredentials || presenter == nil {
+		return nil
+	}
+	_, cred := presenter.presents()
+	if cred == nil || cred.expires.IsZero() {
+		return nil
+	}
+	return time.NewTimer(time.Until(cred.expires.Add(-u.r.cfg.TokenRefreshBefore)))
+}
+
+// tokenExpiring reports whether, in forward mode, the presented token is
+// within TokenRefreshBefore of its expiry while next's lives past it: the
+// stream should move to next before istiod would refuse a reconnect.
+func (u *feed) tokenExpiring(next member) bool {
+	if !u.r.cfg.ForwardCredentials || u.presented == nil {
+		return false
+	}
+	horizon := time.Now().Add(u.r.cfg.TokenRefreshBefore)
+	_, cur := u.presented.presents()
+	_, nextCred := next.presents()
+	return !cur.usableAt(horizon) && nextCred.usableAt(horizon)
 }

@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
+	"time"
 
 	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
 	"google.golang.org/grpc"
@@ -371,4 +373,82 @@ func (r *Relay) TierConfigDump(ctx context.Context, req *inspectpb.ConfigDumpReq
 func withoutNotFound(missing map[string]error) map[string]error {
 	maps.DeleteFunc(missing, func(_ string, err error) bool { return status.Code(err) == codes.NotFound })
 	return missing
+}
+
+// Stats is a point-in-time summary of a relay, for the demo, the load tests
+// and the admin surface.
+type Stats struct {
+	Streams         int // Envoy streams attached to a key
+	PeerClients     int // streams of other relays attached to a key this relay owns
+	Keys            int
+	StaleKeys       int
+	RestoredKeys    int    // keys restored from snapshots at start (warm start)
+	UpstreamStreams int    // upstream streams held (owned keys and fallbacks)
+	PeerStreams     int    // streams held to other relays, owners of keys
+	UpstreamWaiting int    // keys whose upstream stream waits its turn (Config.UpstreamStreamRate)
+	Resources       int    // distinct resources in the cache
+	Pushes          uint64 // responses sent downstream
+	BytesSent       uint64
+	PushACKP50      time.Duration
+	PushACKP99      time.Duration
+	ACKs            uint64
+}
+
+// Stats returns the relay's current figures.
+func (r *Relay) Stats() Stats {
+	keys := r.heldKeys()
+	st := Stats{Keys: len(keys), Resources: r.store.Len(), RestoredKeys: int(r.restored.Load())}
+	for _, k := range keys {
+		peers := int(k.peers.Load())
+		st.Streams += int(k.joined.Load()) - peers
+		st.PeerClients += peers
+		if k.views.Load().stale {
+			st.StaleKeys++
+		}
+	}
+	st.Pushes = r.metrics.pushCount.Load()
+	st.BytesSent = r.metrics.bytesCount.Load()
+	st.PushACKP50, st.ACKs = r.pushACK.quantile(0.50)
+	st.PushACKP99, _ = r.pushACK.quantile(0.99)
+	st.UpstreamStreams = int(r.metrics.upstreamOpen.Load())
+	st.PeerStreams = int(r.metrics.peerOpen.Load())
+	st.UpstreamWaiting = int(r.metrics.waitingOpen.Load())
+	return st
+}
+
+// ClientStatus is what the relay knows of one connected stream.
+type ClientStatus struct {
+	NodeID   string
+	Key      aggkey.Key
+	Protocol Protocol
+	Peer     string
+	// PeerRelay is the ID of the relay on the other end, for a stream of
+	// another relay subscribing to a key this relay owns ("" for Envoys).
+	PeerRelay string
+	// Types holds the stream's state by type URL.
+	Types map[string]TypeStatus
+}
+
+// Clients returns the status of every stream attached to a key.
+func (r *Relay) Clients() []ClientStatus {
+	attached := r.attachedStreams()
+	// By node, and streams of one node in the order they came.
+	streams := slices.SortedFunc(maps.Keys(attached), func(a, b *stream) int {
+		return cmp.Or(strings.Compare(a.node.GetId(), b.node.GetId()), cmp.Compare(a.id, b.id))
+	})
+	out := make([]ClientStatus, 0, len(streams))
+	for _, s := range streams {
+		cs := ClientStatus{NodeID: s.node.GetId(), Key: attached[s].key, Protocol: ProtocolSotW, Peer: s.peer, PeerRelay: s.peerRelayID()}
+		if s.delta {
+			cs.Protocol = ProtocolDelta
+		}
+		s.statusMu.Lock()
+		cs.Types = make(map[string]TypeStatus, len(s.status))
+		for typeURL, st := range s.status {
+			cs.Types[typeURL] = *st
+		}
+		s.statusMu.Unlock()
+		out = append(out, cs)
+	}
+	return out
 }

@@ -6,7 +6,9 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -120,5 +122,44 @@ func TestLayerOf(t *testing.T) {
 		if _, got, _ := layerOf(tt.path); got != tt.want {
 			t.Errorf("layerOf(%q) = %q, want %q", tt.path, got, tt.want)
 		}
+	}
+}
+
+// maxFileLines bounds the length of a file of this package: a newcomer
+// reads one part at a time (the package comment names each file's part).
+const maxFileLines = 750
+
+// TestFilesStayReadable fails when a non-test file of package relay grows
+// past maxFileLines (split it along what it does) or when the package
+// comment, a newcomer's map of the files, does not name it.
+func TestFilesStayReadable(t *testing.T) {
+	files, err := filepath.Glob("*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, err := os.ReadFile("relay.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc, _, _ := strings.Cut(string(src), "\npackage relay\n")
+	checked := 0
+	for _, f := range files {
+		if strings.HasSuffix(f, "_test.go") {
+			continue
+		}
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		checked++
+		if n := bytes.Count(b, []byte("\n")); n > maxFileLines {
+			t.Errorf("%s has %d lines, more than %d", f, n, maxFileLines)
+		}
+		if !strings.Contains(doc, " "+f) {
+			t.Errorf("the package comment (relay.go) names no %s: say what part it holds", f)
+		}
+	}
+	if checked < 10 {
+		t.Fatalf("checked %d files, want the package's", checked)
 	}
 }

@@ -26,6 +26,10 @@
 //
 //	relay/snapshot   views persisted in etcd for a warm start (implements Snapshots)
 //	relay/warm       persisted views rebuilt, checked and shared, for a warm start
+//	relay/admin      the admin listener: who a call is from (token, JWT, certificate),
+//	                 its HTTP/gRPC handler, its health service
+//	relay/adsclient  the ADS client: one SotW or Delta stream to a control plane,
+//	                 its nonces, ACKs and NACKs, and its bounded request queue
 //	relay/wire       the bytes on the wire: the gRPC codec, responses encoded once
 //	                 per content, SotW requests read lazily, the version form
 //	relay/aggkey     aggregation keys: profiles, a stream's identity mixed in, a
@@ -46,36 +50,39 @@
 //   - the Relay, its Config, lifecycle and metrics: relay.go, config.go,
 //     metrics.go; its ports and who may use them: ports.go, identity.go,
 //     admission.go, forward.go (credentials passed upstream);
-//   - the downstream server: stream.go (one ADS stream, the order of what
-//     it sends), sotw.go, delta.go, passthrough.go (types the relay does
-//     not cache), versions.go (whether a view covers what a client holds);
-//   - a key: keystate.go (its views, subscriptions and members: the
-//     streams joined to it, which it knows only as its member interface),
-//     mailbox.go, and its feed: feed.go (the one stream to the key's
-//     source, istiod or the owner relay), persist.go (saving views, and
-//     the restore a warm start installs keys with);
+//   - the downstream server: stream.go (one ADS stream: its subscriptions,
+//     ACKs and NACKs), push.go (what a sync sends, in xDS order), holds.go
+//     (what a push keeps back: make-before-break), sotw.go, delta.go,
+//     passthrough.go (types the relay does not cache), versions.go
+//     (whether a view covers what a client holds);
+//   - a key: aggregation.go (which key a stream joins, the keys held),
+//     keystate.go (its views, subscriptions and members: the streams joined
+//     to it, which it knows only as its member interface), mailbox.go, and
+//     its feed: feed.go (the one stream to the key's source, istiod or the
+//     owner relay, over relay/adsclient), feedrequests.go (what it asks),
+//     feedanswers.go (what it does with the answers), persist.go (saving
+//     views, and the restore a warm start installs keys with);
+//   - splits: divergence.go (whether a key's members really get the same
+//     config), probe.go (its second stream, compared by content), rekey.go
+//     (the splits the tier knows, and the streams they move);
 //   - the tier: tier.go (owners, who a calling relay is, balancing, moving
 //     streams away), claims.go (versions a SotW Envoy claims, looked up
 //     across relays), ledger.go (ledger queries gathered from every relay);
-//   - inspection: inspect.go (key details, config dumps), debugxds.go
-//     (istiod's debug types), admingrpc.go (the admin listener's callers).
+//   - inspection: inspect.go (stats, clients, key details, config dumps),
+//     debugxds.go (istiod's debug types).
 package relay
 
 import (
-	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
-	"maps"
 	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/pprof"
-	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -88,11 +95,14 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/reflection"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/admin"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/wire"
@@ -134,15 +144,16 @@ type Relay struct {
 	// observes the Orders of views it gets from the tier (ledger.Order).
 	clock *ledger.Clock
 
-	upConn    *grpc.ClientConn
-	servers   []*grpc.Server // xDS servers: plaintext, TLS
-	lis       net.Listener   // plaintext xDS; nil if none
-	tlsLis    net.Listener   // TLS xDS; nil if none
-	peerLis   net.Listener   // the tier's relays; nil if none
-	tracker   *connTracker
-	admin     *http.Server
-	adminGRPC *grpc.Server
-	adminLis  net.Listener
+	upConn     *grpc.ClientConn
+	servers    []*grpc.Server // xDS servers: plaintext, TLS
+	lis        net.Listener   // plaintext xDS; nil if none
+	tlsLis     net.Listener   // TLS xDS; nil if none
+	peerLis    net.Listener   // the tier's relays; nil if none
+	tracker    *connTracker
+	adminHTTP  *http.Server
+	adminGRPC  *grpc.Server
+	adminGuard *admin.Guard // who admin calls, and debug requests over xDS, are from
+	adminLis   net.Listener
 
 	ctx      context.Context // feeds' context
 	cancel   context.CancelFunc
@@ -164,7 +175,7 @@ type Relay struct {
 
 	pool *peers.Pool // relay-to-relay connections
 
-	// splits are the keys' splits the relay knows (divergence.go);
+	// splits are the keys' splits the relay knows (rekey.go);
 	// divergenceWake wakes the divergence checks at once; checkSlots
 	// holds one token per check running.
 	splits         splitBook
@@ -221,6 +232,10 @@ func New(cfg Config) (*Relay, error) {
 		peerSyncs:      newSyncSlots(cfg.UpstreamSyncs),
 		divergenceWake: make(chan struct{}, 1),
 		checkSlots:     make(chan struct{}, maxDivergenceChecks),
+	}
+	r.adminGuard = &admin.Guard{Token: cfg.AdminToken, Identities: cfg.AdminIdentities, XDSAuthenticated: cfg.Authenticator != nil, Refuse: r.refuseAuth}
+	if cfg.AdminAuthenticator != nil {
+		r.adminGuard.Authenticator = cfg.AdminAuthenticator
 	}
 	if cfg.AdmitRate > 0 {
 		r.admission = rate.NewLimiter(rate.Limit(cfg.AdmitRate), cfg.AdmitBurst)
@@ -320,7 +335,7 @@ func (r *Relay) Start(ctx context.Context) error {
 	}
 	if r.adminLis != nil {
 		r.adminGRPC = r.newAdminGRPC()
-		r.admin = &http.Server{Handler: adminHandler(r.adminGRPC, r.adminMux()), ReadHeaderTimeout: 10 * time.Second, Protocols: adminProtocols()}
+		r.adminHTTP = &http.Server{Handler: admin.Handler(r.adminGRPC, r.adminMux()), ReadHeaderTimeout: 10 * time.Second, Protocols: admin.Protocols()}
 		adminLis := r.adminLis
 		if r.cfg.AdminTLS != nil {
 			tc := r.cfg.AdminTLS.Clone()
@@ -332,7 +347,7 @@ func (r *Relay) Start(ctx context.Context) error {
 		r.serveWG.Add(1)
 		go func() {
 			defer r.serveWG.Done()
-			if err := r.admin.Serve(adminLis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			if err := r.adminHTTP.Serve(adminLis); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				r.log.Error("admin server stopped", "err", err)
 			}
 		}()
@@ -478,9 +493,9 @@ func (r *Relay) Stop(ctx context.Context) error {
 	r.cancel()
 	r.wg.Wait()
 	var err error
-	if r.admin != nil {
+	if r.adminHTTP != nil {
 		r.adminGRPC.Stop() // ends the admin API's streams (waits)
-		err = r.admin.Shutdown(ctx)
+		err = r.adminHTTP.Shutdown(ctx)
 	}
 	r.serveWG.Wait()
 	errs := []error{err, r.upConn.Close()}
@@ -532,114 +547,6 @@ func (r *Relay) goRun(fn func(context.Context)) bool {
 	return true
 }
 
-// acquireKey returns the key's state, creating it (and its upstream
-// goroutine) if needed, with s joined as a member.
-func (r *Relay) acquireKey(key aggkey.Key, s *stream) *keyState {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	k := r.joinKeyLocked(key, s)
-	r.attached[s] = k
-	return k
-}
-
-// joinKey returns the key's state, creating it if needed, with s joined as
-// a member, but not attached: a stream moving to the key after a split of
-// its own (stream.followSplits) is attached to its old key until it moves.
-func (r *Relay) joinKey(key aggkey.Key, s *stream) *keyState {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.joinKeyLocked(key, s)
-}
-
-func (r *Relay) joinKeyLocked(key aggkey.Key, s *stream) *keyState {
-	k := r.keys[key]
-	if k == nil {
-		k = r.startKeyLocked(key, nil)
-	}
-	k.join(s)
-	return k
-}
-
-// attach records s as attached to k, which it joined (joinKey).
-func (r *Relay) attach(s *stream, k *keyState) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.attached[s] = k
-}
-
-// installKey creates key's state and starts its feed, with init run on
-// both first, unless the key is held already or the relay is not running,
-// and reports whether it did. The warm start installs restored keys so.
-func (r *Relay) installKey(key aggkey.Key, init func(*keyState, *feed)) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.state != lifeRunning || r.keys[key] != nil {
-		return false
-	}
-	r.startKeyLocked(key, init)
-	return true
-}
-
-// startKeyLocked creates key's state and starts its feed, with init (if
-// not nil) run on both first. The caller holds r.mu.
-func (r *Relay) startKeyLocked(key aggkey.Key, init func(*keyState, *feed)) *keyState {
-	k := newKeyState(r, key)
-	u := newFeed(k)
-	if init != nil {
-		init(k, u)
-	}
-	r.keys[key] = k
-	// Refused only while stopping: the key's streams end then, unfed.
-	r.goRun(u.run)
-	return k
-}
-
-// releaseKey takes s, which acquireKey joined to s.key, out of its key.
-func (r *Relay) releaseKey(s *stream) {
-	r.mu.Lock()
-	delete(r.attached, s)
-	r.mu.Unlock()
-	s.key.leave(s, s.subscriptions())
-}
-
-// attachedStreams returns the streams joined to a key now, with the key.
-func (r *Relay) attachedStreams() map[*stream]*keyState {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return maps.Clone(r.attached)
-}
-
-// heldKeys returns the keys held now.
-func (r *Relay) heldKeys() []*keyState {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return slices.Collect(maps.Values(r.keys))
-}
-
-// dropIfIdle forgets k if it still has no members, and reports whether it
-// did. The key's feed calls it when its idle timer fires.
-func (r *Relay) dropIfIdle(k *keyState) bool {
-	dropped := func() bool {
-		r.mu.Lock()
-		defer r.mu.Unlock()
-		k.mu.Lock()
-		defer k.mu.Unlock()
-		if len(k.members) > 0 {
-			return false
-		}
-		delete(r.keys, k.key)
-		// Under r.mu: a stream that takes the key again (acquireKey) must
-		// not record its views before the ledger forgets the old ones.
-		// The ledger never calls back.
-		r.ledger.DropKey(string(k.key))
-		return true
-	}()
-	if dropped {
-		r.log.Debug("key dropped after idling", "key", k.key)
-	}
-	return dropped
-}
-
 // ID returns the relay's ID (Config.ID).
 func (r *Relay) ID() string { return r.cfg.ID }
 
@@ -650,84 +557,20 @@ func (r *Relay) Gatherer() prometheus.Gatherer { return r.cfg.Gatherer }
 // ACKed against its key's versions, and the queries built on it.
 func (r *Relay) Ledger() *ledger.Tracker { return r.ledger }
 
-// Stats is a point-in-time summary of a relay, for the demo, the load tests
-// and the admin surface.
-type Stats struct {
-	Streams         int // Envoy streams attached to a key
-	PeerClients     int // streams of other relays attached to a key this relay owns
-	Keys            int
-	StaleKeys       int
-	RestoredKeys    int    // keys restored from snapshots at start (warm start)
-	UpstreamStreams int    // upstream streams held (owned keys and fallbacks)
-	PeerStreams     int    // streams held to other relays, owners of keys
-	UpstreamWaiting int    // keys whose upstream stream waits its turn (Config.UpstreamStreamRate)
-	Resources       int    // distinct resources in the cache
-	Pushes          uint64 // responses sent downstream
-	BytesSent       uint64
-	PushACKP50      time.Duration
-	PushACKP99      time.Duration
-	ACKs            uint64
-}
-
-// Stats returns the relay's current figures.
-func (r *Relay) Stats() Stats {
-	keys := r.heldKeys()
-	st := Stats{Keys: len(keys), Resources: r.store.Len(), RestoredKeys: int(r.restored.Load())}
-	for _, k := range keys {
-		peers := int(k.peers.Load())
-		st.Streams += int(k.joined.Load()) - peers
-		st.PeerClients += peers
-		if k.views.Load().stale {
-			st.StaleKeys++
-		}
+// newAdminGRPC builds the admin listener's gRPC server (admin.Guard: who
+// each call is from): the relay's health, reflection, and what
+// Config.AdminServices registers.
+func (r *Relay) newAdminGRPC() *grpc.Server {
+	s := r.adminGuard.NewServer(grpc.MaxSendMsgSize(r.cfg.MaxMsgSize))
+	healthpb.RegisterHealthServer(s, admin.Health{Ready: r.Ready, Stopping: r.stopping})
+	reflection.Register(s)
+	if r.cfg.AdminServices != nil {
+		r.cfg.AdminServices(s)
 	}
-	st.Pushes = r.metrics.pushCount.Load()
-	st.BytesSent = r.metrics.bytesCount.Load()
-	st.PushACKP50, st.ACKs = r.pushACK.quantile(0.50)
-	st.PushACKP99, _ = r.pushACK.quantile(0.99)
-	st.UpstreamStreams = int(r.metrics.upstreamOpen.Load())
-	st.PeerStreams = int(r.metrics.peerOpen.Load())
-	st.UpstreamWaiting = int(r.metrics.waitingOpen.Load())
-	return st
+	return s
 }
 
-// ClientStatus is what the relay knows of one connected stream.
-type ClientStatus struct {
-	NodeID   string
-	Key      aggkey.Key
-	Protocol Protocol
-	Peer     string
-	// PeerRelay is the ID of the relay on the other end, for a stream of
-	// another relay subscribing to a key this relay owns ("" for Envoys).
-	PeerRelay string
-	// Types holds the stream's state by type URL.
-	Types map[string]TypeStatus
-}
-
-// Clients returns the status of every stream attached to a key.
-func (r *Relay) Clients() []ClientStatus {
-	attached := r.attachedStreams()
-	// By node, and streams of one node in the order they came.
-	streams := slices.SortedFunc(maps.Keys(attached), func(a, b *stream) int {
-		return cmp.Or(strings.Compare(a.node.GetId(), b.node.GetId()), cmp.Compare(a.id, b.id))
-	})
-	out := make([]ClientStatus, 0, len(streams))
-	for _, s := range streams {
-		cs := ClientStatus{NodeID: s.node.GetId(), Key: attached[s].key, Protocol: ProtocolSotW, Peer: s.peer, PeerRelay: s.peerRelayID()}
-		if s.delta {
-			cs.Protocol = ProtocolDelta
-		}
-		s.statusMu.Lock()
-		cs.Types = make(map[string]TypeStatus, len(s.status))
-		for typeURL, st := range s.status {
-			cs.Types[typeURL] = *st
-		}
-		s.statusMu.Unlock()
-		out = append(out, cs)
-	}
-	return out
-}
-
+// adminMux serves the admin listener's HTTP/1 endpoints.
 func (r *Relay) adminMux() *http.ServeMux {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
@@ -771,11 +614,11 @@ func (r *Relay) adminMux() *http.ServeMux {
 	})
 	mux.Handle("/metrics", promhttp.HandlerFor(r.cfg.Gatherer, promhttp.HandlerOpts{}))
 	// Profiles can hold anything in memory (Secrets): behind the token.
-	mux.Handle("/debug/pprof/", r.adminAuthHTTP(http.HandlerFunc(pprof.Index)))
-	mux.Handle("/debug/pprof/cmdline", r.adminAuthHTTP(http.HandlerFunc(pprof.Cmdline)))
-	mux.Handle("/debug/pprof/profile", r.adminAuthHTTP(http.HandlerFunc(pprof.Profile)))
-	mux.Handle("/debug/pprof/symbol", r.adminAuthHTTP(http.HandlerFunc(pprof.Symbol)))
-	mux.Handle("/debug/pprof/trace", r.adminAuthHTTP(http.HandlerFunc(pprof.Trace)))
+	mux.Handle("/debug/pprof/", r.adminGuard.AdminsOnly(http.HandlerFunc(pprof.Index)))
+	mux.Handle("/debug/pprof/cmdline", r.adminGuard.AdminsOnly(http.HandlerFunc(pprof.Cmdline)))
+	mux.Handle("/debug/pprof/profile", r.adminGuard.AdminsOnly(http.HandlerFunc(pprof.Profile)))
+	mux.Handle("/debug/pprof/symbol", r.adminGuard.AdminsOnly(http.HandlerFunc(pprof.Symbol)))
+	mux.Handle("/debug/pprof/trace", r.adminGuard.AdminsOnly(http.HandlerFunc(pprof.Trace)))
 	return mux
 }
 

@@ -17,6 +17,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/admin"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/shard/adminpb"
@@ -28,9 +29,9 @@ import (
 // gathered when asked (relay.TierLedger), within the relay's gather bound;
 // relays that did not answer are named in each answer's missing map.
 //
-// Every call is of a relay.AdminCaller (the admin listener decided it): an
+// Every call is of a admin.Caller (the admin listener decided it): an
 // admin sees the tier; a caller scoped to a namespace sees its Envoys,
-// keys and config alone (relay.AdminCaller.SeesKey), everywhere a key or
+// keys and config alone (admin.Caller.SeesKey), everywhere a key or
 // an Envoy is reported, and may mutate nothing:
 //
 //   - GetRing: every member (membership and gossiped counts are no
@@ -75,13 +76,13 @@ func (a adminServer) GetRing(context.Context, *adminpb.GetRingRequest) (*adminpb
 // were the whole tier.
 type view struct {
 	relay.TierLedger
-	c relay.AdminCaller
+	c admin.Caller
 }
 
 // tierLedger gathers the tier's ledger for scope in detail d, as ctx's
 // caller sees it.
 func (a adminServer) tierLedger(ctx context.Context, scope ledger.Scope, d ledger.Detail) view {
-	return view{a.n.relay.TierLedger(ctx, scope, d), relay.AdminCallerFrom(ctx)}
+	return view{a.n.relay.TierLedger(ctx, scope, d), admin.CallerFrom(ctx)}
 }
 
 // keys returns the keys the caller sees.
@@ -156,7 +157,7 @@ func (v view) convergence() ledger.Convergence {
 }
 
 // mayAskKey refuses a key of another namespace, whether or not it exists.
-func mayAskKey(c relay.AdminCaller, key string) error {
+func mayAskKey(c admin.Caller, key string) error {
 	if c.SeesKey(key) {
 		return nil
 	}
@@ -165,7 +166,7 @@ func mayAskKey(c relay.AdminCaller, key string) error {
 
 // mayAskNode refuses a node whose id names another namespace, whether or
 // not it exists.
-func mayAskNode(c relay.AdminCaller, node string) error {
+func mayAskNode(c admin.Caller, node string) error {
 	if c.MayAskNode(node) {
 		return nil
 	}
@@ -211,7 +212,7 @@ func (a adminServer) GetShard(ctx context.Context, req *adminpb.GetShardRequest)
 	if req.GetMaxNames() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "max_names must not be negative")
 	}
-	if err := mayAskKey(relay.AdminCallerFrom(ctx), req.GetKey()); err != nil {
+	if err := mayAskKey(admin.CallerFrom(ctx), req.GetKey()); err != nil {
 		return nil, err
 	}
 	var (
@@ -252,7 +253,7 @@ func (a adminServer) GetConfigDump(ctx context.Context, req *adminpb.ConfigDumpR
 	if (req.GetNode() == "") == (req.GetKey() == "") {
 		return nil, status.Error(codes.InvalidArgument, "one of node and key is required")
 	}
-	c := relay.AdminCallerFrom(ctx)
+	c := admin.CallerFrom(ctx)
 	if req.GetKey() != "" {
 		if err := mayAskKey(c, req.GetKey()); err != nil {
 			return nil, err
@@ -315,7 +316,7 @@ func (a adminServer) CheckDelivery(ctx context.Context, req *adminpb.DeliveryReq
 	if err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
 	}
-	if c := relay.AdminCallerFrom(ctx); !c.Admin {
+	if c := admin.CallerFrom(ctx); !c.Admin {
 		d.Keys = slices.DeleteFunc(d.Keys, func(k ledger.DeliveryKey) bool { return !c.SeesKey(k.Key) })
 	}
 	envoys, delivered, known := d.Counts()
@@ -377,7 +378,7 @@ func (a adminServer) Wait(req *adminpb.WaitRequest, stream adminpb.Admin_WaitSer
 // current, the caller's among them), and the first complete gather in
 // which the caller's Envoys reach share ends it early.
 func (a adminServer) wait(ctx context.Context, scope ledger.Scope, share float64, progress func(view)) (view, error) {
-	c := relay.AdminCallerFrom(ctx)
+	c := admin.CallerFrom(ctx)
 	if c.Admin {
 		tl, err := a.n.relay.TierWait(ctx, scope, share, func(tl relay.TierLedger) { progress(view{tl, c}) })
 		return view{tl, c}, err
@@ -404,7 +405,7 @@ func (a adminServer) wait(ctx context.Context, scope ledger.Scope, share float64
 }
 
 func (a adminServer) Drain(ctx context.Context, req *adminpb.DrainRequest) (*adminpb.DrainResponse, error) {
-	if c := relay.AdminCallerFrom(ctx); !c.Admin {
+	if c := admin.CallerFrom(ctx); !c.Admin {
 		return nil, status.Errorf(codes.PermissionDenied, "Drain is for admins: %s is not one", c)
 	}
 	if !a.n.cfg.AllowMutations {
@@ -469,7 +470,7 @@ func (a adminServer) LocateEnvoy(ctx context.Context, req *adminpb.LocateEnvoyRe
 	if req.GetNode() == "" {
 		return nil, status.Error(codes.InvalidArgument, "node is required")
 	}
-	if err := mayAskNode(relay.AdminCallerFrom(ctx), req.GetNode()); err != nil {
+	if err := mayAskNode(admin.CallerFrom(ctx), req.GetNode()); err != nil {
 		return nil, err
 	}
 	v := a.tierLedger(ctx, ledger.Scope{}, ledger.Full) // every time of its types
