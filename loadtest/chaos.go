@@ -16,8 +16,10 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/failpoints"
 	"github.com/meshrelay/meshrelay/loadtest/report"
 	"github.com/meshrelay/meshrelay/loadtest/traffic"
+	"github.com/meshrelay/meshrelay/loadtest/validation"
 
 	"github.com/meshrelay/meshrelay/loadtest/cluster"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
@@ -375,10 +377,24 @@ const (
 )
 
 func chaosRelayIP(i int) string { return fmt.Sprintf("127.0.0.%d", 10+i) }
-func chaosEtcdIP(i int) string  { return fmt.Sprintf("127.0.0.%d", 2+i) }
+
+// chaosKindsHere returns the kinds this machine can play, and for each it
+// cannot a line that names it and says why.
+func chaosKindsHere(kinds []FaultKind) (ok []FaultKind, skipped []string) {
+	shapeErr := failpoints.CanShape()
+	for _, k := range kinds {
+		if k == FaultSlow && shapeErr != nil {
+			skipped = append(skipped, fmt.Sprintf("%s: %v", k, shapeErr))
+			continue
+		}
+		ok = append(ok, k)
+	}
+	return ok, skipped
+}
+func chaosEtcdIP(i int) string { return fmt.Sprintf("127.0.0.%d", 2+i) }
 
 // RunChaos runs every seed and reports. It must run in a network
-// namespace of its own (ReexecInNetns). A seed that finds a violation
+// namespace of its own (failpoints.ReexecInNetns). A seed that finds a violation
 // prints the seed, its schedule, the first violating event and the relay
 // logs around it to out; the run goes on with the next seed.
 func RunChaos(ctx context.Context, cfg ChaosConfig, out io.Writer) (*ChaosReport, error) {
@@ -397,12 +413,12 @@ func RunChaos(ctx context.Context, cfg ChaosConfig, out io.Writer) (*ChaosReport
 		return nil, errors.New("loadtest: chaos: no fault kind can be played here")
 	}
 	cfg.Kinds = kinds
-	sweepCPUGroups()
+	failpoints.SweepCPUGroups()
 	uids := make([]uint32, cfg.Relays)
 	for i := range uids {
 		uids[i] = uint32(chaosRelayUIDBase + i)
 	}
-	net, err := setupChaosNet(uids)
+	net, err := failpoints.NewNet(uids)
 	if err != nil {
 		return nil, err
 	}
@@ -427,7 +443,7 @@ func RunChaos(ctx context.Context, cfg ChaosConfig, out io.Writer) (*ChaosReport
 		Machine: report.ThisMachine().Short(),
 		Relays:  cfg.Relays, EtcdMembers: cfg.EtcdMembers, Envoys: cfg.Envoys, Keys: cfg.Keys,
 		ChurnRate: cfg.ChurnRate, DeliveryBound: cfg.DeliveryBound.Seconds(),
-		SlowLink: net.slowHow(), Starve: cpuStarveHow(), Skipped: skipped,
+		SlowLink: net.SlowHow(), Starve: failpoints.StarveHow(), Skipped: skipped,
 	}
 	if cfg.StarveSignals {
 		rep.Starve = "SIGSTOP/SIGCONT bursts (asked for)"
@@ -502,7 +518,7 @@ func PrintChaos(w io.Writer, r *ChaosReport) {
 // chaosRun is one seed's tier.
 type chaosRun struct {
 	cfg  ChaosConfig
-	net  *chaosNet
+	net  *failpoints.Net
 	dir  string
 	out  io.Writer
 	seed uint64
@@ -525,7 +541,7 @@ type chaosRun struct {
 	relays    []*Child // nil while down
 	ready     []bool
 	upDown    bool // the upstream is down: the churn waits
-	published []Published
+	published []validation.Published
 	errs      []string // process failures seen during the run
 
 	// stuck are the Envoys still behind when a recovery timed out: a
@@ -540,7 +556,7 @@ type envoyRecord struct {
 	events []envoy.Event
 }
 
-func runChaosSeed(ctx context.Context, cfg ChaosConfig, net *chaosNet, seed uint64, dir string, out io.Writer) (sr ChaosSeedReport) {
+func runChaosSeed(ctx context.Context, cfg ChaosConfig, net *failpoints.Net, seed uint64, dir string, out io.Writer) (sr ChaosSeedReport) {
 	proto, upProto := ChaosProtocols(cfg, seed)
 	sr = ChaosSeedReport{Seed: seed, EnvoyProtocol: proto.String(), UpstreamProtocol: string(upProto), Dir: dir}
 	schedule := ChaosSchedule(cfg, seed)
@@ -560,7 +576,7 @@ func runChaosSeed(ctx context.Context, cfg ChaosConfig, net *chaosNet, seed uint
 	if hist == nil {
 		return sr
 	}
-	res := CheckHistory(*hist, CheckConfig{DeliveryBound: cfg.DeliveryBound})
+	res := validation.Check(*hist, validation.Config{DeliveryBound: cfg.DeliveryBound})
 	sr.Changes = len(res.Changes)
 	var all []time.Duration
 	for _, c := range res.Changes {
@@ -603,7 +619,7 @@ func runChaosSeed(ctx context.Context, cfg ChaosConfig, net *chaosNet, seed uint
 }
 
 // run plays one seed and returns its history.
-func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fault) (*History, []FaultRecord, error) {
+func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fault) (*validation.History, []FaultRecord, error) {
 	if err := os.MkdirAll(r.dir, 0o755); err != nil {
 		return nil, nil, err
 	}
@@ -753,7 +769,7 @@ func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fau
 	}
 	end := time.Now()
 	fleet.Stop(context.WithoutCancel(ctx))
-	h := &History{Initial: initial, End: end}
+	h := &validation.History{Initial: initial, End: end}
 	r.mu.Lock()
 	h.Published = slices.Clone(r.published)
 	r.mu.Unlock()
@@ -761,7 +777,7 @@ func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fau
 	for i, e := range fleet.Envoys() {
 		rec := &r.histories[i]
 		rec.mu.Lock()
-		h.Envoys = append(h.Envoys, EnvoyHistory{ID: e.ID(), Group: groups[i], Events: rec.events})
+		h.Envoys = append(h.Envoys, validation.EnvoyHistory{ID: e.ID(), Group: groups[i], Events: rec.events})
 		rec.mu.Unlock()
 	}
 	return h, records, runErr
@@ -928,7 +944,7 @@ func (r *chaosRun) stepLocked() error {
 		return fmt.Errorf("upstream at step %d, its mirror at %d", n, r.churn.Steps())
 	}
 	snaps := map[string]map[traffic.ResourceKey]uint64{}
-	var pubs []Published
+	var pubs []validation.Published
 	for _, c := range changes {
 		for _, g := range c.Groups {
 			if snaps[g] == nil {
@@ -936,7 +952,7 @@ func (r *chaosRun) stepLocked() error {
 			}
 			key := traffic.ResourceKeyOf(c.TypeURL, c.Name)
 			gen, ok := snaps[g][key]
-			pubs = append(pubs, Published{At: at, Group: g, Key: key, Generation: gen, Removed: !ok})
+			pubs = append(pubs, validation.Published{At: at, Group: g, Key: key, Generation: gen, Removed: !ok})
 		}
 	}
 	r.mu.Lock()
@@ -1151,20 +1167,20 @@ func (r *chaosRun) play(ctx context.Context, rec *FaultRecord, start time.Time) 
 		traffic.SleepCtx(ctx, f.Hold)
 		return c.Signal(syscall.SIGCONT)
 	case FaultCut:
-		if err := r.net.cut(f.Target, f.Peer, chaosRelayIP(f.Target), chaosRelayIP(f.Peer)); err != nil {
+		if err := r.net.Cut(f.Target, f.Peer, chaosRelayIP(f.Target), chaosRelayIP(f.Peer)); err != nil {
 			return err
 		}
 		traffic.SleepCtx(ctx, f.Hold)
-		return r.net.heal()
+		return r.net.Heal()
 	case FaultStarve:
 		return r.starve(ctx, rec, start)
 	case FaultSlow:
-		how, err := r.net.slow(f.Target, chaosRelayIP(f.Target), f.Delay, f.RateKbit, f.Loss)
+		how, err := r.net.Slow(f.Target, chaosRelayIP(f.Target), f.Delay, f.RateKbit, f.Loss)
 		r.detail(rec, start, "relay-%d's link: %s", f.Target, how)
 		if err == nil {
 			traffic.SleepCtx(ctx, f.Hold)
 		}
-		return errors.Join(err, r.net.fast())
+		return errors.Join(err, r.net.Fast())
 	case FaultEtcdLeader:
 		return r.killEtcdLeader(ctx, rec, start)
 	case FaultEtcd:
@@ -1225,17 +1241,17 @@ func (r *chaosRun) starve(ctx context.Context, rec *FaultRecord, start time.Time
 	if c == nil {
 		return fmt.Errorf("relay-%d is not running", f.Target)
 	}
-	var cg *cpuCap
+	var cg *failpoints.CPUCap
 	err := errors.New("SIGSTOP/SIGCONT bursts asked for")
 	if !r.cfg.StarveSignals {
-		cg, err = capCPU(c.Pid(), f.CPU)
+		cg, err = failpoints.CapCPU(c.Pid(), f.CPU)
 	}
 	if err == nil {
-		defer cg.release() // idempotent: undone on every path
-		r.detail(rec, start, "relay-%d (pid %d) starved by %s", f.Target, c.Pid(), cg.how)
+		defer cg.Release() // idempotent: undone on every path
+		r.detail(rec, start, "relay-%d (pid %d) starved by %s", f.Target, c.Pid(), cg.How())
 		traffic.SleepCtx(ctx, f.Hold)
-		stat := cg.throttled()
-		if err := cg.release(); err != nil {
+		stat := cg.Throttled()
+		if err := cg.Release(); err != nil {
 			return err
 		}
 		r.detail(rec, start, "relay-%d thawed: %s", f.Target, stat)
@@ -1330,8 +1346,8 @@ func (r *chaosRun) stop() {
 		r.etcd.Stop()
 	}
 	if r.net != nil {
-		_ = r.net.heal()
-		_ = r.net.fast()
+		_ = r.net.Heal()
+		_ = r.net.Fast()
 	}
 	for _, f := range r.files {
 		f.Close()

@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/meshrelay/meshrelay/loadtest/failpoints"
 )
 
 // Helper processes of the chaos suite, started by re-executing the test
@@ -94,9 +96,9 @@ func TestChaosShort(t *testing.T) {
 	}
 	requireLinux(t)
 	ci := os.Getenv("CI") == "true"
-	if !InChaosNetns() {
-		err := CanCreateNetns()
-		if errors.Is(err, ErrNoNetns) || (errors.Is(err, ErrNoIptables) && !ci) {
+	if !failpoints.InNetns() {
+		err := failpoints.CanCreateNetns()
+		if errors.Is(err, failpoints.ErrNoNetns) || (errors.Is(err, failpoints.ErrNoIptables) && !ci) {
 			t.Skipf("%v", err)
 		}
 		if err != nil {
@@ -114,7 +116,7 @@ func TestChaosShort(t *testing.T) {
 			t.Fatal(err)
 		}
 		args := []string{"-test.run=^TestChaosShort$", "-test.v", "-test.timeout=" + (chaosShortTimeout + time.Minute).String()}
-		if err := ReexecInNetns(ctx, os.Args[0], args, chaosBinEnv+"="+bin); err != nil {
+		if err := failpoints.ReexecInNetns(ctx, os.Args[0], args, chaosBinEnv+"="+bin); err != nil {
 			t.Fatalf("the run in its network namespace failed (its output is above): %v", err)
 		}
 		return

@@ -12,12 +12,13 @@ import (
 	"time"
 
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/validation"
 )
 
 // explain prints what a failing seed needs to be understood and rerun:
 // the seed, its schedule, the first violating event (with the events
 // before it) and every relay's log around it.
-func (r *chaosRun) explain(h *History, hv []HistoryViolation, schedule []Fault, all []string) {
+func (r *chaosRun) explain(h *validation.History, hv []validation.Violation, schedule []Fault, all []string) {
 	w := r.out
 	fmt.Fprintf(w, "\nseed %d FAILED: %d violations; rerun with: loadtest chaos --seed %d\n", r.seed, len(all), r.seed)
 	fmt.Fprintf(w, "schedule:\n")

@@ -1,9 +1,10 @@
 // Package loadtest holds meshrelay's benchmark drivers (Run… behind
 // cmd/loadtest): fanout, scale, warmstart, ledger, proxystatus, keys,
 // ctrip and the TLS admission storm; their child processes; the process
-// meter; the chaos suite of real relay processes and its history checker;
-// and the end-to-end tests with real Envoys. The parts they are built from
-// are the packages below it.
+// meter; the chaos suite of real relay processes (its faults made by
+// loadtest/failpoints, its runs judged by loadtest/validation); and the
+// end-to-end tests with real Envoys. The parts they are built from are the
+// packages below it.
 package loadtest
 
 import (

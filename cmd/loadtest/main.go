@@ -18,6 +18,7 @@ import (
 
 	"github.com/spf13/pflag"
 
+	"github.com/meshrelay/meshrelay/loadtest/failpoints"
 	"github.com/meshrelay/meshrelay/loadtest/realenvoy/install"
 
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -710,10 +711,10 @@ func chaos(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	if !loadtest.InChaosNetns() {
+	if !failpoints.InNetns() {
 		// Build the relay once, then run the suite in a network namespace
 		// of its own (its link cuts never touch the host's network).
-		if err := loadtest.CanCreateNetns(); err != nil {
+		if err := failpoints.CanCreateNetns(); err != nil {
 			return err
 		}
 		if *bin == "" {
@@ -726,7 +727,7 @@ func chaos(ctx context.Context, args []string) error {
 				return err
 			}
 		}
-		return loadtest.ReexecInNetns(ctx, exe, append([]string{"chaos", "--meshrelay", *bin}, args...))
+		return failpoints.ReexecInNetns(ctx, exe, append([]string{"chaos", "--meshrelay", *bin}, args...))
 	}
 	cfg.Meshrelay = *bin
 	if *seed != 0 {

@@ -14,9 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/failpoints"
 	"golang.org/x/sys/unix"
-
-	"github.com/meshrelay/meshrelay/loadtest"
 )
 
 // podNet is the network the sidecar tests build: a bridge in the test's
@@ -65,7 +64,7 @@ func needPodNet(t *testing.T) {
 // inside (whose loopback it brings up).
 func ownNetns(t *testing.T, name string) bool {
 	t.Helper()
-	if loadtest.InChaosNetns() {
+	if failpoints.InNetns() {
 		if out, err := exec.Command("ip", "link", "set", "lo", "up").CombinedOutput(); err != nil {
 			t.Fatalf("ip link set lo up: %v: %s", err, out)
 		}
@@ -73,7 +72,7 @@ func ownNetns(t *testing.T, name string) bool {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
-	if err := loadtest.ReexecInNetns(ctx, os.Args[0], []string{"-test.run=^" + name + "$", "-test.v", "-test.count=1"}); err != nil {
+	if err := failpoints.ReexecInNetns(ctx, os.Args[0], []string{"-test.run=^" + name + "$", "-test.v", "-test.count=1"}); err != nil {
 		t.Fatalf("%s in its own network namespace: %v", name, err)
 	}
 	return false

@@ -7,7 +7,7 @@
 // (relay crashes, freezes, partitions between relays, upstream crashes,
 // rolling restarts, store outages, connection resets), plays them under
 // churn, and checks the history with the chaos suite's checker
-// (loadtest.CheckHistory), the simulated Envoys' own protocol checks, and
+// (loadtest/validation), the simulated Envoys' own protocol checks, and
 // the steady state: exactly one upstream stream per key once faults stop.
 //
 // Network (with Host, Listener and Transport, a memberlist transport over

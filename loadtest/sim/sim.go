@@ -14,10 +14,10 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
-	"github.com/meshrelay/meshrelay/loadtest"
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/traffic"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/loadtest/validation"
 	"github.com/meshrelay/meshrelay/relay"
 )
 
@@ -211,7 +211,7 @@ type run struct {
 
 	mu        sync.Mutex
 	log       []string
-	published []loadtest.Published
+	published []validation.Published
 	events    [][]envoy.Event
 	fails     []string
 
@@ -272,7 +272,7 @@ func Run(cfg Config, seed uint64) *Result {
 		r.logf("ERROR %v", err)
 	}
 	if hist != nil {
-		chk := loadtest.CheckHistory(*hist, loadtest.CheckConfig{DeliveryBound: cfg.DeliveryBound})
+		chk := validation.Check(*hist, validation.Config{DeliveryBound: cfg.DeliveryBound})
 		res.Changes = len(chk.Changes)
 		for _, v := range chk.Violations {
 			res.Violations = append(res.Violations, v.String())
@@ -289,7 +289,7 @@ func Run(cfg Config, seed uint64) *Result {
 }
 
 // play runs the scenario and returns the history to check.
-func (r *run) play(ctx context.Context) (*loadtest.History, error) {
+func (r *run) play(ctx context.Context) (*validation.History, error) {
 	t, cfg := r.t, r.cfg
 	r.logf("plan: %s", r.plan)
 	t.upHost = t.net.AddHost("upstream", upstreamIP)
@@ -384,11 +384,11 @@ func (r *run) play(ctx context.Context) (*loadtest.History, error) {
 	}
 	r.logf("end")
 	end := time.Now()
-	h := &loadtest.History{Initial: initial, End: end}
+	h := &validation.History{Initial: initial, End: end}
 	r.mu.Lock()
 	h.Published = slices.Clone(r.published)
 	for i, se := range t.envoys {
-		h.Envoys = append(h.Envoys, loadtest.EnvoyHistory{ID: se.e.ID(), Group: se.group, Events: r.events[i]})
+		h.Envoys = append(h.Envoys, validation.EnvoyHistory{ID: se.e.ID(), Group: se.group, Events: r.events[i]})
 	}
 	r.mu.Unlock()
 	return h, runErr
@@ -425,7 +425,7 @@ func (r *run) step(churn *upstream.Churner) error {
 		return err
 	}
 	snaps := map[string]map[traffic.ResourceKey]uint64{}
-	var pubs []loadtest.Published
+	var pubs []validation.Published
 	var names []string
 	for _, c := range changes {
 		names = append(names, shortType(c.TypeURL)+"/"+c.Name)
@@ -435,7 +435,7 @@ func (r *run) step(churn *upstream.Churner) error {
 			}
 			key := c.TypeURL + "|" + c.Name
 			gen, ok := snaps[g][key]
-			pubs = append(pubs, loadtest.Published{At: at, Group: g, Key: key, Generation: gen, Removed: !ok})
+			pubs = append(pubs, validation.Published{At: at, Group: g, Key: key, Generation: gen, Removed: !ok})
 		}
 	}
 	r.logf("churn %d: %s", churn.Steps(), strings.Join(names, " "))

@@ -1,4 +1,4 @@
-package loadtest
+package failpoints
 
 import (
 	"errors"
@@ -53,11 +53,11 @@ func TestCapCPU(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root")
 	}
-	probe, err := capCPU(0, 0.05)
+	probe, err := CapCPU(0, 0.05)
 	if err != nil {
 		t.Skipf("no writable cgroup cpu controller: %v", err)
 	}
-	if err := probe.release(); err != nil {
+	if err := probe.Release(); err != nil {
 		t.Fatal(err)
 	}
 	cmd := exec.Command("sleep", "30")
@@ -76,7 +76,7 @@ func TestCapCPU(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := capCPU(cmd.Process.Pid, 0.03)
+	c, err := CapCPU(cmd.Process.Pid, 0.03)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -87,10 +87,10 @@ func TestCapCPU(t *testing.T) {
 	if !strings.Contains(c.how, "3000") {
 		t.Errorf("how = %q, want a quota of 3000 µs", c.how)
 	}
-	if err := c.release(); err != nil {
+	if err := c.Release(); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.release(); err != nil {
+	if err := c.Release(); err != nil {
 		t.Errorf("second release: %v", err)
 	}
 	after, err := procCgroup(cmd.Process.Pid, m)

@@ -1,8 +1,9 @@
-package loadtest
+package failpoints
 
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -17,7 +18,7 @@ import (
 // network namespace, iptables and tc; it re-executes itself in a
 // namespace of its own.
 func TestChaosSlowLink(t *testing.T) {
-	if !InChaosNetns() {
+	if !InNetns() {
 		if err := CanCreateNetns(); err != nil {
 			t.Skipf("%v", err)
 		}
@@ -31,14 +32,14 @@ func TestChaosSlowLink(t *testing.T) {
 		}
 		return
 	}
-	n, err := setupChaosNet([]uint32{chaosRelayUIDBase, chaosRelayUIDBase + 1})
+	n, err := NewNet([]uint32{relayUIDBase, relayUIDBase + 1})
 	if err != nil {
 		t.Fatal(err)
 	}
 	const small = 64 << 10
-	how, err := n.slow(1, chaosRelayIP(1), 200*time.Millisecond, 256, 0.01)
+	how, err := n.Slow(1, relayIP(1), 200*time.Millisecond, 256, 0.01)
 	if err != nil {
-		t.Fatal(errors.Join(err, n.fast()))
+		t.Fatal(errors.Join(err, n.Fast()))
 	}
 	t.Logf("slow link: %s", how)
 	// 64 KiB at 256 kbit/s take 2 s; with netem's 200 ms each way, more
@@ -47,19 +48,25 @@ func TestChaosSlowLink(t *testing.T) {
 	if n.netem {
 		slowAt = 400 * time.Millisecond
 	}
-	if d := transfer(t, chaosRelayIP(1), small); d < slowAt {
+	if d := transfer(t, relayIP(1), small); d < slowAt {
 		t.Errorf("64 KiB to the slow relay's address took %v, want %v or more", d, slowAt)
 	}
-	if d := transfer(t, chaosRelayIP(2), 16<<20); d > time.Second {
+	if d := transfer(t, relayIP(2), 16<<20); d > time.Second {
 		t.Errorf("16 MiB to another address took %v during the slow link, want well under a second", d)
 	}
-	if err := n.fast(); err != nil {
+	if err := n.Fast(); err != nil {
 		t.Fatal(err)
 	}
-	if d := transfer(t, chaosRelayIP(1), small); d > 300*time.Millisecond {
+	if d := transfer(t, relayIP(1), small); d > 300*time.Millisecond {
 		t.Errorf("64 KiB to the relay's address took %v once the link healed", d)
 	}
 }
+
+// relayUIDBase is the first relay's user, and relayIP a relay's address,
+// as the chaos suite's.
+const relayUIDBase = 61000
+
+func relayIP(i int) string { return fmt.Sprintf("127.0.0.%d", 10+i) }
 
 // transfer sends n bytes to a listener at host over loopback and returns
 // how long until the listener read them all.

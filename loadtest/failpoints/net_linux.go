@@ -1,4 +1,4 @@
-package loadtest
+package failpoints
 
 import (
 	"bytes"
@@ -39,9 +39,9 @@ import (
 // network namespace.
 const chaosNetnsEnv = "MESHRELAY_CHAOS_NETNS"
 
-// InChaosNetns reports whether this process runs in the network namespace
+// InNetns reports whether this process runs in the network namespace
 // ReexecInNetns made for it.
-func InChaosNetns() bool { return os.Getenv(chaosNetnsEnv) != "" }
+func InNetns() bool { return os.Getenv(chaosNetnsEnv) != "" }
 
 // ReexecInNetns runs path with args in a new network namespace (root
 // only), its stdout and stderr this process's, and returns its exit error.
@@ -56,7 +56,7 @@ func ReexecInNetns(ctx context.Context, path string, args []string, env ...strin
 }
 
 // ErrNoNetns says the process may not create a network namespace.
-var ErrNoNetns = errors.New("loadtest: cannot create a network namespace (the chaos suite needs root)")
+var ErrNoNetns = errors.New("failpoints: cannot create a network namespace (the chaos suite needs root)")
 
 // CanCreateNetns reports whether ReexecInNetns can work here: root, and
 // the kernel lets it unshare a network namespace (checked with `true`).
@@ -77,25 +77,19 @@ func CanCreateNetns() error {
 
 // ErrNoIptables says iptables, which the chaos suite cuts links with, is
 // not installed. TestChaosShort skips on it, unless CI=true.
-var ErrNoIptables = errors.New("loadtest: the chaos suite cuts links with iptables")
+var ErrNoIptables = errors.New("failpoints: the chaos suite cuts links with iptables")
 
-// chaosKindsHere returns the kinds this machine can play, and for each it
-// cannot a line that names it and says why: slow-link needs tc
+// CanShape reports whether Net.Slow can shape links here: it needs tc
 // (iproute2).
-func chaosKindsHere(kinds []FaultKind) (ok []FaultKind, skipped []string) {
-	_, tcErr := exec.LookPath("tc")
-	for _, k := range kinds {
-		if k == FaultSlow && tcErr != nil {
-			skipped = append(skipped, fmt.Sprintf("%s: it shapes links with tc (apt-get install iproute2): %v", k, tcErr))
-			continue
-		}
-		ok = append(ok, k)
+func CanShape() error {
+	if _, err := exec.LookPath("tc"); err != nil {
+		return fmt.Errorf("it shapes links with tc (apt-get install iproute2): %w", err)
 	}
-	return ok, skipped
+	return nil
 }
 
-// chaosNet sets up and changes the namespace's network.
-type chaosNet struct {
+// Net sets up and changes the namespace's network (NewNet).
+type Net struct {
 	uids  []uint32 // each relay's user; its connection mark is its index + 1
 	tc    bool     // tc is installed
 	netem bool     // the kernel has netem
@@ -115,23 +109,23 @@ const (
 func setLoopback(mtu int) error {
 	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
-		return fmt.Errorf("loadtest: loopback: %w", err)
+		return fmt.Errorf("failpoints: loopback: %w", err)
 	}
 	defer unix.Close(fd)
 	ifr, err := unix.NewIfreq("lo")
 	if err != nil {
-		return fmt.Errorf("loadtest: loopback: %w", err)
+		return fmt.Errorf("failpoints: loopback: %w", err)
 	}
 	ifr.SetUint32(uint32(mtu))
 	if err := unix.IoctlIfreq(fd, unix.SIOCSIFMTU, ifr); err != nil {
-		return fmt.Errorf("loadtest: loopback MTU %d: %w", mtu, err)
+		return fmt.Errorf("failpoints: loopback MTU %d: %w", mtu, err)
 	}
 	if err := unix.IoctlIfreq(fd, unix.SIOCGIFFLAGS, ifr); err != nil {
-		return fmt.Errorf("loadtest: loopback flags: %w", err)
+		return fmt.Errorf("failpoints: loopback flags: %w", err)
 	}
 	ifr.SetUint16(ifr.Uint16() | unix.IFF_UP)
 	if err := unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr); err != nil {
-		return fmt.Errorf("loadtest: loopback up: %w", err)
+		return fmt.Errorf("failpoints: loopback up: %w", err)
 	}
 	return nil
 }
@@ -146,11 +140,11 @@ func run(name string, args ...string) error {
 	return nil
 }
 
-// setupChaosNet brings loopback up and marks every connection a relay
+// NewNet brings loopback up and marks every connection a relay
 // opens with its index + 1. It must run in the run's own namespace.
-func setupChaosNet(uids []uint32) (*chaosNet, error) {
-	if !InChaosNetns() {
-		return nil, errors.New("loadtest: the chaos network is set up only in a namespace of its own (see ReexecInNetns)")
+func NewNet(uids []uint32) (*Net, error) {
+	if !InNetns() {
+		return nil, errors.New("failpoints: the chaos network is set up only in a namespace of its own (see ReexecInNetns)")
 	}
 	if err := setLoopback(chaosMTU); err != nil {
 		return nil, err
@@ -175,7 +169,7 @@ func setupChaosNet(uids []uint32) (*chaosNet, error) {
 	if err := run("iptables", "-t", "mangle", "-A", "OUTPUT", "-j", chaosSlowChain); err != nil {
 		return nil, err
 	}
-	n := &chaosNet{uids: uids}
+	n := &Net{uids: uids}
 	if _, err := exec.LookPath("tc"); err == nil {
 		n.tc = true
 		// netem is a module many small kernels lack: try it.
@@ -190,7 +184,7 @@ func setupChaosNet(uids []uint32) (*chaosNet, error) {
 }
 
 // slowHow says how this namespace makes a slow link.
-func (n *chaosNet) slowHow() string {
+func (n *Net) SlowHow() string {
 	switch {
 	case !n.tc:
 		return "none (no tc)"
@@ -204,9 +198,9 @@ func (n *chaosNet) slowHow() string {
 // until fast: with netem, delay (±20 %) and loss each way; without,
 // rateKbit each way through a queue of at most 400 ms, and loss. It
 // returns what it did.
-func (n *chaosNet) slow(i int, ip string, delay time.Duration, rateKbit int, loss float64) (string, error) {
+func (n *Net) Slow(i int, ip string, delay time.Duration, rateKbit int, loss float64) (string, error) {
 	if !n.tc {
-		return "", errors.New("loadtest: a slow link needs tc")
+		return "", errors.New("failpoints: a slow link needs tc")
 	}
 	uid := strconv.Itoa(int(n.uids[i]))
 	mark := []string{"-j", "MARK", "--set-mark", chaosSlowMark}
@@ -261,7 +255,7 @@ func (n *chaosNet) slow(i int, ip string, delay time.Duration, rateKbit int, los
 }
 
 // fast removes a slow link; it does nothing if there is none.
-func (n *chaosNet) fast() error {
+func (n *Net) Fast() error {
 	if !n.slowk {
 		return nil
 	}
@@ -276,7 +270,7 @@ func (n *chaosNet) fast() error {
 }
 
 // cut drops every packet between relays a and b (at addresses ipA, ipB).
-func (n *chaosNet) cut(a, b int, ipA, ipB string) error {
+func (n *Net) Cut(a, b int, ipA, ipB string) error {
 	ua, ub := strconv.Itoa(int(n.uids[a])), strconv.Itoa(int(n.uids[b]))
 	rules := [][]string{
 		{"-m", "owner", "--uid-owner", ua, "-d", ipB},
@@ -293,4 +287,4 @@ func (n *chaosNet) cut(a, b int, ipA, ipB string) error {
 }
 
 // heal removes every cut.
-func (n *chaosNet) heal() error { return run("iptables", "-F", chaosChain) }
+func (n *Net) Heal() error { return run("iptables", "-F", chaosChain) }

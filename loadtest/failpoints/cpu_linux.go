@@ -1,4 +1,4 @@
-package loadtest
+package failpoints
 
 import (
 	"errors"
@@ -20,7 +20,7 @@ import (
 // namespace: every group this package makes is named
 // meshrelay-chaos-<driver pid>-<n>, removed when the fault ends (also when
 // it fails), and groups a dead driver left are removed at the next run's
-// start (sweepCPUGroups).
+// start (SweepCPUGroups).
 
 // cpuGroupPrefix starts the name of every cgroup the chaos suite makes.
 const cpuGroupPrefix = "meshrelay-chaos-"
@@ -113,8 +113,8 @@ func parseProcCgroup(text string, v2 bool) (string, error) {
 	return "", errors.New("no cpu cgroup line")
 }
 
-// cpuCap holds a process to a share of one CPU. release undoes it.
-type cpuCap struct {
+// CPUCap holds a process to a share of one CPU. Release undoes it.
+type CPUCap struct {
 	dir  string // the group made for it
 	back string // the cgroup.procs of the group it came from
 	pid  int
@@ -122,10 +122,14 @@ type cpuCap struct {
 	done bool
 }
 
-// capCPU moves pid into a new cgroup whose quota is share of one CPU
+// How says how the process is held (the cgroup version, its quota and
+// the group).
+func (c *CPUCap) How() string { return c.how }
+
+// CapCPU moves pid into a new cgroup whose quota is share of one CPU
 // (pid 0: makes the group and moves nothing, to find out whether it can).
 // On error nothing is left behind.
-func capCPU(pid int, share float64) (*cpuCap, error) {
+func CapCPU(pid int, share float64) (*CPUCap, error) {
 	m, err := cpuMount()
 	if err != nil {
 		return nil, err
@@ -137,7 +141,7 @@ func capCPU(pid int, share float64) (*cpuCap, error) {
 		}
 	}
 	name := fmt.Sprintf("%s%d-%d", cpuGroupPrefix, os.Getpid(), cpuGroupSeq.Add(1))
-	c := &cpuCap{dir: filepath.Join(m.dir, name), back: filepath.Join(m.dir, from, "cgroup.procs"), pid: pid}
+	c := &CPUCap{dir: filepath.Join(m.dir, name), back: filepath.Join(m.dir, from, "cgroup.procs"), pid: pid}
 	if err := os.Mkdir(c.dir, 0o755); err != nil {
 		return nil, err
 	}
@@ -156,16 +160,16 @@ func capCPU(pid int, share float64) (*cpuCap, error) {
 	}
 	for _, f := range files {
 		if err := os.WriteFile(filepath.Join(c.dir, f[0]), []byte(f[1]), 0); err != nil {
-			return nil, errors.Join(fmt.Errorf("%s: %w", f[0], err), c.release())
+			return nil, errors.Join(fmt.Errorf("%s: %w", f[0], err), c.Release())
 		}
 	}
 	c.how += " in " + c.dir
 	return c, nil
 }
 
-// throttled says how often the group's quota held its process back, from
+// Throttled says how often the group's quota held its process back, from
 // its cpu.stat.
-func (c *cpuCap) throttled() string {
+func (c *CPUCap) Throttled() string {
 	b, err := os.ReadFile(filepath.Join(c.dir, "cpu.stat"))
 	if err != nil {
 		return err.Error()
@@ -184,9 +188,9 @@ func (c *cpuCap) throttled() string {
 		st["nr_throttled"], st["nr_periods"], cpuPeriod, held.Round(time.Millisecond))
 }
 
-// release moves the process back to its group (if it still runs) and
+// Release moves the process back to its group (if it still runs) and
 // removes the group made for it. It is idempotent.
-func (c *cpuCap) release() error {
+func (c *CPUCap) Release() error {
 	if c.done {
 		return nil
 	}
@@ -213,24 +217,24 @@ func processAlive(pid int) bool {
 	return err == nil
 }
 
-// cpuStarveHow says how a relay will be starved here: it makes and removes
+// StarveHow says how a relay will be starved here: it makes and removes
 // a group to find out.
-func cpuStarveHow() string {
-	c, err := capCPU(0, 0.05)
+func StarveHow() string {
+	c, err := CapCPU(0, 0.05)
 	if err != nil {
 		return fmt.Sprintf("SIGSTOP/SIGCONT bursts (no writable cgroup cpu controller: %v)", err)
 	}
 	how := strings.SplitN(c.how, " cpu", 2)[0] // "cgroup v1" or "cgroup v2"
-	if err := c.release(); err != nil {
+	if err := c.Release(); err != nil {
 		return fmt.Sprintf("SIGSTOP/SIGCONT bursts (a cgroup could not be undone: %v)", err)
 	}
 	return how + " CPU quota"
 }
 
-// sweepCPUGroups removes the groups that chaos drivers no longer running
+// SweepCPUGroups removes the groups that chaos drivers no longer running
 // left behind (a driver killed with SIGKILL cannot clean up); their
 // relays died with them, so the groups are empty.
-func sweepCPUGroups() {
+func SweepCPUGroups() {
 	m, err := cpuMount()
 	if err != nil {
 		return

@@ -1,20 +1,23 @@
-package loadtest
+package validation
 
 import (
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/meshrelay/meshrelay/loadtest/traffic"
+	"go.uber.org/goleak"
 
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
 )
 
-// TestCheckHistory gives the checker hand-made histories: a clean one, and
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// TestCheck gives the checker hand-made histories: a clean one, and
 // one each with a version regression, an unexpected removal, a late change,
 // a change never delivered, a reused nonce and a wrong end state. Each must
 // be found, at the right event, and nothing else.
-func TestCheckHistory(t *testing.T) {
+func TestCheck(t *testing.T) {
 	t0 := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
 	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
 	const eds = envoy.EndpointType
@@ -34,7 +37,7 @@ func TestCheckHistory(t *testing.T) {
 	// The initial sync, then "a" moves to generation 2 at 1 s.
 	sync := []envoy.Event{open, recv(10, "1", []string{"a", "b"}, []uint64{1, 1}), ack(11, "1", []string{"a", "b"}, []uint64{1, 1})}
 	pubs := []Published{{At: at(1000), Group: "ns-0", Key: a, Generation: 2}}
-	cfg := CheckConfig{DeliveryBound: 2 * time.Second}
+	cfg := Config{DeliveryBound: 2 * time.Second}
 
 	tests := []struct {
 		name   string
@@ -113,7 +116,7 @@ func TestCheckHistory(t *testing.T) {
 				Envoys:    []EnvoyHistory{{ID: "envoy-0", Group: "ns-0", Events: tt.events}},
 				End:       at(10_000),
 			}
-			res := CheckHistory(h, cfg)
+			res := Check(h, cfg)
 			var got []string
 			for _, v := range res.Violations {
 				got = append(got, v.Rule)
@@ -133,7 +136,7 @@ func TestCheckHistory(t *testing.T) {
 	// The late change's delivery is measured.
 	h := History{Initial: initial, Published: pubs, End: at(10_000), Envoys: []EnvoyHistory{{ID: "e", Group: "ns-0",
 		Events: append(sync, recv(3500, "2", []string{"a"}, []uint64{2}), ack(3501, "2", []string{"a"}, []uint64{2}))}}}
-	if got := CheckHistory(h, cfg).Changes[0].Last; got != 2501*time.Millisecond {
+	if got := Check(h, cfg).Changes[0].Last; got != 2501*time.Millisecond {
 		t.Errorf("change → last ACK = %v, want 2.501s", got)
 	}
 }

@@ -1,4 +1,11 @@
-package loadtest
+// Package validation is the history checker of the chaos suite and the
+// deterministic simulation, in the manner of etcd's robustness tests: a
+// run records every simulated Envoy's complete event history and
+// everything the upstream published, and Check decides afterwards, from
+// the records alone, whether the tier kept its promises. It does not
+// trust the simulated Envoys' own checks: it rebuilds what each Envoy held
+// from its events.
+package validation
 
 import (
 	"fmt"
@@ -8,17 +15,9 @@ import (
 	"strings"
 	"time"
 
-	"github.com/meshrelay/meshrelay/loadtest/traffic"
-
 	"github.com/meshrelay/meshrelay/loadtest/envoy"
+	"github.com/meshrelay/meshrelay/loadtest/traffic"
 )
-
-// The history checker of `loadtest chaos`, in the manner of etcd's
-// robustness tests: a run records every simulated Envoy's complete event
-// history and everything the upstream published, and CheckHistory decides
-// afterwards, from the records alone, whether the tier kept its promises.
-// It does not trust the simulated Envoys' own checks: it rebuilds what each
-// Envoy held from its events.
 
 // Published is one resource change the upstream published to one group:
 // a new generation of the resource, or its removal.
@@ -51,8 +50,8 @@ type History struct {
 	End time.Time
 }
 
-// CheckConfig configures CheckHistory.
-type CheckConfig struct {
+// Config configures Check.
+type Config struct {
 	// DeliveryBound is how long a published change may take to reach
 	// (be ACKed by, or removed from) every Envoy of its group.
 	DeliveryBound time.Duration
@@ -68,8 +67,8 @@ const (
 	RuleEndState   = "end-state"          // at the end an Envoy does not hold its group's state
 )
 
-// HistoryViolation is one broken rule, at one event of one Envoy.
-type HistoryViolation struct {
+// Violation is one broken rule, at one event of one Envoy.
+type Violation struct {
 	Rule   string
 	Envoy  string
 	At     time.Time
@@ -77,7 +76,7 @@ type HistoryViolation struct {
 	Detail string
 }
 
-func (v HistoryViolation) String() string {
+func (v Violation) String() string {
 	return fmt.Sprintf("%s: %s at %s (event %d): %s", v.Rule, v.Envoy, v.At.Format("15:04:05.000"), v.Event, v.Detail)
 }
 
@@ -93,10 +92,10 @@ type ChangeDelivery struct {
 	Done time.Time
 }
 
-// CheckResult is what CheckHistory found.
-type CheckResult struct {
+// Result is what Check found.
+type Result struct {
 	// Violations, in order of time.
-	Violations []HistoryViolation
+	Violations []Violation
 	// Changes are the published changes with their delivery, in order of
 	// publication (one per change, however many groups it reached).
 	Changes []ChangeDelivery
@@ -111,8 +110,8 @@ type pendingChange struct {
 	idx int // index into the merged changes
 }
 
-// CheckHistory checks h against every rule.
-func CheckHistory(h History, cfg CheckConfig) CheckResult {
+// Check checks h against every rule.
+func Check(h History, cfg Config) Result {
 	// Per group, the resource timelines, for "does the upstream serve it at
 	// t" and for the changes an Envoy must get.
 	byGroup := map[string][]Published{}
@@ -125,7 +124,7 @@ func CheckHistory(h History, cfg CheckConfig) CheckResult {
 		key traffic.ResourceKey
 	}
 	changeIx := map[ck]int{}
-	var res CheckResult
+	var res Result
 	for _, p := range h.Published {
 		k := ck{p.At.UnixNano(), p.Key}
 		if _, ok := changeIx[k]; !ok {
@@ -139,7 +138,7 @@ func CheckHistory(h History, cfg CheckConfig) CheckResult {
 			return changeIx[ck{p.At.UnixNano(), p.Key}]
 		}, &res, h.End, cfg)...)
 	}
-	slices.SortStableFunc(res.Violations, func(a, b HistoryViolation) int { return a.At.Compare(b.At) })
+	slices.SortStableFunc(res.Violations, func(a, b Violation) int { return a.At.Compare(b.At) })
 	return res
 }
 
@@ -186,10 +185,10 @@ func (t *timeline) final() map[traffic.ResourceKey]uint64 {
 	return out
 }
 
-func checkEnvoy(e EnvoyHistory, tl *timeline, pubs []Published, changeOf func(Published) int, res *CheckResult, end time.Time, cfg CheckConfig) []HistoryViolation {
-	var out []HistoryViolation
+func checkEnvoy(e EnvoyHistory, tl *timeline, pubs []Published, changeOf func(Published) int, res *Result, end time.Time, cfg Config) []Violation {
+	var out []Violation
 	violate := func(rule string, i int, at time.Time, format string, args ...any) {
-		out = append(out, HistoryViolation{Rule: rule, Envoy: e.ID, At: at, Event: i, Detail: fmt.Sprintf(format, args...)})
+		out = append(out, Violation{Rule: rule, Envoy: e.ID, At: at, Event: i, Detail: fmt.Sprintf(format, args...)})
 	}
 	held := map[traffic.ResourceKey]heldRes{}
 	maxGen := map[traffic.ResourceKey]uint64{}

@@ -1,0 +1,39 @@
+//go:build !linux
+
+package failpoints
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// ErrNoNetns says the process may not create a network namespace.
+var ErrNoNetns = errors.New("failpoints: the chaos suite needs Linux network namespaces")
+
+// ErrNoIptables says iptables is not installed (never returned off Linux).
+var ErrNoIptables = errors.New("failpoints: the chaos suite cuts links with iptables")
+
+// InNetns is false off Linux.
+func InNetns() bool { return false }
+
+// CanCreateNetns fails off Linux.
+func CanCreateNetns() error { return ErrNoNetns }
+
+// CanShape fails off Linux.
+func CanShape() error { return ErrNoNetns }
+
+// ReexecInNetns fails off Linux.
+func ReexecInNetns(context.Context, string, []string, ...string) error { return ErrNoNetns }
+
+// Net is the chaos network; off Linux there is none.
+type Net struct{}
+
+func NewNet([]uint32) (*Net, error)              { return nil, ErrNoNetns }
+func (*Net) Cut(a, b int, ipA, ipB string) error { return ErrNoNetns }
+func (*Net) Heal() error                         { return ErrNoNetns }
+func (*Net) SlowHow() string                     { return "none" }
+func (*Net) Fast() error                         { return ErrNoNetns }
+func (*Net) Slow(int, string, time.Duration, int, float64) (string, error) {
+	return "", ErrNoNetns
+}
