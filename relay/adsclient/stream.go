@@ -375,8 +375,8 @@ func (s *Stream) answer(resp Response, nack *rpcstatus.Status) error {
 		return nil
 	}
 	if nack == nil {
-		if r, ok := resp.(*wire.SotWIn); ok {
-			st.acked = r.VersionInfo
+		if r, ok := resp.(interface{ GetVersionInfo() string }); ok { // *wire.SotWIn, SotWResponse
+			st.acked = r.GetVersionInfo()
 		}
 	}
 	return s.sendLocked(&discovery.DiscoveryRequest{TypeUrl: typeURL, VersionInfo: st.acked,

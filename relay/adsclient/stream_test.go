@@ -302,6 +302,13 @@ func TestDecoded(t *testing.T) {
 			if err := s.ACK(r1); err != nil {
 				t.Fatal(err)
 			}
+			// The ACK carries v1 (SotW), so the server answers v2 alone.
+			if !delta {
+				waitFor(t, ctx, "the ACK read", func() bool { return len(cp.sotwRequests()) >= 2 })
+				if ack := cp.sotwRequests()[1]; ack.GetVersionInfo() != "v1" || ack.GetResponseNonce() != r1.GetNonce() {
+					t.Fatalf("ACK = %v, want version v1 and nonce %q", ack, r1.GetNonce())
+				}
+			}
 			cp.set(t, "v2", "a", "b", "c")
 			r2 := next(t, ctx, s)
 			want := []string{"a", "b", "c"}
