@@ -7,7 +7,10 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
+	"sync/atomic"
 	"testing"
+	"testing/synctest"
+	"time"
 
 	"go.uber.org/goleak"
 	"google.golang.org/grpc/codes"
@@ -180,4 +183,51 @@ func TestHealth(t *testing.T) {
 	if _, err := h.Check(context.Background(), &healthpb.HealthCheckRequest{Service: "other"}); status.Code(err) != codes.NotFound {
 		t.Errorf("Check(other) = %v, want NotFound", err)
 	}
+}
+
+// watchStream is the server side of a Watch: what it sent.
+type watchStream struct {
+	healthpb.Health_WatchServer
+	ctx  context.Context
+	sent chan healthpb.HealthCheckResponse_ServingStatus
+}
+
+func (w *watchStream) Context() context.Context { return w.ctx }
+
+func (w *watchStream) Send(r *healthpb.HealthCheckResponse) error {
+	w.sent <- r.GetStatus()
+	return nil
+}
+
+// TestHealthWatch: a watcher hears the status at once, each change within
+// the second it is checked in, and nothing while it stays; the watch ends
+// when the relay stops. In a synctest bubble: time is the bubble's.
+func TestHealthWatch(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var ready atomic.Bool
+		stopping := make(chan struct{})
+		h := admin.Health{Ready: ready.Load, Stopping: stopping}
+		w := &watchStream{ctx: t.Context(), sent: make(chan healthpb.HealthCheckResponse_ServingStatus, 8)}
+		done := make(chan error, 1)
+		go func() { done <- h.Watch(&healthpb.HealthCheckRequest{}, w) }()
+		synctest.Wait()
+		if got := <-w.sent; got != healthpb.HealthCheckResponse_NOT_SERVING {
+			t.Fatalf("first status = %v, want NOT_SERVING", got)
+		}
+		time.Sleep(10 * time.Second)
+		synctest.Wait()
+		if len(w.sent) != 0 {
+			t.Fatalf("%d statuses sent while nothing changed, want none", len(w.sent))
+		}
+		ready.Store(true)
+		start := time.Now()
+		got := <-w.sent
+		if got != healthpb.HealthCheckResponse_SERVING || time.Since(start) > time.Second {
+			t.Fatalf("after the change: %v after %v, want SERVING within a second", got, time.Since(start))
+		}
+		close(stopping)
+		if err := <-done; status.Code(err) != codes.Unavailable {
+			t.Fatalf("Watch ended with %v once the relay stops, want Unavailable", err)
+		}
+	})
 }
