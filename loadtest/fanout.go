@@ -152,13 +152,13 @@ func RunRelayChild(ctx context.Context, cfg RelayChildConfig, in io.Reader, out,
 	}
 	rcfg := relay.DefaultConfig()
 	rcfg.ID = "meshrelay-loadtest"
-	rcfg.Upstream = cfg.Upstream
-	rcfg.XDSListen = cfg.XDSListen
-	if rcfg.XDSListen == "" {
-		rcfg.XDSListen = "127.0.0.1:0"
+	rcfg.Upstream.Addr = cfg.Upstream
+	rcfg.XDS.Listen = cfg.XDSListen
+	if rcfg.XDS.Listen == "" {
+		rcfg.XDS.Listen = "127.0.0.1:0"
 	}
 	if cfg.UpstreamProtocol != "" {
-		rcfg.UpstreamProtocol = cfg.UpstreamProtocol
+		rcfg.Upstream.Protocol = cfg.UpstreamProtocol
 	}
 	switch {
 	case cfg.KeyFields != "":
@@ -166,24 +166,24 @@ func RunRelayChild(ctx context.Context, cfg RelayChildConfig, in io.Reader, out,
 		if err != nil {
 			return err
 		}
-		rcfg.KeyProfile = p
+		rcfg.Keys.Profile = p
 	case cfg.KeyProfile != "":
 		p, err := aggkey.ParseProfile(cfg.KeyProfile, nil)
 		if err != nil {
 			return err
 		}
-		rcfg.KeyProfile = p
+		rcfg.Keys.Profile = p
 	}
 	rcfg.Logger = slog.New(slog.NewTextHandler(logw, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	// The benchmark times pushes, not admission: the fleet connects at
 	// --start-rate, as it does to the upstream in direct mode, which has
 	// no admission limit either.
-	rcfg.AdmitRate = 0
+	rcfg.XDS.AdmitRate = 0
 	if cfg.TLS != nil {
 		if err := cfg.TLS.Apply(ctx, &rcfg); err != nil {
 			return err
 		}
-		rcfg.XDSTLSListen, rcfg.XDSListen = rcfg.XDSListen, ""
+		rcfg.XDS.TLSListen, rcfg.XDS.Listen = rcfg.XDS.Listen, ""
 	}
 	nc := shard.NodeConfig{Relay: rcfg}
 	if len(cfg.Etcd) > 0 {

@@ -256,7 +256,7 @@ func (v *ledgerViews) connect(tr *ledger.Tracker, keys []string, first, envoys i
 	return out
 }
 
-// staticPeers is a fixed tier for relay.Config.Peers.
+// staticPeers is a fixed tier for relay.Config.Tier.Peers.
 type staticPeers struct {
 	mu    sync.Mutex
 	addrs []string
@@ -500,9 +500,9 @@ func startLedgerRelay(ctx context.Context, i int, peers relay.Peers) (*shard.Nod
 	}
 	cfg := shard.DefaultNodeConfig()
 	cfg.Relay.ID = fmt.Sprintf("relay-%d", i)
-	cfg.Relay.Listener = lis
-	cfg.Relay.Upstream = "127.0.0.1:1"
-	cfg.Relay.Peers = peers
+	cfg.Relay.XDS.Listener = lis
+	cfg.Relay.Upstream.Addr = "127.0.0.1:1"
+	cfg.Relay.Tier.Peers = peers
 	cfg.DrainPeriod = 0
 	node, err := shard.NewNode(cfg)
 	if err != nil {

@@ -77,7 +77,7 @@ func RunProxyStatus(ctx context.Context, cfg ProxyStatusConfig, out io.Writer) (
 	}
 	defer up.Stop(context.Background())
 	tier, err := cluster.StartTier(ctx, cluster.TierConfig{Relays: cfg.Relays, Upstream: up.Addr(),
-		Relay: func(c *relay.Config) { c.AdminListen = "127.0.0.1:0" }})
+		Relay: func(c *relay.Config) { c.Admin.Listen = "127.0.0.1:0" }})
 	if err != nil {
 		return nil, err
 	}

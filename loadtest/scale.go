@@ -271,7 +271,7 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 			reviewURL = kube.URL()
 		}
 		tcfg.Relay = func(rc *relay.Config) {
-			rc.XDSTLSListen = "127.0.0.1:0"
+			rc.XDS.TLSListen = "127.0.0.1:0"
 			if err := creds.RelayTLS(cfg.Verifier, reviewURL).Apply(stopCtx, rc); err != nil && tlsErr == nil {
 				tlsErr = err
 			}

@@ -72,7 +72,7 @@ func TestXDSClientOverTLSThroughTier(t *testing.T) {
 		Relays: 3, Upstream: up.Addr(),
 		Secure: m.security(true),
 		Relay: func(c *relay.Config) {
-			c.UpstreamDialOptions = append(c.UpstreamDialOptions, grpc.WithTransportCredentials(credentials.NewTLS(
+			c.Upstream.DialOptions = append(c.Upstream.DialOptions, grpc.WithTransportCredentials(credentials.NewTLS(
 				&tls.Config{RootCAs: mesh.Pool(), ServerName: "istiod.istio-system.svc", MinVersion: tls.VersionTLS12})))
 		},
 	}, 30*time.Second)

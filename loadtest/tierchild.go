@@ -201,9 +201,9 @@ func RunTierRelayChild(ctx context.Context, cfg TierRelayChildConfig, in io.Read
 		return errors.New("loadtest: tier relay child: fields ID, Upstream and Gossip are required")
 	}
 	rcfg := relay.DefaultConfig()
-	rcfg.ID, rcfg.Upstream, rcfg.XDSListen, rcfg.AdminListen = cfg.ID, cfg.Upstream, "127.0.0.1:0", ""
+	rcfg.ID, rcfg.Upstream.Addr, rcfg.XDS.Listen, rcfg.Admin.Listen = cfg.ID, cfg.Upstream, "127.0.0.1:0", ""
 	if cfg.UpstreamProtocol != "" {
-		rcfg.UpstreamProtocol = cfg.UpstreamProtocol
+		rcfg.Upstream.Protocol = cfg.UpstreamProtocol
 	}
 	rcfg.Logger = slog.New(slog.NewTextHandler(logw, &slog.HandlerOptions{Level: slog.LevelWarn})).With("relay", cfg.ID)
 	reg := prometheus.NewRegistry()

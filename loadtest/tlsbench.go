@@ -325,7 +325,7 @@ func (c *RelayChildTLS) Apply(ctx context.Context, rc *relay.Config) error {
 	if err != nil {
 		return err
 	}
-	rc.XDSTLS = tlsfiles.ServerConfig(pair, nil, tls.RequestClientCert)
+	rc.XDS.TLS = tlsfiles.ServerConfig(pair, nil, tls.RequestClientCert)
 	var tokens auth.TokenVerifier
 	switch c.Verifier {
 	case VerifierLocal:
@@ -349,7 +349,7 @@ func (c *RelayChildTLS) Apply(ctx context.Context, rc *relay.Config) error {
 	default:
 		return fmt.Errorf("loadtest: unknown token verifier %q", c.Verifier)
 	}
-	rc.Authenticator, err = auth.NewAuthenticator(auth.ModeJWT, nil, tokens)
+	rc.XDS.Authenticator, err = auth.NewAuthenticator(auth.ModeJWT, nil, tokens)
 	return err
 }
 

@@ -67,9 +67,9 @@ func structCaller(s *structpb.Struct) admin.Caller {
 func newAdminEnv(t *testing.T, token string, mod func(*Config)) *secureEnv {
 	t.Helper()
 	return newSecureEnv(t, auth.ModeAny, func(c *Config) {
-		c.AdminListen, c.AdminTLS, c.AdminToken = "127.0.0.1:0", c.XDSTLS, token
-		c.AdminAuthenticator, c.AdminIdentities = c.Authenticator, []string{adminID}
-		c.AdminServices = func(s *grpc.Server) { s.RegisterService(&whoami, struct{}{}) }
+		c.Admin.Listen, c.Admin.TLS, c.Admin.Token = "127.0.0.1:0", c.XDS.TLS, token
+		c.Admin.Authenticator, c.Admin.Identities = c.XDS.Authenticator, []string{adminID}
+		c.Admin.Services = func(s *grpc.Server) { s.RegisterService(&whoami, struct{}{}) }
 		if mod != nil {
 			mod(c)
 		}
@@ -218,15 +218,15 @@ func TestAdminCallersWithoutAuthenticator(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newAdminEnv(t, tc.token, func(c *Config) {
-				c.AdminAuthenticator = nil
+				c.Admin.Authenticator = nil
 				if !tc.xdsAuth {
-					c.Authenticator = nil
+					c.XDS.Authenticator = nil
 				}
 				if tc.mtlsAdmin {
 					// As --admin-client-ca alone configures it: the
 					// handshake requires and verifies client certificates.
-					x := c.XDSTLS
-					c.AdminTLS = &tls.Config{GetConfigForClient: func(h *tls.ClientHelloInfo) (*tls.Config, error) {
+					x := c.XDS.TLS
+					c.Admin.TLS = &tls.Config{GetConfigForClient: func(h *tls.ClientHelloInfo) (*tls.Config, error) {
 						cc, err := x.GetConfigForClient(h)
 						if err != nil {
 							return nil, err

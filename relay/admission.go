@@ -44,13 +44,13 @@ func (r *Relay) admit(ctx context.Context, p port) (caller, error) {
 	if pi != nil {
 		return caller{relay: pi, cred: r.forwardable(ctx, true, nil)}, nil
 	}
-	if p == portTLS && r.cfg.Authenticator != nil && !r.failures.allows(sourceIP(ctx)) {
+	if p == portTLS && r.cfg.XDS.Authenticator != nil && !r.failures.allows(sourceIP(ctx)) {
 		r.metrics.authFailures.WithLabelValues("throttled").Inc()
 		return caller{}, status.Error(codes.Unauthenticated, "too many failed authentications from this address: retry later")
 	}
 	if r.admission != nil && !r.admission.Allow() {
 		r.metrics.refused.WithLabelValues("rate").Inc()
-		return caller{}, status.Errorf(codes.ResourceExhausted, "relay admits %v new streams a second: retry", r.cfg.AdmitRate)
+		return caller{}, status.Errorf(codes.ResourceExhausted, "relay admits %v new streams a second: retry", r.cfg.XDS.AdmitRate)
 	}
 	id, err := r.authenticate(ctx, p)
 	if err != nil {
@@ -61,7 +61,7 @@ func (r *Relay) admit(ctx context.Context, p port) (caller, error) {
 
 // waitWarm waits up to WarmWait for the relay to be warm.
 func (r *Relay) waitWarm(ctx context.Context) bool {
-	if r.cfg.WarmWait < 0 {
+	if r.cfg.XDS.WarmWait < 0 {
 		return true
 	}
 	select {
@@ -69,7 +69,7 @@ func (r *Relay) waitWarm(ctx context.Context) bool {
 		return true
 	default:
 	}
-	t := time.NewTimer(r.cfg.WarmWait)
+	t := time.NewTimer(r.cfg.XDS.WarmWait)
 	defer t.Stop()
 	select {
 	case <-r.warm:

@@ -54,7 +54,7 @@ func (r *Relay) Aggregation() AggregationReport {
 // warnUnaggregated warns, every AggregationWarnInterval (the first time a
 // minute after start, or sooner), while aggregation is off for most keys.
 func (r *Relay) warnUnaggregated(ctx context.Context) {
-	every := r.cfg.AggregationWarnInterval
+	every := r.cfg.Keys.AggregationWarnInterval
 	t := time.NewTimer(min(every, time.Minute))
 	defer t.Stop()
 	for {
@@ -65,7 +65,7 @@ func (r *Relay) warnUnaggregated(ctx context.Context) {
 		}
 		if a := r.Aggregation(); a.Off() {
 			r.log.Warn(fmt.Sprintf("aggregation is off for %d of %d keys: each serves one Envoy and holds a stream to its source for it alone; if their nodes get the same config, key them together (--key-profile fields)", a.Lone, a.Keys),
-				"key_profile", r.cfg.KeyProfile.Name(), "examples", a.Examples)
+				"key_profile", r.cfg.Keys.Profile.Name(), "examples", a.Examples)
 		}
 		t.Reset(every)
 	}

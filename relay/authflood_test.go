@@ -58,7 +58,7 @@ func openWith(conn *grpc.ClientConn, md metadata.MD, n any) (*discovery.DeltaDis
 // Bad credentials each get a clear status and cost bounded work; the relay
 // keeps serving a good client throughout.
 func TestTLSPortBadInput(t *testing.T) {
-	e := newSecureEnv(t, auth.ModeJWT, func(c *Config) { c.HandshakeTimeout = 300 * time.Millisecond })
+	e := newSecureEnv(t, auth.ModeJWT, func(c *Config) { c.XDS.HandshakeTimeout = 300 * time.Millisecond })
 	good := e.issuer.Sign(t, authtest.Token{Namespace: "ns1", ServiceAccount: "app"})
 	served := func() {
 		t.Helper()

@@ -70,7 +70,7 @@ func TestBadRequests(t *testing.T) {
 		for _, tc := range cases {
 			t.Run(protocolName(delta)+"/"+tc.name, func(t *testing.T) {
 				e := newEnv(t, delta, func(c *Config) {
-					c.MaxSubscribedNames = 100
+					c.XDS.MaxSubscribedNames = 100
 					c.MaxMsgSize = 4 << 20
 				})
 				good := e.client(0)
@@ -119,7 +119,7 @@ func TestGarbageVersionsAreResent(t *testing.T) {
 func TestMissingNames(t *testing.T) {
 	for _, delta := range []bool{false, true} {
 		t.Run(protocolName(delta), func(t *testing.T) {
-			e := newEnv(t, delta, func(c *Config) { c.ResourceWaitTimeout = 100 * time.Millisecond })
+			e := newEnv(t, delta, func(c *Config) { c.XDS.ResourceWaitTimeout = 100 * time.Millisecond })
 			c := e.client(0)
 			c.subscribe(xds.TypeEndpoint, "c0", "no-such-cluster")
 			wantNames(t, c.recv(), "c0")
@@ -154,7 +154,7 @@ func TestMissingNames(t *testing.T) {
 func TestRouteToMissingClusterReleased(t *testing.T) {
 	for _, delta := range []bool{false, true} {
 		t.Run(protocolName(delta), func(t *testing.T) {
-			e := newEnv(t, delta, func(c *Config) { c.ResourceWaitTimeout = 200 * time.Millisecond })
+			e := newEnv(t, delta, func(c *Config) { c.XDS.ResourceWaitTimeout = 200 * time.Millisecond })
 			c := e.client(0)
 			syncAll(c)
 			e.up.set("ns1", xds.TypeRoute, mkRoute("r80", "c0", "c1", "c2", "ghost"))
@@ -237,7 +237,7 @@ func TestRouteWaitsForClustersOnASlowStream(t *testing.T) {
 			gate := &cdsGate{}
 			up := newTestUpstreamWith(t, []grpc.ServerOption{gate.interceptor()}, "ns1")
 			seed(up, "ns1", 3) // r80 uses c0, c1, c2
-			r := startRelay(t, up, func(c *Config) { c.ResourceWaitTimeout = 200 * time.Millisecond })
+			r := startRelay(t, up, func(c *Config) { c.XDS.ResourceWaitTimeout = 200 * time.Millisecond })
 			t.Cleanup(gate.open) // before the upstream stops
 			c := newRawClient(t, dial(t, r.Addr().String()), delta, node("ns1", "app", 0))
 			syncAll(c)
@@ -312,7 +312,7 @@ func TestRouteWaitsForClustersOnASlowStream(t *testing.T) {
 func TestRouteWaitsForTheKeysClusterPastTheWait(t *testing.T) {
 	for _, delta := range []bool{false, true} {
 		t.Run(protocolName(delta), func(t *testing.T) {
-			e := newEnv(t, delta, func(c *Config) { c.ResourceWaitTimeout = 200 * time.Millisecond })
+			e := newEnv(t, delta, func(c *Config) { c.XDS.ResourceWaitTimeout = 200 * time.Millisecond })
 			c := e.client(0)
 			syncAll(c)
 			e.up.set("ns1", xds.TypeCluster, mkCluster("c3")) // no endpoints yet
@@ -350,7 +350,7 @@ func TestRouteWaitsForTheKeysClusterPastTheWait(t *testing.T) {
 func TestUpstreamGarbage(t *testing.T) {
 	for _, proto := range []Protocol{ProtocolSotW, ProtocolDelta} {
 		t.Run(string(proto), func(t *testing.T) {
-			e := newEnv(t, true, func(c *Config) { c.UpstreamProtocol = proto })
+			e := newEnv(t, true, func(c *Config) { c.Upstream.Protocol = proto })
 			c := e.client(0)
 			c.subscribe(xds.TypeCluster)
 			c.ack(c.recv())

@@ -94,10 +94,10 @@ func (s *stream) claimUnknown(sub *typeSub) {
 // that keeps held versions.
 func (s *stream) askTier(sub *typeSub) bool {
 	var addrs []string
-	if s.r.cfg.Peers != nil {
-		addrs = s.r.cfg.Peers.PeerAddrs()
+	if s.r.cfg.Tier.Peers != nil {
+		addrs = s.r.cfg.Tier.Peers.PeerAddrs()
 	}
-	if _, held := s.r.cfg.Snapshots.(HeldVersions); len(addrs) == 0 && !held {
+	if _, held := s.r.cfg.Keys.Snapshots.(HeldVersions); len(addrs) == 0 && !held {
 		return false
 	}
 	q := claimQuestion{typeURL: sub.typeURL, root: sub.claimed, wildcard: sub.wildcard}
@@ -162,7 +162,7 @@ const (
 // lacks: most often the record alone). A failure costs the hand-over,
 // not the move.
 func (r *Relay) handOver(ctx context.Context, s *stream) {
-	hv, ok := r.cfg.Snapshots.(HeldVersions)
+	hv, ok := r.cfg.Keys.Snapshots.(HeldVersions)
 	if !ok || s.delta || s.peerRelay != nil {
 		return
 	}
@@ -287,7 +287,7 @@ func (r *Relay) askTierVersion(ctx context.Context, addrs []string, req *inspect
 		if ok || definite {
 			return t, ok
 		}
-		if !told && time.Since(start) >= r.cfg.ResourceWaitTimeout {
+		if !told && time.Since(start) >= r.cfg.XDS.ResourceWaitTimeout {
 			told = true
 			r.log.Warn("a SotW client's version: a relay of the tier that may know it does not answer; its type waits", "key", req.GetKey(), "type", xds.ShortType(req.GetType()), "waited", time.Since(start).Round(time.Millisecond))
 		}
@@ -296,8 +296,8 @@ func (r *Relay) askTierVersion(ctx context.Context, addrs []string, req *inspect
 			return ledger.Tree[*xds.Resource]{}, false
 		case <-time.After(claimRetry):
 		}
-		if r.cfg.Peers != nil {
-			addrs = r.cfg.Peers.PeerAddrs()
+		if r.cfg.Tier.Peers != nil {
+			addrs = r.cfg.Tier.Peers.PeerAddrs()
 		}
 		if len(addrs) == 0 {
 			return ledger.Tree[*xds.Resource]{}, false
@@ -309,13 +309,13 @@ func (r *Relay) askTierVersion(ctx context.Context, addrs []string, req *inspect
 // relay that drained a client holding it handed it over (handOver), and
 // checks it as it checks another relay's answer (versionTree): every body
 // present and matching its hash, the tree's root root. A store that fails
-// or does not answer in LedgerGatherTimeout leaves the claim unknown.
+// or does not answer in Tier.GatherTimeout leaves the claim unknown.
 func (r *Relay) loadHeld(ctx context.Context, req *inspectpb.VersionRequest, root ledger.Hash) (ledger.Tree[*xds.Resource], bool) {
-	hv, ok := r.cfg.Snapshots.(HeldVersions)
+	hv, ok := r.cfg.Keys.Snapshots.(HeldVersions)
 	if !ok {
 		return ledger.Tree[*xds.Resource]{}, false
 	}
-	ctx, cancel := context.WithTimeout(ctx, r.cfg.LedgerGatherTimeout)
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.Tier.GatherTimeout)
 	defer cancel()
 	v, found, err := hv.LoadHeld(ctx, req.GetKey(), req.GetType(), root, func(h ledger.Hash) bool { return r.store.Lookup(h) != nil })
 	if err != nil {
@@ -344,10 +344,10 @@ func (r *Relay) loadHeld(ctx context.Context, req *inspectpb.VersionRequest, roo
 // askVersion asks the relays at addrs, all at once, what the version root
 // of req held, and returns the first answer that proves to be it (every
 // body present and matching its hash, the tree's root root). It gives up
-// when every relay has answered otherwise, or after LedgerGatherTimeout;
+// when every relay has answered otherwise, or after Tier.GatherTimeout;
 // definite reports that every relay answered that it does not have it.
 func (r *Relay) askVersion(ctx context.Context, addrs []string, req *inspectpb.VersionRequest, root ledger.Hash) (t ledger.Tree[*xds.Resource], ok, definite bool) {
-	ctx, cancel := context.WithTimeout(ctx, r.cfg.LedgerGatherTimeout)
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.Tier.GatherTimeout)
 	defer cancel()
 	ctx = metadata.AppendToOutgoingContext(ctx, r.peerMetadata()...)
 	type answer struct {

@@ -72,260 +72,26 @@ type Authenticator interface {
 
 var _ Authenticator = (*auth.Authenticator)(nil)
 
-// Config configures a Relay. Start from DefaultConfig.
+// Config configures a Relay. Start from DefaultConfig. It holds one
+// config per part of the relay: XDS (the downstream server Envoys connect
+// to), Upstream (each key's stream to istiod), Keys (aggregation and each
+// key's cache), Tier (the relays of a sharded tier) and Admin (the admin
+// listener), each with its Default…Config.
 type Config struct {
 	// ID names the relay in control_plane.identifier on every response and
 	// in logs. Default: "meshrelay-<hostname>".
 	ID string
 
-	// XDSListen is the address of the plaintext ADS server for Envoys, the
-	// tier's other relays and trusted networks: it authenticates no one
-	// (istiod's port 15010). Default ":15010"; empty: none (XDSTLS must
-	// then be set). Ignored if Listener is set.
-	XDSListen string
-	// Listener, if set, is used instead of listening on XDSListen (tests
-	// pass a bufconn or a loopback listener here). Stop closes it.
-	Listener net.Listener
-
-	// XDSTLS, if set, opens the TLS ADS server (istiod's port 15012) on
-	// XDSTLSListen (or TLSListener) with this config (tlsfiles.ServerConfig
-	// reads rotated certificate files at each handshake). Its ALPN is h2
-	// whatever NextProtos says. To verify client certificates in the
-	// Authenticator, where a failure is counted and named, ask for them
-	// with ClientAuth tls.RequestClientCert. Default nil: no TLS port.
-	XDSTLS *tls.Config
-	// XDSTLSListen is the TLS ADS server's address. Default ":15012".
-	XDSTLSListen string
-	// TLSListener, if set, is used instead of listening on XDSTLSListen.
-	TLSListener net.Listener
-	// Authenticator, if set, proves the identity of every Envoy stream on
-	// the TLS port before anything is served; the node the stream
-	// presents must then pass istiod's rule (auth.CheckNode: namespace
-	// and service account), or the stream is refused with
-	// PermissionDenied, and the identity becomes part of the node's key.
-	// Default nil: the TLS port serves anyone (--xds-auth=none).
-	Authenticator Authenticator
-	// HandshakeTimeout bounds a TLS handshake: a client that never
-	// finishes one is dropped. Default 10s.
-	HandshakeTimeout time.Duration
-
-	// Upstream is the gRPC target of the upstream control plane (istiod),
-	// e.g. "istiod.istio-system.svc:15010". Required.
-	Upstream string
-	// UpstreamDialOptions are added to the upstream connection's options
-	// (credentials, a bufconn dialer, …). Default: plaintext.
-	UpstreamDialOptions []grpc.DialOption
-	// UpstreamProtocol is the ADS variant spoken to the upstream. Default
-	// delta. Envoys may use either variant whatever this is.
-	UpstreamProtocol Protocol
-	// UpstreamSyncs bounds the keys whose stream to their source (the
-	// upstream, or the key's owner) is open and has not answered every
-	// type yet; a key waits for one of them to finish before it opens its
-	// stream. A first answer is the key's whole config (16 MB of clusters
-	// at 30,000 services), held while it is decoded: a relay starting cold
-	// with a hundred keys, or a tier whose istiod restarted, would
-	// otherwise receive and hold them all at once, and istiod compute them
-	// all at once (at 30,000 services, 16 keys' first answers in flight
-	// were 600 MB of a cold relay's heap). A stream holds its slot 30 s at
-	// most. Streams to keys' owners (other relays) are bounded apart, by
-	// as many slots again: an owner's answer waits on its own upstream
-	// stream, which must not wait behind them. Default 4; 0: no bound.
-	UpstreamSyncs int
-	// UpstreamStreamRate bounds the streams this relay opens to the
-	// upstream per second (a token bucket holding one second's worth, at
-	// least one), whatever their key: a cold relay of a thousand per-node
-	// keys, or every key after istiod restarts, reaches istiod at this
-	// pace rather than as the storm the tier exists to spare it. Streams
-	// of the types the relay passes through per client (passthrough.go)
-	// take at most a fifth of the pace, so that no client can hold back
-	// the keys' streams. Streams to keys' owners (other relays) are not
-	// counted. Default 50; 0: no bound.
-	UpstreamStreamRate float64
-	// ForwardCredentials makes each key's upstream stream present, as
-	// "authorization: Bearer", the service-account token of the member
-	// whose node it presents (--upstream-auth forward): members of a key
-	// share namespace and service account, so istiod's own identity check
-	// passes unchanged. The token is one the Authenticator verified on the
-	// TLS port (Authenticator.Token: members that send a certificate
-	// alone have none to give, and are presented only when no member has),
-	// or, on a stream from another relay, the one that relay presents;
-	// tokens stay in memory, are never logged and never persisted. The
-	// upstream stream moves to another member's node and token when its
-	// member leaves, or TokenRefreshBefore ahead of its token's expiry if
-	// another member's token lives longer. The move is make-before-break
-	// for Envoys, not for istiod: the key's views stay and keep being
-	// served, and the new stream declares what they hold, so nothing is
-	// sent again; the old stream closes as the new one opens (one stream
-	// per key, as istiod counts). A token the upstream refuses
-	// (Unauthenticated, PermissionDenied: revoked, its pod deleted) is not
-	// presented again: the next stream presents another member's. Needs
-	// an Authenticator and, in a tier, PeerTLS (tokens cross between
-	// relays). UpstreamDialOptions should carry TLS. Default false.
-	ForwardCredentials bool
-	// TokenRefreshBefore: see ForwardCredentials. Also, an Envoy whose
-	// token comes within half of it of its expiry is asked to reconnect
-	// (its connection is closed), so that the key always has a token
-	// istiod takes when its stream must be opened again. Default 5m.
-	TokenRefreshBefore time.Duration
-
-	// KeyProfile derives aggregation keys. Default IstioProfile{}.
-	KeyProfile aggkey.Profile
-	// Authorizer checks every stream first. Default AllowAll{}.
-	Authorizer Authorizer
+	XDS      XDSConfig
+	Upstream UpstreamConfig
+	Keys     KeysConfig
+	Tier     TierConfig
+	Admin    AdminConfig
 
 	// MaxMsgSize bounds a gRPC message in both directions, downstream and
 	// upstream, in bytes. Default 256 MiB: a real istiod sent 34 MB of CDS
 	// in one SotW response at 30,000 services. Must be at least 4 MiB.
 	MaxMsgSize int
-	// MaxSubscribedNames bounds the names one stream may subscribe to, or
-	// declare, for one type. Default 1,000,000.
-	MaxSubscribedNames int
-
-	// ResourceWaitTimeout is how long a name requested from the upstream may
-	// stay missing before the relay treats it as gone: a Delta client that
-	// holds it (declared on reconnect, say) is then told it was removed.
-	// Until then it is pending, never reported missing. (Envoy's own
-	// initial fetch timeout is 15 s.) A listener or route held back for a
-	// cluster longer than this is reported overdue, and if the key's view
-	// lacks the cluster its source is asked for a new stream, which
-	// proves whether it serves it (deferDangling). Default 15s.
-	ResourceWaitTimeout time.Duration
-	// KeepDroppedBytes is how many bytes of the resources the views dropped
-	// most recently (removed or replaced) the relay keeps, so that a SotW
-	// Envoy that moved between relays and holds a version a few changes
-	// old can be told what it holds, and keep the clusters its routes
-	// still use until the routes change. Default 32 MiB; 0 keeps none.
-	KeepDroppedBytes int64
-	// KeyIdleTimeout is how long a key with no connected Envoy keeps its
-	// upstream stream and cache, so that reconnecting Envoys find it warm.
-	// Default 2m.
-	KeyIdleTimeout time.Duration
-	// BackoffInitial and BackoffMax bound the jittered exponential backoff
-	// of upstream reconnects. Defaults 250ms and 30s.
-	BackoffInitial time.Duration
-	BackoffMax     time.Duration
-
-	// Owners, if set, makes the relay one of a sharded tier: a key's
-	// upstream stream is held by its owner, and the other relays subscribe
-	// to the owner (see Owners). Default nil: this relay owns every key.
-	Owners Owners
-	// AdminServices, if set, registers gRPC services on the admin listener
-	// (beside grpc.health.v1 and reflection, which the relay serves):
-	// shard.Node registers the tier's admin API. Nil: none.
-	AdminServices func(*grpc.Server)
-	// Peers, if set, lists the tier's other relays: tier-wide ledger
-	// answers (TierLedger, TierDelivery, TierWait) are gathered from them.
-	// Default nil: the answers are this relay's alone.
-	Peers Peers
-	// LedgerGatherTimeout bounds a tier-wide ledger gather: the answer is at
-	// most this old, and a relay that does not answer within it is named
-	// as missing. Default 1 s.
-	LedgerGatherTimeout time.Duration
-	// LedgerPollInterval is how often TierWait gathers. Default 100 ms.
-	LedgerPollInterval time.Duration
-	// AggregationWarnInterval is how often the relay checks whether most
-	// of its keys serve one Envoy each (at least MinLoneKeysToWarn of
-	// them), and warns if so: the key profile does not group this fleet's
-	// nodes, and every Envoy costs a source of its own. The first check is
-	// a minute after start, or sooner if the interval is shorter. Default
-	// 5 min; zero: never.
-	AggregationWarnInterval time.Duration
-	// DivergenceInterval is how often the relay checks each aggregated key
-	// it is the upstream source of: a second upstream stream presents
-	// another member's node, and if its config differs from the key's, the
-	// key splits (see divergence.go). A key is also checked as soon as it
-	// gets its second member. One check per key at a time, two per relay,
-	// at the pace of UpstreamStreamRate. Default 10 min; zero: never.
-	DivergenceInterval time.Duration
-	// Tier, if set, balances Envoy streams across the tier: above its fair
-	// share, the relay moves streams away (see BalanceInterval). Default
-	// nil: no balancing.
-	Tier Tier
-	// PeerSecret authenticates relay-to-relay streams (an HMAC of the
-	// calling relay's ID). Every relay of a tier needs the same one. Empty:
-	// a stream that names itself a peer is believed (a trusted network).
-	// Never logged.
-	PeerSecret []byte
-	// Snapshots, if set, persists the views of the keys this relay owns and
-	// loads every persisted key at Start: the relay serves them at once,
-	// stale until a source confirms them (warm start). Default nil: no
-	// persistence; the relay starts cold. The caller stops it after the
-	// relay.
-	Snapshots Snapshots
-	// PeerListen, if set, opens a port for the tier's relays alone: their
-	// streams to keys' owners and the ledger and inspect exchanges go
-	// there (and nowhere else: the xDS ports then refuse them), and no
-	// Envoy is served on it. Empty (the default): relays use the
-	// plaintext xDS port. Ignored if PeerListener is set.
-	PeerListen string
-	// PeerListener, if set, is used instead of listening on PeerListen.
-	PeerListener net.Listener
-	// PeerTLS, if set, makes the peer port mTLS: it must require and
-	// verify client certificates and check their identity
-	// (auth.PeerTLS builds one that wants the tier's SPIFFE ID). A
-	// relay proven by its certificate needs no PeerSecret proof.
-	// Default nil: plaintext, relays proven by PeerSecret alone.
-	PeerTLS *tls.Config
-	// PeerDialOptions are added to relay-to-relay connections' options
-	// (credentials, a test dialer). Default: plaintext.
-	PeerDialOptions []grpc.DialOption
-
-	// AdmitRate bounds new Envoy streams per second (a token bucket of
-	// AdmitBurst); past it a stream is refused with ResourceExhausted and
-	// the client retries (istiod admits min(15+5×cores, 100) a second).
-	// Relay-to-relay streams are not counted. Default 100; 0: no limit.
-	AdmitRate  float64
-	AdmitBurst int
-	// WarmWait is how long a new stream waits for a relay that has not yet
-	// reached its upstream before it is refused with Unavailable (istiod
-	// refuses streams until its caches are synced). Default 2s. Negative:
-	// never refuse; streams wait for config however long it takes.
-	WarmWait time.Duration
-	// BalanceInterval is the mean time between two balancing rounds
-	// (jittered ±50 %). Default 5s. Only with Tier.
-	BalanceInterval time.Duration
-	// ShedRate bounds the Envoy streams moved away per second when
-	// balancing. Default 20.
-	ShedRate float64
-
-	// AdminListen is the address of the admin HTTP server (health, readiness,
-	// /metrics, /debug/pprof). Empty: none. Default "" (the serve command
-	// sets ":15014").
-	AdminListen string
-	// AdminListener, if set, is used instead of listening on AdminListen.
-	// The relay closes it on Stop.
-	AdminListener net.Listener
-	// AdminTLS, if set, makes the admin listener serve TLS (HTTP/1 and
-	// HTTP/2 by ALPN); with ClientAuth RequireAndVerifyClientCert, mTLS.
-	// Default nil: cleartext (HTTP/1 and h2c).
-	AdminTLS *tls.Config
-	// AdminToken, if set, is the bearer token every admin gRPC call but
-	// grpc.health.v1 (kubelet probes carry none) and /debug/pprof must
-	// carry ("authorization: Bearer <token>"). A secret: never logged.
-	// Default "": none.
-	AdminToken string
-
-	// AdminAuthenticator, if set, proves the identity of admin API
-	// callers (a service-account JWT, or a SPIFFE client certificate when
-	// AdminTLS asks for one), and of debug requests (istio.io/debug/…) on
-	// the TLS xDS port, which are proven by the stream's Authenticator. A
-	// proven caller whose SPIFFE ID is in AdminIdentities is an admin;
-	// another sees only its own namespace's Envoys, keys and config, and
-	// may not mutate. AdminToken, if also set, still makes an admin.
-	// Default nil: the admin API is guarded by AdminToken and AdminTLS
-	// alone.
-	AdminAuthenticator Authenticator
-	// AdminIdentities are the SPIFFE IDs of admins
-	// (spiffe://cluster.local/ns/istio-system/sa/istioctl, say). Default
-	// none.
-	AdminIdentities []string
-	// DebugNamespaces are the namespaces whose proven identities read the
-	// whole tier's istio.io/debug types on the TLS xDS port, as istiod
-	// answers its root namespace and ENABLE_DEBUG_ENDPOINT_AUTH's allowed
-	// namespaces (istioctl presents istio-system's default account). Read
-	// only: they give no admin API rights. An identity of another
-	// namespace reads its own namespace's. Default none.
-	DebugNamespaces []string
 
 	// Registerer and Gatherer hold the relay's Prometheus metrics. Default:
 	// a registry of the relay's own, so several relays can live in one
@@ -354,42 +120,335 @@ type Config struct {
 	wall func() time.Time
 }
 
-// DefaultConfig returns a Config with every default filled in but Upstream.
+// XDSConfig configures the downstream ADS server: its ports, who may use
+// them, and how streams are admitted and served.
+type XDSConfig struct {
+	// Listen is the address of the plaintext ADS server for Envoys, the
+	// tier's other relays and trusted networks: it authenticates no one
+	// (istiod's port 15010). Default ":15010"; empty: none (TLS must then
+	// be set). Ignored if Listener is set.
+	Listen string
+	// Listener, if set, is used instead of listening on Listen (tests pass
+	// a bufconn or a loopback listener here). Stop closes it.
+	Listener net.Listener
+
+	// TLS, if set, opens the TLS ADS server (istiod's port 15012) on
+	// TLSListen (or TLSListener) with this config (tlsfiles.ServerConfig
+	// reads rotated certificate files at each handshake). Its ALPN is h2
+	// whatever NextProtos says. To verify client certificates in the
+	// Authenticator, where a failure is counted and named, ask for them
+	// with ClientAuth tls.RequestClientCert. Default nil: no TLS port.
+	TLS *tls.Config
+	// TLSListen is the TLS ADS server's address. Default ":15012".
+	TLSListen string
+	// TLSListener, if set, is used instead of listening on TLSListen.
+	TLSListener net.Listener
+	// Authenticator, if set, proves the identity of every Envoy stream on
+	// the TLS port before anything is served; the node the stream
+	// presents must then pass istiod's rule (auth.CheckNode: namespace
+	// and service account), or the stream is refused with
+	// PermissionDenied, and the identity becomes part of the node's key.
+	// Default nil: the TLS port serves anyone (--xds-auth=none).
+	Authenticator Authenticator
+	// HandshakeTimeout bounds a TLS handshake: a client that never
+	// finishes one is dropped. Default 10s.
+	HandshakeTimeout time.Duration
+	// Authorizer checks every stream first. Default AllowAll{}.
+	Authorizer Authorizer
+
+	// MaxSubscribedNames bounds the names one stream may subscribe to, or
+	// declare, for one type. Default 1,000,000.
+	MaxSubscribedNames int
+	// ResourceWaitTimeout is how long a name requested from the upstream may
+	// stay missing before the relay treats it as gone: a Delta client that
+	// holds it (declared on reconnect, say) is then told it was removed.
+	// Until then it is pending, never reported missing. (Envoy's own
+	// initial fetch timeout is 15 s.) A listener or route held back for a
+	// cluster longer than this is reported overdue, and if the key's view
+	// lacks the cluster its source is asked for a new stream, which
+	// proves whether it serves it (deferDangling). Default 15s.
+	ResourceWaitTimeout time.Duration
+
+	// AdmitRate bounds new Envoy streams per second (a token bucket of
+	// AdmitBurst); past it a stream is refused with ResourceExhausted and
+	// the client retries (istiod admits min(15+5×cores, 100) a second).
+	// Relay-to-relay streams are not counted. Default 100; 0: no limit.
+	AdmitRate  float64
+	AdmitBurst int
+	// WarmWait is how long a new stream waits for a relay that has not yet
+	// reached its upstream before it is refused with Unavailable (istiod
+	// refuses streams until its caches are synced). Default 2s. Negative:
+	// never refuse; streams wait for config however long it takes.
+	WarmWait time.Duration
+}
+
+// DefaultXDSConfig returns the downstream server's defaults.
+func DefaultXDSConfig() XDSConfig {
+	return XDSConfig{
+		Listen:              ":15010",
+		TLSListen:           ":15012",
+		HandshakeTimeout:    10 * time.Second,
+		Authorizer:          AllowAll{},
+		MaxSubscribedNames:  1_000_000,
+		ResourceWaitTimeout: 15 * time.Second,
+		AdmitRate:           100,
+		AdmitBurst:          200,
+		WarmWait:            2 * time.Second,
+	}
+}
+
+// UpstreamConfig configures each key's stream to the upstream control
+// plane (istiod).
+type UpstreamConfig struct {
+	// Addr is the gRPC target of the upstream control plane (istiod),
+	// e.g. "istiod.istio-system.svc:15010". Required.
+	Addr string
+	// DialOptions are added to the upstream connection's options
+	// (credentials, a bufconn dialer, …). Default: plaintext.
+	DialOptions []grpc.DialOption
+	// Protocol is the ADS variant spoken to the upstream. Default delta.
+	// Envoys may use either variant whatever this is.
+	Protocol Protocol
+	// Syncs bounds the keys whose stream to their source (the upstream, or
+	// the key's owner) is open and has not answered every type yet; a key
+	// waits for one of them to finish before it opens its stream. A first
+	// answer is the key's whole config (16 MB of clusters at 30,000
+	// services), held while it is decoded: a relay starting cold with a
+	// hundred keys, or a tier whose istiod restarted, would otherwise
+	// receive and hold them all at once, and istiod compute them all at
+	// once (at 30,000 services, 16 keys' first answers in flight were 600
+	// MB of a cold relay's heap). A stream holds its slot 30 s at most.
+	// Streams to keys' owners (other relays) are bounded apart, by as many
+	// slots again: an owner's answer waits on its own upstream stream,
+	// which must not wait behind them. Default 4; 0: no bound.
+	Syncs int
+	// StreamRate bounds the streams this relay opens to the upstream per
+	// second (a token bucket holding one second's worth, at least one),
+	// whatever their key: a cold relay of a thousand per-node keys, or
+	// every key after istiod restarts, reaches istiod at this pace rather
+	// than as the storm the tier exists to spare it. Streams of the types
+	// the relay passes through per client (passthrough.go) take at most a
+	// fifth of the pace, so that no client can hold back the keys'
+	// streams. Streams to keys' owners (other relays) are not counted.
+	// Default 50; 0: no bound.
+	StreamRate float64
+	// ForwardCredentials makes each key's upstream stream present, as
+	// "authorization: Bearer", the service-account token of the member
+	// whose node it presents (--upstream-auth forward): members of a key
+	// share namespace and service account, so istiod's own identity check
+	// passes unchanged. The token is one the XDS.Authenticator verified on
+	// the TLS port (Authenticator.Token: members that send a certificate
+	// alone have none to give, and are presented only when no member has),
+	// or, on a stream from another relay, the one that relay presents;
+	// tokens stay in memory, are never logged and never persisted. The
+	// upstream stream moves to another member's node and token when its
+	// member leaves, or TokenRefreshBefore ahead of its token's expiry if
+	// another member's token lives longer. The move is make-before-break
+	// for Envoys, not for istiod: the key's views stay and keep being
+	// served, and the new stream declares what they hold, so nothing is
+	// sent again; the old stream closes as the new one opens (one stream
+	// per key, as istiod counts). A token the upstream refuses
+	// (Unauthenticated, PermissionDenied: revoked, its pod deleted) is not
+	// presented again: the next stream presents another member's. Needs
+	// an XDS.Authenticator and, in a tier, Tier.TLS (tokens cross between
+	// relays). DialOptions should carry TLS. Default false.
+	ForwardCredentials bool
+	// TokenRefreshBefore: see ForwardCredentials. Also, an Envoy whose
+	// token comes within half of it of its expiry is asked to reconnect
+	// (its connection is closed), so that the key always has a token
+	// istiod takes when its stream must be opened again. Default 5m.
+	TokenRefreshBefore time.Duration
+	// BackoffInitial and BackoffMax bound the jittered exponential backoff
+	// of upstream reconnects. Defaults 250ms and 30s.
+	BackoffInitial time.Duration
+	BackoffMax     time.Duration
+}
+
+// DefaultUpstreamConfig returns the upstream streams' defaults; Addr has
+// none.
+func DefaultUpstreamConfig() UpstreamConfig {
+	return UpstreamConfig{
+		Protocol:           ProtocolDelta,
+		Syncs:              4,
+		StreamRate:         50,
+		TokenRefreshBefore: 5 * time.Minute,
+		BackoffInitial:     250 * time.Millisecond,
+		BackoffMax:         30 * time.Second,
+	}
+}
+
+// KeysConfig configures aggregation keys and each key's cache.
+type KeysConfig struct {
+	// Profile derives aggregation keys. Default aggkey.Istio{}.
+	Profile aggkey.Profile
+	// IdleTimeout is how long a key with no connected Envoy keeps its
+	// upstream stream and cache, so that reconnecting Envoys find it warm.
+	// Default 2m.
+	IdleTimeout time.Duration
+	// KeepDroppedBytes is how many bytes of the resources the views dropped
+	// most recently (removed or replaced) the relay keeps, so that a SotW
+	// Envoy that moved between relays and holds a version a few changes
+	// old can be told what it holds, and keep the clusters its routes
+	// still use until the routes change. Default 32 MiB; 0 keeps none.
+	KeepDroppedBytes int64
+	// DivergenceInterval is how often the relay checks each aggregated key
+	// it is the upstream source of: a second upstream stream presents
+	// another member's node, and if its config differs from the key's, the
+	// key splits (see divergence.go). A key is also checked as soon as it
+	// gets its second member. One check per key at a time, two per relay,
+	// at the pace of Upstream.StreamRate. Default 10 min; zero: never.
+	DivergenceInterval time.Duration
+	// AggregationWarnInterval is how often the relay checks whether most
+	// of its keys serve one Envoy each (at least MinLoneKeysToWarn of
+	// them), and warns if so: the key profile does not group this fleet's
+	// nodes, and every Envoy costs a source of its own. The first check is
+	// a minute after start, or sooner if the interval is shorter. Default
+	// 5 min; zero: never.
+	AggregationWarnInterval time.Duration
+	// Snapshots, if set, persists the views of the keys this relay owns and
+	// loads every persisted key at Start: the relay serves them at once,
+	// stale until a source confirms them (warm start). Default nil: no
+	// persistence; the relay starts cold. The caller stops it after the
+	// relay.
+	Snapshots Snapshots
+}
+
+// DefaultKeysConfig returns the keys' defaults: Istio's profile, no
+// persistence.
+func DefaultKeysConfig() KeysConfig {
+	return KeysConfig{
+		Profile:                 aggkey.Istio{},
+		IdleTimeout:             2 * time.Minute,
+		KeepDroppedBytes:        32 << 20,
+		DivergenceInterval:      10 * time.Minute,
+		AggregationWarnInterval: 5 * time.Minute,
+	}
+}
+
+// TierConfig makes the relay one of a sharded tier: who owns each key,
+// the other relays, the port and proofs they talk to each other with, and
+// balancing. Its zero value (but for the defaults) is a relay alone.
+type TierConfig struct {
+	// Owners, if set, makes the relay one of a sharded tier: a key's
+	// upstream stream is held by its owner, and the other relays subscribe
+	// to the owner (see Owners). Default nil: this relay owns every key.
+	Owners Owners
+	// Peers, if set, lists the tier's other relays: tier-wide ledger
+	// answers (TierLedger, TierDelivery, TierWait) are gathered from them.
+	// Default nil: the answers are this relay's alone.
+	Peers Peers
+	// GatherTimeout bounds a tier-wide ledger gather: the answer is at
+	// most this old, and a relay that does not answer within it is named
+	// as missing. Default 1 s.
+	GatherTimeout time.Duration
+	// PollInterval is how often TierWait gathers. Default 100 ms.
+	PollInterval time.Duration
+	// Balancer, if set, balances Envoy streams across the tier: above its
+	// fair share, the relay moves streams away (see BalanceInterval).
+	// Default nil: no balancing.
+	Balancer Balancer
+	// BalanceInterval is the mean time between two balancing rounds
+	// (jittered ±50 %). Default 5s. Only with Balancer.
+	BalanceInterval time.Duration
+	// ShedRate bounds the Envoy streams moved away per second when
+	// balancing. Default 20.
+	ShedRate float64
+	// Secret authenticates relay-to-relay streams (an HMAC of the calling
+	// relay's ID). Every relay of a tier needs the same one. Empty: a
+	// stream that names itself a peer is believed (a trusted network).
+	// Never logged.
+	Secret []byte
+	// Listen, if set, opens a port for the tier's relays alone: their
+	// streams to keys' owners and the ledger and inspect exchanges go
+	// there (and nowhere else: the xDS ports then refuse them), and no
+	// Envoy is served on it. Empty (the default): relays use the
+	// plaintext xDS port. Ignored if Listener is set.
+	Listen string
+	// Listener, if set, is used instead of listening on Listen.
+	Listener net.Listener
+	// TLS, if set, makes the peer port mTLS: it must require and verify
+	// client certificates and check their identity (auth.PeerTLS builds
+	// one that wants the tier's SPIFFE ID). A relay proven by its
+	// certificate needs no Secret proof. Default nil: plaintext, relays
+	// proven by Secret alone.
+	TLS *tls.Config
+	// DialOptions are added to relay-to-relay connections' options
+	// (credentials, a test dialer). Default: plaintext.
+	DialOptions []grpc.DialOption
+}
+
+// DefaultTierConfig returns a relay alone, with the tier's timings.
+func DefaultTierConfig() TierConfig {
+	return TierConfig{
+		GatherTimeout:   time.Second,
+		PollInterval:    100 * time.Millisecond,
+		BalanceInterval: 5 * time.Second,
+		ShedRate:        20,
+	}
+}
+
+// AdminConfig configures the admin listener (relay/admin): health,
+// readiness, metrics, pprof and the admin API, and who may call them.
+type AdminConfig struct {
+	// Listen is the address of the admin HTTP server (health, readiness,
+	// /metrics, /debug/pprof). Empty: none. Default "" (the serve command
+	// sets ":15014").
+	Listen string
+	// Listener, if set, is used instead of listening on Listen. The relay
+	// closes it on Stop.
+	Listener net.Listener
+	// TLS, if set, makes the admin listener serve TLS (HTTP/1 and HTTP/2
+	// by ALPN); with ClientAuth RequireAndVerifyClientCert, mTLS. Default
+	// nil: cleartext (HTTP/1 and h2c).
+	TLS *tls.Config
+	// Token, if set, is the bearer token every admin gRPC call but
+	// grpc.health.v1 (kubelet probes carry none) and /debug/pprof must
+	// carry ("authorization: Bearer <token>"). A secret: never logged.
+	// Default "": none.
+	Token string
+	// Authenticator, if set, proves the identity of admin API callers (a
+	// service-account JWT, or a SPIFFE client certificate when TLS asks
+	// for one), and of debug requests (istio.io/debug/…) on the TLS xDS
+	// port, which are proven by the stream's XDS.Authenticator. A proven
+	// caller whose SPIFFE ID is in Identities is an admin; another sees
+	// only its own namespace's Envoys, keys and config, and may not
+	// mutate. Token, if also set, still makes an admin. Default nil: the
+	// admin API is guarded by Token and TLS alone.
+	Authenticator Authenticator
+	// Identities are the SPIFFE IDs of admins
+	// (spiffe://cluster.local/ns/istio-system/sa/istioctl, say). Default
+	// none.
+	Identities []string
+	// DebugNamespaces are the namespaces whose proven identities read the
+	// whole tier's istio.io/debug types on the TLS xDS port, as istiod
+	// answers its root namespace and ENABLE_DEBUG_ENDPOINT_AUTH's allowed
+	// namespaces (istioctl presents istio-system's default account). Read
+	// only: they give no admin API rights. An identity of another
+	// namespace reads its own namespace's. Default none.
+	DebugNamespaces []string
+	// Services, if set, registers gRPC services on the admin listener
+	// (beside grpc.health.v1 and reflection, which the relay serves):
+	// shard.Node registers the tier's admin API. Nil: none.
+	Services func(*grpc.Server)
+}
+
+// DefaultConfig returns a Config with every default filled in but
+// Upstream.Addr.
 func DefaultConfig() Config {
 	host, _ := os.Hostname()
 	if host == "" {
 		host = "local"
 	}
 	return Config{
-		ID:                      "meshrelay-" + host,
-		History:                 ledger.DefaultHistoryConfig(),
-		ForgetEnvoysAfter:       ledger.DefaultTrackerConfig().ForgetAfter,
-		LedgerGatherTimeout:     time.Second,
-		LedgerPollInterval:      100 * time.Millisecond,
-		AggregationWarnInterval: 5 * time.Minute,
-		DivergenceInterval:      10 * time.Minute,
-		XDSListen:               ":15010",
-		XDSTLSListen:            ":15012",
-		HandshakeTimeout:        10 * time.Second,
-		TokenRefreshBefore:      5 * time.Minute,
-		UpstreamProtocol:        ProtocolDelta,
-		UpstreamSyncs:           4,
-		UpstreamStreamRate:      50,
-		KeyProfile:              aggkey.Istio{},
-		Authorizer:              AllowAll{},
-		MaxMsgSize:              256 << 20,
-		MaxSubscribedNames:      1_000_000,
-		ResourceWaitTimeout:     15 * time.Second,
-		KeyIdleTimeout:          2 * time.Minute,
-		KeepDroppedBytes:        32 << 20,
-		BackoffInitial:          250 * time.Millisecond,
-		BackoffMax:              30 * time.Second,
-		AdmitRate:               100,
-		AdmitBurst:              200,
-		WarmWait:                2 * time.Second,
-		BalanceInterval:         5 * time.Second,
-		ShedRate:                20,
-		Logger:                  slog.New(slog.NewTextHandler(io.Discard, nil)),
+		ID:                "meshrelay-" + host,
+		XDS:               DefaultXDSConfig(),
+		Upstream:          DefaultUpstreamConfig(),
+		Keys:              DefaultKeysConfig(),
+		Tier:              DefaultTierConfig(),
+		MaxMsgSize:        256 << 20,
+		History:           ledger.DefaultHistoryConfig(),
+		ForgetEnvoysAfter: ledger.DefaultTrackerConfig().ForgetAfter,
+		Logger:            slog.New(slog.NewTextHandler(io.Discard, nil)),
 	}
 }
 
@@ -400,81 +459,81 @@ func (cfg *Config) validate() error {
 	if cfg.ID == "" {
 		bad("ID", "is empty")
 	}
-	if cfg.Upstream == "" {
-		bad("Upstream", "is empty: the relay needs an upstream control plane")
+	if cfg.Upstream.Addr == "" {
+		bad("Upstream.Addr", "is empty: the relay needs an upstream control plane")
 	}
-	if cfg.Listener == nil && cfg.XDSListen == "" && cfg.XDSTLS == nil {
-		bad("XDSListen", "is empty and neither Listener nor XDSTLS is set: the relay would serve no one")
+	if cfg.XDS.Listener == nil && cfg.XDS.Listen == "" && cfg.XDS.TLS == nil {
+		bad("XDS.Listen", "is empty and neither XDS.Listener nor XDS.TLS is set: the relay would serve no one")
 	}
-	if cfg.XDSTLS != nil && cfg.TLSListener == nil && cfg.XDSTLSListen == "" {
-		bad("XDSTLSListen", "is empty and no TLSListener is set")
+	if cfg.XDS.TLS != nil && cfg.XDS.TLSListener == nil && cfg.XDS.TLSListen == "" {
+		bad("XDS.TLSListen", "is empty and no XDS.TLSListener is set")
 	}
-	if cfg.PeerTLS != nil && cfg.PeerListen == "" && cfg.PeerListener == nil {
-		bad("PeerTLS", "is set without a peer port (PeerListen)")
+	if cfg.Tier.TLS != nil && cfg.Tier.Listen == "" && cfg.Tier.Listener == nil {
+		bad("Tier.TLS", "is set without a peer port (Tier.Listen)")
 	}
-	if cfg.ForwardCredentials && cfg.Authenticator == nil {
-		bad("ForwardCredentials", "needs an Authenticator: the tokens it forwards are those the TLS port verified")
+	if cfg.Upstream.ForwardCredentials && cfg.XDS.Authenticator == nil {
+		bad("Upstream.ForwardCredentials", "needs an XDS.Authenticator: the tokens it forwards are those the TLS port verified")
 	}
-	if cfg.ForwardCredentials && cfg.Owners != nil && cfg.PeerTLS == nil {
-		bad("ForwardCredentials", "in a tier needs PeerTLS: Envoys' tokens cross between relays")
+	if cfg.Upstream.ForwardCredentials && cfg.Tier.Owners != nil && cfg.Tier.TLS == nil {
+		bad("Upstream.ForwardCredentials", "in a tier needs Tier.TLS: Envoys' tokens cross between relays")
 	}
-	if cfg.ForwardCredentials && cfg.TokenRefreshBefore <= 0 {
-		bad("TokenRefreshBefore", "must be positive")
+	if cfg.Upstream.ForwardCredentials && cfg.Upstream.TokenRefreshBefore <= 0 {
+		bad("Upstream.TokenRefreshBefore", "must be positive")
 	}
-	if cfg.Authenticator != nil && cfg.XDSTLS == nil {
-		bad("Authenticator", "is set without XDSTLS: only the TLS port authenticates")
+	if cfg.XDS.Authenticator != nil && cfg.XDS.TLS == nil {
+		bad("XDS.Authenticator", "is set without XDS.TLS: only the TLS port authenticates")
 	}
-	if _, err := ParseProtocol(string(cfg.UpstreamProtocol)); err != nil {
-		bad("UpstreamProtocol", fmt.Sprintf("is %q, want sotw or delta", cfg.UpstreamProtocol))
+	if _, err := ParseProtocol(string(cfg.Upstream.Protocol)); err != nil {
+		bad("Upstream.Protocol", fmt.Sprintf("is %q, want sotw or delta", cfg.Upstream.Protocol))
 	}
-	if cfg.KeyProfile == nil {
-		bad("KeyProfile", "is nil")
+	if cfg.Keys.Profile == nil {
+		bad("Keys.Profile", "is nil")
 	}
-	if cfg.Authorizer == nil {
-		bad("Authorizer", "is nil")
+	if cfg.XDS.Authorizer == nil {
+		bad("XDS.Authorizer", "is nil")
 	}
 	if cfg.MaxMsgSize < 4<<20 {
 		bad("MaxMsgSize", fmt.Sprintf("is %d bytes, want at least 4 MiB", cfg.MaxMsgSize))
 	}
-	if cfg.KeepDroppedBytes < 0 {
-		bad("KeepDroppedBytes", "is negative")
+	if cfg.Keys.KeepDroppedBytes < 0 {
+		bad("Keys.KeepDroppedBytes", "is negative")
 	}
-	if cfg.MaxSubscribedNames <= 0 {
-		bad("MaxSubscribedNames", "must be positive")
+	if cfg.XDS.MaxSubscribedNames <= 0 {
+		bad("XDS.MaxSubscribedNames", "must be positive")
 	}
 	for name, d := range map[string]time.Duration{
-		"ResourceWaitTimeout": cfg.ResourceWaitTimeout, "KeyIdleTimeout": cfg.KeyIdleTimeout,
-		"BackoffInitial": cfg.BackoffInitial, "BackoffMax": cfg.BackoffMax,
-		"ForgetEnvoysAfter": cfg.ForgetEnvoysAfter, "LedgerGatherTimeout": cfg.LedgerGatherTimeout,
-		"LedgerPollInterval": cfg.LedgerPollInterval, "HandshakeTimeout": cfg.HandshakeTimeout,
+		"XDS.ResourceWaitTimeout": cfg.XDS.ResourceWaitTimeout, "Keys.IdleTimeout": cfg.Keys.IdleTimeout,
+		"Upstream.BackoffInitial": cfg.Upstream.BackoffInitial, "Upstream.BackoffMax": cfg.Upstream.BackoffMax,
+		"ForgetEnvoysAfter": cfg.ForgetEnvoysAfter, "Tier.GatherTimeout": cfg.Tier.GatherTimeout,
+		"Tier.PollInterval": cfg.Tier.PollInterval, "XDS.HandshakeTimeout": cfg.XDS.HandshakeTimeout,
 	} {
 		if d <= 0 {
 			bad(name, "must be positive")
 		}
 	}
-	if cfg.AggregationWarnInterval < 0 {
-		bad("AggregationWarnInterval", "must not be negative")
+	if cfg.Keys.AggregationWarnInterval < 0 {
+		bad("Keys.AggregationWarnInterval", "must not be negative")
 	}
-	if cfg.DivergenceInterval < 0 {
-		bad("DivergenceInterval", "must not be negative")
+	if cfg.Keys.DivergenceInterval < 0 {
+		bad("Keys.DivergenceInterval", "must not be negative")
 	}
-	if cfg.AdmitRate < 0 || cfg.AdmitRate > 0 && cfg.AdmitBurst < 1 {
-		bad("AdmitRate", "must be 0 (no limit), or positive with AdmitBurst at least 1")
+	if cfg.XDS.AdmitRate < 0 || cfg.XDS.AdmitRate > 0 && cfg.XDS.AdmitBurst < 1 {
+		bad("XDS.AdmitRate", "must be 0 (no limit), or positive with XDS.AdmitBurst at least 1")
 	}
-	if cfg.UpstreamStreamRate < 0 {
-		bad("UpstreamStreamRate", "must be 0 (no bound) or positive")
+	if cfg.Upstream.StreamRate < 0 {
+		bad("Upstream.StreamRate", "must be 0 (no bound) or positive")
 	}
-	if cfg.UpstreamSyncs < 0 {
-		bad("UpstreamSyncs", "must be 0 (no bound) or positive")
+	if cfg.Upstream.Syncs < 0 {
+		bad("Upstream.Syncs", "must be 0 (no bound) or positive")
 	}
-	if cfg.Tier != nil && (cfg.BalanceInterval <= 0 || cfg.ShedRate <= 0) {
-		bad("BalanceInterval", "and ShedRate must be positive with a Tier")
+	if cfg.Tier.Balancer != nil && (cfg.Tier.BalanceInterval <= 0 || cfg.Tier.ShedRate <= 0) {
+		bad("Tier.BalanceInterval", "and Tier.ShedRate must be positive with a Tier.Balancer")
 	}
 	if err := cfg.History.Validate(); err != nil {
 		bad("History", err.Error())
 	}
-	if cfg.BackoffMax < cfg.BackoffInitial {
-		bad("BackoffMax", "is below BackoffInitial")
+	if cfg.Upstream.BackoffMax < cfg.Upstream.BackoffInitial {
+		bad("Upstream.BackoffMax", "is below Upstream.BackoffInitial")
 	}
 	if (cfg.Registerer == nil) != (cfg.Gatherer == nil) {
 		bad("Registerer", "and Gatherer must be set together")

@@ -674,7 +674,7 @@ func TestConformance(t *testing.T) {
 			}
 		}},
 		{"authorizer refuses before anything is served", func(t *testing.T, e *env) {
-			r := startRelay(t, e.up, func(c *Config) { c.Authorizer = denyNamespace("ns1") })
+			r := startRelay(t, e.up, func(c *Config) { c.XDS.Authorizer = denyNamespace("ns1") })
 			c := newRawClient(t, dial(t, r.Addr().String()), e.delta, node("ns1", "app", 0))
 			c.subscribe(xds.TypeCluster)
 			if err := c.streamErr(); status.Code(err) != codes.PermissionDenied {

@@ -119,8 +119,8 @@ func isDebugType(typeURL string) bool {
 //     that it may have its own node's config, not every node's;
 //   - the TLS port answers a stream that proved an identity (istioctl
 //     sends a token of istio-system's default account): the whole tier
-//     for an identity of Config.DebugNamespaces (istiod's rule for its
-//     root namespace) or of Config.AdminIdentities, the identity's own
+//     for an identity of Config.Admin.DebugNamespaces (istiod's rule for its
+//     root namespace) or of Config.Admin.Identities, the identity's own
 //     namespace for any other;
 //   - the peer port serves the tier's relays, which ask no debug types.
 //
@@ -128,7 +128,7 @@ func isDebugType(typeURL string) bool {
 func (s *stream) debugCaller(typeURL string) (admin.Caller, error) {
 	switch s.port {
 	case portPlain:
-		if _, trusted := s.r.cfg.Authorizer.(AllowAll); trusted {
+		if _, trusted := s.r.cfg.XDS.Authorizer.(AllowAll); trusted {
 			return admin.Caller{Admin: true}, nil
 		}
 		return admin.Caller{}, status.Errorf(codes.PermissionDenied,
@@ -136,7 +136,7 @@ func (s *stream) debugCaller(typeURL string) (admin.Caller, error) {
 	case portTLS:
 		switch {
 		case s.identity != nil:
-			if slices.Contains(s.r.cfg.DebugNamespaces, s.identity.Namespace) {
+			if slices.Contains(s.r.cfg.Admin.DebugNamespaces, s.identity.Namespace) {
 				// Reads the tier, as istiod answers its root namespace.
 				return admin.Caller{Admin: true, Identity: s.identity.SPIFFEID()}, nil
 			}

@@ -100,7 +100,7 @@ func TestDebugTypes(t *testing.T) {
 		t.Fatalf("the relay lists %d clients, want 1: the debug stream joined a key", n)
 	}
 
-	guarded := newEnv(t, false, func(cfg *Config) { cfg.Authorizer = allowEveryone{} })
+	guarded := newEnv(t, false, func(cfg *Config) { cfg.XDS.Authorizer = allowEveryone{} })
 	ads2, err := discovery.NewAggregatedDiscoveryServiceClient(guarded.conn).StreamAggregatedResources(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -276,7 +276,7 @@ func dumpClusters(t *testing.T, resp *discovery.DiscoveryResponse) []string {
 // authenticates no one answers no debug question.
 func TestDebugTypesOnTLSPort(t *testing.T) {
 	e := newSecureEnv(t, auth.ModeAny, func(c *Config) {
-		c.AdminIdentities, c.DebugNamespaces = []string{adminID}, []string{"istio-system"}
+		c.Admin.Identities, c.Admin.DebugNamespaces = []string{adminID}, []string{"istio-system"}
 	})
 	// The last names its namespace in its metadata alone: its id names
 	// none.
@@ -358,7 +358,7 @@ func TestDebugTypesOnTLSPort(t *testing.T) {
 	}
 
 	t.Run("no authentication on the TLS port", func(t *testing.T) {
-		open := newSecureEnv(t, auth.ModeAny, func(c *Config) { c.Authenticator = nil })
+		open := newSecureEnv(t, auth.ModeAny, func(c *Config) { c.XDS.Authenticator = nil })
 		_, err := debugAsk(t, open.dial(t, creds{}), "", syncz)
 		if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "proved an identity") {
 			t.Fatalf("syncz on a TLS port without authentication: %v, want PermissionDenied saying why", err)
@@ -374,7 +374,7 @@ func TestDebugTypesOnPeerPort(t *testing.T) {
 	seed(up, "ns1", 2)
 	ca := authtest.NewCA(t, "tier root")
 	server, client := peerTLS(t, ca, ca, tierID)
-	r := startRelay(t, up, func(c *Config) { c.PeerListen, c.PeerTLS = "127.0.0.1:0", server })
+	r := startRelay(t, up, func(c *Config) { c.Tier.Listen, c.Tier.TLS = "127.0.0.1:0", server })
 	conn, err := grpc.NewClient(r.peerLis.Addr().String(), grpc.WithTransportCredentials(credentials.NewTLS(client)))
 	if err != nil {
 		t.Fatal(err)

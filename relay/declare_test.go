@@ -22,8 +22,8 @@ import (
 // set the versions to an empty tree and nothing was declared.
 func TestRestoredDeclarationSurvivesADrop(t *testing.T) {
 	cfg := DefaultConfig()
-	cfg.Upstream = "unused:1"
-	cfg.UpstreamProtocol = ProtocolDelta
+	cfg.Upstream.Addr = "unused:1"
+	cfg.Upstream.Protocol = ProtocolDelta
 	r, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)

@@ -34,7 +34,7 @@ import (
 //
 // The cost is bounded: one check per key at a time (so at most one stream
 // beside the key's own), at most maxDivergenceChecks per relay at a time,
-// each opened at the upstream's pace (Config.UpstreamStreamRate) and ended
+// each opened at the upstream's pace (Config.Upstream.StreamRate) and ended
 // after divergenceCheckFor at most.
 
 // maxDivergenceChecks bounds the checks one relay runs at a time
@@ -85,7 +85,7 @@ var errChurning = errors.New("relay: the key's content kept changing")
 // its owner is checked by the owner, asked (CheckMember) about this relay's
 // own Envoys, since the owner sees only the node each relay presents.
 func (r *Relay) checkDivergence(ctx context.Context) {
-	tick := time.NewTicker(min(time.Second, r.cfg.DivergenceInterval))
+	tick := time.NewTicker(min(time.Second, r.cfg.Keys.DivergenceInterval))
 	defer tick.Stop()
 	for {
 		select {
@@ -96,10 +96,10 @@ func (r *Relay) checkDivergence(ctx context.Context) {
 		}
 		now := time.Now()
 		for _, k := range r.heldKeys() {
-			m, ok := k.checkDue(now, r.cfg.DivergenceInterval)
+			m, ok := k.checkDue(now, r.cfg.Keys.DivergenceInterval)
 			recheck := false
 			if !ok {
-				if m, ok = k.recheckDue(now, r.cfg.DivergenceInterval); !ok {
+				if m, ok = k.recheckDue(now, r.cfg.Keys.DivergenceInterval); !ok {
 					continue
 				}
 				recheck = true
@@ -161,7 +161,7 @@ const splitRecheck = 30 * time.Second
 // It marks the check running; checkDone ends it.
 func (k *keyState) checkDue(now time.Time, every time.Duration) (member, bool) {
 	fromOwner := sourceKind(k.source.Load()) == sourcePeer
-	if fromOwner && k.r.cfg.ForwardCredentials {
+	if fromOwner && k.r.cfg.Upstream.ForwardCredentials {
 		return nil, false // the owner would need the member's token
 	}
 	k.mu.Lock()
@@ -188,7 +188,7 @@ func (k *keyState) checkDue(now time.Time, every time.Duration) (member, bool) {
 		}
 		// In forward mode, the upstream wants the member's own token: a
 		// relay's stream carries none.
-		return !k.r.cfg.ForwardCredentials || cred != nil
+		return !k.r.cfg.Upstream.ForwardCredentials || cred != nil
 	}
 	var pick member
 	if d.soon != nil && slices.Contains(k.members, d.soon) && candidate(d.soon) {
@@ -280,7 +280,7 @@ func (r *Relay) recheckSplit(ctx context.Context, k *keyState, m member) {
 		}
 		differ, _, err = r.runCheck(ctx, bk, m)
 		bk.checkDone(nil, time.Time{}, nil)
-	case self || r.cfg.ForwardCredentials:
+	case self || r.cfg.Upstream.ForwardCredentials:
 		// Nothing to compare with here (the key it left has no source
 		// here), or the owner would need the member's token: the split
 		// stays.
@@ -297,7 +297,7 @@ func (r *Relay) recheckSplit(ctx context.Context, k *keyState, m member) {
 			r.mergeBack(base, node)
 		}
 	}
-	k.recheckDone(m, err == nil && len(differ) > 0 || errors.Is(err, errNotComparable), r.cfg.DivergenceInterval)
+	k.recheckDone(m, err == nil && len(differ) > 0 || errors.Is(err, errNotComparable), r.cfg.Keys.DivergenceInterval)
 	switch {
 	case ctx.Err() != nil:
 	case err != nil:
@@ -391,7 +391,7 @@ func (r *Relay) checkKey(ctx context.Context, k *keyState, m member) {
 			return
 		}
 	}
-	k.checkDone(m, time.Now().Add(r.cfg.DivergenceInterval), wanted)
+	k.checkDone(m, time.Now().Add(r.cfg.Keys.DivergenceInterval), wanted)
 	switch {
 	case ctx.Err() != nil:
 	case err != nil:
@@ -406,10 +406,10 @@ func (r *Relay) checkKey(ctx context.Context, k *keyState, m member) {
 // ownerOf returns k's owner's address, and whether this relay owns k (or
 // there is no tier).
 func (r *Relay) ownerOf(k aggkey.Key) (string, bool) {
-	if r.cfg.Owners == nil {
+	if r.cfg.Tier.Owners == nil {
 		return "", true
 	}
-	return r.cfg.Owners.Owner(string(k))
+	return r.cfg.Tier.Owners.Owner(string(k))
 }
 
 // askCheck asks the owner at addr to check node, a member of key here.
@@ -422,7 +422,7 @@ func (r *Relay) askCheck(ctx context.Context, addr string, key aggkey.Key, node 
 	if err != nil {
 		return nil, err
 	}
-	ctx, cancel := context.WithTimeout(ctx, divergenceCheckFor+r.cfg.LedgerGatherTimeout)
+	ctx, cancel := context.WithTimeout(ctx, divergenceCheckFor+r.cfg.Tier.GatherTimeout)
 	defer cancel()
 	ctx = metadata.AppendToOutgoingContext(ctx, r.peerMetadata()...)
 	var md metadata.MD
@@ -454,9 +454,9 @@ func (s inspectServer) CheckMember(ctx context.Context, req *inspectpb.CheckMemb
 	switch {
 	case k == nil:
 		return nil, status.Errorf(codes.NotFound, "key %q: %v", req.GetKey(), ErrNotHeld)
-	case s.r.cfg.DivergenceInterval == 0:
+	case s.r.cfg.Keys.DivergenceInterval == 0:
 		return nil, status.Error(codes.FailedPrecondition, "divergence checks are off here")
-	case s.r.cfg.ForwardCredentials:
+	case s.r.cfg.Upstream.ForwardCredentials:
 		return nil, status.Error(codes.FailedPrecondition, "forward mode: a check presents the member's own token, which stays at its relay")
 	case sourceKind(k.source.Load()) == sourcePeer || k.presentedNode.Load() == nil:
 		return nil, status.Errorf(codes.FailedPrecondition, "key %q: not its upstream source", req.GetKey())
@@ -581,10 +581,10 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 			return nil, err
 		}
 	}
-	if r.cfg.ForwardCredentials {
+	if r.cfg.Upstream.ForwardCredentials {
 		ctx = withCredential(ctx, cred)
 	}
-	// A check's first answers are a sync like a key's (Config.UpstreamSyncs),
+	// A check's first answers are a sync like a key's (Config.Upstream.Syncs),
 	// taken only from a free slot: a cold tier's checks wait until its keys'
 	// first answers are in, and never add to them.
 	release, ok := r.syncs.tryAcquire()
@@ -596,7 +596,7 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 	defer r.metrics.divergenceOpen.Dec()
 	p := &probeStream{r: r, asked: asked, got: make(map[string]map[string]ledger.Hash)}
 	s, err := adsclient.Open(ctx, r.upConn, adsclient.Config{
-		Delta:       r.cfg.UpstreamProtocol == ProtocolDelta,
+		Delta:       r.cfg.Upstream.Protocol == ProtocolDelta,
 		Node:        node,
 		CallOptions: []grpc.CallOption{grpc.MaxCallRecvMsgSize(r.cfg.MaxMsgSize)},
 	})

@@ -161,8 +161,8 @@ func TestDivergenceSplitsKey(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			up := inboundUpstream(t)
 			withChecks := func(c *Config) {
-				c.UpstreamProtocol = tc.upstream
-				c.DivergenceInterval = 200 * time.Millisecond
+				c.Upstream.Protocol = tc.upstream
+				c.Keys.DivergenceInterval = 200 * time.Millisecond
 			}
 			owner := startRelay(t, up, func(c *Config) { withChecks(c); c.ID = "owner" })
 			// Where each of the four Envoys connects: the owner, or in the
@@ -172,7 +172,7 @@ func TestDivergenceSplitsKey(t *testing.T) {
 				other := startRelay(t, up, func(c *Config) {
 					withChecks(c)
 					c.ID = "other"
-					c.Owners = newFakeOwners(owner.Addr().String(), false)
+					c.Tier.Owners = newFakeOwners(owner.Addr().String(), false)
 				})
 				at[1], at[2] = other, other
 			}
@@ -320,7 +320,7 @@ func TestSettledDifferences(t *testing.T) {
 // frees, not at its next turn a DivergenceInterval later.
 func TestDivergenceCheckWaitsForSlot(t *testing.T) {
 	up := inboundUpstream(t)
-	r := startRelay(t, up, func(c *Config) { c.DivergenceInterval = time.Hour })
+	r := startRelay(t, up, func(c *Config) { c.Keys.DivergenceInterval = time.Hour })
 	for range maxDivergenceChecks {
 		r.checkSlots <- struct{}{} // every slot taken
 	}
@@ -353,7 +353,7 @@ func TestDivergenceCheckWaitsForSlot(t *testing.T) {
 // until the split, and loses it then: the one removal allowed.)
 func TestDivergenceCheckAtJoinComparesEverything(t *testing.T) {
 	up := inboundUpstream(t)
-	r := startRelay(t, up, func(c *Config) { c.DivergenceInterval = time.Hour })
+	r := startRelay(t, up, func(c *Config) { c.Keys.DivergenceInterval = time.Hour })
 	a := startWatchedEnvoy(t, r.Addr().String(), node("default", "reviews", 0), envoy.Delta)
 	b := startWatchedEnvoy(t, r.Addr().String(), node("default", "reviews", 2), envoy.Delta)
 	waitLong(t, "a split, and each Envoy on its own config", func() bool {
@@ -388,8 +388,8 @@ func TestRemovedNameKeptByASubscriptionIsNoDivergence(t *testing.T) {
 	seed(up, "ns1", 3)
 	up.set("ns1", xds.TypeEndpoint, mkCLA("gone", 7000))
 	r := startRelay(t, up, func(c *Config) {
-		c.UpstreamProtocol = ProtocolSotW
-		c.DivergenceInterval = time.Hour // only the check of the second member
+		c.Upstream.Protocol = ProtocolSotW
+		c.Keys.DivergenceInterval = time.Hour // only the check of the second member
 	})
 	conn := dial(t, r.Addr().String())
 	first := newRawClient(t, conn, false, node("ns1", "app", 0))
@@ -425,14 +425,14 @@ func TestSplitMergedBack(t *testing.T) {
 	for _, tier := range []bool{false, true} {
 		t.Run(map[bool]string{false: "one relay", true: "envoy at the owner's peer"}[tier], func(t *testing.T) {
 			up := inboundUpstream(t)
-			withChecks := func(c *Config) { c.DivergenceInterval = 200 * time.Millisecond }
+			withChecks := func(c *Config) { c.Keys.DivergenceInterval = 200 * time.Millisecond }
 			owner := startRelay(t, up, func(c *Config) { withChecks(c); c.ID = "owner" })
 			at := owner
 			if tier {
 				at = startRelay(t, up, func(c *Config) {
 					withChecks(c)
 					c.ID = "other"
-					c.Owners = newFakeOwners(owner.Addr().String(), false)
+					c.Tier.Owners = newFakeOwners(owner.Addr().String(), false)
 				})
 			}
 			nodes := []*core.Node{node("default", "reviews", 0), node("default", "reviews", 1), node("default", "reviews", 2)}
@@ -486,12 +486,12 @@ func TestSplitMergedBack(t *testing.T) {
 func TestSplitTheOwnerNeverKnewIsMergedBack(t *testing.T) {
 	up := newTestUpstream(t, "ns0")
 	seed(up, "ns0", 3)
-	withChecks := func(c *Config) { c.DivergenceInterval = 200 * time.Millisecond }
+	withChecks := func(c *Config) { c.Keys.DivergenceInterval = 200 * time.Millisecond }
 	owner := startRelay(t, up, func(c *Config) { withChecks(c); c.ID = "owner" })
 	at := startRelay(t, up, func(c *Config) {
 		withChecks(c)
 		c.ID = "other"
-		c.Owners = newFakeOwners(owner.Addr().String(), false)
+		c.Tier.Owners = newFakeOwners(owner.Addr().String(), false)
 	})
 	presented, diverging := node("ns0", "app", 0), node("ns0", "app", 1)
 	base := splitHere(at, presented, diverging)
@@ -521,14 +521,14 @@ func TestSplitKeyNobodyComesBackToIsDropped(t *testing.T) {
 	seed(up, "ns0", 3)
 	owner := startRelay(t, up, func(c *Config) {
 		c.ID = "owner"
-		c.DivergenceInterval = 0
-		c.KeyIdleTimeout = time.Hour
+		c.Keys.DivergenceInterval = 0
+		c.Keys.IdleTimeout = time.Hour
 	})
 	at := startRelay(t, up, func(c *Config) {
 		c.ID = "other"
-		c.DivergenceInterval = 0
-		c.KeyIdleTimeout = 100 * time.Millisecond
-		c.Owners = newFakeOwners(owner.Addr().String(), false)
+		c.Keys.DivergenceInterval = 0
+		c.Keys.IdleTimeout = 100 * time.Millisecond
+		c.Tier.Owners = newFakeOwners(owner.Addr().String(), false)
 	})
 	presented, diverging := node("ns0", "app", 0), node("ns0", "app", 1)
 	splitHere(at, presented, diverging)
@@ -561,12 +561,12 @@ func splitHere(r *Relay, presented, diverging *core.Node) aggkey.Key {
 // again, up to the interval; a re-check without an answer keeps the pace.
 func TestSplitRecheckedSoonThenLessOften(t *testing.T) {
 	cfg := DefaultConfig()
-	cfg.Upstream = "unused:1"
+	cfg.Upstream.Addr = "unused:1"
 	r, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	every := r.cfg.DivergenceInterval
+	every := r.cfg.Keys.DivergenceInterval
 	k := newKeyState(r, "node/x")
 	k.splitFrom = "base"
 	m := r.newStream(context.Background(), false, portPlain)

@@ -141,7 +141,7 @@ const (
 // key or other relays subscribe to it here; else the owner, unless the owner
 // was unreachable and still is.
 func (u *feed) choose() source {
-	owners := u.r.cfg.Owners
+	owners := u.r.cfg.Tier.Owners
 	if owners == nil || u.k.servesPeers() {
 		return source{kind: sourceUpstream}
 	}
@@ -164,7 +164,7 @@ func (u *feed) choose() source {
 // reached again, the key is fed by the upstream directly. If the ring moved
 // the key meanwhile, the next choice follows the ring instead.
 func (u *feed) fallBack(addr string, err error) {
-	if now, self := u.r.cfg.Owners.Owner(string(u.k.key)); self || now != addr {
+	if now, self := u.r.cfg.Tier.Owners.Owner(string(u.k.key)); self || now != addr {
 		return
 	}
 	u.fallbackFor = addr
@@ -178,7 +178,7 @@ func newFeed(k *keyState) *feed {
 		r:       k.r,
 		types:   make(map[string]*feedType),
 		derived: make(map[string]map[string]int),
-		delta:   k.r.cfg.UpstreamProtocol == ProtocolDelta,
+		delta:   k.r.cfg.Upstream.Protocol == ProtocolDelta,
 		log: func(msg string, args ...any) {
 			k.r.log.Debug(msg, append([]any{"key", k.key}, args...)...)
 		},
@@ -186,7 +186,7 @@ func newFeed(k *keyState) *feed {
 }
 
 // run keeps an upstream stream open for the key until ctx ends or the key
-// has had no members for KeyIdleTimeout.
+// has had no members for Keys.IdleTimeout.
 func (u *feed) run(ctx context.Context) {
 	defer u.stopTimers()
 	bo := u.r.newBackoff()
@@ -204,7 +204,7 @@ func (u *feed) run(ctx context.Context) {
 			continue
 		}
 		src := u.choose()
-		if u.r.cfg.ForwardCredentials && src.kind != sourcePeer && !presentsToken(presenter) {
+		if u.r.cfg.Upstream.ForwardCredentials && src.kind != sourcePeer && !presentsToken(presenter) {
 			// Forward mode: istiod takes a stream only with a member's own
 			// token, and none is left to present (the members left, or
 			// istiod refused their tokens). A stream without one would
@@ -219,7 +219,7 @@ func (u *feed) run(ctx context.Context) {
 		u.reportSource()
 		got, err := u.session(ctx, node, presenter, src)
 		u.renewing = errors.Is(err, errRenew)
-		if u.r.cfg.ForwardCredentials && src.kind != sourcePeer && noteRefused(presenter, err) {
+		if u.r.cfg.Upstream.ForwardCredentials && src.kind != sourcePeer && noteRefused(presenter, err) {
 			u.r.log.Warn("upstream refused the token a key's stream presented: presenting another member's next", "key", u.k.key, "node", node.GetId(), "err", err)
 		}
 		if errors.Is(err, errIdle) || ctx.Err() != nil {
@@ -308,7 +308,7 @@ func (u *feed) sleep(ctx context.Context, d time.Duration) bool {
 func (u *feed) session(ctx context.Context, node *core.Node, presenter member, src source) (got bool, err error) {
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	// The upstream's pace of new streams (Config.UpstreamStreamRate): taken
+	// The upstream's pace of new streams (Config.Upstream.StreamRate): taken
 	// before a slot, so that no slot waits on it.
 	if src.kind != sourcePeer && u.r.upstreamRate != nil && !u.r.upstreamRate.Allow() {
 		u.r.metrics.upstreamWaiting.Inc()
@@ -320,7 +320,7 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 			return false, ctx.Err()
 		}
 	}
-	// A slot of the relay's first answers (Config.UpstreamSyncs), held
+	// A slot of the relay's first answers (Config.Upstream.Syncs), held
 	// until the stream answered every type or for syncSlotHold at most.
 	// Streams to keys' owners take theirs from a pool of their own: an
 	// owner's first answer waits on the owner's upstream stream, which must
@@ -523,7 +523,7 @@ func timerC(t *time.Timer) <-chan time.Time {
 // and copied, only if the relay lacks the content.
 func (u *feed) open(sctx context.Context, node *core.Node, presenter member, src source) (*adsclient.Stream, error) {
 	conn := u.r.upConn
-	u.delta = u.r.cfg.UpstreamProtocol == ProtocolDelta
+	u.delta = u.r.cfg.Upstream.Protocol == ProtocolDelta
 	u.demandCarried = 0
 	if src.kind == sourcePeer {
 		var err error
@@ -541,7 +541,7 @@ func (u *feed) open(sctx context.Context, node *core.Node, presenter member, src
 		u.delta = true
 		u.declareViews()
 	}
-	if u.r.cfg.ForwardCredentials && presenter != nil {
+	if u.r.cfg.Upstream.ForwardCredentials && presenter != nil {
 		// The member's own token: istiod checks it against the node this
 		// stream presents, which is that member's.
 		_, cred := presenter.presents()
@@ -639,7 +639,7 @@ func (u *feed) mayBeSilent(src source) bool {
 const syncSlotHold = 30 * time.Second
 
 // syncSlots bounds the streams to keys' sources that are open and have not
-// answered every type yet (Config.UpstreamSyncs): a stream's first answers
+// answered every type yet (Config.Upstream.Syncs): a stream's first answers
 // carry its key's whole config, decoded as they arrive, and a relay that
 // starts cold, or a tier whose istiod restarted, would otherwise receive
 // every key's at once and hold them all at once. Nil: no bound. Safe for

@@ -416,7 +416,7 @@ func (u *feed) armExpiry() {
 	if earliest.IsZero() {
 		return
 	}
-	d := time.Until(earliest.Add(u.r.cfg.ResourceWaitTimeout))
+	d := time.Until(earliest.Add(u.r.cfg.XDS.ResourceWaitTimeout))
 	if d < 0 {
 		d = 0
 	}
@@ -438,7 +438,7 @@ func (u *feed) expiryC() <-chan time.Time {
 // tell clients they do not exist.
 func (u *feed) expirePending() {
 	now := time.Now()
-	wait := u.r.cfg.ResourceWaitTimeout
+	wait := u.r.cfg.XDS.ResourceWaitTimeout
 	k := u.k
 	k.mu.Lock()
 	k.update(func(next *keyViews) {
@@ -474,7 +474,7 @@ func (u *feed) checkIdle() {
 	n := u.k.memberCount()
 	switch {
 	case n == 0 && u.idle == nil:
-		wait := u.r.cfg.KeyIdleTimeout
+		wait := u.r.cfg.Keys.IdleTimeout
 		if u.r.nobodyComesBack(u.k) {
 			wait = 0
 		}

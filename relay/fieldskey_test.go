@@ -32,7 +32,7 @@ func TestFieldsProfileAggregatesAFleet(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			up := newTestUpstream(t)
 			eds := seedN(up, "default", 3)
-			r := startRelay(t, up, func(c *Config) { c.KeyProfile = tc.profile })
+			r := startRelay(t, up, func(c *Config) { c.Keys.Profile = tc.profile })
 			conn := dial(t, r.Addr().String())
 			for i, cluster := range []string{"bench", "bench", "bench", "other"} {
 				c := newRawClient(t, conn, true, &core.Node{Id: fmt.Sprintf("sidecar-%d.bench", i), Cluster: cluster})
@@ -78,7 +78,7 @@ func TestAggregationOffIsVisible(t *testing.T) {
 			up := newTestUpstream(t)
 			eds := seedN(up, "default", 1)
 			r := startRelay(t, up, func(c *Config) {
-				c.KeyProfile, c.Logger, c.AggregationWarnInterval, c.AdminListen = tc.profile, logs.logger(), 10*time.Millisecond, "127.0.0.1:0"
+				c.Keys.Profile, c.Logger, c.Keys.AggregationWarnInterval, c.Admin.Listen = tc.profile, logs.logger(), 10*time.Millisecond, "127.0.0.1:0"
 			})
 			conn := dial(t, r.Addr().String())
 			for i := range 12 {
@@ -124,7 +124,7 @@ func metricsOf(t *testing.T, r *Relay) string {
 	return string(b)
 }
 
-// Streams to the upstream open at Config.UpstreamStreamRate: at one per
+// Streams to the upstream open at Config.Upstream.StreamRate: at one per
 // ten seconds (a bucket of one), the first of three per-node keys opens
 // its stream and is served; the other two wait their turn, while the
 // first key's further Envoys are served by its one stream.
@@ -132,7 +132,7 @@ func TestUpstreamStreamRate(t *testing.T) {
 	up := newTestUpstream(t)
 	eds := seedN(up, "default", 1)
 	r := startRelay(t, up, func(c *Config) {
-		c.KeyProfile, c.UpstreamStreamRate = aggkey.PerNode{}, 0.1
+		c.Keys.Profile, c.Upstream.StreamRate = aggkey.PerNode{}, 0.1
 	})
 	conn := dial(t, r.Addr().String())
 	first := newRawClient(t, conn, true, &core.Node{Id: "sidecar-0.bench"})

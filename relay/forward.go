@@ -15,7 +15,7 @@ import (
 )
 
 // credential is a bearer token a stream came with, kept in memory so that
-// its key's upstream stream can present it (Config.ForwardCredentials). It
+// its key's upstream stream can present it (Config.Upstream.ForwardCredentials). It
 // prints as a placeholder, so that no log line can hold it.
 type credential struct {
 	token   string
@@ -64,7 +64,7 @@ func noteRefused(m member, err error) bool {
 // its stream to a key this relay owns (the peer port proved that relay; it
 // verified the token). Nil otherwise.
 func (r *Relay) forwardable(ctx context.Context, peer bool, id *auth.Identity) *credential {
-	if !r.cfg.ForwardCredentials {
+	if !r.cfg.Upstream.ForwardCredentials {
 		return nil
 	}
 	if peer {
@@ -74,10 +74,10 @@ func (r *Relay) forwardable(ctx context.Context, peer bool, id *auth.Identity) *
 		}
 		return &credential{token: tok, expires: auth.UnverifiedExpiry(tok)}
 	}
-	if id == nil || r.cfg.Authenticator == nil {
+	if id == nil || r.cfg.XDS.Authenticator == nil {
 		return nil
 	}
-	tok, expires, ok := r.cfg.Authenticator.Token(ctx, *id)
+	tok, expires, ok := r.cfg.XDS.Authenticator.Token(ctx, *id)
 	if !ok {
 		return nil
 	}
@@ -133,7 +133,7 @@ func presentable(members []member, forward bool, now time.Time, refresh time.Dur
 // closes every connection after 30 minutes (its MaxServerConnectionAge),
 // far more often than this.
 func (r *Relay) refreshCredentials(ctx context.Context) {
-	every := max(r.cfg.TokenRefreshBefore/5, 100*time.Millisecond)
+	every := max(r.cfg.Upstream.TokenRefreshBefore/5, 100*time.Millisecond)
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {
@@ -142,14 +142,14 @@ func (r *Relay) refreshCredentials(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		budget := max(1, int(r.cfg.ShedRate*every.Seconds()))
-		horizon := time.Now().Add(r.cfg.TokenRefreshBefore / 2)
+		budget := max(1, int(r.cfg.Tier.ShedRate*every.Seconds()))
+		horizon := time.Now().Add(r.cfg.Upstream.TokenRefreshBefore / 2)
 		streams, _ := r.streams()
 		for _, s := range streams {
 			if budget == 0 {
 				break
 			}
-			if s.cred != nil && !s.cred.usableAt(horizon) && time.Since(s.opened) >= r.cfg.TokenRefreshBefore/2 && r.moveAway(s, "token_expiry") {
+			if s.cred != nil && !s.cred.usableAt(horizon) && time.Since(s.opened) >= r.cfg.Upstream.TokenRefreshBefore/2 && r.moveAway(s, "token_expiry") {
 				budget--
 			}
 		}
@@ -185,24 +185,24 @@ func (u *feed) waitForToken(ctx context.Context, node *core.Node) bool {
 // the stream presents (forward mode): then a member whose token lives
 // longer takes over. Nil if there is nothing to refresh.
 func (u *feed) refreshTimer(presenter member) *time.Timer {
-	if !u.r.cfg.ForwardCredentials || presenter == nil {
+	if !u.r.cfg.Upstream.ForwardCredentials || presenter == nil {
 		return nil
 	}
 	_, cred := presenter.presents()
 	if cred == nil || cred.expires.IsZero() {
 		return nil
 	}
-	return time.NewTimer(time.Until(cred.expires.Add(-u.r.cfg.TokenRefreshBefore)))
+	return time.NewTimer(time.Until(cred.expires.Add(-u.r.cfg.Upstream.TokenRefreshBefore)))
 }
 
 // tokenExpiring reports whether, in forward mode, the presented token is
 // within TokenRefreshBefore of its expiry while next's lives past it: the
 // stream should move to next before istiod would refuse a reconnect.
 func (u *feed) tokenExpiring(next member) bool {
-	if !u.r.cfg.ForwardCredentials || u.presented == nil {
+	if !u.r.cfg.Upstream.ForwardCredentials || u.presented == nil {
 		return false
 	}
-	horizon := time.Now().Add(u.r.cfg.TokenRefreshBefore)
+	horizon := time.Now().Add(u.r.cfg.Upstream.TokenRefreshBefore)
 	_, cur := u.presented.presents()
 	_, nextCred := next.presents()
 	return !cur.usableAt(horizon) && nextCred.usableAt(horizon)

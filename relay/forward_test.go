@@ -48,8 +48,8 @@ func forwardEnvMode(t *testing.T, mode auth.Mode, refresh time.Duration, upstrea
 		g.Tokens = upstreamTokens(v)
 	}
 	e := newSecureEnvWith(t, mode, issuer, []grpc.ServerOption{grpc.ChainStreamInterceptor(g.Interceptor)}, func(c *Config) {
-		c.ForwardCredentials = true
-		c.TokenRefreshBefore = refresh
+		c.Upstream.ForwardCredentials = true
+		c.Upstream.TokenRefreshBefore = refresh
 	})
 	return e, g
 }
@@ -378,10 +378,10 @@ func TestForwardPassthroughPresentsTheClientsToken(t *testing.T) {
 	up.TokenVerifier = v
 	g := &synth.Guard{Tokens: up}
 	e := newSecureEnvWith(t, auth.ModeJWT, issuer, []grpc.ServerOption{grpc.ChainStreamInterceptor(g.Interceptor)}, func(c *Config) {
-		c.ForwardCredentials, c.TokenRefreshBefore = true, time.Minute
+		c.Upstream.ForwardCredentials, c.Upstream.TokenRefreshBefore = true, time.Minute
 		// No divergence check: it would present a's token too, and this
 		// test counts who presents it.
-		c.DivergenceInterval = 0
+		c.Keys.DivergenceInterval = 0
 	})
 	e.up.set("ns1", typeOther, &structpb.Struct{Fields: map[string]*structpb.Value{"host": structpb.NewStringValue("c0.ns1")}})
 	// c joins first: the key's stream presents c's token throughout.

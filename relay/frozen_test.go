@@ -119,7 +119,7 @@ func TestResumedOwnerSendsNothingOlder(t *testing.T) {
 	seed(up, "ns1", 3)
 	f := newFreezer(up.dialCurrent)
 	r := startRelay(t, up, func(c *Config) {
-		c.UpstreamDialOptions = append(c.UpstreamDialOptions, grpc.WithContextDialer(f.dialer))
+		c.Upstream.DialOptions = append(c.Upstream.DialOptions, grpc.WithContextDialer(f.dialer))
 	})
 	conn := dial(t, r.Addr().String())
 	stays := newRawClient(t, conn, true, node("ns1", "app", 0))
@@ -159,11 +159,11 @@ func TestPeerOfStaleOwnerSendsNothingOlder(t *testing.T) {
 	up := newTestUpstream(t, "ns1")
 	seed(up, "ns1", 3)
 	secret := []byte("s")
-	owner := startRelay(t, up, func(c *Config) { c.ID = "owner"; c.PeerSecret = secret })
+	owner := startRelay(t, up, func(c *Config) { c.ID = "owner"; c.Tier.Secret = secret })
 	peer := startRelay(t, up, func(c *Config) {
 		c.ID = "peer"
-		c.Owners = newFakeOwners(owner.Addr().String(), false)
-		c.PeerSecret = secret
+		c.Tier.Owners = newFakeOwners(owner.Addr().String(), false)
+		c.Tier.Secret = secret
 	})
 	conn := dial(t, peer.Addr().String())
 	stays := newRawClient(t, conn, true, node("ns1", "app", 0))
@@ -231,14 +231,14 @@ func TestPeerViewIsTheOwnersWhileNamesArePending(t *testing.T) {
 	key := string(aggkey.Istio{}.Key(n))
 	secret := []byte("s")
 	owner := startRelay(t, up, func(c *Config) {
-		c.ID, c.PeerSecret = "owner", secret
-		c.ResourceWaitTimeout = time.Hour // the name stays pending throughout
+		c.ID, c.Tier.Secret = "owner", secret
+		c.XDS.ResourceWaitTimeout = time.Hour // the name stays pending throughout
 	})
 	peer := startRelay(t, up, func(c *Config) {
-		c.ID, c.PeerSecret = "peer", secret
-		c.Owners = newFakeOwners(owner.Addr().String(), false)
-		c.ResourceWaitTimeout = time.Hour
-		c.Snapshots = &savedSnapshots{keys: []xds.SavedKey{{Key: key, Types: []xds.SavedType{
+		c.ID, c.Tier.Secret = "peer", secret
+		c.Tier.Owners = newFakeOwners(owner.Addr().String(), false)
+		c.XDS.ResourceWaitTimeout = time.Hour
+		c.Keys.Snapshots = &savedSnapshots{keys: []xds.SavedKey{{Key: key, Types: []xds.SavedType{
 			savedEndpoints(t, mkCLA("c0", 7000), mkCLA("gone", 7000)),
 		}}}}
 	})
@@ -291,8 +291,8 @@ func TestSotWNewStreamDropsWhatItDoesNotSend(t *testing.T) {
 	seed(up, "ns1", 2)
 	up.set("ns1", xds.TypeEndpoint, mkCLA("gone", 7000))
 	r := startRelay(t, up, func(c *Config) {
-		c.UpstreamProtocol = ProtocolSotW
-		c.ResourceWaitTimeout = time.Hour // pending throughout
+		c.Upstream.Protocol = ProtocolSotW
+		c.XDS.ResourceWaitTimeout = time.Hour // pending throughout
 	})
 	c := newRawClient(t, dial(t, r.Addr().String()), true, node("ns1", "app", 0))
 	c.subscribe(xds.TypeEndpoint, "c0", "c1", "gone")
@@ -343,16 +343,16 @@ func TestRemovalLeavesAVersionBehind(t *testing.T) {
 	up := newTestUpstream(t, "ns1")
 	seed(up, "ns1", 3)
 	secret := []byte("s")
-	owner := startRelay(t, up, func(c *Config) { c.ID, c.PeerSecret = "owner", secret })
+	owner := startRelay(t, up, func(c *Config) { c.ID, c.Tier.Secret = "owner", secret })
 	f := newFreezer(func(ctx context.Context, addr string) (net.Conn, error) {
 		var d net.Dialer
 		return d.DialContext(ctx, "tcp", addr)
 	})
 	peerOf := func(id string, opts ...grpc.DialOption) *Relay {
 		return startRelay(t, up, func(c *Config) {
-			c.ID, c.PeerSecret = id, secret
-			c.Owners = newFakeOwners(owner.Addr().String(), false)
-			c.PeerDialOptions = append(c.PeerDialOptions, opts...)
+			c.ID, c.Tier.Secret = id, secret
+			c.Tier.Owners = newFakeOwners(owner.Addr().String(), false)
+			c.Tier.DialOptions = append(c.Tier.DialOptions, opts...)
 		})
 	}
 	live := peerOf("live")

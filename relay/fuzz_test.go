@@ -241,9 +241,9 @@ type downHarness struct {
 func newDownHarness(t testing.TB, conn *grpc.ClientConn, delta bool) *downHarness {
 	t.Helper()
 	cfg := DefaultConfig()
-	cfg.Upstream = "unused:1"
+	cfg.Upstream.Addr = "unused:1"
 	// Low enough that fuzzed inputs reach the limit checks.
-	cfg.MaxSubscribedNames = 16
+	cfg.XDS.MaxSubscribedNames = 16
 	r, err := New(cfg)
 	if err != nil {
 		t.Fatalf("New: %v", err)
@@ -444,7 +444,7 @@ func (h *downHarness) checkConverged() {
 			continue
 		}
 		for _, n := range slices.Sorted(maps.Keys(held)) {
-			if _, ok := ts.view.Get(n); ok || ts.isPending(n, now, h.r.cfg.ResourceWaitTimeout) {
+			if _, ok := ts.view.Get(n); ok || ts.isPending(n, now, h.r.cfg.XDS.ResourceWaitTimeout) {
 				continue
 			}
 			if h.referredBy(typeURL, n) != "" {
@@ -1120,10 +1120,10 @@ var upInitial = map[string][]string{xds.TypeEndpoint: {"c0", "c1"}, xds.TypeRout
 func newUpHarness(t testing.TB, delta bool) *upHarness {
 	t.Helper()
 	cfg := DefaultConfig()
-	cfg.Upstream = "unused:1"
-	cfg.UpstreamProtocol = ProtocolSotW
+	cfg.Upstream.Addr = "unused:1"
+	cfg.Upstream.Protocol = ProtocolSotW
 	if delta {
-		cfg.UpstreamProtocol = ProtocolDelta
+		cfg.Upstream.Protocol = ProtocolDelta
 	}
 	r, err := New(cfg)
 	if err != nil {

@@ -299,7 +299,7 @@ func (u *testUpstream) nacksSeen() int {
 func startRelay(t *testing.T, up *testUpstream, mod func(*Config)) *Relay {
 	t.Helper()
 	return startRelayTo(t, up.addr, func(c *Config) {
-		c.UpstreamDialOptions = append(c.UpstreamDialOptions, grpc.WithContextDialer(up.dialCurrent))
+		c.Upstream.DialOptions = append(c.Upstream.DialOptions, grpc.WithContextDialer(up.dialCurrent))
 		if mod != nil {
 			mod(c)
 		}
@@ -312,13 +312,13 @@ func startRelayTo(t *testing.T, addr string, mod func(*Config)) *Relay {
 	t.Helper()
 	cfg := DefaultConfig()
 	cfg.ID = "relay-test"
-	cfg.XDSListen = "127.0.0.1:0"
-	cfg.Upstream = addr
-	cfg.BackoffInitial = 20 * time.Millisecond
-	cfg.BackoffMax = 200 * time.Millisecond
+	cfg.XDS.Listen = "127.0.0.1:0"
+	cfg.Upstream.Addr = addr
+	cfg.Upstream.BackoffInitial = 20 * time.Millisecond
+	cfg.Upstream.BackoffMax = 200 * time.Millisecond
 	// The tests count the upstream streams a key opens: a divergence
 	// check is one more. Its tests turn it on.
-	cfg.DivergenceInterval = 0
+	cfg.Keys.DivergenceInterval = 0
 	if os.Getenv("RELAY_TEST_LOG") != "" {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	}

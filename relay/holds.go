@@ -166,7 +166,7 @@ func (s *stream) deferDangling(p *plan) {
 		return
 	}
 	now := time.Now()
-	wait := s.r.cfg.ResourceWaitTimeout
+	wait := s.r.cfg.XDS.ResourceWaitTimeout
 	var keyCDS *typeView
 	if s.key != nil {
 		keyCDS = s.key.views.Load().types[xds.TypeCluster]

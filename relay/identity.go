@@ -19,7 +19,7 @@ import (
 // authMode names how the TLS port authenticates, for logs.
 func (r *Relay) authMode() string {
 	type moded interface{ Mode() auth.Mode }
-	switch a := r.cfg.Authenticator.(type) {
+	switch a := r.cfg.XDS.Authenticator.(type) {
 	case nil:
 		return string(auth.ModeNone)
 	case moded:
@@ -34,10 +34,10 @@ func (r *Relay) authMode() string {
 // Kubernetes API) and counted by reason; it is logged at most a few times
 // a second, naming the peer's address, never the credential.
 func (r *Relay) authenticate(ctx context.Context, p port) (*auth.Identity, error) {
-	if r.cfg.Authenticator == nil || p != portTLS {
+	if r.cfg.XDS.Authenticator == nil || p != portTLS {
 		return nil, nil
 	}
-	id, err := r.cfg.Authenticator.Authenticate(ctx)
+	id, err := r.cfg.XDS.Authenticator.Authenticate(ctx)
 	if err != nil {
 		reason := auth.ReasonOf(err)
 		r.metrics.authFailures.WithLabelValues(string(reason)).Inc()

@@ -74,10 +74,10 @@ func newSecureEnvWith(t *testing.T, mode auth.Mode, issuer *authtest.Issuer, upO
 		t.Fatal(err)
 	}
 	e.r = startRelay(t, e.up, func(c *Config) {
-		c.XDSListen = ""
-		c.XDSTLSListen = "127.0.0.1:0"
-		c.XDSTLS = tlsfiles.ServerConfig(pair, roots, tls.RequestClientCert)
-		c.Authenticator = authn
+		c.XDS.Listen = ""
+		c.XDS.TLSListen = "127.0.0.1:0"
+		c.XDS.TLS = tlsfiles.ServerConfig(pair, roots, tls.RequestClientCert)
+		c.XDS.Authenticator = authn
 		if mod != nil {
 			mod(c)
 		}

@@ -385,7 +385,7 @@ type Stats struct {
 	RestoredKeys    int    // keys restored from snapshots at start (warm start)
 	UpstreamStreams int    // upstream streams held (owned keys and fallbacks)
 	PeerStreams     int    // streams held to other relays, owners of keys
-	UpstreamWaiting int    // keys whose upstream stream waits its turn (Config.UpstreamStreamRate)
+	UpstreamWaiting int    // keys whose upstream stream waits its turn (Config.Upstream.StreamRate)
 	Resources       int    // distinct resources in the cache
 	Pushes          uint64 // responses sent downstream
 	BytesSent       uint64

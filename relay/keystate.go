@@ -77,7 +77,7 @@ type keyState struct {
 	splitFrom aggkey.Key
 	// abandoned is set once a member left the key because its split was
 	// merged back: nobody comes back to it, so it does not idle for
-	// KeyIdleTimeout with its upstream stream open.
+	// Keys.IdleTimeout with its upstream stream open.
 	abandoned atomic.Bool
 }
 
@@ -532,7 +532,7 @@ func (k *keyState) presenter() (member, int) {
 	if len(k.members) == 0 {
 		return nil, 0
 	}
-	return presentable(k.members, k.r.cfg.ForwardCredentials, time.Now(), k.r.cfg.TokenRefreshBefore), len(k.members)
+	return presentable(k.members, k.r.cfg.Upstream.ForwardCredentials, time.Now(), k.r.cfg.Upstream.TokenRefreshBefore), len(k.members)
 }
 
 // memberCount returns the number of members.

@@ -26,7 +26,7 @@ import (
 //   - Streams to each key's owner would make every ACK cross the tier a
 //     second time, on the data path, to serve those same rare answers.
 //   - A gather costs nothing until asked, and its answer is as fresh as the
-//     gather itself: at most LedgerGatherTimeout (1 s) old. A relay that
+//     gather itself: at most Tier.GatherTimeout (1 s) old. A relay that
 //     does not answer within it is named in the answer (Missing), never
 //     left out silently.
 
@@ -56,7 +56,7 @@ type TierLedger struct {
 // TierLedger gathers the ledgers of every relay of the tier for scope, in
 // detail d, and merges them: convergence, stragglers and per-relay figures
 // against each key's reference version (its origin's). It waits at most
-// LedgerGatherTimeout for the other relays. Brief is enough for every
+// Tier.GatherTimeout for the other relays. Brief is enough for every
 // answer but the times of each Envoy's types (proxy-status's full view,
 // syncz): it moves a fraction of the bytes and costs a fraction of the
 // CPU.
@@ -124,17 +124,17 @@ func (r *Relay) TierDelivery(ctx context.Context, scope ledger.Scope, typeURL, n
 // TierWait returns when the share of the tier's Envoys of scope on their
 // key's current version reaches share, or when ctx ends, with the latest
 // complete gather (every relay answered, if one was) and ctx's error. It
-// gathers every LedgerPollInterval and hands progress, if set, each
+// gathers every Tier.PollInterval and hands progress, if set, each
 // gather short of the share that ended before ctx.
 func (r *Relay) TierWait(ctx context.Context, scope ledger.Scope, share float64, progress func(TierLedger)) (TierLedger, error) {
 	if !(share > 0 && share <= 1) {
 		return TierLedger{}, ledger.ErrBadShare
 	}
-	t := time.NewTicker(r.cfg.LedgerPollInterval)
+	t := time.NewTicker(r.cfg.Tier.PollInterval)
 	defer t.Stop()
 	var last TierLedger
 	for {
-		// Each gather is bounded by LedgerGatherTimeout alone: one cut
+		// Each gather is bounded by Tier.GatherTimeout alone: one cut
 		// short by ctx's deadline would name live relays missing (their
 		// side of the call may end first). The wait may overrun ctx by
 		// that much.
@@ -171,13 +171,13 @@ func (r *Relay) localSummary(scope ledger.Scope, d ledger.Detail) <-chan *ledger
 // gather calls every other relay of the tier at once and returns the
 // answers, and the errors of those that failed or did not answer in time.
 func gather[T any](ctx context.Context, r *Relay, call func(context.Context, *grpc.ClientConn) (T, error)) ([]T, map[string]error) {
-	if r.cfg.Peers == nil {
+	if r.cfg.Tier.Peers == nil {
 		return nil, nil
 	}
-	ctx, cancel := context.WithTimeout(ctx, r.cfg.LedgerGatherTimeout)
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.Tier.GatherTimeout)
 	defer cancel()
 	ctx = metadata.AppendToOutgoingContext(ctx, r.peerMetadata()...)
-	return peers.Gather(ctx, r.pool, r.cfg.Peers.PeerAddrs(), call)
+	return peers.Gather(ctx, r.pool, r.cfg.Tier.Peers.PeerAddrs(), call)
 }
 
 // ledgerServer serves this relay's ledger to the tier's other relays.

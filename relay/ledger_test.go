@@ -17,12 +17,12 @@ import (
 func TestLedgerExchangeWantsPeerProof(t *testing.T) {
 	up := newTestUpstream(t, "ns1")
 	seed(up, "ns1", 1)
-	r := startRelay(t, up, func(c *Config) { c.PeerSecret = []byte("tier secret") })
+	r := startRelay(t, up, func(c *Config) { c.Tier.Secret = []byte("tier secret") })
 	c := ledgerpb.NewLedgerClient(dial(t, r.Addr().String()))
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	other := &Relay{cfg: Config{ID: "relay-x", PeerSecret: []byte("tier secret")}}
-	stranger := &Relay{cfg: Config{ID: "relay-x", PeerSecret: []byte("another tier")}}
+	other := &Relay{cfg: Config{ID: "relay-x", Tier: TierConfig{Secret: []byte("tier secret")}}}
+	stranger := &Relay{cfg: Config{ID: "relay-x", Tier: TierConfig{Secret: []byte("another tier")}}}
 	for _, tc := range []struct {
 		name string
 		md   []string

@@ -13,7 +13,7 @@ import (
 func newTestRelay(t *testing.T) *Relay {
 	t.Helper()
 	cfg := DefaultConfig()
-	cfg.Upstream = "unused:1"
+	cfg.Upstream.Addr = "unused:1"
 	r, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)

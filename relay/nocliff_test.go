@@ -54,10 +54,10 @@ func TestNoCliffPerNodeKeys(t *testing.T) {
 					before := steadyHeap()
 					up := newLeanUpstream(t, endpoints)
 					r := startRelayTo(t, up.addr, func(c *Config) {
-						c.UpstreamProtocol = tc.up
-						c.UpstreamStreamRate, c.UpstreamSyncs, c.AdmitRate = 0, 0, 0
+						c.Upstream.Protocol = tc.up
+						c.Upstream.StreamRate, c.Upstream.Syncs, c.XDS.AdmitRate = 0, 0, 0
 						if perNode {
-							c.KeyProfile = aggkey.PerNode{}
+							c.Keys.Profile = aggkey.PerNode{}
 						}
 					})
 					syncLeanClients(t, r.Addr().String(), tc.down == ProtocolDelta, clients, up.names)

@@ -41,7 +41,7 @@ func TestPushOrder(t *testing.T) {
 	for _, delta := range []bool{false, true} {
 		t.Run(protocolName(delta), func(t *testing.T) {
 			cfg := DefaultConfig()
-			cfg.Upstream = "unused:1"
+			cfg.Upstream.Addr = "unused:1"
 			r, err := New(cfg)
 			if err != nil {
 				t.Fatal(err)

@@ -24,7 +24,7 @@ import (
 // node (and, in forward mode, its token), and carries the answers back.
 // Such answers may depend on the very proxy that asks, so they are never
 // shared. Each stream is opened at the upstream's pace
-// (Config.UpstreamStreamRate), at most a fifth of it for passthrough
+// (Config.Upstream.StreamRate), at most a fifth of it for passthrough
 // streams together, so that clients asking for such types cannot hold back
 // the keys' own streams; an upstream that refuses the client's
 // credentials ends the client's stream with its refusal, as istiod would.
@@ -251,7 +251,7 @@ func (p *passthrough) session(ctx context.Context) error {
 			}
 		}
 	}
-	if r.cfg.ForwardCredentials {
+	if r.cfg.Upstream.ForwardCredentials {
 		// The content is this client's: it presents its own token, as it
 		// would to istiod. Without one istiod refuses, and so does this.
 		ctx = withCredential(ctx, p.s.cred)

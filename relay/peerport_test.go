@@ -50,7 +50,7 @@ func peerTLS(t *testing.T, ca *authtest.CA, root *authtest.CA, id string) (serve
 // the tier with the peer secret, on conn, and returns their errors.
 func peerCalls(t *testing.T, r *Relay, conn *grpc.ClientConn) map[string]error {
 	t.Helper()
-	ctx := metadata.AppendToOutgoingContext(context.Background(), peers.MDRelay, "relay-x", peers.MDAuth, peers.Token(r.cfg.PeerSecret, "relay-x"))
+	ctx := metadata.AppendToOutgoingContext(context.Background(), peers.MDRelay, "relay-x", peers.MDAuth, peers.Token(r.cfg.Tier.Secret, "relay-x"))
 	out := map[string]error{}
 	sctx := metadata.AppendToOutgoingContext(ctx, peers.MDKey, string(aggkey.Istio{}.Key(node("ns1", "app", 1))))
 	st, err := discovery.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(sctx)
@@ -74,9 +74,9 @@ func TestPeerPortMTLS(t *testing.T) {
 	tierCA, otherCA := authtest.NewCA(t, "tier root"), authtest.NewCA(t, "other root")
 	server, good := peerTLS(t, tierCA, tierCA, tierID)
 	r := startRelay(t, up, func(c *Config) {
-		c.PeerListen = "127.0.0.1:0"
-		c.PeerTLS = server
-		c.PeerSecret = []byte("the tier's secret")
+		c.Tier.Listen = "127.0.0.1:0"
+		c.Tier.TLS = server
+		c.Tier.Secret = []byte("the tier's secret")
 	})
 	peerAddr := r.peerLis.Addr().String()
 	dialWith := func(addr string, tc *tls.Config) *grpc.ClientConn {

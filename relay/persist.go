@@ -60,7 +60,7 @@ func (r *Relay) loadSnapshots(ctx context.Context) {
 	defer close(r.loaded)
 	start := time.Now()
 	lctx, cancel := context.WithTimeout(ctx, snapshotLoadTimeout)
-	saved, err := r.cfg.Snapshots.Load(lctx)
+	saved, err := r.cfg.Keys.Snapshots.Load(lctx)
 	cancel()
 	if err != nil {
 		r.log.Warn("warm start: snapshots not loaded; starting cold", "err", err)
@@ -183,11 +183,11 @@ func (u *feed) seedRestored() {
 // calls it after every change from the upstream and when the views are
 // confirmed.
 func (r *Relay) persist(k *keyState) {
-	snaps := r.cfg.Snapshots
+	snaps := r.cfg.Keys.Snapshots
 	if snaps == nil || sourceKind(k.source.Load()) != sourceUpstream {
 		return
 	}
-	if o := r.cfg.Owners; o != nil {
+	if o := r.cfg.Tier.Owners; o != nil {
 		if _, self := o.Owner(string(k.key)); !self {
 			return
 		}

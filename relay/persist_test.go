@@ -53,7 +53,7 @@ func TestRestoreChecksRoots(t *testing.T) {
 		{Key: "k3", Types: []xds.SavedType{forgedOnly}},
 	}}
 	up := newTestUpstream(t, "ns1")
-	r := startRelay(t, up, func(c *Config) { c.Snapshots = snaps })
+	r := startRelay(t, up, func(c *Config) { c.Keys.Snapshots = snaps })
 	deadline := time.Now().Add(10 * time.Second)
 	for !r.Ready() && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)
@@ -103,8 +103,8 @@ func TestRestoredViewReplacesNothingDeclared(t *testing.T) {
 	up.set("ns1", xds.TypeCluster, mkCluster("a"), mkCluster("c"))
 	up.stop() // the view stays the snapshot's
 	r := startRelay(t, up, func(c *Config) {
-		c.Snapshots = &savedSnapshots{keys: []xds.SavedKey{{Key: key, Types: []xds.SavedType{saved}}}}
-		c.BackoffInitial, c.BackoffMax = 50*time.Millisecond, 200*time.Millisecond // back at once
+		c.Keys.Snapshots = &savedSnapshots{keys: []xds.SavedKey{{Key: key, Types: []xds.SavedType{saved}}}}
+		c.Upstream.BackoffInitial, c.Upstream.BackoffMax = 50*time.Millisecond, 200*time.Millisecond // back at once
 	})
 	waitFor(t, "the key restored", func() bool { return r.Stats().RestoredKeys == 1 })
 

@@ -56,16 +56,16 @@ func (r *Relay) listen() (lis, tlsLis, peerLis net.Listener, err error) {
 		}
 		return l, nil
 	}
-	if lis, err = open(r.cfg.Listener, r.cfg.XDSListen); err != nil {
+	if lis, err = open(r.cfg.XDS.Listener, r.cfg.XDS.Listen); err != nil {
 		return nil, nil, nil, err
 	}
-	if r.cfg.XDSTLS != nil {
-		if tlsLis, err = open(r.cfg.TLSListener, r.cfg.XDSTLSListen); err != nil {
+	if r.cfg.XDS.TLS != nil {
+		if tlsLis, err = open(r.cfg.XDS.TLSListener, r.cfg.XDS.TLSListen); err != nil {
 			closeAll(lis)
 			return nil, nil, nil, err
 		}
 	}
-	if peerLis, err = open(r.cfg.PeerListener, r.cfg.PeerListen); err != nil {
+	if peerLis, err = open(r.cfg.Tier.Listener, r.cfg.Tier.Listen); err != nil {
 		closeAll(lis, tlsLis)
 		return nil, nil, nil, err
 	}
@@ -81,7 +81,7 @@ func closeAll(ls ...net.Listener) {
 }
 
 // hasPeerPort reports whether the tier's relays have a port of their own.
-func (r *Relay) hasPeerPort() bool { return r.cfg.PeerListen != "" || r.cfg.PeerListener != nil }
+func (r *Relay) hasPeerPort() bool { return r.cfg.Tier.Listen != "" || r.cfg.Tier.Listener != nil }
 
 // serveXDS serves the relay's gRPC services (ADS, and the tier's ledger
 // and inspect exchanges) on lis, as port p, until Stop.
@@ -154,15 +154,15 @@ func (r *Relay) checkPort(p port, isPeer bool) error {
 }
 
 // peerProvenByTLS reports whether a relay-to-relay call on port p is
-// proven by the peer port's mTLS handshake (PeerTLS verified the
+// proven by the peer port's mTLS handshake (Tier.TLS verified the
 // certificate and its identity), so that no secret proof is needed.
-func (r *Relay) peerProvenByTLS(p port) bool { return p == portPeer && r.cfg.PeerTLS != nil }
+func (r *Relay) peerProvenByTLS(p port) bool { return p == portPeer && r.cfg.Tier.TLS != nil }
 
 // unprovenPeer reports whether a call on port p that names itself a relay
 // must be refused for lack of any proof: on the authenticating TLS port,
 // without a peer secret, believing it would skip authentication.
 func (r *Relay) unprovenPeer(p port) bool {
-	return p == portTLS && r.cfg.Authenticator != nil && len(r.cfg.PeerSecret) == 0
+	return p == portTLS && r.cfg.XDS.Authenticator != nil && len(r.cfg.Tier.Secret) == 0
 }
 
 // PeerAddr returns the address the tier's relays dial for this one (after

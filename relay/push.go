@@ -153,7 +153,7 @@ func (ps *planScratch) reset() {
 func (s *stream) planTypes(snap *keyViews, now time.Time) (plans, synced []*plan) {
 	s.plans.reset()
 	plans, synced = s.plans.planned, s.plans.equal
-	wait := s.r.cfg.ResourceWaitTimeout
+	wait := s.r.cfg.XDS.ResourceWaitTimeout
 	for _, typeURL := range xds.PushOrder {
 		sub := s.subs[typeURL]
 		ts := snap.types[typeURL]

@@ -64,7 +64,7 @@ type pushBench struct {
 func newPushBench(b *testing.B, delta bool) *pushBench {
 	b.Helper()
 	cfg := DefaultConfig()
-	cfg.Upstream = "unused:1"
+	cfg.Upstream.Addr = "unused:1"
 	r, err := New(cfg)
 	if err != nil {
 		b.Fatal(err)

@@ -12,10 +12,10 @@ import (
 // and every wait stays in [d/2, d].
 func TestBackoffSeeded(t *testing.T) {
 	draw := func(seed uint64) []time.Duration {
-		r := &Relay{cfg: Config{BackoffInitial: 250 * time.Millisecond, BackoffMax: 4 * time.Second}, rand: newRand(rand.NewPCG(seed, 1))}
+		r := &Relay{cfg: Config{Upstream: UpstreamConfig{BackoffInitial: 250 * time.Millisecond, BackoffMax: 4 * time.Second}}, rand: newRand(rand.NewPCG(seed, 1))}
 		b := r.newBackoff()
 		var out []time.Duration
-		for d := r.cfg.BackoffInitial; len(out) < 8; d = min(2*d, r.cfg.BackoffMax) {
+		for d := r.cfg.Upstream.BackoffInitial; len(out) < 8; d = min(2*d, r.cfg.Upstream.BackoffMax) {
 			w := b.next()
 			if w < d/2 || w > d {
 				t.Fatalf("wait %d = %v, want in [%v, %v]", len(out), w, d/2, d)

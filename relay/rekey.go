@@ -87,7 +87,7 @@ func (s *stream) followSplits() error {
 			s.log.Info("the stream's key split: it moves to a key of its own once that key has its config", "to", want)
 		}
 	}
-	if !s.next.covers(s.subs, time.Now(), s.r.cfg.ResourceWaitTimeout) {
+	if !s.next.covers(s.subs, time.Now(), s.r.cfg.XDS.ResourceWaitTimeout) {
 		return nil
 	}
 	old := s.key
@@ -243,7 +243,7 @@ func (b *splitBook) add(k aggkey.Key, splits ...aggkey.Split) []aggkey.Split {
 // keyOf returns the key a node of identity id belongs to: its profile's
 // (base), or its own if a split of that key moved it.
 func (r *Relay) keyOf(node *core.Node, id *auth.Identity) (key, base aggkey.Key) {
-	base = aggkey.WithIdentity(r.cfg.KeyProfile.Key(node), id)
+	base = aggkey.WithIdentity(r.cfg.Keys.Profile.Key(node), id)
 	for _, s := range r.splits.active(base) {
 		if s.Matches(node) {
 			return aggkey.WithIdentity(aggkey.SplitKey(node), id), base
@@ -294,7 +294,7 @@ func (r *Relay) splitsChanged(key aggkey.Key, changed []aggkey.Split) {
 }
 
 // nobodyComesBack reports whether k, once it has no member, will get none
-// back, so that it need not idle (KeyIdleTimeout) with its upstream stream
+// back, so that it need not idle (Keys.IdleTimeout) with its upstream stream
 // open: its split was merged back here (abandoned), or it is the key of a
 // node of its own that no split known here moves (another relay asked for
 // it, and left). A split key at its owner whose asking relay left cost

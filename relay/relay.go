@@ -125,9 +125,9 @@ type Relay struct {
 	views        *ledger.Interner[*xds.Resource]
 	versionTrees *ledger.Interner[string] // the upstream's Delta versions, per key and type, shared by content
 	nameSets     *xds.NameSets            // the streams' subscriptions, shared by content
-	syncs        syncSlots                // first answers from the upstream in flight (Config.UpstreamSyncs)
+	syncs        syncSlots                // first answers from the upstream in flight (Config.Upstream.Syncs)
 	peerSyncs    syncSlots                // first answers from keys' owners in flight (as many)
-	upstreamRate *rate.Limiter            // streams opened to the upstream (Config.UpstreamStreamRate); nil: no bound
+	upstreamRate *rate.Limiter            // streams opened to the upstream (Config.Upstream.StreamRate); nil: no bound
 	passRate     *rate.Limiter            // of those, passthrough streams: a fifth of the pace; nil: no bound
 	refIndex     xds.RefIndex
 	metrics      *metrics
@@ -213,7 +213,7 @@ func New(cfg Config) (*Relay, error) {
 		cfg:            cfg,
 		log:            cfg.Logger.With("relay", cfg.ID),
 		store:          xds.NewStore(),
-		dropped:        xds.NewDropped(cfg.KeepDroppedBytes),
+		dropped:        xds.NewDropped(cfg.Keys.KeepDroppedBytes),
 		views:          new(ledger.Interner[*xds.Resource]),
 		versionTrees:   new(ledger.Interner[string]),
 		nameSets:       new(xds.NameSets),
@@ -223,26 +223,26 @@ func New(cfg Config) (*Relay, error) {
 		attached:       make(map[*stream]*keyState),
 		warm:           make(chan struct{}),
 		loaded:         make(chan struct{}),
-		pool:           peers.NewPool(cfg.MaxMsgSize, cfg.PeerDialOptions...),
+		pool:           peers.NewPool(cfg.MaxMsgSize, cfg.Tier.DialOptions...),
 		clock:          ledger.NewClock(cfg.wall),
 		rand:           newRand(cfg.Rand),
 		authLogs:       newAuthLogLimiter(),
 		failures:       newFailureGate(),
-		syncs:          newSyncSlots(cfg.UpstreamSyncs),
-		peerSyncs:      newSyncSlots(cfg.UpstreamSyncs),
+		syncs:          newSyncSlots(cfg.Upstream.Syncs),
+		peerSyncs:      newSyncSlots(cfg.Upstream.Syncs),
 		divergenceWake: make(chan struct{}, 1),
 		checkSlots:     make(chan struct{}, maxDivergenceChecks),
 	}
-	r.adminGuard = &admin.Guard{Token: cfg.AdminToken, Identities: cfg.AdminIdentities, XDSAuthenticated: cfg.Authenticator != nil, Refuse: r.refuseAuth}
-	if cfg.AdminAuthenticator != nil {
-		r.adminGuard.Authenticator = cfg.AdminAuthenticator
+	r.adminGuard = &admin.Guard{Token: cfg.Admin.Token, Identities: cfg.Admin.Identities, XDSAuthenticated: cfg.XDS.Authenticator != nil, Refuse: r.refuseAuth}
+	if cfg.Admin.Authenticator != nil {
+		r.adminGuard.Authenticator = cfg.Admin.Authenticator
 	}
-	if cfg.AdmitRate > 0 {
-		r.admission = rate.NewLimiter(rate.Limit(cfg.AdmitRate), cfg.AdmitBurst)
+	if cfg.XDS.AdmitRate > 0 {
+		r.admission = rate.NewLimiter(rate.Limit(cfg.XDS.AdmitRate), cfg.XDS.AdmitBurst)
 	}
-	if cfg.UpstreamStreamRate > 0 {
-		r.upstreamRate = rate.NewLimiter(rate.Limit(cfg.UpstreamStreamRate), max(1, int(cfg.UpstreamStreamRate)))
-		r.passRate = rate.NewLimiter(rate.Limit(cfg.UpstreamStreamRate/5), max(1, int(cfg.UpstreamStreamRate/5)))
+	if cfg.Upstream.StreamRate > 0 {
+		r.upstreamRate = rate.NewLimiter(rate.Limit(cfg.Upstream.StreamRate), max(1, int(cfg.Upstream.StreamRate)))
+		r.passRate = rate.NewLimiter(rate.Limit(cfg.Upstream.StreamRate/5), max(1, int(cfg.Upstream.StreamRate/5)))
 	}
 	m, err := newMetrics(cfg.Registerer, r)
 	if err != nil {
@@ -274,49 +274,49 @@ func (r *Relay) Start(ctx context.Context) error {
 		// One connection carries every key's stream: a missed ping answer
 		// from a busy upstream must not make them all reconnect at once.
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: time.Minute, Timeout: 20 * time.Second, PermitWithoutStream: true}),
-	}, r.cfg.UpstreamDialOptions...)
-	conn, err := grpc.NewClient(r.cfg.Upstream, opts...)
+	}, r.cfg.Upstream.DialOptions...)
+	conn, err := grpc.NewClient(r.cfg.Upstream.Addr, opts...)
 	if err != nil {
-		return fmt.Errorf("relay: upstream %s: %w", r.cfg.Upstream, err)
+		return fmt.Errorf("relay: upstream %s: %w", r.cfg.Upstream.Addr, err)
 	}
 	lis, tlsLis, peerLis, err := r.listen()
 	if err != nil {
 		conn.Close()
 		return err
 	}
-	if r.cfg.AdminListener != nil {
-		r.adminLis = r.cfg.AdminListener
-	} else if r.cfg.AdminListen != "" {
-		r.adminLis, err = net.Listen("tcp", r.cfg.AdminListen)
+	if r.cfg.Admin.Listener != nil {
+		r.adminLis = r.cfg.Admin.Listener
+	} else if r.cfg.Admin.Listen != "" {
+		r.adminLis, err = net.Listen("tcp", r.cfg.Admin.Listen)
 		if err != nil {
 			conn.Close()
 			closeAll(lis, tlsLis, peerLis)
-			return fmt.Errorf("relay: admin listen %s: %w", r.cfg.AdminListen, err)
+			return fmt.Errorf("relay: admin listen %s: %w", r.cfg.Admin.Listen, err)
 		}
 	}
 	r.tracker = newConnTracker()
 	r.upConn, r.lis, r.tlsLis, r.peerLis = conn, lis, tlsLis, peerLis
 	r.ctx, r.cancel = context.WithCancel(context.WithoutCancel(ctx))
-	if r.cfg.Snapshots != nil {
+	if r.cfg.Keys.Snapshots != nil {
 		r.goRun(r.loadSnapshots)
 	} else {
 		close(r.loaded)
 	}
 	r.goRun(r.watchWarm)
 	r.goRun(r.pruneConns)
-	if r.cfg.Owners != nil {
+	if r.cfg.Tier.Owners != nil {
 		r.goRun(r.watchOwners)
 	}
-	if r.cfg.Tier != nil {
+	if r.cfg.Tier.Balancer != nil {
 		r.goRun(r.balance)
 	}
-	if r.cfg.ForwardCredentials {
+	if r.cfg.Upstream.ForwardCredentials {
 		r.goRun(r.refreshCredentials)
 	}
-	if r.cfg.AggregationWarnInterval > 0 {
+	if r.cfg.Keys.AggregationWarnInterval > 0 {
 		r.goRun(r.warnUnaggregated)
 	}
-	if r.cfg.DivergenceInterval > 0 {
+	if r.cfg.Keys.DivergenceInterval > 0 {
 		r.goRun(r.checkDivergence)
 	}
 	if lis != nil {
@@ -324,12 +324,12 @@ func (r *Relay) Start(ctx context.Context) error {
 	}
 	if tlsLis != nil {
 		// gRPC's TLS credentials insist on ALPN h2 and add it.
-		r.serveXDS(tlsLis, portTLS, grpc.Creds(credentials.NewTLS(r.cfg.XDSTLS.Clone())), grpc.ConnectionTimeout(r.cfg.HandshakeTimeout))
+		r.serveXDS(tlsLis, portTLS, grpc.Creds(credentials.NewTLS(r.cfg.XDS.TLS.Clone())), grpc.ConnectionTimeout(r.cfg.XDS.HandshakeTimeout))
 	}
 	if peerLis != nil {
 		var opts []grpc.ServerOption
-		if r.cfg.PeerTLS != nil {
-			opts = append(opts, grpc.Creds(credentials.NewTLS(r.cfg.PeerTLS.Clone())), grpc.ConnectionTimeout(r.cfg.HandshakeTimeout))
+		if r.cfg.Tier.TLS != nil {
+			opts = append(opts, grpc.Creds(credentials.NewTLS(r.cfg.Tier.TLS.Clone())), grpc.ConnectionTimeout(r.cfg.XDS.HandshakeTimeout))
 		}
 		r.serveXDS(peerLis, portPeer, opts...)
 	}
@@ -337,8 +337,8 @@ func (r *Relay) Start(ctx context.Context) error {
 		r.adminGRPC = r.newAdminGRPC()
 		r.adminHTTP = &http.Server{Handler: admin.Handler(r.adminGRPC, r.adminMux()), ReadHeaderTimeout: 10 * time.Second, Protocols: admin.Protocols()}
 		adminLis := r.adminLis
-		if r.cfg.AdminTLS != nil {
-			tc := r.cfg.AdminTLS.Clone()
+		if r.cfg.Admin.TLS != nil {
+			tc := r.cfg.Admin.TLS.Clone()
 			if len(tc.NextProtos) == 0 {
 				tc.NextProtos = []string{"h2", "http/1.1"}
 			}
@@ -353,8 +353,8 @@ func (r *Relay) Start(ctx context.Context) error {
 		}()
 	}
 	r.state = lifeRunning
-	attrs := []any{"upstream", r.cfg.Upstream, "upstream_protocol", r.cfg.UpstreamProtocol, "key_profile", r.cfg.KeyProfile.Name()}
-	if rules, ok := r.cfg.KeyProfile.(fmt.Stringer); ok {
+	attrs := []any{"upstream", r.cfg.Upstream.Addr, "upstream_protocol", r.cfg.Upstream.Protocol, "key_profile", r.cfg.Keys.Profile.Name()}
+	if rules, ok := r.cfg.Keys.Profile.(fmt.Stringer); ok {
 		attrs = append(attrs, "key_rules", rules.String())
 	}
 	if tlsLis != nil {
@@ -368,10 +368,10 @@ func (r *Relay) Start(ctx context.Context) error {
 	}
 	r.log.Info("relay started", attrs...)
 	switch {
-	case r.cfg.Owners == nil:
-	case peerLis != nil && r.cfg.PeerTLS != nil:
+	case r.cfg.Tier.Owners == nil:
+	case peerLis != nil && r.cfg.Tier.TLS != nil:
 		r.log.Info("relay-to-relay traffic on the peer port, authenticated by mTLS")
-	case len(r.cfg.PeerSecret) > 0:
+	case len(r.cfg.Tier.Secret) > 0:
 		r.log.Warn("relay-to-relay traffic authenticated only by the HMAC of the peer secret (no peer certificate): replayable by whoever reads it")
 	default:
 		r.log.Warn("relay-to-relay traffic not authenticated (no peer certificate, no peer secret): any stream may claim to be a relay")
@@ -395,18 +395,18 @@ func (r *Relay) Start(ctx context.Context) error {
 // not what an operator would assume: everyone (a warning, unless the
 // listener is on loopback), or no one but health checks.
 func (r *Relay) logAdminGuard(lis net.Listener) {
-	if lis == nil || r.cfg.AdminToken != "" || r.cfg.AdminAuthenticator != nil {
+	if lis == nil || r.cfg.Admin.Token != "" || r.cfg.Admin.Authenticator != nil {
 		return
 	}
-	verifiesClients := r.cfg.AdminTLS != nil && r.cfg.AdminTLS.GetConfigForClient != nil
+	verifiesClients := r.cfg.Admin.TLS != nil && r.cfg.Admin.TLS.GetConfigForClient != nil
 	if verifiesClients {
-		if c, err := r.cfg.AdminTLS.GetConfigForClient(&tls.ClientHelloInfo{}); err == nil && c != nil {
+		if c, err := r.cfg.Admin.TLS.GetConfigForClient(&tls.ClientHelloInfo{}); err == nil && c != nil {
 			verifiesClients = c.ClientAuth == tls.RequireAndVerifyClientCert
 		}
 	}
 	switch {
 	case verifiesClients:
-	case r.cfg.Authenticator != nil:
+	case r.cfg.XDS.Authenticator != nil:
 		r.log.Info("admin API closed but for health checks and /metrics: no --admin-identities, --admin-token-file or --admin-client-ca to prove its callers with", "admin", lis.Addr().String())
 	case !isLoopback(lis.Addr()):
 		r.log.Warn("admin API open to anyone who reaches its port: config dumps of every namespace and pprof; set --admin-tls-cert with --admin-identities, --admin-token-file or --admin-client-ca", "admin", lis.Addr().String())
@@ -559,13 +559,13 @@ func (r *Relay) Ledger() *ledger.Tracker { return r.ledger }
 
 // newAdminGRPC builds the admin listener's gRPC server (admin.Guard: who
 // each call is from): the relay's health, reflection, and what
-// Config.AdminServices registers.
+// Config.Admin.Services registers.
 func (r *Relay) newAdminGRPC() *grpc.Server {
 	s := r.adminGuard.NewServer(grpc.MaxSendMsgSize(r.cfg.MaxMsgSize))
 	healthpb.RegisterHealthServer(s, admin.Health{Ready: r.Ready, Stopping: r.stopping})
 	reflection.Register(s)
-	if r.cfg.AdminServices != nil {
-		r.cfg.AdminServices(s)
+	if r.cfg.Admin.Services != nil {
+		r.cfg.Admin.Services(s)
 	}
 	return s
 }
@@ -588,7 +588,7 @@ func (r *Relay) adminMux() *http.ServeMux {
 		if lis != nil {
 			fmt.Fprintf(w, "xds plaintext: %s: WARNING: PLAINTEXT, serves anyone who reaches it\n", lis.Addr())
 		}
-		if lag, ok := r.cfg.Snapshots.(persistenceLag); ok {
+		if lag, ok := r.cfg.Keys.Snapshots.(persistenceLag); ok {
 			if n, d := lag.Behind(); n > 0 {
 				fmt.Fprintf(w, "snapshots: behind: %d keys not persisted, oldest change %s ago\n", n, d.Round(time.Millisecond))
 			} else {
@@ -636,7 +636,7 @@ type backoff struct {
 }
 
 func (r *Relay) newBackoff() *backoff {
-	return &backoff{initial: r.cfg.BackoffInitial, max: r.cfg.BackoffMax, rand: r.rand}
+	return &backoff{initial: r.cfg.Upstream.BackoffInitial, max: r.cfg.Upstream.BackoffMax, rand: r.rand}
 }
 
 func (b *backoff) next() time.Duration {

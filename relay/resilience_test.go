@@ -133,7 +133,7 @@ func TestUpstreamRestart(t *testing.T) {
 			up := newTestUpstream(t, "ns1")
 			eds := seedN(up, "ns1", 20)
 			r := startRelay(t, up, func(c *Config) {
-				c.UpstreamProtocol = map[bool]Protocol{false: ProtocolSotW, true: ProtocolDelta}[delta]
+				c.Upstream.Protocol = map[bool]Protocol{false: ProtocolSotW, true: ProtocolDelta}[delta]
 			})
 			conn := dial(t, r.Addr().String())
 			old := newRawClient(t, conn, delta, node("ns1", "app", 0))
@@ -244,7 +244,7 @@ func TestReconnectDeclaresState(t *testing.T) {
 			up := newTestUpstream(t, "ns1")
 			eds := seedN(up, "ns1", 5)
 			r := startRelay(t, up, func(c *Config) {
-				c.UpstreamProtocol = map[bool]Protocol{false: ProtocolSotW, true: ProtocolDelta}[delta]
+				c.Upstream.Protocol = map[bool]Protocol{false: ProtocolSotW, true: ProtocolDelta}[delta]
 			})
 			c := newRawClient(t, dial(t, r.Addr().String()), true, node("ns1", "app", 0))
 			syncFull(c, eds)
@@ -296,17 +296,17 @@ func TestReconnectDeclaresState(t *testing.T) {
 func TestBackoff(t *testing.T) {
 	r := newTestRelay(t)
 	b := r.newBackoff()
-	want := r.cfg.BackoffInitial
+	want := r.cfg.Upstream.BackoffInitial
 	for i := range 12 {
 		d := b.next()
 		if d < want/2 || d > want {
 			t.Fatalf("attempt %d waits %v, want within [%v, %v]", i, d, want/2, want)
 		}
-		want = min(2*want, r.cfg.BackoffMax)
+		want = min(2*want, r.cfg.Upstream.BackoffMax)
 	}
 	b.reset()
-	if d := b.next(); d > r.cfg.BackoffInitial {
-		t.Fatalf("after reset the wait is %v, want at most %v", d, r.cfg.BackoffInitial)
+	if d := b.next(); d > r.cfg.Upstream.BackoffInitial {
+		t.Fatalf("after reset the wait is %v, want at most %v", d, r.cfg.Upstream.BackoffInitial)
 	}
 }
 
@@ -333,8 +333,8 @@ func TestUpstreamDownIsNotHammered(t *testing.T) {
 	defer func() { lis.Close(); <-done }()
 	up := &testUpstream{addr: lis.Addr().String()}
 	r := startRelay(t, up, func(c *Config) {
-		c.BackoffInitial, c.BackoffMax = 50*time.Millisecond, 400*time.Millisecond
-		c.WarmWait = -1 // serve the streams though the upstream was never reached
+		c.Upstream.BackoffInitial, c.Upstream.BackoffMax = 50*time.Millisecond, 400*time.Millisecond
+		c.XDS.WarmWait = -1 // serve the streams though the upstream was never reached
 	})
 	conn := dial(t, r.Addr().String())
 	for i := range 20 {

@@ -64,10 +64,10 @@ func TestTLSPortTokenReviewStorm(t *testing.T) {
 		t.Fatal(err)
 	}
 	r := startRelay(t, up, func(c *Config) {
-		c.XDSListen, c.XDSTLSListen = "", "127.0.0.1:0"
-		c.XDSTLS = tlsfiles.ServerConfig(pair, nil, tls.NoClientCert)
-		c.Authenticator = authn
-		c.AdmitRate = 0 // the storm is admitted as fast as it comes
+		c.XDS.Listen, c.XDS.TLSListen = "", "127.0.0.1:0"
+		c.XDS.TLS = tlsfiles.ServerConfig(pair, nil, tls.NoClientCert)
+		c.XDS.Authenticator = authn
+		c.XDS.AdmitRate = 0 // the storm is admitted as fast as it comes
 	})
 	e := &secureEnv{up: up, r: r, mesh: mesh}
 

@@ -128,11 +128,11 @@ func TestCertificateRotationOnEveryListener(t *testing.T) {
 	}
 	// A relay of its own, whose three listeners serve the rotating files.
 	r := startRelay(t, e.up, func(c *Config) {
-		c.XDSListen, c.XDSTLSListen = "", "127.0.0.1:0"
-		c.XDSTLS = tlsfiles.ServerConfig(xdsCert.pair, roots, tls.RequestClientCert)
-		c.Authenticator = e.r.cfg.Authenticator
-		c.PeerListen, c.PeerTLS = "127.0.0.1:0", peerServer
-		c.AdminListen, c.AdminTLS = "127.0.0.1:0", tlsfiles.ServerConfig(adminCert.pair, nil, tls.NoClientCert, "h2", "http/1.1")
+		c.XDS.Listen, c.XDS.TLSListen = "", "127.0.0.1:0"
+		c.XDS.TLS = tlsfiles.ServerConfig(xdsCert.pair, roots, tls.RequestClientCert)
+		c.XDS.Authenticator = e.r.cfg.XDS.Authenticator
+		c.Tier.Listen, c.Tier.TLS = "127.0.0.1:0", peerServer
+		c.Admin.Listen, c.Admin.TLS = "127.0.0.1:0", tlsfiles.ServerConfig(adminCert.pair, nil, tls.NoClientCert, "h2", "http/1.1")
 	})
 	e.r = r
 	xdsClient := &tls.Config{RootCAs: e.mesh.Pool(), ServerName: "meshrelay.istio-system.svc", NextProtos: []string{"h2"}, MinVersion: tls.VersionTLS12}

@@ -50,7 +50,7 @@ func TestSmoke(t *testing.T) {
 func TestAdminEndpoints(t *testing.T) {
 	up := newTestUpstream(t, "ns1")
 	seed(up, "ns1", 1)
-	r := startRelay(t, up, func(c *Config) { c.AdminListen = "127.0.0.1:0" })
+	r := startRelay(t, up, func(c *Config) { c.Admin.Listen = "127.0.0.1:0" })
 	c := newRawClient(t, dial(t, r.Addr().String()), true, node("ns1", "app", 0))
 	c.subscribe(xds.TypeCluster)
 	c.ack(c.recv())

@@ -65,18 +65,18 @@ func TestStartSaysWhatIsOpen(t *testing.T) {
 		{"plaintext relay", func(t *testing.T, logs *logBuffer) *Relay {
 			up := newTestUpstream(t, "ns1")
 			return startRelay(t, up, func(c *Config) {
-				c.Logger, c.Listener, c.AdminListener = logs.logger(), elsewhere{listenLoopback(t)}, elsewhere{listenLoopback(t)}
+				c.Logger, c.XDS.Listener, c.Admin.Listener = logs.logger(), elsewhere{listenLoopback(t)}, elsewhere{listenLoopback(t)}
 			})
 		}, []string{`level=WARN msg="PLAINTEXT xDS port open: it authenticates no one`, `level=WARN msg="admin API open to anyone`}, []string{"admin API closed", "loopback only"}},
 		{"plaintext relay on loopback", func(t *testing.T, logs *logBuffer) *Relay {
 			up := newTestUpstream(t, "ns1")
-			return startRelay(t, up, func(c *Config) { c.Logger = logs.logger(); c.AdminListen = "127.0.0.1:0" })
+			return startRelay(t, up, func(c *Config) { c.Logger = logs.logger(); c.Admin.Listen = "127.0.0.1:0" })
 		}, []string{`level=INFO msg="PLAINTEXT xDS port open: it authenticates no one`, "(on loopback only"}, []string{"admin API open", "admin API closed", "level=WARN"}},
 		{"TLS relay", func(t *testing.T, logs *logBuffer) *Relay {
-			return newSecureEnv(t, auth.ModeAny, func(c *Config) { c.Logger = logs.logger(); c.AdminListener = adminElsewhere(t) }).r
+			return newSecureEnv(t, auth.ModeAny, func(c *Config) { c.Logger = logs.logger(); c.Admin.Listener = adminElsewhere(t) }).r
 		}, []string{`level=INFO msg="admin API closed but for health checks and /metrics`}, []string{"PLAINTEXT", "admin API open"}},
 		{"TLS relay with a plaintext port", func(t *testing.T, logs *logBuffer) *Relay {
-			return newSecureEnv(t, auth.ModeAny, func(c *Config) { c.Logger = logs.logger(); c.Listener = elsewhere{listenLoopback(t)} }).r
+			return newSecureEnv(t, auth.ModeAny, func(c *Config) { c.Logger = logs.logger(); c.XDS.Listener = elsewhere{listenLoopback(t)} }).r
 		}, []string{`level=WARN msg="PLAINTEXT xDS port open beside the TLS one`}, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -100,7 +100,7 @@ func TestStartSaysWhatIsOpen(t *testing.T) {
 // /healthz names every xDS port, and a plaintext one with a warning.
 func TestHealthzWarnsOfPlaintext(t *testing.T) {
 	up := newTestUpstream(t, "ns1")
-	r := startRelay(t, up, func(c *Config) { c.AdminListen = "127.0.0.1:0" })
+	r := startRelay(t, up, func(c *Config) { c.Admin.Listen = "127.0.0.1:0" })
 	resp, err := http.Get("http://" + r.AdminAddr().String() + "/healthz")
 	if err != nil {
 		t.Fatal(err)

@@ -245,7 +245,7 @@ func (s *stream) attach(node *core.Node) error {
 	if err := s.checkIdentity(node); err != nil {
 		return err
 	}
-	if err := s.r.cfg.Authorizer.Authorize(s.ctx, node); err != nil {
+	if err := s.r.cfg.XDS.Authorizer.Authorize(s.ctx, node); err != nil {
 		s.log.Warn("stream refused", "node", node.GetId(), "peer", s.peer, "err", err)
 		return status.Errorf(codes.PermissionDenied, "node %q: %v", node.GetId(), err)
 	}
@@ -341,7 +341,7 @@ func (s *stream) nextNonce() string {
 
 // checkNames enforces the per-type subscription limit on untrusted input.
 func (s *stream) checkNames(typeURL string, n int) error {
-	if limit := s.r.cfg.MaxSubscribedNames; n > limit {
+	if limit := s.r.cfg.XDS.MaxSubscribedNames; n > limit {
 		return status.Errorf(codes.InvalidArgument, "%d names for %s exceed the limit of %d a stream", n, typeURL, limit)
 	}
 	return nil

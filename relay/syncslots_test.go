@@ -82,7 +82,7 @@ func TestUpstreamSyncsBoundFirstAnswers(t *testing.T) {
 			fa := &firstAnswers{delay: tc.delay}
 			up := newTestUpstreamWith(t, []grpc.ServerOption{grpc.ChainStreamInterceptor(fa.intercept)}, "ns1")
 			seed(up, "ns1", 3)
-			r := startRelay(t, up, func(c *Config) { c.UpstreamSyncs, c.UpstreamProtocol = tc.syncs, tc.upstream })
+			r := startRelay(t, up, func(c *Config) { c.Upstream.Syncs, c.Upstream.Protocol = tc.syncs, tc.upstream })
 			conn := dial(t, r.Addr().String())
 			var clients []*rawClient
 			for i := range keys {

@@ -29,9 +29,9 @@ type Owners interface {
 	Changed() <-chan struct{}
 }
 
-// Tier tells the relay its fair share of Envoy streams. shard.Ring
+// Balancer tells the relay its fair share of Envoy streams. shard.Ring
 // implements it. Implementations must be safe for concurrent use.
-type Tier interface {
+type Balancer interface {
 	// FairShare records this relay's Envoy stream count and returns the
 	// tier's streams per relay and the count of the least loaded relay; ok
 	// is false while the relay knows of no other.
@@ -97,11 +97,11 @@ func (r *Relay) provePeer(md metadata.MD, p port, id, what string) error {
 	case r.unprovenPeer(p):
 		r.metrics.authFailures.WithLabelValues("unproven_peer").Inc()
 		return status.Errorf(codes.Unauthenticated, "%s on the TLS port needs the tier's peer secret", what)
-	case len(r.cfg.PeerSecret) == 0:
+	case len(r.cfg.Tier.Secret) == 0:
 		return nil
 	}
 	tokens := md.Get(peers.MDAuth)
-	if len(tokens) != 1 || !hmac.Equal([]byte(tokens[0]), []byte(peers.Token(r.cfg.PeerSecret, id))) {
+	if len(tokens) != 1 || !hmac.Equal([]byte(tokens[0]), []byte(peers.Token(r.cfg.Tier.Secret, id))) {
 		r.log.Warn(what+" refused: bad proof", "peer_relay", id)
 		return status.Errorf(codes.Unauthenticated, "%s: bad peer proof", what)
 	}
@@ -112,8 +112,8 @@ func (r *Relay) provePeer(md metadata.MD, p port, id, what string) error {
 // relay.
 func (r *Relay) peerMetadata() []string {
 	kv := []string{peers.MDRelay, r.cfg.ID}
-	if len(r.cfg.PeerSecret) > 0 {
-		kv = append(kv, peers.MDAuth, peers.Token(r.cfg.PeerSecret, r.cfg.ID))
+	if len(r.cfg.Tier.Secret) > 0 {
+		kv = append(kv, peers.MDAuth, peers.Token(r.cfg.Tier.Secret, r.cfg.ID))
 	}
 	return kv
 }
@@ -134,7 +134,7 @@ func (r *Relay) watchOwners(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-r.cfg.Owners.Changed():
+		case <-r.cfg.Tier.Owners.Changed():
 		}
 		r.ownersTerm.Add(1)
 		for _, k := range r.heldKeys() {
@@ -277,12 +277,12 @@ func (r *Relay) balance(ctx context.Context) {
 	for {
 		// Jittered: relays that learn of a new member together do not shed
 		// in lockstep.
-		d := r.cfg.BalanceInterval/2 + randN(r.rand, r.cfg.BalanceInterval/2+1)
+		d := r.cfg.Tier.BalanceInterval/2 + randN(r.rand, r.cfg.Tier.BalanceInterval/2+1)
 		if !sleepCtx(ctx, d) {
 			return
 		}
 		streams, _ := r.streams()
-		share, least, ok := r.cfg.Tier.FairShare(len(streams))
+		share, least, ok := r.cfg.Tier.Balancer.FairShare(len(streams))
 		if !ok || r.draining.Load() {
 			continue
 		}
@@ -295,11 +295,11 @@ func (r *Relay) balance(ctx context.Context) {
 		if excess <= 0 {
 			continue
 		}
-		n := min(excess, max(1, int(r.cfg.ShedRate*d.Seconds())))
+		n := min(excess, max(1, int(r.cfg.Tier.ShedRate*d.Seconds())))
 		// Streams younger than three rounds stay: a client that just
 		// arrived (moved here, or still syncing in a ramp) is not moved
 		// again before the tier's counts have caught up with it.
-		minAge := 3 * r.cfg.BalanceInterval
+		minAge := 3 * r.cfg.Tier.BalanceInterval
 		// At random: picking the newest would move the same client again
 		// and again (a moved client is the newest where it lands). Only
 		// settled streams (everything sent was answered): a client moved

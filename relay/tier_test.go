@@ -108,8 +108,8 @@ func TestPeerStreams(t *testing.T) {
 	seed(up, "ns0", 3)
 	secret := []byte("peer secret")
 	r := startRelay(t, up, func(c *Config) {
-		c.PeerSecret = secret
-		c.Authorizer = denyAll{} // Envoys are refused; proven peers are not
+		c.Tier.Secret = secret
+		c.XDS.Authorizer = denyAll{} // Envoys are refused; proven peers are not
 	})
 	conn := dial(t, r.Addr().String())
 	n := node("ns0", "app", 1)
@@ -147,7 +147,7 @@ func TestPeerStreams(t *testing.T) {
 func TestAdmission(t *testing.T) {
 	up := newTestUpstream(t, "ns0")
 	seed(up, "ns0", 1)
-	r := startRelay(t, up, func(c *Config) { c.AdmitRate, c.AdmitBurst = 0.001, 1 })
+	r := startRelay(t, up, func(c *Config) { c.XDS.AdmitRate, c.XDS.AdmitBurst = 0.001, 1 })
 	conn := dial(t, r.Addr().String())
 	if err := firstResponseErr(t, conn, node("ns0", "app", 1)); err != nil {
 		t.Fatalf("first stream: %v", err)
@@ -175,8 +175,8 @@ func TestColdRelayRefuses(t *testing.T) {
 	nowhere := lis.Addr().String()
 	lis.Close()
 	r := startRelayTo(t, nowhere, func(c *Config) {
-		c.WarmWait = 50 * time.Millisecond
-		c.AdminListen = "127.0.0.1:0"
+		c.XDS.WarmWait = 50 * time.Millisecond
+		c.Admin.Listen = "127.0.0.1:0"
 	})
 	err = firstResponseErr(t, dial(t, r.Addr().String()), node("ns0", "app", 1))
 	if status.Code(err) != codes.Unavailable {
@@ -231,7 +231,7 @@ func TestSourceFollowsOwners(t *testing.T) {
 	seed(up, "ns0", 3)
 	owner := startRelay(t, up, func(c *Config) { c.ID = "owner" })
 	owners := newFakeOwners("", true)
-	r := startRelay(t, up, func(c *Config) { c.ID = "other"; c.Owners = owners })
+	r := startRelay(t, up, func(c *Config) { c.ID = "other"; c.Tier.Owners = owners })
 
 	c := newRawClient(t, dial(t, r.Addr().String()), true, node("ns0", "app", 1))
 	c.subscribe(xds.TypeCluster)
@@ -279,7 +279,7 @@ func FuzzIdentifyPeer(f *testing.F) {
 	f.Add("relay-a", "", "", false, "[]")
 	f.Add("", "k", "x", true, `[{"id":""}]`)
 	f.Fuzz(func(t *testing.T, id, key, token string, withToken bool, splits string) {
-		r := &Relay{cfg: Config{PeerSecret: secret}, log: DefaultConfig().Logger}
+		r := &Relay{cfg: Config{Tier: TierConfig{Secret: secret}}, log: DefaultConfig().Logger}
 		md := metadata.Pairs(peers.MDRelay, id, peers.MDKey, key)
 		if withToken {
 			md.Append(peers.MDAuth, token)
@@ -454,7 +454,7 @@ func TestMovedEnvoyReleasedByRenewal(t *testing.T) {
 			up := newTestUpstream(t, "ns0")
 			seed(up, "ns0", 3)
 			owner := startRelay(t, up, func(c *Config) { c.ID = "owner" })
-			other := startRelay(t, up, func(c *Config) { c.ID = "other"; c.Owners = newFakeOwners(owner.Addr().String(), false) })
+			other := startRelay(t, up, func(c *Config) { c.ID = "other"; c.Tier.Owners = newFakeOwners(owner.Addr().String(), false) })
 			addr := owner.Addr().String()
 			if viaPeer {
 				addr = other.Addr().String()
@@ -533,7 +533,7 @@ func TestDemandLostWithItsStreamIsSentAgain(t *testing.T) {
 	owner := startRelay(t, up, func(c *Config) { c.ID = "owner" })
 	silent, streams := startSilentOwner(t)
 	owners := newFakeOwners(owner.Addr().String(), false)
-	other := startRelay(t, up, func(c *Config) { c.ID = "other"; c.Owners = owners })
+	other := startRelay(t, up, func(c *Config) { c.ID = "other"; c.Tier.Owners = owners })
 	// atOwner keeps the owner's upstream stream for the key open throughout
 	// (a key nobody holds would be dropped, and its next stream would
 	// cover any demand).
@@ -602,11 +602,11 @@ func TestPeerTakesOrderOnlyFromCompleteResponses(t *testing.T) {
 	seed(up, "ns0", 3)
 	up.set("ns0", xds.TypeEndpoint, mkCLA("c9", 1))
 	secret := []byte("s")
-	owner := startRelay(t, up, func(c *Config) { c.ID = "owner"; c.PeerSecret = secret })
+	owner := startRelay(t, up, func(c *Config) { c.ID = "owner"; c.Tier.Secret = secret })
 	owners := newFakeOwners("127.0.0.1:1", false) // unreachable: "other" falls back
 	up2 := newTestUpstream(t, "ns0")              // its path to the upstream meanwhile
 	seed(up2, "ns0", 3)
-	other := startRelay(t, up2, func(c *Config) { c.ID = "other"; c.Owners = owners; c.PeerSecret = secret })
+	other := startRelay(t, up2, func(c *Config) { c.ID = "other"; c.Tier.Owners = owners; c.Tier.Secret = secret })
 	eds := []string{"c0", "c1", "c2", "c9"}
 	sync := func(c *rawClient, names ...string) map[string]string {
 		c.subscribe(xds.TypeCluster)
@@ -714,7 +714,7 @@ func TestSotWClaimResolvedByTier(t *testing.T) {
 	up := newTestUpstream(t, "ns0")
 	seed(up, "ns0", 3) // r80 uses c0, c1, c2
 	secret := []byte("s")
-	owner := startRelay(t, up, func(c *Config) { c.ID = "owner"; c.PeerSecret = secret })
+	owner := startRelay(t, up, func(c *Config) { c.ID = "owner"; c.Tier.Secret = secret })
 	stays := newRawClient(t, dial(t, owner.Addr().String()), false, node("ns0", "app", 0))
 	held := syncAll(stays)
 	up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1"))
@@ -731,7 +731,7 @@ func TestSotWClaimResolvedByTier(t *testing.T) {
 	runtime.GC()
 
 	owners := newFakeOwners(owner.Addr().String(), false)
-	other := startRelay(t, up, func(c *Config) { c.ID = "other"; c.Owners = owners; c.Peers = owners; c.PeerSecret = secret })
+	other := startRelay(t, up, func(c *Config) { c.ID = "other"; c.Tier.Owners = owners; c.Tier.Peers = owners; c.Tier.Secret = secret })
 	moved := newRawClient(t, dial(t, other.Addr().String()), false, node("ns0", "app", 1))
 	claimHeld(moved, held)
 	routeBeforeRemoval(t, moved)
@@ -814,9 +814,9 @@ func TestSotWClaimKnownAfterItsRelayIsGone(t *testing.T) {
 	seed(up, "ns0", 3) // r80 uses c0, c1, c2
 	// The relay the Envoy moves to starts first: it restores nothing of
 	// the key, and never sees the version the Envoy holds.
-	next := startRelay(t, up, func(c *Config) { c.ID = "next"; c.Snapshots = store("next") })
+	next := startRelay(t, up, func(c *Config) { c.ID = "next"; c.Keys.Snapshots = store("next") })
 	<-next.loaded
-	first := startRelay(t, up, func(c *Config) { c.ID = "first"; c.Snapshots = store("first") })
+	first := startRelay(t, up, func(c *Config) { c.ID = "first"; c.Keys.Snapshots = store("first") })
 	c := newRawClient(t, dial(t, first.Addr().String()), false, node("ns0", "app", 0))
 	held := syncAll(c)
 	first.DrainStreams(t.Context(), 0)
@@ -983,7 +983,7 @@ func TestUnknownClaimsKeepTheClustersTheEnvoyAsksEndpointsFor(t *testing.T) {
 func testUnknownClaimsKeep(t *testing.T, split bool) {
 	up := newTestUpstream(t, "ns0")
 	seed(up, "ns0", 3) // r80 uses c0, c1, c2
-	r := startRelay(t, up, func(c *Config) { c.DivergenceInterval = 0 })
+	r := startRelay(t, up, func(c *Config) { c.Keys.DivergenceInterval = 0 })
 	stays := newRawClient(t, dial(t, r.Addr().String()), false, node("ns0", "app", 0))
 	held := syncAll(stays)
 	// The versions the moving Envoy holds come from a relay that is gone.

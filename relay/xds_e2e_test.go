@@ -50,7 +50,7 @@ func testXDSClientEndToEnd(t *testing.T, protocol Protocol) {
 		GRPCServices: []synth.GRPCService{{Name: target, Backend: backend}},
 	}
 	up := startLoadtestUpstream(t, sc)
-	r := startRelayTo(t, up.Addr(), func(cfg *Config) { cfg.UpstreamProtocol = protocol })
+	r := startRelayTo(t, up.Addr(), func(cfg *Config) { cfg.Upstream.Protocol = protocol })
 
 	nsName := synth.NamespaceName(ns)
 	nodeID := "sidecar~127.0.0.1~grpc-client." + nsName + "~" + nsName + ".svc.cluster.local"

@@ -54,7 +54,7 @@ func TestAdminAccessAndDrain(t *testing.T) {
 	tier, err := inproc.StartConvergedTier(ctx, inproc.TierConfig{Relays: 3, Upstream: up.Addr(), Logger: testLogger(),
 		DrainPeriod: 500 * time.Millisecond,
 		Relay: func(c *relay.Config) {
-			c.AdminListen, c.AdminTLS, c.AdminToken = "127.0.0.1:0", certs.Server, token
+			c.Admin.Listen, c.Admin.TLS, c.Admin.Token = "127.0.0.1:0", certs.Server, token
 		},
 		Node: func(c *shard.NodeConfig) { c.AllowMutations = c.Relay.ID != "relay-2" },
 	}, 30*time.Second)
@@ -271,9 +271,9 @@ func TestAdminScopes(t *testing.T) {
 	tier, err := inproc.StartConvergedTier(ctx, inproc.TierConfig{Relays: 2, Upstream: up.Addr(), Logger: testLogger(),
 		BalanceInterval: time.Hour,
 		Relay: func(c *relay.Config) {
-			c.AdminListen, c.AdminToken = "127.0.0.1:0", token
-			c.AdminTLS = tlsfiles.ServerConfig(pair, roots, tls.VerifyClientCertIfGiven, "h2", "http/1.1")
-			c.AdminAuthenticator, c.AdminIdentities = authn, []string{adminID}
+			c.Admin.Listen, c.Admin.Token = "127.0.0.1:0", token
+			c.Admin.TLS = tlsfiles.ServerConfig(pair, roots, tls.VerifyClientCertIfGiven, "h2", "http/1.1")
+			c.Admin.Authenticator, c.Admin.Identities = authn, []string{adminID}
 		},
 		Node: func(c *shard.NodeConfig) { c.AllowMutations = true },
 	}, 30*time.Second)

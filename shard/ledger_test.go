@@ -55,7 +55,7 @@ func TestLedgerQueries(t *testing.T) {
 	// away from a relay above its share is a straggler while it reconnects.
 	tier, err := inproc.StartConvergedTier(ctx, inproc.TierConfig{Relays: 3, Upstream: up.Addr(), Logger: testLogger(),
 		BalanceInterval: time.Hour,
-		Relay:           func(c *relay.Config) { c.AdminListen = "127.0.0.1:0" }}, 30*time.Second)
+		Relay:           func(c *relay.Config) { c.Admin.Listen = "127.0.0.1:0" }}, 30*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}

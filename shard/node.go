@@ -22,10 +22,10 @@ import (
 // NodeConfig configures a Node: a relay, its snapshot store, and its
 // membership of a tier, if it has one.
 type NodeConfig struct {
-	// Relay configures the relay. In a tier, Owners, Tier and Peers are set
-	// to the ring, and PeerSecret, if empty, is derived from
-	// Ring.SecretKey; alone, they are left as given (nil: the relay owns
-	// every key and answers tier-wide questions for itself).
+	// Relay configures the relay. In a tier, Tier.Owners, Tier.Balancer
+	// and Tier.Peers are set to the ring, and Tier.Secret, if empty, is
+	// derived from Ring.SecretKey; alone, they are left as given (nil: the
+	// relay owns every key and answers tier-wide questions for itself).
 	Relay relay.Config
 	// Ring configures membership of a tier; nil (the default): a relay
 	// alone, with no gossip. XDSAddr, if empty, is the address of the port
@@ -72,9 +72,9 @@ type Node struct {
 
 // Compile-time checks of the interfaces package relay declares.
 var (
-	_ relay.Owners = (*Ring)(nil)
-	_ relay.Tier   = (*Ring)(nil)
-	_ relay.Peers  = (*Ring)(nil)
+	_ relay.Owners   = (*Ring)(nil)
+	_ relay.Balancer = (*Ring)(nil)
+	_ relay.Peers    = (*Ring)(nil)
 )
 
 // NewNode builds a Node. The relay's listeners the tier gossips (the one
@@ -87,7 +87,7 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 	// On failure the listeners are closed, given or opened: the relay
 	// that would have closed them will not run.
 	closeListeners := func() {
-		for _, l := range []net.Listener{cfg.Relay.PeerListener, cfg.Relay.Listener, cfg.Relay.AdminListener} {
+		for _, l := range []net.Listener{cfg.Relay.Tier.Listener, cfg.Relay.XDS.Listener, cfg.Relay.Admin.Listener} {
 			if l != nil {
 				l.Close()
 			}
@@ -105,13 +105,13 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 		*given = lis
 		return nil
 	}
-	if err := open(&cfg.Relay.PeerListener, cfg.Relay.PeerListen); err != nil {
+	if err := open(&cfg.Relay.Tier.Listener, cfg.Relay.Tier.Listen); err != nil {
 		return nil, err
 	}
-	if err := open(&cfg.Relay.Listener, cfg.Relay.XDSListen); err != nil {
+	if err := open(&cfg.Relay.XDS.Listener, cfg.Relay.XDS.Listen); err != nil {
 		return nil, err
 	}
-	if err := open(&cfg.Relay.AdminListener, cfg.Relay.AdminListen); err != nil {
+	if err := open(&cfg.Relay.Admin.Listener, cfg.Relay.Admin.Listen); err != nil {
 		return nil, err
 	}
 	if cfg.Relay.Registerer == nil && cfg.Relay.Gatherer == nil {
@@ -131,7 +131,7 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 		n.ring = ring
 	}
 	if cfg.Store != nil {
-		cfg.Relay.Snapshots = cfg.Store
+		cfg.Relay.Keys.Snapshots = cfg.Store
 		cfg.Store.SetGCLeader(func() bool {
 			if n.ring == nil {
 				return true
@@ -141,8 +141,8 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 		})
 	}
 	// The tier's admin API, on the relay's admin listener.
-	registerMore := cfg.Relay.AdminServices
-	cfg.Relay.AdminServices = func(s *grpc.Server) {
+	registerMore := cfg.Relay.Admin.Services
+	cfg.Relay.Admin.Services = func(s *grpc.Server) {
 		adminpb.RegisterAdminServer(s, adminServer{n: n})
 		if registerMore != nil {
 			registerMore(s)
@@ -161,9 +161,9 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 // filling the addresses it gossips and the relay's seams to the tier.
 func newNodeRing(cfg *NodeConfig) (*Ring, error) {
 	rc := *cfg.Ring
-	peerLis, flag := cfg.Relay.PeerListener, "--advertise-peer"
+	peerLis, flag := cfg.Relay.Tier.Listener, "--advertise-peer"
 	if peerLis == nil {
-		peerLis, flag = cfg.Relay.Listener, "--advertise-xds"
+		peerLis, flag = cfg.Relay.XDS.Listener, "--advertise-xds"
 	}
 	if peerLis == nil {
 		return nil, errors.New("shard: the relay has neither a peer port nor a plaintext xDS port for the tier's relays to dial")
@@ -175,8 +175,8 @@ func newNodeRing(cfg *NodeConfig) (*Ring, error) {
 		}
 		rc.XDSAddr = addr
 	}
-	if rc.AdminAddr == "" && cfg.Relay.AdminListener != nil {
-		addr, err := advertised(cfg.Relay.AdminListener, "admin", "--advertise-admin")
+	if rc.AdminAddr == "" && cfg.Relay.Admin.Listener != nil {
+		addr, err := advertised(cfg.Relay.Admin.Listener, "admin", "--advertise-admin")
 		if err != nil {
 			return nil, err
 		}
@@ -185,10 +185,10 @@ func newNodeRing(cfg *NodeConfig) (*Ring, error) {
 	if rc.Name == "" {
 		rc.Name = cfg.Relay.ID
 	}
-	if len(cfg.Relay.PeerSecret) == 0 && len(rc.SecretKey) > 0 {
+	if len(cfg.Relay.Tier.Secret) == 0 && len(rc.SecretKey) > 0 {
 		// Not the gossip key itself: a key of its own, derived from it.
 		sum := sha256.Sum256(append([]byte("meshrelay peer secret\x00"), rc.SecretKey...))
-		cfg.Relay.PeerSecret = sum[:]
+		cfg.Relay.Tier.Secret = sum[:]
 	}
 	if rc.Registerer == nil {
 		rc.Registerer = cfg.Relay.Registerer
@@ -198,7 +198,7 @@ func newNodeRing(cfg *NodeConfig) (*Ring, error) {
 		return nil, err
 	}
 	cfg.Ring = &rc
-	cfg.Relay.Owners, cfg.Relay.Tier, cfg.Relay.Peers = ring, ring, ring
+	cfg.Relay.Tier.Owners, cfg.Relay.Tier.Balancer, cfg.Relay.Tier.Peers = ring, ring, ring
 	return ring, nil
 }
 

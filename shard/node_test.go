@@ -25,8 +25,8 @@ func TestNodeAlone(t *testing.T) {
 	sc := upstream.Scenario{Services: 6, Endpoints: 6, Namespaces: 2}
 	up := startUpstream(t, sc)
 	cfg := shard.DefaultNodeConfig()
-	cfg.Relay.ID, cfg.Relay.Upstream, cfg.Relay.Logger = "alone", up.Addr(), testLogger()
-	cfg.Relay.XDSListen, cfg.Relay.AdminListen = "127.0.0.1:0", "127.0.0.1:0"
+	cfg.Relay.ID, cfg.Relay.Upstream.Addr, cfg.Relay.Logger = "alone", up.Addr(), testLogger()
+	cfg.Relay.XDS.Listen, cfg.Relay.Admin.Listen = "127.0.0.1:0", "127.0.0.1:0"
 	cfg.DrainPeriod = 100 * time.Millisecond
 	node, err := shard.NewNode(cfg)
 	if err != nil {

@@ -40,7 +40,7 @@ func (a *adminFlags) apply(cfg *relay.Config) error {
 	if err != nil {
 		return err
 	}
-	cfg.AdminIdentities = ids
+	cfg.Admin.Identities = ids
 	if (a.certFile == "") != (a.keyFile == "") {
 		return errors.New("--admin-tls-cert and --admin-tls-key go together")
 	}
@@ -74,9 +74,9 @@ func (a *adminFlags) apply(cfg *relay.Config) error {
 		clientAuth = tls.VerifyClientCertIfGiven
 	}
 	tc := tlsfiles.ServerConfig(pair, cas, clientAuth, "h2", "http/1.1")
-	cfg.AdminTLS = tc
+	cfg.Admin.TLS = tc
 	if a.tokenFile != "" {
-		if cfg.AdminToken, err = (auth.TokenFile{Path: a.tokenFile, Flag: "--admin-token-file"}).Token(); err != nil {
+		if cfg.Admin.Token, err = (auth.TokenFile{Path: a.tokenFile, Flag: "--admin-token-file"}).Token(); err != nil {
 			return err
 		}
 	}
@@ -110,15 +110,15 @@ func parseIdentities(s string) ([]string, error) {
 // API is guarded by the token and the client CAs alone, as before. It must
 // run once apply and the TLS xDS port's flags are applied.
 func (a *adminFlags) applyIdentities(cfg *relay.Config, authn relay.Authenticator) error {
-	if len(cfg.AdminIdentities) == 0 {
+	if len(cfg.Admin.Identities) == 0 {
 		return nil
 	}
-	if cfg.AdminTLS == nil {
+	if cfg.Admin.TLS == nil {
 		return errors.New("--admin-identities needs --admin-tls-cert: a service-account token must not cross the network in clear text")
 	}
 	if authn == nil {
 		return errors.New("--admin-identities needs --xds-tls-cert with --xds-auth jwt, mtls or any: the admin API proves its callers with the TLS xDS port's verifiers")
 	}
-	cfg.AdminAuthenticator = authn
+	cfg.Admin.Authenticator = authn
 	return nil
 }

@@ -41,16 +41,16 @@ func TestAdminFlagsLoad(t *testing.T) {
 	if err := a.apply(&cfg); err != nil {
 		t.Fatal(err)
 	}
-	if cfg.AdminTLS == nil || cfg.AdminTLS.GetConfigForClient == nil {
-		t.Fatalf("AdminTLS = %+v, want a config that reads the files at each handshake", cfg.AdminTLS)
+	if cfg.Admin.TLS == nil || cfg.Admin.TLS.GetConfigForClient == nil {
+		t.Fatalf("AdminTLS = %+v, want a config that reads the files at each handshake", cfg.Admin.TLS)
 	}
-	hs, err := cfg.AdminTLS.GetConfigForClient(&tls.ClientHelloInfo{})
+	hs, err := cfg.Admin.TLS.GetConfigForClient(&tls.ClientHelloInfo{})
 	if err != nil || len(hs.Certificates) != 1 || hs.ClientAuth != tls.RequireAndVerifyClientCert || hs.ClientCAs == nil ||
 		!slices.Equal(hs.NextProtos, []string{"h2", "http/1.1"}) {
 		t.Errorf("a handshake's config = %+v, %v; want a certificate, required client certificates, ALPN h2 and http/1.1", hs, err)
 	}
-	if cfg.AdminToken != "tok" {
-		t.Errorf("AdminToken = %q, want the file's token, trimmed", cfg.AdminToken)
+	if cfg.Admin.Token != "tok" {
+		t.Errorf("AdminToken = %q, want the file's token, trimmed", cfg.Admin.Token)
 	}
 	empty := filepath.Join(t.TempDir(), "empty")
 	os.WriteFile(empty, []byte("\n"), 0o600)
@@ -97,11 +97,11 @@ func TestAdminIdentitiesFlags(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if !slices.Equal(cfg.AdminIdentities, tc.want) {
-				t.Errorf("AdminIdentities = %q, want %q", cfg.AdminIdentities, tc.want)
+			if !slices.Equal(cfg.Admin.Identities, tc.want) {
+				t.Errorf("AdminIdentities = %q, want %q", cfg.Admin.Identities, tc.want)
 			}
-			if wantAuthn := len(tc.want) > 0; (cfg.AdminAuthenticator != nil) != wantAuthn || wantAuthn && cfg.AdminAuthenticator != tc.authn {
-				t.Errorf("AdminAuthenticator = %v, want the xDS port's: %v", cfg.AdminAuthenticator, wantAuthn)
+			if wantAuthn := len(tc.want) > 0; (cfg.Admin.Authenticator != nil) != wantAuthn || wantAuthn && cfg.Admin.Authenticator != tc.authn {
+				t.Errorf("AdminAuthenticator = %v, want the xDS port's: %v", cfg.Admin.Authenticator, wantAuthn)
 			}
 		})
 	}
@@ -136,10 +136,10 @@ func TestAdminIdentitiesServe(t *testing.T) {
 		t.Fatal(err)
 	}
 	// What serve must do once both are applied.
-	if err := admin.applyIdentities(&cfg, cfg.Authenticator); err != nil {
+	if err := admin.applyIdentities(&cfg, cfg.XDS.Authenticator); err != nil {
 		t.Fatal(err)
 	}
-	cfg.Upstream, cfg.XDSListen, cfg.AdminListen = "127.0.0.1:1", "", "127.0.0.1:0"
+	cfg.Upstream.Addr, cfg.XDS.Listen, cfg.Admin.Listen = "127.0.0.1:1", "", "127.0.0.1:0"
 	node, err := shard.NewNode(shard.NodeConfig{Relay: cfg})
 	if err != nil {
 		t.Fatal(err)

@@ -72,24 +72,24 @@ func serve(ctx context.Context, args []string) error {
 	cfg := relay.DefaultConfig()
 	ring := shard.DefaultConfig()
 	fs := newFlagSet("serve")
-	fs.StringVar(&cfg.XDSListen, "xds-listen", cfg.XDSListen, "address of the plaintext ADS server (istiod's 15010): it authenticates no one; with --xds-tls-cert, off unless set")
-	fs.StringVar(&cfg.Upstream, "upstream", "", "gRPC target of the upstream control plane (istiod), e.g. istiod.istio-system.svc:15010 (required)")
-	upProto := fs.String("upstream-protocol", string(cfg.UpstreamProtocol), "ADS variant spoken to the upstream: sotw or delta")
-	fs.IntVar(&cfg.UpstreamSyncs, "upstream-syncs", cfg.UpstreamSyncs, "keys whose stream to istiod may be waiting for its first full answer at once, and as many again whose stream to the key's owner (another relay) may; others wait their turn, so a cold start does not hold every key's whole config at once. 0: no bound")
-	fs.Float64Var(&cfg.UpstreamStreamRate, "upstream-stream-rate", cfg.UpstreamStreamRate, "streams per second this relay opens to istiod at most (one second's worth at once), so a cold relay of many keys, or every key after istiod restarts, reaches istiod at a pace it can take; streams to other relays are not counted. 0: no bound")
+	fs.StringVar(&cfg.XDS.Listen, "xds-listen", cfg.XDS.Listen, "address of the plaintext ADS server (istiod's 15010): it authenticates no one; with --xds-tls-cert, off unless set")
+	fs.StringVar(&cfg.Upstream.Addr, "upstream", "", "gRPC target of the upstream control plane (istiod), e.g. istiod.istio-system.svc:15010 (required)")
+	upProto := fs.String("upstream-protocol", string(cfg.Upstream.Protocol), "ADS variant spoken to the upstream: sotw or delta")
+	fs.IntVar(&cfg.Upstream.Syncs, "upstream-syncs", cfg.Upstream.Syncs, "keys whose stream to istiod may be waiting for its first full answer at once, and as many again whose stream to the key's owner (another relay) may; others wait their turn, so a cold start does not hold every key's whole config at once. 0: no bound")
+	fs.Float64Var(&cfg.Upstream.StreamRate, "upstream-stream-rate", cfg.Upstream.StreamRate, "streams per second this relay opens to istiod at most (one second's worth at once), so a cold relay of many keys, or every key after istiod restarts, reaches istiod at a pace it can take; streams to other relays are not counted. 0: no bound")
 	profile := fs.String("key-profile", aggkey.ProfileIstio, "aggregation key profile: istio, fields (with --key-fields or --key-config) or per-node; every relay of a tier must use the same")
 	keyMeta := fs.String("key-metadata", "", "comma-separated extra node metadata fields for the istio key profile")
 	keyFields := fs.String("key-fields", "", "for --key-profile fields: the node fields every key is made of, comma-separated: id, id~REGEX, cluster, user_agent_name, user_agent_version, locality[.region|.zone|.sub_zone], namespace, metadata.PATH (e.g. cluster,metadata.LABELS.app)")
 	keyConfig := fs.String("key-config", "", "for --key-profile fields: a YAML file of rules, matched in order by node fields, each naming the fields of its keys (see docs/architecture.md, Aggregation keys)")
-	fs.DurationVar(&cfg.DivergenceInterval, "divergence-interval", cfg.DivergenceInterval, "how often each aggregated key is checked: a second stream to istiod presents another member's node, and if istiod gives it other config the key splits (that member and its look-alikes get keys of their own); also as soon as a key gets its second member. One check per key at a time, two per relay. 0: never")
-	fs.StringVar(&cfg.AdminListen, "admin-listen", ":15014", "address of the admin server: HTTP (/healthz, /readyz, /metrics, /debug/pprof) and gRPC (health, reflection) on one port; empty: none")
+	fs.DurationVar(&cfg.Keys.DivergenceInterval, "divergence-interval", cfg.Keys.DivergenceInterval, "how often each aggregated key is checked: a second stream to istiod presents another member's node, and if istiod gives it other config the key splits (that member and its look-alikes get keys of their own); also as soon as a key gets its second member. One check per key at a time, two per relay. 0: never")
+	fs.StringVar(&cfg.Admin.Listen, "admin-listen", ":15014", "address of the admin server: HTTP (/healthz, /readyz, /metrics, /debug/pprof) and gRPC (health, reflection) on one port; empty: none")
 	hostID := cfg.ID
 	fs.StringVar(&cfg.ID, "id", "", "relay name, sent as control_plane.identifier (default: meshrelay-HOSTNAME, the pod's name in Kubernetes)")
 	fs.IntVar(&cfg.MaxMsgSize, "max-msg-size", cfg.MaxMsgSize, "largest gRPC message sent or received, in bytes")
-	fs.DurationVar(&cfg.KeyIdleTimeout, "key-idle-timeout", cfg.KeyIdleTimeout, "how long a key without Envoys keeps its upstream stream and cache")
-	fs.DurationVar(&cfg.ResourceWaitTimeout, "resource-wait-timeout", cfg.ResourceWaitTimeout, "how long a requested resource may stay missing before Delta clients holding it are told it was removed")
-	fs.Float64Var(&cfg.AdmitRate, "admit-rate", cfg.AdmitRate, "new Envoy streams admitted per second (token bucket); past it: ResourceExhausted. 0: no limit")
-	fs.IntVar(&cfg.AdmitBurst, "admit-burst", cfg.AdmitBurst, "token bucket size for --admit-rate")
+	fs.DurationVar(&cfg.Keys.IdleTimeout, "key-idle-timeout", cfg.Keys.IdleTimeout, "how long a key without Envoys keeps its upstream stream and cache")
+	fs.DurationVar(&cfg.XDS.ResourceWaitTimeout, "resource-wait-timeout", cfg.XDS.ResourceWaitTimeout, "how long a requested resource may stay missing before Delta clients holding it are told it was removed")
+	fs.Float64Var(&cfg.XDS.AdmitRate, "admit-rate", cfg.XDS.AdmitRate, "new Envoy streams admitted per second (token bucket); past it: ResourceExhausted. 0: no limit")
+	fs.IntVar(&cfg.XDS.AdmitBurst, "admit-burst", cfg.XDS.AdmitBurst, "token bucket size for --admit-rate")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	var admin adminFlags
 	admin.register(fs)
@@ -114,17 +114,17 @@ func serve(ctx context.Context, args []string) error {
 		cfg.ID = hostID
 	}
 	if *debugNS != "" {
-		cfg.DebugNamespaces = strings.Split(*debugNS, ",")
+		cfg.Admin.DebugNamespaces = strings.Split(*debugNS, ",")
 	}
 	var err error
-	if cfg.UpstreamProtocol, err = relay.ParseProtocol(*upProto); err != nil {
+	if cfg.Upstream.Protocol, err = relay.ParseProtocol(*upProto); err != nil {
 		return err
 	}
 	var extra []string
 	if *keyMeta != "" {
 		extra = strings.Split(*keyMeta, ",")
 	}
-	if cfg.KeyProfile, err = keyProfile(*profile, extra, *keyFields, *keyConfig); err != nil {
+	if cfg.Keys.Profile, err = keyProfile(*profile, extra, *keyFields, *keyConfig); err != nil {
 		return err
 	}
 	if err := admin.apply(&cfg); err != nil {
@@ -148,7 +148,7 @@ func serve(ctx context.Context, args []string) error {
 	}
 	if xdsTLS.enabled() && !fs.Changed("xds-listen") {
 		// With TLS the plaintext port is opt-in: it authenticates no one.
-		cfg.XDSListen = ""
+		cfg.XDS.Listen = ""
 	}
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(*logLevel)); err != nil {
@@ -158,7 +158,7 @@ func serve(ctx context.Context, args []string) error {
 	if err := setMemoryLimit(*memRatio, memlimit.FromCgroup, cfg.Logger); err != nil {
 		return err
 	}
-	if admin.allowMutations && cfg.AdminToken == "" && cfg.AdminAuthenticator == nil && cfg.Authenticator == nil && admin.clientCA == "" {
+	if admin.allowMutations && cfg.Admin.Token == "" && cfg.Admin.Authenticator == nil && cfg.XDS.Authenticator == nil && admin.clientCA == "" {
 		cfg.Logger.Warn("the admin API allows mutating calls (Drain) to anyone who reaches its port: set --admin-token-file or --admin-client-ca")
 	}
 	if cfg.Registerer == nil {

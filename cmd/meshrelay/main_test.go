@@ -25,7 +25,7 @@ func TestServeFlags(t *testing.T) {
 		args    []string
 		wantErr string
 	}{
-		{"no upstream", []string{"--xds-listen", "127.0.0.1:0", "--admin-listen", ""}, "field Upstream is empty"},
+		{"no upstream", []string{"--xds-listen", "127.0.0.1:0", "--admin-listen", ""}, "field Upstream.Addr is empty"},
 		{"bad key profile", []string{"--upstream", "x:1", "--key-profile", "by-moon-phase"}, `unknown key profile "by-moon-phase"`},
 		{"bad protocol", []string{"--upstream", "x:1", "--upstream-protocol", "rest"}, `unknown protocol "rest"`},
 		{"bad log level", []string{"--upstream", "x:1", "--log-level", "loud"}, "--log-level"},

@@ -24,7 +24,7 @@ type peerFlags struct {
 }
 
 func (p *peerFlags) register(fs *pflag.FlagSet, cfg *relay.Config) {
-	fs.StringVar(&cfg.PeerListen, "peer-listen", "", "address of the port the tier's relays dial (relay-to-relay ADS, ledger, inspect), e.g. :15011; empty: they use --xds-listen")
+	fs.StringVar(&cfg.Tier.Listen, "peer-listen", "", "address of the port the tier's relays dial (relay-to-relay ADS, ledger, inspect), e.g. :15011; empty: they use --xds-listen")
 	fs.StringVar(&p.advertise, "advertise-peer", "", "host:port other relays dial for --peer-listen (default: $POD_IP with its port)")
 	fs.StringVar(&p.certFile, "peer-tls-cert", "", "PEM certificate of the tier (SPIFFE ID --peer-identity) relays present to each other: mTLS on --peer-listen; read again when it changes")
 	fs.StringVar(&p.keyFile, "peer-tls-key", "", "PEM key of --peer-tls-cert")
@@ -44,7 +44,7 @@ func (p *peerFlags) apply(cfg *relay.Config, trustDomain string) error {
 	if p.certFile == "" || p.keyFile == "" || p.caFile == "" {
 		return errors.New("--peer-tls-cert, --peer-tls-key and --peer-tls-ca go together")
 	}
-	if cfg.PeerListen == "" {
+	if cfg.Tier.Listen == "" {
 		return errors.New("--peer-tls-cert needs --peer-listen: relay-to-relay mTLS has a port of its own")
 	}
 	pair, err := tlsfiles.LoadKeyPair(p.certFile, p.keyFile)
@@ -67,8 +67,8 @@ func (p *peerFlags) apply(cfg *relay.Config, trustDomain string) error {
 	if err != nil {
 		return fmt.Errorf("--peer-identity: %w", err)
 	}
-	cfg.PeerTLS = server
-	cfg.PeerDialOptions = append(cfg.PeerDialOptions, grpcTLS(client))
+	cfg.Tier.TLS = server
+	cfg.Tier.DialOptions = append(cfg.Tier.DialOptions, grpcTLS(client))
 	return nil
 }
 

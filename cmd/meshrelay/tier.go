@@ -61,18 +61,18 @@ func (t *tierFlags) apply(ring *shard.Config, cfg relay.Config, advertisePeer st
 		}
 	}
 	switch {
-	case cfg.PeerListen != "":
-		if ring.XDSAddr, err = podAddr(advertisePeer, cfg.PeerListen); err != nil {
+	case cfg.Tier.Listen != "":
+		if ring.XDSAddr, err = podAddr(advertisePeer, cfg.Tier.Listen); err != nil {
 			return fmt.Errorf("--peer-listen: %w", err)
 		}
-	case cfg.XDSListen != "":
-		if ring.XDSAddr, err = podAddr(t.advertiseXDS, cfg.XDSListen); err != nil {
+	case cfg.XDS.Listen != "":
+		if ring.XDSAddr, err = podAddr(t.advertiseXDS, cfg.XDS.Listen); err != nil {
 			return fmt.Errorf("--xds-listen: %w", err)
 		}
 	default:
 		return errors.New("a tier (--gossip-listen) needs a port its relays dial: --peer-listen (with --peer-tls-cert for mTLS), or --xds-listen")
 	}
-	if ring.AdminAddr, err = podAddr(t.advertiseAdmin, cfg.AdminListen); err != nil {
+	if ring.AdminAddr, err = podAddr(t.advertiseAdmin, cfg.Admin.Listen); err != nil {
 		return fmt.Errorf("--admin-listen: %w", err)
 	}
 	return nil

@@ -68,7 +68,7 @@ func (u *upstreamAuthFlags) apply(cfg *relay.Config, tokens bool) error {
 		if u.tokenFile != "" {
 			return errors.New("--upstream-token-file is for --upstream-auth relay-identity")
 		}
-		cfg.ForwardCredentials = true
+		cfg.Upstream.ForwardCredentials = true
 	case upstreamRelayIdentity:
 		if u.tokenFile == "" {
 			return errors.New("--upstream-auth relay-identity needs --upstream-token-file")
@@ -77,15 +77,15 @@ func (u *upstreamAuthFlags) apply(cfg *relay.Config, tokens bool) error {
 		if _, err := tf.Token(); err != nil {
 			return err
 		}
-		cfg.UpstreamDialOptions = append(cfg.UpstreamDialOptions, grpc.WithPerRPCCredentials(tf))
+		cfg.Upstream.DialOptions = append(cfg.Upstream.DialOptions, grpc.WithPerRPCCredentials(tf))
 	default:
 		return fmt.Errorf("--upstream-auth %q: want plaintext, forward or relay-identity", mode)
 	}
 	tc := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: u.san}
 	if tc.ServerName == "" {
-		host, _, err := net.SplitHostPort(strings.TrimPrefix(cfg.Upstream, "dns:///"))
+		host, _, err := net.SplitHostPort(strings.TrimPrefix(cfg.Upstream.Addr, "dns:///"))
 		if err != nil {
-			host = cfg.Upstream
+			host = cfg.Upstream.Addr
 		}
 		tc.ServerName = host
 	}
@@ -101,7 +101,7 @@ func (u *upstreamAuthFlags) apply(cfg *relay.Config, tokens bool) error {
 			return verifyServer(cs, roots, tc.ServerName)
 		}
 	}
-	cfg.UpstreamDialOptions = append(cfg.UpstreamDialOptions, grpc.WithTransportCredentials(credentials.NewTLS(tc)))
+	cfg.Upstream.DialOptions = append(cfg.Upstream.DialOptions, grpc.WithTransportCredentials(credentials.NewTLS(tc)))
 	return nil
 }
 

@@ -38,7 +38,7 @@ type xdsTLSFlags struct {
 }
 
 func (x *xdsTLSFlags) register(fs *pflag.FlagSet, cfg *relay.Config) {
-	fs.StringVar(&cfg.XDSTLSListen, "xds-tls-listen", cfg.XDSTLSListen, "address of the TLS ADS server (istiod's 15012); open when --xds-tls-cert is set")
+	fs.StringVar(&cfg.XDS.TLSListen, "xds-tls-listen", cfg.XDS.TLSListen, "address of the TLS ADS server (istiod's 15012); open when --xds-tls-cert is set")
 	fs.StringVar(&x.certFile, "xds-tls-cert", "", "PEM certificate chain the TLS xDS port serves (a name the mesh trusts: ISTIOD_SAN); read again when it changes")
 	fs.StringVar(&x.keyFile, "xds-tls-key", "", "PEM key of --xds-tls-cert")
 	fs.StringVar(&x.clientCA, "xds-client-ca", "", "PEM mesh root: client certificates chained to it prove SPIFFE identities (needed by --xds-auth mtls and any)")
@@ -80,7 +80,7 @@ func (x *xdsTLSFlags) apply(ctx context.Context, cfg *relay.Config) error {
 	// the authenticator verifies them, so that a bad one is refused with
 	// a reason (counted) rather than a failed handshake, and a client
 	// with a bad certificate but a good token still gets in, as on istiod.
-	cfg.XDSTLS = tlsfiles.ServerConfig(pair, roots, tls.RequestClientCert)
+	cfg.XDS.TLS = tlsfiles.ServerConfig(pair, roots, tls.RequestClientCert)
 	mode := auth.Mode(x.authMode)
 	if mode == "" {
 		mode = auth.ModeJWT
@@ -108,7 +108,7 @@ func (x *xdsTLSFlags) apply(ctx context.Context, cfg *relay.Config) error {
 		}
 	}
 	x.certs, x.tokens = certs, tokens
-	cfg.Authenticator, err = auth.NewAuthenticator(mode, certs, tokens)
+	cfg.XDS.Authenticator, err = auth.NewAuthenticator(mode, certs, tokens)
 	return err
 }
 

@@ -88,7 +88,7 @@ func startLiveTier(t *testing.T) *liveTier {
 	t.Helper()
 	ctx := context.Background()
 	sc := upstream.Scenario{Services: 6, Endpoints: 6, Namespaces: 3, LocalFraction: 0}
-	up, tier := startTier(t, sc, cluster.TierConfig{Relays: 3, Relay: func(c *relay.Config) { c.AdminListen = "127.0.0.1:0" }})
+	up, tier := startTier(t, sc, cluster.TierConfig{Relays: 3, Relay: func(c *relay.Config) { c.Admin.Listen = "127.0.0.1:0" }})
 	relays := tier.Running()
 	var rejecting atomic.Bool
 	fleet, err := traffic.StartFleet(ctx, traffic.FleetConfig{
@@ -374,7 +374,7 @@ func TestRelayctlSecureDrain(t *testing.T) {
 	const token = "relayctl-test-token"
 	certs := shardtest.NewCerts(t)
 	_, tier := startTier(t, upstream.Scenario{Services: 3, Endpoints: 3, Namespaces: 1}, cluster.TierConfig{Relays: 3, DrainPeriod: 200 * time.Millisecond,
-		Relay: func(c *relay.Config) { c.AdminListen, c.AdminTLS, c.AdminToken = "127.0.0.1:0", certs.Server, token },
+		Relay: func(c *relay.Config) { c.Admin.Listen, c.Admin.TLS, c.Admin.Token = "127.0.0.1:0", certs.Server, token },
 		Node:  func(c *shard.NodeConfig) { c.AllowMutations = true },
 	})
 	tokenFile := filepath.Join(t.TempDir(), "token")
@@ -476,9 +476,9 @@ func TestRelayctlTokenFileIdentities(t *testing.T) {
 	sc := upstream.Scenario{Services: 3, Endpoints: 3, Namespaces: 3}
 	_, tier := startTier(t, sc, cluster.TierConfig{Relays: 2,
 		Relay: func(c *relay.Config) {
-			c.AdminListen = "127.0.0.1:0"
-			c.AdminTLS = tlsfiles.ServerConfig(pair, roots, tls.VerifyClientCertIfGiven, "h2", "http/1.1")
-			c.AdminAuthenticator, c.AdminIdentities = authn, []string{adminID}
+			c.Admin.Listen = "127.0.0.1:0"
+			c.Admin.TLS = tlsfiles.ServerConfig(pair, roots, tls.VerifyClientCertIfGiven, "h2", "http/1.1")
+			c.Admin.Authenticator, c.Admin.Identities = authn, []string{adminID}
 		},
 		Node: func(c *shard.NodeConfig) { c.AllowMutations = true },
 	})

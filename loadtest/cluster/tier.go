@@ -239,25 +239,25 @@ func (t *Tier) Start(ctx context.Context, i int) error {
 
 	rc := relay.DefaultConfig()
 	rc.ID = id
-	rc.Listener = lis
-	rc.Upstream = t.cfg.Upstream
-	rc.UpstreamProtocol = t.cfg.UpstreamProtocol
-	rc.BalanceInterval = t.cfg.BalanceInterval
-	rc.ShedRate = t.cfg.ShedRate
-	rc.AdmitRate = t.cfg.AdmitRate
-	rc.PeerDialOptions = []grpc.DialOption{grpc.WithContextDialer(t.nw.Dialer(tr.Addr()))}
+	rc.XDS.Listener = lis
+	rc.Upstream.Addr = t.cfg.Upstream
+	rc.Upstream.Protocol = t.cfg.UpstreamProtocol
+	rc.Tier.BalanceInterval = t.cfg.BalanceInterval
+	rc.Tier.ShedRate = t.cfg.ShedRate
+	rc.XDS.AdmitRate = t.cfg.AdmitRate
+	rc.Tier.DialOptions = []grpc.DialOption{grpc.WithContextDialer(t.nw.Dialer(tr.Addr()))}
 	rc.Logger = t.cfg.Logger
-	rc.PeerSecret = []byte("tier test peer secret")
+	rc.Tier.Secret = []byte("tier test peer secret")
 	if s := t.cfg.Secure; s != nil {
 		tlsLis, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			lis.Close()
 			return err
 		}
-		rc.Listener, rc.XDSListen, rc.PeerListener = nil, "", lis
-		rc.TLSListener, rc.XDSTLS, rc.Authenticator = tlsLis, s.XDSTLS, s.Authenticator
-		rc.PeerTLS, rc.ForwardCredentials = s.PeerServer, s.Forward
-		rc.PeerDialOptions = append(rc.PeerDialOptions, grpc.WithTransportCredentials(credentials.NewTLS(s.PeerClient)))
+		rc.XDS.Listener, rc.XDS.Listen, rc.Tier.Listener = nil, "", lis
+		rc.XDS.TLSListener, rc.XDS.TLS, rc.XDS.Authenticator = tlsLis, s.XDSTLS, s.Authenticator
+		rc.Tier.TLS, rc.Upstream.ForwardCredentials = s.PeerServer, s.Forward
+		rc.Tier.DialOptions = append(rc.Tier.DialOptions, grpc.WithTransportCredentials(credentials.NewTLS(s.PeerClient)))
 	}
 	if t.cfg.Relay != nil {
 		t.cfg.Relay(&rc)
@@ -302,7 +302,7 @@ func (t *Tier) Start(ctx context.Context, i int) error {
 
 // closeListeners closes the listeners a relay that did not start was given.
 func closeListeners(rc relay.Config) {
-	for _, l := range []net.Listener{rc.Listener, rc.TLSListener, rc.PeerListener} {
+	for _, l := range []net.Listener{rc.XDS.Listener, rc.XDS.TLSListener, rc.Tier.Listener} {
 		if l != nil {
 			l.Close()
 		}

@@ -264,7 +264,7 @@ func TestRelayAgainstRealIstiod(t *testing.T) {
 	defer cancel()
 	m := startMesh(t, ctx)
 	cfg := relay.DefaultConfig()
-	cfg.ID, cfg.Upstream, cfg.XDSListen = "meshrelay-e2e", m.istiod.PlainAddr, "127.0.0.1:0"
+	cfg.ID, cfg.Upstream.Addr, cfg.XDS.Listen = "meshrelay-e2e", m.istiod.PlainAddr, "127.0.0.1:0"
 	if os.Getenv("RELAY_TEST_LOG") != "" {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	}

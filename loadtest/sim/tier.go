@@ -168,21 +168,21 @@ func (t *tier) startRelay(ctx context.Context, i int) error {
 
 	rc := relay.DefaultConfig()
 	rc.ID = id
-	rc.Listener = lis
-	rc.Upstream = t.upHost.Addr(xdsPort)
-	rc.UpstreamProtocol = t.proto
+	rc.XDS.Listener = lis
+	rc.Upstream.Addr = t.upHost.Addr(xdsPort)
+	rc.Upstream.Protocol = t.proto
 	// The relay's own choices, as Relay.Start and peers.NewPool make them,
 	// without gRPC's jitter.
-	rc.UpstreamDialOptions = dialOptions(r.host, time.Second, 120*time.Second, 20*time.Second)
-	rc.PeerDialOptions = dialOptions(r.host, 250*time.Millisecond, 3*time.Second, 5*time.Second)
-	rc.PeerSecret = []byte("sim peer secret")
-	rc.BalanceInterval = time.Second
-	rc.ShedRate = 50
-	rc.DivergenceInterval = t.cfg.DivergenceInterval
+	rc.Upstream.DialOptions = dialOptions(r.host, time.Second, 120*time.Second, 20*time.Second)
+	rc.Tier.DialOptions = dialOptions(r.host, 250*time.Millisecond, 3*time.Second, 5*time.Second)
+	rc.Tier.Secret = []byte("sim peer secret")
+	rc.Tier.BalanceInterval = time.Second
+	rc.Tier.ShedRate = 50
+	rc.Keys.DivergenceInterval = t.cfg.DivergenceInterval
 	rc.Logger = log
 	rc.Rand = rand.NewPCG(t.seed, hash64(fmt.Sprintf("%s/%d", id, r.incarnation)))
 	r.store = t.store.Client(fmt.Sprintf("%s-%d", id, r.incarnation), time.Second)
-	rc.Snapshots = r.store
+	rc.Keys.Snapshots = r.store
 	if t.cfg.Relay != nil {
 		t.cfg.Relay(&rc)
 	}

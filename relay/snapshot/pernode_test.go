@@ -26,7 +26,7 @@ func TestPerNodeKeysTier(t *testing.T) {
 	up, sc := startUpstream(t, upstream.Scenario{Services: 20, Endpoints: 20, Namespaces: 2, LocalFraction: 0.25})
 	const envoys = 9
 	startTier := func() *cluster.Tier {
-		return startPersistingTier(t, up, endpoints, func(c *relay.Config) { c.KeyProfile = aggkey.PerNode{} })
+		return startPersistingTier(t, up, endpoints, func(c *relay.Config) { c.Keys.Profile = aggkey.PerNode{} })
 	}
 	waitFor := func(what string, cond func() (bool, string)) { t.Helper(); waitUntil(t, what, cond) }
 	synced := func(f *traffic.Fleet, when string) { t.Helper(); waitFleetSynced(t, f, up, when) }

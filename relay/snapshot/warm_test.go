@@ -46,9 +46,9 @@ func startWarmRelay(t *testing.T, etcd []string, upstreamAddr, id string) *warmR
 		t.Fatal(err)
 	}
 	cfg := relay.DefaultConfig()
-	cfg.ID, cfg.Upstream, cfg.Listener, cfg.Registerer, cfg.Gatherer, cfg.Snapshots = id, upstreamAddr, lis, reg, reg, s
-	cfg.BackoffMax = 300 * time.Millisecond
-	cfg.AdminListen = "127.0.0.1:0"
+	cfg.ID, cfg.Upstream.Addr, cfg.XDS.Listener, cfg.Registerer, cfg.Gatherer, cfg.Keys.Snapshots = id, upstreamAddr, lis, reg, reg, s
+	cfg.Upstream.BackoffMax = 300 * time.Millisecond
+	cfg.Admin.Listen = "127.0.0.1:0"
 	// The node starts the store, and stops it after the relay.
 	node, err := shard.NewNode(shard.NodeConfig{Relay: cfg, Store: s})
 	if err != nil {
