@@ -17,6 +17,7 @@ import (
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -60,7 +61,7 @@ const maxClaimLookups = 64
 
 // claimPending reports whether sub's claimed version is being looked up in
 // the tier, and applies the answer once it came.
-func (s *stream) claimPending(sub *typeSub, ts *typeView) bool {
+func (s *stream) claimPending(sub *typeSub, ts *views.Type) bool {
 	s.resolveClaim(sub, ts)
 	l := sub.lookup
 	if l == nil {
@@ -196,8 +197,8 @@ func (r *Relay) handOver(ctx context.Context, s *stream) {
 			continue
 		}
 		var view ledger.Tree[*xds.Resource]
-		if ts := snap.types[dt.typeURL]; ts != nil {
-			view = ts.view
+		if ts := snap.Types[dt.typeURL]; ts != nil {
+			view = ts.View
 		}
 		var bodies []*xds.Resource
 		for e := range t.All() {
@@ -486,8 +487,8 @@ func (s inspectServer) GetVersion(ctx context.Context, req *inspectpb.VersionReq
 		return nil, status.Errorf(codes.NotFound, "key %q: version %s of %s not in history", req.GetKey(), root, xds.ShortType(req.GetType()))
 	}
 	var view ledger.Tree[*xds.Resource]
-	if ts := k.views.Load().types[req.GetType()]; ts != nil {
-		view = ts.view
+	if ts := k.views.Load().Types[req.GetType()]; ts != nil {
+		view = ts.View
 	}
 	out := &inspectpb.VersionContent{Relay: s.r.cfg.ID}
 	for e := range held.All() {

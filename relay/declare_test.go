@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -42,7 +43,7 @@ func TestRestoredDeclarationSurvivesADrop(t *testing.T) {
 		}
 		b.Set(res.Name, res.Hash, res)
 	}
-	k.views.Store(&keyViews{types: map[string]*typeView{xds.TypeEndpoint: {view: b.Tree(), ready: true}}, stale: true, restored: true})
+	k.views.Store(&views.Set{Types: map[string]*views.Type{xds.TypeEndpoint: {View: b.Tree(), Ready: true}}, Stale: true, Restored: true})
 	u := newFeed(k)
 	u.seedRestored()
 	var reqs []proto.Message
@@ -147,7 +148,7 @@ func TestLateRouteDeclarationHoldsRemovals(t *testing.T) {
 			e.up.del("ns1", xds.TypeCluster, "c2")
 			waitFor(t, "the relay's view to lose c2", func() bool {
 				snap := soleKeyViews(e.r)
-				return snap != nil && snap.types[xds.TypeCluster] != nil && !viewHas(snap, xds.TypeCluster, "c2")
+				return snap != nil && snap.Types[xds.TypeCluster] != nil && !viewHas(snap, xds.TypeCluster, "c2")
 			})
 
 			moved := e.client(0)

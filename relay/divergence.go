@@ -641,7 +641,7 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 		}
 		now := time.Now()
 		v := k.views.Load()
-		if !v.stale && !v.restored {
+		if !v.Stale && !v.Restored {
 			unconfirmed = time.Time{}
 		}
 		diffs, ok := p.compare(v)
@@ -654,9 +654,9 @@ func (r *Relay) probe(ctx context.Context, k *keyState, m member) ([]string, err
 		switch {
 		case k.presentedNode.Load() != presented:
 			return nil, errRehomed
-		case (v.stale || v.restored) && !unconfirmed.IsZero() && now.Sub(unconfirmed) >= 2*confirmAfter:
+		case (v.Stale || v.Restored) && !unconfirmed.IsZero() && now.Sub(unconfirmed) >= 2*confirmAfter:
 			return nil, errors.New("relay: the key's views stayed unconfirmed by its upstream")
-		case v.stale || v.restored:
+		case v.Stale || v.Restored:
 			// The key's views are not its upstream's now: nothing to
 			// compare until they are again.
 			clear(seen)

@@ -406,7 +406,7 @@ func TestRemovedNameKeptByASubscriptionIsNoDivergence(t *testing.T) {
 	if n := testutil.ToFloat64(r.metrics.divergenceChecks.WithLabelValues("diverged")); n != 0 {
 		t.Fatalf("the check found a divergence (%v) in a name only the key's view keeps; splits: %v", n, r.Splits())
 	}
-	if _, ok := r.heldKeys()[0].views.Load().types[xds.TypeEndpoint].view.Get("gone"); !ok {
+	if _, ok := r.heldKeys()[0].views.Load().Types[xds.TypeEndpoint].View.Get("gone"); !ok {
 		t.Fatal("the key's view no longer holds the removed name: the test checks nothing")
 	}
 }

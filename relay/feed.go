@@ -14,6 +14,7 @@ import (
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/adsclient"
 	"github.com/meshrelay/meshrelay/relay/peers"
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -700,12 +701,12 @@ func (u *feed) setStale(stale bool) {
 	k := u.k
 	k.mu.Lock()
 	cur := k.views.Load()
-	changed := cur.stale != stale || (!stale && cur.restored)
+	changed := cur.Stale != stale || (!stale && cur.Restored)
 	if changed {
-		k.update(func(next *keyViews) {
-			next.stale = stale
+		k.update(func(next *views.Set) {
+			next.Stale = stale
 			if !stale {
-				next.restored = false // a live source confirmed the views
+				next.Restored = false // a live source confirmed the views
 			}
 		})
 	}
@@ -730,6 +731,6 @@ func (u *feed) reportSource() {
 	case sourceFallback:
 		src = ledger.SourceFallback
 	}
-	k.r.ledger.SetSource(string(k.key), src, k.views.Load().stale)
+	k.r.ledger.SetSource(string(k.key), src, k.views.Load().Stale)
 	k.r.reportSplits(k.key)
 }

@@ -17,6 +17,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/adsclient"
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -63,7 +64,7 @@ func (u *feed) onSotW(resp *wire.SotWIn) error {
 		// of another age than this stream's Order says: they go, pending
 		// (no client is told they do not exist before ResourceWaitTimeout),
 		// and the view is this stream's alone.
-		gone = namesNotIn(u.k.views.Load().types[typeURL], upd)
+		gone = namesNotIn(u.k.views.Load().Types[typeURL], upd)
 	}
 	ut.answered = true
 	u.apply(typeURL, upd, gone, full, true, u.arrived())
@@ -201,9 +202,9 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 	var view ledger.Tree[*xds.Resource]
 	var viewOrder ledger.Order
 	var gone []*xds.Resource // what the view dropped, kept a while (Relay.dropped)
-	k.update(func(next *keyViews) {
-		ts := next.typeOf(typeURL)
-		old := ts.view
+	k.update(func(next *views.Set) {
+		ts := next.TypeOf(typeURL)
+		old := ts.View
 		b := old.Edit()
 		if replace {
 			keep := make(map[string]struct{}, len(upd))
@@ -231,17 +232,17 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 			}
 			b.Delete(n)
 		}
-		ts.view = u.r.views.Intern(b.Tree())
+		ts.View = u.r.views.Intern(b.Tree())
 		if fromSource {
 			if order.Mixed && old.Len() > 0 {
-				order = ts.order.Mix(order)
+				order = ts.Order.Mix(order)
 			}
-			ts.ready, ts.order = true, order
+			ts.Ready, ts.Order = true, order
 		}
 		// The view is the full set only once the upstream answered a
 		// wildcard subscription.
-		ts.full = u.types[typeURL].wildcard && (fromSource || ts.full)
-		ts.pending = withoutArrived(ts.pending, upd)
+		ts.Full = u.types[typeURL].wildcard && (fromSource || ts.Full)
+		ts.Pending = withoutArrived(ts.Pending, upd)
 		if fromSource && (sourceKind(k.source.Load()) == sourcePeer || !u.delta) {
 			// A name removed here that this relay's members still ask for
 			// by name is pending, not absent, where the removal does not
@@ -252,11 +253,11 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 			// out what an earlier one left in the view (onSotW). So they
 			// are not told it does not exist before the upstream had a
 			// chance to say so. (A Delta upstream's removal says so.)
-			ts.pending = withPending(ts.pending, stillWanted(u.types[typeURL], del), received)
+			ts.Pending = withPending(ts.Pending, stillWanted(u.types[typeURL], del), received)
 		}
-		next.types[typeURL] = ts
-		derivedChanged = u.follow(next, typeURL, old, ts.view)
-		view, viewOrder = ts.view, ts.order
+		next.Types[typeURL] = ts
+		derivedChanged = u.follow(next, typeURL, old, ts.View)
+		view, viewOrder = ts.View, ts.Order
 	})
 	k.mu.Unlock()
 	k.r.dropped.Keep(gone)
@@ -272,8 +273,8 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 }
 
 // namesNotIn returns the names ts's view holds that upd does not.
-func namesNotIn(ts *typeView, upd []*xds.Resource) []string {
-	if ts == nil || ts.view.Len() == 0 {
+func namesNotIn(ts *views.Type, upd []*xds.Resource) []string {
+	if ts == nil || ts.View.Len() == 0 {
 		return nil
 	}
 	in := make(map[string]struct{}, len(upd))
@@ -281,7 +282,7 @@ func namesNotIn(ts *typeView, upd []*xds.Resource) []string {
 		in[r.Name] = struct{}{}
 	}
 	var out []string
-	for e := range ts.view.All() {
+	for e := range ts.View.All() {
 		if _, ok := in[e.Name]; !ok {
 			out = append(out, e.Name)
 		}
@@ -360,7 +361,7 @@ func withoutArrived(pending map[string]time.Time, upd []*xds.Resource) map[strin
 // follow updates the derived names after typeURL's view went from old to
 // cur, marking the new ones pending in next. It reports whether the set of
 // derived names changed.
-func (u *feed) follow(next *keyViews, typeURL string, old, cur ledger.Tree[*xds.Resource]) bool {
+func (u *feed) follow(next *views.Set, typeURL string, old, cur ledger.Tree[*xds.Resource]) bool {
 	changed := false
 	for _, e := range xds.RefsFrom(typeURL) {
 		if e.Fetched && u.followEdge(next, e.To, e.Kind, old, cur) {
@@ -372,7 +373,7 @@ func (u *feed) follow(next *keyViews, typeURL string, old, cur ledger.Tree[*xds.
 
 // followEdge is follow for one edge of xds.TypeRefs: the names of target that
 // the view's resources refer to by kind.
-func (u *feed) followEdge(next *keyViews, target string, kind xds.RefKind, old, cur ledger.Tree[*xds.Resource]) bool {
+func (u *feed) followEdge(next *views.Set, target string, kind xds.RefKind, old, cur ledger.Tree[*xds.Resource]) bool {
 	counts := u.derived[target]
 	if counts == nil {
 		counts = make(map[string]int)
@@ -399,15 +400,15 @@ func (u *feed) followEdge(next *keyViews, target string, kind xds.RefKind, old, 
 		}
 		return true
 	})
-	next.markPending(target, added, time.Now())
+	next.MarkPending(target, added, time.Now())
 	return changed
 }
 
 // armExpiry sets the timer for the earliest pending name to expire.
 func (u *feed) armExpiry() {
 	var earliest time.Time
-	for _, ts := range u.k.views.Load().types {
-		for _, at := range ts.pending {
+	for _, ts := range u.k.views.Load().Types {
+		for _, at := range ts.Pending {
 			if earliest.IsZero() || at.Before(earliest) {
 				earliest = at
 			}
@@ -441,11 +442,11 @@ func (u *feed) expirePending() {
 	wait := u.r.cfg.XDS.ResourceWaitTimeout
 	k := u.k
 	k.mu.Lock()
-	k.update(func(next *keyViews) {
-		for typeURL, ts := range next.types {
+	k.update(func(next *views.Set) {
+		for typeURL, ts := range next.Types {
 			var keep map[string]time.Time
 			changed := false
-			for n, at := range ts.pending {
+			for n, at := range ts.Pending {
 				if now.Sub(at) >= wait {
 					changed = true
 					continue
@@ -457,8 +458,8 @@ func (u *feed) expirePending() {
 			}
 			if changed {
 				c := *ts
-				c.pending = keep
-				next.types[typeURL] = &c
+				c.Pending = keep
+				next.Types[typeURL] = &c
 				u.log("names never arrived", "type", xds.ShortType(typeURL))
 			}
 		}

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -24,11 +25,11 @@ import (
 func (u *feed) declareViews() {
 	snap := u.k.views.Load()
 	for typeURL, ut := range u.types {
-		ts := snap.types[typeURL]
+		ts := snap.Types[typeURL]
 		var view ledger.Tree[*xds.Resource]
 		var order ledger.Order
 		if ts != nil {
-			view, order = ts.view, ts.order
+			view, order = ts.View, ts.Order
 		}
 		u.setVersions(ut, versionTreeOf(view, func(h ledger.Hash) string { return wire.Version(h, order) }))
 	}
@@ -138,23 +139,23 @@ func (u *feed) resubscribe() error {
 func (u *feed) notFull(typeURL string) {
 	u.k.mu.Lock()
 	defer u.k.mu.Unlock()
-	if ts := u.k.views.Load().types[typeURL]; ts != nil && ts.full {
-		u.k.update(func(next *keyViews) {
-			c := next.typeOf(typeURL)
-			c.full = false
-			next.types[typeURL] = c
+	if ts := u.k.views.Load().Types[typeURL]; ts != nil && ts.Full {
+		u.k.update(func(next *views.Set) {
+			c := next.TypeOf(typeURL)
+			c.Full = false
+			next.Types[typeURL] = c
 		})
 	}
 }
 
 // dropUnwanted removes from a view the names nobody asks for any more.
 func (u *feed) dropUnwanted(typeURL string, names xds.NameSet) {
-	ts := u.k.views.Load().types[typeURL]
+	ts := u.k.views.Load().Types[typeURL]
 	if ts == nil {
 		return
 	}
 	var drop []string
-	for e := range ts.view.All() {
+	for e := range ts.View.All() {
 		if !names.Has(e.Name) {
 			drop = append(drop, e.Name)
 		}

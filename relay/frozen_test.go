@@ -254,11 +254,11 @@ func TestPeerViewIsTheOwnersWhileNamesArePending(t *testing.T) {
 	}
 	k := peer.heldKeys()[0]
 	waitFor(t, "the peer's endpoints the owner's", func() bool {
-		ts := k.views.Load().types[xds.TypeEndpoint]
-		_, held := ts.view.Get("gone")
-		return !held && !ts.order.IsZero() && !ts.order.Mixed
+		ts := k.views.Load().Types[xds.TypeEndpoint]
+		_, held := ts.View.Get("gone")
+		return !held && !ts.Order.IsZero() && !ts.Order.Mixed
 	})
-	if ts := k.views.Load().types[xds.TypeEndpoint]; !ts.isPending("gone", time.Now(), time.Hour) {
+	if ts := k.views.Load().Types[xds.TypeEndpoint]; !ts.IsPending("gone", time.Now(), time.Hour) {
 		t.Errorf("the owner's removal of a name pending there made it absent at the peer, not pending")
 	}
 	// Up to a barrier (responses are ordered), the Envoy is never told
@@ -303,19 +303,19 @@ func TestSotWNewStreamDropsWhatItDoesNotSend(t *testing.T) {
 		maps.Copy(got, versionMap(m))
 	}
 	k := r.heldKeys()[0]
-	first := k.views.Load().types[xds.TypeEndpoint].order
+	first := k.views.Load().Types[xds.TypeEndpoint].Order
 
 	up.stop()
 	up.del("ns1", xds.TypeEndpoint, "gone")
 	up.restart()
 	waitFor(t, "an answer on a new stream", func() bool {
-		return k.views.Load().types[xds.TypeEndpoint].order.Session > first.Session
+		return k.views.Load().Types[xds.TypeEndpoint].Order.Session > first.Session
 	})
-	ts := k.views.Load().types[xds.TypeEndpoint]
-	if _, ok := ts.view.Get("gone"); ok {
-		t.Fatalf("the view holds what the new stream did not send, under its Order %v", ts.order)
+	ts := k.views.Load().Types[xds.TypeEndpoint]
+	if _, ok := ts.View.Get("gone"); ok {
+		t.Fatalf("the view holds what the new stream did not send, under its Order %v", ts.Order)
 	}
-	if !ts.isPending("gone", time.Now(), time.Hour) {
+	if !ts.IsPending("gone", time.Now(), time.Hour) {
 		t.Errorf("what the new stream did not send is absent, not pending")
 	}
 	c.subscribe(xds.TypeRuntime, "barrier-1")
@@ -380,13 +380,13 @@ func TestRemovalLeavesAVersionBehind(t *testing.T) {
 	// The scenario: what the client holds came on the stream behind's
 	// view came on, and no version it holds is newer than behind's view
 	// but the one the removal carried.
-	bv := behind.heldKeys()[0].views.Load().types[xds.TypeCluster]
-	if _, ok := bv.view.Get("c2"); !ok {
+	bv := behind.heldKeys()[0].views.Load().Types[xds.TypeCluster]
+	if _, ok := bv.View.Get("c2"); !ok {
 		t.Fatal("behind's view lost c2: the freeze did not hold, the test checks nothing")
 	}
 	for n, v := range held {
-		if o := orderOf(t, v); !o.SameStream(bv.order) {
-			t.Fatalf("%s held at %v, behind's view at %v: not one stream, the test checks nothing", n, o, bv.order)
+		if o := orderOf(t, v); !o.SameStream(bv.Order) {
+			t.Fatalf("%s held at %v, behind's view at %v: not one stream, the test checks nothing", n, o, bv.Order)
 		}
 	}
 	moved := newRawClient(t, dial(t, behind.Addr().String()), true, node("ns1", "app", 0))

@@ -30,6 +30,7 @@ import (
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/adsclient"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -302,13 +303,13 @@ func (h *downHarness) publish(ctl byte) {
 	if k == nil || gen >= len(fuzzViews()) {
 		return
 	}
-	views := h.view(gen)
+	published := h.view(gen)
 	k.mu.Lock()
-	k.update(func(next *keyViews) {
-		for typeURL, view := range views {
-			ts := next.typeOf(typeURL)
-			ts.view, ts.ready, ts.full = view, true, ctl&0x80 == 0
-			next.types[typeURL] = ts
+	k.update(func(next *views.Set) {
+		for typeURL, view := range published {
+			ts := next.TypeOf(typeURL)
+			ts.View, ts.Ready, ts.Full = view, true, ctl&0x80 == 0
+			next.Types[typeURL] = ts
 		}
 	})
 	k.mu.Unlock()
@@ -426,13 +427,13 @@ func (h *downHarness) checkConverged() {
 	now := time.Now()
 	for _, typeURL := range slices.Sorted(maps.Keys(h.s.subs)) {
 		sub := h.s.subs[typeURL]
-		ts := snap.types[typeURL]
-		if ts == nil || !ts.ready || h.unknown[typeURL] || (sub.wildcard && !ts.full) {
+		ts := snap.Types[typeURL]
+		if ts == nil || !ts.Ready || h.unknown[typeURL] || (sub.wildcard && !ts.Full) {
 			continue // the client waits
 		}
 		typ := xds.ShortType(typeURL)
 		held := h.model[typeURL]
-		for e := range ts.view.All() {
+		for e := range ts.View.All() {
 			if !sub.wildcard && !sub.names.Has(e.Name) {
 				continue
 			}
@@ -444,7 +445,7 @@ func (h *downHarness) checkConverged() {
 			continue
 		}
 		for _, n := range slices.Sorted(maps.Keys(held)) {
-			if _, ok := ts.view.Get(n); ok || ts.isPending(n, now, h.r.cfg.XDS.ResourceWaitTimeout) {
+			if _, ok := ts.View.Get(n); ok || ts.IsPending(n, now, h.r.cfg.XDS.ResourceWaitTimeout) {
 				continue
 			}
 			if h.referredBy(typeURL, n) != "" {
@@ -481,11 +482,11 @@ func (h *downHarness) wants(typeURL, name string) bool {
 	if sub == nil || h.unknown[typeURL] || (!sub.wildcard && !sub.names.Has(name)) {
 		return false
 	}
-	ts := h.s.key.views.Load().types[typeURL]
-	if ts == nil || !ts.ready || (sub.wildcard && !ts.full) {
+	ts := h.s.key.views.Load().Types[typeURL]
+	if ts == nil || !ts.Ready || (sub.wildcard && !ts.Full) {
 		return false
 	}
-	_, ok := ts.view.Get(name)
+	_, ok := ts.View.Get(name)
 	return ok
 }
 
@@ -511,7 +512,7 @@ func (h *downHarness) checkOrder(o *wire.Response) {
 	for _, x := range o.Updated {
 		for _, c := range x.Refs(xds.RefClusters) {
 			if h.wants(xds.TypeCluster, c) {
-				e, _ := snap.types[xds.TypeCluster].view.Get(c)
+				e, _ := snap.Types[xds.TypeCluster].View.Get(c)
 				if have := h.model[xds.TypeCluster][c]; have.hash != e.Hash {
 					h.fatalf("%s response (nonce %s) sends %q, which uses cluster %q, before that cluster (the client holds it at %.8s, the key at %.8s)",
 						typ, o.Nonce, x.Name, c, have.hash, e.Hash)
@@ -560,9 +561,9 @@ func (h *downHarness) referredBy(typeURL, name string) string {
 				continue
 			}
 			if !h.delta && !xds.FullStateSotW(ref.typeURL) {
-				if ts := snap.types[ref.typeURL]; ts == nil {
+				if ts := snap.Types[ref.typeURL]; ts == nil {
 					continue
-				} else if _, ok := ts.view.Get(n); !ok {
+				} else if _, ok := ts.View.Get(n); !ok {
 					continue
 				}
 			}
@@ -598,7 +599,7 @@ func (h *downHarness) checkResponse(o *wire.Response) error {
 	if o.Version == "" {
 		h.fatalf("%s response (nonce %s) without a version", typ, o.Nonce)
 	}
-	if ts := h.s.key.views.Load().types[o.TypeURL]; sub.wildcard && (ts == nil || !ts.full) {
+	if ts := h.s.key.views.Load().Types[o.TypeURL]; sub.wildcard && (ts == nil || !ts.Full) {
 		h.fatalf("%s response (nonce %s) to a wildcard subscription from a view that is not the full set", typ, o.Nonce)
 	}
 	checkRes := func(what string, x *xds.Resource) {
@@ -764,12 +765,12 @@ func (h *downHarness) finish() {
 	h.t.Helper()
 	if k := h.s.key; k != nil && !h.ended {
 		k.mu.Lock()
-		k.update(func(next *keyViews) {
-			for typeURL, ts := range next.types {
-				if len(ts.pending) > 0 {
+		k.update(func(next *views.Set) {
+			for typeURL, ts := range next.Types {
+				if len(ts.Pending) > 0 {
 					c := *ts
-					c.pending = nil
-					next.types[typeURL] = &c
+					c.Pending = nil
+					next.Types[typeURL] = &c
 				}
 			}
 		})
@@ -1494,7 +1495,7 @@ func (h *upHarness) checkApplied(typeURL string, d decoded) {
 		return
 	}
 	typ := xds.ShortType(typeURL)
-	view := h.k.views.Load().types[typeURL].view
+	view := h.k.views.Load().Types[typeURL].View
 	wanted := func(name string) bool { return ut.wildcard || ut.names.Has(name) }
 	removed := xds.NewNameSet(d.removed)
 	sent := map[string]bool{}
@@ -1534,10 +1535,10 @@ func (h *upHarness) checkViews(when string) {
 	t := h.t
 	t.Helper()
 	snap := h.k.views.Load()
-	for typeURL, ts := range snap.types {
+	for typeURL, ts := range snap.Types {
 		typ := xds.ShortType(typeURL)
 		ut := h.u.types[typeURL]
-		for e := range ts.view.All() {
+		for e := range ts.View.All() {
 			x := e.Value
 			if x == nil || x.Body == nil {
 				t.Fatalf("%s: %s view holds %q without a resource", when, typ, e.Name)
@@ -1556,7 +1557,7 @@ func (h *upHarness) checkViews(when string) {
 		}
 		if h.delta && ut != nil && ut.asked {
 			var names []string
-			for e := range ts.view.All() {
+			for e := range ts.View.All() {
 				names = append(names, e.Name)
 			}
 			slices.Sort(names)
@@ -1576,8 +1577,8 @@ func (h *upHarness) checkViews(when string) {
 		}
 		want := map[string]int{}
 		for _, typeURL := range sources {
-			if ts := snap.types[typeURL]; ts != nil {
-				for e := range ts.view.All() {
+			if ts := snap.Types[typeURL]; ts != nil {
+				for e := range ts.View.All() {
 					for _, n := range e.Value.Refs(kind) {
 						want[n]++
 					}

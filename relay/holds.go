@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -104,8 +105,8 @@ func (s *stream) clusterUsable(cds *typeSub, c string) bool {
 		// rarely changes). A cluster nobody here knows is taken as it
 		// was: a route to it is dangling whatever the relay does.
 		if held = s.r.store.Lookup(e.Hash); held == nil && s.key != nil {
-			if ts := s.key.views.Load().types[xds.TypeCluster]; ts != nil {
-				v, _ := ts.view.Get(c)
+			if ts := s.key.views.Load().Types[xds.TypeCluster]; ts != nil {
+				v, _ := ts.View.Get(c)
 				held = v.Value
 			}
 		}
@@ -167,9 +168,9 @@ func (s *stream) deferDangling(p *plan) {
 	}
 	now := time.Now()
 	wait := s.r.cfg.XDS.ResourceWaitTimeout
-	var keyCDS *typeView
+	var keyCDS *views.Type
 	if s.key != nil {
-		keyCDS = s.key.views.Load().types[xds.TypeCluster]
+		keyCDS = s.key.views.Load().Types[xds.TypeCluster]
 	}
 	kept := p.upd[:0]
 	for _, r := range p.upd {
@@ -180,7 +181,7 @@ func (s *stream) deferDangling(p *plan) {
 			}
 			missing = true
 			if keyCDS != nil {
-				if _, ok := keyCDS.view.Get(c); ok || keyCDS.isPending(c, now, wait) {
+				if _, ok := keyCDS.View.Get(c); ok || keyCDS.IsPending(c, now, wait) {
 					coming = true
 					break
 				}
@@ -235,9 +236,9 @@ func (s *stream) deferDangling(p *plan) {
 // source has since replaced (each new stream answers every type: it comes).
 // A frozen relay that resumed sent a route of its old stream, naming a
 // cluster its new stream's clusters had dropped (the simulation's seed 54).
-func absentProven(cds, ts *typeView, at ledger.Stamp) bool {
-	return cds != nil && at.Before(cds.order.Session) &&
-		(ts.order.Session == cds.order.Session || cds.order.Session.Before(ts.order.Session))
+func absentProven(cds, ts *views.Type, at ledger.Stamp) bool {
+	return cds != nil && at.Before(cds.Order.Session) &&
+		(ts.Order.Session == cds.Order.Session || cds.Order.Session.Before(ts.Order.Session))
 }
 
 // wakeAt has the stream woken at due at the latest (a held resource's
@@ -266,8 +267,8 @@ func (s *stream) wakeAt(due time.Time) {
 // old to ever cover what the client holds, the key's source is asked for a
 // new one (keyState.demand). Once settled, the view is the truth for the
 // client.
-func (s *stream) reconnected(sub *typeSub, ts *typeView) bool {
-	t := sub.target(ts.view)
+func (s *stream) reconnected(sub *typeSub, ts *views.Type) bool {
+	t := sub.target(ts.View)
 	held := sub.known.Root()
 	if !sub.claimed.IsZero() {
 		held = sub.claimed
@@ -275,7 +276,7 @@ func (s *stream) reconnected(sub *typeSub, ts *typeView) bool {
 	current := t.Root() == held
 	if !current && !sub.coveredBy(ts) {
 		for _, o := range sub.orders {
-			if !ts.order.Covers(o) && !ts.order.SameStream(o) {
+			if !ts.Order.Covers(o) && !ts.Order.SameStream(o) {
 				s.key.demand(o.At, s.peerRelay != nil)
 			}
 		}
@@ -284,7 +285,7 @@ func (s *stream) reconnected(sub *typeSub, ts *typeView) bool {
 	if current && !sub.claimed.IsZero() {
 		// A SotW client that reported what the view holds is current:
 		// nothing to send.
-		version := wire.Version(sub.claimed, ts.order)
+		version := wire.Version(sub.claimed, ts.Order)
 		sub.known, sub.awaitFirst = t, false
 		s.updateStatus(sub.typeURL, func(st *TypeStatus) {
 			st.SentVersion, st.AckedVersion = version, version
@@ -311,14 +312,14 @@ func (s *stream) reconnected(sub *typeSub, ts *typeView) bool {
 // only its Envoys knowing their versions (the simulation's seeds 2400 and
 // 2708 of issue 28). A cluster whose endpoints go by another name than its
 // own, or whose content the history no longer has, is not kept.
-func (s *stream) keepAskedClusters(sub *typeSub, ts *typeView) {
+func (s *stream) keepAskedClusters(sub *typeSub, ts *views.Type) {
 	eds := s.subs[xds.TypeEndpoint]
 	if s.delta || sub.typeURL != xds.TypeCluster || eds == nil || s.key == nil {
 		return
 	}
 	var gone []string
 	for _, n := range eds.names {
-		if _, ok := ts.view.Get(n); !ok {
+		if _, ok := ts.View.Get(n); !ok {
 			if _, ok := sub.known.Get(n); !ok {
 				gone = append(gone, n)
 			}
@@ -364,9 +365,9 @@ func (s *stream) baseKey() *keyState {
 // the stream opens, so the wait ends once it came, once the client
 // answered anything (every first request came), or declareGrace after the
 // stream opened (the stream is woken then).
-func (s *stream) awaitingEndpoints(sub *typeSub, ts *typeView) bool {
+func (s *stream) awaitingEndpoints(sub *typeSub, ts *views.Type) bool {
 	if s.delta || sub.typeURL != xds.TypeCluster || sub.claimed.IsZero() || sub.claimKnown ||
-		s.subs[xds.TypeEndpoint] != nil || s.answered || sub.target(ts.view).Root() == sub.claimed {
+		s.subs[xds.TypeEndpoint] != nil || s.answered || sub.target(ts.View).Root() == sub.claimed {
 		return false
 	}
 	left := declareGrace - time.Since(s.opened)
@@ -381,8 +382,8 @@ func (s *stream) awaitingEndpoints(sub *typeSub, ts *typeView) bool {
 // the client declared (ledger.Order): whether its source is live or not
 // says nothing of that (a relay frozen for a while, resumed, has a live
 // stream ten seconds behind), its Order does.
-func (sub *typeSub) coveredBy(ts *typeView) bool {
-	return !ts.order.IsZero() && sub.orders.coveredBy(ts.order)
+func (sub *typeSub) coveredBy(ts *views.Type) bool {
+	return !ts.Order.IsZero() && sub.orders.coveredBy(ts.Order)
 }
 
 // resolveClaim turns a SotW client's claimed version into what it holds,
@@ -393,12 +394,12 @@ func (sub *typeSub) coveredBy(ts *typeView) bool {
 // it). A claim of the view's content needs nothing; one the history lacks
 // is asked of the tier (askTier, claims.go). A claim nobody knows stays a
 // root: what the client holds of the type may refer to anything.
-func (s *stream) resolveClaim(sub *typeSub, ts *typeView) {
+func (s *stream) resolveClaim(sub *typeSub, ts *views.Type) {
 	if sub.claimed.IsZero() || sub.claimTried {
 		return
 	}
 	sub.claimTried = true
-	if sub.target(ts.view).Root() == sub.claimed {
+	if sub.target(ts.View).Root() == sub.claimed {
 		return // current (reconnected)
 	}
 	if t, ok := s.heldVersion(sub); ok {
@@ -444,11 +445,11 @@ func (s *stream) heldVersion(sub *typeSub) (ledger.Tree[*xds.Resource], bool) {
 // only a root), and neither does a view restored from a snapshot (of
 // unknown age, as old as the snapshot: the client may have held the name,
 // newer, before).
-func (s *stream) lacking(sub *typeSub, ts *typeView) []*xds.Resource {
-	if !s.delta || sub.wildcard || ts.order.IsZero() {
+func (s *stream) lacking(sub *typeSub, ts *views.Type) []*xds.Resource {
+	if !s.delta || sub.wildcard || ts.Order.IsZero() {
 		return nil
 	}
-	view := ts.view
+	view := ts.View
 	var out []*xds.Resource
 	for _, n := range sub.names {
 		if _, held := sub.known.Get(n); held {
@@ -470,7 +471,7 @@ func (s *stream) heldByOrder(typeURL string) bool {
 		return false
 	}
 	snap := s.key.views.Load()
-	ts := snap.types[typeURL]
+	ts := snap.Types[typeURL]
 	return ts != nil && !sub.coveredBy(ts)
 }
 

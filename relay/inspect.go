@@ -21,6 +21,7 @@ import (
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
 	"github.com/meshrelay/meshrelay/relay/redact"
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -49,7 +50,7 @@ func (r *Relay) KeyDetail(key string, maxNames int) (*inspectpb.KeyDetail, error
 	}
 	snap := k.views.Load()
 	out := &inspectpb.KeyDetail{Relay: r.cfg.ID, Key: key, Source: sourceKind(k.source.Load()).String(),
-		Stale: snap.stale, Restored: snap.restored}
+		Stale: snap.Stale, Restored: snap.Restored}
 	k.mu.Lock()
 	for _, m := range k.members {
 		if id := m.peerRelayID(); id != "" {
@@ -67,9 +68,9 @@ func (r *Relay) KeyDetail(key string, maxNames int) (*inspectpb.KeyDetail, error
 	out.Peers = slices.Compact(out.Peers)
 	for _, typeURL := range typesOf(snap, wants) {
 		td := &inspectpb.TypeDetail{Type: typeURL}
-		if ts := snap.types[typeURL]; ts != nil {
-			td.Resources, td.Version, td.Ready, td.Pending = int64(ts.view.Len()), ts.view.Root().String(), ts.ready, int64(len(ts.pending))
-			for e := range ts.view.All() {
+		if ts := snap.Types[typeURL]; ts != nil {
+			td.Resources, td.Version, td.Ready, td.Pending = int64(ts.View.Len()), ts.View.Root().String(), ts.Ready, int64(len(ts.Pending))
+			for e := range ts.View.All() {
 				td.Bytes += int64(e.Value.Size())
 			}
 		}
@@ -86,9 +87,9 @@ func (r *Relay) KeyDetail(key string, maxNames int) (*inspectpb.KeyDetail, error
 
 // typesOf lists the types a key has a view of or a subscription to, in
 // push order, then the rest by type URL.
-func typesOf(snap *keyViews, wants map[string]subscription) []string {
+func typesOf(snap *views.Set, wants map[string]subscription) []string {
 	all := map[string]bool{}
-	for t := range snap.types {
+	for t := range snap.Types {
 		all[t] = true
 	}
 	for t := range wants {
@@ -197,11 +198,11 @@ func (r *Relay) ConfigDump(ctx context.Context, req *inspectpb.ConfigDumpRequest
 		}
 		snap := k.views.Load()
 		for _, typeURL := range xds.PushOrder {
-			ts := snap.types[typeURL]
+			ts := snap.Types[typeURL]
 			if ts == nil || len(req.GetTypes()) > 0 && !slices.Contains(req.GetTypes(), typeURL) {
 				continue
 			}
-			types = append(types, dumpType{typeURL: typeURL, version: ts.view.Root().String(), entries: slices.Collect(ts.view.All())})
+			types = append(types, dumpType{typeURL: typeURL, version: ts.View.Root().String(), entries: slices.Collect(ts.View.All())})
 		}
 	default:
 		return nil, errors.New("relay: config dump: a node or a key is required")
@@ -402,7 +403,7 @@ func (r *Relay) Stats() Stats {
 		peers := int(k.peers.Load())
 		st.Streams += int(k.joined.Load()) - peers
 		st.PeerClients += peers
-		if k.views.Load().stale {
+		if k.views.Load().Stale {
 			st.StaleKeys++
 		}
 	}

@@ -87,7 +87,7 @@ func TestInspect(t *testing.T) {
 		}
 		snap := e.r.heldKeys()[0].views.Load()
 		for typeURL, td := range byType {
-			view := snap.types[typeURL].view
+			view := snap.Types[typeURL].View
 			bytes := 0
 			for en := range view.All() {
 				bytes += en.Value.Size()

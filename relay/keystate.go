@@ -12,6 +12,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -20,13 +21,13 @@ import (
 // it), and the upstream stream that feeds them.
 //
 // Writers (the key's feed, and streams changing their
-// subscriptions) take mu and publish new immutable keyViews; streams read
-// the latest keyViews without locking.
+// subscriptions) take mu and publish new immutable views.Set; streams read
+// the latest views.Set without locking.
 type keyState struct {
 	key aggkey.Key
 	r   *Relay
 
-	views atomic.Pointer[keyViews]
+	views atomic.Pointer[views.Set]
 
 	// upWake wakes the key's feed: subscriptions or members changed.
 	upWake chan struct{}
@@ -204,39 +205,6 @@ func (w *typeWant) remove(names xds.NameSet) {
 	}
 }
 
-// keyViews is the published state of a key. It is immutable.
-type keyViews struct {
-	types map[string]*typeView
-	// stale is set while the views come from a cache that no live upstream
-	// stream has confirmed (the upstream is unreachable).
-	stale bool
-	// restored is set while the views are a snapshot restored at start
-	// (warm start) that no source has confirmed yet (for the admin API:
-	// the views' Orders say how new they are against what clients hold).
-	restored bool
-}
-
-// typeView is the published state of one type of a key. It is immutable.
-type typeView struct {
-	view ledger.Tree[*xds.Resource]
-	// order says how new the view is (ledger.Order): set by the key's
-	// source when the view arrived, taken from the owner by a relay that
-	// subscribes to it; zero for a view restored from a snapshot. A client
-	// whose version the view does not cover keeps it (stream.sync).
-	order ledger.Order
-	// ready is set once the upstream has answered for this type: before
-	// that an empty view means "not known yet", not "nothing exists".
-	ready bool
-	// full is set while the view is everything the upstream has of the
-	// type (it answered a wildcard subscription), not just the names asked
-	// for. Wildcard clients wait for it.
-	full bool
-	// pending holds names requested from the upstream that have not
-	// arrived, with the time they were first requested. A stream never
-	// tells a client that a pending name does not exist.
-	pending map[string]time.Time
-}
-
 func newKeyState(r *Relay, key aggkey.Key) *keyState {
 	k := &keyState{
 		key:    key,
@@ -245,7 +213,7 @@ func newKeyState(r *Relay, key aggkey.Key) *keyState {
 		want:   make(map[string]*typeWant),
 		hist:   make(map[string]*ledger.History[*xds.Resource]),
 	}
-	k.views.Store(&keyViews{types: map[string]*typeView{}})
+	k.views.Store(&views.Set{Types: map[string]*views.Type{}})
 	return k
 }
 
@@ -377,61 +345,14 @@ func partOf(view ledger.Tree[*xds.Resource], names xds.NameSet) ledger.Tree[*xds
 	return t
 }
 
-func (t *typeView) isPending(name string, now time.Time, wait time.Duration) bool {
-	at, ok := t.pending[name]
-	return ok && now.Sub(at) < wait
-}
-
-// update publishes new keyViews built by fn from a copy of the current ones.
-// fn may replace entries of types, never modify a typeView in place. The
+// update publishes a new views.Set built by fn from a copy of the current ones.
+// fn may replace entries of types, never modify a views.Type in place. The
 // caller holds k.mu.
-func (k *keyState) update(fn func(next *keyViews)) {
+func (k *keyState) update(fn func(next *views.Set)) {
 	cur := k.views.Load()
-	next := &keyViews{types: maps.Clone(cur.types), stale: cur.stale, restored: cur.restored}
+	next := &views.Set{Types: maps.Clone(cur.Types), Stale: cur.Stale, Restored: cur.Restored}
 	fn(next)
 	k.views.Store(next)
-}
-
-// typeOf returns a copy of the typeView for typeURL, for modification.
-func (s *keyViews) typeOf(typeURL string) *typeView {
-	if t := s.types[typeURL]; t != nil {
-		c := *t
-		return &c
-	}
-	return &typeView{}
-}
-
-// markPending marks, in views being built (keyState.update), the
-// names of typeURL that its view does not hold and that are not pending
-// yet as pending since now: asked of the source, so that no stream reports
-// them missing before the source had a chance to send them. The pending
-// map is copied on write (older views share it); nothing is stored if
-// no name is new.
-func (s *keyViews) markPending(typeURL string, names []string, now time.Time) {
-	var ts *typeView
-	var pending map[string]time.Time
-	for _, n := range names {
-		if ts == nil {
-			ts = s.typeOf(typeURL)
-		}
-		if _, ok := ts.view.Get(n); ok {
-			continue
-		}
-		if _, ok := ts.pending[n]; ok {
-			continue
-		}
-		if pending == nil {
-			pending = maps.Clone(ts.pending)
-			if pending == nil {
-				pending = make(map[string]time.Time, len(names))
-			}
-		}
-		pending[n] = now
-	}
-	if pending != nil {
-		ts.pending = pending
-		s.types[typeURL] = ts
-	}
 }
 
 // wakeStreams tells every member stream that the views changed. It never
@@ -556,7 +477,7 @@ func (k *keyState) subscribe(typeURL string, wildcardBefore, wildcardAfter bool,
 	fresh := k.changeLocked(typeURL, wildcardBefore, wildcardAfter, before, after)
 	if len(fresh) > 0 {
 		now := time.Now()
-		k.update(func(next *keyViews) { next.markPending(typeURL, fresh, now) })
+		k.update(func(next *views.Set) { next.MarkPending(typeURL, fresh, now) })
 	}
 	if wildcardBefore != wildcardAfter || len(fresh) > 0 || !sameSet(before, after) {
 		wake(k.upWake)

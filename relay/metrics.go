@@ -307,7 +307,7 @@ func (c keyCollector) Collect(ch chan<- prometheus.Metric) {
 	stale, aggregated := 0, 0
 	for _, k := range keys {
 		counts[sourceKind(k.source.Load())]++
-		if k.views.Load().stale {
+		if k.views.Load().Stale {
 			stale++
 		}
 		if k.aggregated() {

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -63,9 +64,9 @@ func TestPushOrder(t *testing.T) {
 			}
 			publish := func(cs, es, ls, rs []types.Resource) {
 				k.mu.Lock()
-				k.update(func(next *keyViews) {
+				k.update(func(next *views.Set) {
 					for typeURL, res := range map[string][]types.Resource{xds.TypeCluster: cs, xds.TypeEndpoint: es, xds.TypeListener: ls, xds.TypeRoute: rs} {
-						next.types[typeURL] = &typeView{view: viewOf(t, r, typeURL, res...), ready: true, full: true}
+						next.Types[typeURL] = &views.Type{View: viewOf(t, r, typeURL, res...), Ready: true, Full: true}
 					}
 				})
 				k.mu.Unlock()

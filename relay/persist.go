@@ -8,6 +8,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/warm"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -86,7 +87,7 @@ func (r *Relay) loadSnapshots(ctx context.Context) {
 // restoreKey installs a persisted key, stale, if no stream created it
 // first, and returns the number of types restored.
 func (r *Relay) restoreKey(sk xds.SavedKey, rs *warm.Restorer) int {
-	types := make(map[string]*typeView, len(sk.Types))
+	types := make(map[string]*views.Type, len(sk.Types))
 	for _, st := range sk.Types {
 		if !xds.Cached(st.Type) {
 			continue
@@ -96,16 +97,16 @@ func (r *Relay) restoreKey(sk xds.SavedKey, rs *warm.Restorer) int {
 			r.log.Warn("warm start: persisted view does not match its root; not restored", "key", sk.Key, "type", xds.ShortType(st.Type))
 			continue
 		}
-		types[st.Type] = &typeView{view: r.views.Intern(t), ready: true, full: st.Full}
+		types[st.Type] = &views.Type{View: r.views.Intern(t), Ready: true, Full: st.Full}
 	}
 	if len(types) == 0 {
 		return 0
 	}
 	installed := r.installKey(aggkey.Key(sk.Key), func(k *keyState, u *feed) {
-		k.views.Store(&keyViews{types: types, stale: true, restored: true})
+		k.views.Store(&views.Set{Types: types, Stale: true, Restored: true})
 		now := time.Now()
 		for typeURL, ts := range types {
-			k.recordView(typeURL, ts.view, now, ledger.Order{})
+			k.recordView(typeURL, ts.View, now, ledger.Order{})
 		}
 		r.ledger.SetSource(sk.Key, ledger.SourceUpstream, true)
 		u.followRestored(rs)
@@ -125,17 +126,17 @@ func (u *feed) followRestored(rs *warm.Restorer) {
 	k := u.k
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	k.update(func(next *keyViews) {
+	k.update(func(next *views.Set) {
 		for _, d := range xds.FetchedTargets() {
 			var parts []map[string]int
 			sig := d.Target
-			if ts := next.types[d.Target]; ts != nil {
-				sig += ts.view.Root().String()
+			if ts := next.Types[d.Target]; ts != nil {
+				sig += ts.View.Root().String()
 			}
 			for _, src := range d.Sources {
-				if ts := next.types[src]; ts != nil {
-					parts = append(parts, rs.RefCounts(src, d.Kind, ts.view))
-					sig += src + ts.view.Root().String()
+				if ts := next.Types[src]; ts != nil {
+					parts = append(parts, rs.RefCounts(src, d.Kind, ts.View))
+					sig += src + ts.View.Root().String()
 				}
 			}
 			if len(parts) == 0 {
@@ -150,8 +151,8 @@ func (u *feed) followRestored(rs *warm.Restorer) {
 			u.derived[d.Target] = counts
 			missing := rs.MissingOf(sig, func() (missing []string) {
 				var view ledger.Tree[*xds.Resource]
-				if ts := next.types[d.Target]; ts != nil {
-					view = ts.view
+				if ts := next.Types[d.Target]; ts != nil {
+					view = ts.View
 				}
 				for n := range counts {
 					if _, ok := view.Get(n); !ok {
@@ -160,7 +161,7 @@ func (u *feed) followRestored(rs *warm.Restorer) {
 				}
 				return missing
 			})
-			next.markPending(d.Target, missing, time.Now())
+			next.MarkPending(d.Target, missing, time.Now())
 		}
 	})
 }
@@ -173,8 +174,8 @@ func (u *feed) followRestored(rs *warm.Restorer) {
 // are built when the type is first asked for (a restored key no Envoy asks
 // for costs nothing).
 func (u *feed) seedRestored() {
-	for t, ts := range u.k.views.Load().types {
-		u.types[t] = &feedType{declare: ts.view}
+	for t, ts := range u.k.views.Load().Types {
+		u.types[t] = &feedType{declare: ts.View}
 	}
 }
 
@@ -193,14 +194,14 @@ func (r *Relay) persist(k *keyState) {
 		}
 	}
 	snap := k.views.Load()
-	if snap.stale {
+	if snap.Stale {
 		return
 	}
-	views := make([]xds.View, 0, len(snap.types))
-	for t, ts := range snap.types {
-		if ts.ready {
-			views = append(views, xds.View{Type: t, Full: ts.full, Tree: ts.view})
+	saved := make([]xds.View, 0, len(snap.Types))
+	for t, ts := range snap.Types {
+		if ts.Ready {
+			saved = append(saved, xds.View{Type: t, Full: ts.Full, Tree: ts.View})
 		}
 	}
-	snaps.Save(string(k.key), r.ownersTerm.Load(), views)
+	snaps.Save(string(k.key), r.ownersTerm.Load(), saved)
 }

@@ -67,8 +67,8 @@ func TestRestoreChecksRoots(t *testing.T) {
 	if k1 == nil || k2 == nil || k3 != nil {
 		t.Fatalf("restored k1 %v, k2 %v, k3 %v; want k1 and k2 only", k1 != nil, k2 != nil, k3 != nil)
 	}
-	v1 := k1.views.Load().types[xds.TypeCluster].view
-	v2 := k2.views.Load().types[xds.TypeCluster].view
+	v1 := k1.views.Load().Types[xds.TypeCluster].View
+	v2 := k2.views.Load().Types[xds.TypeCluster].View
 	if v1.Root() != good.Root || v1.Len() != 2 {
 		t.Errorf("k1's clusters: root %s, %d entries; want the persisted root and 2", v1.Root(), v1.Len())
 	}
@@ -80,10 +80,10 @@ func TestRestoreChecksRoots(t *testing.T) {
 	r.mu.Lock()
 	k0 := r.keys["k0"]
 	r.mu.Unlock()
-	if v0 := k0.views.Load().types[xds.TypeCluster].view; !v0.Shares(v1) {
+	if v0 := k0.views.Load().Types[xds.TypeCluster].View; !v0.Shares(v1) {
 		t.Errorf("k0 holds %d clusters, want the 2 its root commits to", v0.Len())
 	}
-	if !k1.views.Load().stale {
+	if !k1.views.Load().Stale {
 		t.Error("a restored key is not stale before its source confirms it")
 	}
 }

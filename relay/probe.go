@@ -10,6 +10,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/adsclient"
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -54,7 +55,7 @@ func settled(seen map[difference]time.Time, diffs []difference, now time.Time) [
 // asked whole: a check that compared part of the key's config would miss
 // what differs in the rest (an inbound listener, before the key's
 // listeners arrived).
-func askedOf(v *keyViews, wanted map[string]bool) map[string]xds.NameSet {
+func askedOf(v *views.Set, wanted map[string]bool) map[string]xds.NameSet {
 	if !comparable(v, wanted) {
 		return nil
 	}
@@ -63,13 +64,13 @@ func askedOf(v *keyViews, wanted map[string]bool) map[string]xds.NameSet {
 		if !xds.Cached(typeURL) {
 			continue
 		}
-		tv := v.types[typeURL]
+		tv := v.Types[typeURL]
 		if wildcard {
 			asked[typeURL] = nil
 			continue
 		}
-		names := make([]string, 0, tv.view.Len())
-		for e := range tv.view.All() {
+		names := make([]string, 0, tv.View.Len())
+		for e := range tv.View.All() {
 			names = append(names, e.Name)
 		}
 		if len(names) > 0 {
@@ -82,8 +83,8 @@ func askedOf(v *keyViews, wanted map[string]bool) map[string]xds.NameSet {
 // comparable reports whether v answers, from the key's upstream, every
 // type in wanted, and whole where wanted whole (see askedOf), and holds
 // something to compare.
-func comparable(v *keyViews, wanted map[string]bool) bool {
-	if v.stale || v.restored {
+func comparable(v *views.Set, wanted map[string]bool) bool {
+	if v.Stale || v.Restored {
 		return false
 	}
 	any := false
@@ -91,11 +92,11 @@ func comparable(v *keyViews, wanted map[string]bool) bool {
 		if !xds.Cached(typeURL) {
 			continue
 		}
-		tv := v.types[typeURL]
-		if tv == nil || !tv.ready || wildcard && !tv.full {
+		tv := v.Types[typeURL]
+		if tv == nil || !tv.Ready || wildcard && !tv.Full {
 			return false
 		}
-		any = any || wildcard || tv.view.Len() > 0
+		any = any || wildcard || tv.View.Len() > 0
 	}
 	return any
 }
@@ -191,13 +192,13 @@ func (p *probeStream) apply(typeURL string, upd map[string]ledger.Hash, removed 
 // answered, and v holds the whole of every type asked whole; then the
 // differences. A resource one side lacks is a difference whatever the
 // other's content, so that it stays the same while that content changes.
-func (p *probeStream) compare(v *keyViews) (diffs []difference, ok bool) {
+func (p *probeStream) compare(v *views.Set) (diffs []difference, ok bool) {
 	for _, typeURL := range p.types() {
 		got, answered := p.got[typeURL]
 		if !answered {
 			return nil, false
 		}
-		tv := v.types[typeURL]
+		tv := v.Types[typeURL]
 		if tv == nil {
 			continue // the key no longer asks for it
 		}
@@ -210,16 +211,16 @@ func (p *probeStream) compare(v *keyViews) (diffs []difference, ok bool) {
 		}
 		names := p.asked[typeURL]
 		if names == nil {
-			if !tv.full {
+			if !tv.Full {
 				return nil, false // the key's view is being filled
 			}
-			for e := range tv.view.All() {
+			for e := range tv.View.All() {
 				if h, ok := got[e.Name]; !ok || h != e.Hash {
 					note(e.Name, h, ok, e.Hash, true)
 				}
 			}
 			for name, h := range got {
-				if _, ok := tv.view.Get(name); !ok {
+				if _, ok := tv.View.Get(name); !ok {
 					note(name, h, true, ledger.Hash{}, false)
 				}
 			}
@@ -235,7 +236,7 @@ func (p *probeStream) compare(v *keyViews) (diffs []difference, ok bool) {
 		// issue 28 saw keys split for it), and the check's stream is
 		// told nothing of them.
 		for _, name := range names {
-			e, inView := tv.view.Get(name)
+			e, inView := tv.View.Get(name)
 			if !inView {
 				continue
 			}

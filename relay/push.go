@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -69,7 +70,7 @@ func (sub *typeSub) changes(view ledger.Tree[*xds.Resource]) (upd []*xds.Resourc
 // plan is what one sync round will send for one type.
 type plan struct {
 	sub *typeSub
-	ts  *typeView
+	ts  *views.Type
 	// stale: no live upstream stream confirmed the key's views (told to
 	// peer relays, whose views it makes stale too).
 	stale bool
@@ -112,7 +113,7 @@ func (s *stream) sync() error {
 	for _, ps := range [2][]*plan{synced, plans} {
 		for _, p := range ps {
 			if p.done == p.want {
-				s.led.Synced(p.sub.typeURL, p.ts.view.Root(), now)
+				s.led.Synced(p.sub.typeURL, p.ts.View.Root(), now)
 			}
 		}
 	}
@@ -150,17 +151,17 @@ func (ps *planScratch) reset() {
 // (or an Order to pass on), synced those the client already holds. A type
 // whose view is not known yet, or whose claimed version the tier is
 // asked about, stops the walk: what comes later in push order waits.
-func (s *stream) planTypes(snap *keyViews, now time.Time) (plans, synced []*plan) {
+func (s *stream) planTypes(snap *views.Set, now time.Time) (plans, synced []*plan) {
 	s.plans.reset()
 	plans, synced = s.plans.planned, s.plans.equal
 	wait := s.r.cfg.XDS.ResourceWaitTimeout
 	for _, typeURL := range xds.PushOrder {
 		sub := s.subs[typeURL]
-		ts := snap.types[typeURL]
+		ts := snap.Types[typeURL]
 		if sub == nil {
 			continue
 		}
-		if ts == nil || !ts.ready || (sub.wildcard && !ts.full) {
+		if ts == nil || !ts.Ready || (sub.wildcard && !ts.Full) {
 			// The key's view of the type is not known yet: what comes
 			// later in push order waits too, or a route could reach the
 			// client before the clusters it uses (a client that moved to
@@ -187,15 +188,15 @@ func (s *stream) planTypes(snap *keyViews, now time.Time) (plans, synced []*plan
 				// (deferDangling) and what it refers to is not removed
 				// (heldBy).
 				if upd := s.lacking(sub, ts); len(upd) > 0 {
-					plans = append(plans, s.plans.add(plan{sub: sub, ts: ts, stale: snap.stale, upd: upd, want: len(upd) + 1}))
+					plans = append(plans, s.plans.add(plan{sub: sub, ts: ts, stale: snap.Stale, upd: upd, want: len(upd) + 1}))
 				}
 				continue
 			}
 		}
-		upd, gone, whole := sub.changes(ts.view)
+		upd, gone, whole := sub.changes(ts.View)
 		want := len(upd) + len(gone)
 		if want == 0 {
-			sub.share(ts.view)
+			sub.share(ts.View)
 			sub.unsettled = false // nothing the relay could send replaces it
 		}
 		if s.peerRelay == nil {
@@ -203,12 +204,12 @@ func (s *stream) planTypes(snap *keyViews, now time.Time) (plans, synced []*plan
 			// and has not answered does not exist. Another relay is told
 			// what the view holds, no more: it marks such a name pending
 			// itself (feed.apply), and its view stays the owner's.
-			gone = slices.DeleteFunc(gone, func(n string) bool { return ts.isPending(n, now, wait) })
+			gone = slices.DeleteFunc(gone, func(n string) bool { return ts.IsPending(n, now, wait) })
 		}
 		if typeURL == xds.TypeCluster {
 			s.forceEndpoints(sub, upd)
 		}
-		p := s.plans.add(plan{sub: sub, ts: ts, stale: snap.stale, upd: upd, gone: gone, want: want, whole: whole})
+		p := s.plans.add(plan{sub: sub, ts: ts, stale: snap.Stale, upd: upd, gone: gone, want: want, whole: whole})
 		switch {
 		case len(upd) > 0 || len(gone) > 0 || sub.awaitFirst || s.orderNews(p):
 			plans = append(plans, p)
@@ -291,7 +292,7 @@ func (s *stream) sendProbe(plans []*plan) error {
 func (s *stream) orderNews(p *plan) bool {
 	sub := p.sub
 	return s.peerRelay != nil && s.delta && p.want == 0 && !sub.awaitFirst &&
-		(p.ts.order != sub.sentOrder || p.stale != sub.sentStale)
+		(p.ts.Order != sub.sentOrder || p.stale != sub.sentStale)
 }
 
 // emit applies upd and removed to the client's known state and sends the
@@ -316,15 +317,15 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 		// pushes: one change, to streams in sync), which every such
 		// stream of the key then shares, with no copy built.
 		if checkWhole {
-			if got := apply().Root(); got != p.ts.view.Root() {
-				panic(fmt.Sprintf("relay: a whole plan of %s leaves the client at %s, not the view's %s", sub.typeURL, got, p.ts.view.Root()))
+			if got := apply().Root(); got != p.ts.View.Root() {
+				panic(fmt.Sprintf("relay: a whole plan of %s leaves the client at %s, not the view's %s", sub.typeURL, got, p.ts.View.Root()))
 			}
 		}
-		sub.known = p.ts.view
+		sub.known = p.ts.View
 		sub.unsettled = false
 	} else {
 		sub.known = apply()
-		sub.share(p.ts.view)
+		sub.share(p.ts.View)
 	}
 	first := sub.awaitFirst
 	sub.awaitFirst = false
@@ -332,9 +333,9 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 		s.dropEndpointsOf(fromTree, removed)
 	}
 
-	out := &wire.Response{TypeURL: sub.typeURL, Updated: upd, Removed: removed, From: from, To: sub.known.Root(), Order: p.ts.order}
+	out := &wire.Response{TypeURL: sub.typeURL, Updated: upd, Removed: removed, From: from, To: sub.known.Root(), Order: p.ts.Order}
 	if s.delta && s.peerRelay == nil && len(upd) == 0 && len(removed) > 0 {
-		if c := s.carrier(sub.known, p.ts.view); c != nil {
+		if c := s.carrier(sub.known, p.ts.View); c != nil {
 			out.Updated, out.Carried = []*xds.Resource{c}, c.Hash
 		}
 	}
@@ -353,7 +354,7 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 	}
 	switch {
 	case s.delta:
-		out.View = p.ts.view.Root()
+		out.View = p.ts.View.Root()
 		out.Version = s.r.versions.Of(out.View, out.Order)
 		if s.peerRelay != nil && p.stale {
 			out.Version = wire.MarkStale(out.Version)
@@ -362,7 +363,7 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 		out.From = ledger.Hash{}
 		out.Version = s.r.versions.Of(sub.known.Root(), out.Order)
 		out.Full, out.Held = true, sub.known
-		if sub.known.Root() != p.ts.view.Root() {
+		if sub.known.Root() != p.ts.View.Root() {
 			s.key.sentHeld(sub.known) // it may claim it elsewhere
 		}
 	default:

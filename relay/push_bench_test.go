@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -125,8 +126,8 @@ func newPushBench(b *testing.B, delta bool) *pushBench {
 func (pb *pushBench) publish(b *testing.B, typeURL string, res ...types.Resource) {
 	view := viewOf(b, pb.r, typeURL, res...)
 	pb.k.mu.Lock()
-	pb.k.update(func(next *keyViews) {
-		next.types[typeURL] = &typeView{view: view, ready: true, full: true}
+	pb.k.update(func(next *views.Set) {
+		next.Types[typeURL] = &views.Type{View: view, Ready: true, Full: true}
 	})
 	pb.k.mu.Unlock()
 }
@@ -135,17 +136,17 @@ func (pb *pushBench) publish(b *testing.B, typeURL string, res ...types.Resource
 // ACK it.
 func (pb *pushBench) change(b *testing.B, i int) {
 	name := pb.names[i%benchClusters]
-	ts := pb.k.views.Load().types[xds.TypeEndpoint]
+	ts := pb.k.views.Load().Types[xds.TypeEndpoint]
 	res, err := pb.r.store.Decode(xds.TypeEndpoint, mustAny(mkCLA(name, uint32(10000+i%50000))), name)
 	if err != nil {
 		b.Fatal(err)
 	}
-	e := ts.view.Edit()
+	e := ts.View.Edit()
 	e.Set(name, res.Hash, res)
 	view := e.Tree()
 	pb.k.mu.Lock()
-	pb.k.update(func(next *keyViews) {
-		next.types[xds.TypeEndpoint] = &typeView{view: view, ready: true, full: true}
+	pb.k.update(func(next *views.Set) {
+		next.Types[xds.TypeEndpoint] = &views.Type{View: view, Ready: true, Full: true}
 	})
 	pb.k.mu.Unlock()
 	for j, s := range pb.streams {

@@ -151,12 +151,12 @@ func (k *keyState) leftBySplit(key, base aggkey.Key) {
 func (k *keyState) covers(subs map[string]*typeSub, now time.Time, wait time.Duration) bool {
 	v := k.views.Load()
 	for typeURL, sub := range subs {
-		tv := v.types[typeURL]
-		if tv == nil || !tv.ready || sub.wildcard && !tv.full {
+		tv := v.Types[typeURL]
+		if tv == nil || !tv.Ready || sub.wildcard && !tv.Full {
 			return false
 		}
 		for _, name := range sub.names {
-			if tv.isPending(name, now, wait) {
+			if tv.IsPending(name, now, wait) {
 				return false
 			}
 		}

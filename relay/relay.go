@@ -26,6 +26,8 @@
 //
 //	relay/snapshot   views persisted in etcd for a warm start (implements Snapshots)
 //	relay/warm       persisted views rebuilt, checked and shared, for a warm start
+//	relay/views      a key's published views, immutable, one per type: the
+//	                 seam where the key's feed writes and its streams read
 //	relay/admin      the admin listener: who a call is from (token, JWT, certificate),
 //	                 its HTTP/gRPC handler, its health service
 //	relay/adsclient  the ADS client: one SotW or Delta stream to a control plane,

@@ -400,7 +400,7 @@ func TestWildcardLeavesAndReturns(t *testing.T) {
 	all.close()
 	waitFor(t, "the key's view to shrink to c0", func() bool {
 		for _, k := range e.r.heldKeys() {
-			if ts := k.views.Load().types[xds.TypeCluster]; ts != nil && ts.view.Len() == 1 {
+			if ts := k.views.Load().Types[xds.TypeCluster]; ts != nil && ts.View.Len() == 1 {
 				return true
 			}
 		}

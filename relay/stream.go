@@ -455,8 +455,8 @@ func (s *stream) noteRejected(sub *typeSub, sent sentResponse, nack bool) bool {
 		return false
 	}
 	var view ledger.Tree[*xds.Resource]
-	if ts := s.key.views.Load().types[sub.typeURL]; ts != nil {
-		view = ts.view
+	if ts := s.key.views.Load().Types[sub.typeURL]; ts != nil {
+		view = ts.View
 	}
 	for n := range sub.rejected {
 		f, had := sent.from.Get(n)

@@ -27,6 +27,7 @@ import (
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/snapshot"
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -656,10 +657,10 @@ func TestPeerTakesOrderOnlyFromCompleteResponses(t *testing.T) {
 	waitFor(t, "the other relay back on its owner", func() bool { return other.Stats().PeerStreams == 1 })
 	atOther.subscribe(xds.TypeEndpoint, "c9") // sent to the peer while it is held
 	waitFor(t, "c9 at the other relay", func() bool {
-		_, ok := other.heldKeys()[0].views.Load().types[xds.TypeEndpoint].view.Get("c9")
+		_, ok := other.heldKeys()[0].views.Load().Types[xds.TypeEndpoint].View.Get("c9")
 		return ok
 	})
-	if o := other.heldKeys()[0].views.Load().types[xds.TypeEndpoint].order; o.IsZero() {
+	if o := other.heldKeys()[0].views.Load().Types[xds.TypeEndpoint].Order; o.IsZero() {
 		// A mix if the owner held the peer's c1 back (its re-homed
 		// stream opened before that c1 arrived at the peer); the owner's
 		// own if not.
@@ -697,7 +698,7 @@ func TestSotWClaimWithoutBodies(t *testing.T) {
 	s := e.r.newStream(context.Background(), false, portPlain)
 	s.key = k
 	sub := &typeSub{typeURL: xds.TypeCluster, wildcard: true, claimed: claimed.Root()}
-	s.resolveClaim(sub, k.views.Load().typeOf(xds.TypeCluster))
+	s.resolveClaim(sub, k.views.Load().TypeOf(xds.TypeCluster))
 	if sub.claimKnown {
 		t.Fatalf("a claim whose bodies are gone was taken: the client holds %d resources (one without a body: %v)", sub.known.Len(), opaque(sub.known))
 	}
@@ -916,7 +917,7 @@ func TestUnknownRouteClaimHoldsRemovalsUntilTheRouteIsSent(t *testing.T) {
 }
 
 // soleKeyViews returns the views of r's one key (nil before it has one).
-func soleKeyViews(r *Relay) *keyViews {
+func soleKeyViews(r *Relay) *views.Set {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, k := range r.keys {
@@ -926,22 +927,22 @@ func soleKeyViews(r *Relay) *keyViews {
 }
 
 // viewHas reports whether snap's view of typeURL holds name.
-func viewHas(snap *keyViews, typeURL, name string) bool {
-	if snap == nil || snap.types[typeURL] == nil {
+func viewHas(snap *views.Set, typeURL, name string) bool {
+	if snap == nil || snap.Types[typeURL] == nil {
 		return false
 	}
-	_, ok := snap.types[typeURL].view.Get(name)
+	_, ok := snap.Types[typeURL].View.Get(name)
 	return ok
 }
 
 // routeUses reports whether snap's view holds the route configuration
 // route, and it names cluster c.
-func routeUses(t *testing.T, snap *keyViews, route, c string) bool {
+func routeUses(t *testing.T, snap *views.Set, route, c string) bool {
 	t.Helper()
 	if !viewHas(snap, xds.TypeRoute, route) {
 		return false
 	}
-	e, _ := snap.types[xds.TypeRoute].view.Get(route)
+	e, _ := snap.Types[xds.TypeRoute].View.Get(route)
 	return e.Value != nil && slices.Contains(routeClusters(t, e.Value), c)
 }
 
