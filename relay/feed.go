@@ -348,7 +348,14 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 	if err != nil {
 		return false, err
 	}
-	defer up.Close()
+	defer func() {
+		up.Close()
+		if src.kind == sourcePeer {
+			// The owner tells the key's splits in its trailer, also when
+			// this session ended first for a reason of its own.
+			u.readSplits(up.Trailer())
+		}
+	}()
 	u.send = up.Send
 	defer u.countStream(src)()
 	u.begin(presenter)
@@ -460,7 +467,7 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 			release() // a source slow to answer does not hold up the others' keys
 		case err := <-up.Err():
 			if src.kind == sourcePeer {
-				return got, u.ownerEnded(up, err)
+				return got, ownerEnded(err)
 			}
 			return got, err
 		case <-retry:

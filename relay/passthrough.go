@@ -294,6 +294,15 @@ func (p *passthrough) session(ctx context.Context) error {
 			send, p.queue = p.queue, nil
 			p.mu.Unlock()
 		case err := <-up.Err():
+			// An answer read before the end still reaches the client, as
+			// every answer the stream read before it did.
+			if pending != nil {
+				select {
+				case p.out <- pending:
+				case <-ctx.Done():
+					return ctx.Err()
+				}
+			}
 			return err // the upstream's status: a refusal is heard as one
 		case <-ctx.Done():
 			return ctx.Err()

@@ -14,7 +14,6 @@ import (
 	"google.golang.org/grpc/status"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
-	"github.com/meshrelay/meshrelay/relay/adsclient"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/peers"
@@ -164,12 +163,11 @@ func (k *keyState) covers(subs map[string]*typeSub, now time.Time, wait time.Dur
 	return true
 }
 
-// ownerEnded is why a stream to the key's owner ended (err), having
-// learnt the key's splits the owner tells in its trailer: errSplitsTold
-// when the key split. (The header tells them too, read with the first
-// response.)
-func (u *feed) ownerEnded(up *adsclient.Stream, err error) error {
-	u.readSplits(up.Trailer())
+// ownerEnded is why a stream to the key's owner ended (err):
+// errSplitsTold when the owner ended it because the key split (its
+// trailer tells the splits: session reads it, whatever ended the
+// session; the header tells them too, read with the first response).
+func ownerEnded(err error) error {
 	if st, ok := status.FromError(err); ok && st.Code() == codes.Aborted && st.Message() == errKeySplit.Error() {
 		return errSplitsTold
 	}

@@ -71,8 +71,9 @@ func CallerFrom(ctx context.Context) Caller {
 	return c
 }
 
-// WithCaller returns ctx carrying c, as the admin listener's calls do.
-func WithCaller(ctx context.Context, c Caller) context.Context {
+// withCaller returns ctx carrying c: the admin listener alone vouches for
+// a caller.
+func withCaller(ctx context.Context, c Caller) context.Context {
 	return context.WithValue(ctx, callerKey{}, c)
 }
 
@@ -208,7 +209,7 @@ func (g *Guard) NewServer(opts ...grpc.ServerOption) *grpc.Server {
 			if err != nil {
 				return nil, err
 			}
-			return handler(WithCaller(ctx, c), req)
+			return handler(withCaller(ctx, c), req)
 		}),
 		grpc.StreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 			if isHealth(info.FullMethod) {
@@ -218,7 +219,7 @@ func (g *Guard) NewServer(opts ...grpc.ServerOption) *grpc.Server {
 			if err != nil {
 				return err
 			}
-			return handler(srv, callerStream{ss, WithCaller(ss.Context(), c)})
+			return handler(srv, callerStream{ss, withCaller(ss.Context(), c)})
 		}))...)
 }
 

@@ -5,11 +5,14 @@
 // control (requests are queued, bounded, so that writing never stops the
 // reading of responses), the node on the first request, and each type's
 // nonce and ACKed version. What to subscribe to, and what a response
-// means, stay with the caller: the key's feed, the divergence check.
+// means, stay with the caller: the key's feed, the divergence check,
+// passthrough.
 //
 // Responses are read lazily off the wire (wire.SotWIn, wire.DeltaIn): a
 // resource's bytes stay in gRPC's buffer until the caller decodes them,
-// and the caller Releases each response once handled.
+// and the caller Releases each response once handled. A caller that
+// passes responses on as they are reads them whole instead
+// (Config.Decoded).
 package adsclient
 
 import (
@@ -39,10 +42,11 @@ type Config struct {
 	// Node is sent on the stream's first request (as the protocol asks),
 	// whichever request that is.
 	Node *core.Node
-	// MaxQueued bounds the requests sent but not yet written to the
-	// stream; past it Send fails, and the caller should end the stream: a
-	// control plane that reads nothing for that long is stuck. Default
-	// (0) 4096.
+	// MaxQueued bounds the requests queued and not yet taken by the
+	// stream's writer (which takes them all at once, and writes them
+	// while more queue); past it Send fails, and the caller should end
+	// the stream: a control plane that reads nothing for that long is
+	// stuck. Default (0) 4096.
 	MaxQueued int
 	// Decoded reads each response whole (SotWResponse, DeltaResponse),
 	// for a caller that passes responses on as they are; false reads them
@@ -95,9 +99,10 @@ type Stream struct {
 	// queue holds the requests waiting to be written, at most
 	// Config.MaxQueued. It grows as requests come (a stream that asks
 	// little holds little: a relay runs a stream per key).
-	queue []proto.Message
-	first bool              // the next request is the first: it carries the node
-	types map[string]*state // what each type was asked, and its last response
+	queue   []proto.Message
+	first   bool              // the next request is the first: it carries the node
+	trailer metadata.MD       // set when a receive failed
+	types   map[string]*state // what each type was asked, and its last response
 }
 
 // state is one type's standing on the stream.
@@ -158,6 +163,12 @@ func (s *Stream) receive(ctx context.Context) {
 	for {
 		m, into := s.newResponse()
 		if err := s.cs.RecvMsg(into); err != nil {
+			// The trailer is final once a receive failed (grpc-go's
+			// contract): kept for Trailer, whatever ends the stream.
+			trailer := s.cs.Trailer()
+			s.mu.Lock()
+			s.trailer = trailer
+			s.mu.Unlock()
 			s.errs <- err
 			return
 		}
@@ -227,8 +238,14 @@ func (s *Stream) Err() <-chan error { return s.errs }
 // Header returns the header the control plane sent, waiting for it.
 func (s *Stream) Header() (metadata.MD, error) { return s.cs.Header() }
 
-// Trailer returns the trailer, once the stream ended (Err yielded).
-func (s *Stream) Trailer() metadata.MD { return s.cs.Trailer() }
+// Trailer returns the trailer the control plane ended the stream with:
+// nil until the stream's receiver saw the end (Err yields then; after
+// Close it is final).
+func (s *Stream) Trailer() metadata.MD {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.trailer
+}
 
 // Close ends the stream and waits for its goroutines. Idempotent.
 func (s *Stream) Close() {

@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
@@ -56,6 +57,13 @@ func startControlPlane(t *testing.T, addr string) *controlPlane {
 	}
 	cp := &controlPlane{addr: lis.Addr().String(), cache: cachev3.NewSnapshotCache(false, cachev3.IDHash{}, nil), done: make(chan struct{})}
 	cb := serverv3.CallbackFuncs{
+		// Every stream's trailer says which server ended it.
+		StreamOpenFunc: func(ctx context.Context, _ int64, _ string) error {
+			return grpc.SetTrailer(ctx, metadata.Pairs("x-ended-by", "test-control-plane"))
+		},
+		DeltaStreamOpenFunc: func(ctx context.Context, _ int64, _ string) error {
+			return grpc.SetTrailer(ctx, metadata.Pairs("x-ended-by", "test-control-plane"))
+		},
 		StreamRequestFunc: func(_ int64, r *discovery.DiscoveryRequest) error {
 			cp.mu.Lock()
 			defer cp.mu.Unlock()
@@ -323,8 +331,9 @@ func TestDecoded(t *testing.T) {
 }
 
 // TestRefusal: a control plane that ends the stream (refusing the
-// client's credentials, say) is heard with its status, also when
-// requests are written after the end: a caller decides on the code.
+// client's credentials, say) is heard with its status and its trailer,
+// also when requests are written after the end: a caller decides on the
+// code (and a relay reads the key's splits in its owner's trailer).
 func TestRefusal(t *testing.T) {
 	for _, delta := range []bool{false, true} {
 		t.Run(map[bool]string{false: "sotw", true: "delta"}[delta], func(t *testing.T) {
@@ -337,6 +346,9 @@ func TestRefusal(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer s.Close()
+			if tr := s.Trailer(); tr != nil {
+				t.Fatalf("Trailer = %v before the stream ended, want nil", tr)
+			}
 			for _, typeURL := range []string{resource.ClusterType, resource.ListenerType, resource.RouteType, resource.EndpointType} {
 				if err := s.Subscribe(typeURL, true, nil); err != nil {
 					t.Fatal(err)
@@ -346,6 +358,9 @@ func TestRefusal(t *testing.T) {
 			case err := <-s.Err():
 				if status.Code(err) != codes.Unauthenticated {
 					t.Fatalf("the stream ended with %v, want the control plane's Unauthenticated", err)
+				}
+				if got := s.Trailer().Get("x-ended-by"); len(got) != 1 || got[0] != "test-control-plane" {
+					t.Fatalf("Trailer = %v, want the control plane's", s.Trailer())
 				}
 			case r := <-s.Responses():
 				t.Fatalf("a refused stream answered %v", r)
