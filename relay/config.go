@@ -432,6 +432,11 @@ type AdminConfig struct {
 	Services func(*grpc.Server)
 }
 
+// DefaultAdminConfig returns the admin listener's defaults: none (the
+// serve command listens on :15014), open to whoever reaches it unless the
+// xDS port authenticates (relay/admin).
+func DefaultAdminConfig() AdminConfig { return AdminConfig{} }
+
 // DefaultConfig returns a Config with every default filled in but
 // Upstream.Addr.
 func DefaultConfig() Config {
@@ -445,6 +450,7 @@ func DefaultConfig() Config {
 		Upstream:          DefaultUpstreamConfig(),
 		Keys:              DefaultKeysConfig(),
 		Tier:              DefaultTierConfig(),
+		Admin:             DefaultAdminConfig(),
 		MaxMsgSize:        256 << 20,
 		History:           ledger.DefaultHistoryConfig(),
 		ForgetEnvoysAfter: ledger.DefaultTrackerConfig().ForgetAfter,

@@ -515,7 +515,7 @@ func TestSplitTheOwnerNeverKnewIsMergedBack(t *testing.T) {
 // TestSplitKeyNobodyComesBackToIsDropped: a key's owner serves another
 // relay a key of a node of its own (a split the owner never heard of);
 // once that relay leaves it, nobody comes back to it, and the owner drops
-// it and its upstream stream at once instead of idling for KeyIdleTimeout.
+// it and its upstream stream at once instead of idling for Keys.IdleTimeout.
 func TestSplitKeyNobodyComesBackToIsDropped(t *testing.T) {
 	up := newTestUpstream(t, "ns0")
 	seed(up, "ns0", 3)

@@ -261,7 +261,7 @@ func TestForwardSkipsATokenTheUpstreamRefused(t *testing.T) {
 	}
 }
 
-// A key whose members all left keeps its cache (KeyIdleTimeout); if its
+// A key whose members all left keeps its cache (Keys.IdleTimeout); if its
 // stream breaks meanwhile, there is no token to present, and a stream
 // without one would only be refused, again and again (issue 29: istiod
 // logged "no HTTP authorization header" for such a key). The relay waits

@@ -206,7 +206,7 @@ func closedConn(tb testing.TB) *grpc.ClientConn {
 // after every request, and a fake send checks every response.
 //
 // The stream attaches through its real first request (attach: Authorizer,
-// KeyProfile, acquireKey, join), which starts the key's feed
+// Keys.Profile, acquireKey, join), which starts the key's feed
 // on r.ctx. That goroutine owns the upstream stream and would race the
 // harness for the key's views, so r.ctx is set up as Start does but
 // cancelled at once: the goroutine starts, sees the context done and exits,

@@ -3,11 +3,13 @@ package relay
 import "sync"
 
 // mailbox is a queue between two goroutines where the writer never blocks:
-// put appends and signals, the reader takes everything queued at once. The
-// relay uses it on both sides of every stream so that a goroutine blocked
-// writing to a peer never stops the reading of that same peer: with
-// blocking hand-offs a relay and a peer that each wait for the other to read
-// deadlock (each side's flow-control window full, neither reading).
+// put appends and signals, the reader takes everything queued at once. A
+// SotW stream reads its client's requests into one, so that a handler
+// blocked writing to its client never stops the reading of that same
+// client: with blocking hand-offs a relay and a peer that each wait for
+// the other to read deadlock (each side's flow-control window full,
+// neither reading). The streams the relay opens queue their requests the
+// same way, in relay/adsclient.
 //
 // It is bounded: put reports false once limit items, or more than
 // limitBytes (as sizeOf counts them), wait, and the caller ends the stream,

@@ -55,12 +55,12 @@
 //   - the downstream server: stream.go (one ADS stream: its subscriptions,
 //     ACKs and NACKs), push.go (what a sync sends, in xDS order), holds.go
 //     (what a push keeps back: make-before-break), sotw.go, delta.go,
-//     passthrough.go (types the relay does not cache), versions.go
-//     (whether a view covers what a client holds);
+//     passthrough.go (types the relay does not cache), mailbox.go (a
+//     client's requests, read while its responses are written),
+//     versions.go (whether a view covers what a client holds);
 //   - a key: aggregation.go (which key a stream joins, the keys held),
 //     keystate.go (its views, subscriptions and members: the streams joined
-//     to it, which it knows only as its member interface), mailbox.go, and
-//     its feed: feed.go (the one stream to the key's source, istiod or the
+//     to it, which it knows only as its member interface), and its feed: feed.go (the one stream to the key's source, istiod or the
 //     owner relay, over relay/adsclient), feedrequests.go (what it asks),
 //     feedanswers.go (what it does with the answers), persist.go (saving
 //     views, and the restore a warm start installs keys with);

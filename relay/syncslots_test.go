@@ -62,7 +62,7 @@ func (s *firstAnswerStream) SendMsg(m any) error {
 }
 
 // A relay opens the streams of many new keys at once, but has at most
-// UpstreamSyncs of them waiting for their first answers: every key is
+// Upstream.Syncs of them waiting for their first answers: every key is
 // served, and the upstream never computes more first answers at once. A
 // SotW upstream slower to answer than the relay waits before it takes
 // silence for "nothing changed" (confirmAfter) still holds its slot: it
@@ -78,7 +78,7 @@ func TestUpstreamSyncsBoundFirstAnswers(t *testing.T) {
 		{1, 2, ProtocolSotW, confirmAfter + 300*time.Millisecond},
 	} {
 		keys := tc.keys
-		t.Run(fmt.Sprint(tc.upstream, "/UpstreamSyncs=", tc.syncs), func(t *testing.T) {
+		t.Run(fmt.Sprint(tc.upstream, "/Upstream.Syncs=", tc.syncs), func(t *testing.T) {
 			fa := &firstAnswers{delay: tc.delay}
 			up := newTestUpstreamWith(t, []grpc.ServerOption{grpc.ChainStreamInterceptor(fa.intercept)}, "ns1")
 			seed(up, "ns1", 3)

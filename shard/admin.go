@@ -29,7 +29,7 @@ import (
 // gathered when asked (relay.TierLedger), within the relay's gather bound;
 // relays that did not answer are named in each answer's missing map.
 //
-// Every call is of a admin.Caller (the admin listener decided it): an
+// Every call is of an admin.Caller (the admin listener decided it): an
 // admin sees the tier; a caller scoped to a namespace sees its Envoys,
 // keys and config alone (admin.Caller.SeesKey), everywhere a key or
 // an Envoy is reported, and may mutate nothing:

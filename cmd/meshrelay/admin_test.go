@@ -42,7 +42,7 @@ func TestAdminFlagsLoad(t *testing.T) {
 		t.Fatal(err)
 	}
 	if cfg.Admin.TLS == nil || cfg.Admin.TLS.GetConfigForClient == nil {
-		t.Fatalf("AdminTLS = %+v, want a config that reads the files at each handshake", cfg.Admin.TLS)
+		t.Fatalf("Admin.TLS = %+v, want a config that reads the files at each handshake", cfg.Admin.TLS)
 	}
 	hs, err := cfg.Admin.TLS.GetConfigForClient(&tls.ClientHelloInfo{})
 	if err != nil || len(hs.Certificates) != 1 || hs.ClientAuth != tls.RequireAndVerifyClientCert || hs.ClientCAs == nil ||
@@ -50,7 +50,7 @@ func TestAdminFlagsLoad(t *testing.T) {
 		t.Errorf("a handshake's config = %+v, %v; want a certificate, required client certificates, ALPN h2 and http/1.1", hs, err)
 	}
 	if cfg.Admin.Token != "tok" {
-		t.Errorf("AdminToken = %q, want the file's token, trimmed", cfg.Admin.Token)
+		t.Errorf("Admin.Token = %q, want the file's token, trimmed", cfg.Admin.Token)
 	}
 	empty := filepath.Join(t.TempDir(), "empty")
 	os.WriteFile(empty, []byte("\n"), 0o600)
@@ -98,10 +98,10 @@ func TestAdminIdentitiesFlags(t *testing.T) {
 				t.Fatal(err)
 			}
 			if !slices.Equal(cfg.Admin.Identities, tc.want) {
-				t.Errorf("AdminIdentities = %q, want %q", cfg.Admin.Identities, tc.want)
+				t.Errorf("Admin.Identities = %q, want %q", cfg.Admin.Identities, tc.want)
 			}
 			if wantAuthn := len(tc.want) > 0; (cfg.Admin.Authenticator != nil) != wantAuthn || wantAuthn && cfg.Admin.Authenticator != tc.authn {
-				t.Errorf("AdminAuthenticator = %v, want the xDS port's: %v", cfg.Admin.Authenticator, wantAuthn)
+				t.Errorf("Admin.Authenticator = %v, want the xDS port's: %v", cfg.Admin.Authenticator, wantAuthn)
 			}
 		})
 	}

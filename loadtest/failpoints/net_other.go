@@ -29,11 +29,22 @@ func ReexecInNetns(context.Context, string, []string, ...string) error { return 
 // Net is the chaos network; off Linux there is none.
 type Net struct{}
 
-func NewNet([]uint32) (*Net, error)              { return nil, ErrNoNetns }
+// NewNet fails off Linux.
+func NewNet([]uint32) (*Net, error) { return nil, ErrNoNetns }
+
+// Cut fails off Linux.
 func (*Net) Cut(a, b int, ipA, ipB string) error { return ErrNoNetns }
-func (*Net) Heal() error                         { return ErrNoNetns }
-func (*Net) SlowHow() string                     { return "none" }
-func (*Net) Fast() error                         { return ErrNoNetns }
+
+// Heal fails off Linux.
+func (*Net) Heal() error { return ErrNoNetns }
+
+// SlowHow says no link is shaped off Linux.
+func (*Net) SlowHow() string { return "none" }
+
+// Fast fails off Linux.
+func (*Net) Fast() error { return ErrNoNetns }
+
+// Slow fails off Linux.
 func (*Net) Slow(int, string, time.Duration, int, float64) (string, error) {
 	return "", ErrNoNetns
 }

@@ -14,8 +14,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/meshrelay/meshrelay/loadtest/failpoints"
 	"golang.org/x/sys/unix"
+
+	"github.com/meshrelay/meshrelay/loadtest/failpoints"
 )
 
 // podNet is the network the sidecar tests build: a bridge in the test's
