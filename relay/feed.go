@@ -555,7 +555,7 @@ func (u *feed) open(sctx context.Context, node *core.Node, presenter member, src
 		_, cred := presenter.presents()
 		sctx = withCredential(sctx, cred)
 	}
-	return adsclient.Open(sctx, conn, adsclient.Config{Delta: u.delta, Node: node, MaxQueued: maxQueuedRequests})
+	return adsclient.Open(sctx, conn, adsclient.Config{Delta: u.delta, Node: node})
 }
 
 // countStream counts the session's stream as open, by source, until the

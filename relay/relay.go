@@ -47,31 +47,36 @@
 //	relay/inspectpb  what one relay tells another of a key, a node, a version
 //	relay/xdstypes   every Envoy and Istio type, linked into the binary alone
 //
-// This package holds what is still one piece, by file:
+// This package holds what is still one piece. Its files, by the layer
+// each is to become (arrows_test.go's layerOfFile; TestCoreArrows counts
+// the ties that still run up from one layer to a higher one):
 //
-//   - the Relay, its Config, lifecycle and metrics: relay.go, config.go,
-//     metrics.go; its ports and who may use them: ports.go, identity.go,
-//     admission.go, forward.go (credentials passed upstream);
+//   - a key's cache and its feed: aggregation.go (which key a stream
+//     joins, the keys held), keystate.go (its views, subscriptions and
+//     members: the streams joined to it, which it knows only as its member
+//     interface), versions.go (whether a view covers what a client
+//     holds), feed.go (the one stream to the key's source, istiod or the
+//     owner relay, over relay/adsclient), feedrequests.go (what it asks),
+//     feedanswers.go (what it does with the answers), forward.go
+//     (credentials presented upstream), persist.go (saving views, and the
+//     restore a warm start installs keys with), divergence.go (whether a
+//     key's members really get the same config) and probe.go (its second
+//     stream, compared by content);
 //   - the downstream server: stream.go (one ADS stream: its subscriptions,
 //     ACKs and NACKs), push.go (what a sync sends, in xDS order), holds.go
 //     (what a push keeps back: make-before-break), sotw.go, delta.go,
-//     passthrough.go (types the relay does not cache), mailbox.go (a
-//     client's requests, read while its responses are written),
-//     versions.go (whether a view covers what a client holds);
-//   - a key: aggregation.go (which key a stream joins, the keys held),
-//     keystate.go (its views, subscriptions and members: the streams joined
-//     to it, which it knows only as its member interface), and its feed: feed.go (the one stream to the key's source, istiod or the
-//     owner relay, over relay/adsclient), feedrequests.go (what it asks),
-//     feedanswers.go (what it does with the answers), persist.go (saving
-//     views, and the restore a warm start installs keys with);
-//   - splits: divergence.go (whether a key's members really get the same
-//     config), probe.go (its second stream, compared by content), rekey.go
-//     (the splits the tier knows, and the streams they move);
-//   - the tier: tier.go (owners, who a calling relay is, balancing, moving
-//     streams away), claims.go (versions a SotW Envoy claims, looked up
-//     across relays), ledger.go (ledger queries gathered from every relay);
-//   - inspection: inspect.go (stats, clients, key details, config dumps),
-//     debugxds.go (istiod's debug types).
+//     mailbox.go (a client's requests, read while its responses are
+//     written), passthrough.go (types the relay does not cache),
+//     identity.go and admission.go (who a stream is, whether it may
+//     start), rekey.go (the splits the tier knows, and the streams they
+//     move);
+//   - the tier and inspection: tier.go (owners, who a calling relay is,
+//     balancing, moving streams away), claims.go (versions a SotW Envoy
+//     claims, looked up across relays), ledger.go (ledger queries gathered
+//     from every relay), inspect.go (stats, clients, key details, config
+//     dumps), debugxds.go (istiod's debug types);
+//   - the Relay that assembles them: relay.go, config.go (one config per
+//     part), metrics.go, ports.go.
 package relay
 
 import (
