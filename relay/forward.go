@@ -119,43 +119,6 @@ func presentable(members []member, forward bool, now time.Time, refresh time.Dur
 	return members[0]
 }
 
-// refreshCredentials keeps, in forward mode, a supply of tokens istiod
-// will still take: a stream keeps the token it opened with, and istiod
-// refuses an expired one when a key's upstream stream must be opened again
-// (after a failure, or a re-home). So an Envoy whose token comes within
-// half of TokenRefreshBefore of its expiry is moved away (its connection
-// closed, as balancing does): it reconnects, most likely elsewhere, with
-// the token istio-agent holds now. The key's stream, if it presented that
-// Envoy, has already moved to a member whose token lives longer. At most
-// ShedRate a second, and a stream only once it has been open half of
-// TokenRefreshBefore: one that came back with the same old token (kubelet
-// had not rotated it yet) is not sent round again at once. istiod itself
-// closes every connection after 30 minutes (its MaxServerConnectionAge),
-// far more often than this.
-func (r *Relay) refreshCredentials(ctx context.Context) {
-	every := max(r.cfg.Upstream.TokenRefreshBefore/5, 100*time.Millisecond)
-	t := time.NewTicker(every)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		budget := max(1, int(r.cfg.Tier.ShedRate*every.Seconds()))
-		horizon := time.Now().Add(r.cfg.Upstream.TokenRefreshBefore / 2)
-		streams, _ := r.streams()
-		for _, s := range streams {
-			if budget == 0 {
-				break
-			}
-			if s.cred != nil && !s.cred.usableAt(horizon) && time.Since(s.opened) >= r.cfg.Upstream.TokenRefreshBefore/2 && r.moveAway(s, "token_expiry") {
-				budget--
-			}
-		}
-	}
-}
-
 // presentsToken reports whether m, in forward mode, has a token the
 // upstream may still take.
 func presentsToken(m member) bool {

@@ -60,16 +60,16 @@
 //     feedanswers.go (what it does with the answers), forward.go
 //     (credentials presented upstream), persist.go (saving views, and the
 //     restore a warm start installs keys with), divergence.go (whether a
-//     key's members really get the same config) and probe.go (its second
-//     stream, compared by content);
+//     key's members really get the same config), probe.go (its second
+//     stream, compared by content) and splits.go (the splits the tier
+//     knows, and the key a node belongs to under them);
 //   - the downstream server: stream.go (one ADS stream: its subscriptions,
 //     ACKs and NACKs), push.go (what a sync sends, in xDS order), holds.go
 //     (what a push keeps back: make-before-break), sotw.go, delta.go,
 //     mailbox.go (a client's requests, read while its responses are
 //     written), passthrough.go (types the relay does not cache),
 //     identity.go and admission.go (who a stream is, whether it may
-//     start), rekey.go (the splits the tier knows, and the streams they
-//     move);
+//     start), rekey.go (the streams a split moves);
 //   - the tier and inspection: tier.go (owners, who a calling relay is,
 //     balancing, moving streams away), claims.go (versions a SotW Envoy
 //     claims, looked up across relays), ledger.go (ledger queries gathered

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"iter"
 	"log/slog"
+	"maps"
 	"strconv"
 	"sync"
 	"time"
@@ -17,6 +18,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
@@ -478,4 +480,54 @@ func nackDetail(st *rpcstatus.Status) string {
 		return fmt.Sprintf("rejected with code %d", st.GetCode())
 	}
 	return st.GetMessage()
+}
+
+// acquireKey returns the key's state, creating it (and its upstream
+// goroutine) if needed, with s joined as a member.
+func (r *Relay) acquireKey(key aggkey.Key, s *stream) *keyState {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	k := r.joinKeyLocked(key, s)
+	r.attached[s] = k
+	return k
+}
+
+// joinKey returns the key's state, creating it if needed, with s joined as
+// a member, but not attached: a stream moving to the key after a split of
+// its own (stream.followSplits) is attached to its old key until it moves.
+func (r *Relay) joinKey(key aggkey.Key, s *stream) *keyState {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.joinKeyLocked(key, s)
+}
+
+func (r *Relay) joinKeyLocked(key aggkey.Key, s *stream) *keyState {
+	k := r.keys[key]
+	if k == nil {
+		k = r.startKeyLocked(key, nil)
+	}
+	k.join(s)
+	return k
+}
+
+// attach records s as attached to k, which it joined (joinKey).
+func (r *Relay) attach(s *stream, k *keyState) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.attached[s] = k
+}
+
+// releaseKey takes s, which acquireKey joined to s.key, out of its key.
+func (r *Relay) releaseKey(s *stream) {
+	r.mu.Lock()
+	delete(r.attached, s)
+	r.mu.Unlock()
+	s.key.leave(s, s.subscriptions())
+}
+
+// attachedStreams returns the streams joined to a key now, with the key.
+func (r *Relay) attachedStreams() map[*stream]*keyState {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return maps.Clone(r.attached)
 }
