@@ -189,16 +189,7 @@ func (u *feed) dropUnwanted(typeURL string, names xds.NameSet) {
 // (kept across reconnects), the nonce that of the latest response on this
 // stream.
 func (u *feed) sotwRequest(typeURL string, ut *feedType, wildcard bool, names xds.NameSet, nack *rpcstatus.Status) *discovery.DiscoveryRequest {
-	var rn []string
-	switch {
-	case wildcard && len(names) == 0 && !ut.named:
-		// The legacy wildcard, the most widely understood form; it means
-		// wildcard only while the stream never named anything for the type.
-	case wildcard:
-		rn = append([]string{xds.WildcardName}, names...)
-	default:
-		rn = names
-	}
+	rn := xds.SotWResourceNames(wildcard, names, ut.named)
 	ut.named = ut.named || len(rn) > 0
 	return &discovery.DiscoveryRequest{
 		TypeUrl:       typeURL,

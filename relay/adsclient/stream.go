@@ -109,10 +109,10 @@ type Stream struct {
 type state struct {
 	subscribed bool
 	wildcard   bool
-	named      bool     // SotW: the stream named resources of the type
-	names      []string // subscribed by name (sorted)
-	acked      string   // SotW: version_info last ACKed
-	nonce      string   // of the latest response
+	named      bool        // SotW: the stream named resources of the type
+	names      xds.NameSet // subscribed by name
+	acked      string      // SotW: version_info last ACKed
+	nonce      string      // of the latest response
 }
 
 // ErrQueueFull is returned by Send when MaxQueued requests wait.
@@ -307,8 +307,7 @@ func (s *Stream) stateOf(typeURL string) *state {
 // names. SotW asks the whole set again, with the version last ACKed and
 // the latest nonce; Delta sends what changed, or, first, the set.
 func (s *Stream) Subscribe(typeURL string, wildcard bool, names []string) error {
-	names = slices.Sorted(slices.Values(names))
-	names = slices.Compact(names)
+	set := xds.NewNameSet(names)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	st := s.stateOf(typeURL)
@@ -316,12 +315,12 @@ func (s *Stream) Subscribe(typeURL string, wildcard bool, names []string) error 
 	if s.cfg.Delta {
 		r := &discovery.DeltaDiscoveryRequest{TypeUrl: typeURL}
 		if !st.subscribed {
-			r.ResourceNamesSubscribe = names
+			r.ResourceNamesSubscribe = set
 			if wildcard {
-				r.ResourceNamesSubscribe = append([]string{xds.WildcardName}, names...)
+				r.ResourceNamesSubscribe = append([]string{xds.WildcardName}, set...)
 			}
 		} else {
-			r.ResourceNamesSubscribe, r.ResourceNamesUnsubscribe = diff(st.names, names)
+			r.ResourceNamesSubscribe, r.ResourceNamesUnsubscribe = st.names.Diff(set)
 			if wildcard && !st.wildcard {
 				r.ResourceNamesSubscribe = append(r.ResourceNamesSubscribe, xds.WildcardName)
 			}
@@ -331,41 +330,15 @@ func (s *Stream) Subscribe(typeURL string, wildcard bool, names []string) error 
 		}
 		req = r
 	} else {
-		rn := sotwNames(wildcard, names, st.named)
+		rn := xds.SotWResourceNames(wildcard, set, st.named)
 		st.named = st.named || len(rn) > 0
 		req = &discovery.DiscoveryRequest{TypeUrl: typeURL, VersionInfo: st.acked, ResourceNames: rn, ResponseNonce: st.nonce}
 	}
 	if err := s.sendLocked(req); err != nil {
 		return err
 	}
-	st.subscribed, st.wildcard, st.names = true, wildcard, names
+	st.subscribed, st.wildcard, st.names = true, wildcard, set
 	return nil
-}
-
-// sotwNames is a SotW request's resource_names: a wildcard with no names
-// is the legacy empty list, the form every server understands, but only
-// while the stream never named a resource of the type (named); after,
-// the list must say "*".
-func sotwNames(wildcard bool, names []string, named bool) []string {
-	if wildcard && (len(names) > 0 || named) {
-		return append([]string{xds.WildcardName}, names...)
-	}
-	return names
-}
-
-// diff returns what is in to but not from (added) and the reverse.
-func diff(from, to []string) (added, removed []string) {
-	for _, n := range to {
-		if _, ok := slices.BinarySearch(from, n); !ok {
-			added = append(added, n)
-		}
-	}
-	for _, n := range from {
-		if _, ok := slices.BinarySearch(to, n); !ok {
-			removed = append(removed, n)
-		}
-	}
-	return added, removed
 }
 
 // ACK accepts resp. A SotW ACK of a type the stream never subscribed to
@@ -397,5 +370,5 @@ func (s *Stream) answer(resp Response, nack *rpcstatus.Status) error {
 		}
 	}
 	return s.sendLocked(&discovery.DiscoveryRequest{TypeUrl: typeURL, VersionInfo: st.acked,
-		ResourceNames: sotwNames(st.wildcard, st.names, st.named), ResponseNonce: resp.GetNonce(), ErrorDetail: nack})
+		ResourceNames: xds.SotWResourceNames(st.wildcard, st.names, st.named), ResponseNonce: resp.GetNonce(), ErrorDetail: nack})
 }

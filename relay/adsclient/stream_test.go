@@ -143,6 +143,37 @@ func dial(t *testing.T, addr string) *grpc.ClientConn {
 	return conn
 }
 
+// open opens a stream to cp presenting nodeID (unless cfg names a node),
+// closed when the test ends.
+func open(t *testing.T, ctx context.Context, cp *controlPlane, cfg adsclient.Config) *adsclient.Stream {
+	t.Helper()
+	if cfg.Node == nil {
+		cfg.Node = &core.Node{Id: nodeID}
+	}
+	s, err := adsclient.Open(ctx, dial(t, cp.addr), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	return s
+}
+
+// subscribeClusters subscribes s to every cluster.
+func subscribeClusters(t *testing.T, s *adsclient.Stream) {
+	t.Helper()
+	if err := s.Subscribe(resource.ClusterType, true, nil); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// protocol names a subtest by its protocol.
+func protocol(delta bool) string {
+	if delta {
+		return "delta"
+	}
+	return "sotw"
+}
+
 // next returns the stream's next response, failing on its end.
 func next(t *testing.T, ctx context.Context, s *adsclient.Stream) adsclient.Response {
 	t.Helper()
@@ -197,14 +228,8 @@ func TestSotW(t *testing.T) {
 	defer cancel()
 	cp := startControlPlane(t, "127.0.0.1:0")
 	cp.set(t, "v1", "a", "b")
-	s, err := adsclient.Open(ctx, dial(t, cp.addr), adsclient.Config{Node: &core.Node{Id: nodeID}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	if err := s.Subscribe(resource.ClusterType, true, nil); err != nil {
-		t.Fatal(err)
-	}
+	s := open(t, ctx, cp, adsclient.Config{})
+	subscribeClusters(t, s)
 	r1 := next(t, ctx, s)
 	if got := names(t, r1); !slices.Equal(got, []string{"a", "b"}) || r1.(*wire.SotWIn).VersionInfo != "v1" {
 		t.Fatalf("first response: %v at %q, want [a b] at v1", got, r1.(*wire.SotWIn).VersionInfo)
@@ -240,14 +265,8 @@ func TestDelta(t *testing.T) {
 	defer cancel()
 	cp := startControlPlane(t, "127.0.0.1:0")
 	cp.set(t, "v1", "a", "b")
-	s, err := adsclient.Open(ctx, dial(t, cp.addr), adsclient.Config{Delta: true, Node: &core.Node{Id: nodeID}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	if err := s.Subscribe(resource.ClusterType, true, nil); err != nil {
-		t.Fatal(err)
-	}
+	s := open(t, ctx, cp, adsclient.Config{Delta: true})
+	subscribeClusters(t, s)
 	r1 := next(t, ctx, s)
 	if got := names(t, r1); !slices.Equal(got, []string{"a", "b"}) {
 		t.Fatalf("first response: %v, want [a b]", got)
@@ -278,19 +297,13 @@ func TestDelta(t *testing.T) {
 // plane sent them, on both protocols, and are ACKed as the lazy ones are.
 func TestDecoded(t *testing.T) {
 	for _, delta := range []bool{false, true} {
-		t.Run(map[bool]string{false: "sotw", true: "delta"}[delta], func(t *testing.T) {
+		t.Run(protocol(delta), func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			cp := startControlPlane(t, "127.0.0.1:0")
 			cp.set(t, "v1", "a", "b")
-			s, err := adsclient.Open(ctx, dial(t, cp.addr), adsclient.Config{Delta: delta, Decoded: true, Node: &core.Node{Id: nodeID}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer s.Close()
-			if err := s.Subscribe(resource.ClusterType, true, nil); err != nil {
-				t.Fatal(err)
-			}
+			s := open(t, ctx, cp, adsclient.Config{Delta: delta, Decoded: true})
+			subscribeClusters(t, s)
 			r1 := next(t, ctx, s)
 			if got := names(t, r1); !slices.Equal(got, []string{"a", "b"}) {
 				t.Fatalf("first response: %v, want [a b]", got)
@@ -336,16 +349,12 @@ func TestDecoded(t *testing.T) {
 // code (and a relay reads the key's splits in its owner's trailer).
 func TestRefusal(t *testing.T) {
 	for _, delta := range []bool{false, true} {
-		t.Run(map[bool]string{false: "sotw", true: "delta"}[delta], func(t *testing.T) {
+		t.Run(protocol(delta), func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			cp := startControlPlane(t, "127.0.0.1:0")
 			cp.refuse = status.Error(codes.Unauthenticated, "token refused")
-			s, err := adsclient.Open(ctx, dial(t, cp.addr), adsclient.Config{Delta: delta, Node: &core.Node{Id: nodeID}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer s.Close()
+			s := open(t, ctx, cp, adsclient.Config{Delta: delta})
 			if tr := s.Trailer(); tr != nil {
 				t.Fatalf("Trailer = %v before the stream ended, want nil", tr)
 			}
@@ -375,19 +384,13 @@ func TestRefusal(t *testing.T) {
 // the version last ACKed, so the control plane keeps the client on it.
 func TestNACK(t *testing.T) {
 	for _, delta := range []bool{false, true} {
-		t.Run(map[bool]string{false: "sotw", true: "delta"}[delta], func(t *testing.T) {
+		t.Run(protocol(delta), func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			cp := startControlPlane(t, "127.0.0.1:0")
 			cp.set(t, "v1", "a")
-			s, err := adsclient.Open(ctx, dial(t, cp.addr), adsclient.Config{Delta: delta, Node: &core.Node{Id: nodeID}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer s.Close()
-			if err := s.Subscribe(resource.ClusterType, true, nil); err != nil {
-				t.Fatal(err)
-			}
+			s := open(t, ctx, cp, adsclient.Config{Delta: delta})
+			subscribeClusters(t, s)
 			r1 := next(t, ctx, s)
 			if err := s.ACK(r1); err != nil {
 				t.Fatal(err)
@@ -421,7 +424,7 @@ func TestNACK(t *testing.T) {
 // its first request, the whole state in its first response.
 func TestReconnect(t *testing.T) {
 	for _, delta := range []bool{false, true} {
-		t.Run(map[bool]string{false: "sotw", true: "delta"}[delta], func(t *testing.T) {
+		t.Run(protocol(delta), func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			cp := startControlPlane(t, "127.0.0.1:0")
@@ -433,9 +436,7 @@ func TestReconnect(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer s.Close()
-			if err := s.Subscribe(resource.ClusterType, true, nil); err != nil {
-				t.Fatal(err)
-			}
+			subscribeClusters(t, s)
 			r := next(t, ctx, s)
 			r.Release()
 			cp.stop()

@@ -182,3 +182,15 @@ func setDigest(s NameSet) uint64 {
 	}
 	return h.Sum64()
 }
+
+// SotWResourceNames is a SotW request's resource_names for a subscription
+// to names, and to every resource if wildcard: a wildcard with no names is
+// the legacy empty list, the form every server understands, but only while
+// the stream never named a resource of the type (named); after, the list
+// must say "*".
+func SotWResourceNames(wildcard bool, names []string, named bool) []string {
+	if wildcard && (len(names) > 0 || named) {
+		return append([]string{WildcardName}, names...)
+	}
+	return names
+}
