@@ -579,8 +579,10 @@ func (r *ctripRun) sync(ctx context.Context) error {
 	progress()
 	rep.InitialSyncS, rep.Synced = synced.Sub(r.t0).Seconds(), true
 	r.phase("synced", synced)
-	st := r.up.Stats()
-	rep.UpstreamStreams.AfterSync, rep.UpstreamBytesSync = st.OpenStreams, st.BytesSent
+	rep.UpstreamBytesSync = r.up.Stats().BytesSent
+	// A divergence check's stream may still be open when the last Envoy
+	// synced: count the streams that stay.
+	rep.UpstreamStreams.AfterSync = settledStreams(ctx, r.up)
 	r.procs.mark(phaseSync)
 	fig, err := fp.Figures(ctx)
 	if err != nil {
