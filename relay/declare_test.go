@@ -258,6 +258,78 @@ func TestReturningClusterGetsItsEndpointsBeforeItsRoute(t *testing.T) {
 	}
 }
 
+// A Delta client's request for a cluster's endpoints that crossed the
+// cluster's removal is stale: Envoy dropped the subscription with the
+// cluster, ignores the assignment the relay sends for it, and asks again
+// only once the cluster is back. When the cluster returns, the relay must
+// not take that assignment for held: it sends the endpoints again, after
+// the cluster, and the route that uses the cluster after them (loadtest
+// chaos, 5 relays and 200 Envoys, seed 1 of 2026-12-06: a relay starved
+// of CPU read its Envoys' requests late, and eight Envoys got a route to
+// a warming cluster).
+func TestEndpointsThatCrossedTheirClustersRemovalAreNotHeld(t *testing.T) {
+	up := newTestUpstream(t, "ns0")
+	seed(up, "ns0", 2) // r80 uses c0, c1
+	r := startRelay(t, up, nil)
+	c := newRawClient(t, dial(t, r.Addr().String()), true, node("ns0", "app", 0))
+	for _, sub := range []struct {
+		typeURL string
+		names   []string
+	}{{xds.TypeCluster, nil}, {xds.TypeEndpoint, []string{"c0", "c1"}}, {xds.TypeListener, nil}, {xds.TypeRoute, []string{"r80"}}} {
+		c.subscribe(sub.typeURL, sub.names...)
+		c.ack(c.recvDelta(sub.typeURL))
+	}
+
+	// c2 comes; the client asks for its endpoints, but the relay reads
+	// the request only after it sent c2's removal.
+	up.set("ns0", xds.TypeEndpoint, mkCLA("c2", 8080))
+	up.set("ns0", xds.TypeCluster, mkCluster("c2"))
+	for m := c.recv(); ; m = c.recv() {
+		c.ack(m)
+		if typeOf(m) == xds.TypeCluster && slices.Contains(names(m), "c2") {
+			break
+		}
+	}
+	up.del("ns0", xds.TypeCluster, "c2")
+	for m := c.recv(); ; m = c.recv() {
+		c.ack(m)
+		if typeOf(m) == xds.TypeCluster && slices.Contains(removedOf(m), "c2") {
+			break
+		}
+	}
+	// The request Envoy sent before it read the removal: the assignment
+	// that answers it arrives with no cluster to take it, and is ignored.
+	c.subscribe(xds.TypeEndpoint, "c2")
+	for m := c.recv(); ; m = c.recv() {
+		c.ack(m)
+		if typeOf(m) == xds.TypeEndpoint && slices.Contains(names(m), "c2") {
+			break
+		}
+	}
+
+	// c2 comes back, and a route to it. The client's unsubscription (sent
+	// when it read the removal) and its new request for c2's endpoints are
+	// not read yet: the relay must send the endpoints before the route.
+	up.set("ns0", xds.TypeCluster, mkCluster("c2"))
+	up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1", "c2"))
+	clusterBack, endpoints := false, false
+	for {
+		m := c.recv()
+		c.ack(m)
+		switch typeOf(m) {
+		case xds.TypeCluster:
+			clusterBack = clusterBack || slices.Contains(names(m), "c2")
+		case xds.TypeEndpoint:
+			endpoints = endpoints || clusterBack && slices.Contains(names(m), "c2")
+		case xds.TypeRoute:
+			if !clusterBack || !endpoints {
+				t.Fatalf("the route that uses c2 came with c2 back %v, its endpoints sent after it %v: c2 is warming at the client", clusterBack, endpoints)
+			}
+			return
+		}
+	}
+}
+
 // A removed cluster takes its endpoints' subscription with it also when
 // what the client holds is known by hash alone (a SotW claim the tier
 // knew, a declaration): the relay used to skip the drop for such a client,
