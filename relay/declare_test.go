@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"slices"
 	"testing"
@@ -327,6 +328,115 @@ func TestEndpointsThatCrossedTheirClustersRemovalAreNotHeld(t *testing.T) {
 			}
 			return
 		}
+	}
+}
+
+// A route held back for a cluster the client cannot use yet goes out,
+// naming a cluster the key's view lacks, only on the source's word that it
+// routes there: the route must have come no earlier than the clusters that
+// lack it. A source sends a change's clusters before its routes, so on
+// one stream the clusters of a change may be in the view while its routes
+// are not yet: the relay sent the old route, naming the cluster the change
+// removed, to Envoys that did not hold it (loadtest chaos, 5 relays and
+// 200 Envoys, seed 1 of 2026-12-06: three Envoys of a relay fed by a
+// starved owner, right after it thawed).
+func TestHeldRouteWaitsForTheRouteOfTheClustersChange(t *testing.T) {
+	up := newTestUpstream(t, "ns0")
+	seed(up, "ns0", 2) // r80 uses c0, c1
+	r := startRelay(t, up, func(c *Config) { c.XDS.ResourceWaitTimeout = time.Hour })
+	c := newRawClient(t, dial(t, r.Addr().String()), true, node("ns0", "app", 0))
+	clusters, endpoints := map[string]bool{}, map[string]bool{}
+	// take applies a response as Envoy does, and fails on a route that
+	// names a cluster the client does not hold warm.
+	take := func(m proto.Message) {
+		t.Helper()
+		d := m.(*discovery.DeltaDiscoveryResponse)
+		held := map[string]map[string]bool{xds.TypeCluster: clusters, xds.TypeEndpoint: endpoints}[d.GetTypeUrl()]
+		for _, res := range d.GetResources() {
+			if held != nil {
+				held[res.GetName()] = true
+			}
+			if d.GetTypeUrl() != xds.TypeRoute {
+				continue
+			}
+			body, err := r.store.Decode(xds.TypeRoute, res.GetResource(), "")
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, cl := range routeClusters(t, body) {
+				if !clusters[cl] || !endpoints[cl] {
+					t.Fatalf("route %s names %s, which the client holds %v, its endpoints %v", res.GetName(), cl, clusters[cl], endpoints[cl])
+				}
+			}
+		}
+		for _, n := range d.GetRemovedResources() {
+			delete(held, n)
+		}
+		c.ack(m)
+	}
+	barrier := 0
+	untilBarrier := func() {
+		t.Helper()
+		barrier++
+		name := fmt.Sprint("barrier-", barrier)
+		c.subscribe(xds.TypeRuntime, name)
+		for m := c.recv(); typeOf(m) != xds.TypeRuntime || !slices.Contains(names(m), name); m = c.recv() {
+			take(m)
+		}
+	}
+	for _, sub := range []struct {
+		typeURL string
+		names   []string
+	}{{xds.TypeCluster, nil}, {xds.TypeEndpoint, []string{"c0", "c1"}}, {xds.TypeListener, nil}, {xds.TypeRoute, []string{"r80"}}} {
+		c.subscribe(sub.typeURL, sub.names...)
+		take(c.recvDelta(sub.typeURL))
+	}
+	k := r.heldKeys()[0]
+	viewHas := func(typeURL, name string, cond func(*xds.Resource) bool) func() bool {
+		return func() bool {
+			ts := k.views.Load().Types[typeURL]
+			if ts == nil {
+				return false
+			}
+			e, ok := ts.View.Get(name)
+			return cond(map[bool]*xds.Resource{true: e.Value}[ok])
+		}
+	}
+	routeNames := func(c string) func(*xds.Resource) bool {
+		return func(res *xds.Resource) bool { return res != nil && slices.Contains(routeClusters(t, res), c) }
+	}
+
+	// c2 comes, with no endpoints yet (asked of the source, pending), and
+	// a route to it: the route is held.
+	up.set("ns0", xds.TypeCluster, mkCluster("c2"))
+	waitFor(t, "c2 in the view", viewHas(xds.TypeCluster, "c2", func(res *xds.Resource) bool { return res != nil }))
+	untilBarrier()
+	c.subscribe(xds.TypeEndpoint, "c2") // as Envoy asks for a new cluster's
+	up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1", "c2"))
+	waitFor(t, "the route to c2 in the view", viewHas(xds.TypeRoute, "r80", routeNames("c2")))
+	untilBarrier()
+
+	// A new upstream stream, opened after the hold began, answers every
+	// type; then the source removes c2, and its route's change is still
+	// on its way.
+	first := k.views.Load().Types[xds.TypeRoute].Order
+	up.stop()
+	up.restart()
+	waitFor(t, "the route on a new stream", func() bool {
+		return k.views.Load().Types[xds.TypeRoute].Order.Session > first.Session
+	})
+	up.del("ns0", xds.TypeCluster, "c2")
+	waitFor(t, "c2 gone from the view", viewHas(xds.TypeCluster, "c2", func(res *xds.Resource) bool { return res == nil }))
+	untilBarrier()
+
+	// The route's change comes: nothing the client holds names c2.
+	up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1"))
+	waitFor(t, "the route without c2 in the view", viewHas(xds.TypeRoute, "r80", func(res *xds.Resource) bool {
+		return res != nil && !slices.Contains(routeClusters(t, res), "c2")
+	}))
+	untilBarrier()
+	if clusters["c2"] {
+		t.Errorf("the client still holds c2, which no route uses and the source removed")
 	}
 }
 
