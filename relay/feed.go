@@ -336,14 +336,13 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 		return false, ctx.Err()
 	}
 	defer release()
-	// The slot goes back at the first of: every type answered; a pause of
-	// confirmAfter in the answers once some came (the first answers come
-	// as a burst); confirmAfter of silence from a source that may rightly
-	// say nothing (mayBeSilent); syncSlotHold.
-	slotHeld := time.NewTimer(syncSlotHold)
-	defer slotHeld.Stop()
-	slotQuiet := time.NewTimer(confirmAfter)
-	defer slotQuiet.Stop()
+	// When the slot goes back, and when silence confirms the views
+	// (firstAnswers). A Delta upstream is made to answer every type
+	// (deltaSubscribe declares one resource at a version no server has); a
+	// SotW upstream may stay silent when nothing changed, and so may an
+	// owner whose view is older than what this relay holds.
+	first := newFirstAnswers(time.Now(), src.kind == sourcePeer || !u.delta)
+	defer first.stop()
 	up, err := u.open(sctx, node, presenter, src)
 	if err != nil {
 		return false, err
@@ -401,14 +400,10 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 	u.renewing = false // the first requests asked for answers
 	// The views are confirmed (the key is fresh, for the admin API, the
 	// metrics and persistence) once the stream answered every type it was
-	// asked. A Delta upstream is made to answer every type (deltaSubscribe
-	// declares one resource at a version no server has); a SotW upstream
-	// may stay silent when nothing changed, and so may an owner whose view
-	// is older than what this relay holds: their silence confirms after
-	// confirmAfter. Confirmation orders nothing: every view carries its
-	// Order, and clients are served by it (stream.sync).
+	// asked, or by silence (firstAnswers). Confirmation orders nothing:
+	// every view carries its Order, and clients are served by it
+	// (stream.sync).
 	answered := make(map[string]bool)
-	confirmed := false
 	var renewAt <-chan time.Time // a renewal put off (renewAfter)
 	renew := func() bool {
 		wait, now := u.renewal(src)
@@ -420,12 +415,6 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 	refresh := u.refreshTimer(presenter)
 	if refresh != nil {
 		defer refresh.Stop()
-	}
-	var confirm <-chan time.Time
-	if src.kind == sourcePeer || !u.delta {
-		confirmTimer := time.NewTimer(confirmAfter)
-		defer confirmTimer.Stop()
-		confirm = confirmTimer.C
 	}
 	if renew() { // a demand this stream cannot cover either
 		return false, errRenew
@@ -440,31 +429,25 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 			}
 			got = true
 			u.demandSent = max(u.demandSent, u.demandCarried)
-			slotQuiet.Reset(confirmAfter)
 			if err := u.handle(m); err != nil {
 				return got, err
 			}
 			answered[m.GetTypeUrl()] = true
-			if !confirmed && u.allAnswered(answered) {
-				confirmed, confirm = true, nil
+			if back, _ := first.answered(time.Now(), u.allAnswered(answered)); back {
 				release()
 			}
-			if confirmed {
+			if first.confirmed {
 				u.setStale(u.ownerStale) // an owner's views may go stale and back
 			}
-		case <-confirm:
-			confirm = nil
-			if !confirmed {
+		case <-first.C():
+			back, bySilence := first.fired(time.Now(), u.mayBeSilent(src))
+			if back {
+				release()
+			}
+			if bySilence {
 				u.r.metrics.silentConfirms.Inc()
 				u.setStale(u.ownerStale)
-				confirmed = true
 			}
-		case <-slotQuiet.C:
-			if got || u.mayBeSilent(src) {
-				release() // the burst is over, or none is owed
-			}
-		case <-slotHeld.C:
-			release() // a source slow to answer does not hold up the others' keys
 		case err := <-up.Err():
 			if src.kind == sourcePeer {
 				return got, ownerEnded(err)

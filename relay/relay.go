@@ -56,7 +56,9 @@
 //     members: the streams joined to it, which it knows only as its member
 //     interface), versions.go (whether a view covers what a client
 //     holds), feed.go (the one stream to the key's source, istiod or the
-//     owner relay, over relay/adsclient), feedrequests.go (what it asks),
+//     owner relay, over relay/adsclient), firstanswers.go (when its first
+//     answers give the sync slot back and confirm the views),
+//     feedrequests.go (what it asks),
 //     feedanswers.go (what it does with the answers), forward.go
 //     (credentials presented upstream), persist.go (saving views, and the
 //     restore a warm start installs keys with), divergence.go (whether a

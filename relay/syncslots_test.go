@@ -11,39 +11,39 @@ import (
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
-// firstAnswers is an upstream's stream interceptor that holds back each
+// slowFirstAnswers is an upstream's stream interceptor that holds back each
 // stream's first response for a while and counts the streams open and not
 // answered yet, and the most there were at once.
-type firstAnswers struct {
+type slowFirstAnswers struct {
 	delay time.Duration
 	mu    sync.Mutex
 	now   int
 	most  int
 }
 
-func (f *firstAnswers) intercept(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+func (f *slowFirstAnswers) intercept(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 	f.mu.Lock()
 	f.now++
 	f.most = max(f.most, f.now)
 	f.mu.Unlock()
-	w := &firstAnswerStream{ServerStream: ss, f: f}
+	w := &slowFirstAnswerStream{ServerStream: ss, f: f}
 	defer w.answered()
 	return handler(srv, w)
 }
 
-func (f *firstAnswers) max() int {
+func (f *slowFirstAnswers) max() int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.most
 }
 
-type firstAnswerStream struct {
+type slowFirstAnswerStream struct {
 	grpc.ServerStream
-	f    *firstAnswers
+	f    *slowFirstAnswers
 	once sync.Once
 }
 
-func (s *firstAnswerStream) answered() {
+func (s *slowFirstAnswerStream) answered() {
 	s.once.Do(func() {
 		s.f.mu.Lock()
 		s.f.now--
@@ -51,7 +51,7 @@ func (s *firstAnswerStream) answered() {
 	})
 }
 
-func (s *firstAnswerStream) SendMsg(m any) error {
+func (s *slowFirstAnswerStream) SendMsg(m any) error {
 	s.once.Do(func() {
 		time.Sleep(s.f.delay) // the upstream computing a key's whole config
 		s.f.mu.Lock()
@@ -79,7 +79,7 @@ func TestUpstreamSyncsBoundFirstAnswers(t *testing.T) {
 	} {
 		keys := tc.keys
 		t.Run(fmt.Sprint(tc.upstream, "/Upstream.Syncs=", tc.syncs), func(t *testing.T) {
-			fa := &firstAnswers{delay: tc.delay}
+			fa := &slowFirstAnswers{delay: tc.delay}
 			up := newTestUpstreamWith(t, []grpc.ServerOption{grpc.ChainStreamInterceptor(fa.intercept)}, "ns1")
 			seed(up, "ns1", 3)
 			r := startRelay(t, up, func(c *Config) { c.Upstream.Syncs, c.Upstream.Protocol = tc.syncs, tc.upstream })
