@@ -5,13 +5,17 @@ import (
 	"crypto/sha256"
 	"crypto/tls"
 	"encoding/json"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/meshrelay/meshrelay/loadtest/cluster"
+	"github.com/meshrelay/meshrelay/shard"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -122,6 +126,51 @@ func TestXDSClientOverTLSThroughTier(t *testing.T) {
 	}
 	if refused := guard.Refused(); len(refused) > 0 {
 		t.Fatalf("the upstream refused streams: %v", refused)
+	}
+}
+
+// An authenticating tier whose gossip has no key is refused: fake members
+// joined such a ring and served Envoys a cluster of their own (issue 31,
+// finding 2). For development it starts, and every relay says so on
+// /healthz.
+func TestSecureTierNeedsAGossipKey(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	m := newTestMesh(t, ctx)
+	ucfg := upstream.DefaultConfig()
+	ucfg.Listen = "127.0.0.1:0"
+	ucfg.Scenario = upstream.Scenario{Services: 4, Endpoints: 4, Namespaces: 1}
+	up := startTestUpstream(t, ctx, ucfg)
+	tierOf := func(dev bool) cluster.TierConfig {
+		return cluster.TierConfig{
+			Relays: 2, Upstream: up.Addr(), Secure: m.security(false),
+			Relay: func(c *relay.Config) { c.Admin.Listen = "127.0.0.1:0" },
+			Node: func(nc *shard.NodeConfig) {
+				nc.Ring.SecretKey, nc.Relay.Tier.InsecureForDevelopment = nil, dev
+			},
+		}
+	}
+	if tier, err := cluster.StartTier(ctx, tierOf(false)); err == nil || !strings.Contains(err.Error(), "Ring.SecretKey") {
+		if tier != nil {
+			tier.Stop(context.Background())
+		}
+		t.Fatalf("StartTier without a gossip key: %v, want a refusal that names Ring.SecretKey", err)
+	}
+	tier, err := cluster.StartConvergedTier(ctx, tierOf(true), 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tier.Stop(context.Background())
+	for _, r := range tier.Running() {
+		resp, err := http.Get("http://" + r.Node.Relay().AdminAddr().String() + "/healthz")
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if want := "WARNING: INSECURE: gossip neither encrypted nor authenticated"; !strings.Contains(string(body), want) {
+			t.Errorf("%s: /healthz says:\n%s\nwant %q", r.ID, body, want)
+		}
 	}
 }
 

@@ -39,7 +39,7 @@ var layerOfFile = map[string]int{
 
 	"tier.go": 2, "claims.go": 2, "ledger.go": 2, "inspect.go": 2, "debugxds.go": 2,
 
-	"relay.go": 3, "config.go": 3, "metrics.go": 3, "ports.go": 3,
+	"relay.go": 3, "config.go": 3, "metrics.go": 3, "ports.go": 3, "insecure.go": 3,
 }
 
 // maxArrowsUp is the ratchet of TestCoreArrows: lower it as the layers

@@ -375,6 +375,14 @@ type TierConfig struct {
 	// DialOptions are added to relay-to-relay connections' options
 	// (credentials, a test dialer). Default: plaintext.
 	DialOptions []grpc.DialOption
+	// InsecureForDevelopment lets a relay whose xDS port authenticates
+	// (XDS.Authenticator) join a tier without mTLS between relays (TLS)
+	// or, in shard.Node, without a gossip key: a client that reaches the
+	// port relays dial and claims to be one, or a member that joins the
+	// gossip, would be served every key's config, secrets included. New
+	// refuses such a relay without it; with it, the relay says so every
+	// minute in its log and on /healthz. Development only. Default false.
+	InsecureForDevelopment bool
 }
 
 // DefaultTierConfig returns a relay alone, with the tier's timings.
@@ -476,6 +484,12 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.Tier.TLS != nil && cfg.Tier.Listen == "" && cfg.Tier.Listener == nil {
 		bad("Tier.TLS", "is set without a peer port (Tier.Listen)")
+	}
+	if cfg.XDS.Authenticator != nil && cfg.Tier.Owners != nil && cfg.Tier.TLS == nil && !cfg.Tier.InsecureForDevelopment {
+		bad("Tier.TLS", "is nil in a tier while the xDS port authenticates: relays would prove themselves to each other "+
+			"by a replayable token on a port without TLS, and whoever claims to be one would be served every key's config, "+
+			"secrets included; set it (--peer-listen with --peer-tls-cert, --peer-tls-key and --peer-tls-ca), or, for "+
+			"development only, Tier.InsecureForDevelopment (--insecure-tier-for-development)")
 	}
 	if cfg.Upstream.ForwardCredentials && cfg.XDS.Authenticator == nil {
 		bad("Upstream.ForwardCredentials", "needs an XDS.Authenticator: the tokens it forwards are those the TLS port verified")

@@ -78,7 +78,8 @@
 //     from every relay), inspect.go (stats, clients, key details, config
 //     dumps), debugxds.go (istiod's debug types);
 //   - the Relay that assembles them: relay.go, config.go (one config per
-//     part), metrics.go, ports.go.
+//     part), metrics.go, ports.go, insecure.go (what leaves it open, said
+//     every minute).
 package relay
 
 import (
@@ -121,11 +122,13 @@ import (
 // Relay is one meshrelay process's xDS relay. Create it with New, then Start;
 // Stop it when done. Its methods are safe for concurrent use.
 type Relay struct {
-	cfg     Config
-	log     *slog.Logger
-	rand    *rand.Rand // Config.Rand, serialised; nil: the global source
-	store   *xds.Store
-	dropped *xds.Dropped
+	cfg Config
+	// insecure lists what leaves the relay open (insecure.go). Under mu.
+	insecure []string
+	log      *slog.Logger
+	rand     *rand.Rand // Config.Rand, serialised; nil: the global source
+	store    *xds.Store
+	dropped  *xds.Dropped
 	// views shares the keys' views of equal content: the keys of a
 	// namespace, each fed by a stream of its own, hold one tree (issue 17).
 	// These three are allocated apart from the Relay: the cleanups they
@@ -386,16 +389,18 @@ func (r *Relay) Start(ctx context.Context) error {
 		r.log.Warn("relay-to-relay traffic not authenticated (no peer certificate, no peer secret): any stream may claim to be a relay")
 	}
 	if lis != nil {
-		msg := "PLAINTEXT xDS port open: it authenticates no one and serves every namespace's config to whoever reaches it (istiod's 15010); sidecars of a default Istio mesh want the TLS port"
+		msg := plaintextOpen
 		if tlsLis != nil {
 			msg = "PLAINTEXT xDS port open beside the TLS one: it authenticates no one and serves every namespace's config to whoever reaches it"
 		}
-		level := slog.LevelWarn
 		if isLoopback(lis.Addr()) {
-			level, msg = slog.LevelInfo, msg+" (on loopback only: this host's processes)"
+			r.log.Info(msg+" (on loopback only: this host's processes)", "xds_plaintext", lis.Addr().String())
+		} else {
+			r.insecure = append(r.insecure, msg+": "+lis.Addr().String())
 		}
-		r.log.Log(context.Background(), level, msg, "xds_plaintext", lis.Addr().String())
 	}
+	r.noteInsecureLocked()
+	r.goRun(r.warnInsecure)
 	r.logAdminGuard(r.adminLis)
 	return nil
 }
@@ -596,6 +601,9 @@ func (r *Relay) adminMux() *http.ServeMux {
 		}
 		if lis != nil {
 			fmt.Fprintf(w, "xds plaintext: %s: WARNING: PLAINTEXT, serves anyone who reaches it\n", lis.Addr())
+		}
+		for _, what := range r.insecurities() {
+			fmt.Fprintf(w, "WARNING: INSECURE: %s\n", what)
 		}
 		if lag, ok := r.cfg.Keys.Snapshots.(persistenceLag); ok {
 			if n, d := lag.Behind(); n > 0 {

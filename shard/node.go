@@ -118,6 +118,13 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 		reg := prometheus.NewRegistry()
 		cfg.Relay.Registerer, cfg.Relay.Gatherer = reg, reg
 	}
+	gossipOpen := cfg.Ring != nil && len(cfg.Ring.SecretKey) == 0 && cfg.Relay.XDS.Authenticator != nil
+	if gossipOpen && !cfg.Relay.Tier.InsecureForDevelopment {
+		closeListeners()
+		return nil, errors.New("shard: field Ring.SecretKey is empty while the relay's xDS port authenticates: gossip would be " +
+			"neither encrypted nor authenticated, and whoever reaches the gossip port could join the ring, own keys and serve " +
+			"Envoys; set it (--gossip-key-file), or, for development only, Relay.Tier.InsecureForDevelopment (--insecure-tier-for-development)")
+	}
 	n := &Node{log: cfg.Relay.Logger}
 	if n.log == nil {
 		n.log = slog.New(slog.DiscardHandler)
@@ -152,6 +159,10 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 	if err != nil {
 		closeListeners()
 		return nil, err
+	}
+	if gossipOpen {
+		r.WarnInsecure("gossip neither encrypted nor authenticated (no --gossip-key-file) while the xDS port authenticates " +
+			"(--insecure-tier-for-development): whoever reaches the gossip port joins the ring")
 	}
 	n.cfg, n.relay = cfg, r
 	return n, nil

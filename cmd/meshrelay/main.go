@@ -173,6 +173,7 @@ func serve(ctx context.Context, args []string) error {
 	if err := tier.apply(&ring, cfg, peer.advertise); err != nil {
 		return err
 	}
+	cfg.Tier.InsecureForDevelopment = tier.insecureDev
 	store, closeEtcd, err := etcd.open(ctx, cfg.ID, ring.Cluster, cfg.Logger, cfg.Registerer)
 	if err != nil {
 		return err

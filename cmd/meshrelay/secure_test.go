@@ -4,8 +4,12 @@ import (
 	"context"
 	"crypto/sha256"
 	"crypto/tls"
+	"encoding/base64"
 	"io"
 	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -156,4 +160,50 @@ func get(t *testing.T, hc *http.Client, url string) string {
 		t.Fatal(err)
 	}
 	return string(b)
+}
+
+// meshrelay serve refuses a tier that would leave an authenticating relay
+// open (issue 31, findings 1 and 2): relay-to-relay traffic without mTLS,
+// or gossip without a key, each named with the flag that fixes it and the
+// development flag that allows it; the development flag alone, outside a
+// tier, is refused too.
+func TestServeRefusesAnOpenTier(t *testing.T) {
+	mesh, issuer := authtest.NewCA(t, "mesh root"), authtest.NewIssuer(t)
+	root := mesh.WriteRoot(t)
+	cert, key := mesh.Serving(t, "meshrelay.istio-system.svc").Write(t, "")
+	peerCert, peerKey := mesh.Workload(t, "cluster.local", "istio-system", "meshrelay").Write(t, "")
+	gossipKey := filepath.Join(t.TempDir(), "gossip.key")
+	if err := os.WriteFile(gossipKey, []byte(base64.StdEncoding.EncodeToString([]byte("0123456789abcdef0123456789abcdef"))), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	secure := []string{"--upstream", "127.0.0.1:1", "--xds-tls-cert", cert, "--xds-tls-key", key, "--xds-tls-listen", "127.0.0.1:0",
+		"--xds-auth", "jwt", "--jwt-verifier", "local", "--jwt-issuer", issuer.URL, "--jwt-jwks-file", issuer.WriteJWKS(t),
+		"--admin-listen", "", "--log-level", "error"}
+	peerTLS := []string{"--peer-listen", "127.0.0.1:0", "--peer-tls-cert", peerCert, "--peer-tls-key", peerKey, "--peer-tls-ca", root}
+	for _, tc := range []struct {
+		name string
+		args []string
+		want []string
+	}{
+		{"a peer port without mTLS", []string{"--gossip-listen", "127.0.0.1:0", "--gossip-key-file", gossipKey, "--peer-listen", "127.0.0.1:0"},
+			[]string{"Tier.TLS", "--peer-tls-cert", "--insecure-tier-for-development"}},
+		{"gossip without a key", append([]string{"--gossip-listen", "127.0.0.1:0"}, peerTLS...),
+			[]string{"Ring.SecretKey", "--gossip-key-file", "--insecure-tier-for-development"}},
+		{"the development flag outside a tier", []string{"--gossip-listen", "", "--insecure-tier-for-development"},
+			[]string{"needs a tier"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			err := serve(ctx, append(slices.Clone(secure), tc.args...))
+			if err == nil {
+				t.Fatal("serve started, want a refusal")
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("serve: %v; want it to name %s", err, w)
+				}
+			}
+		})
+	}
 }

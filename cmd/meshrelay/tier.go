@@ -19,6 +19,7 @@ type tierFlags struct {
 	advertiseAdmin          string
 	join                    string
 	keyFile                 string
+	insecureDev             bool
 }
 
 func (t *tierFlags) register(fs *pflag.FlagSet, ring *shard.Config) {
@@ -27,6 +28,7 @@ func (t *tierFlags) register(fs *pflag.FlagSet, ring *shard.Config) {
 	fs.StringVar(&t.advertiseXDS, "advertise-xds", "", "host:port other relays dial for this relay's ADS (default: $POD_IP with the --xds-listen port)")
 	fs.StringVar(&t.join, "join", "", "comma-separated relays to join: host[:port] or a DNS name with an address per relay (the headless Service)")
 	fs.StringVar(&t.keyFile, "gossip-key-file", "", "file holding the tier's gossip key, base64 (openssl rand -base64 32); encrypts gossip and authenticates relay-to-relay streams")
+	fs.BoolVar(&t.insecureDev, "insecure-tier-for-development", false, "DEVELOPMENT ONLY: let a relay whose xDS port authenticates join a tier without relay-to-relay mTLS (--peer-tls-cert) or without --gossip-key-file, where whoever reaches those ports is served every key's config; said every minute in the log and on /healthz")
 	fs.StringVar(&ring.Cluster, "cluster", ring.Cluster, "tier name: gossip of another name is dropped, so two tiers never merge")
 	fs.DurationVar(&ring.RejoinInterval, "rejoin-interval", ring.RejoinInterval, "how often --join is resolved again and absent relays joined (heals partitions)")
 	fs.IntVar(&ring.Partitions, "ring-partitions", ring.Partitions, "partitions of the consistent-hash ring")
@@ -41,6 +43,9 @@ func (t *tierFlags) enabled() bool { return t.gossip != "" }
 // is --advertise-peer.
 func (t *tierFlags) apply(ring *shard.Config, cfg relay.Config, advertisePeer string) error {
 	if !t.enabled() {
+		if t.insecureDev {
+			return errors.New("--insecure-tier-for-development needs a tier (--gossip-listen)")
+		}
 		return nil
 	}
 	var err error

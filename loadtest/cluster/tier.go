@@ -269,6 +269,9 @@ func (t *Tier) Start(ctx context.Context, i int) error {
 	sc.RejoinInterval = time.Second
 	sc.MetaInterval = 200 * time.Millisecond
 	sc.Logger = t.cfg.Logger
+	if t.cfg.Secure != nil {
+		sc.SecretKey = []byte("tier test gossip") // an authenticating tier's gossip has a key (shard.NewNode)
+	}
 	var store *snapshot.Store
 	if len(t.cfg.Etcd) > 0 {
 		stc := snapshot.DefaultConfig()

@@ -2,6 +2,8 @@ package realistio
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -247,6 +249,13 @@ func startTier(t *testing.T, ctx context.Context, m *mesh, pn *podNet, bin strin
 	tlsCrt, tlsKey := write("tls.crt", serving.CertPEM), write("tls.key", serving.KeyPEM)
 	peer := m.istiod.Root.Workload(t, "cluster.local", SystemNamespace, "meshrelay")
 	peerCrt, peerKey := write("peer.crt", peer.CertPEM), write("peer.key", peer.KeyPEM)
+	// The tier's gossip key (openssl rand -base64 32): an authenticating
+	// relay refuses gossip without one.
+	gossipKey := make([]byte, 32)
+	if _, err := rand.Read(gossipKey); err != nil {
+		t.Fatal(err)
+	}
+	gossipKeyFile := write("gossip.key", []byte(base64.StdEncoding.EncodeToString(gossipKey)))
 	_, istiodPort, _ := net.SplitHostPort(m.istiod.TLSAddr)
 	var relays []*tierRelay
 	var joins []string
@@ -262,7 +271,7 @@ func startTier(t *testing.T, ctx context.Context, m *mesh, pn *podNet, bin strin
 			"--jwt-verifier", "tokenreview", "--kubeconfig", m.kube.Kubeconfig,
 			"--peer-listen", r.ip+":15011", "--peer-tls-cert", peerCrt, "--peer-tls-key", peerKey, "--peer-tls-ca", root,
 			"--peer-identity", "spiffe://cluster.local/ns/"+SystemNamespace+"/sa/meshrelay", "--advertise-peer", r.ip+":15011",
-			"--gossip-listen", r.ip+":7946", "--join", strings.Join(joins, ","),
+			"--gossip-listen", r.ip+":7946", "--gossip-key-file", gossipKeyFile, "--join", strings.Join(joins, ","),
 			"--admin-listen", r.ip+":15014", "--advertise-admin", r.ip+":15014", "--log-level", "warn")
 		r.cmd.Stdout = processLog(t, m.dir, r.id)
 		r.cmd.Stderr = r.cmd.Stdout
