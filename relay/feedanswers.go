@@ -206,6 +206,7 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 		ts := next.TypeOf(typeURL)
 		old := ts.View
 		b := old.Edit()
+		var removed []string // names the view no longer holds
 		if replace {
 			keep := make(map[string]struct{}, len(upd))
 			for _, r := range upd {
@@ -215,6 +216,7 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 				if _, ok := keep[e.Name]; !ok {
 					b.Delete(e.Name)
 					gone = append(gone, e.Value)
+					removed = append(removed, e.Name)
 				}
 			}
 		}
@@ -229,10 +231,14 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 		for _, n := range del {
 			if cur, ok := b.Get(n); ok {
 				gone = append(gone, cur.Value)
+				removed = append(removed, n)
 			}
 			b.Delete(n)
 		}
 		ts.View = u.r.views.Intern(b.Tree())
+		if typeURL == xds.TypeCluster {
+			ts.Gone = u.clustersGone(next, ts.Gone, removed, upd)
+		}
 		if fromSource {
 			if order.Mixed && old.Len() > 0 {
 				order = ts.Order.Mix(order)
@@ -321,6 +327,41 @@ func withPending(pending map[string]time.Time, names []string, at time.Time) map
 	}
 	if out == nil {
 		return pending
+	}
+	return out
+}
+
+// clustersGone returns the clusters' Gone (views.Type) after an answer
+// that removed the clusters removed and brought upd: the removed ones that
+// a route or listener of next still names left now; one back in the view,
+// or that nothing names any more, is forgotten (a new map if it changes).
+func (u *feed) clustersGone(next *views.Set, gone map[string]ledger.Stamp, removed []string, upd []*xds.Resource) map[string]ledger.Stamp {
+	if len(gone) == 0 && len(removed) == 0 {
+		return gone
+	}
+	named := make(map[string]struct{})
+	for _, typeURL := range []string{xds.TypeRoute, xds.TypeListener} {
+		if ts := next.Types[typeURL]; ts != nil {
+			maps.Copy(named, u.r.refIndex.Names(ts.View, xds.RefClusters))
+		}
+	}
+	out := make(map[string]ledger.Stamp, len(gone)+len(removed))
+	for n, at := range gone {
+		if _, ok := named[n]; ok {
+			out[n] = at
+		}
+	}
+	for _, r := range upd {
+		delete(out, r.Name)
+	}
+	now := u.r.clock.Now()
+	for _, n := range removed {
+		if _, ok := named[n]; ok {
+			out[n] = now
+		}
+	}
+	if len(out) == 0 {
+		return nil
 	}
 	return out
 }

@@ -199,6 +199,7 @@ func (s *stream) deferDangling(p *plan) {
 	kept := p.upd[:0]
 	for _, r := range p.upd {
 		missing, coming := false, false
+		var left ledger.Stamp // the latest a missing cluster left the key's view (views.Type.Gone)
 		for _, c := range r.Refs(xds.RefClusters) {
 			if s.clusterUsable(cds, c) {
 				continue
@@ -209,6 +210,7 @@ func (s *stream) deferDangling(p *plan) {
 					coming = true
 					break
 				}
+				left = max(left, keyCDS.Gone[c])
 			}
 		}
 		if !missing && len(s.dangling) == 0 {
@@ -225,7 +227,7 @@ func (s *stream) deferDangling(p *plan) {
 				h = &hold{since: now, at: s.r.clock.Now()}
 				s.dangling[key] = h
 			}
-			if coming || !absentProven(keyCDS, p.ts, h.at) {
+			if coming || !absentProven(keyCDS, p.ts, max(h.at, left)) {
 				if now.Sub(h.since) < wait {
 					s.wakeAt(h.since.Add(wait))
 					continue
@@ -238,7 +240,7 @@ func (s *stream) deferDangling(p *plan) {
 						"cluster_in_view", coming)
 				}
 				if !coming {
-					s.key.demand(h.at, false)
+					s.key.demand(max(h.at, left), false)
 					if keyCDS != nil && h.at.Before(keyCDS.Order.Session) && !h.askedAgain {
 						// The clusters are the source's word, the resource
 						// older than them: a stream opened after they came
@@ -260,8 +262,10 @@ func (s *stream) deferDangling(p *plan) {
 }
 
 // absentProven reports whether the key's clusters, cds, are the source's
-// word on what it serves as of after at, and the resource that names them,
-// of view ts, its word as of then too: the clusters came on an upstream
+// word on what it serves as of after at (the later of the hold's start
+// and the time a missing cluster left the view while routes still named
+// it: views.Type.Gone), and the resource that names them, of view ts, its
+// word as of then too: the clusters came on an upstream
 // stream opened later (its first answer is the source's state then; a
 // view made of parts has the earliest of their streams), not only later on
 // a stream that may still carry what the source had sent before; and the

@@ -48,6 +48,13 @@ type Type struct {
 	// arrived, with the time they were first requested. A stream never
 	// tells a client that a pending name does not exist.
 	Pending map[string]time.Time
+	// Gone holds, in the clusters' view, the clusters that left it while a
+	// route or listener of the key's views still named them, with the
+	// relay's clock when they left. Such a route is the source's word
+	// only on a stream opened after that: a source sends a change's
+	// clusters before its routes, so until then it may be the route the
+	// change replaces (the relay's holds). Nil for other types.
+	Gone map[string]ledger.Stamp
 }
 
 // IsPending reports whether name was asked of the source less than wait
