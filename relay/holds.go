@@ -483,9 +483,14 @@ func (s *stream) heldVersion(sub *typeSub) (ledger.Tree[*xds.Resource], bool) {
 // client lacks may be one its newer version removed, and a SotW client said
 // only a root), and neither does a view restored from a snapshot (of
 // unknown age, as old as the snapshot: the client may have held the name,
-// newer, before).
+// newer, before). Nor does another relay: the name is new to it, not to
+// its Envoys, which may hold it newer from elsewhere; it would serve them
+// this view's older content as its own (loadtest chaos, 5 relays and 200
+// Envoys, seed 8 of 2026-12-06: a new owner whose view lagged behind gave
+// the relays that moved to it the endpoints their SotW Envoys had asked
+// for, older than those the Envoys held, which they were sent).
 func (s *stream) lacking(sub *typeSub, ts *views.Type) []*xds.Resource {
-	if !s.delta || sub.wildcard || ts.Order.IsZero() {
+	if !s.delta || sub.wildcard || ts.Order.IsZero() || s.peerRelay != nil {
 		return nil
 	}
 	view := ts.View

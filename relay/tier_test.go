@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -408,6 +409,59 @@ func TestNewerDeclaredContentKeptWhileUpstreamDown(t *testing.T) {
 		c.ack(m)
 		gotC0 = gotC0 || (typeOf(m) == xds.TypeEndpoint && slices.Contains(names(m), "c0"))
 		goneRemoved = goneRemoved || slices.Contains(removedOf(m), "gone")
+	}
+}
+
+// TestPeerGetsNoLackingNameFromAnOlderView: the same, when the client is
+// another relay. A name it asks for and holds nothing of is new to it, not
+// to its Envoys, which may hold it newer from elsewhere: it gets nothing of
+// the type until the view covers what it declared, then what differs
+// (loadtest chaos, 5 relays and 200 Envoys, seed 8 of 2026-12-06: a new
+// owner whose view lagged gave the relays that moved to it older
+// endpoints than their SotW Envoys held, which they were sent).
+func TestPeerGetsNoLackingNameFromAnOlderView(t *testing.T) {
+	e := newEnv(t, true, nil)
+	w := e.client(5) // makes the key ready
+	syncAllExpect(w, "c0", "c1", "c2")
+	w.subscribe(xds.TypeEndpoint, "c0", "c1", "c2")
+	w.ack(w.recvDelta(xds.TypeEndpoint))
+	e.up.stop()
+	waitFor(t, "the key to go stale", func() bool { return e.r.Stats().StaleKeys == 1 })
+
+	ahead, err := xds.NewStore().Decode(xds.TypeEndpoint, mustAny(mkCLA("c0", 9090)), "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	later := e.wall.orderIn(time.Second) // the other relay's view came from a stream opened later
+	key := string(aggkey.Istio{}.Key(node("ns1", "app", 0)))
+	conn, err := grpc.NewClient(e.r.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+			return streamer(metadata.AppendToOutgoingContext(ctx, peers.MDRelay, "relay-x", peers.MDKey, key), desc, cc, method, opts...)
+		}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	c := newRawClient(t, conn, true, node("ns1", "app", 0))
+	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNamesSubscribe: []string{"c0", "c1"},
+		InitialResourceVersions: map[string]string{"c0": wire.Version(ahead.Hash, later)}})
+	select { // nothing of the endpoints: c1 is in a view older than what the relay declared
+	case m := <-c.msgs:
+		t.Fatalf("a relay that declared newer endpoints got %s %v from an older view", xds.ShortType(typeOf(m)), names(m))
+	case <-time.After(500 * time.Millisecond):
+	}
+
+	e.wall.advance(2 * time.Second)
+	e.up.restart()
+	got := map[string]bool{}
+	for !got["c0"] || !got["c1"] {
+		m := c.recv()
+		c.ack(m)
+		if typeOf(m) == xds.TypeEndpoint {
+			for _, n := range names(m) {
+				got[n] = true
+			}
+		}
 	}
 }
 
