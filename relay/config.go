@@ -153,6 +153,22 @@ type XDSConfig struct {
 	// HandshakeTimeout bounds a TLS handshake: a client that never
 	// finishes one is dropped. Default 10s.
 	HandshakeTimeout time.Duration
+	// MaxStreamsPerConnection bounds the streams one client connection
+	// may have open at once on the xDS ports (HTTP/2
+	// SETTINGS_MAX_CONCURRENT_STREAMS): an Envoy opens one, pilot-agent a
+	// few; with it set, grpc-go also ends a connection that resets streams
+	// faster than it may open them (HTTP/2 rapid reset, CVE-2023-44487).
+	// The peer port allows one per key. Default 100.
+	MaxStreamsPerConnection uint32
+	// MaxConnectionAge ends a client connection on the xDS ports after
+	// about this long (±10 %, GOAWAY), as istiod does after 30 minutes:
+	// its client reconnects through the Service, so a scaled-up tier
+	// takes its share and a credential is proven again. Zero: never.
+	// Default 30m.
+	MaxConnectionAge time.Duration
+	// MaxConnectionAgeGrace is how long a connection's streams may go on
+	// after MaxConnectionAge before it is closed. Default 10s.
+	MaxConnectionAgeGrace time.Duration
 	// Authorizer checks every stream first. Default AllowAll{}.
 	Authorizer Authorizer
 
@@ -185,15 +201,19 @@ type XDSConfig struct {
 // DefaultXDSConfig returns the downstream server's defaults.
 func DefaultXDSConfig() XDSConfig {
 	return XDSConfig{
-		Listen:              ":15010",
-		TLSListen:           ":15012",
-		HandshakeTimeout:    10 * time.Second,
-		Authorizer:          AllowAll{},
-		MaxSubscribedNames:  1_000_000,
-		ResourceWaitTimeout: 15 * time.Second,
-		AdmitRate:           100,
-		AdmitBurst:          200,
-		WarmWait:            2 * time.Second,
+		Listen:           ":15010",
+		TLSListen:        ":15012",
+		HandshakeTimeout: 10 * time.Second,
+		Authorizer:       AllowAll{},
+		// istiod's: --keepaliveMaxServerConnectionAge 30m.
+		MaxStreamsPerConnection: 100,
+		MaxConnectionAge:        30 * time.Minute,
+		MaxConnectionAgeGrace:   10 * time.Second,
+		MaxSubscribedNames:      1_000_000,
+		ResourceWaitTimeout:     15 * time.Second,
+		AdmitRate:               100,
+		AdmitBurst:              200,
+		WarmWait:                2 * time.Second,
 	}
 }
 
@@ -530,6 +550,12 @@ func (cfg *Config) validate() error {
 		if d <= 0 {
 			bad(name, "must be positive")
 		}
+	}
+	if cfg.XDS.MaxStreamsPerConnection < 1 {
+		bad("XDS.MaxStreamsPerConnection", "must be at least 1")
+	}
+	if cfg.XDS.MaxConnectionAge < 0 || cfg.XDS.MaxConnectionAgeGrace < 0 {
+		bad("XDS.MaxConnectionAge", "and XDS.MaxConnectionAgeGrace must not be negative")
 	}
 	if cfg.Keys.AggregationWarnInterval < 0 {
 		bad("Keys.AggregationWarnInterval", "must not be negative")

@@ -109,10 +109,7 @@ func (r *Relay) serveXDS(lis net.Listener, p port, opts ...grpc.ServerOption) {
 		// default allows 16 MiB).
 		grpc.MaxHeaderListSize(maxHeaderListBytes),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
-		// Generous: a loaded Envoy (or a loaded 2-core benchmark) may be slow
-		// to answer a ping, and a dropped connection costs a reconnect.
-		grpc.KeepaliveParams(keepalive.ServerParameters{Time: time.Minute, Timeout: 20 * time.Second}),
-	}, opts...)...)
+	}, append(r.connectionLimits(p), opts...)...)...)
 	discovery.RegisterAggregatedDiscoveryServiceServer(srv, adsService{r, p})
 	ledgerpb.RegisterLedgerServer(srv, ledgerServer{r: r, port: p})
 	inspectpb.RegisterInspectServer(srv, inspectServer{r: r, port: p})
@@ -177,6 +174,32 @@ func (r *Relay) PeerAddr() net.Addr {
 		return r.lis.Addr()
 	}
 	return nil
+}
+
+// peerStreamsPerConnection bounds the streams one relay may open on a
+// connection to the peer port: one per key it subscribes to here.
+const peerStreamsPerConnection = 1 << 16
+
+// connectionLimits returns the server options that bound a connection on
+// port p: its open streams (XDS.MaxStreamsPerConnection) and its age
+// (XDS.MaxConnectionAge). On a port the tier's relays dial (the peer
+// port, or the plaintext xDS port of a tier without one) a connection may
+// carry a stream per key, and is not aged: it carries every key's stream
+// between two relays, which would all end at once.
+func (r *Relay) connectionLimits(p port) []grpc.ServerOption {
+	// Generous keepalive: a loaded Envoy (or a loaded 2-core benchmark)
+	// may be slow to answer a ping, and a dropped connection costs a
+	// reconnect.
+	ka := keepalive.ServerParameters{Time: time.Minute, Timeout: 20 * time.Second}
+	streams := r.cfg.XDS.MaxStreamsPerConnection
+	peersDial := p == portPeer ||
+		p == portPlain && r.cfg.Tier.Owners != nil && r.cfg.Tier.Listen == "" && r.cfg.Tier.Listener == nil
+	if peersDial {
+		streams = peerStreamsPerConnection
+	} else if r.cfg.XDS.MaxConnectionAge > 0 {
+		ka.MaxConnectionAge, ka.MaxConnectionAgeGrace = r.cfg.XDS.MaxConnectionAge, r.cfg.XDS.MaxConnectionAgeGrace
+	}
+	return []grpc.ServerOption{grpc.MaxConcurrentStreams(streams), grpc.KeepaliveParams(ka)}
 }
 
 // maxHeaderListBytes bounds a call's metadata: an authorization header

@@ -90,6 +90,9 @@ func serve(ctx context.Context, args []string) error {
 	fs.DurationVar(&cfg.XDS.ResourceWaitTimeout, "resource-wait-timeout", cfg.XDS.ResourceWaitTimeout, "how long a requested resource may stay missing before Delta clients holding it are told it was removed")
 	fs.Float64Var(&cfg.XDS.AdmitRate, "admit-rate", cfg.XDS.AdmitRate, "new Envoy streams admitted per second (token bucket); past it: ResourceExhausted. 0: no limit")
 	fs.IntVar(&cfg.XDS.AdmitBurst, "admit-burst", cfg.XDS.AdmitBurst, "token bucket size for --admit-rate")
+	fs.Uint32Var(&cfg.XDS.MaxStreamsPerConnection, "max-streams-per-connection", cfg.XDS.MaxStreamsPerConnection, "streams one client connection may have open at once on the xDS ports (HTTP/2 max concurrent streams; also bounds rapid resets)")
+	fs.DurationVar(&cfg.XDS.MaxConnectionAge, "max-connection-age", cfg.XDS.MaxConnectionAge, "a client connection on the xDS ports ends (GOAWAY) after about this long, ±10 %, and its client reconnects through the Service, as istiod's; 0: never")
+	fs.DurationVar(&cfg.XDS.MaxConnectionAgeGrace, "max-connection-age-grace", cfg.XDS.MaxConnectionAgeGrace, "how long a connection's streams may go on after --max-connection-age")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	var admin adminFlags
 	admin.register(fs)
