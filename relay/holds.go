@@ -152,12 +152,13 @@ func (s *stream) clusterUsable(cds *typeSub, c string) bool {
 // hold is a listener or route configuration held back by deferDangling.
 type hold struct {
 	since time.Time
-	// at is the relay's clock when the hold began: after the resource
-	// came. A view of the key's clusters from an upstream stream opened
-	// later is the source's word on what it serves (absentProven).
-	at         ledger.Stamp
-	told       bool // its wait ended and the relay said so
-	askedAgain bool // a stream opened after the clusters came was asked for
+	// at is the relay's clock when the hold began: after the resource, of
+	// content hash, came. A view of the key's clusters from an upstream
+	// stream opened later is the source's word on what it serves
+	// (absentProven). A new content of the resource is held anew.
+	at   ledger.Stamp
+	hash ledger.Hash
+	told bool // its wait ended and the relay said so
 }
 
 // deferDangling holds back, from a plan of listeners or route
@@ -220,14 +221,14 @@ func (s *stream) deferDangling(p *plan) {
 		key := p.sub.typeURL + "|" + r.Name
 		if missing {
 			h := s.dangling[key]
-			if h == nil {
+			if h == nil || h.hash != r.Hash {
 				if s.dangling == nil {
 					s.dangling = make(map[string]*hold)
 				}
-				h = &hold{since: now, at: s.r.clock.Now()}
+				h = &hold{since: now, at: s.r.clock.Now(), hash: r.Hash}
 				s.dangling[key] = h
 			}
-			if coming || !absentProven(keyCDS, p.ts, max(h.at, left)) {
+			if coming || !absentProven(keyCDS, p.ts, h.at, left) {
 				if now.Sub(h.since) < wait {
 					s.wakeAt(h.since.Add(wait))
 					continue
@@ -241,15 +242,6 @@ func (s *stream) deferDangling(p *plan) {
 				}
 				if !coming {
 					s.key.demand(max(h.at, left), false)
-					if keyCDS != nil && h.at.Before(keyCDS.Order.Session) && !h.askedAgain {
-						// The clusters are the source's word, the resource
-						// older than them: a stream opened after they came
-						// answers the resource anew. Once: a source that
-						// answers the resource before the clusters on every
-						// stream is asked no more.
-						h.askedAgain = true
-						s.key.demand(keyCDS.Order.At, false)
-					}
 				}
 				continue
 			}
@@ -262,22 +254,26 @@ func (s *stream) deferDangling(p *plan) {
 }
 
 // absentProven reports whether the key's clusters, cds, are the source's
-// word on what it serves as of after at (the later of the hold's start
-// and the time a missing cluster left the view while routes still named
-// it: views.Type.Gone), and the resource that names them, of view ts, its
-// word as of then too: the clusters came on an upstream
-// stream opened later (its first answer is the source's state then; a
-// view made of parts has the earliest of their streams), not only later on
-// a stream that may still carry what the source had sent before; and the
-// resource came no earlier than those clusters (ledger.Order.Covers), on
-// their stream or on one opened after they came. A frozen relay that
-// resumed sent a route of its old stream, naming a cluster its new
-// stream's clusters had dropped (the simulation's seed 54); a source sends
-// a change's clusters before its routes, so a route that came before the
-// clusters on their own stream may be the one the change is replacing
-// (loadtest chaos, 5 relays and 200 Envoys, seed 1 of 2026-12-06).
-func absentProven(cds, ts *views.Type, at ledger.Stamp) bool {
-	return cds != nil && at.Before(cds.Order.Session) && ts.Order.Covers(cds.Order)
+// word that it does not serve the missing clusters a resource (held since
+// at, of view ts) names. A source adds a cluster before the routes that
+// name it, but may send the route first (go-control-plane's Delta server
+// answers a type only once its last answer was ACKed, and a starved relay
+// ACKs late), so arrival order on one stream proves nothing: the clusters
+// must come on an upstream stream opened after the resource came (its
+// first answer is computed after the resource was; a view made of parts
+// has the earliest of their streams). A cluster that left the view while
+// routes named it (left: views.Type.Gone) may be one whose route's change
+// has not come yet (a source changes routes before it removes their
+// clusters): then the resource's own view must come on a stream opened
+// after it left too, whose first answer has the route as it is now. A
+// frozen relay that resumed sent a route of its old stream, naming a
+// cluster its new stream's clusters had dropped (the simulation's seed
+// 54); the wider chaos runs of 2026-12-06 found the other cases.
+func absentProven(cds, ts *views.Type, at, left ledger.Stamp) bool {
+	if cds == nil || !at.Before(cds.Order.Session) {
+		return false
+	}
+	return left == 0 || left.Before(cds.Order.Session) && left.Before(ts.Order.Session)
 }
 
 // wakeAt has the stream woken at due at the latest (a held resource's
