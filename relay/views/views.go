@@ -51,9 +51,10 @@ type Type struct {
 	// Gone holds, in the clusters' view, the clusters that left it while a
 	// route or listener of the key's views still named them, with the
 	// relay's clock when they left. Such a route is the source's word
-	// only on a stream opened after that: a source sends a change's
-	// clusters before its routes, so until then it may be the route the
-	// change replaces (the relay's holds). Nil for other types.
+	// only on a stream opened after that: a source changes its routes
+	// before it removes the clusters they named, so until then it may be
+	// the route the change replaces (the relay's holds). Nil for other
+	// types.
 	Gone map[string]ledger.Stamp
 }
 
