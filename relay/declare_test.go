@@ -444,6 +444,20 @@ func (g *routeRig) holdRouteToC2() {
 	})
 }
 
+// routeDropsC2 has r80's change that drops c2 come (after c2's removal):
+// nothing the client holds names c2 then, nor does it hold c2.
+func (g *routeRig) routeDropsC2() {
+	g.t.Helper()
+	g.up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1"))
+	g.waitView("the route without c2 in the view", xds.TypeRoute, "r80", func(res *xds.Resource) bool {
+		return res != nil && !slices.Contains(routeClusters(g.t, res), "c2")
+	})
+	g.untilBarrier()
+	if g.clusters["c2"] {
+		g.t.Errorf("the client still holds c2, which no route uses and the source removed")
+	}
+}
+
 // A route held back for a cluster the client cannot use yet goes out,
 // naming a cluster the key's view lacks, only on the source's word that it
 // routes there: the route must have come no earlier than the clusters that
@@ -460,15 +474,7 @@ func TestHeldRouteWaitsForTheRouteOfTheClustersChange(t *testing.T) {
 	g.up.del("ns0", xds.TypeCluster, "c2")
 	g.waitView("c2 gone from the view", xds.TypeCluster, "c2", absent)
 	g.untilBarrier()
-	// The route's change comes: nothing the client holds names c2.
-	g.up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1"))
-	g.waitView("the route without c2 in the view", xds.TypeRoute, "r80", func(res *xds.Resource) bool {
-		return res != nil && !slices.Contains(routeClusters(t, res), "c2")
-	})
-	g.untilBarrier()
-	if g.clusters["c2"] {
-		t.Errorf("the client still holds c2, which no route uses and the source removed")
-	}
+	g.routeDropsC2()
 }
 
 // The same, when an answer about another route comes after the clusters:
@@ -487,14 +493,7 @@ func TestHeldRouteWaitsPastAnotherRoutesChange(t *testing.T) {
 	g.up.set("ns0", xds.TypeRoute, mkRoute("r90", "c1")) // the routes' view is newer than the clusters' now
 	g.waitView("r90's change in the view", xds.TypeRoute, "r90", g.routeNames("c1"))
 	g.untilBarrier()
-	g.up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1"))
-	g.waitView("the route without c2 in the view", xds.TypeRoute, "r80", func(res *xds.Resource) bool {
-		return res != nil && !slices.Contains(routeClusters(t, res), "c2")
-	})
-	g.untilBarrier()
-	if g.clusters["c2"] {
-		t.Errorf("the client still holds c2, which no route uses and the source removed")
-	}
+	g.routeDropsC2()
 }
 
 // A route whose content changes while it is held is held anew: what it

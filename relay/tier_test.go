@@ -365,13 +365,11 @@ func removedOfAny(c *rawClient) []string {
 	return removedOf(c.last)
 }
 
-// TestNewerDeclaredContentKeptWhileUpstreamDown: a client that moved from
-// another relay may hold content newer than this relay's view (its Stamp
-// says so). While the key's source is unreachable the view stays older:
-// the relay neither overwrites nor removes what the client declared, and
-// sends only what it asks for and holds nothing of; once the source is
-// back, the view is newer and the client gets what differs.
-func TestNewerDeclaredContentKeptWhileUpstreamDown(t *testing.T) {
+// staleKeyAndNewerEndpoints returns a Delta env whose key is synced, then
+// stale (its upstream stopped), and c0's endpoints at a content the key's
+// view does not have.
+func staleKeyAndNewerEndpoints(t *testing.T) (*env, *xds.Resource) {
+	t.Helper()
 	e := newEnv(t, true, nil)
 	w := e.client(5) // makes the key ready
 	syncAllExpect(w, "c0", "c1", "c2")
@@ -379,11 +377,21 @@ func TestNewerDeclaredContentKeptWhileUpstreamDown(t *testing.T) {
 	w.ack(w.recvDelta(xds.TypeEndpoint))
 	e.up.stop()
 	waitFor(t, "the key to go stale", func() bool { return e.r.Stats().StaleKeys == 1 })
-
 	ahead, err := xds.NewStore().Decode(xds.TypeEndpoint, mustAny(mkCLA("c0", 9090)), "")
 	if err != nil {
 		t.Fatal(err)
 	}
+	return e, ahead
+}
+
+// TestNewerDeclaredContentKeptWhileUpstreamDown: a client that moved from
+// another relay may hold content newer than this relay's view (its Stamp
+// says so). While the key's source is unreachable the view stays older:
+// the relay neither overwrites nor removes what the client declared, and
+// sends only what it asks for and holds nothing of; once the source is
+// back, the view is newer and the client gets what differs.
+func TestNewerDeclaredContentKeptWhileUpstreamDown(t *testing.T) {
+	e, ahead := staleKeyAndNewerEndpoints(t)
 	later := e.wall.orderIn(time.Second) // from a stream opened later, on a relay further on
 	c := e.client(0)
 	c.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNamesSubscribe: []string{"c0", "c1"},
@@ -420,18 +428,7 @@ func TestNewerDeclaredContentKeptWhileUpstreamDown(t *testing.T) {
 // owner whose view lagged gave the relays that moved to it older
 // endpoints than their SotW Envoys held, which they were sent).
 func TestPeerGetsNoLackingNameFromAnOlderView(t *testing.T) {
-	e := newEnv(t, true, nil)
-	w := e.client(5) // makes the key ready
-	syncAllExpect(w, "c0", "c1", "c2")
-	w.subscribe(xds.TypeEndpoint, "c0", "c1", "c2")
-	w.ack(w.recvDelta(xds.TypeEndpoint))
-	e.up.stop()
-	waitFor(t, "the key to go stale", func() bool { return e.r.Stats().StaleKeys == 1 })
-
-	ahead, err := xds.NewStore().Decode(xds.TypeEndpoint, mustAny(mkCLA("c0", 9090)), "")
-	if err != nil {
-		t.Fatal(err)
-	}
+	e, ahead := staleKeyAndNewerEndpoints(t)
 	later := e.wall.orderIn(time.Second) // the other relay's view came from a stream opened later
 	key := string(aggkey.Istio{}.Key(node("ns1", "app", 0)))
 	conn, err := grpc.NewClient(e.r.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
