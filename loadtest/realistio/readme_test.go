@@ -7,6 +7,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"io"
@@ -263,7 +264,8 @@ func ensureBlockBinary(t *testing.T, ctx context.Context, repo, work string) {
 // signed by the mesh's root as the section says: root-cert.pem (the mesh
 // root, istio-ca-root-cert), tls.crt and tls.key (serving
 // meshrelay.istio-system.svc, the name sidecars dial), peer.crt and
-// peer.key (the tier's SPIFFE ID).
+// peer.key (the tier's SPIFFE ID), and gossip.key (the tier's gossip key,
+// as openssl rand -base64 32 writes it).
 func writeTLSBlockFiles(t *testing.T, dir string, m *mesh) {
 	t.Helper()
 	root := m.istiod.Root
@@ -279,6 +281,7 @@ func writeTLSBlockFiles(t *testing.T, dir string, m *mesh) {
 		"root-cert.pem": root.RootPEM(),
 		"tls.crt":       serving.CertPEM, "tls.key": serving.KeyPEM,
 		"peer.crt": peer.CertPEM, "peer.key": peer.KeyPEM,
+		"gossip.key": []byte(base64.StdEncoding.EncodeToString([]byte("meshrelay readme test gossip key")) + "\n"),
 	} {
 		if err := os.WriteFile(filepath.Join(dir, name), b, 0o600); err != nil {
 			t.Fatal(err)
