@@ -8,6 +8,7 @@ package relay
 
 import (
 	"context"
+	"net"
 	"time"
 )
 
@@ -24,14 +25,25 @@ func (r *Relay) WarnInsecure(what string) {
 	r.insecure = append(r.insecure, what)
 }
 
-// plaintextOpen is what the relay says of its plaintext xDS port.
-const plaintextOpen = "PLAINTEXT xDS port open: it authenticates no one and serves every namespace's config to " +
-	"whoever reaches it (istiod's 15010); sidecars of a default Istio mesh want the TLS port"
-
-// noteInsecureLocked adds, at Start, what of the relay's tier settings
-// leaves it open, and says at once all that does (Start adds the
-// plaintext port's). r.mu is held.
-func (r *Relay) noteInsecureLocked() {
+// noteInsecureLocked adds, at Start, what of the relay's own settings
+// leaves it open: a plaintext xDS port (lis, beside a TLS one or not) on an
+// address other hosts reach, an authenticating relay's tier without mTLS;
+// and says at once all that does. A plaintext port on loopback is said
+// once, as information. r.mu is held.
+func (r *Relay) noteInsecureLocked(lis net.Listener, besideTLS bool) {
+	if lis != nil {
+		msg := "PLAINTEXT xDS port open: it authenticates no one and serves every namespace's config to " +
+			"whoever reaches it (istiod's 15010); sidecars of a default Istio mesh want the TLS port"
+		if besideTLS {
+			msg = "PLAINTEXT xDS port open beside the TLS one: it authenticates no one and serves every " +
+				"namespace's config to whoever reaches it"
+		}
+		if isLoopback(lis.Addr()) {
+			r.log.Info(msg+" (on loopback only: this host's processes)", "xds_plaintext", lis.Addr().String())
+		} else {
+			r.insecure = append(r.insecure, msg+": "+lis.Addr().String())
+		}
+	}
 	if r.cfg.Tier.Owners != nil && r.cfg.XDS.Authenticator != nil && r.cfg.Tier.TLS == nil {
 		// Only with Tier.InsecureForDevelopment: validate refuses it else.
 		r.insecure = append(r.insecure, "relay-to-relay traffic without mTLS while the xDS port authenticates "+
@@ -56,16 +68,9 @@ func (r *Relay) warnInsecure(ctx context.Context) {
 	if len(r.insecurities()) == 0 {
 		return
 	}
-	t := time.NewTicker(insecureEvery)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
+	every(ctx, insecureEvery, func() {
 		for _, what := range r.insecurities() {
 			r.log.Warn(what)
 		}
-	}
+	})
 }

@@ -388,18 +388,7 @@ func (r *Relay) Start(ctx context.Context) error {
 	default:
 		r.log.Warn("relay-to-relay traffic not authenticated (no peer certificate, no peer secret): any stream may claim to be a relay")
 	}
-	if lis != nil {
-		msg := plaintextOpen
-		if tlsLis != nil {
-			msg = "PLAINTEXT xDS port open beside the TLS one: it authenticates no one and serves every namespace's config to whoever reaches it"
-		}
-		if isLoopback(lis.Addr()) {
-			r.log.Info(msg+" (on loopback only: this host's processes)", "xds_plaintext", lis.Addr().String())
-		} else {
-			r.insecure = append(r.insecure, msg+": "+lis.Addr().String())
-		}
-	}
-	r.noteInsecureLocked()
+	r.noteInsecureLocked(lis, tlsLis != nil)
 	r.goRun(r.warnInsecure)
 	r.logAdminGuard(r.adminLis)
 	return nil

@@ -208,9 +208,9 @@ func (t *connTracker) prune(live map[string]bool, grace time.Duration) {
 	}
 }
 
-// pruneConns forgets, every minute, the connections no stream uses.
-func (r *Relay) pruneConns(ctx context.Context) {
-	t := time.NewTicker(time.Minute)
+// every calls fn every d until ctx ends (not at once).
+func every(ctx context.Context, d time.Duration, fn func()) {
+	t := time.NewTicker(d)
 	defer t.Stop()
 	for {
 		select {
@@ -218,13 +218,20 @@ func (r *Relay) pruneConns(ctx context.Context) {
 			return
 		case <-t.C:
 		}
+		fn()
+	}
+}
+
+// pruneConns forgets, every minute, the connections no stream uses.
+func (r *Relay) pruneConns(ctx context.Context) {
+	every(ctx, time.Minute, func() {
 		envoys, peers := r.streams()
 		live := make(map[string]bool, len(envoys)+len(peers))
 		for _, s := range append(envoys, peers...) {
 			live[s.peer] = true
 		}
 		r.tracker.prune(live, time.Minute)
-	}
+	})
 }
 
 // streams returns the attached streams, Envoys' and other relays' apart.
@@ -364,16 +371,9 @@ func (r *Relay) DrainStreams(ctx context.Context, period time.Duration) {
 // closes every connection after 30 minutes (its MaxServerConnectionAge),
 // far more often than this.
 func (r *Relay) refreshCredentials(ctx context.Context) {
-	every := max(r.cfg.Upstream.TokenRefreshBefore/5, 100*time.Millisecond)
-	t := time.NewTicker(every)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		budget := max(1, int(r.cfg.Tier.ShedRate*every.Seconds()))
+	period := max(r.cfg.Upstream.TokenRefreshBefore/5, 100*time.Millisecond)
+	every(ctx, period, func() {
+		budget := max(1, int(r.cfg.Tier.ShedRate*period.Seconds()))
 		horizon := time.Now().Add(r.cfg.Upstream.TokenRefreshBefore / 2)
 		streams, _ := r.streams()
 		for _, s := range streams {
@@ -384,5 +384,5 @@ func (r *Relay) refreshCredentials(ctx context.Context) {
 				budget--
 			}
 		}
-	}
+	})
 }
