@@ -42,7 +42,8 @@ type Snapshots interface {
 // a version the tier knows (claims.go).
 type HeldVersions interface {
 	// SaveHeld keeps v, a version a SotW client of key holds (every value
-	// set), and the bodies of bodies (those the key's view does not hold).
+	// set), and the bodies of bodies (v's, of which the store writes
+	// those it has not written itself).
 	SaveHeld(ctx context.Context, key string, v xds.View, bodies []*xds.Resource) error
 	// LoadHeld returns the version root of typeURL that SaveHeld kept for
 	// key, if any, with the bodies of the entries has reports the caller

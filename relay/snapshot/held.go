@@ -69,8 +69,9 @@ func (s *Store) heldKey(id keyID, typeURL string, root ledger.Hash) string {
 }
 
 // SaveHeld implements relay.HeldVersions: it keeps v (every value set), a
-// version a SotW client of key holds, and the bodies of bodies, for
-// heldTTL. A Secret is kept only sealed (SealKey), as in snapshots.
+// version a SotW client of key holds, and the bodies of bodies that this
+// store has not written itself (its snapshots' and earlier hand-overs'),
+// for heldTTL. A Secret is kept only sealed (SealKey), as in snapshots.
 func (s *Store) SaveHeld(ctx context.Context, key string, v xds.View, bodies []*xds.Resource) error {
 	if v.Type == secretType && s.sealer == nil {
 		return nil
@@ -98,7 +99,9 @@ func (s *Store) SaveHeld(ctx context.Context, key string, v xds.View, bodies []*
 	}
 	rs := make(map[ledger.Hash]*xds.Resource, len(bodies))
 	for _, r := range bodies {
-		rs[r.Hash] = r
+		if !s.isKnown(r.Hash) {
+			rs[r.Hash] = r
+		}
 	}
 	if err := s.putResources(ctx, rs); err != nil {
 		return fmt.Errorf("snapshot: held version of %s: %w", key, err)
