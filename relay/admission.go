@@ -5,7 +5,12 @@ package relay
 
 import (
 	"context"
+	"errors"
+	"slices"
+	"sync"
 	"time"
+
+	"golang.org/x/time/rate"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/connectivity"
@@ -23,10 +28,11 @@ type caller struct {
 }
 
 // admit decides whether a new downstream stream may start: not while the
-// relay is draining or has never reached its upstream, and, for Envoys, at
-// most AdmitRate a second and, on the TLS port, once they proved who they
-// are (after the token bucket: a flood of bad credentials costs a token
-// each, not a verification each).
+// relay is draining or has never reached its upstream, and, for Envoys,
+// once they proved who they are (on the TLS port), at their identity's
+// share of AdmitRate (fairAdmission). Authentication comes first: a
+// flood of bad or missing credentials costs what the failure gate lets it
+// (identity.go) and takes no one's turn.
 func (r *Relay) admit(ctx context.Context, p port) (caller, error) {
 	if r.draining.Load() {
 		return caller{}, status.Error(codes.Unavailable, "relay is draining: reconnect to another")
@@ -44,19 +50,29 @@ func (r *Relay) admit(ctx context.Context, p port) (caller, error) {
 	if pi != nil {
 		return caller{relay: pi, cred: r.forwardable(ctx, true, nil)}, nil
 	}
-	if p == portTLS && r.cfg.XDS.Authenticator != nil && !r.failures.allows(sourceIP(ctx)) {
-		r.metrics.authFailures.WithLabelValues("throttled").Inc()
-		return caller{}, status.Error(codes.Unauthenticated, "too many failed authentications from this address: retry later")
-	}
-	if r.admission != nil && !r.admission.Allow() {
-		r.metrics.refused.WithLabelValues("rate").Inc()
-		return caller{}, status.Errorf(codes.ResourceExhausted, "relay admits %v new streams a second: retry", r.cfg.XDS.AdmitRate)
-	}
 	id, err := r.authenticate(ctx, p)
 	if err != nil {
 		return caller{}, err
 	}
+	if r.admission != nil {
+		if err := r.admission.admit(ctx, admissionID(ctx, id)); err != nil {
+			if !errors.Is(err, errAdmitLater) {
+				return caller{}, status.FromContextError(err).Err()
+			}
+			r.metrics.refused.WithLabelValues("rate").Inc()
+			return caller{}, status.Errorf(codes.ResourceExhausted, "relay admits %v new streams a second, shared by identity, and this one's turn did not come: retry", r.cfg.XDS.AdmitRate)
+		}
+	}
 	return caller{identity: id, cred: r.forwardable(ctx, false, id)}, nil
+}
+
+// admissionID is whom a stream's admission is shared by: its proven
+// identity, or, where none is proven, its address.
+func admissionID(ctx context.Context, id *auth.Identity) string {
+	if id != nil {
+		return id.SPIFFEID()
+	}
+	return "address " + sourceIP(ctx).String()
 }
 
 // waitWarm waits up to WarmWait for the relay to be warm.
@@ -122,5 +138,148 @@ func (r *Relay) Ready() bool {
 		return !r.draining.Load()
 	default:
 		return false
+	}
+}
+
+// fairAdmission admits new Envoy streams at XDS.AdmitRate and shares the
+// rate among the identities that wait for it: a stream that finds the
+// bucket empty, or others waiting, queues behind its own identity's
+// earlier streams, and each token goes to the next identity in turn
+// (round robin). So a workload that opens streams as fast as it can
+// delays its own, and a good client waits for at most one token per
+// other identity waiting, not for the flood. A stream waits at most
+// XDS.AdmitWait, and an identity may have maxWaitingPerIdentity streams
+// waiting; past either it is refused with ResourceExhausted and its
+// client retries. Safe for concurrent use.
+type fairAdmission struct {
+	lim     *rate.Limiter
+	maxWait time.Duration
+	wake    chan struct{}
+
+	mu     sync.Mutex
+	queues map[string][]chan struct{} // identity → its waiting streams, oldest first
+	turn   []string                   // identities with streams waiting, in their turn
+	// traced, if set (tests), hears each stream queued and granted, in
+	// order, under mu.
+	traced func(event, who string)
+}
+
+// maxWaitingPerIdentity bounds the streams one identity has waiting for
+// admission: each holds a gRPC stream open.
+const maxWaitingPerIdentity = 64
+
+func newFairAdmission(perSecond float64, burst int, maxWait time.Duration) *fairAdmission {
+	return &fairAdmission{
+		lim:     rate.NewLimiter(rate.Limit(perSecond), burst),
+		maxWait: maxWait,
+		wake:    make(chan struct{}, 1),
+		queues:  make(map[string][]chan struct{}),
+	}
+}
+
+var errAdmitLater = errors.New("admission queue full or waited too long")
+
+// admit waits for who's turn (an identity: a SPIFFE ID, or the address
+// of a client that proves none). It returns errAdmitLater past the
+// bounds, or ctx's error.
+func (f *fairAdmission) admit(ctx context.Context, who string) error {
+	f.mu.Lock()
+	if len(f.turn) == 0 && f.lim.Allow() {
+		f.mu.Unlock()
+		return nil
+	}
+	q := f.queues[who]
+	if len(q) >= maxWaitingPerIdentity {
+		f.mu.Unlock()
+		return errAdmitLater
+	}
+	granted := make(chan struct{})
+	if len(q) == 0 {
+		f.turn = append(f.turn, who)
+	}
+	f.queues[who] = append(q, granted)
+	if f.traced != nil {
+		f.traced("queued", who)
+	}
+	f.mu.Unlock()
+	wake(f.wake)
+
+	t := time.NewTimer(f.maxWait)
+	defer t.Stop()
+	var err error
+	select {
+	case <-granted:
+		return nil
+	case <-t.C:
+		err = errAdmitLater
+	case <-ctx.Done():
+		err = ctx.Err()
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	select {
+	case <-granted: // granted as it gave up: take it
+		return nil
+	default:
+	}
+	f.forgetLocked(who, granted)
+	return err
+}
+
+// forgetLocked takes a waiter that gave up out of who's queue.
+func (f *fairAdmission) forgetLocked(who string, granted chan struct{}) {
+	q := slices.DeleteFunc(f.queues[who], func(c chan struct{}) bool { return c == granted })
+	if len(q) > 0 {
+		f.queues[who] = q
+		return
+	}
+	delete(f.queues, who)
+	f.turn = slices.DeleteFunc(f.turn, func(id string) bool { return id == who })
+}
+
+// run hands out the tokens to the waiting streams, an identity at a time,
+// until ctx ends.
+func (f *fairAdmission) run(ctx context.Context) {
+	for {
+		select {
+		case <-f.wake:
+		case <-ctx.Done():
+			return
+		}
+		for f.waiting() {
+			if f.lim.Wait(ctx) != nil {
+				return
+			}
+			f.grantNext()
+		}
+	}
+}
+
+func (f *fairAdmission) waiting() bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.turn) > 0
+}
+
+// grantNext admits the oldest waiting stream of the identity whose turn
+// it is; that identity goes to the back of the turn if it has more.
+func (f *fairAdmission) grantNext() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.turn) == 0 {
+		return // they gave up while the token came: it is lost
+	}
+	who := f.turn[0]
+	f.turn = f.turn[1:]
+	q := f.queues[who]
+	close(q[0])
+	if f.traced != nil {
+		f.traced("granted", who)
+	}
+	if q = q[1:]; len(q) > 0 {
+		f.queues[who] = q
+		f.turn = append(f.turn, who)
+	} else {
+		delete(f.queues, who)
 	}
 }

@@ -89,8 +89,9 @@ type Config struct {
 	Admin    AdminConfig
 
 	// MaxMsgSize bounds a gRPC message in both directions, downstream and
-	// upstream, in bytes. Default 256 MiB: a real istiod sent 34 MB of CDS
-	// in one SotW response at 30,000 services. Must be at least 4 MiB.
+	// upstream, in bytes, but for the requests of the xDS ports
+	// (XDS.MaxRequestBytes). Default 256 MiB: a real istiod sent 34 MB of
+	// CDS in one SotW response at 30,000 services. Must be at least 4 MiB.
 	MaxMsgSize int
 
 	// Registerer and Gatherer hold the relay's Prometheus metrics. Default:
@@ -173,8 +174,24 @@ type XDSConfig struct {
 	Authorizer Authorizer
 
 	// MaxSubscribedNames bounds the names one stream may subscribe to, or
-	// declare, for one type. Default 1,000,000.
+	// declare, for one type. Default 250,000: a 30,000-service mesh's
+	// Envoy subscribes to 30,000 endpoint names per port its services
+	// have.
 	MaxSubscribedNames int
+	// MaxRequestBytes bounds one request an Envoy sends on the xDS ports
+	// (gRPC's receive limit): the largest a real one sends is a Delta
+	// reconnect's initial_resource_versions, 4.65 MB for a mesh of
+	// 30,000 clusters (TestRequestLimitFitsA30kMesh), so the default
+	// takes a mesh three times that. The peer port takes MaxMsgSize,
+	// and so does this one if MaxMsgSize is less. Default 16 MiB.
+	MaxRequestBytes int
+	// RequestBudgetBytes bounds the bytes of requests of at least
+	// budgetFloor bytes (reconnects, not ACKs) that the relay's streams
+	// decode and apply at once: a request past it waits for its turn
+	// (first come, first served), its client held back by gRPC's flow
+	// control, so that many large requests at once cost the relay this
+	// much, not their sum. At least MaxRequestBytes. Default 128 MiB.
+	RequestBudgetBytes int64
 	// ResourceWaitTimeout is how long a name requested from the upstream may
 	// stay missing before the relay treats it as gone: a Delta client that
 	// holds it (declared on reconnect, say) is then told it was removed.
@@ -186,11 +203,16 @@ type XDSConfig struct {
 	ResourceWaitTimeout time.Duration
 
 	// AdmitRate bounds new Envoy streams per second (a token bucket of
-	// AdmitBurst); past it a stream is refused with ResourceExhausted and
-	// the client retries (istiod admits min(15+5×cores, 100) a second).
-	// Relay-to-relay streams are not counted. Default 100; 0: no limit.
+	// AdmitBurst; istiod admits min(15+5×cores, 100) a second), shared
+	// by identity: a stream past it waits its identity's turn (its
+	// SPIFFE identity, or its address where it proves none), up to
+	// AdmitWait, then is refused with ResourceExhausted and the client
+	// retries. Relay-to-relay streams are not counted. Default 100; 0:
+	// no limit.
 	AdmitRate  float64
 	AdmitBurst int
+	// AdmitWait is how long a stream may wait for its turn. Default 3s.
+	AdmitWait time.Duration
 	// WarmWait is how long a new stream waits for a relay that has not yet
 	// reached its upstream before it is refused with Unavailable (istiod
 	// refuses streams until its caches are synced). Default 2s. Negative:
@@ -209,10 +231,13 @@ func DefaultXDSConfig() XDSConfig {
 		MaxStreamsPerConnection: 100,
 		MaxConnectionAge:        30 * time.Minute,
 		MaxConnectionAgeGrace:   10 * time.Second,
-		MaxSubscribedNames:      1_000_000,
+		MaxSubscribedNames:      250_000,
+		MaxRequestBytes:         16 << 20,
+		RequestBudgetBytes:      128 << 20,
 		ResourceWaitTimeout:     15 * time.Second,
 		AdmitRate:               100,
 		AdmitBurst:              200,
+		AdmitWait:               3 * time.Second,
 		WarmWait:                2 * time.Second,
 	}
 }
@@ -541,11 +566,18 @@ func (cfg *Config) validate() error {
 	if cfg.XDS.MaxSubscribedNames <= 0 {
 		bad("XDS.MaxSubscribedNames", "must be positive")
 	}
+	if cfg.XDS.MaxRequestBytes < 64<<10 {
+		bad("XDS.MaxRequestBytes", fmt.Sprintf("is %d bytes, want at least 64 KiB", cfg.XDS.MaxRequestBytes))
+	}
+	if cfg.XDS.RequestBudgetBytes < int64(min(cfg.XDS.MaxRequestBytes, cfg.MaxMsgSize)) {
+		bad("XDS.RequestBudgetBytes", fmt.Sprintf("is %d bytes, less than XDS.MaxRequestBytes (%d): the largest request could never be taken", cfg.XDS.RequestBudgetBytes, cfg.XDS.MaxRequestBytes))
+	}
 	for name, d := range map[string]time.Duration{
 		"XDS.ResourceWaitTimeout": cfg.XDS.ResourceWaitTimeout, "Keys.IdleTimeout": cfg.Keys.IdleTimeout,
 		"Upstream.BackoffInitial": cfg.Upstream.BackoffInitial, "Upstream.BackoffMax": cfg.Upstream.BackoffMax,
 		"ForgetEnvoysAfter": cfg.ForgetEnvoysAfter, "Tier.GatherTimeout": cfg.Tier.GatherTimeout,
 		"Tier.PollInterval": cfg.Tier.PollInterval, "XDS.HandshakeTimeout": cfg.XDS.HandshakeTimeout,
+		"XDS.AdmitWait": cfg.XDS.AdmitWait,
 	} {
 		if d <= 0 {
 			bad(name, "must be positive")

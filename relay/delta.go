@@ -29,7 +29,18 @@ func (r *Relay) serveDelta(ds discovery.AggregatedDiscoveryService_DeltaAggregat
 		return ds.SendMsg(w)
 	}
 	s.sendRaw = func(m proto.Message) error { return ds.Send(m.(*discovery.DeltaDiscoveryResponse)) }
-	return serve(s, ds.Recv, func(r *discovery.DeltaDiscoveryRequest) int { return proto.Size(r) }, s.onDelta, nil)
+	recv := func() (*wire.DeltaRequest, error) {
+		r := new(wire.DeltaRequest)
+		return r, ds.RecvMsg(r)
+	}
+	// Decoded once its bytes of the relay's budget are taken.
+	return serve(s, recv, (*wire.DeltaRequest).Size, func(r *wire.DeltaRequest) error {
+		req, err := r.Decode()
+		if err != nil {
+			return status.Errorf(codes.InvalidArgument, "bad request: %v", err)
+		}
+		return s.onDelta(req)
+	}, (*wire.DeltaRequest).Release)
 }
 
 // onDelta handles one Delta request.

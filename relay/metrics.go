@@ -175,6 +175,9 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_cache_dropped_bytes", Help: "Bytes of resources the views dropped lately, kept for clients that still hold them (KeepDroppedBytes).",
 		}, func() float64 { _, b := r.dropped.Held(); return float64(b) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "meshrelay_request_budget_bytes", Help: "Bytes of large requests being decoded and applied now (XDS.RequestBudgetBytes bounds them; a request past it waits).",
+		}, func() float64 { return float64(r.budget.inUse.Load()) }),
 	}
 	for _, c := range cs {
 		if err := reg.Register(c); err != nil {

@@ -102,7 +102,7 @@ func (r *Relay) serveXDS(lis net.Listener, p port, opts ...grpc.ServerOption) {
 		// connection can make the relay buffer.
 		grpc.InitialWindowSize(1 << 20),
 		grpc.InitialConnWindowSize(1 << 20),
-		grpc.MaxRecvMsgSize(r.cfg.MaxMsgSize),
+		grpc.MaxRecvMsgSize(r.maxRecv(p)),
 		grpc.MaxSendMsgSize(r.cfg.MaxMsgSize),
 		// A stream's metadata is a token and a few short values: refuse
 		// a flood of headers before it is held in memory (grpc-go's
@@ -121,6 +121,16 @@ func (r *Relay) serveXDS(lis net.Listener, p port, opts ...grpc.ServerOption) {
 			r.log.Error("xDS server stopped", "port", p, "addr", lis.Addr().String(), "err", err)
 		}
 	}()
+}
+
+// maxRecv is the largest message port p takes: an Envoy's request is
+// bounded by what a real one sends (XDS.MaxRequestBytes); the tier's
+// relays, proven, by MaxMsgSize.
+func (r *Relay) maxRecv(p port) int {
+	if p == portPeer {
+		return r.cfg.MaxMsgSize
+	}
+	return min(r.cfg.XDS.MaxRequestBytes, r.cfg.MaxMsgSize)
 }
 
 // adsService is the ADS server of one port.

@@ -100,6 +100,7 @@ import (
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/sync/singleflight"
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -174,16 +175,18 @@ type Relay struct {
 
 	warm           chan struct{} // closed once the upstream was first reached, or snapshots loaded
 	warmOnce       sync.Once
-	loaded         chan struct{} // closed once snapshots are loaded (at once without Snapshots)
-	ownersTerm     atomic.Uint64 // counts changes of owners (Snapshots.Save's term)
-	restored       atomic.Int64  // keys restored from snapshots at start
-	draining       atomic.Bool   // set by MarkNotReady: new streams are refused
-	handed         sync.Map      // heldID → time.Time: versions handed over (handOver)
-	handedN        atomic.Uint64 // counts handing's notes, to prune handed now and then
-	handOverFailed atomic.Int64  // UnixNano of handOver's last failure (0: none)
-	admission      *rate.Limiter // nil: no limit
-	authLogs       *rate.Limiter // bounds authentication warnings
-	failures       *failureGate  // bounds verifications of failing sources
+	loaded         chan struct{}      // closed once snapshots are loaded (at once without Snapshots)
+	ownersTerm     atomic.Uint64      // counts changes of owners (Snapshots.Save's term)
+	restored       atomic.Int64       // keys restored from snapshots at start
+	draining       atomic.Bool        // set by MarkNotReady: new streams are refused
+	handed         sync.Map           // heldID → time.Time: versions handed over (handOver)
+	handedN        atomic.Uint64      // counts handing's notes, to prune handed now and then
+	handOverFailed atomic.Int64       // UnixNano of handOver's last failure (0: none)
+	admission      *fairAdmission     // nil: no limit (Envoy streams shared by identity)
+	authLogs       *rate.Limiter      // bounds authentication warnings
+	failures       *failureGate       // bounds verifications of failing sources
+	verifying      singleflight.Group // one verification for the streams presenting one credential at once
+	budget         *requestBudget     // large requests decoded and applied at once (XDS.RequestBudgetBytes)
 
 	pool *peers.Pool // relay-to-relay connections
 
@@ -240,6 +243,7 @@ func New(cfg Config) (*Relay, error) {
 		rand:           newRand(cfg.Rand),
 		authLogs:       newAuthLogLimiter(),
 		failures:       newFailureGate(),
+		budget:         newRequestBudget(cfg.XDS.RequestBudgetBytes),
 		syncs:          newSyncSlots(cfg.Upstream.Syncs),
 		peerSyncs:      newSyncSlots(cfg.Upstream.Syncs),
 		divergenceWake: make(chan struct{}, 1),
@@ -250,7 +254,7 @@ func New(cfg Config) (*Relay, error) {
 		r.adminGuard.Authenticator = cfg.Admin.Authenticator
 	}
 	if cfg.XDS.AdmitRate > 0 {
-		r.admission = rate.NewLimiter(rate.Limit(cfg.XDS.AdmitRate), cfg.XDS.AdmitBurst)
+		r.admission = newFairAdmission(cfg.XDS.AdmitRate, cfg.XDS.AdmitBurst, cfg.XDS.AdmitWait)
 	}
 	if cfg.Upstream.StreamRate > 0 {
 		r.upstreamRate = rate.NewLimiter(rate.Limit(cfg.Upstream.StreamRate), max(1, int(cfg.Upstream.StreamRate)))
@@ -315,6 +319,9 @@ func (r *Relay) Start(ctx context.Context) error {
 		close(r.loaded)
 	}
 	r.goRun(r.watchWarm)
+	if r.admission != nil {
+		r.goRun(r.admission.run)
+	}
 	r.goRun(r.pruneConns)
 	if r.cfg.Tier.Owners != nil {
 		r.goRun(r.watchOwners)

@@ -1,6 +1,8 @@
 package relay
 
 import (
+	"time"
+
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -141,6 +143,10 @@ const maxQueuedRequests = 4096
 // would otherwise hold gigabytes for one client.
 const maxQueuedBytes = 64 << 20
 
+// expiryFloor is the least time a stream whose credential expires is
+// served: enough to take its config once.
+const expiryFloor = 5 * time.Second
+
 // serve runs a stream's handler loop: requests, wake-ups from the key, and
 // passthrough responses, then a sync. It returns when the client goes away
 // or a request is refused. Requests are read on a goroutine of their own
@@ -155,17 +161,41 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 			s.log.Debug("stream ended", "code", code, "err", err)
 		}
 	}()
-	reqs := newMailbox(maxQueuedRequests, maxQueuedBytes, sizeOf)
+	// A request holds its bytes of the relay's budget from when it is read
+	// until it is handled (or dropped).
+	type taken struct {
+		req   Req
+		bytes int64
+	}
+	if sizeOf == nil {
+		sizeOf = func(Req) int { return 0 }
+	}
+	reqs := newMailbox(maxQueuedRequests, maxQueuedBytes, func(t taken) int { return sizeOf(t.req) })
 	if release == nil {
 		release = func(Req) {}
 	}
-	// Requests never handled give their buffers back (those the reader
-	// puts after this, as the stream ends, are left to the collector).
+	drop := func(t taken) {
+		release(t.req)
+		s.r.budget.put(t.bytes)
+	}
+	// Requests never handled give their buffers and bytes back; once the
+	// mailbox is closed, the reader drops what it reads itself.
 	defer func() {
-		for _, req := range reqs.take() {
-			release(req)
+		reqs.close()
+		for _, t := range reqs.take() {
+			drop(t)
 		}
 	}()
+	// A stream lasts as long as the credential it was admitted with: at
+	// its expiry the client reconnects with the one it has refreshed
+	// (nothing is sent again: versions are content). One admitted inside
+	// the verifier's leeway for clock skew gets expiryFloor.
+	var expired <-chan time.Time
+	if s.identity != nil && !s.identity.Expires.IsZero() {
+		t := time.NewTimer(max(time.Until(s.identity.Expires), expiryFloor))
+		defer t.Stop()
+		expired = t.C
+	}
 	errc := make(chan error, 1)
 	go func() {
 		for {
@@ -174,8 +204,17 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 				errc <- err
 				return
 			}
-			if !reqs.put(req) {
+			n, err := s.r.budget.take(s.ctx, sizeOf(req))
+			if err != nil {
 				release(req)
+				errc <- err
+				return
+			}
+			if !reqs.put(taken{req, n}) {
+				drop(taken{req, n})
+				if reqs.isClosed() {
+					return
+				}
 				errc <- status.Errorf(codes.ResourceExhausted, "more than %d requests or %d MiB sent without reading the responses",
 					maxQueuedRequests, maxQueuedBytes>>20)
 				return
@@ -186,10 +225,12 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 		select {
 		case <-reqs.ready:
 			batch := reqs.take()
-			for i, req := range batch {
-				if err := handle(req); err != nil {
+			for i, t := range batch {
+				err := handle(t.req)
+				s.r.budget.put(t.bytes)
+				if err != nil {
 					for _, rest := range batch[i+1:] {
-						release(rest)
+						drop(rest)
 					}
 					return err
 				}
@@ -206,6 +247,8 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 			return err
 		case err := <-errc:
 			return recvError(err)
+		case <-expired:
+			return status.Error(codes.Unauthenticated, "the credential this stream was admitted with expired: reconnect with a fresh one")
 		case <-s.ctx.Done():
 			return nil
 		case <-s.r.stopping:

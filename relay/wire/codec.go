@@ -111,6 +111,8 @@ func (c Codec) Unmarshal(data mem.BufferSlice, v any) error {
 	switch m := v.(type) {
 	case *SotWRequest:
 		return unmarshalSotWRequest(data, m)
+	case *DeltaRequest:
+		return unmarshalDeltaRequest(data, m)
 	case *DeltaIn:
 		return unmarshalDeltaIn(data, m)
 	case *SotWIn:

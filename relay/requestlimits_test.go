@@ -1,0 +1,203 @@
+package relay
+
+import (
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"io"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/wire"
+	"github.com/meshrelay/meshrelay/relay/xds"
+)
+
+// meshRequests returns the largest requests an Envoy of a mesh of n
+// services (one port each, Istio's cluster names) sends: a Delta
+// reconnect declaring every cluster it holds at the relay's versions, and
+// a SotW EDS request naming every cluster's endpoints.
+func meshRequests(n int) (delta *discovery.DeltaDiscoveryRequest, sotw *discovery.DiscoveryRequest) {
+	clock := ledger.NewClock(func() time.Time { return time.Date(2026, 12, 7, 0, 0, 0, 0, time.UTC) })
+	session := clock.Now()
+	for range 100_000 {
+		clock.Now() // an At with as many digits as a long-lived stream's
+	}
+	order := ledger.Order{Session: session, At: clock.Now()}
+	delta = &discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeCluster, ResourceNamesSubscribe: []string{"*"}, InitialResourceVersions: map[string]string{}}
+	sotw = &discovery.DiscoveryRequest{TypeUrl: xds.TypeEndpoint, VersionInfo: wire.Version(ledger.Hash{1}, order)}
+	for i := range n {
+		name := fmt.Sprintf("outbound|8080||svc-%05d.ns-%03d.svc.cluster.local", i, i%100)
+		delta.InitialResourceVersions[name] = wire.Version(ledger.Hash(sha256.Sum256([]byte(name))), order)
+		sotw.ResourceNames = append(sotw.ResourceNames, name)
+	}
+	return delta, sotw
+}
+
+// TestRequestLimitFitsA30kMesh measures the largest requests a real Envoy
+// sends in the motivating mesh (30,000 services) and holds the defaults
+// to them: the receive limit takes three times the largest, and the names
+// limit a mesh of as many services with eight ports each.
+func TestRequestLimitFitsA30kMesh(t *testing.T) {
+	delta, sotw := meshRequests(30_000)
+	largest := max(proto.Size(delta), proto.Size(sotw))
+	cfg := DefaultXDSConfig()
+	t.Logf("30,000 services: Delta CDS reconnect %d bytes, SotW EDS request %d bytes; limit %d bytes (%.1f×)",
+		proto.Size(delta), proto.Size(sotw), cfg.MaxRequestBytes, float64(cfg.MaxRequestBytes)/float64(largest))
+	if cfg.MaxRequestBytes < 3*largest {
+		t.Errorf("MaxRequestBytes %d is less than three times the largest request of a 30k mesh (%d)", cfg.MaxRequestBytes, largest)
+	}
+	if cfg.MaxSubscribedNames < 8*30_000 {
+		t.Errorf("MaxSubscribedNames %d is less than a 30k mesh's names at eight ports a service", cfg.MaxSubscribedNames)
+	}
+	if cfg.RequestBudgetBytes < 4*int64(cfg.MaxRequestBytes) {
+		t.Errorf("RequestBudgetBytes %d takes fewer than four of the largest requests at once", cfg.RequestBudgetBytes)
+	}
+}
+
+// TestRequestOverLimitRefused: a request past XDS.MaxRequestBytes ends its
+// stream with ResourceExhausted before the relay decodes it (gRPC refuses
+// it on its length), on SotW and Delta, and the relay goes on serving.
+func TestRequestOverLimitRefused(t *testing.T) {
+	up := newTestUpstream(t, "ns")
+	seed(up, "ns", 3)
+	r := startRelay(t, up, func(c *Config) { c.XDS.MaxRequestBytes = 1 << 20 })
+	conn := dial(t, r.Addr().String())
+	big := make([]string, 0, 40_000)
+	for i := range cap(big) {
+		big = append(big, fmt.Sprintf("outbound|8080||svc-%05d.ns.svc.cluster.local", i)) // ~1.9 MB in all
+	}
+	for _, delta := range []bool{false, true} {
+		t.Run(fmt.Sprint("delta=", delta), func(t *testing.T) {
+			c := newRawClient(t, conn, delta, node("ns", "big", 0))
+			c.subscribe(xds.TypeEndpoint, big...)
+			if err := c.streamErr(); status.Code(err) != codes.ResourceExhausted {
+				t.Fatalf("stream ended with %v, want ResourceExhausted", err)
+			}
+			good := newRawClient(t, conn, delta, node("ns", "good", 0))
+			good.subscribe(xds.TypeCluster)
+			if got := names(good.recv()); len(got) != 3 {
+				t.Fatalf("a good client after the refusal got %v, want 3 clusters", got)
+			}
+		})
+	}
+}
+
+// TestRequestBudgetBoundsLargeRequests: ten streams each send a request
+// of 1 MiB at once to a relay whose budget takes three; the handlers that
+// hold theirs do not return. Three are handled, seven wait holding
+// nothing more; as each handler returns the next one goes; at no moment
+// are more than three held.
+func TestRequestBudgetBoundsLargeRequests(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Upstream.Addr = "unused:1"
+	cfg.XDS.MaxRequestBytes = 1 << 20
+	cfg.XDS.RequestBudgetBytes = 3 << 20
+	r, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const streams = 10
+	var read, handled atomic.Int32
+	proceed := make(chan struct{})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, streams)
+	for range streams {
+		s := r.newStream(ctx, true, portPlain)
+		sent := false
+		recv := func() (int, error) {
+			if !sent {
+				sent = true
+				read.Add(1)
+				return 1 << 20, nil
+			}
+			<-ctx.Done()
+			return 0, io.EOF
+		}
+		size := func(n int) int { return n }
+		go func() {
+			done <- serve(s, recv, size, func(int) error {
+				handled.Add(1)
+				<-proceed
+				return nil
+			}, nil)
+		}()
+	}
+	waitFor(t, "every request read and three handled", func() bool { return read.Load() == streams && handled.Load() == 3 })
+	if in := r.budget.inUse.Load(); in != 3<<20 {
+		t.Fatalf("budget in use %d, want 3 MiB", in)
+	}
+	for want := int32(4); want <= streams; want++ {
+		proceed <- struct{}{}
+		waitFor(t, fmt.Sprintf("request %d handled", want), func() bool { return handled.Load() == want })
+	}
+	for range 3 {
+		proceed <- struct{}{}
+	}
+	waitFor(t, "the budget given back", func() bool { return r.budget.inUse.Load() == 0 })
+	if p := r.budget.peak.Load(); p != 3<<20 {
+		t.Fatalf("peak of the budget in use %d, want 3 MiB", p)
+	}
+	cancel()
+	for range streams {
+		if err := <-done; err != nil {
+			t.Fatalf("serve = %v", err)
+		}
+	}
+}
+
+// TestRequestBudgetOverRealStreams: twelve Delta clients reconnect at
+// once, each declaring 12,000 clusters (about 1.4 MB), through a relay
+// whose budget takes four such requests: every one is answered, and the
+// budget held at once never passed its bound.
+func TestRequestBudgetOverRealStreams(t *testing.T) {
+	up := newTestUpstream(t, "ns")
+	seed(up, "ns", 3)
+	r := startRelay(t, up, func(c *Config) {
+		c.XDS.MaxRequestBytes = 2 << 20
+		c.XDS.RequestBudgetBytes = 6 << 20
+	})
+	conn := dial(t, r.Addr().String())
+	delta, _ := meshRequests(12_000)
+	if size := proto.Size(delta); size < 1<<20 || size > 2<<20 {
+		t.Fatalf("request of %d bytes: the test wants 1 to 2 MiB", size)
+	}
+	var clients []*rawClient
+	for i := range 12 {
+		c := newRawClient(t, conn, true, node("ns", "w", i))
+		c.send(proto.Clone(delta))
+		clients = append(clients, c)
+	}
+	for i, c := range clients {
+		// The 3 clusters the key has; the 12,000 declared are pending
+		// until XDS.ResourceWaitTimeout.
+		if got := c.recvDelta(xds.TypeCluster); len(got.GetResources()) != 3 {
+			t.Fatalf("client %d: %d resources, want 3", i, len(got.GetResources()))
+		}
+	}
+	if p := r.budget.peak.Load(); p == 0 || p > 6<<20 {
+		t.Fatalf("peak of the budget in use %d, want (0, 6 MiB]", p)
+	}
+	if in := r.budget.inUse.Load(); in != 0 {
+		t.Fatalf("budget in use %d after every request was handled", in)
+	}
+}
+
+// TestRequestBudgetConfig: a budget that cannot take the largest request
+// is refused.
+func TestRequestBudgetConfig(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Upstream.Addr = "unused:1"
+	cfg.XDS.RequestBudgetBytes = int64(cfg.XDS.MaxRequestBytes) - 1
+	if _, err := New(cfg); err == nil || !strings.Contains(err.Error(), "XDS.RequestBudgetBytes") {
+		t.Fatalf("New = %v, want an error naming XDS.RequestBudgetBytes", err)
+	}
+}
