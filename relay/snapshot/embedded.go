@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"sync"
 	"time"
 
 	"go.etcd.io/etcd/server/v3/embed"
@@ -15,7 +16,8 @@ import (
 // default (`meshrelay serve --etcd embedded`, `meshrelay demo`) and the
 // etcd of the tests. It listens on loopback only.
 type Embedded struct {
-	e *embed.Etcd
+	e    *embed.Etcd
+	once sync.Once
 }
 
 // EmbeddedConfig configures StartEmbedded.
@@ -87,5 +89,5 @@ func (e *Embedded) Endpoints() []string {
 	return out
 }
 
-// Close stops the server and waits for it.
-func (e *Embedded) Close() { e.e.Close() }
+// Close stops the server and waits for it. It is idempotent.
+func (e *Embedded) Close() { e.once.Do(e.e.Close) }
