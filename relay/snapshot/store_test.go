@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"maps"
 	"slices"
-	"strings"
 	"testing"
 	"time"
 
@@ -455,7 +454,6 @@ func TestEtcdDownSaveDoesNotBlockAndCatchesUp(t *testing.T) {
 		t.Fatal(err)
 	}
 	endpoints := e.Endpoints()
-	addr := strings.TrimPrefix(endpoints[0], "http://")
 	s := storeFor(t, endpoints, "a", func(c *Config) { c.RequestTimeout = 300 * time.Millisecond })
 	v1 := []xds.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("v1")))}
 	s.Save("k", 0, v1)
@@ -480,7 +478,8 @@ func TestEtcdDownSaveDoesNotBlockAndCatchesUp(t *testing.T) {
 	if n, _ := s.Behind(); n != 1 {
 		t.Errorf("Behind() = %d keys while etcd is down, want 1", n)
 	}
-	e2, err := StartEmbedded(t.Context(), EmbeddedConfig{Dir: dir, ClientAddr: addr})
+	// The same directory: the same socket, so the store's endpoint.
+	e2, err := StartEmbedded(t.Context(), EmbeddedConfig{Dir: dir})
 	if err != nil {
 		t.Fatal(err)
 	}
