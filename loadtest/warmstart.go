@@ -7,7 +7,6 @@ import (
 	"io"
 	"os"
 	"slices"
-	"strings"
 	"time"
 
 	"github.com/meshrelay/meshrelay/loadtest/report"
@@ -177,7 +176,7 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 			return nil, fmt.Errorf("start etcd: %w", err)
 		}
 		defer stopServing(ctx, child, nil)
-		endpoints = []string{"http://" + child.Addr()}
+		endpoints = []string{child.Addr()} // its socket's URL
 	} else {
 		etcd, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: dir})
 		if err != nil {
@@ -398,15 +397,16 @@ func PrintWarmStart(w io.Writer, r *WarmStartReport) {
 }
 
 // RunEtcdChild is the main of an etcd child process: an embedded etcd with
-// its data in dir, on a loopback port it prints as "xds <addr>" (the
-// protocol StartChild waits for), until ctx ends or in reaches EOF.
+// its data in dir, on the unix socket in dir whose URL it prints as "xds
+// <url>" (the protocol StartChild waits for), until ctx ends or in reaches
+// EOF.
 func RunEtcdChild(ctx context.Context, dir string, in io.Reader, out io.Writer) error {
 	e, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: dir})
 	if err != nil {
 		return err
 	}
 	defer e.Close()
-	return serveChild(ctx, strings.TrimPrefix(e.Endpoints()[0], "http://"), in, out, nil)
+	return serveChild(ctx, e.Endpoints()[0], in, out, nil)
 }
 
 // ExecEtcd returns a WarmStartConfig.StartEtcd that runs path with args

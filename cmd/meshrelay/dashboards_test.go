@@ -73,7 +73,7 @@ func TestDashboardMetricsExist(t *testing.T) {
 	xds, admin, gossip := freeAddr(t), freeAddr(t), freeAddr(t)
 	args := []string{"--id", "dash", "--upstream", up.Addr(), "--xds-listen", xds, "--admin-listen", admin,
 		"--gossip-listen", gossip, "--drain-period", "10ms", "--log-level", "error",
-		"--etcd", "embedded", "--etcd-data-dir", filepath.Join(t.TempDir(), "etcd"), "--etcd-listen", "127.0.0.1:0"}
+		"--etcd", "embedded", "--etcd-data-dir", filepath.Join(t.TempDir(), "etcd")}
 	ctx, cancel := context.WithCancel(context.Background())
 	errs := make(chan error, 1)
 	go func() { errs <- serve(ctx, args) }()

@@ -46,6 +46,9 @@ func TestServeFlags(t *testing.T) {
 		{"bad etcd mode", []string{"--upstream", "x:1", "--etcd", "somewhere"}, `--etcd "somewhere"`},
 		{"external etcd without endpoints", []string{"--upstream", "x:1", "--etcd", "external"}, "needs --etcd-endpoints"},
 		{"embedded etcd and endpoints", []string{"--upstream", "x:1", "--etcd", "embedded", "--etcd-endpoints", "http://127.0.0.1:1"}, "exclude each other"},
+		{"embedded etcd on TCP without client certificates", []string{"--upstream", "x:1", "--etcd", "embedded", "--etcd-data-dir", "/nonexistent/etcd", "--etcd-listen", "127.0.0.1:2379"}, "set --etcd-listen-cert-file, --etcd-listen-key-file and --etcd-listen-client-ca-file"},
+		{"embedded etcd on TCP without a client CA", []string{"--upstream", "x:1", "--etcd", "embedded", "--etcd-data-dir", "/nonexistent/etcd", "--etcd-listen", "0.0.0.0:2379", "--etcd-listen-cert-file", "c", "--etcd-listen-key-file", "k"}, "--etcd-listen-client-ca-file"},
+		{"etcd listen with external etcd", []string{"--upstream", "x:1", "--etcd-endpoints", "http://127.0.0.1:1", "--etcd-listen", "127.0.0.1:2379"}, "not an external one"},
 		{"missing etcd CA", []string{"--upstream", "x:1", "--etcd-endpoints", "https://127.0.0.1:1", "--etcd-ca-file", "/nonexistent/ca.pem"}, "--etcd-ca-file"},
 		{"missing seal key", []string{"--upstream", "x:1", "--etcd-endpoints", "http://127.0.0.1:1", "--snapshot-seal-key-file", "/nonexistent/key"}, "seal key file"},
 		{"admin token in clear text", []string{"--upstream", "x:1", "--admin-token-file", "/dev/null"}, "need --admin-tls-cert"},
@@ -102,12 +105,20 @@ func TestServeWithEmbeddedEtcd(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
 	err := serve(ctx, []string{"--upstream", "127.0.0.1:1", "--xds-listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
-		"--gossip-listen", "", "--log-level", "error", "--etcd", "embedded", "--etcd-data-dir", dir, "--etcd-listen", "127.0.0.1:0"})
+		"--gossip-listen", "", "--log-level", "error", "--etcd", "embedded", "--etcd-data-dir", dir})
 	if err != nil {
 		t.Fatalf("serve = %v, want nil after the context ended", err)
 	}
 	if _, err := os.Stat(filepath.Join(dir, "member")); err != nil {
 		t.Errorf("the embedded etcd left no data in %s: %v", dir, err)
+	}
+	// It listened on a socket private to this user, and on no TCP port
+	// (--etcd-listen unset); the socket is gone once it stopped.
+	if fi, err := os.Stat(dir); err != nil || fi.Mode().Perm() != 0o700 {
+		t.Errorf("data directory: %v, mode %v; want 0700", err, fi.Mode().Perm())
+	}
+	if _, err := os.Stat(filepath.Join(dir, "etcd.sock")); !os.IsNotExist(err) {
+		t.Errorf("the socket outlived the embedded etcd: %v", err)
 	}
 }
 

@@ -1,19 +1,21 @@
 // Package redact hides what a config dump must not show: every field Envoy
 // marks sensitive, wherever in a resource it is, as Envoy's own
-// /config_dump does. The relay's config dumps (the admin API's
-// GetConfigDump, istiod's debug answers) pass every resource through Any.
+// /config_dump does. Which fields those are, relay/sensitive says: the
+// snapshot store seals the same ones at rest. The relay's config dumps (the
+// admin API's GetConfigDump, istiod's debug answers) pass every resource
+// through Any.
 package redact
 
 import (
 	"fmt"
-	"sync"
 
-	"github.com/cncf/xds/go/udpa/annotations"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
 	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	sensfield "github.com/meshrelay/meshrelay/relay/sensitive"
 )
 
 // redacted replaces what a config dump must not show.
@@ -57,7 +59,7 @@ func redactMessage(m protoreflect.Message, sensitive bool, depth int) error {
 		cleared []protoreflect.FieldDescriptor
 	)
 	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
-		s := sensitive || isSensitive(fd)
+		s := sensitive || sensfield.Field(fd)
 		valueKind := fd.Kind()
 		if fd.IsMap() {
 			valueKind = fd.MapValue().Kind()
@@ -99,20 +101,6 @@ func redactMessage(m protoreflect.Message, sensitive bool, depth int) error {
 		m.Clear(fd)
 	}
 	return err
-}
-
-// sensitiveFields caches isSensitive: reading an option's extension is not
-// cheap, and a dump asks it of every field of every resource.
-var sensitiveFields sync.Map // protoreflect.FieldDescriptor → bool
-
-// isSensitive reports whether Envoy marks fd sensitive.
-func isSensitive(fd protoreflect.FieldDescriptor) bool {
-	if v, ok := sensitiveFields.Load(fd); ok {
-		return v.(bool)
-	}
-	s := proto.GetExtension(fd.Options(), annotations.E_Sensitive).(bool)
-	sensitiveFields.Store(fd, s)
-	return s
 }
 
 // redactValue redacts one value of field fd: it returns the value to set

@@ -9,7 +9,11 @@
 //   - Resources are content-addressed (res/<sha256>) and shared by every
 //     key, so 100 keys that see the same 60,000 resources store them once.
 //     A body over 1 MiB is stored in parts (etcd refuses requests over
-//     1.5 MiB). Secrets are sealed with a key from a file, or not stored.
+//     1.5 MiB). Secrets, and every resource that sets a field Envoy marks
+//     sensitive anywhere in it (an inline TLS key in a Cluster's transport
+//     socket, say; relay/sensitive finds them), are sealed with a key from
+//     a file (AES-256-GCM, the content hash as additional data, so hashes
+//     stay those of the clear body), or not stored.
 //   - A key's index (name → content hash, per type) is a base, cut into
 //     content-defined chunks that identical views share, plus batch
 //     records: every flush (FlushInterval) writes one record of what

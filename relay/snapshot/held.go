@@ -71,10 +71,19 @@ func (s *Store) heldKey(id keyID, typeURL string, root ledger.Hash) string {
 // SaveHeld implements relay.HeldVersions: it keeps v (every value set), a
 // version a SotW client of key holds, and the bodies of bodies that this
 // store has not written itself (its snapshots' and earlier hand-overs'),
-// for heldTTL. A Secret is kept only sealed (SealKey), as in snapshots.
+// for heldTTL. As in snapshots, what must be sealed (a Secret, anything
+// that sets a sensitive field) is kept only sealed (SealKey): without a
+// key, a version that holds such a resource is not kept.
 func (s *Store) SaveHeld(ctx context.Context, key string, v xds.View, bodies []*xds.Resource) error {
-	if v.Type == secretType && s.sealer == nil {
-		return nil
+	if s.sealer == nil {
+		if v.Type == secretType {
+			return nil
+		}
+		for e := range v.Tree.All() {
+			if mustSeal(e.Value) {
+				return nil // as in snapshots: not without a seal key
+			}
+		}
 	}
 	ht := headType{Type: v.Type, Full: v.Full, Root: v.Tree.Root(), N: v.Tree.Len()}
 	chunks := map[ledger.Hash][]byte{}

@@ -436,7 +436,8 @@ func (s *Store) readResources(ctx context.Context, rev int64) (map[ledger.Hash]b
 
 // bodyOf returns the body of the resource record rr of hash h: joined from
 // parts if stored in parts, opened if sealed. ok is false if it does not
-// read back whole, or is a Secret stored in clear (never trusted).
+// read back whole, or is stored in clear while it must be sealed (a
+// Secret, or anything that sets a sensitive field: never trusted).
 func (s *Store) bodyOf(h ledger.Hash, rr resourceRecord, parts map[int][]byte) (b []byte, ok bool) {
 	b = rr.Body
 	if rr.Flags&flagParts != 0 {
@@ -458,7 +459,10 @@ func (s *Store) bodyOf(h ledger.Hash, rr resourceRecord, parts map[int][]byte) (
 			s.log.Warn("sealed resource does not open", "hash", h.String(), "err", err)
 			return nil, false
 		}
-	case rr.Type == secretType:
+	case mustSealBody(rr.Type, b):
+		// In clear, yet it must be sealed (written by a relay from before
+		// sensitive fields were sealed): not trusted, nor taken to be held,
+		// so that it is written again sealed, or not at all.
 		return nil, false
 	}
 	return b, true

@@ -23,6 +23,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/sensitive"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -49,9 +50,14 @@ type Config struct {
 	// writes are refused. Required.
 	Member string
 
-	// SealKey, if set (32 bytes), encrypts Secret resources (SDS private
-	// keys) with AES-256-GCM before they are written. If nil, Secrets are
-	// never persisted: their type is left out of every snapshot.
+	// SealKey, if set (32 bytes), encrypts with AES-256-GCM, before it is
+	// written, every resource that sets a field Envoy marks sensitive
+	// anywhere in it (udpa.annotations.sensitive: an SDS Secret, a Cluster
+	// with a private key inline in its TLS context, a listener's session
+	// ticket keys, …; relay/sensitive finds them) and every Secret. If nil,
+	// no such resource is persisted: Secrets are left out of every
+	// snapshot, and so is a key's view of any other type while it holds
+	// one (that type starts cold).
 	SealKey []byte
 
 	// FlushInterval is how long the writer gathers changes before writing:
@@ -224,6 +230,7 @@ type keyRec struct {
 	logCount    int                 // batch records since the base
 	logBytes    int                 // their bytes (this key's share)
 	baseBytes   int
+	unsealable  map[string]bool // types left out for want of a seal key (logged once)
 }
 
 // New validates cfg and connects to etcd (lazily: an unreachable etcd is
@@ -484,7 +491,25 @@ func (s *Store) addKnown(hs ...ledger.Hash) {
 	}
 }
 
+// mustSeal reports whether r may be written only sealed: a Secret, or a
+// resource that sets a field Envoy marks sensitive anywhere in it. What
+// cannot be checked (a type this binary does not know, a body that does
+// not parse) is taken to hold one.
+func mustSeal(r *xds.Resource) bool {
+	return mustSealBody(r.Type, r.Body.GetValue())
+}
+
+func mustSealBody(typeURL string, body []byte) bool {
+	if typeURL == secretType {
+		return true
+	}
+	found, err := sensitive.In(typeURL, body)
+	return found || err != nil
+}
+
 // persistable drops what is never written: Secrets without a seal key.
+// (prepare drops the views of other types that hold a resource that must
+// be sealed.)
 func (s *Store) persistable(views []xds.View) map[string]xds.View {
 	out := make(map[string]xds.View, len(views))
 	for _, v := range views {
@@ -577,7 +602,7 @@ func (s *Store) flush(ctx context.Context, jobs map[string]*job) map[string]erro
 func (s *Store) prepare(ctx context.Context, key string, j *job, fresh map[ledger.Hash]*xds.Resource) (*pend, error) {
 	rec := s.keys[key]
 	if rec == nil {
-		rec = &keyRec{persisted: map[string]xds.View{}}
+		rec = &keyRec{persisted: map[string]xds.View{}, unsealable: map[string]bool{}}
 		s.keys[key] = rec
 	}
 	if rec.deposed && j.term <= rec.deposedTerm {
@@ -599,27 +624,48 @@ func (s *Store) prepare(ctx context.Context, key string, j *job, fresh map[ledge
 		v := p.views[t]
 		old, had := rec.persisted[t]
 		lt := logType{Type: t, Full: v.Full, Root: v.Tree.Root()}
-		differs := false
+		differs, unsealable, size := false, "", 0
+		add := map[ledger.Hash]*xds.Resource{}
 		ledger.Diff(old.Tree, v.Tree, func(c ledger.Change[*xds.Resource]) bool {
 			differs = true
-			if c.New != nil && fresh[c.New.Hash] == nil && !s.isKnown(c.New.Hash) {
-				fresh[c.New.Hash] = c.New.Value
+			if c.New != nil && fresh[c.New.Hash] == nil && add[c.New.Hash] == nil && !s.isKnown(c.New.Hash) {
+				// Without a seal key, what must be sealed is not written,
+				// nor the view that holds it. (Everything in what etcd
+				// holds now was checked when it was written, so only what
+				// changed is checked.)
+				if s.sealer == nil && mustSeal(c.New.Value) {
+					unsealable = c.Name
+					return false
+				}
+				add[c.New.Hash] = c.New.Value
 			}
 			if p.base {
 				return true
 			}
 			if c.New == nil {
 				lt.Del = append(lt.Del, c.Name)
-				p.size += len(c.Name) + 2
+				size += len(c.Name) + 2
 			} else {
 				lt.Set = append(lt.Set, entry{Name: c.Name, Hash: c.New.Hash})
-				p.size += len(c.Name) + 34
+				size += len(c.Name) + 34
 			}
-			if p.size > logMaxBytes {
+			if p.size+size > logMaxBytes {
 				p.base = true // a change this large is cheaper as a base
 			}
 			return true
 		})
+		if unsealable != "" {
+			delete(p.views, t)
+			if !rec.unsealable[t] {
+				rec.unsealable[t] = true
+				s.log.Warn("not persisting a view: a resource in it holds a field Envoy marks sensitive and there is no seal key (--snapshot-seal-key-file)",
+					"key", key, "type", t, "resource", unsealable)
+			}
+			continue
+		}
+		delete(rec.unsealable, t)
+		maps.Copy(fresh, add)
+		p.size += size
 		if !had || differs || old.Full != v.Full {
 			p.changes = append(p.changes, lt)
 			p.size += 36
@@ -882,7 +928,10 @@ func (s *Store) putResources(ctx context.Context, rs map[ledger.Hash]*xds.Resour
 	for _, r := range rs { // one per content: prepare gathered them by hash
 		body := r.Body.GetValue()
 		rr := resourceRecord{Type: r.Type, Name: r.Name, Body: body}
-		if r.Type == secretType {
+		if mustSeal(r) {
+			if s.sealer == nil {
+				return fmt.Errorf("resource %s holds a sensitive field: not written without a seal key", r.Name)
+			}
 			sealed, err := s.sealer.seal(body, r.Hash)
 			if err != nil {
 				return err
