@@ -7,9 +7,6 @@ package peers
 
 import (
 	"context"
-	"crypto/hmac"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"sync"
 	"time"
@@ -39,15 +36,6 @@ const (
 	// divergence check moved, wherever they connect.
 	MDSplits = "x-meshrelay-splits-bin"
 )
-
-// Token proves a relay named id holds secret. Over plaintext it is
-// replayable by whoever can read the traffic, so it is as strong as the
-// transport (mTLS between relays makes it a second factor).
-func Token(secret []byte, id string) string {
-	m := hmac.New(sha256.New, secret)
-	m.Write([]byte("meshrelay-peer\x00" + id))
-	return hex.EncodeToString(m.Sum(nil))
-}
 
 // Pool holds the connections to the tier's other relays, by xDS
 // address, each dialled on first use and kept until Close; their calls
