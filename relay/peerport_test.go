@@ -73,7 +73,8 @@ func peerCalls(t *testing.T, r *Relay, conn *grpc.ClientConn) map[string]error {
 
 // The peer port with mTLS admits relays by their certificate alone: a
 // process that holds the tier's secret (the gossip key) but not a
-// certificate naming the tier cannot subscribe to a key, read the ledger or inspect, there or on the
+// certificate naming the tier (none, or one of another identity or CA)
+// cannot subscribe to a key, read the ledger or inspect, there or on the
 // xDS port; Envoys are not served on it.
 func TestPeerPortMTLS(t *testing.T) {
 	up := newTestUpstream(t, "ns1")
@@ -100,6 +101,7 @@ func TestPeerPortMTLS(t *testing.T) {
 	}
 	_, wrongID := peerTLS(t, tierCA, tierCA, "spiffe://cluster.local/ns/istio-system/sa/intruder")
 	_, wrongRoot := peerTLS(t, otherCA, tierCA, tierID)
+	noCert := withoutCertificate(good)
 	for _, tc := range []struct {
 		name string
 		conn *grpc.ClientConn
@@ -108,6 +110,7 @@ func TestPeerPortMTLS(t *testing.T) {
 		{"tier certificate", dialWith(peerAddr, good), codes.OK},
 		{"certificate of another identity", dialWith(peerAddr, wrongID), codes.Unavailable},
 		{"certificate of another root", dialWith(peerAddr, wrongRoot), codes.Unavailable},
+		{"TLS without a certificate", dialWith(peerAddr, noCert), codes.Unavailable},
 		{"no TLS", dialWith(peerAddr, nil), codes.Unavailable},
 		{"secret alone, on the xDS port", dialWith(r.Addr().String(), nil), codes.PermissionDenied},
 	} {
@@ -128,4 +131,11 @@ func TestPeerPortMTLS(t *testing.T) {
 	if status.Code(err) != codes.PermissionDenied {
 		t.Fatalf("Envoy stream on the peer port: %v, want PermissionDenied", err)
 	}
+}
+
+// withoutCertificate returns tc presenting no client certificate.
+func withoutCertificate(tc *tls.Config) *tls.Config {
+	tc = tc.Clone()
+	tc.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return new(tls.Certificate), nil }
+	return tc
 }

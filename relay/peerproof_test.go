@@ -2,20 +2,24 @@ package relay
 
 import (
 	"context"
+	"crypto/tls"
 	"testing"
 	"time"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/ledger/ledgerpb"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/auth/authtest"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
 	"github.com/meshrelay/meshrelay/relay/peers"
+	"github.com/meshrelay/meshrelay/relay/tlsfiles"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -142,4 +146,58 @@ func TestPeerProofNotReplayable(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestPeerPortWantsAVerifiedCertificate: whatever Tier.TLS asks of
+// clients, a relay-to-relay call on the peer port is refused unless it
+// came with a client certificate the handshake verified: a config that
+// only requests one, or verifies one only if given, admits no call
+// without one, nor with one nothing checked (real TLS over loopback).
+func TestPeerPortWantsAVerifiedCertificate(t *testing.T) {
+	up := newTestUpstream(t, "ns1")
+	seed(up, "ns1", 2)
+	tierCA, otherCA := authtest.NewCA(t, "tier root"), authtest.NewCA(t, "other root")
+	_, good := peerTLS(t, tierCA, tierCA, tierID)
+	_, wrongRoot := peerTLS(t, otherCA, tierCA, tierID)
+	noCert := withoutCertificate(good)
+	cert, key := tierCA.Issue(t, authtest.Leaf{URIs: []string{tierID}}).Write(t, "")
+	pair, err := tlsfiles.LoadKeyPair(cert, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots, err := tlsfiles.LoadCAPool(tierCA.WriteRoot(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name   string
+		server *tls.Config
+		client *tls.Config
+		want   codes.Code
+	}{
+		{"requested, none given", tlsfiles.ServerConfig(pair, roots, tls.RequestClientCert), noCert, codes.Unauthenticated},
+		{"requested, another CA's given", tlsfiles.ServerConfig(pair, roots, tls.RequestClientCert), wrongRoot, codes.Unauthenticated},
+		{"verified if given, none given", tlsfiles.ServerConfig(pair, roots, tls.VerifyClientCertIfGiven), noCert, codes.Unauthenticated},
+		{"verified if given, another CA's given", tlsfiles.ServerConfig(pair, roots, tls.VerifyClientCertIfGiven), wrongRoot, codes.Unavailable},
+		{"verified if given, the tier's given", tlsfiles.ServerConfig(pair, roots, tls.VerifyClientCertIfGiven), good, codes.OK},
+		{"not requested", tlsfiles.ServerConfig(pair, nil, tls.NoClientCert), good, codes.Unauthenticated},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := startRelay(t, up, func(c *Config) {
+				c.Tier.Listen = "127.0.0.1:0"
+				c.Tier.TLS = tc.server
+				c.Tier.Secret = []byte("the tier's secret") // no help on the peer port
+			})
+			conn, err := grpc.NewClient(r.peerLis.Addr().String(), grpc.WithTransportCredentials(credentials.NewTLS(tc.client)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			for call, err := range peerCalls(t, r, conn) {
+				if got := status.Code(err); got != tc.want && !(tc.want == codes.OK && call == "inspect" && got == codes.NotFound) {
+					t.Errorf("%s: %v (%s), want %s", call, err, got, tc.want)
+				}
+			}
+		})
+	}
 }

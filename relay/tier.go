@@ -10,7 +10,9 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/ledger"
@@ -87,11 +89,11 @@ func (r *Relay) identifyPeer(ctx context.Context, p port) (*peerIdentity, error)
 }
 
 // provePeer checks that a stream or call (what) on port p that names
-// itself relay id is one: by the peer port's mTLS handshake, else by a
-// proof of the tier's peer secret in md (fresh, never seen before, for
-// this method and key: peers.Verifier), else (no secret) by the network,
-// but never on the authenticating TLS port, where believing it would skip
-// authentication.
+// itself relay id is one: by the client certificate of the peer port's
+// mTLS handshake, else by a proof of the tier's peer secret in md (fresh,
+// never seen before, for this method and key: peers.Verifier), else (no
+// secret) by the network, but never on the authenticating TLS port, where
+// believing it would skip authentication.
 //
 // Every relay of a tier presents the tier's one certificate (one SPIFFE
 // ID, auth.PeerTLS) and holds the one secret, so neither names a relay:
@@ -101,6 +103,10 @@ func (r *Relay) identifyPeer(ctx context.Context, p port) (*peerIdentity, error)
 func (r *Relay) provePeer(ctx context.Context, md metadata.MD, p port, id, what string) error {
 	switch {
 	case r.peerProvenByTLS(p):
+		if err := r.peerCertified(ctx); err != nil {
+			r.refusePeer(ctx, what, id, err)
+			return status.Errorf(codes.Unauthenticated, "%s: %v", what, err)
+		}
 		return nil
 	case r.unprovenPeer(p):
 		r.metrics.authFailures.WithLabelValues("unproven_peer").Inc()
@@ -122,6 +128,29 @@ func (r *Relay) provePeer(ctx context.Context, md metadata.MD, p port, id, what 
 }
 
 var errPeerProofs = errors.New("want one peer proof (" + peers.MDAuth + ")")
+
+// peerCertified checks that a call on the mTLS peer port came with a
+// client certificate that Tier.TLS verified: whatever that config asks of
+// clients, a call without one, or with one nothing checked, is no relay's.
+// Verified means a chain the handshake built, or a verification callback
+// on Tier.TLS (auth.PeerTLS's checks the chain and the SPIFFE ID there).
+func (r *Relay) peerCertified(ctx context.Context) error {
+	pr, ok := peer.FromContext(ctx)
+	if !ok {
+		return errNoPeerCert
+	}
+	ti, ok := pr.AuthInfo.(credentials.TLSInfo)
+	if !ok || len(ti.State.PeerCertificates) == 0 {
+		return errNoPeerCert
+	}
+	tc := r.cfg.Tier.TLS
+	if len(ti.State.VerifiedChains) == 0 && tc.VerifyConnection == nil && tc.VerifyPeerCertificate == nil {
+		return errors.New("the peer port's TLS config verified no client certificate (Tier.TLS: use auth.PeerTLS)")
+	}
+	return nil
+}
+
+var errNoPeerCert = errors.New("no client certificate: relays present the tier's")
 
 // refusePeer logs, rate-limited, a relay-to-relay call refused for its
 // proof. The proof itself is never logged.
