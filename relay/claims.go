@@ -9,7 +9,6 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
@@ -348,7 +347,7 @@ func (r *Relay) loadHeld(ctx context.Context, req *inspectpb.VersionRequest, roo
 func (r *Relay) askVersion(ctx context.Context, addrs []string, req *inspectpb.VersionRequest, root ledger.Hash) (t ledger.Tree[*xds.Resource], ok, definite bool) {
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.Tier.GatherTimeout)
 	defer cancel()
-	ctx = metadata.AppendToOutgoingContext(ctx, r.peerMetadata()...)
+	ctx = r.asPeer(ctx)
 	type answer struct {
 		t   ledger.Tree[*xds.Resource]
 		err error

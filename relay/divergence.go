@@ -424,7 +424,7 @@ func (r *Relay) askCheck(ctx context.Context, addr string, key aggkey.Key, node 
 	}
 	ctx, cancel := context.WithTimeout(ctx, divergenceCheckFor+r.cfg.Tier.GatherTimeout)
 	defer cancel()
-	ctx = metadata.AppendToOutgoingContext(ctx, r.peerMetadata()...)
+	ctx = r.asPeer(ctx)
 	var md metadata.MD
 	res, err := inspectpb.NewInspectClient(conn).CheckMember(ctx, &inspectpb.CheckMemberRequest{Key: string(key), Node: b}, grpc.Header(&md))
 	if v := md.Get(peers.MDSplits); len(v) == 1 {

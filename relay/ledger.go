@@ -176,7 +176,7 @@ func gather[T any](ctx context.Context, r *Relay, call func(context.Context, *gr
 	}
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.Tier.GatherTimeout)
 	defer cancel()
-	ctx = metadata.AppendToOutgoingContext(ctx, r.peerMetadata()...)
+	ctx = r.asPeer(ctx)
 	return peers.Gather(ctx, r.pool, r.cfg.Tier.Peers.PeerAddrs(), call)
 }
 
@@ -199,7 +199,7 @@ func (r *Relay) checkPeerCall(ctx context.Context, p port, service string) error
 	if err := r.checkPort(p, true); err != nil {
 		return err
 	}
-	return r.provePeer(md, p, ids[0], service+" exchange")
+	return r.provePeer(ctx, md, p, ids[0], service+" exchange")
 }
 
 func (s ledgerServer) GetSummary(ctx context.Context, req *ledgerpb.SummaryRequest) (*ledgerpb.Summary, error) {

