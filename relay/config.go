@@ -398,8 +398,10 @@ type TierConfig struct {
 	// ShedRate bounds the Envoy streams moved away per second when
 	// balancing. Default 20.
 	ShedRate float64
-	// Secret authenticates relay-to-relay streams (an HMAC of the calling
-	// relay's ID). Every relay of a tier needs the same one. Empty: a
+	// Secret authenticates relay-to-relay calls without mTLS: each
+	// carries a proof good for that call once, for two minutes (an HMAC
+	// of the calling relay's ID, the method, the key, the time and a
+	// nonce: relay/peers.Prover). Every relay of a tier needs the same one. Empty: a
 	// stream that names itself a peer is believed (a trusted network).
 	// Never logged.
 	Secret []byte
@@ -532,7 +534,7 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.XDS.Authenticator != nil && cfg.Tier.Owners != nil && cfg.Tier.TLS == nil && !cfg.Tier.InsecureForDevelopment {
 		bad("Tier.TLS", "is nil in a tier while the xDS port authenticates: relays would prove themselves to each other "+
-			"by a replayable token on a port without TLS, and whoever claims to be one would be served every key's config, "+
+			"by an HMAC proof on a port without TLS, which whoever is on the path can read and forward, and whoever claims to be one would be served every key's config, "+
 			"secrets included; set it (--peer-listen with --peer-tls-cert, --peer-tls-key and --peer-tls-ca), or, for "+
 			"development only, Tier.InsecureForDevelopment (--insecure-tier-for-development)")
 	}

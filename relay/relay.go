@@ -391,7 +391,7 @@ func (r *Relay) Start(ctx context.Context) error {
 	case peerLis != nil && r.cfg.Tier.TLS != nil:
 		r.log.Info("relay-to-relay traffic on the peer port, authenticated by mTLS")
 	case len(r.cfg.Tier.Secret) > 0:
-		r.log.Warn("relay-to-relay traffic authenticated only by the HMAC of the peer secret (no peer certificate): replayable by whoever reads it")
+		r.log.Warn("relay-to-relay traffic authenticated only by proofs of the peer secret (no peer certificate): each good for one call, but the calls are in clear and whoever is on the path can take them over")
 	default:
 		r.log.Warn("relay-to-relay traffic not authenticated (no peer certificate, no peer secret): any stream may claim to be a relay")
 	}
