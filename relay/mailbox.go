@@ -91,8 +91,9 @@ const budgetFloor = 64 << 10
 // decode and apply at once (XDS.RequestBudgetBytes): a Delta reconnect
 // decodes its initial_resource_versions into a map several times its
 // size, and a thousand of them at once would hold that many times over.
-// A stream's reader takes a request's bytes before it queues it and gives
-// them back once it is handled; a request that finds the budget spent
+// A stream's handler takes a request's bytes before it decodes it and
+// gives them back once it is applied, before writing to any client (serve),
+// so the budget always comes back. A request that finds the budget spent
 // waits, first come first served (x/sync's semaphore), and its client
 // sends no more than its flow-control window meanwhile. Safe for
 // concurrent use.

@@ -69,23 +69,25 @@ func TestServeFloodEndsStream(t *testing.T) {
 	}
 }
 
-// TestServeByteBudget: large requests queued without the relay getting to
-// them end the stream long before the count limit.
+// TestServeByteBudget: requests queued without the relay getting to them
+// end the stream once they pass maxQueuedBytes, long before the count
+// limit. (They are under budgetFloor: a larger one stops the reading until
+// it is handled.)
 func TestServeByteBudget(t *testing.T) {
 	r := newTestRelay(t)
 	s := r.newStream(context.Background(), false, portPlain)
 	stuck := make(chan struct{})
 	var read atomic.Int32
 	recv := func() (int, error) { read.Add(1); return 1, nil }
-	size := func(int) int { return 1 << 20 } // every request 1 MiB
+	size := func(int) int { return budgetFloor / 2 } // every request 32 KiB
 	done := make(chan error, 1)
 	go func() { done <- serve(s, recv, size, func(int) error { <-stuck; return nil }, nil) }()
-	waitFor(t, "the byte budget to overflow", func() bool { return read.Load() > maxQueuedBytes>>20 })
+	waitFor(t, "the byte budget to overflow", func() bool { return read.Load() > maxQueuedBytes/(budgetFloor/2) })
 	close(stuck)
 	err := <-done
 	// The handler may have taken a batch before it got stuck; the queue
 	// behind it held at most the byte budget, far below the count limit.
 	if status.Code(err) != codes.ResourceExhausted || read.Load() >= maxQueuedRequests {
-		t.Fatalf("serve = %v after %d requests of 1 MiB, want ResourceExhausted from the %d MiB budget", err, read.Load(), maxQueuedBytes>>20)
+		t.Fatalf("serve = %v after %d requests of 32 KiB, want ResourceExhausted from the %d MiB bound", err, read.Load(), maxQueuedBytes>>20)
 	}
 }

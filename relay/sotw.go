@@ -161,31 +161,27 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 			s.log.Debug("stream ended", "code", code, "err", err)
 		}
 	}()
-	// A request holds its bytes of the relay's budget from when it is read
-	// until it is handled (or dropped).
-	type taken struct {
-		req   Req
-		bytes int64
-	}
 	if sizeOf == nil {
 		sizeOf = func(Req) int { return 0 }
 	}
-	reqs := newMailbox(maxQueuedRequests, maxQueuedBytes, func(t taken) int { return sizeOf(t.req) })
+	reqs := newMailbox(maxQueuedRequests, maxQueuedBytes, sizeOf)
 	if release == nil {
 		release = func(Req) {}
 	}
-	drop := func(t taken) {
-		release(t.req)
-		s.r.budget.put(t.bytes)
-	}
-	// Requests never handled give their buffers and bytes back; once the
-	// mailbox is closed, the reader drops what it reads itself.
+	// Requests never handled give their buffers back; once the mailbox is
+	// closed, the reader releases what it reads itself.
 	defer func() {
 		reqs.close()
-		for _, t := range reqs.take() {
-			drop(t)
+		for _, req := range reqs.take() {
+			release(req)
 		}
 	}()
+	// A large request (budgetFloor and more) is handled under the relay's
+	// budget: the handler takes its bytes, decodes and applies it, and
+	// gives them back before it writes to anyone, so a client that does
+	// not read holds none of it. Meanwhile the reader reads nothing more
+	// from the client, so it has one large request in hand at most.
+	largeDone := make(chan struct{}, 1)
 	// A stream lasts as long as the credential it was admitted with: at
 	// its expiry the client reconnects with the one it has refreshed
 	// (nothing is sent again: versions are content). One admitted inside
@@ -204,14 +200,9 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 				errc <- err
 				return
 			}
-			n, err := s.r.budget.take(s.ctx, sizeOf(req))
-			if err != nil {
+			large := sizeOf(req) >= budgetFloor
+			if !reqs.put(req) {
 				release(req)
-				errc <- err
-				return
-			}
-			if !reqs.put(taken{req, n}) {
-				drop(taken{req, n})
 				if reqs.isClosed() {
 					return
 				}
@@ -219,18 +210,33 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 					maxQueuedRequests, maxQueuedBytes>>20)
 				return
 			}
+			if large {
+				select {
+				case <-largeDone:
+				case <-s.ctx.Done():
+					return
+				}
+			}
 		}
 	}()
 	for {
 		select {
 		case <-reqs.ready:
 			batch := reqs.take()
-			for i, t := range batch {
-				err := handle(t.req)
-				s.r.budget.put(t.bytes)
+			for i, req := range batch {
+				n, err := s.r.budget.take(s.ctx, sizeOf(req))
+				if err == nil {
+					err = handle(req)
+					s.r.budget.put(n)
+				} else {
+					release(req)
+				}
+				if n > 0 {
+					largeDone <- struct{}{}
+				}
 				if err != nil {
 					for _, rest := range batch[i+1:] {
-						drop(rest)
+						release(rest)
 					}
 					return err
 				}
