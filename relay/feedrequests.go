@@ -56,7 +56,8 @@ func versionTreeOf(view ledger.Tree[*xds.Resource], version func(ledger.Hash) st
 func versionHash(v string) ledger.Hash { return ledger.HashBytes([]byte(v)) }
 
 // desired computes what to ask the upstream for, by type: what the member
-// streams subscribe to, plus the names the key's views point at.
+// streams subscribe to, plus the names the key's views point at, less the
+// unknown names past maxUnknownNames (boundUnknown).
 func (u *feed) desired() map[string]subscription {
 	want := u.k.wanted()
 	for typeURL, names := range u.derived {
@@ -67,7 +68,54 @@ func (u *feed) desired() map[string]subscription {
 		w.names = w.names.With(slices.Collect(maps.Keys(names)), nil)
 		want[typeURL] = w
 	}
+	snap := u.k.views.Load()
+	for typeURL, w := range want {
+		var view ledger.Tree[*xds.Resource]
+		if ts := snap.Types[typeURL]; ts != nil {
+			view = ts.View
+		}
+		w.names = boundUnknown(w.names, view, u.derived[typeURL])
+		want[typeURL] = w
+	}
 	return want
+}
+
+// maxUnknownNames bounds, per type, the names a key asks its source for
+// that neither its views hold nor its other views point at: names a
+// client made up (or holds from config the key no longer has). Envoy asks
+// for endpoints and routes its clusters and listeners name, which the
+// key's views point at; a client that invents a million names does not
+// make the key's stream to istiod ask for them. The names past the bound
+// are not asked and stay missing to the clients that want them (absent
+// after XDS.ResourceWaitTimeout). Those the source answers become known,
+// so a type whose names nothing points at (secrets by name, say) is asked
+// for the next ones as answers come.
+const maxUnknownNames = 10_000
+
+// boundUnknown returns names less the unknown ones (not in view, not in
+// derived) past the first maxUnknownNames, in name order; names itself if
+// none goes.
+func boundUnknown(names xds.NameSet, view ledger.Tree[*xds.Resource], derived map[string]int) xds.NameSet {
+	if len(names) <= maxUnknownNames {
+		return names
+	}
+	unknown := 0
+	var drop []string
+	for _, n := range names {
+		if _, ok := derived[n]; ok {
+			continue
+		}
+		if _, ok := view.Get(n); ok {
+			continue
+		}
+		if unknown++; unknown > maxUnknownNames {
+			drop = append(drop, n)
+		}
+	}
+	if len(drop) == 0 {
+		return names
+	}
+	return names.With(nil, drop)
 }
 
 // resubscribe sends a request for every type whose subscription differs from

@@ -5,6 +5,8 @@ import (
 	"crypto/sha256"
 	"fmt"
 	"io"
+	"maps"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -200,4 +202,73 @@ func TestRequestBudgetConfig(t *testing.T) {
 	if _, err := New(cfg); err == nil || !strings.Contains(err.Error(), "XDS.RequestBudgetBytes") {
 		t.Fatalf("New = %v, want an error naming XDS.RequestBudgetBytes", err)
 	}
+}
+
+// TestKeyDoesNotAskForInventedNames: a client of a key subscribes to the
+// endpoints of the key's one cluster and 30,000 names it made up. The
+// key's stream to the upstream asks for the cluster's and at most
+// maxUnknownNames of the others; the client gets its cluster's endpoints,
+// and so does another client of the key.
+func TestKeyDoesNotAskForInventedNames(t *testing.T) {
+	for _, proto := range []Protocol{ProtocolSotW, ProtocolDelta} {
+		t.Run(string(proto), func(t *testing.T) {
+			up := newTestUpstream(t, "ns")
+			seed(up, "ns", 1)
+			r := startRelay(t, up, func(c *Config) { c.Upstream.Protocol = proto })
+			conn := dial(t, r.Addr().String())
+			invented := []string{"c0"}
+			for i := range 30_000 {
+				invented = append(invented, fmt.Sprint("made-up-", i))
+			}
+			c := newRawClient(t, conn, false, node("ns", "w", 0))
+			c.subscribe(xds.TypeCluster)
+			c.ack(c.recvSotW(xds.TypeCluster))
+			c.subscribe(xds.TypeEndpoint, invented...)
+			if got := names(c.recvSotW(xds.TypeEndpoint)); !slices.Equal(got, []string{"c0"}) {
+				t.Fatalf("the inventing client got endpoints %v, want [c0]", got)
+			}
+			other := newRawClient(t, conn, true, node("ns", "w", 1))
+			other.subscribe(xds.TypeEndpoint, "c0")
+			if got := names(other.recvDelta(xds.TypeEndpoint)); !slices.Equal(got, []string{"c0"}) {
+				t.Fatalf("another client of the key got endpoints %v, want [c0]", got)
+			}
+			asked := upstreamEndpointNames(up)
+			if !asked["c0"] || len(asked) > 1+maxUnknownNames {
+				t.Fatalf("the key asked the upstream for %d endpoint names (c0: %v), want c0 and at most %d more", len(asked), asked["c0"], maxUnknownNames)
+			}
+		})
+	}
+}
+
+// upstreamEndpointNames is the largest set of endpoint names the upstream
+// was asked for at once: a SotW request's, or a Delta stream's
+// subscriptions added up.
+func upstreamEndpointNames(up *testUpstream) map[string]bool {
+	up.mu.Lock()
+	defer up.mu.Unlock()
+	most := map[string]bool{}
+	for _, r := range up.sotwReqs {
+		if r.GetTypeUrl() == xds.TypeEndpoint && len(r.GetResourceNames()) > len(most) {
+			most = map[string]bool{}
+			for _, n := range r.GetResourceNames() {
+				most[n] = true
+			}
+		}
+	}
+	delta := map[string]bool{}
+	for _, r := range up.deltaReq {
+		if r.GetTypeUrl() != xds.TypeEndpoint {
+			continue
+		}
+		for _, n := range r.GetResourceNamesSubscribe() {
+			delta[n] = true
+		}
+		if len(delta) > len(most) {
+			most = maps.Clone(delta)
+		}
+		for _, n := range r.GetResourceNamesUnsubscribe() {
+			delete(delta, n)
+		}
+	}
+	return most
 }
