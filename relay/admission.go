@@ -25,6 +25,7 @@ type caller struct {
 	relay    *peerIdentity
 	identity *auth.Identity
 	cred     *credential // kept to present upstream (ForwardCredentials)
+	share    string      // whom its admission and its share of streams count to (admissionID); "" for a relay
 }
 
 // admit decides whether a new downstream stream may start: not while the
@@ -63,7 +64,32 @@ func (r *Relay) admit(ctx context.Context, p port) (caller, error) {
 			return caller{}, status.Errorf(codes.ResourceExhausted, "relay admits %v new streams a second, shared by identity, and this one's turn did not come: retry", r.cfg.XDS.AdmitRate)
 		}
 	}
-	return caller{identity: id, cred: r.forwardable(ctx, false, id)}, nil
+	return caller{identity: id, cred: r.forwardable(ctx, false, id), share: admissionID(ctx, id)}, nil
+}
+
+// openStream starts the stream an admitted caller opened, counted, for
+// an Envoy, in its identity's share of XDS.MaxStreams (streamShares); a
+// stream evicted to make room ends once its version is handed over.
+func (r *Relay) openStream(ctx context.Context, delta bool, p port, who caller) (*stream, error) {
+	s := r.newStream(ctx, delta, p)
+	s.peerRelay, s.identity, s.cred = who.relay, who.identity, who.cred
+	if who.relay != nil {
+		return s, nil
+	}
+	evicted, err := r.shares.join(s, who.share)
+	if err != nil {
+		r.metrics.refused.WithLabelValues("share").Inc()
+		return nil, status.Errorf(codes.ResourceExhausted, "relay serves %d streams at most, and this identity holds its share of them: retry", r.cfg.XDS.MaxStreams)
+	}
+	if evicted != nil {
+		if !r.goRun(func(ctx context.Context) {
+			r.handOver(ctx, evicted)
+			close(evicted.evict)
+		}) {
+			close(evicted.evict)
+		}
+	}
+	return s, nil
 }
 
 // admissionID is whom a stream's admission is shared by: its proven
@@ -282,4 +308,91 @@ func (f *fairAdmission) grantNext() {
 	} else {
 		delete(f.queues, who)
 	}
+}
+
+// streamShares bounds the Envoy streams a relay serves at once
+// (XDS.MaxStreams) and shares them by identity: at the bound, a stream
+// of an identity holding less than its share (the bound over the
+// identities that hold streams) is admitted and the newest stream of the
+// identity holding the most, over its share, is evicted (Unavailable: its
+// client reconnects, here or to another relay); a stream of an identity
+// at its share is refused. So a workload that opens streams without end
+// holds at most the bound, and down to its share as others come. Peers are
+// not counted. Safe for concurrent use.
+type streamShares struct {
+	max int
+
+	mu    sync.Mutex
+	by    map[string]map[*stream]uint64 // identity → its streams → when they joined
+	of    map[*stream]string
+	seq   uint64
+	total int
+}
+
+func newStreamShares(max int) *streamShares {
+	return &streamShares{max: max, by: make(map[string]map[*stream]uint64), of: make(map[*stream]string)}
+}
+
+var errOverShare = errors.New("identity holds its share of the relay's streams")
+
+// join counts s as who's. At the bound it evicts a stream of the identity
+// most over its share, returned for the caller to end, or refuses s with
+// errOverShare.
+func (sh *streamShares) join(s *stream, who string) (evicted *stream, err error) {
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if sh.max > 0 && sh.total >= sh.max {
+		identities := len(sh.by)
+		if _, ok := sh.by[who]; !ok {
+			identities++
+		}
+		share := max(1, sh.max/identities)
+		if len(sh.by[who])+1 > share {
+			return nil, errOverShare
+		}
+		var most string
+		for id, streams := range sh.by {
+			if id != who && len(streams) > len(sh.by[most]) {
+				most = id
+			}
+		}
+		if len(sh.by[most]) <= share {
+			return nil, errOverShare
+		}
+		var newest uint64
+		for st, at := range sh.by[most] {
+			if at >= newest {
+				evicted, newest = st, at
+			}
+		}
+		sh.leaveLocked(evicted)
+	}
+	if sh.by[who] == nil {
+		sh.by[who] = make(map[*stream]uint64)
+	}
+	sh.seq++
+	sh.by[who][s] = sh.seq
+	sh.of[s] = who
+	sh.total++
+	return evicted, nil
+}
+
+// leave forgets s (once: an evicted stream was forgotten as it was).
+func (sh *streamShares) leave(s *stream) {
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	sh.leaveLocked(s)
+}
+
+func (sh *streamShares) leaveLocked(s *stream) {
+	who, ok := sh.of[s]
+	if !ok {
+		return
+	}
+	delete(sh.of, s)
+	delete(sh.by[who], s)
+	if len(sh.by[who]) == 0 {
+		delete(sh.by, who)
+	}
+	sh.total--
 }

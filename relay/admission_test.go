@@ -84,3 +84,48 @@ func TestFairAdmissionBounds(t *testing.T) {
 		}
 	})
 }
+
+// TestStreamSharesByIdentity: at the bound, a newcomer's streams evict
+// the newest of the identity most over its share, until each holds its
+// share; past its share an identity is refused.
+func TestStreamSharesByIdentity(t *testing.T) {
+	r := newTestRelay(t)
+	sh := newStreamShares(10)
+	open := func(who string) (*stream, *stream, error) {
+		s := r.newStream(context.Background(), false, portPlain)
+		evicted, err := sh.join(s, who)
+		return s, evicted, err
+	}
+	var flood []*stream
+	for range 10 {
+		s, evicted, err := open("flood")
+		if err != nil || evicted != nil {
+			t.Fatalf("flood stream under the bound: evicted %v, err %v", evicted, err)
+		}
+		flood = append(flood, s)
+	}
+	for i := range 5 {
+		_, evicted, err := open("good")
+		if err != nil {
+			t.Fatalf("good stream %d: %v", i, err)
+		}
+		if want := flood[len(flood)-1-i]; evicted != want {
+			t.Fatalf("good stream %d evicted %v, want the flood's newest but %d", i, evicted, i)
+		}
+	}
+	if _, _, err := open("good"); err != errOverShare {
+		t.Fatalf("good's sixth stream (share 5): %v, want errOverShare", err)
+	}
+	if _, _, err := open("flood"); err != errOverShare {
+		t.Fatalf("flood's sixth stream (share 5): %v, want errOverShare", err)
+	}
+	// A third identity: share 3, taken from whoever holds the most.
+	if _, evicted, err := open("third"); err != nil || evicted == nil {
+		t.Fatalf("third identity's stream: evicted %v, err %v", evicted, err)
+	}
+	sh.leave(flood[0])
+	sh.leave(flood[0]) // twice: counted once
+	if sh.total != 9 || len(sh.by["flood"])+len(sh.by["good"])+len(sh.by["third"]) != 9 {
+		t.Fatalf("after a stream left: total %d, by %v", sh.total, sh.by)
+	}
+}

@@ -15,9 +15,11 @@ import (
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
@@ -289,5 +291,46 @@ func TestTLSPortStreamEndsWhenItsTokenExpires(t *testing.T) {
 	fresh := e.issuer.Sign(t, authtest.Token{Namespace: "ns1", ServiceAccount: "app"})
 	if _, err := openWith(conn, metadata.Pairs("authorization", "Bearer "+fresh), true); err != nil {
 		t.Fatalf("reconnect with a fresh token: %v", err)
+	}
+}
+
+// A workload that opens streams up to the relay's bound holds them until
+// another identity comes: its newest stream gives way (Unavailable), the
+// other is served, and the workload's next stream is refused.
+func TestStreamBoundSharedByIdentity(t *testing.T) {
+	up := newTestUpstream(t, "ns")
+	seed(up, "ns", 1)
+	r := startRelay(t, up, func(c *Config) { c.XDS.MaxStreams = 4 })
+	from := func(src string) *grpc.ClientConn {
+		d := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(src)}}
+		conn, err := grpc.NewClient(r.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
+			grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) { return d.DialContext(ctx, "tcp", addr) }))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { conn.Close() })
+		return conn
+	}
+	flood, good := from("127.0.0.2"), from("127.0.0.1")
+	var floods []*rawClient
+	for i := range 4 {
+		c := newRawClient(t, flood, true, node("ns", "flood", i))
+		c.subscribe(xds.TypeCluster)
+		c.recvDelta(xds.TypeCluster)
+		floods = append(floods, c)
+	}
+	g := newRawClient(t, good, true, node("ns", "good", 0))
+	g.subscribe(xds.TypeCluster)
+	g.recvDelta(xds.TypeCluster)
+	if err := floods[3].streamErr(); status.Code(err) != codes.Unavailable {
+		t.Fatalf("the flood's newest stream ended with %v, want Unavailable", err)
+	}
+	again := newRawClient(t, flood, true, node("ns", "flood", 9))
+	again.subscribe(xds.TypeCluster)
+	if err := again.streamErr(); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("the flood's stream past its share ended with %v, want ResourceExhausted", err)
+	}
+	if got := testutil.ToFloat64(r.metrics.shed.WithLabelValues("share")); got != 1 {
+		t.Fatalf("moved{share} = %v, want 1", got)
 	}
 }

@@ -213,6 +213,14 @@ type XDSConfig struct {
 	AdmitBurst int
 	// AdmitWait is how long a stream may wait for its turn. Default 3s.
 	AdmitWait time.Duration
+	// MaxStreams bounds the Envoy streams the relay serves at once,
+	// shared by identity as AdmitRate is: at the bound, a stream of an
+	// identity under its share (MaxStreams over the identities holding
+	// streams) evicts the newest of the identity most over its share
+	// (Unavailable: it reconnects), and one at its share is refused with
+	// ResourceExhausted. Relay-to-relay streams are not counted. Default
+	// 50,000; 0: no bound.
+	MaxStreams int
 	// WarmWait is how long a new stream waits for a relay that has not yet
 	// reached its upstream before it is refused with Unavailable (istiod
 	// refuses streams until its caches are synced). Default 2s. Negative:
@@ -238,6 +246,7 @@ func DefaultXDSConfig() XDSConfig {
 		AdmitRate:               100,
 		AdmitBurst:              200,
 		AdmitWait:               3 * time.Second,
+		MaxStreams:              50_000,
 		WarmWait:                2 * time.Second,
 	}
 }
@@ -564,6 +573,9 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.Keys.KeepDroppedBytes < 0 {
 		bad("Keys.KeepDroppedBytes", "is negative")
+	}
+	if cfg.XDS.MaxStreams < 0 {
+		bad("XDS.MaxStreams", "is negative")
 	}
 	if cfg.XDS.MaxSubscribedNames <= 0 {
 		bad("XDS.MaxSubscribedNames", "must be positive")

@@ -21,8 +21,11 @@ func (r *Relay) serveDelta(ds discovery.AggregatedDiscoveryService_DeltaAggregat
 		r.metrics.streamErrors.WithLabelValues(status.Code(err).String()).Inc()
 		return err
 	}
-	s := r.newStream(ds.Context(), true, p)
-	s.peerRelay, s.identity, s.cred = who.relay, who.identity, who.cred
+	s, err := r.openStream(ds.Context(), true, p, who)
+	if err != nil {
+		r.metrics.streamErrors.WithLabelValues(status.Code(err).String()).Inc()
+		return err
+	}
 	s.send = func(o *wire.Response) error {
 		w := r.bodies.Delta(o, r.controlPlaneWire)
 		r.metrics.sent(o.TypeURL, len(o.Updated), len(o.Removed), w.Size())

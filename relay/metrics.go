@@ -115,10 +115,10 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 			Name: "meshrelay_passthrough_streams", Help: "Open per-client upstream streams for uncached types.",
 		}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "meshrelay_xds_streams_refused_total", Help: "New downstream streams refused: rate (admission bucket empty) or cold (upstream never reached).",
+			Name: "meshrelay_xds_streams_refused_total", Help: "New downstream streams refused: rate (their identity's turn did not come), cold (upstream never reached), or share (the relay at its stream bound, their identity at its share).",
 		}, []string{"reason"}),
 		shed: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "meshrelay_xds_streams_moved_total", Help: "Downstream streams whose connection the relay closed to move the client: rebalance, drain, or token_expiry (forward mode: the Envoy reconnects with a fresh token).",
+			Name: "meshrelay_xds_streams_moved_total", Help: "Downstream streams the relay ended (by closing their connection, but share) to move the client: rebalance, drain, token_expiry (forward mode: the Envoy reconnects with a fresh token), or share (evicted at the stream bound for another identity's share).",
 		}, []string{"reason"}),
 		peerFallbacks: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "meshrelay_peer_fallbacks_total", Help: "Times a key's owner could not be reached and the relay subscribed to the upstream itself.",
@@ -187,13 +187,13 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics, error) {
 	// Every label value known in advance has its series from the start,
 	// at 0: increase() and rate() then see the first event too, and a
 	// dashboard or alert querying the family finds it on a quiet relay.
-	for _, reason := range []string{"rate", "cold"} {
+	for _, reason := range []string{"rate", "cold", "share"} {
 		m.refused.WithLabelValues(reason)
 	}
 	for _, result := range []string{"same", "diverged", "inconclusive"} {
 		m.divergenceChecks.WithLabelValues(result)
 	}
-	for _, reason := range []string{"rebalance", "drain", "token_expiry"} {
+	for _, reason := range []string{"rebalance", "drain", "token_expiry", "share"} {
 		m.shed.WithLabelValues(reason)
 	}
 	for _, typeURL := range []string{xds.TypeListener, xds.TypeRoute} {

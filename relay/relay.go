@@ -186,6 +186,7 @@ type Relay struct {
 	authLogs       *rate.Limiter      // bounds authentication warnings
 	failures       *failureGate       // bounds verifications of failing sources
 	verifying      singleflight.Group // one verification for the streams presenting one credential at once
+	shares         *streamShares      // Envoy streams by identity (XDS.MaxStreams)
 	budget         *requestBudget     // large requests decoded and applied at once (XDS.RequestBudgetBytes)
 
 	pool *peers.Pool // relay-to-relay connections
@@ -244,6 +245,7 @@ func New(cfg Config) (*Relay, error) {
 		authLogs:       newAuthLogLimiter(),
 		failures:       newFailureGate(),
 		budget:         newRequestBudget(cfg.XDS.RequestBudgetBytes),
+		shares:         newStreamShares(cfg.XDS.MaxStreams),
 		syncs:          newSyncSlots(cfg.Upstream.Syncs),
 		peerSyncs:      newSyncSlots(cfg.Upstream.Syncs),
 		divergenceWake: make(chan struct{}, 1),

@@ -20,8 +20,11 @@ func (r *Relay) serveSotW(ss discovery.AggregatedDiscoveryService_StreamAggregat
 		r.metrics.streamErrors.WithLabelValues(status.Code(err).String()).Inc()
 		return err
 	}
-	s := r.newStream(ss.Context(), false, p)
-	s.peerRelay, s.identity, s.cred = who.relay, who.identity, who.cred
+	s, err := r.openStream(ss.Context(), false, p, who)
+	if err != nil {
+		r.metrics.streamErrors.WithLabelValues(status.Code(err).String()).Inc()
+		return err
+	}
 	s.send = func(o *wire.Response) error {
 		w := r.bodies.SotW(o, r.controlPlaneWire)
 		n := len(o.Updated)
@@ -253,6 +256,9 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 			return err
 		case err := <-errc:
 			return recvError(err)
+		case <-s.evict:
+			s.r.metrics.shed.WithLabelValues("share").Inc()
+			return status.Error(codes.Unavailable, "relay at its stream bound, and another identity's share was due: reconnect")
 		case <-expired:
 			return status.Error(codes.Unauthenticated, "the credential this stream was admitted with expired: reconnect with a fresh one")
 		case <-s.ctx.Done():

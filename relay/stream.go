@@ -56,6 +56,9 @@ type stream struct {
 	// member (forward mode); nil if none.
 	cred *credential
 	wake chan struct{}
+	// evict is closed when the stream gives way to another identity's
+	// share of the relay's streams (streamShares).
+	evict chan struct{}
 	// dumps asks the stream what it sent (Relay.ConfigDump).
 	dumps chan dumpReq
 	// led is the stream's entry in the relay's ledger (nil for a peer
@@ -203,6 +206,7 @@ func (r *Relay) newStream(ctx context.Context, delta bool, p port) *stream {
 		port:  p,
 		ctx:   ctx,
 		wake:  make(chan struct{}, 1),
+		evict: make(chan struct{}),
 		dumps: make(chan dumpReq),
 		subs:  make(map[string]*typeSub),
 
@@ -266,6 +270,7 @@ func (s *stream) attach(node *core.Node) error {
 // close releases everything the stream holds. It runs on the handler
 // goroutine as it returns.
 func (s *stream) close() {
+	s.r.shares.leave(s)
 	if s.pass != nil {
 		s.pass.stop()
 	}
