@@ -23,6 +23,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshrelay/meshrelay/relay/admission"
 	"github.com/meshrelay/meshrelay/relay/xds"
 
 	"github.com/meshrelay/meshrelay/relay/auth"
@@ -143,7 +144,7 @@ func (c countingAuth) Authenticate(ctx context.Context) (auth.Identity, error) {
 // A flood of failing authentications costs bounded verifications: the
 // same expired token retried from one address is verified about once
 // (then refused as it was, unverified), made-up tokens from another
-// address failBurst times and then once a failInterval. Neither keeps a
+// address admission.FailBurst times and then once a admission.FailInterval. Neither keeps a
 // good client out, not even one behind the first flood's own address
 // (SNAT, hostNetwork pods).
 func TestTLSPortAuthFloodDoesNotStarveOthers(t *testing.T) {
@@ -182,10 +183,10 @@ func TestTLSPortAuthFloodDoesNotStarveOthers(t *testing.T) {
 	}
 	wg.Wait()
 	elapsed := time.Since(start)
-	// At most: the expired token once per badFor, the made-up ones as
-	// many as came at once before the first failed (8), failBurst and one
-	// a failInterval.
-	bound := (1 + elapsed.Seconds()/badFor.Seconds()) + 8 + float64(failBurst) + elapsed.Seconds()/failInterval.Seconds() + 1
+	// At most: the expired token once per admission.BadFor, the made-up ones as
+	// many as came at once before the first failed (8), admission.FailBurst and one
+	// a admission.FailInterval.
+	bound := (1 + elapsed.Seconds()/admission.BadFor.Seconds()) + 8 + float64(admission.FailBurst) + elapsed.Seconds()/admission.FailInterval.Seconds() + 1
 	if v := float64(verified.Load()); v > bound {
 		t.Fatalf("%v failing credentials verified in %v, want at most %.1f", v, elapsed, bound)
 	}
@@ -222,9 +223,7 @@ func TestTLSPortFloodOfOneIdentityDoesNotDelayAnother(t *testing.T) {
 	}
 	var mu sync.Mutex
 	var events []string
-	e.r.admission.mu.Lock()
-	e.r.admission.traced = func(event, who string) { mu.Lock(); events = append(events, event+" "+who); mu.Unlock() }
-	e.r.admission.mu.Unlock()
+	e.r.admission.SetTrace(func(event, who string) { mu.Lock(); events = append(events, event+" "+who); mu.Unlock() })
 	var wg sync.WaitGroup
 	for i := range 40 {
 		wg.Go(func() {

@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/meshrelay/meshrelay/relay/admission"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )
@@ -71,7 +72,7 @@ func TestServeFloodEndsStream(t *testing.T) {
 
 // TestServeByteBudget: requests queued without the relay getting to them
 // end the stream once they pass maxQueuedBytes, long before the count
-// limit. (They are under budgetFloor: a larger one stops the reading until
+// limit. (They are under admission.Floor: a larger one stops the reading until
 // it is handled.)
 func TestServeByteBudget(t *testing.T) {
 	r := newTestRelay(t)
@@ -79,10 +80,10 @@ func TestServeByteBudget(t *testing.T) {
 	stuck := make(chan struct{})
 	var read atomic.Int32
 	recv := func() (int, error) { read.Add(1); return 1, nil }
-	size := func(int) int { return budgetFloor / 2 } // every request 32 KiB
+	size := func(int) int { return admission.Floor / 2 } // every request 32 KiB
 	done := make(chan error, 1)
 	go func() { done <- serve(s, recv, size, func(int) error { <-stuck; return nil }, nil) }()
-	waitFor(t, "the byte budget to overflow", func() bool { return read.Load() > maxQueuedBytes/(budgetFloor/2) })
+	waitFor(t, "the byte budget to overflow", func() bool { return read.Load() > maxQueuedBytes/(admission.Floor/2) })
 	close(stuck)
 	err := <-done
 	// The handler may have taken a batch before it got stuck; the queue

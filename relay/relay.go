@@ -28,6 +28,9 @@
 //	relay/warm       persisted views rebuilt, checked and shared, for a warm start
 //	relay/views      a key's published views, immutable, one per type: the
 //	                 seam where the key's feed writes and its streams read
+//	relay/admission  whether a new stream may start and what it may cost, fairly
+//	                 by identity: the admission rate, the streams served, failing
+//	                 credentials, the bytes of large requests decoded at once
 //	relay/admin      the admin listener: who a call is from (token, JWT, certificate),
 //	                 its HTTP/gRPC handler, its health service
 //	relay/adsclient  the ADS client: one SotW or Delta stream to a control plane,
@@ -114,6 +117,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/admin"
+	"github.com/meshrelay/meshrelay/relay/admission"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/wire"
@@ -175,19 +179,19 @@ type Relay struct {
 
 	warm           chan struct{} // closed once the upstream was first reached, or snapshots loaded
 	warmOnce       sync.Once
-	loaded         chan struct{}      // closed once snapshots are loaded (at once without Snapshots)
-	ownersTerm     atomic.Uint64      // counts changes of owners (Snapshots.Save's term)
-	restored       atomic.Int64       // keys restored from snapshots at start
-	draining       atomic.Bool        // set by MarkNotReady: new streams are refused
-	handed         sync.Map           // heldID → time.Time: versions handed over (handOver)
-	handedN        atomic.Uint64      // counts handing's notes, to prune handed now and then
-	handOverFailed atomic.Int64       // UnixNano of handOver's last failure (0: none)
-	admission      *fairAdmission     // nil: no limit (Envoy streams shared by identity)
-	authLogs       *rate.Limiter      // bounds authentication warnings
-	failures       *failureGate       // bounds verifications of failing sources
-	verifying      singleflight.Group // one verification for the streams presenting one credential at once
-	shares         *streamShares      // Envoy streams by identity (XDS.MaxStreams)
-	budget         *requestBudget     // large requests decoded and applied at once (XDS.RequestBudgetBytes)
+	loaded         chan struct{}              // closed once snapshots are loaded (at once without Snapshots)
+	ownersTerm     atomic.Uint64              // counts changes of owners (Snapshots.Save's term)
+	restored       atomic.Int64               // keys restored from snapshots at start
+	draining       atomic.Bool                // set by MarkNotReady: new streams are refused
+	handed         sync.Map                   // heldID → time.Time: versions handed over (handOver)
+	handedN        atomic.Uint64              // counts handing's notes, to prune handed now and then
+	handOverFailed atomic.Int64               // UnixNano of handOver's last failure (0: none)
+	admission      *admission.Fair            // nil: no limit (Envoy streams shared by identity)
+	authLogs       *rate.Limiter              // bounds authentication warnings
+	failures       *admission.FailureGate     // bounds verifications of failing sources
+	verifying      singleflight.Group         // one verification for the streams presenting one credential at once
+	shares         *admission.Shares[*stream] // Envoy streams by identity (XDS.MaxStreams)
+	budget         *admission.Budget          // large requests decoded and applied at once (XDS.RequestBudgetBytes)
 
 	pool *peers.Pool // relay-to-relay connections
 
@@ -243,9 +247,9 @@ func New(cfg Config) (*Relay, error) {
 		clock:          ledger.NewClock(cfg.wall),
 		rand:           newRand(cfg.Rand),
 		authLogs:       newAuthLogLimiter(),
-		failures:       newFailureGate(),
-		budget:         newRequestBudget(cfg.XDS.RequestBudgetBytes),
-		shares:         newStreamShares(cfg.XDS.MaxStreams),
+		failures:       admission.NewFailureGate(),
+		budget:         admission.NewBudget(cfg.XDS.RequestBudgetBytes),
+		shares:         admission.NewShares[*stream](cfg.XDS.MaxStreams),
 		syncs:          newSyncSlots(cfg.Upstream.Syncs),
 		peerSyncs:      newSyncSlots(cfg.Upstream.Syncs),
 		divergenceWake: make(chan struct{}, 1),
@@ -256,7 +260,7 @@ func New(cfg Config) (*Relay, error) {
 		r.adminGuard.Authenticator = cfg.Admin.Authenticator
 	}
 	if cfg.XDS.AdmitRate > 0 {
-		r.admission = newFairAdmission(cfg.XDS.AdmitRate, cfg.XDS.AdmitBurst, cfg.XDS.AdmitWait)
+		r.admission = admission.NewFair(cfg.XDS.AdmitRate, cfg.XDS.AdmitBurst, cfg.XDS.AdmitWait)
 	}
 	if cfg.Upstream.StreamRate > 0 {
 		r.upstreamRate = rate.NewLimiter(rate.Limit(cfg.Upstream.StreamRate), max(1, int(cfg.Upstream.StreamRate)))
@@ -322,7 +326,7 @@ func (r *Relay) Start(ctx context.Context) error {
 	}
 	r.goRun(r.watchWarm)
 	if r.admission != nil {
-		r.goRun(r.admission.run)
+		r.goRun(r.admission.Run)
 	}
 	r.goRun(r.pruneConns)
 	if r.cfg.Tier.Owners != nil {

@@ -134,7 +134,7 @@ func TestRequestBudgetBoundsLargeRequests(t *testing.T) {
 		}()
 	}
 	waitFor(t, "every request read and three handled", func() bool { return read.Load() == streams && handled.Load() == 3 })
-	if in := r.budget.inUse.Load(); in != 3<<20 {
+	if in := budgetInUse(r); in != 3<<20 {
 		t.Fatalf("budget in use %d, want 3 MiB", in)
 	}
 	for want := int32(4); want <= streams; want++ {
@@ -144,8 +144,8 @@ func TestRequestBudgetBoundsLargeRequests(t *testing.T) {
 	for range 3 {
 		proceed <- struct{}{}
 	}
-	waitFor(t, "the budget given back", func() bool { return r.budget.inUse.Load() == 0 })
-	if p := r.budget.peak.Load(); p != 3<<20 {
+	waitFor(t, "the budget given back", func() bool { return budgetInUse(r) == 0 })
+	if p := budgetPeak(r); p != 3<<20 {
 		t.Fatalf("peak of the budget in use %d, want 3 MiB", p)
 	}
 	cancel()
@@ -185,10 +185,10 @@ func TestRequestBudgetOverRealStreams(t *testing.T) {
 			t.Fatalf("client %d: %d resources, want 3", i, len(got.GetResources()))
 		}
 	}
-	if p := r.budget.peak.Load(); p == 0 || p > 6<<20 {
+	if p := budgetPeak(r); p == 0 || p > 6<<20 {
 		t.Fatalf("peak of the budget in use %d, want (0, 6 MiB]", p)
 	}
-	if in := r.budget.inUse.Load(); in != 0 {
+	if in := budgetInUse(r); in != 0 {
 		t.Fatalf("budget in use %d after every request was handled", in)
 	}
 }
@@ -272,3 +272,6 @@ func upstreamEndpointNames(up *testUpstream) map[string]bool {
 	}
 	return most
 }
+
+func budgetInUse(r *Relay) int64 { n, _ := r.budget.InUse(); return n }
+func budgetPeak(r *Relay) int64  { _, p := r.budget.InUse(); return p }

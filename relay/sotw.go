@@ -9,6 +9,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/admission"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -179,7 +180,7 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 			release(req)
 		}
 	}()
-	// A large request (budgetFloor and more) is handled under the relay's
+	// A large request (admission.Floor and more) is handled under the relay's
 	// budget: the handler takes its bytes, decodes and applies it, and
 	// gives them back before it writes to anyone, so a client that does
 	// not read holds none of it. Meanwhile the reader reads nothing more
@@ -203,7 +204,7 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 				errc <- err
 				return
 			}
-			large := sizeOf(req) >= budgetFloor
+			large := sizeOf(req) >= admission.Floor
 			if !reqs.put(req) {
 				release(req)
 				if reqs.isClosed() {
@@ -227,10 +228,10 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 		case <-reqs.ready:
 			batch := reqs.take()
 			for i, req := range batch {
-				n, err := s.r.budget.take(s.ctx, sizeOf(req))
+				n, err := s.r.budget.Take(s.ctx, sizeOf(req))
 				if err == nil {
 					err = handle(req)
-					s.r.budget.put(n)
+					s.r.budget.Put(n)
 				} else {
 					release(req)
 				}

@@ -57,7 +57,7 @@ type stream struct {
 	cred *credential
 	wake chan struct{}
 	// evict is closed when the stream gives way to another identity's
-	// share of the relay's streams (streamShares).
+	// share of the relay's streams (admission.Shares).
 	evict chan struct{}
 	// dumps asks the stream what it sent (Relay.ConfigDump).
 	dumps chan dumpReq
@@ -270,7 +270,7 @@ func (s *stream) attach(node *core.Node) error {
 // close releases everything the stream holds. It runs on the handler
 // goroutine as it returns.
 func (s *stream) close() {
-	s.r.shares.leave(s)
+	s.r.shares.Leave(s)
 	if s.pass != nil {
 		s.pass.stop()
 	}

@@ -1,4 +1,4 @@
-package relay
+package admission
 
 import (
 	"context"
@@ -18,13 +18,13 @@ func TestFairAdmissionTakesTurns(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
-		f := newFairAdmission(10, 1, time.Minute)
-		go f.run(ctx)
+		f := NewFair(10, 1, time.Minute)
+		go f.Run(ctx)
 		var mu sync.Mutex
 		var order []string
 		admit := func(who string, i int, wg *sync.WaitGroup) {
 			wg.Go(func() {
-				if err := f.admit(ctx, who); err != nil {
+				if err := f.Admit(ctx, who); err != nil {
 					t.Errorf("%s %d: %v", who, i, err)
 					return
 				}
@@ -50,36 +50,36 @@ func TestFairAdmissionTakesTurns(t *testing.T) {
 	})
 }
 
-// TestFairAdmissionBounds: an identity may have maxWaitingPerIdentity
+// TestFairAdmissionBounds: an identity may have MaxWaitingPerIdentity
 // streams waiting; the next is refused at once, and one that waits past
 // maxWait is refused then; another identity still gets its turn.
 func TestFairAdmissionBounds(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
-		f := newFairAdmission(0.001, 1, 3*time.Second) // a token, then one in 1,000 s
-		go f.run(ctx)
-		if err := f.admit(ctx, "flood"); err != nil {
+		f := NewFair(0.001, 1, 3*time.Second) // a token, then one in 1,000 s
+		go f.Run(ctx)
+		if err := f.Admit(ctx, "flood"); err != nil {
 			t.Fatal(err)
 		}
-		errs := make(chan error, maxWaitingPerIdentity+1)
-		for range maxWaitingPerIdentity {
-			go func() { errs <- f.admit(ctx, "flood") }()
+		errs := make(chan error, MaxWaitingPerIdentity+1)
+		for range MaxWaitingPerIdentity {
+			go func() { errs <- f.Admit(ctx, "flood") }()
 		}
 		synctest.Wait()
-		if err := f.admit(ctx, "flood"); err != errAdmitLater {
-			t.Fatalf("stream past the identity's waiting bound: %v, want errAdmitLater at once", err)
+		if err := f.Admit(ctx, "flood"); err != ErrLater {
+			t.Fatalf("stream past the identity's waiting bound: %v, want ErrLater at once", err)
 		}
 		start := time.Now()
-		for range maxWaitingPerIdentity {
-			if err := <-errs; err != errAdmitLater {
-				t.Fatalf("waiting stream: %v, want errAdmitLater", err)
+		for range MaxWaitingPerIdentity {
+			if err := <-errs; err != ErrLater {
+				t.Fatalf("waiting stream: %v, want ErrLater", err)
 			}
 		}
 		if waited := time.Since(start); waited != 3*time.Second {
 			t.Fatalf("refused after %v, want AdmitWait (3s)", waited)
 		}
-		if f.waiting() {
+		if f.Waiting() {
 			t.Fatal("streams that gave up are still queued")
 		}
 	})
@@ -89,43 +89,44 @@ func TestFairAdmissionBounds(t *testing.T) {
 // the newest of the identity most over its share, until each holds its
 // share; past its share an identity is refused.
 func TestStreamSharesByIdentity(t *testing.T) {
-	r := newTestRelay(t)
-	sh := newStreamShares(10)
-	open := func(who string) (*stream, *stream, error) {
-		s := r.newStream(context.Background(), false, portPlain)
-		evicted, err := sh.join(s, who)
-		return s, evicted, err
+	sh := NewShares[int](10)
+	next := 0
+	open := func(who string) (s, evicted int, ok bool, err error) {
+		next++
+		evicted, ok, err = sh.Join(next, who)
+		return next, evicted, ok, err
 	}
-	var flood []*stream
+	var flood []int
 	for range 10 {
-		s, evicted, err := open("flood")
-		if err != nil || evicted != nil {
+		s, _, evicted, err := open("flood")
+		if err != nil || evicted {
 			t.Fatalf("flood stream under the bound: evicted %v, err %v", evicted, err)
 		}
 		flood = append(flood, s)
 	}
 	for i := range 5 {
-		_, evicted, err := open("good")
-		if err != nil {
-			t.Fatalf("good stream %d: %v", i, err)
+		_, evicted, ok, err := open("good")
+		if err != nil || !ok {
+			t.Fatalf("good stream %d: evicted nothing, err %v", i, err)
 		}
 		if want := flood[len(flood)-1-i]; evicted != want {
-			t.Fatalf("good stream %d evicted %v, want the flood's newest but %d", i, evicted, i)
+			t.Fatalf("good stream %d evicted %d, want the flood's newest but %d (%d)", i, evicted, i, want)
 		}
 	}
-	if _, _, err := open("good"); err != errOverShare {
-		t.Fatalf("good's sixth stream (share 5): %v, want errOverShare", err)
+	if _, _, _, err := open("good"); err != ErrOverShare {
+		t.Fatalf("good's sixth stream (share 5): %v, want ErrOverShare", err)
 	}
-	if _, _, err := open("flood"); err != errOverShare {
-		t.Fatalf("flood's sixth stream (share 5): %v, want errOverShare", err)
+	if _, _, _, err := open("flood"); err != ErrOverShare {
+		t.Fatalf("flood's sixth stream (share 5): %v, want ErrOverShare", err)
 	}
 	// A third identity: share 3, taken from whoever holds the most.
-	if _, evicted, err := open("third"); err != nil || evicted == nil {
-		t.Fatalf("third identity's stream: evicted %v, err %v", evicted, err)
+	if _, _, ok, err := open("third"); err != nil || !ok {
+		t.Fatalf("third identity's stream: evicted %v, err %v", ok, err)
 	}
-	sh.leave(flood[0])
-	sh.leave(flood[0]) // twice: counted once
-	if sh.total != 9 || len(sh.by["flood"])+len(sh.by["good"])+len(sh.by["third"]) != 9 {
-		t.Fatalf("after a stream left: total %d, by %v", sh.total, sh.by)
+	_, before := sh.Len("flood")
+	sh.Leave(flood[0])
+	sh.Leave(flood[0]) // twice: counted once
+	if total, of := sh.Len("flood"); total != 9 || of != before-1 {
+		t.Fatalf("after a flood stream left: %d streams, %d the flood's; want 9 and %d", total, of, before-1)
 	}
 }
