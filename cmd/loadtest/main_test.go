@@ -3,8 +3,10 @@ package main
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/spf13/pflag"
 
@@ -46,6 +48,10 @@ func TestDocumentedFlags(t *testing.T) {
 		{"chaos", chaos, []string{"--seeds", "1", "--seed", "1", "--faults", "1", "--kinds", "kill-relay", "--relays", "2", "--etcd-members", "1", "--envoys", "1",
 			"--keys", "1", "--services", "1", "--endpoints", "1", "--namespaces", "1", "--protocols", "delta", "--upstream-protocol", "delta", "--upstream-protocols", "delta,sotw", "--starve-signals",
 			"--churn-rate", "1", "--delivery-bound", "1s", "--recover-timeout", "1s", "--dir", "x", "--meshrelay", "x", "--relay-log-level", "warn", "--json", "x"}},
+		{"attack", attack, []string{"--meshrelay", "before=/a,after=/b", "--attacks", "baseline,handshakes", "--duration", "1s", "--good-interval", "10ms",
+			"--good-timeout", "1s", "--flooders", "1", "--large-streams", "1", "--large-bytes", "1", "--large-cap", "1", "--large-entries", "1",
+			"--million-names", "1", "--handshakes", "1", "--handshake-concurrency", "1", "--rss-limit-gib", "1", "--services", "3", "--endpoints", "3",
+			"--namespaces", "3", "--relay-args", "--x", "--relay-log", "--json", "x"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := tc.run(context.Background(), append(tc.args, "--help"))
@@ -65,5 +71,38 @@ func TestCheckPinning(t *testing.T) {
 	err := checkPinning(nil, loadtest.CPUSet{0}, false, "the tier")
 	if err == nil || !strings.Contains(err.Error(), "with the tier otherwise") {
 		t.Errorf("checkPinning(none, 0, no fleet process) = %v, want an error naming the tier", err)
+	}
+}
+
+// TestParseAttack: attack's flags reach its config, and bad ones are
+// refused before anything starts.
+func TestParseAttack(t *testing.T) {
+	cfg, jsonOut, err := parseAttack([]string{"--meshrelay", "before=/tmp/b, after=/tmp/a", "--attacks", "baseline,large-requests",
+		"--duration", "2s", "--flooders", "3", "--large-bytes", "1000", "--rss-limit-gib", "0.5", "--relay-args", "--a=1 --b", "--json", "r.json"})
+	if err != nil {
+		t.Fatalf("parseAttack = %v", err)
+	}
+	want := []loadtest.AttackBinary{{Label: "before", Path: "/tmp/b"}, {Label: "after", Path: "/tmp/a"}}
+	if !slices.Equal(cfg.Binaries, want) {
+		t.Errorf("Binaries = %+v, want %+v", cfg.Binaries, want)
+	}
+	if !slices.Equal(cfg.Attacks, []string{"baseline", "large-requests"}) || cfg.Duration != 2*time.Second || cfg.Flooders != 3 ||
+		cfg.LargeBytes != 1000 || cfg.RSSLimit != 512<<20 || !slices.Equal(cfg.RelayArgs, []string{"--a=1", "--b"}) || jsonOut != "r.json" {
+		t.Errorf("parseAttack = %+v, %q: a flag did not reach the config", cfg, jsonOut)
+	}
+	if cfg, _, err := parseAttack(nil); err != nil || len(cfg.Binaries) != 1 || cfg.Binaries[0].Path != "" || len(cfg.Attacks) != len(loadtest.AttackNames) {
+		t.Errorf("parseAttack(no flags) = %+v, %v: want one binary to build and every attack", cfg, err)
+	}
+	for _, args := range [][]string{
+		{"--attacks", "baseline,nope"},
+		{"--meshrelay", "a=/x,a=/y"},
+		{"--meshrelay", "a="},
+		{"--namespaces", "2"},
+		{"--rss-limit-gib", "0"},
+		{"extra"},
+	} {
+		if _, _, err := parseAttack(args); err == nil {
+			t.Errorf("parseAttack(%q) = nil error, want one", args)
+		}
 	}
 }
