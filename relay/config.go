@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
+	"runtime"
 	"time"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -186,11 +187,13 @@ type XDSConfig struct {
 	// and so does this one if MaxMsgSize is less. Default 16 MiB.
 	MaxRequestBytes int
 	// RequestBudgetBytes bounds the bytes of requests of at least
-	// budgetFloor bytes (reconnects, not ACKs) that the relay's streams
-	// decode and apply at once: a request past it waits for its turn
-	// (first come, first served), its client held back by gRPC's flow
-	// control, so that many large requests at once cost the relay this
-	// much, not their sum. At least MaxRequestBytes. Default 128 MiB.
+	// admission.Floor bytes (reconnects, not ACKs) that the relay's
+	// streams decode and apply at once: a request past it waits for its
+	// turn (first come, first served), its client held back by gRPC's
+	// flow control, so that many large requests at once cost the relay
+	// this much, not their sum, and take half its cores at most. At
+	// least MaxRequestBytes. Default 0: MaxRequestBytes times half the
+	// cores (GOMAXPROCS), at least once.
 	RequestBudgetBytes int64
 	// ResourceWaitTimeout is how long a name requested from the upstream may
 	// stay missing before the relay treats it as gone: a Delta client that
@@ -241,7 +244,6 @@ func DefaultXDSConfig() XDSConfig {
 		MaxConnectionAgeGrace:   10 * time.Second,
 		MaxSubscribedNames:      250_000,
 		MaxRequestBytes:         16 << 20,
-		RequestBudgetBytes:      128 << 20,
 		ResourceWaitTimeout:     15 * time.Second,
 		AdmitRate:               100,
 		AdmitBurst:              200,
@@ -582,6 +584,9 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.XDS.MaxRequestBytes < 64<<10 {
 		bad("XDS.MaxRequestBytes", fmt.Sprintf("is %d bytes, want at least 64 KiB", cfg.XDS.MaxRequestBytes))
+	}
+	if cfg.XDS.RequestBudgetBytes == 0 {
+		cfg.XDS.RequestBudgetBytes = int64(min(cfg.XDS.MaxRequestBytes, cfg.MaxMsgSize)) * int64(max(1, runtime.GOMAXPROCS(0)/2))
 	}
 	if cfg.XDS.RequestBudgetBytes < int64(min(cfg.XDS.MaxRequestBytes, cfg.MaxMsgSize)) {
 		bad("XDS.RequestBudgetBytes", fmt.Sprintf("is %d bytes, less than XDS.MaxRequestBytes (%d): the largest request could never be taken", cfg.XDS.RequestBudgetBytes, cfg.XDS.MaxRequestBytes))

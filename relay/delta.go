@@ -38,6 +38,10 @@ func (r *Relay) serveDelta(ds discovery.AggregatedDiscoveryService_DeltaAggregat
 	}
 	// Decoded once its bytes of the relay's budget are taken.
 	return serve(s, recv, (*wire.DeltaRequest).Size, func(r *wire.DeltaRequest) error {
+		if err := s.checkNames("one request", r.Names()); err != nil {
+			r.Release() // refused before a name is decoded
+			return err
+		}
 		req, err := r.Decode()
 		if err != nil {
 			return status.Errorf(codes.InvalidArgument, "bad request: %v", err)

@@ -3,6 +3,7 @@ package wire
 import (
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc/mem"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -44,4 +45,39 @@ func unmarshalDeltaRequest(data mem.BufferSlice, into *DeltaRequest) error {
 	into.buf = data.MaterializeToBuffer(mem.DefaultBufferPool())
 	into.size = into.buf.Len()
 	return nil
+}
+
+// Delta request field numbers whose entries are names.
+const (
+	fDeltaSubscribe, fDeltaUnsubscribe, fDeltaInitialVersions = 3, 4, 5
+)
+
+// Names counts the names the request subscribes, unsubscribes and
+// declares, without decoding it: a request of a million names is refused
+// for a scan of its bytes, not a million strings. A request that does not
+// parse counts 0 (Decode says why).
+func (r *DeltaRequest) Names() int {
+	if r.buf == nil {
+		return 0
+	}
+	n := 0
+	for b := r.buf.ReadOnlyData(); len(b) > 0; {
+		num, typ, l := protowire.ConsumeTag(b)
+		if l < 0 {
+			return 0
+		}
+		b = b[l:]
+		l = protowire.ConsumeFieldValue(num, typ, b)
+		if l < 0 {
+			return 0
+		}
+		b = b[l:]
+		switch num {
+		case fDeltaSubscribe, fDeltaUnsubscribe, fDeltaInitialVersions:
+			if typ == protowire.BytesType { // else an unknown field to proto
+				n++
+			}
+		}
+	}
+	return n
 }
