@@ -64,10 +64,23 @@ func (r *Relay) admit(ctx context.Context, p port) (caller, error) {
 	return caller{identity: id, cred: r.forwardable(ctx, false, id), share: admissionID(ctx, id)}, nil
 }
 
-// openStream starts the stream an admitted caller opened, counted, for
-// an Envoy, in its identity's share of XDS.MaxStreams (admission.Shares);
-// a stream evicted to make room ends.
-func (r *Relay) openStream(ctx context.Context, delta bool, p port, who caller) (*stream, error) {
+// openStream admits a new stream on port p (admit) and starts it,
+// counted, for an Envoy, in its identity's share of XDS.MaxStreams
+// (admission.Shares); a stream evicted to make room ends. A refusal is
+// counted by its code.
+func (r *Relay) openStream(ctx context.Context, delta bool, p port) (*stream, error) {
+	s, err := r.startStream(ctx, delta, p)
+	if err != nil {
+		r.metrics.streamErrors.WithLabelValues(status.Code(err).String()).Inc()
+	}
+	return s, err
+}
+
+func (r *Relay) startStream(ctx context.Context, delta bool, p port) (*stream, error) {
+	who, err := r.admit(ctx, p)
+	if err != nil {
+		return nil, err
+	}
 	s := r.newStream(ctx, delta, p)
 	s.peerRelay, s.identity, s.cred = who.relay, who.identity, who.cred
 	if who.relay != nil {

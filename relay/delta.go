@@ -16,14 +16,8 @@ import (
 // serveDelta serves one Delta (incremental) ADS stream that came in on
 // port p.
 func (r *Relay) serveDelta(ds discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer, p port) error {
-	who, err := r.admit(ds.Context(), p)
+	s, err := r.openStream(ds.Context(), true, p)
 	if err != nil {
-		r.metrics.streamErrors.WithLabelValues(status.Code(err).String()).Inc()
-		return err
-	}
-	s, err := r.openStream(ds.Context(), true, p, who)
-	if err != nil {
-		r.metrics.streamErrors.WithLabelValues(status.Code(err).String()).Inc()
 		return err
 	}
 	s.send = func(o *wire.Response) error {

@@ -1,8 +1,6 @@
 package relay
 
-import (
-	"sync"
-)
+import "sync"
 
 // mailbox is a queue between two goroutines where the writer never blocks:
 // put appends and signals, the reader takes everything queued at once. A

@@ -16,14 +16,8 @@ import (
 
 // serveSotW serves one SotW ADS stream that came in on port p.
 func (r *Relay) serveSotW(ss discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer, p port) error {
-	who, err := r.admit(ss.Context(), p)
+	s, err := r.openStream(ss.Context(), false, p)
 	if err != nil {
-		r.metrics.streamErrors.WithLabelValues(status.Code(err).String()).Inc()
-		return err
-	}
-	s, err := r.openStream(ss.Context(), false, p, who)
-	if err != nil {
-		r.metrics.streamErrors.WithLabelValues(status.Code(err).String()).Inc()
 		return err
 	}
 	s.send = func(o *wire.Response) error {
