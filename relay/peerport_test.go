@@ -30,6 +30,18 @@ const tierID = "spiffe://cluster.local/ns/istio-system/sa/meshrelay"
 // config for a certificate of ca naming id.
 func peerTLS(t *testing.T, ca *authtest.CA, root *authtest.CA, id string) (server, client *tls.Config) {
 	t.Helper()
+	pair, roots := peerKeys(t, ca, root, id)
+	server, client, err := auth.PeerTLS(pair, roots, tierID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return server, client
+}
+
+// peerKeys returns a key pair for a certificate of ca naming id, and
+// root's pool, as the files a relay reads them from.
+func peerKeys(t *testing.T, ca *authtest.CA, root *authtest.CA, id string) (*tlsfiles.KeyPair, *tlsfiles.CAPool) {
+	t.Helper()
 	cert, key := ca.Issue(t, authtest.Leaf{URIs: []string{id}}).Write(t, "")
 	pair, err := tlsfiles.LoadKeyPair(cert, key)
 	if err != nil {
@@ -39,11 +51,7 @@ func peerTLS(t *testing.T, ca *authtest.CA, root *authtest.CA, id string) (serve
 	if err != nil {
 		t.Fatal(err)
 	}
-	server, client, err = auth.PeerTLS(pair, roots, tierID)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return server, client
+	return pair, roots
 }
 
 // peerCalls makes the three relay-to-relay calls, as relay "relay-x" of

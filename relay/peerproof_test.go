@@ -49,16 +49,8 @@ func dialPeer(t *testing.T, addr string) *grpc.ClientConn {
 // call: read off the wire, it is refused again, later, and for another
 // key or method. A relay of the tier (its pool) proves each call anew.
 func TestPeerProofNotReplayable(t *testing.T) {
-	up := newTestUpstream(t, "ns0")
-	seed(up, "ns0", 3)
-	secret := []byte("peer secret")
-	r := startRelay(t, up, func(c *Config) {
-		c.Tier.Secret = secret
-		c.XDS.Authorizer = denyAll{} // Envoys are refused; proven peers are not
-	})
-	conn := dial(t, r.Addr().String())
-	n := node("ns0", "app", 1)
-	const key = "peer-named-key"
+	r, conn, secret, n := secretTierRelay(t)
+	const key = peerNamedKey
 	as := func(id, proof string, kv ...string) []string {
 		return append([]string{peers.MDRelay, id, peers.MDAuth, proof}, kv...)
 	}
@@ -160,15 +152,7 @@ func TestPeerPortWantsAVerifiedCertificate(t *testing.T) {
 	_, good := peerTLS(t, tierCA, tierCA, tierID)
 	_, wrongRoot := peerTLS(t, otherCA, tierCA, tierID)
 	noCert := withoutCertificate(good)
-	cert, key := tierCA.Issue(t, authtest.Leaf{URIs: []string{tierID}}).Write(t, "")
-	pair, err := tlsfiles.LoadKeyPair(cert, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	roots, err := tlsfiles.LoadCAPool(tierCA.WriteRoot(t))
-	if err != nil {
-		t.Fatal(err)
-	}
+	pair, roots := peerKeys(t, tierCA, tierCA, tierID)
 	for _, tc := range []struct {
 		name   string
 		server *tls.Config

@@ -105,17 +105,27 @@ func firstResponseErr(t *testing.T, conn grpc.ClientConnInterface, n *core.Node)
 	return err
 }
 
-func TestPeerStreams(t *testing.T) {
+// secretTierRelay starts a relay of a tier whose relays prove themselves
+// by secret (no mTLS), refusing every Envoy, and dials it: what the peer
+// tests call as a relay, with a node and the key they name.
+func secretTierRelay(t *testing.T) (r *Relay, conn *grpc.ClientConn, secret []byte, n *core.Node) {
+	t.Helper()
 	up := newTestUpstream(t, "ns0")
 	seed(up, "ns0", 3)
-	secret := []byte("peer secret")
-	r := startRelay(t, up, func(c *Config) {
+	secret = []byte("peer secret")
+	r = startRelay(t, up, func(c *Config) {
 		c.Tier.Secret = secret
 		c.XDS.Authorizer = denyAll{} // Envoys are refused; proven peers are not
 	})
-	conn := dial(t, r.Addr().String())
-	n := node("ns0", "app", 1)
-	const key = "peer-named-key"
+	return r, dial(t, r.Addr().String()), secret, node("ns0", "app", 1)
+}
+
+// peerNamedKey is the key the peer tests' streams name.
+const peerNamedKey = "peer-named-key"
+
+func TestPeerStreams(t *testing.T) {
+	r, conn, secret, n := secretTierRelay(t)
+	const key = peerNamedKey
 	for _, tc := range []struct {
 		name string
 		kv   []string
