@@ -250,11 +250,8 @@ func RunAttack(ctx context.Context, cfg AttackConfig, out io.Writer) (*AttackRep
 	}
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario, ucfg.Listen = cfg.Scenario, "127.0.0.1:0"
-	up, err := upstream.New(ucfg)
+	up, err := upstream.Start(ctx, ucfg)
 	if err != nil {
-		return nil, err
-	}
-	if err := up.Start(ctx); err != nil {
 		return nil, err
 	}
 	defer up.Stop(context.WithoutCancel(ctx))

@@ -440,11 +440,8 @@ func (r *ctripRun) run(ctx context.Context) error {
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario, ucfg.IncrementalDelta = cfg.Scenario, cfg.IncrementalUpstream
 	ucfg.OnPublish = func(c upstream.Change) { r.tracker.Track(c) }
-	up, err := upstream.New(ucfg)
+	up, err := upstream.Start(ctx, ucfg)
 	if err != nil {
-		return err
-	}
-	if err := up.Start(ctx); err != nil {
 		return err
 	}
 	r.up = up

@@ -788,11 +788,8 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario = cfg.Scenario
 	ucfg.OnPublish = func(c upstream.Change) { tracker.Track(c) }
-	up, err := upstream.New(ucfg)
+	up, err := upstream.Start(ctx, ucfg)
 	if err != nil {
-		return fail(err)
-	}
-	if err := up.Start(ctx); err != nil {
 		return fail(err)
 	}
 	defer func() {

@@ -68,11 +68,8 @@ func RunProxyStatus(ctx context.Context, cfg ProxyStatusConfig, out io.Writer) (
 		Machine: report.ThisMachine()}
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario = upstream.Scenario{Services: 10, Endpoints: 10, Namespaces: 1}
-	up, err := upstream.New(ucfg)
+	up, err := upstream.Start(ctx, ucfg)
 	if err != nil {
-		return nil, err
-	}
-	if err := up.Start(ctx); err != nil {
 		return nil, err
 	}
 	defer up.Stop(context.Background())

@@ -221,11 +221,8 @@ func runRealFanoutOnce(ctx context.Context, cfg RealFanoutConfig, p envoy.Protoc
 		fmt.Fprintf(out, "%s: %v\n", tag, err)
 		return run
 	}
-	up, err := upstream.New(upstream.Config{Scenario: cfg.Scenario})
+	up, err := upstream.Start(ctx, upstream.Config{Scenario: cfg.Scenario})
 	if err != nil {
-		return fail(err)
-	}
-	if err := up.Start(ctx); err != nil {
 		return fail(err)
 	}
 	defer func() {

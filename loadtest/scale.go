@@ -238,11 +238,8 @@ func RunScale(ctx context.Context, cfg ScaleConfig, out io.Writer) (*ScaleReport
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario = cfg.Scenario
 	ucfg.OnPublish = func(c upstream.Change) { s.tracker.Track(c) }
-	up, err := upstream.New(ucfg)
+	up, err := upstream.Start(ctx, ucfg)
 	if err != nil {
-		return nil, err
-	}
-	if err := up.Start(ctx); err != nil {
 		return nil, err
 	}
 	defer up.Stop(stopCtx)

@@ -194,11 +194,8 @@ func RunWarmStart(ctx context.Context, cfg WarmStartConfig, out io.Writer) (*War
 
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario = cfg.Scenario
-	up, err := upstream.New(ucfg)
+	up, err := upstream.Start(ctx, ucfg)
 	if err != nil {
-		return nil, err
-	}
-	if err := up.Start(ctx); err != nil {
 		return nil, err
 	}
 	defer up.Stop(context.WithoutCancel(ctx))

@@ -113,11 +113,8 @@ func (s *session) startTier(ctx context.Context) error {
 	ucfg := upstream.DefaultConfig()
 	ucfg.Scenario = cfg.Scenario
 	ucfg.OnPublish = func(c upstream.Change) { s.tracker.Track(c) }
-	up, err := upstream.New(ucfg)
+	up, err := upstream.Start(ctx, ucfg)
 	if err != nil {
-		return err
-	}
-	if err := up.Start(ctx); err != nil {
 		return err
 	}
 	s.up = up

@@ -255,6 +255,20 @@ type Upstream struct {
 	done   chan struct{}
 }
 
+// Start builds an upstream of cfg and starts it: New, then Start, which
+// is what every benchmark and test does first. It returns the running
+// upstream; the caller stops it.
+func Start(ctx context.Context, cfg Config) (*Upstream, error) {
+	u, err := New(cfg)
+	if err != nil {
+		return nil, err
+	}
+	if err := u.Start(ctx); err != nil {
+		return nil, err
+	}
+	return u, nil
+}
+
 // New builds the whole configuration of cfg.Scenario and its caches. It does
 // not listen; call Start.
 func New(cfg Config) (*Upstream, error) {
