@@ -7,7 +7,6 @@ import (
 	"io"
 	"maps"
 	"math/rand/v2"
-	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
@@ -16,14 +15,13 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/failpoints"
 	"github.com/meshrelay/meshrelay/loadtest/report"
+	"github.com/meshrelay/meshrelay/loadtest/scenario"
 	"github.com/meshrelay/meshrelay/loadtest/traffic"
-	"github.com/meshrelay/meshrelay/loadtest/validation"
-
-	"github.com/meshrelay/meshrelay/loadtest/cluster"
-	"github.com/meshrelay/meshrelay/loadtest/envoy"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
+	"github.com/meshrelay/meshrelay/loadtest/validation"
 	"github.com/meshrelay/meshrelay/relay"
 )
 
@@ -529,17 +527,14 @@ type chaosRun struct {
 	up     *chaosUpstream
 	mirror *upstream.Upstream // what the upstream serves, stepped alike
 	churn  *upstream.Churner
-	svc    *cluster.Service
+	relays *RelayProcs
 	fleet  *traffic.Fleet
 
-	relayLogs []*os.File
 	files     []*os.File // every log file, closed at the end
 	histories []envoyRecord
 	churnMu   sync.Mutex // held by a churn step, and while the upstream is down
 
 	mu        sync.Mutex
-	relays    []*Child // nil while down
-	ready     []bool
 	upDown    bool // the upstream is down: the churn waits
 	published []validation.Published
 	errs      []string // process failures seen during the run
@@ -564,8 +559,7 @@ func runChaosSeed(ctx context.Context, cfg ChaosConfig, net *failpoints.Net, see
 	for i, f := range schedule {
 		fmt.Fprintf(out, "  %d. %s\n", i+1, f)
 	}
-	r := &chaosRun{cfg: cfg, net: net, dir: dir, out: out, seed: seed, upProto: upProto,
-		relays: make([]*Child, cfg.Relays), ready: make([]bool, cfg.Relays)}
+	r := &chaosRun{cfg: cfg, net: net, dir: dir, out: out, seed: seed, upProto: upProto}
 	defer r.stop()
 	hist, faults, err := r.run(ctx, proto, schedule)
 	sr.Faults = faults
@@ -658,40 +652,33 @@ func (r *chaosRun) run(ctx context.Context, proto envoy.Protocol, schedule []Fau
 	r.churn = r.mirror.NewChurner(int64(r.seed), r.cfg.AddRemoveFraction)
 
 	// Relays, and the Service in front of them.
+	relayLogs := make([]io.Writer, r.cfg.Relays)
 	for i := range r.cfg.Relays {
-		f, err := r.logFile(fmt.Sprintf("relay-%d", i))
-		if err != nil {
-			return nil, nil, err
-		}
-		r.relayLogs = append(r.relayLogs, f)
-	}
-	for i := range r.cfg.Relays {
-		if err := r.startRelay(ctx, i); err != nil {
+		if relayLogs[i], err = r.logFile(fmt.Sprintf("relay-%d", i)); err != nil {
 			return nil, nil, err
 		}
 	}
-	pollCtx, stopPoll := context.WithCancel(ctx)
-	var pollWG sync.WaitGroup
-	pollWG.Add(1)
-	go func() {
-		defer pollWG.Done()
-		r.pollReady(pollCtx)
-	}()
-	defer func() {
-		stopPoll()
-		pollWG.Wait()
-	}()
-	if r.svc, err = cluster.NewService(r.readyAddrs); err != nil {
+	r.relays, err = StartRelayProcs(ctx, RelayProcsConfig{
+		Meshrelay: r.cfg.Meshrelay, Relays: r.cfg.Relays, Host: chaosRelayIP,
+		Upstream: chaosUpstreamAddr, UpstreamProtocol: r.upProto, Etcd: r.etcd.Endpoints(),
+		LogLevel: r.cfg.RelayLogLevel, Dir: r.dir,
+		Log: func(i int) io.Writer { return relayLogs[i] },
+		User: func(i int) *ChildUser {
+			return &ChildUser{UID: uint32(chaosRelayUIDBase + i), GID: uint32(chaosRelayUIDBase + i)}
+		},
+		Exited: func(i int) { r.fail("relay-%d exited on its own", i) },
+	})
+	if err != nil {
 		return nil, nil, err
 	}
-	if err := r.waitFor(ctx, 2*time.Minute, "every relay ready", func() bool { return len(r.readyAddrs()) == r.cfg.Relays }); err != nil {
+	if err := r.waitFor(ctx, 2*time.Minute, "every relay ready", func() bool { return r.relays.ReadyN() == r.cfg.Relays }); err != nil {
 		return nil, nil, err
 	}
 
 	// The Envoys, every event recorded.
 	r.histories = make([]envoyRecord, r.cfg.Envoys)
 	fleet, err := traffic.StartFleet(ctx, traffic.FleetConfig{
-		Scenario: r.cfg.Scenario, Envoys: r.cfg.Envoys, Keys: r.cfg.Keys, Protocol: proto, Target: r.svc.Addr(),
+		Scenario: r.cfg.Scenario, Envoys: r.cfg.Envoys, Keys: r.cfg.Keys, Protocol: proto, Target: r.relays.Addr(),
 		OnEvent: func(i int, ev envoy.Event) {
 			h := &r.histories[i]
 			h.mu.Lock()
@@ -811,97 +798,6 @@ func (r *chaosRun) waitFor(ctx context.Context, d time.Duration, what string, co
 		}
 	}
 	return nil
-}
-
-// startRelay starts relay i (again): `meshrelay serve` as its own user.
-func (r *chaosRun) startRelay(ctx context.Context, i int) error {
-	ip := chaosRelayIP(i)
-	var join []string
-	for j := range r.cfg.Relays {
-		if j != i {
-			join = append(join, chaosRelayIP(j)+":7946")
-		}
-	}
-	fmt.Fprintf(r.relayLogs[i], "=== chaos: start relay-%d at %s\n", i, time.Now().Format(time.RFC3339Nano))
-	child, err := StartChild(ctx, ChildConfig{
-		Path: r.cfg.Meshrelay,
-		Args: []string{"serve", "--id", fmt.Sprintf("relay-%d", i),
-			"--xds-listen", ip + ":15010", "--admin-listen", ip + ":15014", "--gossip-listen", ip + ":7946",
-			"--join", strings.Join(join, ","), "--rejoin-interval", "2s", "--drain-period", "2s",
-			"--upstream", chaosUpstreamAddr, "--upstream-protocol", string(r.upProto),
-			"--etcd-endpoints", strings.Join(r.etcd.Endpoints(), ","), "--log-level", r.cfg.RelayLogLevel},
-		Stderr:       r.relayLogs[i],
-		Addr:         ip + ":15010",
-		Dir:          r.dir,
-		User:         &ChildUser{UID: uint32(chaosRelayUIDBase + i), GID: uint32(chaosRelayUIDBase + i)},
-		ReadyTimeout: 2 * time.Minute,
-	})
-	if err != nil {
-		return fmt.Errorf("relay-%d: %w", i, err)
-	}
-	r.mu.Lock()
-	r.relays[i] = child
-	r.mu.Unlock()
-	return nil
-}
-
-func (r *chaosRun) relay(i int) *Child {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.relays[i]
-}
-
-// takeRelay marks relay i down and returns its process.
-func (r *chaosRun) takeRelay(i int) *Child {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	c := r.relays[i]
-	r.relays[i], r.ready[i] = nil, false
-	return c
-}
-
-// pollReady asks every running relay's /readyz, as a Kubernetes readiness
-// probe does, every 200 ms; the Service sends new connections only to
-// ready relays. It also notes relays that exited on their own.
-func (r *chaosRun) pollReady(ctx context.Context) {
-	client := &http.Client{Timeout: 500 * time.Millisecond}
-	for traffic.SleepCtx(ctx, 200*time.Millisecond) {
-		for i := range r.cfg.Relays {
-			c := r.relay(i)
-			ok := false
-			if c != nil {
-				select {
-				case <-c.Exited():
-					r.fail("relay-%d exited on its own", i)
-					r.takeRelay(i)
-					continue
-				default:
-				}
-				resp, err := client.Get("http://" + chaosRelayIP(i) + ":15014/readyz")
-				if err == nil {
-					ok = resp.StatusCode == http.StatusOK
-					resp.Body.Close()
-				}
-			}
-			r.mu.Lock()
-			if r.relays[i] == c {
-				r.ready[i] = ok
-			}
-			r.mu.Unlock()
-		}
-	}
-}
-
-func (r *chaosRun) readyAddrs() []string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	var out []string
-	for i, ok := range r.ready {
-		if ok {
-			out = append(out, chaosRelayIP(i)+":15010")
-		}
-	}
-	return out
 }
 
 // runChurn steps the upstream and its mirror at ChurnRate, except while
@@ -1101,7 +997,7 @@ func (r *chaosRun) lagging(snap map[string]map[string]uint64) []lag {
 		if cp == "" {
 			cp = "none yet"
 		}
-		out = append(out, lag{envoy: i, why: fmt.Sprintf("%s (last answered by %s, %d relays ready): %s", e.ID(), cp, len(r.readyAddrs()), why)})
+		out = append(out, lag{envoy: i, why: fmt.Sprintf("%s (last answered by %s, %d relays ready): %s", e.ID(), cp, r.relays.ReadyN(), why)})
 	}
 	return out
 }
@@ -1151,13 +1047,11 @@ func (r *chaosRun) play(ctx context.Context, rec *FaultRecord, start time.Time) 
 	f := rec.Fault
 	switch f.Kind {
 	case FaultKill:
-		if c := r.takeRelay(f.Target); c != nil {
-			c.Kill()
-		}
+		r.relays.StopRelay(ctx, f.Target, false)
 		traffic.SleepCtx(ctx, f.Hold)
-		return r.startRelay(ctx, f.Target)
+		return r.relays.Start(ctx, f.Target)
 	case FaultFreeze:
-		c := r.relay(f.Target)
+		c := r.relays.Child(f.Target)
 		if c == nil {
 			return fmt.Errorf("relay-%d is not running", f.Target)
 		}
@@ -1195,27 +1089,7 @@ func (r *chaosRun) play(ctx context.Context, rec *FaultRecord, start time.Time) 
 		traffic.SleepCtx(ctx, f.Hold)
 		return r.up.run(ctx, r.churn.Steps())
 	case FaultRolling:
-		for i := range r.cfg.Relays {
-			if c := r.takeRelay(i); c != nil {
-				sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-				err := c.Stop(sctx)
-				cancel()
-				if err != nil {
-					r.fail("relay-%d on SIGTERM: %v", i, err)
-				}
-			}
-			if err := r.startRelay(ctx, i); err != nil {
-				return err
-			}
-			if err := r.waitFor(ctx, 2*time.Minute, fmt.Sprintf("relay-%d ready", i), func() bool {
-				r.mu.Lock()
-				defer r.mu.Unlock()
-				return r.ready[i]
-			}); err != nil {
-				return err
-			}
-		}
-		return nil
+		return scenario.RollingRestart(ctx, r.relays, 2*time.Minute, func(err error) { r.fail("%v", err) })
 	}
 	return fmt.Errorf("unknown fault %q", f.Kind)
 }
@@ -1237,7 +1111,7 @@ func (r *chaosRun) detail(rec *FaultRecord, start time.Time, format string, args
 // undone on every path.
 func (r *chaosRun) starve(ctx context.Context, rec *FaultRecord, start time.Time) error {
 	f := rec.Fault
-	c := r.relay(f.Target)
+	c := r.relays.Child(f.Target)
 	if c == nil {
 		return fmt.Errorf("relay-%d is not running", f.Target)
 	}
@@ -1331,13 +1205,8 @@ func (r *chaosRun) stop() {
 	if r.fleet != nil {
 		r.fleet.Stop(context.Background())
 	}
-	if r.svc != nil {
-		r.svc.Close()
-	}
-	for i := range r.relays {
-		if c := r.takeRelay(i); c != nil {
-			c.Kill()
-		}
+	if r.relays != nil {
+		r.relays.Stop(context.Background())
 	}
 	if r.up != nil {
 		r.up.kill()

@@ -1,8 +1,10 @@
-// Package cluster runs a tier of relays in one process: each relay a
-// shard.Node gossiping over shard/memnet, an embedded etcd for their
-// snapshots, and a Service-like proxy Envoys dial, as Kubernetes would put
-// in front of the tier. Relays can be killed, stopped, started and added
-// while it runs.
+// Package cluster is a tier of relays as a test drives it: the Cluster
+// interface that scenarios (loadtest/scenario) are written against, and
+// Tier, which runs one in this process: each relay a shard.Node gossiping
+// over shard/memnet, an embedded etcd for their snapshots, and a
+// Service-like proxy Envoys dial, as Kubernetes would put in front of the
+// tier. Relays can be killed, stopped, started and added while it runs.
+// (loadtest.RelayProcs is the Cluster of `meshrelay serve` processes.)
 package cluster
 
 import (
@@ -211,6 +213,15 @@ func (t *Tier) IsRunning(r *TierRelay) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return r.Running
+}
+
+// Ready reports whether slot i runs and its relay is ready.
+func (t *Tier) Ready(i int) bool {
+	t.mu.Lock()
+	r := t.slots[i]
+	running := r.Running
+	t.mu.Unlock()
+	return running && r.Node.Relay().Ready()
 }
 
 // Add starts one more relay, joining the running ones, and returns its
