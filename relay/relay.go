@@ -33,6 +33,8 @@
 //	                 credentials, the bytes of large requests decoded at once
 //	relay/admin      the admin listener: who a call is from (token, JWT, certificate),
 //	                 its HTTP/gRPC handler, its health service
+//	relay/passthrough  a client's own upstream stream for the types the relay
+//	                   does not cache: its nonces mapped, its subscriptions replayed
 //	relay/adsclient  the ADS client: one SotW or Delta stream to a control plane,
 //	                 its nonces, ACKs and NACKs, and its bounded request queue
 //	relay/wire       the bytes on the wire: the gRPC codec, responses encoded once
@@ -72,7 +74,7 @@
 //     ACKs and NACKs), push.go (what a sync sends, in xDS order), holds.go
 //     (what a push keeps back: make-before-break), sotw.go, delta.go,
 //     mailbox.go (a client's requests, read while its responses are
-//     written), passthrough.go (types the relay does not cache),
+//     written), passthrough.go (starting a stream's relay/passthrough),
 //     identity.go and admission.go (who a stream is, whether it may
 //     start), rekey.go (the streams a split moves);
 //   - the tier and inspection: tier.go (owners, who a calling relay is,

@@ -20,6 +20,7 @@ import (
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
+	"github.com/meshrelay/meshrelay/relay/passthrough"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -88,7 +89,7 @@ type stream struct {
 	plans         planScratch // sync's
 	danglingTimer *time.Timer
 	danglingDue   time.Time
-	pass          *passthrough
+	pass          *passthrough.Passthrough
 	// dirty is set when a subscription changed or the key's views did:
 	// the stream must sync.
 	dirty bool
@@ -271,9 +272,7 @@ func (s *stream) attach(node *core.Node) error {
 // goroutine as it returns.
 func (s *stream) close() {
 	s.r.shares.Leave(s)
-	if s.pass != nil {
-		s.pass.stop()
-	}
+	s.stopPassthrough()
 	if s.danglingTimer != nil {
 		s.danglingTimer.Stop()
 	}

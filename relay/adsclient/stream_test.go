@@ -6,120 +6,33 @@ import (
 	"net"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
-	cachev3 "github.com/envoyproxy/go-control-plane/pkg/cache/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/resource/v3"
-	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshrelay/meshrelay/relay/adsclient"
+	"github.com/meshrelay/meshrelay/relay/adsclient/adsclienttest"
 	"github.com/meshrelay/meshrelay/relay/wire"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-const nodeID = "sidecar~10.0.0.1~a.ns~ns.svc.cluster.local"
+const nodeID = adsclienttest.NodeID
 
-// controlPlane is a real go-control-plane server (its snapshot cache, SotW
-// and Delta) on loopback, recording every request it reads.
-type controlPlane struct {
-	addr  string
-	cache cachev3.SnapshotCache
-	srv   *grpc.Server
-	done  chan struct{}
+// controlPlane is a real go-control-plane server (adsclienttest).
+type controlPlane = adsclienttest.ControlPlane
 
-	mu    sync.Mutex
-	sotw  []*discovery.DiscoveryRequest
-	delta []*discovery.DeltaDiscoveryRequest
-	// refuse, if set, ends every stream on its first request with it.
-	refuse error
-}
-
-func startControlPlane(t *testing.T, addr string) *controlPlane {
-	t.Helper()
-	lis, err := net.Listen("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cp := &controlPlane{addr: lis.Addr().String(), cache: cachev3.NewSnapshotCache(false, cachev3.IDHash{}, nil), done: make(chan struct{})}
-	cb := serverv3.CallbackFuncs{
-		// Every stream's trailer says which server ended it.
-		StreamOpenFunc: func(ctx context.Context, _ int64, _ string) error {
-			return grpc.SetTrailer(ctx, metadata.Pairs("x-ended-by", "test-control-plane"))
-		},
-		DeltaStreamOpenFunc: func(ctx context.Context, _ int64, _ string) error {
-			return grpc.SetTrailer(ctx, metadata.Pairs("x-ended-by", "test-control-plane"))
-		},
-		StreamRequestFunc: func(_ int64, r *discovery.DiscoveryRequest) error {
-			cp.mu.Lock()
-			defer cp.mu.Unlock()
-			cp.sotw = append(cp.sotw, proto.Clone(r).(*discovery.DiscoveryRequest))
-			return cp.refuse
-		},
-		StreamDeltaRequestFunc: func(_ int64, r *discovery.DeltaDiscoveryRequest) error {
-			cp.mu.Lock()
-			defer cp.mu.Unlock()
-			cp.delta = append(cp.delta, proto.Clone(r).(*discovery.DeltaDiscoveryRequest))
-			return cp.refuse
-		},
-	}
-	cp.srv = grpc.NewServer()
-	discovery.RegisterAggregatedDiscoveryServiceServer(cp.srv, serverv3.NewServer(context.Background(), cp.cache, cb))
-	go func() {
-		defer close(cp.done)
-		_ = cp.srv.Serve(lis)
-	}()
-	t.Cleanup(cp.stop)
-	return cp
-}
-
-func (cp *controlPlane) stop() {
-	cp.srv.Stop()
-	<-cp.done
-}
-
-// set publishes version of the clusters named.
-func (cp *controlPlane) set(t *testing.T, version string, clusters ...string) {
-	t.Helper()
-	var res []types.Resource
-	for _, c := range clusters {
-		res = append(res, &clusterv3.Cluster{Name: c})
-	}
-	snap, err := cachev3.NewSnapshot(version, map[resource.Type][]types.Resource{resource.ClusterType: res})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cp.cache.SetSnapshot(context.Background(), nodeID, snap); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// sotwRequests and deltaRequests return what the server read so far.
-func (cp *controlPlane) sotwRequests() []*discovery.DiscoveryRequest {
-	cp.mu.Lock()
-	defer cp.mu.Unlock()
-	return slices.Clone(cp.sotw)
-}
-
-func (cp *controlPlane) deltaRequests() []*discovery.DeltaDiscoveryRequest {
-	cp.mu.Lock()
-	defer cp.mu.Unlock()
-	return slices.Clone(cp.delta)
-}
+func startControlPlane(t *testing.T, addr string) *controlPlane { return adsclienttest.Start(t, addr) }
 
 // waitFor polls cond (the server's record) until it holds or ctx ends.
 func waitFor(t *testing.T, ctx context.Context, what string, cond func() bool) {
@@ -150,7 +63,7 @@ func open(t *testing.T, ctx context.Context, cp *controlPlane, cfg adsclient.Con
 	if cfg.Node == nil {
 		cfg.Node = &core.Node{Id: nodeID}
 	}
-	s, err := adsclient.Open(ctx, dial(t, cp.addr), cfg)
+	s, err := adsclient.Open(ctx, dial(t, cp.Addr), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -227,7 +140,7 @@ func TestSotW(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	cp := startControlPlane(t, "127.0.0.1:0")
-	cp.set(t, "v1", "a", "b")
+	cp.Set(t, "v1", "a", "b")
 	s := open(t, ctx, cp, adsclient.Config{})
 	subscribeClusters(t, s)
 	r1 := next(t, ctx, s)
@@ -238,13 +151,13 @@ func TestSotW(t *testing.T) {
 		t.Fatal(err)
 	}
 	r1.Release()
-	cp.set(t, "v2", "a", "b", "c")
+	cp.Set(t, "v2", "a", "b", "c")
 	r2 := next(t, ctx, s)
 	if got := names(t, r2); !slices.Equal(got, []string{"a", "b", "c"}) {
 		t.Fatalf("second response: %v, want [a b c]", got)
 	}
 	r2.Release()
-	reqs := cp.sotwRequests()
+	reqs := cp.SotWRequests()
 	if len(reqs) < 2 {
 		t.Fatalf("server read %d requests, want the subscription and the ACK", len(reqs))
 	}
@@ -264,7 +177,7 @@ func TestDelta(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	cp := startControlPlane(t, "127.0.0.1:0")
-	cp.set(t, "v1", "a", "b")
+	cp.Set(t, "v1", "a", "b")
 	s := open(t, ctx, cp, adsclient.Config{Delta: true})
 	subscribeClusters(t, s)
 	r1 := next(t, ctx, s)
@@ -275,13 +188,13 @@ func TestDelta(t *testing.T) {
 		t.Fatal(err)
 	}
 	r1.Release()
-	cp.set(t, "v2", "a", "b", "c")
+	cp.Set(t, "v2", "a", "b", "c")
 	r2 := next(t, ctx, s)
 	if got := names(t, r2); !slices.Equal(got, []string{"c"}) {
 		t.Fatalf("second response: %v, want [c] (only what changed)", got)
 	}
 	r2.Release()
-	reqs := cp.deltaRequests()
+	reqs := cp.DeltaRequests()
 	if len(reqs) < 2 {
 		t.Fatalf("server read %d requests, want the subscription and the ACK", len(reqs))
 	}
@@ -301,7 +214,7 @@ func TestDecoded(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			cp := startControlPlane(t, "127.0.0.1:0")
-			cp.set(t, "v1", "a", "b")
+			cp.Set(t, "v1", "a", "b")
 			s := open(t, ctx, cp, adsclient.Config{Delta: delta, Decoded: true})
 			subscribeClusters(t, s)
 			r1 := next(t, ctx, s)
@@ -325,12 +238,12 @@ func TestDecoded(t *testing.T) {
 			}
 			// The ACK carries v1 (SotW), so the server answers v2 alone.
 			if !delta {
-				waitFor(t, ctx, "the ACK read", func() bool { return len(cp.sotwRequests()) >= 2 })
-				if ack := cp.sotwRequests()[1]; ack.GetVersionInfo() != "v1" || ack.GetResponseNonce() != r1.GetNonce() {
+				waitFor(t, ctx, "the ACK read", func() bool { return len(cp.SotWRequests()) >= 2 })
+				if ack := cp.SotWRequests()[1]; ack.GetVersionInfo() != "v1" || ack.GetResponseNonce() != r1.GetNonce() {
 					t.Fatalf("ACK = %v, want version v1 and nonce %q", ack, r1.GetNonce())
 				}
 			}
-			cp.set(t, "v2", "a", "b", "c")
+			cp.Set(t, "v2", "a", "b", "c")
 			r2 := next(t, ctx, s)
 			want := []string{"a", "b", "c"}
 			if delta {
@@ -353,7 +266,7 @@ func TestRefusal(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			cp := startControlPlane(t, "127.0.0.1:0")
-			cp.refuse = status.Error(codes.Unauthenticated, "token refused")
+			cp.Refuse(status.Error(codes.Unauthenticated, "token refused"))
 			s := open(t, ctx, cp, adsclient.Config{Delta: delta})
 			if tr := s.Trailer(); tr != nil {
 				t.Fatalf("Trailer = %v before the stream ended, want nil", tr)
@@ -388,7 +301,7 @@ func TestNACK(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			cp := startControlPlane(t, "127.0.0.1:0")
-			cp.set(t, "v1", "a")
+			cp.Set(t, "v1", "a")
 			s := open(t, ctx, cp, adsclient.Config{Delta: delta})
 			subscribeClusters(t, s)
 			r1 := next(t, ctx, s)
@@ -396,22 +309,22 @@ func TestNACK(t *testing.T) {
 				t.Fatal(err)
 			}
 			r1.Release()
-			cp.set(t, "v2", "a", "bad")
+			cp.Set(t, "v2", "a", "bad")
 			r2 := next(t, ctx, s)
 			if err := s.NACK(r2, errors.New("cluster bad: refused")); err != nil {
 				t.Fatal(err)
 			}
 			r2.Release()
 			if delta {
-				waitFor(t, ctx, "the NACK read", func() bool { return len(cp.deltaRequests()) >= 3 })
-				nack := cp.deltaRequests()[2]
+				waitFor(t, ctx, "the NACK read", func() bool { return len(cp.DeltaRequests()) >= 3 })
+				nack := cp.DeltaRequests()[2]
 				if nack.GetResponseNonce() != r2.GetNonce() || !strings.Contains(nack.GetErrorDetail().GetMessage(), "refused") {
 					t.Errorf("NACK = %v, want nonce %q and the error", nack, r2.GetNonce())
 				}
 				return
 			}
-			waitFor(t, ctx, "the NACK read", func() bool { return len(cp.sotwRequests()) >= 3 })
-			nack := cp.sotwRequests()[2]
+			waitFor(t, ctx, "the NACK read", func() bool { return len(cp.SotWRequests()) >= 3 })
+			nack := cp.SotWRequests()[2]
 			if nack.GetVersionInfo() != "v1" || nack.GetResponseNonce() != r2.GetNonce() || !strings.Contains(nack.GetErrorDetail().GetMessage(), "refused") {
 				t.Errorf("NACK = %v, want version v1 (the last ACKed), nonce %q and the error", nack, r2.GetNonce())
 			}
@@ -428,8 +341,8 @@ func TestReconnect(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			cp := startControlPlane(t, "127.0.0.1:0")
-			cp.set(t, "v1", "a")
-			conn := dial(t, cp.addr)
+			cp.Set(t, "v1", "a")
+			conn := dial(t, cp.Addr)
 			cfg := adsclient.Config{Delta: delta, Node: &core.Node{Id: nodeID}}
 			s, err := adsclient.Open(ctx, conn, cfg)
 			if err != nil {
@@ -439,7 +352,7 @@ func TestReconnect(t *testing.T) {
 			subscribeClusters(t, s)
 			r := next(t, ctx, s)
 			r.Release()
-			cp.stop()
+			cp.Stop()
 			select {
 			case err := <-s.Err():
 				if err == nil {
@@ -450,8 +363,8 @@ func TestReconnect(t *testing.T) {
 			}
 			s.Close()
 
-			cp2 := startControlPlane(t, cp.addr)
-			cp2.set(t, "v2", "a", "b")
+			cp2 := startControlPlane(t, cp.Addr)
+			cp2.Set(t, "v2", "a", "b")
 			cfg.CallOptions = []grpc.CallOption{grpc.WaitForReady(true)} // the connection is reconnecting
 			s2, err := adsclient.Open(ctx, conn, cfg)
 			if err != nil {
@@ -468,9 +381,9 @@ func TestReconnect(t *testing.T) {
 			r2.Release()
 			var node *core.Node
 			if delta {
-				node = cp2.deltaRequests()[0].GetNode()
+				node = cp2.DeltaRequests()[0].GetNode()
 			} else {
-				node = cp2.sotwRequests()[0].GetNode()
+				node = cp2.SotWRequests()[0].GetNode()
 			}
 			if node.GetId() != nodeID {
 				t.Errorf("the new stream's first request carried node %v, want %s", node, nodeID)
