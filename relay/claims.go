@@ -189,9 +189,9 @@ func (r *Relay) handOver(ctx context.Context, s *stream) {
 		return
 	}
 	for _, dt := range reply.types {
-		t, whole := treeOf(dt.entries)
-		id := heldID{k.key, dt.typeURL, t.Root()}
-		if !whole || t.Len() == 0 || !xds.Cached(dt.typeURL) || !r.handing(id) {
+		t, whole := treeOf(dt.Entries)
+		id := heldID{k.key, dt.URL, t.Root()}
+		if !whole || t.Len() == 0 || !xds.Cached(dt.URL) || !r.handing(id) {
 			continue
 		}
 		// Every body: the store writes only those it has not written
@@ -203,10 +203,10 @@ func (r *Relay) handOver(ctx context.Context, s *stream) {
 		for e := range t.All() {
 			bodies = append(bodies, e.Value)
 		}
-		if err := hv.SaveHeld(ctx, string(k.key), xds.View{Type: dt.typeURL, Tree: t}, bodies); err != nil {
+		if err := hv.SaveHeld(ctx, string(k.key), xds.View{Type: dt.URL, Tree: t}, bodies); err != nil {
 			r.handed.Delete(id)
 			r.handOverFailed.Store(time.Now().UnixNano())
-			r.log.Warn("a SotW Envoy's version not handed over; the relay it moves to may not know it (moves do not hand over for a while)", "key", k.key, "type", xds.ShortType(dt.typeURL), "pause", handOverPause, "err", err)
+			r.log.Warn("a SotW Envoy's version not handed over; the relay it moves to may not know it (moves do not hand over for a while)", "key", k.key, "type", xds.ShortType(dt.URL), "pause", handOverPause, "err", err)
 			return
 		}
 		r.metrics.handedOver.Inc()

@@ -10,17 +10,14 @@ import (
 	"strings"
 	"time"
 
-	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
 
-	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/configdump"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
-	"github.com/meshrelay/meshrelay/relay/redact"
 	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -107,14 +104,6 @@ func typesOf(snap *views.Set, wants map[string]subscription) []string {
 	})
 }
 
-// dumpType is one type of what a config dump shows: a view (of a key, or
-// what a stream sent its client) and its version.
-type dumpType struct {
-	typeURL string
-	version string
-	entries []ledger.Entry[*xds.Resource]
-}
-
 // dumpReq asks a stream's goroutine, which owns its state, what it sent.
 type dumpReq struct {
 	types []string // empty: all
@@ -124,25 +113,25 @@ type dumpReq struct {
 // dumpReply is a stream's answer to a dumpReq: its key and what it sent.
 type dumpReply struct {
 	key   *keyState
-	types []dumpType
+	types []configdump.Type
 }
 
 // sent lists what the stream sent its client, by type (run by the stream's
 // goroutine). Content the client declared on connecting and this relay
 // never sent it is included if the relay holds it.
-func (s *stream) sent(types []string) []dumpType {
-	var out []dumpType
+func (s *stream) sent(types []string) []configdump.Type {
+	var out []configdump.Type
 	for _, typeURL := range xds.PushOrder {
 		sub := s.subs[typeURL]
 		if sub == nil || len(types) > 0 && !slices.Contains(types, typeURL) {
 			continue
 		}
-		dt := dumpType{typeURL: typeURL, version: sub.known.Root().String()}
+		dt := configdump.Type{URL: typeURL, Version: sub.known.Root().String()}
 		for e := range sub.known.All() {
 			if e.Value == nil {
 				e.Value = s.r.store.Lookup(e.Hash)
 			}
-			dt.entries = append(dt.entries, e)
+			dt.Entries = append(dt.Entries, e)
 		}
 		out = append(out, dt)
 	}
@@ -170,7 +159,7 @@ func (r *Relay) streamOf(node string) (*stream, aggkey.Key) {
 // returns ErrNotHeld for a node not connected here or a key not held.
 func (r *Relay) ConfigDump(ctx context.Context, req *inspectpb.ConfigDumpRequest) (*inspectpb.ConfigDump, error) {
 	out := &inspectpb.ConfigDump{Relay: r.cfg.ID, Node: req.GetNode(), Key: req.GetKey()}
-	var types []dumpType
+	var types []configdump.Type
 	switch {
 	case req.GetNode() != "" && req.GetKey() != "":
 		return nil, errors.New("relay: config dump: a node or a key, not both")
@@ -202,12 +191,12 @@ func (r *Relay) ConfigDump(ctx context.Context, req *inspectpb.ConfigDumpRequest
 			if ts == nil || len(req.GetTypes()) > 0 && !slices.Contains(req.GetTypes(), typeURL) {
 				continue
 			}
-			types = append(types, dumpType{typeURL: typeURL, version: ts.View.Root().String(), entries: slices.Collect(ts.View.All())})
+			types = append(types, configdump.Type{URL: typeURL, Version: ts.View.Root().String(), Entries: slices.Collect(ts.View.All())})
 		}
 	default:
 		return nil, errors.New("relay: config dump: a node or a key is required")
 	}
-	dump, err := buildConfigDump(types)
+	dump, err := configdump.Build(types)
 	if err != nil {
 		return nil, err
 	}
@@ -215,83 +204,6 @@ func (r *Relay) ConfigDump(ctx context.Context, req *inspectpb.ConfigDumpRequest
 		return nil, err
 	}
 	return out, nil
-}
-
-// buildConfigDump lays views out as Envoy's /config_dump does, each
-// resource as a dynamic one with its version (its content hash), every
-// sensitive field redacted. Types Envoy's dump has no place for (runtime)
-// are left out.
-func buildConfigDump(types []dumpType) (*adminv3.ConfigDump, error) {
-	dump := &adminv3.ConfigDump{}
-	for _, t := range types {
-		var bodies []*anypb.Any
-		var names, versions []string
-		for _, e := range t.entries {
-			if e.Value == nil {
-				continue // declared by the client, not held here
-			}
-			b, err := redact.Any(e.Value.Body)
-			if err != nil {
-				return nil, fmt.Errorf("config dump: %s %q: %w", xds.ShortType(t.typeURL), e.Name, err)
-			}
-			bodies, names, versions = append(bodies, b), append(names, e.Name), append(versions, e.Hash.String())
-		}
-		var msg proto.Message
-		switch t.typeURL {
-		case xds.TypeCluster:
-			d := &adminv3.ClustersConfigDump{VersionInfo: t.version}
-			for i, b := range bodies {
-				d.DynamicActiveClusters = append(d.DynamicActiveClusters, &adminv3.ClustersConfigDump_DynamicCluster{VersionInfo: versions[i], Cluster: b})
-			}
-			msg = d
-		case xds.TypeEndpoint:
-			d := &adminv3.EndpointsConfigDump{}
-			for i, b := range bodies {
-				d.DynamicEndpointConfigs = append(d.DynamicEndpointConfigs, &adminv3.EndpointsConfigDump_DynamicEndpointConfig{VersionInfo: versions[i], EndpointConfig: b})
-			}
-			msg = d
-		case xds.TypeListener:
-			d := &adminv3.ListenersConfigDump{VersionInfo: t.version}
-			for i, b := range bodies {
-				d.DynamicListeners = append(d.DynamicListeners, &adminv3.ListenersConfigDump_DynamicListener{Name: names[i],
-					ActiveState: &adminv3.ListenersConfigDump_DynamicListenerState{VersionInfo: versions[i], Listener: b}})
-			}
-			msg = d
-		case xds.TypeScopedRoute:
-			d := &adminv3.ScopedRoutesConfigDump{}
-			for i, b := range bodies {
-				d.DynamicScopedRouteConfigs = append(d.DynamicScopedRouteConfigs, &adminv3.ScopedRoutesConfigDump_DynamicScopedRouteConfigs{
-					Name: names[i], VersionInfo: versions[i], ScopedRouteConfigs: []*anypb.Any{b}})
-			}
-			msg = d
-		case xds.TypeRoute:
-			d := &adminv3.RoutesConfigDump{}
-			for i, b := range bodies {
-				d.DynamicRouteConfigs = append(d.DynamicRouteConfigs, &adminv3.RoutesConfigDump_DynamicRouteConfig{VersionInfo: versions[i], RouteConfig: b})
-			}
-			msg = d
-		case xds.TypeSecret:
-			d := &adminv3.SecretsConfigDump{}
-			for i, b := range bodies {
-				d.DynamicActiveSecrets = append(d.DynamicActiveSecrets, &adminv3.SecretsConfigDump_DynamicSecret{Name: names[i], VersionInfo: versions[i], Secret: b})
-			}
-			msg = d
-		case xds.TypeExtension:
-			d := &adminv3.EcdsConfigDump{}
-			for i, b := range bodies {
-				d.EcdsFilters = append(d.EcdsFilters, &adminv3.EcdsConfigDump_EcdsFilterConfig{VersionInfo: versions[i], EcdsFilter: b})
-			}
-			msg = d
-		default:
-			continue
-		}
-		a, err := anypb.New(msg)
-		if err != nil {
-			return nil, err
-		}
-		dump.Configs = append(dump.Configs, a)
-	}
-	return dump, nil
 }
 
 // inspectServer answers the tier's other relays what this one holds.

@@ -47,6 +47,7 @@
 //	                 istiod's identity rule (relay/auth/authtest for tests)
 //	relay/xds        the xDS vocabulary: type URLs and the type graph, resources
 //	                 and their store, name sets, the persisted form of views
+//	relay/configdump views laid out as Envoy's /config_dump, redacted
 //	relay/redact     what a config dump must not show
 //	relay/tlsfiles   certificates and keys read again when rotated
 //	relay/inspectpb  what one relay tells another of a key, a node, a version
