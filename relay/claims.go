@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	"google.golang.org/grpc"
@@ -58,6 +59,13 @@ type claimQuestion struct {
 // streams).
 const maxClaimLookups = 64
 
+// claimTable is a key's lookups of claimed versions, one per question:
+// the streams of the key that claim alike wait for one lookup.
+type claimTable struct {
+	mu sync.Mutex
+	m  map[claimQuestion]*claimLookup
+}
+
 // claimPending reports whether sub's claimed version is being looked up in
 // the tier, and applies the answer once it came.
 func (s *stream) claimPending(sub *typeSub, ts *views.Type) bool {
@@ -101,25 +109,26 @@ func (s *stream) askTier(sub *typeSub) bool {
 		return false
 	}
 	q := claimQuestion{typeURL: sub.typeURL, root: sub.claimed, wildcard: sub.wildcard}
-	req := &inspectpb.VersionRequest{Key: string(s.key.key), Type: sub.typeURL, Root: sub.claimed.String(), Wildcard: sub.wildcard}
+	req := &inspectpb.VersionRequest{Key: string(s.key.name()), Type: sub.typeURL, Root: sub.claimed.String(), Wildcard: sub.wildcard}
 	if !sub.wildcard {
 		q.names = wire.ListDigest(sub.names)
 		req.Names = slices.Clone(sub.names) // read by the asking goroutine
 	}
 	k := s.key
-	k.claimsMu.Lock()
-	defer k.claimsMu.Unlock()
-	if sub.lookup = k.claims[q]; sub.lookup != nil {
+	claims := k.claimLookups()
+	claims.mu.Lock()
+	defer claims.mu.Unlock()
+	if sub.lookup = claims.m[q]; sub.lookup != nil {
 		return true
 	}
-	if len(k.claims) >= maxClaimLookups {
-		clear(k.claims)
+	if len(claims.m) >= maxClaimLookups {
+		clear(claims.m)
 	}
-	if k.claims == nil {
-		k.claims = make(map[claimQuestion]*claimLookup)
+	if claims.m == nil {
+		claims.m = make(map[claimQuestion]*claimLookup)
 	}
 	l := &claimLookup{done: make(chan struct{})}
-	k.claims[q], sub.lookup = l, l
+	claims.m[q], sub.lookup = l, l
 	ran := s.r.goRun(func(ctx context.Context) {
 		l.held, l.ok, l.from = s.r.lookUpVersion(ctx, addrs, req, q.root)
 		if l.ok && l.from == "store" {
@@ -190,7 +199,7 @@ func (r *Relay) handOver(ctx context.Context, s *stream) {
 	}
 	for _, dt := range reply.types {
 		t, whole := treeOf(dt.Entries)
-		id := heldID{k.key, dt.URL, t.Root()}
+		id := heldID{k.name(), dt.URL, t.Root()}
 		if !whole || t.Len() == 0 || !xds.Cached(dt.URL) || !r.handing(id) {
 			continue
 		}
@@ -203,10 +212,10 @@ func (r *Relay) handOver(ctx context.Context, s *stream) {
 		for e := range t.All() {
 			bodies = append(bodies, e.Value)
 		}
-		if err := hv.SaveHeld(ctx, string(k.key), xds.View{Type: dt.URL, Tree: t}, bodies); err != nil {
+		if err := hv.SaveHeld(ctx, string(k.name()), xds.View{Type: dt.URL, Tree: t}, bodies); err != nil {
 			r.handed.Delete(id)
 			r.handOverFailed.Store(time.Now().UnixNano())
-			r.log.Warn("a SotW Envoy's version not handed over; the relay it moves to may not know it (moves do not hand over for a while)", "key", k.key, "type", xds.ShortType(dt.URL), "pause", handOverPause, "err", err)
+			r.log.Warn("a SotW Envoy's version not handed over; the relay it moves to may not know it (moves do not hand over for a while)", "key", k.name(), "type", xds.ShortType(dt.URL), "pause", handOverPause, "err", err)
 			return
 		}
 		r.metrics.handedOver.Inc()
@@ -484,7 +493,7 @@ func (s inspectServer) GetVersion(ctx context.Context, req *inspectpb.VersionReq
 		return nil, status.Errorf(codes.NotFound, "key %q: version %s of %s not in history", req.GetKey(), root, xds.ShortType(req.GetType()))
 	}
 	var view ledger.Tree[*xds.Resource]
-	if ts := k.views.Load().Types[req.GetType()]; ts != nil {
+	if ts := k.published().Types[req.GetType()]; ts != nil {
 		view = ts.View
 	}
 	out := &inspectpb.VersionContent{Relay: s.r.cfg.ID}

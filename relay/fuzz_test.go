@@ -299,7 +299,7 @@ func (h *downHarness) view(gen int) map[string]ledger.Tree[*xds.Resource] {
 // is set: then they are only what was asked for by name.
 func (h *downHarness) publish(ctl byte) {
 	gen := int(ctl & 7)
-	k := h.s.key
+	k, _ := h.s.key.(*keyState)
 	if k == nil || gen >= len(fuzzViews()) {
 		return
 	}
@@ -423,7 +423,7 @@ func (h *downHarness) checkConverged() {
 			break
 		}
 	}
-	snap := h.s.key.views.Load()
+	snap := h.s.key.published()
 	now := time.Now()
 	for _, typeURL := range slices.Sorted(maps.Keys(h.s.subs)) {
 		sub := h.s.subs[typeURL]
@@ -482,7 +482,7 @@ func (h *downHarness) wants(typeURL, name string) bool {
 	if sub == nil || h.unknown[typeURL] || (!sub.wildcard && !sub.names.Has(name)) {
 		return false
 	}
-	ts := h.s.key.views.Load().Types[typeURL]
+	ts := h.s.key.published().Types[typeURL]
 	if ts == nil || !ts.Ready || (sub.wildcard && !ts.Full) {
 		return false
 	}
@@ -508,7 +508,7 @@ var referrers = map[string][]struct {
 // noted, to follow.
 func (h *downHarness) checkOrder(o *wire.Response) {
 	typ := xds.ShortType(o.TypeURL)
-	snap := h.s.key.views.Load()
+	snap := h.s.key.published()
 	for _, x := range o.Updated {
 		for _, c := range x.Refs(xds.RefClusters) {
 			if h.wants(xds.TypeCluster, c) {
@@ -553,7 +553,7 @@ func (h *downHarness) checkOrder(o *wire.Response) {
 // resource is gone, but drops it with what referred to it: such a resource
 // counts only while the key still has it.
 func (h *downHarness) referredBy(typeURL, name string) string {
-	snap := h.s.key.views.Load()
+	snap := h.s.key.published()
 	for _, ref := range referrers[typeURL] {
 		for _, n := range slices.Sorted(maps.Keys(h.model[ref.typeURL])) {
 			have := h.model[ref.typeURL][n]
@@ -599,7 +599,7 @@ func (h *downHarness) checkResponse(o *wire.Response) error {
 	if o.Version == "" {
 		h.fatalf("%s response (nonce %s) without a version", typ, o.Nonce)
 	}
-	if ts := h.s.key.views.Load().Types[o.TypeURL]; sub.wildcard && (ts == nil || !ts.Full) {
+	if ts := h.s.key.published().Types[o.TypeURL]; sub.wildcard && (ts == nil || !ts.Full) {
 		h.fatalf("%s response (nonce %s) to a wildcard subscription from a view that is not the full set", typ, o.Nonce)
 	}
 	checkRes := func(what string, x *xds.Resource) {
@@ -705,7 +705,7 @@ func (h *downHarness) checkState(when string) {
 			}
 		}
 	}
-	k := h.s.key
+	k, _ := h.s.key.(*keyState)
 	if k == nil {
 		return
 	}
@@ -763,7 +763,7 @@ func (h *downHarness) release() {
 // converges, ends the stream and checks that the key holds nothing of it.
 func (h *downHarness) finish() {
 	h.t.Helper()
-	if k := h.s.key; k != nil && !h.ended {
+	if k, _ := h.s.key.(*keyState); k != nil && !h.ended {
 		k.mu.Lock()
 		k.update(func(next *views.Set) {
 			for typeURL, ts := range next.Types {
@@ -779,7 +779,7 @@ func (h *downHarness) finish() {
 		h.checkConverged()
 	}
 	h.release()
-	k := h.s.key
+	k, _ := h.s.key.(*keyState)
 	if k == nil {
 		return
 	}

@@ -128,7 +128,7 @@ func (s *stream) clusterUsable(cds *typeSub, c string) bool {
 		// rarely changes). A cluster nobody here knows is taken as it
 		// was: a route to it is dangling whatever the relay does.
 		if held = s.r.store.Lookup(e.Hash); held == nil && s.key != nil {
-			if ts := s.key.views.Load().Types[xds.TypeCluster]; ts != nil {
+			if ts := s.key.published().Types[xds.TypeCluster]; ts != nil {
 				v, _ := ts.View.Get(c)
 				held = v.Value
 			}
@@ -195,7 +195,7 @@ func (s *stream) deferDangling(p *plan) {
 	wait := s.r.cfg.XDS.ResourceWaitTimeout
 	var keyCDS *views.Type
 	if s.key != nil {
-		keyCDS = s.key.views.Load().Types[xds.TypeCluster]
+		keyCDS = s.key.published().Types[xds.TypeCluster]
 	}
 	kept := p.upd[:0]
 	for _, r := range p.upd {
@@ -384,14 +384,17 @@ func (s *stream) keepAskedClusters(sub *typeSub, ts *views.Type) {
 
 // baseKey returns the key the stream's node belongs to but for a split, if
 // the stream is on a key of its own and the relay holds that key.
-func (s *stream) baseKey() *keyState {
+func (s *stream) baseKey() joinedKey {
 	key, base := s.r.keyOf(s.node, s.identity)
-	if key == base || s.key == nil || s.key.key != key {
+	if key == base || s.key == nil || s.key.name() != key {
 		return nil
 	}
 	s.r.mu.Lock()
 	defer s.r.mu.Unlock()
-	return s.r.keys[base]
+	if k := s.r.keys[base]; k != nil {
+		return k
+	}
+	return nil // not a nil *keyState in an interface
 }
 
 // awaitingEndpoints reports whether a SotW client's clusters, claimed at a
@@ -510,7 +513,7 @@ func (s *stream) heldByOrder(typeURL string) bool {
 	if sub == nil || s.key == nil || !sub.declared {
 		return false
 	}
-	snap := s.key.views.Load()
+	snap := s.key.published()
 	ts := snap.Types[typeURL]
 	return ts != nil && !sub.coveredBy(ts)
 }

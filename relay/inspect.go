@@ -112,7 +112,7 @@ type dumpReq struct {
 
 // dumpReply is a stream's answer to a dumpReq: its key and what it sent.
 type dumpReply struct {
-	key   *keyState
+	key   joinedKey
 	types []configdump.Type
 }
 
@@ -148,7 +148,7 @@ func (r *Relay) streamOf(node string) (*stream, aggkey.Key) {
 	for s, k := range r.attachedStreams() {
 		// s.node is set before the stream is attached.
 		if s.peerRelay == nil && s.node.GetId() == node && (found == nil || s.id > found.id) {
-			found, key = s, k.key
+			found, key = s, k.name()
 		}
 	}
 	return found, key
@@ -351,7 +351,7 @@ func (r *Relay) Clients() []ClientStatus {
 	})
 	out := make([]ClientStatus, 0, len(streams))
 	for _, s := range streams {
-		cs := ClientStatus{NodeID: s.node.GetId(), Key: attached[s].key, Protocol: ProtocolSotW, Peer: s.peer, PeerRelay: s.peerRelayID()}
+		cs := ClientStatus{NodeID: s.node.GetId(), Key: attached[s].name(), Protocol: ProtocolSotW, Peer: s.peer, PeerRelay: s.peerRelayID()}
 		if s.delta {
 			cs.Protocol = ProtocolDelta
 		}

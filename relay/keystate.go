@@ -55,8 +55,7 @@ type keyState struct {
 
 	// claims are the key's lookups of SotW clients' claimed versions in
 	// the tier (claims.go).
-	claimsMu sync.Mutex
-	claims   map[claimQuestion]*claimLookup
+	claims claimTable
 
 	// joined is len(members), and peers how many of them are other
 	// relays subscribing to this key: written under mu, read by anyone
@@ -81,6 +80,20 @@ type keyState struct {
 	// Keys.IdleTimeout with its upstream stream open.
 	abandoned atomic.Bool
 }
+
+// name is the key's name.
+func (k *keyState) name() aggkey.Key { return k.key }
+
+// published returns the key's latest views.
+func (k *keyState) published() *views.Set { return k.views.Load() }
+
+// abandon notes that a member left the key because its split merged
+// back: nobody comes back to it, so it does not idle with its source
+// stream open.
+func (k *keyState) abandon() { k.abandoned.Store(true) }
+
+// claimLookups returns the key's lookups of claimed versions.
+func (k *keyState) claimLookups() *claimTable { return &k.claims }
 
 // aggregated reports whether more than one stream (Envoys, and relays the
 // key is served to) is joined to the key here: its one source serves them

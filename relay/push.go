@@ -98,7 +98,7 @@ func (s *stream) sync() error {
 	if err := s.followSplits(); err != nil {
 		return err
 	}
-	snap := s.key.views.Load()
+	snap := s.key.published()
 	now := time.Now()
 	plans, synced := s.planTypes(snap, now)
 	if err := s.sendUpdates(plans); err != nil {

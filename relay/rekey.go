@@ -10,6 +10,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/peers"
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/wire"
 )
 
@@ -48,7 +49,7 @@ func (s *stream) followSplits() error {
 	}
 	s.splitGen = gen
 	if s.peerRelay != nil {
-		splits := s.r.splits.of(s.key.key)
+		splits := s.r.splits.of(s.key.name())
 		if len(splits) == 0 {
 			return nil // another key split
 		}
@@ -61,7 +62,7 @@ func (s *stream) followSplits() error {
 	}
 	if s.next == nil {
 		want, base := s.r.keyOf(s.node, s.identity)
-		if want == s.key.key {
+		if want == s.key.name() {
 			return nil
 		}
 		s.next = s.r.joinKey(want, s)
@@ -75,24 +76,24 @@ func (s *stream) followSplits() error {
 			s.log.Info("the stream's key split: it moves to a key of its own once that key has its config", "to", want)
 		}
 	}
-	if !s.next.covers(s.subs, time.Now(), s.r.cfg.XDS.ResourceWaitTimeout) {
+	if !covers(s.next.published(), s.subs, time.Now(), s.r.cfg.XDS.ResourceWaitTimeout) {
 		return nil
 	}
 	old := s.key
 	s.r.attach(s, s.next)
-	if base := old.splitBase(); base != "" && s.next.key == base {
-		old.abandoned.Store(true) // merged back (before leave wakes its feed)
+	if base := old.splitBase(); base != "" && s.next.name() == base {
+		old.abandon() // merged back (before leave wakes its feed)
 	}
 	old.leave(s, s.subscriptions())
 	s.key, s.next = s.next, nil
 	s.declareHeld()
 	now := time.Now()
 	s.led.Disconnect(now)
-	s.led = s.r.ledgerConnect(s.node, s.key.key, now)
+	s.led = s.r.ledgerConnect(s.node, s.key.name(), now)
 	for typeURL := range s.subs {
 		s.led.Subscribe(typeURL)
 	}
-	s.log.Info("the stream moved", "from", old.key, "to", s.key.key)
+	s.log.Info("the stream moved", "from", old.name(), "to", s.key.name())
 	return nil
 }
 
@@ -115,11 +116,10 @@ func (s *stream) declareHeld() {
 	}
 }
 
-// covers reports whether k's views hold an answer for every subscription
+// covers reports whether views v hold an answer for every subscription
 // in subs: each type answered, whole for a wildcard subscription, and no
 // name still awaited.
-func (k *keyState) covers(subs map[string]*typeSub, now time.Time, wait time.Duration) bool {
-	v := k.views.Load()
+func covers(v *views.Set, subs map[string]*typeSub, now time.Time, wait time.Duration) bool {
 	for typeURL, sub := range subs {
 		tv := v.Types[typeURL]
 		if tv == nil || !tv.Ready || sub.wildcard && !tv.Full {

@@ -216,7 +216,7 @@ type Relay struct {
 	keys map[aggkey.Key]*keyState
 	// attached holds the streams joined to a key, with the key: each is
 	// a member of it from acquireKey to releaseKey.
-	attached map[*stream]*keyState
+	attached map[*stream]joinedKey
 	state    lifecycle
 	serveWG  sync.WaitGroup
 }
@@ -245,7 +245,7 @@ func New(cfg Config) (*Relay, error) {
 		controlPlane:   &core.ControlPlane{Identifier: cfg.ID},
 		stopping:       make(chan struct{}),
 		keys:           make(map[aggkey.Key]*keyState),
-		attached:       make(map[*stream]*keyState),
+		attached:       make(map[*stream]joinedKey),
 		warm:           make(chan struct{}),
 		loaded:         make(chan struct{}),
 		pool:           peers.NewPool(cfg.MaxMsgSize, cfg.Tier.DialOptions...),

@@ -21,6 +21,7 @@ import (
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/passthrough"
+	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -37,12 +38,12 @@ type stream struct {
 	log   *slog.Logger
 
 	node *core.Node // from the first request, kept for the stream
-	key  *keyState
+	key  joinedKey
 	// next is the key the stream moves to after a split of its key
 	// (rekey.go), a member of both until next's views cover the
 	// stream's subscriptions; splitGen is the relay's splitBook.gen when
 	// the stream last looked at where it belongs.
-	next     *keyState
+	next     joinedKey
 	splitGen uint64
 	// splitsTold is the key's splits (aggkey.EncodeSplits) told to the
 	// relay on the other end of a peer stream.
@@ -461,7 +462,7 @@ func (s *stream) noteRejected(sub *typeSub, sent sentResponse, nack bool) bool {
 		return false
 	}
 	var view ledger.Tree[*xds.Resource]
-	if ts := s.key.views.Load().Types[sub.typeURL]; ts != nil {
+	if ts := s.key.published().Types[sub.typeURL]; ts != nil {
 		view = ts.View
 	}
 	for n := range sub.rejected {
@@ -484,6 +485,41 @@ func nackDetail(st *rpcstatus.Status) string {
 		return fmt.Sprintf("rejected with code %d", st.GetCode())
 	}
 	return st.GetMessage()
+}
+
+// joinedKey is what a stream knows of the aggregation key it is joined to
+// (keyState, in the key's cache): the seam between the downstream server
+// and the cache. A stream reads the key's published views and tells the
+// key what its client subscribes to, holds and demands; it takes none of
+// the key's locks and reads none of its fields.
+type joinedKey interface {
+	name() aggkey.Key
+	// published returns the key's latest views (never nil).
+	published() *views.Set
+	// subscribe moves the stream's subscription to a type from before to
+	// after; leave takes the stream (with its subscriptions) out.
+	subscribe(typeURL string, wildcardBefore, wildcardAfter bool, before, after xds.NameSet)
+	leave(m member, subs iter.Seq2[string, subscription])
+	// demand asks the key's source for a stream that covers what a client
+	// holds, stamped at.
+	demand(at ledger.Stamp, fromPeer bool)
+	// leftBySplit tells the key, which the stream joins, that it is the
+	// split key of base (or base, merged back); splitBase is the key a
+	// split key split from; abandon says the stream left a split key for
+	// good.
+	leftBySplit(key, base aggkey.Key)
+	splitBase() aggkey.Key
+	abandon()
+	// sentHeld notes a version a SotW client was sent that is no version
+	// of the views; versionHeld finds one (or a version of the views) by
+	// root; lastContent returns the last content the key had of names.
+	sentHeld(t ledger.Tree[*xds.Resource])
+	versionHeld(typeURL string, wildcard bool, names xds.NameSet, root ledger.Hash) (ledger.Tree[*xds.Resource], bool)
+	lastContent(typeURL string, names []string) []*xds.Resource
+	// claimLookups are the key's lookups of claimed versions in the tier
+	// (claims.go); wakeStreams wakes its streams once one is answered.
+	claimLookups() *claimTable
+	wakeStreams()
 }
 
 // acquireKey returns the key's state, creating it (and its upstream
@@ -515,7 +551,7 @@ func (r *Relay) joinKeyLocked(key aggkey.Key, s *stream) *keyState {
 }
 
 // attach records s as attached to k, which it joined (joinKey).
-func (r *Relay) attach(s *stream, k *keyState) {
+func (r *Relay) attach(s *stream, k joinedKey) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.attached[s] = k
@@ -530,7 +566,7 @@ func (r *Relay) releaseKey(s *stream) {
 }
 
 // attachedStreams returns the streams joined to a key now, with the key.
-func (r *Relay) attachedStreams() map[*stream]*keyState {
+func (r *Relay) attachedStreams() map[*stream]joinedKey {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return maps.Clone(r.attached)
