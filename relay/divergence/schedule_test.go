@@ -4,6 +4,8 @@ import (
 	"math/rand/v2"
 	"testing"
 	"time"
+
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // every is the relay's default interval between a key's checks
@@ -43,5 +45,65 @@ func TestSplitRecheckedSoonThenLessOften(t *testing.T) {
 		if _, ok := s.RecheckDue(at.Add(step.wait+time.Second), every, members, local, draw); !ok {
 			t.Fatalf("re-check not due after %v", step.wait)
 		}
+	}
+}
+
+// TestDue walks a key's schedule: the member that made the key aggregated
+// is checked at once; then, each turn, the members in join order that may
+// be checked, round after round; one check at a time; a check that could
+// not run keeps its member first; and members that come to subscribe to
+// more make the key due at once, from its first member again.
+func TestDue(t *testing.T) {
+	var s Schedule[string]
+	start := time.Now()
+	half := func(d time.Duration) time.Duration { return d / 2 }
+	members := []string{"a", "b", "c", "relay"}
+	candidate := func(m string) bool { return m != "relay" }
+	clusters := map[string]bool{xds.TypeCluster: true}
+	due := func(now time.Time, wanted map[string]bool) string {
+		t.Helper()
+		m, ok := s.Due(now, every, members, wanted, candidate, half)
+		if !ok {
+			return ""
+		}
+		return m
+	}
+	s.Soon("b")
+	if m := due(start, clusters); m != "b" {
+		t.Fatalf("Due at the second member's join = %q, want b", m)
+	}
+	if m := due(start, clusters); m != "" {
+		t.Fatalf("Due while a check runs = %q, want none", m)
+	}
+	s.Done("b", start.Add(every), clusters)
+	if m := due(start.Add(every/2), clusters); m != "" {
+		t.Fatalf("Due before the key's turn = %q, want none", m)
+	}
+	turn := start.Add(every)
+	for _, want := range []string{"a", "c", "a", "b"} { // b was checked this round already
+		if m := due(turn, clusters); m != want {
+			t.Fatalf("Due at %v = %q, want %q", turn.Sub(start), m, want)
+		}
+		turn = turn.Add(every)
+		s.Done(want, turn, clusters)
+	}
+	if m := due(turn, clusters); m != "c" {
+		t.Fatalf("Due = %q, want c", m)
+	}
+	s.Later("c") // no check slot
+	if m := due(turn, clusters); m != "c" {
+		t.Fatalf("Due after Later = %q, want c again", m)
+	}
+	turn = turn.Add(every)
+	s.Done("c", turn, clusters)
+	grown := map[string]bool{xds.TypeCluster: true, xds.TypeListener: false}
+	if m := due(turn.Add(-every/2), grown); m != "a" {
+		t.Fatalf("Due once the members want listeners = %q, want a, the first", m)
+	}
+	s.Done("a", turn.Add(every), grown)
+	s.Soon("b")
+	s.Forget("b") // b leaves before its check
+	if m := due(turn, grown); m != "" {
+		t.Fatalf("Due after b left = %q, want none", m)
 	}
 }
