@@ -68,10 +68,12 @@ type Prober struct {
 	// Store decodes the check's answers as the relay's views are decoded
 	// (content the store holds is hashed, not decoded again).
 	Store *xds.Store
-	// Confirm is how long the key's feed lets its views go unconfirmed
-	// before it counts them as stale; the check ticks at a quarter of it,
-	// counts a difference that lasts 3/2 of it (settle), and gives up on
-	// an upstream silent for twice it.
+	// Confirm is the relay's silence window: how long an upstream may
+	// stay silent on a new stream before its silence confirms a key's
+	// views. The check ticks at a quarter of it, gives the first-answer
+	// slot back after a pause of it, counts a difference that lasts 3/2
+	// of it (settle), and gives up on a type unanswered, or views
+	// unconfirmed, for twice it.
 	Confirm time.Duration
 	// Pace waits for the upstream's stream rate before the check's stream
 	// opens (nil: no bound), and fails when ctx ends first.

@@ -13,14 +13,14 @@
 // the schedule per key (Schedule: which member is due, and when), and one
 // check's run (Prober.Check: the second stream, opened with
 // relay/adsclient, compared with the key's views until the answers agree
-// or differ the same way for long enough). The relay declares nothing
-// here; it offers a key as a Key and its upstream as a Prober, and keeps
-// what needs its internals: the loop over its keys, the check slots,
-// asking a key's owner, and the splits a check finds.
+// or differ the same way for long enough). It imports nothing of package
+// relay: the relay offers a key as a Key and lends its upstream as a
+// Prober, and keeps what needs its internals: the loop over its keys, the
+// check slots, asking a key's owner, and the splits a check finds.
 //
-// The cost is bounded by the relay: one check per key at a time (Schedule
-// marks it running), each opened at the upstream's pace (Prober.Pace) and
-// ended after CheckFor at most.
+// The cost is bounded: one check per key at a time (Schedule marks it
+// running), as many per relay as it has check slots, each opened at the
+// upstream's pace (Prober.Pace) and ended after CheckFor at most.
 package divergence
 
 import (
