@@ -22,30 +22,30 @@ import (
 // layerOfFile places each file of package relay in the layer issue 30
 // moves it to, bottom up: 0 a key's cache and its feed (what the key
 // holds and how it is fed: views, subscriptions, members, the feed's
-// requests and answers, the divergence check, credentials forwarded), 1
-// the downstream server (streams, pushes, holds, admission), 2 the tier
-// and inspection (owners, peers, claims, gathers, dumps), 3 the relay
+// requests and answers, the divergence check's schedule, credentials
+// forwarded), 1 the downstream server (streams, pushes, holds,
+// admission), 2 the tier and inspection (owners, peers, the divergence
+// checks run, claims, gathers, dumps), 3 the relay
 // that assembles them (its Config, ports, metrics, lifecycle). A file
 // goes in the layer of most of what it holds; an arrow from a file to one
 // of a higher layer is what keeps the layers from being packages.
 var layerOfFile = map[string]int{
 	"keystate.go": 0, "feed.go": 0, "feedrequests.go": 0, "feedanswers.go": 0,
 	"persist.go": 0, "aggregation.go": 0, "versions.go": 0, "forward.go": 0,
-	"divergence.go": 0, "probe.go": 0, "splits.go": 0, "firstanswers.go": 0,
-	"feedsource.go": 0, "backoff.go": 0,
+	"splits.go": 0, "firstanswers.go": 0, "feedsource.go": 0, "backoff.go": 0,
 
 	"stream.go": 1, "push.go": 1, "holds.go": 1, "sotw.go": 1, "delta.go": 1,
 	"passthrough.go": 1, "mailbox.go": 1, "identity.go": 1, "admission.go": 1,
 	"rekey.go": 1,
 
-	"tier.go": 2, "claims.go": 2, "ledger.go": 2, "inspect.go": 2, "debugxds.go": 2,
+	"tier.go": 2, "checks.go": 2, "claims.go": 2, "ledger.go": 2, "inspect.go": 2, "debugxds.go": 2,
 
 	"relay.go": 3, "config.go": 3, "metrics.go": 3, "ports.go": 3, "insecure.go": 3,
 }
 
 // maxArrowsUp is the ratchet of TestCoreArrows: lower it as the layers
 // come apart, never raise it.
-const maxArrowsUp = 89
+const maxArrowsUp = 85
 
 // TestCoreArrows measures how the files of package relay lean on each
 // other: an arrow runs from a file to each other file whose declarations

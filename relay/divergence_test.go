@@ -284,37 +284,6 @@ func waitLong(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-// TestSettledDifferences: a difference counts once it has lasted
-// divergenceSettle; churn (a resource whose content keeps changing on one
-// side first, then the other) never does, and does not delay one that
-// lasts.
-func TestSettledDifferences(t *testing.T) {
-	seen := make(map[difference]time.Time)
-	start := time.Now()
-	extra := difference{typeURL: xds.TypeListener, name: "inbound|10.0.0.3", onlyInCheck: true}
-	var got []string
-	for i := range 40 {
-		now := start.Add(time.Duration(i) * 100 * time.Millisecond)
-		// A push every 100 ms reaches the check's stream first: its
-		// cluster differs until the key's view has it too.
-		churn := difference{typeURL: xds.TypeCluster, name: "c0",
-			got: ledger.HashBytes(fmt.Append(nil, i)), view: ledger.HashBytes(fmt.Append(nil, i-1))}
-		got = settled(seen, []difference{churn, extra}, now)
-		lasted := now.Sub(start) >= divergenceSettle
-		if want := lasted; (len(got) > 0) != want {
-			t.Fatalf("after %v: settled = %v, want the listener's type: %v", now.Sub(start), got, want)
-		}
-	}
-	if !slices.Equal(got, []string{xds.TypeListener}) {
-		t.Errorf("settled = %v, want only %s: the churning cluster never lasted", got, xds.TypeListener)
-	}
-	// A difference that goes away starts again when it comes back.
-	settled(seen, nil, start.Add(5*time.Second))
-	if got := settled(seen, []difference{extra}, start.Add(5*time.Second+time.Millisecond)); len(got) != 0 {
-		t.Errorf("a difference seen again counts at once: %v", got)
-	}
-}
-
 // TestDivergenceCheckWaitsForSlot: a key that gets its second member while
 // the relay runs as many checks as it may is checked as soon as a slot
 // frees, not at its next turn a DivergenceInterval later.
@@ -552,46 +521,4 @@ func splitHere(r *Relay, presented, diverging *core.Node) aggkey.Key {
 	s.Epoch = uint64(r.clock.Now())
 	r.learnSplits(base, []aggkey.Split{s})
 	return base
-}
-
-// TestSplitRecheckedSoonThenLessOften: a key of a node of its own since a
-// split is checked again within splitRecheck, not at a random point of the
-// whole interval (a split made during a fault is merged back soon after
-// it ends), and then less and less often while the split is proven
-// again, up to the interval; a re-check without an answer keeps the pace.
-func TestSplitRecheckedSoonThenLessOften(t *testing.T) {
-	cfg := DefaultConfig()
-	cfg.Upstream.Addr = "unused:1"
-	r, err := New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	every := r.cfg.Keys.DivergenceInterval
-	k := newKeyState(r, "node/x")
-	k.splitFrom = "base"
-	m := r.newStream(context.Background(), false, portPlain)
-	m.node = fuzzNode
-	k.join(m)
-	start := time.Now()
-	if _, ok := k.recheckDue(start, every); !ok { // the first tick after the split draws the first re-check's time
-		if _, ok := k.recheckDue(start.Add(splitRecheck+time.Nanosecond), every); !ok {
-			t.Fatalf("first re-check not due %v after the split", splitRecheck)
-		}
-	}
-	for _, step := range []struct {
-		proven bool
-		wait   time.Duration
-	}{
-		{true, splitRecheck}, {true, 2 * splitRecheck}, {false, 4 * splitRecheck}, {false, 4 * splitRecheck},
-		{true, 4 * splitRecheck}, {true, 8 * splitRecheck}, {true, 16 * splitRecheck}, {true, every}, {true, every},
-	} {
-		k.recheckDone(m, step.proven, every)
-		at := time.Now()
-		if _, ok := k.recheckDue(at.Add(step.wait-time.Second), every); ok {
-			t.Fatalf("re-check due before %v", step.wait)
-		}
-		if _, ok := k.recheckDue(at.Add(step.wait+time.Second), every); !ok {
-			t.Fatalf("re-check not due after %v", step.wait)
-		}
-	}
 }

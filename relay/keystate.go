@@ -12,6 +12,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/divergence"
 	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -69,7 +70,7 @@ type keyState struct {
 	mu      sync.Mutex
 	members []member // in join order; the first one's node is presented upstream
 	want    map[string]*typeWant
-	div     divergence
+	div     divergence.Schedule[member]
 	// splitFrom is the key this one's members left by a split (a key of
 	// a node of its own: aggkey.SplitKey); "" for a key of the profile.
 	// Its members are checked against that key now and then, and return
@@ -425,8 +426,8 @@ func (k *keyState) join(m member) {
 	second := len(k.members) == 2
 	if second {
 		// A key that just became aggregated is checked at once, with
-		// the member that made it so (divergence.go).
-		k.div.soon = m
+		// the member that made it so (checks.go).
+		k.div.Soon(m)
 	}
 	k.mu.Unlock()
 	wake(k.upWake)
@@ -450,7 +451,7 @@ func (k *keyState) leave(m member, subs iter.Seq2[string, subscription]) {
 		k.peers.Add(-1)
 	}
 	k.joined.Store(int32(len(k.members)))
-	k.div.forget(m)
+	k.div.Forget(m)
 	for typeURL, sub := range subs {
 		k.changeLocked(typeURL, sub.wildcard, false, sub.names, nil)
 	}
@@ -540,3 +541,122 @@ type subscription struct {
 	wildcard bool
 	names    xds.NameSet
 }
+
+// wantedLocked returns the types k's members subscribe to, and whether any
+// subscribes to everything of each. The caller holds k.mu.
+func (k *keyState) wantedLocked() map[string]bool {
+	out := make(map[string]bool, len(k.want))
+	for typeURL, w := range k.want {
+		out[typeURL] = w.wildcard > 0
+	}
+	return out
+}
+
+// wantedTypes is wantedLocked, taking k.mu.
+func (k *keyState) wantedTypes() map[string]bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.wantedLocked()
+}
+
+// The key's divergence check schedule: k.div (divergence.Schedule), read
+// and changed under k.mu. checks.go runs the checks.
+
+// checkDue reports whether k's check is due now, and the member to check
+// (divergence.Schedule.Due). It marks the check running; checkDone ends
+// it.
+func (k *keyState) checkDue(now time.Time, every time.Duration) (member, bool) {
+	fromOwner := sourceKind(k.source.Load()) == sourcePeer
+	if fromOwner && k.r.cfg.Upstream.ForwardCredentials {
+		return nil, false // the owner would need the member's token
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	presented := k.presentedNode.Load()
+	wanted := k.wantedLocked()
+	if len(k.members) < 2 || presented == nil || !divergence.Comparable(k.views.Load(), wanted) {
+		return nil, false // nothing to compare yet
+	}
+	candidate := func(m member) bool {
+		node, cred := m.presents()
+		if node == nil || node.GetId() == presented.GetId() {
+			return false // the key's stream presents it
+		}
+		if fromOwner && m.peerRelayID() != "" {
+			return false // another relay's stream: its relay asks
+		}
+		// In forward mode, the upstream wants the member's own token: a
+		// relay's stream carries none.
+		return !k.r.cfg.Upstream.ForwardCredentials || cred != nil
+	}
+	return k.div.Due(now, every, k.members, wanted, candidate, k.r.drawWait)
+}
+
+// recheckDue reports whether it is time to check again that the member of
+// k, a key of a node of its own since a split (splitFrom), is given other
+// config than the key it left (divergence.Schedule.RecheckDue). It marks
+// the check running; recheckDone ends it.
+func (k *keyState) recheckDue(now time.Time, every time.Duration) (member, bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.splitFrom == "" {
+		return nil, false
+	}
+	local := func(m member) bool {
+		node, _ := m.presents()
+		return node != nil && m.peerRelayID() == ""
+	}
+	return k.div.RecheckDue(now, every, k.members, local, k.r.drawWait)
+}
+
+// recheckDone ends k's re-check of m (divergence.Schedule.RecheckDone).
+func (k *keyState) recheckDone(m member, proven bool, every time.Duration) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.div.RecheckDone(m, proven, every, time.Now())
+}
+
+// drawWait returns a random wait in [0, d), drawn from Config.Rand: a
+// key's first check at a random point of its interval.
+func (r *Relay) drawWait(d time.Duration) time.Duration { return randN(r.rand, d) }
+
+// checkLater ends k's running check of m, which could not run: m is
+// checked first at the next tick (divergence.Schedule.Later).
+func (k *keyState) checkLater(m member) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.div.Later(m)
+}
+
+// startCheck marks a check of k running, unless one runs: for a check
+// another relay asked for, or of a member of another key. endCheck ends
+// it.
+func (k *keyState) startCheck() bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.div.Start()
+}
+
+// endCheck ends the check startCheck began.
+func (k *keyState) endCheck() {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.div.End()
+}
+
+// checkDone ends k's running check of m, a member: the next is at next,
+// and compared is what the members subscribed to as it began.
+func (k *keyState) checkDone(m member, next time.Time, compared map[string]bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.div.Done(m, next, compared)
+}
+
+// checkedKey is a key as its divergence check reads it.
+type checkedKey struct{ k *keyState }
+
+var _ divergence.Key = checkedKey{}
+
+func (c checkedKey) Views() *views.Set       { return c.k.views.Load() }
+func (c checkedKey) Wanted() map[string]bool { return c.k.wantedTypes() }
+func (c checkedKey) Presented() *core.Node   { return c.k.presentedNode.Load() }

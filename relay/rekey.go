@@ -30,8 +30,8 @@ func (s *stream) tellSplits(pi *peerIdentity) {
 }
 
 // followSplits moves the stream where a split of its key sends it
-// (splits come of the divergence check: divergence.go). It runs on the
-// stream's handler goroutine, at every sync.
+// (splits come of the divergence check: package divergence, run by
+// checks.go). It runs on the stream's handler goroutine, at every sync.
 //
 // An Envoy's stream moves make-before-break: it joins its new key, with its
 // subscriptions, and goes on being served by its old key until the new

@@ -24,6 +24,8 @@
 // The parts that stand alone are packages below this one; each imports
 // only those listed after it, and none imports relay:
 //
+//	relay/divergence whether a key's members get the same config: the check's
+//	                 schedule per key, its second stream compared by content
 //	relay/snapshot   views persisted in etcd for a warm start (implements Snapshots)
 //	relay/warm       persisted views rebuilt, checked and shared, for a warm start
 //	relay/views      a key's published views, immutable, one per type: the
@@ -60,19 +62,17 @@
 //   - a key's cache and its feed: aggregation.go (which key a stream
 //     joins, the keys held), keystate.go (its views, subscriptions and
 //     members: the streams joined to it, which it knows only as its member
-//     interface), versions.go (whether a view covers what a client
-//     holds), feed.go (the one stream to the key's source, istiod or the
-//     owner relay, over relay/adsclient), feedsource.go (the kinds of
-//     source), backoff.go (its backoff, and the random draws a
-//     simulation replays), firstanswers.go (when its first
-//     answers give the sync slot back and confirm the views),
-//     feedrequests.go (what it asks),
-//     feedanswers.go (what it does with the answers), forward.go
-//     (credentials presented upstream), persist.go (saving views, and the
-//     restore a warm start installs keys with), divergence.go (whether a
-//     key's members really get the same config), probe.go (its second
-//     stream, compared by content) and splits.go (the splits the tier
-//     knows, and the key a node belongs to under them);
+//     interface; its divergence check's schedule), versions.go (whether a
+//     view covers what a client holds), feed.go (the one stream to the
+//     key's source, istiod or the owner relay, over relay/adsclient),
+//     feedsource.go (the kinds of source), backoff.go (its backoff, and
+//     the random draws a simulation replays), firstanswers.go (when its
+//     first answers give the sync slot back and confirm the views),
+//     feedrequests.go (what it asks), feedanswers.go (what it does with
+//     the answers), forward.go (credentials presented upstream),
+//     persist.go (saving views, and the restore a warm start installs
+//     keys with) and splits.go (the splits the tier knows, and the key a
+//     node belongs to under them);
 //   - the downstream server: stream.go (one ADS stream: its subscriptions,
 //     ACKs and NACKs), push.go (what a sync sends, in xDS order), holds.go
 //     (what a push keeps back: make-before-break), sotw.go, delta.go,
@@ -81,7 +81,8 @@
 //     identity.go and admission.go (who a stream is, whether it may
 //     start), rekey.go (the streams a split moves);
 //   - the tier and inspection: tier.go (owners, who a calling relay is,
-//     balancing, moving streams away), claims.go (versions a SotW Envoy
+//     balancing, moving streams away), checks.go (divergence checks run:
+//     asking owners, the splits found), claims.go (versions a SotW Envoy
 //     claims, looked up across relays), ledger.go (ledger queries gathered
 //     from every relay), inspect.go (stats, clients, key details, config
 //     dumps), debugxds.go (istiod's debug types);

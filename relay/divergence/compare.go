@@ -1,7 +1,6 @@
-package relay
+package divergence
 
-// The divergence check's probe: a second upstream stream, presenting
-// another member's node, compared with the key's views by content.
+// A check's stream compared with the key's views by content.
 
 import (
 	"maps"
@@ -27,8 +26,8 @@ type difference struct {
 
 // settled updates seen, the first sighting of each difference, to diffs
 // (forgetting those gone) and returns the types of those seen for
-// divergenceSettle, in push order.
-func settled(seen map[difference]time.Time, diffs []difference, now time.Time) []string {
+// settle, in push order.
+func settled(seen map[difference]time.Time, diffs []difference, now time.Time, settle time.Duration) []string {
 	now0 := make(map[difference]bool, len(diffs))
 	var types []string
 	for _, d := range diffs {
@@ -38,7 +37,7 @@ func settled(seen map[difference]time.Time, diffs []difference, now time.Time) [
 			seen[d] = now
 			continue
 		}
-		if now.Sub(at) >= divergenceSettle && !slices.Contains(types, d.typeURL) {
+		if now.Sub(at) >= settle && !slices.Contains(types, d.typeURL) {
 			types = append(types, d.typeURL)
 		}
 	}
@@ -56,7 +55,7 @@ func settled(seen map[difference]time.Time, diffs []difference, now time.Time) [
 // what differs in the rest (an inbound listener, before the key's
 // listeners arrived).
 func askedOf(v *views.Set, wanted map[string]bool) map[string]xds.NameSet {
-	if !comparable(v, wanted) {
+	if !Comparable(v, wanted) {
 		return nil
 	}
 	asked := make(map[string]xds.NameSet)
@@ -80,10 +79,12 @@ func askedOf(v *views.Set, wanted map[string]bool) map[string]xds.NameSet {
 	return asked
 }
 
-// comparable reports whether v answers, from the key's upstream, every
-// type in wanted, and whole where wanted whole (see askedOf), and holds
-// something to compare.
-func comparable(v *views.Set, wanted map[string]bool) bool {
+// Comparable reports whether v, a key's views, answers from the key's
+// upstream every type in wanted (what its members subscribe to, by type,
+// whether whole), and whole where wanted whole (see askedOf), and holds
+// something to compare: until then a check of the key would compare
+// part of its config, and miss what differs in the rest.
+func Comparable(v *views.Set, wanted map[string]bool) bool {
 	if v.Stale || v.Restored {
 		return false
 	}
@@ -101,27 +102,10 @@ func comparable(v *views.Set, wanted map[string]bool) bool {
 	return any
 }
 
-// wantedLocked returns the types k's members subscribe to, and whether any
-// subscribes to everything of each. The caller holds k.mu.
-func (k *keyState) wantedLocked() map[string]bool {
-	out := make(map[string]bool, len(k.want))
-	for typeURL, w := range k.want {
-		out[typeURL] = w.wildcard > 0
-	}
-	return out
-}
-
-// wantedTypes is wantedLocked, taking k.mu.
-func (k *keyState) wantedTypes() map[string]bool {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	return k.wantedLocked()
-}
-
 // probeStream is what a check's upstream stream asked and what it got.
 // The check's goroutine alone uses it.
 type probeStream struct {
-	r     *Relay
+	store *xds.Store
 	asked map[string]xds.NameSet
 	got   map[string]map[string]ledger.Hash // by type, then name
 }
@@ -164,7 +148,7 @@ func (p *probeStream) decode(typeURL string, n int, body func(int) *wire.AnyIn) 
 	names := p.asked[typeURL]
 	out := make(map[string]ledger.Hash, n)
 	for i := range n {
-		res, err := p.r.store.Decode(typeURL, body(i), "")
+		res, err := p.store.Decode(typeURL, body(i), "")
 		if err != nil {
 			return nil, err
 		}
