@@ -57,7 +57,7 @@ func (r *Relay) admit(ctx context.Context, p port) (caller, error) {
 			if !errors.Is(err, admission.ErrLater) {
 				return caller{}, status.FromContextError(err).Err()
 			}
-			r.metrics.refused.WithLabelValues("rate").Inc()
+			r.metrics.Refused.WithLabelValues("rate").Inc()
 			return caller{}, status.Errorf(codes.ResourceExhausted, "relay admits %v new streams a second, shared by identity, and this one's turn did not come: retry", r.cfg.XDS.AdmitRate)
 		}
 	}
@@ -71,7 +71,7 @@ func (r *Relay) admit(ctx context.Context, p port) (caller, error) {
 func (r *Relay) openStream(ctx context.Context, delta bool, p port) (*stream, error) {
 	s, err := r.startStream(ctx, delta, p)
 	if err != nil {
-		r.metrics.streamErrors.WithLabelValues(status.Code(err).String()).Inc()
+		r.metrics.StreamErrors.WithLabelValues(status.Code(err).String()).Inc()
 	}
 	return s, err
 }
@@ -88,7 +88,7 @@ func (r *Relay) startStream(ctx context.Context, delta bool, p port) (*stream, e
 	}
 	evicted, ok, err := r.shares.Join(s, who.share)
 	if err != nil {
-		r.metrics.refused.WithLabelValues("share").Inc()
+		r.metrics.Refused.WithLabelValues("share").Inc()
 		return nil, status.Errorf(codes.ResourceExhausted, "relay serves %d streams at most, and this identity holds its share of them: retry", r.cfg.XDS.MaxStreams)
 	}
 	if ok {
@@ -126,7 +126,7 @@ func (r *Relay) waitWarm(ctx context.Context) bool {
 	case <-t.C:
 	case <-ctx.Done():
 	}
-	r.metrics.refused.WithLabelValues("cold").Inc()
+	r.metrics.Refused.WithLabelValues("cold").Inc()
 	return false
 }
 

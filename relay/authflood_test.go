@@ -329,7 +329,7 @@ func TestStreamBoundSharedByIdentity(t *testing.T) {
 	if err := again.streamErr(); status.Code(err) != codes.ResourceExhausted {
 		t.Fatalf("the flood's stream past its share ended with %v, want ResourceExhausted", err)
 	}
-	if got := testutil.ToFloat64(r.metrics.shed.WithLabelValues("share")); got != 1 {
+	if got := testutil.ToFloat64(r.metrics.Shed.WithLabelValues("share")); got != 1 {
 		t.Fatalf("moved{share} = %v, want 1", got)
 	}
 }

@@ -163,7 +163,7 @@ func TestRouteToMissingClusterReleased(t *testing.T) {
 				t.Fatalf("got %s, want the route once its wait ended", xds.ShortType(typeOf(m)))
 			}
 			wantNames(t, m, "r80")
-			if got := testutil.ToFloat64(e.r.metrics.holds.WithLabelValues("rds", "sent")); got != 1 {
+			if got := testutil.ToFloat64(e.r.metrics.Holds.WithLabelValues("rds", "sent")); got != 1 {
 				t.Errorf("dangling routes sent counted %v, want 1", got)
 			}
 			if _, opened := e.up.streams(); opened < 2 {
@@ -247,7 +247,7 @@ func TestRouteWaitsForClustersOnASlowStream(t *testing.T) {
 			waitFor(t, "the relay's view to have the new r80", func() bool { return routeUses(t, soleKeyViews(r), "r80", "c3") })
 			up.set("ns1", xds.TypeCluster, mkCluster("c3"))
 			up.set("ns1", xds.TypeEndpoint, mkCLA("c3", 8080))
-			held, sent := r.metrics.holds.WithLabelValues("rds", "held"), r.metrics.holds.WithLabelValues("rds", "sent")
+			held, sent := r.metrics.Holds.WithLabelValues("rds", "held"), r.metrics.Holds.WithLabelValues("rds", "sent")
 			waitFor(t, "the route's wait to end with c3 still on its way", func() bool {
 				if testutil.ToFloat64(sent) > 0 {
 					t.Fatal("r80 sent when its wait ended, c3 still on its way")
@@ -294,7 +294,7 @@ func TestRouteWaitsForClustersOnASlowStream(t *testing.T) {
 					if !gotCLA {
 						t.Fatalf("r80 came before c3's endpoints")
 					}
-					if got := testutil.ToFloat64(r.metrics.holds.WithLabelValues("rds", "sent")); got != 0 {
+					if got := testutil.ToFloat64(r.metrics.Holds.WithLabelValues("rds", "sent")); got != 0 {
 						t.Errorf("dangling routes sent counted %v, want 0", got)
 					}
 					return
@@ -328,7 +328,7 @@ func TestRouteWaitsForTheKeysClusterPastTheWait(t *testing.T) {
 				c.subscribe(xds.TypeEndpoint, "c0", "c1", "c2", "c3")
 			}
 			waitFor(t, "the hold past its wait", func() bool {
-				return testutil.ToFloat64(e.r.metrics.holds.WithLabelValues("rds", "held")) == 1
+				return testutil.ToFloat64(e.r.metrics.Holds.WithLabelValues("rds", "held")) == 1
 			})
 			c.quiet() // no route to a warming cluster
 			e.up.set("ns1", xds.TypeEndpoint, mkCLA("c3", 9093))

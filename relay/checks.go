@@ -278,17 +278,17 @@ func (r *Relay) runCheck(ctx context.Context, k *keyState, m member) ([]string, 
 	switch {
 	case err != nil:
 		if ctx.Err() == nil {
-			r.metrics.divergenceChecks.WithLabelValues("inconclusive").Inc()
+			r.metrics.DivergenceChecks.WithLabelValues("inconclusive").Inc()
 		}
 		return nil, aggkey.Split{}, err
 	case len(differ) == 0:
-		r.metrics.divergenceChecks.WithLabelValues("same").Inc()
+		r.metrics.DivergenceChecks.WithLabelValues("same").Inc()
 		r.mergeBack(k.key, node)
 		return nil, aggkey.Split{}, nil
 	}
-	r.metrics.divergenceChecks.WithLabelValues("diverged").Inc()
+	r.metrics.DivergenceChecks.WithLabelValues("diverged").Inc()
 	for _, typeURL := range differ {
-		r.metrics.divergences.WithLabelValues(xds.ShortType(typeURL)).Inc()
+		r.metrics.Divergences.WithLabelValues(xds.ShortType(typeURL)).Inc()
 	}
 	split := aggkey.NewSplit(node, presented)
 	split.Epoch = uint64(r.clock.Now())
@@ -322,7 +322,7 @@ func (r *Relay) mergeBack(k aggkey.Key, node *core.Node) {
 	}
 	fresh := r.splits.add(k, merged...)
 	for _, s := range fresh {
-		r.metrics.splitMerges.Inc()
+		r.metrics.SplitMerges.Inc()
 		r.log.Info("key split merged back: the upstream gives a node it moved the key's config again", "key", k, "node", node.GetId(), "split", s.String())
 	}
 	r.splitsChanged(k, fresh)
@@ -339,7 +339,7 @@ func (r *Relay) prober() *divergence.Prober {
 		Store:      r.store,
 		Confirm:    confirmAfter,
 		Slot:       r.syncs.tryAcquire,
-		Streams:    r.metrics.divergenceOpen,
+		Streams:    r.metrics.DivergenceOpen,
 	}
 	if r.upstreamRate != nil {
 		p.Pace = r.upstreamRate.Wait

@@ -82,7 +82,7 @@ func (s *stream) claimPending(sub *typeSub, ts *views.Type) bool {
 	sub.lookup = nil
 	if l.ok {
 		sub.known, sub.claimKnown = l.held, true
-		s.r.metrics.claims.WithLabelValues(l.from).Inc()
+		s.r.metrics.Claims.WithLabelValues(l.from).Inc()
 	} else {
 		s.claimUnknown(sub)
 	}
@@ -93,7 +93,7 @@ func (s *stream) claimPending(sub *typeSub, ts *views.Type) bool {
 // what the client holds of the type may refer to anything, and a
 // full-state answer may remove what its routes use.
 func (s *stream) claimUnknown(sub *typeSub) {
-	s.r.metrics.claims.WithLabelValues("unknown").Inc()
+	s.r.metrics.Claims.WithLabelValues("unknown").Inc()
 	s.log.Info("a SotW client's version is known to no relay of the tier", "type", xds.ShortType(sub.typeURL), "version", sub.claimed.String())
 }
 
@@ -218,7 +218,7 @@ func (r *Relay) handOver(ctx context.Context, s *stream) {
 			r.log.Warn("a SotW Envoy's version not handed over; the relay it moves to may not know it (moves do not hand over for a while)", "key", k.name(), "type", xds.ShortType(dt.URL), "pause", handOverPause, "err", err)
 			return
 		}
-		r.metrics.handedOver.Inc()
+		r.metrics.HandedOver.Inc()
 	}
 }
 

@@ -22,7 +22,7 @@ func (r *Relay) serveDelta(ds discovery.AggregatedDiscoveryService_DeltaAggregat
 	}
 	s.send = func(o *wire.Response) error {
 		w := r.bodies.Delta(o, r.controlPlaneWire)
-		r.metrics.sent(o.TypeURL, len(o.Updated), len(o.Removed), w.Size())
+		r.metrics.Sent(o.TypeURL, len(o.Updated), len(o.Removed), w.Size())
 		return ds.SendMsg(w)
 	}
 	s.sendRaw = func(m proto.Message) error { return ds.Send(m.(*discovery.DeltaDiscoveryResponse)) }

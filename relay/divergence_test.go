@@ -230,7 +230,7 @@ func TestDivergenceSplitsKey(t *testing.T) {
 					t.Errorf("Envoy %d: %v", i, v)
 				}
 			}
-			if n := testutil.ToFloat64(owner.metrics.divergences.WithLabelValues("lds")); n != 1 {
+			if n := testutil.ToFloat64(owner.metrics.Divergences.WithLabelValues("lds")); n != 1 {
 				t.Errorf("meshrelay_key_divergences_total{type=lds} = %v, want 1", n)
 			}
 			for _, r := range []*Relay{owner, at[2]} {
@@ -245,7 +245,7 @@ func TestDivergenceSplitsKey(t *testing.T) {
 			}
 			// The members alike were checked too, and stayed.
 			waitLong(t, "a check that found the same config", func() bool {
-				return testutil.ToFloat64(owner.metrics.divergenceChecks.WithLabelValues("same")) >= 1
+				return testutil.ToFloat64(owner.metrics.DivergenceChecks.WithLabelValues("same")) >= 1
 			})
 			if got := keyOfClient(at[3], nodes[3].GetId()); got != base {
 				t.Errorf("after more checks, Envoy 3 is on key %q, want %q", got, base)
@@ -258,7 +258,7 @@ func TestDivergenceSplitsKey(t *testing.T) {
 				setGeneration(up, "default", gen)
 				setGeneration(up, "inbound", gen)
 				waitLong(t, "the other key's Envoy at the push after the split", func() bool { return holds(ratings.Envoy, uint64(gen), "outbound") })
-				if n := testutil.ToFloat64(owner.metrics.streamErrors.WithLabelValues("Aborted")); n != 1 {
+				if n := testutil.ToFloat64(owner.metrics.StreamErrors.WithLabelValues("Aborted")); n != 1 {
 					t.Errorf("streams the owner ended ABORTED = %v, want 1 (the split key's peer stream)", n)
 				}
 				open := 3 // the key's, the split key's and the other key's
@@ -369,10 +369,10 @@ func TestRemovedNameKeptByASubscriptionIsNoDivergence(t *testing.T) {
 	second.subscribe(xds.TypeEndpoint, "c0", "c1", "c2", "gone")
 	second.ack(second.recv())
 	waitLong(t, "the second member's check", func() bool {
-		return testutil.ToFloat64(r.metrics.divergenceChecks.WithLabelValues("same"))+
-			testutil.ToFloat64(r.metrics.divergenceChecks.WithLabelValues("diverged")) > 0
+		return testutil.ToFloat64(r.metrics.DivergenceChecks.WithLabelValues("same"))+
+			testutil.ToFloat64(r.metrics.DivergenceChecks.WithLabelValues("diverged")) > 0
 	})
-	if n := testutil.ToFloat64(r.metrics.divergenceChecks.WithLabelValues("diverged")); n != 0 {
+	if n := testutil.ToFloat64(r.metrics.DivergenceChecks.WithLabelValues("diverged")); n != 0 {
 		t.Fatalf("the check found a divergence (%v) in a name only the key's view keeps; splits: %v", n, r.Splits())
 	}
 	if _, ok := r.heldKeys()[0].views.Load().Types[xds.TypeEndpoint].View.Get("gone"); !ok {
@@ -420,7 +420,7 @@ func TestSplitMergedBack(t *testing.T) {
 
 			up.del("inbound", xds.TypeListener, "inbound|"+inboundIP)
 			waitLong(t, "the Envoy back on its key", func() bool { return keyOfClient(at, nodes[2].GetId()) == base })
-			if n := testutil.ToFloat64(owner.metrics.splitMerges); n != 1 {
+			if n := testutil.ToFloat64(owner.metrics.SplitMerges); n != 1 {
 				t.Errorf("meshrelay_key_split_merges_total = %v at the owner, want 1", n)
 			}
 			for _, r := range []*Relay{owner, at} {
@@ -472,7 +472,7 @@ func TestSplitTheOwnerNeverKnewIsMergedBack(t *testing.T) {
 		t.Fatalf("the diverging Envoy is on %q, not a key of its own: the test tests nothing", k)
 	}
 	waitLong(t, "the Envoy back on its key", func() bool { return keyOfClient(at, diverging.GetId()) == base })
-	if n := testutil.ToFloat64(at.metrics.splitMerges); n != 1 {
+	if n := testutil.ToFloat64(at.metrics.SplitMerges); n != 1 {
 		t.Errorf("meshrelay_key_split_merges_total = %v at the relay that split the key, want 1", n)
 	}
 	if s := at.splits.active(base); len(s) != 0 {

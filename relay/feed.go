@@ -127,7 +127,7 @@ func (u *feed) fallBack(addr string, err error) {
 		return
 	}
 	u.fallbackFor = addr
-	u.r.metrics.peerFallbacks.Inc()
+	u.r.metrics.PeerFallbacks.Inc()
 	u.r.log.Warn("owner unreachable: subscribing to the upstream directly", "key", u.k.key, "owner", addr, "err", err)
 }
 
@@ -198,7 +198,7 @@ func (u *feed) run(ctx context.Context) {
 		}
 		d := bo.next()
 		u.r.log.Warn("upstream stream failed", "key", u.k.key, "err", err, "retry_in", d.Round(time.Millisecond))
-		u.r.metrics.upstreamReconnects.Inc()
+		u.r.metrics.UpstreamReconnects.Inc()
 		if !u.sleep(ctx, d) {
 			return
 		}
@@ -270,11 +270,11 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 	// The upstream's pace of new streams (Config.Upstream.StreamRate): taken
 	// before a slot, so that no slot waits on it.
 	if src.kind != sourcePeer && u.r.upstreamRate != nil && !u.r.upstreamRate.Allow() {
-		u.r.metrics.upstreamWaiting.Inc()
-		u.r.metrics.waitingOpen.Add(1)
+		u.r.metrics.UpstreamWaiting.Inc()
+		u.r.metrics.WaitingOpen.Add(1)
 		err := u.r.upstreamRate.Wait(ctx)
-		u.r.metrics.waitingOpen.Add(-1)
-		u.r.metrics.upstreamWaiting.Dec()
+		u.r.metrics.WaitingOpen.Add(-1)
+		u.r.metrics.UpstreamWaiting.Dec()
 		if err != nil {
 			return false, ctx.Err()
 		}
@@ -403,7 +403,7 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 				release()
 			}
 			if bySilence {
-				u.r.metrics.silentConfirms.Inc()
+				u.r.metrics.SilentConfirms.Inc()
 				u.setStale(u.ownerStale)
 			}
 		case err := <-up.Err():
@@ -503,18 +503,18 @@ func (u *feed) open(sctx context.Context, node *core.Node, presenter member, src
 // returned func is called.
 func (u *feed) countStream(src source) (uncount func()) {
 	if src.kind == sourcePeer {
-		u.r.metrics.peerStreams.Inc()
-		u.r.metrics.peerOpen.Add(1)
+		u.r.metrics.PeerStreams.Inc()
+		u.r.metrics.PeerOpen.Add(1)
 		return func() {
-			u.r.metrics.peerStreams.Dec()
-			u.r.metrics.peerOpen.Add(-1)
+			u.r.metrics.PeerStreams.Dec()
+			u.r.metrics.PeerOpen.Add(-1)
 		}
 	}
-	u.r.metrics.upstreamStreams.Inc()
-	u.r.metrics.upstreamOpen.Add(1)
+	u.r.metrics.UpstreamStreams.Inc()
+	u.r.metrics.UpstreamOpen.Add(1)
 	return func() {
-		u.r.metrics.upstreamStreams.Dec()
-		u.r.metrics.upstreamOpen.Add(-1)
+		u.r.metrics.UpstreamStreams.Dec()
+		u.r.metrics.UpstreamOpen.Add(-1)
 	}
 }
 

@@ -152,7 +152,7 @@ func (u *feed) decodeAll(typeURL string, n int, decode func(int) (*xds.Resource,
 // good view, and the upstream hears why. Only the relay's own decoding ever
 // NACKs upstream: an Envoy's NACK stays with that Envoy.
 func (u *feed) nack(typeURL string, ut *feedType, version, nonce string, cause error) error {
-	u.r.metrics.upstreamNACKs.WithLabelValues(xds.ShortType(typeURL)).Inc()
+	u.r.metrics.UpstreamNACKs.WithLabelValues(xds.ShortType(typeURL)).Inc()
 	u.r.log.Warn("upstream response refused", "key", u.k.key, "type", xds.ShortType(typeURL), "version", version, "err", cause)
 	detail := &rpcstatus.Status{Code: int32(codes.InvalidArgument), Message: cause.Error()}
 	if u.delta {

@@ -135,8 +135,8 @@ func presentsToken(m member) bool {
 // The key's views are not confirmed meanwhile.
 func (u *feed) waitForToken(ctx context.Context, node *core.Node) bool {
 	u.setStale(true)
-	u.r.metrics.awaitingToken.Inc()
-	defer u.r.metrics.awaitingToken.Dec()
+	u.r.metrics.AwaitingToken.Inc()
+	defer u.r.metrics.AwaitingToken.Dec()
 	u.r.log.Warn("forward mode: no member of the key holds a token the upstream would take; serving the cache until an Envoy brings one", "key", u.k.key, "node", node.GetId())
 	return u.waitUntil(ctx, func() bool {
 		first, _ := u.k.presenter()

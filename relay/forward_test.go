@@ -280,7 +280,7 @@ func TestForwardWaitsForATokenWhenNoMemberHasOne(t *testing.T) {
 	// Either the relay waits for a token (the gauge), or it opened a
 	// stream without one (the upstream refuses it).
 	waitCtx(ctx, t, "the key's broken stream handled", func() bool {
-		return testutil.ToFloat64(e.r.metrics.awaitingToken) == 1 || len(g.Refused()) > 0
+		return testutil.ToFloat64(e.r.metrics.AwaitingToken) == 1 || len(g.Refused()) > 0
 	})
 	if refused := g.Refused(); len(refused) > 0 {
 		t.Fatalf("with no member's token to present the relay opened streams the upstream refused: %v", refused)
@@ -291,7 +291,7 @@ func TestForwardWaitsForATokenWhenNoMemberHasOne(t *testing.T) {
 	if last := seen[len(seen)-1]; last.Node != b.node.GetId() {
 		t.Fatalf("stream presents %s, want %s", last.Node, b.node.GetId())
 	}
-	if got := testutil.ToFloat64(e.r.metrics.awaitingToken); got != 0 {
+	if got := testutil.ToFloat64(e.r.metrics.AwaitingToken); got != 0 {
 		t.Fatalf("keys awaiting a token = %v once a member brought one, want 0", got)
 	}
 	if refused := g.Refused(); len(refused) > 0 {
@@ -348,7 +348,7 @@ func TestForwardAsksExpiringTokensToReconnect(t *testing.T) {
 	if err := old.streamErr(); status.Code(err) != codes.Unavailable {
 		t.Fatalf("the stream with the expiring token ended with %v, want Unavailable (connection closed)", err)
 	}
-	if got := testutil.ToFloat64(e.r.metrics.shed.WithLabelValues("token_expiry")); got != 1 {
+	if got := testutil.ToFloat64(e.r.metrics.Shed.WithLabelValues("token_expiry")); got != 1 {
 		t.Fatalf("streams moved for token expiry = %v, want 1", got)
 	}
 	// istio-agent reconnects with the token it holds now.

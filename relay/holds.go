@@ -235,7 +235,7 @@ func (s *stream) deferDangling(p *plan) {
 				}
 				if !h.told {
 					h.told = true
-					s.r.metrics.holds.WithLabelValues(xds.ShortType(p.sub.typeURL), "held").Inc()
+					s.r.metrics.Holds.WithLabelValues(xds.ShortType(p.sub.typeURL), "held").Inc()
 					s.log.Warn("a resource is held back past the wait: a cluster it uses is not warm at the client yet",
 						"type", xds.ShortType(p.sub.typeURL), "name", r.Name, "waited", now.Sub(h.since).Round(time.Millisecond),
 						"cluster_in_view", coming)
@@ -245,7 +245,7 @@ func (s *stream) deferDangling(p *plan) {
 				}
 				continue
 			}
-			s.r.metrics.holds.WithLabelValues(xds.ShortType(p.sub.typeURL), "sent").Inc()
+			s.r.metrics.Holds.WithLabelValues(xds.ShortType(p.sub.typeURL), "sent").Inc()
 		}
 		delete(s.dangling, key)
 		kept = append(kept, r)
@@ -442,7 +442,7 @@ func (s *stream) resolveClaim(sub *typeSub, ts *views.Type) {
 	}
 	if t, ok := s.heldVersion(sub); ok {
 		sub.known, sub.claimKnown = t, true
-		s.r.metrics.claims.WithLabelValues("history").Inc()
+		s.r.metrics.Claims.WithLabelValues("history").Inc()
 		return
 	}
 	if !s.askTier(sub) {

@@ -41,11 +41,11 @@ func (r *Relay) authenticate(ctx context.Context, p port) (*auth.Identity, error
 	ok, lately := r.failures.Allows(ip, cred)
 	if lately != nil {
 		// Refused as it was a moment ago, unverified.
-		r.metrics.authFailures.WithLabelValues(string(auth.ReasonOf(lately))).Inc()
+		r.metrics.AuthFailures.WithLabelValues(string(auth.ReasonOf(lately))).Inc()
 		return nil, r.refuseAuth(ctx, "stream", "authentication failed", lately)
 	}
 	if !ok {
-		r.metrics.authFailures.WithLabelValues("throttled").Inc()
+		r.metrics.AuthFailures.WithLabelValues("throttled").Inc()
 		return nil, status.Error(codes.Unauthenticated, "too many failed authentications from this address: retry later")
 	}
 	v, err, _ := r.verifying.Do(string(cred[:]), func() (any, error) {
@@ -56,7 +56,7 @@ func (r *Relay) authenticate(ctx context.Context, p port) (*auth.Identity, error
 	})
 	if err != nil {
 		reason := auth.ReasonOf(err)
-		r.metrics.authFailures.WithLabelValues(string(reason)).Inc()
+		r.metrics.AuthFailures.WithLabelValues(string(reason)).Inc()
 		if reason != auth.ReviewFailed {
 			r.failures.Failed(ip, cred, err)
 		}
@@ -95,7 +95,7 @@ func (s *stream) checkIdentity(node *core.Node) error {
 		return nil
 	}
 	if err := auth.CheckNode(*s.identity, node); err != nil {
-		s.r.metrics.authFailures.WithLabelValues(string(auth.ReasonOf(err))).Inc()
+		s.r.metrics.AuthFailures.WithLabelValues(string(auth.ReasonOf(err))).Inc()
 		s.r.failures.FailedFrom(admission.SourceIP(s.ctx))
 		if s.r.authLogs.Allow() {
 			s.log.Warn("stream refused: node does not match its identity", "node", node.GetId(), "peer", s.peer, "identity", s.identity.SPIFFEID(), "err", err)

@@ -87,7 +87,7 @@ func newSecureEnvWith(t *testing.T, mode auth.Mode, issuer *authtest.Issuer, upO
 
 // authFailures reads meshrelay_xds_auth_failures_total{reason}.
 func authFailures(r *Relay, reason string) float64 {
-	return testutil.ToFloat64(r.metrics.authFailures.WithLabelValues(reason))
+	return testutil.ToFloat64(r.metrics.AuthFailures.WithLabelValues(reason))
 }
 
 // creds is what a test client presents.

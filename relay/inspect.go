@@ -319,13 +319,13 @@ func (r *Relay) Stats() Stats {
 			st.StaleKeys++
 		}
 	}
-	st.Pushes = r.metrics.pushCount.Load()
-	st.BytesSent = r.metrics.bytesCount.Load()
-	st.PushACKP50, st.ACKs = r.pushACK.quantile(0.50)
-	st.PushACKP99, _ = r.pushACK.quantile(0.99)
-	st.UpstreamStreams = int(r.metrics.upstreamOpen.Load())
-	st.PeerStreams = int(r.metrics.peerOpen.Load())
-	st.UpstreamWaiting = int(r.metrics.waitingOpen.Load())
+	st.Pushes = r.metrics.PushCount.Load()
+	st.BytesSent = r.metrics.BytesCount.Load()
+	st.PushACKP50, st.ACKs = r.pushACK.Quantile(0.50)
+	st.PushACKP99, _ = r.pushACK.Quantile(0.99)
+	st.UpstreamStreams = int(r.metrics.UpstreamOpen.Load())
+	st.PeerStreams = int(r.metrics.PeerOpen.Load())
+	st.UpstreamWaiting = int(r.metrics.WaitingOpen.Load())
 	return st
 }
 

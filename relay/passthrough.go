@@ -61,7 +61,7 @@ func (s *stream) passthroughFor() *passthrough.Passthrough {
 	}
 	p := passthrough.New(r.ctx, cfg)
 	s.pass = p
-	r.metrics.passthroughStreams.Inc()
+	r.metrics.PassthroughStreams.Inc()
 	r.goRun(func(context.Context) { p.Run() }) // refused while stopping: Stop does not wait for it
 	return p
 }
@@ -70,13 +70,13 @@ func (s *stream) passthroughFor() *passthrough.Passthrough {
 func (s *stream) stopPassthrough() {
 	if s.pass != nil {
 		s.pass.Stop()
-		s.r.metrics.passthroughStreams.Dec()
+		s.r.metrics.PassthroughStreams.Dec()
 	}
 }
 
 // forward sends an upstream answer to the client under a relay nonce.
 func (s *stream) forward(m proto.Message) error {
 	s.pass.Relabel(m, s.nextNonce(), s.r.controlPlane)
-	s.r.metrics.passthrough.WithLabelValues(protocolName(s.delta)).Inc()
+	s.r.metrics.Passthrough.WithLabelValues(protocolName(s.delta)).Inc()
 	return s.sendRaw(m)
 }

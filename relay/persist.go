@@ -77,7 +77,7 @@ func (r *Relay) loadSnapshots(ctx context.Context) {
 			types += n
 		}
 	}
-	r.metrics.restoredKeys.Add(float64(keys))
+	r.metrics.RestoredKeys.Add(float64(keys))
 	r.restored.Store(int64(keys))
 	if keys > 0 {
 		r.markWarm(fmt.Sprintf("%d keys restored from snapshots", keys))

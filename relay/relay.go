@@ -49,6 +49,7 @@
 //	                 istiod's identity rule (relay/auth/authtest for tests)
 //	relay/xds        the xDS vocabulary: type URLs and the type graph, resources
 //	                 and their store, name sets, the persisted form of views
+//	relay/metrics    the relay's Prometheus metrics, and the totals Stats reads
 //	relay/configdump views laid out as Envoy's /config_dump, redacted
 //	relay/redact     what a config dump must not show
 //	relay/tlsfiles   certificates and keys read again when rotated
@@ -87,8 +88,8 @@
 //     from every relay), inspect.go (stats, clients, key details, config
 //     dumps), debugxds.go (istiod's debug types);
 //   - the Relay that assembles them: relay.go, config.go (one config per
-//     part), metrics.go, ports.go, insecure.go (what leaves it open, said
-//     every minute).
+//     part), metrics.go (its keys and cache as metrics), ports.go,
+//     insecure.go (what leaves it open, said every minute).
 package relay
 
 import (
@@ -125,6 +126,7 @@ import (
 	"github.com/meshrelay/meshrelay/relay/admin"
 	"github.com/meshrelay/meshrelay/relay/admission"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/metrics"
 	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
@@ -153,8 +155,8 @@ type Relay struct {
 	upstreamRate *rate.Limiter            // streams opened to the upstream (Config.Upstream.StreamRate); nil: no bound
 	passRate     *rate.Limiter            // of those, passthrough streams: a fifth of the pace; nil: no bound
 	refIndex     xds.RefIndex
-	metrics      *metrics
-	pushACK      latency
+	metrics      *metrics.Metrics
+	pushACK      metrics.Latency
 	ledger       *ledger.Tracker
 	controlPlane *core.ControlPlane
 	// controlPlaneWire is controlPlane encoded, for responses the relay
@@ -280,7 +282,7 @@ func New(cfg Config) (*Relay, error) {
 	tcfg := ledger.DefaultTrackerConfig()
 	tcfg.Relay, tcfg.ForgetAfter = cfg.ID, cfg.ForgetEnvoysAfter
 	tcfg.Converged = func(typeURL string, d time.Duration) {
-		m.forType(typeURL).converged.Observe(d.Seconds())
+		m.ForType(typeURL).Converged.Observe(d.Seconds())
 	}
 	if r.ledger, err = ledger.NewTracker(tcfg); err != nil {
 		return nil, fmt.Errorf("relay: %w", err)

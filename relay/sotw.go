@@ -26,7 +26,7 @@ func (r *Relay) serveSotW(ss discovery.AggregatedDiscoveryService_StreamAggregat
 		if o.Full {
 			n = o.Held.Len()
 		}
-		r.metrics.sent(o.TypeURL, n, 0, w.Size())
+		r.metrics.Sent(o.TypeURL, n, 0, w.Size())
 		return ss.SendMsg(w)
 	}
 	s.sendRaw = func(m proto.Message) error { return ss.Send(m.(*discovery.DiscoveryResponse)) }
@@ -155,7 +155,7 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 	defer func() {
 		if err != nil {
 			code := status.Code(err)
-			s.r.metrics.streamErrors.WithLabelValues(code.String()).Inc()
+			s.r.metrics.StreamErrors.WithLabelValues(code.String()).Inc()
 			s.log.Debug("stream ended", "code", code, "err", err)
 		}
 	}()
@@ -252,7 +252,7 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 		case err := <-errc:
 			return recvError(err)
 		case <-s.evict:
-			s.r.metrics.shed.WithLabelValues("share").Inc()
+			s.r.metrics.Shed.WithLabelValues("share").Inc()
 			return status.Error(codes.Unavailable, "relay at its stream bound, and another identity's share was due: reconnect")
 		case <-expired:
 			return status.Error(codes.Unauthenticated, "the credential this stream was admitted with expired: reconnect with a fresh one")

@@ -246,7 +246,7 @@ func (s *stream) attach(node *core.Node) error {
 		if pi.demand != 0 {
 			s.key.demand(pi.demand, true)
 		}
-		s.r.metrics.peerClients.Inc()
+		s.r.metrics.PeerClients.Inc()
 		s.log.Debug("peer stream attached", "peer", s.peer)
 		return nil
 	}
@@ -264,7 +264,7 @@ func (s *stream) attach(node *core.Node) error {
 	s.key = s.r.acquireKey(key, s)
 	s.key.leftBySplit(key, base)
 	s.led = s.r.ledgerConnect(node, key, time.Now())
-	s.r.metrics.envoys.WithLabelValues(protocolName(s.delta)).Inc()
+	s.r.metrics.Envoys.WithLabelValues(protocolName(s.delta)).Inc()
 	s.log.Debug("stream attached", "peer", s.peer)
 	return nil
 }
@@ -284,9 +284,9 @@ func (s *stream) close() {
 		}
 		s.r.releaseKey(s)
 		if s.peerRelay != nil {
-			s.r.metrics.peerClients.Dec()
+			s.r.metrics.PeerClients.Dec()
 		} else {
-			s.r.metrics.envoys.WithLabelValues(protocolName(s.delta)).Dec()
+			s.r.metrics.Envoys.WithLabelValues(protocolName(s.delta)).Dec()
 		}
 		s.log.Debug("stream closed")
 	}
@@ -421,12 +421,12 @@ func (s *stream) ack(sub *typeSub, sent sentResponse, errorDetail string, latest
 	}
 	rejecting := s.noteRejected(sub, sent, errorDetail != "")
 	s.led.Answered(sub.typeURL, ledger.Answer{Version: sent.version, Detail: errorDetail, Latest: latest, Rejecting: rejecting, At: now})
-	tm := s.r.metrics.forType(sub.typeURL)
+	tm := s.r.metrics.ForType(sub.typeURL)
 	if errorDetail != "" {
 		s.updateStatus(sub.typeURL, func(st *TypeStatus) {
 			st.NACK = &NACK{Version: sent.version, Detail: errorDetail, At: now}
 		})
-		tm.nacks.Inc()
+		tm.NACKs.Inc()
 		s.log.Warn("NACK", "type", xds.ShortType(sub.typeURL), "version", sent.version, "nonce", sent.nonce, "detail", errorDetail)
 		return
 	}
@@ -434,8 +434,8 @@ func (s *stream) ack(sub *typeSub, sent sentResponse, errorDetail string, latest
 		st.AckedVersion, st.AckedAt, st.NACK = sent.version, now, nil
 	})
 	d := now.Sub(sent.at)
-	tm.pushACK.Observe(d.Seconds())
-	s.r.pushACK.observe(d)
+	tm.PushACK.Observe(d.Seconds())
+	s.r.pushACK.Observe(d)
 }
 
 // noteRejected keeps sub.rejected up to date with an answer to sent, and

@@ -109,7 +109,7 @@ func (r *Relay) provePeer(ctx context.Context, md metadata.MD, p port, id, what 
 		}
 		return nil
 	case r.unprovenPeer(p):
-		r.metrics.authFailures.WithLabelValues("unproven_peer").Inc()
+		r.metrics.AuthFailures.WithLabelValues("unproven_peer").Inc()
 		return status.Errorf(codes.Unauthenticated, "%s on the TLS port needs the tier's peer secret", what)
 	case len(r.cfg.Tier.Secret) == 0:
 		return nil
@@ -316,7 +316,7 @@ func (r *Relay) moveAway(s *stream, why string) bool {
 	}
 	// Counted before the close: whoever sees the client go (the client
 	// itself, a test) finds it counted.
-	r.metrics.shed.WithLabelValues(why).Inc()
+	r.metrics.Shed.WithLabelValues(why).Inc()
 	s.log.Debug("moved client away", "why", why)
 	c.Close()
 	return true

@@ -172,7 +172,7 @@ func TestAdmission(t *testing.T) {
 	if err := firstResponseErr(t, peer, node("ns0", "app", 3)); err != nil {
 		t.Fatalf("peer stream past the bucket: %v", err)
 	}
-	if got := testutil.ToFloat64(r.metrics.refused.WithLabelValues("rate")); got != 1 {
+	if got := testutil.ToFloat64(r.metrics.Refused.WithLabelValues("rate")); got != 1 {
 		t.Errorf("refused{rate} = %v, want 1", got)
 	}
 }
@@ -229,7 +229,7 @@ func TestDrain(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("drained stream still open")
 	}
-	if got := testutil.ToFloat64(r.metrics.shed.WithLabelValues("drain")); got != 1 {
+	if got := testutil.ToFloat64(r.metrics.Shed.WithLabelValues("drain")); got != 1 {
 		t.Errorf("moved{drain} = %v, want 1", got)
 	}
 }
@@ -269,7 +269,7 @@ func TestSourceFollowsOwners(t *testing.T) {
 	// The owner becomes unreachable: the relay falls back to the upstream.
 	owners.set("127.0.0.1:1", false)
 	waitFor(t, "the fallback", func() bool {
-		return r.Stats().UpstreamStreams == 1 && testutil.ToFloat64(r.metrics.peerFallbacks) >= 1
+		return r.Stats().UpstreamStreams == 1 && testutil.ToFloat64(r.metrics.PeerFallbacks) >= 1
 	})
 	c.quiet()
 	up.set("ns0", xds.TypeEndpoint, mkCLA("c2", 9090))
@@ -763,7 +763,7 @@ func TestSotWClaimResolvedByTier(t *testing.T) {
 	moved := newRawClient(t, dial(t, other.Addr().String()), false, node("ns0", "app", 1))
 	claimHeld(moved, held)
 	routeBeforeRemoval(t, moved)
-	if testutil.ToFloat64(other.metrics.claims.WithLabelValues("tier")) == 0 {
+	if testutil.ToFloat64(other.metrics.Claims.WithLabelValues("tier")) == 0 {
 		t.Error("no claim resolved by the tier")
 	}
 }
@@ -848,7 +848,7 @@ func TestSotWClaimKnownAfterItsRelayIsGone(t *testing.T) {
 	c := newRawClient(t, dial(t, first.Addr().String()), false, node("ns0", "app", 0))
 	held := syncAll(c)
 	first.DrainStreams(t.Context(), 0)
-	if got := testutil.ToFloat64(first.metrics.handedOver); got < 4 {
+	if got := testutil.ToFloat64(first.metrics.HandedOver); got < 4 {
 		t.Fatalf("%v versions handed over, want the four types the Envoy holds", got)
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
@@ -863,7 +863,7 @@ func TestSotWClaimKnownAfterItsRelayIsGone(t *testing.T) {
 	moved := newRawClient(t, dial(t, next.Addr().String()), false, node("ns0", "app", 0))
 	claimHeld(moved, held)
 	routeBeforeRemoval(t, moved)
-	if testutil.ToFloat64(next.metrics.claims.WithLabelValues("store")) == 0 {
+	if testutil.ToFloat64(next.metrics.Claims.WithLabelValues("store")) == 0 {
 		t.Error("no claim resolved from the snapshot store")
 	}
 }
@@ -938,7 +938,7 @@ func TestUnknownRouteClaimHoldsRemovalsUntilTheRouteIsSent(t *testing.T) {
 	moved.quiet(xds.TypeEndpoint, xds.TypeRoute) // an empty first RDS answer: r80 waits for c3
 	moved.subscribe(xds.TypeEndpoint, "c0", "c1", "c2", "c3")
 	routeBeforeRemoval(t, moved)
-	if testutil.ToFloat64(r.metrics.claims.WithLabelValues("unknown")) == 0 {
+	if testutil.ToFloat64(r.metrics.Claims.WithLabelValues("unknown")) == 0 {
 		t.Error("the route claim was not unknown: the test tests nothing")
 	}
 }
@@ -1048,7 +1048,7 @@ func testUnknownClaimsKeep(t *testing.T, split bool) {
 	moved.ack(m)
 	moved.subscribe(xds.TypeEndpoint, "c0", "c1", "c2", "c3")
 	routeBeforeRemoval(t, moved)
-	if got := testutil.ToFloat64(r.metrics.claims.WithLabelValues("unknown")); got < 2 {
+	if got := testutil.ToFloat64(r.metrics.Claims.WithLabelValues("unknown")); got < 2 {
 		t.Errorf("%v claims unknown, want the clusters' and the route's: the test tests nothing", got)
 	}
 	if split && keyOfClient(r, movedNode.GetId()) != aggkey.SplitKey(movedNode) {
