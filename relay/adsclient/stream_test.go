@@ -34,18 +34,6 @@ type controlPlane = adsclienttest.ControlPlane
 
 func startControlPlane(t *testing.T, addr string) *controlPlane { return adsclienttest.Start(t, addr) }
 
-// waitFor polls cond (the server's record) until it holds or ctx ends.
-func waitFor(t *testing.T, ctx context.Context, what string, cond func() bool) {
-	t.Helper()
-	for !cond() {
-		select {
-		case <-ctx.Done():
-			t.Fatalf("%s: never happened", what)
-		case <-time.After(5 * time.Millisecond):
-		}
-	}
-}
-
 func dial(t *testing.T, addr string) *grpc.ClientConn {
 	t.Helper()
 	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -238,7 +226,7 @@ func TestDecoded(t *testing.T) {
 			}
 			// The ACK carries v1 (SotW), so the server answers v2 alone.
 			if !delta {
-				waitFor(t, ctx, "the ACK read", func() bool { return len(cp.SotWRequests()) >= 2 })
+				adsclienttest.WaitFor(t, ctx, "the ACK read", func() bool { return len(cp.SotWRequests()) >= 2 })
 				if ack := cp.SotWRequests()[1]; ack.GetVersionInfo() != "v1" || ack.GetResponseNonce() != r1.GetNonce() {
 					t.Fatalf("ACK = %v, want version v1 and nonce %q", ack, r1.GetNonce())
 				}
@@ -316,14 +304,14 @@ func TestNACK(t *testing.T) {
 			}
 			r2.Release()
 			if delta {
-				waitFor(t, ctx, "the NACK read", func() bool { return len(cp.DeltaRequests()) >= 3 })
+				adsclienttest.WaitFor(t, ctx, "the NACK read", func() bool { return len(cp.DeltaRequests()) >= 3 })
 				nack := cp.DeltaRequests()[2]
 				if nack.GetResponseNonce() != r2.GetNonce() || !strings.Contains(nack.GetErrorDetail().GetMessage(), "refused") {
 					t.Errorf("NACK = %v, want nonce %q and the error", nack, r2.GetNonce())
 				}
 				return
 			}
-			waitFor(t, ctx, "the NACK read", func() bool { return len(cp.SotWRequests()) >= 3 })
+			adsclienttest.WaitFor(t, ctx, "the NACK read", func() bool { return len(cp.SotWRequests()) >= 3 })
 			nack := cp.SotWRequests()[2]
 			if nack.GetVersionInfo() != "v1" || nack.GetResponseNonce() != r2.GetNonce() || !strings.Contains(nack.GetErrorDetail().GetMessage(), "refused") {
 				t.Errorf("NACK = %v, want version v1 (the last ACKed), nonce %q and the error", nack, r2.GetNonce())

@@ -64,18 +64,6 @@ func answer(t *testing.T, ctx context.Context, p *passthrough.Passthrough) proto
 	return nil
 }
 
-// waitFor polls cond until it holds or ctx ends.
-func waitFor(t *testing.T, ctx context.Context, what string, cond func() bool) {
-	t.Helper()
-	for !cond() {
-		select {
-		case <-ctx.Done():
-			t.Fatalf("%s: never happened", what)
-		case <-time.After(5 * time.Millisecond):
-		}
-	}
-}
-
 // TestSotWNonces: a request goes up without the client's node (the
 // upstream stream presents it once), the answer comes back under the
 // relay's nonce, the client's ACK of that nonce reaches the upstream as
@@ -103,7 +91,7 @@ func TestSotWNonces(t *testing.T) {
 	if err := p.SotW(&discovery.DiscoveryRequest{TypeUrl: resource.ClusterType, VersionInfo: "v1", ResponseNonce: "relay-unknown"}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, ctx, "three requests upstream", func() bool { return len(cp.SotWRequests()) >= 3 })
+	adsclienttest.WaitFor(t, ctx, "three requests upstream", func() bool { return len(cp.SotWRequests()) >= 3 })
 	reqs := cp.SotWRequests()
 	if reqs[0].GetNode().GetId() != adsclienttest.NodeID {
 		t.Errorf("first request presented %v, want the configured node", reqs[0].GetNode())
@@ -138,7 +126,7 @@ func TestDeltaReplaysAfterReconnect(t *testing.T) {
 	cp.Stop()
 	cp2 := adsclienttest.Start(t, cp.Addr)
 	cp2.Set(t, "v1", "a", "b")
-	waitFor(t, ctx, "the replay upstream", func() bool { return len(cp2.DeltaRequests()) >= 1 })
+	adsclienttest.WaitFor(t, ctx, "the replay upstream", func() bool { return len(cp2.DeltaRequests()) >= 1 })
 	r := cp2.DeltaRequests()[0]
 	if !slices.Equal(r.GetResourceNamesSubscribe(), []string{"a"}) || r.GetInitialResourceVersions()["a"] != version || r.GetResponseNonce() != "" {
 		t.Fatalf("replayed %v (versions %v, nonce %q), want a at %s and no nonce", r.GetResourceNamesSubscribe(), r.GetInitialResourceVersions(), r.GetResponseNonce(), version)

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"time"
 
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -118,4 +119,17 @@ func (cp *ControlPlane) DeltaRequests() []*discovery.DeltaDiscoveryRequest {
 	cp.mu.Lock()
 	defer cp.mu.Unlock()
 	return slices.Clone(cp.delta)
+}
+
+// WaitFor polls cond (a control plane's record, a client's state) every 5
+// ms until it holds, failing the test when ctx ends first.
+func WaitFor(t testing.TB, ctx context.Context, what string, cond func() bool) {
+	t.Helper()
+	for !cond() {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("%s: never happened", what)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
 }
