@@ -110,7 +110,7 @@ func (u *feed) choose() source {
 		return source{kind: sourceUpstream}
 	}
 	if addr == u.fallbackFor {
-		if !u.r.pool.Ready(addr) {
+		if !u.ownerReady(addr) {
 			return source{kind: sourceFallback, addr: addr}
 		}
 		u.fallbackFor = ""
@@ -231,13 +231,30 @@ func (u *feed) waitUntil(ctx context.Context, ready func() bool) bool {
 			return false
 		case <-u.k.upWake:
 		case <-u.idleC():
-			u.idle = nil // spent: checkIdle arms a new one if still idle
-			if u.r.dropIfIdle(u.k) {
+			if u.idleFired() {
 				return false
 			}
 		}
 	}
 	return true
+}
+
+// idleFired handles the key's idle timer (idleC): it reports whether the
+// key, idle all along, was dropped and the feed ends.
+func (u *feed) idleFired() bool {
+	u.idle = nil // spent: checkIdle arms a new one if still idle
+	return u.r.dropIfIdle(u.k)
+}
+
+// ownerReady reports whether the relay's connection to the owner at addr
+// is ready.
+func (u *feed) ownerReady(addr string) bool { return u.r.pool.Ready(addr) }
+
+// confirmedBySilence counts views confirmed by the source's silence, and
+// marks them fresh (as fresh as the owner's, from an owner).
+func (u *feed) confirmedBySilence() {
+	u.r.metrics.SilentConfirms.Inc()
+	u.setStale(u.ownerStale)
 }
 
 // sleep waits d, or less if the key is dropped or ctx ends. It reports
@@ -254,16 +271,18 @@ func (u *feed) sleep(ctx context.Context, d time.Duration) bool {
 			return true
 		case <-u.k.upWake:
 		case <-u.idleC():
-			u.idle = nil // spent: checkIdle arms a new one if still idle
-			if u.r.dropIfIdle(u.k) {
+			if u.idleFired() {
 				return false
 			}
 		}
 	}
 }
 
-// session runs one upstream stream. got reports whether any response
-// arrived.
+// session runs one stream to the key's source until it fails, ends or
+// must be replaced. got reports whether any response arrived. It takes
+// the stream's turn (the upstream's pace, a first-answer slot), opens it,
+// and runs the session's loop (session.go), giving everything back when
+// the loop ends.
 func (u *feed) session(ctx context.Context, node *core.Node, presenter member, src source) (got bool, err error) {
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -317,143 +336,28 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 	defer u.countStream(src)()
 	u.begin(presenter)
 	u.k.presentedNode.Store(node)
-	presentedNode := node
 	u.log("upstream stream open", "node", node.GetId(), "source", src.kind, "owner", src.addr)
 	// retry ticks while the key is in fallback (is the owner back?) or a
 	// switch of source waits for the new source to be reachable.
-	retryTicker := time.NewTicker(peerRetryInterval)
-	defer retryTicker.Stop()
-	var retry <-chan time.Time
+	retry := time.NewTicker(peerRetryInterval)
+	defer retry.Stop()
+	s := &session{u: u, src: src, up: up, node: node, first: first, release: release,
+		answered: make(map[string]bool), retryTicker: retry}
 	if src.kind == sourceFallback {
-		retry = retryTicker.C
+		s.retry = retry.C
 	}
-	var switchSince time.Time // when a switch was first wanted but put off
-	// switchNow reports whether to end this session for the key's new
-	// source: make before break, the session goes on until the new source
-	// can be reached (or for switchPatience, after which the new source is
-	// tried anyway and falls back if it fails).
-	switchNow := func() bool {
-		next := u.choose()
-		if next == src {
-			switchSince = time.Time{}
-			return false
-		}
-		if next.kind == sourcePeer && !u.r.pool.Ready(next.addr) {
-			if switchSince.IsZero() {
-				switchSince = time.Now()
-			}
-			if time.Since(switchSince) < switchPatience {
-				retryTicker.Reset(switchRetryInterval)
-				retry = retryTicker.C
-				return false
-			}
-		}
-		u.log("switching source", "from", src.kind, "to", next.kind, "owner", next.addr)
-		return true
-	}
-
 	if err := u.resubscribe(); err != nil {
 		return false, err
 	}
 	u.renewing = false // the first requests asked for answers
-	// The views are confirmed (the key is fresh, for the admin API, the
-	// metrics and persistence) once the stream answered every type it was
-	// asked, or by silence (firstAnswers). Confirmation orders nothing:
-	// every view carries its Order, and clients are served by it
-	// (stream.sync).
-	answered := make(map[string]bool)
-	var renewAt <-chan time.Time // a renewal put off (renewAfter)
-	renew := func() bool {
-		wait, now := u.renewal(src)
-		if !now && wait > 0 && renewAt == nil {
-			renewAt = time.After(wait)
-		}
-		return now
+	if s.refresh = u.refreshTimer(presenter); s.refresh != nil {
+		defer s.refresh.Stop()
 	}
-	refresh := u.refreshTimer(presenter)
-	if refresh != nil {
-		defer refresh.Stop()
-	}
-	if renew() { // a demand this stream cannot cover either
+	if s.renew() { // a demand this stream cannot cover either
 		return false, errRenew
 	}
-	for {
-		select {
-		case m := <-up.Responses():
-			if !got && src.kind == sourcePeer {
-				if md, err := up.Header(); err == nil { // sent before the first response
-					u.readSplits(md)
-				}
-			}
-			got = true
-			u.demandSent = max(u.demandSent, u.demandCarried)
-			if err := u.handle(m); err != nil {
-				return got, err
-			}
-			answered[m.GetTypeUrl()] = true
-			if back, _ := first.answered(time.Now(), u.allAnswered(answered)); back {
-				release()
-			}
-			if first.confirmed {
-				u.setStale(u.ownerStale) // an owner's views may go stale and back
-			}
-		case <-first.C():
-			back, bySilence := first.fired(time.Now(), u.mayBeSilent(src))
-			if back {
-				release()
-			}
-			if bySilence {
-				u.r.metrics.SilentConfirms.Inc()
-				u.setStale(u.ownerStale)
-			}
-		case err := <-up.Err():
-			if src.kind == sourcePeer {
-				return got, ownerEnded(err)
-			}
-			return got, err
-		case <-retry:
-			if switchNow() {
-				return got, errSourceChanged
-			}
-		case <-renewAt:
-			renewAt = nil
-			if renew() {
-				return got, errRenew
-			}
-		case <-u.k.upWake:
-			if switchNow() {
-				return got, errSourceChanged
-			}
-			if renew() {
-				return got, errRenew
-			}
-			first, n := u.k.presenter()
-			if n > 0 && first != u.presented && (!u.k.isMember(u.presented) || u.tokenExpiring(first)) {
-				u.log("re-homing upstream stream", "from", presentedNode.GetId(), "to", memberNode(first).GetId())
-				return got, errRehome
-			}
-			u.checkIdle()
-			if err := u.resubscribe(); err != nil {
-				return got, err
-			}
-			u.armExpiry() // streams may have added pending names
-		case <-u.idleC():
-			u.idle = nil // spent: checkIdle arms a new one if still idle
-			if u.r.dropIfIdle(u.k) {
-				return got, errIdle
-			}
-		case <-u.expiryC():
-			u.expirePending()
-		case <-timerC(refresh):
-			refresh = nil
-			if first, n := u.k.presenter(); n > 0 && first != u.presented && u.tokenExpiring(first) {
-				u.log("re-homing upstream stream: its token expires", "from", presentedNode.GetId(), "to", memberNode(first).GetId())
-				return got, errRehome
-			}
-		case <-ctx.Done():
-			return got, ctx.Err()
-		}
-	}
+	err = s.loop(ctx)
+	return s.got, err
 }
 
 // timerC is t's channel, or nil (never ready) for a nil timer.

@@ -66,7 +66,8 @@
 //     interface; its divergence check's schedule), versions.go (whether a
 //     view covers what a client holds), feed.go (the one stream to the
 //     key's source, istiod or the owner relay, over relay/adsclient),
-//     feedsource.go (the kinds of source), backoff.go (its backoff, and
+//     session.go (one such stream, once open: what it waits for and does
+//     with each), feedsource.go (the kinds of source), backoff.go (its backoff, and
 //     the random draws a simulation replays), firstanswers.go (when its
 //     first answers give the sync slot back and confirm the views),
 //     feedrequests.go (what it asks), feedanswers.go (what it does with
