@@ -1,7 +1,10 @@
 package ledger
 
 // Change is one difference found by Diff: Old is nil for an entry only in the
-// new Tree, New is nil for an entry only in the old one.
+// new Tree, New is nil for an entry only in the old one. Old and New point to
+// entries Diff reuses for the next Change: valid during fn's call only, so
+// copy what is kept (a full sync of a 3,000-cluster view allocated 3,000
+// entries per stream when each Change had its own).
 type Change[V any] struct {
 	Name string
 	Old  *Entry[V]
@@ -16,32 +19,35 @@ type Change[V any] struct {
 // Entries whose hash is equal but whose value differs are not reported: the
 // hash is the content.
 func Diff[V any](from, to Tree[V], fn func(Change[V]) bool) {
-	diffNodes(from.root, to.root, 0, fn)
+	s := new([2]Entry[V]) // what every Change's Old and New point to
+	diffNodes(from.root, to.root, 0, s, fn)
 }
 
-func diffNodes[V any](a, b *node[V], depth int, fn func(Change[V]) bool) bool {
+// diffNodes diffs a and b at depth; s holds the entries of the Change fn is
+// called with (old, new).
+func diffNodes[V any](a, b *node[V], depth int, s *[2]Entry[V], fn func(Change[V]) bool) bool {
 	switch {
 	case a == b:
 		return true
 	case a == nil:
-		return walk(b, func(e Entry[V]) bool { return fn(Change[V]{Name: e.Name, New: &e}) })
+		return walk(b, func(e Entry[V]) bool { s[1] = e; return fn(Change[V]{Name: e.Name, New: &s[1]}) })
 	case b == nil:
-		return walk(a, func(e Entry[V]) bool { return fn(Change[V]{Name: e.Name, Old: &e}) })
+		return walk(a, func(e Entry[V]) bool { s[0] = e; return fn(Change[V]{Name: e.Name, Old: &s[0]}) })
 	case a.digest == b.digest:
 		return true
 	case a.isLeaf() && b.isLeaf():
-		ea := Entry[V]{Name: a.name, Hash: a.hash, Value: a.value}
-		eb := Entry[V]{Name: b.name, Hash: b.hash, Value: b.value}
+		s[0] = Entry[V]{Name: a.name, Hash: a.hash, Value: a.value}
+		s[1] = Entry[V]{Name: b.name, Hash: b.hash, Value: b.value}
 		if a.name == b.name {
-			return fn(Change[V]{Name: a.name, Old: &ea, New: &eb})
+			return fn(Change[V]{Name: a.name, Old: &s[0], New: &s[1]})
 		}
-		return fn(Change[V]{Name: a.name, Old: &ea}) && fn(Change[V]{Name: b.name, New: &eb})
+		return fn(Change[V]{Name: a.name, Old: &s[0]}) && fn(Change[V]{Name: b.name, New: &s[1]})
 	}
 	// At least one side is a branch: compare child by child, seeing a leaf
 	// as a branch with that leaf as its only child.
 	an, bn := leafNibble(a, depth), leafNibble(b, depth)
 	for i := range 16 {
-		if !diffNodes(childAt(a, an, i), childAt(b, bn, i), depth+1, fn) {
+		if !diffNodes(childAt(a, an, i), childAt(b, bn, i), depth+1, s, fn) {
 			return false
 		}
 	}

@@ -52,3 +52,22 @@ func BenchmarkDiffOneOf30k(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkDiffAllOf30k is a client's first sync: every entry of a
+// 30,000-resource view is new to it.
+func BenchmarkDiffAllOf30k(b *testing.B) {
+	t := benchTree(30_000)
+	b.ReportAllocs()
+	for b.Loop() {
+		n := 0
+		Diff(Tree[int]{}, t, func(c Change[int]) bool {
+			if c.New != nil {
+				n++
+			}
+			return true
+		})
+		if n != 30_000 {
+			b.Fatalf("Diff found %d changes, want 30000", n)
+		}
+	}
+}

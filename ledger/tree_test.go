@@ -183,6 +183,24 @@ func TestDiffOfSeparatelyBuiltEqualTreesIsEmpty(t *testing.T) {
 	}
 }
 
+// TestDiffAllocations: a Change's entries are Diff's own, reused, not one
+// allocation per name (a client's first sync diffs the whole view).
+func TestDiffAllocations(t *testing.T) {
+	m := map[string]Hash{}
+	for i := range 1000 {
+		m[fmt.Sprint("c", i)] = h(fmt.Sprint(i))
+	}
+	a := build(m)
+	n := 0
+	allocs := testing.AllocsPerRun(10, func() {
+		Diff(Tree[int]{}, a, func(c Change[int]) bool { n += len(c.New.Name); return true })
+		Diff(a, Tree[int]{}, func(c Change[int]) bool { n += len(c.Old.Name); return true })
+	})
+	if allocs > 8 {
+		t.Fatalf("two Diffs of 1000 names allocate %v times, want at most 8", allocs)
+	}
+}
+
 func TestDiffStops(t *testing.T) {
 	a := build(map[string]Hash{"a": h("1"), "b": h("1"), "c": h("1")})
 	n := 0

@@ -47,7 +47,7 @@ var upstreamTypes = append(slices.Clone(xds.PushOrder), typeOther)
 // LinearCache per (namespace group, type), so different namespaces can see
 // different views. It records every request it receives.
 type testUpstream struct {
-	t      *testing.T
+	t      testing.TB
 	addr   string
 	groups []string
 	caches map[string]*cache.LinearCache
@@ -65,19 +65,19 @@ type testUpstream struct {
 	silent   map[string]bool // types never answered (silence)
 }
 
-func newTestUpstream(t *testing.T, groups ...string) *testUpstream {
+func newTestUpstream(t testing.TB, groups ...string) *testUpstream {
 	t.Helper()
 	return newTestUpstreamWith(t, nil, groups...)
 }
 
 // newTestUpstreamWith is newTestUpstream with server options of its own.
-func newTestUpstreamWith(t *testing.T, opts []grpc.ServerOption, groups ...string) *testUpstream {
+func newTestUpstreamWith(t testing.TB, opts []grpc.ServerOption, groups ...string) *testUpstream {
 	t.Helper()
 	return newTestUpstreamBy(t, opts, groupOf, groups...)
 }
 
 // newTestUpstreamBy is newTestUpstreamWith with nodes grouped by groupBy.
-func newTestUpstreamBy(t *testing.T, opts []grpc.ServerOption, groupBy func(*core.Node) string, groups ...string) *testUpstream {
+func newTestUpstreamBy(t testing.TB, opts []grpc.ServerOption, groupBy func(*core.Node) string, groups ...string) *testUpstream {
 	t.Helper()
 	if len(groups) == 0 {
 		groups = []string{"default"}
@@ -296,7 +296,7 @@ func (u *testUpstream) nacksSeen() int {
 }
 
 // startRelay starts a relay in front of up on loopback.
-func startRelay(t *testing.T, up *testUpstream, mod func(*Config)) *Relay {
+func startRelay(t testing.TB, up *testUpstream, mod func(*Config)) *Relay {
 	t.Helper()
 	return startRelayTo(t, up.addr, func(c *Config) {
 		c.Upstream.DialOptions = append(c.Upstream.DialOptions, grpc.WithContextDialer(up.dialCurrent))
@@ -308,7 +308,7 @@ func startRelay(t *testing.T, up *testUpstream, mod func(*Config)) *Relay {
 
 // startRelayTo starts a relay on loopback in front of the upstream at addr
 // and stops it when the test ends.
-func startRelayTo(t *testing.T, addr string, mod func(*Config)) *Relay {
+func startRelayTo(t testing.TB, addr string, mod func(*Config)) *Relay {
 	t.Helper()
 	cfg := DefaultConfig()
 	cfg.ID = "relay-test"
@@ -342,7 +342,7 @@ func startRelayTo(t *testing.T, addr string, mod func(*Config)) *Relay {
 	return r
 }
 
-func dial(t *testing.T, addr string) *grpc.ClientConn {
+func dial(t testing.TB, addr string) *grpc.ClientConn {
 	t.Helper()
 	conn, err := grpc.NewClient(addr,
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
@@ -355,7 +355,7 @@ func dial(t *testing.T, addr string) *grpc.ClientConn {
 }
 
 // dialWindow dials with fixed flow-control windows (no BDP growth).
-func dialWindow(t *testing.T, addr string, window int32) *grpc.ClientConn {
+func dialWindow(t testing.TB, addr string, window int32) *grpc.ClientConn {
 	t.Helper()
 	conn, err := grpc.NewClient(addr,
 		grpc.WithTransportCredentials(insecure.NewCredentials()),

@@ -53,6 +53,11 @@ func (sub *typeSub) changes(view ledger.Tree[*xds.Resource]) (upd []*xds.Resourc
 		return upd, gone, false
 	}
 	whole = true
+	if sub.known.Len() == 0 {
+		// A first sync sends about the whole view: one array, not the
+		// dozen a growing one leaves behind (a 3,000-cluster CDS).
+		upd = make([]*xds.Resource, 0, view.Len())
+	}
 	ledger.Diff(sub.known, view, func(c ledger.Change[*xds.Resource]) bool {
 		switch {
 		case c.New != nil && (sub.wildcard || sub.names.Has(c.Name)):

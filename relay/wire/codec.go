@@ -15,6 +15,7 @@ package wire
 
 import (
 	"encoding/binary"
+	"encoding/hex"
 	"sync"
 	"time"
 	"unsafe"
@@ -358,28 +359,34 @@ func encodeSotW(o *Response, controlPlane []byte) []byte {
 	return protowire.AppendBytes(b, controlPlane)
 }
 
-// encodeDelta encodes a DeltaDiscoveryResponse without its nonce.
+// encodeDelta encodes a DeltaDiscoveryResponse without its nonce, into a
+// buffer of its exact size. Every resource's version is its hash and the
+// view's Order (Version), written in place: a 3,000-cluster body was
+// sized short by its versions, grown (a copy of it all) and built from
+// ten small allocations per resource.
 func encodeDelta(o *Response, controlPlane []byte) []byte {
-	n := len(o.Version) + len(o.TypeURL) + len(controlPlane) + 16
+	order := o.Order.String()
+	versionLen := hex.EncodedLen(len(ledger.Hash{})) + 1 + len(order)
+	n := sizeString(fDeltaVersion, o.Version) + sizeString(fDeltaTypeURL, o.TypeURL) +
+		protowire.SizeTag(fDeltaCP) + protowire.SizeBytes(len(controlPlane))
 	for _, r := range o.Updated {
-		n += len(r.Name) + len(r.Type) + len(r.Body.GetValue()) + 2*len(r.Hash) + 48
+		n += protowire.SizeTag(fDeltaResources) + protowire.SizeBytes(resourceSize(r, versionLen))
 	}
 	for _, name := range o.Removed {
-		n += len(name) + 4
+		n += sizeString(fDeltaRemoved, name)
 	}
 	b := make([]byte, 0, n)
 	b = appendString(b, fDeltaVersion, o.Version)
 	for _, r := range o.Updated {
 		// envoy.service.discovery.v3.Resource: name, version, resource.
 		b = protowire.AppendTag(b, fDeltaResources, protowire.BytesType)
-		version := Version(r.Hash, o.Order)
-		anyLen := anySize(r)
-		size := protowire.SizeTag(fResourceName) + protowire.SizeBytes(len(r.Name)) +
-			protowire.SizeTag(fResourceVersion) + protowire.SizeBytes(len(version)) +
-			protowire.SizeTag(fResourceBody) + protowire.SizeBytes(anyLen)
-		b = protowire.AppendVarint(b, uint64(size))
+		b = protowire.AppendVarint(b, uint64(resourceSize(r, versionLen)))
 		b = appendString(b, fResourceName, r.Name)
-		b = appendString(b, fResourceVersion, version)
+		// Version(r.Hash, o.Order), never empty.
+		b = protowire.AppendTag(b, fResourceVersion, protowire.BytesType)
+		b = protowire.AppendVarint(b, uint64(versionLen))
+		b = hex.AppendEncode(b, r.Hash[:])
+		b = append(append(b, '@'), order...)
 		b = appendAny(b, fResourceBody, r)
 	}
 	b = appendString(b, fDeltaTypeURL, o.TypeURL)
@@ -388,6 +395,23 @@ func encodeDelta(o *Response, controlPlane []byte) []byte {
 	}
 	b = protowire.AppendTag(b, fDeltaCP, protowire.BytesType)
 	return protowire.AppendBytes(b, controlPlane)
+}
+
+// resourceSize is the encoded size of r as a Delta Resource whose version
+// is versionLen bytes.
+func resourceSize(r *xds.Resource, versionLen int) int {
+	return sizeString(fResourceName, r.Name) +
+		protowire.SizeTag(fResourceVersion) + protowire.SizeBytes(versionLen) +
+		protowire.SizeTag(fResourceBody) + protowire.SizeBytes(anySize(r))
+}
+
+// sizeString is the encoded size of a string field as appendString writes
+// it.
+func sizeString(num protowire.Number, s string) int {
+	if s == "" {
+		return 0
+	}
+	return protowire.SizeTag(num) + protowire.SizeBytes(len(s))
 }
 
 // anySize is the encoded size of a resource's google.protobuf.Any.
