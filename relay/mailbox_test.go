@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"io"
+	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -71,24 +72,43 @@ func TestServeFloodEndsStream(t *testing.T) {
 }
 
 // TestServeByteBudget: requests queued without the relay getting to them
-// end the stream once they pass maxQueuedBytes, long before the count
-// limit. (They are under admission.Floor: a larger one stops the reading until
-// it is handled.)
+// end the stream once they pass maxQueuedBytes, before the count limit
+// would. (They are under admission.Floor: a larger one stops the reading
+// until it is handled.) The handler is stuck on its first batch until the
+// reader overflowed (the overflow gives its request back: release), so
+// what was read is at most that batch, a mailbox full by bytes and the
+// request that overflowed it: 4,097 of 32 KiB, where the count limit
+// alone would let 4,098 or more through. By order, whatever the load.
 func TestServeByteBudget(t *testing.T) {
 	r := newTestRelay(t)
 	s := r.newStream(context.Background(), false, portPlain)
-	stuck := make(chan struct{})
+	const perBudget = maxQueuedBytes / (admission.Floor / 2) // requests of 32 KiB the byte bound holds
+	stuck, overflowed, capped := make(chan struct{}), make(chan struct{}), make(chan struct{})
 	var read atomic.Int32
-	recv := func() (int, error) { read.Add(1); return 1, nil }
+	recv := func() (int, error) {
+		// A batch the handler took and a full mailbox at most, then the
+		// request that overflows: more means the byte bound did not hold.
+		if read.Add(1) > 2*perBudget+1 {
+			close(capped)
+			<-stuck
+			return 0, io.EOF
+		}
+		return 1, nil
+	}
 	size := func(int) int { return admission.Floor / 2 } // every request 32 KiB
+	var once sync.Once
+	release := func(int) { once.Do(func() { close(overflowed) }) }
 	done := make(chan error, 1)
-	go func() { done <- serve(s, recv, size, func(int) error { <-stuck; return nil }, nil) }()
-	waitFor(t, "the byte budget to overflow", func() bool { return read.Load() > maxQueuedBytes/(admission.Floor/2) })
+	go func() { done <- serve(s, recv, size, func(int) error { <-stuck; return nil }, release) }()
+	select {
+	case <-overflowed:
+	case <-capped:
+		close(stuck)
+		<-done
+		t.Fatalf("read %d requests of 32 KiB with the handler stuck, and the %d MiB bound did not end the stream", read.Load(), maxQueuedBytes>>20)
+	}
 	close(stuck)
-	err := <-done
-	// The handler may have taken a batch before it got stuck; the queue
-	// behind it held at most the byte budget, far below the count limit.
-	if status.Code(err) != codes.ResourceExhausted || read.Load() >= maxQueuedRequests {
+	if err := <-done; status.Code(err) != codes.ResourceExhausted {
 		t.Fatalf("serve = %v after %d requests of 32 KiB, want ResourceExhausted from the %d MiB bound", err, read.Load(), maxQueuedBytes>>20)
 	}
 }
