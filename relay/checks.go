@@ -56,21 +56,20 @@ func (r *Relay) checkDivergence(ctx context.Context) {
 				}
 				recheck = true
 			}
-			select {
-			case r.checkSlots <- struct{}{}:
-			default:
+			release, ok := r.checkSlots.tryAcquire()
+			if !ok {
 				k.checkLater(m) // no slot: its turn comes again at the next tick
 				continue
 			}
 			if !r.goRun(func(ctx context.Context) {
-				defer func() { <-r.checkSlots }()
+				defer release()
 				if recheck {
 					r.recheckSplit(ctx, k, m)
 				} else {
 					r.checkKey(ctx, k, m)
 				}
 			}) {
-				<-r.checkSlots
+				release()
 				return
 			}
 		}
@@ -228,12 +227,11 @@ func (s inspectServer) CheckMember(ctx context.Context, req *inspectpb.CheckMemb
 	case sourceKind(k.source.Load()) == sourcePeer || k.presentedNode.Load() == nil:
 		return nil, status.Errorf(codes.FailedPrecondition, "key %q: not its upstream source", req.GetKey())
 	}
-	select {
-	case s.r.checkSlots <- struct{}{}:
-		defer func() { <-s.r.checkSlots }()
-	default:
+	release, ok := s.r.checkSlots.tryAcquire()
+	if !ok {
 		return nil, status.Error(codes.Unavailable, "as many checks as the relay runs at a time run already")
 	}
+	defer release()
 	if !k.startCheck() {
 		return nil, status.Errorf(codes.Unavailable, "key %q: a check runs already", req.GetKey())
 	}

@@ -508,31 +508,35 @@ func newSyncSlots(n int) syncSlots {
 
 // acquire takes a slot, waiting for one until ctx ends (ok false). release
 // gives it back; calling it again does nothing.
-// tryAcquire takes a slot if one is free now.
-func (s syncSlots) tryAcquire() (release func(), ok bool) {
-	if s == nil {
-		return func() {}, true
-	}
-	select {
-	case s <- struct{}{}:
-	default:
-		return nil, false
-	}
-	var once sync.Once
-	return func() { once.Do(func() { <-s }) }, true
-}
-
 func (s syncSlots) acquire(ctx context.Context) (release func(), ok bool) {
 	if s == nil {
 		return func() {}, true
 	}
 	select {
 	case s <- struct{}{}:
+		return s.releaser(), true
 	case <-ctx.Done():
 		return nil, false
 	}
+}
+
+// tryAcquire takes a slot if one is free now (acquire without waiting).
+func (s syncSlots) tryAcquire() (release func(), ok bool) {
+	if s == nil {
+		return func() {}, true
+	}
+	select {
+	case s <- struct{}{}:
+		return s.releaser(), true
+	default:
+		return nil, false
+	}
+}
+
+// releaser gives a slot taken back, once however often it is called.
+func (s syncSlots) releaser() func() {
 	var once sync.Once
-	return func() { once.Do(func() { <-s }) }, true
+	return func() { once.Do(func() { <-s }) }
 }
 
 // allAnswered reports whether every type asked on the stream was answered,

@@ -209,7 +209,7 @@ type Relay struct {
 	// holds one token per check running.
 	splits         splitBook
 	divergenceWake chan struct{}
-	checkSlots     chan struct{}
+	checkSlots     syncSlots
 
 	// runMu guards refuseWork: set as Stop begins, goRun starts nothing
 	// after it.
@@ -262,7 +262,7 @@ func New(cfg Config) (*Relay, error) {
 		syncs:          newSyncSlots(cfg.Upstream.Syncs),
 		peerSyncs:      newSyncSlots(cfg.Upstream.Syncs),
 		divergenceWake: make(chan struct{}, 1),
-		checkSlots:     make(chan struct{}, maxDivergenceChecks),
+		checkSlots:     newSyncSlots(maxDivergenceChecks),
 	}
 	r.adminGuard = &admin.Guard{Token: cfg.Admin.Token, Identities: cfg.Admin.Identities, XDSAuthenticated: cfg.XDS.Authenticator != nil, Refuse: r.refuseAuth}
 	if cfg.Admin.Authenticator != nil {
