@@ -229,6 +229,10 @@ type XDSConfig struct {
 	// refuses streams until its caches are synced). Default 2s. Negative:
 	// never refuse; streams wait for config however long it takes.
 	WarmWait time.Duration
+	// serverOptions are added last to every xDS server's options: set
+	// only by the package's benchmarks (BenchmarkSync), which compare
+	// grpc-go's transport knobs on the real server.
+	serverOptions []grpc.ServerOption
 }
 
 // DefaultXDSConfig returns the downstream server's defaults.

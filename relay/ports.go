@@ -109,7 +109,7 @@ func (r *Relay) serveXDS(lis net.Listener, p port, opts ...grpc.ServerOption) {
 		// default allows 16 MiB).
 		grpc.MaxHeaderListSize(maxHeaderListBytes),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
-	}, append(append(r.connectionLimits(p), opts...), benchServerOptions...)...)...)
+	}, append(append(r.connectionLimits(p), opts...), r.cfg.XDS.serverOptions...)...)...)
 	discovery.RegisterAggregatedDiscoveryServiceServer(srv, adsService{r, p})
 	ledgerpb.RegisterLedgerServer(srv, ledgerServer{r: r, port: p})
 	inspectpb.RegisterInspectServer(srv, inspectServer{r: r, port: p})
@@ -122,11 +122,6 @@ func (r *Relay) serveXDS(lis net.Listener, p port, opts ...grpc.ServerOption) {
 		}
 	}()
 }
-
-// benchServerOptions are added last to every xDS server's options: set
-// only by the package's benchmarks (BenchmarkSync), which compare grpc-go's
-// transport knobs on the real server. Nil in a relay.
-var benchServerOptions []grpc.ServerOption
 
 // maxRecv is the largest message port p takes: an Envoy's request is
 // bounded by what a real one sends (XDS.MaxRequestBytes); the tier's

@@ -105,14 +105,12 @@ type syncBench struct {
 
 func newSyncBench(b *testing.B, delta bool, k syncKnob) *syncBench {
 	b.Helper()
-	benchServerOptions = k.server
-	b.Cleanup(func() { benchServerOptions = nil })
 	up := newTestUpstream(b)
 	cs, rc := syncConfig(syncServices)
 	up.set("default", xds.TypeCluster, cs...)
 	up.set("default", xds.TypeListener, mkListener("l8080", "8080"))
 	up.set("default", xds.TypeRoute, rc)
-	r := startRelay(b, up, nil)
+	r := startRelay(b, up, func(c *Config) { c.XDS.serverOptions = k.server })
 	sb := &syncBench{r: r, delta: delta}
 	for range syncClients + 1 {
 		opts := []grpc.DialOption{
