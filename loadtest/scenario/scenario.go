@@ -113,11 +113,12 @@ func churn(ctx context.Context, up *upstream.Upstream, rate float64) error {
 // violations joins the protocol violations the fleet's Envoys recorded.
 func violations(f *traffic.Fleet) error {
 	v := f.Violations()
-	if len(v) == 0 {
+	n := len(v)
+	if n == 0 {
 		return nil
 	}
-	if len(v) > 10 {
-		v = append(v[:10], fmt.Errorf("… and %d more", len(v)-10))
+	if n > 10 {
+		v = append(v[:10], fmt.Errorf("… and %d more", n-10))
 	}
-	return fmt.Errorf("%d protocol violations: %w", len(f.Violations()), errors.Join(v...))
+	return fmt.Errorf("%d protocol violations: %w", n, errors.Join(v...))
 }
