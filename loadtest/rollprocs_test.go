@@ -14,6 +14,7 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest/traffic"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/snapshot"
 )
 
 // TestRollUnderChurnProcesses runs the upgrade scenario that
@@ -41,6 +42,14 @@ func TestRollUnderChurnProcesses(t *testing.T) {
 	}
 	defer up.Stop(context.Background())
 
+	// Snapshots in etcd, as a tier is run (TestRollUnderChurnInProcess
+	// says why).
+	etcd, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer etcd.Close()
+
 	logs := make([]io.Writer, 3)
 	for i := range logs {
 		f, err := os.Create(filepath.Join(dir, fmt.Sprintf("relay-%d.log", i)))
@@ -55,7 +64,7 @@ func TestRollUnderChurnProcesses(t *testing.T) {
 		Meshrelay: bin, Relays: 3, Dir: dir,
 		// Addresses of their own in 127/8, apart from the chaos suite's.
 		Host:     func(i int) string { return fmt.Sprintf("127.0.1.%d", 10+i) },
-		Upstream: up.Addr(), UpstreamProtocol: relay.ProtocolDelta,
+		Upstream: up.Addr(), UpstreamProtocol: relay.ProtocolDelta, Etcd: etcd.Endpoints(),
 		Log:    func(i int) io.Writer { return logs[i] },
 		Exited: func(i int) { exited <- i },
 	})

@@ -13,6 +13,7 @@ import (
 	"github.com/meshrelay/meshrelay/loadtest/traffic"
 	"github.com/meshrelay/meshrelay/loadtest/upstream"
 	"github.com/meshrelay/meshrelay/relay"
+	"github.com/meshrelay/meshrelay/relay/snapshot"
 )
 
 func TestMain(m *testing.M) {
@@ -38,7 +39,15 @@ func TestRollUnderChurnInProcess(t *testing.T) {
 			ctx := t.Context()
 			sc := upstream.Scenario{Services: 30, Endpoints: 60, Namespaces: 3, LocalFraction: 0.25}
 			up := startUpstream(t, sc)
-			tier, err := cluster.StartConvergedTier(ctx, cluster.TierConfig{Relays: 3, Upstream: up.Addr(), UpstreamProtocol: pair.up}, time.Minute)
+			// Snapshots in etcd, as a tier is run: a relay that drains a
+			// SotW Envoy hands its version over there, so the relay it
+			// moves to knows what it holds.
+			etcd, err := snapshot.StartEmbedded(ctx, snapshot.EmbeddedConfig{Dir: t.TempDir()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer etcd.Close()
+			tier, err := cluster.StartConvergedTier(ctx, cluster.TierConfig{Relays: 3, Upstream: up.Addr(), UpstreamProtocol: pair.up, Etcd: etcd.Endpoints()}, time.Minute)
 			if err != nil {
 				t.Fatal(err)
 			}
