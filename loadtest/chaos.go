@@ -535,7 +535,6 @@ type chaosRun struct {
 	churnMu   sync.Mutex // held by a churn step, and while the upstream is down
 
 	mu        sync.Mutex
-	upDown    bool // the upstream is down: the churn waits
 	published []validation.Published
 	errs      []string // process failures seen during the run
 
