@@ -307,10 +307,19 @@ type routeRig struct {
 // newRouteRig syncs a client that subscribes to the routes named (seed's
 // r80 uses c0 and c1) and the endpoints of c0 and c1.
 func newRouteRig(t *testing.T, routes ...string) *routeRig {
+	return newRouteRigWith(t, func(c *Config) { c.XDS.ResourceWaitTimeout = time.Hour }, nil, routes...)
+}
+
+// newRouteRigWith is newRouteRig with the relay's config changed by mod,
+// and the upstream by prep before the relay starts.
+func newRouteRigWith(t *testing.T, mod func(*Config), prep func(*testUpstream), routes ...string) *routeRig {
 	up := newTestUpstream(t, "ns0")
 	seed(up, "ns0", 2)
+	if prep != nil {
+		prep(up)
+	}
 	g := &routeRig{t: t, up: up, clusters: map[string]bool{}, endpoints: map[string]bool{}}
-	g.r = startRelay(t, up, func(c *Config) { c.XDS.ResourceWaitTimeout = time.Hour })
+	g.r = startRelay(t, up, mod)
 	g.c = newRawClient(t, dial(t, g.r.Addr().String()), true, node("ns0", "app", 0))
 	for _, sub := range []struct {
 		typeURL string
@@ -494,6 +503,62 @@ func TestHeldRouteHeldAnewWhenItChanges(t *testing.T) {
 		if typeOf(m) == xds.TypeRoute {
 			break
 		}
+	}
+}
+
+// A route held for a cluster the key's view never had goes out only on a
+// stream opened after the hold began that brought both the clusters and
+// the route: a new stream's clusters may come before its routes, and until
+// they do the route is the old stream's, which the new one may have
+// changed (loadtest chaos of 2026-12-07, seed 1: a key moved from a
+// starved owner to the upstream, and its relay sent the owner's route,
+// naming a cluster the upstream's clusters lacked, 35 ms after them and
+// before the upstream's routes).
+func TestHeldRouteWaitsForItsOwnTypeOnTheNewStream(t *testing.T) {
+	g := newRouteRig(t, "r80")
+	g.up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1", "c2")) // no cluster c2 anywhere
+	g.waitView("the route to c2 in the view", xds.TypeRoute, "r80", g.routeNames("c2"))
+	g.untilBarrier() // r80 is held: take fails on it otherwise
+	first := g.k.views.Load().Types[xds.TypeCluster].Order
+	g.up.stop()
+	g.up.silence(xds.TypeRoute) // the new stream's routes have not come yet
+	g.up.restart()
+	waitFor(t, "the clusters on a new stream", func() bool {
+		return g.k.views.Load().Types[xds.TypeCluster].Order.Session > first.Session
+	})
+	g.untilBarrier() // take fails on r80: its view is the old stream's
+}
+
+// A source that never answers the route's type on its new stream (a SotW
+// upstream told the version the relay holds) leaves no route held for
+// good: past the wait, the hold's demand renews the stream, whose first
+// requests ask for every type's answer, and the route goes out on that
+// proof (naming a cluster the source does not serve, as the source's own
+// config does).
+func TestHeldRouteOfASilentSourceGoesOutAfterARenewal(t *testing.T) {
+	const wait = 2 * time.Second // longer than the restart below takes
+	g := newRouteRigWith(t, func(c *Config) {
+		c.Upstream.Protocol = ProtocolSotW
+		c.XDS.ResourceWaitTimeout = wait
+	}, func(up *testUpstream) { up.quietToVersions(xds.TypeRoute) }, "r80")
+	g.up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1", "c2")) // no cluster c2 anywhere
+	g.waitView("the route to c2 in the view", xds.TypeRoute, "r80", g.routeNames("c2"))
+	routes := g.k.views.Load().Types[xds.TypeRoute].Order
+	_, before := g.up.streams()
+	g.up.stop()
+	g.up.set("ns0", xds.TypeCluster, mkCluster("c5")) // the new stream answers the clusters
+	g.up.restart()
+	for m := g.c.recv(); ; m = g.c.recv() {
+		g.c.ack(m)
+		if typeOf(m) == xds.TypeRoute && slices.Contains(names(m), "r80") {
+			break
+		}
+	}
+	if now := g.k.views.Load().Types[xds.TypeRoute].Order; now.Session <= routes.Session {
+		t.Errorf("r80 went out on routes of Session %v, the stream of before the hold (%v)", now.Session, routes.Session)
+	}
+	if _, opened := g.up.streams(); opened < before+2 {
+		t.Errorf("upstream streams opened since the hold: %d, want the restart's and a renewal's", opened-before)
 	}
 }
 

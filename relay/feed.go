@@ -74,6 +74,10 @@ type feedType struct {
 	nonce    string // the latest response's nonce on the current stream
 	named    bool   // SotW: the current stream has sent names for the type
 	answered bool   // SotW: the current stream has answered the type
+	// told is set (SotW) when the current stream's first request of the
+	// type carried a version: a server that holds that version may never
+	// answer it (silentBefore).
+	told bool
 	// Kept across reconnects: the last ACKed SotW version, and the
 	// upstream's Delta version of each resource (for
 	// initial_resource_versions), set (versionsSet) once anything was
@@ -434,7 +438,7 @@ func (u *feed) begin(presenter member) {
 	// opened in the same millisecond has another Session (not SameStream).
 	u.sessionAt, u.opened = u.r.clock.Later(sessionStampWait, uint16(randN(u.r.rand, int64(1<<15)))), time.Now()
 	for _, ut := range u.types {
-		ut.asked, ut.nonce, ut.named, ut.answered = false, "", false, false // what it was asked is asked again
+		ut.asked, ut.nonce, ut.named, ut.answered, ut.told = false, "", false, false, false // what it was asked is asked again
 	}
 }
 
@@ -456,14 +460,38 @@ func (u *feed) renewal(src source) (wait time.Duration, now bool) {
 	switch {
 	case src.kind == sourcePeer && d <= max(u.demandSent, u.demandCarried):
 		return 0, false // passed on already, or on its way
-	case src.kind != sourcePeer && d.Before(u.sessionAt): // as Covers wants
-		return 0, false // the current stream was opened after it
+	case src.kind != sourcePeer && d.Before(u.sessionAt) && !u.silentBefore(d): // as Covers wants
+		return 0, false // the current stream was opened after it, and answers every type
 	}
 	if left := renewAfter - time.Since(u.opened); left > 0 {
 		return left, false
 	}
 	u.log("renewing upstream stream: a client holds a version it cannot cover", "arrived", d.String())
 	return 0, true
+}
+
+// silentBefore reports whether the current stream was told the version
+// the relay holds of a type (SotW) that it has not answered, and whose
+// view is no newer than d: a server that holds that version may never
+// answer it (go-control-plane's snapshot cache answers a version that
+// differs), so the view would never cover d on this stream, however long
+// it lives; a renewal's stream asks for every type's answer. A route held
+// for a cluster the source was not yet proven not to serve waits for its
+// own type's view from a stream opened after the hold (absentProven).
+func (u *feed) silentBefore(d ledger.Stamp) bool {
+	if d == 0 {
+		return false
+	}
+	set := u.k.views.Load()
+	for typeURL, ut := range u.types {
+		if !ut.told || ut.answered || xds.Silent(typeURL) {
+			continue
+		}
+		if ts := set.Types[typeURL]; ts == nil || !d.Before(ts.Order.Session) {
+			return true
+		}
+	}
+	return false
 }
 
 // confirmAfter is how long a SotW upstream or a peer relay may stay silent

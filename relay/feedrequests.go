@@ -165,13 +165,17 @@ func (u *feed) resubscribe() error {
 		if u.delta {
 			req = u.deltaSubscribe(typeURL, ut, w.wildcard, names)
 		} else {
-			req = u.sotwRequest(typeURL, ut, w.wildcard, names, nil)
+			sr := u.sotwRequest(typeURL, ut, w.wildcard, names, nil)
 			if u.renewing {
 				// A SotW upstream answers a stream's first request only
 				// if its version differs from the one reported: a renewal
 				// needs the answers.
-				req.(*discovery.DiscoveryRequest).VersionInfo = ""
+				sr.VersionInfo = ""
 			}
+			if !ut.asked {
+				ut.told = sr.VersionInfo != ""
+			}
+			req = sr
 		}
 		ut.asked, ut.wildcard, ut.names = true, w.wildcard, names
 		if err := u.send(req); err != nil {

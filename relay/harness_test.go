@@ -63,6 +63,9 @@ type testUpstream struct {
 	open     int
 	opened   int
 	silent   map[string]bool // types never answered (silence)
+	// quiet holds SotW types a new stream that tells a version hears
+	// nothing of (quietToVersions).
+	quiet map[string]bool
 }
 
 func newTestUpstream(t testing.TB, groups ...string) *testUpstream {
@@ -163,6 +166,27 @@ func (u *testUpstream) silenced(typeURL string) bool {
 	return u.silent[typeURL]
 }
 
+// quietToVersions makes the upstream never answer a SotW request of
+// typeURL that carries a version but no nonce (a new stream's) from now
+// on: a stream that tells it the version the relay holds hears nothing of
+// the type, as from go-control-plane's snapshot cache, which answers only
+// a version that differs from its own. A request without a version is
+// answered.
+func (u *testUpstream) quietToVersions(typeURL string) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.quiet == nil {
+		u.quiet = map[string]bool{}
+	}
+	u.quiet[typeURL] = true
+}
+
+func (u *testUpstream) quietTo(r *cache.Request) bool {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.quiet[r.GetTypeUrl()] && r.GetVersionInfo() != "" && r.GetResponseNonce() == ""
+}
+
 // silenceable is a cache the upstream may silence: its watches then never
 // fire.
 type silenceable struct {
@@ -171,7 +195,7 @@ type silenceable struct {
 }
 
 func (c silenceable) CreateWatch(r *cache.Request, sub cache.Subscription, out chan cache.Response) (func(), error) {
-	if c.u.silenced(r.GetTypeUrl()) {
+	if c.u.silenced(r.GetTypeUrl()) || c.u.quietTo(r) {
 		return func() {}, nil
 	}
 	return c.LinearCache.CreateWatch(r, sub, out)

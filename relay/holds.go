@@ -153,9 +153,10 @@ func (s *stream) clusterUsable(cds *typeSub, c string) bool {
 type hold struct {
 	since time.Time
 	// at is the relay's clock when the hold began: after the resource, of
-	// content hash, came. A view of the key's clusters from an upstream
-	// stream opened later is the source's word on what it serves
-	// (absentProven). A new content of the resource is held anew.
+	// content hash, came. Views of the key's clusters and of the
+	// resource's type from upstream streams opened later are the source's
+	// word on what it serves (absentProven). A new content of the resource
+	// is held anew.
 	at   ledger.Stamp
 	hash ledger.Hash
 	told bool // its wait ended and the relay said so
@@ -171,8 +172,8 @@ type hold struct {
 // holds (or has asked its source for) waits for it however long it takes:
 // the cluster is on its way. One that uses a cluster the key's view does
 // not have waits until the source is proven not to serve it: the key's
-// clusters came on an upstream stream opened after the resource did
-// (absentProven). A source may send types out of order, and the clusters
+// clusters, and the resource's own view, came on upstream streams opened
+// after the resource did (absentProven). A source may send types out of order, and the clusters
 // may be slow to come (a large CDS response on a slow link: loadtest
 // chaos seed 31 of issue 28's 50), so a view of the same stream proves
 // nothing. Past ResourceWaitTimeout the relay says so
@@ -264,16 +265,23 @@ func (s *stream) deferDangling(p *plan) {
 // has the earliest of their streams). A cluster that left the view while
 // routes named it (left: views.Type.Gone) may be one whose route's change
 // has not come yet (a source changes routes before it removes their
-// clusters): then the resource's own view must come on a stream opened
-// after it left too, whose first answer has the route as it is now. A
-// frozen relay that resumed sent a route of its old stream, naming a
-// cluster its new stream's clusters had dropped (the simulation's seed
-// 54); the wider chaos runs of 2026-12-06 found the other cases.
+// clusters). Either way the resource's own view must come on such a
+// stream too, whose first answer has the resource as it is now: the
+// clusters of a new stream may come before its routes, and until they
+// do the route is the old stream's (loadtest chaos of 2026-12-07, seed 1:
+// a key moved from a starved owner to the upstream, whose clusters came
+// 35 ms before its routes). A source that stays silent on the type (a
+// SotW upstream told the version the relay holds) is made to answer by
+// the demand the hold raises past its wait (feed.renewal). A frozen relay
+// that resumed sent a route of its old stream, naming a cluster its new
+// stream's clusters had dropped (the simulation's seed 54); the wider
+// chaos runs of 2026-12-06 found the other cases.
 func absentProven(cds, ts *views.Type, at, left ledger.Stamp) bool {
-	if cds == nil || !at.Before(cds.Order.Session) {
+	if cds == nil || ts == nil {
 		return false
 	}
-	return left == 0 || left.Before(cds.Order.Session) && left.Before(ts.Order.Session)
+	since := max(at, left)
+	return since.Before(cds.Order.Session) && since.Before(ts.Order.Session)
 }
 
 // wakeAt has the stream woken at due at the latest (a held resource's
