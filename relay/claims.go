@@ -2,20 +2,16 @@ package relay
 
 import (
 	"context"
-	"errors"
-	"fmt"
 	"slices"
 	"sync"
 	"time"
 
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/claims"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
 	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/wire"
@@ -24,15 +20,12 @@ import (
 
 // A SotW client says of each type only the version it holds (version_info,
 // a Merkle root). A relay whose key history has that version knows what
-// the client holds (stream.resolveClaim). One that lacks it (the client
-// came from a relay that was further on, or the version passed while this
-// one was cut off) asks the tier's other relays, which answer from their
-// histories (GetVersion), and then the snapshot store, where a relay that
-// drained the client handed over what it held (handOver): after a rolling
-// restart, no relay that served the version is left. Until they answer,
-// the type and those after it in push order wait, as they do for a type
-// the key's source has not answered yet; the answers end the wait,
-// whatever they are.
+// the client holds (stream.resolveClaim); one that lacks it asks the tier
+// and the snapshot store (relay/claims), once per key and question
+// (claimTable). Until they answer, the type and those after it in push
+// order wait, as they do for a type the key's source has not answered yet;
+// the answers end the wait, whatever they are. A relay that moves a SotW
+// Envoy away hands what it holds over to the store first (handOver).
 
 // claimLookup is a key's question to the tier about one claimed version,
 // shared by the key's streams that claim it (a relay's Envoys of one key
@@ -130,7 +123,7 @@ func (s *stream) askTier(sub *typeSub) bool {
 	l := &claimLookup{done: make(chan struct{})}
 	claims.m[q], sub.lookup = l, l
 	ran := s.r.goRun(func(ctx context.Context) {
-		l.held, l.ok, l.from = s.r.lookUpVersion(ctx, addrs, req, q.root)
+		l.held, l.ok, l.from = s.r.claims.Version(ctx, addrs, req, q.root)
 		if l.ok && l.from == "store" {
 			k.sentHeld(l.held) // the tier's other relays may be asked next
 		}
@@ -258,221 +251,8 @@ func treeOf(entries []ledger.Entry[*xds.Resource]) (ledger.Tree[*xds.Resource], 
 	return b.Tree(), true
 }
 
-// claimRetry is how long a lookup waits before it asks again the relays
-// that did not answer it.
-const claimRetry = time.Second
-
-// lookUpVersion finds out what the version root of req held: from the
-// tier (askTierVersion), then from the snapshot store (loadHeld). from
-// says which knew.
-func (r *Relay) lookUpVersion(ctx context.Context, addrs []string, req *inspectpb.VersionRequest, root ledger.Hash) (t ledger.Tree[*xds.Resource], ok bool, from string) {
-	if len(addrs) > 0 {
-		if t, ok := r.askTierVersion(ctx, addrs, req, root); ok {
-			return t, true, "tier"
-		}
-		if ctx.Err() != nil {
-			return t, false, ""
-		}
-	}
-	t, ok = r.loadHeld(ctx, req, root)
-	return t, ok, "store"
-}
-
-// askTierVersion asks the tier what the version root of req held
-// (askVersion) until it knows: some relay proves it, or every relay of the
-// tier says it does not have it. A relay that does not answer (frozen, cut
-// off, slow) may be the one that has it, and its Envoys are the ones that
-// moved: the client's type waits, since a full-state answer given without
-// knowing what it holds may remove a cluster its routes use
-// (make-before-break). A wait past ResourceWaitTimeout is logged; it ends
-// when the relay answers or leaves the tier (addrs are asked anew each
-// round).
-func (r *Relay) askTierVersion(ctx context.Context, addrs []string, req *inspectpb.VersionRequest, root ledger.Hash) (ledger.Tree[*xds.Resource], bool) {
-	start, told := time.Now(), false
-	for {
-		t, ok, definite := r.askVersion(ctx, addrs, req, root)
-		if ok || definite {
-			return t, ok
-		}
-		if !told && time.Since(start) >= r.cfg.XDS.ResourceWaitTimeout {
-			told = true
-			r.log.Warn("a SotW client's version: a relay of the tier that may know it does not answer; its type waits", "key", req.GetKey(), "type", xds.ShortType(req.GetType()), "waited", time.Since(start).Round(time.Millisecond))
-		}
-		select {
-		case <-ctx.Done():
-			return ledger.Tree[*xds.Resource]{}, false
-		case <-time.After(claimRetry):
-		}
-		if r.cfg.Tier.Peers != nil {
-			addrs = r.cfg.Tier.Peers.PeerAddrs()
-		}
-		if len(addrs) == 0 {
-			return ledger.Tree[*xds.Resource]{}, false
-		}
-	}
-}
-
-// loadHeld reads the version root of req from the snapshot store, if a
-// relay that drained a client holding it handed it over (handOver), and
-// checks it as it checks another relay's answer (versionTree): every body
-// present and matching its hash, the tree's root root. A store that fails
-// or does not answer in Tier.GatherTimeout leaves the claim unknown.
-func (r *Relay) loadHeld(ctx context.Context, req *inspectpb.VersionRequest, root ledger.Hash) (ledger.Tree[*xds.Resource], bool) {
-	hv, ok := r.cfg.Keys.Snapshots.(HeldVersions)
-	if !ok {
-		return ledger.Tree[*xds.Resource]{}, false
-	}
-	ctx, cancel := context.WithTimeout(ctx, r.cfg.Tier.GatherTimeout)
-	defer cancel()
-	v, found, err := hv.LoadHeld(ctx, req.GetKey(), req.GetType(), root, func(h ledger.Hash) bool { return r.store.Lookup(h) != nil })
-	if err != nil {
-		r.log.Warn("a SotW client's version: the snapshot store's hand-over not read", "key", req.GetKey(), "type", xds.ShortType(req.GetType()), "err", err)
-		return ledger.Tree[*xds.Resource]{}, false
-	}
-	if !found {
-		return ledger.Tree[*xds.Resource]{}, false
-	}
-	got := &inspectpb.VersionContent{Relay: "the snapshot store"}
-	for _, e := range v.Entries {
-		ve := &inspectpb.VersionEntry{Name: e.Name, Hash: e.Hash[:]}
-		if e.Body != nil {
-			ve.Body = &anypb.Any{TypeUrl: req.GetType(), Value: e.Body}
-		}
-		got.Entries = append(got.Entries, ve)
-	}
-	t, err := versionTree(r.store, req.GetType(), got, root)
-	if err != nil {
-		r.log.Warn("a SotW client's version: the snapshot store's hand-over is not whole", "key", req.GetKey(), "type", xds.ShortType(req.GetType()), "err", err)
-		return ledger.Tree[*xds.Resource]{}, false
-	}
-	return t, true
-}
-
-// askVersion asks the relays at addrs, all at once, what the version root
-// of req held, and returns the first answer that proves to be it (every
-// body present and matching its hash, the tree's root root). It gives up
-// when every relay has answered otherwise, or after Tier.GatherTimeout;
-// definite reports that every relay answered that it does not have it.
-func (r *Relay) askVersion(ctx context.Context, addrs []string, req *inspectpb.VersionRequest, root ledger.Hash) (t ledger.Tree[*xds.Resource], ok, definite bool) {
-	ctx, cancel := context.WithTimeout(ctx, r.cfg.Tier.GatherTimeout)
-	defer cancel()
-	ctx = r.asPeer(ctx)
-	type answer struct {
-		t   ledger.Tree[*xds.Resource]
-		err error
-	}
-	answers := make(chan answer, len(addrs))
-	for _, addr := range addrs {
-		go func() {
-			t, err := r.askOne(ctx, addr, req, root)
-			if err != nil {
-				r.log.Debug("claimed version: a relay's answer failed", "addr", addr, "key", req.GetKey(), "type", xds.ShortType(req.GetType()), "err", err)
-			}
-			answers <- answer{t, err}
-		}()
-	}
-	definite = true
-	for range addrs {
-		a := <-answers
-		if a.err == nil {
-			return a.t, true, true
-		}
-		if !answered(a.err) {
-			definite = false
-		}
-	}
-	return ledger.Tree[*xds.Resource]{}, false, definite
-}
-
-// askOne asks one relay, and checks its answer.
-func (r *Relay) askOne(ctx context.Context, addr string, req *inspectpb.VersionRequest, root ledger.Hash) (ledger.Tree[*xds.Resource], error) {
-	conn, err := r.pool.Conn(addr)
-	if err != nil {
-		return ledger.Tree[*xds.Resource]{}, err
-	}
-	c := inspectpb.NewInspectClient(conn)
-	got, err := c.GetVersion(ctx, req, grpc.MaxCallRecvMsgSize(r.cfg.MaxMsgSize))
-	if err != nil {
-		return ledger.Tree[*xds.Resource]{}, err
-	}
-	t, err := versionTree(r.store, req.GetType(), got, root)
-	if errors.Is(err, errBodyMissing) && !req.GetBodies() {
-		// This relay's view is not the answering one's: ask for them all.
-		all := proto.CloneOf(req)
-		all.Bodies = true
-		if got, err = c.GetVersion(ctx, all, grpc.MaxCallRecvMsgSize(r.cfg.MaxMsgSize)); err != nil {
-			return ledger.Tree[*xds.Resource]{}, err
-		}
-		t, err = versionTree(r.store, req.GetType(), got, root)
-	}
-	if err != nil {
-		return ledger.Tree[*xds.Resource]{}, fmt.Errorf("%w: %w", errWrongAnswer, err)
-	}
-	return t, nil
-}
-
-// answered reports whether err is a relay's answer (NotFound: it does not
-// hold the key or the version; a refusal; a wrong version: a body missing,
-// a root that does not match), not the lack of one (it could not be
-// reached, or did not answer in time): only a relay that did not answer may
-// know better.
-func answered(err error) bool {
-	if errors.Is(err, errWrongAnswer) {
-		return true
-	}
-	st, ok := status.FromError(err)
-	if !ok {
-		return false // no gRPC status: the relay was never reached
-	}
-	switch st.Code() {
-	case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled:
-		return false
-	}
-	return true
-}
-
-// errWrongAnswer: a relay answered with a version that is not the one asked
-// about, or not whole.
-var errWrongAnswer = errors.New("relay: the answer is not the version asked about")
-
-// errBodyMissing: an answer left out a resource's body, and this relay
-// does not hold it.
-var errBodyMissing = errors.New("neither relay holds the resource")
-
-// versionTree builds what a relay answered for a version of typeURL: each
-// resource from its body, or from s if the answer left it out. An
-// answer that names a resource nobody has, carries a body that is not what
-// it says, or is not the version asked for is an error.
-func versionTree(s *xds.Store, typeURL string, got *inspectpb.VersionContent, root ledger.Hash) (ledger.Tree[*xds.Resource], error) {
-	b := ledger.Tree[*xds.Resource]{}.Edit()
-	for _, e := range got.GetEntries() {
-		if len(e.GetHash()) != len(ledger.Hash{}) {
-			return ledger.Tree[*xds.Resource]{}, fmt.Errorf("relay %s: resource %q has a hash of %d bytes", got.GetRelay(), e.GetName(), len(e.GetHash()))
-		}
-		h := ledger.Hash(e.GetHash())
-		var res *xds.Resource
-		if e.GetBody() != nil {
-			var err error
-			if res, err = s.Decode(typeURL, e.GetBody(), e.GetName()); err != nil {
-				return ledger.Tree[*xds.Resource]{}, fmt.Errorf("relay %s: %w", got.GetRelay(), err)
-			}
-		} else if res = s.Lookup(h); res == nil {
-			return ledger.Tree[*xds.Resource]{}, fmt.Errorf("relay %s: resource %q: %w", got.GetRelay(), e.GetName(), errBodyMissing)
-		}
-		if res.Hash != h || res.Name != e.GetName() {
-			return ledger.Tree[*xds.Resource]{}, fmt.Errorf("relay %s: resource %q is not the content it names", got.GetRelay(), e.GetName())
-		}
-		b.Set(res.Name, res.Hash, res)
-	}
-	t := b.Tree()
-	if t.Root() != root {
-		return ledger.Tree[*xds.Resource]{}, fmt.Errorf("relay %s answered version %s, not %s", got.GetRelay(), t.Root(), root)
-	}
-	return t, nil
-}
-
 // GetVersion answers another relay of the tier what a version of one of
-// this relay's keys held (see askVersion): every resource's name and hash,
+// this relay's keys held (claims.Lookup asks it): every resource's name and hash,
 // with the body of those the key's view no longer holds as they were.
 func (s inspectServer) GetVersion(ctx context.Context, req *inspectpb.VersionRequest) (*inspectpb.VersionContent, error) {
 	if err := s.r.checkPeerCall(ctx, s.port, "inspect"); err != nil {
@@ -496,19 +276,5 @@ func (s inspectServer) GetVersion(ctx context.Context, req *inspectpb.VersionReq
 	if ts := k.published().Types[req.GetType()]; ts != nil {
 		view = ts.View
 	}
-	out := &inspectpb.VersionContent{Relay: s.r.cfg.ID}
-	for e := range held.All() {
-		ve := &inspectpb.VersionEntry{Name: e.Name, Hash: e.Hash[:]}
-		if cur, ok := view.Get(e.Name); req.GetBodies() || !ok || cur.Hash != e.Hash {
-			res := e.Value
-			if res == nil {
-				res = s.r.store.Lookup(e.Hash)
-			}
-			if res != nil {
-				ve.Body = res.Body
-			}
-		}
-		out.Entries = append(out.Entries, ve)
-	}
-	return out, nil
+	return claims.Content(s.r.cfg.ID, held, view, req.GetBodies(), s.r.store.Lookup), nil
 }

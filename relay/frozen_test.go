@@ -2,8 +2,6 @@ package relay
 
 import (
 	"context"
-	"errors"
-	"fmt"
 	"maps"
 	"net"
 	"slices"
@@ -14,8 +12,6 @@ import (
 	endpoint "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
@@ -403,26 +399,5 @@ func TestRemovalLeavesAVersionBehind(t *testing.T) {
 	got := moved.recvDelta(xds.TypeCluster)
 	if slices.Contains(names(got), "c2") {
 		t.Fatalf("the client told c2 was removed got it back from a view older than the removal: %v", names(got))
-	}
-}
-
-// TestClaimAnswers: a tier lookup of a SotW client's version ends only on
-// answers; a relay that could not be reached, or did not answer in time,
-// may be the one that knows the version (a frozen one whose Envoys moved).
-func TestClaimAnswers(t *testing.T) {
-	for _, tc := range []struct {
-		err  error
-		want bool
-	}{
-		{status.Error(codes.NotFound, "no such version"), true},
-		{status.Error(codes.PermissionDenied, "not a peer"), true},
-		{fmt.Errorf("%w: %w", errWrongAnswer, errBodyMissing), true},
-		{status.Error(codes.Unavailable, "connection refused"), false},
-		{status.Error(codes.DeadlineExceeded, "too slow"), false},
-		{errors.New("dial tcp: connection refused"), false},
-	} {
-		if got := answered(tc.err); got != tc.want {
-			t.Errorf("answered(%v) = %v, want %v", tc.err, got, tc.want)
-		}
 	}
 }

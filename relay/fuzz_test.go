@@ -29,7 +29,6 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/adsclient"
-	"github.com/meshrelay/meshrelay/relay/inspectpb"
 	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
@@ -1721,57 +1720,6 @@ func FuzzParseVersion(f *testing.F) {
 		again := wire.Version(hash, o)
 		if h2, o2, err := wire.ParseVersion(again); err != nil || h2 != hash || o2 != o {
 			t.Fatalf("ParseVersion(%q) = %s, %v, rendered %q, which parses as %s, %v, %v", v, hash, o, again, h2, o2, err)
-		}
-	})
-}
-
-// FuzzVersionAnswer reads arbitrary bytes as another relay's answer to
-// GetVersion (claims.go) for the version of c0 and c1: an answer is taken
-// only if it is that version, and every resource in it has its body.
-func FuzzVersionAnswer(f *testing.F) {
-	s := xds.NewStore()
-	held, err := s.Decode(xds.TypeCluster, mustAny(mkCluster("c0")), "c0") // the asker holds c0
-	if err != nil {
-		f.Fatal(err)
-	}
-	c1 := mustAny(mkCluster("c1"))
-	b := ledger.Tree[*xds.Resource]{}.Edit()
-	b.Set("c0", held.Hash, held)
-	b.Set("c1", xds.ContentHash(xds.TypeCluster, c1.GetValue()), nil)
-	root := b.Tree().Root()
-	add := func(m *inspectpb.VersionContent) {
-		raw, err := proto.Marshal(m)
-		if err != nil {
-			f.Fatal(err)
-		}
-		f.Add(raw)
-	}
-	c1Hash := xds.ContentHash(xds.TypeCluster, c1.GetValue())
-	add(&inspectpb.VersionContent{Relay: "r", Entries: []*inspectpb.VersionEntry{
-		{Name: "c0", Hash: held.Hash[:]}, {Name: "c1", Hash: c1Hash[:], Body: c1}}})
-	add(&inspectpb.VersionContent{Relay: "r", Entries: []*inspectpb.VersionEntry{ // c1 without its body
-		{Name: "c0", Hash: held.Hash[:]}, {Name: "c1", Hash: c1Hash[:]}}})
-	add(&inspectpb.VersionContent{Relay: "r", Entries: []*inspectpb.VersionEntry{ // c1's body under c0's name
-		{Name: "c0", Hash: c1Hash[:], Body: c1}}})
-	add(&inspectpb.VersionContent{Entries: []*inspectpb.VersionEntry{{Name: "c0", Hash: []byte("short")}}})
-	f.Add([]byte("\x12\xff\xff garbage"))
-
-	f.Fuzz(func(t *testing.T, raw []byte) {
-		var got inspectpb.VersionContent
-		if proto.Unmarshal(raw, &got) != nil {
-			return
-		}
-		tree, err := versionTree(s, xds.TypeCluster, &got, root)
-		if err != nil {
-			return
-		}
-		if tree.Root() != root {
-			t.Fatalf("took version %s, asked %s", tree.Root(), root)
-		}
-		for e := range tree.All() {
-			if e.Value == nil || e.Value.Hash != e.Hash || e.Value.Name != e.Name {
-				t.Fatalf("took %q without its body, or with another", e.Name)
-			}
 		}
 	})
 }

@@ -85,7 +85,8 @@
 //   - the tier and inspection: tier.go (owners, who a calling relay is,
 //     balancing, moving streams away), checks.go (divergence checks run:
 //     asking owners, the splits found), claims.go (versions a SotW Envoy
-//     claims, looked up across relays), ledger.go (ledger queries gathered
+//     claims: one lookup per key and question, run by relay/claims; the
+//     answer to other relays; the hand-over of a drained Envoy's), ledger.go (ledger queries gathered
 //     from every relay), inspect.go (stats, clients, key details, config
 //     dumps), debugxds.go (istiod's debug types);
 //   - the Relay that assembles them: relay.go, config.go (one config per
@@ -127,6 +128,7 @@ import (
 	"github.com/meshrelay/meshrelay/relay/admin"
 	"github.com/meshrelay/meshrelay/relay/admission"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
+	"github.com/meshrelay/meshrelay/relay/claims"
 	"github.com/meshrelay/meshrelay/relay/metrics"
 	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/wire"
@@ -202,7 +204,8 @@ type Relay struct {
 	shares         *admission.Shares[*stream] // Envoy streams by identity (XDS.MaxStreams)
 	budget         *admission.Budget          // large requests decoded and applied at once (XDS.RequestBudgetBytes)
 
-	pool *peers.Pool // relay-to-relay connections
+	pool   *peers.Pool    // relay-to-relay connections
+	claims *claims.Lookup // asks the tier and the store what a SotW client's version held
 
 	// splits are the keys' splits the relay knows (rekey.go);
 	// divergenceWake wakes the divergence checks at once; checkSlots
@@ -286,6 +289,19 @@ func New(cfg Config) (*Relay, error) {
 		m.ForType(typeURL).Converged.Observe(d.Seconds())
 	}
 	if r.ledger, err = ledger.NewTracker(tcfg); err != nil {
+		return nil, fmt.Errorf("relay: %w", err)
+	}
+	ccfg := claims.Config{
+		Store: r.store, Conns: r.pool, AsPeer: r.asPeer, Logger: r.log, MaxMsgSize: cfg.MaxMsgSize,
+		WaitWarn: cfg.XDS.ResourceWaitTimeout, GatherTimeout: cfg.Tier.GatherTimeout,
+	}
+	if cfg.Tier.Peers != nil {
+		ccfg.Peers = cfg.Tier.Peers.PeerAddrs
+	}
+	if hv, ok := cfg.Keys.Snapshots.(HeldVersions); ok {
+		ccfg.Held = hv
+	}
+	if r.claims, err = claims.New(ccfg); err != nil {
 		return nil, fmt.Errorf("relay: %w", err)
 	}
 	r.controlPlaneWire = mustMarshal(r.controlPlane)
