@@ -27,6 +27,22 @@ import (
 // the answers end the wait, whatever they are. A relay that moves a SotW
 // Envoy away hands what it holds over to the store first (handOver).
 
+// newClaimLookup builds what asks the tier and the store about claimed
+// versions.
+func (r *Relay) newClaimLookup() (*claims.Lookup, error) {
+	cfg := claims.Config{
+		Store: r.store, Conns: r.pool, AsPeer: r.asPeer, Logger: r.log, MaxMsgSize: r.cfg.MaxMsgSize,
+		WaitWarn: r.cfg.XDS.ResourceWaitTimeout, GatherTimeout: r.cfg.Tier.GatherTimeout,
+	}
+	if r.cfg.Tier.Peers != nil {
+		cfg.Peers = r.cfg.Tier.Peers.PeerAddrs
+	}
+	if hv, ok := r.cfg.Keys.Snapshots.(HeldVersions); ok {
+		cfg.Held = hv
+	}
+	return claims.New(cfg)
+}
+
 // claimLookup is a key's question to the tier about one claimed version,
 // shared by the key's streams that claim it (a relay's Envoys of one key
 // that moved together ask once). The asking goroutine sets held and ok,

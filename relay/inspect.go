@@ -18,6 +18,7 @@ import (
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/configdump"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/tierledger"
 	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -247,8 +248,8 @@ func inspectStatus(err error) error {
 // answer are in missing.
 func (r *Relay) TierKeyDetail(ctx context.Context, key string, maxNames int) ([]*inspectpb.KeyDetail, map[string]error) {
 	req := &inspectpb.KeyRequest{Key: key, MaxNames: int32(maxNames)}
-	got, missing := gather(ctx, r, func(ctx context.Context, conn *grpc.ClientConn) (*inspectpb.KeyDetail, error) {
-		return inspectpb.NewInspectClient(conn).GetKey(ctx, req, maxLedgerAnswer)
+	got, missing := tierledger.Gather(ctx, r.gatherer, func(ctx context.Context, conn *grpc.ClientConn) (*inspectpb.KeyDetail, error) {
+		return inspectpb.NewInspectClient(conn).GetKey(ctx, req, tierledger.MaxAnswer)
 	})
 	missing = withoutNotFound(missing)
 	if d, err := r.KeyDetail(key, maxNames); err == nil {
@@ -267,7 +268,7 @@ func (r *Relay) TierConfigDump(ctx context.Context, req *inspectpb.ConfigDumpReq
 	if !errors.Is(err, ErrNotHeld) {
 		return d, nil, err
 	}
-	got, missing := gather(ctx, r, func(ctx context.Context, conn *grpc.ClientConn) (*inspectpb.ConfigDump, error) {
+	got, missing := tierledger.Gather(ctx, r.gatherer, func(ctx context.Context, conn *grpc.ClientConn) (*inspectpb.ConfigDump, error) {
 		// A dump is as large as the key's config: bounded like a response.
 		return inspectpb.NewInspectClient(conn).GetConfigDump(ctx, req, grpc.MaxCallRecvMsgSize(r.cfg.MaxMsgSize))
 	})

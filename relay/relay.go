@@ -86,9 +86,10 @@
 //     balancing, moving streams away), checks.go (divergence checks run:
 //     asking owners, the splits found), claims.go (versions a SotW Envoy
 //     claims: one lookup per key and question, run by relay/claims; the
-//     answer to other relays; the hand-over of a drained Envoy's), ledger.go (ledger queries gathered
-//     from every relay), inspect.go (stats, clients, key details, config
-//     dumps), debugxds.go (istiod's debug types);
+//     answer to other relays; the hand-over of a drained Envoy's),
+//     ledger.go (this relay's ledger served to the tier; the tier's is
+//     gathered by relay/tierledger), inspect.go (stats, clients, key
+//     details, config dumps), debugxds.go (istiod's debug types);
 //   - the Relay that assembles them: relay.go, config.go (one config per
 //     part), metrics.go (its keys and cache as metrics), ports.go,
 //     insecure.go (what leaves it open, said every minute).
@@ -131,6 +132,7 @@ import (
 	"github.com/meshrelay/meshrelay/relay/claims"
 	"github.com/meshrelay/meshrelay/relay/metrics"
 	"github.com/meshrelay/meshrelay/relay/peers"
+	"github.com/meshrelay/meshrelay/relay/tierledger"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -204,8 +206,9 @@ type Relay struct {
 	shares         *admission.Shares[*stream] // Envoy streams by identity (XDS.MaxStreams)
 	budget         *admission.Budget          // large requests decoded and applied at once (XDS.RequestBudgetBytes)
 
-	pool   *peers.Pool    // relay-to-relay connections
-	claims *claims.Lookup // asks the tier and the store what a SotW client's version held
+	pool     *peers.Pool          // relay-to-relay connections
+	claims   *claims.Lookup       // asks the tier and the store what a SotW client's version held
+	gatherer *tierledger.Gatherer // the tier's ledger, and other answers gathered from every relay
 
 	// splits are the keys' splits the relay knows (rekey.go);
 	// divergenceWake wakes the divergence checks at once; checkSlots
@@ -291,17 +294,10 @@ func New(cfg Config) (*Relay, error) {
 	if r.ledger, err = ledger.NewTracker(tcfg); err != nil {
 		return nil, fmt.Errorf("relay: %w", err)
 	}
-	ccfg := claims.Config{
-		Store: r.store, Conns: r.pool, AsPeer: r.asPeer, Logger: r.log, MaxMsgSize: cfg.MaxMsgSize,
-		WaitWarn: cfg.XDS.ResourceWaitTimeout, GatherTimeout: cfg.Tier.GatherTimeout,
+	if r.gatherer, err = r.newGatherer(); err != nil {
+		return nil, fmt.Errorf("relay: %w", err)
 	}
-	if cfg.Tier.Peers != nil {
-		ccfg.Peers = cfg.Tier.Peers.PeerAddrs
-	}
-	if hv, ok := cfg.Keys.Snapshots.(HeldVersions); ok {
-		ccfg.Held = hv
-	}
-	if r.claims, err = claims.New(ccfg); err != nil {
+	if r.claims, err = r.newClaimLookup(); err != nil {
 		return nil, fmt.Errorf("relay: %w", err)
 	}
 	r.controlPlaneWire = mustMarshal(r.controlPlane)
