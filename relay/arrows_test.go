@@ -46,7 +46,7 @@ var layerOfFile = map[string]int{
 
 // maxArrowsUp is the ratchet of TestCoreArrows: lower it as the layers
 // come apart, never raise it.
-const maxArrowsUp = 70
+const maxArrowsUp = 69
 
 // TestCoreArrows measures how the files of package relay lean on each
 // other: an arrow runs from a file to each other file whose declarations

@@ -1,44 +1,27 @@
 package relay
 
 import (
-	"encoding/json"
 	"errors"
-	"runtime/debug"
 	"slices"
 	"strconv"
-	"strings"
 	"time"
-	"unique"
 
 	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
-	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	statusv3 "github.com/envoyproxy/go-control-plane/envoy/service/status/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/anypb"
-	"google.golang.org/protobuf/types/known/structpb"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/admin"
-	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
+	"github.com/meshrelay/meshrelay/relay/istiodebug"
 )
 
-// istiod answers two debug type URLs on its ADS port, and istioctl asks
-// them (istioctl proxy-status --xds-address, istioctl x internal-debug):
-// the relay answers them for the whole tier, the way istiod does, rather
-// than passing them through to the upstream (which knows none of the
-// tier's Envoys).
-const (
-	// typeDebugSyncz lists the Envoys, each as a CSDS ClientConfig with the
-	// status of each type.
-	typeDebugSyncz = "istio.io/debug/syncz"
-	// typeDebugConfigDump returns the config dump of the node named in
-	// resource_names, as the sections of Envoy's config dump.
-	typeDebugConfigDump = "istio.io/debug/config_dump"
-)
+// istiod answers two debug type URLs on its ADS port (relay/istiodebug
+// builds the answers): a debug client is not an Envoy, its stream joins no
+// key, and what it may see depends on the port it came in on
+// (debugCaller).
 
 // debugAnswer is what a stream last answered for a debug type URL.
 type debugAnswer struct {
@@ -86,7 +69,7 @@ func (s *stream) answerDebugSotW(req *discovery.DiscoveryRequest, names []string
 	}
 	return s.sendRaw(&discovery.DiscoveryResponse{TypeUrl: typeURL, Resources: res,
 		VersionInfo: strconv.FormatInt(time.Now().UnixNano(), 10), Nonce: s.debugNonce(typeURL, names),
-		ControlPlane: s.r.debugControlPlane()})
+		ControlPlane: istiodebug.ControlPlane(s.r.cfg.ID)})
 }
 
 // answerDebugDelta answers a Delta request for a debug type URL, by the
@@ -101,15 +84,11 @@ func (s *stream) answerDebugDelta(req *discovery.DeltaDiscoveryRequest) error {
 		return err
 	}
 	out := &discovery.DeltaDiscoveryResponse{TypeUrl: typeURL, SystemVersionInfo: strconv.FormatInt(time.Now().UnixNano(), 10),
-		Nonce: s.debugNonce(typeURL, names), ControlPlane: s.r.debugControlPlane()}
+		Nonce: s.debugNonce(typeURL, names), ControlPlane: istiodebug.ControlPlane(s.r.cfg.ID)}
 	for i, a := range res {
 		out.Resources = append(out.Resources, &discovery.Resource{Name: strconv.Itoa(i), Resource: a})
 	}
 	return s.sendRaw(out)
-}
-
-func isDebugType(typeURL string) bool {
-	return typeURL == typeDebugSyncz || typeURL == typeDebugConfigDump
 }
 
 // debugCaller decides what a debug stream may see, by its port:
@@ -162,8 +141,12 @@ func (s *stream) debugResources(typeURL string, names []string) ([]*anypb.Any, e
 		return nil, err
 	}
 	r, ctx := s.r, s.ctx
-	if typeURL == typeDebugSyncz {
-		return r.syncz(r.TierLedger(ctx, ledger.Scope{}, ledger.Full), c)
+	if typeURL == istiodebug.TypeSyncz {
+		syncz, err := istiodebug.Syncz(r.TierLedger(ctx, ledger.Scope{}, ledger.Full).Report, c.SeesKey)
+		if err != nil {
+			return nil, status.Error(codes.Internal, err.Error())
+		}
+		return syncz, nil
 	}
 	if len(names) != 1 {
 		return nil, status.Errorf(codes.InvalidArgument, "%s wants one resource name, the node id; got %d", typeURL, len(names))
@@ -190,83 +173,4 @@ func (s *stream) debugResources(typeURL string, names []string) ([]*anypb.Any, e
 		return nil, status.Error(codes.Internal, err.Error())
 	}
 	return dump.GetConfigs(), nil
-}
-
-// syncz lists the tier's connected Envoys of the keys c sees as istiod's
-// syncz does: a CSDS ClientConfig each, with the status of each type the
-// Envoy subscribed to, sorted by type URL (one never sent is NOT_SENT; a
-// NACK is ERROR).
-func (r *Relay) syncz(tl TierLedger, c admin.Caller) ([]*anypb.Any, error) {
-	var out []*anypb.Any
-	for _, e := range tl.Envoys() {
-		if !e.State.Connected() || !c.SeesKey(e.Key) {
-			continue
-		}
-		cc := &statusv3.ClientConfig{Node: &core.Node{Id: e.State.Node, Metadata: metaStruct(e.State.Meta)}}
-		for _, et := range e.State.Types {
-			gc := &statusv3.ClientConfig_GenericXdsConfig{TypeUrl: et.Type, ConfigStatus: statusv3.ConfigStatus_NOT_SENT}
-			switch tl.Status(e, et) {
-			case ledger.StatusSynced:
-				gc.ConfigStatus, gc.LastUpdated = statusv3.ConfigStatus_SYNCED, timestamppb.New(et.AckedAt)
-			case ledger.StatusNACKed:
-				gc.ConfigStatus = statusv3.ConfigStatus_ERROR
-			case ledger.StatusStale:
-				gc.ConfigStatus = statusv3.ConfigStatus_STALE
-			}
-			cc.GenericXdsConfigs = append(cc.GenericXdsConfigs, gc)
-		}
-		slices.SortFunc(cc.GenericXdsConfigs, func(a, b *statusv3.ClientConfig_GenericXdsConfig) int {
-			return strings.Compare(a.GetTypeUrl(), b.GetTypeUrl())
-		})
-		a, err := anypb.New(cc)
-		if err != nil {
-			return nil, status.Error(codes.Internal, err.Error())
-		}
-		out = append(out, a)
-	}
-	return out, nil
-}
-
-// ledgerConnect starts the ledger's record of an Envoy's stream, with
-// what istioctl shows of its node: the namespace (proxy-status -n), the
-// cluster and the proxy version, from Istio's node metadata.
-func (r *Relay) ledgerConnect(node *core.Node, key aggkey.Key, at time.Time) *ledger.Envoy {
-	e := r.ledger.Connect(node.GetId(), string(key), at)
-	f := node.GetMetadata().GetFields()
-	field := func(name string) string { return unique.Make(f[name].GetStringValue()).Value() } // one copy for a key's Envoys
-	e.SetMeta(ledger.NodeMeta{Namespace: field("NAMESPACE"), Cluster: field("CLUSTER_ID"), Version: field("ISTIO_VERSION")})
-	return e
-}
-
-// metaStruct is m as the node metadata istioctl reads (nil if empty).
-func metaStruct(m ledger.NodeMeta) *structpb.Struct {
-	if m == (ledger.NodeMeta{}) {
-		return nil
-	}
-	fields := map[string]*structpb.Value{}
-	for name, v := range map[string]string{"NAMESPACE": m.Namespace, "CLUSTER_ID": m.Cluster, "ISTIO_VERSION": m.Version} {
-		if v != "" {
-			fields[name] = structpb.NewStringValue(v)
-		}
-	}
-	return &structpb.Struct{Fields: fields}
-}
-
-// debugControlPlane identifies the relay to istioctl, which reads the
-// identifier of a debug answer as istiod's JSON (component, ID, build
-// info).
-func (r *Relay) debugControlPlane() *core.ControlPlane {
-	type buildInfo struct {
-		Version string `json:"version"`
-	}
-	id := struct {
-		Component string
-		ID        string
-		Info      buildInfo
-	}{Component: "meshrelay", ID: r.cfg.ID, Info: buildInfo{Version: "unknown"}}
-	if bi, ok := debug.ReadBuildInfo(); ok {
-		id.Info.Version = bi.Main.Version
-	}
-	b, _ := json.Marshal(id)
-	return &core.ControlPlane{Identifier: string(b)}
 }

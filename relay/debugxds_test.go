@@ -23,6 +23,7 @@ import (
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/auth/authtest"
+	"github.com/meshrelay/meshrelay/relay/istiodebug"
 	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -49,7 +50,7 @@ func TestDebugTypes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ads.Send(&discovery.DiscoveryRequest{TypeUrl: typeDebugSyncz, Node: debugNode}); err != nil {
+	if err := ads.Send(&discovery.DiscoveryRequest{TypeUrl: istiodebug.TypeSyncz, Node: debugNode}); err != nil {
 		t.Fatal(err)
 	}
 	syncz, err := ads.Recv()
@@ -81,8 +82,8 @@ func TestDebugTypes(t *testing.T) {
 		t.Fatalf("syncz lists types %q, want the four the client subscribed to, %q", types, want)
 	}
 	// The ACK is not answered: the next answer is the next question's.
-	ack := &discovery.DiscoveryRequest{TypeUrl: typeDebugSyncz, ResponseNonce: syncz.GetNonce(), VersionInfo: syncz.GetVersionInfo()}
-	dump := &discovery.DiscoveryRequest{TypeUrl: typeDebugConfigDump, ResourceNames: []string{node("ns1", "app", 0).GetId()}}
+	ack := &discovery.DiscoveryRequest{TypeUrl: istiodebug.TypeSyncz, ResponseNonce: syncz.GetNonce(), VersionInfo: syncz.GetVersionInfo()}
+	dump := &discovery.DiscoveryRequest{TypeUrl: istiodebug.TypeConfigDump, ResourceNames: []string{node("ns1", "app", 0).GetId()}}
 	if err := ads.Send(ack); err != nil {
 		t.Fatal(err)
 	}
@@ -93,7 +94,7 @@ func TestDebugTypes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got.GetTypeUrl() != typeDebugConfigDump || len(got.GetResources()) == 0 {
+	if got.GetTypeUrl() != istiodebug.TypeConfigDump || len(got.GetResources()) == 0 {
 		t.Fatalf("after an ACK and a config_dump request, got %s with %d resources; want the dump", got.GetTypeUrl(), len(got.GetResources()))
 	}
 	if n := len(e.r.Clients()); n != 1 {
@@ -105,7 +106,7 @@ func TestDebugTypes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ads2.Send(&discovery.DiscoveryRequest{TypeUrl: typeDebugSyncz, Node: debugNode}); err != nil {
+	if err := ads2.Send(&discovery.DiscoveryRequest{TypeUrl: istiodebug.TypeSyncz, Node: debugNode}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := ads2.Recv(); status.Code(err) != codes.PermissionDenied {
@@ -140,26 +141,26 @@ func TestDebugTypesWithIstioClientNonces(t *testing.T) {
 			t.Helper()
 			return askOn(t, st.Send, st.Recv, req)
 		}
-		first := ask(&discovery.DiscoveryRequest{TypeUrl: typeDebugSyncz, Node: debugNode, ResponseNonce: stamp()})
+		first := ask(&discovery.DiscoveryRequest{TypeUrl: istiodebug.TypeSyncz, Node: debugNode, ResponseNonce: stamp()})
 		if got := synczNodes(t, first); !slices.Equal(got, []string{envoy}) {
 			t.Fatalf("syncz lists %q, want the one Envoy", got)
 		}
-		ask(&discovery.DiscoveryRequest{TypeUrl: typeDebugSyncz, ResponseNonce: stamp()})
-		dump := ask(&discovery.DiscoveryRequest{TypeUrl: typeDebugConfigDump, ResourceNames: []string{envoy}, ResponseNonce: stamp()})
+		ask(&discovery.DiscoveryRequest{TypeUrl: istiodebug.TypeSyncz, ResponseNonce: stamp()})
+		dump := ask(&discovery.DiscoveryRequest{TypeUrl: istiodebug.TypeConfigDump, ResourceNames: []string{envoy}, ResponseNonce: stamp()})
 		if len(dumpClusters(t, dump)) == 0 {
 			t.Fatal("config_dump with a client's own nonce: no clusters")
 		}
 		// An ACK and a NACK of the dump are not answered: the next answer
 		// is the next question's.
 		for _, ack := range []*discovery.DiscoveryRequest{
-			{TypeUrl: typeDebugConfigDump, ResourceNames: []string{envoy}, ResponseNonce: dump.GetNonce(), VersionInfo: dump.GetVersionInfo()},
-			{TypeUrl: typeDebugConfigDump, ResourceNames: []string{envoy}, ResponseNonce: dump.GetNonce(), ErrorDetail: &rpcstatus.Status{Message: "no"}},
+			{TypeUrl: istiodebug.TypeConfigDump, ResourceNames: []string{envoy}, ResponseNonce: dump.GetNonce(), VersionInfo: dump.GetVersionInfo()},
+			{TypeUrl: istiodebug.TypeConfigDump, ResourceNames: []string{envoy}, ResponseNonce: dump.GetNonce(), ErrorDetail: &rpcstatus.Status{Message: "no"}},
 		} {
 			if err := st.Send(ack); err != nil {
 				t.Fatal(err)
 			}
 		}
-		ask(&discovery.DiscoveryRequest{TypeUrl: typeDebugSyncz, ResponseNonce: stamp()})
+		ask(&discovery.DiscoveryRequest{TypeUrl: istiodebug.TypeSyncz, ResponseNonce: stamp()})
 	})
 
 	t.Run("Delta", func(t *testing.T) {
@@ -171,18 +172,18 @@ func TestDebugTypesWithIstioClientNonces(t *testing.T) {
 			t.Helper()
 			return askOn(t, st.Send, st.Recv, req)
 		}
-		first := ask(&discovery.DeltaDiscoveryRequest{TypeUrl: typeDebugSyncz, Node: debugNode, ResponseNonce: stamp()})
+		first := ask(&discovery.DeltaDiscoveryRequest{TypeUrl: istiodebug.TypeSyncz, Node: debugNode, ResponseNonce: stamp()})
 		if len(first.GetResources()) != 1 {
 			t.Fatalf("syncz lists %d Envoys, want 1", len(first.GetResources()))
 		}
-		dump := ask(&discovery.DeltaDiscoveryRequest{TypeUrl: typeDebugConfigDump, ResourceNamesSubscribe: []string{envoy}, ResponseNonce: stamp()})
+		dump := ask(&discovery.DeltaDiscoveryRequest{TypeUrl: istiodebug.TypeConfigDump, ResourceNamesSubscribe: []string{envoy}, ResponseNonce: stamp()})
 		if len(dump.GetResources()) == 0 {
 			t.Fatal("config_dump with a client's own nonce: nothing")
 		}
-		if err := st.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeDebugConfigDump, ResponseNonce: dump.GetNonce()}); err != nil {
+		if err := st.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: istiodebug.TypeConfigDump, ResponseNonce: dump.GetNonce()}); err != nil {
 			t.Fatal(err)
 		}
-		ask(&discovery.DeltaDiscoveryRequest{TypeUrl: typeDebugSyncz, ResponseNonce: stamp()})
+		ask(&discovery.DeltaDiscoveryRequest{TypeUrl: istiodebug.TypeSyncz, ResponseNonce: stamp()})
 	})
 }
 
@@ -305,9 +306,9 @@ func TestDebugTypesOnTLSPort(t *testing.T) {
 	istioctlTok := e.issuer.Sign(t, authtest.Token{Namespace: "istio-system", ServiceAccount: "default"})
 	adminCert := e.mesh.Workload(t, "cluster.local", "istio-system", "istioctl")
 	ns2Cert := e.mesh.Workload(t, "cluster.local", "ns2", "ops")
-	syncz := &discovery.DiscoveryRequest{TypeUrl: typeDebugSyncz}
+	syncz := &discovery.DiscoveryRequest{TypeUrl: istiodebug.TypeSyncz}
 	dump := func(id string) *discovery.DiscoveryRequest {
-		return &discovery.DiscoveryRequest{TypeUrl: typeDebugConfigDump, ResourceNames: []string{id}}
+		return &discovery.DiscoveryRequest{TypeUrl: istiodebug.TypeConfigDump, ResourceNames: []string{id}}
 	}
 	clusters := []string{"c0", "c1", "c2"}
 	for _, tc := range []struct {
@@ -342,7 +343,7 @@ func TestDebugTypesOnTLSPort(t *testing.T) {
 			if err != nil {
 				return
 			}
-			if tc.req.GetTypeUrl() == typeDebugSyncz {
+			if tc.req.GetTypeUrl() == istiodebug.TypeSyncz {
 				if got, want := synczNodes(t, resp), slices.Sorted(slices.Values(tc.nodes)); !slices.Equal(got, want) {
 					t.Fatalf("syncz lists %q, want %q", got, want)
 				}
@@ -394,7 +395,7 @@ func TestDebugTypesOnPeerPort(t *testing.T) {
 			defer cancel()
 			ads, err := discovery.NewAggregatedDiscoveryServiceClient(conn).StreamAggregatedResources(ctx)
 			if err == nil {
-				ads.Send(&discovery.DiscoveryRequest{TypeUrl: typeDebugSyncz, Node: &core.Node{Id: "debug~0.0.0.0~istioctl~.svc.cluster.local"}})
+				ads.Send(&discovery.DiscoveryRequest{TypeUrl: istiodebug.TypeSyncz, Node: &core.Node{Id: "debug~0.0.0.0~istioctl~.svc.cluster.local"}})
 				_, err = ads.Recv()
 			}
 			if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), tc.msg) {

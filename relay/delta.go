@@ -9,6 +9,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/istiodebug"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -46,7 +47,7 @@ func (r *Relay) serveDelta(ds discovery.AggregatedDiscoveryService_DeltaAggregat
 
 // onDelta handles one Delta request.
 func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
-	if isDebugType(req.GetTypeUrl()) && s.key == nil {
+	if istiodebug.IsDebugType(req.GetTypeUrl()) && s.key == nil {
 		return s.answerDebugDelta(req)
 	}
 	if s.key == nil {

@@ -89,7 +89,8 @@
 //     answer to other relays; the hand-over of a drained Envoy's),
 //     ledger.go (this relay's ledger served to the tier; the tier's is
 //     gathered by relay/tierledger), inspect.go (stats, clients, key
-//     details, config dumps), debugxds.go (istiod's debug types);
+//     details, config dumps), debugxds.go (istiod's debug types asked
+//     on a stream, answered by relay/istiodebug);
 //   - the Relay that assembles them: relay.go, config.go (one config per
 //     part), metrics.go (its keys and cache as metrics), ports.go,
 //     insecure.go (what leaves it open, said every minute).

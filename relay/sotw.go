@@ -10,6 +10,7 @@ import (
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/admission"
+	"github.com/meshrelay/meshrelay/relay/istiodebug"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -51,7 +52,7 @@ func (s *stream) onSotW(req *discovery.DiscoveryRequest) error {
 // (req.ResourceNames is not read): they are decoded only if the stream's
 // subscription changed.
 func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *wire.NameList) error {
-	if s.key == nil && isDebugType(req.GetTypeUrl()) {
+	if s.key == nil && istiodebug.IsDebugType(req.GetTypeUrl()) {
 		list, err := names.Decode()
 		if err != nil {
 			return status.Error(codes.InvalidArgument, err.Error())

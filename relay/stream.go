@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"sync"
 	"time"
+	"unique"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	rpcstatus "google.golang.org/genproto/googleapis/rpc/status"
@@ -570,4 +571,15 @@ func (r *Relay) attachedStreams() map[*stream]joinedKey {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return maps.Clone(r.attached)
+}
+
+// ledgerConnect starts the ledger's record of an Envoy's stream, with
+// what istioctl shows of its node: the namespace (proxy-status -n), the
+// cluster and the proxy version, from Istio's node metadata.
+func (r *Relay) ledgerConnect(node *core.Node, key aggkey.Key, at time.Time) *ledger.Envoy {
+	e := r.ledger.Connect(node.GetId(), string(key), at)
+	f := node.GetMetadata().GetFields()
+	field := func(name string) string { return unique.Make(f[name].GetStringValue()).Value() } // one copy for a key's Envoys
+	e.SetMeta(ledger.NodeMeta{Namespace: field("NAMESPACE"), Cluster: field("CLUSTER_ID"), Version: field("ISTIO_VERSION")})
+	return e
 }
