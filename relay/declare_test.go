@@ -562,6 +562,40 @@ func TestHeldRouteOfASilentSourceGoesOutAfterARenewal(t *testing.T) {
 	}
 }
 
+// Two Envoys of a key that hold the same clusters but not the same
+// endpoints get different verdicts for the same route: the relay remembers
+// a route found usable for every Envoy that holds the same (usableSet), and
+// what an Envoy holds of endpoints is part of that. The first Envoy warms
+// the route's new cluster and gets the route; the second, which has not
+// asked for the cluster's endpoints, gets it only once it has them.
+func TestUsableRouteIsTheVerdictOfWhatEachEnvoyHolds(t *testing.T) {
+	g := newRouteRig(t, "r80")
+	h := &routeRig{t: t, up: g.up, r: g.r, k: g.k, clusters: map[string]bool{}, endpoints: map[string]bool{}}
+	h.c = newRawClient(t, dial(t, g.r.Addr().String()), true, node("ns0", "app", 1))
+	for _, sub := range []struct {
+		typeURL string
+		names   []string
+	}{{xds.TypeCluster, nil}, {xds.TypeEndpoint, []string{"c0", "c1"}}, {xds.TypeListener, nil}, {xds.TypeRoute, []string{"r80"}}} {
+		h.c.subscribe(sub.typeURL, sub.names...)
+		h.take(h.c.recvDelta(sub.typeURL))
+	}
+	if len(g.r.heldKeys()) != 1 {
+		t.Fatalf("the two Envoys are on %d keys, want one", len(g.r.heldKeys()))
+	}
+	g.up.set("ns0", xds.TypeCluster, mkCluster("c2"))
+	g.up.set("ns0", xds.TypeEndpoint, mkCLA("c2", 8080))
+	g.waitView("c2 in the view", xds.TypeCluster, "c2", present)
+	g.untilBarrier()
+	h.untilBarrier()
+	g.c.subscribe(xds.TypeEndpoint, "c2") // the first Envoy warms c2
+	g.untilBarrier()
+	g.up.set("ns0", xds.TypeRoute, mkRoute("r80", "c0", "c1", "c2"))
+	g.until(func(m proto.Message) bool { return typeOf(m) == xds.TypeRoute }) // usable here
+	h.untilBarrier()                                                          // take fails on r80: c2 is not warm at the second Envoy
+	h.c.subscribe(xds.TypeEndpoint, "c2")
+	h.until(func(m proto.Message) bool { return typeOf(m) == xds.TypeRoute })
+}
+
 // A removed cluster takes its endpoints' subscription with it also when
 // what the client holds is known by hash alone (a SotW claim the tier
 // knew, a declaration): the relay used to skip the drop for such a client,

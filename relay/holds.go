@@ -6,6 +6,7 @@ package relay
 
 import (
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/meshrelay/meshrelay/ledger"
@@ -111,13 +112,17 @@ func (s *stream) heldBy(typeURL, name string) bool {
 // relay is no Envoy: it holds its own Envoys' routes until they can use
 // them, and gets everything else at once, so that its views keep up with
 // this one's.
-func (s *stream) clusterUsable(cds *typeSub, c string) bool {
+//
+// byBody reports that the verdict came from what the client holds alone
+// (the cluster's body at the content it holds, its endpoints' names): the
+// same for every client that holds the same (usableKey).
+func (s *stream) clusterUsable(cds *typeSub, c string) (usable, byBody bool) {
 	e, ok := cds.known.Get(c)
 	if !ok {
-		return false
+		return false, true
 	}
 	if s.peerRelay != nil {
-		return true
+		return true, false
 	}
 	held := e.Value
 	if held == nil {
@@ -134,19 +139,22 @@ func (s *stream) clusterUsable(cds *typeSub, c string) bool {
 			}
 		}
 		if held == nil {
-			return true
+			return true, false
 		}
+		byBody = false
+	} else {
+		byBody = true
 	}
 	eds := s.subs[xds.TypeEndpoint]
 	for _, n := range held.Refs(xds.RefEndpoints) {
 		if eds == nil {
-			return false
+			return false, byBody
 		}
 		if _, ok := eds.known.Get(n); !ok {
-			return false
+			return false, byBody
 		}
 	}
-	return true
+	return true, byBody
 }
 
 // hold is a listener or route configuration held back by deferDangling.
@@ -198,12 +206,30 @@ func (s *stream) deferDangling(p *plan) {
 	if s.key != nil {
 		keyCDS = s.key.published().Types[xds.TypeCluster]
 	}
+	// Another relay's verdicts are its own (clusterUsable); an Envoy's are
+	// every Envoy's that holds the same.
+	memo := s.peerRelay == nil
+	var uk usableKey
+	if memo {
+		uk.cds = cds.known.Root()
+		if eds := s.subs[xds.TypeEndpoint]; eds != nil {
+			uk.eds = eds.known.Root()
+		}
+	}
 	kept := p.upd[:0]
 	for _, r := range p.upd {
 		missing, coming := false, false
 		var left ledger.Stamp // the latest a missing cluster left the key's view (views.Type.Gone)
+		uk.hash = r.Hash
+		known := memo && s.r.usable.has(uk)
+		byBody := memo
 		for _, c := range r.Refs(xds.RefClusters) {
-			if s.clusterUsable(cds, c) {
+			if known {
+				break
+			}
+			usable, pure := s.clusterUsable(cds, c)
+			byBody = byBody && pure
+			if usable {
 				continue
 			}
 			missing = true
@@ -214,6 +240,9 @@ func (s *stream) deferDangling(p *plan) {
 				}
 				left = max(left, keyCDS.Gone[c])
 			}
+		}
+		if !missing && byBody && !known {
+			s.r.usable.add(uk)
 		}
 		if !missing && len(s.dangling) == 0 {
 			kept = append(kept, r) // the common case: no key built, nothing to forget
@@ -616,4 +645,45 @@ func opaque(t ledger.Tree[*xds.Resource]) bool {
 		}
 	}
 	return false
+}
+
+// usableKey names a verdict of deferDangling that holds for every Envoy
+// stream alike: a route or listener of content hash uses only clusters the
+// client can use, given what it holds of clusters (cds, a tree root) and
+// of endpoints (eds). A root fixes each name's content hash, and a content
+// hash the clusters and endpoints a body names, so the verdict is a
+// function of the three, as long as it was reached from the clusters'
+// bodies alone (clusterUsable's byBody).
+type usableKey struct {
+	hash, cds, eds ledger.Hash
+}
+
+// maxUsable bounds the verdicts a relay remembers; they are forgotten all
+// at once when it is reached.
+const maxUsable = 1 << 14
+
+// usableSet remembers the routes and listeners found usable, so that the
+// streams of a key in sync check each once, not once a stream: the check
+// was 35–38 % of a full sync's CPU (loadtest/results/issue32-sync-research.md).
+// Only "usable" is remembered: a route held back is checked again on each
+// sync, as its wait needs. Safe for concurrent use.
+type usableSet struct {
+	mu sync.Mutex
+	m  map[usableKey]struct{}
+}
+
+func (u *usableSet) has(k usableKey) bool {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	_, ok := u.m[k]
+	return ok
+}
+
+func (u *usableSet) add(k usableKey) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.m == nil || len(u.m) >= maxUsable {
+		u.m = make(map[usableKey]struct{})
+	}
+	u.m[k] = struct{}{}
 }

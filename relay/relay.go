@@ -217,6 +217,7 @@ type Relay struct {
 	splits         splitBook
 	divergenceWake chan struct{}
 	checkSlots     syncSlots
+	usable         usableSet // routes and listeners found usable, for every Envoy stream alike
 
 	// runMu guards refuseWork: set as Stop begins, goRun starts nothing
 	// after it.
