@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	"github.com/meshrelay/meshrelay/relay/auth"
@@ -169,4 +170,12 @@ func (u *feed) tokenExpiring(next member) bool {
 	_, cur := u.presented.presents()
 	_, nextCred := next.presents()
 	return !cur.usableAt(horizon) && nextCred.usableAt(horizon)
+}
+
+// presentsSame reports whether next presents what a stream that presents
+// node does: the same node, and no token (outside forward mode). A peer
+// relay's renewed stream, or an Envoy's new stream beside its old one,
+// presents the same node as the one it replaces.
+func (u *feed) presentsSame(next member, node *core.Node) bool {
+	return !u.r.cfg.Upstream.ForwardCredentials && proto.Equal(memberNode(next), node)
 }

@@ -5,7 +5,6 @@ import (
 	"time"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
-	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/relay/adsclient"
 )
@@ -139,12 +138,8 @@ func (s *session) keyChanged() error {
 	}
 	first, n := u.k.presenter()
 	if n > 0 && first != u.presented && (!u.k.isMember(u.presented) || u.tokenExpiring(first)) {
-		if !u.r.cfg.Upstream.ForwardCredentials && proto.Equal(memberNode(first), s.node) {
-			// The next member presents the node this stream presents (a
-			// peer relay's renewed stream, an Envoy's reconnection), and
-			// no token goes with it: the upstream has nothing to learn
-			// from a new stream.
-			u.presented = first
+		if u.presentsSame(first, s.node) {
+			u.presented = first // the upstream has nothing to learn from a new stream
 		} else {
 			u.log("re-homing upstream stream", "from", s.node.GetId(), "to", memberNode(first).GetId())
 			return errRehome
