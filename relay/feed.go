@@ -460,8 +460,8 @@ func (u *feed) renewal(src source) (wait time.Duration, now bool) {
 	switch {
 	case src.kind == sourcePeer && d <= max(u.demandSent, u.demandCarried):
 		return 0, false // passed on already, or on its way
-	case src.kind != sourcePeer && d.Before(u.sessionAt) && !u.silentBefore(d): // as Covers wants
-		return 0, false // the current stream was opened after it, and answers every type
+	case src.kind != sourcePeer && d.Before(u.sessionAt) && !u.silentBefore(ledger.Stamp(u.k.answersDemanded.Load())): // as Covers wants
+		return 0, false // the current stream was opened after it (and a held route wants no type it may not answer)
 	}
 	if left := renewAfter - time.Since(u.opened); left > 0 {
 		return left, false
@@ -472,12 +472,14 @@ func (u *feed) renewal(src source) (wait time.Duration, now bool) {
 
 // silentBefore reports whether the current stream was told the version
 // the relay holds of a type (SotW) that it has not answered, and whose
-// view is no newer than d: a server that holds that version may never
-// answer it (go-control-plane's snapshot cache answers a version that
-// differs), so the view would never cover d on this stream, however long
-// it lives; a renewal's stream asks for every type's answer. A route held
-// for a cluster the source was not yet proven not to serve waits for its
-// own type's view from a stream opened after the hold (absentProven).
+// view is no newer than d, a held route's demand (keyState.demandAnswers):
+// a server that holds that version may never answer it (go-control-plane's
+// snapshot cache answers a version that differs), so the view would never
+// come from a stream opened after d on this stream, however long it lives;
+// a renewal's stream asks for every type's answer. Only a held route's
+// demand, raised past ResourceWaitTimeout, asks this of a stream: a
+// client's demand waits for the answers (istiod answers every type on a
+// new stream, and may take minutes to).
 func (u *feed) silentBefore(d ledger.Stamp) bool {
 	if d == 0 {
 		return false

@@ -271,7 +271,7 @@ func (s *stream) deferDangling(p *plan) {
 						"cluster_in_view", coming)
 				}
 				if !coming {
-					s.key.demand(max(h.at, left), false)
+					s.key.demandAnswers(max(h.at, left))
 				}
 				continue
 			}

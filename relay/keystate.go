@@ -42,6 +42,10 @@ type keyState struct {
 	// stream was opened before it: the key's source opens a new stream
 	// (see demand).
 	demanded atomic.Uint64
+	// answersDemanded is the latest demand of a held route or listener
+	// (demandAnswers): it wants every type's view from a stream opened
+	// after it, which a stream that may stay silent on a type never gives.
+	answersDemanded atomic.Uint64
 
 	// hist is the ledger history of each type's view. Only the key's
 	// feed (or the restore before it starts) records. held is what SotW
@@ -403,6 +407,20 @@ func (k *keyState) demand(at ledger.Stamp, fromPeer bool) {
 			return
 		}
 	}
+}
+
+// demandAnswers is demand for a held route or listener whose cluster the
+// key's view lacks: the source is proven not to serve it only by every
+// type's view from a stream opened after at (absentProven), so a stream
+// that may stay silent on a type renews too (feed.silentBefore).
+func (k *keyState) demandAnswers(at ledger.Stamp) {
+	for {
+		cur := k.answersDemanded.Load()
+		if uint64(at) <= cur || k.answersDemanded.CompareAndSwap(cur, uint64(at)) {
+			break
+		}
+	}
+	k.demand(at, false)
 }
 
 func wake(ch chan struct{}) {

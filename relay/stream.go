@@ -504,6 +504,7 @@ type joinedKey interface {
 	// demand asks the key's source for a stream that covers what a client
 	// holds, stamped at.
 	demand(at ledger.Stamp, fromPeer bool)
+	demandAnswers(at ledger.Stamp)
 	// leftBySplit tells the key, which the stream joins, that it is the
 	// split key of base (or base, merged back); splitBase is the key a
 	// split key split from; abandon says the stream left a split key for
