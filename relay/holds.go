@@ -125,6 +125,7 @@ func (s *stream) clusterUsable(cds *typeSub, c string) (usable, byBody bool) {
 		return true, false
 	}
 	held := e.Value
+	byBody = held != nil
 	if held == nil {
 		// Declared at content the relay had not seen then: a client
 		// declares a cluster it holds, warm or not, so its endpoints are
@@ -141,9 +142,6 @@ func (s *stream) clusterUsable(cds *typeSub, c string) (usable, byBody bool) {
 		if held == nil {
 			return true, false
 		}
-		byBody = false
-	} else {
-		byBody = true
 	}
 	eds := s.subs[xds.TypeEndpoint]
 	for _, n := range held.Refs(xds.RefEndpoints) {
@@ -181,10 +179,10 @@ type hold struct {
 // the cluster is on its way. One that uses a cluster the key's view does
 // not have waits until the source is proven not to serve it: the key's
 // clusters, and the resource's own view, came on upstream streams opened
-// after the resource did (absentProven). A source may send types out of order, and the clusters
-// may be slow to come (a large CDS response on a slow link: loadtest
-// chaos seed 31 of issue 28's 50), so a view of the same stream proves
-// nothing. Past ResourceWaitTimeout the relay says so
+// after the resource did (absentProven). A source may send types out of
+// order, and the clusters may be slow to come (a large CDS response on a
+// slow link: loadtest chaos seed 31 of issue 28's 50), so a view of the
+// same stream proves nothing. Past ResourceWaitTimeout the relay says so
 // (meshrelay_make_before_break_overdue_total{outcome="held"}, a warning;
 // the ledger counts the Envoy behind) and, for a cluster the view does not
 // have, asks the key's source for a new stream (keyState.demand), whose
