@@ -139,11 +139,11 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 	}
 	if cfg.Store != nil {
 		cfg.Relay.Keys.Snapshots = cfg.Store
-		cfg.Store.SetGCLeader(func() bool {
+		cfg.Store.SetOwns(func(key string) bool {
 			if n.ring == nil {
 				return true
 			}
-			_, self := n.ring.Owner(snapshot.GCLeaderKey)
+			_, self := n.ring.Owner(key)
 			return self
 		})
 	}

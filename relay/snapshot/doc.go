@@ -27,5 +27,8 @@
 //   - Only the member that claimed a key writes it: its head and batch
 //     writes are transactions that compare the fence key's mod revision with
 //     the one its claim produced (a revision fence, not a lease), so a
-//     deposed owner's late writes fail.
+//     deposed owner's late writes fail. A deposed member claims the key
+//     back when its ring changes, or after ReclaimAfter if its ring still
+//     says it is the owner (a partitioned peer's claim must not hold for
+//     good).
 package snapshot

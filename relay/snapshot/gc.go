@@ -24,7 +24,7 @@ func (s *Store) collector(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		if s.cfg.GCLeader != nil && !s.cfg.GCLeader() {
+		if !s.owns(GCLeaderKey) {
 			s.gcPrev = nil // another relay collects; start over if we take over
 			continue
 		}

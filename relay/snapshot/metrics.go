@@ -12,6 +12,7 @@ type metrics struct {
 	bytes     prometheus.Counter
 	bases     prometheus.Counter
 	deposed   prometheus.Counter
+	reclaims  prometheus.Counter
 	corrupt   prometheus.Counter
 	gcDeleted prometheus.Counter
 	lag       prometheus.Histogram
@@ -30,6 +31,9 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 		deposed: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "meshrelay_snapshot_deposed_total", Help: "Writes refused because another relay claimed the key since.",
+		}),
+		reclaims: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "meshrelay_snapshot_reclaims_total", Help: "Keys claimed back from the relay that claimed them, the ring still saying this relay owns them after the snapshot reclaim delay.",
 		}),
 		corrupt: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "meshrelay_snapshot_unreadable_total", Help: "Key snapshots or types left out at load because records were missing or damaged.",
@@ -51,7 +55,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	behindAge := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "meshrelay_snapshot_behind_seconds", Help: "How long the oldest unwritten change has waited.",
 	}, func() float64 { _, d := m.store.Behind(); return d.Seconds() })
-	for _, c := range []prometheus.Collector{m.writes, m.bytes, m.bases, m.deposed, m.corrupt, m.gcDeleted, m.lag, behindKeys, behindAge} {
+	for _, c := range []prometheus.Collector{m.writes, m.bytes, m.bases, m.deposed, m.reclaims, m.corrupt, m.gcDeleted, m.lag, behindKeys, behindAge} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("snapshot: metrics: %w", err)
 		}

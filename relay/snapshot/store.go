@@ -77,9 +77,21 @@ type Config struct {
 	// is deleted when two passes in a row found it unreferenced and
 	// unchanged. Default 10m; negative disables collection.
 	GCInterval time.Duration
-	// GCLeader reports whether this relay is the one that collects (in a
-	// tier, the owner of a well-known key). Default: always.
-	GCLeader func() bool
+	// Owns reports whether the tier's ring says this relay owns key.
+	// The collector runs on the owner of GCLeaderKey, and a deposed key is
+	// claimed back (ReclaimAfter) only while its owner is this relay.
+	// Default: every key.
+	Owns func(key string) bool
+	// ReclaimAfter is how long a member whose write was fenced off by
+	// another member's claim waits before it claims the key back, if the
+	// ring still says it owns the key and nothing changed its ring
+	// meanwhile. Without it, a member whose ring never moved (a peer cut
+	// off from the gossip believed itself the owner of every key for a
+	// while, and claimed them) would leave the key's persisted views
+	// behind for good. Two members that both believe they own a key (a
+	// partition) take turns, each once per ReclaimAfter at most. Default
+	// 10s.
+	ReclaimAfter time.Duration
 
 	// Logger receives the store's logs. Default: discard.
 	Logger *slog.Logger
@@ -98,6 +110,7 @@ func DefaultConfig() Config {
 		RetryMax:       10 * time.Second,
 		CompactAfter:   256,
 		GCInterval:     10 * time.Minute,
+		ReclaimAfter:   10 * time.Second,
 		Logger:         slog.New(slog.NewTextHandler(io.Discard, nil)),
 	}
 }
@@ -112,8 +125,8 @@ func (c *Config) validate() error {
 		return fmt.Errorf("snapshot: SealKey is %d bytes, want 32", len(c.SealKey))
 	case c.DialTimeout <= 0 || c.RequestTimeout <= 0:
 		return errors.New("snapshot: DialTimeout and RequestTimeout must be positive")
-	case c.FlushInterval < 0 || c.RetryMax <= 0:
-		return errors.New("snapshot: FlushInterval must not be negative and RetryMax must be positive")
+	case c.FlushInterval < 0 || c.RetryMax <= 0 || c.ReclaimAfter <= 0:
+		return errors.New("snapshot: FlushInterval must not be negative, and RetryMax and ReclaimAfter must be positive")
 	case c.CompactAfter < 1:
 		return fmt.Errorf("snapshot: CompactAfter %d, want at least 1", c.CompactAfter)
 	case c.Cluster == "" || strings.Contains(c.Cluster, "/"):
@@ -172,10 +185,11 @@ var ErrDeposed = errors.New("snapshot: deposed: another relay claimed the key")
 //
 // Every head and batch write is a transaction that holds only while the
 // fences' mod revisions are the ones this store's claims produced: once
-// another member claims a key, this one's writes for it fail (ErrDeposed),
-// whatever its ring believes. Resources and chunks are content-addressed,
-// so anyone may write them; they, and batch records no key applies any
-// more, are collected once nothing refers to them.
+// another member claims a key, this one's writes for it fail (ErrDeposed)
+// until it claims the key back: when its ring changes, or ReclaimAfter
+// later if its ring still names it the owner. Resources and chunks are
+// content-addressed, so anyone may write them; they, and batch records no
+// key applies any more, are collected once nothing refers to them.
 //
 // A Store is safe for concurrent use. Save never blocks on etcd; the writer
 // goroutine retries with backoff while etcd is unreachable. Start it with
@@ -191,8 +205,11 @@ type Store struct {
 	mu    sync.Mutex
 	jobs  map[string]*job
 	taken map[string]*job // jobs the writer is writing now
-	wake  chan struct{}
-	known map[ledger.Hash]struct{} // resources and chunks present in etcd
+	// parked holds the latest views of keys another member claimed, until
+	// ReclaimAfter tells whether to claim them back (see reclaimable).
+	parked map[string]*job
+	wake   chan struct{}
+	known  map[ledger.Hash]struct{} // resources and chunks present in etcd
 
 	// keys, batchSeq and epochRev are owned by the writer goroutine.
 	keys     map[string]*keyRec
@@ -225,6 +242,7 @@ type keyRec struct {
 	claimRev    int64 // the fence's mod revision after our claim; 0: no claim
 	deposed     bool
 	deposedTerm uint64
+	deposedAt   time.Time
 	needBase    bool
 	persisted   map[string]xds.View // what etcd holds now, by type
 	logCount    int                 // batch records since the base
@@ -273,6 +291,7 @@ func New(cfg Config) (*Store, error) {
 		sealer: sl,
 		jobs:   make(map[string]*job),
 		taken:  make(map[string]*job),
+		parked: make(map[string]*job),
 		wake:   make(chan struct{}, 1),
 		known:  make(map[ledger.Hash]struct{}),
 		keys:   make(map[string]*keyRec),
@@ -341,9 +360,11 @@ func (s *Store) flushPending(ctx context.Context) {
 	}
 }
 
-// SetGCLeader replaces Config.GCLeader (a tier elects the collector through
-// its ring, which is built after the store). Call it before Start.
-func (s *Store) SetGCLeader(fn func() bool) { s.cfg.GCLeader = fn }
+// SetOwns replaces Config.Owns (a tier's ring is built after the store).
+// Call it before Start.
+func (s *Store) SetOwns(fn func(key string) bool) { s.cfg.Owns = fn }
+
+func (s *Store) owns(key string) bool { return s.cfg.Owns == nil || s.cfg.Owns(key) }
 
 // Save implements relay.Snapshots. It never blocks on etcd.
 func (s *Store) Save(key string, term uint64, views []xds.View) {
@@ -382,10 +403,18 @@ func (s *Store) Behind() (keys int, oldest time.Duration) {
 func (s *Store) writer(ctx context.Context) {
 	retry := time.Duration(0)
 	for {
+		var reclaim <-chan time.Time
+		if due, ok := s.nextReclaim(); ok {
+			reclaim = time.After(time.Until(due)) // collected unfired (Go 1.23)
+		}
 		select {
 		case <-ctx.Done():
 			return
 		case <-s.wake:
+		case <-reclaim:
+			if !s.unpark() {
+				continue
+			}
 		}
 		// Gather: changes within FlushInterval are one write.
 		if !sleepCtx(ctx, s.cfg.FlushInterval) {
@@ -605,11 +634,13 @@ func (s *Store) prepare(ctx context.Context, key string, j *job, fresh map[ledge
 		rec = &keyRec{persisted: map[string]xds.View{}, unsealable: map[string]bool{}}
 		s.keys[key] = rec
 	}
-	if rec.deposed && j.term <= rec.deposedTerm {
-		s.m.writes.WithLabelValues("deposed").Inc()
-		return nil, nil // another member writes this key until our ring changes
+	if rec.deposed && j.term <= rec.deposedTerm && !s.reclaimable(key, rec, j) {
+		return nil, nil // another member writes this key for now
 	}
 	p := &pend{key: key, id: idOf(key), rec: rec, j: j, views: s.persistable(j.views)}
+	s.mu.Lock()
+	delete(s.parked, key) // j is newer
+	s.mu.Unlock()
 	if rec.claimRev == 0 || rec.deposed {
 		rev, err := s.claim(ctx, p.id)
 		if err != nil {
@@ -693,12 +724,84 @@ func (s *Store) written(p *pend) {
 	s.m.lag.Observe(time.Since(p.j.since).Seconds())
 }
 
-// deposed records that another member claimed p's key.
+// deposed records that another member claimed p's key, and parks its
+// views until the key may be claimed back.
 func (s *Store) deposed(p *pend) {
-	p.rec.deposed, p.rec.deposedTerm = true, p.j.term
+	p.rec.deposed, p.rec.deposedTerm, p.rec.deposedAt = true, p.j.term, time.Now()
 	s.m.deposed.Inc()
 	s.m.writes.WithLabelValues("deposed").Inc()
 	s.log.Warn("not writing key: another relay claimed it", "key", p.key, "err", ErrDeposed)
+	s.park(p.key, p.j)
+}
+
+// reclaimable reports whether j, views of a key another member claimed
+// in j's term, is to be written all the same: ReclaimAfter has passed since
+// and the ring still says this relay owns the key. A term that grew (the
+// ring moved) claims the key at once, without asking. If it is not yet
+// time, j is parked; if the key is not ours, j is dropped.
+//
+// Without it a claim made on a mistaken ring would hold for good: a relay
+// cut off from the gossip believes it owns every key, and claims those it
+// serves; the owners, whose rings may never have moved, saw their writes
+// fenced off, and the partitioned relay stops writing once it rejoins.
+func (s *Store) reclaimable(key string, rec *keyRec, j *job) bool {
+	if !s.owns(key) {
+		s.m.writes.WithLabelValues("deposed").Inc()
+		s.mu.Lock()
+		delete(s.parked, key)
+		s.mu.Unlock()
+		return false
+	}
+	if time.Since(rec.deposedAt) < s.cfg.ReclaimAfter {
+		s.m.writes.WithLabelValues("deposed").Inc()
+		s.park(key, j)
+		return false
+	}
+	s.m.reclaims.Inc()
+	s.log.Info("claiming a key back: the ring still says this relay owns it", "key", key, "deposed_for", time.Since(rec.deposedAt))
+	return true
+}
+
+// park keeps j, the latest views of a key another member claimed, until the
+// key may be claimed back (unpark).
+func (s *Store) park(key string, j *job) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.parked[key] = j
+}
+
+// nextReclaim returns when the earliest parked key may be claimed back.
+func (s *Store) nextReclaim() (time.Time, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var due time.Time
+	for key := range s.parked {
+		// s.keys is the writer's, and so is this call.
+		if at := s.keys[key].deposedAt.Add(s.cfg.ReclaimAfter); due.IsZero() || at.Before(due) {
+			due = at
+		}
+	}
+	return due, !due.IsZero()
+}
+
+// unpark hands the parked keys whose time has come back to the writer,
+// unless newer views of them came meanwhile. It reports whether it handed
+// any.
+func (s *Store) unpark() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	handed := false
+	for key, j := range s.parked {
+		if time.Since(s.keys[key].deposedAt) < s.cfg.ReclaimAfter {
+			continue
+		}
+		delete(s.parked, key)
+		if s.jobs[key] == nil {
+			s.jobs[key] = j
+		}
+		handed = true
+	}
+	return handed
 }
 
 // claim makes this member the key's writer: whoever claimed before is

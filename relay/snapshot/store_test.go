@@ -287,6 +287,66 @@ func TestDeposedOwnerCannotOverwrite(t *testing.T) {
 	sameContent(t, "b fenced", loaded(t, e.Endpoints(), nil)["k"], want(va2...))
 }
 
+// TestDeposedOwnerClaimsBackWhatItStillOwns: a relay cut off from the gossip
+// believed it owned the key and claimed it. The owner, whose ring never
+// moved (its writes come in the same term), claims the key back once
+// ReclaimAfter has passed, with the views it was refused and no other
+// Save; a relay whose ring says the key is another's does not.
+func TestDeposedOwnerClaimsBackWhatItStillOwns(t *testing.T) {
+	va := []xds.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("from the owner")))}
+	vb := []xds.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("from the partitioned relay")))}
+	va2 := []xds.View{viewOf(typeCluster, true, res(typeCluster, "c", []byte("from the owner, later")))}
+	for _, owns := range []bool{true, false} {
+		t.Run(fmt.Sprintf("owns=%v", owns), func(t *testing.T) {
+			e := etcdFor(t)
+			a := storeFor(t, e.Endpoints(), "owner", func(c *Config) {
+				c.ReclaimAfter = 300 * time.Millisecond
+				c.Owns = func(string) bool { return owns }
+			})
+			b := storeFor(t, e.Endpoints(), "partitioned", nil)
+			a.Save("k", 3, va)
+			waitWritten(t, a)
+			b.Save("k", 9, vb)
+			waitWritten(t, b)
+			a.Save("k", 3, va2) // refused: b claimed the key
+			waitWritten(t, a)
+			if got := testutil.ToFloat64(a.m.deposed); got != 1 {
+				t.Fatalf("the owner's deposed count = %v, want 1", got)
+			}
+			// The refused views wait for ReclaimAfter, then go to the
+			// writer, which claims the key back or drops them.
+			for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+				a.mu.Lock()
+				parked := len(a.parked)
+				a.mu.Unlock()
+				if parked == 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the refused views are still parked after 60s")
+				}
+			}
+			waitWritten(t, a)
+			if !owns {
+				sameContent(t, "the key is not the relay's", loaded(t, e.Endpoints(), nil)["k"], want(vb...))
+				if got := testutil.ToFloat64(a.m.reclaims); got != 0 {
+					t.Errorf("reclaims = %v, want 0", got)
+				}
+				return
+			}
+			sameContent(t, "claimed back", loaded(t, e.Endpoints(), nil)["k"], want(va2...))
+			if got := testutil.ToFloat64(a.m.reclaims); got != 1 {
+				t.Errorf("reclaims = %v, want 1", got)
+			}
+			// The partitioned relay, back in the ring, writes no more; had
+			// it a late write, it would be fenced off in turn.
+			b.Save("k", 9, vb)
+			waitWritten(t, b)
+			sameContent(t, "the partitioned relay fenced off", loaded(t, e.Endpoints(), nil)["k"], want(va2...))
+		})
+	}
+}
+
 func TestCollectRemovesOnlyUnreferenced(t *testing.T) {
 	e := etcdFor(t)
 	s := storeFor(t, e.Endpoints(), "a", nil)
