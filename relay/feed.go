@@ -33,6 +33,10 @@ type feed struct {
 	// EDS names from clusters, RDS names from listeners and scoped routes.
 	// They are fetched before any Envoy asks, as Envoy would ask next.
 	derived map[string]map[string]int
+	// derivedSets holds derived's names of a type as a set, built when
+	// desired first needs it after they changed (setDerived, followEdge
+	// drop it): every member's request recomputes what to ask.
+	derivedSets map[string]xds.NameSet
 
 	// fallbackFor is the owner's address while the owner cannot be reached
 	// and the key is fed by the upstream directly.
@@ -137,11 +141,12 @@ func (u *feed) fallBack(addr string, err error) {
 
 func newFeed(k *keyState) *feed {
 	return &feed{
-		k:       k,
-		r:       k.r,
-		types:   make(map[string]*feedType),
-		derived: make(map[string]map[string]int),
-		delta:   k.r.cfg.Upstream.Protocol == ProtocolDelta,
+		k:           k,
+		r:           k.r,
+		types:       make(map[string]*feedType),
+		derived:     make(map[string]map[string]int),
+		derivedSets: make(map[string]xds.NameSet),
+		delta:       k.r.cfg.Upstream.Protocol == ProtocolDelta,
 		log: func(msg string, args ...any) {
 			k.r.log.Debug(msg, append([]any{"key", k.key}, args...)...)
 		},

@@ -442,6 +442,9 @@ func (u *feed) followEdge(next *views.Set, target string, kind xds.RefKind, old,
 		return true
 	})
 	next.MarkPending(target, added, time.Now())
+	if changed {
+		delete(u.derivedSets, target)
+	}
 	return changed
 }
 

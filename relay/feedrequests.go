@@ -64,8 +64,13 @@ func (u *feed) desired() map[string]subscription {
 		if len(names) == 0 {
 			continue
 		}
+		set, ok := u.derivedSets[typeURL]
+		if !ok {
+			set = xds.NewNameSet(slices.Collect(maps.Keys(names)))
+			u.derivedSets[typeURL] = set
+		}
 		w := want[typeURL]
-		w.names = w.names.With(slices.Collect(maps.Keys(names)), nil)
+		w.names = w.names.Union(set)
 		want[typeURL] = w
 	}
 	snap := u.k.views.Load()

@@ -1587,6 +1587,9 @@ func (h *upHarness) checkViews(when string) {
 		if got := h.u.derived[target]; !maps.Equal(got, want) {
 			t.Fatalf("%s: derived %s names %v, want %v (what the views point at)", when, xds.ShortType(target), got, want)
 		}
+		if set, ok := h.u.derivedSets[target]; ok && !slices.Equal(set, slices.Sorted(maps.Keys(want))) {
+			t.Fatalf("%s: the set of derived %s names %v, want %v (a stale set)", when, xds.ShortType(target), set, slices.Sorted(maps.Keys(want)))
+		}
 	}
 }
 

@@ -139,6 +139,9 @@ type typeWant struct {
 	// counts holds, while sets holds more than one, how many of them hold
 	// each name.
 	counts map[string]int
+	// union is counts' names, sorted, once names has been asked since
+	// they last changed (nil until then).
+	union xds.NameSet
 }
 
 // countedSet is a name set some streams subscribe to, and how many do.
@@ -165,7 +168,10 @@ func (w *typeWant) names() xds.NameSet {
 	case 1:
 		return slices.Clip(w.sets[0].names)
 	}
-	return slices.Sorted(maps.Keys(w.counts))
+	if w.union == nil {
+		w.union = slices.Sorted(maps.Keys(w.counts))
+	}
+	return slices.Clip(w.union)
 }
 
 // add counts one more stream subscribed to names and returns the names no
@@ -197,6 +203,7 @@ func (w *typeWant) add(names xds.NameSet) (fresh []string) {
 		}
 	}
 	w.sets = append(w.sets, countedSet{names: names, streams: 1})
+	w.union = nil
 	return fresh
 }
 
@@ -210,6 +217,7 @@ func (w *typeWant) remove(names xds.NameSet) {
 		return
 	}
 	w.sets = slices.Delete(w.sets, i, i+1)
+	w.union = nil
 	if len(w.sets) <= 1 {
 		w.counts = nil // the one set left is the union
 		return

@@ -150,6 +150,7 @@ func (u *feed) followRestored(rs *warm.Restorer) {
 				}
 			}
 			u.derived[d.Target] = counts
+			delete(u.derivedSets, d.Target)
 			missing := rs.MissingOf(sig, func() (missing []string) {
 				var view ledger.Tree[*xds.Resource]
 				if ts := next.Types[d.Target]; ts != nil {

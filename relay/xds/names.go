@@ -58,20 +58,71 @@ func (s NameSet) Diff(t NameSet) (added, removed []string) {
 	return added, removed
 }
 
-// With returns s plus added minus removed, as a new set.
+// With returns s less removed, plus added (a name in both stays), as a
+// new set (s itself if both are empty). It sorts only added and removed,
+// and merges.
 func (s NameSet) With(added, removed []string) NameSet {
 	if len(added) == 0 && len(removed) == 0 {
 		return s
 	}
-	drop := NewNameSet(removed)
-	out := make(NameSet, 0, len(s)+len(added))
-	for _, n := range s {
-		if !drop.Has(n) {
-			out = append(out, n)
+	add, drop := NewNameSet(added), NewNameSet(removed)
+	out := make(NameSet, 0, len(s)+len(add))
+	i, j, k := 0, 0, 0
+	for i < len(s) || j < len(add) {
+		switch {
+		case j == len(add) || (i < len(s) && s[i] < add[j]):
+			for k < len(drop) && drop[k] < s[i] {
+				k++
+			}
+			if k == len(drop) || drop[k] != s[i] {
+				out = append(out, s[i])
+			}
+			i++
+		case i == len(s) || add[j] < s[i]:
+			out, j = append(out, add[j]), j+1
+		default:
+			out, i, j = append(out, s[i]), i+1, j+1
 		}
 	}
-	out = append(out, added...)
-	return NewNameSet(out)
+	return out
+}
+
+// Union returns the names in s or in t: s itself when t adds none (the
+// common case of a key's EDS names, which its clusters name too), else a
+// new set. It walks both sorted sets once.
+func (s NameSet) Union(t NameSet) NameSet {
+	i, j := 0, 0
+	for i < len(s) && j < len(t) {
+		switch {
+		case s[i] < t[j]:
+			i++
+		case s[i] == t[j]:
+			i, j = i+1, j+1
+		default:
+			return s.merge(t)
+		}
+	}
+	if j < len(t) {
+		return s.merge(t)
+	}
+	return s
+}
+
+// merge returns the union of s and t as a new set.
+func (s NameSet) merge(t NameSet) NameSet {
+	out := make(NameSet, 0, len(s)+len(t))
+	i, j := 0, 0
+	for i < len(s) || j < len(t) {
+		switch {
+		case j == len(t) || (i < len(s) && s[i] < t[j]):
+			out, i = append(out, s[i]), i+1
+		case i == len(s) || t[j] < s[i]:
+			out, j = append(out, t[j]), j+1
+		default:
+			out, i, j = append(out, s[i]), i+1, j+1
+		}
+	}
+	return out
 }
 
 func (s NameSet) String() string { return "[" + strings.Join(s, " ") + "]" }
