@@ -150,11 +150,11 @@ func (u *feed) resubscribe() error {
 			ut = &feedType{}
 			u.types[typeURL] = ut
 		}
+		if ut.asked && ut.wildcard == w.wildcard && sameSet(ut.names, w.names) {
+			continue // asked already: most members' requests change nothing here
+		}
 		// Shared by content: per-node keys of one view ask for one set.
 		names := u.r.nameSets.Intern(w.names)
-		if ut.asked && ut.wildcard == w.wildcard && sameSet(ut.names, names) {
-			continue
-		}
 		if ut.asked && w.wildcard && !ut.wildcard {
 			// Turning a named subscription into a wildcard on a live stream,
 			// the next response may still answer the named one: nothing
