@@ -32,10 +32,11 @@ const maxDivergenceChecks = 2
 
 // checkDivergence runs the keys' divergence checks until ctx ends: each
 // aggregated key this relay holds, every DivergenceInterval (the first at a
-// random point of it), and at once when a key gets its second member. A key
-// this relay is the upstream source of is checked here; a key it gets from
-// its owner is checked by the owner, asked (CheckMember) about this relay's
-// own Envoys, since the owner sees only the node each relay presents.
+// random point of it), and, for a key this relay is the upstream source
+// of, at once when it gets its second member. A key this relay is the
+// upstream source of is checked here; a key it gets from its owner is
+// checked by the owner, asked (CheckMember) about this relay's own Envoys,
+// since the owner sees only the node each relay presents.
 func (r *Relay) checkDivergence(ctx context.Context) {
 	tick := time.NewTicker(min(time.Second, r.cfg.Keys.DivergenceInterval))
 	defer tick.Stop()

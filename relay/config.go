@@ -354,9 +354,10 @@ type KeysConfig struct {
 	// DivergenceInterval is how often the relay checks each aggregated key
 	// it is the upstream source of: a second upstream stream presents
 	// another member's node, and if its config differs from the key's, the
-	// key splits (see package divergence). A key is also checked as soon as it
-	// gets its second member. One check per key at a time, two per relay,
-	// at the pace of Upstream.StreamRate. Default 10 min; zero: never.
+	// key splits (see package divergence). Its owner also checks a key as
+	// soon as it gets its second member. One check per key at a time, two
+	// per relay, at the pace of Upstream.StreamRate. Default 10 min; zero:
+	// never.
 	DivergenceInterval time.Duration
 	// AggregationWarnInterval is how often the relay checks whether most
 	// of its keys serve one Envoy each (at least MinLoneKeysToWarn of

@@ -452,7 +452,8 @@ func (k *keyState) join(m member) {
 	second := len(k.members) == 2
 	if second {
 		// A key that just became aggregated is checked at once, with
-		// the member that made it so (checks.go).
+		// the member that made it so, if this relay is its upstream
+		// source (checkDue).
 		k.div.Soon(m)
 	}
 	k.mu.Unlock()
@@ -615,7 +616,10 @@ func (k *keyState) checkDue(now time.Time, every time.Duration) (member, bool) {
 		// relay's stream carries none.
 		return !k.r.cfg.Upstream.ForwardCredentials || cred != nil
 	}
-	return k.div.Due(now, every, k.members, wanted, candidate, k.r.drawWait)
+	// The owner checks a key at once when it becomes aggregated, and
+	// when its members come to subscribe to more; a relay it feeds
+	// checks its own members in turn.
+	return k.div.Due(now, every, k.members, wanted, candidate, !fromOwner, k.r.drawWait)
 }
 
 // recheckDue reports whether it is time to check again that the member of

@@ -71,17 +71,21 @@ type Schedule[M comparable] struct {
 }
 
 // Due reports whether the key's check is due at now, every being the
-// interval between a member's checks, and the member to check: the one
-// Soon named, if still among members and a candidate, else once the
-// key's turn has come the first candidate not yet checked this round.
-// members are the key's members in join order, wanted what they
-// subscribe to (by type, whether whole), and candidate says whether a
-// member may be checked. The caller has found the key comparable (two
+// interval between a member's checks, and the member to check: with
+// atOnce, the one Soon named, if still among members and a candidate;
+// else once the key's turn has come the first candidate not yet checked
+// this round. members are the key's members in join order, wanted what
+// they subscribe to (by type, whether whole), and candidate says whether
+// a member may be checked. The caller has found the key comparable (two
 // members, a presented node, Comparable views). draw returns a random
 // wait in [0, d): the key's first turn is drawn at random in the
 // interval. Due marks the check running; Done or Later ends it.
+//
+// Without atOnce, neither Soon nor members subscribing to more bring the
+// key's turn forward: a relay fed by the key's owner leaves that to the
+// owner, whose checks cost the upstream as much as one more Envoy each.
 func (s *Schedule[M]) Due(now time.Time, every time.Duration, members []M, wanted map[string]bool,
-	candidate func(M) bool, draw func(d time.Duration) time.Duration) (M, bool) {
+	candidate func(M) bool, atOnce bool, draw func(d time.Duration) time.Duration) (M, bool) {
 	var none M
 	if s.running {
 		return none, false
@@ -90,11 +94,14 @@ func (s *Schedule[M]) Due(now time.Time, every time.Duration, members []M, wante
 		s.next = now.Add(draw(every) + time.Nanosecond)
 	}
 	if s.compared != nil && wantGrew(wanted, s.compared) {
-		s.next, s.compared = now, nil
+		s.compared = nil
 		clear(s.checked)
+		if atOnce {
+			s.next = now
+		}
 	}
 	pick, found := none, false
-	if s.soon != none && slices.Contains(members, s.soon) && candidate(s.soon) {
+	if atOnce && s.soon != none && slices.Contains(members, s.soon) && candidate(s.soon) {
 		pick, found = s.soon, true
 	} else if !now.Before(s.next) {
 		for round := 0; round < 2 && !found; round++ {

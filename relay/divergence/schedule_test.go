@@ -62,7 +62,7 @@ func TestDue(t *testing.T) {
 	clusters := map[string]bool{xds.TypeCluster: true}
 	due := func(now time.Time, wanted map[string]bool) string {
 		t.Helper()
-		m, ok := s.Due(now, every, members, wanted, candidate, half)
+		m, ok := s.Due(now, every, members, wanted, candidate, true, half)
 		if !ok {
 			return ""
 		}
@@ -105,5 +105,42 @@ func TestDue(t *testing.T) {
 	s.Forget("b") // b leaves before its check
 	if m := due(turn, grown); m != "" {
 		t.Fatalf("Due after b left = %q, want none", m)
+	}
+}
+
+// TestDueInTurnOnly: a relay fed by the key's owner (Due without atOnce)
+// checks its members in turn only: neither the member that made the key
+// aggregated nor members subscribing to more bring the turn forward, and
+// the latter start the round over.
+func TestDueInTurnOnly(t *testing.T) {
+	var s Schedule[string]
+	start := time.Now()
+	half := func(d time.Duration) time.Duration { return d / 2 }
+	members := []string{"a", "b", "c"}
+	all := func(string) bool { return true }
+	clusters := map[string]bool{xds.TypeCluster: true}
+	grown := map[string]bool{xds.TypeCluster: true, xds.TypeListener: false}
+	due := func(now time.Time, wanted map[string]bool) string {
+		t.Helper()
+		m, ok := s.Due(now, every, members, wanted, all, false, half)
+		if !ok {
+			return ""
+		}
+		return m
+	}
+	s.Soon("b")
+	if m := due(start, clusters); m != "" {
+		t.Fatalf("Due at the second member's join = %q, want none before the key's turn", m)
+	}
+	turn := start.Add(every/2 + time.Nanosecond) // half's draw
+	if m := due(turn, clusters); m != "a" {
+		t.Fatalf("Due at the key's turn = %q, want a, the first", m)
+	}
+	s.Done("a", turn.Add(every), clusters)
+	if m := due(turn.Add(every/2), grown); m != "" {
+		t.Fatalf("Due once the members want listeners = %q, want none before the key's turn", m)
+	}
+	if m := due(turn.Add(every), grown); m != "a" {
+		t.Fatalf("Due at the next turn = %q, want a: the round starts over", m)
 	}
 }
