@@ -56,18 +56,9 @@ func TestSplitRecheckedSoonThenLessOften(t *testing.T) {
 func TestDue(t *testing.T) {
 	var s Schedule[string]
 	start := time.Now()
-	half := func(d time.Duration) time.Duration { return d / 2 }
 	members := []string{"a", "b", "c", "relay"}
-	candidate := func(m string) bool { return m != "relay" }
 	clusters := map[string]bool{xds.TypeCluster: true}
-	due := func(now time.Time, wanted map[string]bool) string {
-		t.Helper()
-		m, ok := s.Due(now, every, members, wanted, candidate, true, half)
-		if !ok {
-			return ""
-		}
-		return m
-	}
+	due := dueOf(&s, members, func(m string) bool { return m != "relay" }, true)
 	s.Soon("b")
 	if m := due(start, clusters); m != "b" {
 		t.Fatalf("Due at the second member's join = %q, want b", m)
@@ -115,19 +106,9 @@ func TestDue(t *testing.T) {
 func TestDueInTurnOnly(t *testing.T) {
 	var s Schedule[string]
 	start := time.Now()
-	half := func(d time.Duration) time.Duration { return d / 2 }
-	members := []string{"a", "b", "c"}
-	all := func(string) bool { return true }
 	clusters := map[string]bool{xds.TypeCluster: true}
 	grown := map[string]bool{xds.TypeCluster: true, xds.TypeListener: false}
-	due := func(now time.Time, wanted map[string]bool) string {
-		t.Helper()
-		m, ok := s.Due(now, every, members, wanted, all, false, half)
-		if !ok {
-			return ""
-		}
-		return m
-	}
+	due := dueOf(&s, []string{"a", "b", "c"}, func(string) bool { return true }, false)
 	s.Soon("b")
 	if m := due(start, clusters); m != "" {
 		t.Fatalf("Due at the second member's join = %q, want none before the key's turn", m)
@@ -142,5 +123,16 @@ func TestDueInTurnOnly(t *testing.T) {
 	}
 	if m := due(turn.Add(every), grown); m != "a" {
 		t.Fatalf("Due at the next turn = %q, want a: the round starts over", m)
+	}
+}
+
+// dueOf returns s.Due over members for a time and what they want: the
+// member to check, or "" for none. The key's first turn is drawn at half
+// the interval.
+func dueOf(s *Schedule[string], members []string, candidate func(string) bool, atOnce bool) func(time.Time, map[string]bool) string {
+	half := func(d time.Duration) time.Duration { return d / 2 }
+	return func(now time.Time, wanted map[string]bool) string {
+		m, _ := s.Due(now, every, members, wanted, candidate, atOnce, half)
+		return m
 	}
 }
