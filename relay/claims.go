@@ -110,11 +110,7 @@ func (s *stream) claimUnknown(sub *typeSub) {
 // store, and reports whether there is any to ask: other relays, or a store
 // that keeps held versions.
 func (s *stream) askTier(sub *typeSub) bool {
-	var addrs []string
-	if s.r.cfg.Tier.Peers != nil {
-		addrs = s.r.cfg.Tier.Peers.PeerAddrs()
-	}
-	if _, held := s.r.cfg.Keys.Snapshots.(HeldVersions); len(addrs) == 0 && !held {
+	if !s.r.claims.Askable() {
 		return false
 	}
 	q := claimQuestion{typeURL: sub.typeURL, root: sub.claimed, wildcard: sub.wildcard}
@@ -139,7 +135,7 @@ func (s *stream) askTier(sub *typeSub) bool {
 	l := &claimLookup{done: make(chan struct{})}
 	claims.m[q], sub.lookup = l, l
 	ran := s.r.goRun(func(ctx context.Context) {
-		l.held, l.ok, l.from = s.r.claims.Version(ctx, addrs, req, q.root)
+		l.held, l.ok, l.from = s.r.claims.Version(ctx, req, q.root)
 		if l.ok && l.from == "store" {
 			k.sentHeld(l.held) // the tier's other relays may be asked next
 		}

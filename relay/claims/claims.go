@@ -54,7 +54,7 @@ type Config struct {
 	// Conns connects to the tier's relays.
 	Conns Conns
 	// Peers names the tier's other live relays, asked anew each round of
-	// a lookup; nil: only the relays a lookup starts with.
+	// a lookup; nil: a relay alone, which asks only the store.
 	Peers func() []string
 	// Held is the snapshot store's hand-over; nil: none is kept.
 	Held Held
@@ -100,12 +100,23 @@ func New(cfg Config) (*Lookup, error) {
 // not answer it.
 const retry = time.Second
 
-// Version finds out what the version root of req held: from the relays at
-// addrs (the tier), then from the snapshot store. from says which knew:
-// "tier" or "store". It returns when it knows, when every relay answered
-// that it does not and the store has nothing, or when ctx ends.
-func (l *Lookup) Version(ctx context.Context, addrs []string, req *inspectpb.VersionRequest, root ledger.Hash) (t ledger.Tree[*xds.Resource], ok bool, from string) {
-	if len(addrs) > 0 {
+// Askable reports whether a lookup has anyone to ask: other relays, or a
+// store that keeps what drained relays handed over.
+func (l *Lookup) Askable() bool { return len(l.peers()) > 0 || l.cfg.Held != nil }
+
+func (l *Lookup) peers() []string {
+	if l.cfg.Peers == nil {
+		return nil
+	}
+	return l.cfg.Peers()
+}
+
+// Version finds out what the version root of req held: from the tier's
+// other relays (Peers), then from the snapshot store. from says which
+// knew: "tier" or "store". It returns when it knows, when every relay
+// answered that it does not and the store has nothing, or when ctx ends.
+func (l *Lookup) Version(ctx context.Context, req *inspectpb.VersionRequest, root ledger.Hash) (t ledger.Tree[*xds.Resource], ok bool, from string) {
+	if addrs := l.peers(); len(addrs) > 0 {
 		if t, ok := l.askTier(ctx, addrs, req, root); ok {
 			return t, true, "tier"
 		}
@@ -141,10 +152,7 @@ func (l *Lookup) askTier(ctx context.Context, addrs []string, req *inspectpb.Ver
 			return ledger.Tree[*xds.Resource]{}, false
 		case <-time.After(retry):
 		}
-		if l.cfg.Peers != nil {
-			addrs = l.cfg.Peers()
-		}
-		if len(addrs) == 0 {
+		if addrs = l.peers(); len(addrs) == 0 {
 			return ledger.Tree[*xds.Resource]{}, false
 		}
 	}

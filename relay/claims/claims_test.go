@@ -152,13 +152,17 @@ func TestVersion(t *testing.T) {
 			for _, p := range tc.peers {
 				addrs = append(addrs, p.id)
 			}
-			l, err := New(Config{Store: mine, Conns: c, Held: tc.store, AsPeer: func(ctx context.Context) context.Context { return ctx },
+			l, err := New(Config{Store: mine, Conns: c, Peers: func() []string { return addrs }, Held: tc.store,
+				AsPeer:   func(ctx context.Context) context.Context { return ctx },
 				WaitWarn: time.Minute, GatherTimeout: 10 * time.Second, MaxMsgSize: 4 << 20})
 			if err != nil {
 				t.Fatal(err)
 			}
 			req := &inspectpb.VersionRequest{Key: "k", Type: xds.TypeCluster, Root: root.String(), Wildcard: true}
-			got, ok, from := l.Version(t.Context(), addrs, req, root)
+			if !l.Askable() {
+				t.Fatal("Askable = false with relays to ask")
+			}
+			got, ok, from := l.Version(t.Context(), req, root)
 			if ok != tc.want || from != tc.from {
 				t.Fatalf("Version = ok %v from %q, want ok %v from %q", ok, from, tc.want, tc.from)
 			}
@@ -189,7 +193,8 @@ func TestVersionWaitsForASilentRelay(t *testing.T) {
 	root := treeOf(c0).Root()
 	p := &peer{id: "r1", err: status.Error(codes.Unavailable, "frozen")}
 	c := serve(t, p)
-	l, err := New(Config{Store: s, Conns: c, AsPeer: func(ctx context.Context) context.Context { return ctx },
+	l, err := New(Config{Store: s, Conns: c, Peers: func() []string { return []string{"r1"} },
+		AsPeer:   func(ctx context.Context) context.Context { return ctx },
 		WaitWarn: time.Minute, GatherTimeout: 10 * time.Second, MaxMsgSize: 4 << 20})
 	if err != nil {
 		t.Fatal(err)
@@ -197,7 +202,7 @@ func TestVersionWaitsForASilentRelay(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan bool)
 	go func() {
-		_, ok, _ := l.Version(ctx, []string{"r1"}, &inspectpb.VersionRequest{Key: "k", Type: xds.TypeCluster, Root: root.String(), Wildcard: true}, root)
+		_, ok, _ := l.Version(ctx, &inspectpb.VersionRequest{Key: "k", Type: xds.TypeCluster, Root: root.String(), Wildcard: true}, root)
 		done <- ok
 	}()
 	<-p.asked
@@ -276,4 +281,30 @@ func FuzzVersionAnswer(f *testing.F) {
 		}
 		runtime.KeepAlive(c0) // the store holds bodies weakly
 	})
+}
+
+// TestAskable: a relay alone, without a store that keeps hand-overs, has
+// nobody to ask; a tier's other relays, or such a store, are someone.
+func TestAskable(t *testing.T) {
+	none := func() []string { return nil }
+	for _, tc := range []struct {
+		name  string
+		peers func() []string
+		held  Held
+		want  bool
+	}{
+		{"alone", nil, nil, false},
+		{"a tier of one", none, nil, false},
+		{"a tier", func() []string { return []string{"r1"} }, nil, true},
+		{"a store", none, held{}, true},
+	} {
+		l, err := New(Config{Store: xds.NewStore(), Conns: conns{}, Peers: tc.peers, Held: tc.held,
+			AsPeer: func(ctx context.Context) context.Context { return ctx }, MaxMsgSize: 4 << 20})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := l.Askable(); got != tc.want {
+			t.Errorf("%s: Askable = %v, want %v", tc.name, got, tc.want)
+		}
+	}
 }
