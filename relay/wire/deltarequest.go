@@ -42,7 +42,7 @@ func (r *DeltaRequest) Release() {
 }
 
 func unmarshalDeltaRequest(data mem.BufferSlice, into *DeltaRequest) error {
-	into.buf = data.MaterializeToBuffer(mem.DefaultBufferPool())
+	into.buf = gather(data)
 	into.size = into.buf.Len()
 	return nil
 }

@@ -138,7 +138,7 @@ func str(v []byte) (string, error) {
 // fields with fn (every field the relay reads is one). The buffer goes to
 // *keep, for the caller's Release, or back to the pool on an error.
 func readMessage(data mem.BufferSlice, keep *mem.Buffer, fn func(num protowire.Number, v []byte) error) error {
-	buf := data.MaterializeToBuffer(mem.DefaultBufferPool())
+	buf := gather(data)
 	err := fields(buf.ReadOnlyData(), func(num protowire.Number, typ protowire.Type, v []byte) error {
 		if typ != protowire.BytesType {
 			return nil

@@ -171,7 +171,7 @@ const (
 // raw: data's buffer is held (or, when the request came in several, copied
 // into one from gRPC's pool) until into.Release.
 func unmarshalSotWRequest(data mem.BufferSlice, into *SotWRequest) error {
-	buf := data.MaterializeToBuffer(mem.DefaultBufferPool())
+	buf := gather(data)
 	raw := buf.ReadOnlyData()
 	nl := NameList{size: len(raw)}
 	var rest []byte // the other fields, for proto.Unmarshal
