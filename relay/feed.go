@@ -34,8 +34,9 @@ type feed struct {
 	// They are fetched before any Envoy asks, as Envoy would ask next.
 	derived map[string]map[string]int
 	// derivedSets holds derived's names of a type as a set, built when
-	// desired first needs it after they changed (setDerived, followEdge
-	// drop it): every member's request recomputes what to ask.
+	// desired first needs it after they changed (followEdge and
+	// followRestored drop it then): every member's request recomputes
+	// what to ask.
 	derivedSets map[string]xds.NameSet
 
 	// fallbackFor is the owner's address while the owner cannot be reached
