@@ -65,23 +65,19 @@ func (s NameSet) With(added, removed []string) NameSet {
 	if len(added) == 0 && len(removed) == 0 {
 		return s
 	}
-	add, drop := NewNameSet(added), NewNameSet(removed)
-	out := make(NameSet, 0, len(s)+len(add))
-	i, j, k := 0, 0, 0
-	for i < len(s) || j < len(add) {
-		switch {
-		case j == len(add) || (i < len(s) && s[i] < add[j]):
-			for k < len(drop) && drop[k] < s[i] {
-				k++
-			}
-			if k == len(drop) || drop[k] != s[i] {
-				out = append(out, s[i])
-			}
-			i++
-		case i == len(s) || add[j] < s[i]:
-			out, j = append(out, add[j]), j+1
-		default:
-			out, i, j = append(out, s[i]), i+1, j+1
+	return s.without(NewNameSet(removed)).merge(NewNameSet(added))
+}
+
+// without returns the names of s not in drop, as a new set.
+func (s NameSet) without(drop NameSet) NameSet {
+	out := make(NameSet, 0, len(s))
+	k := 0
+	for _, n := range s {
+		for k < len(drop) && drop[k] < n {
+			k++
+		}
+		if k == len(drop) || drop[k] != n {
+			out = append(out, n)
 		}
 	}
 	return out
