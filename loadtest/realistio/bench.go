@@ -321,6 +321,16 @@ func (b *bench) logf(format string, args ...any) {
 	fmt.Fprintf(b.cfg.Log, "istio bench %s: %s\n", time.Now().Format("15:04:05"), fmt.Sprintf(format, args...))
 }
 
+// logTail returns the last n lines of the file at path, or why it cannot.
+func logTail(path string, n int) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err.Error()
+	}
+	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
+}
+
 func (b *bench) logFile(name string) (*os.File, error) {
 	f, err := os.Create(filepath.Join(b.cfg.Dir, name+".log"))
 	if err == nil {
@@ -805,17 +815,14 @@ func (d *Istiod) Pid() int { return d.proc.cmd.Process.Pid }
 // until each is ready and sees the whole tier.
 func (b *bench) startTier(ctx context.Context) error {
 	n := b.cfg.Relays
-	ports := make([][3]int, n)
-	for i := range ports {
-		for j := range ports[i] {
-			p, err := freePort()
-			if err != nil {
-				return err
-			}
-			ports[i][j] = p
-		}
-	}
-	addr := func(p int) string { return "127.0.0.1:" + strconv.Itoa(p) }
+	// Each relay listens on an address of its own in 127/8 at fixed ports.
+	// Ports picked free on 127.0.0.1 and bound later are not safe: a
+	// relay started earlier dials istiod from 127.0.0.1 and the kernel may
+	// give that connection the very port a later relay was to bind (CI saw
+	// a relay exit so). Sockets dialled over loopback take 127.0.0.1 as
+	// their source, never these addresses. The third octet keeps two
+	// benches on one machine apart.
+	host := func(i int) string { return fmt.Sprintf("127.77.%d.%d", os.Getpid()%250+1, i+1) }
 	// A tier name of its own: never merge with another run's tier on
 	// this machine.
 	cluster := fmt.Sprintf("istio-bench-%d", os.Getpid())
@@ -823,17 +830,19 @@ func (b *bench) startTier(ctx context.Context) error {
 		var join []string
 		for j := range n {
 			if j != i {
-				join = append(join, addr(ports[j][2]))
+				join = append(join, host(j)+":7946")
 			}
 		}
-		r := &benchRelay{xds: addr(ports[i][0]), admin: addr(ports[i][1]), goss: addr(ports[i][2])}
-		log, err := b.logFile("relay-" + strconv.Itoa(i))
+		h := host(i)
+		r := &benchRelay{xds: h + ":15010", admin: h + ":15014", goss: h + ":7946"}
+		name := "relay-" + strconv.Itoa(i)
+		log, err := b.logFile(name)
 		if err != nil {
 			return err
 		}
 		r.child, err = loadtest.StartChild(ctx, loadtest.ChildConfig{
 			Path: b.cfg.Meshrelay,
-			Args: append([]string{"serve", "--id", "relay-" + strconv.Itoa(i), "--cluster", cluster,
+			Args: append([]string{"serve", "--id", name, "--cluster", cluster,
 				"--xds-listen", r.xds, "--admin-listen", r.admin, "--gossip-listen", r.goss,
 				"--join", strings.Join(join, ","), "--rejoin-interval", "1s", "--drain-period", "1s",
 				"--upstream", b.istiod.PlainAddr, "--upstream-protocol", string(b.cfg.UpstreamProtocol),
@@ -844,7 +853,7 @@ func (b *bench) startTier(ctx context.Context) error {
 			ReadyTimeout: time.Minute,
 		})
 		if err != nil {
-			return fmt.Errorf("relay-%d: %w", i, err)
+			return fmt.Errorf("%s: %w; the end of its log:\n%s", name, err, logTail(log.Name(), 20))
 		}
 		b.relays = append(b.relays, r)
 	}
