@@ -37,6 +37,13 @@ func dialOptions(h *Host, base time.Duration, maxDelay time.Duration, minConnect
 	return []grpc.DialOption{
 		grpc.WithContextDialer(h.Dialer()),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		// No transparent retries. A retried stream's RecvMsg holds the
+		// stream's lock while it waits for the picker; a SendMsg waiting
+		// on that lock is not durably blocked, so synctest's clock never
+		// moves and the connect attempt the picker waits for never times
+		// out: a seed hung so. Outside a bubble the wait ends with the
+		// attempt. Every client here reopens failed streams itself.
+		grpc.WithDisableRetry(),
 		grpc.WithConnectParams(grpc.ConnectParams{
 			Backoff:           backoff.Config{BaseDelay: base, Multiplier: 1.6, Jitter: 0, MaxDelay: maxDelay},
 			MinConnectTimeout: minConnect,
