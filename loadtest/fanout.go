@@ -72,7 +72,8 @@ type RelayChildConfig struct {
 	// on its stdin.
 	CPUProfile string `json:"cpuprofile,omitempty"`
 	// HeapProfile, if set, is a file the child writes a heap profile to
-	// when it reads "profile stop".
+	// when it reads "profile stop", and beside it (.mem.txt for .pprof)
+	// what the profile leaves out: goroutines, stacks, the runtime's own.
 	HeapProfile string `json:"heapprofile,omitempty"`
 	// Etcd, if set, gives the relay a snapshot store on these etcd
 	// endpoints: it persists its keys and starts warm from them, and it
@@ -280,7 +281,18 @@ func writeHeapProfile(path string) error {
 		f.Close()
 		return err
 	}
-	return f.Close()
+	if err := f.Close(); err != nil {
+		return err
+	}
+	// What the heap profile does not show of the process's RSS: stacks,
+	// the heap's free spans not yet returned, the runtime's own.
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	mib := func(b uint64) string { return fmt.Sprintf("%.1f MiB", float64(b)/(1<<20)) }
+	summary := fmt.Sprintf("goroutines %d\nheap live %s\nheap in use %s\nheap idle, not returned %s\nstacks %s\nruntime (spans, GC, other) %s\nfrom the OS %s\n",
+		runtime.NumGoroutine(), mib(m.HeapAlloc), mib(m.HeapInuse), mib(m.HeapIdle-m.HeapReleased), mib(m.StackSys),
+		mib(m.MSpanSys+m.MCacheSys+m.GCSys+m.OtherSys+m.BuckHashSys), mib(m.Sys-m.HeapReleased))
+	return os.WriteFile(strings.TrimSuffix(path, ".pprof")+".mem.txt", []byte(summary), 0o644)
 }
 
 // StartRelayFunc starts a relay for cfg in a process of its own and
@@ -381,7 +393,7 @@ type FanoutConfig struct {
 	// RelayProfile, if set, is a path prefix: each relayed run's child
 	// writes a CPU profile of its change phase to
 	// <prefix>-<protocol>.cpu.pprof and a heap profile at its end to
-	// <prefix>-<protocol>.heap.pprof.
+	// <prefix>-<protocol>.heap.pprof, with <prefix>-<protocol>.heap.mem.txt.
 	RelayProfile string
 	// CPUProfile, if set, is a path prefix: this process's CPU profile of
 	// each run's change phase goes to <prefix>-<protocol>-<mode>.cpu.pprof.
