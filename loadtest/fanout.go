@@ -272,11 +272,17 @@ loop:
 }
 
 func writeHeapProfile(path string) error {
+	runtime.GC() // profile what is live, not what awaits collection
+	// What the heap profile does not show of the process's RSS: stacks,
+	// the heap's free spans not yet returned, the runtime's own. Read
+	// first: the harness stops the fleet soon after it asks for these.
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	goroutines := runtime.NumGoroutine()
 	f, err := os.Create(path)
 	if err != nil {
 		return err
 	}
-	runtime.GC() // profile what is live, not what awaits collection
 	if err := pprof.Lookup("heap").WriteTo(f, 0); err != nil {
 		f.Close()
 		return err
@@ -284,13 +290,9 @@ func writeHeapProfile(path string) error {
 	if err := f.Close(); err != nil {
 		return err
 	}
-	// What the heap profile does not show of the process's RSS: stacks,
-	// the heap's free spans not yet returned, the runtime's own.
-	var m runtime.MemStats
-	runtime.ReadMemStats(&m)
 	mib := func(b uint64) string { return fmt.Sprintf("%.1f MiB", float64(b)/(1<<20)) }
 	summary := fmt.Sprintf("goroutines %d\nheap live %s\nheap in use %s\nheap idle, not returned %s\nstacks %s\nruntime (spans, GC, other) %s\nfrom the OS %s\n",
-		runtime.NumGoroutine(), mib(m.HeapAlloc), mib(m.HeapInuse), mib(m.HeapIdle-m.HeapReleased), mib(m.StackSys),
+		goroutines, mib(m.HeapAlloc), mib(m.HeapInuse), mib(m.HeapIdle-m.HeapReleased), mib(m.StackSys),
 		mib(m.MSpanSys+m.MCacheSys+m.GCSys+m.OtherSys+m.BuckHashSys), mib(m.Sys-m.HeapReleased))
 	return os.WriteFile(strings.TrimSuffix(path, ".pprof")+".mem.txt", []byte(summary), 0o644)
 }
