@@ -24,6 +24,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/meshrelay/meshrelay/loadtest/report"
 	"github.com/meshrelay/meshrelay/loadtest/traffic"
 	"github.com/meshrelay/meshrelay/shard"
@@ -176,6 +178,8 @@ func RunRelayChild(ctx context.Context, cfg RelayChildConfig, in io.Reader, out,
 		rcfg.Keys.Profile = p
 	}
 	rcfg.Logger = slog.New(slog.NewTextHandler(logw, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	reg := prometheus.NewRegistry()
+	rcfg.Registerer, rcfg.Gatherer = reg, reg
 	// The benchmark times pushes, not admission: the fleet connects at
 	// --start-rate, as it does to the upstream in direct mode, which has
 	// no admission limit either.
@@ -257,7 +261,7 @@ loop:
 				stopProfile()
 				heapOnStop = false
 				if heap && cfg.HeapProfile != "" {
-					if err := writeHeapProfile(cfg.HeapProfile); err != nil {
+					if err := writeHeapProfile(cfg.HeapProfile, reg); err != nil {
 						fmt.Fprintf(logw, "relay-child: heapprofile: %v\n", err)
 					}
 				}
@@ -271,7 +275,7 @@ loop:
 	return node.Stop(stopCtx)
 }
 
-func writeHeapProfile(path string) error {
+func writeHeapProfile(path string, metrics prometheus.Gatherer) error {
 	runtime.GC() // profile what is live, not what awaits collection
 	// What the heap profile does not show of the process's RSS: stacks,
 	// the heap's free spans not yet returned, the runtime's own. Read
@@ -294,7 +298,35 @@ func writeHeapProfile(path string) error {
 	summary := fmt.Sprintf("goroutines %d\nheap live %s\nheap in use %s\nheap idle, not returned %s\nstacks %s\nruntime (spans, GC, other) %s\nfrom the OS %s\n",
 		goroutines, mib(m.HeapAlloc), mib(m.HeapInuse), mib(m.HeapIdle-m.HeapReleased), mib(m.StackSys),
 		mib(m.MSpanSys+m.MCacheSys+m.GCSys+m.OtherSys+m.BuckHashSys), mib(m.Sys-m.HeapReleased))
-	return os.WriteFile(strings.TrimSuffix(path, ".pprof")+".mem.txt", []byte(summary), 0o644)
+	// And why Envoys' streams ended, if the relay ended them.
+	var ends strings.Builder
+	if mfs, err := metrics.Gather(); err == nil {
+		for _, mf := range mfs {
+			switch mf.GetName() {
+			case "meshrelay_xds_stream_errors_total", "meshrelay_xds_streams_refused_total", "meshrelay_xds_streams_moved_total":
+				for _, m := range mf.GetMetric() {
+					var labels []string
+					for _, l := range m.GetLabel() {
+						labels = append(labels, l.GetName()+"="+l.GetValue())
+					}
+					fmt.Fprintf(&ends, "%s{%s} %.0f\n", mf.GetName(), strings.Join(labels, ","), m.GetCounter().GetValue())
+				}
+			}
+		}
+	}
+	return os.WriteFile(strings.TrimSuffix(path, ".pprof")+".mem.txt", []byte(summary+ends.String()), 0o644)
+}
+
+// waitForFile waits until path exists, for at most d.
+func waitForFile(ctx context.Context, path string, d time.Duration) {
+	for deadline := time.Now().Add(d); time.Now().Before(deadline); {
+		if _, err := os.Stat(path); err == nil {
+			return
+		}
+		if !traffic.SleepCtx(ctx, 50*time.Millisecond) {
+			return
+		}
+	}
 }
 
 // StartRelayFunc starts a relay for cfg in a process of its own and
@@ -943,7 +975,9 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 	}
 	upBytes, envoyBytes := up.Stats().BytesSent, fig.BytesReceived
 	procs.mark(phaseChangesStart)
+	memFile := profilePrefix + ".heap.mem.txt" // the child's, written last
 	if child != nil && cfg.RelayProfile != "" {
+		_ = os.Remove(memFile)
 		_ = child.Send(childProfileStart)
 	}
 	stopProfile := startCPUProfile(cfg.CPUProfile, p, mode, out)
@@ -956,6 +990,9 @@ func runFanoutOnce(ctx context.Context, cfg FanoutConfig, p envoy.Protocol, mode
 	procs.mark(phaseEnd) // before the child writes its profiles
 	if child != nil && cfg.RelayProfile != "" {
 		_ = child.Send(childProfileStop)
+		// Its memory figures count the Envoys' streams: the fleet stops
+		// only once they are written.
+		waitForFile(ctx, memFile, time.Minute)
 	}
 	run.UpstreamBytesChanges = up.Stats().BytesSent - upBytes
 	fig, figErr = fleet.Figures(ctx)
