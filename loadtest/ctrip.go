@@ -888,6 +888,9 @@ func PrintCtrip(w io.Writer, rep *CtripReport) {
 	for _, s := range rep.ViolationSamples {
 		fmt.Fprintf(w, "  violation: %s\n", s)
 	}
+	for _, s := range rep.ReconnectReasons {
+		fmt.Fprintf(w, "  reconnected after: %s\n", s)
+	}
 	fmt.Fprintf(w, "relay CPU, churn        %.2fs in all: %.1fµs per change per Envoy (%.1fµs less the ledger sampling's %.2fs)\n",
 		rep.RelayCPUChurnS, rep.RelayCPUPerDelivery, rep.RelayCPUPerDeliveryOwn, rep.Ledger.SamplerCPUS)
 	for _, cr := range rep.Relays {

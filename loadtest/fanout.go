@@ -1306,6 +1306,9 @@ func PrintFanout(out io.Writer, rep *FanoutReport) {
 			for _, v := range r.ViolationSamples {
 				fmt.Fprintf(out, "  %s violation: %s\n", runLabel(r), v)
 			}
+			for _, v := range r.ReconnectReasons {
+				fmt.Fprintf(out, "  %s reconnected after: %s\n", runLabel(r), v)
+			}
 		}
 	}
 	if rep.Pinning.FleetProcess {

@@ -117,6 +117,9 @@ type Health struct {
 	// Reconnects counts Envoy streams reopened (the relay or upstream
 	// closed them, e.g. on a keepalive timeout when CPU is short).
 	Reconnects uint64 `json:"envoy_reconnects"`
+	// ReconnectReasons says why the last stream of each Envoy that
+	// reopened one ended, most common first, each "N× reason".
+	ReconnectReasons []string `json:"reconnect_reasons,omitempty"`
 	// Violations counts the protocol violations the Envoys recorded; a
 	// few of them are spelt out in ViolationSamples.
 	Violations       int      `json:"violations"`

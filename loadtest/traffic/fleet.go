@@ -6,9 +6,11 @@
 package traffic
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -279,8 +281,11 @@ type FleetFigures struct {
 	Connected int `json:"connected"`
 	// BytesReceived is the size of every response the fleet received.
 	BytesReceived uint64 `json:"bytes_received"`
-	// Reconnects counts streams reopened.
-	Reconnects uint64 `json:"reconnects"`
+	// Reconnects counts streams reopened; ReconnectReasons says why the
+	// last stream of each Envoy that reopened one ended, most common first
+	// (at most MaxViolationSamples, each "N× reason").
+	Reconnects       uint64   `json:"reconnects"`
+	ReconnectReasons []string `json:"reconnect_reasons,omitempty"`
 	// Refused counts Envoys whose last stream the server refused
 	// (Unauthenticated, PermissionDenied).
 	Refused int `json:"refused"`
@@ -294,7 +299,7 @@ type FleetFigures struct {
 
 // Health is what a report says of the fleet's streams and violations.
 func (f FleetFigures) Health() report.Health {
-	return report.Health{Reconnects: f.Reconnects, Violations: f.Violations, ViolationSamples: f.ViolationSamples}
+	return report.Health{Reconnects: f.Reconnects, ReconnectReasons: f.ReconnectReasons, Violations: f.Violations, ViolationSamples: f.ViolationSamples}
 }
 
 // MaxViolationSamples bounds FleetFigures.ViolationSamples.
@@ -304,21 +309,39 @@ const MaxViolationSamples = 5
 // violations spelt out.
 func (f *Fleet) Figures(samples int) FleetFigures {
 	fig := FleetFigures{Envoys: len(f.envoys), BytesReceived: f.BytesReceived()}
+	reasons := map[string]int{}
 	for _, e := range f.envoys {
 		st := e.Stats()
 		fig.Reconnects += st.Reconnects
+		if st.Reconnects > 0 && st.LastErr != nil {
+			reasons[st.LastErr.Error()]++
+		}
 		if st.Connected {
 			fig.Connected++
 		} else if c := status.Code(st.LastErr); c == codes.Unauthenticated || c == codes.PermissionDenied {
 			fig.Refused++
 		}
 	}
+	fig.ReconnectReasons = topReasons(reasons, samples)
 	v := f.Violations()
 	fig.Violations = len(v)
 	for _, e := range v[:min(len(v), samples)] {
 		fig.ViolationSamples = append(fig.ViolationSamples, e.Error())
 	}
 	return fig
+}
+
+// topReasons returns the n most common reasons, each "N× reason", most
+// common first.
+func topReasons(count map[string]int, n int) []string {
+	reasons := slices.SortedFunc(maps.Keys(count), func(a, b string) int {
+		return cmp.Or(cmp.Compare(count[b], count[a]), cmp.Compare(a, b))
+	})
+	var out []string
+	for _, r := range reasons[:min(len(reasons), n)] {
+		out = append(out, fmt.Sprintf("%d× %s", count[r], r))
+	}
+	return out
 }
 
 // Counters returns each Envoy's bytes received and streams reopened.
