@@ -283,7 +283,7 @@ type FleetFigures struct {
 	BytesReceived uint64 `json:"bytes_received"`
 	// Reconnects counts streams reopened; ReconnectReasons says why the
 	// last stream of each Envoy that reopened one ended, most common first
-	// (at most MaxViolationSamples, each "N× reason").
+	// (at most as many as the violations spelt out, each "N× reason").
 	Reconnects       uint64   `json:"reconnects"`
 	ReconnectReasons []string `json:"reconnect_reasons,omitempty"`
 	// Refused counts Envoys whose last stream the server refused
