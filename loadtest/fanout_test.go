@@ -351,7 +351,11 @@ func TestRelayChildProfiles(t *testing.T) {
 			t.Errorf("profile %s: %v, want a profile written", name, err)
 		}
 	}
-	if ents, _ := os.ReadDir(dir); len(ents) != 3 {
-		t.Errorf("%d files written, want 3 (no heap profile for the named CPU profile)", len(ents))
+	// Beside the heap profile, what it leaves out.
+	if mem, err := os.ReadFile(dir + "/heap.mem.txt"); err != nil || !strings.Contains(string(mem), "goroutines ") || !strings.Contains(string(mem), "stacks ") {
+		t.Errorf("heap.mem.txt: %v, %q: want the goroutines and stacks", err, mem)
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 4 {
+		t.Errorf("%d files written, want 4 (no heap profile for the named CPU profile)", len(ents))
 	}
 }
