@@ -9,6 +9,7 @@ import (
 	"time"
 
 	cluster "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	listener "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
@@ -645,5 +646,43 @@ func TestRemovedClusterKnownByHashDropsItsEndpoints(t *testing.T) {
 				t.Fatalf("after c1's removal the client's endpoints are %v, want c0 alone", eds.names)
 			}
 		})
+	}
+}
+
+// The last member that subscribed to every listener leaves while another
+// member's LDS request is on its way: the feed drops the listeners nobody
+// asks for. The view it publishes is not the source's full set, from that
+// very publication: a stream that syncs before the feed is done (an Envoy
+// whose wildcard subscription raced the feed) would otherwise take the
+// emptied view, at its old Order, as everything the upstream has and be
+// told to remove every listener it declared (loadtest chaos of 2026-12-07,
+// seed 3, Delta Envoys and a SotW upstream).
+func TestDroppedViewIsNeverFull(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Upstream.Addr = "unused:1"
+	r, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := newKeyState(r, "k")
+	b := ledger.Tree[*xds.Resource]{}.Edit()
+	for _, n := range []string{"0.0.0.0_80", "0.0.0.0_8080"} {
+		a, _ := anypb.New(&listener.Listener{Name: n})
+		res, err := r.store.Decode(xds.TypeListener, a, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.Set(res.Name, res.Hash, res)
+	}
+	order := ledger.Order{Session: 10, At: 11}
+	k.views.Store(&views.Set{Types: map[string]*views.Type{xds.TypeListener: {View: b.Tree(), Ready: true, Full: true, Order: order}}})
+	u := newFeed(k)
+	// The stream last asked for every listener; now nobody does. The drop
+	// is one publication (apply): what a syncing stream may see.
+	u.types[xds.TypeListener] = &feedType{asked: true, wildcard: true}
+	u.dropUnwanted(xds.TypeListener, nil)
+	if ts := k.views.Load().Types[xds.TypeListener]; ts.View.Len() != 0 || ts.Full {
+		t.Errorf("after the drop the view holds %d listeners, full set %v (Order %v): want 0, not the full set",
+			ts.View.Len(), ts.Full, ts.Order)
 	}
 }

@@ -191,9 +191,9 @@ func (u *feed) orderOf(resp *wire.DeltaIn) ledger.Order {
 // replace everything else removed too (a SotW full-state response). A view
 // from the key's source (fromSource) has order and marks the type ready;
 // otherwise (the relay itself dropped names nobody asks for) the view keeps
-// its Order. A Mixed order from the owner (it sent part of its view: see
-// stream.emit) leaves the view holding parts of the old one: its Order is
-// the mix of both.
+// its Order and is no longer the full set. A Mixed order from the owner
+// (it sent part of its view: see stream.emit) leaves the view holding
+// parts of the old one: its Order is the mix of both.
 func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace, fromSource bool, order ledger.Order) {
 	k := u.k
 	received := time.Now()
@@ -245,9 +245,14 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 			}
 			ts.Ready, ts.Order = true, order
 		}
-		// The view is the full set only once the upstream answered a
-		// wildcard subscription.
-		ts.Full = u.types[typeURL].wildcard && (fromSource || ts.Full)
+		// The view is the full set only once the source answered a
+		// wildcard subscription. One the relay cut itself (dropUnwanted,
+		// as the type stops being wildcard) is not, from the moment it
+		// is published: a stream that syncs in between must not take
+		// the cut view, at its old Order, for everything the source has
+		// (loadtest chaos of 2026-12-07, seed 3: an Envoy told to remove
+		// every listener it held).
+		ts.Full = fromSource && u.types[typeURL].wildcard
 		ts.Pending = withoutArrived(ts.Pending, upd)
 		if fromSource && (sourceKind(k.source.Load()) == sourcePeer || !u.delta) {
 			// A name removed here that this relay's members still ask for

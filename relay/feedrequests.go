@@ -163,8 +163,8 @@ func (u *feed) resubscribe() error {
 			return errResubscribe
 		}
 		if !w.wildcard {
-			u.dropUnwanted(typeURL, names)
 			u.notFull(typeURL)
+			u.dropUnwanted(typeURL, names)
 		}
 		var req proto.Message
 		if u.delta {
