@@ -38,7 +38,50 @@ var (
 	flagWant    = flag.String("sim.want", "", "with -sim.tries: stop at the first run with a violation that contains this text")
 	flagWorker  = flag.Int("sim.worker", -1, "internal: the index of this worker process")
 	flagUntil   = flag.Int64("sim.until", 0, "internal: a worker starts no seed after this time (Unix nanoseconds; 0: no bound)")
+
+	// Wider than the default: the envelope the short run plays is not the
+	// only one a fault can hide in.
+	flagRelays = flag.Int("sim.relays", 0, "relays in the tier (0: DefaultConfig's)")
+	flagEnvoys = flag.Int("sim.envoys", 0, "simulated Envoys (0: DefaultConfig's)")
+	flagKeys   = flag.Int("sim.keys", 0, "aggregation keys the Envoys spread over (0: DefaultConfig's)")
+	flagFaults = flag.Int("sim.faults", 0, "faults per seed (0: DefaultConfig's)")
+	flagKinds  = flag.String("sim.kinds", "", "fault kinds drawn from, comma-separated (empty: every kind)")
 )
+
+// simConfig is DefaultConfig widened by the -sim.relays, -sim.envoys,
+// -sim.keys, -sim.faults and -sim.kinds flags.
+func simConfig() Config {
+	cfg := DefaultConfig()
+	if *flagRelays > 0 {
+		cfg.Relays = *flagRelays
+	}
+	if *flagEnvoys > 0 {
+		cfg.Envoys = *flagEnvoys
+	}
+	if *flagKeys > 0 {
+		cfg.Keys = *flagKeys
+	}
+	if *flagFaults > 0 {
+		cfg.Faults = *flagFaults
+	}
+	if *flagKinds != "" {
+		cfg.Kinds = nil
+		for _, k := range strings.Split(*flagKinds, ",") {
+			kind := FaultKind(strings.TrimSpace(k))
+			if !slices.Contains(AllFaults, kind) {
+				panic(fmt.Sprintf("-sim.kinds: no fault kind %q (kinds: %v)", kind, AllFaults))
+			}
+			cfg.Kinds = append(cfg.Kinds, kind)
+		}
+	}
+	return cfg
+}
+
+// widening returns the -sim flags that widen the run, for a worker process.
+func widening() []string {
+	return []string{fmt.Sprintf("-sim.relays=%d", *flagRelays), fmt.Sprintf("-sim.envoys=%d", *flagEnvoys),
+		fmt.Sprintf("-sim.keys=%d", *flagKeys), fmt.Sprintf("-sim.faults=%d", *flagFaults), "-sim.kinds=" + *flagKinds}
+}
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
@@ -234,9 +277,10 @@ func runWorkers(t *testing.T, workers int, first uint64, n int) (_ []seedLine, c
 // runProcess plays seeds first … first+n-1 in a worker process, starting
 // none after until (Unix nanoseconds; 0: no bound).
 func runProcess(env []string, first uint64, n int, until int64) ([]seedLine, error) {
-	cmd := exec.Command(os.Args[0], "-test.run=^TestSimWorker$", "-test.count=1", "-test.timeout=0",
+	args := append([]string{"-test.run=^TestSimWorker$", "-test.count=1", "-test.timeout=0",
 		"-sim.worker=0", "-sim.workers=1", fmt.Sprintf("-sim.first=%d", first), fmt.Sprintf("-sim.seeds=%d", n),
-		fmt.Sprintf("-sim.replays=%d", *flagReplays), fmt.Sprintf("-sim.until=%d", until))
+		fmt.Sprintf("-sim.replays=%d", *flagReplays), fmt.Sprintf("-sim.until=%d", until)}, widening()...)
+	cmd := exec.Command(os.Args[0], args...)
 	cmd.Env = env
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
@@ -276,7 +320,7 @@ func TestSimWorker(t *testing.T) {
 	if *flagWorker < 0 {
 		t.Skip("run by TestSim in a worker process")
 	}
-	cfg := DefaultConfig()
+	cfg := simConfig()
 	for i := *flagWorker; i < *flagSeeds; i += *flagWorkers {
 		if *flagUntil > 0 && time.Now().UnixNano() > *flagUntil {
 			break // the test's deadline is near: the seeds played are reported
@@ -371,7 +415,7 @@ func replay(t *testing.T, seed uint64) {
 		res   *Result
 	)
 	for try := 1; try <= max(1, *flagTries); try++ {
-		cfg := DefaultConfig()
+		cfg := simConfig()
 		extra = nil
 		add := func(s string) {
 			mu.Lock()
