@@ -9,7 +9,6 @@ import (
 	"time"
 
 	cluster "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
-	listener "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
@@ -667,7 +666,7 @@ func TestDroppedViewIsNeverFull(t *testing.T) {
 	k := newKeyState(r, "k")
 	b := ledger.Tree[*xds.Resource]{}.Edit()
 	for _, n := range []string{"0.0.0.0_80", "0.0.0.0_8080"} {
-		a, _ := anypb.New(&listener.Listener{Name: n})
+		a, _ := anypb.New(mkListener(n, "80"))
 		res, err := r.store.Decode(xds.TypeListener, a, n)
 		if err != nil {
 			t.Fatal(err)
