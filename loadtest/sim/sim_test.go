@@ -77,10 +77,23 @@ func simConfig() Config {
 	return cfg
 }
 
-// widening returns the -sim flags that widen the run, for a worker process.
+// widening returns the -sim flags that widen the run, those set: a worker
+// process plays the run's seeds with them, and a seed's replay needs them
+// (its plan is drawn from the configuration).
 func widening() []string {
-	return []string{fmt.Sprintf("-sim.relays=%d", *flagRelays), fmt.Sprintf("-sim.envoys=%d", *flagEnvoys),
-		fmt.Sprintf("-sim.keys=%d", *flagKeys), fmt.Sprintf("-sim.faults=%d", *flagFaults), "-sim.kinds=" + *flagKinds}
+	var out []string
+	for _, f := range []struct {
+		name string
+		n    int
+	}{{"relays", *flagRelays}, {"envoys", *flagEnvoys}, {"keys", *flagKeys}, {"faults", *flagFaults}} {
+		if f.n > 0 {
+			out = append(out, fmt.Sprintf("-sim.%s=%d", f.name, f.n))
+		}
+	}
+	if *flagKinds != "" {
+		out = append(out, "-sim.kinds="+*flagKinds)
+	}
+	return out
 }
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -169,8 +182,9 @@ func TestSim(t *testing.T) {
 		t.Errorf("%d of %d seeds reported", len(results), n)
 	}
 	for _, r := range failed {
-		t.Errorf("seed %d failed: %s\n  %s\n  replay: go test -run 'TestSim$' ./loadtest/sim/ -sim.seed=%d -v",
-			r.Seed, r.Plan, strings.Join(firstN(append(r.Violations, r.Err), 5), "\n  "), r.Seed)
+		t.Errorf("seed %d failed: %s\n  %s\n  replay: go test -run 'TestSim$' ./loadtest/sim/ -sim.seed=%d%s -v",
+			r.Seed, r.Plan, strings.Join(firstN(append(r.Violations, r.Err), 5), "\n  "), r.Seed,
+			strings.Join(append([]string{""}, widening()...), " "))
 	}
 	if *flagReplays > 0 {
 		fidelity(t, results)
