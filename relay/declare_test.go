@@ -657,12 +657,7 @@ func TestRemovedClusterKnownByHashDropsItsEndpoints(t *testing.T) {
 // told to remove every listener it declared (loadtest chaos of 2026-12-07,
 // seed 3, Delta Envoys and a SotW upstream).
 func TestDroppedViewIsNeverFull(t *testing.T) {
-	cfg := DefaultConfig()
-	cfg.Upstream.Addr = "unused:1"
-	r, err := New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := newTestRelay(t)
 	k := newKeyState(r, "k")
 	b := ledger.Tree[*xds.Resource]{}.Edit()
 	for _, n := range []string{"0.0.0.0_80", "0.0.0.0_8080"} {

@@ -41,12 +41,7 @@ func viewOf(t testing.TB, r *Relay, typeURL string, res ...types.Resource) ledge
 func TestPushOrder(t *testing.T) {
 	for _, delta := range []bool{false, true} {
 		t.Run(protocolName(delta), func(t *testing.T) {
-			cfg := DefaultConfig()
-			cfg.Upstream.Addr = "unused:1"
-			r, err := New(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
+			r := newTestRelay(t)
 			k := newKeyState(r, "k")
 			s := r.newStream(context.Background(), delta, portPlain)
 			s.key = k
