@@ -140,7 +140,7 @@ func (r *Relay) watchWarm(ctx context.Context) {
 			// A relay that loads snapshots takes streams once they are
 			// in place: a stream that came first would find its key cold.
 			select {
-			case <-r.loaded:
+			case <-r.cache.loaded:
 			case <-ctx.Done():
 				return
 			}
@@ -172,4 +172,31 @@ func (r *Relay) Ready() bool {
 	default:
 		return false
 	}
+}
+
+// forwardable returns the credential of a new stream to keep, in forward
+// mode: the token an Envoy brought to the TLS port, if it proves the
+// stream's identity (Authenticator.Token: the token that proved it, or one
+// beside the certificate that did), or the token another relay presents on
+// its stream to a key this relay owns (the peer port proved that relay; it
+// verified the token). Nil otherwise.
+func (r *Relay) forwardable(ctx context.Context, peer bool, id *auth.Identity) *credential {
+	if !r.cfg.Upstream.ForwardCredentials {
+		return nil
+	}
+	if peer {
+		tok, err := auth.BearerToken(ctx)
+		if err != nil || tok == "" {
+			return nil
+		}
+		return &credential{token: tok, expires: auth.UnverifiedExpiry(tok)}
+	}
+	if id == nil || r.cfg.XDS.Authenticator == nil {
+		return nil
+	}
+	tok, expires, ok := r.cfg.XDS.Authenticator.Token(ctx, *id)
+	if !ok {
+		return nil
+	}
+	return &credential{token: tok, expires: expires}
 }

@@ -32,11 +32,11 @@ type AggregationReport struct {
 // MinLoneKeysToWarn keys, and more than half, are lone.
 func (a AggregationReport) Off() bool { return a.Lone >= MinLoneKeysToWarn && 2*a.Lone > a.Keys }
 
-// Aggregation reports how well this relay's keys aggregate its Envoys. It
-// takes no key's lock. Safe for concurrent use.
-func (r *Relay) Aggregation() AggregationReport {
+// aggregation reports how well the keys aggregate their Envoys. It takes
+// no key's lock.
+func (c *keyCache) aggregation() AggregationReport {
 	var a AggregationReport
-	for _, k := range r.heldKeys() {
+	for _, k := range c.heldKeys() {
 		if k.joined.Load() == 0 {
 			continue // idle: about to be dropped
 		}
@@ -53,8 +53,8 @@ func (r *Relay) Aggregation() AggregationReport {
 
 // warnUnaggregated warns, every AggregationWarnInterval (the first time a
 // minute after start, or sooner), while aggregation is off for most keys.
-func (r *Relay) warnUnaggregated(ctx context.Context) {
-	every := r.cfg.Keys.AggregationWarnInterval
+func (c *keyCache) warnUnaggregated(ctx context.Context) {
+	every := c.cfg.Keys.AggregationWarnInterval
 	t := time.NewTimer(min(every, time.Minute))
 	defer t.Stop()
 	for {
@@ -63,68 +63,68 @@ func (r *Relay) warnUnaggregated(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		if a := r.Aggregation(); a.Off() {
-			r.log.Warn(fmt.Sprintf("aggregation is off for %d of %d keys: each serves one Envoy and holds a stream to its source for it alone; if their nodes get the same config, key them together (--key-profile fields)", a.Lone, a.Keys),
-				"key_profile", r.cfg.Keys.Profile.Name(), "examples", a.Examples)
+		if a := c.aggregation(); a.Off() {
+			c.log.Warn(fmt.Sprintf("aggregation is off for %d of %d keys: each serves one Envoy and holds a stream to its source for it alone; if their nodes get the same config, key them together (--key-profile fields)", a.Lone, a.Keys),
+				"key_profile", c.cfg.Keys.Profile.Name(), "examples", a.Examples)
 		}
 		t.Reset(every)
 	}
 }
 
 // installKey creates key's state and starts its feed, with init run on
-// both first, unless the key is held already or the relay is not running,
+// both first, unless the key is held already or the relay is stopping,
 // and reports whether it did. The warm start installs restored keys so.
-func (r *Relay) installKey(key aggkey.Key, init func(*keyState, *feed)) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.state != lifeRunning || r.keys[key] != nil {
+func (c *keyCache) installKey(key aggkey.Key, init func(*keyState, *feed)) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.stopped || c.keys[key] != nil {
 		return false
 	}
-	r.startKeyLocked(key, init)
+	c.startKeyLocked(key, init)
 	return true
 }
 
 // startKeyLocked creates key's state and starts its feed, with init (if
-// not nil) run on both first. The caller holds r.mu.
-func (r *Relay) startKeyLocked(key aggkey.Key, init func(*keyState, *feed)) *keyState {
-	k := newKeyState(r, key)
+// not nil) run on both first. The caller holds c.mu.
+func (c *keyCache) startKeyLocked(key aggkey.Key, init func(*keyState, *feed)) *keyState {
+	k := newKeyState(c, key)
 	u := newFeed(k)
 	if init != nil {
 		init(k, u)
 	}
-	r.keys[key] = k
+	c.keys[key] = k
 	// Refused only while stopping: the key's streams end then, unfed.
-	r.goRun(u.run)
+	c.host.goRun(u.run)
 	return k
 }
 
 // heldKeys returns the keys held now.
-func (r *Relay) heldKeys() []*keyState {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return slices.Collect(maps.Values(r.keys))
+func (c *keyCache) heldKeys() []*keyState {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return slices.Collect(maps.Values(c.keys))
 }
 
 // dropIfIdle forgets k if it still has no members, and reports whether it
 // did. The key's feed calls it when its idle timer fires.
-func (r *Relay) dropIfIdle(k *keyState) bool {
+func (c *keyCache) dropIfIdle(k *keyState) bool {
 	dropped := func() bool {
-		r.mu.Lock()
-		defer r.mu.Unlock()
+		c.mu.Lock()
+		defer c.mu.Unlock()
 		k.mu.Lock()
 		defer k.mu.Unlock()
 		if len(k.members) > 0 {
 			return false
 		}
-		delete(r.keys, k.key)
-		// Under r.mu: a stream that takes the key again (acquireKey) must
+		delete(c.keys, k.key)
+		// Under c.mu: a stream that takes the key again (join) must
 		// not record its views before the ledger forgets the old ones.
 		// The ledger never calls back.
-		r.ledger.DropKey(string(k.key))
+		c.ledger.DropKey(string(k.key))
 		return true
 	}()
 	if dropped {
-		r.log.Debug("key dropped after idling", "key", k.key)
+		c.log.Debug("key dropped after idling", "key", k.key)
 	}
 	return dropped
 }

@@ -33,7 +33,7 @@ var layerOfFile = map[string]int{
 	"keystate.go": 0, "feed.go": 0, "feedrequests.go": 0, "feedanswers.go": 0,
 	"persist.go": 0, "aggregation.go": 0, "versions.go": 0, "forward.go": 0,
 	"splits.go": 0, "firstanswers.go": 0, "feedsource.go": 0, "backoff.go": 0,
-	"session.go": 0,
+	"session.go": 0, "keycache.go": 0, "keyconfig.go": 0,
 
 	"stream.go": 1, "push.go": 1, "holds.go": 1, "sotw.go": 1, "delta.go": 1,
 	"passthrough.go": 1, "mailbox.go": 1, "identity.go": 1, "admission.go": 1,
@@ -46,7 +46,7 @@ var layerOfFile = map[string]int{
 
 // maxArrowsUp is the ratchet of TestCoreArrows: lower it as the layers
 // come apart, never raise it.
-const maxArrowsUp = 69
+const maxArrowsUp = 50
 
 // TestCoreArrows measures how the files of package relay lean on each
 // other: an arrow runs from a file to each other file whose declarations

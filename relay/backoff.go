@@ -69,3 +69,8 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 		return true
 	}
 }
+
+// newBackoff returns a backoff of the upstream's settings.
+func (c *keyCache) newBackoff() *backoff {
+	return &backoff{initial: c.cfg.Upstream.BackoffInitial, max: c.cfg.Upstream.BackoffMax, rand: c.rand}
+}

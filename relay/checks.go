@@ -45,10 +45,10 @@ func (r *Relay) checkDivergence(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-tick.C:
-		case <-r.divergenceWake:
+		case <-r.cache.divergenceWake:
 		}
 		now := time.Now()
-		for _, k := range r.heldKeys() {
+		for _, k := range r.cache.heldKeys() {
 			m, ok := k.checkDue(now, r.cfg.Keys.DivergenceInterval)
 			recheck := false
 			if !ok {
@@ -87,9 +87,7 @@ func (r *Relay) recheckSplit(ctx context.Context, k *keyState, m member) {
 	var err error
 	var differ []string
 	by := r.cfg.ID
-	r.mu.Lock()
-	bk := r.keys[base]
-	r.mu.Unlock()
+	bk := r.cache.key(base)
 	switch owner, self := r.ownerOf(base); {
 	case bk != nil && sourceKind(bk.source.Load()) != sourcePeer && bk.presentedNode.Load() != nil:
 		if !bk.startCheck() {
@@ -198,7 +196,7 @@ func (r *Relay) askCheck(ctx context.Context, addr string, key aggkey.Key, node 
 		// The owner's records of the key's splits, the check's included
 		// (a split it found, or merged back).
 		if splits, derr := aggkey.DecodeSplits([]byte(v[0])); derr == nil {
-			r.learnSplits(key, splits)
+			r.cache.learnSplits(key, splits)
 		} else {
 			r.log.Warn("a key's owner sent splits this relay cannot read", "key", key, "err", derr)
 		}
@@ -215,9 +213,7 @@ func (s inspectServer) CheckMember(ctx context.Context, req *inspectpb.CheckMemb
 	if err := proto.Unmarshal(req.GetNode(), node); err != nil || node.GetId() == "" {
 		return nil, status.Errorf(codes.InvalidArgument, "node: want a serialized Node with an id (%v)", err)
 	}
-	s.r.mu.Lock()
-	k := s.r.keys[aggkey.Key(req.GetKey())]
-	s.r.mu.Unlock()
+	k := s.r.cache.key(aggkey.Key(req.GetKey()))
 	switch {
 	case k == nil:
 		return nil, status.Errorf(codes.NotFound, "key %q: %v", req.GetKey(), ErrNotHeld)
@@ -238,7 +234,7 @@ func (s inspectServer) CheckMember(ctx context.Context, req *inspectpb.CheckMemb
 	}
 	differ, split, err := s.r.runCheck(ctx, k, nodeMember{node})
 	k.endCheck()
-	if splits := s.r.splits.of(k.key); len(splits) > 0 {
+	if splits := s.r.cache.splits.of(k.key); len(splits) > 0 {
 		_ = grpc.SetHeader(ctx, metadata.Pairs(peers.MDSplits, string(aggkey.EncodeSplits(splits))))
 	}
 	switch {
@@ -298,8 +294,8 @@ func (r *Relay) runCheck(ctx context.Context, k *keyState, m member) ([]string, 
 	r.log.Warn("key diverges: the upstream gives a member other config than the node the key presents, so the key profile is too coarse for this mesh; the member and its look-alikes move to keys of their own",
 		"key", k.key, "node", node.GetId(), "presented", presented.GetId(),
 		"fields_differing", aggkey.Differing(node, presented), "types", short, "split", split.String())
-	if fresh := r.splits.add(k.key, split); len(fresh) > 0 {
-		r.splitsChanged(k.key, fresh)
+	if fresh := r.cache.splits.add(k.key, split); len(fresh) > 0 {
+		r.cache.splitsChanged(k.key, fresh)
 	}
 	return differ, split, nil
 }
@@ -310,7 +306,7 @@ func (r *Relay) runCheck(ctx context.Context, k *keyState, m member) ([]string, 
 // (stream.followSplits). The tier learns of it as of a split.
 func (r *Relay) mergeBack(k aggkey.Key, node *core.Node) {
 	var merged []aggkey.Split
-	for _, s := range r.splits.active(k) {
+	for _, s := range r.cache.splits.active(k) {
 		if s.Matches(node) {
 			s.Epoch, s.Merged = uint64(r.clock.Now()), true
 			merged = append(merged, s)
@@ -319,12 +315,12 @@ func (r *Relay) mergeBack(k aggkey.Key, node *core.Node) {
 	if len(merged) == 0 {
 		return
 	}
-	fresh := r.splits.add(k, merged...)
+	fresh := r.cache.splits.add(k, merged...)
 	for _, s := range fresh {
 		r.metrics.SplitMerges.Inc()
 		r.log.Info("key split merged back: the upstream gives a node it moved the key's config again", "key", k, "node", node.GetId(), "split", s.String())
 	}
-	r.splitsChanged(k, fresh)
+	r.cache.splitsChanged(k, fresh)
 }
 
 // prober lends the relay's upstream to a divergence check: opened at
@@ -337,11 +333,11 @@ func (r *Relay) prober() *divergence.Prober {
 		MaxMsgSize: r.cfg.MaxMsgSize,
 		Store:      r.store,
 		Confirm:    confirmAfter,
-		Slot:       r.syncs.tryAcquire,
+		Slot:       r.cache.syncs.tryAcquire,
 		Streams:    r.metrics.DivergenceOpen,
 	}
-	if r.upstreamRate != nil {
-		p.Pace = r.upstreamRate.Wait
+	if r.cache.upstreamRate != nil {
+		p.Pace = r.cache.upstreamRate.Wait
 	}
 	return p
 }

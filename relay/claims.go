@@ -274,9 +274,7 @@ func (s inspectServer) GetVersion(ctx context.Context, req *inspectpb.VersionReq
 	if err != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "root: %v", err)
 	}
-	s.r.mu.Lock()
-	k := s.r.keys[aggkey.Key(req.GetKey())]
-	s.r.mu.Unlock()
+	k := s.r.cache.key(aggkey.Key(req.GetKey()))
 	if k == nil {
 		return nil, status.Errorf(codes.NotFound, "key %q: %v", req.GetKey(), ErrNotHeld)
 	}

@@ -30,7 +30,7 @@ func TestRestoredDeclarationSurvivesADrop(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	k := newKeyState(r, "k")
+	k := newKeyState(r.cache, "k")
 	m := r.newStream(context.Background(), false, portPlain)
 	m.node = fuzzNode
 	k.join(m)
@@ -328,7 +328,7 @@ func newRouteRigWith(t *testing.T, mod func(*Config), prep func(*testUpstream), 
 		g.c.subscribe(sub.typeURL, sub.names...)
 		g.take(g.c.recvDelta(sub.typeURL))
 	}
-	g.k = g.r.heldKeys()[0]
+	g.k = g.r.cache.heldKeys()[0]
 	return g
 }
 
@@ -579,8 +579,8 @@ func TestUsableRouteIsTheVerdictOfWhatEachEnvoyHolds(t *testing.T) {
 		h.c.subscribe(sub.typeURL, sub.names...)
 		h.take(h.c.recvDelta(sub.typeURL))
 	}
-	if len(g.r.heldKeys()) != 1 {
-		t.Fatalf("the two Envoys are on %d keys, want one", len(g.r.heldKeys()))
+	if len(g.r.cache.heldKeys()) != 1 {
+		t.Fatalf("the two Envoys are on %d keys, want one", len(g.r.cache.heldKeys()))
 	}
 	g.up.set("ns0", xds.TypeCluster, mkCluster("c2"))
 	g.up.set("ns0", xds.TypeEndpoint, mkCLA("c2", 8080))
@@ -605,7 +605,7 @@ func TestUsableRouteIsTheVerdictOfWhatEachEnvoyHolds(t *testing.T) {
 func TestRemovedClusterKnownByHashDropsItsEndpoints(t *testing.T) {
 	e := newEnv(t, false, nil)
 	s := e.r.newStream(context.Background(), false, portPlain)
-	s.key = newKeyState(e.r, "sidecar/ns9/hashes")
+	s.key = newKeyState(e.r.cache, "sidecar/ns9/hashes")
 	body := func(c *cluster.Cluster) *xds.Resource {
 		b, err := proto.Marshal(c)
 		if err != nil {
@@ -658,7 +658,7 @@ func TestRemovedClusterKnownByHashDropsItsEndpoints(t *testing.T) {
 // seed 3, Delta Envoys and a SotW upstream).
 func TestDroppedViewIsNeverFull(t *testing.T) {
 	r := newTestRelay(t)
-	k := newKeyState(r, "k")
+	k := newKeyState(r.cache, "k")
 	b := ledger.Tree[*xds.Resource]{}.Edit()
 	for _, n := range []string{"0.0.0.0_80", "0.0.0.0_8080"} {
 		a, _ := anypb.New(mkListener(n, "80"))

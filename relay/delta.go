@@ -140,7 +140,7 @@ func (s *stream) declared(sub *typeSub, versions map[string]string) (known ledge
 			unplaced = true
 			continue
 		}
-		if s.r.placed(o, fromPeer) {
+		if s.r.cache.placed(o, fromPeer) {
 			orders = orders.add(o)
 		} else {
 			unplaced = true
@@ -149,11 +149,11 @@ func (s *stream) declared(sub *typeSub, versions map[string]string) (known ledge
 	}
 	if fromPeer {
 		for _, o := range orders {
-			s.r.observe(o, "peer", s.peerRelay.id)
+			s.r.cache.observe(o, "peer", s.peerRelay.id)
 		}
 	}
 	if unplaced {
-		orders = orders.add(s.r.declaredBound())
+		orders = orders.add(s.r.cache.declaredBound())
 	}
 	return b.Tree(), orders
 }

@@ -209,7 +209,7 @@ func TestDivergenceSplitsKey(t *testing.T) {
 			for i, e := range envoys {
 				waitLong(t, fmt.Sprint("Envoy ", i, " at the last generation"), func() bool { return holds(e.Envoy, last, "outbound") })
 			}
-			base, _ := owner.keyOf(nodes[0], nil)
+			base, _ := owner.cache.keyOf(nodes[0], nil)
 			for i, n := range nodes {
 				want := base
 				if i == 2 {
@@ -234,7 +234,7 @@ func TestDivergenceSplitsKey(t *testing.T) {
 				t.Errorf("meshrelay_key_divergences_total{type=lds} = %v, want 1", n)
 			}
 			for _, r := range []*Relay{owner, at[2]} {
-				if splits := r.splits.of(base); len(splits) != 1 || !splits[0].Matches(nodes[2]) || splits[0].Matches(nodes[1]) {
+				if splits := r.cache.splits.of(base); len(splits) != 1 || !splits[0].Matches(nodes[2]) || splits[0].Matches(nodes[1]) {
 					t.Errorf("%s: splits of %s = %v, want one that moves node 2 alone", r.ID(), base, splits)
 				}
 				// The admin API's account (relayctl shards) of the key.
@@ -375,7 +375,7 @@ func TestRemovedNameKeptByASubscriptionIsNoDivergence(t *testing.T) {
 	if n := testutil.ToFloat64(r.metrics.DivergenceChecks.WithLabelValues("diverged")); n != 0 {
 		t.Fatalf("the check found a divergence (%v) in a name only the key's view keeps; splits: %v", n, r.Splits())
 	}
-	if _, ok := r.heldKeys()[0].views.Load().Types[xds.TypeEndpoint].View.Get("gone"); !ok {
+	if _, ok := r.cache.heldKeys()[0].views.Load().Types[xds.TypeEndpoint].View.Get("gone"); !ok {
 		t.Fatal("the key's view no longer holds the removed name: the test checks nothing")
 	}
 }
@@ -414,7 +414,7 @@ func TestSplitMergedBack(t *testing.T) {
 				envoys = append(envoys, startWatchedEnvoy(t, addr, n, envoy.Delta))
 				waitLong(t, fmt.Sprint("Envoy ", i, "'s config"), func() bool { return holds(envoys[i].Envoy, 1, "outbound") })
 			}
-			base, _ := owner.keyOf(nodes[0], nil)
+			base, _ := owner.cache.keyOf(nodes[0], nil)
 			waitLong(t, "the split", func() bool { return keyOfClient(at, nodes[2].GetId()) == aggkey.SplitKey(nodes[2]) })
 			waitLong(t, "the diverging Envoy's own listener", func() bool { return holds(envoys[2].Envoy, 1, "inbound|"+inboundIP) })
 
@@ -424,7 +424,7 @@ func TestSplitMergedBack(t *testing.T) {
 				t.Errorf("meshrelay_key_split_merges_total = %v at the owner, want 1", n)
 			}
 			for _, r := range []*Relay{owner, at} {
-				if s := r.splits.active(base); len(s) != 0 {
+				if s := r.cache.splits.active(base); len(s) != 0 {
 					t.Errorf("%s: active splits of %s = %v, want none", r.ID(), base, s)
 				}
 			}
@@ -475,7 +475,7 @@ func TestSplitTheOwnerNeverKnewIsMergedBack(t *testing.T) {
 	if n := testutil.ToFloat64(at.metrics.SplitMerges); n != 1 {
 		t.Errorf("meshrelay_key_split_merges_total = %v at the relay that split the key, want 1", n)
 	}
-	if s := at.splits.active(base); len(s) != 0 {
+	if s := at.cache.splits.active(base); len(s) != 0 {
 		t.Errorf("active splits of %s = %v, want none", base, s)
 	}
 	waitLong(t, "one upstream stream", func() bool { open, _ := up.streams(); return open == 1 })
@@ -516,9 +516,9 @@ func TestSplitKeyNobodyComesBackToIsDropped(t *testing.T) {
 // splitHere makes r alone know a split of presented's key that moves
 // diverging (found there, told to nobody), and returns that key.
 func splitHere(r *Relay, presented, diverging *core.Node) aggkey.Key {
-	base, _ := r.keyOf(presented, nil)
+	base, _ := r.cache.keyOf(presented, nil)
 	s := aggkey.NewSplit(diverging, presented)
 	s.Epoch = uint64(r.clock.Now())
-	r.learnSplits(base, []aggkey.Split{s})
+	r.cache.learnSplits(base, []aggkey.Split{s})
 	return base
 }

@@ -25,7 +25,7 @@ import (
 // key's views.
 type feed struct {
 	k   *keyState
-	r   *Relay
+	c   *keyCache
 	log func(msg string, args ...any)
 
 	types map[string]*feedType
@@ -87,7 +87,7 @@ type feedType struct {
 	// upstream's Delta version of each resource (for
 	// initial_resource_versions), set (versionsSet) once anything was
 	// declared or received. The versions are a persistent tree shared by
-	// content (Relay.versionTrees): the keys of a namespace get the same
+	// content (keyCache.versionTrees): the keys of a namespace get the same
 	// versions for the same resources, and hold them once.
 	acked       string
 	versions    ledger.Tree[string]
@@ -109,7 +109,7 @@ var (
 // key or other relays subscribe to it here; else the owner, unless the owner
 // was unreachable and still is.
 func (u *feed) choose() source {
-	owners := u.r.cfg.Tier.Owners
+	owners := u.c.cfg.Owners
 	if owners == nil || u.k.servesPeers() {
 		return source{kind: sourceUpstream}
 	}
@@ -123,7 +123,7 @@ func (u *feed) choose() source {
 			return source{kind: sourceFallback, addr: addr}
 		}
 		u.fallbackFor = ""
-		u.r.log.Info("owner reachable again: subscribing to it", "key", u.k.key, "owner", addr)
+		u.c.log.Info("owner reachable again: subscribing to it", "key", u.k.key, "owner", addr)
 	}
 	return source{kind: sourcePeer, addr: addr}
 }
@@ -132,24 +132,24 @@ func (u *feed) choose() source {
 // reached again, the key is fed by the upstream directly. If the ring moved
 // the key meanwhile, the next choice follows the ring instead.
 func (u *feed) fallBack(addr string, err error) {
-	if now, self := u.r.cfg.Tier.Owners.Owner(string(u.k.key)); self || now != addr {
+	if now, self := u.c.cfg.Owners.Owner(string(u.k.key)); self || now != addr {
 		return
 	}
 	u.fallbackFor = addr
-	u.r.metrics.PeerFallbacks.Inc()
-	u.r.log.Warn("owner unreachable: subscribing to the upstream directly", "key", u.k.key, "owner", addr, "err", err)
+	u.c.metrics.PeerFallbacks.Inc()
+	u.c.log.Warn("owner unreachable: subscribing to the upstream directly", "key", u.k.key, "owner", addr, "err", err)
 }
 
 func newFeed(k *keyState) *feed {
 	return &feed{
 		k:           k,
-		r:           k.r,
+		c:           k.c,
 		types:       make(map[string]*feedType),
 		derived:     make(map[string]map[string]int),
 		derivedSets: make(map[string]xds.NameSet),
-		delta:       k.r.cfg.Upstream.Protocol == ProtocolDelta,
+		delta:       k.c.cfg.Upstream.Protocol == ProtocolDelta,
 		log: func(msg string, args ...any) {
-			k.r.log.Debug(msg, append([]any{"key", k.key}, args...)...)
+			k.c.log.Debug(msg, append([]any{"key", k.key}, args...)...)
 		},
 	}
 }
@@ -158,7 +158,7 @@ func newFeed(k *keyState) *feed {
 // has had no members for Keys.IdleTimeout.
 func (u *feed) run(ctx context.Context) {
 	defer u.stopTimers()
-	bo := u.r.newBackoff()
+	bo := u.c.newBackoff()
 	for ctx.Err() == nil {
 		presenter, _ := u.k.presenter()
 		node := memberNode(presenter)
@@ -173,7 +173,7 @@ func (u *feed) run(ctx context.Context) {
 			continue
 		}
 		src := u.choose()
-		if u.r.cfg.Upstream.ForwardCredentials && src.kind != sourcePeer && !presentsToken(presenter) {
+		if u.c.cfg.Upstream.ForwardCredentials && src.kind != sourcePeer && !presentsToken(presenter) {
 			// Forward mode: istiod takes a stream only with a member's own
 			// token, and none is left to present (the members left, or
 			// istiod refused their tokens). A stream without one would
@@ -188,8 +188,8 @@ func (u *feed) run(ctx context.Context) {
 		u.reportSource()
 		got, err := u.session(ctx, node, presenter, src)
 		u.renewing = errors.Is(err, errRenew)
-		if u.r.cfg.Upstream.ForwardCredentials && src.kind != sourcePeer && noteRefused(presenter, err) {
-			u.r.log.Warn("upstream refused the token a key's stream presented: presenting another member's next", "key", u.k.key, "node", node.GetId(), "err", err)
+		if u.c.cfg.Upstream.ForwardCredentials && src.kind != sourcePeer && noteRefused(presenter, err) {
+			u.c.log.Warn("upstream refused the token a key's stream presented: presenting another member's next", "key", u.k.key, "node", node.GetId(), "err", err)
 		}
 		if errors.Is(err, errIdle) || ctx.Err() != nil {
 			return
@@ -207,8 +207,8 @@ func (u *feed) run(ctx context.Context) {
 			bo.reset()
 		}
 		d := bo.next()
-		u.r.log.Warn("upstream stream failed", "key", u.k.key, "err", err, "retry_in", d.Round(time.Millisecond))
-		u.r.metrics.UpstreamReconnects.Inc()
+		u.c.log.Warn("upstream stream failed", "key", u.k.key, "err", err, "retry_in", d.Round(time.Millisecond))
+		u.c.metrics.UpstreamReconnects.Inc()
 		if !u.sleep(ctx, d) {
 			return
 		}
@@ -253,17 +253,17 @@ func (u *feed) waitUntil(ctx context.Context, ready func() bool) bool {
 // key, idle all along, was dropped and the feed ends.
 func (u *feed) idleFired() bool {
 	u.idle = nil // spent: checkIdle arms a new one if still idle
-	return u.r.dropIfIdle(u.k)
+	return u.c.dropIfIdle(u.k)
 }
 
 // ownerReady reports whether the relay's connection to the owner at addr
 // is ready.
-func (u *feed) ownerReady(addr string) bool { return u.r.pool.Ready(addr) }
+func (u *feed) ownerReady(addr string) bool { return u.c.pool.Ready(addr) }
 
 // confirmedBySilence counts views confirmed by the source's silence, and
 // marks them fresh (as fresh as the owner's, from an owner).
 func (u *feed) confirmedBySilence() {
-	u.r.metrics.SilentConfirms.Inc()
+	u.c.metrics.SilentConfirms.Inc()
 	u.setStale(u.ownerStale)
 }
 
@@ -298,12 +298,12 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 	defer cancel()
 	// The upstream's pace of new streams (Config.Upstream.StreamRate): taken
 	// before a slot, so that no slot waits on it.
-	if src.kind != sourcePeer && u.r.upstreamRate != nil && !u.r.upstreamRate.Allow() {
-		u.r.metrics.UpstreamWaiting.Inc()
-		u.r.metrics.WaitingOpen.Add(1)
-		err := u.r.upstreamRate.Wait(ctx)
-		u.r.metrics.WaitingOpen.Add(-1)
-		u.r.metrics.UpstreamWaiting.Dec()
+	if src.kind != sourcePeer && u.c.upstreamRate != nil && !u.c.upstreamRate.Allow() {
+		u.c.metrics.UpstreamWaiting.Inc()
+		u.c.metrics.WaitingOpen.Add(1)
+		err := u.c.upstreamRate.Wait(ctx)
+		u.c.metrics.WaitingOpen.Add(-1)
+		u.c.metrics.UpstreamWaiting.Dec()
 		if err != nil {
 			return false, ctx.Err()
 		}
@@ -314,9 +314,9 @@ func (u *feed) session(ctx context.Context, node *core.Node, presenter member, s
 	// owner's first answer waits on the owner's upstream stream, which must
 	// never wait behind streams to other owners, or relays whose slots all
 	// hold streams to each other wait on each other until syncSlotHold.
-	slots := u.r.syncs
+	slots := u.c.syncs
 	if src.kind == sourcePeer {
-		slots = u.r.peerSyncs
+		slots = u.c.peerSyncs
 	}
 	release, ok := slots.acquire(ctx)
 	if !ok {
@@ -385,15 +385,15 @@ func timerC(t *time.Timer) <-chan time.Time {
 // read lazily (wire.DeltaIn, wire.SotWIn): a resource's bytes are parsed,
 // and copied, only if the relay lacks the content.
 func (u *feed) open(sctx context.Context, node *core.Node, presenter member, src source) (*adsclient.Stream, error) {
-	conn := u.r.upConn
-	u.delta = u.r.cfg.Upstream.Protocol == ProtocolDelta
+	conn := u.c.upConn
+	u.delta = u.c.cfg.Upstream.Protocol == ProtocolDelta
 	u.demandCarried = 0
 	if src.kind == sourcePeer {
 		var err error
-		if conn, err = u.r.pool.Conn(src.addr); err != nil {
+		if conn, err = u.c.pool.Conn(src.addr); err != nil {
 			return nil, fmt.Errorf("owner %s: %w", src.addr, err)
 		}
-		sctx = u.r.peerContext(sctx, u.k.key)
+		sctx = u.c.host.peerContext(sctx, u.k.key)
 		if d := ledger.Stamp(u.k.demanded.Load()); d > u.demandSent {
 			sctx = metadata.AppendToOutgoingContext(sctx, peers.MDDemand, d.String())
 			u.demandCarried = d
@@ -404,7 +404,7 @@ func (u *feed) open(sctx context.Context, node *core.Node, presenter member, src
 		u.delta = true
 		u.declareViews()
 	}
-	if u.r.cfg.Upstream.ForwardCredentials && presenter != nil {
+	if u.c.cfg.Upstream.ForwardCredentials && presenter != nil {
 		// The member's own token: istiod checks it against the node this
 		// stream presents, which is that member's.
 		_, cred := presenter.presents()
@@ -417,18 +417,18 @@ func (u *feed) open(sctx context.Context, node *core.Node, presenter member, src
 // returned func is called.
 func (u *feed) countStream(src source) (uncount func()) {
 	if src.kind == sourcePeer {
-		u.r.metrics.PeerStreams.Inc()
-		u.r.metrics.PeerOpen.Add(1)
+		u.c.metrics.PeerStreams.Inc()
+		u.c.metrics.PeerOpen.Add(1)
 		return func() {
-			u.r.metrics.PeerStreams.Dec()
-			u.r.metrics.PeerOpen.Add(-1)
+			u.c.metrics.PeerStreams.Dec()
+			u.c.metrics.PeerOpen.Add(-1)
 		}
 	}
-	u.r.metrics.UpstreamStreams.Inc()
-	u.r.metrics.UpstreamOpen.Add(1)
+	u.c.metrics.UpstreamStreams.Inc()
+	u.c.metrics.UpstreamOpen.Add(1)
 	return func() {
-		u.r.metrics.UpstreamStreams.Dec()
-		u.r.metrics.UpstreamOpen.Add(-1)
+		u.c.metrics.UpstreamStreams.Dec()
+		u.c.metrics.UpstreamOpen.Add(-1)
 	}
 }
 
@@ -442,7 +442,7 @@ func (u *feed) begin(presenter member) {
 	// than anything the relay saw before (so the stream covers it).
 	// Its counter is drawn at random: another relay's stream for the key
 	// opened in the same millisecond has another Session (not SameStream).
-	u.sessionAt, u.opened = u.r.clock.Later(sessionStampWait, uint16(randN(u.r.rand, int64(1<<15)))), time.Now()
+	u.sessionAt, u.opened = u.c.clock.Later(sessionStampWait, uint16(randN(u.c.rand, int64(1<<15)))), time.Now()
 	for _, ut := range u.types {
 		ut.asked, ut.nonce, ut.named, ut.answered, ut.told = false, "", false, false, false // what it was asked is asked again
 	}
@@ -609,7 +609,7 @@ func (u *feed) setStale(stale bool) {
 		k.wakeStreams()
 	}
 	if changed && !stale {
-		u.r.persist(u.k)
+		u.c.persist(u.k)
 	}
 }
 
@@ -623,6 +623,6 @@ func (u *feed) reportSource() {
 	case sourceFallback:
 		src = ledger.SourceFallback
 	}
-	k.r.ledger.SetSource(string(k.key), src, k.views.Load().Stale)
-	k.r.reportSplits(k.key)
+	k.c.ledger.SetSource(string(k.key), src, k.views.Load().Stale)
+	k.c.reportSplits(k.key)
 }

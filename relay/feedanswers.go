@@ -45,7 +45,7 @@ func (u *feed) onSotW(resp *wire.SotWIn) error {
 	}
 	ut.nonce = resp.GetNonce()
 	upd, err := u.decodeAll(typeURL, len(resp.Resources), func(i int) (*xds.Resource, error) {
-		return u.r.store.Decode(typeURL, resp.Resources[i], "")
+		return u.c.store.Decode(typeURL, resp.Resources[i], "")
 	})
 	if err != nil {
 		return u.nack(typeURL, ut, resp.GetVersionInfo(), resp.GetNonce(), err)
@@ -83,7 +83,7 @@ func (u *feed) onDelta(resp *wire.DeltaIn) error {
 		return r.Body == nil // a TTL heartbeat: nothing changed
 	})
 	upd, err := u.decodeAll(typeURL, len(res), func(i int) (*xds.Resource, error) {
-		return u.r.store.Decode(typeURL, res[i].Body, res[i].Name)
+		return u.c.store.Decode(typeURL, res[i].Body, res[i].Name)
 	})
 	if err != nil {
 		return u.nack(typeURL, ut, "", resp.GetNonce(), err)
@@ -152,8 +152,8 @@ func (u *feed) decodeAll(typeURL string, n int, decode func(int) (*xds.Resource,
 // good view, and the upstream hears why. Only the relay's own decoding ever
 // NACKs upstream: an Envoy's NACK stays with that Envoy.
 func (u *feed) nack(typeURL string, ut *feedType, version, nonce string, cause error) error {
-	u.r.metrics.UpstreamNACKs.WithLabelValues(xds.ShortType(typeURL)).Inc()
-	u.r.log.Warn("upstream response refused", "key", u.k.key, "type", xds.ShortType(typeURL), "version", version, "err", cause)
+	u.c.metrics.UpstreamNACKs.WithLabelValues(xds.ShortType(typeURL)).Inc()
+	u.c.log.Warn("upstream response refused", "key", u.k.key, "type", xds.ShortType(typeURL), "version", version, "err", cause)
 	detail := &rpcstatus.Status{Code: int32(codes.InvalidArgument), Message: cause.Error()}
 	if u.delta {
 		return u.send(&discovery.DeltaDiscoveryRequest{TypeUrl: typeURL, ResponseNonce: nonce, ErrorDetail: detail})
@@ -164,7 +164,7 @@ func (u *feed) nack(typeURL string, ut *feedType, version, nonce string, cause e
 // arrived returns the Order of a view the upstream just sent on the current
 // stream.
 func (u *feed) arrived() ledger.Order {
-	return ledger.Order{Session: u.sessionAt, At: u.r.clock.Now()}
+	return ledger.Order{Session: u.sessionAt, At: u.c.clock.Now()}
 }
 
 // orderOf returns the Order of a Delta response: the owner's, carried in its
@@ -183,7 +183,7 @@ func (u *feed) orderOf(resp *wire.DeltaIn) ledger.Order {
 		// it covers nothing a client holds.
 		return ledger.Order{}
 	}
-	u.r.observe(o, "owner", string(u.k.key))
+	u.c.observe(o, "owner", string(u.k.key))
 	return o
 }
 
@@ -201,7 +201,7 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 	var derivedChanged bool
 	var view ledger.Tree[*xds.Resource]
 	var viewOrder ledger.Order
-	var gone []*xds.Resource // what the view dropped, kept a while (Relay.dropped)
+	var gone []*xds.Resource // what the view dropped, kept a while (keyCache.dropped)
 	k.update(func(next *views.Set) {
 		ts := next.TypeOf(typeURL)
 		old := ts.View
@@ -235,7 +235,7 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 			}
 			b.Delete(n)
 		}
-		ts.View = u.r.views.Intern(b.Tree())
+		ts.View = u.c.views.Intern(b.Tree())
 		if typeURL == xds.TypeCluster {
 			ts.Gone = u.clustersGone(next, ts.Gone, removed, upd)
 		}
@@ -271,7 +271,7 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 		view, viewOrder = ts.View, ts.Order
 	})
 	k.mu.Unlock()
-	k.r.dropped.Keep(gone)
+	k.c.dropped.Keep(gone)
 	k.recordView(typeURL, view, received, viewOrder)
 	k.wakeStreams()
 	if derivedChanged {
@@ -279,7 +279,7 @@ func (u *feed) apply(typeURL string, upd []*xds.Resource, del []string, replace,
 	}
 	u.armExpiry()
 	if fromSource {
-		u.r.persist(u.k)
+		u.c.persist(u.k)
 	}
 }
 
@@ -347,7 +347,7 @@ func (u *feed) clustersGone(next *views.Set, gone map[string]ledger.Stamp, remov
 	named := make(map[string]struct{})
 	for _, typeURL := range []string{xds.TypeRoute, xds.TypeListener} {
 		if ts := next.Types[typeURL]; ts != nil {
-			maps.Copy(named, u.r.refIndex.Names(ts.View, xds.RefClusters))
+			maps.Copy(named, u.c.refIndex.Names(ts.View, xds.RefClusters))
 		}
 	}
 	out := make(map[string]ledger.Stamp, len(gone)+len(removed))
@@ -359,7 +359,7 @@ func (u *feed) clustersGone(next *views.Set, gone map[string]ledger.Stamp, remov
 	for _, r := range upd {
 		delete(out, r.Name)
 	}
-	now := u.r.clock.Now()
+	now := u.c.clock.Now()
 	for _, n := range removed {
 		if _, ok := named[n]; ok {
 			out[n] = now
@@ -466,7 +466,7 @@ func (u *feed) armExpiry() {
 	if earliest.IsZero() {
 		return
 	}
-	d := time.Until(earliest.Add(u.r.cfg.XDS.ResourceWaitTimeout))
+	d := time.Until(earliest.Add(u.c.cfg.ResourceWaitTimeout))
 	if d < 0 {
 		d = 0
 	}
@@ -488,7 +488,7 @@ func (u *feed) expiryC() <-chan time.Time {
 // tell clients they do not exist.
 func (u *feed) expirePending() {
 	now := time.Now()
-	wait := u.r.cfg.XDS.ResourceWaitTimeout
+	wait := u.c.cfg.ResourceWaitTimeout
 	k := u.k
 	k.mu.Lock()
 	k.update(func(next *views.Set) {
@@ -524,12 +524,12 @@ func (u *feed) checkIdle() {
 	n := u.k.memberCount()
 	switch {
 	case n == 0 && u.idle == nil:
-		wait := u.r.cfg.Keys.IdleTimeout
-		if u.r.nobodyComesBack(u.k) {
+		wait := u.c.cfg.Keys.IdleTimeout
+		if u.c.nobodyComesBack(u.k) {
 			wait = 0
 		}
 		u.idle = time.NewTimer(wait)
-	case n == 0 && u.r.nobodyComesBack(u.k):
+	case n == 0 && u.c.nobodyComesBack(u.k):
 		u.idle.Reset(0) // learnt while it idled
 	case n > 0 && u.idle != nil:
 		u.idle.Stop()

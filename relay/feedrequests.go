@@ -36,9 +36,9 @@ func (u *feed) declareViews() {
 }
 
 // setVersions makes b the versions of ut, shared with the keys that hold
-// the same (Relay.versionTrees).
+// the same (keyCache.versionTrees).
 func (u *feed) setVersions(ut *feedType, b *ledger.Builder[string]) {
-	ut.versions, ut.versionsSet = u.r.versionTrees.Intern(b.Tree()), true
+	ut.versions, ut.versionsSet = u.c.versionTrees.Intern(b.Tree()), true
 }
 
 // versionTreeOf is a versions tree declaring each resource of view at the
@@ -154,7 +154,7 @@ func (u *feed) resubscribe() error {
 			continue // asked already: most members' requests change nothing here
 		}
 		// Shared by content: per-node keys of one view ask for one set.
-		names := u.r.nameSets.Intern(w.names)
+		names := u.c.nameSets.Intern(w.names)
 		if ut.asked && w.wildcard && !ut.wildcard {
 			// Turning a named subscription into a wildcard on a live stream,
 			// the next response may still answer the named one: nothing

@@ -12,7 +12,6 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
-	"github.com/meshrelay/meshrelay/relay/auth"
 )
 
 // credential is a bearer token a stream came with, kept in memory so that
@@ -56,33 +55,6 @@ func noteRefused(m member, err error) bool {
 	}
 	c.refused.Store(true)
 	return true
-}
-
-// forwardable returns the credential of a new stream to keep, in forward
-// mode: the token an Envoy brought to the TLS port, if it proves the
-// stream's identity (Authenticator.Token: the token that proved it, or one
-// beside the certificate that did), or the token another relay presents on
-// its stream to a key this relay owns (the peer port proved that relay; it
-// verified the token). Nil otherwise.
-func (r *Relay) forwardable(ctx context.Context, peer bool, id *auth.Identity) *credential {
-	if !r.cfg.Upstream.ForwardCredentials {
-		return nil
-	}
-	if peer {
-		tok, err := auth.BearerToken(ctx)
-		if err != nil || tok == "" {
-			return nil
-		}
-		return &credential{token: tok, expires: auth.UnverifiedExpiry(tok)}
-	}
-	if id == nil || r.cfg.XDS.Authenticator == nil {
-		return nil
-	}
-	tok, expires, ok := r.cfg.XDS.Authenticator.Token(ctx, *id)
-	if !ok {
-		return nil
-	}
-	return &credential{token: tok, expires: expires}
 }
 
 // withCredential adds c to an outgoing stream's metadata (nothing if nil).
@@ -136,9 +108,9 @@ func presentsToken(m member) bool {
 // The key's views are not confirmed meanwhile.
 func (u *feed) waitForToken(ctx context.Context, node *core.Node) bool {
 	u.setStale(true)
-	u.r.metrics.AwaitingToken.Inc()
-	defer u.r.metrics.AwaitingToken.Dec()
-	u.r.log.Warn("forward mode: no member of the key holds a token the upstream would take; serving the cache until an Envoy brings one", "key", u.k.key, "node", node.GetId())
+	u.c.metrics.AwaitingToken.Inc()
+	defer u.c.metrics.AwaitingToken.Dec()
+	u.c.log.Warn("forward mode: no member of the key holds a token the upstream would take; serving the cache until an Envoy brings one", "key", u.k.key, "node", node.GetId())
 	return u.waitUntil(ctx, func() bool {
 		first, _ := u.k.presenter()
 		return presentsToken(first) || u.choose().kind == sourcePeer // a token, or a source that needs none (the owner)
@@ -149,24 +121,24 @@ func (u *feed) waitForToken(ctx context.Context, node *core.Node) bool {
 // the stream presents (forward mode): then a member whose token lives
 // longer takes over. Nil if there is nothing to refresh.
 func (u *feed) refreshTimer(presenter member) *time.Timer {
-	if !u.r.cfg.Upstream.ForwardCredentials || presenter == nil {
+	if !u.c.cfg.Upstream.ForwardCredentials || presenter == nil {
 		return nil
 	}
 	_, cred := presenter.presents()
 	if cred == nil || cred.expires.IsZero() {
 		return nil
 	}
-	return time.NewTimer(time.Until(cred.expires.Add(-u.r.cfg.Upstream.TokenRefreshBefore)))
+	return time.NewTimer(time.Until(cred.expires.Add(-u.c.cfg.Upstream.TokenRefreshBefore)))
 }
 
 // tokenExpiring reports whether, in forward mode, the presented token is
 // within TokenRefreshBefore of its expiry while next's lives past it: the
 // stream should move to next before istiod would refuse a reconnect.
 func (u *feed) tokenExpiring(next member) bool {
-	if !u.r.cfg.Upstream.ForwardCredentials || u.presented == nil {
+	if !u.c.cfg.Upstream.ForwardCredentials || u.presented == nil {
 		return false
 	}
-	horizon := time.Now().Add(u.r.cfg.Upstream.TokenRefreshBefore)
+	horizon := time.Now().Add(u.c.cfg.Upstream.TokenRefreshBefore)
 	_, cur := u.presented.presents()
 	_, nextCred := next.presents()
 	return !cur.usableAt(horizon) && nextCred.usableAt(horizon)
@@ -177,5 +149,5 @@ func (u *feed) tokenExpiring(next member) bool {
 // relay's renewed stream, or an Envoy's new stream beside its old one,
 // presents the same node as the one it replaces.
 func (u *feed) presentsSame(next member, node *core.Node) bool {
-	return !u.r.cfg.Upstream.ForwardCredentials && proto.Equal(memberNode(next), node)
+	return !u.c.cfg.Upstream.ForwardCredentials && proto.Equal(memberNode(next), node)
 }

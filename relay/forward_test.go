@@ -88,7 +88,7 @@ func TestForwardOneStreamPerKeyEachWithItsMembersToken(t *testing.T) {
 			byToken[tokenHash(tok)] = member{c.node.GetId(), ns}
 		}
 	}
-	if n := len(e.r.heldKeys()); n != 2 {
+	if n := len(e.r.cache.heldKeys()); n != 2 {
 		t.Fatalf("keys = %d, want 2 (one per namespace)", n)
 	}
 	waitOpenUpstreams(t, e.up, 2)

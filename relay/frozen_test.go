@@ -248,7 +248,7 @@ func TestPeerViewIsTheOwnersWhileNamesArePending(t *testing.T) {
 		c.ack(m)
 		maps.Copy(got, versionMap(m))
 	}
-	k := peer.heldKeys()[0]
+	k := peer.cache.heldKeys()[0]
 	waitFor(t, "the peer's endpoints the owner's", func() bool {
 		ts := k.views.Load().Types[xds.TypeEndpoint]
 		_, held := ts.View.Get("gone")
@@ -298,7 +298,7 @@ func TestSotWNewStreamDropsWhatItDoesNotSend(t *testing.T) {
 		c.ack(m)
 		maps.Copy(got, versionMap(m))
 	}
-	k := r.heldKeys()[0]
+	k := r.cache.heldKeys()[0]
 	first := k.views.Load().Types[xds.TypeEndpoint].Order
 
 	up.stop()
@@ -376,7 +376,7 @@ func TestRemovalLeavesAVersionBehind(t *testing.T) {
 	// The scenario: what the client holds came on the stream behind's
 	// view came on, and no version it holds is newer than behind's view
 	// but the one the removal carried.
-	bv := behind.heldKeys()[0].views.Load().Types[xds.TypeCluster]
+	bv := behind.cache.heldKeys()[0].views.Load().Types[xds.TypeCluster]
 	if _, ok := bv.View.Get("c2"); !ok {
 		t.Fatal("behind's view lost c2: the freeze did not hold, the test checks nothing")
 	}

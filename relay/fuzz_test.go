@@ -1134,7 +1134,7 @@ func newUpHarness(t testing.TB, delta bool) *upHarness {
 		acked: map[string]string{}, names: map[string][]string{}, named: map[string]bool{},
 		deltaSubs: map[string]map[string]bool{}, subs: map[string]bool{}, sets: map[string]xds.NameSet{}, streamStart: -1,
 	}
-	h.k = newKeyState(r, "k")
+	h.k = newKeyState(r.cache, "k")
 	// A member whose node the upstream presents. The member is not
 	// otherwise driven: the harness subscribes for it.
 	m := r.newStream(context.Background(), false, portPlain)

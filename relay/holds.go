@@ -45,7 +45,7 @@ func (s *stream) forceEndpoints(cds *typeSub, upd []*xds.Resource) {
 			}
 			if !had {
 				if used == nil {
-					used = s.r.refIndex.Names(cds.known, xds.RefEndpoints)
+					used = s.r.cache.refIndex.Names(cds.known, xds.RefEndpoints)
 				}
 				if _, ok := used[e]; ok {
 					continue
@@ -420,13 +420,11 @@ func (s *stream) keepAskedClusters(sub *typeSub, ts *views.Type) {
 // baseKey returns the key the stream's node belongs to but for a split, if
 // the stream is on a key of its own and the relay holds that key.
 func (s *stream) baseKey() joinedKey {
-	key, base := s.r.keyOf(s.node, s.identity)
+	key, base := s.r.cache.keyOf(s.node, s.identity)
 	if key == base || s.key == nil || s.key.name() != key {
 		return nil
 	}
-	s.r.mu.Lock()
-	defer s.r.mu.Unlock()
-	if k := s.r.keys[base]; k != nil {
+	if k := s.r.cache.key(base); k != nil {
 		return k
 	}
 	return nil // not a nil *keyState in an interface
@@ -623,7 +621,7 @@ func (s *stream) refers(typeURL string, kind xds.RefKind, name string) bool {
 	if sub.known.Len() == 0 {
 		return false
 	}
-	if _, ok := s.r.refIndex.Names(sub.known, kind)[name]; ok {
+	if _, ok := s.r.cache.refIndex.Names(sub.known, kind)[name]; ok {
 		return true
 	}
 	// The client declared content this relay has never seen (it came

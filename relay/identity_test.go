@@ -289,7 +289,7 @@ func TestTLSPortSpoofedNodeCreatesNoKey(t *testing.T) {
 			t.Fatalf("spoof %d: %v, want PermissionDenied", i, err)
 		}
 	}
-	for _, k := range e.r.heldKeys() {
+	for _, k := range e.r.cache.heldKeys() {
 		if strings.Contains(string(k.key), "/ns2/") {
 			t.Fatalf("key %s exists after spoofed streams only", k.key)
 		}
@@ -303,7 +303,7 @@ func TestTLSPortSpoofedNodeCreatesNoKey(t *testing.T) {
 		t.Fatalf("genuine ns2 stream: %v", err)
 	}
 	ns2Key := func() *keyState {
-		for _, k := range e.r.heldKeys() {
+		for _, k := range e.r.cache.heldKeys() {
 			if strings.Contains(string(k.key), "/ns2/") {
 				return k
 			}
@@ -339,7 +339,7 @@ func TestIdentityIsPartOfTheKey(t *testing.T) {
 			t.Fatalf("%s: %v", sa, err)
 		}
 	}
-	if n := len(e.r.heldKeys()); n != 2 {
+	if n := len(e.r.cache.heldKeys()); n != 2 {
 		t.Fatalf("keys = %d, want 2: one per proven service account", n)
 	}
 }

@@ -40,9 +40,7 @@ func (r *Relay) KeyDetail(key string, maxNames int) (*inspectpb.KeyDetail, error
 	if maxNames <= 0 {
 		maxNames = defaultMaxNames
 	}
-	r.mu.Lock()
-	k := r.keys[aggkey.Key(key)]
-	r.mu.Unlock()
+	k := r.cache.key(aggkey.Key(key))
 	if k == nil {
 		return nil, fmt.Errorf("key %q: %w", key, ErrNotHeld)
 	}
@@ -180,9 +178,7 @@ func (r *Relay) ConfigDump(ctx context.Context, req *inspectpb.ConfigDumpRequest
 		}
 		types = (<-q.reply).types
 	case req.GetKey() != "":
-		r.mu.Lock()
-		k := r.keys[aggkey.Key(req.GetKey())]
-		r.mu.Unlock()
+		k := r.cache.key(aggkey.Key(req.GetKey()))
 		if k == nil {
 			return nil, fmt.Errorf("key %q: %w", req.GetKey(), ErrNotHeld)
 		}
@@ -308,10 +304,18 @@ type Stats struct {
 	ACKs            uint64
 }
 
+// Aggregation reports how well this relay's keys aggregate its Envoys. It
+// takes no key's lock. Safe for concurrent use.
+func (r *Relay) Aggregation() AggregationReport { return r.cache.aggregation() }
+
+// Splits returns the splits the relay knows, by key, in key order. Safe
+// for concurrent use.
+func (r *Relay) Splits() []KeySplit { return r.cache.splitList() }
+
 // Stats returns the relay's current figures.
 func (r *Relay) Stats() Stats {
-	keys := r.heldKeys()
-	st := Stats{Keys: len(keys), Resources: r.store.Len(), RestoredKeys: int(r.restored.Load())}
+	keys := r.cache.heldKeys()
+	st := Stats{Keys: len(keys), Resources: r.store.Len(), RestoredKeys: int(r.cache.restored.Load())}
 	for _, k := range keys {
 		peers := int(k.peers.Load())
 		st.Streams += int(k.joined.Load()) - peers

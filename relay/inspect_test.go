@@ -67,7 +67,7 @@ func TestInspect(t *testing.T) {
 	}
 	ctx := context.Background()
 	e.waitLedger(t, "the client's ACKs", ledger.Convergence{Envoys: 1, Current: 1}, "")
-	key := string(e.r.heldKeys()[0].key)
+	key := string(e.r.cache.heldKeys()[0].key)
 
 	t.Run("key detail", func(t *testing.T) {
 		d, err := e.r.KeyDetail(key, 2)
@@ -85,7 +85,7 @@ func TestInspect(t *testing.T) {
 		if want := []string{"cds", "eds", "lds", "rds", "sds"}; !slices.Equal(order, want) {
 			t.Fatalf("KeyDetail types %v, want %v (push order)", order, want)
 		}
-		snap := e.r.heldKeys()[0].views.Load()
+		snap := e.r.cache.heldKeys()[0].views.Load()
 		for typeURL, td := range byType {
 			view := snap.Types[typeURL].View
 			bytes := 0

@@ -26,7 +26,7 @@ import (
 // the latest views.Set without locking.
 type keyState struct {
 	key aggkey.Key
-	r   *Relay
+	c   *keyCache
 
 	views atomic.Pointer[views.Set]
 
@@ -127,7 +127,7 @@ type member interface {
 // typeWant is the union of the member streams' subscriptions to one type.
 //
 // It holds the streams' name sets themselves (interned: streams that ask
-// alike share one, Relay.nameSets), each once with the number of streams
+// alike share one, keyCache.nameSets), each once with the number of streams
 // subscribed to it, not a copy of their names: the Envoys of a key mostly
 // ask alike, and a per-node key holds its one Envoy's set, which is every
 // other key's of the same content. Only while its streams ask differently
@@ -231,10 +231,10 @@ func (w *typeWant) remove(names xds.NameSet) {
 	}
 }
 
-func newKeyState(r *Relay, key aggkey.Key) *keyState {
+func newKeyState(c *keyCache, key aggkey.Key) *keyState {
 	k := &keyState{
 		key:    key,
-		r:      r,
+		c:      c,
 		upWake: make(chan struct{}, 1),
 		want:   make(map[string]*typeWant),
 		hist:   make(map[string]*ledger.History[*xds.Resource]),
@@ -250,14 +250,14 @@ func (k *keyState) recordView(typeURL string, view ledger.Tree[*xds.Resource], a
 	h := k.hist[typeURL]
 	if h == nil {
 		var err error
-		if h, err = ledger.NewHistory[*xds.Resource](k.r.cfg.History); err != nil {
+		if h, err = ledger.NewHistory[*xds.Resource](k.c.cfg.History); err != nil {
 			panic(err) // Config.validate checked it
 		}
 		k.hist[typeURL] = h
 	}
 	k.histMu.Unlock()
 	if v, recorded := h.Record(view, at, order); recorded {
-		k.r.ledger.Recorded(string(k.key), typeURL, h, v)
+		k.c.ledger.Recorded(string(k.key), typeURL, h, v)
 	}
 }
 
@@ -318,7 +318,7 @@ func (k *keyState) lastContent(typeURL string, names []string) []*xds.Resource {
 			}
 			r := e.Value
 			if r == nil {
-				r = k.r.store.Lookup(e.Hash)
+				r = k.c.store.Lookup(e.Hash)
 			}
 			if r != nil {
 				out = append(out, r)
@@ -398,10 +398,10 @@ func (k *keyState) wakeStreams() {
 // is in fallback) opens one; a relay that subscribes to the owner passes
 // the demand on to it. From a peer relay, at moves the relay's clock (and is
 // dropped if the clock refuses it); an Envoy's was checked when it declared
-// it (Relay.plausible).
+// it (keyCache.placed).
 func (k *keyState) demand(at ledger.Stamp, fromPeer bool) {
 	if fromPeer {
-		if !k.r.observe(ledger.Order{Session: at, At: at}, "peer demand", string(k.key)) {
+		if !k.c.observe(ledger.Order{Session: at, At: at}, "peer demand", string(k.key)) {
 			return // its clock is off: no stream of ours can cover it
 		}
 	}
@@ -459,7 +459,7 @@ func (k *keyState) join(m member) {
 	k.mu.Unlock()
 	wake(k.upWake)
 	if second {
-		wake(k.r.divergenceWake)
+		wake(k.c.divergenceWake)
 	}
 }
 
@@ -494,7 +494,7 @@ func (k *keyState) presenter() (member, int) {
 	if len(k.members) == 0 {
 		return nil, 0
 	}
-	return presentable(k.members, k.r.cfg.Upstream.ForwardCredentials, time.Now(), k.r.cfg.Upstream.TokenRefreshBefore), len(k.members)
+	return presentable(k.members, k.c.cfg.Upstream.ForwardCredentials, time.Now(), k.c.cfg.Upstream.TokenRefreshBefore), len(k.members)
 }
 
 // memberCount returns the number of members.
@@ -509,7 +509,7 @@ func (k *keyState) isMember(m member) bool {
 
 // subscribe records a stream's subscription change to typeURL: wildcard
 // turned on or off, its names moved from one set to another (both
-// interned, Relay.nameSets). Names newly wanted that the view does not
+// interned, keyCache.nameSets). Names newly wanted that the view does not
 // hold become pending at once, so that no stream reports them missing
 // before the upstream had a chance to send them.
 func (k *keyState) subscribe(typeURL string, wildcardBefore, wildcardAfter bool, before, after xds.NameSet) {
@@ -594,7 +594,7 @@ func (k *keyState) wantedTypes() map[string]bool {
 // it.
 func (k *keyState) checkDue(now time.Time, every time.Duration) (member, bool) {
 	fromOwner := sourceKind(k.source.Load()) == sourcePeer
-	if fromOwner && k.r.cfg.Upstream.ForwardCredentials {
+	if fromOwner && k.c.cfg.Upstream.ForwardCredentials {
 		return nil, false // the owner would need the member's token
 	}
 	k.mu.Lock()
@@ -614,12 +614,12 @@ func (k *keyState) checkDue(now time.Time, every time.Duration) (member, bool) {
 		}
 		// In forward mode, the upstream wants the member's own token: a
 		// relay's stream carries none.
-		return !k.r.cfg.Upstream.ForwardCredentials || cred != nil
+		return !k.c.cfg.Upstream.ForwardCredentials || cred != nil
 	}
 	// The owner checks a key at once when it becomes aggregated, and
 	// when its members come to subscribe to more; a relay it feeds
 	// checks its own members in turn.
-	return k.div.Due(now, every, k.members, wanted, candidate, !fromOwner, k.r.drawWait)
+	return k.div.Due(now, every, k.members, wanted, candidate, !fromOwner, k.c.drawWait)
 }
 
 // recheckDue reports whether it is time to check again that the member of
@@ -636,7 +636,7 @@ func (k *keyState) recheckDue(now time.Time, every time.Duration) (member, bool)
 		node, _ := m.presents()
 		return node != nil && m.peerRelayID() == ""
 	}
-	return k.div.RecheckDue(now, every, k.members, local, k.r.drawWait)
+	return k.div.RecheckDue(now, every, k.members, local, k.c.drawWait)
 }
 
 // recheckDone ends k's re-check of m (divergence.Schedule.RecheckDone).
@@ -648,7 +648,7 @@ func (k *keyState) recheckDone(m member, proven bool, every time.Duration) {
 
 // drawWait returns a random wait in [0, d), drawn from Config.Rand: a
 // key's first check at a random point of its interval.
-func (r *Relay) drawWait(d time.Duration) time.Duration { return randN(r.rand, d) }
+func (c *keyCache) drawWait(d time.Duration) time.Duration { return randN(c.rand, d) }
 
 // checkLater ends k's running check of m, which could not run: m is
 // checked first at the next tick (divergence.Schedule.Later).

@@ -21,7 +21,7 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics.Metrics, error) {
 		}, func() float64 { return float64(r.store.Len()) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_cache_dropped_bytes", Help: "Bytes of resources the views dropped lately, kept for clients that still hold them (KeepDroppedBytes).",
-		}, func() float64 { _, b := r.dropped.Held(); return float64(b) }),
+		}, func() float64 { _, b := r.cache.dropped.Held(); return float64(b) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_request_budget_bytes", Help: "Bytes of large requests being decoded and applied now (XDS.RequestBudgetBytes bounds them; a request past it waits).",
 		}, func() float64 { return float64(func() int64 { n, _ := r.budget.InUse(); return n }()) }),
@@ -43,7 +43,7 @@ func (c keyCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c keyCollector) Collect(ch chan<- prometheus.Metric) {
-	keys := c.r.heldKeys()
+	keys := c.r.cache.heldKeys()
 	counts := map[sourceKind]int{}
 	stale, aggregated := 0, 0
 	for _, k := range keys {

@@ -42,7 +42,7 @@ func TestPushOrder(t *testing.T) {
 	for _, delta := range []bool{false, true} {
 		t.Run(protocolName(delta), func(t *testing.T) {
 			r := newTestRelay(t)
-			k := newKeyState(r, "k")
+			k := newKeyState(r.cache, "k")
 			s := r.newStream(context.Background(), delta, portPlain)
 			s.key = k
 			var sent []string
@@ -123,10 +123,10 @@ func TestRefIndexNotPoisoned(t *testing.T) {
 	if d.Root() != held.Root() {
 		t.Fatal("declared and held trees should share a root")
 	}
-	if got := r.refIndex.Names(d, xds.RefClusters); len(got) != 0 {
+	if got := r.cache.refIndex.Names(d, xds.RefClusters); len(got) != 0 {
 		t.Fatalf("references of unknown content = %v, want none", got)
 	}
-	if got := r.refIndex.Names(held, xds.RefClusters); len(got) != 2 {
+	if got := r.cache.refIndex.Names(held, xds.RefClusters); len(got) != 2 {
 		t.Fatalf("references of the held route = %v, want c0 and c1", got)
 	}
 }

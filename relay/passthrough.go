@@ -51,8 +51,8 @@ func (s *stream) passthroughFor() *passthrough.Passthrough {
 	r := s.r
 	cfg := passthrough.Config{
 		Conn: r.upConn, Node: s.node, Delta: s.delta, Log: s.log,
-		Paces:   []*rate.Limiter{r.passRate, r.upstreamRate},
-		Backoff: r.newBackoff().next,
+		Paces:   []*rate.Limiter{r.passRate, r.cache.upstreamRate},
+		Backoff: r.cache.newBackoff().next,
 	}
 	if r.cfg.Upstream.ForwardCredentials {
 		// The content is this client's: it presents its own token, as it

@@ -58,36 +58,36 @@ const snapshotLoadTimeout = 30 * time.Second
 // loadSnapshots restores every persisted key, stale, before streams are let
 // in (see watchWarm): a relay that loaded config is warm even while its
 // upstream is unreachable.
-func (r *Relay) loadSnapshots(ctx context.Context) {
-	defer close(r.loaded)
+func (c *keyCache) loadSnapshots(ctx context.Context) {
+	defer close(c.loaded)
 	start := time.Now()
 	lctx, cancel := context.WithTimeout(ctx, snapshotLoadTimeout)
-	saved, err := r.cfg.Keys.Snapshots.Load(lctx)
+	saved, err := c.cfg.Keys.Snapshots.Load(lctx)
 	cancel()
 	if err != nil {
-		r.log.Warn("warm start: snapshots not loaded; starting cold", "err", err)
+		c.log.Warn("warm start: snapshots not loaded; starting cold", "err", err)
 		return
 	}
 	keys, types := 0, 0
-	rs := warm.NewRestorer(r.store)
+	rs := warm.NewRestorer(c.store)
 	rs.Prebuild(saved)
 	for _, sk := range saved {
-		if n := r.restoreKey(sk, rs); n > 0 {
+		if n := c.restoreKey(sk, rs); n > 0 {
 			keys++
 			types += n
 		}
 	}
-	r.metrics.RestoredKeys.Add(float64(keys))
-	r.restored.Store(int64(keys))
+	c.metrics.RestoredKeys.Add(float64(keys))
+	c.restored.Store(int64(keys))
 	if keys > 0 {
-		r.markWarm(fmt.Sprintf("%d keys restored from snapshots", keys))
+		c.host.markWarm(fmt.Sprintf("%d keys restored from snapshots", keys))
 	}
-	r.log.Info("warm start", "keys", keys, "types", types, "took", time.Since(start).Round(time.Millisecond))
+	c.log.Info("warm start", "keys", keys, "types", types, "took", time.Since(start).Round(time.Millisecond))
 }
 
 // restoreKey installs a persisted key, stale, if no stream created it
 // first, and returns the number of types restored.
-func (r *Relay) restoreKey(sk xds.SavedKey, rs *warm.Restorer) int {
+func (c *keyCache) restoreKey(sk xds.SavedKey, rs *warm.Restorer) int {
 	types := make(map[string]*views.Type, len(sk.Types))
 	for _, st := range sk.Types {
 		if !xds.Cached(st.Type) {
@@ -95,21 +95,21 @@ func (r *Relay) restoreKey(sk xds.SavedKey, rs *warm.Restorer) int {
 		}
 		t, ok := rs.Tree(st)
 		if !ok {
-			r.log.Warn("warm start: persisted view does not match its root; not restored", "key", sk.Key, "type", xds.ShortType(st.Type))
+			c.log.Warn("warm start: persisted view does not match its root; not restored", "key", sk.Key, "type", xds.ShortType(st.Type))
 			continue
 		}
-		types[st.Type] = &views.Type{View: r.views.Intern(t), Ready: true, Full: st.Full}
+		types[st.Type] = &views.Type{View: c.views.Intern(t), Ready: true, Full: st.Full}
 	}
 	if len(types) == 0 {
 		return 0
 	}
-	installed := r.installKey(aggkey.Key(sk.Key), func(k *keyState, u *feed) {
+	installed := c.installKey(aggkey.Key(sk.Key), func(k *keyState, u *feed) {
 		k.views.Store(&views.Set{Types: types, Stale: true, Restored: true})
 		now := time.Now()
 		for typeURL, ts := range types {
 			k.recordView(typeURL, ts.View, now, ledger.Order{})
 		}
-		r.ledger.SetSource(sk.Key, ledger.SourceUpstream, true)
+		c.ledger.SetSource(sk.Key, ledger.SourceUpstream, true)
 		u.followRestored(rs)
 		u.seedRestored()
 	})
@@ -185,12 +185,12 @@ func (u *feed) seedRestored() {
 // its upstream stream, and a live stream confirmed the views. The key's feed
 // calls it after every change from the upstream and when the views are
 // confirmed.
-func (r *Relay) persist(k *keyState) {
-	snaps := r.cfg.Keys.Snapshots
+func (c *keyCache) persist(k *keyState) {
+	snaps := c.cfg.Keys.Snapshots
 	if snaps == nil || sourceKind(k.source.Load()) != sourceUpstream {
 		return
 	}
-	if o := r.cfg.Tier.Owners; o != nil {
+	if o := c.cfg.Owners; o != nil {
 		if _, self := o.Owner(string(k.key)); !self {
 			return
 		}
@@ -205,5 +205,5 @@ func (r *Relay) persist(k *keyState) {
 			saved = append(saved, xds.View{Type: t, Full: ts.Full, Tree: ts.View})
 		}
 	}
-	snaps.Save(string(k.key), r.ownersTerm.Load(), saved)
+	snaps.Save(string(k.key), c.ownersTerm.Load(), saved)
 }

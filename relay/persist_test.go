@@ -61,9 +61,7 @@ func TestRestoreChecksRoots(t *testing.T) {
 	if got := r.Stats().RestoredKeys; got != 3 {
 		t.Errorf("RestoredKeys = %d, want 3 (k3's view matches no root)", got)
 	}
-	r.mu.Lock()
-	k1, k2, k3 := r.keys["k1"], r.keys["k2"], r.keys["k3"]
-	r.mu.Unlock()
+	k1, k2, k3 := r.cache.key("k1"), r.cache.key("k2"), r.cache.key("k3")
 	if k1 == nil || k2 == nil || k3 != nil {
 		t.Fatalf("restored k1 %v, k2 %v, k3 %v; want k1 and k2 only", k1 != nil, k2 != nil, k3 != nil)
 	}
@@ -77,9 +75,7 @@ func TestRestoreChecksRoots(t *testing.T) {
 	}
 	// k0's record claims k1's root with other content: it gets the content
 	// the root commits to.
-	r.mu.Lock()
-	k0 := r.keys["k0"]
-	r.mu.Unlock()
+	k0 := r.cache.key("k0")
 	if v0 := k0.views.Load().Types[xds.TypeCluster].View; !v0.Shares(v1) {
 		t.Errorf("k0 holds %d clusters, want the 2 its root commits to", v0.Len())
 	}

@@ -428,7 +428,7 @@ func (s *stream) dropEndpointsOf(before ledger.Tree[*xds.Resource], removed []st
 	// on a stream whose clusters were known by hash).
 	var still map[string]struct{}
 	if !opaque(cds.known) {
-		still = s.r.refIndex.Names(cds.known, xds.RefEndpoints)
+		still = s.r.cache.refIndex.Names(cds.known, xds.RefEndpoints)
 	} else {
 		still = make(map[string]struct{})
 		for e := range cds.known.All() {

@@ -79,7 +79,7 @@ func newPushBench(b *testing.B, delta bool) *pushBench {
 		pb.names = append(pb.names, name)
 		cs, es = append(cs, mkCluster(name)), append(es, mkCLA(name, 9000))
 	}
-	pb.k = newKeyState(r, "bench")
+	pb.k = newKeyState(r.cache, "bench")
 	pb.publish(b, xds.TypeCluster, cs...)
 	pb.publish(b, xds.TypeEndpoint, es...)
 	codec := wire.NewCodec()

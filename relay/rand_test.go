@@ -7,15 +7,15 @@ import (
 	"time"
 )
 
-// TestBackoffSeeded: a relay given Config.Rand draws its backoff from it, so
+// TestBackoffSeeded: keys given Config.Rand draw their backoff from it, so
 // that the same seed gives the same waits (a simulation replays a seed),
 // and every wait stays in [d/2, d].
 func TestBackoffSeeded(t *testing.T) {
 	draw := func(seed uint64) []time.Duration {
-		r := &Relay{cfg: Config{Upstream: UpstreamConfig{BackoffInitial: 250 * time.Millisecond, BackoffMax: 4 * time.Second}}, rand: newRand(rand.NewPCG(seed, 1))}
-		b := r.newBackoff()
+		c := &keyCache{cfg: keyConfig{Upstream: UpstreamConfig{BackoffInitial: 250 * time.Millisecond, BackoffMax: 4 * time.Second}}, rand: newRand(rand.NewPCG(seed, 1))}
+		b := c.newBackoff()
 		var out []time.Duration
-		for d := r.cfg.Upstream.BackoffInitial; len(out) < 8; d = min(2*d, r.cfg.Upstream.BackoffMax) {
+		for d := c.cfg.Upstream.BackoffInitial; len(out) < 8; d = min(2*d, c.cfg.Upstream.BackoffMax) {
 			w := b.next()
 			if w < d/2 || w > d {
 				t.Fatalf("wait %d = %v, want in [%v, %v]", len(out), w, d/2, d)

@@ -18,10 +18,10 @@ import (
 // header, the key's splits, after adding the ones it told.
 func (s *stream) tellSplits(pi *peerIdentity) {
 	if len(pi.splits) > 0 {
-		s.r.learnSplits(pi.key, pi.splits)
+		s.r.cache.learnSplits(pi.key, pi.splits)
 	}
-	s.splitGen = s.r.splits.gen.Load()
-	splits := s.r.splits.of(pi.key)
+	s.splitGen = s.r.cache.splits.gen.Load()
+	splits := s.r.cache.splits.of(pi.key)
 	if len(splits) == 0 {
 		return
 	}
@@ -43,13 +43,13 @@ func (s *stream) tellSplits(pi *peerIdentity) {
 // ends with the key's splits in its trailer (MDSplits): that relay moves
 // its own Envoys, and subscribes again at once.
 func (s *stream) followSplits() error {
-	gen := s.r.splits.gen.Load()
+	gen := s.r.cache.splits.gen.Load()
 	if s.next == nil && gen == s.splitGen {
 		return nil
 	}
 	s.splitGen = gen
 	if s.peerRelay != nil {
-		splits := s.r.splits.of(s.key.name())
+		splits := s.r.cache.splits.of(s.key.name())
 		if len(splits) == 0 {
 			return nil // another key split
 		}
@@ -61,11 +61,11 @@ func (s *stream) followSplits() error {
 		return status.Error(codes.Aborted, errKeySplit.Error())
 	}
 	if s.next == nil {
-		want, base := s.r.keyOf(s.node, s.identity)
+		want, base := s.r.cache.keyOf(s.node, s.identity)
 		if want == s.key.name() {
 			return nil
 		}
-		s.next = s.r.joinKey(want, s)
+		s.next = s.r.cache.join(want, s)
 		s.next.leftBySplit(want, base)
 		for typeURL, sub := range s.subs {
 			s.next.subscribe(typeURL, false, sub.wildcard, nil, sub.names)
@@ -109,8 +109,8 @@ func (s *stream) declareHeld() {
 			continue
 		}
 		_, o, err := wire.ParseVersion(sub.sent.version)
-		if err != nil || !s.r.placed(o, true) {
-			o = s.r.declaredBound()
+		if err != nil || !s.r.cache.placed(o, true) {
+			o = s.r.cache.declaredBound()
 		}
 		sub.orders, sub.declared = sub.orders.add(o), true
 	}

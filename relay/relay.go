@@ -60,7 +60,10 @@
 // each is to become (arrows_test.go's layerOfFile; TestCoreArrows counts
 // the ties that still run up from one layer to a higher one):
 //
-//   - a key's cache and its feed: aggregation.go (which key a stream
+//   - a key's cache and its feed: keycache.go (the keys, and what they
+//     share; the one thing above them they reach is what its keyHost
+//     gives), keyconfig.go (what configures them: Upstream, Keys, the
+//     tier's Owners), aggregation.go (which key a stream
 //     joins, the keys held), keystate.go (its views, subscriptions and
 //     members: the streams joined to it, which it knows only as its member
 //     interface; its divergence check's schedule), versions.go (whether a
@@ -147,20 +150,9 @@ type Relay struct {
 	log      *slog.Logger
 	rand     *rand.Rand // Config.Rand, serialised; nil: the global source
 	store    *xds.Store
-	dropped  *xds.Dropped
-	// views shares the keys' views of equal content: the keys of a
-	// namespace, each fed by a stream of its own, hold one tree (issue 17).
-	// These three are allocated apart from the Relay: the cleanups they
-	// register hold them, and a pointer into the Relay would keep a
-	// stopped one alive for as long as a tree it made lives.
-	views        *ledger.Interner[*xds.Resource]
-	versionTrees *ledger.Interner[string] // the upstream's Delta versions, per key and type, shared by content
-	nameSets     *xds.NameSets            // the streams' subscriptions, shared by content
-	syncs        syncSlots                // first answers from the upstream in flight (Config.Upstream.Syncs)
-	peerSyncs    syncSlots                // first answers from keys' owners in flight (as many)
-	upstreamRate *rate.Limiter            // streams opened to the upstream (Config.Upstream.StreamRate); nil: no bound
-	passRate     *rate.Limiter            // of those, passthrough streams: a fifth of the pace; nil: no bound
-	refIndex     xds.RefIndex
+	// cache is the relay's keys, and what they share (keycache.go).
+	cache        *keyCache
+	passRate     *rate.Limiter // passthrough streams opened to the upstream: a fifth of Upstream.StreamRate; nil: no bound
 	metrics      *metrics.Metrics
 	pushACK      metrics.Latency
 	ledger       *ledger.Tracker
@@ -171,9 +163,7 @@ type Relay struct {
 	bodies           wire.Bodies
 	versions         wire.Versions // every version string rendered once
 	streamID         atomic.Uint64
-	// clock orders the views of the keys this relay is the source of, and
-	// observes the Orders of views it gets from the tier (ledger.Order).
-	clock *ledger.Clock
+	clock            *ledger.Clock // the keys' clock (keyCache.clock)
 
 	upConn     *grpc.ClientConn
 	servers    []*grpc.Server // xDS servers: plaintext, TLS
@@ -193,9 +183,6 @@ type Relay struct {
 
 	warm           chan struct{} // closed once the upstream was first reached, or snapshots loaded
 	warmOnce       sync.Once
-	loaded         chan struct{}              // closed once snapshots are loaded (at once without Snapshots)
-	ownersTerm     atomic.Uint64              // counts changes of owners (Snapshots.Save's term)
-	restored       atomic.Int64               // keys restored from snapshots at start
 	draining       atomic.Bool                // set by MarkNotReady: new streams are refused
 	handed         sync.Map                   // heldID → time.Time: versions handed over (handOver)
 	handedN        atomic.Uint64              // counts handing's notes, to prune handed now and then
@@ -211,21 +198,15 @@ type Relay struct {
 	claims   *claims.Lookup       // asks the tier and the store what a SotW client's version held
 	gatherer *tierledger.Gatherer // the tier's ledger, and other answers gathered from every relay
 
-	// splits are the keys' splits the relay knows (rekey.go);
-	// divergenceWake wakes the divergence checks at once; checkSlots
-	// holds one token per check running.
-	splits         splitBook
-	divergenceWake chan struct{}
-	checkSlots     syncSlots
-	usable         usableSet // routes and listeners found usable, for every Envoy stream alike
+	checkSlots syncSlots // one token per divergence check running
+	usable     usableSet // routes and listeners found usable, for every Envoy stream alike
 
 	// runMu guards refuseWork: set as Stop begins, goRun starts nothing
 	// after it.
 	runMu      sync.Mutex
 	refuseWork bool
 
-	mu   sync.Mutex
-	keys map[aggkey.Key]*keyState
+	mu sync.Mutex
 	// attached holds the streams joined to a key, with the key: each is
 	// a member of it from acquireKey to releaseKey.
 	attached map[*stream]joinedKey
@@ -246,31 +227,49 @@ func New(cfg Config) (*Relay, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
+	log := cfg.Logger.With("relay", cfg.ID)
+	store, clock, rnd := xds.NewStore(), ledger.NewClock(cfg.wall), newRand(cfg.Rand)
+	pool := peers.NewPool(cfg.MaxMsgSize, cfg.Tier.DialOptions...)
 	r := &Relay{
-		cfg:            cfg,
-		log:            cfg.Logger.With("relay", cfg.ID),
-		store:          xds.NewStore(),
+		cfg:          cfg,
+		log:          log,
+		store:        store,
+		controlPlane: &core.ControlPlane{Identifier: cfg.ID},
+		stopping:     make(chan struct{}),
+		attached:     make(map[*stream]joinedKey),
+		warm:         make(chan struct{}),
+		pool:         pool,
+		clock:        clock,
+		rand:         rnd,
+		authLogs:     newAuthLogLimiter(),
+		failures:     admission.NewFailureGate(),
+		budget:       admission.NewBudget(cfg.XDS.RequestBudgetBytes),
+		shares:       admission.NewShares[*stream](cfg.XDS.MaxStreams),
+		checkSlots:   newSyncSlots(maxDivergenceChecks),
+	}
+	r.cache = &keyCache{
+		cfg: keyConfig{
+			Upstream:            cfg.Upstream,
+			Keys:                cfg.Keys,
+			History:             cfg.History,
+			Owners:              cfg.Tier.Owners,
+			ResourceWaitTimeout: cfg.XDS.ResourceWaitTimeout,
+		},
+		host:           keyHost{goRun: r.goRun, peerContext: r.peerContext, markWarm: r.markWarm},
+		log:            log,
+		store:          store,
 		dropped:        xds.NewDropped(cfg.Keys.KeepDroppedBytes),
 		views:          new(ledger.Interner[*xds.Resource]),
 		versionTrees:   new(ledger.Interner[string]),
 		nameSets:       new(xds.NameSets),
-		controlPlane:   &core.ControlPlane{Identifier: cfg.ID},
-		stopping:       make(chan struct{}),
-		keys:           make(map[aggkey.Key]*keyState),
-		attached:       make(map[*stream]joinedKey),
-		warm:           make(chan struct{}),
-		loaded:         make(chan struct{}),
-		pool:           peers.NewPool(cfg.MaxMsgSize, cfg.Tier.DialOptions...),
-		clock:          ledger.NewClock(cfg.wall),
-		rand:           newRand(cfg.Rand),
-		authLogs:       newAuthLogLimiter(),
-		failures:       admission.NewFailureGate(),
-		budget:         admission.NewBudget(cfg.XDS.RequestBudgetBytes),
-		shares:         admission.NewShares[*stream](cfg.XDS.MaxStreams),
+		clock:          clock,
+		rand:           rnd,
+		pool:           pool,
 		syncs:          newSyncSlots(cfg.Upstream.Syncs),
 		peerSyncs:      newSyncSlots(cfg.Upstream.Syncs),
 		divergenceWake: make(chan struct{}, 1),
-		checkSlots:     newSyncSlots(maxDivergenceChecks),
+		loaded:         make(chan struct{}),
+		keys:           make(map[aggkey.Key]*keyState),
 	}
 	r.adminGuard = &admin.Guard{Token: cfg.Admin.Token, Identities: cfg.Admin.Identities, XDSAuthenticated: cfg.XDS.Authenticator != nil, Refuse: r.refuseAuth}
 	if cfg.Admin.Authenticator != nil {
@@ -280,7 +279,7 @@ func New(cfg Config) (*Relay, error) {
 		r.admission = admission.NewFair(cfg.XDS.AdmitRate, cfg.XDS.AdmitBurst, cfg.XDS.AdmitWait)
 	}
 	if cfg.Upstream.StreamRate > 0 {
-		r.upstreamRate = rate.NewLimiter(rate.Limit(cfg.Upstream.StreamRate), max(1, int(cfg.Upstream.StreamRate)))
+		r.cache.upstreamRate = rate.NewLimiter(rate.Limit(cfg.Upstream.StreamRate), max(1, int(cfg.Upstream.StreamRate)))
 		r.passRate = rate.NewLimiter(rate.Limit(cfg.Upstream.StreamRate/5), max(1, int(cfg.Upstream.StreamRate/5)))
 	}
 	m, err := newMetrics(cfg.Registerer, r)
@@ -296,6 +295,7 @@ func New(cfg Config) (*Relay, error) {
 	if r.ledger, err = ledger.NewTracker(tcfg); err != nil {
 		return nil, fmt.Errorf("relay: %w", err)
 	}
+	r.cache.metrics, r.cache.ledger = m, r.ledger
 	if r.gatherer, err = r.newGatherer(); err != nil {
 		return nil, fmt.Errorf("relay: %w", err)
 	}
@@ -341,11 +341,12 @@ func (r *Relay) Start(ctx context.Context) error {
 	}
 	r.tracker = newConnTracker()
 	r.upConn, r.lis, r.tlsLis, r.peerLis = conn, lis, tlsLis, peerLis
+	r.cache.start(conn)
 	r.ctx, r.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	if r.cfg.Keys.Snapshots != nil {
-		r.goRun(r.loadSnapshots)
+		r.goRun(r.cache.loadSnapshots)
 	} else {
-		close(r.loaded)
+		close(r.cache.loaded)
 	}
 	r.goRun(r.watchWarm)
 	if r.admission != nil {
@@ -362,7 +363,7 @@ func (r *Relay) Start(ctx context.Context) error {
 		r.goRun(r.refreshCredentials)
 	}
 	if r.cfg.Keys.AggregationWarnInterval > 0 {
-		r.goRun(r.warnUnaggregated)
+		r.goRun(r.cache.warnUnaggregated)
 	}
 	if r.cfg.Keys.DivergenceInterval > 0 {
 		r.goRun(r.checkDivergence)
@@ -505,6 +506,7 @@ func (r *Relay) Stop(ctx context.Context) error {
 	}
 	r.state = lifeStopping
 	r.mu.Unlock()
+	r.cache.stop()
 	// No goroutine starts from now on (goRun refuses), so the wait below
 	// waits for a fixed set.
 	r.runMu.Lock()
@@ -668,11 +670,6 @@ func (r *Relay) adminMux() *http.ServeMux {
 // they are (snapshot.Store): a health detail.
 type persistenceLag interface {
 	Behind() (keys int, oldest time.Duration)
-}
-
-// newBackoff returns a backoff of the upstream's settings.
-func (r *Relay) newBackoff() *backoff {
-	return &backoff{initial: r.cfg.Upstream.BackoffInitial, max: r.cfg.Upstream.BackoffMax, rand: r.rand}
 }
 
 // recvError turns the end of a client's stream into the handler's result:

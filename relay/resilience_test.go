@@ -295,7 +295,7 @@ func TestReconnectDeclaresState(t *testing.T) {
 // second without one).
 func TestBackoff(t *testing.T) {
 	r := newTestRelay(t)
-	b := r.newBackoff()
+	b := r.cache.newBackoff()
 	want := r.cfg.Upstream.BackoffInitial
 	for i := range 12 {
 		d := b.next()
@@ -399,7 +399,7 @@ func TestWildcardLeavesAndReturns(t *testing.T) {
 	wantNames(t, d, "c0", "c1", "c2")
 	all.close()
 	waitFor(t, "the key's view to shrink to c0", func() bool {
-		for _, k := range e.r.heldKeys() {
+		for _, k := range e.r.cache.heldKeys() {
 			if ts := k.views.Load().Types[xds.TypeCluster]; ts != nil && ts.View.Len() == 1 {
 				return true
 			}

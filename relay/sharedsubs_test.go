@@ -28,9 +28,9 @@ func TestStreamsShareSubscriptions(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	waitCtx(ctx, t, "one name set for the two streams", func() bool { return r.nameSets.Len() == 1 })
+	waitCtx(ctx, t, "one name set for the two streams", func() bool { return r.cache.nameSets.Len() == 1 })
 	a.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.TypeEndpoint, ResourceNamesUnsubscribe: eds[1:2]})
-	waitCtx(ctx, t, "a set of its own for the stream that unsubscribed", func() bool { return r.nameSets.Len() == 2 })
+	waitCtx(ctx, t, "a set of its own for the stream that unsubscribed", func() bool { return r.cache.nameSets.Len() == 2 })
 	up.set("ns1", xds.TypeEndpoint, mkCLA(eds[0], 8080), mkCLA(eds[1], 9999), mkCLA(eds[2], 8080))
 	if got := names(b.recvDelta(xds.TypeEndpoint)); !slices.Equal(got, eds[1:2]) {
 		t.Fatalf("the stream still subscribed got %v, want %v", got, eds[1:2])

@@ -103,8 +103,8 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *wire.NameLis
 			// not the relay's stands for nothing held (the view is sent).
 			var o ledger.Order
 			sub.claimed, o, _ = wire.ParseVersion(v)
-			if !s.r.placed(o, s.peerRelay != nil) {
-				o = s.r.declaredBound()
+			if !s.r.cache.placed(o, s.peerRelay != nil) {
+				o = s.r.cache.declaredBound()
 			}
 			sub.orders = sub.orders.add(o)
 			sub.declared = !sub.claimed.IsZero()

@@ -64,10 +64,10 @@ func (u *feed) readSplits(md metadata.MD) {
 	}
 	splits, err := aggkey.DecodeSplits([]byte(v[0]))
 	if err != nil {
-		u.r.log.Warn("a key's owner sent splits this relay cannot read", "key", u.k.key, "err", err)
+		u.c.log.Warn("a key's owner sent splits this relay cannot read", "key", u.k.key, "err", err)
 		return
 	}
-	u.r.learnSplits(u.k.key, splits)
+	u.c.learnSplits(u.k.key, splits)
 }
 
 // splitBook holds the records of the splits of the keys this relay knows
@@ -119,9 +119,9 @@ func (b *splitBook) add(k aggkey.Key, splits ...aggkey.Split) []aggkey.Split {
 
 // keyOf returns the key a node of identity id belongs to: its profile's
 // (base), or its own if a split of that key moved it.
-func (r *Relay) keyOf(node *core.Node, id *auth.Identity) (key, base aggkey.Key) {
-	base = aggkey.WithIdentity(r.cfg.Keys.Profile.Key(node), id)
-	for _, s := range r.splits.active(base) {
+func (c *keyCache) keyOf(node *core.Node, id *auth.Identity) (key, base aggkey.Key) {
+	base = aggkey.WithIdentity(c.cfg.Keys.Profile.Key(node), id)
+	for _, s := range c.splits.active(base) {
 		if s.Matches(node) {
 			return aggkey.WithIdentity(aggkey.SplitKey(node), id), base
 		}
@@ -131,19 +131,19 @@ func (r *Relay) keyOf(node *core.Node, id *auth.Identity) (key, base aggkey.Key)
 
 // learnSplits adds splits of key that another relay told; the members of
 // key here look again at where they belong.
-func (r *Relay) learnSplits(key aggkey.Key, splits []aggkey.Split) {
-	fresh := r.splits.add(key, splits...)
+func (c *keyCache) learnSplits(key aggkey.Key, splits []aggkey.Split) {
+	fresh := c.splits.add(key, splits...)
 	if len(fresh) == 0 {
 		return
 	}
 	for _, s := range fresh {
 		if s.Merged {
-			r.log.Info("key split merged back, told by another relay of the tier", "key", key, "split", s.String())
+			c.log.Info("key split merged back, told by another relay of the tier", "key", key, "split", s.String())
 		} else {
-			r.log.Info("key split, told by another relay of the tier", "key", key, "split", s.String())
+			c.log.Info("key split, told by another relay of the tier", "key", key, "split", s.String())
 		}
 	}
-	r.splitsChanged(key, fresh)
+	c.splitsChanged(key, fresh)
 }
 
 // splitsChanged tells those it concerns that changed, records of key's
@@ -151,14 +151,14 @@ func (r *Relay) learnSplits(key aggkey.Key, splits []aggkey.Split) {
 // and, for a split merged back, the keys of nodes of their own it had
 // moved them to here, whose streams return to key and which nobody comes
 // back to (their feeds drop them once they have no member).
-func (r *Relay) splitsChanged(key aggkey.Key, changed []aggkey.Split) {
-	r.reportSplits(key)
-	r.wakeKey(key)
+func (c *keyCache) splitsChanged(key aggkey.Key, changed []aggkey.Split) {
+	c.reportSplits(key)
+	c.wakeKey(key)
 	for _, s := range changed {
 		if !s.Merged {
 			continue
 		}
-		for _, k := range r.heldKeys() {
+		for _, k := range c.heldKeys() {
 			n := k.presentedNode.Load()
 			if k.key == key || n == nil || !s.Matches(n) || !aggkey.IsSplitKeyOf(k.key, n) {
 				continue
@@ -177,7 +177,7 @@ func (r *Relay) splitsChanged(key aggkey.Key, changed []aggkey.Split) {
 // it, and left). A split key at its owner whose asking relay left cost
 // the key a second upstream stream for the whole idle time (issue 28's
 // simulation, seed 1137 under -race).
-func (r *Relay) nobodyComesBack(k *keyState) bool {
+func (c *keyCache) nobodyComesBack(k *keyState) bool {
 	if k.abandoned.Load() {
 		return true
 	}
@@ -185,9 +185,9 @@ func (r *Relay) nobodyComesBack(k *keyState) bool {
 	if n == nil || !aggkey.IsSplitKeyOf(k.key, n) {
 		return false
 	}
-	r.splits.mu.Lock()
-	defer r.splits.mu.Unlock()
-	for _, splits := range r.splits.m {
+	c.splits.mu.Lock()
+	defer c.splits.mu.Unlock()
+	for _, splits := range c.splits.m {
 		for _, s := range aggkey.Active(splits) {
 			if s.Matches(n) {
 				return false
@@ -205,13 +205,13 @@ type KeySplit struct {
 	Split string
 }
 
-// Splits returns the splits the relay knows, by key, in key order.
-func (r *Relay) Splits() []KeySplit {
-	r.splits.mu.Lock()
-	defer r.splits.mu.Unlock()
+// splitList returns the splits the relay knows, by key, in key order.
+func (c *keyCache) splitList() []KeySplit {
+	c.splits.mu.Lock()
+	defer c.splits.mu.Unlock()
 	var out []KeySplit
-	for _, k := range slices.Sorted(maps.Keys(r.splits.m)) {
-		for _, s := range aggkey.Active(r.splits.m[k]) {
+	for _, k := range slices.Sorted(maps.Keys(c.splits.m)) {
+		for _, s := range aggkey.Active(c.splits.m[k]) {
 			out = append(out, KeySplit{Key: k, Split: s.String()})
 		}
 	}
@@ -219,8 +219,8 @@ func (r *Relay) Splits() []KeySplit {
 }
 
 // reportSplits tells the ledger key's splits (the admin API shows them).
-func (r *Relay) reportSplits(key aggkey.Key) {
-	all := r.splits.of(key)
+func (c *keyCache) reportSplits(key aggkey.Key) {
+	all := c.splits.of(key)
 	if len(all) == 0 {
 		return
 	}
@@ -229,14 +229,14 @@ func (r *Relay) reportSplits(key aggkey.Key) {
 	for i, s := range splits {
 		desc[i] = s.String()
 	}
-	r.ledger.SetSplits(string(key), desc)
+	c.ledger.SetSplits(string(key), desc)
 }
 
 // wakeKey wakes the members of key, if the relay holds it.
-func (r *Relay) wakeKey(key aggkey.Key) {
-	r.mu.Lock()
-	k := r.keys[key]
-	r.mu.Unlock()
+func (c *keyCache) wakeKey(key aggkey.Key) {
+	c.mu.Lock()
+	k := c.keys[key]
+	c.mu.Unlock()
 	if k != nil {
 		k.wakeStreams()
 	}

@@ -259,8 +259,8 @@ func (s *stream) attach(node *core.Node) error {
 		return status.Errorf(codes.PermissionDenied, "node %q: %v", node.GetId(), err)
 	}
 	// The key is derived only now, from a node its identity may present.
-	s.splitGen = s.r.splits.gen.Load()
-	key, base := s.r.keyOf(node, s.identity)
+	s.splitGen = s.r.cache.splits.gen.Load()
+	key, base := s.r.cache.keyOf(node, s.identity)
 	s.log = s.log.With("node", node.GetId(), "key", key)
 	s.key = s.r.acquireKey(key, s)
 	s.key.leftBySplit(key, base)
@@ -357,7 +357,7 @@ func (s *stream) checkNames(typeURL string, n int) error {
 
 // newSub starts a subscription from a stream's first request for a type.
 func (s *stream) newSub(typeURL string, wildcard, legacy bool, names xds.NameSet) *typeSub {
-	names = s.r.nameSets.Intern(names) // the key's streams (and keys) that ask alike share one set
+	names = s.r.cache.nameSets.Intern(names) // the key's streams (and keys) that ask alike share one set
 	sub := &typeSub{typeURL: typeURL, wildcard: wildcard, legacy: legacy, names: names, awaitFirst: true}
 	s.subs[typeURL] = sub
 	s.dirty = true
@@ -376,7 +376,7 @@ func (s *stream) newSub(typeURL string, wildcard, legacy bool, names xds.NameSet
 // content, so that if the key no longer has them the client still hears of
 // the removal.
 func (s *stream) resubscribe(sub *typeSub, wildcard bool, names xds.NameSet, resend []string) {
-	names = s.r.nameSets.Intern(names) // the key's streams (and keys) that ask alike share one set
+	names = s.r.cache.nameSets.Intern(names) // the key's streams (and keys) that ask alike share one set
 	added, removed := sub.names.Diff(names)
 	if wildcard == sub.wildcard && len(added) == 0 && len(removed) == 0 && len(resend) == 0 {
 		return
@@ -524,35 +524,17 @@ type joinedKey interface {
 	wakeStreams()
 }
 
-// acquireKey returns the key's state, creating it (and its upstream
-// goroutine) if needed, with s joined as a member.
+// acquireKey returns the key's state, creating it (and its feed) if
+// needed, with s joined as a member and attached.
 func (r *Relay) acquireKey(key aggkey.Key, s *stream) *keyState {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	k := r.joinKeyLocked(key, s)
+	k := r.cache.join(key, s)
 	r.attached[s] = k
 	return k
 }
 
-// joinKey returns the key's state, creating it if needed, with s joined as
-// a member, but not attached: a stream moving to the key after a split of
-// its own (stream.followSplits) is attached to its old key until it moves.
-func (r *Relay) joinKey(key aggkey.Key, s *stream) *keyState {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.joinKeyLocked(key, s)
-}
-
-func (r *Relay) joinKeyLocked(key aggkey.Key, s *stream) *keyState {
-	k := r.keys[key]
-	if k == nil {
-		k = r.startKeyLocked(key, nil)
-	}
-	k.join(s)
-	return k
-}
-
-// attach records s as attached to k, which it joined (joinKey).
+// attach records s as attached to k, which it joined (keyCache.join).
 func (r *Relay) attach(s *stream, k joinedKey) {
 	r.mu.Lock()
 	defer r.mu.Unlock()

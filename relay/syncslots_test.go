@@ -95,7 +95,7 @@ func TestUpstreamSyncsBoundFirstAnswers(t *testing.T) {
 					t.Fatalf("key %d: clusters %v, want 3", i, got)
 				}
 			}
-			if n := len(r.heldKeys()); n != keys {
+			if n := len(r.cache.heldKeys()); n != keys {
 				t.Fatalf("keys = %d, want %d", n, keys)
 			}
 			most := fa.max()

@@ -20,18 +20,6 @@ import (
 	"github.com/meshrelay/meshrelay/relay/peers"
 )
 
-// Owners says which relay of the tier owns each aggregation key: the one
-// that holds the key's upstream stream. shard.Ring implements it.
-// Implementations must be safe for concurrent use.
-type Owners interface {
-	// Owner returns the xDS address of key's owner, and whether that is
-	// this relay.
-	Owner(key string) (addr string, self bool)
-	// Changed is signalled when owners may have moved. The relay is its
-	// only consumer.
-	Changed() <-chan struct{}
-}
-
 // Balancer tells the relay its fair share of Envoy streams. shard.Ring
 // implements it. Implementations must be safe for concurrent use.
 type Balancer interface {
@@ -173,7 +161,7 @@ func (r *Relay) asPeer(ctx context.Context) context.Context {
 // peerContext adds the metadata of a stream this relay opens to a peer.
 func (r *Relay) peerContext(ctx context.Context, key aggkey.Key) context.Context {
 	kv := []string{peers.MDKey, string(key)}
-	if splits := r.splits.of(key); len(splits) > 0 {
+	if splits := r.cache.splits.of(key); len(splits) > 0 {
 		kv = append(kv, peers.MDSplits, string(aggkey.EncodeSplits(splits)))
 	}
 	return metadata.AppendToOutgoingContext(r.asPeer(ctx), kv...)
@@ -188,8 +176,8 @@ func (r *Relay) watchOwners(ctx context.Context) {
 			return
 		case <-r.cfg.Tier.Owners.Changed():
 		}
-		r.ownersTerm.Add(1)
-		for _, k := range r.heldKeys() {
+		r.cache.ownersTerm.Add(1)
+		for _, k := range r.cache.heldKeys() {
 			wake(k.upWake)
 		}
 	}

@@ -276,7 +276,7 @@ func TestSourceFollowsOwners(t *testing.T) {
 	if m := c.recvDelta(xds.TypeEndpoint); len(m.GetResources()) != 1 || m.GetResources()[0].GetName() != "c2" {
 		t.Fatalf("change in fallback: got %v, want c2", names(m))
 	}
-	if got := sourceKind(r.heldKeys()[0].source.Load()); got != sourceFallback {
+	if got := sourceKind(r.cache.heldKeys()[0].source.Load()); got != sourceFallback {
 		t.Errorf("key source = %v, want fallback", got)
 	}
 }
@@ -532,7 +532,7 @@ func TestPresenterLeavingForTheSameNodeKeepsTheStream(t *testing.T) {
 	again := newRawClient(t, dial(t, r.Addr().String()), true, proto.CloneOf(n))
 	again.subscribe(xds.TypeCluster)
 	again.ack(again.recvDelta(xds.TypeCluster))
-	k := r.heldKeys()[0]
+	k := r.cache.heldKeys()[0]
 	_, before := up.streams()
 	first.close()
 	waitFor(t, "the first stream gone from the key", func() bool { return k.memberCount() == 1 })
@@ -713,10 +713,10 @@ func TestPeerTakesOrderOnlyFromCompleteResponses(t *testing.T) {
 	waitFor(t, "the other relay back on its owner", func() bool { return other.Stats().PeerStreams == 1 })
 	atOther.subscribe(xds.TypeEndpoint, "c9") // sent to the peer while it is held
 	waitFor(t, "c9 at the other relay", func() bool {
-		_, ok := other.heldKeys()[0].views.Load().Types[xds.TypeEndpoint].View.Get("c9")
+		_, ok := other.cache.heldKeys()[0].views.Load().Types[xds.TypeEndpoint].View.Get("c9")
 		return ok
 	})
-	if o := other.heldKeys()[0].views.Load().Types[xds.TypeEndpoint].Order; o.IsZero() {
+	if o := other.cache.heldKeys()[0].views.Load().Types[xds.TypeEndpoint].Order; o.IsZero() {
 		// A mix if the owner held the peer's c1 back (its re-homed
 		// stream opened before that c1 arrived at the peer); the owner's
 		// own if not.
@@ -739,7 +739,7 @@ func TestPeerTakesOrderOnlyFromCompleteResponses(t *testing.T) {
 // by CI).
 func TestSotWClaimWithoutBodies(t *testing.T) {
 	e := newEnv(t, false, nil)
-	k := newKeyState(e.r, "sidecar/ns9/claims")
+	k := newKeyState(e.r.cache, "sidecar/ns9/claims")
 	gone := &xds.Resource{Type: xds.TypeCluster, Name: "c9", Hash: ledger.HashBytes([]byte("a body no longer held"))}
 	b := ledger.Tree[*xds.Resource]{}.Edit()
 	b.Set(gone.Name, gone.Hash, gone)
@@ -872,7 +872,7 @@ func TestSotWClaimKnownAfterItsRelayIsGone(t *testing.T) {
 	// The relay the Envoy moves to starts first: it restores nothing of
 	// the key, and never sees the version the Envoy holds.
 	next := startRelay(t, up, func(c *Config) { c.ID = "next"; c.Keys.Snapshots = store("next") })
-	<-next.loaded
+	<-next.cache.loaded
 	first := startRelay(t, up, func(c *Config) { c.ID = "first"; c.Keys.Snapshots = store("first") })
 	c := newRawClient(t, dial(t, first.Addr().String()), false, node("ns0", "app", 0))
 	held := syncAll(c)
@@ -974,9 +974,7 @@ func TestUnknownRouteClaimHoldsRemovalsUntilTheRouteIsSent(t *testing.T) {
 
 // soleKeyViews returns the views of r's one key (nil before it has one).
 func soleKeyViews(r *Relay) *views.Set {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	for _, k := range r.keys {
+	for _, k := range r.cache.heldKeys() {
 		return k.views.Load()
 	}
 	return nil

@@ -13,12 +13,12 @@ import (
 // comes after it. An Order too far ahead of the wall clock is refused and
 // logged: the relay it came from has a clock that is off.
 // It reports whether the clock is past o now.
-func (r *Relay) observe(o ledger.Order, from, who string) bool {
+func (c *keyCache) observe(o ledger.Order, from, who string) bool {
 	if o.IsZero() {
 		return true
 	}
-	if err := r.clock.Observe(o.At); err != nil {
-		r.log.Warn("version order not observed", "from", from, "who", who, "err", err)
+	if err := c.clock.Observe(o.At); err != nil {
+		c.log.Warn("version order not observed", "from", from, "who", who, "err", err)
 		return false
 	}
 	return true
@@ -36,17 +36,17 @@ const maxClientAhead = time.Second
 // future could be neither covered nor demanded. (A peer relay's Orders move
 // the clock instead: observe.) What cannot be placed is held by
 // declaredBound.
-func (r *Relay) placed(o ledger.Order, fromPeer bool) bool {
+func (c *keyCache) placed(o ledger.Order, fromPeer bool) bool {
 	if o.IsZero() {
 		return false
 	}
-	return fromPeer || o.At <= max(ledger.StampAt(time.Now().Add(maxClientAhead)), r.clock.Last())
+	return fromPeer || o.At <= max(ledger.StampAt(time.Now().Add(maxClientAhead)), c.clock.Last())
 }
 
 // declaredBound is the Order of content a client declares now that cannot
 // be placed: it arrived before now (ledger.Bound), so a view from a stream
 // opened later covers it.
-func (r *Relay) declaredBound() ledger.Order { return ledger.Bound(r.clock.Now()) }
+func (c *keyCache) declaredBound() ledger.Order { return ledger.Bound(c.clock.Now()) }
 
 // maxDeclaredOrders bounds the distinct Orders a client's declaration of
 // one type keeps: a client holds a type's resources from a few versions at
