@@ -10,7 +10,9 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/admission"
+	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
 )
 
@@ -115,3 +117,13 @@ func peerAddr(ctx context.Context) string {
 // newAuthLogLimiter bounds authentication warnings: a flood of failures
 // costs a counter each, not a log line each.
 func newAuthLogLimiter() *rate.Limiter { return rate.NewLimiter(rate.Every(200*time.Millisecond), 10) }
+
+// peerIdentity is what a stream's metadata proves about a calling relay.
+type peerIdentity struct {
+	id  string
+	key aggkey.Key
+	// demand is MDDemand's Stamp (zero if none).
+	demand ledger.Stamp
+	// splits are the key's splits the calling relay knows (MDSplits).
+	splits []aggkey.Split
+}

@@ -103,40 +103,6 @@ func typesOf(snap *views.Set, wants map[string]subscription) []string {
 	})
 }
 
-// dumpReq asks a stream's goroutine, which owns its state, what it sent.
-type dumpReq struct {
-	types []string // empty: all
-	reply chan dumpReply
-}
-
-// dumpReply is a stream's answer to a dumpReq: its key and what it sent.
-type dumpReply struct {
-	key   joinedKey
-	types []configdump.Type
-}
-
-// sent lists what the stream sent its client, by type (run by the stream's
-// goroutine). Content the client declared on connecting and this relay
-// never sent it is included if the relay holds it.
-func (s *stream) sent(types []string) []configdump.Type {
-	var out []configdump.Type
-	for _, typeURL := range xds.PushOrder {
-		sub := s.subs[typeURL]
-		if sub == nil || len(types) > 0 && !slices.Contains(types, typeURL) {
-			continue
-		}
-		dt := configdump.Type{URL: typeURL, Version: sub.known.Root().String()}
-		for e := range sub.known.All() {
-			if e.Value == nil {
-				e.Value = s.r.store.Lookup(e.Hash)
-			}
-			dt.Entries = append(dt.Entries, e)
-		}
-		out = append(out, dt)
-	}
-	return out
-}
-
 // streamOf returns the Envoy stream of node and its key (nil if none is
 // attached here; the latest to attach if several are).
 func (r *Relay) streamOf(node string) (*stream, aggkey.Key) {

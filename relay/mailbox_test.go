@@ -7,9 +7,10 @@ import (
 	"sync/atomic"
 	"testing"
 
-	"github.com/meshrelay/meshrelay/relay/admission"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/meshrelay/meshrelay/relay/admission"
 )
 
 func newTestRelay(t *testing.T) *Relay {

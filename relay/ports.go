@@ -17,32 +17,6 @@ import (
 	"github.com/meshrelay/meshrelay/relay/wire"
 )
 
-// port names the listener a stream or call came in on: what it may ask
-// and what it must prove depend on it.
-type port uint8
-
-const (
-	// portPlain is the plaintext xDS port (istiod's 15010): Envoys, and
-	// the tier's relays when there is no peer port. It authenticates no
-	// one.
-	portPlain port = iota
-	// portTLS is the TLS xDS port (istiod's 15012): Envoys, each proving
-	// its identity when an Authenticator is set.
-	portTLS
-	// portPeer is the tier's relays' own port.
-	portPeer
-)
-
-func (p port) String() string {
-	switch p {
-	case portTLS:
-		return "tls"
-	case portPeer:
-		return "peer"
-	}
-	return "plaintext"
-}
-
 // listen opens the listeners the config asks for: plaintext xDS, TLS xDS
 // and peer (any may be nil; validate made sure one xDS port is not).
 func (r *Relay) listen() (lis, tlsLis, peerLis net.Listener, err error) {

@@ -84,7 +84,8 @@
 //     mailbox.go (a client's requests, read while its responses are
 //     written), passthrough.go (starting a stream's relay/passthrough),
 //     identity.go and admission.go (who a stream is, whether it may
-//     start), rekey.go (the streams a split moves);
+//     start), rekey.go (the streams a split moves), xdsconfig.go (what
+//     configures it: XDS, its Authorizer and Authenticator, its ports);
 //   - the tier and inspection: tier.go (owners, who a calling relay is,
 //     balancing, moving streams away), checks.go (divergence checks run:
 //     asking owners, the splits found), claims.go (versions a SotW Envoy
@@ -104,7 +105,6 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"math/rand/v2"
 	"net"
@@ -120,13 +120,11 @@ import (
 	"golang.org/x/sync/singleflight"
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/reflection"
-	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/meshrelay/meshrelay/ledger"
@@ -670,18 +668,6 @@ func (r *Relay) adminMux() *http.ServeMux {
 // they are (snapshot.Store): a health detail.
 type persistenceLag interface {
 	Behind() (keys int, oldest time.Duration)
-}
-
-// recvError turns the end of a client's stream into the handler's result:
-// a client going away is not an error.
-func recvError(err error) error {
-	if status.Code(err) == codes.Canceled || errors.Is(err, context.Canceled) {
-		return nil
-	}
-	if errors.Is(err, io.EOF) {
-		return nil
-	}
-	return err
 }
 
 func mustMarshal(m proto.Message) []byte {

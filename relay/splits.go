@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
 	"github.com/meshrelay/meshrelay/relay/peers"

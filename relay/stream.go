@@ -2,10 +2,13 @@ package relay
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"iter"
 	"log/slog"
 	"maps"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -21,6 +24,7 @@ import (
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/auth"
+	"github.com/meshrelay/meshrelay/relay/configdump"
 	"github.com/meshrelay/meshrelay/relay/passthrough"
 	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/wire"
@@ -565,4 +569,50 @@ func (r *Relay) ledgerConnect(node *core.Node, key aggkey.Key, at time.Time) *le
 	field := func(name string) string { return unique.Make(f[name].GetStringValue()).Value() } // one copy for a key's Envoys
 	e.SetMeta(ledger.NodeMeta{Namespace: field("NAMESPACE"), Cluster: field("CLUSTER_ID"), Version: field("ISTIO_VERSION")})
 	return e
+}
+
+// dumpReq asks a stream's goroutine, which owns its state, what it sent.
+type dumpReq struct {
+	types []string // empty: all
+	reply chan dumpReply
+}
+
+// dumpReply is a stream's answer to a dumpReq: its key and what it sent.
+type dumpReply struct {
+	key   joinedKey
+	types []configdump.Type
+}
+
+// sent lists what the stream sent its client, by type (run by the stream's
+// goroutine). Content the client declared on connecting and this relay
+// never sent it is included if the relay holds it.
+func (s *stream) sent(types []string) []configdump.Type {
+	var out []configdump.Type
+	for _, typeURL := range xds.PushOrder {
+		sub := s.subs[typeURL]
+		if sub == nil || len(types) > 0 && !slices.Contains(types, typeURL) {
+			continue
+		}
+		dt := configdump.Type{URL: typeURL, Version: sub.known.Root().String()}
+		for e := range sub.known.All() {
+			if e.Value == nil {
+				e.Value = s.r.store.Lookup(e.Hash)
+			}
+			dt.Entries = append(dt.Entries, e)
+		}
+		out = append(out, dt)
+	}
+	return out
+}
+
+// recvError turns the end of a client's stream into the handler's result:
+// a client going away is not an error.
+func recvError(err error) error {
+	if status.Code(err) == codes.Canceled || errors.Is(err, context.Canceled) {
+		return nil
+	}
+	if errors.Is(err, io.EOF) {
+		return nil
+	}
+	return err
 }

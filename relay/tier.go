@@ -32,16 +32,6 @@ type Balancer interface {
 // maxKeyLen bounds a key named by a peer.
 const maxKeyLen = 1024
 
-// peerIdentity is what a stream's metadata proves about a calling relay.
-type peerIdentity struct {
-	id  string
-	key aggkey.Key
-	// demand is MDDemand's Stamp (zero if none).
-	demand ledger.Stamp
-	// splits are the key's splits the calling relay knows (MDSplits).
-	splits []aggkey.Split
-}
-
 // identifyPeer reads a relay-to-relay stream's metadata. It returns nil for
 // an ordinary client stream, and an error for a peer stream that does not
 // prove itself.
