@@ -37,7 +37,7 @@ var layerOfFile = map[string]int{
 
 	"stream.go": 1, "push.go": 1, "holds.go": 1, "sotw.go": 1, "delta.go": 1,
 	"passthrough.go": 1, "mailbox.go": 1, "identity.go": 1, "admission.go": 1,
-	"rekey.go": 1, "xdsconfig.go": 1,
+	"rekey.go": 1, "xdsconfig.go": 1, "server.go": 1,
 
 	"tier.go": 2, "checks.go": 2, "claims.go": 2, "ledger.go": 2, "inspect.go": 2, "debugxds.go": 2,
 
@@ -46,7 +46,7 @@ var layerOfFile = map[string]int{
 
 // maxArrowsUp is the ratchet of TestCoreArrows: lower it as the layers
 // come apart, never raise it.
-const maxArrowsUp = 39
+const maxArrowsUp = 14
 
 // TestCoreArrows measures how the files of package relay lean on each
 // other: an arrow runs from a file to each other file whose declarations

@@ -223,7 +223,7 @@ func TestTLSPortFloodOfOneIdentityDoesNotDelayAnother(t *testing.T) {
 	}
 	var mu sync.Mutex
 	var events []string
-	e.r.admission.SetTrace(func(event, who string) { mu.Lock(); events = append(events, event+" "+who); mu.Unlock() })
+	e.r.srv.admission.SetTrace(func(event, who string) { mu.Lock(); events = append(events, event+" "+who); mu.Unlock() })
 	var wg sync.WaitGroup
 	for i := range 40 {
 		wg.Go(func() {

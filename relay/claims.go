@@ -3,7 +3,6 @@ package relay
 import (
 	"context"
 	"slices"
-	"sync"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -13,7 +12,6 @@ import (
 	"github.com/meshrelay/meshrelay/relay/aggkey"
 	"github.com/meshrelay/meshrelay/relay/claims"
 	"github.com/meshrelay/meshrelay/relay/inspectpb"
-	"github.com/meshrelay/meshrelay/relay/views"
 	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
@@ -43,74 +41,11 @@ func (r *Relay) newClaimLookup() (*claims.Lookup, error) {
 	return claims.New(cfg)
 }
 
-// claimLookup is a key's question to the tier about one claimed version,
-// shared by the key's streams that claim it (a relay's Envoys of one key
-// that moved together ask once). The asking goroutine sets held and ok,
-// then closes done and wakes the key's streams.
-type claimLookup struct {
-	done chan struct{}
-	held ledger.Tree[*xds.Resource]
-	ok   bool
-	from string // who knew: "tier" or "store"
-}
-
-// claimQuestion identifies a lookup: a version of a type, for a
-// subscription to every resource or to the names whose ListDigest is names.
-type claimQuestion struct {
-	typeURL  string
-	root     ledger.Hash
-	wildcard bool
-	names    uint64
-}
-
-// maxClaimLookups bounds the lookups a key remembers; they are forgotten
-// all at once when it is reached (those under way still answer their
-// streams).
-const maxClaimLookups = 64
-
-// claimTable is a key's lookups of claimed versions, one per question:
-// the streams of the key that claim alike wait for one lookup.
-type claimTable struct {
-	mu sync.Mutex
-	m  map[claimQuestion]*claimLookup
-}
-
-// claimPending reports whether sub's claimed version is being looked up in
-// the tier, and applies the answer once it came.
-func (s *stream) claimPending(sub *typeSub, ts *views.Type) bool {
-	s.resolveClaim(sub, ts)
-	l := sub.lookup
-	if l == nil {
-		return false
-	}
-	select {
-	case <-l.done:
-	default:
-		return true
-	}
-	sub.lookup = nil
-	if l.ok {
-		sub.known, sub.claimKnown = l.held, true
-		s.r.metrics.Claims.WithLabelValues(l.from).Inc()
-	} else {
-		s.claimUnknown(sub)
-	}
-	return false
-}
-
-// claimUnknown notes that nobody knows what sub's claimed version holds:
-// what the client holds of the type may refer to anything, and a
-// full-state answer may remove what its routes use.
-func (s *stream) claimUnknown(sub *typeSub) {
-	s.r.metrics.Claims.WithLabelValues("unknown").Inc()
-	s.log.Info("a SotW client's version is known to no relay of the tier", "type", xds.ShortType(sub.typeURL), "version", sub.claimed.String())
-}
-
 // askTier looks sub's claimed version up in the tier and the snapshot
 // store, and reports whether there is any to ask: other relays, or a store
 // that keeps held versions.
-func (s *stream) askTier(sub *typeSub) bool {
-	if !s.r.claims.Askable() {
+func (r *Relay) askTier(s *stream, sub *typeSub) bool {
+	if !r.claims.Askable() {
 		return false
 	}
 	q := claimQuestion{typeURL: sub.typeURL, root: sub.claimed, wildcard: sub.wildcard}
@@ -134,8 +69,8 @@ func (s *stream) askTier(sub *typeSub) bool {
 	}
 	l := &claimLookup{done: make(chan struct{})}
 	claims.m[q], sub.lookup = l, l
-	ran := s.r.goRun(func(ctx context.Context) {
-		l.held, l.ok, l.from = s.r.claims.Version(ctx, req, q.root)
+	ran := r.goRun(func(ctx context.Context) {
+		l.held, l.ok, l.from = r.claims.Version(ctx, req, q.root)
 		if l.ok && l.from == "store" {
 			k.sentHeld(l.held) // the tier's other relays may be asked next
 		}

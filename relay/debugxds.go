@@ -23,68 +23,35 @@ import (
 // key, and what it may see depends on the port it came in on
 // (debugCaller).
 
-// debugAnswer is what a stream last answered for a debug type URL.
-type debugAnswer struct {
-	nonce string
-	names []string
-}
-
-// debugAnswered reports whether a debug request is the client's ACK or
-// NACK of the stream's last answer of its type, which is not answered
-// again: it names that answer's nonce, and the same resource names or
-// an error (Delta: no new names, or an error). Anything else is a
-// question, answered as istiod answers every debug request. Istio's ADS
-// client (pkg/adsc, which istioctl uses) puts a nonce of its own (a
-// timestamp) on every request, its first included, and never ACKs a debug
-// answer; an xDS client that does ACK is not answered in a loop.
-func (s *stream) debugAnswered(typeURL, responseNonce string, names []string, nack, delta bool) bool {
-	last, ok := s.debugSent[typeURL]
-	if !ok || responseNonce == "" || responseNonce != last.nonce {
-		return false
-	}
-	return nack || slices.Equal(names, last.names) || delta && len(names) == 0
-}
-
-// debugNonce numbers a debug answer and remembers it (debugAnswered).
-func (s *stream) debugNonce(typeURL string, names []string) string {
-	s.nonce++
-	nonce := strconv.FormatUint(s.nonce, 10)
-	if s.debugSent == nil {
-		s.debugSent = make(map[string]debugAnswer)
-	}
-	s.debugSent[typeURL] = debugAnswer{nonce: nonce, names: slices.Clone(names)}
-	return nonce
-}
-
 // answerDebugSotW answers a SotW request for a debug type URL. A debug
 // client is not an Envoy: its stream joins no key.
-func (s *stream) answerDebugSotW(req *discovery.DiscoveryRequest, names []string) error {
+func (r *Relay) answerDebugSotW(s *stream, req *discovery.DiscoveryRequest, names []string) error {
 	typeURL := req.GetTypeUrl()
 	if s.debugAnswered(typeURL, req.GetResponseNonce(), names, req.GetErrorDetail() != nil, false) {
 		return nil
 	}
-	res, err := s.debugResources(typeURL, names)
+	res, err := r.debugResources(s, typeURL, names)
 	if err != nil {
 		return err
 	}
 	return s.sendRaw(&discovery.DiscoveryResponse{TypeUrl: typeURL, Resources: res,
 		VersionInfo: strconv.FormatInt(time.Now().UnixNano(), 10), Nonce: s.debugNonce(typeURL, names),
-		ControlPlane: istiodebug.ControlPlane(s.r.cfg.ID)})
+		ControlPlane: istiodebug.ControlPlane(r.cfg.ID)})
 }
 
 // answerDebugDelta answers a Delta request for a debug type URL, by the
 // same rule.
-func (s *stream) answerDebugDelta(req *discovery.DeltaDiscoveryRequest) error {
+func (r *Relay) answerDebugDelta(s *stream, req *discovery.DeltaDiscoveryRequest) error {
 	typeURL, names := req.GetTypeUrl(), req.GetResourceNamesSubscribe()
 	if s.debugAnswered(typeURL, req.GetResponseNonce(), names, req.GetErrorDetail() != nil, true) {
 		return nil
 	}
-	res, err := s.debugResources(typeURL, names)
+	res, err := r.debugResources(s, typeURL, names)
 	if err != nil {
 		return err
 	}
 	out := &discovery.DeltaDiscoveryResponse{TypeUrl: typeURL, SystemVersionInfo: strconv.FormatInt(time.Now().UnixNano(), 10),
-		Nonce: s.debugNonce(typeURL, names), ControlPlane: istiodebug.ControlPlane(s.r.cfg.ID)}
+		Nonce: s.debugNonce(typeURL, names), ControlPlane: istiodebug.ControlPlane(r.cfg.ID)}
 	for i, a := range res {
 		out.Resources = append(out.Resources, &discovery.Resource{Name: strconv.Itoa(i), Resource: a})
 	}
@@ -104,10 +71,10 @@ func (s *stream) answerDebugDelta(req *discovery.DeltaDiscoveryRequest) error {
 //   - the peer port serves the tier's relays, which ask no debug types.
 //
 // Anything else is PermissionDenied, saying what would be answered.
-func (s *stream) debugCaller(typeURL string) (admin.Caller, error) {
+func (r *Relay) debugCaller(s *stream, typeURL string) (admin.Caller, error) {
 	switch s.port {
 	case portPlain:
-		if _, trusted := s.r.cfg.XDS.Authorizer.(AllowAll); trusted {
+		if _, trusted := r.cfg.XDS.Authorizer.(AllowAll); trusted {
 			return admin.Caller{Admin: true}, nil
 		}
 		return admin.Caller{}, status.Errorf(codes.PermissionDenied,
@@ -115,11 +82,11 @@ func (s *stream) debugCaller(typeURL string) (admin.Caller, error) {
 	case portTLS:
 		switch {
 		case s.identity != nil:
-			if slices.Contains(s.r.cfg.Admin.DebugNamespaces, s.identity.Namespace) {
+			if slices.Contains(r.cfg.Admin.DebugNamespaces, s.identity.Namespace) {
 				// Reads the tier, as istiod answers its root namespace.
 				return admin.Caller{Admin: true, Identity: s.identity.SPIFFEID()}, nil
 			}
-			return s.r.adminGuard.IdentityCaller(*s.identity), nil
+			return r.adminGuard.IdentityCaller(*s.identity), nil
 		case s.peerRelay != nil:
 			return admin.Caller{}, status.Errorf(codes.PermissionDenied, "%s is not answered for the tier's relays", typeURL)
 		}
@@ -135,12 +102,12 @@ func (s *stream) debugCaller(typeURL string) (admin.Caller, error) {
 // (PermissionDenied, whether or not it exists) and answers a node whose
 // key the caller does not see as one the tier does not hold (nothing, as
 // istiod answers for a node not connected to it).
-func (s *stream) debugResources(typeURL string, names []string) ([]*anypb.Any, error) {
-	c, err := s.debugCaller(typeURL)
+func (r *Relay) debugResources(s *stream, typeURL string, names []string) ([]*anypb.Any, error) {
+	c, err := r.debugCaller(s, typeURL)
 	if err != nil {
 		return nil, err
 	}
-	r, ctx := s.r, s.ctx
+	ctx := s.ctx
 	if typeURL == istiodebug.TypeSyncz {
 		syncz, err := istiodebug.Syncz(r.TierLedger(ctx, ledger.Scope{}, ledger.Full).Report, c.SeesKey)
 		if err != nil {

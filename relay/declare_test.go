@@ -31,7 +31,7 @@ func TestRestoredDeclarationSurvivesADrop(t *testing.T) {
 		t.Fatal(err)
 	}
 	k := newKeyState(r.cache, "k")
-	m := r.newStream(context.Background(), false, portPlain)
+	m := r.srv.newStream(context.Background(), false, portPlain)
 	m.node = fuzzNode
 	k.join(m)
 	k.subscribe(xds.TypeEndpoint, false, false, nil, xds.NameSet{"c0"})
@@ -604,7 +604,7 @@ func TestUsableRouteIsTheVerdictOfWhatEachEnvoyHolds(t *testing.T) {
 // Envoys moved to a starved relay by a rolling restart).
 func TestRemovedClusterKnownByHashDropsItsEndpoints(t *testing.T) {
 	e := newEnv(t, false, nil)
-	s := e.r.newStream(context.Background(), false, portPlain)
+	s := e.r.srv.newStream(context.Background(), false, portPlain)
 	s.key = newKeyState(e.r.cache, "sidecar/ns9/hashes")
 	body := func(c *cluster.Cluster) *xds.Resource {
 		b, err := proto.Marshal(c)

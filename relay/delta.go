@@ -16,14 +16,14 @@ import (
 
 // serveDelta serves one Delta (incremental) ADS stream that came in on
 // port p.
-func (r *Relay) serveDelta(ds discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer, p port) error {
-	s, err := r.openStream(ds.Context(), true, p)
+func (srv *server) serveDelta(ds discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer, p port) error {
+	s, err := srv.openStream(ds.Context(), true, p)
 	if err != nil {
 		return err
 	}
 	s.send = func(o *wire.Response) error {
-		w := r.bodies.Delta(o, r.controlPlaneWire)
-		r.metrics.Sent(o.TypeURL, len(o.Updated), len(o.Removed), w.Size())
+		w := srv.bodies.Delta(o, srv.controlPlaneWire)
+		srv.metrics.Sent(o.TypeURL, len(o.Updated), len(o.Removed), w.Size())
 		return ds.SendMsg(w)
 	}
 	s.sendRaw = func(m proto.Message) error { return ds.Send(m.(*discovery.DeltaDiscoveryResponse)) }
@@ -48,7 +48,7 @@ func (r *Relay) serveDelta(ds discovery.AggregatedDiscoveryService_DeltaAggregat
 // onDelta handles one Delta request.
 func (s *stream) onDelta(req *discovery.DeltaDiscoveryRequest) error {
 	if istiodebug.IsDebugType(req.GetTypeUrl()) && s.key == nil {
-		return s.answerDebugDelta(req)
+		return s.srv.host.answerDebugDelta(s, req)
 	}
 	if s.key == nil {
 		if err := s.attach(req.GetNode()); err != nil {
@@ -140,20 +140,20 @@ func (s *stream) declared(sub *typeSub, versions map[string]string) (known ledge
 			unplaced = true
 			continue
 		}
-		if s.r.cache.placed(o, fromPeer) {
+		if s.srv.cache.placed(o, fromPeer) {
 			orders = orders.add(o)
 		} else {
 			unplaced = true
 		}
-		b.Set(name, h, s.r.store.Lookup(h))
+		b.Set(name, h, s.srv.store.Lookup(h))
 	}
 	if fromPeer {
 		for _, o := range orders {
-			s.r.cache.observe(o, "peer", s.peerRelay.id)
+			s.srv.cache.observe(o, "peer", s.peerRelay.id)
 		}
 	}
 	if unplaced {
-		orders = orders.add(s.r.cache.declaredBound())
+		orders = orders.add(s.srv.cache.declaredBound())
 	}
 	return b.Tree(), orders
 }

@@ -428,7 +428,7 @@ func TestPassthroughStreamsWaitTheirTurn(t *testing.T) {
 	e := newEnv(t, true, nil)
 	// One passthrough stream now, the next in 1,000 s: the test ends
 	// long before.
-	e.r.passRate = rate.NewLimiter(0.001, 1)
+	e.r.srv.passRate = rate.NewLimiter(0.001, 1)
 	first := e.client(10)
 	first.subscribe(xds.TypeCluster)
 	first.ack(first.recv())

@@ -251,6 +251,8 @@ func newDownHarness(t testing.TB, conn *grpc.ClientConn, delta bool) *downHarnes
 	r.upConn = conn
 	r.ctx, r.cancel = context.WithCancel(context.Background())
 	r.cancel() // see downHarness
+	r.cache.start(conn)
+	r.srv.start(r.ctx, conn)
 	h := &downHarness{
 		t: t, r: r, delta: delta,
 		views:   make(map[int]map[string]ledger.Tree[*xds.Resource]),
@@ -261,7 +263,7 @@ func newDownHarness(t testing.TB, conn *grpc.ClientConn, delta bool) *downHarnes
 		unknown: make(map[string]bool),
 		warming: make(map[string]string),
 	}
-	h.s = r.newStream(context.Background(), delta, portPlain)
+	h.s = r.srv.newStream(context.Background(), delta, portPlain)
 	h.s.send = h.checkResponse
 	h.s.sendRaw = func(m proto.Message) error {
 		t.Fatalf("passthrough answer %v forwarded, but nothing answers upstream", m)
@@ -1137,7 +1139,7 @@ func newUpHarness(t testing.TB, delta bool) *upHarness {
 	h.k = newKeyState(r.cache, "k")
 	// A member whose node the upstream presents. The member is not
 	// otherwise driven: the harness subscribes for it.
-	m := r.newStream(context.Background(), false, portPlain)
+	m := r.srv.newStream(context.Background(), false, portPlain)
 	m.node = fuzzNode
 	h.k.join(m)
 	h.subscribe(xds.TypeCluster, false, true, nil, nil)

@@ -36,10 +36,10 @@ var fuzzSecret = []byte("fuzzed tier secret")
 // replay cache, no listener.
 func fuzzRelay() *Relay {
 	return &Relay{
-		cfg:      Config{ID: "relay-self", Tier: TierConfig{Secret: fuzzSecret}},
-		log:      slog.New(slog.DiscardHandler),
-		pool:     peers.NewPool(1 << 20),
-		authLogs: newAuthLogLimiter(),
+		cfg:  Config{ID: "relay-self", Tier: TierConfig{Secret: fuzzSecret}},
+		log:  slog.New(slog.DiscardHandler),
+		pool: peers.NewPool(1 << 20),
+		srv:  &server{authLogs: newAuthLogLimiter()},
 	}
 }
 

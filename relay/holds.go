@@ -45,7 +45,7 @@ func (s *stream) forceEndpoints(cds *typeSub, upd []*xds.Resource) {
 			}
 			if !had {
 				if used == nil {
-					used = s.r.cache.refIndex.Names(cds.known, xds.RefEndpoints)
+					used = s.srv.cache.refIndex.Names(cds.known, xds.RefEndpoints)
 				}
 				if _, ok := used[e]; ok {
 					continue
@@ -133,7 +133,7 @@ func (s *stream) clusterUsable(cds *typeSub, c string) (usable, byBody bool) {
 		// else by the key's cluster of that name (its endpoints' name
 		// rarely changes). A cluster nobody here knows is taken as it
 		// was: a route to it is dangling whatever the relay does.
-		if held = s.r.store.Lookup(e.Hash); held == nil && s.key != nil {
+		if held = s.srv.store.Lookup(e.Hash); held == nil && s.key != nil {
 			if ts := s.key.published().Types[xds.TypeCluster]; ts != nil {
 				v, _ := ts.View.Get(c)
 				held = v.Value
@@ -199,7 +199,7 @@ func (s *stream) deferDangling(p *plan) {
 		return
 	}
 	now := time.Now()
-	wait := s.r.cfg.XDS.ResourceWaitTimeout
+	wait := s.srv.cfg.XDS.ResourceWaitTimeout
 	var keyCDS *views.Type
 	if s.key != nil {
 		keyCDS = s.key.published().Types[xds.TypeCluster]
@@ -219,7 +219,7 @@ func (s *stream) deferDangling(p *plan) {
 		missing, coming := false, false
 		var left ledger.Stamp // the latest a missing cluster left the key's view (views.Type.Gone)
 		uk.hash = r.Hash
-		known := memo && s.r.usable.has(uk)
+		known := memo && s.srv.usable.has(uk)
 		byBody := memo
 		for _, c := range r.Refs(xds.RefClusters) {
 			if known {
@@ -240,7 +240,7 @@ func (s *stream) deferDangling(p *plan) {
 			}
 		}
 		if !missing && byBody && !known {
-			s.r.usable.add(uk)
+			s.srv.usable.add(uk)
 		}
 		if !missing && len(s.dangling) == 0 {
 			kept = append(kept, r) // the common case: no key built, nothing to forget
@@ -253,7 +253,7 @@ func (s *stream) deferDangling(p *plan) {
 				if s.dangling == nil {
 					s.dangling = make(map[string]*hold)
 				}
-				h = &hold{since: now, at: s.r.clock.Now(), hash: r.Hash}
+				h = &hold{since: now, at: s.srv.clock.Now(), hash: r.Hash}
 				s.dangling[key] = h
 			}
 			if coming || !absentProven(keyCDS, p.ts, h.at, left) {
@@ -263,7 +263,7 @@ func (s *stream) deferDangling(p *plan) {
 				}
 				if !h.told {
 					h.told = true
-					s.r.metrics.Holds.WithLabelValues(xds.ShortType(p.sub.typeURL), "held").Inc()
+					s.srv.metrics.Holds.WithLabelValues(xds.ShortType(p.sub.typeURL), "held").Inc()
 					s.log.Warn("a resource is held back past the wait: a cluster it uses is not warm at the client yet",
 						"type", xds.ShortType(p.sub.typeURL), "name", r.Name, "waited", now.Sub(h.since).Round(time.Millisecond),
 						"cluster_in_view", coming)
@@ -273,7 +273,7 @@ func (s *stream) deferDangling(p *plan) {
 				}
 				continue
 			}
-			s.r.metrics.Holds.WithLabelValues(xds.ShortType(p.sub.typeURL), "sent").Inc()
+			s.srv.metrics.Holds.WithLabelValues(xds.ShortType(p.sub.typeURL), "sent").Inc()
 		}
 		delete(s.dangling, key)
 		kept = append(kept, r)
@@ -420,11 +420,11 @@ func (s *stream) keepAskedClusters(sub *typeSub, ts *views.Type) {
 // baseKey returns the key the stream's node belongs to but for a split, if
 // the stream is on a key of its own and the relay holds that key.
 func (s *stream) baseKey() joinedKey {
-	key, base := s.r.cache.keyOf(s.node, s.identity)
+	key, base := s.srv.cache.keyOf(s.node, s.identity)
 	if key == base || s.key == nil || s.key.name() != key {
 		return nil
 	}
-	if k := s.r.cache.key(base); k != nil {
+	if k := s.srv.cache.key(base); k != nil {
 		return k
 	}
 	return nil // not a nil *keyState in an interface
@@ -475,10 +475,10 @@ func (s *stream) resolveClaim(sub *typeSub, ts *views.Type) {
 	}
 	if t, ok := s.heldVersion(sub); ok {
 		sub.known, sub.claimKnown = t, true
-		s.r.metrics.Claims.WithLabelValues("history").Inc()
+		s.srv.metrics.Claims.WithLabelValues("history").Inc()
 		return
 	}
-	if !s.askTier(sub) {
+	if !s.srv.host.askTier(s, sub) {
 		s.claimUnknown(sub)
 	}
 }
@@ -497,7 +497,7 @@ func (s *stream) heldVersion(sub *typeSub) (ledger.Tree[*xds.Resource], bool) {
 		if e.Value != nil {
 			continue
 		}
-		r := s.r.store.Lookup(e.Hash)
+		r := s.srv.store.Lookup(e.Hash)
 		if r == nil {
 			return ledger.Tree[*xds.Resource]{}, false
 		}
@@ -621,7 +621,7 @@ func (s *stream) refers(typeURL string, kind xds.RefKind, name string) bool {
 	if sub.known.Len() == 0 {
 		return false
 	}
-	if _, ok := s.r.cache.refIndex.Names(sub.known, kind)[name]; ok {
+	if _, ok := s.srv.cache.refIndex.Names(sub.known, kind)[name]; ok {
 		return true
 	}
 	// The client declared content this relay has never seen (it came

@@ -17,9 +17,9 @@ import (
 )
 
 // authMode names how the TLS port authenticates, for logs.
-func (r *Relay) authMode() string {
+func (srv *server) authMode() string {
 	type moded interface{ Mode() auth.Mode }
-	switch a := r.cfg.XDS.Authenticator.(type) {
+	switch a := srv.cfg.XDS.Authenticator.(type) {
 	case nil:
 		return string(auth.ModeNone)
 	case moded:
@@ -35,37 +35,37 @@ func (r *Relay) authMode() string {
 // a second, naming the peer's address, never the credential. Streams that
 // present the same credential at once share one verification, and the
 // failure gate bounds what failing ones cost (admission.FailureGate).
-func (r *Relay) authenticate(ctx context.Context, p port) (*auth.Identity, error) {
-	if r.cfg.XDS.Authenticator == nil || p != portTLS {
+func (srv *server) authenticate(ctx context.Context, p port) (*auth.Identity, error) {
+	if srv.cfg.XDS.Authenticator == nil || p != portTLS {
 		return nil, nil
 	}
 	ip, cred := admission.SourceIP(ctx), admission.PrintOf(ctx)
-	ok, lately := r.failures.Allows(ip, cred)
+	ok, lately := srv.failures.Allows(ip, cred)
 	if lately != nil {
 		// Refused as it was a moment ago, unverified.
-		r.metrics.AuthFailures.WithLabelValues(string(auth.ReasonOf(lately))).Inc()
-		return nil, r.refuseAuth(ctx, "stream", "authentication failed", lately)
+		srv.metrics.AuthFailures.WithLabelValues(string(auth.ReasonOf(lately))).Inc()
+		return nil, srv.refuseAuth(ctx, "stream", "authentication failed", lately)
 	}
 	if !ok {
-		r.metrics.AuthFailures.WithLabelValues("throttled").Inc()
+		srv.metrics.AuthFailures.WithLabelValues("throttled").Inc()
 		return nil, status.Error(codes.Unauthenticated, "too many failed authentications from this address: retry later")
 	}
-	v, err, _ := r.verifying.Do(string(cred[:]), func() (any, error) {
+	v, err, _ := srv.verifying.Do(string(cred[:]), func() (any, error) {
 		// Shared: the first stream going away must not fail the others.
 		vctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), verifyTimeout)
 		defer cancel()
-		return r.cfg.XDS.Authenticator.Authenticate(vctx)
+		return srv.cfg.XDS.Authenticator.Authenticate(vctx)
 	})
 	if err != nil {
 		reason := auth.ReasonOf(err)
-		r.metrics.AuthFailures.WithLabelValues(string(reason)).Inc()
+		srv.metrics.AuthFailures.WithLabelValues(string(reason)).Inc()
 		if reason != auth.ReviewFailed {
-			r.failures.Failed(ip, cred, err)
+			srv.failures.Failed(ip, cred, err)
 		}
-		return nil, r.refuseAuth(ctx, "stream", "authentication failed", err)
+		return nil, srv.refuseAuth(ctx, "stream", "authentication failed", err)
 	}
 	id := v.(auth.Identity)
-	r.failures.Succeeded(cred, id.Expires)
+	srv.failures.Succeeded(cred, id.Expires)
 	return &id, nil
 }
 
@@ -78,10 +78,10 @@ const verifyTimeout = 30 * time.Second
 // its status: Unavailable when the verifier could not reach what it asks
 // (the Kubernetes API: the client is not at fault and should retry), else
 // Unauthenticated with msg.
-func (r *Relay) refuseAuth(ctx context.Context, what, msg string, err error) error {
+func (srv *server) refuseAuth(ctx context.Context, what, msg string, err error) error {
 	reason := auth.ReasonOf(err)
-	if r.authLogs.Allow() {
-		r.log.Warn(what+" refused: authentication failed", "peer", peerAddr(ctx), "reason", reason, "err", err)
+	if srv.authLogs.Allow() {
+		srv.log.Warn(what+" refused: authentication failed", "peer", peerAddr(ctx), "reason", reason, "err", err)
 	}
 	if reason == auth.ReviewFailed {
 		return status.Errorf(codes.Unavailable, "authentication unavailable: %v", err)
@@ -97,9 +97,9 @@ func (s *stream) checkIdentity(node *core.Node) error {
 		return nil
 	}
 	if err := auth.CheckNode(*s.identity, node); err != nil {
-		s.r.metrics.AuthFailures.WithLabelValues(string(auth.ReasonOf(err))).Inc()
-		s.r.failures.FailedFrom(admission.SourceIP(s.ctx))
-		if s.r.authLogs.Allow() {
+		s.srv.metrics.AuthFailures.WithLabelValues(string(auth.ReasonOf(err))).Inc()
+		s.srv.failures.FailedFrom(admission.SourceIP(s.ctx))
+		if s.srv.authLogs.Allow() {
 			s.log.Warn("stream refused: node does not match its identity", "node", node.GetId(), "peer", s.peer, "identity", s.identity.SPIFFEID(), "err", err)
 		}
 		return status.Errorf(codes.PermissionDenied, "authorization failed: %v", err)

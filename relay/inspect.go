@@ -110,7 +110,7 @@ func (r *Relay) streamOf(node string) (*stream, aggkey.Key) {
 		found *stream
 		key   aggkey.Key
 	)
-	for s, k := range r.attachedStreams() {
+	for s, k := range r.srv.attachedStreams() {
 		// s.node is set before the stream is attached.
 		if s.peerRelay == nil && s.node.GetId() == node && (found == nil || s.id > found.id) {
 			found, key = s, k.name()
@@ -292,8 +292,8 @@ func (r *Relay) Stats() Stats {
 	}
 	st.Pushes = r.metrics.PushCount.Load()
 	st.BytesSent = r.metrics.BytesCount.Load()
-	st.PushACKP50, st.ACKs = r.pushACK.Quantile(0.50)
-	st.PushACKP99, _ = r.pushACK.Quantile(0.99)
+	st.PushACKP50, st.ACKs = r.srv.pushACK.Quantile(0.50)
+	st.PushACKP99, _ = r.srv.pushACK.Quantile(0.99)
 	st.UpstreamStreams = int(r.metrics.UpstreamOpen.Load())
 	st.PeerStreams = int(r.metrics.PeerOpen.Load())
 	st.UpstreamWaiting = int(r.metrics.WaitingOpen.Load())
@@ -315,7 +315,7 @@ type ClientStatus struct {
 
 // Clients returns the status of every stream attached to a key.
 func (r *Relay) Clients() []ClientStatus {
-	attached := r.attachedStreams()
+	attached := r.srv.attachedStreams()
 	// By node, and streams of one node in the order they came.
 	streams := slices.SortedFunc(maps.Keys(attached), func(a, b *stream) int {
 		return cmp.Or(strings.Compare(a.node.GetId(), b.node.GetId()), cmp.Compare(a.id, b.id))

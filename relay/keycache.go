@@ -10,6 +10,7 @@ import (
 
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/connectivity"
 
 	"github.com/meshrelay/meshrelay/ledger"
 	"github.com/meshrelay/meshrelay/relay/aggkey"
@@ -127,4 +128,31 @@ func (c *keyCache) join(name aggkey.Key, m member) *keyState {
 	}
 	k.join(m)
 	return k
+}
+
+// watchWarm lets streams in (keyHost.markWarm) once the upstream
+// connection is first ready: from then on the keys have a source of
+// config (and the cache) to serve from.
+func (c *keyCache) watchWarm(ctx context.Context) {
+	c.upConn.Connect()
+	for {
+		s := c.upConn.GetState()
+		if s == connectivity.Ready {
+			// A relay that loads snapshots takes streams once they are
+			// in place: a stream that came first would find its key cold.
+			select {
+			case <-c.loaded:
+			case <-ctx.Done():
+				return
+			}
+			c.host.markWarm("upstream reached")
+			return
+		}
+		if s == connectivity.Idle {
+			c.upConn.Connect()
+		}
+		if !c.upConn.WaitForStateChange(ctx, s) {
+			return
+		}
+	}
 }

@@ -32,7 +32,7 @@ func newTestRelay(t *testing.T) *Relay {
 func TestServeKeepsReading(t *testing.T) {
 	r := newTestRelay(t)
 	ctx, cancel := context.WithCancel(context.Background())
-	s := r.newStream(ctx, false, portPlain)
+	s := r.srv.newStream(ctx, false, portPlain)
 	stuck := make(chan struct{})
 	var read atomic.Int32
 	recv := func() (int, error) {
@@ -56,7 +56,7 @@ func TestServeKeepsReading(t *testing.T) {
 // maxQueuedRequests without the relay getting to them loses its stream.
 func TestServeFloodEndsStream(t *testing.T) {
 	r := newTestRelay(t)
-	s := r.newStream(context.Background(), false, portPlain)
+	s := r.srv.newStream(context.Background(), false, portPlain)
 	stuck := make(chan struct{})
 	var read atomic.Int32
 	recv := func() (int, error) { read.Add(1); return 1, nil } // an endless flood
@@ -82,7 +82,7 @@ func TestServeFloodEndsStream(t *testing.T) {
 // alone would let 4,098 or more through. By order, whatever the load.
 func TestServeByteBudget(t *testing.T) {
 	r := newTestRelay(t)
-	s := r.newStream(context.Background(), false, portPlain)
+	s := r.srv.newStream(context.Background(), false, portPlain)
 	const perBudget = maxQueuedBytes / (admission.Floor / 2) // requests of 32 KiB the byte bound holds
 	stuck, overflowed, capped := make(chan struct{}), make(chan struct{}), make(chan struct{})
 	var read atomic.Int32

@@ -24,7 +24,7 @@ func newMetrics(reg prometheus.Registerer, r *Relay) (*metrics.Metrics, error) {
 		}, func() float64 { _, b := r.cache.dropped.Held(); return float64(b) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "meshrelay_request_budget_bytes", Help: "Bytes of large requests being decoded and applied now (XDS.RequestBudgetBytes bounds them; a request past it waits).",
-		}, func() float64 { return float64(func() int64 { n, _ := r.budget.InUse(); return n }()) }),
+		}, func() float64 { return float64(func() int64 { n, _ := r.srv.budget.InUse(); return n }()) }),
 	)
 }
 

@@ -43,7 +43,7 @@ func TestPushOrder(t *testing.T) {
 		t.Run(protocolName(delta), func(t *testing.T) {
 			r := newTestRelay(t)
 			k := newKeyState(r.cache, "k")
-			s := r.newStream(context.Background(), delta, portPlain)
+			s := r.srv.newStream(context.Background(), delta, portPlain)
 			s.key = k
 			var sent []string
 			s.send = func(o *wire.Response) error {

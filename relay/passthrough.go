@@ -48,13 +48,13 @@ func (s *stream) passthroughFor() *passthrough.Passthrough {
 	if s.pass != nil {
 		return s.pass
 	}
-	r := s.r
+	r := s.srv
 	cfg := passthrough.Config{
 		Conn: r.upConn, Node: s.node, Delta: s.delta, Log: s.log,
 		Paces:   []*rate.Limiter{r.passRate, r.cache.upstreamRate},
 		Backoff: r.cache.newBackoff().next,
 	}
-	if r.cfg.Upstream.ForwardCredentials {
+	if r.cfg.ForwardCredentials {
 		// The content is this client's: it presents its own token, as it
 		// would to istiod. Without one istiod refuses, and so does this.
 		cfg.StreamContext = func(ctx context.Context) context.Context { return withCredential(ctx, s.cred) }
@@ -62,7 +62,7 @@ func (s *stream) passthroughFor() *passthrough.Passthrough {
 	p := passthrough.New(r.ctx, cfg)
 	s.pass = p
 	r.metrics.PassthroughStreams.Inc()
-	r.goRun(func(context.Context) { p.Run() }) // refused while stopping: Stop does not wait for it
+	r.host.goRun(func(context.Context) { p.Run() }) // refused while stopping: Stop does not wait for it
 	return p
 }
 
@@ -70,13 +70,13 @@ func (s *stream) passthroughFor() *passthrough.Passthrough {
 func (s *stream) stopPassthrough() {
 	if s.pass != nil {
 		s.pass.Stop()
-		s.r.metrics.PassthroughStreams.Dec()
+		s.srv.metrics.PassthroughStreams.Dec()
 	}
 }
 
 // forward sends an upstream answer to the client under a relay nonce.
 func (s *stream) forward(m proto.Message) error {
-	s.pass.Relabel(m, s.nextNonce(), s.r.controlPlane)
-	s.r.metrics.Passthrough.WithLabelValues(protocolName(s.delta)).Inc()
+	s.pass.Relabel(m, s.nextNonce(), s.srv.controlPlane)
+	s.srv.metrics.Passthrough.WithLabelValues(protocolName(s.delta)).Inc()
 	return s.sendRaw(m)
 }

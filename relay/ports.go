@@ -114,11 +114,11 @@ type adsService struct {
 }
 
 func (a adsService) StreamAggregatedResources(ss discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
-	return a.r.serveSotW(ss, a.port)
+	return a.r.srv.serveSotW(ss, a.port)
 }
 
 func (a adsService) DeltaAggregatedResources(ds discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
-	return a.r.serveDelta(ds, a.port)
+	return a.r.srv.serveDelta(ds, a.port)
 }
 
 // checkPort refuses what port p does not serve: relay-to-relay traffic

@@ -159,7 +159,7 @@ func (ps *planScratch) reset() {
 func (s *stream) planTypes(snap *views.Set, now time.Time) (plans, synced []*plan) {
 	s.plans.reset()
 	plans, synced = s.plans.planned, s.plans.equal
-	wait := s.r.cfg.XDS.ResourceWaitTimeout
+	wait := s.srv.cfg.XDS.ResourceWaitTimeout
 	for _, typeURL := range xds.PushOrder {
 		sub := s.subs[typeURL]
 		ts := snap.Types[typeURL]
@@ -360,13 +360,13 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 	switch {
 	case s.delta:
 		out.View = p.ts.View.Root()
-		out.Version = s.r.versions.Of(out.View, out.Order)
+		out.Version = s.srv.versions.Of(out.View, out.Order)
 		if s.peerRelay != nil && p.stale {
 			out.Version = wire.MarkStale(out.Version)
 		}
 	case xds.FullStateSotW(sub.typeURL):
 		out.From = ledger.Hash{}
-		out.Version = s.r.versions.Of(sub.known.Root(), out.Order)
+		out.Version = s.srv.versions.Of(sub.known.Root(), out.Order)
 		out.Full, out.Held = true, sub.known
 		if sub.known.Root() != p.ts.View.Root() {
 			s.key.sentHeld(sub.known) // it may claim it elsewhere
@@ -377,7 +377,7 @@ func (s *stream) emit(p *plan, upd []*xds.Resource, removed []string) error {
 		if len(upd) == 0 && !first {
 			return nil
 		}
-		out.Version = s.r.versions.Of(sub.known.Root(), out.Order)
+		out.Version = s.srv.versions.Of(sub.known.Root(), out.Order)
 	}
 	out.Nonce = s.nextNonce()
 	now := time.Now()
@@ -428,7 +428,7 @@ func (s *stream) dropEndpointsOf(before ledger.Tree[*xds.Resource], removed []st
 	// on a stream whose clusters were known by hash).
 	var still map[string]struct{}
 	if !opaque(cds.known) {
-		still = s.r.cache.refIndex.Names(cds.known, xds.RefEndpoints)
+		still = s.srv.cache.refIndex.Names(cds.known, xds.RefEndpoints)
 	} else {
 		still = make(map[string]struct{})
 		for e := range cds.known.All() {
@@ -472,7 +472,7 @@ func (s *stream) heldBody(e ledger.Entry[*xds.Resource]) *xds.Resource {
 	if e.Hash == unknownContent {
 		return nil
 	}
-	return s.r.store.Lookup(e.Hash)
+	return s.srv.store.Lookup(e.Hash)
 }
 
 // carrier returns, for a Delta response that only removes, one resource the
@@ -508,3 +508,34 @@ func (s *stream) carrier(known, view ledger.Tree[*xds.Resource]) *xds.Resource {
 // client's known tree, built, would be the view. The package's tests set
 // it (whole_test.go).
 var checkWhole bool
+
+// claimPending reports whether sub's claimed version is being looked up in
+// the tier, and applies the answer once it came.
+func (s *stream) claimPending(sub *typeSub, ts *views.Type) bool {
+	s.resolveClaim(sub, ts)
+	l := sub.lookup
+	if l == nil {
+		return false
+	}
+	select {
+	case <-l.done:
+	default:
+		return true
+	}
+	sub.lookup = nil
+	if l.ok {
+		sub.known, sub.claimKnown = l.held, true
+		s.srv.metrics.Claims.WithLabelValues(l.from).Inc()
+	} else {
+		s.claimUnknown(sub)
+	}
+	return false
+}
+
+// claimUnknown notes that nobody knows what sub's claimed version holds:
+// what the client holds of the type may refer to anything, and a
+// full-state answer may remove what its routes use.
+func (s *stream) claimUnknown(sub *typeSub) {
+	s.srv.metrics.Claims.WithLabelValues("unknown").Inc()
+	s.log.Info("a SotW client's version is known to no relay of the tier", "type", xds.ShortType(sub.typeURL), "version", sub.claimed.String())
+}

@@ -72,6 +72,7 @@ func newPushBench(b *testing.B, delta bool) *pushBench {
 	}
 	r.ctx, r.cancel = context.WithCancel(context.Background())
 	b.Cleanup(r.cancel)
+	r.srv.start(r.ctx, nil)
 	pb := &pushBench{r: r, delta: delta, nonces: make([]string, benchStreams)}
 	var cs, es []types.Resource
 	for c := range benchClusters {
@@ -84,15 +85,15 @@ func newPushBench(b *testing.B, delta bool) *pushBench {
 	pb.publish(b, xds.TypeEndpoint, es...)
 	codec := wire.NewCodec()
 	for i := range benchStreams {
-		s := r.newStream(context.Background(), delta, portPlain)
+		s := r.srv.newStream(context.Background(), delta, portPlain)
 		i := i
 		s.send = func(o *wire.Response) error {
 			// The message as the server hands it to gRPC (wire.Codec).
-			m := r.bodies.SotW
+			m := r.srv.bodies.SotW
 			if delta {
-				m = r.bodies.Delta
+				m = r.srv.bodies.Delta
 			}
-			msg := m(o, r.controlPlaneWire)
+			msg := m(o, r.srv.controlPlaneWire)
 			if _, err := codec.Marshal(msg); err != nil {
 				return err
 			}

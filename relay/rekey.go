@@ -18,10 +18,10 @@ import (
 // header, the key's splits, after adding the ones it told.
 func (s *stream) tellSplits(pi *peerIdentity) {
 	if len(pi.splits) > 0 {
-		s.r.cache.learnSplits(pi.key, pi.splits)
+		s.srv.cache.learnSplits(pi.key, pi.splits)
 	}
-	s.splitGen = s.r.cache.splits.gen.Load()
-	splits := s.r.cache.splits.of(pi.key)
+	s.splitGen = s.srv.cache.splits.gen.Load()
+	splits := s.srv.cache.splits.of(pi.key)
 	if len(splits) == 0 {
 		return
 	}
@@ -43,13 +43,13 @@ func (s *stream) tellSplits(pi *peerIdentity) {
 // ends with the key's splits in its trailer (MDSplits): that relay moves
 // its own Envoys, and subscribes again at once.
 func (s *stream) followSplits() error {
-	gen := s.r.cache.splits.gen.Load()
+	gen := s.srv.cache.splits.gen.Load()
 	if s.next == nil && gen == s.splitGen {
 		return nil
 	}
 	s.splitGen = gen
 	if s.peerRelay != nil {
-		splits := s.r.cache.splits.of(s.key.name())
+		splits := s.srv.cache.splits.of(s.key.name())
 		if len(splits) == 0 {
 			return nil // another key split
 		}
@@ -61,11 +61,11 @@ func (s *stream) followSplits() error {
 		return status.Error(codes.Aborted, errKeySplit.Error())
 	}
 	if s.next == nil {
-		want, base := s.r.cache.keyOf(s.node, s.identity)
+		want, base := s.srv.cache.keyOf(s.node, s.identity)
 		if want == s.key.name() {
 			return nil
 		}
-		s.next = s.r.cache.join(want, s)
+		s.next = s.srv.cache.join(want, s)
 		s.next.leftBySplit(want, base)
 		for typeURL, sub := range s.subs {
 			s.next.subscribe(typeURL, false, sub.wildcard, nil, sub.names)
@@ -76,11 +76,11 @@ func (s *stream) followSplits() error {
 			s.log.Info("the stream's key split: it moves to a key of its own once that key has its config", "to", want)
 		}
 	}
-	if !covers(s.next.published(), s.subs, time.Now(), s.r.cfg.XDS.ResourceWaitTimeout) {
+	if !covers(s.next.published(), s.subs, time.Now(), s.srv.cfg.XDS.ResourceWaitTimeout) {
 		return nil
 	}
 	old := s.key
-	s.r.attach(s, s.next)
+	s.srv.attach(s, s.next)
 	if base := old.splitBase(); base != "" && s.next.name() == base {
 		old.abandon() // merged back (before leave wakes its feed)
 	}
@@ -89,7 +89,7 @@ func (s *stream) followSplits() error {
 	s.declareHeld()
 	now := time.Now()
 	s.led.Disconnect(now)
-	s.led = s.r.ledgerConnect(s.node, s.key.name(), now)
+	s.led = s.srv.ledgerConnect(s.node, s.key.name(), now)
 	for typeURL := range s.subs {
 		s.led.Subscribe(typeURL)
 	}
@@ -109,8 +109,8 @@ func (s *stream) declareHeld() {
 			continue
 		}
 		_, o, err := wire.ParseVersion(sub.sent.version)
-		if err != nil || !s.r.cache.placed(o, true) {
-			o = s.r.cache.declaredBound()
+		if err != nil || !s.srv.cache.placed(o, true) {
+			o = s.srv.cache.declaredBound()
 		}
 		sub.orders, sub.declared = sub.orders.add(o), true
 	}

@@ -61,31 +61,33 @@
 // the ties that still run up from one layer to a higher one):
 //
 //   - a key's cache and its feed: keycache.go (the keys, and what they
-//     share; the one thing above them they reach is what its keyHost
-//     gives), keyconfig.go (what configures them: Upstream, Keys, the
-//     tier's Owners), aggregation.go (which key a stream
-//     joins, the keys held), keystate.go (its views, subscriptions and
-//     members: the streams joined to it, which it knows only as its member
-//     interface; its divergence check's schedule), versions.go (whether a
-//     view covers what a client holds), feed.go (the one stream to the
-//     key's source, istiod or the owner relay, over relay/adsclient),
-//     session.go (one such stream, once open: what it waits for and does
-//     with each), feedsource.go (the kinds of source), backoff.go (its backoff, and
-//     the random draws a simulation replays), firstanswers.go (when its
-//     first answers give the sync slot back and confirm the views),
-//     feedrequests.go (what it asks), feedanswers.go (what it does with
-//     the answers), forward.go (credentials presented upstream),
-//     persist.go (saving views, and the restore a warm start installs
-//     keys with) and splits.go (the splits the tier knows, and the key a
-//     node belongs to under them);
-//   - the downstream server: stream.go (one ADS stream: its subscriptions,
-//     ACKs and NACKs), push.go (what a sync sends, in xDS order), holds.go
-//     (what a push keeps back: make-before-break), sotw.go, delta.go,
-//     mailbox.go (a client's requests, read while its responses are
-//     written), passthrough.go (starting a stream's relay/passthrough),
-//     identity.go and admission.go (who a stream is, whether it may
-//     start), rekey.go (the streams a split moves), xdsconfig.go (what
-//     configures it: XDS, its Authorizer and Authenticator, its ports);
+//     share; what they ask of the relay, they ask through its keyHost),
+//     keyconfig.go (what configures them: Upstream, Keys, the tier's
+//     Owners), aggregation.go (which key a stream joins, the keys held),
+//     keystate.go (its views, subscriptions and members: the streams joined
+//     to it, which it knows only as its member interface; its divergence
+//     check's schedule), versions.go (whether a view covers what a client
+//     holds; the lookups, one per key and question, of the versions SotW
+//     clients claim), feed.go (the one stream to the key's source, istiod or
+//     the owner relay, over relay/adsclient), session.go (one such stream,
+//     once open: what it waits for and does with each), feedsource.go (the
+//     kinds of source), backoff.go (its backoff, and the random draws a
+//     simulation replays), firstanswers.go (when its first answers give the
+//     sync slot back and confirm the views), feedrequests.go (what it asks),
+//     feedanswers.go (what it does with the answers), forward.go
+//     (credentials presented upstream), persist.go (saving views, and the
+//     restore a warm start installs keys with) and splits.go (the splits the
+//     tier knows, and the key a node belongs to under them);
+//   - the downstream server: server.go (the streams, and what they share;
+//     what it asks of the tier, it asks through its serverHost), stream.go
+//     (one ADS stream: its subscriptions, ACKs and NACKs), push.go (what a
+//     sync sends, in xDS order), holds.go (what a push keeps back:
+//     make-before-break), sotw.go, delta.go, mailbox.go (a client's
+//     requests, read while its responses are written), passthrough.go
+//     (starting a stream's relay/passthrough), identity.go and admission.go
+//     (who a stream is, whether it may start), rekey.go (the streams a split
+//     moves), xdsconfig.go (what configures it: XDS, its Authorizer and
+//     Authenticator, its ports);
 //   - the tier and inspection: tier.go (owners, who a calling relay is,
 //     balancing, moving streams away), checks.go (divergence checks run:
 //     asking owners, the splits found), claims.go (versions a SotW Envoy
@@ -117,7 +119,6 @@ import (
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"golang.org/x/sync/singleflight"
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -135,7 +136,6 @@ import (
 	"github.com/meshrelay/meshrelay/relay/metrics"
 	"github.com/meshrelay/meshrelay/relay/peers"
 	"github.com/meshrelay/meshrelay/relay/tierledger"
-	"github.com/meshrelay/meshrelay/relay/wire"
 	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
@@ -148,20 +148,13 @@ type Relay struct {
 	log      *slog.Logger
 	rand     *rand.Rand // Config.Rand, serialised; nil: the global source
 	store    *xds.Store
-	// cache is the relay's keys, and what they share (keycache.go).
-	cache        *keyCache
-	passRate     *rate.Limiter // passthrough streams opened to the upstream: a fifth of Upstream.StreamRate; nil: no bound
-	metrics      *metrics.Metrics
-	pushACK      metrics.Latency
-	ledger       *ledger.Tracker
-	controlPlane *core.ControlPlane
-	// controlPlaneWire is controlPlane encoded, for responses the relay
-	// encodes itself; bodies caches those responses' shared bytes.
-	controlPlaneWire []byte
-	bodies           wire.Bodies
-	versions         wire.Versions // every version string rendered once
-	streamID         atomic.Uint64
-	clock            *ledger.Clock // the keys' clock (keyCache.clock)
+	// cache is the relay's keys, and what they share (keycache.go); srv
+	// its downstream server (server.go), whose streams join the keys.
+	cache   *keyCache
+	srv     *server
+	metrics *metrics.Metrics
+	ledger  *ledger.Tracker
+	clock   *ledger.Clock // the keys' clock (keyCache.clock)
 
 	upConn     *grpc.ClientConn
 	servers    []*grpc.Server // xDS servers: plaintext, TLS
@@ -176,40 +169,27 @@ type Relay struct {
 
 	ctx      context.Context // feeds' context
 	cancel   context.CancelFunc
-	stopping chan struct{} // closed by Stop: streams end
+	stopping chan struct{} // closed by Stop: streams end (server.stopping)
 	wg       sync.WaitGroup
 
-	warm           chan struct{} // closed once the upstream was first reached, or snapshots loaded
-	warmOnce       sync.Once
-	draining       atomic.Bool                // set by MarkNotReady: new streams are refused
-	handed         sync.Map                   // heldID → time.Time: versions handed over (handOver)
-	handedN        atomic.Uint64              // counts handing's notes, to prune handed now and then
-	handOverFailed atomic.Int64               // UnixNano of handOver's last failure (0: none)
-	admission      *admission.Fair            // nil: no limit (Envoy streams shared by identity)
-	authLogs       *rate.Limiter              // bounds authentication warnings
-	failures       *admission.FailureGate     // bounds verifications of failing sources
-	verifying      singleflight.Group         // one verification for the streams presenting one credential at once
-	shares         *admission.Shares[*stream] // Envoy streams by identity (XDS.MaxStreams)
-	budget         *admission.Budget          // large requests decoded and applied at once (XDS.RequestBudgetBytes)
+	handed         sync.Map      // heldID → time.Time: versions handed over (handOver)
+	handedN        atomic.Uint64 // counts handing's notes, to prune handed now and then
+	handOverFailed atomic.Int64  // UnixNano of handOver's last failure (0: none)
 
 	pool     *peers.Pool          // relay-to-relay connections
 	claims   *claims.Lookup       // asks the tier and the store what a SotW client's version held
 	gatherer *tierledger.Gatherer // the tier's ledger, and other answers gathered from every relay
 
 	checkSlots syncSlots // one token per divergence check running
-	usable     usableSet // routes and listeners found usable, for every Envoy stream alike
 
 	// runMu guards refuseWork: set as Stop begins, goRun starts nothing
 	// after it.
 	runMu      sync.Mutex
 	refuseWork bool
 
-	mu sync.Mutex
-	// attached holds the streams joined to a key, with the key: each is
-	// a member of it from acquireKey to releaseKey.
-	attached map[*stream]joinedKey
-	state    lifecycle
-	serveWG  sync.WaitGroup
+	mu      sync.Mutex
+	state   lifecycle
+	serveWG sync.WaitGroup
 }
 
 // newRand serialises src; nil stays nil (the global source).
@@ -229,21 +209,14 @@ func New(cfg Config) (*Relay, error) {
 	store, clock, rnd := xds.NewStore(), ledger.NewClock(cfg.wall), newRand(cfg.Rand)
 	pool := peers.NewPool(cfg.MaxMsgSize, cfg.Tier.DialOptions...)
 	r := &Relay{
-		cfg:          cfg,
-		log:          log,
-		store:        store,
-		controlPlane: &core.ControlPlane{Identifier: cfg.ID},
-		stopping:     make(chan struct{}),
-		attached:     make(map[*stream]joinedKey),
-		warm:         make(chan struct{}),
-		pool:         pool,
-		clock:        clock,
-		rand:         rnd,
-		authLogs:     newAuthLogLimiter(),
-		failures:     admission.NewFailureGate(),
-		budget:       admission.NewBudget(cfg.XDS.RequestBudgetBytes),
-		shares:       admission.NewShares[*stream](cfg.XDS.MaxStreams),
-		checkSlots:   newSyncSlots(maxDivergenceChecks),
+		cfg:        cfg,
+		log:        log,
+		store:      store,
+		stopping:   make(chan struct{}),
+		pool:       pool,
+		clock:      clock,
+		rand:       rnd,
+		checkSlots: newSyncSlots(maxDivergenceChecks),
 	}
 	r.cache = &keyCache{
 		cfg: keyConfig{
@@ -253,7 +226,7 @@ func New(cfg Config) (*Relay, error) {
 			Owners:              cfg.Tier.Owners,
 			ResourceWaitTimeout: cfg.XDS.ResourceWaitTimeout,
 		},
-		host:           keyHost{goRun: r.goRun, peerContext: r.peerContext, markWarm: r.markWarm},
+		host:           keyHost{goRun: r.goRun, peerContext: r.peerContext}, // and markWarm, the server's, below
 		log:            log,
 		store:          store,
 		dropped:        xds.NewDropped(cfg.Keys.KeepDroppedBytes),
@@ -269,16 +242,35 @@ func New(cfg Config) (*Relay, error) {
 		loaded:         make(chan struct{}),
 		keys:           make(map[aggkey.Key]*keyState),
 	}
-	r.adminGuard = &admin.Guard{Token: cfg.Admin.Token, Identities: cfg.Admin.Identities, XDSAuthenticated: cfg.XDS.Authenticator != nil, Refuse: r.refuseAuth}
+	controlPlane := &core.ControlPlane{Identifier: cfg.ID}
+	r.srv = &server{
+		cfg:              serverConfig{ID: cfg.ID, XDS: cfg.XDS, ForwardCredentials: cfg.Upstream.ForwardCredentials},
+		host:             serverHost{goRun: r.goRun, identifyPeer: r.identifyPeer, checkPort: r.checkPort, askTier: r.askTier, answerDebugSotW: r.answerDebugSotW, answerDebugDelta: r.answerDebugDelta},
+		cache:            r.cache,
+		log:              log,
+		store:            store,
+		clock:            clock,
+		controlPlane:     controlPlane,
+		controlPlaneWire: mustMarshal(controlPlane),
+		authLogs:         newAuthLogLimiter(),
+		failures:         admission.NewFailureGate(),
+		budget:           admission.NewBudget(cfg.XDS.RequestBudgetBytes),
+		shares:           admission.NewShares[*stream](cfg.XDS.MaxStreams),
+		warm:             make(chan struct{}),
+		stopping:         r.stopping,
+		attached:         make(map[*stream]joinedKey),
+	}
+	r.cache.host.markWarm = r.srv.markWarm
+	r.adminGuard = &admin.Guard{Token: cfg.Admin.Token, Identities: cfg.Admin.Identities, XDSAuthenticated: cfg.XDS.Authenticator != nil, Refuse: r.srv.refuseAuth}
 	if cfg.Admin.Authenticator != nil {
 		r.adminGuard.Authenticator = cfg.Admin.Authenticator
 	}
 	if cfg.XDS.AdmitRate > 0 {
-		r.admission = admission.NewFair(cfg.XDS.AdmitRate, cfg.XDS.AdmitBurst, cfg.XDS.AdmitWait)
+		r.srv.admission = admission.NewFair(cfg.XDS.AdmitRate, cfg.XDS.AdmitBurst, cfg.XDS.AdmitWait)
 	}
 	if cfg.Upstream.StreamRate > 0 {
 		r.cache.upstreamRate = rate.NewLimiter(rate.Limit(cfg.Upstream.StreamRate), max(1, int(cfg.Upstream.StreamRate)))
-		r.passRate = rate.NewLimiter(rate.Limit(cfg.Upstream.StreamRate/5), max(1, int(cfg.Upstream.StreamRate/5)))
+		r.srv.passRate = rate.NewLimiter(rate.Limit(cfg.Upstream.StreamRate/5), max(1, int(cfg.Upstream.StreamRate/5)))
 	}
 	m, err := newMetrics(cfg.Registerer, r)
 	if err != nil {
@@ -294,13 +286,13 @@ func New(cfg Config) (*Relay, error) {
 		return nil, fmt.Errorf("relay: %w", err)
 	}
 	r.cache.metrics, r.cache.ledger = m, r.ledger
+	r.srv.metrics, r.srv.ledger = m, r.ledger
 	if r.gatherer, err = r.newGatherer(); err != nil {
 		return nil, fmt.Errorf("relay: %w", err)
 	}
 	if r.claims, err = r.newClaimLookup(); err != nil {
 		return nil, fmt.Errorf("relay: %w", err)
 	}
-	r.controlPlaneWire = mustMarshal(r.controlPlane)
 	return r, nil
 }
 
@@ -339,16 +331,17 @@ func (r *Relay) Start(ctx context.Context) error {
 	}
 	r.tracker = newConnTracker()
 	r.upConn, r.lis, r.tlsLis, r.peerLis = conn, lis, tlsLis, peerLis
-	r.cache.start(conn)
 	r.ctx, r.cancel = context.WithCancel(context.WithoutCancel(ctx))
+	r.cache.start(conn)
+	r.srv.start(r.ctx, conn)
 	if r.cfg.Keys.Snapshots != nil {
 		r.goRun(r.cache.loadSnapshots)
 	} else {
 		close(r.cache.loaded)
 	}
-	r.goRun(r.watchWarm)
-	if r.admission != nil {
-		r.goRun(r.admission.Run)
+	r.goRun(r.cache.watchWarm)
+	if r.srv.admission != nil {
+		r.goRun(r.srv.admission.Run)
 	}
 	r.goRun(r.pruneConns)
 	if r.cfg.Tier.Owners != nil {
@@ -405,7 +398,7 @@ func (r *Relay) Start(ctx context.Context) error {
 		attrs = append(attrs, "key_rules", rules.String())
 	}
 	if tlsLis != nil {
-		attrs = append(attrs, "xds_tls", tlsLis.Addr().String(), "xds_auth", r.authMode())
+		attrs = append(attrs, "xds_tls", tlsLis.Addr().String(), "xds_auth", r.srv.authMode())
 	}
 	if lis != nil {
 		attrs = append(attrs, "xds_plaintext", lis.Addr().String())
@@ -586,6 +579,10 @@ func (r *Relay) goRun(fn func(context.Context)) bool {
 	return true
 }
 
+// Ready reports whether the relay takes new streams: warm and not
+// draining.
+func (r *Relay) Ready() bool { return r.srv.ready() }
+
 // ID returns the relay's ID (Config.ID).
 func (r *Relay) ID() string { return r.cfg.ID }
 
@@ -622,7 +619,7 @@ func (r *Relay) adminMux() *http.ServeMux {
 		lis, tlsLis := r.lis, r.tlsLis
 		r.mu.Unlock()
 		if tlsLis != nil {
-			fmt.Fprintf(w, "xds tls: %s, auth %s\n", tlsLis.Addr(), r.authMode())
+			fmt.Fprintf(w, "xds tls: %s, auth %s\n", tlsLis.Addr(), r.srv.authMode())
 		}
 		if lis != nil {
 			fmt.Fprintf(w, "xds plaintext: %s: WARNING: PLAINTEXT, serves anyone who reaches it\n", lis.Addr())
@@ -646,7 +643,7 @@ func (r *Relay) adminMux() *http.ServeMux {
 		default:
 		}
 		switch {
-		case r.draining.Load():
+		case r.srv.draining.Load():
 			http.Error(w, "draining", http.StatusServiceUnavailable)
 		case !r.Ready():
 			http.Error(w, "not warm: upstream not reached yet", http.StatusServiceUnavailable)

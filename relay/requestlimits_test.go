@@ -112,7 +112,7 @@ func TestRequestBudgetBoundsLargeRequests(t *testing.T) {
 	defer cancel()
 	done := make(chan error, streams)
 	for range streams {
-		s := r.newStream(ctx, true, portPlain)
+		s := r.srv.newStream(ctx, true, portPlain)
 		sent := false
 		recv := func() (int, error) {
 			if !sent {
@@ -272,8 +272,8 @@ func upstreamEndpointNames(up *testUpstream) map[string]bool {
 	return most
 }
 
-func budgetInUse(r *Relay) int64 { n, _ := r.budget.InUse(); return n }
-func budgetPeak(r *Relay) int64  { _, p := r.budget.InUse(); return p }
+func budgetInUse(r *Relay) int64 { n, _ := r.srv.budget.InUse(); return n }
+func budgetPeak(r *Relay) int64  { _, p := r.srv.budget.InUse(); return p }
 
 // TestRequestBudgetDefault: the default budget takes a largest request
 // per two cores, at least one.

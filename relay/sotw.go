@@ -16,18 +16,18 @@ import (
 )
 
 // serveSotW serves one SotW ADS stream that came in on port p.
-func (r *Relay) serveSotW(ss discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer, p port) error {
-	s, err := r.openStream(ss.Context(), false, p)
+func (srv *server) serveSotW(ss discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer, p port) error {
+	s, err := srv.openStream(ss.Context(), false, p)
 	if err != nil {
 		return err
 	}
 	s.send = func(o *wire.Response) error {
-		w := r.bodies.SotW(o, r.controlPlaneWire)
+		w := srv.bodies.SotW(o, srv.controlPlaneWire)
 		n := len(o.Updated)
 		if o.Full {
 			n = o.Held.Len()
 		}
-		r.metrics.Sent(o.TypeURL, n, 0, w.Size())
+		srv.metrics.Sent(o.TypeURL, n, 0, w.Size())
 		return ss.SendMsg(w)
 	}
 	s.sendRaw = func(m proto.Message) error { return ss.Send(m.(*discovery.DiscoveryResponse)) }
@@ -57,7 +57,7 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *wire.NameLis
 		if err != nil {
 			return status.Error(codes.InvalidArgument, err.Error())
 		}
-		return s.answerDebugSotW(req, list)
+		return s.srv.host.answerDebugSotW(s, req, list)
 	}
 	if s.key == nil {
 		if err := s.attach(req.GetNode()); err != nil {
@@ -103,8 +103,8 @@ func (s *stream) handleSotW(req *discovery.DiscoveryRequest, names *wire.NameLis
 			// not the relay's stands for nothing held (the view is sent).
 			var o ledger.Order
 			sub.claimed, o, _ = wire.ParseVersion(v)
-			if !s.r.cache.placed(o, s.peerRelay != nil) {
-				o = s.r.cache.declaredBound()
+			if !s.srv.cache.placed(o, s.peerRelay != nil) {
+				o = s.srv.cache.declaredBound()
 			}
 			sub.orders = sub.orders.add(o)
 			sub.declared = !sub.claimed.IsZero()
@@ -156,7 +156,7 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 	defer func() {
 		if err != nil {
 			code := status.Code(err)
-			s.r.metrics.StreamErrors.WithLabelValues(code.String()).Inc()
+			s.srv.metrics.StreamErrors.WithLabelValues(code.String()).Inc()
 			s.log.Debug("stream ended", "code", code, "err", err)
 		}
 	}()
@@ -223,10 +223,10 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 		case <-reqs.ready:
 			batch := reqs.take()
 			for i, req := range batch {
-				n, err := s.r.budget.Take(s.ctx, sizeOf(req))
+				n, err := s.srv.budget.Take(s.ctx, sizeOf(req))
 				if err == nil {
 					err = handle(req)
-					s.r.budget.Put(n)
+					s.srv.budget.Put(n)
 				} else {
 					release(req)
 				}
@@ -253,13 +253,13 @@ func serve[Req any](s *stream, recv func() (Req, error), sizeOf func(Req) int, h
 		case err := <-errc:
 			return recvError(err)
 		case <-s.evict:
-			s.r.metrics.Shed.WithLabelValues("share").Inc()
+			s.srv.metrics.Shed.WithLabelValues("share").Inc()
 			return status.Error(codes.Unavailable, "relay at its stream bound, and another identity's share was due: reconnect")
 		case <-expired:
 			return status.Error(codes.Unauthenticated, "the credential this stream was admitted with expired: reconnect with a fresh one")
 		case <-s.ctx.Done():
 			return nil
-		case <-s.r.stopping:
+		case <-s.srv.stopping:
 			return status.Error(codes.Unavailable, "relay is shutting down")
 		}
 		// A plain ACK changes nothing to send: only subscription changes

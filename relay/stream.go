@@ -7,7 +7,6 @@ import (
 	"io"
 	"iter"
 	"log/slog"
-	"maps"
 	"slices"
 	"strconv"
 	"sync"
@@ -34,7 +33,7 @@ import (
 // stream is one downstream ADS stream, SotW or Delta. All of its state is
 // owned by the stream's handler goroutine; other goroutines only wake it.
 type stream struct {
-	r     *Relay
+	srv   *server
 	id    uint64
 	delta bool
 	port  port // the listener it came in on
@@ -205,10 +204,10 @@ type NACK struct {
 	At      time.Time
 }
 
-func (r *Relay) newStream(ctx context.Context, delta bool, p port) *stream {
+func (srv *server) newStream(ctx context.Context, delta bool, p port) *stream {
 	s := &stream{
-		r:     r,
-		id:    r.streamID.Add(1),
+		srv:   srv,
+		id:    srv.streamID.Add(1),
 		delta: delta,
 		port:  p,
 		ctx:   ctx,
@@ -224,7 +223,7 @@ func (r *Relay) newStream(ctx context.Context, delta bool, p port) *stream {
 	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
 		s.peer = p.Addr.String()
 	}
-	s.log = r.log.With("stream", s.id, "protocol", protocolName(delta))
+	s.log = srv.log.With("stream", s.id, "protocol", protocolName(delta))
 	return s
 }
 
@@ -246,30 +245,30 @@ func (s *stream) attach(node *core.Node) error {
 		// Envoys of a key: it authorized them itself, and it names the key
 		// so that both relays agree on it whatever the profile.
 		s.log = s.log.With("node", node.GetId(), "key", pi.key, "peer_relay", pi.id)
-		s.key = s.r.acquireKey(pi.key, s)
+		s.key = s.srv.acquireKey(pi.key, s)
 		s.tellSplits(pi)
 		if pi.demand != 0 {
 			s.key.demand(pi.demand, true)
 		}
-		s.r.metrics.PeerClients.Inc()
+		s.srv.metrics.PeerClients.Inc()
 		s.log.Debug("peer stream attached", "peer", s.peer)
 		return nil
 	}
 	if err := s.checkIdentity(node); err != nil {
 		return err
 	}
-	if err := s.r.cfg.XDS.Authorizer.Authorize(s.ctx, node); err != nil {
+	if err := s.srv.cfg.XDS.Authorizer.Authorize(s.ctx, node); err != nil {
 		s.log.Warn("stream refused", "node", node.GetId(), "peer", s.peer, "err", err)
 		return status.Errorf(codes.PermissionDenied, "node %q: %v", node.GetId(), err)
 	}
 	// The key is derived only now, from a node its identity may present.
-	s.splitGen = s.r.cache.splits.gen.Load()
-	key, base := s.r.cache.keyOf(node, s.identity)
+	s.splitGen = s.srv.cache.splits.gen.Load()
+	key, base := s.srv.cache.keyOf(node, s.identity)
 	s.log = s.log.With("node", node.GetId(), "key", key)
-	s.key = s.r.acquireKey(key, s)
+	s.key = s.srv.acquireKey(key, s)
 	s.key.leftBySplit(key, base)
-	s.led = s.r.ledgerConnect(node, key, time.Now())
-	s.r.metrics.Envoys.WithLabelValues(protocolName(s.delta)).Inc()
+	s.led = s.srv.ledgerConnect(node, key, time.Now())
+	s.srv.metrics.Envoys.WithLabelValues(protocolName(s.delta)).Inc()
 	s.log.Debug("stream attached", "peer", s.peer)
 	return nil
 }
@@ -277,7 +276,7 @@ func (s *stream) attach(node *core.Node) error {
 // close releases everything the stream holds. It runs on the handler
 // goroutine as it returns.
 func (s *stream) close() {
-	s.r.shares.Leave(s)
+	s.srv.shares.Leave(s)
 	s.stopPassthrough()
 	if s.danglingTimer != nil {
 		s.danglingTimer.Stop()
@@ -287,11 +286,11 @@ func (s *stream) close() {
 		if s.next != nil {
 			s.next.leave(s, s.subscriptions())
 		}
-		s.r.releaseKey(s)
+		s.srv.releaseKey(s)
 		if s.peerRelay != nil {
-			s.r.metrics.PeerClients.Dec()
+			s.srv.metrics.PeerClients.Dec()
 		} else {
-			s.r.metrics.Envoys.WithLabelValues(protocolName(s.delta)).Dec()
+			s.srv.metrics.Envoys.WithLabelValues(protocolName(s.delta)).Dec()
 		}
 		s.log.Debug("stream closed")
 	}
@@ -353,7 +352,7 @@ func (s *stream) nextNonce() string {
 
 // checkNames enforces the per-type subscription limit on untrusted input.
 func (s *stream) checkNames(typeURL string, n int) error {
-	if limit := s.r.cfg.XDS.MaxSubscribedNames; n > limit {
+	if limit := s.srv.cfg.XDS.MaxSubscribedNames; n > limit {
 		return status.Errorf(codes.InvalidArgument, "%d names for %s exceed the limit of %d a stream", n, typeURL, limit)
 	}
 	return nil
@@ -361,7 +360,7 @@ func (s *stream) checkNames(typeURL string, n int) error {
 
 // newSub starts a subscription from a stream's first request for a type.
 func (s *stream) newSub(typeURL string, wildcard, legacy bool, names xds.NameSet) *typeSub {
-	names = s.r.cache.nameSets.Intern(names) // the key's streams (and keys) that ask alike share one set
+	names = s.srv.cache.nameSets.Intern(names) // the key's streams (and keys) that ask alike share one set
 	sub := &typeSub{typeURL: typeURL, wildcard: wildcard, legacy: legacy, names: names, awaitFirst: true}
 	s.subs[typeURL] = sub
 	s.dirty = true
@@ -380,7 +379,7 @@ func (s *stream) newSub(typeURL string, wildcard, legacy bool, names xds.NameSet
 // content, so that if the key no longer has them the client still hears of
 // the removal.
 func (s *stream) resubscribe(sub *typeSub, wildcard bool, names xds.NameSet, resend []string) {
-	names = s.r.cache.nameSets.Intern(names) // the key's streams (and keys) that ask alike share one set
+	names = s.srv.cache.nameSets.Intern(names) // the key's streams (and keys) that ask alike share one set
 	added, removed := sub.names.Diff(names)
 	if wildcard == sub.wildcard && len(added) == 0 && len(removed) == 0 && len(resend) == 0 {
 		return
@@ -426,7 +425,7 @@ func (s *stream) ack(sub *typeSub, sent sentResponse, errorDetail string, latest
 	}
 	rejecting := s.noteRejected(sub, sent, errorDetail != "")
 	s.led.Answered(sub.typeURL, ledger.Answer{Version: sent.version, Detail: errorDetail, Latest: latest, Rejecting: rejecting, At: now})
-	tm := s.r.metrics.ForType(sub.typeURL)
+	tm := s.srv.metrics.ForType(sub.typeURL)
 	if errorDetail != "" {
 		s.updateStatus(sub.typeURL, func(st *TypeStatus) {
 			st.NACK = &NACK{Version: sent.version, Detail: errorDetail, At: now}
@@ -440,7 +439,7 @@ func (s *stream) ack(sub *typeSub, sent sentResponse, errorDetail string, latest
 	})
 	d := now.Sub(sent.at)
 	tm.PushACK.Observe(d.Seconds())
-	s.r.pushACK.Observe(d)
+	s.srv.pushACK.Observe(d)
 }
 
 // noteRejected keeps sub.rejected up to date with an answer to sent, and
@@ -530,41 +529,34 @@ type joinedKey interface {
 
 // acquireKey returns the key's state, creating it (and its feed) if
 // needed, with s joined as a member and attached.
-func (r *Relay) acquireKey(key aggkey.Key, s *stream) *keyState {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	k := r.cache.join(key, s)
-	r.attached[s] = k
+func (srv *server) acquireKey(key aggkey.Key, s *stream) *keyState {
+	srv.mu.Lock()
+	defer srv.mu.Unlock()
+	k := srv.cache.join(key, s)
+	srv.attached[s] = k
 	return k
 }
 
 // attach records s as attached to k, which it joined (keyCache.join).
-func (r *Relay) attach(s *stream, k joinedKey) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.attached[s] = k
+func (srv *server) attach(s *stream, k joinedKey) {
+	srv.mu.Lock()
+	defer srv.mu.Unlock()
+	srv.attached[s] = k
 }
 
 // releaseKey takes s, which acquireKey joined to s.key, out of its key.
-func (r *Relay) releaseKey(s *stream) {
-	r.mu.Lock()
-	delete(r.attached, s)
-	r.mu.Unlock()
+func (srv *server) releaseKey(s *stream) {
+	srv.mu.Lock()
+	delete(srv.attached, s)
+	srv.mu.Unlock()
 	s.key.leave(s, s.subscriptions())
-}
-
-// attachedStreams returns the streams joined to a key now, with the key.
-func (r *Relay) attachedStreams() map[*stream]joinedKey {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return maps.Clone(r.attached)
 }
 
 // ledgerConnect starts the ledger's record of an Envoy's stream, with
 // what istioctl shows of its node: the namespace (proxy-status -n), the
 // cluster and the proxy version, from Istio's node metadata.
-func (r *Relay) ledgerConnect(node *core.Node, key aggkey.Key, at time.Time) *ledger.Envoy {
-	e := r.ledger.Connect(node.GetId(), string(key), at)
+func (srv *server) ledgerConnect(node *core.Node, key aggkey.Key, at time.Time) *ledger.Envoy {
+	e := srv.ledger.Connect(node.GetId(), string(key), at)
 	f := node.GetMetadata().GetFields()
 	field := func(name string) string { return unique.Make(f[name].GetStringValue()).Value() } // one copy for a key's Envoys
 	e.SetMeta(ledger.NodeMeta{Namespace: field("NAMESPACE"), Cluster: field("CLUSTER_ID"), Version: field("ISTIO_VERSION")})
@@ -596,7 +588,7 @@ func (s *stream) sent(types []string) []configdump.Type {
 		dt := configdump.Type{URL: typeURL, Version: sub.known.Root().String()}
 		for e := range sub.known.All() {
 			if e.Value == nil {
-				e.Value = s.r.store.Lookup(e.Hash)
+				e.Value = s.srv.store.Lookup(e.Hash)
 			}
 			dt.Entries = append(dt.Entries, e)
 		}
@@ -615,4 +607,37 @@ func recvError(err error) error {
 		return nil
 	}
 	return err
+}
+
+// debugAnswer is what a stream last answered for a debug type URL.
+type debugAnswer struct {
+	nonce string
+	names []string
+}
+
+// debugAnswered reports whether a debug request is the client's ACK or
+// NACK of the stream's last answer of its type, which is not answered
+// again: it names that answer's nonce, and the same resource names or
+// an error (Delta: no new names, or an error). Anything else is a
+// question, answered as istiod answers every debug request. Istio's ADS
+// client (pkg/adsc, which istioctl uses) puts a nonce of its own (a
+// timestamp) on every request, its first included, and never ACKs a debug
+// answer; an xDS client that does ACK is not answered in a loop.
+func (s *stream) debugAnswered(typeURL, responseNonce string, names []string, nack, delta bool) bool {
+	last, ok := s.debugSent[typeURL]
+	if !ok || responseNonce == "" || responseNonce != last.nonce {
+		return false
+	}
+	return nack || slices.Equal(names, last.names) || delta && len(names) == 0
+}
+
+// debugNonce numbers a debug answer and remembers it (debugAnswered).
+func (s *stream) debugNonce(typeURL string, names []string) string {
+	s.nonce++
+	nonce := strconv.FormatUint(s.nonce, 10)
+	if s.debugSent == nil {
+		s.debugSent = make(map[string]debugAnswer)
+	}
+	s.debugSent[typeURL] = debugAnswer{nonce: nonce, names: slices.Clone(names)}
+	return nonce
 }

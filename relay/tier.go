@@ -133,7 +133,7 @@ var errNoPeerCert = errors.New("no client certificate: relays present the tier's
 // refusePeer logs, rate-limited, a relay-to-relay call refused for its
 // proof. The proof itself is never logged.
 func (r *Relay) refusePeer(ctx context.Context, what, id string, err error) {
-	if r.authLogs.Allow() {
+	if r.srv.authLogs.Allow() {
 		r.log.Warn(what+" refused: bad peer proof", "peer_relay", id, "peer", peerAddr(ctx), "err", err)
 	}
 }
@@ -266,7 +266,7 @@ func (r *Relay) pruneConns(ctx context.Context) {
 
 // streams returns the attached streams, Envoys' and other relays' apart.
 func (r *Relay) streams() (envoys, peers []*stream) {
-	for s := range r.attachedStreams() {
+	for s := range r.srv.attachedStreams() {
 		if s.peerRelay == nil {
 			envoys = append(envoys, s)
 		} else {
@@ -320,7 +320,7 @@ func (r *Relay) balance(ctx context.Context) {
 		}
 		streams, _ := r.streams()
 		share, least, ok := r.cfg.Tier.Balancer.FairShare(len(streams))
-		if !ok || r.draining.Load() {
+		if !ok || r.srv.draining.Load() {
 			continue
 		}
 		m := max(int(math.Ceil(math.Sqrt(float64(share)))), share/25, 2)
@@ -360,7 +360,7 @@ func (r *Relay) balance(ctx context.Context) {
 // /readyz, the first step of a graceful shutdown; streams already open go
 // on until DrainStreams or Stop.
 func (r *Relay) MarkNotReady() {
-	if !r.draining.Swap(true) {
+	if !r.srv.draining.Swap(true) {
 		r.log.Info("relay not ready: draining")
 	}
 }

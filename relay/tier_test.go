@@ -751,7 +751,7 @@ func TestSotWClaimWithoutBodies(t *testing.T) {
 	if _, ok := k.versionHeld(xds.TypeCluster, true, nil, claimed.Root()); !ok {
 		t.Fatal("the key's history lost the claimed version")
 	}
-	s := e.r.newStream(context.Background(), false, portPlain)
+	s := e.r.srv.newStream(context.Background(), false, portPlain)
 	s.key = k
 	sub := &typeSub{typeURL: xds.TypeCluster, wildcard: true, claimed: claimed.Root()}
 	s.resolveClaim(sub, k.views.Load().TypeOf(xds.TypeCluster))

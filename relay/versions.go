@@ -3,9 +3,11 @@ package relay
 import (
 	"cmp"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/meshrelay/meshrelay/ledger"
+	"github.com/meshrelay/meshrelay/relay/xds"
 )
 
 // observe moves the relay's clock past an Order learned from the tier (a
@@ -88,4 +90,36 @@ func (s orderSet) coveredBy(view ledger.Order) bool {
 		}
 	}
 	return true
+}
+
+// claimLookup is a key's question to the tier about one claimed version,
+// shared by the key's streams that claim it (a relay's Envoys of one key
+// that moved together ask once). The asking goroutine sets held and ok,
+// then closes done and wakes the key's streams.
+type claimLookup struct {
+	done chan struct{}
+	held ledger.Tree[*xds.Resource]
+	ok   bool
+	from string // who knew: "tier" or "store"
+}
+
+// claimQuestion identifies a lookup: a version of a type, for a
+// subscription to every resource or to the names whose ListDigest is names.
+type claimQuestion struct {
+	typeURL  string
+	root     ledger.Hash
+	wildcard bool
+	names    uint64
+}
+
+// maxClaimLookups bounds the lookups a key remembers; they are forgotten
+// all at once when it is reached (those under way still answer their
+// streams).
+const maxClaimLookups = 64
+
+// claimTable is a key's lookups of claimed versions, one per question:
+// the streams of the key that claim alike wait for one lookup.
+type claimTable struct {
+	mu sync.Mutex
+	m  map[claimQuestion]*claimLookup
 }
