@@ -23,13 +23,7 @@ import (
 // (and probes it), and not the dropped name. Before, dropping the name
 // set the versions to an empty tree and nothing was declared.
 func TestRestoredDeclarationSurvivesADrop(t *testing.T) {
-	cfg := DefaultConfig()
-	cfg.Upstream.Addr = "unused:1"
-	cfg.Upstream.Protocol = ProtocolDelta
-	r, err := New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := newTestRelay(t, func(cfg *Config) { cfg.Upstream.Protocol = ProtocolDelta })
 	k := newKeyState(r.cache, "k")
 	m := r.srv.newStream(context.Background(), false, portPlain)
 	m.node = fuzzNode

@@ -240,14 +240,8 @@ type downHarness struct {
 
 func newDownHarness(t testing.TB, conn *grpc.ClientConn, delta bool) *downHarness {
 	t.Helper()
-	cfg := DefaultConfig()
-	cfg.Upstream.Addr = "unused:1"
 	// Low enough that fuzzed inputs reach the limit checks.
-	cfg.XDS.MaxSubscribedNames = 16
-	r, err := New(cfg)
-	if err != nil {
-		t.Fatalf("New: %v", err)
-	}
+	r := newTestRelay(t, func(cfg *Config) { cfg.XDS.MaxSubscribedNames = 16 })
 	r.upConn = conn
 	r.ctx, r.cancel = context.WithCancel(context.Background())
 	r.cancel() // see downHarness
@@ -1121,16 +1115,11 @@ var upInitial = map[string][]string{xds.TypeEndpoint: {"c0", "c1"}, xds.TypeRout
 
 func newUpHarness(t testing.TB, delta bool) *upHarness {
 	t.Helper()
-	cfg := DefaultConfig()
-	cfg.Upstream.Addr = "unused:1"
-	cfg.Upstream.Protocol = ProtocolSotW
+	protocol := ProtocolSotW
 	if delta {
-		cfg.Upstream.Protocol = ProtocolDelta
+		protocol = ProtocolDelta
 	}
-	r, err := New(cfg)
-	if err != nil {
-		t.Fatalf("New: %v", err)
-	}
+	r := newTestRelay(t, func(cfg *Config) { cfg.Upstream.Protocol = protocol })
 	h := &upHarness{
 		t: t, r: r, delta: delta, oracle: xds.NewStore(),
 		acked: map[string]string{}, names: map[string][]string{}, named: map[string]bool{},

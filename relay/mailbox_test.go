@@ -13,13 +13,18 @@ import (
 	"github.com/meshrelay/meshrelay/relay/admission"
 )
 
-func newTestRelay(t *testing.T) *Relay {
-	t.Helper()
+// newTestRelay builds a relay that is not started, its upstream an address
+// nothing dials, with each of set applied to its config first.
+func newTestRelay(tb testing.TB, set ...func(*Config)) *Relay {
+	tb.Helper()
 	cfg := DefaultConfig()
 	cfg.Upstream.Addr = "unused:1"
+	for _, f := range set {
+		f(&cfg)
+	}
 	r, err := New(cfg)
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatalf("New: %v", err)
 	}
 	return r
 }

@@ -64,12 +64,7 @@ type pushBench struct {
 
 func newPushBench(b *testing.B, delta bool) *pushBench {
 	b.Helper()
-	cfg := DefaultConfig()
-	cfg.Upstream.Addr = "unused:1"
-	r, err := New(cfg)
-	if err != nil {
-		b.Fatal(err)
-	}
+	r := newTestRelay(b)
 	r.ctx, r.cancel = context.WithCancel(context.Background())
 	b.Cleanup(r.cancel)
 	r.srv.start(r.ctx, nil)

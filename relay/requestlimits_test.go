@@ -97,14 +97,7 @@ func TestRequestOverLimitRefused(t *testing.T) {
 // nothing more; as each handler returns the next one goes; at no moment
 // are more than three held.
 func TestRequestBudgetBoundsLargeRequests(t *testing.T) {
-	cfg := DefaultConfig()
-	cfg.Upstream.Addr = "unused:1"
-	cfg.XDS.MaxRequestBytes = 1 << 20
-	cfg.XDS.RequestBudgetBytes = 3 << 20
-	r, err := New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := newTestRelay(t, func(cfg *Config) { cfg.XDS.MaxRequestBytes, cfg.XDS.RequestBudgetBytes = 1<<20, 3<<20 })
 	const streams = 10
 	var read, handled atomic.Int32
 	proceed := make(chan struct{})
@@ -278,13 +271,8 @@ func budgetPeak(r *Relay) int64  { _, p := r.srv.budget.InUse(); return p }
 // TestRequestBudgetDefault: the default budget takes a largest request
 // per two cores, at least one.
 func TestRequestBudgetDefault(t *testing.T) {
-	cfg := DefaultConfig()
-	cfg.Upstream.Addr = "unused:1"
-	r, err := New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if want := int64(cfg.XDS.MaxRequestBytes) * int64(max(1, runtime.GOMAXPROCS(0)/2)); r.cfg.XDS.RequestBudgetBytes != want {
+	r := newTestRelay(t)
+	if want := int64(r.cfg.XDS.MaxRequestBytes) * int64(max(1, runtime.GOMAXPROCS(0)/2)); r.cfg.XDS.RequestBudgetBytes != want {
 		t.Fatalf("budget %d, want %d", r.cfg.XDS.RequestBudgetBytes, want)
 	}
 }
