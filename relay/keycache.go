@@ -24,8 +24,9 @@ import (
 // interned views and versions, the slots and pace of the streams to the
 // keys' sources, the splits the tier knows. It is the lowest layer of the
 // relay: the downstream server joins streams to its keys and reads their
-// views, the tier asks it for keys; it knows them only by what its
-// keyHost gives it. Its methods are safe for concurrent use.
+// views, the tier asks it for keys, and what it asks of the relay above
+// it, it asks through its keyHost. Its methods are safe for concurrent
+// use.
 type keyCache struct {
 	cfg  keyConfig
 	host keyHost

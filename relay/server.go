@@ -58,8 +58,8 @@ type server struct {
 	warmOnce  sync.Once
 
 	// The streams' passthrough (passthrough.go): the upstream connection
-	// (set by start), a fifth of Upstream.StreamRate (nil: no bound), and
-	// the relay's context, which its streams run in.
+	// and the relay's context it runs in (both set by start), and its
+	// pace, a fifth of Upstream.StreamRate (nil: no bound).
 	upConn   *grpc.ClientConn
 	passRate *rate.Limiter
 	ctx      context.Context
@@ -95,8 +95,8 @@ type serverHost struct {
 	// askTier looks a SotW stream's claimed version of sub up in the
 	// tier, and reports whether there is anyone to ask (claims.go).
 	askTier func(s *stream, sub *typeSub) bool
-	// answerDebug answers a request for one of istiod's debug types
-	// (debugxds.go), SotW (sotw, with the names asked) or Delta.
+	// answerDebugSotW (with the names asked) and answerDebugDelta answer
+	// a request for one of istiod's debug types (debugxds.go).
 	answerDebugSotW  func(s *stream, req *discovery.DiscoveryRequest, names []string) error
 	answerDebugDelta func(s *stream, req *discovery.DeltaDiscoveryRequest) error
 }
