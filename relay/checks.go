@@ -286,7 +286,7 @@ func (r *Relay) runCheck(ctx context.Context, k *keyState, m member) ([]string, 
 		r.metrics.Divergences.WithLabelValues(xds.ShortType(typeURL)).Inc()
 	}
 	split := aggkey.NewSplit(node, presented)
-	split.Epoch = uint64(r.clock.Now())
+	split.Epoch = uint64(r.cache.clock.Now())
 	short := make([]string, len(differ))
 	for i, t := range differ {
 		short[i] = xds.ShortType(t)
@@ -308,7 +308,7 @@ func (r *Relay) mergeBack(k aggkey.Key, node *core.Node) {
 	var merged []aggkey.Split
 	for _, s := range r.cache.splits.active(k) {
 		if s.Matches(node) {
-			s.Epoch, s.Merged = uint64(r.clock.Now()), true
+			s.Epoch, s.Merged = uint64(r.cache.clock.Now()), true
 			merged = append(merged, s)
 		}
 	}

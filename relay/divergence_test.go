@@ -518,7 +518,7 @@ func TestSplitKeyNobodyComesBackToIsDropped(t *testing.T) {
 func splitHere(r *Relay, presented, diverging *core.Node) aggkey.Key {
 	base, _ := r.cache.keyOf(presented, nil)
 	s := aggkey.NewSplit(diverging, presented)
-	s.Epoch = uint64(r.clock.Now())
+	s.Epoch = uint64(r.cache.clock.Now())
 	r.cache.learnSplits(base, []aggkey.Split{s})
 	return base
 }

@@ -154,7 +154,6 @@ type Relay struct {
 	srv     *server
 	metrics *metrics.Metrics
 	ledger  *ledger.Tracker
-	clock   *ledger.Clock // the keys' clock (keyCache.clock)
 
 	upConn     *grpc.ClientConn
 	servers    []*grpc.Server // xDS servers: plaintext, TLS
@@ -214,7 +213,6 @@ func New(cfg Config) (*Relay, error) {
 		store:      store,
 		stopping:   make(chan struct{}),
 		pool:       pool,
-		clock:      clock,
 		rand:       rnd,
 		checkSlots: newSyncSlots(maxDivergenceChecks),
 	}
@@ -244,7 +242,7 @@ func New(cfg Config) (*Relay, error) {
 	}
 	controlPlane := &core.ControlPlane{Identifier: cfg.ID}
 	r.srv = &server{
-		cfg:              serverConfig{ID: cfg.ID, XDS: cfg.XDS, ForwardCredentials: cfg.Upstream.ForwardCredentials},
+		cfg:              serverConfig{XDS: cfg.XDS, ForwardCredentials: cfg.Upstream.ForwardCredentials},
 		host:             serverHost{goRun: r.goRun, identifyPeer: r.identifyPeer, checkPort: r.checkPort, askTier: r.askTier, answerDebugSotW: r.answerDebugSotW, answerDebugDelta: r.answerDebugDelta},
 		cache:            r.cache,
 		log:              log,

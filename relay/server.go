@@ -74,7 +74,6 @@ type server struct {
 // serverConfig is what configures the server: the parts of Config it
 // reads.
 type serverConfig struct {
-	ID  string // Config.ID
 	XDS XDSConfig
 	// ForwardCredentials is Config.Upstream.ForwardCredentials: a stream
 	// keeps the token its key's upstream stream may present.
